@@ -1,0 +1,594 @@
+"""Gradio chat demo for the pure-JAX Gemma 4 / Gemma 3 engine.
+
+UI only: the engine (`gemma4.engine`) owns the model, batching and measurements; this file
+builds the Blocks, turns engine events into chat messages and panels, and launches.
+
+    python app.py --model bundled --port 7860
+    python app.py --model google/gemma-4-E2B-it --host 0.0.0.0 --max-users 8
+
+Every flag has an environment variable (GEMMA4_MODEL, GEMMA4_HOST, GEMMA4_PORT, GEMMA4_SHARE,
+GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT). Nothing is loaded at import time:
+`main()` asks for the engine, which loads and warms up in the background while the page is
+already served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from gemma4 import ui_format as uf
+
+log = logging.getLogger("gemma4.app")
+
+STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second: long replies must not flood the browser
+LOADING_POLL_S = 0.5
+SEED_RANDOM = -1
+
+COMPLETION_EXAMPLES = [
+    "The capital of France is",
+    "Once upon a time, in a small village",
+    "def fibonacci(n):",
+]
+CHAT_EXAMPLES = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about compilers.",
+    "What is the difference between a list and a tuple in Python?",
+]
+
+CSS = """
+#reply-stats table td { font-size: 0.92em; }
+#model-banner, #engine-status { margin-bottom: 2px; }
+"""
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def _env_bool(value: str | None, default: bool = False) -> bool:
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the app is started with (flags override environment variables)."""
+
+    model: str = "bundled"
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+    max_users: int = 8  # requests decoded together; also Gradio's concurrency limit
+    max_new_tokens_cap: int = 1024
+    context: int = 4096
+    queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
+    """Settings from command-line flags, falling back to GEMMA4_* environment variables."""
+    env = os.environ if environ is None else environ
+    # Spaces set GRADIO_SERVER_NAME/PORT; honour them when our own variables are unset.
+    host = env.get("GEMMA4_HOST") or env.get("GRADIO_SERVER_NAME") or Settings.host
+    port = _env_int(env, "GEMMA4_PORT", _env_int(env, "GRADIO_SERVER_PORT", Settings.port))
+    p = argparse.ArgumentParser(description="Gemma 4 / Gemma 3 chat demo (pure JAX).")
+    p.add_argument("--model", default=env.get("GEMMA4_MODEL") or Settings.model,
+                   help="'bundled' (Gemma 3 270M base, offline), a Hub repo id, a local folder, "
+                        "or 'random:<preset>' (env GEMMA4_MODEL)")
+    p.add_argument("--host", default=host, help="interface to listen on (env GEMMA4_HOST)")
+    p.add_argument("--port", type=int, default=port, help="port (env GEMMA4_PORT)")
+    p.add_argument("--share", action=argparse.BooleanOptionalAction,
+                   default=_env_bool(env.get("GEMMA4_SHARE")),
+                   help="open a public Gradio share link (env GEMMA4_SHARE)")
+    p.add_argument("--max-users", type=int,
+                   default=_env_int(env, "GEMMA4_MAX_USERS", Settings.max_users),
+                   help="requests decoded together (env GEMMA4_MAX_USERS)")
+    p.add_argument("--max-new-tokens-cap", type=int,
+                   default=_env_int(env, "GEMMA4_MAX_NEW_TOKENS", Settings.max_new_tokens_cap),
+                   help="upper bound of the max-new-tokens control (env GEMMA4_MAX_NEW_TOKENS)")
+    p.add_argument("--context", type=int, default=_env_int(env, "GEMMA4_CONTEXT", Settings.context),
+                   help="context window in tokens (env GEMMA4_CONTEXT)")
+    p.add_argument("--queue-size", type=int, default=Settings.queue_size,
+                   help="requests that may wait in the queue before new ones are refused")
+    a = p.parse_args(list(argv) if argv is not None else None)
+    for name in ("port", "max_users", "max_new_tokens_cap", "context", "queue_size"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
+                    max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,
+                    context=a.context, queue_size=a.queue_size)
+
+
+def guess_is_base(model: str) -> bool:
+    """Before the engine has loaded: does the model name look like a base (pretrained) model?"""
+    m = model.lower()
+    if m == "bundled":
+        return True
+    return not (m.endswith("-it") or "-it-" in m or "instruct" in m)
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def _notice(title: str, text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text, "metadata": {"title": title, "status": "done"}}
+
+
+def _plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(uf.session_rows_for_plot(replies))
+
+
+class DemoApp:
+    """The event handlers; holds the engine and the settings, no per-user state."""
+
+    def __init__(self, engine: Any, settings: Settings):
+        from gemma4.engine import RequestError, SamplingParams  # imports jax; loads nothing
+
+        self.engine = engine
+        self.settings = settings
+        self.RequestError = RequestError
+        self.SamplingParams = SamplingParams
+
+    # ------------------------------------------------------------------ engine facts
+
+    def info(self) -> dict[str, Any] | None:
+        """engine.info() once the model is ready, else None."""
+        if self.engine.status().get("state") != "ready":
+            return None
+        return self.engine.info()
+
+    def is_base(self) -> bool:
+        info = self.info()
+        return bool(info["is_base_model"]) if info else guess_is_base(self.settings.model)
+
+    def default_sampling(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self.SamplingParams())
+        info = self.info()
+        if info:
+            d.update(info.get("default_sampling") or {})
+        d["max_new_tokens"] = min(int(d.get("max_new_tokens") or 256),
+                                  self.settings.max_new_tokens_cap)
+        return d
+
+    def default_mode(self) -> str:
+        return "completion" if self.is_base() else "chat"
+
+    def params(self, temperature, top_p, top_k, max_new_tokens, seed, repetition_penalty=1.0):
+        """SamplingParams from UI/API values: clamped with notes; nonsense raises ValueError."""
+        notes: list[str] = []
+        defaults = self.default_sampling()
+        pick = lambda v, k: defaults[k] if v is None else v  # noqa: E731
+        cap = self.settings.max_new_tokens_cap
+        max_new = uf.clamp(pick(max_new_tokens, "max_new_tokens"), 1, cap, "max_new_tokens",
+                           notes, integer=True)
+        seed_v = None if seed is None or uf._finite(seed) is None or float(seed) < 0 else int(seed)
+        p = self.SamplingParams(
+            temperature=float(pick(temperature, "temperature")),
+            top_p=float(pick(top_p, "top_p")),
+            top_k=int(pick(top_k, "top_k")),
+            max_new_tokens=int(max_new),
+            seed=seed_v,
+            repetition_penalty=float(pick(repetition_penalty, "repetition_penalty")),
+        )
+        p, more = p.validated()
+        return p, notes + list(more)
+
+    def _wait_ready(self) -> Iterator[dict[str, Any]]:
+        """Yield the engine status while it loads/warms; returns when ready or failed."""
+        status = self.engine.status()
+        while status.get("state") not in ("ready", "error"):
+            yield status
+            time.sleep(LOADING_POLL_S)
+            status = self.engine.status()
+
+    # ------------------------------------------------------------------ chat steps
+
+    def add_user_message(self, message: str, history: list[dict]):
+        """User step (no queue): append the message, clear and lock the textbox."""
+        history = list(history or [])
+        if not (message or "").strip():
+            gr.Warning("Type a message first — nothing was sent.")
+            return gr.update(value=message), history
+        history.append({"role": "user", "content": message})
+        return gr.update(value="", interactive=False), history
+
+    def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
+                repetition_penalty, session):
+        """Bot step: stream the model's reply into the last assistant message and the panel."""
+        history = [dict(m) for m in history or []]
+        session = {"replies": [dict(r) for r in (session or {}).get("replies", [])]}
+        user_text = uf.last_user_text(history)
+        if user_text is None:  # nothing to answer (e.g. the message was refused)
+            yield history, gr.skip(), session
+            return
+
+        # 1. The model may still be loading: say so in the chat, wait, then answer.
+        for status in self._wait_ready():
+            line = uf.loading_text(status)
+            wait_msg = {"role": "assistant",
+                        "content": f"The model is still loading ({line}). Your message will be "
+                                   "answered as soon as it is ready.",
+                        "metadata": {"title": f"⏳ {line}", "status": "pending"}}
+            yield [*history, wait_msg], gr.skip(), session
+        status = self.engine.status()
+        if status.get("state") == "error":
+            err = status.get("error") or status.get("message") or "unknown error"
+            yield ([*history, _notice(uf.LOAD_FAILED_TITLE, f"The model could not be loaded: "
+                                                            f"{err}")], gr.skip(), session)
+            return
+
+        # 2. Settings (clamped with a warning) and the prompt.
+        mode = mode if mode in ("chat", "completion") else self.default_mode()
+        try:
+            params, notes = self.params(temperature, top_p, top_k, max_new_tokens, seed,
+                                        repetition_penalty)
+            for n in notes:
+                gr.Warning(n)
+            if mode == "chat":
+                prompt = self.engine.render_chat(uf.history_to_messages(history),
+                                                 (system or "").strip() or None)
+            else:
+                prompt = user_text
+        except (ValueError, self.RequestError) as e:
+            yield [*history, _notice(uf.NOTICE_TITLE, str(e))], gr.skip(), session
+            return
+
+        # 3. Stream. Closing this generator (Stop) runs `finally`, which closes the engine's
+        #    stream and frees the decode slot within one step.
+        reply = {"decode_tok_s": None, "ttft_s": None, "new_tokens": 0, "mode": mode}
+        session["replies"].append(reply)
+        gen = None
+        last_yield = 0.0
+        try:
+            gen = self.engine.stream(prompt, params, mode=mode)
+            pending = {"role": "assistant", "content": "",
+                       "metadata": {"title": "⏳ waiting for a decode slot…", "status": "pending"}}
+            yield [*history, pending], uf.reply_panel_html({}, {}, done=False, notes=notes,
+                                                           mode=mode), session
+            for ev in gen:
+                now = time.monotonic()
+                if not ev.done and now - last_yield < STREAM_INTERVAL_S:
+                    continue
+                last_yield = now
+                stats, flags = dict(ev.stats or {}), dict(ev.flags or {})
+                reply.update(decode_tok_s=stats.get("decode_tok_s"), ttft_s=stats.get("ttft_s"),
+                             new_tokens=stats.get("new_tokens"), stats=stats, flags=flags,
+                             finish_reason=ev.finish_reason if ev.done else None,
+                             flagged=uf.flags_summary(flags)[0] if ev.done else False)
+                title = uf.stats_title(stats, done=ev.done, finish_reason=ev.finish_reason,
+                                       flags=flags)
+                msg = {"role": "assistant", "content": ev.text,
+                       "metadata": {"title": title, "status": "done" if ev.done else "pending"}}
+                panel = uf.reply_panel_html(stats, flags, done=ev.done,
+                                            finish_reason=ev.finish_reason, notes=notes, mode=mode)
+                yield [*history, msg], panel, session
+        except self.RequestError as e:
+            session["replies"].remove(reply)
+            yield [*history, _notice(uf.NOTICE_TITLE, str(e))], gr.skip(), session
+        except Exception as e:  # an engine failure must not take the app down or show a trace
+            log.exception("generation failed")
+            session["replies"].remove(reply)
+            yield ([*history, _notice("⚠️ Engine error", f"The engine failed on this request "
+                                      f"({type(e).__name__}: {e}). The app keeps serving — try "
+                                      "again, or clear the chat.")], gr.skip(), session)
+        finally:
+            if gen is not None:
+                gen.close()
+
+    def after_reply(self, history, system, mode, session):
+        """Refresh the context meter and the session chart; unlock the textbox."""
+        replies = (session or {}).get("replies", [])
+        frame = _plot_frame(replies)
+        return (gr.update(interactive=True), self.context_meter(history, system, mode, session),
+                frame, frame, uf.session_summary_md(replies))
+
+    def context_meter(self, history, system, mode, session) -> str:
+        info = self.info()
+        if not info:
+            return uf.context_meter_html(None, None, "(model still loading)")
+        limit = info.get("context_limit")
+        if mode == "completion":
+            replies = (session or {}).get("replies", [])
+            last = (replies[-1].get("stats") or {}) if replies else {}
+            used = int(last.get("prefill_tokens") or 0) + int(last.get("new_tokens") or 0)
+            return uf.context_meter_html(used, limit, "last completion prompt + reply "
+                                         "(completion mode sends only your latest message)")
+        try:
+            used = self.engine.count_tokens(uf.history_to_messages(history),
+                                            (system or "").strip() or None)
+        except Exception as e:  # a meter must never break the chat
+            log.warning("count_tokens failed: %s", e)
+            return uf.context_meter_html(None, limit, f"(could not count: {e})")
+        return uf.context_meter_html(used, limit, "this conversation incl. system prompt")
+
+    def finalize_stopped(self, history, session):
+        """After Stop: mark the interrupted reply as stopped (its stream was closed mid-way)."""
+        history = [dict(m) for m in history or []]
+        replies = [dict(r) for r in (session or {}).get("replies", [])]
+        panel = gr.skip()
+        if history and history[-1].get("role") == "assistant":
+            meta = dict(history[-1].get("metadata") or {})
+            if meta.get("status") == "pending":
+                stats = (replies[-1].get("stats") or {}) if replies else {}
+                flags = (replies[-1].get("flags") or {}) if replies else {}
+                meta.update(status="done", title=uf.stats_title(
+                    stats, done=True, finish_reason="cancelled", flags=flags))
+                history[-1] = {**history[-1], "metadata": meta}
+                if replies:
+                    replies[-1]["finish_reason"] = "cancelled"
+                panel = uf.reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
+        return history, panel, {"replies": replies}
+
+    def retry(self, history, retry_data: gr.RetryData):
+        history = list(history or [])[: uf.message_index(retry_data.index)]
+        return uf.strip_trailing_assistant(history)
+
+    def undo(self, history):
+        history, text = uf.pop_last_user_turn(history)
+        return history, text
+
+    def edit(self, history, edit_data: gr.EditData):
+        history = list(history or [])[: uf.message_index(edit_data.index)]
+        history.append({"role": "user", "content": edit_data.value})
+        return history
+
+    # ------------------------------------------------------------------ panels on a timer
+
+    def tick(self, seen: dict | None):
+        """Every second: engine status, model banner, queue; on becoming ready, model defaults."""
+        seen = dict(seen or {})
+        status = self.engine.status()
+        state = status.get("state")
+        changed = state != seen.get("state")
+        seen["state"] = state
+        info = self.info() if state == "ready" else None
+        queue = self.engine.queue_state() if state == "ready" else None
+        banner = uf.model_banner_html(info, self.settings.model) if changed else gr.skip()
+        controls: list[Any] = [gr.skip()] * 6
+        if info and not seen.get("defaults_applied"):
+            seen["defaults_applied"] = True
+            d = self.default_sampling()
+            controls = [gr.update(value=self.default_mode()), gr.update(value=d["temperature"]),
+                        gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
+                        gr.update(value=d["max_new_tokens"]),
+                        gr.update(value=d.get("repetition_penalty", 1.0))]
+        return (uf.status_html(status), banner, uf.queue_html(queue), *controls, seen)
+
+    def hardware_panel(self):
+        info = self.info()
+        if not info:
+            return "_The hardware report appears once the model has loaded._", ""
+        return uf.hardware_markdown(info.get("hardware")), uf.memory_markdown(info.get("memory"))
+
+    # ------------------------------------------------------------------ API for programs
+
+    def generate(self, prompt: str, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, seed: int | None = None, mode: str = "auto",
+                 system: str = "") -> Iterator[dict]:
+        """Generate a reply to `prompt`; streams partial results, the last one has done=True.
+
+        Settings left as None use the model's defaults. mode: "chat" (the prompt is one user
+        turn, rendered with the chat template), "completion" (raw text to continue) or "auto"
+        (completion for base models, chat otherwise). Returns {"text", "stats", "flags",
+        "flagged", "fired_rules", "finish_reason", "done", "mode", "model", "notes"}.
+        """
+        if not (prompt or "").strip():
+            raise gr.Error("Empty prompt: send some text to continue or a question to answer.")
+        if mode not in ("auto", "chat", "completion"):
+            raise gr.Error(f"mode must be 'auto', 'chat' or 'completion', got {mode!r}")
+        for status in self._wait_ready():
+            yield {"text": "", "done": False, "status": uf.loading_text(status)}
+        status = self.engine.status()
+        if status.get("state") == "error":
+            raise gr.Error(f"The model failed to load: {status.get('error')}")
+        mode = self.default_mode() if mode == "auto" else mode
+        try:
+            params, notes = self.params(temperature, top_p, top_k, max_new_tokens, seed)
+            if mode == "chat":
+                prompt_in = self.engine.render_chat([{"role": "user", "content": prompt}],
+                                                    (system or "").strip() or None)
+            else:
+                prompt_in = prompt
+        except (ValueError, self.RequestError) as e:
+            raise gr.Error(str(e)) from None
+        model = self.settings.model
+        gen = None
+        try:
+            gen = self.engine.stream(prompt_in, params, mode=mode)
+            last_yield = 0.0
+            for ev in gen:
+                now = time.monotonic()
+                if not ev.done and now - last_yield < STREAM_INTERVAL_S:
+                    continue
+                last_yield = now
+                flags = dict(ev.flags or {})
+                flagged, fired = uf.flags_summary(flags)
+                yield {"text": ev.text, "stats": dict(ev.stats or {}), "flags": flags,
+                       "flagged": flagged, "fired_rules": fired,
+                       "finish_reason": ev.finish_reason, "done": bool(ev.done), "mode": mode,
+                       "model": model, "notes": notes}
+        except self.RequestError as e:
+            raise gr.Error(str(e)) from None
+        except gr.Error:
+            raise
+        except Exception as e:
+            log.exception("generation failed (API)")
+            raise gr.Error(f"The engine failed on this request: {type(e).__name__}: {e}") from None
+        finally:
+            if gen is not None:
+                gen.close()
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
+    """The Blocks UI around `engine` (queued with the settings' concurrency); not launched."""
+    settings = settings or Settings()
+    app = DemoApp(engine, settings)
+    d = app.default_sampling()
+    base = app.is_base()
+    examples = (
+        [[e, "completion"] for e in COMPLETION_EXAMPLES] + [[e, "chat"] for e in CHAT_EXAMPLES]
+        if base
+        else [[e, "chat"] for e in CHAT_EXAMPLES] + [[e, "completion"] for e in COMPLETION_EXAMPLES]
+    )
+    engine_events = dict(concurrency_limit=settings.max_users, concurrency_id="engine")
+
+    with gr.Blocks(title="Gemma in pure JAX") as demo:
+        gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality for every reply")
+        banner = gr.HTML(uf.model_banner_html(app.info(), settings.model), elem_id="model-banner")
+        status_box = gr.HTML(uf.status_html(engine.status()), elem_id="engine-status")
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(
+                    label="Chat", height=520, editable="user", elem_id="chatbot",
+                    buttons=["copy", "copy_all"],
+                    placeholder=(
+                        "**Base model?** Give it text to continue (completion mode). "
+                        "**Instruction model?** Chat with it.<br>Each reply shows its speed; "
+                        "open the panels on the right for details."
+                    ),
+                )
+                with gr.Row():
+                    msg = gr.Textbox(show_label=False, scale=6, lines=1, max_lines=8,
+                                     placeholder="Type a message and press Enter",
+                                     elem_id="msg", autofocus=True)
+                    send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                    stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, elem_id="stop")
+                    clear_btn = gr.Button("🗑 Clear", scale=1, elem_id="clear")
+                mode = gr.Radio(["chat", "completion"], value=app.default_mode(), label="Mode",
+                                info="completion: the model continues your latest message as raw "
+                                     "text (suits base models); chat: the whole conversation goes "
+                                     "through the chat template.")
+                gr.Examples(examples=examples, inputs=[msg, mode], cache_examples=False,
+                            label="Examples (click one, then press Enter)")
+            with gr.Column(scale=2):
+                gr.Markdown("### This reply")
+                reply_panel = gr.HTML(uf.empty_reply_panel_html())
+                with gr.Tabs():
+                    with gr.Tab("Settings"):
+                        system = gr.Textbox(label="System prompt (chat mode)", lines=2,
+                                            placeholder="You are a helpful assistant.")
+                        temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05,
+                                                label="Temperature (0 = greedy)")
+                        top_p = gr.Slider(0.0, 1.0, value=d["top_p"], step=0.01, label="Top-p")
+                        top_k = gr.Slider(1, 256, value=d["top_k"], step=1, label="Top-k")
+                        max_new = gr.Slider(1, settings.max_new_tokens_cap,
+                                            value=d["max_new_tokens"], step=1,
+                                            label="Max new tokens")
+                        rep_pen = gr.Slider(1.0, 2.0, value=d.get("repetition_penalty", 1.0),
+                                            step=0.05, label="Repetition penalty")
+                        seed = gr.Number(value=SEED_RANDOM, precision=0,
+                                         label="Seed (-1 = random each time)")
+                    with gr.Tab("Session"):
+                        context_meter = gr.HTML(uf.context_meter_html(None, None))
+                        queue_box = gr.HTML(uf.queue_html(None))
+                        summary = gr.Markdown(uf.session_summary_md([]))
+                        empty = _plot_frame([])
+                        plot_tps = gr.LinePlot(empty, x="reply", y="decode_tok_s",
+                                               title="Decode speed per reply", x_title="reply #",
+                                               y_title="tok/s", height=200)
+                        plot_ttft = gr.LinePlot(empty, x="reply", y="ttft_s",
+                                                title="Time to first token per reply",
+                                                x_title="reply #", y_title="seconds", height=200)
+                    with gr.Tab("Hardware"):
+                        hw_md = gr.Markdown("_The hardware report appears once the model has "
+                                            "loaded._")
+                        mem_md = gr.Markdown("")
+
+        session = gr.State({"replies": []})
+        seen = gr.State({})
+        gen_inputs = [chatbot, system, mode, temperature, top_p, top_k, max_new, seed, rep_pen,
+                      session]
+        gen_outputs = [chatbot, reply_panel, session]
+        after_outputs = [msg, context_meter, plot_tps, plot_ttft, summary]
+        after_inputs = [chatbot, system, mode, session]
+        hidden = dict(api_visibility="undocumented")
+
+        def chain(trigger, *, api_name: str | None = None):
+            ev = trigger.then(app.respond, gen_inputs, gen_outputs, api_name=api_name,
+                              **engine_events) if api_name else trigger.then(
+                app.respond, gen_inputs, gen_outputs, **hidden, **engine_events)
+            ev.then(app.after_reply, after_inputs, after_outputs, queue=False, **hidden)
+            return ev
+
+        submitted = msg.submit(app.add_user_message, [msg, chatbot], [msg, chatbot], queue=False,
+                               api_name="add_message")
+        ev_submit = chain(submitted, api_name="respond")
+        ev_send = chain(send_btn.click(app.add_user_message, [msg, chatbot], [msg, chatbot],
+                                       queue=False, **hidden))
+        ev_retry = chain(chatbot.retry(app.retry, [chatbot], [chatbot], queue=False, **hidden))
+        ev_edit = chain(chatbot.edit(app.edit, [chatbot], [chatbot], queue=False, **hidden))
+        running = [ev_submit, ev_send, ev_retry, ev_edit]
+
+        stop_btn.click(None, None, None, cancels=running, **hidden).then(
+            app.finalize_stopped, [chatbot, session], [chatbot, reply_panel, session],
+            queue=False, **hidden).then(app.after_reply, after_inputs, after_outputs,
+                                        queue=False, **hidden)
+        chatbot.undo(app.undo, [chatbot], [chatbot, msg], queue=False, **hidden).then(
+            app.after_reply, after_inputs, after_outputs, queue=False, **hidden)
+
+        def cleared():
+            return [], gr.update(value="", interactive=True), uf.empty_reply_panel_html()
+
+        clear_btn.click(cleared, None, [chatbot, msg, reply_panel], cancels=running, queue=False,
+                        **hidden).then(app.after_reply, after_inputs, after_outputs, queue=False,
+                                       **hidden)
+        chatbot.clear(cleared, None, [chatbot, msg, reply_panel], cancels=running, queue=False,
+                      **hidden).then(app.after_reply, after_inputs, after_outputs, queue=False,
+                                     **hidden)
+        system.blur(app.context_meter, [chatbot, system, mode, session], [context_meter],
+                    queue=False, **hidden)
+
+        tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
+                        rep_pen, seen]
+        gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
+                           **hidden)
+        gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,
+                           show_progress="hidden", **hidden)
+        demo.load(app.tick, [seen], tick_outputs, queue=False, **hidden)
+        demo.load(app.hardware_panel, None, [hw_md, mem_md], queue=False, **hidden)
+
+        gr.api(app.generate, api_name="generate", **engine_events)
+
+    demo.queue(default_concurrency_limit=settings.max_users, max_size=settings.queue_size)
+    return demo
+
+
+def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks:
+    """Parse flags, start loading the engine in the background, build and launch the UI."""
+    from gemma4.engine import get_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    settings = parse_settings(argv)
+    log.info("starting with %s", settings)
+    engine = get_engine(model=settings.model, max_batch=settings.max_users,
+                        context_limit=settings.context)  # returns at once; loads in background
+    demo = build_demo(engine, settings)
+    demo.launch(server_name=settings.host, server_port=settings.port, share=settings.share,
+                prevent_thread_lock=not block, css=CSS, footer_links=["api", "gradio"])
+    return demo
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Which compute dtype and weight format decode fastest on *this* CPU under XLA:CPU?
+
+Measures y = x · Wᵀ (the decode-time matmul: few rows, a large weight) for
+
+    f32          float32 activations, float32 weights
+    bf16         bfloat16 activations, bfloat16 weights
+    int8>f32     float32 activations, int8 weights + per-row scale   (gemma4.quant.QuantArray)
+    int8>bf16    bfloat16 activations, int8 weights
+    int4>f32     float32 activations, grouped int4 weights, dequant+dot (gemma4.quant.Int4Array)
+    int8 mul-sum float32, int8 weights via broadcast-multiply-then-sum (the formulation to avoid)
+
+at the LM-head shape [262144, 640] and an MLP shape [2048, 640] (Gemma 3 270M), batch 1 and 8,
+and prints a table plus the recommendation that `gemma4.hardware.policy` should agree with.
+
+    python bench/cpu_dtype.py [--quick] [--json]
+
+Importable: `measure(...)` returns the rows, `recommend(rows)` the conclusion.
+Not a test: numbers depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gemma4 import quant  # noqa: E402
+
+SHAPES = {"lm_head": (262144, 640), "mlp": (2048, 640)}
+FORMATS = ("f32", "bf16", "int8>f32", "int8>bf16", "int4>f32", "int8 mul-sum")
+
+
+def _mul_sum(x, w: quant.QuantArray):
+    # The slow formulation: materialize x[:, None, :] * W and reduce (for comparison only).
+    return jnp.sum(x[:, None, :] * w.q.astype(x.dtype)[None], axis=-1) * w.scale
+
+
+def _time(fn, args, reps: int, min_seconds: float) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    jax.block_until_ready(fn(*args))
+    times = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < min_seconds and len(times) < 50 * reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(shapes: dict[str, tuple[int, int]] | None = None, batches=(1, 8), formats=FORMATS,
+            reps: int = 5, min_seconds: float = 0.3, seed: int = 0) -> list[dict]:
+    """Median seconds per matmul for every (shape, batch, format); also GB/s of weight bytes."""
+    shapes = shapes or SHAPES
+    rng = np.random.default_rng(seed)
+    linear = jax.jit(quant.linear)
+    mul_sum = jax.jit(_mul_sum)
+    rows = []
+    for shape_name, (n_out, n_in) in shapes.items():
+        w32 = jnp.asarray((0.02 * rng.standard_normal((n_out, n_in))).astype(np.float32))
+        weights = {"f32": w32}
+        for fmt in formats:
+            if fmt == "bf16":
+                weights[fmt] = w32.astype(jnp.bfloat16)
+            elif fmt.startswith("int8"):
+                weights.setdefault("int8", quant.quantize_int8(w32))
+            elif fmt.startswith("int4"):
+                weights.setdefault("int4", quant.quantize_int4(w32, 64))
+        for batch in batches:
+            x32 = jnp.asarray(rng.standard_normal((batch, n_in)).astype(np.float32))
+            for fmt in formats:
+                if fmt == "int8 mul-sum" and n_out * n_in * batch > (1 << 26):
+                    continue  # would materialize a multi-GB temporary; the small shape makes the point
+                act = jnp.bfloat16 if fmt.endswith("bf16") else jnp.float32
+                key = "int8" if fmt.startswith("int8") else "int4" if fmt.startswith("int4") else fmt
+                w = weights[key]
+                fn = mul_sum if fmt == "int8 mul-sum" else linear
+                seconds = _time(fn, (x32.astype(act), w), reps, min_seconds)
+                nbytes = w.nbytes if quant.is_quantized(w) else w.size * w.dtype.itemsize
+                rows.append(dict(shape=shape_name, out=n_out, inp=n_in, batch=batch, format=fmt,
+                                 ms=seconds * 1e3, weight_mb=nbytes / 1e6, gb_s=nbytes / seconds / 1e9))
+        del weights, w32
+    return rows
+
+
+def recommend(rows: list[dict]) -> dict:
+    """The fastest float compute dtype and weight format at the LM-head shape, batch 1."""
+    def ms(fmt, shape="lm_head", batch=1):
+        for r in rows:
+            if (r["shape"], r["batch"], r["format"]) == (shape, batch, fmt):
+                return r["ms"]
+        return None
+
+    f32, bf16 = ms("f32"), ms("bf16")
+    dtype = "bfloat16" if (f32 and bf16 and bf16 < 0.9 * f32) else "float32"
+    weight_formats = {f: ms(f) for f in ("f32", "bf16", "int8>f32", "int8>bf16", "int4>f32") if ms(f)}
+    best = min(weight_formats, key=weight_formats.get) if weight_formats else None
+    return {"compute_dtype": dtype, "bf16_over_f32_speedup": (f32 / bf16) if (f32 and bf16) else None,
+            "fastest_format_lm_head_b1": best, "ms_lm_head_b1": weight_formats}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'shape':<8} {'batch':>5}  {'format':<13} {'ms':>9} {'weights MB':>11} {'GB/s':>7}"]
+    for r in rows:
+        lines.append(f"{r['shape']:<8} {r['batch']:>5}  {r['format']:<13} {r['ms']:>9.3f} "
+                     f"{r['weight_mb']:>11.1f} {r['gb_s']:>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="MLP shape only")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    shapes = {"mlp": SHAPES["mlp"]} if args.quick else SHAPES
+    from gemma4 import hardware  # noqa: PLC0415
+
+    facts = hardware.probe()
+    rows = measure(shapes)
+    rec = recommend(rows)
+    if args.json:
+        print(json.dumps({"cpu": facts.cpu_model, "flags": facts.cpu_flags, "rows": rows,
+                          "recommendation": rec}, indent=2))
+        return 0
+    print(f"CPU: {facts.cpu_model}  ({os.cpu_count()} visible cores; flags: {' '.join(facts.cpu_flags) or '-'})")
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
+    print(table(rows))
+    print("\nrecommendation:", json.dumps(rec, indent=1))
+    plan = hardware.policy(facts, env={})
+    print(f"policy on this CPU: compute {plan.compute_dtype.value} ({plan.compute_dtype.reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""ModelConfig: every switch that distinguishes Gemma 4 (E2B, E4B, 31B, 26B-A4B) and Gemma 3.
+
+A config is a frozen, hashable dataclass so it can be a static argument of `jax.jit`.
+Per-layer geometry (attention type, head dim, KV heads, KV source layer, MLP width) is
+derived once in `ModelConfig.layers`, never recomputed inside the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer type.
+
+    kind: "default" (all d/2 frequencies), "linear" (frequencies divided by `factor`) or
+    "proportional" (only the first `partial_rotary_factor * d/2` frequencies rotate; the exponent
+    still divides by the full head dim, the remaining pairs get frequency 0).
+    """
+
+    kind: str = "default"
+    theta: float = 10_000.0
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+
+    def inverse_frequencies(self, head_dim: int) -> tuple[float, ...]:
+        """The d/2 inverse frequencies, exactly as transformers computes them (float32 later)."""
+        half = head_dim // 2
+        if self.kind == "proportional":
+            rotated = int(self.partial_rotary_factor * head_dim // 2)
+        else:
+            rotated = half
+        freqs = [1.0 / (self.theta ** (2 * j / head_dim)) for j in range(rotated)]
+        freqs += [0.0] * (half - rotated)
+        return tuple(f / self.factor for f in freqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Geometry of one decoder layer, derived from the config."""
+
+    index: int
+    attention: str  # SLIDING or FULL
+    head_dim: int
+    num_kv_heads: int
+    kv_source: int  # the layer whose K/V this layer attends to (itself unless a KV consumer)
+    k_eq_v: bool  # V is the K projection (no v_proj)
+    mlp_width: int
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_source != self.index
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.attention == SLIDING
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    family: str  # "gemma3" or "gemma4"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    head_dim: int
+    global_head_dim: int
+    num_kv_heads: int
+    num_global_kv_heads: int  # KV heads of full layers (differs only when attention_k_eq_v)
+    intermediate_size: int
+    rope_sliding: RopeSpec
+    rope_full: RopeSpec
+    norm_offset: bool  # Gemma 3 stores norm weights as offsets: scale = 1 + w
+    query_pre_attn_scalar: float | None  # None -> attention scale 1.0 (Gemma 4)
+    use_v_norm: bool  # Gemma 4 normalises V (RMSNorm without weight)
+    attention_k_eq_v: bool = False
+    use_double_wide_mlp: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    num_kv_shared_layers: int = 0
+    enable_moe: bool = False
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
+    final_logit_softcap: float | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 131072
+    has_layer_scalar: bool = False
+    tie_word_embeddings: bool = True
+    pad_id: int = 0
+    eos_id: int = 1
+    bos_id: int = 2
+    stop_ids: tuple[int, ...] = (1, 106)
+
+    # ----------------------------------------------------------------- derived values
+    @property
+    def attention_scale(self) -> float:
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return float(self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def first_kv_shared_layer(self) -> int:
+        return self.num_layers - self.num_kv_shared_layers
+
+    def rope_for(self, attention: str) -> RopeSpec:
+        return self.rope_sliding if attention == SLIDING else self.rope_full
+
+    @functools.cached_property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        return _derive_layers(self)
+
+    @property
+    def kv_producers(self) -> tuple[int, ...]:
+        """Layers that compute (and cache) their own K/V."""
+        return tuple(spec.index for spec in self.layers if not spec.is_kv_consumer)
+
+    def describe(self) -> str:
+        kinds = "".join("F" if t == FULL else "s" for t in self.layer_types)
+        return (f"{self.name} ({self.family}): {self.num_layers} layers [{kinds}], hidden {self.hidden_size}, "
+                f"heads {self.num_heads}, vocab {self.vocab_size}")
+
+
+def _derive_layers(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
+    first_shared = cfg.first_kv_shared_layer
+    # For each attention type, the producer of the consumers is the last non-shared layer of that
+    # type (transformers' kv_sharing_modes).
+    producer_of_type: dict[str, int] = {}
+    for i in range(first_shared):
+        producer_of_type[cfg.layer_types[i]] = i
+    specs = []
+    for i, kind in enumerate(cfg.layer_types):
+        full = kind == FULL
+        head_dim = cfg.global_head_dim if full else cfg.head_dim
+        k_eq_v = cfg.attention_k_eq_v and full
+        kv_heads = cfg.num_global_kv_heads if k_eq_v else cfg.num_kv_heads
+        consumer = i >= first_shared
+        if consumer and kind not in producer_of_type:
+            raise ValueError(f"layer {i} ({kind}) shares KV but no earlier layer of that type produces it")
+        kv_source = producer_of_type[kind] if consumer else i
+        width = cfg.intermediate_size * (2 if (cfg.use_double_wide_mlp and consumer) else 1)
+        specs.append(LayerSpec(i, kind, head_dim, kv_heads, kv_source, k_eq_v, width))
+    return tuple(specs)
+
+
+# --------------------------------------------------------------------------- from HF config
+def _rope_from_dict(params: dict | None, default_theta: float) -> RopeSpec:
+    params = dict(params or {})
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "proportional"):
+        raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, proportional)")
+    return RopeSpec(
+        kind=kind,
+        theta=float(params.get("rope_theta", default_theta)),
+        factor=float(params.get("factor", 1.0)) if kind != "default" else 1.0,
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+    )
+
+
+def _first(value: Any) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+def _layer_types(tc: dict, num_layers: int, force_last_full: bool) -> tuple[str, ...]:
+    types = tc.get("layer_types")
+    if types is None:
+        pattern = int(tc.get("sliding_window_pattern", 6))
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    types = list(types)
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
+    if force_last_full:
+        types[-1] = FULL
+    return tuple(types)
+
+
+def _gemma4_full_layer_geometry(tc: dict, types: tuple[str, ...]) -> tuple[int, int | None]:
+    """(global_head_dim, num_global_kv_heads) from either config form.
+
+    The Hub's files carry `global_head_dim` / `num_global_key_value_heads`; configs saved by newer
+    transformers carry a `per_layer_config` mapping {layer index: {head_dim, num_key_value_heads}}.
+    """
+    per_layer = tc.get("per_layer_config")
+    if per_layer:
+        full_dims, full_heads = set(), set()
+        for key, overrides in per_layer.items():
+            if not str(key).isdigit():
+                continue  # entries keyed by layer type are derived, not stored, in transformers
+            idx = int(key)
+            if types[idx] != FULL:
+                raise ValueError(f"per_layer_config overrides sliding layer {idx}: unsupported")
+            full_dims.add(int(overrides.get("head_dim", tc.get("head_dim", 256))))
+            if "num_key_value_heads" in overrides:
+                full_heads.add(int(overrides["num_key_value_heads"]))
+        if len(full_dims) > 1 or len(full_heads) > 1:
+            raise ValueError(f"per_layer_config gives full layers differing geometry: {per_layer}")
+        if full_dims:
+            return full_dims.pop(), (full_heads.pop() if full_heads else None)
+    return int(tc.get("global_head_dim") or 512), tc.get("num_global_key_value_heads")
+
+
+def from_hf_config(raw: dict, name: str | None = None) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face config.json dict (Gemma 4 / Gemma 3, nested or not)."""
+    model_type = raw.get("model_type", "")
+    tc = raw.get("text_config") or raw
+    text_type = tc.get("model_type", model_type)
+    name = name or raw.get("_name_or_path") or text_type or "unknown"
+    if text_type.startswith("gemma4"):
+        return _gemma4_from_text_config(raw, tc, name)
+    if text_type.startswith("gemma3"):
+        return _gemma3_from_text_config(raw, tc, name)
+    raise ValueError(f"unsupported model_type {model_type!r}/{text_type!r}: expected gemma4* or gemma3*")
+
+
+def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
+    L = int(tc["num_hidden_layers"])
+    types = _layer_types(tc, L, force_last_full=True)
+    rope = tc.get("rope_parameters") or {
+        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    }
+    global_head_dim, global_kv = _gemma4_full_layer_geometry(tc, types)
+    kv_heads = int(tc.get("num_key_value_heads", 1))
+    k_eq_v = bool(tc.get("attention_k_eq_v", False))
+    ple = int(tc.get("hidden_size_per_layer_input") or 0)
+    eos = raw.get("eos_token_id", tc.get("eos_token_id", 1))
+    eos_list = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    stop = tuple(sorted(set(int(e) for e in eos_list) | {1, 106, 50}))
+    return ModelConfig(
+        name=name,
+        family="gemma4",
+        vocab_size=int(tc.get("vocab_size", 262144)),
+        hidden_size=int(tc["hidden_size"]),
+        num_layers=L,
+        num_heads=int(tc["num_attention_heads"]),
+        layer_types=types,
+        sliding_window=int(tc.get("sliding_window", 512)),
+        head_dim=int(tc.get("head_dim", 256)),
+        global_head_dim=global_head_dim,
+        num_kv_heads=kv_heads,
+        num_global_kv_heads=int(global_kv) if (global_kv is not None and k_eq_v) else kv_heads,
+        intermediate_size=int(tc["intermediate_size"]),
+        rope_sliding=_rope_from_dict(rope.get(SLIDING), 10_000.0),
+        rope_full=_rope_from_dict(rope.get(FULL), 1_000_000.0),
+        norm_offset=False,
+        query_pre_attn_scalar=None,
+        use_v_norm=True,
+        attention_k_eq_v=k_eq_v,
+        use_double_wide_mlp=bool(tc.get("use_double_wide_mlp", False)),
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=int(tc.get("vocab_size_per_layer_input") or 0) if ple else 0,
+        num_kv_shared_layers=int(tc.get("num_kv_shared_layers") or 0),
+        enable_moe=bool(tc.get("enable_moe_block", False)),
+        num_experts=int(tc.get("num_experts") or 0),
+        top_k_experts=int(tc.get("top_k_experts") or 0),
+        moe_intermediate_size=int(tc.get("moe_intermediate_size") or 0),
+        final_logit_softcap=tc.get("final_logit_softcapping"),
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(tc.get("max_position_embeddings", 131072)),
+        has_layer_scalar=True,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))),
+        pad_id=int(tc.get("pad_token_id") or 0),
+        eos_id=_first(tc.get("eos_token_id", 1)),
+        bos_id=int(tc.get("bos_token_id", 2)),
+        stop_ids=stop,
+    )
+
+
+def _gemma3_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
+    L = int(tc["num_hidden_layers"])
+    types = _layer_types(tc, L, force_last_full=False)
+    rope = tc.get("rope_parameters")
+    if rope and (SLIDING in rope or FULL in rope):
+        rope_sliding = _rope_from_dict(rope.get(SLIDING), float(tc.get("rope_local_base_freq", 10_000.0)))
+        rope_full = _rope_from_dict(rope.get(FULL), float(tc.get("rope_theta", 1_000_000.0)))
+    else:  # older form: rope_theta + rope_local_base_freq + rope_scaling (full layers only)
+        full = dict(tc.get("rope_scaling") or {})
+        full.setdefault("rope_theta", tc.get("rope_theta", 1_000_000.0))
+        rope_full = _rope_from_dict(full, 1_000_000.0)
+        rope_sliding = RopeSpec("default", float(tc.get("rope_local_base_freq", 10_000.0)))
+    head_dim = int(tc.get("head_dim", 256))
+    kv = int(tc.get("num_key_value_heads", 1))
+    eos = raw.get("eos_token_id", tc.get("eos_token_id", 1))
+    eos_list = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    return ModelConfig(
+        name=name,
+        family="gemma3",
+        vocab_size=int(tc.get("vocab_size", 262208)),
+        hidden_size=int(tc["hidden_size"]),
+        num_layers=L,
+        num_heads=int(tc["num_attention_heads"]),
+        layer_types=types,
+        sliding_window=int(tc.get("sliding_window") or 4096),
+        head_dim=head_dim,
+        global_head_dim=head_dim,
+        num_kv_heads=kv,
+        num_global_kv_heads=kv,
+        intermediate_size=int(tc["intermediate_size"]),
+        rope_sliding=rope_sliding,
+        rope_full=rope_full,
+        norm_offset=True,
+        query_pre_attn_scalar=float(tc.get("query_pre_attn_scalar", 256)),
+        use_v_norm=False,
+        final_logit_softcap=tc.get("final_logit_softcapping"),
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(tc.get("max_position_embeddings", 131072)),
+        has_layer_scalar=False,
+        tie_word_embeddings=True,
+        pad_id=int(tc.get("pad_token_id") or 0),
+        eos_id=_first(tc.get("eos_token_id", 1)),
+        bos_id=int(tc.get("bos_token_id", 2)),
+        stop_ids=tuple(sorted(set(int(e) for e in eos_list) | {1, 106})),
+    )
+
+
+def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(path) as f:
+        raw = json.load(f)
+    return from_hf_config(raw, name=os.path.basename(os.path.normpath(str(folder))))
+
+
+# --------------------------------------------------------------------------- presets
+def _pattern(n_layers: int, period: int) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % period == 0 else SLIDING for i in range(n_layers))
+
+
+_G4_ROPE = dict(
+    rope_sliding=RopeSpec("default", 10_000.0),
+    rope_full=RopeSpec("proportional", 1_000_000.0, partial_rotary_factor=0.25),
+)
+_G4_COMMON = dict(
+    family="gemma4", vocab_size=262144, head_dim=256, global_head_dim=512, norm_offset=False,
+    query_pre_attn_scalar=None, use_v_norm=True, final_logit_softcap=30.0, has_layer_scalar=True,
+    stop_ids=(1, 50, 106), **_G4_ROPE,
+)
+
+
+def _gemma4(name: str, *, hidden: int, layers: int, heads: int, kv: int, global_kv: int | None,
+            period: int, window: int, inter: int, max_pos: int, **extra: Any) -> ModelConfig:
+    k_eq_v = extra.get("attention_k_eq_v", False)
+    types = list(_pattern(layers, period))
+    types[-1] = FULL
+    return ModelConfig(
+        name=name, hidden_size=hidden, num_layers=layers, num_heads=heads, layer_types=tuple(types),
+        sliding_window=window, num_kv_heads=kv, num_global_kv_heads=global_kv if k_eq_v else kv,
+        intermediate_size=inter, max_position_embeddings=max_pos, **_G4_COMMON, **extra)
+
+
+def _gemma3(name: str, *, hidden: int, layers: int, heads: int, kv: int, inter: int, window: int,
+            vocab: int, full_rope_factor: float, qpas: float = 256, head_dim: int = 256,
+            max_pos: int = 131072) -> ModelConfig:
+    return ModelConfig(
+        name=name, family="gemma3", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+        num_heads=heads, layer_types=_pattern(layers, 6), sliding_window=window, head_dim=head_dim,
+        global_head_dim=head_dim, num_kv_heads=kv, num_global_kv_heads=kv, intermediate_size=inter,
+        rope_sliding=RopeSpec("default", 10_000.0),
+        rope_full=(RopeSpec("linear", 1_000_000.0, factor=full_rope_factor) if full_rope_factor != 1.0
+                   else RopeSpec("default", 1_000_000.0)),
+        norm_offset=True, query_pre_attn_scalar=qpas, use_v_norm=False, max_position_embeddings=max_pos,
+        stop_ids=(1, 106))
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "e2b": _gemma4("gemma-4-E2B", hidden=1536, layers=35, heads=8, kv=1, global_kv=None, period=5,
+                   window=512, inter=6144, max_pos=131072, use_double_wide_mlp=True,
+                   hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                   num_kv_shared_layers=20),
+    "e4b": _gemma4("gemma-4-E4B", hidden=2560, layers=42, heads=8, kv=2, global_kv=None, period=6,
+                   window=512, inter=10240, max_pos=131072, hidden_size_per_layer_input=256,
+                   vocab_size_per_layer_input=262144, num_kv_shared_layers=18),
+    "31b": _gemma4("gemma-4-31B", hidden=5376, layers=60, heads=32, kv=16, global_kv=4, period=6,
+                   window=1024, inter=21504, max_pos=262144, attention_k_eq_v=True),
+    "26b-a4b": _gemma4("gemma-4-26B-A4B", hidden=2816, layers=30, heads=16, kv=8, global_kv=2, period=6,
+                       window=1024, inter=2112, max_pos=262144, attention_k_eq_v=True, enable_moe=True,
+                       num_experts=128, top_k_experts=8, moe_intermediate_size=704),
+    "gemma3-270m": _gemma3("gemma-3-270m", hidden=640, layers=18, heads=4, kv=1, inter=2048, window=512,
+                           vocab=262144, full_rope_factor=1.0, max_pos=32768),
+    "gemma3-1b": _gemma3("gemma-3-1b", hidden=1152, layers=26, heads=4, kv=1, inter=6912, window=512,
+                         vocab=262144, full_rope_factor=1.0, max_pos=32768),
+    "gemma3-4b": _gemma3("gemma-3-4b", hidden=2560, layers=34, heads=8, kv=4, inter=10240, window=1024,
+                         vocab=262208, full_rope_factor=8.0),
+    "gemma3-12b": _gemma3("gemma-3-12b", hidden=3840, layers=48, heads=16, kv=8, inter=15360, window=1024,
+                          vocab=262208, full_rope_factor=8.0),
+    "gemma3-27b": _gemma3("gemma-3-27b", hidden=5376, layers=62, heads=32, kv=16, inter=21504, window=1024,
+                          vocab=262208, full_rope_factor=8.0, qpas=168, head_dim=128),
+}
+
+
+def tiny(base: str) -> ModelConfig:
+    """A small config with the geometry of a preset (for tests and quick random runs).
+
+    Keeps each variant's distinguishing features (PLE, KV sharing, double-wide MLP, K=V full layers,
+    MoE, linear RoPE scaling) at a size that runs in milliseconds on a CPU.
+    """
+    cfg = PRESETS[base]
+    period = 5 if base == "e2b" else 6
+    n_layers = {"e2b": 10, "e4b": 12}.get(base, 6 if cfg.family == "gemma4" else 7)
+    types = list(_pattern(n_layers, period))
+    if cfg.family == "gemma4":
+        types[-1] = FULL
+    shared = {"e2b": 4, "e4b": 5}.get(base, 0)
+    kv = 1 if cfg.num_kv_heads == 1 else 2
+    return dataclasses.replace(
+        cfg, name=f"tiny-{base}", vocab_size=512, hidden_size=64, num_layers=n_layers, num_heads=4,
+        layer_types=tuple(types), sliding_window=8, head_dim=16,
+        global_head_dim=32 if cfg.family == "gemma4" else 16, num_kv_heads=kv,
+        num_global_kv_heads=1 if cfg.attention_k_eq_v else kv, intermediate_size=96,
+        hidden_size_per_layer_input=16 if cfg.hidden_size_per_layer_input else 0,
+        vocab_size_per_layer_input=512 if cfg.hidden_size_per_layer_input else 0,
+        num_kv_shared_layers=shared, num_experts=8 if cfg.enable_moe else 0,
+        top_k_experts=2 if cfg.enable_moe else 0, moe_intermediate_size=24 if cfg.enable_moe else 0,
+        max_position_embeddings=4096,
+        query_pre_attn_scalar=24.0 if cfg.family == "gemma3" else None)
+
+
+def preset(name: str) -> ModelConfig:
+    key = name.lower()
+    if key.startswith("tiny-"):
+        return tiny(key[len("tiny-"):])
+    if key not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))} and tiny-<preset>")
+    return PRESETS[key]
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A transformers text-config dict for `cfg` (used to build reference models in tests)."""
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, layer_types=list(cfg.layer_types),
+        sliding_window=cfg.sliding_window, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings, final_logit_softcapping=cfg.final_logit_softcap,
+        hidden_activation="gelu_pytorch_tanh", pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id,
+        bos_token_id=cfg.bos_id, tie_word_embeddings=True,
+    )
+
+    def rope_dict(r: RopeSpec) -> dict:
+        d: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
+        if r.kind == "linear":
+            d["factor"] = r.factor
+        if r.kind == "proportional":
+            d["partial_rotary_factor"] = r.partial_rotary_factor
+        return d
+
+    rope = {SLIDING: rope_dict(cfg.rope_sliding), FULL: rope_dict(cfg.rope_full)}
+    if cfg.family == "gemma3":
+        qpas = cfg.query_pre_attn_scalar
+        qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas
+        return dict(common, model_type="gemma3_text", query_pre_attn_scalar=qpas,
+                    rope_parameters=rope, attn_logit_softcapping=None)
+    return dict(
+        common, model_type="gemma4_text", rope_parameters=rope, global_head_dim=cfg.global_head_dim,
+        num_global_key_value_heads=cfg.num_global_kv_heads if cfg.attention_k_eq_v else None,
+        attention_k_eq_v=cfg.attention_k_eq_v, use_double_wide_mlp=cfg.use_double_wide_mlp,
+        hidden_size_per_layer_input=cfg.hidden_size_per_layer_input,
+        vocab_size_per_layer_input=cfg.vocab_size_per_layer_input or cfg.vocab_size,
+        num_kv_shared_layers=cfg.num_kv_shared_layers, enable_moe_block=cfg.enable_moe,
+        num_experts=cfg.num_experts or None, top_k_experts=cfg.top_k_experts or None,
+        moe_intermediate_size=cfg.moe_intermediate_size or None)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> float:
+    """K+V bytes one token occupies in the cache (KV consumers store nothing)."""
+    return sum(2 * s.num_kv_heads * s.head_dim * bytes_per_value for s in cfg.layers if not s.is_kv_consumer)
+
+
+def approx_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the text decoder (for memory estimates)."""
+    H = cfg.hidden_size
+    n = cfg.vocab_size * H
+    if cfg.hidden_size_per_layer_input:
+        LP = cfg.num_layers * cfg.hidden_size_per_layer_input
+        n += cfg.vocab_size_per_layer_input * LP + LP * H
+    for s in cfg.layers:
+        n += 2 * cfg.num_heads * s.head_dim * H
+        if not s.is_kv_consumer:
+            n += (1 if s.k_eq_v else 2) * s.num_kv_heads * s.head_dim * H
+        n += 3 * s.mlp_width * H
+        if cfg.enable_moe:
+            n += cfg.num_experts * 3 * cfg.moe_intermediate_size * H + cfg.num_experts * H
+        if cfg.hidden_size_per_layer_input:
+            n += 2 * cfg.hidden_size_per_layer_input * H
+    return int(n)
+
+

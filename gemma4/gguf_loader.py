@@ -1,0 +1,522 @@
+"""Load a llama.cpp GGUF file (Gemma 3 architecture) into our parameter tree.
+
+Entry points:
+
+* `gguf_config(path)` — a `ModelConfig` from the `gemma3.*` metadata plus the standard Gemma 3
+  values the file does not carry (local RoPE base 1e4, 5 sliding : 1 full layers,
+  query_pre_attn_scalar, no softcaps).
+* `load_gguf_params(path, cfg, dtype)` — the tree of `gemma4.params.param_specs(cfg)`, weights
+  dequantized to float32 (`gguf.quants.dequantize`) and cast to `dtype` (norms stay float32).
+  The dequantized weights are cached on disk (see `cache_root`), so the second start skips the
+  dequantization.
+* `gguf_tensor_info(path)` / `load_q8_0_as_int8(path, name)` — the raw quantized view, so Q8_0
+  tensors can later be re-expressed as int8 + scale without a second rounding.
+* `read_gguf(path)` — the parsed header (`GGUFFile`: metadata dict + tensor table with data
+  views), for anyone else who needs the metadata (e.g. the vocabulary).
+
+Name mapping (llama.cpp → ours): token_embd → embed, output_norm → final_norm, per block
+`blk.N.` attn_q/k/v/output → q/k/v/o, attn_q_norm/attn_k_norm → q_norm/k_norm, attn_norm →
+attn_norm, post_attention_norm → post_attn_norm, ffn_norm → pre_ffw_norm, post_ffw_norm →
+post_ffw_norm, ffn_gate/up/down → gate/up/down.
+
+GGUF lists dimensions innermost first, so a tensor shown as [640, 1024] is our [1024, 640]
+([out, in]); the row-major data already has our layout. llama.cpp's converter stores Gemma norm
+weights with the +1 folded in, which is exactly the effective scale our tree holds, and it does
+not permute Q/K for Gemma (rotate-half RoPE), so no tensor needs rewriting.
+
+Why a header parser of our own: `gguf.GGUFReader` builds a numpy view for every part of every
+metadata field — for the 262,144-entry vocabulary that is ~15 s and ~700 MB of Python objects on
+two busy cores. The format (GGUF v2/v3, little endian) is simple enough to walk with `struct`
+in well under a second; the tensor bytes are views of one read-only memory map and are
+dequantized by the gguf package. `tests/test_gguf.py` checks the parser against GGUFReader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from gemma4.config import ModelConfig, from_hf_config
+from gemma4.params import LeafSpec, is_leaf_spec, leaf_dtype, param_specs
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+Q8_0_BLOCK = 32  # values per Q8_0 block: one float16 scale + 32 int8
+_Q8_0_BYTES = 2 + Q8_0_BLOCK
+
+Progress = Callable[[float, str], None]
+
+_LAYER_NAMES = {
+    "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "attn_norm": "attn_norm", "post_attention_norm": "post_attn_norm",
+    "ffn_norm": "pre_ffw_norm", "post_ffw_norm": "post_ffw_norm",
+    "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+}
+_OURS_TO_GGUF = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
+
+# Statistics of the last `load_gguf_params` call (for reports and tests).
+last_load_stats: dict[str, Any] = {}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that does not fit the expected model (missing/mis-shaped tensor, bad metadata)."""
+
+
+# ------------------------------------------------------------------------------ header parser
+_GGUF_MAGIC = b"GGUF"
+# GGUF metadata value types (format spec numbering) → struct format of one scalar.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclasses.dataclass
+class GGUFTensor:
+    name: str
+    type_name: str  # gguf.GGMLQuantizationType name: "F32", "Q8_0", "Q4_K", ...
+    shape: tuple[int, ...]  # ours: outermost first, i.e. [out, in] for a matrix
+    data: np.ndarray  # uint8 [rows, bytes per row] view of the file (read-only)
+
+    @property
+    def qtype(self):
+        import gguf
+
+        return gguf.GGMLQuantizationType[self.type_name]
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    path: str
+    version: int
+    metadata: dict[str, Any]  # scalars as Python values, number arrays as numpy, string arrays as lists
+    tensors: dict[str, GGUFTensor]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+
+class _Cursor:
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str) -> Any:
+        try:
+            values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        except struct.error as exc:
+            raise GGUFError(f"{self.path}: truncated GGUF header at byte {self.pos}") from exc
+        self.pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated GGUF string at byte {self.pos}")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("I"), self.unpack("Q")
+            if etype == _STRING:
+                return [self.string() for _ in range(count)]
+            if etype in _NUMPY_TYPES:
+                dt = np.dtype(_NUMPY_TYPES[etype]).newbyteorder("<")
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
+                self.pos += count * dt.itemsize
+                return arr
+            return [self.value(etype) for _ in range(count)]  # arrays of arrays
+        if vtype in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[vtype])
+        raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse the header of a GGUF file (metadata + tensor table); tensor data stay memory-mapped."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as exc:  # empty file
+            raise GGUFError(f"{path} is not a GGUF file (empty)") from exc
+    cur = _Cursor(buf, path)
+    if bytes(buf[:4]) != _GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version = cur.unpack("I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+    n_tensors, n_kv = cur.unpack("QQ")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("I"))
+    table = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        dims = cur.unpack("Q" * n_dims) if n_dims else ()
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        table.append((name, dims, cur.unpack("I"), cur.unpack("Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, type_id, offset in table:
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError as exc:
+            raise GGUFError(f"{path}: tensor {name} has unknown type id {type_id}") from exc
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        cols = dims[0] if dims else 1
+        n = int(np.prod(dims)) if dims else 1
+        if cols % block:
+            raise GGUFError(f"{path}: tensor {name} row of {cols} is not a whole number of {qtype.name} blocks")
+        row_bytes = cols // block * block_bytes
+        start = data_start + offset
+        nbytes = n // cols * row_bytes
+        if start + nbytes > len(whole):
+            raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated download?)")
+        data = whole[start:start + nbytes].reshape(n // cols, row_bytes)
+        tensors[name] = GGUFTensor(name, qtype.name, tuple(int(d) for d in reversed(dims)), data)
+    return GGUFFile(path, version, metadata, tensors)
+
+
+def gguf_tensor_info(path: str | os.PathLike) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, quantization type name, shape [out, in]) of every tensor in the file."""
+    return [(t.name, t.type_name, t.shape) for t in read_gguf(path).tensors.values()]
+
+
+# ------------------------------------------------------------------------------ config
+def _tidy_float(x: float) -> float:
+    """Undo float32 storage: 9.99999997e-07 → 1e-06 (shortest float32 repr)."""
+    return float(str(np.float32(x)))
+
+
+def _hf_style_config(g: GGUFFile) -> dict[str, Any]:
+    arch = g.get("general.architecture")
+    if arch != "gemma3":
+        raise GGUFError(f"{g.path}: architecture {arch!r} is not supported (only gemma3 GGUF files load here; "
+                        "for Gemma 4 pass a Hugging Face folder or repo id)")
+
+    def meta(key: str, default: Any = None, required: bool = True) -> Any:
+        value = g.get(f"gemma3.{key}", default)
+        if value is None and required:
+            raise GGUFError(f"{g.path}: metadata key gemma3.{key} is missing")
+        return value
+
+    if "token_embd.weight" not in g.tensors:
+        raise GGUFError(f"{g.path}: tensor token_embd.weight is missing")
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    layers = int(meta("block_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{g.path}: key_length != value_length is not supported")
+    # query_pre_attn_scalar: head_dim for every Gemma 3 size except 27B, which uses hidden/heads
+    # (llama.cpp keys this on the 62-layer size; the file has no metadata for it).
+    qpas = hidden // heads if layers == 62 else head_dim
+    raw = {
+        "model_type": "gemma3_text",
+        "vocab_size": g.tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", 1)),
+        "head_dim": head_dim,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "sliding_window": int(meta("attention.sliding_window")),
+        "sliding_window_pattern": 6,
+        "rope_theta": float(meta("rope.freq_base", 1_000_000.0, required=False)),
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": qpas,
+        "rms_norm_eps": _tidy_float(meta("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
+        "max_position_embeddings": int(meta("context_length")),
+        "final_logit_softcapping": None,
+        "bos_token_id": int(g.get("tokenizer.ggml.bos_token_id", 2)),
+        "eos_token_id": int(g.get("tokenizer.ggml.eos_token_id", 1)),
+        "pad_token_id": int(g.get("tokenizer.ggml.padding_token_id", 0)),
+    }
+    scaling = meta("rope.scaling.type", None, required=False)
+    if scaling and scaling != "none":
+        raw["rope_scaling"] = {"rope_type": str(scaling),
+                               "factor": float(meta("rope.scaling.factor", 1.0, required=False))}
+    return raw
+
+
+def gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig:
+    """ModelConfig from the GGUF metadata (architecture gemma3 only)."""
+    g = read_gguf(path)
+    return from_hf_config(_hf_style_config(g), name=name or str(g.get("general.name") or Path(path).stem))
+
+
+# ------------------------------------------------------------------------------ Q8_0 and dequantization
+def _q8_0_split(tensor: GGUFTensor, path) -> tuple[np.ndarray, np.ndarray]:
+    if tensor.type_name != "Q8_0":
+        raise GGUFError(f"{path}: tensor {tensor.name} is {tensor.type_name}, not Q8_0")
+    cols = tensor.shape[-1]
+    blocks = tensor.data.reshape(-1, cols // Q8_0_BLOCK, _Q8_0_BYTES)
+    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], cols)
+    return q.reshape(tensor.shape), scale.reshape(tensor.shape[:-1] + (cols // Q8_0_BLOCK,))
+
+
+def load_q8_0_as_int8(path: str | os.PathLike, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The raw blocks of a Q8_0 tensor: (q int8 [out, in], scale float32 [out, in/32]).
+
+    q * repeat(scale, 32, axis=-1) in float32 equals gguf's dequantization exactly.
+    """
+    g = read_gguf(path)
+    if name not in g.tensors:
+        raise GGUFError(f"{path}: tensor {name} is missing")
+    return _q8_0_split(g.tensors[name], path)
+
+
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
+    """float32 in our shape. Q8_0 is done here in row chunks (the same float32 products as
+    gguf.quants.dequantize, ~20x faster on the 262144-row embedding and without its temporaries);
+    every other type goes through gguf.quants.dequantize."""
+    from gguf.quants import dequantize
+
+    if tensor.type_name == "Q8_0":
+        cols = tensor.shape[-1]
+        raw = tensor.data.reshape(-1, cols // Q8_0_BLOCK, _Q8_0_BYTES)
+        out = np.empty((raw.shape[0], cols), np.float32)
+        step = 8192
+        for start in range(0, raw.shape[0], step):
+            blk = raw[start:start + step]
+            scale = np.ascontiguousarray(blk[..., :2]).view(np.float16).astype(np.float32)  # [r, nb, 1]
+            q = np.ascontiguousarray(blk[..., 2:]).view(np.int8).astype(np.float32)  # [r, nb, 32]
+            out[start:start + step] = (q * scale).reshape(-1, cols)
+        return out.reshape(tensor.shape)
+    return np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
+
+
+# ------------------------------------------------------------------------------ name mapping
+def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, LeafSpec]]:
+    """GGUF tensor name → (path in our tree, spec)."""
+    if cfg.family != "gemma3":
+        raise GGUFError(f"GGUF loading supports Gemma 3 configs only, got family {cfg.family!r}")
+    specs = param_specs(cfg)
+    out: dict[str, tuple[tuple, LeafSpec]] = {
+        "token_embd.weight": (("embed",), specs["embed"]),
+        "output_norm.weight": (("final_norm",), specs["final_norm"]),
+    }
+    for i, layer in enumerate(specs["layers"]):
+        for ours, spec in layer.items():
+            if ours not in _OURS_TO_GGUF:
+                raise GGUFError(f"no GGUF name known for layer leaf {ours!r}")
+            out[f"blk.{i}.{_OURS_TO_GGUF[ours]}.weight"] = (("layers", i, ours), spec)
+    return out
+
+
+def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
+    """Clear errors for missing / mis-shaped tensors, before anything is dequantized."""
+    expected = _expected_tensors(cfg)
+    missing = [n for n in expected if n not in g.tensors]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise GGUFError(f"{g.path}: tensor {', '.join(missing[:5])}{more} missing "
+                        f"(expected for {cfg.name}: {cfg.num_layers} layers)")
+    for name, (_, spec) in expected.items():
+        shape = g.tensors[name].shape
+        if shape != spec.shape:
+            raise GGUFError(f"{g.path}: tensor {name} has shape {list(shape)} ([out, in]), "
+                            f"expected {list(spec.shape)} for {cfg.name}")
+    if "output.weight" in g.tensors:
+        raise GGUFError(f"{g.path}: has an untied output.weight; only tied embeddings are supported")
+    extra = sorted(set(g.tensors) - set(expected))
+    if extra:
+        log.warning("%s: ignoring %d unexpected tensors: %s", g.path, len(extra), ", ".join(extra[:5]))
+
+
+# ------------------------------------------------------------------------------ disk cache
+def cache_root() -> Path:
+    """Where converted weights are cached: $GEMMA4_JAX_CACHE, else $XDG_CACHE_HOME/gemma4-jax,
+    else ~/.cache/gemma4-jax."""
+    env = os.environ.get("GEMMA4_JAX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "gemma4-jax"
+
+
+def _cache_dir(path: str | os.PathLike) -> tuple[Path, str]:
+    """(cache folder for the file's current contents, prefix shared by all its versions).
+
+    Keyed by the real path, size and mtime (hashing 253 MB would cost about a second per start)
+    and the cache format version.
+    """
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    path_key = hashlib.sha256(real.encode()).hexdigest()[:10]
+    content_key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:v{CACHE_FORMAT_VERSION}".encode()).hexdigest()[:12]
+    prefix = f"{Path(real).stem}-{path_key}-"
+    return cache_root() / "gguf" / f"{prefix}{content_key}", prefix
+
+
+def _cache_file(name: str) -> str:
+    return name + ".npy"
+
+
+def _read_cache(folder: Path, names: list[str]) -> dict[str, np.ndarray] | None:
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if manifest.get("format") != CACHE_FORMAT_VERSION or not set(names) <= set(manifest.get("tensors", [])):
+        return None
+    try:
+        return {n: np.load(folder / _cache_file(n), mmap_mode="r") for n in names}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable GGUF cache %s: %s", folder, exc)
+        return None
+
+
+class _CacheWriter:
+    """Writes dequantized tensors one by one into a temp folder, renamed into place at the end.
+    Any OS error (disk full, read-only home) just disables caching."""
+
+    def __init__(self, folder: Path, prefix: str):
+        self.folder, self.prefix, self.tmp = folder, prefix, None
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        except OSError as exc:
+            log.warning("not caching converted GGUF weights (%s)", exc)
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        if self.tmp is None:
+            return
+        try:
+            np.save(self.tmp / _cache_file(name), arr)
+        except OSError as exc:
+            log.warning("not caching converted GGUF weights (%s)", exc)
+            self.abort()
+
+    def finish(self, names: list[str], source: str) -> None:
+        if self.tmp is None:
+            return
+        try:
+            (self.tmp / "manifest.json").write_text(json.dumps(
+                {"format": CACHE_FORMAT_VERSION, "source": source, "tensors": names}))
+            if self.folder.exists():
+                shutil.rmtree(self.folder, ignore_errors=True)
+            os.replace(self.tmp, self.folder)
+            self.tmp = None
+            for old in self.folder.parent.glob(self.prefix + "*"):  # older versions of this file
+                if old != self.folder:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            log.warning("not caching converted GGUF weights (%s)", exc)
+            self.abort()
+
+    def abort(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
+def clear_cache(path: str | os.PathLike) -> None:
+    """Remove every cached conversion of `path`."""
+    folder, prefix = _cache_dir(path)
+    for old in folder.parent.glob(prefix + "*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ params
+def _to_leaf(arr: np.ndarray, spec: LeafSpec, dtype: Any):
+    import jax
+    import jax.numpy as jnp
+
+    target = jnp.dtype(leaf_dtype(spec, dtype))
+    out = jax.device_put(np.ascontiguousarray(arr, dtype=np.float32))
+    return out if target == jnp.float32 else out.astype(target)
+
+
+def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Any]) -> dict[str, Any]:
+    def build(node: Any, prefix: tuple) -> Any:
+        if is_leaf_spec(node):
+            return leaves[prefix]
+        if isinstance(node, dict):
+            return {k: build(v, prefix + (k,)) for k, v in node.items()}
+        return [build(v, prefix + (i,)) for i, v in enumerate(node)]
+
+    return build(param_specs(cfg), ())
+
+
+def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "float32", *,
+                     progress: Progress | None = None, use_cache: bool = True) -> dict[str, Any]:
+    """The parameter tree of `cfg` from a Gemma 3 GGUF file.
+
+    Every tensor is checked against `param_specs(cfg)` before anything is dequantized. Weights are
+    dequantized to float32 one tensor at a time, cast to `dtype` (norms stay float32) and, with
+    `use_cache`, also written to the disk cache, from which later calls read them back.
+    `progress(fraction, message)` is called after each tensor. Statistics of the call land in
+    `last_load_stats` ({"cached": bool, "seconds": float, "cache_dir": str | None, ...}).
+    """
+    t0 = time.perf_counter()
+    report = progress or (lambda fraction, message: None)
+    g = read_gguf(path)
+    _check_tensors(g, cfg)
+    expected = _expected_tensors(cfg)
+    names = list(expected)
+    folder = prefix = cached = None
+    if use_cache:
+        folder, prefix = _cache_dir(path)
+        cached = _read_cache(folder, names)
+    writer = _CacheWriter(folder, prefix) if (use_cache and cached is None) else None
+    verb = "loading cached weights" if cached is not None else "dequantizing"
+
+    leaves: dict[tuple, Any] = {}
+    total = sum(int(np.prod(spec.shape)) for _, spec in expected.values())
+    done = 0
+    try:
+        for name in names:
+            tree_path, spec = expected[name]
+            arr = cached[name] if cached is not None else _dequantize(g.tensors[name])
+            if tuple(arr.shape) != spec.shape:  # a foreign cache entry
+                raise GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {spec.shape}; "
+                                f"delete {folder}")
+            if writer is not None:
+                writer.add(name, arr)
+            leaves[tree_path] = _to_leaf(arr, spec, dtype)
+            del arr
+            done += int(np.prod(spec.shape))
+            report(done / total, f"{verb} {name}")
+        if writer is not None:
+            writer.finish(names, os.path.realpath(path))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+
+    params = _assemble_tree(cfg, leaves)
+    last_load_stats.clear()
+    last_load_stats.update(cached=cached is not None, seconds=time.perf_counter() - t0,
+                           cache_dir=str(folder) if folder else None, tensors=len(names))
+    log.info("loaded %s from %s in %.1fs (%s)", cfg.name, path, last_load_stats["seconds"],
+             "disk cache" if cached is not None else "dequantized")
+    return params

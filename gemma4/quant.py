@@ -1,0 +1,322 @@
+"""Matmul and gather entry points the model uses; weight-only quantized leaf types dispatch here.
+
+The model never multiplies weights directly: it calls `linear` (y = x·Wᵀ, W stored [out, in]) and
+`take_rows` (embedding gather). A weight leaf is one of
+
+    jax.Array     plain weights (any float dtype; cast to the activation dtype inside the dot)
+    QuantArray    int8, one float32 scale per output row:       W ≈ q[o, i] · scale[o]
+    Int4Array     int4, one float32 scale per row and group of `group_size` inputs:
+                  W ≈ q[o, i] · scale[o, i // group_size]
+
+Both quantized types are registered pytrees (their arrays are the leaves, the layout metadata is
+static), so they pass through `jit`, `device_put` and the parameter tree unchanged, and the same
+forward pass runs on any mix of them.
+
+How they run (measured on XLA:CPU, see bench/cpu_dtype.py):
+  * int8: `dot(x, q.astype(x.dtype)) · scale` inside one jit. XLA fuses the int8→float convert
+    into the dot, so the weights stream from memory as int8; the per-row scale is applied to the
+    [.., out] result, which is cheap. (A multiply-then-sum formulation is 12–30× slower.)
+  * int4: the packed nibbles are unpacked and scaled into a dequantized [out, in] operand inside
+    the same jit ("dequant+dot"), or — where the hardware policy allows — by the fused Pallas
+    kernel in `gemma4.kernels.int4_matmul` (`Int4Array.kernel == "pallas"`).
+  * gathers (`take_rows`) dequantize only the gathered rows, so the tied embedding / LM head and
+    the per-layer-embedding table can be quantized too.
+
+Int4 packing ("halves"): `packed[o, j]` (uint8, [out, in/2]) holds input column j in its low
+nibble and column j + in/2 in its high nibble, each stored as q + 8 (q in [-8, 7]). Unpacking is
+then two elementwise ops and one concatenation — no interleaving reshape — and the fused kernel
+reads matching column ranges of x for both nibbles. Groups never straddle the two halves, which
+requires (in / 2) % group_size == 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INT4_GROUP_SIZES = (32, 64, 128)
+INT4_KERNELS = ("xla", "pallas", "pallas-interpret")  # pallas-interpret: tests / CPU only
+
+
+# ------------------------------------------------------------------------------ leaf types
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantArray:
+    """int8 weights with one float32 scale per output row (per-channel, symmetric)."""
+
+    q: jax.Array  # int8 [out, in]
+    scale: jax.Array  # float32 [out]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return (self.q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Array:
+    """int4 weights, grouped along `in`, packed two per byte in the "halves" layout (see module doc).
+
+    `kernel` chooses the matmul path: "xla" (dequantize + dot, fused by XLA), "pallas" (the fused
+    Pallas kernel, compiled for the current GPU/TPU) or "pallas-interpret" (the same kernel run by
+    the Pallas interpreter — slow, for tests on CPU). `block` = (block_m, block_n, block_k) for the
+    kernel, or None for its defaults.
+    """
+
+    packed: jax.Array  # uint8 [out, in/2]
+    scale: jax.Array  # float32 [out, in/group_size]
+    group_size: int = dataclasses.field(default=64, metadata=dict(static=True))
+    kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
+    block: tuple[int, int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (int(self.packed.shape[0]), 2 * int(self.packed.shape[1]))
+
+    @property
+    def dtype(self):
+        return jnp.dtype("uint8")
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.size + self.scale.size * self.scale.dtype.itemsize)
+
+    def unpack(self) -> jax.Array:
+        """int8 values in [-8, 7], [out, in]."""
+        return unpack_int4(self.packed)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+        return _dequant_int4(self.packed, self.scale, self.group_size, dtype)
+
+
+def is_quantized(x: Any) -> bool:
+    return isinstance(x, (QuantArray, Int4Array))
+
+
+# ------------------------------------------------------------------------------ int4 packing
+def pack_int4(q: jax.Array) -> jax.Array:
+    """int values in [-8, 7], [out, in] (in even) → uint8 [out, in/2] in the halves layout."""
+    half = q.shape[-1] // 2
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even number of inputs, got {q.shape[-1]}")
+    lo = (q[..., :half].astype(jnp.int32) + 8) & 0xF
+    hi = (q[..., half:].astype(jnp.int32) + 8) & 0xF
+    return (lo | (hi << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """uint8 [..., in/2] (halves layout) → int8 [..., in] with values in [-8, 7]."""
+    p = packed.astype(jnp.int32)
+    lo = (p & 0xF) - 8
+    hi = (p >> 4) - 8
+    return jnp.concatenate([lo, hi], axis=-1).astype(jnp.int8)
+
+
+def _dequant_int4(packed: jax.Array, scale: jax.Array, group_size: int, dtype: Any) -> jax.Array:
+    q = unpack_int4(packed).astype(jnp.float32)
+    *lead, n_in = q.shape
+    groups = q.reshape(*lead, n_in // group_size, group_size) * scale[..., None]
+    return groups.reshape(*lead, n_in).astype(dtype)
+
+
+# ------------------------------------------------------------------------------ quantizers
+_CHUNK_ELEMENTS = 1 << 24  # quantize big tables in row chunks to bound float32 temporaries
+
+
+def _row_chunks(n_rows: int, n_cols: int) -> list[tuple[int, int]]:
+    rows = max(1, _CHUNK_ELEMENTS // max(1, n_cols))
+    return [(s, min(n_rows, s + rows)) for s in range(0, n_rows, rows)]
+
+
+@jax.jit
+def _int8_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(wf / scale[:, None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def _int4_rows(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
+    wf = w.astype(jnp.float32)
+    n_out, n_in = wf.shape
+    g = wf.reshape(n_out, n_in // group_size, group_size)
+    amax = jnp.max(jnp.abs(g), axis=-1)
+    scale = jnp.where(amax > 0, amax / 7.0, 1.0)
+    q = jnp.clip(jnp.round(g / scale[..., None]), -8, 7).reshape(n_out, n_in)
+    return pack_int4(q), scale
+
+
+def quantize_int8(w: jax.Array) -> QuantArray:
+    """Symmetric per-output-row int8 of an [out, in] weight (scale = max|row| / 127)."""
+    if w.ndim != 2:
+        raise ValueError(f"quantize_int8 expects [out, in], got shape {w.shape}")
+    parts = [_int8_rows(w[a:b]) for a, b in _row_chunks(*w.shape)]
+    if len(parts) == 1:
+        return QuantArray(*parts[0])
+    return QuantArray(jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts]))
+
+
+def int4_compatible(shape: tuple[int, ...], group_size: int) -> bool:
+    return len(shape) == 2 and shape[1] % 2 == 0 and (shape[1] // 2) % group_size == 0
+
+
+def quantize_int4(w: jax.Array, group_size: int = 64, kernel: str = "xla",
+                  block: tuple[int, int, int] | None = None) -> Int4Array:
+    """Symmetric grouped int4 of an [out, in] weight (scale = max|group| / 7, q in [-8, 7])."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size {group_size} not in {INT4_GROUP_SIZES}")
+    if kernel not in INT4_KERNELS:
+        raise ValueError(f"kernel {kernel!r} not in {INT4_KERNELS}")
+    if not int4_compatible(tuple(w.shape), group_size):
+        raise ValueError(f"int4 needs [out, in] with (in/2) % group_size == 0; got {w.shape}, group {group_size}")
+    parts = [_int4_rows(w[a:b], group_size) for a, b in _row_chunks(*w.shape)]
+    packed = parts[0][0] if len(parts) == 1 else jnp.concatenate([p[0] for p in parts])
+    scale = parts[0][1] if len(parts) == 1 else jnp.concatenate([p[1] for p in parts])
+    return Int4Array(packed, scale, group_size, kernel, block)
+
+
+def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
+    """Any weight leaf → a dense array of `dtype`."""
+    if is_quantized(w):
+        return w.dequantize(dtype)
+    return jnp.asarray(w).astype(dtype)
+
+
+def quantization_error(w: jax.Array, qw: Any) -> dict[str, float]:
+    """Relative Frobenius error and max abs error of a quantized weight against the original."""
+    wf = np.asarray(jnp.asarray(w, jnp.float32))
+    d = np.asarray(dequantize(qw, jnp.float32))
+    err = d - wf
+    return {"relative": float(np.linalg.norm(err) / max(np.linalg.norm(wf), 1e-30)),
+            "max_abs": float(np.max(np.abs(err)))}
+
+
+# ------------------------------------------------------------------------------ the two entry points
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] · w[out, in]ᵀ accumulated in float32."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
+    """x [..., in] · Wᵀ → [..., out] in `out_dtype` (default x.dtype), accumulated in float32.
+
+    W is a plain [out, in] array, a QuantArray or an Int4Array.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if isinstance(w, QuantArray):
+        y = _dot(x, w.q.astype(x.dtype)) * w.scale
+    elif isinstance(w, Int4Array):
+        if w.kernel == "xla":
+            y = _dot(x, w.dequantize(x.dtype))
+        else:
+            from gemma4.kernels.int4_matmul import int4_matmul  # noqa: PLC0415 (optional path)
+
+            lead = x.shape[:-1]
+            bm, bn, bk = w.block or (None, None, None)
+            y = int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale, w.group_size,
+                            block_m=bm, block_n=bn, block_k=bk,
+                            interpret=(w.kernel == "pallas-interpret"), out_dtype=jnp.float32)
+            y = y.reshape(*lead, y.shape[-1])
+    else:
+        y = _dot(x, w.astype(x.dtype))
+    return y.astype(out_dtype)
+
+
+def take_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
+    """table[ids] as `dtype` (embedding lookup); quantized tables dequantize only the gathered rows."""
+    if isinstance(table, QuantArray):
+        q = jnp.take(table.q, ids, axis=0).astype(jnp.float32)
+        return (q * jnp.take(table.scale, ids, axis=0)[..., None]).astype(dtype)
+    if isinstance(table, Int4Array):
+        packed = jnp.take(table.packed, ids, axis=0)
+        scale = jnp.take(table.scale, ids, axis=0)
+        return _dequant_int4(packed, scale, table.group_size, dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+# ------------------------------------------------------------------------------ whole trees
+# The MoE router decides which experts run; its weight is tiny and top-k selection is sensitive to
+# small logit changes, so it stays in float.
+_NEVER_QUANTIZE = frozenset({"router"})
+
+
+def quantize_params(params: dict, cfg, mode: str = "int8", group_size: int = 64,
+                    embed_mode: str | None = None, int4_kernel: str = "xla",
+                    int4_block: tuple[int, int, int] | None = None) -> dict:
+    """Quantize every "linear" and "embed" leaf of a parameter tree (a pure tree transform).
+
+    mode:        "none" | "int8" | "int4" for linear weights.
+    embed_mode:  the same for "embed" leaves (tied embedding/LM head, PLE table); default = mode.
+                 ("int8" head + "int4" rest is a good trade: the head's error reaches every logit.)
+    An int4 leaf whose shape cannot be grouped ((in/2) % group_size != 0) is stored as int8.
+    Norms, scalars, the MoE router and expert banks are left as they are. Already-quantized
+    leaves are kept.
+    """
+    from gemma4.params import is_leaf_spec, param_specs  # noqa: PLC0415 (params imports quant)
+
+    embed_mode = mode if embed_mode is None else embed_mode
+    for m in (mode, embed_mode):
+        if m not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization mode {m!r} not in ('none', 'int8', 'int4')")
+
+    def convert(path, spec, leaf):
+        name = getattr(path[-1], "key", None) if path else None
+        if is_quantized(leaf) or name in _NEVER_QUANTIZE or spec.kind not in ("linear", "embed"):
+            return leaf
+        m = embed_mode if spec.kind == "embed" else mode
+        if m == "int4" and int4_compatible(tuple(leaf.shape), group_size):
+            return quantize_int4(leaf, group_size, int4_kernel, int4_block)
+        if m in ("int4", "int8"):
+            return quantize_int8(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(convert, param_specs(cfg), params, is_leaf=is_leaf_spec)
+
+
+def with_int4_kernel(params: Any, kernel: str, block: tuple[int, int, int] | None = None) -> Any:
+    """Switch every Int4Array leaf to `kernel` ("xla" | "pallas" | "pallas-interpret")."""
+    if kernel not in INT4_KERNELS:
+        raise ValueError(f"kernel {kernel!r} not in {INT4_KERNELS}")
+    return jax.tree.map(
+        lambda w: dataclasses.replace(w, kernel=kernel, block=block) if isinstance(w, Int4Array) else w,
+        params, is_leaf=lambda x: isinstance(x, Int4Array))
+
+
+def quantized_bytes(params: Any) -> dict[str, int]:
+    """Bytes by storage kind: {"float": ..., "int8": ..., "int4": ..., "total": ...}."""
+    out = {"float": 0, "int8": 0, "int4": 0}
+    for leaf in jax.tree.leaves(params, is_leaf=is_quantized):
+        if isinstance(leaf, QuantArray):
+            out["int8"] += leaf.nbytes
+        elif isinstance(leaf, Int4Array):
+            out["int4"] += leaf.nbytes
+        else:
+            out["float"] += int(leaf.size * leaf.dtype.itemsize)
+    out["total"] = sum(out.values())
+    return out

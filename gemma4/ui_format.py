@@ -1,0 +1,603 @@
+"""Pure formatting helpers for the Gradio demo's panels.
+
+Everything here takes plain Python data (the engine's `stats`, `flags`, `info()`, `status()`,
+`queue_state()` dicts and Gradio chat history) and returns strings or plain data. No arrays, no
+engine, no Gradio import: the functions are unit-tested on their own.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# Title prefix of an assistant message that is a notice from the app, not a model reply
+# ("your message was not sent because ..."). Notices and the user turn they answer are left
+# out of the conversation that is sent to the model.
+NOTICE_PREFIX = "⚠️"
+NOTICE_TITLE = "⚠️ Not sent to the model"
+LOAD_FAILED_TITLE = "⚠️ The model failed to load"
+
+FINISH_TEXT = {
+    None: "streaming…",
+    "stop": "done (end of turn)",
+    "length": "done (max new tokens reached)",
+    "cancelled": "stopped",
+    "context": "done (context window full)",
+    "error": "error",
+}
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def _finite(x: Any) -> float | None:
+    """`x` as a float, or None when it is missing or not a finite number."""
+    if isinstance(x, bool) or x is None:
+        return None
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def fmt_num(x: Any, digits: int = 1, unit: str = "") -> str:
+    """A number with `digits` decimals and an optional unit; "—" when unknown."""
+    f = _finite(x)
+    if f is None:
+        return "—"
+    return f"{f:,.{digits}f}{(' ' + unit) if unit else ''}"
+
+
+def fmt_int(x: Any) -> str:
+    f = _finite(x)
+    return "—" if f is None else f"{int(round(f)):,}"
+
+
+def fmt_bytes(n: Any) -> str:
+    f = _finite(n)
+    if f is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(f) < 1024 or unit == "TiB":
+            return f"{f:,.0f} {unit}" if unit == "B" else f"{f:,.2f} {unit}"
+        f /= 1024
+    return "—"  # unreachable
+
+
+# --------------------------------------------------------------------------- chat history
+
+
+def message_text(content: Any) -> str:
+    """The text of a Gradio message's content.
+
+    Gradio 6 hands history content to event functions as a list of parts
+    (`[{"type": "text", "text": ...}]`); values we build ourselves are plain strings.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        if content.get("type") == "text" or "text" in content:
+            return str(content.get("text") or "")
+        return ""
+    if isinstance(content, Sequence):
+        return "".join(message_text(part) for part in content)
+    return str(content)
+
+
+def is_notice(message: Mapping[str, Any]) -> bool:
+    """True for an assistant message that the app wrote (an error or refusal), not the model."""
+    if message.get("role") != "assistant":
+        return False
+    title = (message.get("metadata") or {}).get("title") or ""
+    return str(title).startswith(NOTICE_PREFIX)
+
+
+def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Gradio chat history → the engine's `[{"role", "content": str}]` conversation.
+
+    Notices and the user turn(s) they answered are dropped, so a refused message (too long,
+    engine error) does not poison the next request. Consecutive messages of one role are joined.
+    """
+    items = list(history or [])
+    keep = [True] * len(items)
+    for i, msg in enumerate(items):
+        if is_notice(msg):
+            keep[i] = False
+            j = i - 1
+            while j >= 0 and items[j].get("role") == "user":
+                keep[j] = False
+                j -= 1
+    out: list[dict[str, str]] = []
+    for msg, k in zip(items, keep):
+        role = msg.get("role")
+        if not k or role not in ("user", "assistant"):
+            continue
+        text = message_text(msg.get("content"))
+        if out and out[-1]["role"] == role:
+            out[-1]["content"] += "\n\n" + text
+        else:
+            out.append({"role": role, "content": text})
+    # A conversation ends on the user's turn when the model is asked to answer.
+    return out
+
+
+def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
+    """The text of the trailing user message, or None when history does not end with one."""
+    if not history or history[-1].get("role") != "user":
+        return None
+    return message_text(history[-1].get("content"))
+
+
+def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """History without the assistant messages after the last user message."""
+    items = [dict(m) for m in history or []]
+    while items and items[-1].get("role") == "assistant":
+        items.pop()
+    return items
+
+
+def pop_last_user_turn(history: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """Remove the last user turn and everything after it; return (history, that user's text)."""
+    items = strip_trailing_assistant(history)
+    texts: list[str] = []
+    while items and items[-1].get("role") == "user":
+        texts.insert(0, message_text(items.pop().get("content")))
+    return items, "\n\n".join(texts)
+
+
+def message_index(index: Any) -> int:
+    """Gradio's retry/undo/edit index (an int, or a list/tuple for grouped messages) as an int."""
+    if isinstance(index, (list, tuple)):
+        index = index[0]
+    return int(index)
+
+
+# --------------------------------------------------------------------------- status and loading
+
+
+def loading_text(status: Mapping[str, Any]) -> str:
+    """Short line for a reply that waits for the model: "loading model… 40%"."""
+    state = status.get("state", "loading")
+    pct = _finite(status.get("progress"))
+    pct_txt = f" {pct * 100:.0f}%" if pct is not None else ""
+    if state == "warming":
+        return f"compiling the model (warm-up)…{pct_txt}"
+    return f"loading model…{pct_txt}"
+
+
+def status_html(status: Mapping[str, Any]) -> str:
+    """One-line engine status banner with a progress bar while loading/warming."""
+    state = status.get("state", "loading")
+    message = html.escape(str(status.get("message") or ""))
+    if state == "ready":
+        return (
+            '<div style="padding:6px 10px;border-radius:6px;background:#e8f5e9;color:#1b5e20">'
+            f"🟢 <b>Model ready.</b> {message}</div>"
+        )
+    if state == "error":
+        err = html.escape(str(status.get("error") or status.get("message") or "unknown error"))
+        return (
+            '<div style="padding:8px 10px;border-radius:6px;background:#ffebee;color:#b71c1c;'
+            'border:1px solid #e57373">'
+            f"🔴 <b>The model failed to load.</b> {err}<br>"
+            "<small>Chat is disabled until the app is restarted with a working model "
+            "(see the server log for details).</small></div>"
+        )
+    pct = _finite(status.get("progress")) or 0.0
+    pct = min(max(pct, 0.0), 1.0)
+    what = "Compiling (warm-up)" if state == "warming" else "Loading the model"
+    return (
+        '<div style="padding:6px 10px;border-radius:6px;background:#fff8e1;color:#6d4c00">'
+        f"⏳ <b>{what}… {pct * 100:.0f}%</b> {message}"
+        '<div style="height:6px;background:#ffe0b2;border-radius:3px;margin-top:4px">'
+        f'<div style="height:6px;width:{pct * 100:.1f}%;background:#fb8c00;border-radius:3px">'
+        "</div></div><small>The page works meanwhile; a message sent now waits until the model "
+        "is ready.</small></div>"
+    )
+
+
+# --------------------------------------------------------------------------- model indicator
+
+
+def model_banner_html(info: Mapping[str, Any] | None, fallback_name: str = "") -> str:
+    """Which model is loaded, from where, base or instruction-tuned; loud when weights are random."""
+    if not info:
+        name = html.escape(fallback_name or "model")
+        return (
+            f'<div style="padding:6px 10px"><b>Model:</b> <code>{name}</code> '
+            "<i>(details appear once it has loaded)</i></div>"
+        )
+    name = html.escape(str(info.get("model") or fallback_name))
+    source = html.escape(str(info.get("source") or "?"))
+    family = html.escape(str(info.get("family") or ""))
+    desc = html.escape(str(info.get("description") or ""))
+    base = bool(info.get("is_base_model"))
+    kind = (
+        '<span style="background:#ede7f6;color:#4527a0;padding:1px 6px;border-radius:4px">'
+        "base model (pretrained, not instruction-tuned): it continues text — completion prompts "
+        "suit it best</span>"
+        if base
+        else '<span style="background:#e3f2fd;color:#0d47a1;padding:1px 6px;border-radius:4px">'
+        "instruction-tuned: chat with it</span>"
+    )
+    ctx = fmt_int(info.get("context_limit"))
+    parts = [
+        '<div style="padding:6px 10px;line-height:1.6">',
+        f"<b>Model:</b> <code>{name}</code> · <b>source:</b> {source}",
+        f" · <b>family:</b> {family}" if family else "",
+        f" · <b>context:</b> {ctx} tokens<br>{kind}",
+        f"<br><small>{desc}</small>" if desc else "",
+        "</div>",
+    ]
+    banner = "".join(parts)
+    if info.get("random_weights"):
+        banner = (
+            '<div style="padding:8px 10px;margin-bottom:4px;border-radius:6px;background:#d32f2f;'
+            'color:white;font-weight:bold;font-size:1.1em">'
+            "⚠️ RANDOM WEIGHTS — this model was not trained; its text is meaningless. "
+            "It exists to test the machinery (streaming, batching, stats), not the language."
+            "</div>" + banner
+        )
+    return banner
+
+
+# --------------------------------------------------------------------------- per-reply stats
+
+
+def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
+    """(flagged, list of fired rules as readable text) from a degeneracy flags dict.
+
+    Tolerates the shapes a flags dict can take: a boolean per rule (`{"repeat_loop": True}`),
+    an explicit list of fired rules (`fired` / `rules` / `reasons`), per-rule dicts with a
+    `fired`/`flagged` bit and a `reason`, and an overall `ok`/`flagged`/`degenerate` bit.
+    """
+    if not flags:
+        return False, []
+    fired: list[str] = []
+    meta = {"ok", "flagged", "degenerate", "any", "fired", "rules", "reasons", "details", "checked"}
+    for key in ("fired", "rules", "reasons"):
+        val = flags.get(key)
+        if isinstance(val, str) and val:
+            fired.append(val)
+        elif isinstance(val, (list, tuple)):
+            for item in val:
+                if isinstance(item, Mapping):
+                    label = item.get("rule") or item.get("name") or "rule"
+                    why = item.get("reason") or item.get("detail")
+                    fired.append(f"{label}: {why}" if why else str(label))
+                else:
+                    fired.append(str(item))
+    for key, val in flags.items():
+        if key in meta:
+            continue
+        if val is True:
+            fired.append(str(key).replace("_", " "))
+        elif isinstance(val, Mapping) and (val.get("fired") or val.get("flagged")):
+            why = val.get("reason") or val.get("detail")
+            label = str(key).replace("_", " ")
+            fired.append(f"{label}: {why}" if why else label)
+    fired = list(dict.fromkeys(fired))  # de-duplicate, keep order
+    overall = None
+    for key in ("flagged", "degenerate", "any"):
+        if isinstance(flags.get(key), bool):
+            overall = flags[key]
+    if isinstance(flags.get("ok"), bool):
+        overall = not flags["ok"]
+    flagged = bool(fired) if overall is None else (overall or bool(fired))
+    return flagged, fired
+
+
+def stats_title(
+    stats: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> str:
+    """The short line attached to a reply via Chatbot metadata, e.g.
+
+    "⏱ 12.3 tok/s · TTFT 0.21 s · 57 tokens".
+    """
+    stats = stats or {}
+    new_tokens = _finite(stats.get("new_tokens")) or 0
+    ttft = _finite(stats.get("ttft_s"))
+    if not done and ttft is None:
+        if stats.get("compiled"):
+            return "⏳ compiling for this prompt length…"
+        return "⏳ reading the prompt…"
+    parts = [
+        f"{fmt_num(stats.get('decode_tok_s'))} tok/s",
+        f"TTFT {fmt_num(ttft, 2)} s",
+        f"{int(new_tokens)} tokens",
+    ]
+    icon = "⏱"
+    if done and finish_reason == "cancelled":
+        icon, parts = "⏹", ["stopped", *parts]
+    elif done and finish_reason == "length":
+        parts.append("max tokens")
+    elif done and finish_reason == "context":
+        parts.append("context full")
+    elif done and finish_reason == "error":
+        icon = "⚠️ error ·"
+    if done and flags_summary(flags)[0]:
+        parts.append("⚠ flagged")
+    return f"{icon} " + " · ".join(parts)
+
+
+def _occupancy(stats: Mapping[str, Any]) -> str:
+    occ = stats.get("batch_occupancy")
+    if isinstance(occ, str):
+        return html.escape(occ)
+    f = _finite(occ)
+    if f is None:
+        return "—"
+    if f <= 1.0:
+        return f"{f * 100:.0f}% of the batch slots"
+    return f"{f:.2f}"
+
+
+def reply_panel_html(
+    stats: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+    notes: Sequence[str] = (),
+    mode: str | None = None,
+) -> str:
+    """The per-reply panel: timings, batching facts, compile wait and quality flags."""
+    stats = stats or {}
+    status = FINISH_TEXT.get(finish_reason, str(finish_reason)) if done else "streaming…"
+    compiled = stats.get("compiled")
+    if compiled is None:
+        compile_txt = "—"
+    elif compiled:
+        compile_txt = (
+            '<span style="color:#e65100"><b>yes</b> — this reply waited for an XLA compile '
+            "(first use of this shape)</span>"
+        )
+    else:
+        compile_txt = "no (warm)"
+    pf_tokens = fmt_int(stats.get("prefill_tokens"))
+    pf_ms = fmt_num(stats.get("prefill_ms"), 0)
+    pf_tps = fmt_num(stats.get("prefill_tok_s"))
+    bucket = fmt_int(stats.get("bucket"))
+    padding = fmt_int(stats.get("padding"))
+    rows = [
+        ("Status", html.escape(status) + (f" · mode: {html.escape(mode)}" if mode else "")),
+        (
+            "Time to first token",
+            f"<b>{fmt_num(stats.get('ttft_s'), 2, 's')}</b>"
+            + (
+                f" (of which queue wait {fmt_num(stats.get('queue_wait_s'), 2, 's')})"
+                if _finite(stats.get("queue_wait_s"))
+                else ""
+            ),
+        ),
+        ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)"),
+        ("Decode", f"<b>{fmt_num(stats.get('decode_tok_s'))} tok/s</b>"),
+        ("Tokens generated", fmt_int(stats.get("new_tokens"))),
+        ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
+        ("Batch occupancy", _occupancy(stats)),
+        ("Waited for a compile", compile_txt),
+        ("Elapsed", fmt_num(stats.get("elapsed_s"), 2, "s")),
+    ]
+    flagged, fired = flags_summary(flags)
+    if not done and not flags:
+        quality = '<span style="color:#757575">checked when the reply ends</span>'
+    elif flagged:
+        rules = "".join(f"<li>{html.escape(r)}</li>" for r in fired) or "<li>flagged</li>"
+        quality = (
+            '<div style="background:#ffebee;color:#b71c1c;border:1px solid #e57373;'
+            'border-radius:6px;padding:4px 8px"><b>⚠️ FLAGGED</b> — the reply looks degenerate:'
+            f'<ul style="margin:2px 0 0 0">{rules}</ul></div>'
+        )
+    else:
+        quality = (
+            '<span style="background:#e8f5e9;color:#1b5e20;border-radius:6px;padding:2px 8px">'
+            "<b>✅ ok</b> — no degeneracy rule fired</span>"
+        )
+    rows.append(("Quality flags", quality))
+    body = "".join(
+        f'<tr><td style="padding:2px 8px 2px 0;color:#616161;white-space:nowrap;'
+        f'vertical-align:top">{k}</td><td style="padding:2px 0">{v}</td></tr>'
+        for k, v in rows
+    )
+    notes_html = "".join(
+        f'<div style="color:#8d6e00">ℹ️ {html.escape(str(n))}</div>' for n in notes
+    )
+    return f'<div id="reply-stats"><table style="border:none">{body}</table>{notes_html}</div>'
+
+
+def empty_reply_panel_html() -> str:
+    return (
+        '<div id="reply-stats" style="color:#757575">Send a message: time to first token, '
+        "prefill and decode speed, batching and quality flags of the reply appear here while "
+        "it streams.</div>"
+    )
+
+
+# --------------------------------------------------------------------------- hardware panel
+
+
+def _is_choice(d: Mapping[str, Any]) -> bool:
+    return "reason" in d and any(k in d for k in ("value", "choice", "chosen", "selected"))
+
+
+def _choice_value(d: Mapping[str, Any]) -> Any:
+    for k in ("value", "choice", "chosen", "selected"):
+        if k in d:
+            return d[k]
+    return None
+
+
+def _md_value(key: str, val: Any) -> str:
+    if "bytes" in key.lower() and _finite(val) is not None:
+        return fmt_bytes(val)
+    if isinstance(val, float):
+        return f"{val:g}"
+    if isinstance(val, (list, tuple)) and all(not isinstance(v, (Mapping, list)) for v in val):
+        return ", ".join(f"`{v}`" for v in val) if val else "—"
+    return f"`{val}`"
+
+
+def _md_lines(obj: Any, depth: int = 0) -> list[str]:
+    pad = "  " * depth
+    lines: list[str] = []
+    if isinstance(obj, Mapping):
+        for key, val in obj.items():
+            label = str(key).replace("_", " ")
+            if isinstance(val, Mapping) and _is_choice(val):
+                lines.append(
+                    f"{pad}- **{label}**: `{_choice_value(val)}` — {val.get('reason')}"
+                )
+                extra = {
+                    k: v
+                    for k, v in val.items()
+                    if k not in ("reason", "value", "choice", "chosen", "selected")
+                }
+                if extra:
+                    lines += _md_lines(extra, depth + 1)
+            elif isinstance(val, Mapping):
+                lines.append(f"{pad}- **{label}**")
+                lines += _md_lines(val, depth + 1)
+            elif isinstance(val, (list, tuple)) and any(isinstance(v, (Mapping, list)) for v in val):
+                lines.append(f"{pad}- **{label}**")
+                for v in val:
+                    lines += _md_lines(v, depth + 1)
+            else:
+                lines.append(f"{pad}- **{label}**: {_md_value(str(key), val)}")
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            if isinstance(v, (Mapping, list, tuple)):
+                lines += _md_lines(v, depth)
+            else:
+                lines.append(f"{pad}- {v}")
+    else:
+        lines.append(f"{pad}- {obj}")
+    return lines
+
+
+def hardware_markdown(hardware: Mapping[str, Any] | None) -> str:
+    """The hardware report (facts, then each choice with its reason, then refusals)."""
+    if not hardware:
+        return "_The hardware report appears once the model has loaded._"
+    order = ["facts", "choices", "plan", "refusals", "warnings"]
+    keys = [k for k in order if k in hardware] + [k for k in hardware if k not in order]
+    out: list[str] = []
+    loose = {k: hardware[k] for k in keys if not isinstance(hardware[k], (Mapping, list, tuple))}
+    if loose:
+        out += _md_lines(loose)
+    for key in keys:
+        val = hardware[key]
+        if key in loose:
+            continue
+        out.append(f"\n**{str(key).replace('_', ' ').capitalize()}**\n")
+        if isinstance(val, (list, tuple)) and not val:
+            out.append("- none")
+        else:
+            out += _md_lines(val)
+    return "\n".join(out)
+
+
+def memory_markdown(memory: Mapping[str, Any] | None) -> str:
+    """Device memory in use (from the engine's `info()["memory"]`)."""
+    if not memory:
+        return "_Device memory: not reported._"
+    in_use = memory.get("bytes_in_use")
+    limit = memory.get("bytes_limit")
+    head = ""
+    if _finite(in_use) is not None and _finite(limit):
+        head = (
+            f"**Device memory in use:** {fmt_bytes(in_use)} of {fmt_bytes(limit)} "
+            f"({100 * float(in_use) / float(limit):.1f}%)\n\n"
+        )
+    return head + "\n".join(_md_lines(memory))
+
+
+# --------------------------------------------------------------------------- session panel
+
+
+def context_meter_html(used: int | None, limit: int | None, note: str = "") -> str:
+    """A bar: tokens used by the current conversation / the context limit."""
+    if not limit or used is None:
+        return (
+            '<div id="context-meter" style="color:#757575">Context window: — '
+            f"{html.escape(note)}</div>"
+        )
+    frac = max(0.0, float(used) / float(limit))
+    color = "#43a047" if frac < 0.7 else "#fb8c00" if frac < 0.9 else "#e53935"
+    width = min(frac, 1.0) * 100
+    return (
+        f'<div id="context-meter"><b>Context window:</b> {int(used):,} / {int(limit):,} tokens '
+        f"({frac * 100:.1f}%) <small>{html.escape(note)}</small>"
+        '<div style="height:8px;background:#eeeeee;border-radius:4px;margin-top:3px">'
+        f'<div style="height:8px;width:{width:.1f}%;background:{color};border-radius:4px"></div>'
+        "</div></div>"
+    )
+
+
+def queue_html(queue: Mapping[str, Any] | None) -> str:
+    """Engine load: active decode slots, waiting requests."""
+    if not queue:
+        return '<div id="queue-state" style="color:#757575">Engine queue: —</div>'
+    active = int(_finite(queue.get("active")) or 0)
+    waiting = int(_finite(queue.get("waiting")) or 0)
+    slots = int(_finite(queue.get("max_batch")) or 0)
+    busy = waiting > 0
+    color = "#e65100" if busy else "#424242"
+    msg = (
+        f"{waiting} request(s) waiting for a free slot — replies start when one frees up"
+        if busy
+        else "no one waiting"
+    )
+    return (
+        f'<div id="queue-state" style="color:{color}"><b>Engine:</b> {active} / {slots} '
+        f"decode slots busy · {msg}</div>"
+    )
+
+
+def session_rows_for_plot(replies: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """Columns (reply number, decode tok/s, TTFT s, tokens) for the session chart."""
+    cols: dict[str, list[Any]] = {"reply": [], "decode_tok_s": [], "ttft_s": [], "new_tokens": []}
+    for i, r in enumerate(replies, start=1):
+        cols["reply"].append(i)
+        cols["decode_tok_s"].append(_finite(r.get("decode_tok_s")) or 0.0)
+        cols["ttft_s"].append(_finite(r.get("ttft_s")) or 0.0)
+        cols["new_tokens"].append(int(_finite(r.get("new_tokens")) or 0))
+    return cols
+
+
+def session_summary_md(replies: Sequence[Mapping[str, Any]]) -> str:
+    if not replies:
+        return "_No replies yet in this session._"
+    tps = [f for f in (_finite(r.get("decode_tok_s")) for r in replies) if f]
+    ttft = [f for f in (_finite(r.get("ttft_s")) for r in replies) if f is not None]
+    toks = sum(int(_finite(r.get("new_tokens")) or 0) for r in replies)
+    flagged = sum(1 for r in replies if r.get("flagged"))
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return (
+        f"**{len(replies)} replies**, {toks:,} tokens · mean decode {fmt_num(mean(tps))} tok/s · "
+        f"mean TTFT {fmt_num(mean(ttft), 2)} s · flagged {flagged}"
+    )
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def clamp(value: Any, lo: float, hi: float, name: str, notes: list[str], *, integer=False):
+    """Clamp `value` into [lo, hi]; a note says what changed. Non-numbers raise ValueError."""
+    f = _finite(value)
+    if f is None:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    clamped = min(max(f, lo), hi)
+    if integer:
+        clamped = int(round(clamped))
+    if clamped != f:
+        notes.append(f"{name} {value!r} is outside [{lo:g}, {hi:g}]; using {clamped:g}.")
+    return clamped
