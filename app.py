@@ -128,10 +128,6 @@ def guess_is_base(model: str) -> bool:
 # --------------------------------------------------------------------------- the app
 
 
-def _notice(title: str, text: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": text, "metadata": {"title": title, "status": "done"}}
-
-
 def _plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(uf.session_rows_for_plot(replies))
 
@@ -231,8 +227,8 @@ class DemoApp:
         status = self.engine.status()
         if status.get("state") == "error":
             err = status.get("error") or status.get("message") or "unknown error"
-            yield ([*history, _notice(uf.LOAD_FAILED_TITLE, f"The model could not be loaded: "
-                                                            f"{err}")], gr.skip(), session)
+            yield ([*history, uf.notice_message(f"The model could not be loaded: {err}")],
+                   gr.skip(), session)
             return
 
         # 2. Settings (clamped with a warning) and the prompt.
@@ -248,7 +244,7 @@ class DemoApp:
             else:
                 prompt = user_text
         except (ValueError, self.RequestError) as e:
-            yield [*history, _notice(uf.NOTICE_TITLE, str(e))], gr.skip(), session
+            yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
 
         # 3. Stream. Closing this generator (Stop) runs `finally`, which closes the engine's
@@ -259,10 +255,8 @@ class DemoApp:
         last_yield = 0.0
         try:
             gen = self.engine.stream(prompt, params, mode=mode)
-            pending = {"role": "assistant", "content": "",
-                       "metadata": {"title": "⏳ waiting for a decode slot…", "status": "pending"}}
-            yield [*history, pending], uf.reply_panel_html({}, {}, done=False, notes=notes,
-                                                           mode=mode), session
+            yield ([*history, *uf.reply_messages("", {}, {}, done=False)],
+                   uf.reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in gen:
                 now = time.monotonic()
                 if not ev.done and now - last_yield < STREAM_INTERVAL_S:
@@ -273,22 +267,20 @@ class DemoApp:
                              new_tokens=stats.get("new_tokens"), stats=stats, flags=flags,
                              finish_reason=ev.finish_reason if ev.done else None,
                              flagged=uf.flags_summary(flags)[0] if ev.done else False)
-                title = uf.stats_title(stats, done=ev.done, finish_reason=ev.finish_reason,
-                                       flags=flags)
-                msg = {"role": "assistant", "content": ev.text,
-                       "metadata": {"title": title, "status": "done" if ev.done else "pending"}}
+                msgs = uf.reply_messages(ev.text, stats, flags, done=ev.done,
+                                         finish_reason=ev.finish_reason)
                 panel = uf.reply_panel_html(stats, flags, done=ev.done,
                                             finish_reason=ev.finish_reason, notes=notes, mode=mode)
-                yield [*history, msg], panel, session
+                yield [*history, *msgs], panel, session
         except self.RequestError as e:
             session["replies"].remove(reply)
-            yield [*history, _notice(uf.NOTICE_TITLE, str(e))], gr.skip(), session
+            yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
         except Exception as e:  # an engine failure must not take the app down or show a trace
             log.exception("generation failed")
             session["replies"].remove(reply)
-            yield ([*history, _notice("⚠️ Engine error", f"The engine failed on this request "
-                                      f"({type(e).__name__}: {e}). The app keeps serving — try "
-                                      "again, or clear the chat.")], gr.skip(), session)
+            yield ([*history, uf.notice_message(
+                f"The engine failed on this request ({type(e).__name__}: {e}). The app keeps "
+                "serving — try again, or clear the chat.")], gr.skip(), session)
         finally:
             if gen is not None:
                 gen.close()
@@ -325,13 +317,11 @@ class DemoApp:
         replies = [dict(r) for r in (session or {}).get("replies", [])]
         panel = gr.skip()
         if history and history[-1].get("role") == "assistant":
-            meta = dict(history[-1].get("metadata") or {})
-            if meta.get("status") == "pending":
+            meta = history[-1].get("metadata") or {}
+            if meta.get("title") and meta.get("status") == "pending":
                 stats = (replies[-1].get("stats") or {}) if replies else {}
                 flags = (replies[-1].get("flags") or {}) if replies else {}
-                meta.update(status="done", title=uf.stats_title(
-                    stats, done=True, finish_reason="cancelled", flags=flags))
-                history[-1] = {**history[-1], "metadata": meta}
+                history[-1] = uf.stats_message(stats, flags, done=True, finish_reason="cancelled")
                 if replies:
                     replies[-1]["finish_reason"] = "cancelled"
                 panel = uf.reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
@@ -470,12 +460,14 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     ),
                 )
                 with gr.Row():
-                    msg = gr.Textbox(show_label=False, scale=6, lines=1, max_lines=8,
+                    msg = gr.Textbox(show_label=False, scale=8, lines=1, max_lines=8,
                                      placeholder="Type a message and press Enter",
                                      elem_id="msg", autofocus=True)
-                    send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-                    stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, elem_id="stop")
-                    clear_btn = gr.Button("🗑 Clear", scale=1, elem_id="clear")
+                    send_btn = gr.Button("Send", variant="primary", scale=1, min_width=100,
+                                         elem_id="send")
+                    stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, min_width=100,
+                                         elem_id="stop")
+                    clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
                 mode = gr.Radio(["chat", "completion"], value=app.default_mode(), label="Mode",
                                 info="completion: the model continues your latest message as raw "
                                      "text (suits base models); chat: the whole conversation goes "
@@ -525,16 +517,15 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         after_inputs = [chatbot, system, mode, session]
         hidden = dict(api_visibility="undocumented")
 
-        def chain(trigger, *, api_name: str | None = None):
-            ev = trigger.then(app.respond, gen_inputs, gen_outputs, api_name=api_name,
-                              **engine_events) if api_name else trigger.then(
-                app.respond, gen_inputs, gen_outputs, **hidden, **engine_events)
-            ev.then(app.after_reply, after_inputs, after_outputs, queue=False, **hidden)
-            return ev
+        def chain(user_step, **api):
+            """user step (no queue) → streamed reply (engine slot) → meters and chart."""
+            reply = user_step.then(app.respond, gen_inputs, gen_outputs, **(api or hidden),
+                                   **engine_events)
+            reply.then(app.after_reply, after_inputs, after_outputs, queue=False, **hidden)
+            return reply
 
-        submitted = msg.submit(app.add_user_message, [msg, chatbot], [msg, chatbot], queue=False,
-                               api_name="add_message")
-        ev_submit = chain(submitted, api_name="respond")
+        ev_submit = chain(msg.submit(app.add_user_message, [msg, chatbot], [msg, chatbot],
+                                     queue=False, api_name="add_message"), api_name="respond")
         ev_send = chain(send_btn.click(app.add_user_message, [msg, chatbot], [msg, chatbot],
                                        queue=False, **hidden))
         ev_retry = chain(chatbot.retry(app.retry, [chatbot], [chatbot], queue=False, **hidden))

@@ -396,27 +396,41 @@ def _read_cache(folder: Path, names: list[str]) -> dict[str, np.ndarray] | None:
 
 
 class _CacheWriter:
-    """Writes dequantized tensors one by one into a temp folder, renamed into place at the end.
-    Any OS error (disk full, read-only home) just disables caching."""
+    """Writes dequantized tensors into a temp folder, renamed into place at the end.
+
+    Each write runs on a helper thread (np.save releases the GIL) while the next tensor is
+    dequantized; at most one write is pending, so at most one extra tensor is held in memory.
+    Any OS error (disk full, read-only home) just disables caching.
+    """
 
     def __init__(self, folder: Path, prefix: str):
-        self.folder, self.prefix, self.tmp = folder, prefix, None
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.folder, self.prefix, self.tmp, self.pending = folder, prefix, None, None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-cache")
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
         except OSError as exc:
             log.warning("not caching converted GGUF weights (%s)", exc)
 
+    def _wait(self) -> None:
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except OSError as exc:
+                log.warning("not caching converted GGUF weights (%s)", exc)
+                self.abort()
+            self.pending = None
+
     def add(self, name: str, arr: np.ndarray) -> None:
-        if self.tmp is None:
-            return
-        try:
-            np.save(self.tmp / _cache_file(name), arr)
-        except OSError as exc:
-            log.warning("not caching converted GGUF weights (%s)", exc)
-            self.abort()
+        self._wait()
+        if self.tmp is not None:
+            self.pending = self.pool.submit(np.save, self.tmp / _cache_file(name), arr)
 
     def finish(self, names: list[str], source: str) -> None:
+        self._wait()
+        self.pool.shutdown()
         if self.tmp is None:
             return
         try:
@@ -434,6 +448,14 @@ class _CacheWriter:
             self.abort()
 
     def abort(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            try:
+                self.pending.result()
+            except BaseException:
+                pass
+            self.pending = None
+        self.pool.shutdown()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None

@@ -12,12 +12,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-# Title prefix of an assistant message that is a notice from the app, not a model reply
-# ("your message was not sent because ..."). Notices and the user turn they answer are left
-# out of the conversation that is sent to the model.
-NOTICE_PREFIX = "⚠️"
-NOTICE_TITLE = "⚠️ Not sent to the model"
-LOAD_FAILED_TITLE = "⚠️ The model failed to load"
+# Assistant messages the app writes itself, as opposed to model text:
+# - a *notice* (a refusal or error: "not sent, because ..."), marked with metadata log "notice";
+#   it renders as a plain message, and it and the user turn it answers are left out of the
+#   conversation sent to the model, so a refused message does not poison the next request;
+# - a *stats* message after each reply, whose metadata title is the short stats line
+#   (Gradio renders a message with a metadata title as a collapsible block: the numbers stay
+#   with the reply in the history, the details fold away).
+NOTICE_LOG = "notice"
 
 FINISH_TEXT = {
     None: "streaming…",
@@ -89,19 +91,30 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
+def notice_message(text: str) -> dict[str, Any]:
+    """An assistant message from the app (not the model) explaining why nothing was generated."""
+    return {"role": "assistant", "content": f"⚠️ {text}",
+            "metadata": {"log": NOTICE_LOG, "status": "done"}}
+
+
 def is_notice(message: Mapping[str, Any]) -> bool:
-    """True for an assistant message that the app wrote (an error or refusal), not the model."""
-    if message.get("role") != "assistant":
-        return False
-    title = (message.get("metadata") or {}).get("title") or ""
-    return str(title).startswith(NOTICE_PREFIX)
+    """True for a notice written by `notice_message`."""
+    meta = message.get("metadata") or {}
+    return message.get("role") == "assistant" and meta.get("log") == NOTICE_LOG
+
+
+def is_app_message(message: Mapping[str, Any]) -> bool:
+    """True for assistant messages that are not model text (notices, stats, loading lines)."""
+    meta = message.get("metadata") or {}
+    return message.get("role") == "assistant" and bool(meta.get("title") or is_notice(message))
 
 
 def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
     """Gradio chat history → the engine's `[{"role", "content": str}]` conversation.
 
-    Notices and the user turn(s) they answered are dropped, so a refused message (too long,
-    engine error) does not poison the next request. Consecutive messages of one role are joined.
+    App messages (stats, loading lines) are dropped; so are notices and the user turn(s) they
+    answered, so a refused message (too long, engine error) does not poison the next request.
+    Consecutive messages of one role are joined.
     """
     items = list(history or [])
     keep = [True] * len(items)
@@ -115,14 +128,13 @@ def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, 
     out: list[dict[str, str]] = []
     for msg, k in zip(items, keep):
         role = msg.get("role")
-        if not k or role not in ("user", "assistant"):
+        if not k or role not in ("user", "assistant") or is_app_message(msg):
             continue
         text = message_text(msg.get("content"))
         if out and out[-1]["role"] == role:
             out[-1]["content"] += "\n\n" + text
         else:
             out.append({"role": role, "content": text})
-    # A conversation ends on the user's turn when the model is asked to answer.
     return out
 
 
@@ -327,6 +339,63 @@ def stats_title(
     if done and flags_summary(flags)[0]:
         parts.append("⚠ flagged")
     return f"{icon} " + " · ".join(parts)
+
+
+def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | None) -> str:
+    """The folded-away body of the stats message: prefill, bucket, batch, compile, quality."""
+    stats = stats or {}
+    parts = [
+        f"prefill {fmt_int(stats.get('prefill_tokens'))} tokens in "
+        f"{fmt_num(stats.get('prefill_ms'), 0)} ms ({fmt_num(stats.get('prefill_tok_s'))} tok/s)",
+        f"bucket {fmt_int(stats.get('bucket'))} (+{fmt_int(stats.get('padding'))} padding)",
+        f"batch occupancy {_occupancy_plain(stats)}",
+    ]
+    if stats.get("compiled"):
+        parts.append("waited for an XLA compile")
+    if flags:
+        flagged, fired = flags_summary(flags)
+        parts.append("quality: ⚠ " + "; ".join(fired or ["flagged"]) if flagged else "quality: ok")
+    return " · ".join(parts)
+
+
+def stats_message(
+    stats: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """The assistant message after a reply that carries its stats line (Chatbot metadata)."""
+    title = stats_title(stats, done=done, finish_reason=finish_reason, flags=flags)
+    return {
+        "role": "assistant",
+        "content": stats_details(stats, flags),
+        "metadata": {"title": title, "status": "done" if done else "pending"},
+    }
+
+
+def reply_messages(
+    text: str,
+    stats: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+) -> list[dict[str, Any]]:
+    """The reply as chat messages: the model's text (once there is some), then its stats."""
+    out: list[dict[str, Any]] = []
+    if text:
+        out.append({"role": "assistant", "content": text})
+    out.append(stats_message(stats, flags, done=done, finish_reason=finish_reason))
+    return out
+
+
+def _occupancy_plain(stats: Mapping[str, Any]) -> str:
+    occ = stats.get("batch_occupancy")
+    f = _finite(occ)
+    if f is None:
+        return str(occ) if isinstance(occ, str) else "—"
+    return f"{f * 100:.0f}%" if f <= 1.0 else f"{f:.2f}"
 
 
 def _occupancy(stats: Mapping[str, Any]) -> str:

@@ -93,16 +93,19 @@ def fuzz_cases(n: int = 120, seed: int = 1234) -> list[str]:
 
 
 def long_cases() -> list[str]:
-    """Two longer real texts: this script's own source and a paragraph of prose."""
-    with open(__file__, encoding="utf-8") as f:
-        own = f.read()
+    """Two longer real texts: a stdlib module's source (code, docstrings, indentation) and prose.
+    (Not this script's own source: it contains the control-looking strings above.)"""
+    import json.decoder
+
+    with open(json.decoder.__file__, encoding="utf-8") as f:
+        code = f.read()
     prose = (
         "It was a bright cold day in April, and the clocks were striking thirteen. "
         "The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
         "In 1969, Apollo 11 landed on the Moon — a “giant leap” for mankind (approx. 384,400 km away).\n\n"
         "Tokenizers split text into pieces: sub-words, bytes, and sometimes whole words."
     )
-    return [own, prose]
+    return [code, prose]
 
 
 def _dump(data: dict) -> str:

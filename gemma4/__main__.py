@@ -1,0 +1,5 @@
+import sys
+
+from gemma4.cli import main
+
+sys.exit(main())
