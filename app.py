@@ -32,6 +32,9 @@ log = logging.getLogger("gemma4.app")
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second: long replies must not flood the browser
 LOADING_POLL_S = 0.5
 SEED_RANDOM = -1
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.05, 1.0)
+PENALTY_RANGE = (1.0, 2.0)
 
 COMPLETION_EXAMPLES = [
     "The capital of France is",
@@ -137,11 +140,13 @@ class DemoApp:
 
     def __init__(self, engine: Any, settings: Settings):
         from gemma4.engine import RequestError, SamplingParams  # imports jax; loads nothing
+        from gemma4.sampling import K_MAX
 
         self.engine = engine
         self.settings = settings
         self.RequestError = RequestError
         self.SamplingParams = SamplingParams
+        self.top_k_max = K_MAX
 
     # ------------------------------------------------------------------ engine facts
 
@@ -167,25 +172,32 @@ class DemoApp:
     def default_mode(self) -> str:
         return "completion" if self.is_base() else "chat"
 
-    def params(self, temperature, top_p, top_k, max_new_tokens, seed, repetition_penalty=1.0):
-        """SamplingParams from UI/API values: clamped with notes; nonsense raises ValueError."""
-        notes: list[str] = []
-        defaults = self.default_sampling()
-        pick = lambda v, k: defaults[k] if v is None else v  # noqa: E731
-        cap = self.settings.max_new_tokens_cap
-        max_new = uf.clamp(pick(max_new_tokens, "max_new_tokens"), 1, cap, "max_new_tokens",
-                           notes, integer=True)
-        seed_v = None if seed is None or uf._finite(seed) is None or float(seed) < 0 else int(seed)
-        p = self.SamplingParams(
-            temperature=float(pick(temperature, "temperature")),
-            top_p=float(pick(top_p, "top_p")),
-            top_k=int(pick(top_k, "top_k")),
-            max_new_tokens=int(max_new),
-            seed=seed_v,
-            repetition_penalty=float(pick(repetition_penalty, "repetition_penalty")),
-        )
-        p, more = p.validated()
-        return p, notes + list(more)
+    def params(self, temperature, top_p, top_k, max_new_tokens, seed, repetition_penalty=None):
+        """SamplingParams from UI/API values, clamped into the UI's ranges with a note each.
+
+        Returns (params, notes, warnings): notes describe every adjustment (shown in the reply
+        panel); warnings are the ones worth a toast (a value was out of range). Values that are
+        not numbers raise ValueError with a message naming the field.
+        """
+        warnings: list[str] = []
+        d = self.default_sampling()
+        pick = lambda v, k: d[k] if v is None else v  # noqa: E731
+        max_new = uf.clamp(pick(max_new_tokens, "max_new_tokens"), 1,
+                           self.settings.max_new_tokens_cap, "max_new_tokens", warnings,
+                           integer=True)
+        temp = uf.clamp(pick(temperature, "temperature"), *TEMPERATURE_RANGE, "temperature",
+                        warnings)
+        top_p_v = uf.clamp(pick(top_p, "top_p"), *TOP_P_RANGE, "top_p", warnings)
+        top_k_v = uf.clamp(pick(top_k, "top_k"), 0, self.top_k_max, "top_k", warnings,
+                           integer=True)
+        penalty = uf.clamp(pick(repetition_penalty, "repetition_penalty"), *PENALTY_RANGE,
+                           "repetition_penalty", warnings)
+        seed_f = uf._finite(seed)
+        seed_v = None if seed_f is None or seed_f < 0 else int(seed_f)
+        p = self.SamplingParams(temperature=temp, top_p=top_p_v, top_k=top_k_v,
+                                max_new_tokens=max_new, seed=seed_v, repetition_penalty=penalty)
+        p, more = p.validated(self.settings.max_new_tokens_cap)
+        return p, warnings + list(more), warnings
 
     def _wait_ready(self) -> Iterator[dict[str, Any]]:
         """Yield the engine status while it loads/warms; returns when ready or failed."""
@@ -234,15 +246,13 @@ class DemoApp:
         # 2. Settings (clamped with a warning) and the prompt.
         mode = mode if mode in ("chat", "completion") else self.default_mode()
         try:
-            params, notes = self.params(temperature, top_p, top_k, max_new_tokens, seed,
-                                        repetition_penalty)
-            for n in notes:
-                gr.Warning(n)
-            if mode == "chat":
-                prompt = self.engine.render_chat(uf.history_to_messages(history),
-                                                 (system or "").strip() or None)
-            else:
-                prompt = user_text
+            params, notes, warnings = self.params(temperature, top_p, top_k, max_new_tokens,
+                                                  seed, repetition_penalty)
+            for w in warnings:
+                gr.Warning(w)
+            # chat: the conversation as messages (the engine renders the template and drops
+            # the oldest turns if it outgrows the context); completion: the latest text only.
+            prompt = uf.history_to_messages(history) if mode == "chat" else user_text
         except (ValueError, self.RequestError) as e:
             yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
@@ -254,7 +264,8 @@ class DemoApp:
         gen = None
         last_yield = 0.0
         try:
-            gen = self.engine.stream(prompt, params, mode=mode)
+            gen = self.engine.stream(prompt, params, mode=mode,
+                                     system=(system or "").strip() or None)
             yield ([*history, *uf.reply_messages("", {}, {}, done=False)],
                    uf.reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in gen:
@@ -263,6 +274,11 @@ class DemoApp:
                     continue
                 last_yield = now
                 stats, flags = dict(ev.stats or {}), dict(ev.flags or {})
+                if ev.done:  # the engine's own adjustments (e.g. old turns dropped)
+                    for n in stats.get("notes") or ():
+                        if n not in notes:
+                            notes.append(n)
+                            gr.Warning(n)
                 reply.update(decode_tok_s=stats.get("decode_tok_s"), ttft_s=stats.get("ttft_s"),
                              new_tokens=stats.get("new_tokens"), stats=stats, flags=flags,
                              finish_reason=ev.finish_reason if ev.done else None,
@@ -359,14 +375,15 @@ class DemoApp:
             controls = [gr.update(value=self.default_mode()), gr.update(value=d["temperature"]),
                         gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
                         gr.update(value=d["max_new_tokens"]),
-                        gr.update(value=d.get("repetition_penalty", 1.0))]
+                        gr.update(value=d["repetition_penalty"])]
         return (uf.status_html(status), banner, uf.queue_html(queue), *controls, seen)
 
     def hardware_panel(self):
         info = self.info()
         if not info:
             return "_The hardware report appears once the model has loaded._", ""
-        return uf.hardware_markdown(info.get("hardware")), uf.memory_markdown(info.get("memory"))
+        memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
+        return uf.hardware_markdown(info.get("hardware")), uf.memory_markdown(memory)
 
     # ------------------------------------------------------------------ API for programs
 
@@ -392,18 +409,14 @@ class DemoApp:
             raise gr.Error(f"The model failed to load: {status.get('error')}")
         mode = self.default_mode() if mode == "auto" else mode
         try:
-            params, notes = self.params(temperature, top_p, top_k, max_new_tokens, seed)
-            if mode == "chat":
-                prompt_in = self.engine.render_chat([{"role": "user", "content": prompt}],
-                                                    (system or "").strip() or None)
-            else:
-                prompt_in = prompt
+            params, notes, _ = self.params(temperature, top_p, top_k, max_new_tokens, seed)
         except (ValueError, self.RequestError) as e:
             raise gr.Error(str(e)) from None
         model = self.settings.model
         gen = None
         try:
-            gen = self.engine.stream(prompt_in, params, mode=mode)
+            gen = self.engine.stream(prompt, params, mode=mode,
+                                     system=(system or "").strip() or None)
             last_yield = 0.0
             for ev in gen:
                 now = time.monotonic()
@@ -412,10 +425,12 @@ class DemoApp:
                 last_yield = now
                 flags = dict(ev.flags or {})
                 flagged, fired = uf.flags_summary(flags)
-                yield {"text": ev.text, "stats": dict(ev.stats or {}), "flags": flags,
+                stats = dict(ev.stats or {})
+                all_notes = notes + [n for n in stats.get("notes") or () if n not in notes]
+                yield {"text": ev.text, "stats": stats, "flags": flags,
                        "flagged": flagged, "fired_rules": fired,
                        "finish_reason": ev.finish_reason, "done": bool(ev.done), "mode": mode,
-                       "model": model, "notes": notes}
+                       "model": model, "notes": all_notes}
         except self.RequestError as e:
             raise gr.Error(str(e)) from None
         except gr.Error:
@@ -445,7 +460,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
     engine_events = dict(concurrency_limit=settings.max_users, concurrency_id="engine")
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
-        gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality for every reply")
+        gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
         banner = gr.HTML(uf.model_banner_html(app.info(), settings.model), elem_id="model-banner")
         status_box = gr.HTML(uf.status_html(engine.status()), elem_id="engine-status")
         with gr.Row():
@@ -460,7 +475,8 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     ),
                 )
                 with gr.Row():
-                    msg = gr.Textbox(show_label=False, scale=8, lines=1, max_lines=8,
+                    msg = gr.Textbox(label="Message", show_label=False, scale=8, lines=1,
+                                     max_lines=8,
                                      placeholder="Type a message and press Enter",
                                      elem_id="msg", autofocus=True)
                     send_btn = gr.Button("Send", variant="primary", scale=1, min_width=100,
@@ -469,6 +485,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
                 mode = gr.Radio(["chat", "completion"], value=app.default_mode(), label="Mode",
+                                elem_id="mode",
                                 info="completion: the model continues your latest message as raw "
                                      "text (suits base models); chat: the whole conversation goes "
                                      "through the chat template.")
@@ -476,22 +493,26 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                             label="Examples (click one, then press Enter)")
             with gr.Column(scale=2):
                 gr.Markdown("### This reply")
-                reply_panel = gr.HTML(uf.empty_reply_panel_html())
+                reply_panel = gr.HTML(uf.empty_reply_panel_html(), elem_id="reply-panel")
                 with gr.Tabs():
                     with gr.Tab("Settings"):
                         system = gr.Textbox(label="System prompt (chat mode)", lines=2,
                                             placeholder="You are a helpful assistant.")
-                        temperature = gr.Slider(0.0, 2.0, value=d["temperature"], step=0.05,
-                                                label="Temperature (0 = greedy)")
-                        top_p = gr.Slider(0.0, 1.0, value=d["top_p"], step=0.01, label="Top-p")
-                        top_k = gr.Slider(1, 256, value=d["top_k"], step=1, label="Top-k")
+                        temperature = gr.Slider(*TEMPERATURE_RANGE, value=d["temperature"],
+                                                step=0.05, label="Temperature (0 = greedy)",
+                                                elem_id="temperature")
+                        top_p = gr.Slider(*TOP_P_RANGE, value=d["top_p"], step=0.01,
+                                          label="Top-p", elem_id="top-p")
+                        top_k = gr.Slider(0, app.top_k_max, value=d["top_k"], step=1,
+                                          label="Top-k (0 = no limit)", elem_id="top-k")
                         max_new = gr.Slider(1, settings.max_new_tokens_cap,
                                             value=d["max_new_tokens"], step=1,
-                                            label="Max new tokens")
-                        rep_pen = gr.Slider(1.0, 2.0, value=d.get("repetition_penalty", 1.0),
-                                            step=0.05, label="Repetition penalty")
+                                            label="Max new tokens", elem_id="max-new-tokens")
+                        rep_pen = gr.Slider(*PENALTY_RANGE, value=d["repetition_penalty"],
+                                            step=0.05, label="Repetition penalty (1 = off)",
+                                            elem_id="repetition-penalty")
                         seed = gr.Number(value=SEED_RANDOM, precision=0,
-                                         label="Seed (-1 = random each time)")
+                                         label="Seed (-1 = random each time)", elem_id="seed")
                     with gr.Tab("Session"):
                         context_meter = gr.HTML(uf.context_meter_html(None, None))
                         queue_box = gr.HTML(uf.queue_html(None))
@@ -499,10 +520,13 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                         empty = _plot_frame([])
                         plot_tps = gr.LinePlot(empty, x="reply", y="decode_tok_s",
                                                title="Decode speed per reply", x_title="reply #",
-                                               y_title="tok/s", height=200)
+                                               y_title="tok/s", x_axis_format="d",
+                                               y_axis_format=".1f", height=200)
                         plot_ttft = gr.LinePlot(empty, x="reply", y="ttft_s",
                                                 title="Time to first token per reply",
-                                                x_title="reply #", y_title="seconds", height=200)
+                                                x_title="reply #", y_title="seconds",
+                                                x_axis_format="d", y_axis_format=".2f",
+                                                height=200)
                     with gr.Tab("Hardware"):
                         hw_md = gr.Markdown("_The hardware report appears once the model has "
                                             "loaded._")
@@ -574,7 +598,8 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks:
     settings = parse_settings(argv)
     log.info("starting with %s", settings)
     engine = get_engine(model=settings.model, max_batch=settings.max_users,
-                        context_limit=settings.context)  # returns at once; loads in background
+                        context_limit=settings.context,
+                        max_new_tokens_cap=settings.max_new_tokens_cap)  # loads in background
     demo = build_demo(engine, settings)
     demo.launch(server_name=settings.host, server_port=settings.port, share=settings.share,
                 prevent_thread_lock=not block, css=CSS, footer_links=["api", "gradio"])

@@ -134,7 +134,15 @@ def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float
             value = 1.0 + value  # params hold the effective scale
         return jnp.asarray(value.astype(np.float32), dtype=leaf_dtype(spec, weight_dtype))
 
-    return jax.tree.map(make, param_specs(cfg), is_leaf=is_leaf_spec)
+    params = jax.tree.map(make, param_specs(cfg), is_leaf=is_leaf_spec)
+    if not cfg.norm_offset:
+        # Gemma 4 attends with scale 1.0; unit q/k norm scales would make random attention logits
+        # of std sqrt(d) — a chaotic net that turns rounding into large output changes.
+        for lp in params["layers"]:
+            for name in ("q_norm", "k_norm"):
+                if name in lp:
+                    lp[name] = lp[name] * 0.5
+    return params
 
 
 def count_bytes(params: Any) -> int:

@@ -51,6 +51,9 @@ class QuantArray:
 
     q: jax.Array  # int8 [out, in]
     scale: jax.Array  # float32 [out]
+    # rows dequantized per step in `linear`: None = auto (chunked on CPU, see auto_chunk_rows),
+    # 0 = dequantize the whole weight then one dot
+    chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -80,7 +83,7 @@ class Int4Array:
     `kernel` chooses the matmul path: "xla" (dequantize + dot, fused by XLA), "pallas" (the fused
     Pallas kernel, compiled for the current GPU/TPU) or "pallas-interpret" (the same kernel run by
     the Pallas interpreter — slow, for tests on CPU). `block` = (block_m, block_n, block_k) for the
-    kernel, or None for its defaults.
+    kernel, or None for its defaults. `chunk_rows` applies to the "xla" path (see QuantArray).
     """
 
     packed: jax.Array  # uint8 [out, in/2]
@@ -88,6 +91,7 @@ class Int4Array:
     group_size: int = dataclasses.field(default=64, metadata=dict(static=True))
     kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
     block: tuple[int, int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # as QuantArray
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -223,6 +227,70 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+# XLA:CPU (jax 0.10.2) does NOT fuse a convert into a dot: `dot(x, q.astype(f32))` first writes
+# the whole dequantized f32 weight to memory (5 bytes of traffic per int8 weight, 10× slower than a
+# float32 matvec at the LM-head shape). Dequantizing `chunk_rows` output rows at a time inside a
+# `lax.map` keeps each dequantized chunk in cache, so the weights stream once as int8/int4.
+# Measured (bench/cpu_dtype.py and a sweep of chunk sizes): 0.3–1.3 M-element chunks (512–2048
+# rows at in=640, 512 rows at in=1536) are the sweet spot on a 2-core Zen 4.
+CHUNK_TARGET_ELEMENTS = 1 << 20
+
+
+def auto_chunk_rows(n_out: int, n_in: int, backend: str | None = None) -> int:
+    """Rows per dequantize step for `linear` on `backend` (0 = one dequantize, one dot).
+
+    GPUs and TPUs fuse the dequantization into the matmul, so they get 0; on CPU a power of two
+    near CHUNK_TARGET_ELEMENTS / n_in, or 0 when the whole weight is small enough to stay in cache.
+    """
+    backend = backend or jax.default_backend()
+    if backend != "cpu" or n_out * n_in <= 2 * CHUNK_TARGET_ELEMENTS:
+        return 0
+    rows = 1 << max(3, int(np.floor(np.log2(max(1, CHUNK_TARGET_ELEMENTS // n_in)))))
+    return rows if rows < n_out else 0
+
+
+def _chunked(x2: jax.Array, n_out: int, rows: int, parts: tuple, dequant) -> jax.Array:
+    """y [M, n_out] = x2 · dequant(parts)ᵀ, dequantizing `rows` output rows per step.
+
+    parts: arrays whose leading axis is n_out; dequant(*slices) → [r, in] in x2.dtype.
+    """
+    n_full = (n_out // rows) * rows
+    stacked = tuple(p[:n_full].reshape(n_full // rows, rows, *p.shape[1:]) for p in parts)
+    ys = jax.lax.map(lambda ps: _dot(x2, dequant(*ps)), stacked)  # [c, M, rows]
+    y = jnp.moveaxis(ys, 0, 1).reshape(x2.shape[0], n_full)
+    if n_full < n_out:
+        y = jnp.concatenate([y, _dot(x2, dequant(*(p[n_full:] for p in parts)))], axis=-1)
+    return y
+
+
+def _int8_linear(x: jax.Array, w: "QuantArray") -> jax.Array:
+    n_out, n_in = w.q.shape
+    rows = w.chunk_rows if w.chunk_rows is not None else auto_chunk_rows(n_out, n_in)
+    if not rows:
+        return _dot(x, w.q.astype(x.dtype)) * w.scale
+    x2 = x.reshape(-1, n_in)
+    y = _chunked(x2, n_out, rows, (w.q,), lambda q: q.astype(x.dtype)) * w.scale
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def _int4_linear(x: jax.Array, w: "Int4Array") -> jax.Array:
+    n_out, n_in = w.shape
+    if w.kernel != "xla":
+        from gemma4.kernels.int4_matmul import int4_matmul  # noqa: PLC0415 (optional path)
+
+        bm, bn, bk = w.block or (None, None, None)
+        y = int4_matmul(x.reshape(-1, n_in), w.packed, w.scale, w.group_size, block_m=bm, block_n=bn,
+                        block_k=bk, interpret=(w.kernel == "pallas-interpret"), out_dtype=jnp.float32)
+        return y.reshape(*x.shape[:-1], n_out)
+    rows = w.chunk_rows if w.chunk_rows is not None else auto_chunk_rows(n_out, n_in)
+    if not rows:
+        return _dot(x, w.dequantize(x.dtype))
+    x2 = x.reshape(-1, n_in)
+    y = _chunked(x2, n_out, rows, (w.packed, w.scale),
+                 lambda p, s: _dequant_int4(p, s, w.group_size, x.dtype))
+    return y.reshape(*x.shape[:-1], n_out)
+
+
 def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     """x [..., in] · Wᵀ → [..., out] in `out_dtype` (default x.dtype), accumulated in float32.
 
@@ -230,19 +298,9 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if isinstance(w, QuantArray):
-        y = _dot(x, w.q.astype(x.dtype)) * w.scale
+        y = _int8_linear(x, w)
     elif isinstance(w, Int4Array):
-        if w.kernel == "xla":
-            y = _dot(x, w.dequantize(x.dtype))
-        else:
-            from gemma4.kernels.int4_matmul import int4_matmul  # noqa: PLC0415 (optional path)
-
-            lead = x.shape[:-1]
-            bm, bn, bk = w.block or (None, None, None)
-            y = int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale, w.group_size,
-                            block_m=bm, block_n=bn, block_k=bk,
-                            interpret=(w.kernel == "pallas-interpret"), out_dtype=jnp.float32)
-            y = y.reshape(*lead, y.shape[-1])
+        y = _int4_linear(x, w)
     else:
         y = _dot(x, w.astype(x.dtype))
     return y.astype(out_dtype)

@@ -56,6 +56,8 @@ _CONTROL_LOOKING = re.compile(
     r"|<(?:bos|eos|pad|unk|mask)>|<unused\d+>|\[multimodal\])$"
 )
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# Substrings of template output that may be control tokens (checked against the vocabulary).
+_SPECIAL_CANDIDATE = re.compile(r"<[^<>\s]{1,64}>|\[[a-z_]{1,32}\]")
 _SPACE = "\u2581"  # "▁", SentencePiece's escaped space
 
 # Bump when the GGUF → SentencePiece conversion changes, so stale cached .model files are ignored.
@@ -426,6 +428,20 @@ class Tokenizer:
             pos = m.end()
         out += self._encode_plain(text[pos:])
         return out
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Ids of *trusted* text (a rendered chat template) in which control-token strings such
+        as "<start_of_turn>" ARE control tokens. Never use this on user text; use `encode`."""
+        out: list[int] = []
+        pos = 0
+        for m in _SPECIAL_CANDIDATE.finditer(text):
+            cid = self._control_by_piece.get(m.group(0))
+            if cid is None:
+                continue
+            out += self._encode_plain(text[pos:m.start()])
+            out.append(cid)
+            pos = m.end()
+        return out + self._encode_plain(text[pos:])
 
     def _bytes_of(self, text: str) -> list[int]:
         inv = {b: i for i, b in self._b.byte_ids.items()}

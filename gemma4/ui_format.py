@@ -217,7 +217,7 @@ def status_html(status: Mapping[str, Any]) -> str:
 
 
 def model_banner_html(info: Mapping[str, Any] | None, fallback_name: str = "") -> str:
-    """Which model is loaded, from where, base or instruction-tuned; loud when weights are random."""
+    """Which model, from where, base or instruction-tuned; loud when the weights are random."""
     if not info:
         name = html.escape(fallback_name or "model")
         return (
@@ -272,10 +272,17 @@ def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
         return False, []
     fired: list[str] = []
     meta = {"ok", "flagged", "degenerate", "any", "fired", "rules", "reasons", "details", "checked"}
+    details = flags.get("details") if isinstance(flags.get("details"), Mapping) else {}
+
+    def named(rule: str) -> str:  # "ngram_loop" + its explanation → "ngram loop: ..."
+        why = details.get(rule)
+        label = rule.replace("_", " ")
+        return f"{label}: {why}" if why else label
+
     for key in ("fired", "rules", "reasons"):
         val = flags.get(key)
         if isinstance(val, str) and val:
-            fired.append(val)
+            fired.append(named(val))
         elif isinstance(val, (list, tuple)):
             for item in val:
                 if isinstance(item, Mapping):
@@ -283,7 +290,7 @@ def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
                     why = item.get("reason") or item.get("detail")
                     fired.append(f"{label}: {why}" if why else str(label))
                 else:
-                    fired.append(str(item))
+                    fired.append(named(str(item)))
     for key, val in flags.items():
         if key in meta:
             continue
@@ -354,7 +361,8 @@ def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | No
         parts.append("waited for an XLA compile")
     if flags:
         flagged, fired = flags_summary(flags)
-        parts.append("quality: ⚠ " + "; ".join(fired or ["flagged"]) if flagged else "quality: ok")
+        parts.append("quality: ⚠ " + "; ".join(fired or ["flagged"]) if flagged
+                     else "quality: ok")
     return " · ".join(parts)
 
 
@@ -463,7 +471,8 @@ def reply_panel_html(
         rules = "".join(f"<li>{html.escape(r)}</li>" for r in fired) or "<li>flagged</li>"
         quality = (
             '<div style="background:#ffebee;color:#b71c1c;border:1px solid #e57373;'
-            'border-radius:6px;padding:4px 8px"><b>⚠️ FLAGGED</b> — the reply looks degenerate:'
+            'border-radius:6px;padding:4px 8px"><b>⚠️ FLAGGED</b> — '
+            "the reply looks degenerate:"
             f'<ul style="margin:2px 0 0 0">{rules}</ul></div>'
         )
     else:
@@ -535,7 +544,9 @@ def _md_lines(obj: Any, depth: int = 0) -> list[str]:
             elif isinstance(val, Mapping):
                 lines.append(f"{pad}- **{label}**")
                 lines += _md_lines(val, depth + 1)
-            elif isinstance(val, (list, tuple)) and any(isinstance(v, (Mapping, list)) for v in val):
+            elif isinstance(val, (list, tuple)) and any(
+                isinstance(v, (Mapping, list)) for v in val
+            ):
                 lines.append(f"{pad}- **{label}**")
                 for v in val:
                     lines += _md_lines(v, depth + 1)
@@ -578,14 +589,16 @@ def memory_markdown(memory: Mapping[str, Any] | None) -> str:
     """Device memory in use (from the engine's `info()["memory"]`)."""
     if not memory:
         return "_Device memory: not reported._"
-    in_use = memory.get("bytes_in_use")
-    limit = memory.get("bytes_limit")
+    in_use = memory.get("bytes_in_use", memory.get("device_bytes_in_use"))
+    limit = memory.get("bytes_limit", memory.get("device_bytes_limit"))
     head = ""
     if _finite(in_use) is not None and _finite(limit):
         head = (
             f"**Device memory in use:** {fmt_bytes(in_use)} of {fmt_bytes(limit)} "
             f"({100 * float(in_use) / float(limit):.1f}%)\n\n"
         )
+    if not head and _finite(in_use) is not None:
+        head = f"**Device memory in use:** {fmt_bytes(in_use)}\n\n"
     return head + "\n".join(_md_lines(memory))
 
 

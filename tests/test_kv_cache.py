@@ -124,21 +124,24 @@ def test_batched_equals_alone():
     assert together == alone
 
 
-def test_int8_kv_close_to_native():
-    """int8 KV (per position/head scales) stays within a stated logit tolerance of fp32 KV."""
+@pytest.mark.parametrize("variant", ["gemma3-270m", "e2b"])
+def test_int8_kv_close_to_native(variant):
+    """int8 KV (per position/head scales) stays within 5% of the logit range of fp32 KV and keeps
+    the argmax, on a 30-token prompt (ring wrapped) plus one cached decode step."""
+    cfg = tiny(variant)
+    params = random_params(cfg, seed=2, scale=0.05)
     prompt = _prompt(5, 30)
-    caches = {}
+    out = {}
     for fmt in ("native", "int8"):
-        cache = kv_cache.init_cache(CFG, 1, MAX_LEN, jnp.float32, fmt)
+        cache = kv_cache.init_cache(cfg, 1, MAX_LEN, jnp.float32, fmt)
         toks = np.zeros((1, 32), np.int32)
         toks[0, :30] = prompt
         pos = np.where(np.arange(32) < 30, np.arange(32), -1)[None].astype(np.int32)
-        _, cache, _ = M.forward(PARAMS, CFG, jnp.asarray(toks), jnp.asarray(pos), cache)
-        step = M.forward(PARAMS, CFG, jnp.asarray([[prompt[-1]]]), jnp.asarray([[30]]), cache)[0]
-        caches[fmt] = np.asarray(step)
-    rel = np.max(np.abs(caches["int8"] - caches["native"])) / np.max(np.abs(caches["native"]))
-    assert rel < 0.02, f"int8 KV moved logits by {rel:.3%} of their range"
-    assert np.argmax(caches["int8"]) == np.argmax(caches["native"])
+        _, cache, _ = M.forward(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
+        out[fmt] = np.asarray(M.forward(params, cfg, jnp.asarray([[prompt[-1]]]), jnp.asarray([[30]]), cache)[0])
+    rel = np.max(np.abs(out["int8"] - out["native"])) / np.max(np.abs(out["native"]))
+    assert rel < 0.05, f"int8 KV moved logits by {rel:.3%} of their range"
+    assert np.argmax(out["int8"]) == np.argmax(out["native"])
 
 
 def test_cache_slots_hold_only_real_positions():

@@ -63,7 +63,8 @@ def test_gguf_ids_match_reference(tok, ref):
         ids = tok.encode(case["text"])
         if LONG_SPACE_RUN.search(case["text"]):
             long_runs += 1
-            assert _split_whitespace_runs(tok, ids) == _split_whitespace_runs(tok, case["ids"]), case["text"][:80]
+            ours, theirs = _split_whitespace_runs(tok, ids), _split_whitespace_runs(tok, case["ids"])
+            assert ours == theirs, case["text"][:80]
         else:
             assert ids == case["ids"], case["text"][:80]
             exact += 1
@@ -83,7 +84,8 @@ def test_bos_and_ids(tok, ref):
         assert case["ids"][0] == 2
     assert tok.encode("") == [] and tok.encode("", add_bos=True) == [2]
     # The documented greedy reference continuation of the bundled model starts with these ids.
-    assert tok.encode(" the capital of the country of France.") == [506, 5279, 529, 506, 2891, 529, 7001, 236761]
+    expected = [506, 5279, 529, 506, 2891, 529, 7001, 236761]
+    assert tok.encode(" the capital of the country of France.") == expected
 
 
 def test_control_looking_text_stays_plain(tok, ref):
@@ -128,6 +130,15 @@ def test_cache_hit(gguf_path, cache_dir, tok):
     assert again.control_ids == tok.control_ids
 
 
+def test_from_folder_with_gguf(tmp_path, gguf_path, cache_dir, tok):
+    (tmp_path / os.path.basename(gguf_path)).symlink_to(gguf_path)
+    t = Tokenizer.from_folder(tmp_path, cache_dir=cache_dir)  # same real file → cache hit
+    assert t.encode("x = 1\n") == tok.encode("x = 1\n")
+    with pytest.raises(FileNotFoundError, match="no tokenizer.model or tokenizer.json"):
+        (tmp_path / "empty").mkdir()
+        Tokenizer.from_folder(tmp_path / "empty")
+
+
 def test_incremental_decoder_bytes(tok):
     byte_id = {b: tok.special_id(f"<0x{b:02X}>") for b in range(256)}
     dec = IncrementalDecoder(tok)
@@ -150,7 +161,15 @@ def test_incremental_matches_decode(tok, ref):
 
 
 def test_from_folder_with_tokenizer_model(tmp_path, gguf_path, tok):
-    (tmp_path / "tokenizer.model").write_bytes(gguf_to_spm_proto(read_gguf_metadata(gguf_path)))
+    import sentencepiece as spm
+
+    proto = gguf_to_spm_proto(read_gguf_metadata(gguf_path))
+    # The protobuf itself says BOS = 2: SentencePiece's own add_bos prepends it.
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(proto)
+    assert sp.encode("The capital", add_bos=True) == [2, 818, 5279]
+    assert (sp.bos_id(), sp.eos_id(), sp.pad_id(), sp.unk_id()) == (2, 1, 0, 3)
+    (tmp_path / "tokenizer.model").write_bytes(proto)
     t = Tokenizer.from_folder(tmp_path)
     assert t.encode("a  b\tc 123", add_bos=True) == tok.encode("a  b\tc 123", add_bos=True)
 
