@@ -77,7 +77,8 @@ def measure_read_bandwidth(threads: int = 2, size_mib: int = 512, repeats: int =
         raise RuntimeError(f"bandwidth probe summed to {checksum}, expected {n}")
     best, median = min(times), float(np.median(times))
     return {
-        "method": method, "threads": threads, "size_mib": size_mib, "repeats": repeats,
+        "method": method, "threads": threads if method == "numpy" else "xla default",
+        "size_mib": size_mib, "repeats": repeats,
         "gbps": nbytes / best / 1e9, "gbps_median": nbytes / median / 1e9,
     }
 

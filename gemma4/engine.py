@@ -221,21 +221,22 @@ class Engine:
         t0 = time.perf_counter()
         source = sources.resolve(self.model_name)
         self._set_status("loading", 0.02, f"resolving {source.description}")
-        facts = hardware.probe()
-        # The plan is made for the config, which we only know after resolving: load config first.
-        cfg_guess = sources.peek_config(source) if hasattr(sources, "peek_config") else None
-        plan = hardware.policy(facts, cfg_guess, self.overrides)
+        # The plan depends on the geometry (head dims → attention path): peek at the config first.
+        plan, report = hardware.resolve(sources.peek_config(source), self.overrides)
+        if report.get("self_test") and not report["self_test"]["ok"]:
+            raise RuntimeError(f"device self-test failed: {report['self_test']}")
+        log.info("hardware plan:\n%s", plan.report())
+        plan.apply_jax_config()
         options = plan.run_options()
-        weight_dtype = jnp.dtype(plan.weight_dtype.value if hasattr(plan.weight_dtype, "value") else plan.weight_dtype)
 
         def progress(frac: float, msg: str) -> None:
             self._set_status("loading", 0.05 + 0.6 * frac, msg)
 
-        cfg, params, tok_spec = sources.load(source, weight_dtype, progress=progress)
-        mode = plan.weights.value if hasattr(plan, "weights") else "none"
-        if mode and mode != "none":
+        cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress)
+        mode = plan.weights.value
+        if mode != "none":
             self._set_status("loading", 0.7, f"quantizing weights to {mode}")
-            params = quant.quantize_params(params, cfg, mode)
+            params = quant.quantize_params(params, cfg, **plan.quantize_kwargs())
         self._set_status("loading", 0.75, "loading tokenizer")
         self.tokenizer = _make_tokenizer(tok_spec, cfg)
         self.cfg: ModelConfig = cfg
@@ -244,13 +245,12 @@ class Engine:
         self.plan = plan
         limit = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
         self.context_limit = int(min(limit, cfg.max_position_embeddings))
-        self.kv_format = plan.kv_format.value if hasattr(plan, "kv_format") else "native"
+        self.kv_format = plan.kv_cache.value
         self.cache = kv_cache.init_cache(cfg, self.max_batch, self.context_limit, options.dtype, self.kv_format)
         self._prefill = jax.jit(functools.partial(_prefill_step, cfg=cfg, options=options), donate_argnums=(1,))
         self._decode = {w: jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w),
                                    donate_argnums=(1,)) for w in self.widths}
         self._row_state = np.full((self.max_batch,), -1, np.int64)
-        report = hardware.full_report(cfg, self.overrides) if hasattr(hardware, "full_report") else plan.to_dict()
         self._info = {
             "model": cfg.name, "source": source.kind, "description": source.description,
             "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
@@ -455,12 +455,18 @@ class Engine:
 
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             messages = [m for m in prompt]
+            if not str(messages[-1].get("content", "")).strip():
+                raise RequestError("The message is empty — type something first.")
             ids = self.render_chat(messages, system)
-            # Context rule: drop the oldest turns (never the last user message) until it fits.
-            while len(ids) > self.context_limit - 1 and len(messages) > 1:
-                messages = messages[2:] if len(messages) > 2 else messages[1:]
+            # Context rule: drop the oldest turns (never the last user message) until it fits,
+            # keeping room for a reply of at least 1/8 of the window.
+            dropped = 0
+            while len(ids) > self.context_limit * 7 // 8 and len(messages) > 1:
+                cut = 2 if len(messages) > 2 else 1
+                messages, dropped = messages[cut:], dropped + cut
                 ids = self.render_chat(messages, system)
-                notes.append("oldest turns were dropped to fit the context window")
+            if dropped:
+                notes.append(f"the {dropped} oldest message(s) were dropped to fit the context window")
             return ids
         if isinstance(prompt, (list, tuple)):
             return [int(t) for t in prompt]
@@ -473,6 +479,10 @@ class Engine:
         if mode != "completion":
             raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
         return chat.render_completion(prompt, self.tokenizer)
+
+    def encode_prompt(self, prompt: Any, mode: str = "completion", system: str | None = None) -> list[int]:
+        """The token ids a request with this prompt would be given (no queueing)."""
+        return self._prompt_ids(prompt, mode, system, [])
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
                system: str | None = None) -> _Request:
@@ -610,8 +620,9 @@ def _make_tokenizer(spec: dict, cfg: ModelConfig):
 
 def _enable_compile_cache() -> None:
     """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir)."""
-    path = os.environ.get("GEMMA4_COMPILE_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "gemma4-jax", "xla"))
+    from gemma4.paths import cache_root
+
+    path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
     if path.lower() in ("", "off", "none"):
         return
     os.makedirs(path, exist_ok=True)

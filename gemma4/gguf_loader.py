@@ -39,6 +39,8 @@ import json
 import logging
 import mmap
 import os
+
+from gemma4.paths import cache_root
 import shutil
 import struct
 import tempfile
@@ -352,17 +354,6 @@ def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
 
 
 # ------------------------------------------------------------------------------ disk cache
-def cache_root() -> Path:
-    """Where converted weights are cached: $GEMMA4_JAX_CACHE, else $XDG_CACHE_HOME/gemma4-jax,
-    else ~/.cache/gemma4-jax."""
-    env = os.environ.get("GEMMA4_JAX_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "gemma4-jax"
-
-
 def _cache_dir(path: str | os.PathLike) -> tuple[Path, str]:
     """(cache folder for the file's current contents, prefix shared by all its versions).
 

@@ -5,6 +5,7 @@ One entry per KV-*producer* layer (KV consumers read their producer and own noth
                              sliding layers, the context limit for full layers
     pos    [B, S] int32      the absolute position each slot holds, -1 when empty
     k_scale, v_scale [B, S, n_kv] float32   only for the int8 format (per position and head)
+The fp8 format (only chosen where the chip has an fp8 datapath) stores float8_e4m3fn, unscaled.
 
 Invariant: a slot holds the K/V of an absolute, real token position. Padding tokens are never
 written (their scatter index is out of range and dropped), and a prefill longer than a ring only
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from gemma4.config import LayerSpec, ModelConfig
 
-KV_FORMATS = ("native", "int8")
+KV_FORMATS = ("native", "int8", "fp8")
 
 
 def slots_for(spec: LayerSpec, cfg: ModelConfig, max_len: int) -> int:
@@ -39,7 +40,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, kv_format
             continue
         S = slots_for(spec, cfg, max_len)
         shape = (batch, S, spec.num_kv_heads, spec.head_dim)
-        store = jnp.int8 if kv_format == "int8" else dtype
+        store = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(kv_format, dtype)
         entry = {"k": jnp.zeros(shape, store), "v": jnp.zeros(shape, store),
                  "pos": jnp.full((batch, S), -1, jnp.int32)}
         if kv_format == "int8":

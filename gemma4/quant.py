@@ -12,13 +12,17 @@ Both quantized types are registered pytrees (their arrays are the leaves, the la
 static), so they pass through `jit`, `device_put` and the parameter tree unchanged, and the same
 forward pass runs on any mix of them.
 
-How they run (measured on XLA:CPU, see bench/cpu_dtype.py):
-  * int8: `dot(x, q.astype(x.dtype)) · scale` inside one jit. XLA fuses the int8→float convert
-    into the dot, so the weights stream from memory as int8; the per-row scale is applied to the
-    [.., out] result, which is cheap. (A multiply-then-sum formulation is 12–30× slower.)
-  * int4: the packed nibbles are unpacked and scaled into a dequantized [out, in] operand inside
-    the same jit ("dequant+dot"), or — where the hardware policy allows — by the fused Pallas
-    kernel in `gemma4.kernels.int4_matmul` (`Int4Array.kernel == "pallas"`).
+How they run:
+  * int8: `dot(x, q.astype(x.dtype)) · scale` inside one jit; the per-row scale is applied to the
+    [.., out] result. GPU and TPU compilers are expected to fuse the convert into the matmul (not
+    measured here). XLA:CPU (jax 0.10.2) does not: it first writes the whole dequantized float32
+    weight (measured 10× slower than a float32 matvec at the LM-head shape). So on CPU the weight is
+    dequantized `chunk_rows` output rows at a time inside a `lax.map`, which keeps each chunk in
+    cache and measured ~2× *faster* than float32 weights (bench/cpu_dtype.py). A multiply-then-sum
+    formulation is slower still.
+  * int4: the packed nibbles are unpacked and scaled into a dequantized operand inside the same jit
+    ("dequant+dot", chunked on CPU like int8), or — where the hardware policy allows — by the fused
+    Pallas kernel in `gemma4.kernels.int4_matmul` (`Int4Array.kernel == "pallas"`).
   * gathers (`take_rows`) dequantize only the gathered rows, so the tied embedding / LM head and
     the per-layer-embedding table can be quantized too.
 
@@ -176,10 +180,35 @@ def _int4_rows(w: jax.Array, group_size: int) -> tuple[jax.Array, jax.Array]:
     return pack_int4(q), scale
 
 
+_SMALL_ELEMENTS = 1 << 20  # below this, quantize with numpy (no per-shape compile)
+
+
+def _int8_rows_np(w) -> tuple[jax.Array, jax.Array]:
+    wf = np.asarray(w).astype(np.float32)
+    amax = np.max(np.abs(wf), axis=-1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(wf / scale[:, None]), -127, 127).astype(np.int8)
+    return jnp.asarray(q), jnp.asarray(scale)
+
+
+def _int4_rows_np(w, group_size: int) -> tuple[jax.Array, jax.Array]:
+    wf = np.asarray(w).astype(np.float32)
+    n_out, n_in = wf.shape
+    g = wf.reshape(n_out, n_in // group_size, group_size)
+    amax = np.max(np.abs(g), axis=-1)
+    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(g / scale[..., None]), -8, 7).reshape(n_out, n_in).astype(np.int32)
+    half = n_in // 2
+    packed = ((q[:, :half] + 8) | ((q[:, half:] + 8) << 4)).astype(np.uint8)
+    return jnp.asarray(packed), jnp.asarray(scale)
+
+
 def quantize_int8(w: jax.Array) -> QuantArray:
     """Symmetric per-output-row int8 of an [out, in] weight (scale = max|row| / 127)."""
     if w.ndim != 2:
         raise ValueError(f"quantize_int8 expects [out, in], got shape {w.shape}")
+    if w.size <= _SMALL_ELEMENTS:
+        return QuantArray(*_int8_rows_np(w))
     parts = [_int8_rows(w[a:b]) for a, b in _row_chunks(*w.shape)]
     if len(parts) == 1:
         return QuantArray(*parts[0])
@@ -199,6 +228,8 @@ def quantize_int4(w: jax.Array, group_size: int = 64, kernel: str = "xla",
         raise ValueError(f"kernel {kernel!r} not in {INT4_KERNELS}")
     if not int4_compatible(tuple(w.shape), group_size):
         raise ValueError(f"int4 needs [out, in] with (in/2) % group_size == 0; got {w.shape}, group {group_size}")
+    if w.size <= _SMALL_ELEMENTS:
+        return Int4Array(*_int4_rows_np(w, group_size), group_size, kernel, block)
     parts = [_int4_rows(w[a:b], group_size) for a, b in _row_chunks(*w.shape)]
     packed = parts[0][0] if len(parts) == 1 else jnp.concatenate([p[0] for p in parts])
     scale = parts[0][1] if len(parts) == 1 else jnp.concatenate([p[1] for p in parts])
@@ -228,22 +259,24 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 # XLA:CPU (jax 0.10.2) does NOT fuse a convert into a dot: `dot(x, q.astype(f32))` first writes
-# the whole dequantized f32 weight to memory (5 bytes of traffic per int8 weight, 10× slower than a
-# float32 matvec at the LM-head shape). Dequantizing `chunk_rows` output rows at a time inside a
-# `lax.map` keeps each dequantized chunk in cache, so the weights stream once as int8/int4.
-# Measured (bench/cpu_dtype.py and a sweep of chunk sizes): 0.3–1.3 M-element chunks (512–2048
-# rows at in=640, 512 rows at in=1536) are the sweet spot on a 2-core Zen 4.
-CHUNK_TARGET_ELEMENTS = 1 << 20
+# the whole dequantized f32 weight to a temporary (5 bytes of traffic per int8 weight; measured 10×
+# slower than a float32 matvec at the LM-head shape, and 16× slower than float32 for a stack of 36
+# [2048, 640] layers, where every big temporary is freshly allocated per call). Dequantizing
+# `chunk_rows` output rows at a time inside a `lax.map` reuses one small, cache-resident buffer, so
+# the weights stream once as int8/int4: measured 1.6× (layer stack) to 3× (LM head) *faster* than
+# float32 weights. Temporaries of ≤ 2 MiB (2^19 float32 elements) were consistently fast; 5 MiB ones
+# were not (bench/cpu_dtype.py and a sweep of chunk sizes on a 2-core Zen 4).
+CHUNK_TARGET_ELEMENTS = 1 << 19
 
 
 def auto_chunk_rows(n_out: int, n_in: int, backend: str | None = None) -> int:
     """Rows per dequantize step for `linear` on `backend` (0 = one dequantize, one dot).
 
-    GPUs and TPUs fuse the dequantization into the matmul, so they get 0; on CPU a power of two
-    near CHUNK_TARGET_ELEMENTS / n_in, or 0 when the whole weight is small enough to stay in cache.
+    GPUs and TPUs fuse the dequantization into the matmul, so they get 0; on CPU the power of two
+    nearest below CHUNK_TARGET_ELEMENTS / n_in, or 0 when the whole weight is no bigger than that.
     """
     backend = backend or jax.default_backend()
-    if backend != "cpu" or n_out * n_in <= 2 * CHUNK_TARGET_ELEMENTS:
+    if backend != "cpu":
         return 0
     rows = 1 << max(3, int(np.floor(np.log2(max(1, CHUNK_TARGET_ELEMENTS // n_in)))))
     return rows if rows < n_out else 0

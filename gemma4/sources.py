@@ -214,8 +214,14 @@ def _snapshot_complete(folder: str) -> bool:
     return any(root.glob("*.safetensors"))
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def download(repo_id: str, progress: Progress | None = None) -> str:
-    """The local snapshot folder of `repo_id`: from the HF cache when complete, else downloaded."""
+    """The local snapshot folder of `repo_id`: from the HF cache when complete (no network
+    round trip, so a cached model starts offline and fast), else downloaded."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -243,7 +249,7 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
         raise SourceError(f"{repo_id}: {exc}") from None
     except Exception as exc:  # connection errors, LocalEntryNotFoundError when unreachable, timeouts
         raise SourceError(f"could not download {repo_id}: no internet? set HF_HUB_OFFLINE=1 to use the cache, "
-                          f"or pass a local folder ({type(exc).__name__}: {exc})") from None
+                          f"or pass a local folder ({type(exc).__name__}: {_first_line(exc)})") from None
     if not _snapshot_complete(folder):
         raise SourceError(f"{repo_id} has no config.json + *.safetensors checkpoint (downloaded to {folder})")
     return folder

@@ -188,12 +188,10 @@ def gguf_to_spm_proto(meta: dict) -> bytes:
 
 
 def default_cache_dir() -> str:
-    """`$GEMMA4_JAX_CACHE`, else `$XDG_CACHE_HOME/gemma4_jax`, else `~/.cache/gemma4_jax`."""
-    env = os.environ.get("GEMMA4_JAX_CACHE")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gemma4_jax")
+    """The project cache (see gemma4.paths.cache_root)."""
+    from gemma4.paths import cache_root
+
+    return str(cache_root())
 
 
 def _gguf_cache_path(gguf_path: str, cache_dir: str) -> str:

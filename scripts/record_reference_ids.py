@@ -7,7 +7,7 @@ the greedy continuation ids are written to JSON for tests/test_gguf.py.
     python scripts/record_reference_ids.py                      # → tests/data/reference_ids.json
     python scripts/record_reference_ids.py --gguf some.gguf --new-tokens 30 --out ref.json
 
-Needs the test dependencies (torch, transformers; see requirements-dev.txt). A few minutes on
+Needs the test dependencies (torch, transformers, and accelerate for its GGUF loading). A few minutes on
 a CPU, most of it transformers' GGUF conversion.
 """
 

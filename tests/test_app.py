@@ -19,6 +19,12 @@ from gemma4 import ui_format as uf
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_MODEL = os.environ.get("GEMMA4_TEST_TINY_MODEL", "random:tiny-gemma3-270m")
+# The same engine settings as tests/test_browser.py, so one pytest run shares one warmed engine.
+TINY_ENGINE = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096)
+LONG = 4000  # max_new_tokens for replies that must still be running when they are cancelled
+# Random weights stop wherever they sample an end-of-turn id; greedy decoding of this prompt
+# runs the full LONG tokens with the tiny random model, so a cancel lands mid-reply.
+LONG_PROMPT = "The capital of France is"
 STATS_LINE = re.compile(r"^⏱ [\d.,]+ tok/s · TTFT [\d.]+ s · \d+ tokens")
 
 
@@ -166,8 +172,8 @@ def test_import_loads_nothing():
 def engine():
     from gemma4.engine import get_engine
 
-    eng = get_engine(model=TINY_MODEL, max_batch=4, context_limit=512)
-    eng.wait_ready(timeout=600)
+    eng = get_engine(model=TINY_MODEL, **TINY_ENGINE)
+    eng.wait_ready(timeout=900)
     return eng
 
 
@@ -175,7 +181,9 @@ def engine():
 def served(engine):
     from gradio_client import Client
 
-    settings = app.Settings(model=TINY_MODEL, max_users=4, max_new_tokens_cap=256, context=512)
+    settings = app.Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
+                            max_new_tokens_cap=TINY_ENGINE["max_new_tokens_cap"],
+                            context=TINY_ENGINE["context_limit"])
     demo = app.build_demo(engine, settings)
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
     try:
@@ -239,20 +247,20 @@ def test_generate_api_returns_text_stats_flags(served):
 
 def test_cancel_stops_generation_and_frees_slot(served, engine):
     _, client = served
-    job = client.submit("Once upon a time", max_new_tokens=256, temperature=1.0,
+    job = client.submit(LONG_PROMPT, max_new_tokens=LONG, temperature=0.0,
                         api_name="/generate")
     assert _wait(lambda: any(o.get("text") for o in job.outputs()), timeout=120)
     assert engine.queue_state()["active"] >= 1
     job.cancel()
     assert _wait(lambda: engine.queue_state()["active"] == 0, timeout=10), engine.queue_state()
     last = job.outputs()[-1]
-    assert not last["done"] and last["stats"]["new_tokens"] < 256
+    assert not last["done"] and last["stats"]["new_tokens"] < LONG
 
 
 def test_stop_button_path_frees_slot(served, engine):
     """The chat event (what the Stop button cancels) also releases its slot."""
     _, client = served
-    job = _chat(client, "Once upon a time", max_new_tokens=256, temperature=1.0, seed=-1)
+    job = _chat(client, LONG_PROMPT, max_new_tokens=LONG, temperature=0.0)
     assert _wait(lambda: len(job.outputs()) >= 3, timeout=120)
     job.cancel()
     assert _wait(lambda: engine.queue_state()["active"] == 0, timeout=10), engine.queue_state()
@@ -308,7 +316,8 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     # Out-of-range settings are clamped with a note.
     out = client.predict("Hello", max_new_tokens=100_000, temperature=50.0, top_p=3.0,
                          api_name="/generate")
-    assert out["done"] and out["stats"]["new_tokens"] <= 256 and out["notes"]
+    assert out["done"] and out["stats"]["new_tokens"] <= LONG and out["notes"]
+    assert any("top_p" in n for n in out["notes"])
     with pytest.raises(AppError, match="mode"):
         client.predict("Hello", mode="poetry", api_name="/generate")
     # ... and the next ordinary request still works.

@@ -124,14 +124,16 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, K: int, group: int, half_step: int):
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_m", "block_n", "block_k", "interpret",
-                                             "out_dtype"))
+                                             "out_dtype", "platform"))
 def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: int,
                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                interpret: bool = False, out_dtype: Any = None) -> jax.Array:
+                interpret: bool = False, out_dtype: Any = None, platform: str | None = None) -> jax.Array:
     """x [M, K] · dequant(w_int4, scales)ᵀ → [M, N] (out_dtype, default x.dtype).
 
     w_int4: uint8 [N, K/2] (halves packing), scales: float32 [N, K/group_size].
     M is padded up to a multiple of block_m; N and K must admit blocks (see `choose_blocks`).
+    platform: the backend to lower for ("gpu" | "tpu"); default the default backend. On GPU the
+    kernel is pinned to the Triton lowering (jax 0.10 otherwise picks Mosaic GPU for pallas_call).
     """
     M, K = x.shape
     N, half = w_int4.shape
@@ -142,8 +144,13 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
     if scales.shape != (N, K // group_size):
         raise ValueError(f"scales shape {scales.shape} != {(N, K // group_size)}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    platform = "cpu" if interpret else None
+    platform = "cpu" if interpret else (platform or jax.default_backend())
     bm, bn, bk = choose_blocks(M, N, K, group_size, block_m, block_n, block_k, platform)
+    compiler_params = None
+    if platform == "gpu":
+        from jax.experimental.pallas import triton as pl_triton  # noqa: PLC0415
+
+        compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
     m_pad = -M % bm
     xp = jnp.pad(x, ((0, m_pad), (0, 0))) if m_pad else x
     scales_t = scales.astype(jnp.float32).T  # [K/g, N]: a group's scales are one contiguous row
@@ -159,6 +166,7 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], N), out_dtype),
         interpret=interpret,
+        compiler_params=compiler_params,
         name="int4_matmul",
     )(xp, w_int4, scales_t)
     return out[:M] if m_pad else out

@@ -1,0 +1,925 @@
+"""Hardware probe and run policy: what this machine is, and how the model should run on it.
+
+    facts = probe()                          # platform, chip, memory, CPU ISA, versions
+    plan = policy(facts, model_config)       # every choice with a one-line reason
+    plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
+    options = plan.run_options()             # gemma4.model.RunOptions
+
+Only this module decides dtypes, weight quantization, KV format, attention path, the quantized
+matmul path and the matmul precision; everything else takes the decision as an argument.
+
+Overrides come from environment variables or a dict / CLI flags with the same names:
+
+    GEMMA4_DTYPE             auto | float32 | bfloat16 | float16
+    GEMMA4_WEIGHTS           auto | none | int8 | int4
+    GEMMA4_KV                auto | native | int8 | fp8
+    GEMMA4_ATTENTION         auto | xla | cudnn
+    GEMMA4_INT4_KERNEL       auto | pallas | xla
+    GEMMA4_MATMUL_PRECISION  auto | none | default | high | highest | bfloat16 | tensorfloat32 | float32
+    GEMMA4_ALLOW_FALLBACK    0 | 1
+
+An override that cannot work on this device (fp8 KV without an fp8 datapath, cuDNN attention where
+cuDNN cannot run it, the fused int4 kernel where its block does not fit on chip) raises
+`PolicyError` with the reason and the alternative — unless GEMMA4_ALLOW_FALLBACK=1, in which case the
+safe choice is taken and the refusal is kept, visibly, in the choice's reason (source "fallback")
+and in `plan.warnings`. An override that works but is slow or imprecise here (bf16 on a chip
+without bf16 units) is accepted with a "warning: ..." in its reason and in `plan.warnings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform as _platform
+import sys
+import time
+from typing import Any, Mapping
+
+# ------------------------------------------------------------------------------ device tables
+# Max shared memory one thread block can use (opt-in dynamic limit), KiB, by compute capability.
+# Source: CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
+GPU_SMEM_PER_BLOCK_KIB = {
+    (7, 0): 96, (7, 2): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
+    (9, 0): 227, (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99,
+}
+GPU_SMEM_FALLBACK_KIB = 48  # the static per-block limit every CUDA GPU guarantees
+
+# VMEM a pallas_call may use on TPU without raising vmem_limit_bytes (the "scoped" default):
+# 16 MiB on v4/v5e/v5p, 32 MiB on v6e. Physical VMEM per core is larger on v5e/v6e (128 MiB, see
+# jax/_src/pallas/mosaic/tpu_info.py); the kernel does not raise the limit, so the default governs.
+TPU_SCOPED_VMEM_MIB = {"v2": 16, "v3": 16, "v4": 16, "v5e": 16, "v5p": 16, "v6e": 32}
+
+# cuDNN flash attention (jax.nn.dot_product_attention(implementation="cudnn")), bf16/fp16:
+# needs sm_80+ (cuDNN frontend SDPA support matrix: "requires SM80 (Ampere) or newer"), and
+# head_dim % 8 == 0 with head_dim <= 256 on sm_90+ and <= 128 below — the check JAX itself applies in
+# jax/_src/cudnn/fused_attention_stablehlo.py::check_is_flash_attention (jax 0.10.2).
+CUDNN_MIN_CC = (8, 0)
+
+
+def cudnn_head_dim_limit(cc: tuple[int, int]) -> int:
+    return 256 if cc >= (9, 0) else 128
+
+
+# fp8 datapaths: NVIDIA Ada/Hopper and later (sm_89+); TPU v5 and later.
+FP8_MIN_CC = (8, 9)
+FP8_TPU_GENERATIONS = ("v5e", "v5p", "v6e", "v7", "v7x")
+
+CPU_FLAGS_OF_INTEREST = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
+    # aarch64 /proc/cpuinfo "Features"
+    "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm",
+)
+
+# The fused int4 kernel's block shape the policy plans with (block_m, block_n, block_k); block_k
+# None = the whole K (TPU: BlockSpecs bring a block's full K into VMEM).
+INT4_PLAN_BLOCK = {"gpu": (16, 128, 256), "tpu": (8, 256, None)}
+INT4_GROUP_SIZE = 64
+
+
+# ------------------------------------------------------------------------------ facts
+@dataclasses.dataclass(frozen=True)
+class HardwareFacts:
+    platform: str  # "cpu" | "gpu" | "tpu" | "unknown"
+    device_kind: str
+    device_count: int
+    vendor: str  # "nvidia" | "amd" | "google" | "cpu" | "unknown"
+    compute_capability: str | None = None  # NVIDIA, e.g. "8.9"
+    tpu_generation: str | None = None  # e.g. "v5e"; "unknown" for an unrecognised TPU
+    memory_total_bytes: int | None = None  # per device (host RAM for cpu)
+    memory_free_bytes: int | None = None
+    host_memory_total_bytes: int | None = None
+    host_memory_available_bytes: int | None = None
+    cpu_model: str = "unknown"
+    cpu_arch: str = "unknown"
+    cpu_cores: int | None = None
+    cpu_flags: tuple[str, ...] = ()
+    jax_version: str = "unknown"
+    jaxlib_version: str = "unknown"
+    backend_version: str | None = None
+    simulated: str | None = None  # name of the simulated preset, None when probed
+    notes: tuple[str, ...] = ()
+
+    @property
+    def cc(self) -> tuple[int, int] | None:
+        if not self.compute_capability:
+            return None
+        try:
+            major, minor = self.compute_capability.split(".")[:2]
+            return int(major), int(minor)
+        except ValueError:
+            return None
+
+    @property
+    def cpu_native_bf16(self) -> bool:
+        f = set(self.cpu_flags)
+        return bool(f & {"avx512_bf16", "amx_bf16"}) or (self.cpu_arch in ("aarch64", "arm64") and "bf16" in f)
+
+    @property
+    def cpu_amx(self) -> bool:
+        return "amx_bf16" in self.cpu_flags or "amx_tile" in self.cpu_flags
+
+    def describe(self) -> str:
+        if self.platform == "gpu":
+            cc = f" (sm_{self.cc[0]}{self.cc[1]})" if self.cc else " (compute capability unknown)"
+            chip = self.device_kind + cc
+        elif self.platform == "tpu":
+            chip = f"{self.device_kind} (TPU {self.tpu_generation or 'unknown'})"
+        else:
+            chip = f"CPU {self.cpu_model}"
+        n = f"{self.device_count}× " if self.device_count > 1 else ""
+        return n + chip + (f" [simulated: {self.simulated}]" if self.simulated else "")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["cpu_flags"] = list(self.cpu_flags)
+        d["notes"] = list(self.notes)
+        d["description"] = self.describe()
+        return d
+
+
+def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
+    """(CPU model, flags of interest) from /proc/cpuinfo text (x86 "flags" or ARM "Features")."""
+    model = "unknown"
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and model == "unknown" and value.strip():
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    return model, tuple(f for f in CPU_FLAGS_OF_INTEREST if f in flags)
+
+
+def _host_memory() -> tuple[int | None, int | None]:
+    try:
+        import psutil  # noqa: PLC0415
+
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+    except Exception:  # noqa: BLE001 - psutil missing or unsupported platform
+        pass
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info[k.strip()] = int(v.split()[0]) * 1024
+        return info.get("MemTotal"), info.get("MemAvailable")
+    except Exception:  # noqa: BLE001
+        return None, None
+
+
+def tpu_generation(device_kind: str) -> str:
+    k = device_kind.lower().replace("tpu", "").strip()
+    table = [("v5 lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v6 lite", "v6e"), ("v6e", "v6e"),
+             ("v4 lite", "v4i"), ("7x", "v7x"), ("v7", "v7"), ("7", "v7"), ("v5", "v5p"), ("v4", "v4"),
+             ("v3", "v3"), ("v2", "v2")]
+    for needle, gen in table:
+        if needle in k:
+            return gen
+    return "unknown"
+
+
+def probe() -> HardwareFacts:
+    """Facts about the default JAX backend and the host. Never raises: unknowns read "unknown"."""
+    notes: list[str] = []
+    try:
+        import jax  # noqa: PLC0415
+
+        jax_version = jax.__version__
+        try:
+            import jaxlib  # noqa: PLC0415
+
+            jaxlib_version = getattr(jaxlib, "__version__", None) or jaxlib.version.__version__
+        except Exception:  # noqa: BLE001
+            jaxlib_version = "unknown"
+        devices = jax.devices()
+        dev = devices[0]
+        plat = dev.platform.lower()
+        kind = str(getattr(dev, "device_kind", "unknown") or "unknown")
+        try:
+            backend_version = str(dev.client.platform_version)  # e.g. "cuda 12080" / "rocm ..." / "cpu"
+        except Exception:  # noqa: BLE001
+            backend_version = None
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"jax device query failed: {e!r}")
+        jax_version = jaxlib_version = "unknown"
+        devices, dev, plat, kind, backend_version = [], None, "unknown", "unknown", None
+
+    if plat in ("cuda", "rocm"):
+        plat = "gpu"
+    if plat not in ("cpu", "gpu", "tpu"):
+        notes.append(f"unrecognised platform {plat!r}")
+        plat = "unknown"
+
+    cc = None
+    vendor = {"cpu": "cpu", "tpu": "google"}.get(plat, "unknown")
+    if plat == "gpu":
+        cc = getattr(dev, "compute_capability", None)
+        cc = str(cc) if cc else None
+        lowered = (kind + " " + (backend_version or "")).lower()
+        if cc:
+            vendor = "nvidia"
+        elif "rocm" in lowered or "amd" in lowered or "instinct" in lowered or "radeon" in lowered:
+            vendor = "amd"
+        if not cc:
+            notes.append("GPU reports no NVIDIA compute capability: taking the safe path")
+
+    mem_total = mem_free = None
+    if dev is not None and plat in ("gpu", "tpu"):
+        try:
+            stats = dev.memory_stats() or {}
+            mem_total = stats.get("bytes_limit")
+            if mem_total is not None:
+                mem_free = int(mem_total) - int(stats.get("bytes_in_use", 0))
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"memory_stats unavailable: {e!r}")
+    host_total, host_avail = _host_memory()
+    if plat == "cpu":
+        mem_total, mem_free = host_total, host_avail
+
+    cpu_model, flags = "unknown", ()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model, flags = parse_cpuinfo(f.read())
+    except Exception:  # noqa: BLE001 - not Linux
+        cpu_model = _platform.processor() or "unknown"
+    return HardwareFacts(
+        platform=plat, device_kind=kind if plat != "cpu" else "cpu", device_count=len(devices) or 1,
+        vendor=vendor, compute_capability=cc,
+        tpu_generation=tpu_generation(kind) if plat == "tpu" else None,
+        memory_total_bytes=int(mem_total) if mem_total is not None else None,
+        memory_free_bytes=int(mem_free) if mem_free is not None else None,
+        host_memory_total_bytes=host_total, host_memory_available_bytes=host_avail,
+        cpu_model=cpu_model, cpu_arch=_platform.machine() or "unknown", cpu_cores=os.cpu_count(),
+        cpu_flags=tuple(flags), jax_version=jax_version, jaxlib_version=jaxlib_version,
+        backend_version=backend_version, notes=tuple(notes))
+
+
+_GiB = 1 << 30
+
+
+def _sim_gpu(kind: str, cc: str | None, gib: float, vendor: str = "nvidia") -> HardwareFacts:
+    return HardwareFacts("gpu", kind, 1, vendor, compute_capability=cc, memory_total_bytes=int(gib * _GiB),
+                         memory_free_bytes=int(gib * _GiB), cpu_model="(host)", cpu_arch="x86_64")
+
+
+def _sim_tpu(kind: str, gib: float) -> HardwareFacts:
+    return HardwareFacts("tpu", kind, 1, "google", tpu_generation=tpu_generation(kind),
+                         memory_total_bytes=int(gib * _GiB), memory_free_bytes=int(gib * _GiB),
+                         cpu_model="(host)", cpu_arch="x86_64")
+
+
+def _sim_cpu(model: str, flags: tuple[str, ...], gib: float = 16) -> HardwareFacts:
+    m = int(gib * _GiB)
+    return HardwareFacts("cpu", "cpu", 1, "cpu", memory_total_bytes=m, memory_free_bytes=m,
+                         host_memory_total_bytes=m, host_memory_available_bytes=m, cpu_model=model,
+                         cpu_arch="x86_64", cpu_cores=2, cpu_flags=flags)
+
+
+SIMULATED: dict[str, HardwareFacts] = {
+    "cpu-avx2": _sim_cpu("x86-64 with AVX2 only", ("sse4_2", "avx", "avx2", "fma", "f16c")),
+    "cpu-avx512bf16": _sim_cpu("x86-64 with AVX512_BF16 (Zen 4 class)",
+                               ("avx", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16")),
+    "cpu-amx": _sim_cpu("x86-64 with AMX (Sapphire Rapids class)",
+                        ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                         "amx_int8")),
+    "t4": _sim_gpu("Tesla T4", "7.5", 15),
+    "a100": _sim_gpu("NVIDIA A100-SXM4-40GB", "8.0", 40),
+    "l4": _sim_gpu("NVIDIA L4", "8.9", 22),
+    "h100": _sim_gpu("NVIDIA H100 80GB HBM3", "9.0", 80),
+    "h200": _sim_gpu("NVIDIA H200", "9.0", 141),
+    "tpu-v4": _sim_tpu("TPU v4", 32),
+    "tpu-v5e": _sim_tpu("TPU v5 lite", 16),
+    "tpu-v6e": _sim_tpu("TPU v6 lite", 32),
+    "unknown-gpu": _sim_gpu("Mystery Accelerator 9000", None, 24, vendor="unknown"),
+}
+
+
+def simulated_facts(name: str) -> HardwareFacts:
+    if name not in SIMULATED:
+        raise ValueError(f"unknown simulated device {name!r}; known: {', '.join(SIMULATED)}")
+    return dataclasses.replace(SIMULATED[name], simulated=name)
+
+
+# ------------------------------------------------------------------------------ plan
+class PolicyError(ValueError):
+    """An explicit request this device cannot honour; the message names the alternative."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    value: Any
+    reason: str
+    source: str = "auto"  # "auto" | "override" | "fallback" | "self-test"
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "reason": self.reason, "source": self.source}
+
+
+CHOICE_NAMES = ("compute_dtype", "weight_dtype", "weights", "kv_cache", "attention_sliding",
+                "attention_full", "int4_kernel", "matmul_precision")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    compute_dtype: Choice  # "float32" | "bfloat16" | "float16"
+    weight_dtype: Choice  # storage dtype of float weights (= compute dtype, converted once at load)
+    weights: Choice  # "none" | "int8" | "int4"
+    kv_cache: Choice  # "native" | "int8" | "fp8"
+    attention_sliding: Choice  # "xla" | "cudnn"
+    attention_full: Choice
+    int4_kernel: Choice  # "dequant+dot" | "pallas-int4"
+    matmul_precision: Choice  # None | "bfloat16" | ...
+    device: str = ""
+    platform: str = "unknown"
+    int4_block: tuple | None = None  # (block_m, block_n, block_k) the kernel runs with, when chosen
+    int4_group_size: int = INT4_GROUP_SIZE
+    head_dims: tuple[int, int] = (256, 512)  # (sliding, full) the attention choices were made for
+    warnings: tuple[str, ...] = ()
+
+    def choices(self) -> dict[str, Choice]:
+        return {name: getattr(self, name) for name in CHOICE_NAMES}
+
+    def run_options(self):
+        from gemma4.model import RunOptions  # noqa: PLC0415
+
+        return RunOptions(compute_dtype=self.compute_dtype.value, attention_sliding=self.attention_sliding.value,
+                          attention_full=self.attention_full.value)
+
+    def quantize_kwargs(self) -> dict:
+        """Arguments for gemma4.quant.quantize_params that realise this plan's weight choices."""
+        return {"mode": self.weights.value, "group_size": self.int4_group_size,
+                "int4_kernel": "pallas" if self.int4_kernel.value == "pallas-int4" else "xla",
+                "int4_block": self.int4_block if self.int4_kernel.value == "pallas-int4" else None}
+
+    def apply_jax_config(self) -> None:
+        """Set process-wide JAX options this plan needs (matmul precision)."""
+        import jax  # noqa: PLC0415
+
+        jax.config.update("jax_default_matmul_precision", self.matmul_precision.value)
+
+    def replace(self, name: str, choice: Choice, warning: str | None = None) -> "Plan":
+        warnings = self.warnings + ((warning,) if warning else ())
+        return dataclasses.replace(self, **{name: choice}, warnings=warnings)
+
+    def to_dict(self) -> dict:
+        d = {name: c.to_dict() for name, c in self.choices().items()}
+        d.update(device=self.device, platform=self.platform, int4_block=self.int4_block,
+                 int4_group_size=self.int4_group_size, head_dims=list(self.head_dims),
+                 warnings=list(self.warnings))
+        return d
+
+    def report(self) -> str:
+        lines = [f"device: {self.device}"]
+        for name, c in self.choices().items():
+            tag = "" if c.source == "auto" else f" [{c.source}]"
+            lines.append(f"  {name:<18} {str(c.value):<12}{tag}  {c.reason}")
+        for w in self.warnings:
+            lines.append(f"  WARNING: {w}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ overrides
+ENV_KEYS = {
+    "dtype": "GEMMA4_DTYPE", "weights": "GEMMA4_WEIGHTS", "kv": "GEMMA4_KV", "attention": "GEMMA4_ATTENTION",
+    "int4_kernel": "GEMMA4_INT4_KERNEL", "matmul_precision": "GEMMA4_MATMUL_PRECISION",
+    "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
+}
+_DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16"}
+_ALLOWED = {
+    "weights": ("none", "int8", "int4"), "kv": ("native", "int8", "fp8"), "attention": ("xla", "cudnn"),
+    "int4_kernel": ("pallas", "xla"),
+    "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
+}
+
+
+def normalize_overrides(overrides: Mapping[str, Any] | None = None,
+                        env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Merge env vars (GEMMA4_*) and an explicit dict (keys "dtype" or "GEMMA4_DTYPE" alike; the dict
+    wins). "auto", "" and None mean "no override". Raises PolicyError on an unknown key or value."""
+    env = os.environ if env is None else env
+    by_env = {v: k for k, v in ENV_KEYS.items()}
+    merged: dict[str, Any] = {}
+    for source in (env, overrides or {}):
+        for key, value in source.items():
+            short = by_env.get(key) or (key if key in ENV_KEYS else None)
+            if short is None:
+                if source is env:
+                    continue  # unrelated environment variable
+                raise PolicyError(f"unknown override {key!r}; known: {', '.join(ENV_KEYS)}")
+            merged[short] = value
+    out: dict[str, Any] = {}
+    for key, value in merged.items():
+        if key == "allow_fallback":
+            out[key] = value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+            continue
+        if value is None or str(value).strip().lower() in ("", "auto"):
+            continue
+        v = str(value).strip().lower()
+        if key == "dtype":
+            if v not in _DTYPE_ALIASES:
+                raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto, float32, bfloat16 or float16")
+            v = _DTYPE_ALIASES[v]
+        elif v not in _ALLOWED[key]:
+            raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto or one of {', '.join(_ALLOWED[key])}")
+        out[key] = v
+    return out
+
+
+# ------------------------------------------------------------------------------ policy
+def _kib(n: float) -> str:
+    return f"{n / 1024:.0f} KiB" if n < 10 * 1024 * 1024 else f"{n / 1024 / 1024:.1f} MiB"
+
+
+def _bytes_per_param(weights: str, dtype: str) -> float:
+    return {"none": {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}[dtype], "int8": 1.0,
+            "int4": 0.5 + 4.0 / INT4_GROUP_SIZE}[weights]
+
+
+def _max_linear_in(cfg) -> int:
+    """The largest `in` dimension of a quantizable weight (the K the int4 kernel must hold on TPU)."""
+    return max([cfg.hidden_size] + [cfg.num_heads * s.head_dim for s in cfg.layers] + [s.mlp_width for s in cfg.layers])
+
+
+def int4_kernel_preflight(facts: HardwareFacts, act_dtype: str, model_config=None,
+                          group_size: int = INT4_GROUP_SIZE) -> tuple[bool, str, tuple | None]:
+    """Does the fused int4 kernel's block fit on this chip? (fits, arithmetic, block)."""
+    from gemma4.kernels.int4_matmul import describe_block_bytes, int4_block_bytes  # noqa: PLC0415
+
+    if facts.platform == "cpu":
+        return False, "Pallas runs only in interpret mode on CPU (a test path, far slower than XLA)", None
+    if facts.platform == "gpu":
+        if facts.vendor != "nvidia" or facts.cc is None:
+            return False, "GPU shared-memory limit unknown (no NVIDIA compute capability)", None
+        bm, bn, bk = INT4_PLAN_BLOCK["gpu"]
+        limit = GPU_SMEM_PER_BLOCK_KIB.get(facts.cc, GPU_SMEM_FALLBACK_KIB) * 1024
+        where = f"sm_{facts.cc[0]}{facts.cc[1]} shared memory per block"
+        parts = int4_block_bytes(bm, bk, bn, group_size, act_dtype)
+        block = (bm, bn, bk)
+        k_desc = f"k-step {bk}"
+    elif facts.platform == "tpu":
+        gen = facts.tpu_generation or "unknown"
+        if gen not in TPU_SCOPED_VMEM_MIB:
+            return False, f"VMEM limit unknown for TPU generation {gen!r}", None
+        bm, bn, _ = INT4_PLAN_BLOCK["tpu"]
+        from gemma4.config import preset  # noqa: PLC0415
+
+        K = _max_linear_in(model_config or preset("e2b"))
+        limit = TPU_SCOPED_VMEM_MIB[gen] * 1024 * 1024
+        where = f"TPU {gen} scoped VMEM"
+        parts = int4_block_bytes(bm, K, bn, group_size, act_dtype, buffers=2)
+        block = (bm, bn, K)
+        k_desc = f"K {K}, double-buffered"
+    else:
+        return False, "unknown platform", None
+    need = parts["total"]
+    arithmetic = (f"need {_kib(need)} for block (m {bm}, {k_desc}, n {bn}, group {group_size}, {act_dtype}): "
+                  f"{describe_block_bytes(parts)} vs limit {_kib(limit)} ({where})")
+    return need <= limit, arithmetic, block
+
+
+def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Mapping[str, Any] | None = None,
+           env: Mapping[str, str] | None = None) -> Plan:
+    """Choose how to run on `facts` (probed when None). `env` defaults to os.environ (pass {} to ignore).
+
+    Raises PolicyError for an override this device cannot honour (unless allow_fallback).
+    """
+    facts = facts or probe()
+    if model_config is None:
+        from gemma4.config import preset  # noqa: PLC0415
+
+        model_config, geometry_note = preset("e2b"), " (gemma-4-E2B geometry; no model config given)"
+    else:
+        geometry_note = ""
+    ov = normalize_overrides(overrides, env)
+    fallback_ok = bool(ov.get("allow_fallback", False))
+    warnings: list[str] = []
+    plat, cc = facts.platform, facts.cc
+    where = facts.describe()
+
+    def refuse(message: str, name: str, safe_value: Any) -> Choice:
+        if not fallback_ok:
+            raise PolicyError(message)
+        warnings.append(f"{name}: {message}; fell back to {safe_value}")
+        return Choice(safe_value, f"REFUSED: {message}; fell back to {safe_value}", "fallback")
+
+    # ---------------------------------------------------------------- compute dtype
+    if plat == "tpu":
+        auto = Choice("bfloat16", "TPU: bf16 is the MXU's native input type")
+    elif plat == "gpu" and cc is not None:
+        if cc >= (8, 0):
+            auto = Choice("bfloat16", f"sm_{cc[0]}{cc[1]} has bf16 tensor cores")
+        elif cc >= (7, 0) or cc == (6, 0):
+            auto = Choice("float16", f"sm_{cc[0]}{cc[1]} has no bf16 units (bf16 would be emulated through fp32); "
+                                     "fp16 is native")
+        else:
+            auto = Choice("float32", f"sm_{cc[0]}{cc[1]} has slow fp16 and no bf16")
+    elif plat == "gpu":
+        auto = Choice("float32", "unknown GPU (no compute capability): float32 runs everywhere; "
+                                 "set GEMMA4_DTYPE if the chip has bf16/fp16 units")
+    elif plat == "cpu":
+        if facts.cpu_amx:
+            why = ("AMX present but unmeasured: XLA:CPU's default dot path is not known to use it "
+                   "(run bench/cpu_dtype.py; GEMMA4_DTYPE=bfloat16 if it wins)")
+        elif facts.cpu_native_bf16:
+            why = ("CPU has AVX512_BF16, yet on such a CPU XLA:CPU's batch-1 matvec with bf16 weights measured "
+                   "5–10× slower than float32, and with int8 weights bf16 activations were no faster at batch 1 "
+                   "(bench/cpu_dtype.py)")
+        else:
+            why = "CPU has no bf16 arithmetic (no AVX512_BF16/AMX): bf16 would be emulated"
+        auto = Choice("float32", f"{why}; float32 activations with int8 weights decode fastest")
+    else:
+        auto = Choice("float32", "unknown platform: float32 is the safe path")
+    compute = auto
+    if "dtype" in ov and ov["dtype"] != auto.value:
+        want = ov["dtype"]
+        slow = None
+        if want == "bfloat16" and plat == "cpu":
+            slow = ("emulated, slower" if not facts.cpu_native_bf16 else
+                    "measured slower for batch-1 decode on XLA:CPU")
+        elif want == "bfloat16" and plat == "gpu" and (cc is None or cc < (8, 0)):
+            slow = "no bf16 units on this GPU: emulated through fp32, much slower"
+        elif want == "float16" and plat in ("cpu", "tpu"):
+            slow = f"no fp16 arithmetic on {plat.upper()}: emulated, slower"
+        elif want == "float16" and plat == "gpu" and cc is not None and cc >= (8, 0):
+            slow = "fp16 overflows where bf16 does not (activations > 65504)"
+        elif want == "float32" and plat in ("gpu", "tpu"):
+            slow = "float32 doubles weight bytes and skips the tensor units: slower"
+        reason = f"requested via GEMMA4_DTYPE (auto would be {auto.value})"
+        if slow:
+            reason += f"; warning: {slow}"
+            warnings.append(f"compute_dtype {want}: {slow}")
+        compute = Choice(want, reason, "override")
+    dtype = compute.value
+    weight_dtype = Choice(dtype, "float weights stored in the compute dtype, converted once at load "
+                                 "(no per-step conversion)", compute.source)
+
+    # ---------------------------------------------------------------- weight quantization
+    from gemma4.config import approx_param_count  # noqa: PLC0415
+
+    n_params = approx_param_count(model_config)
+    mem = facts.memory_total_bytes if plat != "cpu" else (facts.host_memory_available_bytes
+                                                          or facts.memory_total_bytes)
+    budget = 0.9 * mem if mem else None
+
+    def need(mode: str) -> float:
+        return n_params * _bytes_per_param(mode, dtype)
+
+    if plat == "cpu":
+        auto_w, why = "int8", ("CPU decode is memory-bandwidth bound: int8 weights stream 1/4 of float32's bytes "
+                               "(chunked dequant+dot measured ~3× faster than float32 weights at the LM-head "
+                               "shape, batch 1)")
+    else:
+        auto_w, why = "none", f"{plat.upper()} runs {dtype} weights at full speed; quantize only when asked"
+    order = ("none", "int8", "int4")
+    if budget and need(auto_w) > budget and auto_w != "int4":
+        smaller = order[order.index(auto_w) + 1:]
+        chosen = next((m for m in smaller if need(m) <= budget), "int4")
+        why = (f"{model_config.name} needs {need(auto_w) / _GiB:.1f} GiB as {auto_w} > 90% of "
+               f"{mem / _GiB:.1f} GiB; {chosen} needs {need(chosen) / _GiB:.1f} GiB")
+        if need(chosen) > budget:
+            warnings.append(f"weights: {model_config.name} does not fit even as int4 "
+                            f"({need(chosen) / _GiB:.1f} GiB vs {mem / _GiB:.1f} GiB)")
+        auto_w = chosen
+    weights = Choice(auto_w, why)
+    if "weights" in ov and ov["weights"] != auto_w:
+        reason = f"requested via GEMMA4_WEIGHTS (auto would be {auto_w})"
+        if budget and need(ov["weights"]) > budget:
+            msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / _GiB:.1f} GiB "
+                   f"vs {mem / _GiB:.1f} GiB")
+            reason += f"; warning: {msg}"
+            warnings.append(f"weights: {msg}")
+        weights = Choice(ov["weights"], reason, "override")
+
+    # ---------------------------------------------------------------- KV cache
+    fp8_ok = ((plat == "gpu" and cc is not None and cc >= FP8_MIN_CC)
+              or (plat == "tpu" and facts.tpu_generation in FP8_TPU_GENERATIONS))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    kv = Choice("native", f"KV stored in {dtype} (exact); GEMMA4_KV=int8 (per-row scales) cuts KV bytes "
+                          f"to ~1/{itemsize}")
+    if "kv" in ov:
+        want = ov["kv"]
+        if want == "fp8" and not fp8_ok:
+            chip = (f"sm_{cc[0]}{cc[1]}" if cc else facts.device_kind) if plat == "gpu" else where
+            kv = refuse(f"GEMMA4_KV=fp8 refused on {chip}: no fp8 datapath (needs NVIDIA sm_89+ or TPU v5+), "
+                        "so fp8 would buy nothing; use GEMMA4_KV=int8 (int8 with per-row scales halves "
+                        "the KV bytes honestly)", "kv_cache", "int8")
+        elif want == "fp8":
+            kv = Choice("fp8", "requested via GEMMA4_KV: chip has fp8; stored as jnp.float8_e4m3fn "
+                               "(note: gemma4.kv_cache must implement the fp8 format)", "override")
+        elif want != "native":
+            kv = Choice(want, f"requested via GEMMA4_KV: int8 with per-row scales (~1/{itemsize} of {dtype}'s bytes)",
+                        "override")
+
+    # ---------------------------------------------------------------- attention per layer type
+    def attention_for(head_dim: int, kind: str) -> Choice:
+        if plat != "gpu" or facts.vendor != "nvidia" or cc is None:
+            auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: XLA einsum attention "
+                                   f"(cuDNN flash attention is NVIDIA-only)")
+            cud_block = f"cuDNN attention needs an NVIDIA GPU (this is {where})"
+        else:
+            limit = cudnn_head_dim_limit(cc)
+            problems = []
+            if cc < CUDNN_MIN_CC:
+                problems.append(f"cuDNN flash attention needs sm_80+ (this is sm_{cc[0]}{cc[1]})")
+            if head_dim > limit or head_dim % 8:
+                problems.append(f"head_dim {head_dim} exceeds cuDNN's limit {limit} on sm_{cc[0]}{cc[1]}"
+                                if head_dim > limit else f"head_dim {head_dim} is not a multiple of 8")
+            if dtype not in ("bfloat16", "float16"):
+                problems.append(f"cuDNN flash attention needs bf16/fp16, compute is {dtype}")
+            if problems:
+                auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: " + "; ".join(problems))
+                cud_block = "; ".join(problems)
+            else:
+                auto_c = Choice("cudnn", f"head_dim {head_dim}{geometry_note} ≤ {limit} on sm_{cc[0]}{cc[1]}, "
+                                         f"{dtype}: cuDNN flash attention")
+                cud_block = None
+        want = ov.get("attention")
+        if want is None or want == auto_c.value:
+            return auto_c if want is None else dataclasses.replace(auto_c, source="override")
+        if want == "xla":
+            return Choice("xla", f"requested via GEMMA4_ATTENTION (auto would be {auto_c.value})", "override")
+        return refuse(f"GEMMA4_ATTENTION=cudnn refused for {kind} layers: {cud_block}; use GEMMA4_ATTENTION=auto "
+                      f"(cuDNN where it fits, XLA elsewhere) or xla", f"attention_{kind}", "xla")
+
+    att_sliding = attention_for(model_config.head_dim, "sliding")
+    att_full = attention_for(model_config.global_head_dim, "full")
+
+    # ---------------------------------------------------------------- quantized matmul path
+    wmode = weights.value
+    block = None
+    if wmode != "int4":
+        what = {"none": "weights not quantized: plain dot",
+                "int8": "int8 weights: dequantize+dot inside the jit" + (" (chunked rows on CPU)" if plat == "cpu"
+                                                                          else " (fused by XLA)")}[wmode]
+        kern = Choice("dequant+dot", what)
+        if ov.get("int4_kernel") == "pallas":
+            kern = Choice("dequant+dot", f"GEMMA4_INT4_KERNEL=pallas ignored: {what}", "override")
+            warnings.append("int4_kernel: GEMMA4_INT4_KERNEL=pallas has no effect without int4 weights")
+    else:
+        fits, arithmetic, plan_block = int4_kernel_preflight(facts, dtype, model_config)
+        want = ov.get("int4_kernel")
+        if plat == "tpu":
+            auto_k = Choice("dequant+dot", f"{'fits' if fits else 'does not fit'}: {arithmetic}; but on TPU the "
+                                           "fused kernel measured 0.59× the XLA path (GEMMA4_INT4_KERNEL=pallas "
+                                           "to try it)")
+        elif fits:
+            auto_k = Choice("pallas-int4", f"fused int4 kernel fits: {arithmetic} (verified by the start-up "
+                                           "self-test; GEMMA4_INT4_KERNEL=xla opts out)")
+        else:
+            auto_k = Choice("dequant+dot", f"fused int4 kernel not used: {arithmetic}")
+        if want is None:
+            kern = auto_k
+        elif want == "xla":
+            kern = Choice("dequant+dot", "requested via GEMMA4_INT4_KERNEL=xla", "override")
+        elif fits:
+            kern = Choice("pallas-int4", f"requested via GEMMA4_INT4_KERNEL=pallas: {arithmetic}", "override")
+        else:
+            kern = refuse(f"GEMMA4_INT4_KERNEL=pallas refused on {where}: {arithmetic}; use GEMMA4_INT4_KERNEL=xla "
+                          "(dequantize+dot)", "int4_kernel", "dequant+dot")
+        if kern.value == "pallas-int4":
+            block = plan_block
+
+    # ---------------------------------------------------------------- matmul precision
+    if plat == "tpu":
+        prec = Choice("bfloat16", "TPU: jax_default_matmul_precision=bfloat16 (one MXU pass)")
+    else:
+        prec = Choice(None, f"{plat.upper()}: JAX default matmul precision (the bfloat16 setting is for TPUs only)")
+    if "matmul_precision" in ov:
+        want = None if ov["matmul_precision"] == "none" else ov["matmul_precision"]
+        if want != prec.value:
+            reason = f"requested via GEMMA4_MATMUL_PRECISION (auto would be {prec.value})"
+            if want == "bfloat16" and plat != "tpu":
+                reason += "; warning: bfloat16 matmul precision is right on TPU and wrong elsewhere"
+                warnings.append("matmul_precision: bfloat16 off TPU loses precision")
+            prec = Choice(want, reason, "override")
+
+    return Plan(compute_dtype=compute, weight_dtype=weight_dtype, weights=weights, kv_cache=kv,
+                attention_sliding=att_sliding, attention_full=att_full, int4_kernel=kern,
+                matmul_precision=prec, device=where, platform=plat, int4_block=block,
+                int4_group_size=INT4_GROUP_SIZE,
+                head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(warnings))
+
+
+# ------------------------------------------------------------------------------ self-test
+def _check(name: str, fn) -> dict:
+    t = time.perf_counter()
+    try:
+        ok, detail = fn()
+    except Exception as e:  # noqa: BLE001 - a failing check is a result, not a crash
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return {"name": name, "ok": bool(ok), "seconds": round(time.perf_counter() - t, 4), "detail": detail}
+
+
+def self_test(plan: Plan) -> dict:
+    """Numeric checks on the default device, in the plan's dtypes and paths. Never raises.
+
+    Always: ones(256,256)·ones(256,256) in the compute dtype, reduced in float32, must sum to exactly
+    256³ (an fp16 reduction overflows at 65504), and a random matmul must match float64 numpy.
+    When the plan uses them: int8/int4 weight paths, the fused int4 kernel, cuDNN attention per layer
+    type, fp8 storage. Returns {"ok", "seconds", "checks": [{name, ok, seconds, detail}]}.
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from gemma4 import quant  # noqa: PLC0415
+
+    dt = jnp.dtype(plan.compute_dtype.value)
+    tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 3e-3}[dt.name]
+    rng = np.random.default_rng(0)
+    checks = []
+
+    def ones_sum():
+        a = jnp.ones((256, 256), dt)
+        c = jax.jit(lambda a, b: jnp.sum(jnp.dot(a, b, preferred_element_type=jnp.float32)))(a, a)
+        got = float(c)
+        return got == 256.0 ** 3, f"sum(ones·ones) = {got:.0f}, expected {256 ** 3}"
+
+    a64 = rng.standard_normal((64, 128))
+    b64 = rng.standard_normal((128, 96))
+
+    def random_matmul():
+        a, b = jnp.asarray(a64, dt), jnp.asarray(b64, dt)
+        got = np.asarray(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))(a, b), np.float64)
+        ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        return err < tol, f"max rel err {err:.2e} (tol {tol:.0e}) in {dt.name}"
+
+    checks.append(_check("matmul_ones_fp32_sum", ones_sum))
+    checks.append(_check("matmul_random_vs_float64", random_matmul))
+
+    w = jnp.asarray(0.05 * rng.standard_normal((256, 512)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 512)), dt)
+
+    def quant_check(mode: str, kernel: str = "xla"):
+        def run():
+            qw = quant.quantize_int8(w) if mode == "int8" else quant.quantize_int4(
+                w, plan.int4_group_size, "pallas" if kernel == "pallas" else "xla",
+                plan.int4_block if kernel == "pallas" else None)
+            got = np.asarray(jax.jit(lambda x, q: quant.linear(x, q, out_dtype=jnp.float32))(x, qw))
+            ref = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(jnp.float32), np.float64).T
+            err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+            return err < tol, f"{mode} {kernel}: max rel err {err:.2e} vs dequantized float64 (tol {tol:.0e})"
+        return run
+
+    if plan.weights.value in ("int8", "int4"):
+        checks.append(_check(f"linear_{plan.weights.value}", quant_check(plan.weights.value)))
+    if plan.int4_kernel.value == "pallas-int4":
+        checks.append(_check("int4_kernel_pallas", quant_check("int4", "pallas")))
+
+    for kind in ("sliding", "full"):
+        choice = getattr(plan, f"attention_{kind}")
+        if choice.value == "xla":
+            continue
+        head_dim = plan.head_dims[0 if kind == "sliding" else 1]
+
+        def attn(impl=choice.value, d=head_dim):
+            q = jnp.asarray(rng.standard_normal((1, 16, 2, d)), dt)
+            k = jnp.asarray(rng.standard_normal((1, 16, 1, d)), dt)
+            v = jnp.asarray(rng.standard_normal((1, 16, 1, d)), dt)
+            mask = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+            got = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+            ref = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+            return err < 5 * tol, f"{impl} vs xla, head_dim {d}: max abs err {err:.2e}"
+
+        checks.append(_check(f"attention_{kind}_{choice.value}", attn))
+
+    if plan.kv_cache.value == "fp8":
+        def fp8():
+            vals = jnp.asarray([0.5, -1.25, 3.0, 448.0], jnp.float32)
+            back = vals.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+            return bool(jnp.all(back == vals)), f"float8_e4m3fn round trip {np.asarray(back).tolist()}"
+
+        checks.append(_check("kv_fp8_roundtrip", fp8))
+
+    return {"ok": all(c["ok"] for c in checks), "seconds": round(sum(c["seconds"] for c in checks), 4),
+            "device": plan.device, "checks": checks}
+
+
+# ------------------------------------------------------------------------------ start-up entry points
+def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+            facts: HardwareFacts | None = None, run_self_test: bool = True) -> tuple[Plan, dict]:
+    """probe → policy → self-test; optional paths that fail the self-test fall back loudly.
+
+    Returns (the plan to run with, a JSON-able report {facts, plan, self_test, warnings}).
+    Raises PolicyError for a refused override (see module doc). The core matmul checks failing is
+    reported as report["self_test"]["ok"] == False: the engine should refuse to serve.
+    """
+    facts = facts or probe()
+    plan = policy(facts, model_config, overrides, env)
+    test = self_test(plan) if run_self_test and not facts.simulated else None
+    if test:
+        failed = {c["name"] for c in test["checks"] if not c["ok"]}
+        if "int4_kernel_pallas" in failed:
+            plan = plan.replace("int4_kernel", Choice("dequant+dot", "fused int4 kernel failed the start-up "
+                                                      "self-test; using dequantize+dot", "self-test"),
+                                "int4_kernel: pallas kernel failed the self-test, fell back to dequant+dot")
+            plan = dataclasses.replace(plan, int4_block=None)
+        for kind in ("sliding", "full"):
+            choice = getattr(plan, f"attention_{kind}")
+            if f"attention_{kind}_{choice.value}" in failed:
+                plan = plan.replace(f"attention_{kind}", Choice("xla", f"{choice.value} attention failed the "
+                                                                f"start-up self-test; using XLA", "self-test"),
+                                    f"attention_{kind}: {choice.value} failed the self-test, fell back to xla")
+    report = {"facts": facts.to_dict(), "plan": plan.to_dict(), "self_test": test, "warnings": list(plan.warnings)}
+    return plan, report
+
+
+def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None, facts: HardwareFacts | None = None,
+                run_self_test: bool = True) -> dict:
+    """facts + plan + self-test as one JSON-able dict (for the UI panel and start-up logs)."""
+    return resolve(model_config, overrides, env, facts, run_self_test)[1]
+
+
+def _format_bytes(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / _GiB:.1f} GiB"
+
+
+def format_report(report: dict) -> str:
+    f = report["facts"]
+    lines = [
+        f"device: {f['description']}",
+        f"platform: {f['platform']}  devices: {f['device_count']}  kind: {f['device_kind']}",
+        f"jax {f['jax_version']} / jaxlib {f['jaxlib_version']}" + (f"  backend {f['backend_version']}"
+                                                                    if f.get("backend_version") else ""),
+    ]
+    if f["platform"] == "gpu":
+        lines.append(f"compute capability: {f['compute_capability'] or 'unknown'}  vendor: {f['vendor']}")
+    if f["platform"] == "tpu":
+        lines.append(f"TPU generation: {f['tpu_generation']}")
+    lines.append(f"memory: total {_format_bytes(f['memory_total_bytes'])}, free {_format_bytes(f['memory_free_bytes'])}"
+                 f"  (host RAM {_format_bytes(f['host_memory_total_bytes'])})")
+    lines.append(f"CPU: {f['cpu_model']} [{f['cpu_arch']}, {f['cpu_cores']} cores] flags: "
+                 f"{' '.join(f['cpu_flags']) or '-'}")
+    for n in f["notes"]:
+        lines.append(f"note: {n}")
+    p = report["plan"]
+    lines.append("")
+    lines.append("plan:")
+    for name in CHOICE_NAMES:
+        c = p[name]
+        tag = "" if c["source"] == "auto" else f" [{c['source']}]"
+        lines.append(f"  {name:<18} {str(c['value']):<12}{tag}  {c['reason']}")
+    for w in p["warnings"]:
+        lines.append(f"  WARNING: {w}")
+    t = report.get("self_test")
+    if t:
+        lines.append("")
+        lines.append(f"self-test: {'PASS' if t['ok'] else 'FAIL'} ({t['seconds'] * 1e3:.0f} ms)")
+        for c in t["checks"]:
+            status = "ok  " if c["ok"] else "FAIL"
+            lines.append(f"  {status} {c['name']:<28} {c['seconds'] * 1e3:7.1f} ms  {c['detail']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gemma4 probe [--json] [--dtype ...] ...`: print the facts, the plan and the self-test."""
+    ap = argparse.ArgumentParser(prog="gemma4 probe", description="Probe the hardware and show the run plan.")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--dtype", help="auto|float32|bfloat16|float16 (GEMMA4_DTYPE)")
+    ap.add_argument("--weights", help="auto|none|int8|int4 (GEMMA4_WEIGHTS)")
+    ap.add_argument("--kv", help="auto|native|int8|fp8 (GEMMA4_KV)")
+    ap.add_argument("--attention", help="auto|xla|cudnn (GEMMA4_ATTENTION)")
+    ap.add_argument("--int4-kernel", help="auto|pallas|xla (GEMMA4_INT4_KERNEL)")
+    ap.add_argument("--matmul-precision", help="auto|none|bfloat16|... (GEMMA4_MATMUL_PRECISION)")
+    ap.add_argument("--allow-fallback", action="store_true", help="fall back (with a warning) instead of refusing")
+    ap.add_argument("--model", default=None, help="config preset for per-layer choices (default: e2b geometry)")
+    ap.add_argument("--simulate", choices=sorted(SIMULATED), help="plan for a simulated device (no self-test)")
+    ap.add_argument("--no-self-test", action="store_true")
+    args = ap.parse_args(argv)
+    overrides = {k: getattr(args, k) for k in ("dtype", "weights", "kv", "attention", "int4_kernel",
+                                               "matmul_precision") if getattr(args, k)}
+    if args.allow_fallback:
+        overrides["allow_fallback"] = True
+    cfg = None
+    if args.model:
+        from gemma4.config import preset  # noqa: PLC0415
+
+        cfg = preset(args.model)
+    facts = simulated_facts(args.simulate) if args.simulate else None
+    try:
+        report = full_report(cfg, overrides, facts=facts, run_self_test=not args.no_self_test)
+    except PolicyError as e:
+        if args.json:
+            print(json.dumps({"error": "PolicyError", "message": str(e)}))
+        else:
+            print(f"refused: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    return 0 if (report["self_test"] is None or report["self_test"]["ok"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Hardware probe and policy: simulated devices → expected choices, refusals with their arithmetic."""
+
+import json
+
+import pytest
+
+from gemma4 import hardware
+from gemma4.config import preset
+from gemma4.hardware import PolicyError, policy, simulated_facts
+from gemma4.kernels.int4_matmul import int4_block_bytes
+
+E2B = preset("e2b")
+
+
+def plan_for(device, overrides=None, cfg=E2B):
+    return policy(simulated_facts(device), cfg, overrides, env={})
+
+
+# device: (compute dtype, default weights, attention sliding (hd 256), attention full (hd 512),
+#          int4 kernel when int4 weights are requested, matmul precision, fp8 KV allowed)
+EXPECTED = {
+    "cpu-avx2": ("float32", "int8", "xla", "xla", "dequant+dot", None, False),
+    "cpu-avx512bf16": ("float32", "int8", "xla", "xla", "dequant+dot", None, False),
+    "cpu-amx": ("float32", "int8", "xla", "xla", "dequant+dot", None, False),
+    "t4": ("float16", "none", "xla", "xla", "dequant+dot", None, False),
+    "a100": ("bfloat16", "none", "xla", "xla", "pallas-int4", None, False),
+    "l4": ("bfloat16", "none", "xla", "xla", "dequant+dot", None, True),
+    "h100": ("bfloat16", "none", "cudnn", "xla", "pallas-int4", None, True),
+    "h200": ("bfloat16", "none", "cudnn", "xla", "pallas-int4", None, True),
+    "tpu-v4": ("bfloat16", "none", "xla", "xla", "dequant+dot", "bfloat16", False),
+    "tpu-v5e": ("bfloat16", "none", "xla", "xla", "dequant+dot", "bfloat16", True),
+    "tpu-v6e": ("bfloat16", "none", "xla", "xla", "dequant+dot", "bfloat16", True),
+    "unknown-gpu": ("float32", "none", "xla", "xla", "dequant+dot", None, False),
+}
+
+
+@pytest.mark.parametrize("device", sorted(EXPECTED))
+def test_policy_on_simulated_devices(device):
+    dtype, weights, att_s, att_f, kernel, precision, fp8 = EXPECTED[device]
+    plan = plan_for(device)
+    assert plan.compute_dtype.value == dtype
+    assert plan.weight_dtype.value == dtype  # stored in the compute dtype: no per-step conversion
+    assert plan.weights.value == weights
+    assert plan.kv_cache.value == "native"
+    assert (plan.attention_sliding.value, plan.attention_full.value) == (att_s, att_f)
+    assert plan.matmul_precision.value == precision
+    assert plan.warnings == ()
+    for c in plan.choices().values():
+        assert c.reason and c.source == "auto"
+    opts = plan.run_options()
+    assert (opts.compute_dtype, opts.attention_sliding, opts.attention_full) == (dtype, att_s, att_f)
+
+    int4 = plan_for(device, {"weights": "int4"})
+    assert int4.int4_kernel.value == kernel
+    assert (int4.int4_block is not None) == (kernel == "pallas-int4")
+    assert int4.quantize_kwargs()["int4_kernel"] == ("pallas" if kernel == "pallas-int4" else "xla")
+
+    if fp8:
+        assert plan_for(device, {"kv": "fp8"}).kv_cache.value == "fp8"
+    else:
+        with pytest.raises(PolicyError, match="GEMMA4_KV=int8"):
+            plan_for(device, {"kv": "fp8"})
+
+
+def test_attention_reason_names_head_dim_and_limit():
+    plan = plan_for("h100")
+    assert "head_dim 256" in plan.attention_sliding.reason and "≤ 256" in plan.attention_sliding.reason
+    assert "head_dim 512 exceeds cuDNN's limit 256 on sm_90" in plan.attention_full.reason
+    a100 = plan_for("a100")
+    assert "head_dim 256 exceeds cuDNN's limit 128 on sm_80" in a100.attention_sliding.reason
+    t4 = plan_for("t4")
+    assert "needs sm_80+" in t4.attention_sliding.reason
+
+
+def test_gemma3_270m_on_hopper_uses_cudnn_for_both_layer_types():
+    plan = plan_for("h200", cfg=preset("gemma3-270m"))
+    assert (plan.attention_sliding.value, plan.attention_full.value) == ("cudnn", "cudnn")
+    assert plan.head_dims == (256, 256)
+
+
+def test_fp8_on_turing_is_refused_naming_int8():
+    with pytest.raises(PolicyError) as e:
+        plan_for("t4", {"GEMMA4_KV": "fp8"})
+    msg = str(e.value)
+    assert "sm_75" in msg and "no fp8 datapath" in msg and "GEMMA4_KV=int8" in msg
+
+
+def test_fp8_fallback_is_visible():
+    plan = plan_for("t4", {"kv": "fp8", "allow_fallback": True})
+    assert plan.kv_cache.value == "int8" and plan.kv_cache.source == "fallback"
+    assert plan.kv_cache.reason.startswith("REFUSED")
+    assert any("fp8" in w for w in plan.warnings)
+    assert "WARNING" in plan.report()
+
+
+def test_fused_int4_over_shared_memory_is_refused_with_arithmetic():
+    with pytest.raises(PolicyError) as e:
+        plan_for("t4", {"weights": "int4", "int4_kernel": "pallas"})
+    msg = str(e.value)
+    need = int4_block_bytes(16, 256, 128, 64, "float16")["total"]
+    assert need == 102 * 1024
+    assert "need 102 KiB" in msg and "limit 64 KiB" in msg and "sm_75" in msg
+    assert "m 16" in msg and "k-step 256" in msg and "n 128" in msg and "GEMMA4_INT4_KERNEL=xla" in msg
+    # without the explicit request the same arithmetic is the reason for dequant+dot
+    auto = plan_for("t4", {"weights": "int4"})
+    assert auto.int4_kernel.value == "dequant+dot" and "need 102 KiB" in auto.int4_kernel.reason
+
+
+def test_fused_int4_on_cpu_refused_and_ignored_without_int4():
+    with pytest.raises(PolicyError, match="interpret mode"):
+        plan_for("cpu-avx2", {"weights": "int4", "int4_kernel": "pallas"})
+    plan = plan_for("cpu-avx2", {"int4_kernel": "pallas"})  # int8 weights: the kernel has nothing to do
+    assert plan.int4_kernel.value == "dequant+dot" and plan.warnings
+
+
+def test_int4_block_bytes_arithmetic():
+    parts = int4_block_bytes(16, 256, 128, 64, "bfloat16")
+    assert parts == {"x": 16 * 256 * 2, "packed": 128 * 128, "dequantized": 256 * 128 * 2, "scales": 4 * 128 * 4,
+                     "accumulator": 16 * 128 * 4, "out": 16 * 128 * 2, "total": 104448}
+    # the naive full-K block of the field report does not fit anywhere but TPU VMEM
+    full_k = int4_block_bytes(16, 1536, 2048, 64, "float16")["total"]
+    assert full_k > 227 * 1024
+    assert int4_block_bytes(8, 256, 128, 64, "float32", buffers=2)["x"] == 2 * 8 * 256 * 4
+
+
+def test_cudnn_override_refused_where_head_dim_exceeds_limit():
+    with pytest.raises(PolicyError, match="head_dim 512 exceeds"):
+        plan_for("h100", {"attention": "cudnn"})
+    plan = plan_for("h100", {"attention": "cudnn", "allow_fallback": "1"})
+    assert plan.attention_sliding.value == "cudnn" and plan.attention_sliding.source == "override"
+    assert plan.attention_full.value == "xla" and plan.attention_full.source == "fallback"
+    with pytest.raises(PolicyError, match="NVIDIA"):
+        plan_for("tpu-v6e", {"attention": "cudnn"})
+    assert plan_for("h100", {"attention": "xla"}).attention_sliding.value == "xla"
+
+
+def test_unsafe_dtype_overrides_are_accepted_with_warning():
+    plan = plan_for("cpu-avx2", {"dtype": "bf16"})
+    assert plan.compute_dtype.value == "bfloat16" and plan.compute_dtype.source == "override"
+    assert "warning: emulated, slower" in plan.compute_dtype.reason
+    assert plan.weight_dtype.value == "bfloat16"
+    t4 = plan_for("t4", {"dtype": "bfloat16"})
+    assert "warning" in t4.compute_dtype.reason and "emulated" in t4.compute_dtype.reason
+    assert t4.warnings
+    ok = plan_for("h100", {"dtype": "bfloat16"})  # same as auto: no warning
+    assert ok.warnings == ()
+
+
+def test_matmul_precision_override():
+    plan = plan_for("cpu-avx2", {"matmul_precision": "bfloat16"})
+    assert plan.matmul_precision.value == "bfloat16" and "warning" in plan.matmul_precision.reason
+    assert plan_for("tpu-v5e", {"matmul_precision": "none"}).matmul_precision.value is None
+
+
+def test_env_overrides_and_dict_precedence():
+    facts = simulated_facts("a100")
+    plan = policy(facts, E2B, None, env={"GEMMA4_WEIGHTS": "int8", "GEMMA4_KV": "int8", "PATH": "/x"})
+    assert plan.weights.value == "int8" and plan.kv_cache.value == "int8"
+    assert plan.weights.source == "override"
+    plan = policy(facts, E2B, {"weights": "none"}, env={"GEMMA4_WEIGHTS": "int4"})
+    assert plan.weights.value == "none"
+    assert policy(facts, E2B, {"GEMMA4_DTYPE": "auto"}, env={}).compute_dtype.source == "auto"
+    with pytest.raises(PolicyError, match="GEMMA4_WEIGHTS"):
+        policy(facts, E2B, {"weights": "int3"}, env={})
+    with pytest.raises(PolicyError, match="unknown override"):
+        policy(facts, E2B, {"colour": "blue"}, env={})
+
+
+def test_weights_escalate_when_the_model_does_not_fit():
+    big = preset("31b")
+    l4 = plan_for("l4", cfg=big)  # 22 GiB: bf16 and int8 do not fit, int4 does
+    assert l4.weights.value == "int4" and "GiB" in l4.weights.reason and l4.warnings == ()
+    t4 = plan_for("t4", cfg=big)  # 15 GiB: not even int4
+    assert t4.weights.value == "int4" and any("does not fit" in w for w in t4.warnings)
+
+
+def test_plan_serialises_and_reports():
+    plan = plan_for("l4", {"weights": "int4"})
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert set(hardware.CHOICE_NAMES) <= set(d)
+    assert d["weights"] == {"value": "int4", "reason": d["weights"]["reason"], "source": "override"}
+    text = plan.report()
+    assert "NVIDIA L4" in text and "need 102 KiB" in text
+
+
+def test_parse_cpuinfo():
+    x86 = ("processor\t: 0\nmodel name\t: Some CPU\n"
+           "flags\t\t: fpu sse4_2 avx avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    model, flags = hardware.parse_cpuinfo(x86)
+    assert model == "Some CPU" and {"avx2", "avx512_bf16", "amx_bf16"} <= set(flags) and "fpu" not in flags
+    arm = "processor : 0\nFeatures : fp asimd sve bf16 i8mm\nCPU part : 0xd40\n"
+    assert set(hardware.parse_cpuinfo(arm)[1]) == {"asimd", "sve", "bf16", "i8mm"}
+    assert hardware.parse_cpuinfo("") == ("unknown", ())
+
+
+def test_tpu_generation_names():
+    assert [hardware.tpu_generation(k) for k in ("TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "TPU v9 turbo")] \
+        == ["v4", "v5e", "v5p", "v6e", "unknown"]
+
+
+def test_probe_on_this_machine():
+    facts = hardware.probe()
+    assert facts.platform == "cpu" and facts.device_count >= 1
+    assert facts.jax_version != "unknown"
+    json.dumps(facts.to_dict())
+    plan = policy(facts, env={})
+    assert plan.compute_dtype.value == "float32" and plan.weights.value == "int8"
+
+
+def test_self_test_passes_on_cpu():
+    plan = policy(hardware.probe(), env={})
+    result = hardware.self_test(plan)
+    assert result["ok"], result
+    names = {c["name"] for c in result["checks"]}
+    assert {"matmul_ones_fp32_sum", "matmul_random_vs_float64", "linear_int8"} <= names
+    ones = next(c for c in result["checks"] if c["name"] == "matmul_ones_fp32_sum")
+    assert "16777216" in ones["detail"] and ones["seconds"] >= 0
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in hardware.ENV_KEYS.values():
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_main_json(capsys, clean_env):
+    assert hardware.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["facts"]["platform"] == "cpu"
+    assert report["plan"]["compute_dtype"]["value"] == "float32"
+    assert report["self_test"]["ok"] is True
+
+
+def test_main_simulated_refusal_and_text(capsys, clean_env):
+    assert hardware.main(["--simulate", "t4", "--kv", "fp8", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"] == "PolicyError" and "int8" in out["message"]
+    assert hardware.main(["--simulate", "h200", "--weights", "int4"]) == 0
+    text = capsys.readouterr().out
+    assert "pallas-int4" in text and "cudnn" in text and "simulated: h200" in text

