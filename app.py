@@ -387,6 +387,18 @@ class DemoApp:
 
     # ------------------------------------------------------------------ API for programs
 
+    def engine_status(self) -> dict:
+        """The engine's state ("loading" | "warming" | "ready" | "error"), progress, message,
+        error, and — once ready — the model facts and the queue ({"active", "waiting"})."""
+        status = dict(self.engine.status())
+        info = self.info()
+        if info:
+            status["model"] = {k: info.get(k) for k in ("model", "source", "is_base_model",
+                                                        "random_weights", "family",
+                                                        "context_limit", "max_batch")}
+            status["queue"] = self.engine.queue_state()
+        return status
+
     def generate(self, prompt: str, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, mode: str = "auto",
@@ -581,10 +593,12 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,
                            show_progress="hidden", **hidden)
-        demo.load(app.tick, [seen], tick_outputs, queue=False, **hidden)
-        demo.load(app.hardware_panel, None, [hw_md, mem_md], queue=False, **hidden)
+        demo.load(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden", **hidden)
+        demo.load(app.hardware_panel, None, [hw_md, mem_md], queue=False,
+                  show_progress="hidden", **hidden)
 
         gr.api(app.generate, api_name="generate", **engine_events)
+        gr.api(app.engine_status, api_name="engine_status", queue=False)
 
     demo.queue(default_concurrency_limit=settings.max_users, max_size=settings.queue_size)
     return demo

@@ -311,6 +311,13 @@ def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
     return flagged, fired
 
 
+def _decode_rate(stats: Mapping[str, Any]) -> str:
+    """Decode tok/s, or "—" until there are two tokens (the first comes from the prefill)."""
+    if (_finite(stats.get("new_tokens")) or 0) < 2:
+        return "—"
+    return fmt_num(stats.get("decode_tok_s"))
+
+
 def stats_title(
     stats: Mapping[str, Any] | None,
     *,
@@ -330,7 +337,7 @@ def stats_title(
             return "⏳ compiling for this prompt length…"
         return "⏳ reading the prompt…"
     parts = [
-        f"{fmt_num(stats.get('decode_tok_s'))} tok/s",
+        f"{_decode_rate(stats)} tok/s",
         f"TTFT {fmt_num(ttft, 2)} s",
         f"{int(new_tokens)} tokens",
     ]
@@ -457,7 +464,7 @@ def reply_panel_html(
             ),
         ),
         ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)"),
-        ("Decode", f"<b>{fmt_num(stats.get('decode_tok_s'))} tok/s</b>"),
+        ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>"),
         ("Tokens generated", fmt_int(stats.get("new_tokens"))),
         ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
         ("Batch occupancy", _occupancy(stats)),
@@ -529,15 +536,18 @@ def _md_lines(obj: Any, depth: int = 0) -> list[str]:
     lines: list[str] = []
     if isinstance(obj, Mapping):
         for key, val in obj.items():
+            if val is None:  # a fact that does not apply here (e.g. a GPU's compute capability)
+                continue
             label = str(key).replace("_", " ")
             if isinstance(val, Mapping) and _is_choice(val):
+                how = f" _({val['source']})_" if isinstance(val.get("source"), str) else ""
                 lines.append(
-                    f"{pad}- **{label}**: `{_choice_value(val)}` — {val.get('reason')}"
+                    f"{pad}- **{label}**: `{_choice_value(val)}` — {val.get('reason')}{how}"
                 )
                 extra = {
                     k: v
                     for k, v in val.items()
-                    if k not in ("reason", "value", "choice", "chosen", "selected")
+                    if k not in ("reason", "value", "choice", "chosen", "selected", "source")
                 }
                 if extra:
                     lines += _md_lines(extra, depth + 1)
@@ -567,7 +577,8 @@ def hardware_markdown(hardware: Mapping[str, Any] | None) -> str:
     """The hardware report (facts, then each choice with its reason, then refusals)."""
     if not hardware:
         return "_The hardware report appears once the model has loaded._"
-    order = ["facts", "choices", "plan", "refusals", "warnings"]
+    # the decisions and their reasons first, then what they were based on
+    order = ["plan", "choices", "refusals", "warnings", "self_test", "facts"]
     keys = [k for k in order if k in hardware] + [k for k in hardware if k not in order]
     out: list[str] = []
     loose = {k: hardware[k] for k in keys if not isinstance(hardware[k], (Mapping, list, tuple))}

@@ -325,6 +325,32 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     assert engine.queue_state()["active"] == 0
 
 
+def test_message_sent_while_loading_waits_and_says_so():
+    """get_engine returns at once; a message sent before the model is ready shows
+    "loading model… N%" in the chat and is answered once the model is ready."""
+    from gradio_client import Client
+
+    from gemma4.engine import get_engine
+
+    # A fresh engine (other settings than the shared one): it loads and warms up meanwhile.
+    engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128)
+    demo = app.build_demo(engine, app.Settings(model=TINY_MODEL, max_users=1, context=128))
+    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
+    try:
+        client = Client(url, verbose=False)
+        was_loading = engine.status()["state"] != "ready"
+        job = _chat(client, "Hello", max_new_tokens=4)
+        history = job.result(timeout=300)[0]
+        assert uf.message_text(history[-2]["content"]) or history[-1]["metadata"]["title"]
+        assert history[-1]["metadata"]["status"] == "done"
+        if was_loading:
+            titles = [o[0][-1].get("metadata", {}).get("title", "") for o in job.outputs()]
+            assert any("loading model" in t or "compiling" in t for t in titles), titles
+    finally:
+        demo.close()
+        engine.close()
+
+
 def test_load_failure_is_shown_not_traced(tmp_path):
     """A model that cannot load: the UI still serves and says why, in words."""
     from gradio_client import Client
@@ -374,9 +400,14 @@ def test_bundled_model_from_the_command_line(tmp_path):
         assert proc.poll() is None, (tmp_path / "app.log").read_text()[-3000:]
         t_page = time.monotonic() - t0
         client = Client(url, verbose=False)
-        out = client.predict("The capital of France is", max_new_tokens=16, temperature=0.0,
-                             api_name="/generate")
+        loading_at_send = client.predict(api_name="/engine_status")["state"] != "ready"
+        job = client.submit("The capital of France is", max_new_tokens=16, temperature=0.0,
+                            api_name="/generate")
+        out = job.result(timeout=900)
         t_answer = time.monotonic() - t0
+        if loading_at_send:  # the caller was told the model was loading while it waited
+            assert any("loading" in str(o.get("status", "")) or "compiling" in
+                       str(o.get("status", "")) for o in job.outputs()), job.outputs()[:3]
         print(f"\nbundled model: page after {t_page:.1f} s, first answer after {t_answer:.1f} s: "
               f"{out['text']!r} stats={out['stats']}")
         assert out["done"] and out["mode"] == "completion"

@@ -118,13 +118,17 @@ def test_chat_streams_stats_fill_and_stop_halts(served, browser, tmp_path):
     box.fill(prompt)
     box.press("Enter")
 
-    bot = page.locator(".bot.message").first
-    sync_api.expect(bot).not_to_have_text("", timeout=120_000)
-    # streamed: the reply grows while we watch
-    first = len(bot.inner_text())
-    page.wait_for_function(
-        "n => { const m = document.querySelector('.bot.message');"
-        " return m && m.innerText.length > n + 20; }", arg=first, timeout=60_000)
+    # The bot bubble holds the reply text, then the stats line (⏳ / ⏱ / ⏹ ...).
+    reply_js = ("() => { const m = document.querySelector('.bot.message');"
+                " return m ? m.innerText.split(/[⏱⏳⏹]/u)[0].trim() : ''; }")
+
+    def reply_text() -> str:
+        return page.evaluate(reply_js)
+
+    # streamed: the reply text appears, then grows while we watch
+    page.wait_for_function(f"({reply_js})().length > 0", timeout=300_000)
+    first = len(reply_text())
+    page.wait_for_function(f"({reply_js})().length > {first + 10}", timeout=120_000)
     panel = page.locator("#reply-stats")
     sync_api.expect(panel).to_contain_text("Time to first token")
     sync_api.expect(panel).to_contain_text(re.compile(r"\d+\.\d\d s"))  # TTFT filled in
@@ -140,11 +144,7 @@ def test_chat_streams_stats_fill_and_stop_halts(served, browser, tmp_path):
     while engine.queue_state()["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.queue_state()["active"] == 0, "Stop must free the engine slot"
-    # the reply no longer grows (compare the text above the "⏹ stopped" stats line, whose
-    # details fold away when it is marked done)
-    def reply_text() -> str:
-        return bot.inner_text().split("⏹")[0]
-
+    # the reply no longer grows
     text_after_stop = reply_text()
     page.wait_for_timeout(1500)
     assert reply_text() == text_after_stop
