@@ -259,26 +259,32 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 # XLA:CPU (jax 0.10.2) does NOT fuse a convert into a dot: `dot(x, q.astype(f32))` first writes
-# the whole dequantized f32 weight to a temporary (5 bytes of traffic per int8 weight; measured 10×
-# slower than a float32 matvec at the LM-head shape, and 16× slower than float32 for a stack of 36
-# [2048, 640] layers, where every big temporary is freshly allocated per call). Dequantizing
-# `chunk_rows` output rows at a time inside a `lax.map` reuses one small, cache-resident buffer, so
-# the weights stream once as int8/int4: measured 1.6× (layer stack) to 3× (LM head) *faster* than
-# float32 weights. Temporaries of ≤ 2 MiB (2^19 float32 elements) were consistently fast; 5 MiB ones
-# were not (bench/cpu_dtype.py and a sweep of chunk sizes on a 2-core Zen 4).
-CHUNK_TARGET_ELEMENTS = 1 << 19
+# the whole dequantized f32 weight to a temporary (5 bytes of traffic per int8 weight; measured
+# 10–20× slower than float32 weights at the LM-head shape and for a whole Gemma 3 270M decode step).
+# Dequantizing `chunk_rows` output rows at a time inside a `lax.map` reuses one small buffer that
+# stays in cache, so the weights stream once as int8/int4. Measured on a 2-core Zen 4 (bench/
+# cpu_dtype.py and chunk sweeps): chunks of ~2^17 float32 elements (512 KiB, L2-resident) were best
+# for layer-sized weights; for the [262144, H] LM head the per-iteration loop overhead of thousands
+# of small chunks dominates, so at most CHUNK_MAX_STEPS steps are taken (chunks grow instead).
+CHUNK_TARGET_ELEMENTS = 1 << 17
+CHUNK_MAX_STEPS = 512
+
+
+def _pow2_floor(n: float) -> int:
+    return 1 << max(0, int(np.floor(np.log2(max(1.0, n)))))
 
 
 def auto_chunk_rows(n_out: int, n_in: int, backend: str | None = None) -> int:
     """Rows per dequantize step for `linear` on `backend` (0 = one dequantize, one dot).
 
-    GPUs and TPUs fuse the dequantization into the matmul, so they get 0; on CPU the power of two
-    nearest below CHUNK_TARGET_ELEMENTS / n_in, or 0 when the whole weight is no bigger than that.
+    GPUs and TPUs fuse the dequantization into the matmul, so they get 0; on CPU a power of two
+    near CHUNK_TARGET_ELEMENTS / n_in (at least n_out / CHUNK_MAX_STEPS), or 0 for a weight of at
+    most two such chunks.
     """
     backend = backend or jax.default_backend()
-    if backend != "cpu":
+    if backend != "cpu" or n_out * n_in <= 2 * CHUNK_TARGET_ELEMENTS:
         return 0
-    rows = 1 << max(3, int(np.floor(np.log2(max(1, CHUNK_TARGET_ELEMENTS // n_in)))))
+    rows = max(8, _pow2_floor(CHUNK_TARGET_ELEMENTS / n_in), 2 * _pow2_floor((n_out - 1) / CHUNK_MAX_STEPS))
     return rows if rows < n_out else 0
 
 
