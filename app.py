@@ -343,8 +343,8 @@ class DemoApp:
                 panel = uf.reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
         return history, panel, {"replies": replies}
 
-    def retry(self, history, retry_data: gr.RetryData):
-        history = list(history or [])[: uf.message_index(retry_data.index)]
+    def retry(self, history):
+        """Retry (offered on the last reply): drop the reply, keep the user turn, answer again."""
         return uf.strip_trailing_assistant(history)
 
     def undo(self, history):
@@ -352,6 +352,7 @@ class DemoApp:
         return history, text
 
     def edit(self, history, edit_data: gr.EditData):
+        log.warning("edit index %r value %r len %d", edit_data.index, edit_data.value, len(history))
         history = list(history or [])[: uf.message_index(edit_data.index)]
         history.append({"role": "user", "content": edit_data.value})
         return history

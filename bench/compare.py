@@ -34,9 +34,9 @@ import bandwidth  # noqa: E402
 import peers  # noqa: E402
 
 # Environment variables pointed at a fresh, empty folder for the "cold" load (and at the same folder,
-# now filled, for the warm one). JAX reads JAX_COMPILATION_CACHE_DIR itself; GEMMA4_CACHE_DIR is
-# the engine's on-disk cache (converted weights, compiled executables). Add others with --cache-env.
-CACHE_ENV_VARS = ["GEMMA4_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"]
+# now filled, for the warm one): the engine's cache root (gemma4.paths.cache_root) and its XLA
+# compile cache (gemma4.engine, default <cache root>/xla). Add others with --cache-env.
+CACHE_ENV_VARS = ["GEMMA4_JAX_CACHE", "GEMMA4_COMPILE_CACHE"]
 
 
 # ============================================================================ our engine (worker side)
@@ -70,25 +70,12 @@ def aggregate_rate(streams: list[list[tuple[float, int]]]) -> dict:
 
 
 def _describe_weights(info: dict) -> str:
-    """Best-effort name of the weight format the engine chose (from info()['hardware'])."""
-    def search(node: Any, depth: int = 0) -> str | None:
-        if depth > 4 or not isinstance(node, dict):
-            return None
-        for key, value in node.items():
-            if "weight" in str(key).lower():
-                if isinstance(value, str):
-                    return value
-                if isinstance(value, dict):
-                    for k in ("choice", "value", "format", "dtype", "name"):
-                        if isinstance(value.get(k), str):
-                            return value[k]
-        for value in node.values():
-            found = search(value, depth + 1)
-            if found:
-                return found
-        return None
-
-    return search(info.get("hardware") or {}) or search(info) or "engine default"
+    """The weight format the engine chose: info()['weights'] ("none" | "int8" | "int4") and the
+    compute dtype the float weights are stored in."""
+    mode, dtype = info.get("weights"), info.get("compute_dtype")
+    if mode in (None, "none"):
+        return str(dtype or "engine default")
+    return f"{mode} ({dtype} compute)" if dtype else str(mode)
 
 
 def measure_ours(spec: dict) -> dict:
@@ -100,12 +87,13 @@ def measure_ours(spec: dict) -> dict:
         return {"skipped": f"gemma4.engine is not importable ({e})"}
     import_s = time.perf_counter() - t0
     kwargs: dict[str, Any] = {"model": spec["model"], "max_batch": spec["max_batch"]}
-    if spec.get("weights") not in (None, "", "default"):
-        kwargs["weights"] = spec["weights"]
+    weights = spec.get("weights") if spec.get("weights") not in (None, "", "default") else None
+    if weights:  # the hardware policy's override (same as GEMMA4_WEIGHTS=...)
+        kwargs["overrides"] = {"weights": weights}
     try:
         engine = get_engine(**kwargs)
     except TypeError as e:
-        return {"skipped": f"get_engine() does not take {sorted(kwargs)} yet ({e})"}
+        return {"skipped": f"get_engine() does not take {sorted(kwargs)} ({e})"}
     phases: dict[str, float] = {}
     done = threading.Event()
 
@@ -131,8 +119,8 @@ def measure_ours(spec: dict) -> dict:
     except Exception as e:  # info is for the record only
         info = {"error": repr(e)}
     row: dict[str, Any] = {
-        "stack": "ours (JAX)" + (f" weights={spec['weights']}" if kwargs.get("weights") else ""),
-        "weights": kwargs.get("weights") or _describe_weights(info),
+        "stack": "ours (JAX)" + (f" weights={weights}" if weights else ""),
+        "weights": _describe_weights(info),
         "threads": spec["threads"], "cpus": cpus, "load_s": load_s, "import_s": import_s,
         "load_phases_s": phases, "info": info, "cache_env": {k: os.environ.get(k) for k in CACHE_ENV_VARS},
     }
@@ -348,8 +336,9 @@ def _fmt(v: Any, spec: str = ".1f", none: str = "—") -> str:
 def _ceiling_for(weights: str, ceilings: list[dict]) -> float | None:
     w = (weights or "").lower()
     key = ("gguf as stored" if "gguf" in w or "q4" in w else
-           "bfloat16" if "bf16" in w or "bfloat16" in w else
            "int8" if "int8" in w else
+           "q4_k_m-ish" if "int4" in w else
+           "bfloat16" if "bf16" in w or "bfloat16" in w else
            "float32" if "float32" in w or "fp32" in w else None)
     for c in ceilings:
         if c["format"] == key:

@@ -16,6 +16,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", choices=["native", "int8", "fp8"], help="override the KV cache format")
     p.add_argument("--context", type=int, default=None, help="context window (tokens) to allocate")
     p.add_argument("--max-batch", type=int, default=1, help="decode slots (concurrent requests)")
+    p.add_argument("--buckets", default=None,
+                   help="comma-separated prompt buckets to compile (default: the engine's ladder)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
 
 
@@ -40,7 +42,9 @@ def _overrides(args) -> dict:
 def _engine(args):
     from gemma4.engine import get_engine
 
-    engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context, overrides=_overrides(args))
+    extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
+    engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
+                        overrides=_overrides(args), **extra)
     try:
         engine.wait_ready()
     except RuntimeError as e:

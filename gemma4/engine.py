@@ -207,7 +207,8 @@ class Engine:
                 self._warm_up()
             self._set_status("ready", 1.0, f"ready: {self._info['description']}")
         except Exception as e:  # shown to the user instead of a stack trace
-            log.exception("engine failed to start")
+            log.error("engine failed to start: %s: %s", type(e).__name__, e)
+            log.debug("engine start-up traceback", exc_info=True)
             self._set_status("error", 1.0, "failed to load the model", f"{type(e).__name__}: {e}")
             self._ready.set()
             return

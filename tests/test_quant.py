@@ -97,8 +97,9 @@ def test_int4_rejects_ungroupable_shapes():
 
 
 def test_auto_chunk_rows():
-    assert quant.auto_chunk_rows(262144, 640, "cpu") == 512  # 512 × 640 float32 = 1.25 MiB per step
-    assert quant.auto_chunk_rows(6144, 1536, "cpu") == 256
+    assert quant.auto_chunk_rows(262144, 640, "cpu") == 512  # LM head: at most 512 steps
+    assert quant.auto_chunk_rows(2048, 640, "cpu") == 128  # layers: ~2^17 elements (512 KiB float32) per step
+    assert quant.auto_chunk_rows(6144, 1536, "cpu") == 64
     assert quant.auto_chunk_rows(262144, 640, "gpu") == 0  # accelerators fuse the convert into the dot
     assert quant.auto_chunk_rows(256, 640, "cpu") == 0  # small enough: one dequantize, one dot
 
