@@ -192,7 +192,7 @@ class DemoApp:
                            integer=True)
         penalty = uf.clamp(pick(repetition_penalty, "repetition_penalty"), *PENALTY_RANGE,
                            "repetition_penalty", warnings)
-        seed_f = uf._finite(seed)
+        seed_f = uf.as_number(seed)
         seed_v = None if seed_f is None or seed_f < 0 else int(seed_f)
         p = self.SamplingParams(temperature=temp, top_p=top_p_v, top_k=top_k_v,
                                 max_new_tokens=max_new, seed=seed_v, repetition_penalty=penalty)
@@ -352,7 +352,6 @@ class DemoApp:
         return history, text
 
     def edit(self, history, edit_data: gr.EditData):
-        log.warning("edit index %r value %r len %d", edit_data.index, edit_data.value, len(history))
         history = list(history or [])[: uf.message_index(edit_data.index)]
         history.append({"role": "user", "content": edit_data.value})
         return history
@@ -369,14 +368,15 @@ class DemoApp:
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = uf.model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 6
-        if info and not seen.get("defaults_applied"):
+        controls: list[Any] = [gr.skip()] * 7
+        if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()
             controls = [gr.update(value=self.default_mode()), gr.update(value=d["temperature"]),
                         gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
                         gr.update(value=d["max_new_tokens"]),
-                        gr.update(value=d["repetition_penalty"])]
+                        gr.update(value=d["repetition_penalty"]),
+                        uf.context_meter_html(0, info.get("context_limit"), "(empty conversation)")]
         return (uf.status_html(status), banner, uf.queue_html(queue), *controls, seen)
 
     def hardware_panel(self):
@@ -497,6 +497,9 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, min_width=100,
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
+                with gr.Row():
+                    context_meter = gr.HTML(uf.context_meter_html(None, None))
+                    queue_box = gr.HTML(uf.queue_html(None))
                 mode = gr.Radio(["chat", "completion"], value=app.default_mode(), label="Mode",
                                 elem_id="mode",
                                 info="completion: the model continues your latest message as raw "
@@ -527,8 +530,6 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                         seed = gr.Number(value=SEED_RANDOM, precision=0,
                                          label="Seed (-1 = random each time)", elem_id="seed")
                     with gr.Tab("Session"):
-                        context_meter = gr.HTML(uf.context_meter_html(None, None))
-                        queue_box = gr.HTML(uf.queue_html(None))
                         summary = gr.Markdown(uf.session_summary_md([]))
                         empty = _plot_frame([])
                         plot_tps = gr.LinePlot(empty, x="reply", y="decode_tok_s",
@@ -589,7 +590,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     queue=False, **hidden)
 
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
-                        rep_pen, seen]
+                        rep_pen, context_meter, seen]
         gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,

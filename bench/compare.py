@@ -90,6 +90,8 @@ def measure_ours(spec: dict) -> dict:
     weights = spec.get("weights") if spec.get("weights") not in (None, "", "default") else None
     if weights:  # the hardware policy's override (same as GEMMA4_WEIGHTS=...)
         kwargs["overrides"] = {"weights": weights}
+    if spec["mode"] == "quality":
+        kwargs["warmup"] = False  # a few short prompts: compile only the shapes they use
     try:
         engine = get_engine(**kwargs)
     except TypeError as e:

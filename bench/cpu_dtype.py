@@ -15,7 +15,7 @@ Measures y = x · Wᵀ (the decode-time matmul: few rows, a large weight) for
 at the LM-head shape [262144, 640] and an MLP shape [2048, 640] (Gemma 3 270M), batch 1 and 8,
 and prints a table plus the recommendation that `gemma4.hardware.policy` should agree with.
 
-    python bench/cpu_dtype.py [--quick] [--json]
+    python bench/cpu_dtype.py [--quick] [--decode-step] [--json]
 
 Importable: `measure(...)` returns the rows, `recommend(rows)` the conclusion.
 Not a test: numbers depend on the machine and on what else runs on it.
@@ -98,6 +98,44 @@ def measure(shapes: dict[str, tuple[int, int]] | None = None, batches=(1, 8), fo
     return rows
 
 
+def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "int8 whole", "bf16"),
+                        reps: int = 8, seed: int = 0) -> dict[str, float]:
+    """Best-of-N ms of one batch-1 decode step (random weights, 256-slot cache), formats interleaved."""
+    from gemma4 import config, kv_cache, model  # noqa: PLC0415
+    from gemma4 import params as P  # noqa: PLC0415
+
+    cfg = config.preset(preset)
+    base = P.random_params(cfg, seed=seed)
+    trees = {}
+    for fmt in formats:
+        if fmt == "f32":
+            trees[fmt] = (base, jnp.float32)
+        elif fmt == "bf16":
+            trees[fmt] = (jax.tree.map(lambda w: w if w.ndim < 2 else w.astype(jnp.bfloat16), base), jnp.bfloat16)
+        else:
+            q = quant.quantize_params(base, cfg, "int8")
+            if fmt == "int8 whole":
+                q = jax.tree.map(lambda w: dataclasses.replace(w, chunk_rows=0) if quant.is_quantized(w) else w,
+                                 q, is_leaf=quant.is_quantized)
+            trees[fmt] = (q, jnp.float32)
+    tok = jnp.asarray([[5]], jnp.int32)
+    pos = jnp.asarray([[3]], jnp.int32)
+    steps = {}
+    for fmt, (tree, dtype) in trees.items():
+        cache = kv_cache.init_cache(cfg, 1, 256, dtype)
+        opts = model.RunOptions(compute_dtype=jnp.dtype(dtype).name)
+        fn = jax.jit(lambda p, c, o=opts: model.forward(p, cfg, tok, pos, c, options=o)[0])
+        jax.block_until_ready(fn(tree, cache))
+        steps[fmt] = (fn, tree, cache)
+    times = {fmt: [] for fmt in steps}
+    for _ in range(reps):
+        for fmt, (fn, tree, cache) in steps.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(tree, cache))
+            times[fmt].append(time.perf_counter() - t)
+    return {fmt: min(v) * 1e3 for fmt, v in times.items()}
+
+
 def recommend(rows: list[dict]) -> dict:
     """The fastest float compute dtype and weight format at the LM-head shape, batch 1."""
     def ms(fmt, shape="lm_head", batch=1):
@@ -131,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="MLP shape only")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--decode-step", action="store_true",
+                    help="also time one batch-1 decode step of Gemma 3 270M (random weights) per format")
     args = ap.parse_args(argv)
     shapes = {"mlp": SHAPES["mlp"]} if args.quick else SHAPES
     from gemma4 import hardware  # noqa: PLC0415
@@ -138,13 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     facts = hardware.probe()
     rows = measure(shapes)
     rec = recommend(rows)
+    step = measure_decode_step() if args.decode_step else None
     if args.json:
         print(json.dumps({"cpu": facts.cpu_model, "flags": facts.cpu_flags, "rows": rows,
-                          "recommendation": rec}, indent=2))
+                          "decode_step_ms": step, "recommendation": rec}, indent=2))
         return 0
     print(f"CPU: {facts.cpu_model}  ({os.cpu_count()} visible cores; flags: {' '.join(facts.cpu_flags) or '-'})")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
     print(table(rows))
+    if step:
+        print("\ngemma3-270m decode step (batch 1, best of 8):",
+              ", ".join(f"{k} {v:.1f} ms" for k, v in step.items()))
     print("\nrecommendation:", json.dumps(rec, indent=1))
     plan = hardware.policy(facts, env={})
     print(f"policy on this CPU: compute {plan.compute_dtype.value} ({plan.compute_dtype.reason})")

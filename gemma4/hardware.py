@@ -574,7 +574,7 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     if plat == "cpu":
         auto_w, why = "int8", ("int8 weights need 1/4 of float32's RAM and bandwidth; with the chunked "
                                "dequant+dot they measured as fast as or faster than float32 weights for batch-1 "
-                               "decode (LM head 1.4–3×, whole Gemma 3 270M step ~1.1×)")
+                               "decode (LM head 1.3–3×, whole Gemma 3 270M decode step 1.1–1.5×)")
     else:
         auto_w, why = "none", f"{plat.upper()} runs {dtype} weights at full speed; quantize only when asked"
     order = ("none", "int8", "int4")

@@ -208,6 +208,11 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             keys, values, key_pos = shared[spec.kv_source]
         elif cache is None:
             keys, values, key_pos = k, v, positions
+        elif T == 1:
+            # Decode: write first, then attend over the cache alone (no concatenated copy). The
+            # ring then holds exactly the window ending at this token.
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions)
+            keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype)
         else:
             ck, cv, cpos = kv_cache.read(cache[spec.index], dtype)
             keys = jnp.concatenate([ck, k], axis=1)

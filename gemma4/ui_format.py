@@ -34,7 +34,7 @@ FINISH_TEXT = {
 # --------------------------------------------------------------------------- numbers
 
 
-def _finite(x: Any) -> float | None:
+def as_number(x: Any) -> float | None:
     """`x` as a float, or None when it is missing or not a finite number."""
     if isinstance(x, bool) or x is None:
         return None
@@ -47,19 +47,19 @@ def _finite(x: Any) -> float | None:
 
 def fmt_num(x: Any, digits: int = 1, unit: str = "") -> str:
     """A number with `digits` decimals and an optional unit; "—" when unknown."""
-    f = _finite(x)
+    f = as_number(x)
     if f is None:
         return "—"
     return f"{f:,.{digits}f}{(' ' + unit) if unit else ''}"
 
 
 def fmt_int(x: Any) -> str:
-    f = _finite(x)
+    f = as_number(x)
     return "—" if f is None else f"{int(round(f)):,}"
 
 
 def fmt_bytes(n: Any) -> str:
-    f = _finite(n)
+    f = as_number(n)
     if f is None:
         return "—"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -175,7 +175,7 @@ def message_index(index: Any) -> int:
 def loading_text(status: Mapping[str, Any]) -> str:
     """Short line for a reply that waits for the model: "loading model… 40%"."""
     state = status.get("state", "loading")
-    pct = _finite(status.get("progress"))
+    pct = as_number(status.get("progress"))
     pct_txt = f" {pct * 100:.0f}%" if pct is not None else ""
     if state == "warming":
         return f"compiling the model (warm-up)…{pct_txt}"
@@ -200,7 +200,7 @@ def status_html(status: Mapping[str, Any]) -> str:
             "<small>Chat is disabled until the app is restarted with a working model "
             "(see the server log for details).</small></div>"
         )
-    pct = _finite(status.get("progress")) or 0.0
+    pct = as_number(status.get("progress")) or 0.0
     pct = min(max(pct, 0.0), 1.0)
     what = "Compiling (warm-up)" if state == "warming" else "Loading the model"
     return (
@@ -313,7 +313,7 @@ def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
 
 def _decode_rate(stats: Mapping[str, Any]) -> str:
     """Decode tok/s, or "—" until there are two tokens (the first comes from the prefill)."""
-    if (_finite(stats.get("new_tokens")) or 0) < 2:
+    if (as_number(stats.get("new_tokens")) or 0) < 2:
         return "—"
     return fmt_num(stats.get("decode_tok_s"))
 
@@ -330,8 +330,8 @@ def stats_title(
     "⏱ 12.3 tok/s · TTFT 0.21 s · 57 tokens".
     """
     stats = stats or {}
-    new_tokens = _finite(stats.get("new_tokens")) or 0
-    ttft = _finite(stats.get("ttft_s"))
+    new_tokens = as_number(stats.get("new_tokens")) or 0
+    ttft = as_number(stats.get("ttft_s"))
     if not done and ttft is None:
         if stats.get("compiled"):
             return "⏳ compiling for this prompt length…"
@@ -407,7 +407,7 @@ def reply_messages(
 
 def _occupancy_plain(stats: Mapping[str, Any]) -> str:
     occ = stats.get("batch_occupancy")
-    f = _finite(occ)
+    f = as_number(occ)
     if f is None:
         return str(occ) if isinstance(occ, str) else "—"
     return f"{f * 100:.0f}%" if f <= 1.0 else f"{f:.2f}"
@@ -417,7 +417,7 @@ def _occupancy(stats: Mapping[str, Any]) -> str:
     occ = stats.get("batch_occupancy")
     if isinstance(occ, str):
         return html.escape(occ)
-    f = _finite(occ)
+    f = as_number(occ)
     if f is None:
         return "—"
     if f <= 1.0:
@@ -459,7 +459,7 @@ def reply_panel_html(
             f"<b>{fmt_num(stats.get('ttft_s'), 2, 's')}</b>"
             + (
                 f" (of which queue wait {fmt_num(stats.get('queue_wait_s'), 2, 's')})"
-                if _finite(stats.get("queue_wait_s"))
+                if as_number(stats.get("queue_wait_s"))
                 else ""
             ),
         ),
@@ -522,7 +522,7 @@ def _choice_value(d: Mapping[str, Any]) -> Any:
 
 
 def _md_value(key: str, val: Any) -> str:
-    if "bytes" in key.lower() and _finite(val) is not None:
+    if "bytes" in key.lower() and as_number(val) is not None:
         return fmt_bytes(val)
     if isinstance(val, float):
         return f"{val:g}"
@@ -603,12 +603,12 @@ def memory_markdown(memory: Mapping[str, Any] | None) -> str:
     in_use = memory.get("bytes_in_use", memory.get("device_bytes_in_use"))
     limit = memory.get("bytes_limit", memory.get("device_bytes_limit"))
     head = ""
-    if _finite(in_use) is not None and _finite(limit):
+    if as_number(in_use) is not None and as_number(limit):
         head = (
             f"**Device memory in use:** {fmt_bytes(in_use)} of {fmt_bytes(limit)} "
             f"({100 * float(in_use) / float(limit):.1f}%)\n\n"
         )
-    if not head and _finite(in_use) is not None:
+    if not head and as_number(in_use) is not None:
         head = f"**Device memory in use:** {fmt_bytes(in_use)}\n\n"
     return head + "\n".join(_md_lines(memory))
 
@@ -639,9 +639,9 @@ def queue_html(queue: Mapping[str, Any] | None) -> str:
     """Engine load: active decode slots, waiting requests."""
     if not queue:
         return '<div id="queue-state" style="color:#757575">Engine queue: —</div>'
-    active = int(_finite(queue.get("active")) or 0)
-    waiting = int(_finite(queue.get("waiting")) or 0)
-    slots = int(_finite(queue.get("max_batch")) or 0)
+    active = int(as_number(queue.get("active")) or 0)
+    waiting = int(as_number(queue.get("waiting")) or 0)
+    slots = int(as_number(queue.get("max_batch")) or 0)
     busy = waiting > 0
     color = "#e65100" if busy else "#424242"
     msg = (
@@ -660,18 +660,18 @@ def session_rows_for_plot(replies: Sequence[Mapping[str, Any]]) -> dict[str, lis
     cols: dict[str, list[Any]] = {"reply": [], "decode_tok_s": [], "ttft_s": [], "new_tokens": []}
     for i, r in enumerate(replies, start=1):
         cols["reply"].append(i)
-        cols["decode_tok_s"].append(_finite(r.get("decode_tok_s")) or 0.0)
-        cols["ttft_s"].append(_finite(r.get("ttft_s")) or 0.0)
-        cols["new_tokens"].append(int(_finite(r.get("new_tokens")) or 0))
+        cols["decode_tok_s"].append(as_number(r.get("decode_tok_s")) or 0.0)
+        cols["ttft_s"].append(as_number(r.get("ttft_s")) or 0.0)
+        cols["new_tokens"].append(int(as_number(r.get("new_tokens")) or 0))
     return cols
 
 
 def session_summary_md(replies: Sequence[Mapping[str, Any]]) -> str:
     if not replies:
         return "_No replies yet in this session._"
-    tps = [f for f in (_finite(r.get("decode_tok_s")) for r in replies) if f]
-    ttft = [f for f in (_finite(r.get("ttft_s")) for r in replies) if f is not None]
-    toks = sum(int(_finite(r.get("new_tokens")) or 0) for r in replies)
+    tps = [f for f in (as_number(r.get("decode_tok_s")) for r in replies) if f]
+    ttft = [f for f in (as_number(r.get("ttft_s")) for r in replies) if f is not None]
+    toks = sum(int(as_number(r.get("new_tokens")) or 0) for r in replies)
     flagged = sum(1 for r in replies if r.get("flagged"))
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return (
@@ -685,7 +685,7 @@ def session_summary_md(replies: Sequence[Mapping[str, Any]]) -> str:
 
 def clamp(value: Any, lo: float, hi: float, name: str, notes: list[str], *, integer=False):
     """Clamp `value` into [lo, hi]; a note says what changed. Non-numbers raise ValueError."""
-    f = _finite(value)
+    f = as_number(value)
     if f is None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     clamped = min(max(f, lo), hi)

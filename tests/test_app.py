@@ -327,27 +327,25 @@ def test_bad_inputs_get_friendly_messages(served, engine):
 
 def test_message_sent_while_loading_waits_and_says_so():
     """get_engine returns at once; a message sent before the model is ready shows
-    "loading model… N%" in the chat and is answered once the model is ready."""
-    from gradio_client import Client
-
+    "loading model… N%" (or "compiling… N%") in the chat and is answered once it is ready.
+    The chat handler is driven directly so the send surely lands during loading."""
     from gemma4.engine import get_engine
 
     # A fresh engine (other settings than the shared one): it loads and warms up meanwhile.
     engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128)
-    demo = app.build_demo(engine, app.Settings(model=TINY_MODEL, max_users=1, context=128))
-    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
     try:
-        client = Client(url, verbose=False)
-        was_loading = engine.status()["state"] != "ready"
-        job = _chat(client, "Hello", max_new_tokens=4)
-        history = job.result(timeout=300)[0]
-        assert uf.message_text(history[-2]["content"]) or history[-1]["metadata"]["title"]
+        assert engine.status()["state"] in ("loading", "warming")
+        handler = app.DemoApp(engine, app.Settings(model=TINY_MODEL, max_users=1, context=128))
+        outputs = list(handler.respond([{"role": "user", "content": LONG_PROMPT}], "",
+                                       "completion", 0.0, 0.95, 64, 4, 0, 1.0, {"replies": []}))
+        first = outputs[0][0][-1]
+        assert first["metadata"]["status"] == "pending"
+        assert re.match(r"⏳ (loading model|compiling).*\d+%", first["metadata"]["title"])
+        assert "still loading" in first["content"]
+        history, _, session = outputs[-1]
         assert history[-1]["metadata"]["status"] == "done"
-        if was_loading:
-            titles = [o[0][-1].get("metadata", {}).get("title", "") for o in job.outputs()]
-            assert any("loading model" in t or "compiling" in t for t in titles), titles
+        assert STATS_LINE.match(history[-1]["metadata"]["title"]) and len(session["replies"]) == 1
     finally:
-        demo.close()
         engine.close()
 
 
