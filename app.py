@@ -256,6 +256,11 @@ class DemoApp:
         except (ValueError, self.RequestError) as e:
             yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
+        except Exception as e:  # a bug here must not leave the chat hanging or show a trace
+            log.exception("preparing the request failed")
+            yield ([*history, uf.notice_message(f"Could not prepare the request "
+                                                f"({type(e).__name__}: {e}).")], gr.skip(), session)
+            return
 
         # 3. Stream. Closing this generator (Stop) runs `finally`, which closes the engine's
         #    stream and frees the decode slot within one step.

@@ -386,8 +386,8 @@ def test_bundled_model_from_the_command_line(tmp_path):
     from gradio_client import Client
 
     port = _free_port()
-    env = {**os.environ, "GEMMA4_MODEL": "bundled", "GEMMA4_PORT": str(port),
-           "GEMMA4_MAX_USERS": "2", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GEMMA4_")}  # defaults
+    env.update(GEMMA4_PORT=str(port), JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     log = open(tmp_path / "app.log", "w")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log,

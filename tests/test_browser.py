@@ -118,9 +118,10 @@ def test_chat_streams_stats_fill_and_stop_halts(served, browser, tmp_path):
     box.fill(prompt)
     box.press("Enter")
 
-    # The bot bubble holds the reply text, then the stats line (⏳ / ⏱ / ⏹ ...).
-    reply_js = ("() => { const m = document.querySelector('.bot.message');"
-                " return m ? m.innerText.split(/[⏱⏳⏹]/u)[0].trim() : ''; }")
+    # The bot bubble holds the reply text, then a "thought" block: the stats line (⏱ ...).
+    reply_js = ("() => { const m = document.querySelector("
+                "'.bot-row .message:not(.thought) .message-content');"
+                " return m ? m.innerText.trim() : ''; }")
 
     def reply_text() -> str:
         return page.evaluate(reply_js)
