@@ -8,7 +8,10 @@ Shape of the work:
   attended), and the first token is sampled in the same dispatch.
 - Each scheduler step decodes one token for every active row at once. The decode executable is
   compiled for a small ladder of batch widths (1, 2, 4, 8…): rows [0, width) run, so a lone
-  request does not pay for eight.
+  request does not pay for eight; and for a ladder of full-layer cache lengths (512, 1024, …):
+  only slots below the longest active position are read. Warm-up compiles every prefill bucket
+  and every width at the shortest length; longer lengths compile on first use (the reply's
+  stats say so) and land in the persistent compile cache.
 - Consumers read events from a per-request queue; closing the stream generator sets a cancel
   flag and the scheduler frees the row before its next step.
 
@@ -140,13 +143,29 @@ def _prefill_step(params, cache, tokens, positions, row, last, reset, sampling, 
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), _put_rows(cache, part, row)
 
 
-def _decode_step(params, cache, tokens, positions, sampling, *, cfg, options, width):
-    """One token for rows [0, width): tokens/positions [width]; position -1 = idle row."""
-    part = _rows(cache, 0, width)
+def _decode_step(params, cache, tokens, positions, sampling, *, cfg, options, width, kv_len):
+    """One token for rows [0, width): tokens/positions [width]; position -1 = idle row.
+
+    Only slots [0, kv_len) of the full-attention caches are read (every active position is below
+    kv_len), so a short conversation does not pay for the whole context window each step.
+    """
+    part = {i: {name: x[:width, :kv_len] if not cfg.layers[i].is_sliding else x[:width] for name, x in e.items()}
+            for i, e in cache.items()}
     logits, part, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], part, options=options,
                                 logits_at=jnp.zeros((width,), jnp.int32))
     token = _sample(logits, *sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), _put_rows(cache, part, 0)
+    cache = jax.tree.map(lambda x, p: jax.lax.dynamic_update_slice(x, p, (0,) * x.ndim), cache, part)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
+
+
+def kv_ladder(context_limit: int, first: int = 512) -> tuple[int, ...]:
+    """Full-layer cache lengths a decode step may be compiled for (doubling up to the limit)."""
+    out, n = [], first
+    while n < context_limit:
+        out.append(n)
+        n *= 2
+    out.append(context_limit)
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -249,8 +268,9 @@ class Engine:
         self.kv_format = plan.kv_cache.value
         self.cache = kv_cache.init_cache(cfg, self.max_batch, self.context_limit, options.dtype, self.kv_format)
         self._prefill = jax.jit(functools.partial(_prefill_step, cfg=cfg, options=options), donate_argnums=(1,))
-        self._decode = {w: jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w),
-                                   donate_argnums=(1,)) for w in self.widths}
+        self.kv_lengths = kv_ladder(self.context_limit)
+        self._decode = {(w, n): jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w, kv_len=n),
+                                        donate_argnums=(1,)) for w in self.widths for n in self.kv_lengths}
         self._row_state = np.full((self.max_batch,), -1, np.int64)
         self._info = {
             "model": cfg.name, "source": source.kind, "description": source.description,
@@ -258,7 +278,7 @@ class Engine:
             "family": cfg.family, "chat_format": cfg.family, "context_limit": self.context_limit,
             "max_batch": self.max_batch, "hardware": report, "kv_format": self.kv_format,
             "weights": mode, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
-            "decode_widths": list(self.widths), "load_s": round(time.perf_counter() - t0, 2),
+            "decode_widths": list(self.widths), "kv_lengths": list(self.kv_lengths), "load_s": round(time.perf_counter() - t0, 2),
             "memory": self.memory(),
             "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
                                  if cfg.family == "gemma4" else
@@ -293,7 +313,8 @@ class Engine:
                                   self._sampling_rows([None]))
             else:
                 idle = np.full(size, -1, np.int32)
-                self._run_decode(size, np.zeros(size, np.int32), idle, self._sampling_rows([None] * size))
+                self._run_decode(size, self.kv_lengths[0], np.zeros(size, np.int32), idle,
+                                 self._sampling_rows([None] * size))
 
     # ---------------------------------------------------------------- device calls
     def _sampling_rows(self, reqs: Sequence[_Request | None]):
@@ -332,9 +353,9 @@ class Engine:
                                                jnp.asarray([last], jnp.int32), jnp.bool_(reset), sampling)
         return int(token[0]), bool(bad[0]), compiled
 
-    def _run_decode(self, width, tokens, positions, sampling):
-        compiled = self._note_compile(("decode", width))
-        token, bad, self.cache = self._decode[width](self.params, self.cache, jnp.asarray(tokens),
+    def _run_decode(self, width, kv_len, tokens, positions, sampling):
+        compiled = self._note_compile(("decode", width, kv_len))
+        token, bad, self.cache = self._decode[width, kv_len](self.params, self.cache, jnp.asarray(tokens),
                                                      jnp.asarray(positions), sampling)
         return np.asarray(token), np.asarray(bad), compiled
 
@@ -426,7 +447,8 @@ class Engine:
             tokens[row] = req.recent[-1]
             positions[row] = req.position
             rows[row] = req
-        out, bad, compiled = self._run_decode(width, tokens, positions, self._sampling_rows(rows))
+        kv_len = next(n for n in self.kv_lengths if n > int(positions.max()))
+        out, bad, compiled = self._run_decode(width, kv_len, tokens, positions, self._sampling_rows(rows))
         now = time.perf_counter()
         for row, req in active.items():
             req.position += 1
