@@ -133,12 +133,17 @@ def _sample(logits, seeds, steps, temperature, top_k, top_p, recent, penalty):
     return sample(logits, keys, temperature, top_k, top_p)
 
 
-def _prefill_step(params, cache, tokens, positions, row, last, reset, sampling, *, cfg, options):
-    """Prefill one chunk of one request into cache row `row`; sample a token from its last position."""
+def _prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
+    """Prefill one chunk of one request into cache row `row`; sample a token from its last position.
+
+    fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
+    (skipping a read of the whole empty row); later chunks attend to the cached ones too.
+    """
     part = _rows(cache, row, 1)
-    part = jax.tree.map(lambda x: x, part)
-    part = {i: dict(e, pos=jnp.where(reset, -1, e["pos"])) for i, e in part.items()}
-    logits, part, _ = M.forward(params, cfg, tokens, positions, part, options=options, logits_at=last)
+    if fresh:
+        part = {i: dict(e, pos=jnp.full_like(e["pos"], -1)) for i, e in part.items()}
+    logits, part, _ = M.forward(params, cfg, tokens, positions, part, options=options, logits_at=last,
+                                attend_cache=not fresh)
     token = _sample(logits, *sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), _put_rows(cache, part, row)
 
@@ -267,7 +272,8 @@ class Engine:
         self.context_limit = int(min(limit, cfg.max_position_embeddings))
         self.kv_format = plan.kv_cache.value
         self.cache = kv_cache.init_cache(cfg, self.max_batch, self.context_limit, options.dtype, self.kv_format)
-        self._prefill = jax.jit(functools.partial(_prefill_step, cfg=cfg, options=options), donate_argnums=(1,))
+        self._prefill = {fresh: jax.jit(functools.partial(_prefill_step, cfg=cfg, options=options, fresh=fresh),
+                                        donate_argnums=(1,)) for fresh in (True, False)}
         self.kv_lengths = kv_ladder(self.context_limit)
         self._decode = {(w, n): jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         donate_argnums=(1,)) for w in self.widths for n in self.kv_lengths}
@@ -346,11 +352,11 @@ class Engine:
         self._compiled.add(key)
         return new
 
-    def _run_prefill(self, tokens, positions, row, last, reset, sampling):
-        compiled = self._note_compile(("prefill", len(tokens)))
-        token, bad, self.cache = self._prefill(self.params, self.cache, jnp.asarray(tokens[None]),
-                                               jnp.asarray(positions[None]), jnp.int32(row),
-                                               jnp.asarray([last], jnp.int32), jnp.bool_(reset), sampling)
+    def _run_prefill(self, tokens, positions, row, last, fresh, sampling):
+        compiled = self._note_compile(("prefill", len(tokens), fresh))
+        token, bad, self.cache = self._prefill[fresh](self.params, self.cache, jnp.asarray(tokens[None]),
+                                                      jnp.asarray(positions[None]), jnp.int32(row),
+                                                      jnp.asarray([last], jnp.int32), sampling)
         return int(token[0]), bool(bad[0]), compiled
 
     def _run_decode(self, width, kv_len, tokens, positions, sampling):

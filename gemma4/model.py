@@ -174,7 +174,7 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
-            logits_at: jax.Array | None = None, return_hidden: bool = False):
+            logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -184,6 +184,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                  chunk attends to cached keys plus itself, and its K/V are written.
       logits_at: None for logits at every position, or [B] indices into T (e.g. each row's last
                  real token) to compute only those rows of the (large) LM head.
+      attend_cache: False when the cache holds nothing for these rows (a request's first prefill
+                 chunk): attend within the chunk only, but still write the chunk to the cache.
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -206,8 +208,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         q, k, v = _qkv(lp, spec, cfg, a, cos, sin)
         if spec.is_kv_consumer:
             keys, values, key_pos = shared[spec.kv_source]
-        elif cache is None:
+        elif cache is None or not attend_cache:
             keys, values, key_pos = k, v, positions
+            if cache is not None:
+                new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions)
         elif T == 1:
             # Decode: write first, then attend over the cache alone (no concatenated copy). The
             # ring then holds exactly the window ending at this token.

@@ -49,7 +49,8 @@ def _greedy_sampling(width):
             jnp.ones((width,), jnp.float32), jnp.full((width, 4), -1, jnp.int32), jnp.ones((width,), jnp.float32))
 
 
-_prefill = jax.jit(functools.partial(_prefill_step, cfg=CFG, options=M.RunOptions()))
+_prefill = {fresh: jax.jit(functools.partial(_prefill_step, cfg=CFG, options=M.RunOptions(), fresh=fresh))
+            for fresh in (True, False)}
 _decode = {w: jax.jit(functools.partial(_decode_step, cfg=CFG, options=M.RunOptions(), width=w, kv_len=64))
            for w in (1, 2, 4)}
 
@@ -61,8 +62,8 @@ def prefill(cache, prompt, row, buckets):
         toks[:length] = prompt[start:start + length]
         pos = np.full(bucket, -1, np.int32)
         pos[:length] = np.arange(start, start + length)
-        token, _, cache = _prefill(PARAMS, cache, jnp.asarray(toks[None]), jnp.asarray(pos[None]), jnp.int32(row),
-                                   jnp.asarray([length - 1], jnp.int32), jnp.bool_(n == 0), _greedy_sampling(1))
+        token, _, cache = _prefill[n == 0](PARAMS, cache, jnp.asarray(toks[None]), jnp.asarray(pos[None]),
+                                           jnp.int32(row), jnp.asarray([length - 1], jnp.int32), _greedy_sampling(1))
     return int(token[0]), cache
 
 
