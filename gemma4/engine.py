@@ -106,14 +106,6 @@ def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> list[tuple[in
 
 
 # ------------------------------------------------------------------------------ compiled steps
-def _rows(cache: dict, start, size: int) -> dict:
-    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=0), cache)
-
-
-def _put_rows(cache: dict, part: dict, start) -> dict:
-    return jax.tree.map(lambda x, p: jax.lax.dynamic_update_slice_in_dim(x, p, start, axis=0), cache, part)
-
-
 def _penalize(logits: jax.Array, recent: jax.Array, penalty: jax.Array) -> jax.Array:
     """CTRL-style repetition penalty on the ids in `recent` [B, W] (-1 = empty)."""
     B = logits.shape[0]
@@ -134,32 +126,30 @@ def _sample(logits, seeds, steps, temperature, top_k, top_p, recent, penalty):
 
 
 def _prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
-    """Prefill one chunk of one request into cache row `row`; sample a token from its last position.
+    """Prefill one chunk of one request into cache row `row` (in place); sample a token from its
+    last position.
 
     fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
     (skipping a read of the whole empty row); later chunks attend to the cached ones too.
     """
-    part = _rows(cache, row, 1)
     if fresh:
-        part = {i: dict(e, pos=jnp.full_like(e["pos"], -1)) for i, e in part.items()}
-    logits, part, _ = M.forward(params, cfg, tokens, positions, part, options=options, logits_at=last,
-                                attend_cache=not fresh)
+        cache = kv_cache.clear_row(cache, row)
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
+                                 attend_cache=not fresh, cache_row=row)
     token = _sample(logits, *sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), _put_rows(cache, part, row)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
 def _decode_step(params, cache, tokens, positions, sampling, *, cfg, options, width, kv_len):
-    """One token for rows [0, width): tokens/positions [width]; position -1 = idle row.
+    """One token for cache rows [0, width): tokens/positions [width]; position -1 = idle row.
 
     Only slots [0, kv_len) of the full-attention caches are read (every active position is below
-    kv_len), so a short conversation does not pay for the whole context window each step.
+    kv_len), so a short conversation does not pay for the whole context window each step; the
+    cache is updated in place (donated), never copied.
     """
-    part = {i: {name: x[:width, :kv_len] if not cfg.layers[i].is_sliding else x[:width] for name, x in e.items()}
-            for i, e in cache.items()}
-    logits, part, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], part, options=options,
-                                logits_at=jnp.zeros((width,), jnp.int32))
+    logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
+                                 logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len)
     token = _sample(logits, *sampling)
-    cache = jax.tree.map(lambda x, p: jax.lax.dynamic_update_slice(x, p, (0,) * x.ndim), cache, part)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 

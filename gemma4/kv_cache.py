@@ -62,18 +62,26 @@ def _quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def read(entry: dict[str, jax.Array], dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(k, v, pos) of a cache entry in the compute dtype."""
+def read(entry: dict[str, jax.Array], dtype: Any, row: jax.Array | int = 0, batch: int | None = None,
+         kv_len: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v, pos) of cache rows [row, row + batch) and slots [0, kv_len), in the compute dtype."""
+    def view(x):
+        if batch is not None and batch != x.shape[0]:
+            x = jax.lax.dynamic_slice_in_dim(x, row, batch, axis=0)
+        return x[:, :kv_len] if kv_len is not None else x
+
+    pos = view(entry["pos"])
     if "k_scale" in entry:
-        k = (entry["k"].astype(jnp.float32) * entry["k_scale"][..., None]).astype(dtype)
-        v = (entry["v"].astype(jnp.float32) * entry["v_scale"][..., None]).astype(dtype)
-        return k, v, entry["pos"]
-    return entry["k"].astype(dtype), entry["v"].astype(dtype), entry["pos"]
+        k = (view(entry["k"]).astype(jnp.float32) * view(entry["k_scale"])[..., None]).astype(dtype)
+        v = (view(entry["v"]).astype(jnp.float32) * view(entry["v_scale"])[..., None]).astype(dtype)
+        return k, v, pos
+    return view(entry["k"]).astype(dtype), view(entry["v"]).astype(dtype), pos
 
 
-def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
-          ) -> dict[str, jax.Array]:
-    """Scatter new K/V [B, T, n_kv, d] at absolute `positions` [B, T] (-1 = padding, not written)."""
+def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array,
+          row: jax.Array | int = 0) -> dict[str, jax.Array]:
+    """Scatter new K/V [B, T, n_kv, d] at absolute `positions` [B, T] (-1 = padding, not written)
+    into cache rows [row, row + B). The update is in place when the cache buffer is donated."""
     B, T = positions.shape
     S = entry["pos"].shape[1]
     valid = positions >= 0
@@ -81,7 +89,7 @@ def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: ja
     # In a ring only the last S real tokens survive; writing only those keeps indices unique.
     keep = valid & (positions > last - S)
     slot = jnp.where(keep, positions % S, S)  # S is out of range: the write is dropped
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    rows = jnp.broadcast_to(row + jnp.arange(B)[:, None], (B, T))
     new = dict(entry)
     new["pos"] = entry["pos"].at[rows, slot].set(positions, mode="drop")
     if "k_scale" in entry:
@@ -97,11 +105,7 @@ def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: ja
     return new
 
 
-def clear_rows(cache: dict, rows_mask: jax.Array) -> dict:
-    """Mark every slot of the rows where rows_mask [B] is true as empty (a new request's row)."""
-    out = {}
-    for idx, entry in cache.items():
-        new = dict(entry)
-        new["pos"] = jnp.where(rows_mask[:, None], -1, entry["pos"])
-        out[idx] = new
-    return out
+def clear_row(cache: dict, row: jax.Array | int) -> dict:
+    """Mark every slot of one cache row empty (a new request takes the row)."""
+    return {idx: dict(e, pos=jax.lax.dynamic_update_slice_in_dim(
+        e["pos"], jnp.full((1, e["pos"].shape[1]), -1, jnp.int32), row, axis=0)) for idx, e in cache.items()}

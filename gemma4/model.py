@@ -174,7 +174,8 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
-            logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True):
+            logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
+            cache_row: jax.Array | int = 0, kv_len: int | None = None):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -186,6 +187,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                  real token) to compute only those rows of the (large) LM head.
       attend_cache: False when the cache holds nothing for these rows (a request's first prefill
                  chunk): attend within the chunk only, but still write the chunk to the cache.
+      cache_row: the cache row of batch row 0 (rows cache_row … cache_row + B - 1 are used), so
+                 a batch can run on part of a larger cache that is updated in place.
+      kv_len:    read only full-layer slots [0, kv_len) (every position involved is below it).
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -211,18 +215,20 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         elif cache is None or not attend_cache:
             keys, values, key_pos = k, v, positions
             if cache is not None:
-                new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions)
+                new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
         elif T == 1:
             # Decode: write first, then attend over the cache alone (no concatenated copy). The
             # ring then holds exactly the window ending at this token.
-            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions)
-            keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype)
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+            keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype, cache_row, B,
+                                                  None if spec.is_sliding else kv_len)
         else:
-            ck, cv, cpos = kv_cache.read(cache[spec.index], dtype)
+            ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B,
+                                         None if spec.is_sliding else kv_len)
             keys = jnp.concatenate([ck, k], axis=1)
             values = jnp.concatenate([cv, v], axis=1)
             key_pos = jnp.concatenate([cpos, positions], axis=1)
-            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions)
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
         if not spec.is_kv_consumer:
             shared[spec.index] = (keys, values, key_pos)
         mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
