@@ -13,8 +13,11 @@ static), so they pass through `jit`, `device_put` and the parameter tree unchang
 forward pass runs on any mix of them.
 
 How they run:
-  * int8: `dot(x, q.astype(x.dtype)) · scale` inside one jit; the per-row scale is applied to the
-    [.., out] result. GPU and TPU compilers are expected to fuse the convert into the matmul (not
+  * int8, decode-sized batches on CPU (≤ FUSED_ROWS_MAX activation rows): a fused elementwise
+    convert·multiply + row reduction, which XLA:CPU runs as one loop streaming the int8 weight
+    once (see `_fused_rows` for the measurements).
+  * int8 otherwise: `dot(x, q.astype(x.dtype)) · scale` inside one jit; the per-row scale is
+    applied to the [.., out] result. GPU and TPU compilers are expected to fuse the convert into the matmul (not
     measured here). XLA:CPU (jax 0.10.2) does not: it first writes the whole dequantized float32
     weight (measured 10× slower than a float32 matvec at the LM-head shape). So on CPU the weight is
     dequantized `chunk_rows` output rows at a time inside a `lax.map`, which keeps each chunk in
