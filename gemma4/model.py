@@ -150,7 +150,7 @@ def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: Any) -> tupl
 def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm → tied LM head → final softcap; float32 logits [..., V]."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = linear(x.astype(jnp.float32) if x.dtype == jnp.float32 else x, params["embed"]).astype(jnp.float32)
+    logits = linear(x, params["embed"], out_dtype=jnp.float32)
     if cfg.final_logit_softcap:
         cap = float(cfg.final_logit_softcap)
         logits = cap * jnp.tanh(logits / cap)
