@@ -13,6 +13,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="bundled (Gemma 3 270M, offline) | a local HF folder | an HF repo id | random:<preset>")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the compute dtype")
     p.add_argument("--weights", choices=["none", "int8", "int4"], help="override weight quantization")
+    p.add_argument("--embed-weights", choices=["none", "int8", "int4"],
+                   help="override quantization of the tied embedding / LM head alone")
     p.add_argument("--kv", choices=["native", "int8", "fp8"], help="override the KV cache format")
     p.add_argument("--context", type=int, default=None, help="context window (tokens) to allocate")
     p.add_argument("--max-batch", type=int, default=1, help="decode slots (concurrent requests)")
@@ -33,7 +35,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args) -> dict:
     out = {}
-    for key, env in (("dtype", "GEMMA4_DTYPE"), ("weights", "GEMMA4_WEIGHTS"), ("kv", "GEMMA4_KV")):
+    for key, env in (("dtype", "GEMMA4_DTYPE"), ("weights", "GEMMA4_WEIGHTS"), ("embed_weights", "GEMMA4_EMBED_WEIGHTS"),
+                     ("kv", "GEMMA4_KV")):
         if getattr(args, key, None):
             out[env] = getattr(args, key)
     return out

@@ -249,8 +249,9 @@ class Engine:
 
         cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress)
         mode = plan.weights.value
-        if mode != "none":
-            self._set_status("loading", 0.7, f"quantizing weights to {mode}")
+        if mode != "none" or plan.embed_weights.value != "none":
+            self._set_status("loading", 0.7, f"quantizing weights to {mode} (embedding/LM head: "
+                             f"{plan.embed_weights.value})")
             params = quant.quantize_params(params, cfg, **plan.quantize_kwargs())
         self._set_status("loading", 0.75, "loading tokenizer")
         self.tokenizer = _make_tokenizer(tok_spec, cfg)
@@ -273,7 +274,7 @@ class Engine:
             "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
             "family": cfg.family, "chat_format": cfg.family, "context_limit": self.context_limit,
             "max_batch": self.max_batch, "hardware": report, "kv_format": self.kv_format,
-            "weights": mode, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
+            "weights": mode, "embed_weights": plan.embed_weights.value, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
             "decode_widths": list(self.widths), "kv_lengths": list(self.kv_lengths), "load_s": round(time.perf_counter() - t0, 2),
             "memory": self.memory(),
             "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)

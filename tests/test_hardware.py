@@ -238,3 +238,16 @@ def test_main_simulated_refusal_and_text(capsys, clean_env):
     assert hardware.main(["--simulate", "h200", "--weights", "int4"]) == 0
     text = capsys.readouterr().out
     assert "pallas-int4" in text and "cudnn" in text and "simulated: h200" in text
+
+
+def test_embed_weights_follow_weights_and_can_be_overridden():
+    """The tied embedding / LM head quantizes like the rest unless GEMMA4_EMBED_WEIGHTS says otherwise."""
+    facts = hardware.simulated_facts("cpu-avx2")
+    plan = hardware.policy(facts, None, {}, env={})
+    assert plan.weights.value == "int8" and plan.embed_weights.value == "int8"
+    assert plan.quantize_kwargs()["embed_mode"] == "int8"
+    kept = hardware.policy(facts, None, {"embed_weights": "none"}, env={})
+    assert kept.embed_weights.value == "none" and kept.embed_weights.source == "override"
+    assert kept.quantize_kwargs() == dict(plan.quantize_kwargs(), embed_mode="none")
+    with pytest.raises(hardware.PolicyError):
+        hardware.policy(facts, None, {"embed_weights": "int3"}, env={})
