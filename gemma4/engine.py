@@ -106,23 +106,16 @@ def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> list[tuple[in
 
 
 # ------------------------------------------------------------------------------ compiled steps
-def _penalize(logits: jax.Array, recent: jax.Array, penalty: jax.Array) -> jax.Array:
-    """CTRL-style repetition penalty on the ids in `recent` [B, W] (-1 = empty)."""
-    B = logits.shape[0]
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], recent.shape)
-    ids = jnp.where(recent >= 0, recent, logits.shape[1])  # out of range → dropped
-    picked = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[1] - 1), axis=1)
-    p = penalty[:, None]
-    new = jnp.where(picked > 0, picked / p, picked * p)
-    return logits.at[rows, ids].set(new, mode="drop")
-
-
 def _sample(logits, seeds, steps, temperature, top_k, top_p, recent, penalty):
+    """Sample one token per row; the repetition penalty covers the ids in `recent` [B, W] (-1 = empty)
+    through the sampler's own token-count mechanism."""
     from gemma4.sampling import sample
 
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
-    logits = _penalize(logits, recent, penalty)
-    return sample(logits, keys, temperature, top_k, top_p)
+    rows = jnp.broadcast_to(jnp.arange(recent.shape[0])[:, None], recent.shape)
+    ids = jnp.where(recent >= 0, recent, logits.shape[1])  # out of range → dropped
+    seen = jnp.zeros(logits.shape, jnp.int32).at[rows, ids].add(1, mode="drop")
+    return sample(logits, keys, temperature, top_k, top_p, token_counts=seen, repetition_penalty=penalty)
 
 
 def _prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
@@ -549,7 +542,6 @@ class Engine:
         nonfinite = False
         reason = None
         stops = tuple(s for s in req.params.stop_strings if s)
-        prompt_text = None
         try:
             while True:
                 item = req.events.get()
@@ -581,9 +573,7 @@ class Engine:
                     break
             tail = decoder.flush() if reason != "stop" or not stops else ""
             text += tail
-            if prompt_text is None:
-                prompt_text = self.tokenizer.decode(req.prompt_ids)
-            flags = degeneracy_flags(text, ids, prompt_text=prompt_text,
+            flags = degeneracy_flags(text, ids, prompt_text=self.tokenizer.decode(req.prompt_ids),
                                      control_ids=getattr(self.tokenizer, "control_ids", frozenset()),
                                      nonfinite_logits=nonfinite)
             final = self._event(req, tail, text, ids, first_t, last_t, flags, True)
