@@ -54,13 +54,23 @@ INT4_KERNELS = ("xla", "pallas", "pallas-interpret")  # pallas-interpret: tests 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantArray:
-    """int8 weights with one float32 scale per output row (per-channel, symmetric)."""
+    """int8 weights, symmetric: one float32 scale per output row, or per row and group of inputs.
+
+    group_size None: scale [out], W ≈ q[o, i] · scale[o] (per channel).
+    group_size g:    scale [out, in / g], W ≈ q[o, i] · scale[o, i // g] (e.g. a GGUF Q8_0 tensor,
+                     g = 32, taken over exactly as stored).
+    `paths` is the CPU matmul formulation by activation rows, chosen by `gemma4.hardware` from
+    measurements: ((max_rows, path), ...) in increasing max_rows, the first with M ≤ max_rows
+    wins; () = this module's built-in default. See `linear` for the paths.
+    """
 
     q: jax.Array  # int8 [out, in]
-    scale: jax.Array  # float32 [out]
+    scale: jax.Array  # float32 [out] or [out, in / group_size]
     # rows dequantized per step in `linear`: None = auto (chunked on CPU, see auto_chunk_rows),
     # 0 = dequantize the whole weight then one dot
     chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    group_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    paths: tuple[tuple[int, str], ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,7 +89,7 @@ class QuantArray:
         return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        return (self.q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+        return _dequant_int8(self.q, self.scale, self.group_size, dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -145,6 +155,16 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     lo = (p & 0xF) - 8
     hi = (p >> 4) - 8
     return jnp.concatenate([lo, hi], axis=-1).astype(jnp.int8)
+
+
+def _dequant_int8(q: jax.Array, scale: jax.Array, group_size: int | None, dtype: Any) -> jax.Array:
+    """int8 [..., in] with per-row scale [...] or grouped scale [..., in / group_size] → dtype."""
+    qf = q.astype(jnp.float32)
+    if group_size is None:
+        return (qf * scale[..., None]).astype(dtype)
+    *lead, n_in = q.shape
+    groups = qf.reshape(*lead, n_in // group_size, group_size) * scale[..., None]
+    return groups.reshape(*lead, n_in).astype(dtype)
 
 
 def _dequant_int4(packed: jax.Array, scale: jax.Array, group_size: int, dtype: Any) -> jax.Array:
@@ -321,17 +341,40 @@ def _fused_rows(x2: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.sum(wf[None] * xf[:, None, :], axis=-1)
 
 
-def _int8_linear(x: jax.Array, w: "QuantArray") -> jax.Array:
+def _int8_default(x2: jax.Array, w: "QuantArray") -> jax.Array:
+    """The built-in int8 path (no measured plan): fused rows for decode on CPU, else dequant + dot."""
     n_out, n_in = w.q.shape
-    m = int(np.prod(x.shape[:-1]))
-    if jax.default_backend() == "cpu" and m <= FUSED_ROWS_MAX and w.chunk_rows is None:
-        y = _fused_rows(x.reshape(m, n_in), w.q) * w.scale
-        return y.reshape(*x.shape[:-1], n_out)
+    grouped = w.group_size is not None
+    if jax.default_backend() == "cpu" and x2.shape[0] <= FUSED_ROWS_MAX and w.chunk_rows is None and not grouped:
+        return _fused_rows(x2, w.q) * w.scale
     rows = w.chunk_rows if w.chunk_rows is not None else auto_chunk_rows(n_out, n_in)
     if not rows:
-        return _dot(x, w.q.astype(x.dtype)) * w.scale
+        if grouped:
+            return _dot(x2, w.dequantize(x2.dtype))
+        return _dot(x2, w.q.astype(x2.dtype)) * w.scale
+    if grouped:
+        return _chunked(x2, n_out, rows, (w.q, w.scale), lambda q, s: _dequant_int8(q, s, w.group_size, x2.dtype))
+    return _chunked(x2, n_out, rows, (w.q,), lambda q: q.astype(x2.dtype)) * w.scale
+
+
+def int8_path(w: "QuantArray", m: int) -> str:
+    """The formulation `linear` uses for `m` activation rows of this leaf ("default" = built-in)."""
+    for max_rows, path in w.paths:
+        if m <= max_rows:
+            return path
+    return "default"
+
+
+def _int8_linear(x: jax.Array, w: "QuantArray") -> jax.Array:
+    n_out, n_in = w.q.shape
     x2 = x.reshape(-1, n_in)
-    y = _chunked(x2, n_out, rows, (w.q,), lambda q: q.astype(x.dtype)) * w.scale
+    path = int8_path(w, x2.shape[0])
+    if path == "default":
+        y = _int8_default(x2, w)
+    else:
+        from gemma4 import int8_matmul  # noqa: PLC0415 (the measured CPU formulations)
+
+        y = int8_matmul.run(path, x2, w.q, w.scale, w.group_size)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -371,8 +414,8 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
 def take_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
     """table[ids] as `dtype` (embedding lookup); quantized tables dequantize only the gathered rows."""
     if isinstance(table, QuantArray):
-        q = jnp.take(table.q, ids, axis=0).astype(jnp.float32)
-        return (q * jnp.take(table.scale, ids, axis=0)[..., None]).astype(dtype)
+        q = jnp.take(table.q, ids, axis=0)
+        return _dequant_int8(q, jnp.take(table.scale, ids, axis=0), table.group_size, dtype)
     if isinstance(table, Int4Array):
         packed = jnp.take(table.packed, ids, axis=0)
         scale = jnp.take(table.scale, ids, axis=0)
