@@ -16,6 +16,8 @@ Overrides come from environment variables or a dict / CLI flags with the same na
     GEMMA4_ATTENTION         auto | xla | cudnn
     GEMMA4_INT4_KERNEL       auto | pallas | xla
     GEMMA4_MATMUL_PRECISION  auto | none | default | high | highest | bfloat16 | tensorfloat32 | float32
+    GEMMA4_INT8_MATMUL       auto | measure | default | native | xla-fused | xla-chunked | xla-i8x2 | xla-i8
+    GEMMA4_NATIVE_KERNEL     auto | off     (the native int8 CPU kernel, gemma4/kernels/cpu_int8.cc)
     GEMMA4_ALLOW_FALLBACK    0 | 1
 
 An override that cannot work on this device (fp8 KV without an fp8 datapath, cuDNN attention where
@@ -93,7 +95,8 @@ class Choice:
 
 
 CHOICE_NAMES = ("compute_dtype", "weight_dtype", "weights", "embed_weights", "kv_cache", "attention_sliding",
-                "attention_full", "int4_kernel", "matmul_precision")
+                "attention_full", "int4_kernel", "matmul_precision", "int8_matmul")
+_INT8_MATMUL_PENDING = Choice("default", "decided after the weights load (measured per product shape on CPU)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +116,7 @@ class Plan:
     int4_group_size: int = INT4_GROUP_SIZE
     head_dims: tuple[int, int] = (256, 512)  # (sliding, full) the attention choices were made for
     warnings: tuple[str, ...] = ()
+    int8_matmul: Choice = _INT8_MATMUL_PENDING  # "measured" | "default" | a path of gemma4.int8_matmul
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in CHOICE_NAMES}
@@ -161,7 +165,7 @@ class Plan:
 ENV_KEYS = {
     "dtype": "GEMMA4_DTYPE", "weights": "GEMMA4_WEIGHTS", "kv": "GEMMA4_KV", "attention": "GEMMA4_ATTENTION",
     "int4_kernel": "GEMMA4_INT4_KERNEL", "matmul_precision": "GEMMA4_MATMUL_PRECISION",
-    "embed_weights": "GEMMA4_EMBED_WEIGHTS",
+    "embed_weights": "GEMMA4_EMBED_WEIGHTS", "int8_matmul": "GEMMA4_INT8_MATMUL",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
 _DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -169,6 +173,7 @@ _DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bf
 _ALLOWED = {
     "weights": ("none", "int8", "int4"), "embed_weights": ("none", "int8", "int4"), "kv": ("native", "int8", "fp8"), "attention": ("xla", "cudnn"),
     "int4_kernel": ("pallas", "xla"),
+    "int8_matmul": ("measure", "default", "native", "xla-fused", "xla-chunked", "xla-i8x2", "xla-i8"),
     "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
 }
 
@@ -622,6 +627,64 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
                                     f"attention_{kind}: {choice.value} failed the self-test, fell back to xla")
     report = {"facts": facts.to_dict(), "plan": plan.to_dict(), "self_test": test, "warnings": list(plan.warnings)}
     return plan, report
+
+
+def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None, progress=None) -> tuple[Any, Plan, dict | None]:
+    """How each int8 product runs on CPU, decided once the weights are loaded.
+
+    auto / GEMMA4_INT8_MATMUL=measure: build/load the native kernel and self-test it, then time
+    every eligible formulation per product shape and row class on this machine and keep the
+    fastest that passes the accuracy bound (gemma4.cpu_tuning; cached per CPU + jax + geometry).
+    GEMMA4_INT8_MATMUL=<path> forces one path for decode rows; "default" keeps the built-in one.
+    Off CPU the compilers fuse the dequantization into the matmul and nothing is chosen here.
+    Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
+    """
+    import jax  # noqa: PLC0415
+
+    from gemma4 import cpu_tuning, quant  # noqa: PLC0415
+    from gemma4.kernels import cpu_int8  # noqa: PLC0415
+
+    ov = normalize_overrides(overrides, env)
+    want = ov.get("int8_matmul", "measure")
+    fallback_ok = bool(ov.get("allow_fallback", False))
+    leaves = jax.tree.leaves(params, is_leaf=quant.is_quantized)
+    if not any(isinstance(leaf, quant.QuantArray) for leaf in leaves):
+        return params, plan.replace("int8_matmul", Choice("none", "no int8 weight leaves")), None
+    if plan.platform != "cpu":
+        choice = Choice("default", f"{plan.platform.upper()}: the compiler fuses int8 dequantization into its "
+                                   "matmul; the CPU formulations do not apply")
+        if want not in ("measure", "default"):
+            msg = f"GEMMA4_INT8_MATMUL={want} is a CPU formulation; this device is {plan.device}"
+            if not fallback_ok:
+                raise PolicyError(msg)
+            return params, plan.replace("int8_matmul", Choice("default", f"REFUSED: {msg}", "fallback"), msg), None
+        return params, plan.replace("int8_matmul", choice), None
+
+    status = cpu_int8.load()
+    test = cpu_int8.self_test([status.isa]) if status.ok else None
+    native_ok = bool(status.ok and test and test["ok"])
+    note = status.message + (f"; self-test {test['message']}" if test else "")
+    report = {"kernel": status.to_dict(), "kernel_self_test": test, "tuning": None}
+    warning = None
+    if want == "native" and not native_ok:
+        msg = f"GEMMA4_INT8_MATMUL=native refused: {note}"
+        if not fallback_ok:
+            raise PolicyError(msg + "; use GEMMA4_INT8_MATMUL=auto")
+        want, warning = "measure", msg
+    if want == "measure":
+        tuning = cpu_tuning.tune(params, native_ok, progress=progress)
+        params = cpu_tuning.apply(params, tuning)
+        report["tuning"] = tuning
+        how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
+        choice = Choice("measured", f"fastest path within {cpu_tuning.ACCURACY_BOUND:.0e} of float64 per product and "
+                                    f"row count ({how}): {cpu_tuning.summary(tuning)}; {note}",
+                        "fallback" if warning else "auto")
+    else:
+        params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok)
+        choice = Choice(want, f"requested via GEMMA4_INT8_MATMUL for decode rows (≤ 8) where it can run; "
+                              f"others keep the built-in path; {note}", "override")
+    return params, plan.replace("int8_matmul", choice, warning), report
 
 
 def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,

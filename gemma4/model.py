@@ -19,7 +19,7 @@ import numpy as np
 
 from gemma4 import kv_cache
 from gemma4.config import LayerSpec, ModelConfig
-from gemma4.quant import linear, take_rows
+from gemma4.quant import linear, linear_many, take_rows
 
 MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
 
@@ -91,7 +91,8 @@ def gelu(x: jax.Array) -> jax.Array:
 
 
 def dense_mlp(x: jax.Array, lp: dict) -> jax.Array:
-    return linear(gelu(linear(x, lp["gate"])) * linear(x, lp["up"]), lp["down"])
+    gate, up = linear_many(x, [lp["gate"], lp["up"]])
+    return linear(gelu(gate) * up, lp["down"])
 
 
 def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
@@ -161,12 +162,13 @@ def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Array, sin: jax.Array):
     B, T, _ = a.shape
     d = spec.head_dim
-    q = linear(a, lp["q"]).reshape(B, T, cfg.num_heads, d)
-    q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+    names = ["q"] if spec.is_kv_consumer else ["q", "k"] if spec.k_eq_v else ["q", "k", "v"]
+    outs = linear_many(a, [lp[n] for n in names])  # one kernel call where the native path runs
+    q = apply_rope(rms_norm(outs[0].reshape(B, T, cfg.num_heads, d), lp["q_norm"], cfg.rms_norm_eps), cos, sin)
     if spec.is_kv_consumer:
         return q, None, None
-    k_raw = linear(a, lp["k"]).reshape(B, T, spec.num_kv_heads, d)
-    v_raw = k_raw if spec.k_eq_v else linear(a, lp["v"]).reshape(B, T, spec.num_kv_heads, d)
+    k_raw = outs[1].reshape(B, T, spec.num_kv_heads, d)
+    v_raw = k_raw if spec.k_eq_v else outs[2].reshape(B, T, spec.num_kv_heads, d)
     k = apply_rope(rms_norm(k_raw, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
     v = rms_norm(v_raw, None, cfg.rms_norm_eps) if cfg.use_v_norm else v_raw
     return q, k, v

@@ -411,6 +411,23 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     return y.astype(out_dtype)
 
 
+def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array]:
+    """[linear(x, w) for w in ws], as one native kernel call when every leaf runs natively here.
+
+    Products that share an activation (q/k/v, gate/up) cost one kernel launch and one activation
+    quantization instead of several; the results are the same as separate `linear` calls.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    n_in = x.shape[-1]
+    m = int(np.prod(x.shape[:-1]))
+    if len(ws) > 1 and all(isinstance(w, QuantArray) and int8_path(w, m) == "native" for w in ws):
+        from gemma4 import int8_matmul  # noqa: PLC0415
+
+        ys = int8_matmul.run_many(x.reshape(m, n_in), ws)
+        return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
+    return [linear(x, w, out_dtype) for w in ws]
+
+
 def take_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
     """table[ids] as `dtype` (embedding lookup); quantized tables dequantize only the gathered rows."""
     if isinstance(table, QuantArray):

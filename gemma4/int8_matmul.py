@@ -1,0 +1,130 @@
+"""The named formulations of an int8-weight product y = x · Wᵀ that `quant.linear` can run on CPU.
+
+Which one runs for a given weight and number of activation rows is chosen by measurement on the
+machine (`gemma4.cpu_tuning`, through `gemma4.hardware`) and stored in the leaf
+(`QuantArray.paths`). All take x2 [M, K] (float) and the leaf's q int8 [N, K] and scale ([N]
+per-row or [N, K/g] grouped) and return float32 [M, N].
+
+    native       the FFI kernel in gemma4/kernels/cpu_int8.cc (M ≤ 8): int16 activations, streams
+                 the int8 weight once. Several weights sharing x run as one call (`run_many`).
+    xla-fused    convert·multiply + row reduction, which XLA:CPU fuses into one loop (fast on some
+                 AMD CPUs, 40× slower than a float32 dot on some Intel ones).
+    xla-chunked  dequantize a few hundred output rows at a time inside a lax.map, dot each chunk.
+    xla-dequant  dequantize the whole weight, one float32 dot (prefill: the dot's cost hides the
+                 dequantization; never for decode).
+    xla-i8x2     16-bit activations as two int8 halves, two int8×int8→int32 dots (XLA hands these to
+                 YNNPACK; M is padded to ≥ 2 because an M=1 dot never reaches it): per-row weights only.
+    xla-i8       per-row int8 activations, one int8×int8→int32 dot: fastest, but ~6% error on Gemma
+                 hidden states — it is timed for the table and normally fails the accuracy check.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+PATHS = ("native", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")
+
+
+def _dot(x, w, out=jnp.float32):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out)
+
+
+def _dequant(q, scale, group, dtype=jnp.float32):
+    from gemma4.quant import _dequant_int8  # noqa: PLC0415
+
+    return _dequant_int8(q, scale, group, dtype)
+
+
+def _pad_rows(x2, at_least: int = 2):
+    m = x2.shape[0]
+    if m >= at_least:
+        return x2, m
+    return jnp.concatenate([x2, jnp.zeros((at_least - m, x2.shape[1]), x2.dtype)]), m
+
+
+def _fused(x2, q, scale, group):
+    xf = x2.astype(jnp.float32)
+    if group is None:
+        wf = q.astype(jnp.float32)
+        if x2.shape[0] == 1:
+            return jnp.sum(wf * xf[0], axis=-1)[None] * scale
+        return jnp.sum(wf[None] * xf[:, None, :], axis=-1) * scale
+    wf = _dequant(q, scale, group)
+    if x2.shape[0] == 1:
+        return jnp.sum(wf * xf[0], axis=-1)[None]
+    return jnp.sum(wf[None] * xf[:, None, :], axis=-1)
+
+
+def _chunked(x2, q, scale, group):
+    from gemma4.quant import _chunked as chunked, auto_chunk_rows  # noqa: PLC0415
+
+    n, k = q.shape
+    x2 = x2.astype(jnp.float32)
+    rows = auto_chunk_rows(n, k, "cpu")
+    if not rows:
+        return _dot(x2, _dequant(q, scale, group))
+    if group is None:
+        return chunked(x2, n, rows, (q,), lambda qq: qq.astype(jnp.float32)) * scale
+    return chunked(x2, n, rows, (q, scale), lambda qq, ss: _dequant(qq, ss, group))
+
+
+def _quant_rows(x, levels: float):
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    s = jnp.where(amax > 0, amax / levels, 1.0)
+    return jnp.round(x / s), s
+
+
+def _i8(x2, q, scale):
+    xp, m = _pad_rows(x2.astype(jnp.float32))
+    xq, s = _quant_rows(xp, 127.0)
+    y = _dot(xq.astype(jnp.int8), q, jnp.int32).astype(jnp.float32) * s * scale
+    return y[:m]
+
+
+def _i8x2(x2, q, scale):
+    # x ≈ s · (256·hi + lo) with hi, lo int8: hi = round(v / 256), lo = v − 256·hi ∈ [−128, 128].
+    xp, m = _pad_rows(x2.astype(jnp.float32))
+    v, s = _quant_rows(xp, 32512.0)  # 127·256: hi stays within int8
+    hi = jnp.round(v / 256.0)
+    lo = jnp.clip(v - 256.0 * hi, -128, 127)
+    y_hi = _dot(hi.astype(jnp.int8), q, jnp.int32).astype(jnp.float32)
+    y_lo = _dot(lo.astype(jnp.int8), q, jnp.int32).astype(jnp.float32)
+    return ((256.0 * y_hi + y_lo) * s * scale)[:m]
+
+
+def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool) -> bool:
+    """Whether `path` can run this product at all (not whether it is fast)."""
+    if path == "native":
+        from gemma4.kernels import cpu_int8  # noqa: PLC0415
+
+        return native_ok and m <= cpu_int8.MAX_ROWS and cpu_int8.supported(k, group, "auto")
+    if path in ("xla-i8x2", "xla-i8"):
+        return group is None
+    return path in PATHS
+
+
+def run(path: str, x2, q, scale, group):
+    """y [M, N] float32 by the named formulation."""
+    if path == "native":
+        from gemma4.kernels import cpu_int8  # noqa: PLC0415
+
+        return cpu_int8.matmul(x2, [(q, scale, group)])[0]
+    if path == "xla-fused":
+        return _fused(x2, q, scale, group)
+    if path == "xla-chunked":
+        return _chunked(x2, q, scale, group)
+    if path == "xla-dequant":
+        return _dot(x2.astype(jnp.float32), _dequant(q, scale, group))
+    if path == "xla-i8x2":
+        return _i8x2(x2, q, scale)
+    if path == "xla-i8":
+        return _i8(x2, q, scale)
+    raise ValueError(f"unknown int8 matmul path {path!r}; expected one of {PATHS}")
+
+
+def run_many(x2, leaves) -> list:
+    """Several int8 leaves on one activation, all on the native path: one kernel call."""
+    from gemma4.kernels import cpu_int8  # noqa: PLC0415
+
+    return cpu_int8.matmul(x2, [(w.q, w.scale, w.group_size) for w in leaves])
