@@ -1,17 +1,27 @@
 """The serving engine: one cached model per process, continuous batching, streaming with cancel.
 
 Shape of the work:
-- A background thread loads the model (source → hardware plan → weights converted once →
-  tokenizer), compiles every shape it will use (warm-up), then runs the scheduler loop.
+- A background thread loads the model (source → hardware plan → weights converted once; the
+  tokenizer is built in parallel with the first compiles), compiles the two executables a short
+  request needs (the smallest prefill bucket and decode width 1) and reports ready, then runs
+  the scheduler loop. Compiles are ahead-of-time (lower → compile, never executed to warm up) by
+  one or two compile threads; the rest of the shapes compile in the background while the engine
+  is idle, and a shape the scheduler needs right now jumps the queue.
+- Nothing waits for a compile it does not need: a prompt is chunked through the prefill buckets
+  already compiled (the same tokens as the ideal bucket: padding and chunking invariance); a
+  request is admitted to a cache row only once a decode width covering that row is compiled; a
+  decode step uses any compiled (width, length) that covers the active rows, and waits only when
+  none does (the reply's stats say so). The next cache length is compiled ahead, before a
+  conversation reaches it.
 - The KV cache has `max_batch` rows. A request takes the lowest free row; its prompt is prefilled
   in bucketed chunks (right-padded, padding carries position -1 so it is never cached or
   attended), and the first token is sampled in the same dispatch.
 - Each scheduler step decodes one token for every active row at once. The decode executable is
   compiled for a small ladder of batch widths (1, 2, 4, 8…): rows [0, width) run, so a lone
   request does not pay for eight; and for a ladder of full-layer cache lengths (512, 1024, …):
-  only slots below the longest active position are read. Warm-up compiles every prefill bucket
-  and every width at the shortest length; longer lengths compile on first use (the reply's
-  stats say so) and land in the persistent compile cache.
+  only slots below the longest active position are read. The background compiles every prefill
+  bucket and every width at the shortest length; longer lengths compile when a conversation
+  approaches them. Every executable lands in the persistent compile cache.
 - Consumers read events from a per-request queue; closing the stream generator sets a cancel
   flag and the scheduler frees the row before its next step.
 
@@ -20,6 +30,7 @@ See docs/engine-api.md for the public surface.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -28,6 +39,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -43,6 +55,7 @@ log = logging.getLogger("gemma4.engine")
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; longer prompts are chunked
 REPETITION_WINDOW = 64  # tokens the repetition penalty looks back over
+BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
 DEFAULT_CONTEXT = 4096
 
 
@@ -93,15 +106,28 @@ def bucket_for(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
     return buckets[-1]
 
 
-def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> list[tuple[int, int, int]]:
+def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS,
+               later: Sequence[int] | None = None) -> list[tuple[int, int, int]] | None:
     """Split a prompt of n tokens into (start, length, bucket) chunks: full largest buckets, then
-    the smallest bucket that holds the remainder."""
-    big = buckets[-1]
-    plan, start = [], 0
+    the smallest bucket that holds the remainder.
+
+    later: the buckets allowed after the first chunk (default: `buckets`; both ascending), e.g.
+    the ones compiled so far. None when no plan exists (a prompt longer than the largest first
+    bucket and no `later` bucket).
+    """
+    later = buckets if later is None else later
+    if not buckets:
+        return None
+    if n <= buckets[-1]:
+        return [(0, n, bucket_for(n, buckets))]
+    if not later:
+        return None
+    plan, start = [(0, buckets[-1], buckets[-1])], buckets[-1]
+    big = later[-1]
     while n - start > big:
         plan.append((start, big, big))
         start += big
-    plan.append((start, n - start, bucket_for(n - start, buckets)))
+    plan.append((start, n - start, bucket_for(n - start, later)))
     return plan
 
 
@@ -146,6 +172,21 @@ def _decode_step(params, cache, tokens, positions, sampling, *, cfg, options, wi
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
+def _sampling_spec(n: int) -> tuple:
+    """Shapes/dtypes of `Engine._sampling_rows` for n rows (what an executable is compiled for)."""
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    return (s((n,), np.uint32), s((n,), np.int32), s((n,), np.float32), s((n,), np.int32),
+            s((n,), np.float32), s((n, REPETITION_WINDOW), np.int32), s((n,), np.float32))
+
+
+def describe_shape(key: tuple) -> str:
+    """("prefill", 16, True) → "prefill 16 tokens (first chunk)"; ("decode", 2, 512) → "decode 2 rows ≤512"."""
+    kind, size, extra = key
+    if kind == "prefill":
+        return f"prefill {size} tokens ({'first chunk' if extra else 'later chunk'})"
+    return f"decode {size} row{'s' if size > 1 else ''} (cache ≤{extra})"
+
+
 def kv_ladder(context_limit: int, first: int = 512) -> tuple[int, ...]:
     """Full-layer cache lengths a decode step may be compiled for (doubling up to the limit)."""
     out, n = [], first
@@ -166,31 +207,79 @@ class Engine:
         self.requested_context = context_limit
         self.overrides = dict(overrides or {})
         self.max_new_tokens_cap = int(max_new_tokens_cap)
-        self.buckets = tuple(buckets)
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.widths = _widths(self.max_batch)
         self._warmup = warmup
-        self._status = {"state": "loading", "progress": 0.0, "message": "starting", "error": None}
+        self._status = {"state": "loading", "progress": 0.0, "message": "starting", "error": None,
+                        "compiles_pending": 0}
         self._ready = threading.Event()
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition(self._lock)  # requests, compiles finished, stop
         self._waiting: list[_Request] = []
         self._active: dict[int, _Request] = {}
-        self._compiled: set[tuple] = set()
+        # Ahead-of-time compiled executables by shape key ("prefill", bucket, fresh) or
+        # ("decode", width, kv_len); all guarded by _lock. _urgent: needed now or soon (compiled
+        # even while requests run); _background: the rest (compiled only while the engine is idle).
+        self._exe: dict[tuple, Any] = {}
+        self._urgent: list[tuple] = []
+        self._background: list[tuple] = []
+        self._compiling: set[tuple] = set()
+        self._compile_failed: dict[tuple, str] = {}
+        self._compile_log: list[tuple[tuple, float, str]] = []  # (key, seconds, why)
+        self._startup_keys: tuple[tuple, ...] = ()
+        self._usable_only: set[tuple] | None = None  # tests: pretend only these shapes are compiled
+        self._t_start = time.perf_counter()
+        self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
+        self._startup: dict[str, float] = {}
+        self._compile_threads: list[threading.Thread] = []
         self._seed_counter = itertools.count(int(time.time()) & 0x7FFFFFFF)
         self._info: dict = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
+        _all_engines.add(self)
         self._thread.start()
 
     # ---------------------------------------------------------------- status
     def status(self) -> dict:
+        """{"state", "progress", "message", "error", "compiles_pending"}; once ready, the message
+        also says how many shapes are still compiling in the background."""
         with self._lock:
-            return dict(self._status)
+            out = dict(self._status)
+            pending = out["compiles_pending"] = self._pending_locked()
+        if out["state"] == "ready" and pending:
+            out["message"] += (f" · {pending} more shape{'s' if pending > 1 else ''} compiling in the "
+                               "background (a request that needs one waits for it or uses a compiled one)")
+        return out
 
     def _set_status(self, state: str, progress: float, message: str, error: str | None = None) -> None:
         with self._lock:
             self._status = {"state": state, "progress": float(progress), "message": message, "error": error}
         log.info("[%s %3.0f%%] %s", state, 100 * progress, message)
+
+    def compile_state(self) -> dict:
+        """What is compiled, compiling and queued (for the Hardware panel and benchmarks)."""
+        with self._lock:
+            return {"compiled": [describe_shape(k) for k in self._exe],
+                    "compiling": [describe_shape(k) for k in self._compiling],
+                    "queued": [describe_shape(k) for k in self._urgent + self._background],
+                    "failed": {describe_shape(k): v for k, v in self._compile_failed.items()},
+                    "pending": self._pending_locked(),
+                    "compile_s": round(sum(s for _, s, _ in self._compile_log), 2),
+                    "log": [(describe_shape(k), round(s, 2), why) for k, s, why in self._compile_log]}
+
+    def wait_compiled(self, timeout: float | None = None) -> Engine:
+        """wait_ready, then wait until the background compiles are done (benchmarks that must not
+        measure a fallback shape or share the CPU with a compile). Background compiles run only
+        while the engine is idle."""
+        end = None if timeout is None else time.monotonic() + timeout
+        self.wait_ready(timeout)
+        with self._lock:
+            while self._pending_locked():
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{self._pending_locked()} shapes still compiling after {timeout} s")
+                self._wake.wait(left)
+        return self
 
     def wait_ready(self, timeout: float | None = None) -> "Engine":
         if not self._ready.wait(timeout):
@@ -210,8 +299,14 @@ class Engine:
     def _run(self) -> None:
         try:
             self._load()
+            self._start_compiles()
             if self._warmup:
                 self._warm_up()
+            self._join_tokenizer()
+            self._startup["ready_s"] = time.perf_counter() - self._t_start
+            self._info["startup"] = {k: round(v, 2) for k, v in self._startup.items()}
+            log.info("start-up: %s; %d more shapes compile in the background",
+                     ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
             self._set_status("ready", 1.0, f"ready: {self._info['description']}")
         except Exception as e:  # shown to the user instead of a stack trace
             log.error("engine failed to start: %s: %s", type(e).__name__, e)
@@ -236,6 +331,7 @@ class Engine:
         log.info("hardware plan:\n%s", plan.report())
         plan.apply_jax_config()
         options = plan.run_options()
+        self._startup["plan_s"] = time.perf_counter() - t0
 
         def progress(frac: float, msg: str) -> None:
             self._set_status("loading", 0.05 + 0.6 * frac, msg)
@@ -246,8 +342,8 @@ class Engine:
             self._set_status("loading", 0.7, f"quantizing weights to {mode} (embedding/LM head: "
                              f"{plan.embed_weights.value})")
             params = quant.quantize_params(params, cfg, **plan.quantize_kwargs())
-        self._set_status("loading", 0.75, "loading tokenizer")
-        self.tokenizer = _make_tokenizer(tok_spec, cfg)
+        self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
+        self._start_tokenizer(tok_spec, cfg)  # in parallel with the first compiles
         self.cfg: ModelConfig = cfg
         self.params = params
         self.options = options
@@ -262,6 +358,8 @@ class Engine:
         self._decode = {(w, n): jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         donate_argnums=(1,)) for w in self.widths for n in self.kv_lengths}
         self._row_state = np.full((self.max_batch,), -1, np.int64)
+        self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.cache)
         self._info = {
             "model": cfg.name, "source": source.kind, "description": source.description,
             "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
@@ -293,18 +391,213 @@ class Engine:
             pass
         return out
 
+    # ---------------------------------------------------------------- compiling
+    def _start_tokenizer(self, tok_spec: dict, cfg: ModelConfig) -> None:
+        box: dict = {}
+
+        def build() -> None:
+            t = time.perf_counter()
+            try:
+                box["tokenizer"] = _make_tokenizer(tok_spec, cfg)
+            except Exception as e:  # re-raised by _join_tokenizer on the engine thread
+                box["error"] = e
+            box["s"] = time.perf_counter() - t
+
+        self._tokenizer_box = box
+        self._tokenizer_thread = threading.Thread(target=build, name="gemma4-tokenizer", daemon=True)
+        self._tokenizer_thread.start()
+
+    def _join_tokenizer(self) -> None:
+        if self._tokenizer_thread.is_alive():
+            self._set_status("warming", 0.98, "loading tokenizer")
+            self._tokenizer_thread.join()
+        if "error" in self._tokenizer_box:
+            raise self._tokenizer_box["error"]
+        self.tokenizer = self._tokenizer_box["tokenizer"]
+        self._startup["tokenizer_s"] = self._tokenizer_box["s"]
+
+    def _shape_plan(self) -> tuple[list[tuple], list[tuple]]:
+        """(before ready, background) shape keys in compile order. Before ready: what a short
+        request needs (smallest prefill bucket, decode width 1). Then: later chunks of the
+        smallest bucket (any prompt can then be chunked), the other widths, the other buckets,
+        later chunks of the largest bucket (prompts beyond it)."""
+        b0, n0 = self.buckets[0], self.kv_lengths[0]
+        first = [("prefill", b0, True), ("decode", self.widths[0], n0)]
+        rest = ([("prefill", b0, False)] + [("decode", w, n0) for w in self.widths[1:]]
+                + [("prefill", b, True) for b in self.buckets[1:]])
+        if len(self.buckets) > 1:
+            rest.append(("prefill", self.buckets[-1], False))
+        return first, rest
+
+    def _start_compiles(self) -> None:
+        """Queue the shapes and start the compile threads. Two take the shapes needed now (before
+        ready: the first two, in parallel — tracing holds the GIL, XLA's compile does not; then
+        whatever a request is waiting for). One takes the background queue once the engine is
+        ready, and only after it has been idle for BACKGROUND_IDLE_S (so the first request after
+        ready, and a conversation's next turn, do not share the CPU with a compile)."""
+        first, rest = self._shape_plan()
+        with self._lock:
+            if self._warmup:
+                self._startup_keys = tuple(first)
+                self._urgent = list(first)
+                self._background = list(rest)
+        kinds = ["now"] * (2 if (os.cpu_count() or 1) >= 2 else 1) + ["background"]
+        for i, kind in enumerate(kinds):
+            t = threading.Thread(target=self._compile_worker, args=(kind,), name=f"gemma4-compile-{i}", daemon=True)
+            t.start()
+            self._compile_threads.append(t)
+
     def _warm_up(self) -> None:
-        steps = [("prefill", b) for b in self.buckets] + [("decode", w) for w in self.widths]
-        for i, (kind, size) in enumerate(steps):
-            self._set_status("warming", 0.8 + 0.2 * i / len(steps), f"compiling {kind} for {size} "
-                             f"{'tokens' if kind == 'prefill' else 'rows'} ({i + 1}/{len(steps)})")
-            if kind == "prefill":
-                self._run_prefill(np.zeros(size, np.int32), np.full(size, -1, np.int32), 0, 0, True,
-                                  self._sampling_rows([None]))
-            else:
-                idle = np.full(size, -1, np.int32)
-                self._run_decode(size, self.kv_lengths[0], np.zeros(size, np.int32), idle,
-                                 self._sampling_rows([None] * size))
+        """Wait for the shapes needed before ready (compiled by the compile threads)."""
+        t0 = time.perf_counter()
+        keys, shown = self._startup_keys, None
+        while True:
+            with self._lock:
+                todo = [k for k in keys if k not in self._exe]
+                failed = [k for k in keys if k in self._compile_failed]
+                if self._stop:
+                    raise RuntimeError("the engine was closed during start-up")
+                if todo and not failed and len(todo) == shown:
+                    self._wake.wait(0.5)
+                    continue
+            if failed:
+                raise RuntimeError(f"compiling {describe_shape(failed[0])} failed: {self._compile_failed[failed[0]]}")
+            if not todo:
+                break
+            shown = len(todo)
+            done = len(keys) - len(todo)
+            self._set_status("warming", 0.8 + 0.18 * done / len(keys),
+                             f"compiling {' and '.join(describe_shape(k) for k in todo)} ({done}/{len(keys)} done; "
+                             f"the other shapes compile after the model is ready)")
+        self._startup["compile_s"] = time.perf_counter() - t0
+
+    def _pending_locked(self) -> int:
+        return len(self._urgent) + len(self._background) + len(self._compiling)
+
+    def _usable_locked(self, key: tuple) -> bool:
+        return key in self._exe and (self._usable_only is None or key in self._usable_only)
+
+    def _enqueue_locked(self, key: tuple, now: bool = False) -> None:
+        """Ask for `key` to be compiled even while requests run (now: before any other)."""
+        if key in self._exe or key in self._compiling or key in self._compile_failed:
+            return
+        if key in self._background:
+            self._background.remove(key)
+        if key in self._urgent:
+            if not now:
+                return
+            self._urgent.remove(key)
+        self._urgent.insert(0, key) if now else self._urgent.append(key)
+        self._wake.notify_all()
+
+    def _prioritize_locked(self, keys: Sequence[tuple]) -> None:
+        """Move `keys` to the front of the background queue (compiled when the engine is next idle)."""
+        for key in reversed(keys):
+            if key in self._exe or key in self._compiling or key in self._compile_failed or key in self._urgent:
+                continue
+            if key in self._background:
+                self._background.remove(key)
+            self._background.insert(0, key)
+
+    def _next_compile_locked(self, kind: str) -> tuple[tuple, str] | None:
+        if kind == "now":
+            if not self._urgent:
+                return None
+            key = self._urgent.pop(0)
+            return key, ("before ready" if key in self._startup_keys else "needed now")
+        if (not self._background or not self._ready.is_set() or self._active or self._waiting
+                or time.monotonic() - self._last_busy < BACKGROUND_IDLE_S):
+            return None  # the background queue moves only while no request is being served
+        return self._background.pop(0), "background"
+
+    def _compile_worker(self, kind: str) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._stop:
+                        return
+                    picked = self._next_compile_locked(kind)
+                    if picked is not None:
+                        break
+                    self._wake.wait(0.25 if kind == "background" and self._background else None)
+                key, why = picked
+                self._compiling.add(key)
+            t = time.perf_counter()
+            try:
+                exe, err = self._compile(key), None
+            except Exception as e:  # a request that needs it gets the message
+                exe, err = None, f"{type(e).__name__}: {e}"
+                log.error("compiling %s failed: %s", describe_shape(key), err)
+            dt = time.perf_counter() - t
+            with self._lock:
+                self._compiling.discard(key)
+                if exe is not None:
+                    self._exe[key] = exe
+                else:
+                    self._compile_failed[key] = err
+                self._compile_log.append((key, dt, why))
+                pending = self._pending_locked()
+                self._wake.notify_all()
+            log.info("compiled %s in %.2f s (%s; %d shapes pending)", describe_shape(key), dt, why, pending)
+
+    def _compile(self, key: tuple):
+        """Lower and compile one shape ahead of time (hits the persistent compile cache when warm)."""
+        kind, size, extra = key
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        if kind == "prefill":
+            lowered = self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
+                                                 i32(1), _sampling_spec(1))
+        else:
+            lowered = self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
+                                                      _sampling_spec(size))
+        return lowered.compile()
+
+    def _executable(self, key: tuple):
+        """(executable, waited): compiled already, or asked for first in line and waited for."""
+        with self._lock:
+            if key in self._exe:
+                return self._exe[key], False
+            self._enqueue_locked(key, now=True)
+            while key not in self._exe:
+                if key in self._compile_failed:
+                    raise RuntimeError(f"compiling {describe_shape(key)} failed: {self._compile_failed[key]}")
+                if self._stop:
+                    raise RuntimeError("the engine was closed")
+                self._wake.wait()
+            return self._exe[key], True
+
+    def _prefill_plan(self, n: int) -> list[tuple[int, int, int]]:
+        """The ideal chunk plan when its shapes are compiled; else a plan through the compiled
+        buckets (identical tokens; the ideal shapes move to the front of the background queue);
+        else the ideal one (its shapes are then compiled first and waited for)."""
+        ideal = chunk_plan(n, self.buckets)
+        keys = [("prefill", b, i == 0) for i, (_, _, b) in enumerate(ideal)]
+        with self._lock:
+            if all(self._usable_locked(k) for k in keys):
+                return ideal
+            first = [b for b in self.buckets if self._usable_locked(("prefill", b, True))]
+            later = [b for b in self.buckets if self._usable_locked(("prefill", b, False))]
+            self._prioritize_locked(keys)
+        return chunk_plan(n, first, later) or ideal
+
+    def _decode_key(self, need_w: int, need_n: int) -> tuple:
+        """The compiled decode shape covering rows [0, need_w) and positions < need_n (the ideal
+        one, else the cheapest compiled cover, else the ideal one, to be compiled)."""
+        ideal = ("decode", next(w for w in self.widths if w >= need_w), next(n for n in self.kv_lengths if n >= need_n))
+        with self._lock:
+            if self._usable_locked(ideal):
+                return ideal
+            fits = [k for k in self._exe if k[0] == "decode" and k[1] >= need_w and k[2] >= need_n
+                    and self._usable_locked(k)]
+        return min(fits, key=lambda k: (k[2], k[1])) if fits else ideal
+
+    def _want_decode(self, need_w: int, need_n: int) -> None:
+        """Compile ahead (urgent, not waited for) the decode shape positions up to need_n will need."""
+        need_n = min(need_n, self.kv_lengths[-1])
+        key = self._decode_key(need_w, need_n)
+        with self._lock:
+            if key not in self._exe:
+                self._enqueue_locked(key)
 
     # ---------------------------------------------------------------- device calls
     def _sampling_rows(self, reqs: Sequence[_Request | None]):
@@ -331,37 +624,27 @@ class Engine:
                 recent[i, :len(tail)] = tail
         return tuple(jnp.asarray(a) for a in (seeds, steps, temp, top_k, top_p, recent, penalty))
 
-    def _note_compile(self, key: tuple) -> bool:
-        new = key not in self._compiled
-        self._compiled.add(key)
-        return new
+    def _run_prefill(self, exe, tokens, positions, row, last, sampling):
+        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]),
+                                     jnp.int32(row), jnp.asarray([last], jnp.int32), sampling)
+        return int(token[0]), bool(bad[0])
 
-    def _run_prefill(self, tokens, positions, row, last, fresh, sampling):
-        compiled = self._note_compile(("prefill", len(tokens), fresh))
-        token, bad, self.cache = self._prefill[fresh](self.params, self.cache, jnp.asarray(tokens[None]),
-                                                      jnp.asarray(positions[None]), jnp.int32(row),
-                                                      jnp.asarray([last], jnp.int32), sampling)
-        return int(token[0]), bool(bad[0]), compiled
-
-    def _run_decode(self, width, kv_len, tokens, positions, sampling):
-        compiled = self._note_compile(("decode", width, kv_len))
-        token, bad, self.cache = self._decode[width, kv_len](self.params, self.cache, jnp.asarray(tokens),
-                                                     jnp.asarray(positions), sampling)
-        return np.asarray(token), np.asarray(bad), compiled
+    def _run_decode(self, exe, tokens, positions, sampling):
+        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), sampling)
+        return np.asarray(token), np.asarray(bad)
 
     # ---------------------------------------------------------------- scheduler
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._waiting and not self._active:
+                while True:
+                    if self._stop:
+                        return
+                    admit = self._admission_locked()
+                    if admit is not None or self._active:
+                        break
                     self._wake.wait()
-                if self._stop:
-                    return
-                free = [r for r in range(self.max_batch) if r not in self._active]
-                admit = self._waiting.pop(0) if (self._waiting and free) else None
-                if admit is not None:
-                    admit.row = free[0]
-                    self._active[admit.row] = admit
+                self._last_busy = time.monotonic()
             try:
                 if admit is not None:
                     self._admit(admit)
@@ -375,6 +658,32 @@ class Engine:
                     self._active.clear()
                 for r in victims:
                     r.events.put(("error", f"{type(e).__name__}: {e}"))
+            self._last_busy = time.monotonic()
+
+    def _admission_locked(self) -> _Request | None:
+        """The next waiting request, given the lowest free row — once a decode width covering that
+        row is compiled (else that width is compiled first and the request waits, so the rows
+        already decoding never wait for it)."""
+        while self._waiting:
+            free = [r for r in range(self.max_batch) if r not in self._active]
+            if not free:
+                return None
+            req, row = self._waiting[0], free[0]
+            if not any(k[0] == "decode" and k[1] > row and self._usable_locked(k) for k in self._exe):
+                need = ("decode", next(w for w in self.widths if w > row),
+                        next(n for n in self.kv_lengths if n > min(len(req.prompt_ids), self.kv_lengths[-1] - 1)))
+                if need in self._compile_failed:
+                    self._waiting.pop(0)
+                    req.events.put(("error", f"compiling {describe_shape(need)} failed: {self._compile_failed[need]}"))
+                    continue
+                self._enqueue_locked(need, now=True)
+                req.stats["compiled"] = True  # it waits for a compile
+                return None
+            self._waiting.pop(0)
+            req.row = row
+            self._active[row] = req
+            return req
+        return None
 
     def _finish(self, req: _Request, reason: str) -> None:
         with self._lock:
@@ -393,16 +702,19 @@ class Engine:
         t0 = time.perf_counter()
         req.stats["queue_wait_s"] = t0 - req.submitted
         ids = req.prompt_ids
-        compiled = False
-        plan = chunk_plan(len(ids), self.buckets)
+        compiled = bool(req.stats.get("compiled"))
+        with self._lock:
+            need_w = max(self._active) + 1
+        self._want_decode(need_w, len(ids) + 1)  # the first decode step's shape, compiled meanwhile if new
+        plan = self._prefill_plan(len(ids))
         for n, (start, length, bucket) in enumerate(plan):
+            exe, waited = self._executable(("prefill", bucket, n == 0))
             tokens = np.zeros(bucket, np.int32)
             tokens[:length] = ids[start:start + length]
             positions = np.full(bucket, -1, np.int32)
             positions[:length] = np.arange(start, start + length)
-            token, bad, c = self._run_prefill(tokens, positions, req.row, length - 1, n == 0,
-                                              self._sampling_rows([req]))
-            compiled |= c
+            token, bad = self._run_prefill(exe, tokens, positions, req.row, length - 1, self._sampling_rows([req]))
+            compiled |= waited
         t1 = time.perf_counter()
         req.position = len(ids)
         padding = sum(b - l for _, l, b in plan)
@@ -429,7 +741,12 @@ class Engine:
             active = dict(self._active)
         if not active:
             return
-        width = next(w for w in self.widths if w > max(active))
+        need_w, need_n = max(active) + 1, max(r.position for r in active.values()) + 1
+        key = self._decode_key(need_w, need_n)
+        _, width, kv_len = key
+        if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
+            self._want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
+        exe, compiled = self._executable(key)
         tokens = np.zeros(width, np.int32)
         positions = np.full(width, -1, np.int32)
         rows: list[_Request | None] = [None] * width
@@ -437,8 +754,7 @@ class Engine:
             tokens[row] = req.recent[-1]
             positions[row] = req.position
             rows[row] = req
-        kv_len = next(n for n in self.kv_lengths if n > int(positions.max()))
-        out, bad, compiled = self._run_decode(width, kv_len, tokens, positions, self._sampling_rows(rows))
+        out, bad = self._run_decode(exe, tokens, positions, self._sampling_rows(rows))
         now = time.perf_counter()
         for row, req in active.items():
             req.position += 1
@@ -449,10 +765,17 @@ class Engine:
             else:
                 self._emit(req, int(out[row]), bool(bad[row]), now)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 0.0) -> None:
+        """Stop the scheduler and the compile threads; wait up to `timeout` s for them (None: no
+        limit). An XLA compile in flight cannot be interrupted: it finishes first."""
         with self._lock:
             self._stop = True
             self._wake.notify_all()
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in [*self._compile_threads, self._thread]:
+            left = None if end is None else end - time.monotonic()
+            if t is not threading.current_thread() and (left is None or left > 0):
+                t.join(left)
 
     # ---------------------------------------------------------------- public API
     def render_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
@@ -643,6 +966,16 @@ def _enable_compile_cache() -> None:
 
 _engines: dict[tuple, Engine] = {}
 _engines_lock = threading.Lock()
+_all_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines_at_exit() -> None:
+    """Let compile threads finish before the interpreter goes away (a daemon thread inside an XLA
+    compile at exit aborts the process)."""
+    end = time.monotonic() + 60
+    for eng in list(_all_engines):
+        eng.close(timeout=max(0.0, end - time.monotonic()))
 
 
 def get_engine(model: str | None = None, **kwargs) -> Engine:

@@ -1,7 +1,8 @@
 """The engine on the real bundled Gemma 3 270M: reference ids, sampling, flags, concurrency, cancel, bad input.
 
 One engine (float32 weights and compute, so greedy output must equal transformers' float32 ids)
-serves every test here; it is compiled for two prompt buckets and decode widths 1, 2, 4, 8.
+serves every test here; it is ready once prompt bucket 16 and decode width 1 are compiled, and
+compiles the other bucket (64) and widths (2, 4, 8) in the background while the tests run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from gemma4.engine import RequestError, get_engine
+from gemma4.engine import RequestError, chunk_plan, get_engine
 from gemma4.sampling import SamplingParams
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference_ids.json")))
@@ -76,6 +77,7 @@ def test_stats_are_reported(engine):
 
 
 def test_eight_concurrent_requests_match_their_solo_runs(engine):
+    engine.wait_compiled(timeout=900)  # width 8 (else they decode 4 at a time until it is compiled)
     prompts = [c["prompt"] for c in REFERENCE["prompts"]] + ["The three laws of motion", "My favourite food is",
                                                              "In 1969, the first"]
     solo = {p: engine.generate(p, GREEDY)["token_ids"] for p in prompts}
@@ -153,3 +155,66 @@ def test_chat_turns_are_trimmed_to_fit(engine):
     finally:
         req.cancel.set()
     assert _wait_idle(engine)
+
+
+# ---------------------------------------------------------------- start-up: ready before every compile
+def test_chunk_plan_through_compiled_buckets():
+    assert chunk_plan(40, (16, 64)) == [(0, 40, 64)]
+    assert chunk_plan(40, (16,), (16,)) == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
+    assert chunk_plan(40, (16,), ()) is None  # later chunks need a compiled later-chunk bucket
+    assert chunk_plan(10, (16,), ()) == [(0, 10, 16)]
+    assert chunk_plan(1200, (16, 512)) == [(0, 512, 512), (512, 512, 512), (1024, 176, 512)]
+    plan = chunk_plan(700, (16, 512), (16,))
+    assert plan[0] == (0, 512, 512) and all(b == 16 for _, _, b in plan[1:])
+    assert [s for s, _, _ in plan] == [0] + [512 + 16 * i for i in range(len(plan) - 1)]
+    assert sum(n for _, n, _ in plan) == 700 and all(n <= b for _, n, b in plan)
+
+
+def test_ready_means_servable_and_says_what_still_compiles(engine):
+    st = engine.status()
+    assert st["state"] == "ready"
+    assert ("compiling in the background" in st["message"]) == (st["compiles_pending"] > 0), st
+    cs = engine.compile_state()
+    assert "prefill 16 tokens (first chunk)" in cs["compiled"] and "decode 1 row (cache ≤256)" in cs["compiled"]
+    assert {"compiling", "queued", "failed", "pending", "log"} <= set(cs)
+    assert engine.info()["startup"]["ready_s"] > 0
+
+
+def test_prompt_chunked_through_compiled_buckets_gives_identical_tokens(engine):
+    """A prompt whose bucket (64) is not compiled yet is chunked through bucket 16 at once
+    (first chunk + later chunks) instead of waiting — with exactly the tokens of the ideal bucket."""
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs into the forest. " * 3
+    n = len(engine.encode_prompt(prompt))
+    assert 32 < n <= 64
+    engine.wait_compiled(timeout=900)
+    ideal = engine.generate(prompt, GREEDY)
+    assert ideal["stats"]["chunks"] == 1 and ideal["stats"]["bucket"] == 64 and not ideal["stats"]["compiled"]
+    engine._usable_only = {("prefill", 16, True), ("prefill", 16, False), ("decode", 1, 256)}
+    try:
+        chunked = engine.generate(prompt, GREEDY)
+    finally:
+        engine._usable_only = None
+    assert chunked["stats"]["chunks"] == -(-n // 16) and chunked["stats"]["bucket"] == 16
+    assert chunked["stats"]["compiled"] is False  # it did not wait for a compile
+    assert chunked["token_ids"] == ideal["token_ids"]
+    assert engine.status()["compiles_pending"] == 0 and "background" not in engine.status()["message"]
+
+
+def test_requests_are_not_held_by_a_width_that_is_not_usable(engine):
+    """With only decode width 1 usable, a second request waits for the row instead of forcing the
+    running one to wait; both get their solo tokens."""
+    prompts = ["Water boils at", "The three laws of motion"]
+    solo = [engine.generate(p, GREEDY)["token_ids"] for p in prompts]
+    engine._usable_only = {("prefill", 16, True), ("prefill", 16, False), ("decode", 1, 256)}
+    out: dict[int, dict] = {}
+    try:
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(prompts[i], GREEDY)))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        engine._usable_only = None
+    assert [out[i]["token_ids"] for i in range(2)] == solo
+    assert max(out[i]["stats"]["batch_occupancy"] for i in range(2)) <= 1 / 8 + 1e-9  # never decoded together
