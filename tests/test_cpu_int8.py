@@ -1,0 +1,202 @@
+"""The native int8 CPU kernel, the XLA int8 formulations, the measured path choice and its fallbacks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4 import cpu_tuning, hardware, int8_matmul, quant
+from gemma4.kernels import cpu_int8
+
+STATUS = cpu_int8.load()
+needs_kernel = pytest.mark.skipif(not STATUS.ok, reason=f"native kernel unavailable: {STATUS.message}")
+
+
+def _leaf(rng, n, k, group):
+    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+    shape = (n,) if group is None else (n, k // group)
+    scale = rng.uniform(0.001, 0.01, shape).astype(np.float32)
+    return quant.QuantArray(jnp.asarray(q), jnp.asarray(scale), group_size=group)
+
+
+def _x(rng, m, k):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 3] *= 80.0  # an outlier channel, as Gemma's hidden states have
+    return x
+
+
+def _rel(y, ref):
+    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@needs_kernel
+def test_self_test_passes_on_every_isa_this_cpu_has():
+    result = cpu_int8.self_test()
+    assert result["ok"], result
+    assert "portable" in result["isas"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512-vnni"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_native_matches_float64_reference(isa, m):
+    if cpu_int8.ISAS[isa] > cpu_int8.ISAS[STATUS.isa]:
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(m)
+    k = 1024
+    ws = [_leaf(rng, n, k, group) for n, group in ((200, None), (72, 16), (40, 32), (24, 128))]
+    x = _x(rng, m, k)
+    ys = jax.jit(lambda x, ws: cpu_int8.matmul(x, [(w.q, w.scale, w.group_size) for w in ws], isa))(x, ws)
+    for w, y in zip(ws, ys):
+        ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), w.group_size)
+        assert _rel(y, ref) < 1e-3, w.group_size  # int16 activations: ~1e-4 of the row's largest element
+
+
+@needs_kernel
+def test_kernel_refuses_bad_shapes_with_a_message():
+    rng = np.random.default_rng(0)
+    w = _leaf(rng, 8, 48, 16)  # K = 48 is not a multiple of 32 (AVX-512 vector)
+    with pytest.raises(Exception, match="multiple"):
+        cpu_int8.matmul(jnp.ones((1, 48)), [(w.q, w.scale, 16)], "avx512-vnni" if STATUS.isa == "avx512-vnni" else STATUS.isa)
+    with pytest.raises(ValueError, match="1..8 rows"):
+        cpu_int8.matmul(jnp.ones((9, 64)), [(w.q, w.scale, 16)])
+
+
+@pytest.mark.parametrize("path", [p for p in int8_matmul.PATHS if p != "xla-i8"])
+@pytest.mark.parametrize("group", [None, 32])
+def test_every_accurate_path_matches_the_dequantized_product(path, group):
+    native_ok = STATUS.ok
+    rng = np.random.default_rng(1)
+    w = _leaf(rng, 300, 256, group)
+    for m in (1, 4, 24):
+        if not int8_matmul.eligible(path, m, 256, group, native_ok):
+            continue
+        x = _x(rng, m, 256)
+        y = jax.jit(lambda x, q, s: int8_matmul.run(path, x, q, s, group))(x, w.q, w.scale)
+        ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), group)
+        assert _rel(y, ref) < cpu_tuning.ACCURACY_BOUND, (path, m)
+
+
+def test_per_row_int8_activations_fail_the_bound_on_outlier_channels():
+    # why xla-i8 is never chosen: this must stay true for the accuracy check to mean something
+    rng = np.random.default_rng(2)
+    w = _leaf(rng, 300, 640, None)
+    x = _x(rng, 4, 640)
+    y = int8_matmul.run("xla-i8", jnp.asarray(x), w.q, w.scale, None)
+    assert _rel(y, cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), None)) > cpu_tuning.ACCURACY_BOUND
+
+
+@needs_kernel
+def test_linear_many_is_one_call_with_the_same_results():
+    rng = np.random.default_rng(3)
+    ws = [dataclasses.replace(_leaf(rng, n, 640, g), paths=((8, "native"),)) for n, g in ((256, 32), (96, None), (64, 16))]
+    x = jnp.asarray(_x(rng, 3, 640)).reshape(1, 3, 640)
+    fused = jax.jit(lambda x, ws: quant.linear_many(x, ws))(x, ws)
+    alone = [jax.jit(quant.linear)(x, w) for w in ws]
+    for a, b in zip(fused, alone):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = jax.jit(lambda x, ws: quant.linear_many(x, ws)).lower(x, ws).as_text()
+    assert text.count(cpu_int8.TARGET) == 1
+
+
+def _tiny_int8_params():
+    from gemma4.config import preset
+    from gemma4.params import random_params
+
+    cfg = preset("tiny-gemma3-270m")
+    return cfg, quant.quantize_params(random_params(cfg, seed=0), cfg, mode="int8")
+
+
+def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    cfg, params = _tiny_int8_params()
+    tuning = cpu_tuning.tune(params, native_ok=STATUS.ok)
+    assert not tuning["cached"] and tuning["products"]
+    for entry in tuning["products"].values():
+        for c in entry["classes"]:
+            assert c["path"] in int8_matmul.PATHS
+            assert c["errors"][c["path"]] <= cpu_tuning.ACCURACY_BOUND
+            assert c["timings_ms"][c["path"]] == min(t for t in c["timings_ms"].values() if t is not None)
+    again = cpu_tuning.tune(params, native_ok=STATUS.ok)
+    assert again["cached"] and again["products"] == tuning["products"]
+    tuned = cpu_tuning.apply(params, tuning)
+    assert all(leaf.paths for leaf in jax.tree.leaves(tuned, is_leaf=quant.is_quantized)
+               if isinstance(leaf, quant.QuantArray))
+    assert "product" in cpu_tuning.format_table(tuning)
+
+
+def _logits(cfg, params):
+    """Teacher-forced logits at each of 8 positions (M = 8 rows: the forced decode path runs)."""
+    from gemma4.model import forward
+
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 8)), jnp.int32)
+    positions = jnp.arange(8, dtype=jnp.int32)[None]
+    return np.asarray(jax.jit(lambda p: forward(p, cfg, tokens, positions)[0])(params))
+
+
+@pytest.mark.parametrize("forced", ["native", "xla-i8x2", "xla-chunked"])
+def test_model_paths_give_the_reference_tokens(forced):
+    if forced == "native" and not STATUS.ok:
+        pytest.skip(STATUS.message)
+    cfg, params = _tiny_int8_params()
+    ref = _logits(cfg, cpu_tuning.apply(params, None, forced="xla-dequant"))
+    got = _logits(cfg, cpu_tuning.apply(params, None, forced=forced, native_ok=STATUS.ok))
+    # the same top-1 token at every position, and logits within the path's tolerance
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.max(np.abs(got - ref)) < 1e-2 * np.max(np.abs(ref))
+
+
+def _cpu_plan():
+    return hardware.policy(hardware.probe(), None, env={})
+
+
+def test_policy_measures_on_cpu_and_reports_the_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    _, params = _tiny_int8_params()
+    params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    assert plan.int8_matmul.value == "measured"
+    assert "fastest path" in plan.int8_matmul.reason and report["tuning"]["products"]
+    assert ("native" in plan.int8_matmul.reason) == STATUS.ok
+
+
+def test_native_kernel_disabled_falls_back_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_int8, "load", lambda: cpu_int8.KernelStatus(False, "disabled by GEMMA4_NATIVE_KERNEL=off"))
+    _, params = _tiny_int8_params()
+    params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    assert "GEMMA4_NATIVE_KERNEL=off" in plan.int8_matmul.reason
+    for entry in report["tuning"]["products"].values():
+        assert all(c["path"] != "native" for c in entry["classes"])
+    with pytest.raises(hardware.PolicyError, match="native refused"):
+        hardware.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "native"})
+    _, plan, _ = hardware.choose_int8_matmul(_cpu_plan(), params,
+                                             env={"GEMMA4_INT8_MATMUL": "native", "GEMMA4_ALLOW_FALLBACK": "1"})
+    assert plan.int8_matmul.source == "fallback" and plan.warnings
+
+
+def test_failed_self_test_keeps_the_kernel_out(tmp_path, monkeypatch):
+    if not STATUS.ok:
+        pytest.skip(STATUS.message)
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_int8, "self_test", lambda isas=None: {"ok": False, "message": "FAILED: planted"})
+    _, params = _tiny_int8_params()
+    params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    assert "FAILED: planted" in plan.int8_matmul.reason
+    assert all(p != "native" for leaf in jax.tree.leaves(params, is_leaf=quant.is_quantized)
+               if isinstance(leaf, quant.QuantArray) for _, p in leaf.paths)
+
+
+def test_forced_path_and_off_cpu_choice():
+    _, params = _tiny_int8_params()
+    out, plan, _ = hardware.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "xla-chunked"})
+    assert plan.int8_matmul.value == "xla-chunked" and plan.int8_matmul.source == "override"
+    gpu_plan = hardware.policy(hardware.simulated_facts("l4"), None, env={})
+    _, plan, report = hardware.choose_int8_matmul(gpu_plan, params, env={})
+    assert plan.int8_matmul.value == "default" and report is None
+    with pytest.raises(hardware.PolicyError, match="CPU formulation"):
+        hardware.choose_int8_matmul(gpu_plan, params, env={"GEMMA4_INT8_MATMUL": "native"})
