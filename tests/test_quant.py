@@ -144,7 +144,11 @@ def test_quantized_forward_matches_dequantized_and_approximates_float(tiny_e2b):
     out8 = np.asarray(fwd(q8, tokens, positions))
     assert np.all(np.isfinite(out8))
     assert np.linalg.norm(out8 - ref) / spread < 0.2
-    assert (out8.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    # top-1 agreement where the float model's choice is clear: a near-tie flips on any rounding, so
+    # over all 24 positions agreement ranged 0.71-1.0 across random-weight seeds (measured, 16 seeds)
+    top2 = np.sort(ref, -1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 0.15 * ref.std(-1)
+    assert clear.sum() >= 8 and (out8.argmax(-1) == ref.argmax(-1))[clear].mean() >= 0.9
 
     q4 = quant.quantize_params(params, cfg, "int4", group_size=32)
     out4 = np.asarray(fwd(q4, tokens, positions))
@@ -214,3 +218,44 @@ def test_choose_blocks():
     assert choose_blocks(8, 2048, 1536, 64, platform="tpu") == (8, 256, 1536)
     with pytest.raises(ValueError):
         choose_blocks(8, 100, 1536, 64, platform="gpu")
+
+
+# ------------------------------------------------------------------------------ host-side quantizers (loaders)
+@pytest.mark.parametrize("shape", [(200, 128), (3000, 1024)])  # numpy and jitted paths of quantize_int8/int4
+def test_host_quantizers_equal_the_jax_quantizers(shape, monkeypatch):
+    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1 << 16)  # several row chunks
+    w = np.asarray(rand(*shape, scale=0.05))
+    for src in (w, lambda a, b: w[a:b]):
+        a, b = quant.quantize_int8(jnp.asarray(w)), quant.quantize_host(src, shape, "int8")
+        assert b.group_size is None and b.q.dtype == jnp.int8
+        np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
+        np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+        a, b = quant.quantize_int4(jnp.asarray(w), 32), quant.quantize_host(src, shape, "int4", 32)
+        np.testing.assert_array_equal(np.asarray(a.packed), np.asarray(b.packed))
+        np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+    g = quant.quantize_host(w, shape, "int8", 32)  # grouped int8: one scale per row and 32 inputs
+    assert g.scale.shape == (shape[0], shape[1] // 32) and g.group_size == 32
+    assert quant.quantization_error(jnp.asarray(w), g)["relative"] < quant.quantization_error(
+        jnp.asarray(w), quant.quantize_int8(jnp.asarray(w)))["relative"]
+
+
+def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
+    """Quantizing a 32 MiB float32 weight read in row chunks never holds it whole: numpy's traced
+    peak stays near the 8 MiB int8 result, and on CPU the jax leaf is that very buffer."""
+    import tracemalloc
+
+    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1 << 16)
+    n_out, n_in = 4096, 2048
+    rows = lambda a, b: np.full((b - a, n_in), 0.01, np.float32)  # noqa: E731
+    tracemalloc.start()
+    try:
+        leaf = quant.quantize_host(rows, (n_out, n_in), "int8")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.25 * n_out * n_in, peak
+    assert leaf.q.unsafe_buffer_pointer() % quant.HOST_ALIGN == 0
+    host = quant.host_empty((1024, 512), np.int8)
+    host[...] = 3
+    if jax.default_backend() == "cpu":
+        assert quant.host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied
