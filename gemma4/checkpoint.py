@@ -5,8 +5,10 @@ saves), `language_model.model.` (older Gemma 3 multimodal repos). Vision/audio t
 unused k/v weights of KV-consumer layers are skipped. Every expected tensor must arrive exactly
 once with the shape `gemma4.params` describes; anything else is an error naming tensor and file.
 
-Files are read through a memory map, one tensor at a time, and converted to the target dtype
-once, so peak host memory stays near one copy of the model.
+Files are read through a memory map, one tensor at a time (big tensors in row chunks), and each
+tensor goes straight into its final leaf — the target dtype, or quantized as the plan asks
+(`quantize`, see `gemma4.params.LeafFormat`) — so peak host memory stays near the final size of
+the model, never a float32 copy of it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import ml_dtypes
 import numpy as np
 
 from gemma4.config import ModelConfig
-from gemma4.params import LeafSpec, leaf_dtype, param_specs
+from gemma4.params import LeafFormat, LeafSpec, leaf_name, param_specs
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -211,12 +213,16 @@ def _path_name(path: tuple) -> str:
 # ------------------------------------------------------------------------------ loading
 def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.float32,
                             progress: Callable[[float, str], None] | None = None,
-                            convert: Callable[[LeafSpec, np.ndarray], Any] | None = None) -> dict:
+                            convert: Callable[[LeafSpec, np.ndarray], Any] | None = None,
+                            quantize: dict | None = None) -> dict:
     """Read a HF checkpoint folder into the parameter tree for `cfg`, weights stored as `dtype`.
 
-    `convert(spec, float_array)` may replace the default conversion (e.g. to quantize on the fly).
+    `quantize` (`Plan.quantize_kwargs()`) quantizes each tensor as it is read, as
+    `quant.quantize_params` would quantize the loaded tree. `convert(spec, raw_array)` may replace
+    the default conversion altogether.
     """
     specs = param_specs(cfg)
+    fmt = LeafFormat(dtype, quantize)
     params = _empty_like(specs)
     seen: dict[tuple, str] = {}
     files = checkpoint_files(folder)
@@ -248,7 +254,8 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
                 raise CheckpointError(
                     f"{fname}: tensor {key!r} has shape {list(shape)}, expected {list(spec.shape)} for this config")
             raw = st.read(key)
-            _set(params, target, (convert or _default_convert(cfg, dtype))(spec, raw))
+            _set(params, target, convert(spec, raw) if convert else _final_leaf(cfg, fmt, target, spec, raw))
+            del raw
             seen[target] = fname
             if progress:
                 progress(done / total, f"loaded {key}")
@@ -260,10 +267,12 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
     return params
 
 
-def _default_convert(cfg: ModelConfig, dtype: Any) -> Callable[[LeafSpec, np.ndarray], Any]:
-    def convert(spec: LeafSpec, raw: np.ndarray) -> Any:
-        value = np.asarray(raw, dtype=np.float32) if spec.kind in ("norm", "scalar") else raw
+def _final_leaf(cfg: ModelConfig, fmt: LeafFormat, target: tuple, spec: LeafSpec, raw: np.ndarray) -> Any:
+    """One checkpoint tensor (a memory map) → its final leaf, read in row chunks."""
+    if spec.kind in ("norm", "scalar"):
+        value = np.asarray(raw, dtype=np.float32).reshape(spec.shape)
         if spec.kind == "norm" and cfg.norm_offset:
             value = 1.0 + value  # Gemma 3 stores offsets; params hold the effective scale
-        return jnp.asarray(value.reshape(spec.shape), dtype=leaf_dtype(spec, dtype))
-    return convert
+        return fmt.build(leaf_name(target), spec, value)
+    return fmt.build(leaf_name(target), spec, raw.reshape(spec.shape))
+

@@ -113,36 +113,120 @@ def abstract_params(cfg: ModelConfig, weight_dtype: Any = jnp.float32) -> dict[s
                         param_specs(cfg), is_leaf=is_leaf_spec)
 
 
+@dataclasses.dataclass(frozen=True)
+class LeafFormat:
+    """The final form of every leaf: storage dtype plus the plan's quantization.
+
+    `quantize` is `Plan.quantize_kwargs()` (mode, embed_mode, group_size, int4_kernel, int4_block)
+    or None (no quantization). The loaders hand each tensor to `build` as it is read, so a loaded
+    tree is born in its final form; `target` follows exactly the rules of `quant.quantize_params`.
+    """
+
+    weight_dtype: Any = jnp.float32
+    quantize: dict | None = None
+
+    def _kw(self) -> dict:
+        kw = dict(mode="none", embed_mode=None, group_size=64, int4_kernel="xla", int4_block=None)
+        kw.update(self.quantize or {})
+        if kw["embed_mode"] is None:
+            kw["embed_mode"] = kw["mode"]
+        for m in (kw["mode"], kw["embed_mode"]):
+            if m not in ("none", "int8", "int4"):
+                raise ValueError(f"quantization mode {m!r} not in ('none', 'int8', 'int4')")
+        return kw
+
+    @property
+    def quantizes(self) -> bool:
+        kw = self._kw()
+        return kw["mode"] != "none" or kw["embed_mode"] != "none"
+
+    def target(self, name: str | None, spec: LeafSpec) -> str:
+        """"none" | "int8" | "int4": what `quant.quantize_params` would make of this leaf."""
+        from gemma4 import quant  # noqa: PLC0415 (quant imports params lazily too)
+
+        if name in quant._NEVER_QUANTIZE or spec.kind not in ("linear", "embed"):
+            return "none"
+        kw = self._kw()
+        m = kw["embed_mode"] if spec.kind == "embed" else kw["mode"]
+        if m == "int4" and quant.int4_compatible(tuple(spec.shape), kw["group_size"]):
+            return "int4"
+        return "int8" if m in ("int4", "int8") else "none"
+
+    def build(self, name: str | None, spec: LeafSpec, src: Any) -> Any:
+        """The final leaf for `spec` from `src` (float rows: an array-like, or rows(start, stop))."""
+        from gemma4 import quant  # noqa: PLC0415
+
+        target = self.target(name, spec)
+        if target == "none":
+            return quant.host_cast(src, spec.shape, leaf_dtype(spec, self.weight_dtype))
+        kw = self._kw()
+        if target == "int4":
+            return quant.quantize_host(src, spec.shape, "int4", kw["group_size"], kw["int4_kernel"], kw["int4_block"])
+        return quant.quantize_host(src, spec.shape, "int8")
+
+
+def leaf_name(path: tuple) -> str | None:
+    """The last dict key of a tree path ("q", "embed", ...), as `quant.quantize_params` sees it."""
+    return next((p for p in reversed(path) if isinstance(p, str)), None)
+
+
+def iter_specs(tree: Any, prefix: tuple = ()):
+    """(path, LeafSpec) in jax's tree order (sorted dict keys), paths of str keys and int indices."""
+    if is_leaf_spec(tree):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from iter_specs(tree[k], prefix + (k,))
+    else:
+        for i, v in enumerate(tree):
+            yield from iter_specs(v, prefix + (i,))
+
+
+def tree_from_leaves(specs: Any, leaves: dict[tuple, Any], prefix: tuple = ()) -> Any:
+    """The tree shaped like `specs` with the leaf at each path taken from `leaves`."""
+    if is_leaf_spec(specs):
+        return leaves[prefix]
+    if isinstance(specs, dict):
+        return {k: tree_from_leaves(v, leaves, prefix + (k,)) for k, v in specs.items()}
+    return [tree_from_leaves(v, leaves, prefix + (i,)) for i, v in enumerate(specs)]
+
+
 def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float32,
-                  scale: float = 0.02) -> dict[str, Any]:
+                  scale: float = 0.02, quantize: dict | None = None) -> dict[str, Any]:
     """Random weights with the real geometry (for tests and speed measurements — not a real model).
 
     Norm scales are drawn around 1 and layer scalars around 0.5..1 so that a wrong norm form or a
-    missing layer scalar changes the numbers.
+    missing layer scalar changes the numbers. Each leaf is drawn in float32 from its own stream
+    (`default_rng([seed, i])`, i = the leaf's index in tree order) in row chunks; a chunk drawn
+    after another continues the same stream, so the values do not depend on the chunk size.
+    With `quantize` (`Plan.quantize_kwargs()`), each chunk goes straight into its final quantized
+    leaf, so a model far larger than RAM in float32 (E2B: 4.6 B parameters) loads at its final size.
     """
-    rng = np.random.default_rng(seed)
+    fmt = LeafFormat(weight_dtype, quantize)
+    leaves: dict[tuple, Any] = {}
+    specs = param_specs(cfg)
+    for index, (path, spec) in enumerate(iter_specs(specs)):
+        rng = np.random.default_rng([seed, index])
+        name = leaf_name(path)
+        if spec.kind in ("norm", "scalar"):
+            if spec.kind == "scalar":
+                value = np.float32(0.5) + np.float32(0.5) * rng.random(spec.shape, dtype=np.float32)
+            else:
+                value = np.float32(0.1) * rng.standard_normal(spec.shape, dtype=np.float32)
+                value = value + np.float32(1.0)  # params hold the effective scale (1 + w for Gemma 3)
+                if not cfg.norm_offset and name in ("q_norm", "k_norm"):
+                    # Gemma 4 attends with scale 1.0; unit q/k norm scales would make random attention
+                    # logits of std sqrt(d) — a chaotic net that turns rounding into large output changes.
+                    value = value * np.float32(0.5)
+            leaves[path] = fmt.build(name, spec, value)
+            continue
+        cols = int(np.prod(spec.shape[1:], dtype=np.int64))
 
-    def make(spec: LeafSpec) -> jax.Array:
-        if spec.kind == "norm":
-            base = 0.0 if cfg.norm_offset else 1.0
-            value = base + 0.1 * rng.standard_normal(spec.shape)
-        elif spec.kind == "scalar":
-            value = rng.uniform(0.5, 1.0, spec.shape)
-        else:
-            value = scale * rng.standard_normal(spec.shape)
-        if spec.kind == "norm" and cfg.norm_offset:
-            value = 1.0 + value  # params hold the effective scale
-        return jnp.asarray(value.astype(np.float32), dtype=leaf_dtype(spec, weight_dtype))
+        def rows(a, b, rng=rng, spec=spec, cols=cols):
+            return rng.standard_normal((b - a, cols), dtype=np.float32) * np.float32(scale)
 
-    params = jax.tree.map(make, param_specs(cfg), is_leaf=is_leaf_spec)
-    if not cfg.norm_offset:
-        # Gemma 4 attends with scale 1.0; unit q/k norm scales would make random attention logits
-        # of std sqrt(d) — a chaotic net that turns rounding into large output changes.
-        for lp in params["layers"]:
-            for name in ("q_norm", "k_norm"):
-                if name in lp:
-                    lp[name] = lp[name] * 0.5
-    return params
+        leaves[path] = fmt.build(name, spec, rows)
+    return tree_from_leaves(specs, leaves)
 
 
 def count_bytes(params: Any) -> int:

@@ -182,3 +182,40 @@ def test_gemma3_old_rope_scaling_form():
     want = preset("gemma3-4b")
     assert cfg.rope_full == want.rope_full and cfg.rope_sliding == want.rope_sliding
     assert cfg.layers == want.layers and cfg.attention_scale == 1 / 16
+
+
+# ------------------------------------------------------------------------------ quantized while read
+@pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"}])
+def test_quantize_at_load_equals_quantize_params_of_the_loaded_tree(e2b_folder, monkeypatch, kw):
+    from gemma4 import quant
+
+    folder, cfg, _ = e2b_folder
+    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 4096)  # several row chunks per tensor
+    want = quant.quantize_params(load_safetensors_params(folder, cfg), cfg, **kw)
+    got = load_safetensors_params(folder, cfg, quantize=kw)
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(want, is_leaf=quant.is_quantized), jax.tree.leaves(got, is_leaf=quant.is_quantized)):
+        assert type(a) is type(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # only norms and scalars stay float: no float copy of a weight is kept
+    assert all(quant.is_quantized(x) or x.ndim == 1 for x in jax.tree.leaves(got, is_leaf=quant.is_quantized))
+
+
+def test_bf16_checkpoint_quantizes_per_tensor(tmp_path):
+    """A bf16 checkpoint (the Hub's form) read with an int8 plan: each tensor goes from its bf16
+    memory map to int8 in row chunks; the result is the int8 of the exact bf16 values."""
+    import ml_dtypes
+
+    from gemma4 import quant
+
+    cfg = tiny("e2b")
+    state = {k: (v.astype(ml_dtypes.bfloat16) if v.ndim == 2 else v)
+             for k, v in _hf_state(cfg, random_params(cfg)).items()}
+    folder = str(tmp_path / "bf16")
+    _write(folder, cfg, state)
+    got = load_safetensors_params(folder, cfg, jnp.bfloat16, quantize={"mode": "int8"})
+    want = quant.quantize_int8(jnp.asarray(state["model.layers.1.mlp.down_proj.weight"], jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got["layers"][1]["down"].q), np.asarray(want.q))
+    assert got["layers"][1]["attn_norm"].dtype == jnp.float32
