@@ -5,12 +5,14 @@ Entry points:
 * `gguf_config(path)` — a `ModelConfig` from the `gemma3.*` metadata plus the standard Gemma 3
   values the file does not carry (local RoPE base 1e4, 5 sliding : 1 full layers,
   query_pre_attn_scalar, no softcaps).
-* `load_gguf_params(path, cfg, dtype)` — the tree of `gemma4.params.param_specs(cfg)`, weights
-  dequantized to float32 (`gguf.quants.dequantize`) and cast to `dtype` (norms stay float32).
-  The dequantized weights are cached on disk (see `cache_root`), so the second start skips the
-  dequantization.
-* `gguf_tensor_info(path)` / `load_q8_0_as_int8(path, name)` — the raw quantized view, so Q8_0
-  tensors can later be re-expressed as int8 + scale without a second rounding.
+* `load_gguf_params(path, cfg, dtype, quantize=...)` — the tree of `gemma4.params.param_specs(cfg)`,
+  each leaf built in its final form as its tensor is read: with an int8 plan the quantized
+  blocks become `QuantArray`s directly (exactly for Q8_0 / Q5_0 / Q4_0 / Q6_K, see `int8_form`),
+  otherwise weights are dequantized to float32 (`gguf.quants.dequantize`) and cast to `dtype`
+  (norms stay float32). The converted weights are cached on disk (see `cache_root` and
+  CACHE_FORMS), so the second start skips the conversion.
+* `gguf_tensor_info(path)` / `int8_form(tensor)` / `load_q8_0_as_int8(path, name)` — the raw
+  quantized view and its int8 + scale re-expression.
 * `read_gguf(path)` — the parsed header (`GGUFFile`: metadata dict + tensor table with data
   views), for anyone else who needs the metadata (e.g. the vocabulary).
 
@@ -55,7 +57,7 @@ from gemma4.params import LeafSpec, is_leaf_spec, leaf_dtype, param_specs
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: per-tensor manifest entries, float32 and int8 forms
 Q8_0_BLOCK = 32  # values per Q8_0 block: one float16 scale + 32 int8
 _Q8_0_BYTES = 2 + Q8_0_BLOCK
 
@@ -273,15 +275,117 @@ def gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig
     return from_hf_config(_hf_style_config(g), name=name or str(g.get("general.name") or Path(path).stem))
 
 
-# ------------------------------------------------------------------------------ Q8_0 and dequantization
+# ------------------------------------------------------------------------------ int8 blocks and dequantization
+# GGUF block formats that are symmetric int8 times one scale per group, taken over as QuantArray
+# (int8 q, float32 scale [out, in / group], group_size) without a second rounding:
+#   Q8_0  32 per block: fp16 d, 32 int8 q                           w = d · q
+#   Q5_0  32 per block: fp16 d, 32 high bits, 16 bytes of low nibbles  w = d · (q − 16), q in 0..31
+#   Q4_0  32 per block: fp16 d, 16 bytes of nibbles                  w = d · (q − 8),  q in 0..15
+#   Q6_K  256 per super-block: 16 sub-blocks of 16 with an int8 sub-scale sc, one fp16 d
+#                                                                   w = (d · sc) · (q − 32), q in 0..63
+# The float32 products q · scale are exactly the ones gguf.quants.dequantize computes (the scale is
+# the same float32 d, or the same float32 d · sc), so QuantArray.dequantize() equals gguf's
+# dequantization bit for bit; tests/test_gguf.py checks every type against gguf.
+# Every other quantized type (Q4_K in the bundled file: w = d·sc·q − dmin·m, asymmetric) has no
+# exact symmetric int8 form: it is dequantized and re-rounded to int8 with one scale per 32 inputs
+# (REROUND_GROUP). That second rounding errs by at most half an int8 step of the group's absmax
+# (absmax / 254), far below Q4_K's own 4-bit grid step (~absmax / 15).
+EXACT_INT8_GROUPS = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q6_K": 16}
+REROUND_GROUP = 32
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_QK_K = 256
+
+
+def _fp16(col: np.ndarray) -> np.ndarray:
+    """[n, 2] uint8 → [n, 1] float32 (little-endian fp16)."""
+    return np.ascontiguousarray(col).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[n, 16] bytes → [n, 32]: the 16 low nibbles, then the 16 high nibbles (ggml's order)."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _decode_int8_blocks(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks [n, block bytes] of an exact type → (int8 [n, values per block], float32 [n, groups])."""
+    if type_name == "Q8_0":
+        return np.ascontiguousarray(raw[:, 2:]).view(np.int8), _fp16(raw[:, :2])
+    if type_name == "Q4_0":
+        return (_nibbles(raw[:, 2:18]).astype(np.int8) - np.int8(8)), _fp16(raw[:, :2])
+    if type_name == "Q5_0":
+        qh = np.ascontiguousarray(raw[:, 2:6]).view("<u4")  # [n, 1]: bit j = 5th bit of value j
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+        return ((_nibbles(raw[:, 6:22]) | (high << np.uint8(4))).astype(np.int8) - np.int8(16)), _fp16(raw[:, :2])
+    if type_name == "Q6_K":
+        n = raw.shape[0]
+        ql, qh = raw[:, :128], raw[:, 128:192]
+        sc = raw[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+        d = _fp16(raw[:, 208:210])  # [n, 1]
+        # value index: 128·h + 64·s + j ← low (s=0) / high (s=1) nibble of ql byte 64·h + j, and
+        #              128·h + 32·t + j ← bits 2t..2t+1 of qh byte 32·h + j (j < 32)
+        low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+        high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(0x03)
+        q = (low.reshape(n, _QK_K) | (high.reshape(n, _QK_K) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        return q, d * sc
+    raise GGUFError(f"{type_name} has no exact int8 form")
+
+
+def _row_step(cols: int) -> int:
+    return max(1, (1 << 21) // max(1, cols))
+
+
+def int8_form(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int | None, bool]:
+    """The tensor as (q int8 [out, in], scale float32, group_size, exact) in 64-byte-aligned buffers.
+
+    Exact types (EXACT_INT8_GROUPS) are re-expressed without rounding: scale [out, in / group].
+    Other block types are dequantized and re-rounded with one scale per REROUND_GROUP inputs
+    (exact=False); float types (F32/F16/BF16) get one scale per output row, as `quant.quantize_int8`.
+    Rows are done in chunks, so temporaries stay small for the 262144-row embedding.
+    """
+    from gemma4 import quant
+
+    if len(tensor.shape) != 2:
+        raise GGUFError(f"tensor {tensor.name} of shape {list(tensor.shape)} is not a matrix")
+    rows, cols = tensor.shape
+    if tensor.type_name in EXACT_INT8_GROUPS:
+        group, exact = EXACT_INT8_GROUPS[tensor.type_name], True
+    else:
+        group, exact = (None if tensor.type_name in FLOAT_TYPES else REROUND_GROUP), False
+    q = quant.host_empty((rows, cols), np.int8)
+    scale = quant.host_empty((rows,) if group is None else (rows, cols // group), np.float32)
+    step = _row_step(cols)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        if exact:
+            blocks = tensor.data[a:b].reshape((b - a) * (tensor.data.shape[1] // _block_bytes(tensor)), -1)
+            qb, sb = _decode_int8_blocks(tensor.type_name, blocks)
+            q[a:b] = qb.reshape(b - a, cols)
+            scale[a:b] = sb.reshape(b - a, cols // group)
+        else:
+            q[a:b], scale[a:b] = quant.int8_block_np(_dequantize_rows(tensor, a, b), group,
+                                                     as_xla=group is None and rows * cols > quant._SMALL_ELEMENTS)
+    return q, scale, group, exact
+
+
+def _block_bytes(tensor: GGUFTensor) -> int:
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[tensor.qtype][1]
+
+
+def _dequantize_rows(tensor: GGUFTensor, a: int, b: int) -> np.ndarray:
+    """float32 rows a:b of the tensor's [rows, innermost] data (a vector is one row)."""
+    from gguf.quants import dequantize
+
+    cols = tensor.shape[-1]
+    return np.asarray(dequantize(tensor.data[a:b], tensor.qtype), dtype=np.float32).reshape(b - a, cols)
+
+
 def _q8_0_split(tensor: GGUFTensor, path) -> tuple[np.ndarray, np.ndarray]:
     if tensor.type_name != "Q8_0":
         raise GGUFError(f"{path}: tensor {tensor.name} is {tensor.type_name}, not Q8_0")
-    cols = tensor.shape[-1]
-    blocks = tensor.data.reshape(-1, cols // Q8_0_BLOCK, _Q8_0_BYTES)
-    scale = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], cols)
-    return q.reshape(tensor.shape), scale.reshape(tensor.shape[:-1] + (cols // Q8_0_BLOCK,))
+    q, scale, _, _ = int8_form(tensor)
+    return q, scale
 
 
 def load_q8_0_as_int8(path: str | os.PathLike, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -296,23 +400,26 @@ def load_q8_0_as_int8(path: str | os.PathLike, name: str) -> tuple[np.ndarray, n
 
 
 def _dequantize(tensor: GGUFTensor) -> np.ndarray:
-    """float32 in our shape. Q8_0 is done here in row chunks (the same float32 products as
-    gguf.quants.dequantize, ~20x faster on the 262144-row embedding and without its temporaries);
-    every other type goes through gguf.quants.dequantize."""
-    from gguf.quants import dequantize
+    """float32 in our shape, in a 64-byte-aligned buffer (adopted by jax without a copy). Q8_0 is
+    done here in row chunks (the same float32 products as gguf.quants.dequantize, ~20x faster on
+    the 262144-row embedding and without its temporaries); every other type goes through
+    gguf.quants.dequantize, also in row chunks."""
+    from gemma4 import quant
 
-    if tensor.type_name == "Q8_0":
-        cols = tensor.shape[-1]
-        raw = tensor.data.reshape(-1, cols // Q8_0_BLOCK, _Q8_0_BYTES)
-        out = np.empty((raw.shape[0], cols), np.float32)
-        step = 8192
-        for start in range(0, raw.shape[0], step):
-            blk = raw[start:start + step]
+    out = quant.host_empty(tensor.shape, np.float32)
+    rows, cols = tensor.data.shape[0], tensor.shape[-1]  # rows: every axis but the innermost
+    flat = out.reshape(rows, cols)
+    step = _row_step(cols)
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        if tensor.type_name == "Q8_0":
+            blk = tensor.data[a:b].reshape(b - a, cols // Q8_0_BLOCK, _Q8_0_BYTES)
             scale = np.ascontiguousarray(blk[..., :2]).view(np.float16).astype(np.float32)  # [r, nb, 1]
-            q = np.ascontiguousarray(blk[..., 2:]).view(np.int8).astype(np.float32)  # [r, nb, 32]
-            out[start:start + step] = (q * scale).reshape(-1, cols)
-        return out.reshape(tensor.shape)
-    return np.asarray(dequantize(tensor.data, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
+            qv = np.ascontiguousarray(blk[..., 2:]).view(np.int8).astype(np.float32)  # [r, nb, 32]
+            flat[a:b] = (qv * scale).reshape(-1, cols)
+        else:
+            flat[a:b] = _dequantize_rows(tensor, a, b)
+    return out
 
 
 # ------------------------------------------------------------------------------ name mapping
@@ -354,50 +461,89 @@ def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
 
 
 # ------------------------------------------------------------------------------ disk cache
-def _cache_dir(path: str | os.PathLike) -> tuple[Path, str]:
-    """(cache folder for the file's current contents, prefix shared by all its versions).
+# One folder per (file contents, form), never shared between forms:
+#   "float32"  every tensor dequantized to float32 (plans with weights "none", or int4, which is
+#              quantized from these at load);
+#   "int8"     the tensors the plan keeps in int8 as q (int8) + scale (float32) files — the exact
+#              block re-expression, or the re-rounded one — and the others (norms, a float
+#              embedding) as float32. About a quarter of the float32 form.
+# The int8 form's folder name also carries which tensors are int8 (a plan with a float embedding
+# gets its own folder), and each manifest names every tensor's stored kind, checked on reading.
+# Writing a folder removes the folders of older contents of the same file, of any form.
+CACHE_FORMS = ("float32", "int8")
 
-    Keyed by the real path, size and mtime (hashing 253 MB would cost about a second per start)
-    and the cache format version.
-    """
-    real = os.path.realpath(path)
+
+def _content_key(real: str) -> str:
     st = os.stat(real)
+    return hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:v{CACHE_FORMAT_VERSION}".encode()).hexdigest()[:12]
+
+
+def _cache_dir(path: str | os.PathLike, form: str = "float32") -> tuple[Path, str]:
+    """(cache folder for the file's current contents in `form`, prefix shared by all its folders).
+
+    Keyed by the real path, size and mtime (hashing 253 MB would cost about a second per start),
+    the cache format version and the form ("float32", or "int8-<hash of the int8 tensor names>").
+    """
+    if form.split("-", 1)[0] not in CACHE_FORMS:
+        raise ValueError(f"cache form {form!r} is not one of {CACHE_FORMS}")
+    real = os.path.realpath(path)
     path_key = hashlib.sha256(real.encode()).hexdigest()[:10]
-    content_key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:v{CACHE_FORMAT_VERSION}".encode()).hexdigest()[:12]
     prefix = f"{Path(real).stem}-{path_key}-"
-    return cache_root() / "gguf" / f"{prefix}{content_key}", prefix
+    return cache_root() / "gguf" / f"{prefix}{form}-{_content_key(real)}", prefix
 
 
 def _cache_file(name: str) -> str:
     return name + ".npy"
 
 
-def _read_cache(folder: Path, names: list[str]) -> dict[str, np.ndarray] | None:
+def _int8_files(name: str) -> tuple[str, str]:
+    return name + ".q.npy", name + ".scale.npy"
+
+
+def _read_manifest(folder: Path, wanted: dict[str, str]) -> dict | None:
+    """The manifest if the folder holds every wanted tensor in the wanted kind, else None."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    if manifest.get("format") != CACHE_FORMAT_VERSION or not set(names) <= set(manifest.get("tensors", [])):
+    entries = manifest.get("tensors")
+    if manifest.get("format") != CACHE_FORMAT_VERSION or not isinstance(entries, dict):
         return None
-    try:
-        return {n: np.load(folder / _cache_file(n), mmap_mode="r") for n in names}
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable GGUF cache %s: %s", folder, exc)
+    if any(not isinstance(entries.get(n), dict) or entries[n].get("kind") != k for n, k in wanted.items()):
         return None
+    return manifest
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    """A .npy file read into a 64-byte-aligned buffer (which jax then adopts without a copy)."""
+    from gemma4 import quant
+
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(f)
+        if fortran or dtype.hasobject:
+            raise ValueError(f"{path}: not a plain C-ordered array")
+        out = quant.host_empty(shape, dtype)
+        if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+            raise ValueError(f"{path}: truncated")
+    return out
 
 
 class _CacheWriter:
-    """Writes dequantized tensors into a temp folder, renamed into place at the end.
+    """Writes converted tensors into a temp folder, renamed into place at the end.
 
     Each write runs on a helper thread (np.save releases the GIL) while the next tensor is
-    dequantized; at most one write is pending, so at most one extra tensor is held in memory.
-    Any OS error (disk full, read-only home) just disables caching.
+    converted; at most one write is pending. The arrays written are the final leaves' own
+    buffers, so writing holds no extra copy. Any OS error (disk full, read-only home) just
+    disables caching.
     """
 
-    def __init__(self, folder: Path, prefix: str):
+    def __init__(self, folder: Path, prefix: str, content_key: str):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.folder, self.prefix, self.tmp, self.pending = folder, prefix, None, None
+        self.folder, self.prefix, self.content_key, self.tmp, self.pending = folder, prefix, content_key, None, None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-cache")
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
@@ -414,25 +560,25 @@ class _CacheWriter:
                 self.abort()
             self.pending = None
 
-    def add(self, name: str, arr: np.ndarray) -> None:
+    def add(self, *files: tuple[str, np.ndarray]) -> None:
         self._wait()
         if self.tmp is not None:
-            self.pending = self.pool.submit(np.save, self.tmp / _cache_file(name), arr)
+            tmp = self.tmp
+            self.pending = self.pool.submit(lambda: [np.save(tmp / fname, arr) for fname, arr in files])
 
-    def finish(self, names: list[str], source: str) -> None:
+    def finish(self, manifest: dict) -> None:
         self._wait()
         self.pool.shutdown()
         if self.tmp is None:
             return
         try:
-            (self.tmp / "manifest.json").write_text(json.dumps(
-                {"format": CACHE_FORMAT_VERSION, "source": source, "tensors": names}))
+            (self.tmp / "manifest.json").write_text(json.dumps(manifest))
             if self.folder.exists():
                 shutil.rmtree(self.folder, ignore_errors=True)
             os.replace(self.tmp, self.folder)
             self.tmp = None
             for old in self.folder.parent.glob(self.prefix + "*"):  # older versions of this file
-                if old != self.folder:
+                if not old.name.endswith("-" + self.content_key):
                     shutil.rmtree(old, ignore_errors=True)
         except OSError as exc:
             log.warning("not caching converted GGUF weights (%s)", exc)
@@ -453,22 +599,13 @@ class _CacheWriter:
 
 
 def clear_cache(path: str | os.PathLike) -> None:
-    """Remove every cached conversion of `path`."""
+    """Remove every cached conversion of `path` (all forms and versions)."""
     folder, prefix = _cache_dir(path)
     for old in folder.parent.glob(prefix + "*"):
         shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ params
-def _to_leaf(arr: np.ndarray, spec: LeafSpec, dtype: Any):
-    import jax
-    import jax.numpy as jnp
-
-    target = jnp.dtype(leaf_dtype(spec, dtype))
-    out = jax.device_put(np.ascontiguousarray(arr, dtype=np.float32))
-    return out if target == jnp.float32 else out.astype(target)
-
-
 def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Any]) -> dict[str, Any]:
     def build(node: Any, prefix: tuple) -> Any:
         if is_leaf_spec(node):
@@ -480,56 +617,108 @@ def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Any]) -> dict[str, Any]
     return build(param_specs(cfg), ())
 
 
-def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "float32", *,
-                     progress: Progress | None = None, use_cache: bool = True) -> dict[str, Any]:
-    """The parameter tree of `cfg` from a Gemma 3 GGUF file.
+def _foreign(name: str, arr: np.ndarray, shape: tuple, folder: Path | None) -> GGUFError:
+    return GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {shape}; delete {folder}")
 
-    Every tensor is checked against `param_specs(cfg)` before anything is dequantized. Weights are
-    dequantized to float32 one tensor at a time, cast to `dtype` (norms stay float32) and, with
-    `use_cache`, also written to the disk cache, from which later calls read them back.
-    `progress(fraction, message)` is called after each tensor. Statistics of the call land in
-    `last_load_stats` ({"cached": bool, "seconds": float, "cache_dir": str | None, ...}).
+
+def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "float32", *,
+                     progress: Progress | None = None, use_cache: bool = True,
+                     quantize: dict | None = None) -> dict[str, Any]:
+    """The parameter tree of `cfg` from a Gemma 3 GGUF file, each leaf built in its final form.
+
+    Every tensor is checked against `param_specs(cfg)` before anything is converted. `quantize`
+    (`Plan.quantize_kwargs()`) says which leaves end up quantized, by the rules of
+    `quant.quantize_params`: an int8 leaf is taken over from the GGUF blocks (exactly for
+    Q8_0/Q5_0/Q4_0/Q6_K, re-rounded per 32 inputs otherwise, see `int8_form`); a float leaf is
+    dequantized to float32 and cast to `dtype` (norms stay float32); an int4 leaf is quantized from
+    the float32 dequantization. One tensor is converted at a time, so no float32 copy of the model
+    exists when the plan quantizes. With `use_cache`, the converted tensors are also written to the
+    disk cache (see CACHE_FORMS), from which later calls read them back. `progress(fraction,
+    message)` is called after each tensor. Statistics of the call land in `last_load_stats`
+    ({"cached": bool, "seconds": float, "cache_dir": str | None, "form": str, ...}).
     """
+    import jax.numpy as jnp
+
+    from gemma4 import quant
+    from gemma4.params import LeafFormat, leaf_name
+
     t0 = time.perf_counter()
     report = progress or (lambda fraction, message: None)
+    fmt = LeafFormat(dtype, quantize)
     g = read_gguf(path)
     _check_tensors(g, cfg)
     expected = _expected_tensors(cfg)
     names = list(expected)
-    folder = prefix = cached = None
+    targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
+    kinds = {n: "int8" if t == "int8" else "float32" for n, t in targets.items()}
+    int8_names = sorted(n for n, k in kinds.items() if k == "int8")
+    form = "int8" if int8_names else "float32"
+    folder = prefix = manifest = None
     if use_cache:
-        folder, prefix = _cache_dir(path)
-        cached = _read_cache(folder, names)
-    writer = _CacheWriter(folder, prefix) if (use_cache and cached is None) else None
-    verb = "loading cached weights" if cached is not None else "dequantizing"
+        form_id = f"int8-{hashlib.sha256(','.join(int8_names).encode()).hexdigest()[:8]}" if int8_names else form
+        folder, prefix = _cache_dir(path, form_id)
+        manifest = _read_manifest(folder, kinds)
+    cached = manifest is not None
+    writer = None
+    if use_cache and not cached:
+        writer = _CacheWriter(folder, prefix, _content_key(os.path.realpath(path)))
+    verb = "loading cached weights" if cached else "converting"
 
     leaves: dict[tuple, Any] = {}
+    entries: dict[str, dict] = {}
     total = sum(int(np.prod(spec.shape)) for _, spec in expected.values())
     done = 0
     try:
         for name in names:
             tree_path, spec = expected[name]
-            arr = cached[name] if cached is not None else _dequantize(g.tensors[name])
-            if tuple(arr.shape) != spec.shape:  # a foreign cache entry
-                raise GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {spec.shape}; "
-                                f"delete {folder}")
-            if writer is not None:
-                writer.add(name, arr)
-            leaves[tree_path] = _to_leaf(arr, spec, dtype)
-            del arr
+            tensor = g.tensors[name]
+            if kinds[name] == "int8":
+                if cached:
+                    entry = manifest["tensors"][name]
+                    qf, sf = _int8_files(name)
+                    q, scale = _read_npy(folder / qf), _read_npy(folder / sf)
+                    group, exact = entry.get("group_size"), bool(entry.get("exact"))
+                    want_scale = (spec.shape[0],) if group is None else (spec.shape[0], spec.shape[1] // group)
+                    if tuple(q.shape) != spec.shape or q.dtype != np.int8 or tuple(scale.shape) != want_scale:
+                        raise _foreign(name, q, spec.shape, folder)
+                else:
+                    q, scale, group, exact = int8_form(tensor)
+                    if writer is not None:
+                        writer.add(*zip(_int8_files(name), (q, scale)))
+                leaves[tree_path] = quant.QuantArray(quant.host_put(q), quant.host_put(scale), group_size=group)
+                entries[name] = {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
+                del q, scale
+            else:
+                arr = _read_npy(folder / _cache_file(name)) if cached else _dequantize(tensor)
+                if tuple(arr.shape) != spec.shape or arr.dtype != np.float32:  # a foreign cache entry
+                    raise _foreign(name, arr, spec.shape, folder)
+                if writer is not None:
+                    writer.add((_cache_file(name), arr))
+                if targets[name] == "none" and jnp.dtype(leaf_dtype(spec, dtype)) == jnp.float32:
+                    leaves[tree_path] = quant.host_put(arr)  # adopts the aligned buffer: no copy
+                else:
+                    leaves[tree_path] = fmt.build(leaf_name(tree_path), spec, arr)
+                entries[name] = {"kind": "float32", "type": tensor.type_name}
+                del arr
             done += int(np.prod(spec.shape))
             report(done / total, f"{verb} {name}")
         if writer is not None:
-            writer.finish(names, os.path.realpath(path))
+            writer.finish({"format": CACHE_FORMAT_VERSION, "form": form, "source": os.path.realpath(path),
+                           "tensors": entries})
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
 
     params = _assemble_tree(cfg, leaves)
+    counts = {k: 0 for k in ("int8_exact", "int8_rerounded", "int8_from_float", "float")}
+    for e in entries.values():
+        counts["float" if e["kind"] == "float32" else "int8_exact" if e["exact"]
+               else "int8_from_float" if e["type"] in FLOAT_TYPES else "int8_rerounded"] += 1
     last_load_stats.clear()
-    last_load_stats.update(cached=cached is not None, seconds=time.perf_counter() - t0,
-                           cache_dir=str(folder) if folder else None, tensors=len(names))
-    log.info("loaded %s from %s in %.1fs (%s)", cfg.name, path, last_load_stats["seconds"],
-             "disk cache" if cached is not None else "dequantized")
+    last_load_stats.update(cached=cached, seconds=time.perf_counter() - t0, form=form,
+                           cache_dir=str(folder) if folder else None, tensors=len(names), **counts)
+    log.info("loaded %s from %s in %.1fs (%s, %s form: int8 %d exact, %d re-rounded, %d from float; %d float)",
+             cfg.name, path, last_load_stats["seconds"], "disk cache" if cached else "converted", form,
+             counts["int8_exact"], counts["int8_rerounded"], counts["int8_from_float"], counts["float"])
     return params

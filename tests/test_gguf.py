@@ -14,10 +14,16 @@ import numpy as np
 import pytest
 
 from gemma4 import gguf_loader as gl
+from gemma4 import quant
 from gemma4.config import preset
 from gemma4.params import abstract_params, param_specs
 
 REFERENCE = Path(__file__).parent / "data" / "reference_ids.json"
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # ------------------------------------------------------------------------------ small hand-written files
@@ -35,8 +41,12 @@ def _tiny_tensors(cfg, seed=0) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_gguf(path, cfg, tensors: dict[str, np.ndarray], q8: tuple[str, ...] = (), extra_meta: bool = False):
+def _write_gguf(path, cfg, tensors: dict[str, np.ndarray], q8: tuple[str, ...] = (), extra_meta: bool = False,
+                types: dict[str, str] | None = None):
+    """types: tensor name → GGML type name to store it as (gguf's numpy quantizer); q8 = Q8_0 ones."""
     import gguf
+
+    types = {**{n: "Q8_0" for n in q8}, **(types or {})}
 
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_string("general.name", "tiny test")
@@ -65,9 +75,11 @@ def _write_gguf(path, cfg, tensors: dict[str, np.ndarray], q8: tuple[str, ...] =
         w.add_int8("test.i8", -3)
         w.add_uint16("test.u16", 65000)
     for name, arr in tensors.items():
-        if name in q8:
-            w.add_tensor(name, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if name in types and types[name] == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        elif name in types:
+            qtype = gguf.GGMLQuantizationType[types[name]]
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, arr)
     w.write_header_to_file()
@@ -156,6 +168,156 @@ def test_q8_0_int8_blocks_exact(tiny_file):
         gl.load_q8_0_as_int8(path, "blk.1.attn_k.weight")
 
 
+# ------------------------------------------------------------------------------ int8 forms of the block types
+INT8_PLAN = {"mode": "int8", "embed_mode": "int8", "group_size": 64, "int4_kernel": "xla", "int4_block": None}
+_FP16_AT = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q6_K": (208,), "Q4_K": (0, 2)}
+
+
+def _random_blocks(type_name: str, n_rows: int, n_cols: int, seed: int = 0) -> gl.GGUFTensor:
+    """Random raw blocks of `type_name` (every bit pattern of the quants, finite fp16 scales)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    n_blocks = n_rows * n_cols // block
+    raw = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+    for at in _FP16_AT[type_name]:
+        d = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16)
+        raw[:, at:at + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    return gl.GGUFTensor(f"test.{type_name}", type_name, (n_rows, n_cols), raw.reshape(n_rows, -1))
+
+
+def _gguf_dequant(t: gl.GGUFTensor) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(t.data, t.qtype).reshape(t.shape)
+
+
+def _quant_array(q, scale, group):
+    return quant.QuantArray(jnp.asarray(q), jnp.asarray(scale), group_size=group)
+
+
+@pytest.mark.parametrize("type_name, group, lo, hi", [
+    ("Q8_0", 32, -128, 127), ("Q5_0", 32, -16, 15), ("Q4_0", 32, -8, 7), ("Q6_K", 16, -32, 31)])
+def test_exact_int8_forms_equal_gguf_dequantization(type_name, group, lo, hi):
+    """Every bit pattern of the block formats: QuantArray.dequantize() is gguf's dequantization,
+    bit for bit (a wrong nibble order, bit plane, scale or offset would break this)."""
+    t = _random_blocks(type_name, 24, 512)
+    q, scale, g, exact = gl.int8_form(t)
+    assert exact and g == group and q.dtype == np.int8 and q.shape == (24, 512)
+    assert scale.dtype == np.float32 and scale.shape == (24, 512 // group)
+    assert q.min() == lo and q.max() == hi  # the whole range is used: offsets are right
+    np.testing.assert_array_equal(np.asarray(_quant_array(q, scale, g).dequantize()), _gguf_dequant(t))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
+def test_asymmetric_types_rerounded_within_half_an_int8_step(type_name):
+    t = _random_blocks(type_name, 24, 512)
+    q, scale, g, exact = gl.int8_form(t)
+    assert not exact and g == gl.REROUND_GROUP == 32 and q.dtype == np.int8 and scale.shape == (24, 16)
+    want = _gguf_dequant(t).reshape(24, 16, 32)
+    err = np.abs(np.asarray(_quant_array(q, scale, g).dequantize()).reshape(24, 16, 32) - want).max(-1)
+    assert np.all(err <= np.abs(want).max(-1) / 254 * (1 + 1e-5))
+
+
+def test_int8_plan_takes_blocks_over_and_caches_int8(tmp_path, monkeypatch):
+    """With an int8 plan no weight is dequantized to a float leaf: exact types are taken over,
+    Q4_1 is re-rounded per 32, F32/F16 weights are quantized per row exactly as quantize_params
+    would; the disk cache holds int8 + scales, and warm loads give the same leaves."""
+    import gguf
+
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path / "cache"))
+    cfg = _tiny_cfg()
+    tensors = _tiny_tensors(cfg)
+    types = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q5_0", "blk.0.ffn_up.weight": "Q4_0",
+             "blk.1.ffn_down.weight": "Q4_1", "blk.2.attn_k.weight": "F16", "blk.3.ffn_gate.weight": "Q8_0"}
+    path = _write_gguf(tmp_path / "mixed.gguf", cfg, tensors, types=types)
+    cold = gl.load_gguf_params(path, cfg, jnp.float32, quantize=INT8_PLAN)
+    stats = dict(gl.last_load_stats)
+    assert stats["cached"] is False and stats["form"] == "int8"
+    n_weights = 1 + 7 * cfg.num_layers
+    assert (stats["int8_exact"], stats["int8_rerounded"], stats["int8_from_float"]) == (4, 1, n_weights - 5)
+    warm = gl.load_gguf_params(path, cfg, jnp.float32, quantize=INT8_PLAN)
+    assert gl.last_load_stats["cached"] is True and gl.last_load_stats["cache_dir"] == stats["cache_dir"]
+    g = gl.read_gguf(path)
+    for name, (tree_path, spec) in gl._expected_tensors(cfg).items():
+        leaf, again = cold, warm
+        for part in tree_path:
+            leaf, again = leaf[part], again[part]
+        t = g.tensors[name]
+        if spec.kind == "norm":
+            assert isinstance(leaf, jax.Array) and leaf.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(leaf), tensors[name])
+            np.testing.assert_array_equal(np.asarray(again), tensors[name])
+            continue
+        assert isinstance(leaf, quant.QuantArray) and leaf.q.dtype == jnp.int8 and leaf.scale.dtype == jnp.float32
+        assert isinstance(again, quant.QuantArray) and again.group_size == leaf.group_size
+        np.testing.assert_array_equal(np.asarray(again.q), np.asarray(leaf.q))
+        np.testing.assert_array_equal(np.asarray(again.scale), np.asarray(leaf.scale))
+        want = gguf.quants.dequantize(t.data, t.qtype).reshape(spec.shape)
+        if t.type_name in gl.EXACT_INT8_GROUPS:
+            assert leaf.group_size == gl.EXACT_INT8_GROUPS[t.type_name], name
+            np.testing.assert_array_equal(np.asarray(leaf.dequantize()), want, err_msg=name)
+        elif t.type_name in gl.FLOAT_TYPES:  # per-row int8, as quantize_params does
+            ref = quant.quantize_int8(jnp.asarray(want))
+            assert leaf.group_size is None, name
+            np.testing.assert_array_equal(np.asarray(leaf.q), np.asarray(ref.q), err_msg=name)
+            np.testing.assert_array_equal(np.asarray(leaf.scale), np.asarray(ref.scale), err_msg=name)
+        else:
+            assert leaf.group_size == 32 and name == "blk.1.ffn_down.weight"
+            assert rel(leaf.dequantize(), want) < 0.01
+    # no float weight anywhere: every non-quantized leaf is a 1-D norm
+    assert all(quant.is_quantized(x) or x.ndim == 1 for x in jax.tree.leaves(cold, is_leaf=quant.is_quantized))
+    # the cache holds int8 q + float32 scales for weights, float32 only for the norms
+    files = sorted(Path(stats["cache_dir"]).glob("*.npy"))
+    for f in files:
+        arr = np.load(f, mmap_mode="r")
+        if f.name.endswith(".q.npy"):
+            assert arr.dtype == np.int8 and arr.ndim == 2, f.name
+        else:
+            assert arr.dtype == np.float32 and (f.name.endswith(".scale.npy") or arr.ndim == 1), f.name
+    assert sum(f.name.endswith(".q.npy") for f in files) == n_weights
+    # a float plan gets its own folder (the int8 one stays) and the exact float32 weights
+    f32 = gl.load_gguf_params(path, cfg, jnp.float32)
+    assert gl.last_load_stats["form"] == "float32" and gl.last_load_stats["cached"] is False
+    assert Path(stats["cache_dir"]).is_dir() and gl.last_load_stats["cache_dir"] != stats["cache_dir"]
+    np.testing.assert_array_equal(np.asarray(f32["embed"]), np.asarray(cold["embed"].dequantize()))
+    # so does a plan with a float embedding; then the all-int8 plan still finds its folder
+    mixed = gl.load_gguf_params(path, cfg, jnp.float32, quantize={**INT8_PLAN, "embed_mode": "none"})
+    assert gl.last_load_stats["cache_dir"] != stats["cache_dir"]
+    assert mixed["embed"].dtype == jnp.float32 and isinstance(mixed["layers"][0]["q"], quant.QuantArray)
+    gl.load_gguf_params(path, cfg, jnp.float32, quantize=INT8_PLAN)
+    assert gl.last_load_stats["cached"] is True
+    assert len(list((Path(os.environ["GEMMA4_JAX_CACHE"]) / "gguf").iterdir())) == 3
+    # a changed file replaces every folder of the old contents
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10 ** 9))
+    gl.load_gguf_params(path, cfg, jnp.float32, quantize=INT8_PLAN)
+    assert gl.last_load_stats["cached"] is False
+    assert len(list((Path(os.environ["GEMMA4_JAX_CACHE"]) / "gguf").iterdir())) == 1
+
+
+def test_int4_plan_quantizes_each_tensor_as_quantize_params(tiny_file):
+    """int4 leaves come from the float32 dequantization, as quantize_params makes them; the int8
+    embedding (embed_mode int8) is the Q8_0 blocks taken over exactly."""
+    path, cfg, _ = tiny_file
+    kw = {"mode": "int4", "embed_mode": "int8", "group_size": 32}
+    floats = gl.load_gguf_params(path, cfg, jnp.float32)
+    want = quant.quantize_params(floats, cfg, **kw)
+    got = gl.load_gguf_params(path, cfg, jnp.float32, quantize=kw)
+    assert gl.last_load_stats["form"] == "int8"
+    assert isinstance(got["embed"], quant.QuantArray) and got["embed"].group_size == 32
+    np.testing.assert_array_equal(np.asarray(got["embed"].dequantize()), np.asarray(floats["embed"]))
+    assert isinstance(got["layers"][1]["v"], quant.Int4Array)  # a Q8_0 tensor, but the plan says int4
+    flat_g = dict(jax.tree_util.tree_leaves_with_path(got, is_leaf=quant.is_quantized))
+    for key, a in jax.tree_util.tree_leaves_with_path(want, is_leaf=quant.is_quantized):
+        if jax.tree_util.keystr(key) == "['embed']":
+            continue
+        b = flat_g[key]
+        assert type(a) is type(b), key
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(a)), np.asarray(quant.dequantize(b)))
+
+
 def test_missing_tensor_names_tensor_and_file(tmp_path):
     cfg = _tiny_cfg()
     tensors = _tiny_tensors(cfg)
@@ -237,6 +399,72 @@ def test_bundled_q8_0_blocks_exact(bundled_path):
     raw = gl.read_gguf(bundled_path).tensors["blk.0.attn_v.weight"]
     np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scale, 32, axis=1),
                                   gguf.quants.dequantize(raw.data, raw.qtype))
+
+
+def test_bundled_int8_forms_match_gguf_dequantization(bundled_path):
+    """One tensor of every block type in the bundled file (and the embedding's first and last rows,
+    across the row chunks): exact for Q8_0, Q5_0, Q6_K; Q4_K within half an int8 step per 32."""
+    import gguf
+
+    g = gl.read_gguf(bundled_path)
+    first: dict[str, str] = {}
+    for name, t in g.tensors.items():
+        if name.startswith("blk.") and len(t.shape) == 2:
+            first.setdefault(t.type_name, name)
+    assert set(first) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    for type_name, name in first.items():
+        t = g.tensors[name]
+        q, scale, group, exact = gl.int8_form(t)
+        got = np.asarray(_quant_array(q, scale, group).dequantize())
+        want = _gguf_dequant(t)
+        if type_name == "Q4_K":
+            assert not exact and group == 32
+            groups = want.reshape(t.shape[0], -1, 32)
+            err = np.abs(got.reshape(groups.shape) - groups).max(-1)
+            assert np.all(err <= np.abs(groups).max(-1) / 254 * (1 + 1e-5)), name
+            assert rel(got, want) < 0.01
+        else:
+            assert exact and group == gl.EXACT_INT8_GROUPS[type_name]
+            np.testing.assert_array_equal(got, want, err_msg=name)
+    embed = g.tensors["token_embd.weight"]
+    q, scale, group, exact = gl.int8_form(embed)
+    assert exact and q.shape == (262144, 640) and scale.shape == (262144, 20)
+    for rows in (slice(0, 8192), slice(262144 - 100, 262144)):
+        want = gguf.quants.dequantize(embed.data[rows], embed.qtype).reshape(-1, 640)
+        np.testing.assert_array_equal(np.asarray(_quant_array(q[rows], scale[rows], 32).dequantize()), want)
+
+
+@pytest.fixture(scope="module")
+def bundled_int8(bundled_path):
+    cfg = gl.gguf_config(bundled_path)
+    params = gl.load_gguf_params(bundled_path, cfg, jnp.float32, quantize=INT8_PLAN)
+    return cfg, params, dict(gl.last_load_stats)
+
+
+def test_bundled_int8_plan_loads_blocks_and_keeps_the_reference(bundled_int8):
+    """The CPU default (int8 weights and embedding): 100 tensors taken over exactly, the 27 Q4_K
+    re-rounded, norms float32; teacher-forced, the reference ids are kept (measured 149/150;
+    requantizing the float32 tree per row kept 145/150)."""
+    from gemma4.model import forward
+
+    cfg, params, stats = bundled_int8
+    assert stats["form"] == "int8" and (stats["int8_exact"], stats["int8_rerounded"], stats["float"]) == (100, 27, 109)
+    leaves = jax.tree.leaves(params, is_leaf=quant.is_quantized)
+    assert all(isinstance(x, quant.QuantArray) or (x.ndim == 1 and x.dtype == jnp.float32) for x in leaves)
+    assert params["embed"].group_size == 32 and params["layers"][0]["down"].group_size == 16
+    assert quant.quantized_bytes(params)["total"] < 320 * 2 ** 20  # float32 would be 1.07 GB
+    ref = _reference()
+    seqs = [r["prompt_ids"] + r["greedy_ids"] for r in ref]
+    tokens, positions = _batch(seqs, 48)
+    logits, _, _ = jax.jit(lambda p, t, s: forward(p, cfg, t, s))(params, tokens, positions)
+    pred = np.asarray(jnp.argmax(logits, -1))
+    hits = total = 0
+    for b, r in enumerate(ref):
+        n = len(r["prompt_ids"])
+        got = pred[b, n - 1:n - 1 + len(r["greedy_ids"])]
+        hits += int(np.sum(got == np.asarray(r["greedy_ids"])))
+        total += len(r["greedy_ids"])
+    assert hits >= total - 3, f"{hits}/{total}"
 
 
 def _batch(prompts, length):
