@@ -450,10 +450,9 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     block = None
     if wmode != "int4":
         what = {"none": "weights not quantized: plain dot",
-                "int8": "int8 weights: dequantize+dot inside the jit" + (
-                    " (decode: fused multiply-reduce; prefill: cache-sized dequantized chunks — XLA:CPU "
-                    "does not fuse a convert into a dot)" if plat == "cpu"
-                    else " (the compiler fuses the convert into the matmul)")}[wmode]
+                "int8": "no int4 weights" + (
+                    "; the int8 products' path is the int8_matmul choice" if plat == "cpu"
+                    else "; int8 weights: dequantize+dot, the compiler fuses the convert into the matmul")}[wmode]
         kern = Choice("dequant+dot", what)
         if ov.get("int4_kernel") == "pallas":
             kern = Choice("dequant+dot", f"GEMMA4_INT4_KERNEL=pallas ignored: {what}", "override")
@@ -725,6 +724,18 @@ def format_report(report: dict) -> str:
         lines.append(f"  {name:<18} {str(c['value']):<12}{tag}  {c['reason']}")
     for w in p["warnings"]:
         lines.append(f"  WARNING: {w}")
+    mm = report.get("int8_matmul")
+    if mm:
+        from gemma4 import cpu_tuning  # noqa: PLC0415
+
+        lines.append("")
+        lines.append(f"native int8 kernel: {mm['kernel']['message']}"
+                     + (f"; self-test {mm['kernel_self_test']['message']}" if mm.get("kernel_self_test") else ""))
+        if mm.get("tuning"):
+            t = mm["tuning"]
+            how = "read from this machine's cache" if t.get("cached") else f"measured in {t['seconds']:.1f} s"
+            lines.append(f"int8 matmul path per product and row count ({how}):")
+            lines.append(cpu_tuning.format_table(t))
     t = report.get("self_test")
     if t:
         lines.append("")
@@ -733,6 +744,21 @@ def format_report(report: dict) -> str:
             status = "ok  " if c["ok"] else "FAIL"
             lines.append(f"  {status} {c['name']:<28} {c['seconds'] * 1e3:7.1f} ms  {c['detail']}")
     return "\n".join(lines)
+
+
+def _measured_report(model: str, overrides: dict) -> dict:
+    """The engine's own hardware report after loading `model` (no warm-up compiles)."""
+    from gemma4.engine import Engine  # noqa: PLC0415
+
+    engine = Engine(model, overrides=overrides, warmup=False)
+    try:
+        engine.wait_ready()
+        status = engine.status()
+        if status["state"] == "error":
+            raise PolicyError(status["error"] or status["message"])
+        return engine.info()["hardware"]
+    finally:
+        engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -746,13 +772,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", help="auto|xla|cudnn (GEMMA4_ATTENTION)")
     ap.add_argument("--int4-kernel", help="auto|pallas|xla (GEMMA4_INT4_KERNEL)")
     ap.add_argument("--matmul-precision", help="auto|none|bfloat16|... (GEMMA4_MATMUL_PRECISION)")
+    ap.add_argument("--int8-matmul", help="auto|measure|default|native|xla-fused|xla-chunked|xla-i8x2 (GEMMA4_INT8_MATMUL)")
+    ap.add_argument("--measure", metavar="MODEL",
+                    help="load MODEL (bundled, a folder, a .gguf, random:<preset>) as the engine does and show the "
+                         "int8 matmul path chosen per product on this CPU, with the timings table")
     ap.add_argument("--allow-fallback", action="store_true", help="fall back (with a warning) instead of refusing")
     ap.add_argument("--model", default=None, help="config preset for per-layer choices (default: e2b geometry)")
     ap.add_argument("--simulate", choices=sorted(SIMULATED), help="plan for a simulated device (no self-test)")
     ap.add_argument("--no-self-test", action="store_true")
     args = ap.parse_args(argv)
     overrides = {k: getattr(args, k) for k in ("dtype", "weights", "embed_weights", "kv", "attention",
-                                               "int4_kernel", "matmul_precision") if getattr(args, k)}
+                                               "int4_kernel", "matmul_precision", "int8_matmul") if getattr(args, k)}
     if args.allow_fallback:
         overrides["allow_fallback"] = True
     cfg = None
@@ -762,7 +792,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = preset(args.model)
     facts = simulated_facts(args.simulate) if args.simulate else None
     try:
-        report = full_report(cfg, overrides, facts=facts, run_self_test=not args.no_self_test)
+        if args.measure:
+            report = _measured_report(args.measure, overrides)
+        else:
+            report = full_report(cfg, overrides, facts=facts, run_self_test=not args.no_self_test)
     except PolicyError as e:
         if args.json:
             print(json.dumps({"error": "PolicyError", "message": str(e)}))
