@@ -342,6 +342,13 @@ class Engine:
                                              quantize=plan.quantize_kwargs())
         mode = plan.weights.value
         self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
+        # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
+        t_mm = time.perf_counter()
+        params, plan, report["int8_matmul"] = hardware.choose_int8_matmul(
+            plan, params, self.overrides,
+            progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg))
+        report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
+        self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
         self._start_tokenizer(tok_spec, cfg)  # in parallel with the first compiles
         self.cfg: ModelConfig = cfg
         self.params = params
