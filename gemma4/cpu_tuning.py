@@ -250,3 +250,20 @@ def format_table(tuning: dict) -> str:
         lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}" + "".join(cells))
     lines.append(f"  (ms per call, best of repeated runs; 'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
     return "\n".join(lines)
+
+
+def markdown_table(tuning: dict) -> str:
+    """The same table as `format_table`, as Markdown (the app's Hardware panel)."""
+    paths = [p for p in int8_matmul.PATHS if any(p in r["errors"] for r in table_rows(tuning))]
+    lines = ["| product (N×K/group) | rows | choice | " + " | ".join(paths) + " |",
+             "|---|---|---|" + "---|" * len(paths)]
+    for r in table_rows(tuning):
+        cells = []
+        for p in paths:
+            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
+            cells.append(f"err {err:.0e}" if err is not None and err > ACCURACY_BOUND else
+                         "failed" if t is None else f"{t:.3f}" if t != "" else "")
+        lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | " + " | ".join(cells) + " |")
+    how = "read from this machine's cache" if tuning.get("cached") else f"measured in {tuning.get('seconds', 0):.1f} s"
+    lines.append(f"\nms per call ({how}); 'err' = relative error above {ACCURACY_BOUND:.0e}, not timed.")
+    return "\n".join(lines)

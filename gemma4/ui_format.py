@@ -573,6 +573,19 @@ def _md_lines(obj: Any, depth: int = 0) -> list[str]:
     return lines
 
 
+def _int8_matmul_lines(report: Mapping[str, Any]) -> list[str]:
+    """The native kernel's status and the measured path table (not the raw nested dict)."""
+    from gemma4 import cpu_tuning  # noqa: PLC0415
+
+    kernel = report.get("kernel") or {}
+    test = report.get("kernel_self_test") or {}
+    lines = [f"- **native kernel**: {kernel.get('message', 'not loaded')}"
+             + (f"; self-test {test['message']}" if test.get("message") else "")]
+    if report.get("tuning"):
+        lines += ["", cpu_tuning.markdown_table(report["tuning"])]
+    return lines
+
+
 def hardware_markdown(hardware: Mapping[str, Any] | None) -> str:
     """The hardware report (facts, then each choice with its reason, then refusals)."""
     if not hardware:
@@ -589,6 +602,9 @@ def hardware_markdown(hardware: Mapping[str, Any] | None) -> str:
         if key in loose:
             continue
         out.append(f"\n**{str(key).replace('_', ' ').capitalize()}**\n")
+        if key == "int8_matmul" and isinstance(val, Mapping):
+            out += _int8_matmul_lines(val)
+            continue
         if isinstance(val, (list, tuple)) and not val:
             out.append("- none")
         else:

@@ -200,3 +200,14 @@ def test_forced_path_and_off_cpu_choice():
     assert plan.int8_matmul.value == "default" and report is None
     with pytest.raises(hardware.PolicyError, match="CPU formulation"):
         hardware.choose_int8_matmul(gpu_plan, params, env={"GEMMA4_INT8_MATMUL": "native"})
+
+
+def test_hardware_panel_shows_the_kernel_and_the_table(tmp_path, monkeypatch):
+    from gemma4 import ui_format
+
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    _, params = _tiny_int8_params()
+    _, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    md = ui_format.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
+    assert "native kernel" in md and "| product (N×K/group) | rows | choice |" in md
+    assert "measured" in md
