@@ -123,41 +123,61 @@ __attribute__((target("avx2,fma"))) void RowsAvx2T(const Problem& p, const Weigh
 // ---------------------------------------------------------------- AVX-512 (32 inputs per step)
 // Group 16 is the one group narrower than a step: lanes 0-7 of a step belong to its first group,
 // lanes 8-15 to the second, so the step's scale vector holds two values.
-#define GEMMA4_DEFINE_AVX512_ROWS(NAME, TARGET, DOT)                                            \
-  template <int M>                                                                              \
-  __attribute__((target(TARGET))) void NAME(const Problem& p, const Weight& w, int64_t r0, int64_t r1) { \
-    const int64_t k = p.k;                                                                      \
-    const int64_t step = w.group == 16 ? 32 : StepLen(w, k);                                    \
-    const int64_t groups = w.group ? k / w.group : 0;                                           \
-    for (int64_t r = r0; r < r1; ++r) {                                                         \
-      const int8_t* qr = w.q + r * k;                                                           \
-      const float* sr = w.group ? w.scale + r * groups : nullptr; /* advanced per step */        \
-      __m512 facc[M];                                                                           \
-      for (int m = 0; m < M; ++m) facc[m] = _mm512_setzero_ps();                                \
-      for (int64_t k0 = 0; k0 < k; k0 += step) {                                                \
-        __m512i iacc[M];                                                                        \
-        for (int m = 0; m < M; ++m) iacc[m] = _mm512_setzero_si512();                           \
-        for (int64_t i = k0, end = std::min(k0 + step, k); i < end; i += 32) {                  \
-          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + i))); \
-          for (int m = 0; m < M; ++m) {                                                         \
-            const __m512i xv = _mm512_loadu_si512(p.xq.data() + m * k + i);                     \
-            iacc[m] = DOT(iacc[m], xv, wv);                                                     \
-          }                                                                                     \
-        }                                                                                       \
-        __m512 sc;                                                                              \
-        if (w.group == 16) {                                                                    \
-          const __m256d lo = _mm256_castps_pd(_mm256_set1_ps(sr[0]));                           \
-          const __m256d hi = _mm256_castps_pd(_mm256_set1_ps(sr[1]));                           \
-          sc = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));         \
-          sr += 2;                                                                              \
-        } else {                                                                                \
-          sc = _mm512_set1_ps(w.group ? *sr++ : 1.f);                                           \
-        }                                                                                       \
-        for (int m = 0; m < M; ++m) facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), sc, facc[m]); \
-      }                                                                                         \
-      const float row_scale = w.group ? 1.f : w.scale[r];                                       \
-      for (int m = 0; m < M; ++m) w.y[m * w.n + r] = _mm512_reduce_add_ps(facc[m]) * p.sx[m] * row_scale; \
-    }                                                                                           \
+// R output rows at a time (R·M ≤ 8): R·M independent accumulator chains hide the instruction
+// latencies, and each activation vector loaded serves R rows.
+#define GEMMA4_DEFINE_AVX512_ROWS(NAME, TARGET, DOT)                                              \
+  template <int M, int R>                                                                         \
+  __attribute__((target(TARGET))) void NAME##Block(const Problem& p, const Weight& w, int64_t r) { \
+    const int64_t k = p.k;                                                                        \
+    const int64_t step = w.group == 16 ? 32 : StepLen(w, k);                                      \
+    const int64_t groups = w.group ? k / w.group : 0;                                             \
+    const int8_t* qr[R];                                                                          \
+    const float* sr[R];                                                                           \
+    for (int j = 0; j < R; ++j) {                                                                 \
+      qr[j] = w.q + (r + j) * k;                                                                  \
+      sr[j] = w.group ? w.scale + (r + j) * groups : nullptr; /* advanced per step */             \
+    }                                                                                             \
+    __m512 facc[R][M];                                                                            \
+    for (int j = 0; j < R; ++j)                                                                   \
+      for (int m = 0; m < M; ++m) facc[j][m] = _mm512_setzero_ps();                               \
+    for (int64_t k0 = 0; k0 < k; k0 += step) {                                                    \
+      __m512i iacc[R][M];                                                                         \
+      for (int j = 0; j < R; ++j)                                                                 \
+        for (int m = 0; m < M; ++m) iacc[j][m] = _mm512_setzero_si512();                          \
+      for (int64_t i = k0, end = std::min(k0 + step, k); i < end; i += 32) {                      \
+        __m512i xv[M];                                                                            \
+        for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(p.xq.data() + m * k + i);          \
+        for (int j = 0; j < R; ++j) {                                                             \
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr[j] + i))); \
+          for (int m = 0; m < M; ++m) iacc[j][m] = DOT(iacc[j][m], xv[m], wv);                    \
+        }                                                                                         \
+      }                                                                                           \
+      for (int j = 0; j < R; ++j) {                                                               \
+        __m512 sc;                                                                                \
+        if (w.group == 16) {                                                                      \
+          const __m256d lo = _mm256_castps_pd(_mm256_set1_ps(sr[j][0]));                          \
+          const __m256d hi = _mm256_castps_pd(_mm256_set1_ps(sr[j][1]));                          \
+          sc = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));           \
+          sr[j] += 2;                                                                             \
+        } else if (w.group) {                                                                     \
+          sc = _mm512_set1_ps(*sr[j]++);                                                          \
+        } else {                                                                                  \
+          sc = _mm512_set1_ps(1.f);                                                               \
+        }                                                                                         \
+        for (int m = 0; m < M; ++m) facc[j][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[j][m]), sc, facc[j][m]); \
+      }                                                                                           \
+    }                                                                                             \
+    for (int j = 0; j < R; ++j) {                                                                 \
+      const float row_scale = w.group ? 1.f : w.scale[r + j];                                     \
+      for (int m = 0; m < M; ++m) w.y[m * w.n + r + j] = _mm512_reduce_add_ps(facc[j][m]) * p.sx[m] * row_scale; \
+    }                                                                                             \
+  }                                                                                               \
+  template <int M>                                                                                \
+  void NAME(const Problem& p, const Weight& w, int64_t r0, int64_t r1) {                          \
+    constexpr int R = M >= 4 ? 1 : M == 1 ? 4 : 2;                                                \
+    int64_t r = r0;                                                                               \
+    for (; r + R <= r1; r += R) NAME##Block<M, R>(p, w, r);                                       \
+    for (; r < r1; ++r) NAME##Block<M, 1>(p, w, r);                                               \
   }
 
 #define GEMMA4_DOT_VNNI(acc, x, w) _mm512_dpwssd_epi32(acc, x, w)
