@@ -5,8 +5,9 @@ Shape of the work:
   tokenizer is built in parallel with the first compiles), compiles the two executables a short
   request needs (the smallest prefill bucket and decode width 1) and reports ready, then runs
   the scheduler loop. Compiles are ahead-of-time (lower → compile, never executed to warm up) by
-  one or two compile threads; the rest of the shapes compile in the background while the engine
-  is idle, and a shape the scheduler needs right now jumps the queue.
+  two compile threads; the rest of the shapes compile in a third one while the engine is idle,
+  and a shape a request needed (whether it waited for it or used a substitute) is compiled at
+  once, so a busy engine still gets every shape it uses.
 - Nothing waits for a compile it does not need: a prompt is chunked through the prefill buckets
   already compiled (the same tokens as the ideal bucket: padding and chunking invariance); a
   request is admitted to a cache row only once a decode width covering that row is compiled; a
@@ -307,6 +308,7 @@ class Engine:
             self._info["startup"] = {k: round(v, 2) for k, v in self._startup.items()}
             log.info("start-up: %s; %d more shapes compile in the background",
                      ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
+            self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
             self._set_status("ready", 1.0, f"ready: {self._info['description']}")
         except Exception as e:  # shown to the user instead of a stack trace
             log.error("engine failed to start: %s: %s", type(e).__name__, e)
@@ -496,15 +498,6 @@ class Engine:
         self._urgent.insert(0, key) if now else self._urgent.append(key)
         self._wake.notify_all()
 
-    def _prioritize_locked(self, keys: Sequence[tuple]) -> None:
-        """Move `keys` to the front of the background queue (compiled when the engine is next idle)."""
-        for key in reversed(keys):
-            if key in self._exe or key in self._compiling or key in self._compile_failed or key in self._urgent:
-                continue
-            if key in self._background:
-                self._background.remove(key)
-            self._background.insert(0, key)
-
     def _next_compile_locked(self, kind: str) -> tuple[tuple, str] | None:
         if kind == "now":
             if not self._urgent:
@@ -574,8 +567,8 @@ class Engine:
 
     def _prefill_plan(self, n: int) -> list[tuple[int, int, int]]:
         """The ideal chunk plan when its shapes are compiled; else a plan through the compiled
-        buckets (identical tokens; the ideal shapes move to the front of the background queue);
-        else the ideal one (its shapes are then compiled first and waited for)."""
+        buckets (identical tokens; the ideal shapes are compiled at once, not waited for, so a
+        busy engine still gets them); else the ideal one (its shapes compiled first, waited for)."""
         ideal = chunk_plan(n, self.buckets)
         keys = [("prefill", b, i == 0) for i, (_, _, b) in enumerate(ideal)]
         with self._lock:
@@ -583,18 +576,22 @@ class Engine:
                 return ideal
             first = [b for b in self.buckets if self._usable_locked(("prefill", b, True))]
             later = [b for b in self.buckets if self._usable_locked(("prefill", b, False))]
-            self._prioritize_locked(keys)
+            for k in keys:
+                self._enqueue_locked(k)
         return chunk_plan(n, first, later) or ideal
 
     def _decode_key(self, need_w: int, need_n: int) -> tuple:
-        """The compiled decode shape covering rows [0, need_w) and positions < need_n (the ideal
-        one, else the cheapest compiled cover, else the ideal one, to be compiled)."""
+        """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal
+        one, else the cheapest compiled cover (and the ideal one is compiled at once, not waited
+        for), else the ideal one (to be compiled and waited for)."""
         ideal = ("decode", next(w for w in self.widths if w >= need_w), next(n for n in self.kv_lengths if n >= need_n))
         with self._lock:
             if self._usable_locked(ideal):
                 return ideal
             fits = [k for k in self._exe if k[0] == "decode" and k[1] >= need_w and k[2] >= need_n
                     and self._usable_locked(k)]
+            if fits:
+                self._enqueue_locked(ideal)
         return min(fits, key=lambda k: (k[2], k[1])) if fits else ideal
 
     def _want_decode(self, need_w: int, need_n: int) -> None:

@@ -218,3 +218,33 @@ def test_requests_are_not_held_by_a_width_that_is_not_usable(engine):
         engine._usable_only = None
     assert [out[i]["token_ids"] for i in range(2)] == solo
     assert max(out[i]["stats"]["batch_occupancy"] for i in range(2)) <= 1 / 8 + 1e-9  # never decoded together
+
+
+def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when_busy(monkeypatch):
+    """A fresh engine (tiny random model) with the idle-time compile queue frozen: it is ready with
+    two shapes; a prompt whose bucket is missing uses a compiled bigger bucket without waiting, and
+    the missing bucket is compiled anyway (a busy engine would get it too) — same tokens."""
+    from gemma4 import engine as E
+
+    monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)
+    eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=128, buckets=(16, 32, 64))
+    try:
+        eng.wait_ready(timeout=600)
+        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤128)", "prefill 16 tokens (first chunk)"]
+        assert eng.status()["compiles_pending"] > 0 and "background" in eng.status()["message"]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+        assert eng.generate(list(range(10, 20)), greedy)["stats"]["compiled"] is False  # fits bucket 16
+        long = eng.generate(list(range(10, 80)), greedy)  # 64 + 6: nothing to chunk through yet
+        assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
+        prompt = list(range(30, 50))  # bucket 32 is not compiled: bucket 64 serves it at once
+        sub = eng.generate(prompt, greedy)
+        assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (64, 1, False)
+        deadline = time.time() + 300
+        while "prefill 32 tokens (first chunk)" not in eng.compile_state()["compiled"] and time.time() < deadline:
+            time.sleep(0.1)
+        log = {shape: why for shape, _, why in eng.compile_state()["log"]}
+        assert log["prefill 32 tokens (first chunk)"] == "needed now"
+        ideal = eng.generate(prompt, greedy)
+        assert ideal["stats"]["bucket"] == 32 and ideal["token_ids"] == sub["token_ids"]
+    finally:
+        eng.close(timeout=120)
