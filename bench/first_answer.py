@@ -1,20 +1,30 @@
 """Time from `python app.py` to the first streamed answer (what a first-time visitor waits for).
 
-    .venv/bin/python bench/first_answer.py [--cold]
+    .venv/bin/python bench/first_answer.py [--cold] [--cache DIR] [--runs N] [--timeline]
 
---cold points the on-disk caches (converted weights, tokenizer, XLA programs) at an empty folder,
-as on a fresh machine or a new Space; without it the normal user caches are used.
+--cold points the on-disk caches (the bundled GGUF assembled from its package, converted weights,
+tokenizer, XLA programs: HOME and the gemma4 cache variables) at an empty folder, as on a fresh
+machine or a new Space; --cache DIR uses DIR for them instead of
+the normal user caches (run twice: the second run is the warm one). --timeline prints the app's
+start-up log with seconds since launch: where the time went (weights, tokenizer, each compile).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+# per-tensor progress lines: only the first of a run is kept in the timeline
+_PER_TENSOR = re.compile(r"\] (converting|dequantizing|loading cached weights|reading) ")
+_LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+): (.*)$")
 
 
 def _free_port() -> int:
@@ -23,22 +33,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--prompt", default="The capital of France is")
-    args = ap.parse_args(argv)
+def _timeline(log_path: str, t_launch: float) -> list[str]:
+    out, in_tensors = [], False
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _LOG_LINE.match(line.rstrip("\n"))
+            if not m or not m.group(2).startswith("gemma4"):
+                continue
+            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - t_launch
+            msg = m.group(3)
+            if _PER_TENSOR.search(msg):
+                if in_tensors:
+                    continue
+                in_tensors, msg = True, msg + " …"
+            else:
+                in_tensors = False
+            out.append(f"{t:7.2f} s  {msg[:160]}")
+    return out
+
+
+def run_once(prompt: str, env: dict, timeline: bool) -> dict:
     from gradio_client import Client
 
-    env = dict(os.environ)
-    if args.cold:
-        tmp = tempfile.mkdtemp(prefix="gemma4-cold-")
-        env.update(GEMMA4_JAX_CACHE=os.path.join(tmp, "cache"), GEMMA4_COMPILE_CACHE=os.path.join(tmp, "xla"))
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    t0 = time.perf_counter()
+    log = tempfile.NamedTemporaryFile(prefix="first-answer-", suffix=".log", delete=False)
+    t_wall, t0 = time.time(), time.perf_counter()
     proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=root, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         client = None
         while client is None:
@@ -46,17 +68,57 @@ def main(argv=None) -> int:
                 client = Client(f"http://127.0.0.1:{port}/", verbose=False)
             except Exception:
                 if proc.poll() is not None:
-                    raise SystemExit("app.py exited during start-up")
+                    raise SystemExit(f"app.py exited during start-up (log: {log.name})") from None
                 time.sleep(0.5)
         t_page = time.perf_counter() - t0
-        result = client.predict(args.prompt, 16, 0.0, api_name="/generate")
+        result = client.predict(prompt, 16, 0.0, api_name="/generate")
         t_answer = time.perf_counter() - t0
-        text = result.get("text") if isinstance(result, dict) else result
-        print(f"page up after {t_page:.1f} s; first answer after {t_answer:.1f} s "
-              f"({'cold' if args.cold else 'warm'} caches): {text!r}")
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
+        log.close()
+    text = result.get("text") if isinstance(result, dict) else result
+    stats = (result.get("stats") or {}) if isinstance(result, dict) else {}
+    lines = _timeline(log.name, t_wall) if timeline else []
+    os.unlink(log.name)
+    return {"page_s": t_page, "answer_s": t_answer, "text": text, "timeline": lines, "stats": stats}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cold", action="store_true", help="empty caches (a fresh machine)")
+    ap.add_argument("--cache", help="cache folder to use (default: the normal user caches)")
+    ap.add_argument("--runs", type=int, default=1, help="launches (with --cold: each on new empty caches)")
+    ap.add_argument("--timeline", action="store_true", help="print the start-up log with times since launch")
+    ap.add_argument("--prompt", default="The capital of France is")
+    args = ap.parse_args(argv)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    answers = []
+    for i in range(args.runs):
+        env = dict(os.environ)
+        root = tempfile.mkdtemp(prefix="gemma4-cold-") if args.cold else args.cache
+        if root:
+            env.update(GEMMA4_JAX_CACHE=os.path.join(root, "cache"), GEMMA4_COMPILE_CACHE=os.path.join(root, "xla"))
+        if args.cold:  # the bundled package assembles its GGUF under ~/.cache: a fresh home too
+            env.update(HOME=os.path.join(root, "home"), XDG_CACHE_HOME=os.path.join(root, "home", ".cache"))
+            os.makedirs(env["XDG_CACHE_HOME"])
+        r = run_once(args.prompt, env, args.timeline)
+        answers.append(r["answer_s"])
+        for line in r["timeline"]:
+            print(line)
+        print(f"page up after {r['page_s']:.1f} s; first answer after {r['answer_s']:.1f} s "
+              f"({'cold' if args.cold else 'warm'} caches): {r['text']!r}", flush=True)
+        st = r["stats"]
+        if st:
+            print(f"  the reply: TTFT {st.get('ttft_s', float('nan')):.2f} s, decode "
+                  f"{st.get('decode_tok_s', float('nan')):.1f} tok/s, waited for a compile: {st.get('compiled')}")
+    if args.runs > 1:
+        print(f"first answer over {args.runs} runs: median {statistics.median(answers):.1f} s "
+              f"(min {min(answers):.1f}, max {max(answers):.1f})")
+    print(f"1-minute load average at start: {load:.2f} on {os.cpu_count()} CPUs")
     return 0
 
 
