@@ -53,6 +53,24 @@ CSS = """
 """
 
 
+def compile_markdown(engine: Any) -> str:
+    """One line on the XLA compiles: still running in the background, or all done."""
+    state = engine.compile_state() if hasattr(engine, "compile_state") else None
+    if not state:
+        return ""
+    done = len(state["compiled"])
+    if state["pending"]:
+        now = ", ".join(state["compiling"]) or "waiting for the engine to be idle"
+        line = (f"**XLA compiles:** {done} shapes compiled, {state['pending']} still compiling in the "
+                f"background (now: {now}). A request that needs one of them uses a compiled shape "
+                "or waits for it.")
+    else:
+        line = f"**XLA compiles:** all {done} shapes compiled ({state['compile_s']:.1f} s in all)."
+    if state.get("failed"):
+        line += " Failed: " + "; ".join(f"{k}: {v}" for k, v in state["failed"].items())
+    return line + "\n\n"
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -389,7 +407,8 @@ class DemoApp:
         if not info:
             return "_The hardware report appears once the model has loaded._", ""
         memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
-        return uf.hardware_markdown(info.get("hardware")), uf.memory_markdown(memory)
+        return (compile_markdown(self.engine) + uf.hardware_markdown(info.get("hardware")),
+                uf.memory_markdown(memory))
 
     # ------------------------------------------------------------------ API for programs
 
