@@ -197,8 +197,9 @@ def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float
 
     Norm scales are drawn around 1 and layer scalars around 0.5..1 so that a wrong norm form or a
     missing layer scalar changes the numbers. Each leaf is drawn in float32 from its own stream
-    (`default_rng([seed, i])`, i = the leaf's index in tree order) in row chunks; a chunk drawn
-    after another continues the same stream, so the values do not depend on the chunk size.
+    (`Generator(SFC64([seed, i]))`, i = the leaf's index in tree order; SFC64 draws float32 normals
+    ~1.5x faster than the default PCG64 here) in row chunks; a chunk drawn after another continues
+    the same stream, so the values do not depend on the chunk size.
     With `quantize` (`Plan.quantize_kwargs()`), each chunk goes straight into its final quantized
     leaf, so a model far larger than RAM in float32 (E2B: 4.6 B parameters) loads at its final size.
     """
@@ -206,7 +207,7 @@ def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float
     leaves: dict[tuple, Any] = {}
     specs = param_specs(cfg)
     for index, (path, spec) in enumerate(iter_specs(specs)):
-        rng = np.random.default_rng([seed, index])
+        rng = np.random.Generator(np.random.SFC64([seed, index]))
         name = leaf_name(path)
         if spec.kind in ("norm", "scalar"):
             if spec.kind == "scalar":

@@ -201,9 +201,10 @@ def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatc
     a = random_params(cfg, seed=3)
     assert all(_same(x, y) for x, y in zip(_leaves(a), _leaves(random_params(cfg, seed=3))))
     assert not np.array_equal(np.asarray(a["embed"]), np.asarray(random_params(cfg, seed=4)["embed"]))
-    # each leaf is its own float32 stream: default_rng([seed, index in tree order])
+    # each leaf is its own float32 stream: Generator(SFC64([seed, index in tree order]))
     index = next(i for i, (path, _) in enumerate(iter_specs(param_specs(cfg))) if path == ("embed",))
-    want = np.random.default_rng([3, index]).standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
+    rng = np.random.Generator(np.random.SFC64([3, index]))
+    want = rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
     np.testing.assert_array_equal(np.asarray(a["embed"]), want * np.float32(0.02))
     # drawn in row chunks that continue the stream: the chunk size does not change a value
     monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1000)
