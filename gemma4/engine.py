@@ -2,18 +2,18 @@
 
 Shape of the work:
 - A background thread loads the model (source → hardware plan → weights converted once; the
-  tokenizer is built in parallel with the first compiles), compiles the two executables a short
-  request needs (the smallest prefill bucket and decode width 1) and reports ready, then runs
-  the scheduler loop. Compiles are ahead-of-time (lower → compile, never executed to warm up) by
-  two compile threads; the rest of the shapes compile in a third one while the engine is idle,
-  and a shape a request needed (whether it waited for it or used a substitute) is compiled at
-  once, so a busy engine still gets every shape it uses.
-- Nothing waits for a compile it does not need: a prompt is chunked through the prefill buckets
-  already compiled (the same tokens as the ideal bucket: padding and chunking invariance); a
-  request is admitted to a cache row only once a decode width covering that row is compiled; a
-  decode step uses any compiled (width, length) that covers the active rows, and waits only when
-  none does (the reply's stats say so). The next cache length is compiled ahead, before a
-  conversation reaches it.
+  tokenizer is built in parallel with the first compiles), compiles the two executables a
+  request of up to 64 prompt tokens needs (one prefill bucket, decode width 1), runs each once
+  (a first run is slow) and reports ready, then runs the scheduler loop. Compiles are
+  ahead-of-time (lower → compile) in compile threads: the other shapes compile in the background
+  while the engine is idle, and a shape a request needed (whether it waited for it or used a
+  substitute) is compiled at once, so a busy engine still gets every shape it uses.
+- Nothing waits for a compile it does not need: a prompt whose bucket is not compiled yet runs
+  in a larger compiled one (the same tokens: padding invariance); a request is admitted to a
+  cache row only once a decode width covering that row is compiled; a decode step uses any
+  compiled (width, length) that covers the active rows. A request waits only when no compiled
+  shape can serve it (the reply's stats say so). The next cache length is compiled ahead,
+  before a conversation reaches it.
 - The KV cache has `max_batch` rows. A request takes the lowest free row; its prompt is prefilled
   in bucketed chunks (right-padded, padding carries position -1 so it is never cached or
   attended), and the first token is sampled in the same dispatch.
@@ -57,6 +57,7 @@ log = logging.getLogger("gemma4.engine")
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; longer prompts are chunked
 REPETITION_WINDOW = 64  # tokens the repetition penalty looks back over
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
+STARTUP_PROMPT_TOKENS = 64  # before ready, the prefill bucket for prompts up to this is compiled
 DEFAULT_CONTEXT = 4096
 
 
@@ -107,28 +108,15 @@ def bucket_for(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
     return buckets[-1]
 
 
-def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS,
-               later: Sequence[int] | None = None) -> list[tuple[int, int, int]] | None:
+def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> list[tuple[int, int, int]]:
     """Split a prompt of n tokens into (start, length, bucket) chunks: full largest buckets, then
-    the smallest bucket that holds the remainder.
-
-    later: the buckets allowed after the first chunk (default: `buckets`; both ascending), e.g.
-    the ones compiled so far. None when no plan exists (a prompt longer than the largest first
-    bucket and no `later` bucket).
-    """
-    later = buckets if later is None else later
-    if not buckets:
-        return None
-    if n <= buckets[-1]:
-        return [(0, n, bucket_for(n, buckets))]
-    if not later:
-        return None
-    plan, start = [(0, buckets[-1], buckets[-1])], buckets[-1]
-    big = later[-1]
+    the smallest bucket that holds the remainder."""
+    big = buckets[-1]
+    plan, start = [], 0
     while n - start > big:
         plan.append((start, big, big))
         start += big
-    plan.append((start, n - start, bucket_for(n - start, later)))
+    plan.append((start, n - start, bucket_for(n - start, buckets)))
     return plan
 
 
@@ -233,6 +221,7 @@ class Engine:
         self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
         self._startup: dict[str, float] = {}
         self._compile_threads: list[threading.Thread] = []
+        self._lower_lock = threading.Lock()
         self._seed_counter = itertools.count(int(time.time()) & 0x7FFFFFFF)
         self._info: dict = {}
         self._stop = False
@@ -425,59 +414,81 @@ class Engine:
         self._startup["tokenizer_s"] = self._tokenizer_box["s"]
 
     def _shape_plan(self) -> tuple[list[tuple], list[tuple]]:
-        """(before ready, background) shape keys in compile order. Before ready: what a short
-        request needs (smallest prefill bucket, decode width 1). Then: later chunks of the
-        smallest bucket (any prompt can then be chunked), the other widths, the other buckets,
-        later chunks of the largest bucket (prompts beyond it)."""
-        b0, n0 = self.buckets[0], self.kv_lengths[0]
-        first = [("prefill", b0, True), ("decode", self.widths[0], n0)]
-        rest = ([("prefill", b0, False)] + [("decode", w, n0) for w in self.widths[1:]]
+        """(before ready, background) shape keys in compile order. Before ready: prefill for the
+        first bucket ≥ STARTUP_PROMPT_TOKENS (every prompt up to it runs at once, in one chunk)
+        and decode width 1. Then the smallest bucket (the fastest for short prompts), the other
+        widths, the other buckets. Later-chunk shapes (prompts beyond the largest bucket) and
+        longer cache lengths compile when first needed, as they always did."""
+        start = next((b for b in self.buckets if b >= STARTUP_PROMPT_TOKENS), self.buckets[-1])
+        n0 = self.kv_lengths[0]
+        first = [("prefill", start, True), ("decode", self.widths[0], n0)]
+        rest = ([("prefill", self.buckets[0], True)] + [("decode", w, n0) for w in self.widths[1:]]
                 + [("prefill", b, True) for b in self.buckets[1:]])
-        if len(self.buckets) > 1:
-            rest.append(("prefill", self.buckets[-1], False))
-        return first, rest
+        return first, [k for k in dict.fromkeys(rest) if k not in first]
 
     def _start_compiles(self) -> None:
-        """Queue the shapes and start the compile threads. Two take the shapes needed now (before
-        ready: the first two, in parallel — tracing holds the GIL, XLA's compile does not; then
-        whatever a request is waiting for). One takes the background queue once the engine is
-        ready, and only after it has been idle for BACKGROUND_IDLE_S (so the first request after
-        ready, and a conversation's next turn, do not share the CPU with a compile)."""
+        """Queue the shapes and start the compile threads. One (two on 4+ CPUs) takes the shapes
+        needed now: before ready the first two, then whatever a request needs — on 2 CPUs two
+        compiles in parallel were slower than one after the other, warm and cold (XLA's CPU
+        compile already uses both cores; tracing holds the GIL). One more takes the background
+        queue once the engine is ready, only after it has been idle for BACKGROUND_IDLE_S (so the
+        first request after ready, and a conversation's next turn, do not share the CPU with it)."""
         first, rest = self._shape_plan()
         with self._lock:
             if self._warmup:
                 self._startup_keys = tuple(first)
                 self._urgent = list(first)
                 self._background = list(rest)
-        kinds = ["now"] * (2 if (os.cpu_count() or 1) >= 2 else 1) + ["background"]
+        kinds = ["now"] * (2 if (os.cpu_count() or 1) >= 4 else 1) + ["background"]
         for i, kind in enumerate(kinds):
             t = threading.Thread(target=self._compile_worker, args=(kind,), name=f"gemma4-compile-{i}", daemon=True)
             t.start()
             self._compile_threads.append(t)
 
     def _warm_up(self) -> None:
-        """Wait for the shapes needed before ready (compiled by the compile threads)."""
+        """Wait for the shapes needed before ready (compiled by the compile threads), and run each
+        once as soon as it is compiled — while the next one compiles — on idle inputs (padding
+        positions: the cache is not written): an executable's first run costs far more than the
+        next ones (bundled model: a prefill's first run 1.0–1.4 s, then 0.3 s), and that would
+        otherwise land on the first request. Nothing else uses the cache before ready."""
         t0 = time.perf_counter()
-        keys, shown = self._startup_keys, None
+        keys, shown, ran = self._startup_keys, None, set()
         while True:
             with self._lock:
                 todo = [k for k in keys if k not in self._exe]
+                fresh = [k for k in keys if k in self._exe and k not in ran]
                 failed = [k for k in keys if k in self._compile_failed]
                 if self._stop:
                     raise RuntimeError("the engine was closed during start-up")
-                if todo and not failed and len(todo) == shown:
+                if todo and not fresh and not failed and len(todo) == shown:
                     self._wake.wait(0.5)
                     continue
             if failed:
                 raise RuntimeError(f"compiling {describe_shape(failed[0])} failed: {self._compile_failed[failed[0]]}")
-            if not todo:
+            for key in fresh:
+                t = time.perf_counter()
+                self._run_idle(key)
+                ran.add(key)
+                self._startup["first_runs_s"] = self._startup.get("first_runs_s", 0.0) + time.perf_counter() - t
+            if not todo and len(ran) == len(keys):
                 break
-            shown = len(todo)
-            done = len(keys) - len(todo)
-            self._set_status("warming", 0.8 + 0.18 * done / len(keys),
-                             f"compiling {' and '.join(describe_shape(k) for k in todo)} ({done}/{len(keys)} done; "
-                             f"the other shapes compile after the model is ready)")
-        self._startup["compile_s"] = time.perf_counter() - t0
+            if len(todo) != shown:
+                shown = len(todo)
+                done = len(keys) - len(todo)
+                self._set_status("warming", 0.8 + 0.18 * done / len(keys),
+                                 f"compiling {' and '.join(describe_shape(k) for k in todo) or 'done'} "
+                                 f"({done}/{len(keys)} done; the other shapes compile after the model is ready)")
+        self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
+
+    def _run_idle(self, key: tuple) -> None:
+        """Run one executable on idle inputs (every position -1: nothing is written or attended)."""
+        kind, size, _ = key
+        n = 1 if kind == "prefill" else size
+        idle = np.full(size, -1, np.int32)
+        if kind == "prefill":
+            self._run_prefill(self._exe[key], np.zeros(size, np.int32), idle, 0, 0, self._sampling_rows([None]))
+        else:
+            self._run_decode(self._exe[key], np.zeros(size, np.int32), idle, self._sampling_rows([None] * n))
 
     def _pending_locked(self) -> int:
         return len(self._urgent) + len(self._background) + len(self._compiling)
@@ -543,12 +554,15 @@ class Engine:
         """Lower and compile one shape ahead of time (hits the persistent compile cache when warm)."""
         kind, size, extra = key
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        if kind == "prefill":
-            lowered = self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
-                                                 i32(1), _sampling_spec(1))
-        else:
-            lowered = self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
-                                                      _sampling_spec(size))
+        # Tracing and lowering are Python (the GIL): one thread at a time, so two threads pipeline
+        # (one traces while the other is in XLA's compile or cache read) instead of thrashing.
+        with self._lower_lock:
+            if kind == "prefill":
+                lowered = self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size),
+                                                     i32(), i32(1), _sampling_spec(1))
+            else:
+                lowered = self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
+                                                          _sampling_spec(size))
         return lowered.compile()
 
     def _executable(self, key: tuple):
@@ -566,19 +580,24 @@ class Engine:
             return self._exe[key], True
 
     def _prefill_plan(self, n: int) -> list[tuple[int, int, int]]:
-        """The ideal chunk plan when its shapes are compiled; else a plan through the compiled
-        buckets (identical tokens; the ideal shapes are compiled at once, not waited for, so a
-        busy engine still gets them); else the ideal one (its shapes compiled first, waited for)."""
+        """The ideal chunk plan when its shapes are compiled. Else, for a prompt that fits one
+        chunk, a larger compiled bucket (identical tokens: padding invariance), and the ideal
+        bucket is compiled at once, not waited for (so a busy engine still gets it). Else the
+        ideal plan (its missing shapes are compiled first and waited for).
+
+        Not through several smaller chunks: a later chunk attends over the whole cache row and
+        costs far more than a fresh one (bundled model, context 4096: 1.7 s for 16 tokens against
+        0.3 s for a first chunk of 16), so chunking loses to waiting for one compile."""
         ideal = chunk_plan(n, self.buckets)
         keys = [("prefill", b, i == 0) for i, (_, _, b) in enumerate(ideal)]
         with self._lock:
             if all(self._usable_locked(k) for k in keys):
                 return ideal
-            first = [b for b in self.buckets if self._usable_locked(("prefill", b, True))]
-            later = [b for b in self.buckets if self._usable_locked(("prefill", b, False))]
-            for k in keys:
-                self._enqueue_locked(k)
-        return chunk_plan(n, first, later) or ideal
+            bigger = [b for b in self.buckets if b >= n and self._usable_locked(("prefill", b, True))]
+            if len(ideal) == 1 and bigger:
+                self._enqueue_locked(keys[0])
+                return [(0, n, bigger[0])]
+        return ideal
 
     def _decode_key(self, need_w: int, need_n: int) -> tuple:
         """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal

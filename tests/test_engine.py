@@ -1,8 +1,8 @@
 """The engine on the real bundled Gemma 3 270M: reference ids, sampling, flags, concurrency, cancel, bad input.
 
 One engine (float32 weights and compute, so greedy output must equal transformers' float32 ids)
-serves every test here; it is ready once prompt bucket 16 and decode width 1 are compiled, and
-compiles the other bucket (64) and widths (2, 4, 8) in the background while the tests run.
+serves every test here; it is ready once prompt bucket 64 and decode width 1 are compiled, and
+compiles the other bucket (16) and widths (2, 4, 8) in the background while the tests run.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def test_greedy_loop_is_flagged_and_varied_text_is_not(engine):
 
 
 def test_stats_are_reported(engine):
+    engine.wait_compiled(timeout=900)  # bucket 16 (until it is compiled, bucket 64 serves this prompt)
     out = engine.generate("Water boils at", GREEDY)
     s = out["stats"]
     for key in ("ttft_s", "prefill_tokens", "prefill_ms", "prefill_tok_s", "decode_tok_s", "new_tokens", "bucket",
@@ -73,7 +74,7 @@ def test_stats_are_reported(engine):
         assert key in s, key
     assert s["prefill_tokens"] == 4 and s["bucket"] == 16 and s["padding"] == 12
     assert s["new_tokens"] == 20 and s["decode_tok_s"] > 0 and 0 < s["ttft_s"] < s["elapsed_s"]
-    assert s["compiled"] is False  # every shape was compiled at warm-up
+    assert s["compiled"] is False
 
 
 def test_eight_concurrent_requests_match_their_solo_runs(engine):
@@ -158,16 +159,10 @@ def test_chat_turns_are_trimmed_to_fit(engine):
 
 
 # ---------------------------------------------------------------- start-up: ready before every compile
-def test_chunk_plan_through_compiled_buckets():
+def test_chunk_plan():
     assert chunk_plan(40, (16, 64)) == [(0, 40, 64)]
-    assert chunk_plan(40, (16,), (16,)) == [(0, 16, 16), (16, 16, 16), (32, 8, 16)]
-    assert chunk_plan(40, (16,), ()) is None  # later chunks need a compiled later-chunk bucket
-    assert chunk_plan(10, (16,), ()) == [(0, 10, 16)]
     assert chunk_plan(1200, (16, 512)) == [(0, 512, 512), (512, 512, 512), (1024, 176, 512)]
-    plan = chunk_plan(700, (16, 512), (16,))
-    assert plan[0] == (0, 512, 512) and all(b == 16 for _, _, b in plan[1:])
-    assert [s for s, _, _ in plan] == [0] + [512 + 16 * i for i in range(len(plan) - 1)]
-    assert sum(n for _, n, _ in plan) == 700 and all(n <= b for _, n, b in plan)
+    assert chunk_plan(520, (16, 512)) == [(0, 512, 512), (512, 8, 16)]
 
 
 def test_ready_means_servable_and_says_what_still_compiles(engine):
@@ -175,28 +170,24 @@ def test_ready_means_servable_and_says_what_still_compiles(engine):
     assert st["state"] == "ready"
     assert ("compiling in the background" in st["message"]) == (st["compiles_pending"] > 0), st
     cs = engine.compile_state()
-    assert "prefill 16 tokens (first chunk)" in cs["compiled"] and "decode 1 row (cache ≤256)" in cs["compiled"]
+    assert "prefill 64 tokens (first chunk)" in cs["compiled"] and "decode 1 row (cache ≤256)" in cs["compiled"]
     assert {"compiling", "queued", "failed", "pending", "log"} <= set(cs)
     assert engine.info()["startup"]["ready_s"] > 0
 
 
-def test_prompt_chunked_through_compiled_buckets_gives_identical_tokens(engine):
-    """A prompt whose bucket (64) is not compiled yet is chunked through bucket 16 at once
-    (first chunk + later chunks) instead of waiting — with exactly the tokens of the ideal bucket."""
-    prompt = "The quick brown fox jumps over the lazy dog, and then it runs into the forest. " * 3
-    n = len(engine.encode_prompt(prompt))
-    assert 32 < n <= 64
+def test_prompt_in_a_larger_compiled_bucket_gives_identical_tokens(engine):
+    """A prompt whose bucket (16) is not usable runs at once in a larger compiled one (64), with
+    exactly the tokens of its own bucket."""
     engine.wait_compiled(timeout=900)
-    ideal = engine.generate(prompt, GREEDY)
-    assert ideal["stats"]["chunks"] == 1 and ideal["stats"]["bucket"] == 64 and not ideal["stats"]["compiled"]
-    engine._usable_only = {("prefill", 16, True), ("prefill", 16, False), ("decode", 1, 256)}
+    ideal = engine.generate("Water boils at", GREEDY)
+    assert ideal["stats"]["bucket"] == 16 and not ideal["stats"]["compiled"]
+    engine._usable_only = {("prefill", 64, True), ("decode", 1, 256)}
     try:
-        chunked = engine.generate(prompt, GREEDY)
+        sub = engine.generate("Water boils at", GREEDY)
     finally:
         engine._usable_only = None
-    assert chunked["stats"]["chunks"] == -(-n // 16) and chunked["stats"]["bucket"] == 16
-    assert chunked["stats"]["compiled"] is False  # it did not wait for a compile
-    assert chunked["token_ids"] == ideal["token_ids"]
+    assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (64, 1, False)
+    assert sub["token_ids"] == ideal["token_ids"]
     assert engine.status()["compiles_pending"] == 0 and "background" not in engine.status()["message"]
 
 
@@ -205,7 +196,7 @@ def test_requests_are_not_held_by_a_width_that_is_not_usable(engine):
     running one to wait; both get their solo tokens."""
     prompts = ["Water boils at", "The three laws of motion"]
     solo = [engine.generate(p, GREEDY)["token_ids"] for p in prompts]
-    engine._usable_only = {("prefill", 16, True), ("prefill", 16, False), ("decode", 1, 256)}
+    engine._usable_only = {("prefill", 16, True), ("prefill", 64, True), ("decode", 1, 256)}
     out: dict[int, dict] = {}
     try:
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(prompts[i], GREEDY)))
@@ -222,29 +213,30 @@ def test_requests_are_not_held_by_a_width_that_is_not_usable(engine):
 
 def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when_busy(monkeypatch):
     """A fresh engine (tiny random model) with the idle-time compile queue frozen: it is ready with
-    two shapes; a prompt whose bucket is missing uses a compiled bigger bucket without waiting, and
-    the missing bucket is compiled anyway (a busy engine would get it too) — same tokens."""
+    two shapes; a prompt whose bucket is missing runs in the compiled bigger one without waiting,
+    and the missing bucket is compiled anyway (as a busy engine's would be) — same tokens; a prompt
+    no compiled shape can serve waits for its compile and says so."""
     from gemma4 import engine as E
 
     monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)
     eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=128, buckets=(16, 32, 64))
     try:
         eng.wait_ready(timeout=600)
-        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤128)", "prefill 16 tokens (first chunk)"]
+        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤128)", "prefill 64 tokens (first chunk)"]
         assert eng.status()["compiles_pending"] > 0 and "background" in eng.status()["message"]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-        assert eng.generate(list(range(10, 20)), greedy)["stats"]["compiled"] is False  # fits bucket 16
-        long = eng.generate(list(range(10, 80)), greedy)  # 64 + 6: nothing to chunk through yet
-        assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
-        prompt = list(range(30, 50))  # bucket 32 is not compiled: bucket 64 serves it at once
+        prompt = list(range(10, 20))  # bucket 16 is not compiled: bucket 64 serves it at once
         sub = eng.generate(prompt, greedy)
         assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (64, 1, False)
         deadline = time.time() + 300
-        while "prefill 32 tokens (first chunk)" not in eng.compile_state()["compiled"] and time.time() < deadline:
+        while "prefill 16 tokens (first chunk)" not in eng.compile_state()["compiled"] and time.time() < deadline:
             time.sleep(0.1)
         log = {shape: why for shape, _, why in eng.compile_state()["log"]}
-        assert log["prefill 32 tokens (first chunk)"] == "needed now"
+        assert log["prefill 16 tokens (first chunk)"] == "needed now"
         ideal = eng.generate(prompt, greedy)
-        assert ideal["stats"]["bucket"] == 32 and ideal["token_ids"] == sub["token_ids"]
+        assert (ideal["stats"]["bucket"], ideal["stats"]["compiled"]) == (16, False)
+        assert ideal["token_ids"] == sub["token_ids"]
+        long = eng.generate(list(range(10, 80)), greedy)  # 64 + 6: the later chunk's shape is new
+        assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
     finally:
         eng.close(timeout=120)
