@@ -758,7 +758,7 @@ def _measured_report(model: str, overrides: dict) -> dict:
             raise PolicyError(status["error"] or status["message"])
         return engine.info()["hardware"]
     finally:
-        engine.close()
+        engine.close(timeout=60)  # let its threads finish before the interpreter tears down
 
 
 def main(argv: list[str] | None = None) -> int:
