@@ -34,14 +34,27 @@ namespace {
 constexpr int64_t kFlush = 256;  // inputs per int32 accumulation at most (overflow bound)
 constexpr int kMaxRows = 8;      // activation rows one call accepts
 
-enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4 };
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4, kAvxVnni = 5 };
 
-int64_t BestIsa() {
+bool Supports(int64_t isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  switch (isa) {
+    case kPortable: return true;
+    case kAvx2: return avx2;
+    case kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case kAvx512: return avx512;
+    case kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
+    default: return false;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+}
+
+// Preference order; AVX-VNNI (Alder Lake and later client CPUs, VEX-encoded) has no AVX-512.
+int64_t BestIsa() {
+  for (int64_t isa : {kAvx512Vnni, kAvx512, kAvxVnni, kAvx2}) {
+    if (Supports(isa)) return isa;
+  }
   return kPortable;
 }
 
@@ -88,37 +101,43 @@ void RowsPortable(const Problem& p, const Weight& w, int64_t r0, int64_t r1) {
 }
 
 // ---------------------------------------------------------------- AVX2 (16 inputs per step)
-template <int M>
-__attribute__((target("avx2,fma"))) void RowsAvx2T(const Problem& p, const Weight& w, int64_t r0, int64_t r1) {
-  const int64_t k = p.k, step = StepLen(w, k);
-  const int64_t groups = w.group ? k / w.group : 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const int8_t* qr = w.q + r * k;
-    const float* sp = w.group ? w.scale + r * groups : nullptr;  // one scale per step (group <= 256)
-    __m256 facc[M];
-    for (int m = 0; m < M; ++m) facc[m] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < k; k0 += step) {
-      __m256i iacc[M];
-      for (int m = 0; m < M; ++m) iacc[m] = _mm256_setzero_si256();
-      for (int64_t i = k0, end = std::min(k0 + step, k); i < end; i += 16) {
-        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i)));
-        for (int m = 0; m < M; ++m) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq.data() + m * k + i));
-          iacc[m] = _mm256_add_epi32(iacc[m], _mm256_madd_epi16(xv, wv));
-        }
-      }
-      const __m256 sc = _mm256_set1_ps(w.group ? *sp++ : 1.f);
-      for (int m = 0; m < M; ++m) facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m]), sc, facc[m]);
-    }
-    const float row_scale = w.group ? 1.f : w.scale[r];
-    for (int m = 0; m < M; ++m) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(facc[m]), _mm256_extractf128_ps(facc[m], 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-      w.y[m * w.n + r] = _mm_cvtss_f32(s) * p.sx[m] * row_scale;
-    }
-  }
+#define GEMMA4_DEFINE_AVX2_ROWS(NAME, TARGET, DOT)                                                 \
+template <int M>                                                                                  \
+__attribute__((target(TARGET))) void NAME(const Problem& p, const Weight& w, int64_t r0, int64_t r1) { \
+  const int64_t k = p.k, step = StepLen(w, k);                                                     \
+  const int64_t groups = w.group ? k / w.group : 0;                                                \
+  for (int64_t r = r0; r < r1; ++r) {                                                              \
+    const int8_t* qr = w.q + r * k;                                                                \
+    const float* sp = w.group ? w.scale + r * groups : nullptr; /* one scale per step */         \
+    __m256 facc[M];                                                                                \
+    for (int m = 0; m < M; ++m) facc[m] = _mm256_setzero_ps();                                     \
+    for (int64_t k0 = 0; k0 < k; k0 += step) {                                                     \
+      __m256i iacc[M];                                                                             \
+      for (int m = 0; m < M; ++m) iacc[m] = _mm256_setzero_si256();                                \
+      for (int64_t i = k0, end = std::min(k0 + step, k); i < end; i += 16) {                       \
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + i))); \
+        for (int m = 0; m < M; ++m) {                                                              \
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.xq.data() + m * k + i)); \
+          iacc[m] = DOT(iacc[m], xv, wv);                                                          \
+        }                                                                                          \
+      }                                                                                            \
+      const __m256 sc = _mm256_set1_ps(w.group ? *sp++ : 1.f);                                     \
+      for (int m = 0; m < M; ++m) facc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[m]), sc, facc[m]); \
+    }                                                                                              \
+    const float row_scale = w.group ? 1.f : w.scale[r];                                            \
+    for (int m = 0; m < M; ++m) {                                                                  \
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(facc[m]), _mm256_extractf128_ps(facc[m], 1));   \
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                      \
+      s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));                                                  \
+      w.y[m * w.n + r] = _mm_cvtss_f32(s) * p.sx[m] * row_scale;                                   \
+    }                                                                                              \
+  }                                                                                                \
 }
+
+#define GEMMA4_DOT2_MADD(acc, x, w) _mm256_add_epi32(acc, _mm256_madd_epi16(x, w))
+#define GEMMA4_DOT2_VNNI(acc, x, w) _mm256_dpwssd_avx_epi32(acc, x, w)
+GEMMA4_DEFINE_AVX2_ROWS(RowsAvx2T, "avx2,fma", GEMMA4_DOT2_MADD)
+GEMMA4_DEFINE_AVX2_ROWS(RowsAvxVnniT, "avx2,fma,avxvnni", GEMMA4_DOT2_VNNI)
 
 // ---------------------------------------------------------------- AVX-512 (32 inputs per step)
 // Group 16 is the one group narrower than a step: lanes 0-7 of a step belong to its first group,
@@ -192,6 +211,10 @@ struct Avx2Of {
   static constexpr RowsFn fn = &RowsAvx2T<M>;
 };
 template <int M>
+struct AvxVnniOf {
+  static constexpr RowsFn fn = &RowsAvxVnniT<M>;
+};
+template <int M>
 struct Avx512Of {
   static constexpr RowsFn fn = &RowsAvx512BwT<M>;
 };
@@ -211,6 +234,7 @@ RowsFn RowsFor(int64_t isa, int m) {
   switch (isa) {
     case kAvx512Vnni: return Pick<VnniOf>(m);
     case kAvx512: return Pick<Avx512Of>(m);
+    case kAvxVnni: return Pick<AvxVnniOf>(m);
     case kAvx2: return Pick<Avx2Of>(m);
     default: return &RowsPortable;
   }
@@ -268,8 +292,8 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   }
   const int64_t best = BestIsa();
   if (isa == kAuto) isa = best;
-  if (isa > best) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
-  const int64_t align = isa >= kAvx512 ? 32 : (isa == kAvx2 ? 16 : 1);
+  if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
+  const int64_t align = (isa == kAvx512 || isa == kAvx512Vnni) ? 32 : isa == kPortable ? 1 : 16;
   for (size_t i = 0; i < nw; ++i) {
     auto q = args.get<ffi::AnyBuffer>(2 * i);
     auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
@@ -324,3 +348,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Matmul, Int8MatmulImpl,
                                   .Attr<int64_t>("isa"));
 
 extern "C" int64_t gemma4_int8_best_isa() { return BestIsa(); }
+extern "C" int64_t gemma4_int8_isa_supported(int64_t isa) { return Supports(isa) ? 1 : 0; }

@@ -34,10 +34,10 @@ import numpy as np
 TARGET = "gemma4_int8_matmul"
 SOURCE = Path(__file__).with_name("cpu_int8.cc")
 MAX_ROWS = 8
-ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512-vnni": 4}
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 5, "avx512": 3, "avx512-vnni": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
 # K must be a multiple of this for the ISA's vector loop (the kernel checks it too).
-ISA_ALIGN = {1: 1, 2: 16, 3: 32, 4: 32}
+ISA_ALIGN = {1: 1, 2: 16, 5: 16, 3: 32, 4: 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ class KernelStatus:
 
 _lock = threading.Lock()
 _status: KernelStatus | None = None
+_supported: tuple[str, ...] = ()  # the instruction sets this CPU runs, once loaded
 
 
 def _cpu_signature() -> str:
@@ -130,7 +131,7 @@ def disabled_reason() -> str | None:
 
 def load() -> KernelStatus:
     """Build (if needed), load and register the kernel once per process; never raises."""
-    global _status
+    global _status, _supported
     with _lock:
         if _status is not None:
             return _status
@@ -150,7 +151,11 @@ def _load_uncached() -> KernelStatus:
         path = build()
         lib = ctypes.CDLL(str(path))
         lib.gemma4_int8_best_isa.restype = ctypes.c_int64
+        lib.gemma4_int8_isa_supported.restype = ctypes.c_int64
+        lib.gemma4_int8_isa_supported.argtypes = [ctypes.c_int64]
         isa = ISA_NAMES.get(int(lib.gemma4_int8_best_isa()), "portable")
+        global _supported
+        _supported = tuple(n for n, c in ISAS.items() if c and lib.gemma4_int8_isa_supported(c))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Matmul), platform="cpu")
     except Exception as e:  # a missing compiler, a failed build, a foreign .so: fall back, say why
         return KernelStatus(False, f"native int8 kernel unavailable: {e}".splitlines()[0][:300])
@@ -176,6 +181,11 @@ def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
         groups.append(int(group or 0))
     call = jax.ffi.ffi_call(TARGET, shapes)
     return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether the loaded kernel can run `isa` on this CPU (False before a successful load)."""
+    return isa == "auto" or isa in _supported
 
 
 def supported(k: int, group: int | None, isa: str) -> bool:
@@ -206,8 +216,7 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
     status = load()
     if not status.ok:
         return {"ok": False, "message": status.message}
-    best = ISAS[status.isa]
-    isas = isas or [name for name, code in ISAS.items() if 0 < code <= best]
+    isas = isas or list(_supported)
     rng = np.random.default_rng(7)
     k = 256
     worst, cases = 0.0, 0
