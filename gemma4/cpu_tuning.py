@@ -40,7 +40,7 @@ ACCURACY_BOUND = 3e-3  # max |y âˆ’ ref| / max |ref|; int8 activations (~1e-2 â€
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
-VERSION = 2  # bump when the measurement changes: old cached choices are then ignored
+VERSION = 3  # bump when the measurement changes: old cached choices are then ignored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     errors: dict[str, float] = {}
     best = float("inf")
     for path in int8_matmul.PATHS:  # native first: the likely winner makes the others stop early
-        if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok) or (path in STARTUP_SKIP and not full):
+        if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n) or (path in STARTUP_SKIP and not full):
             continue
         if path == "xla-fused" and rows > 16 or path == "xla-dequant" and rows <= 8:
             continue  # known to be hopeless there: the broadcast product / the whole dequantization
@@ -205,7 +205,7 @@ def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok
             return leaf
         if forced is not None:
             n, k = leaf.shape
-            can = forced != "default" and int8_matmul.eligible(forced, 8, k, leaf.group_size, native_ok)
+            can = forced != "default" and int8_matmul.eligible(forced, 8, k, leaf.group_size, native_ok, n)
             return dataclasses.replace(leaf, paths=((8, forced),) if can else ())
         entry = (tuning or {}).get("products", {}).get(Product(*leaf.shape, leaf.group_size, False).key)
         return dataclasses.replace(leaf, paths=paths_table(entry)) if entry else leaf
