@@ -9,11 +9,11 @@ Shape of the work:
   while the engine is idle, and a shape a request needed (whether it waited for it or used a
   substitute) is compiled at once, so a busy engine still gets every shape it uses.
 - Nothing waits for a compile it does not need: a prompt whose bucket is not compiled yet runs
-  in a larger compiled one (the same tokens: padding invariance); a request is admitted to a
-  cache row only once a decode width covering that row is compiled; a decode step uses any
-  compiled (width, length) that covers the active rows. A request waits only when no compiled
-  shape can serve it (the reply's stats say so). The next cache length is compiled ahead,
-  before a conversation reaches it.
+  in a larger compiled one (the same tokens: padding invariance); a decode step uses any
+  compiled (width, length) that covers the active rows, and while no compiled width does, each
+  row decodes alone with width 1 at its row offset (the same tokens: batch invariance). A
+  request waits only when no compiled shape can serve it (the reply's stats say so). The next
+  cache length is compiled ahead, before a conversation reaches it.
 - The KV cache has `max_batch` rows. A request takes the lowest free row; its prompt is prefilled
   in bucketed chunks (right-padded, padding carries position -1 so it is never cached or
   attended), and the first token is sampled in the same dispatch.
@@ -148,15 +148,16 @@ def _prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg,
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
-def _decode_step(params, cache, tokens, positions, sampling, *, cfg, options, width, kv_len):
-    """One token for cache rows [0, width): tokens/positions [width]; position -1 = idle row.
+def _decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
+    """One token for cache rows [row, row + width): tokens/positions [width]; position -1 = idle
+    row. (row is 0 but for a narrow shape standing in for a wider one not compiled yet.)
 
     Only slots [0, kv_len) of the full-attention caches are read (every active position is below
     kv_len), so a short conversation does not pay for the whole context window each step; the
     cache is updated in place (donated), never copied.
     """
     logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
-                                 logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len)
+                                 logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
     token = _sample(logits, *sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
@@ -562,7 +563,7 @@ class Engine:
                                                      i32(), i32(1), _sampling_spec(1))
             else:
                 lowered = self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
-                                                          _sampling_spec(size))
+                                                          _sampling_spec(size), i32())
         return lowered.compile()
 
     def _executable(self, key: tuple):
@@ -651,8 +652,9 @@ class Engine:
                                      jnp.int32(row), jnp.asarray([last], jnp.int32), sampling)
         return int(token[0]), bool(bad[0])
 
-    def _run_decode(self, exe, tokens, positions, sampling):
-        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), sampling)
+    def _run_decode(self, exe, tokens, positions, sampling, row: int = 0):
+        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), sampling,
+                                     jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
     # ---------------------------------------------------------------- scheduler
@@ -683,29 +685,14 @@ class Engine:
             self._last_busy = time.monotonic()
 
     def _admission_locked(self) -> _Request | None:
-        """The next waiting request, given the lowest free row — once a decode width covering that
-        row is compiled (else that width is compiled first and the request waits, so the rows
-        already decoding never wait for it)."""
-        while self._waiting:
-            free = [r for r in range(self.max_batch) if r not in self._active]
-            if not free:
-                return None
-            req, row = self._waiting[0], free[0]
-            if not any(k[0] == "decode" and k[1] > row and self._usable_locked(k) for k in self._exe):
-                need = ("decode", next(w for w in self.widths if w > row),
-                        next(n for n in self.kv_lengths if n > min(len(req.prompt_ids), self.kv_lengths[-1] - 1)))
-                if need in self._compile_failed:
-                    self._waiting.pop(0)
-                    req.events.put(("error", f"compiling {describe_shape(need)} failed: {self._compile_failed[need]}"))
-                    continue
-                self._enqueue_locked(need, now=True)
-                req.stats["compiled"] = True  # it waits for a compile
-                return None
-            self._waiting.pop(0)
-            req.row = row
-            self._active[row] = req
-            return req
-        return None
+        """The next waiting request, given the lowest free row."""
+        free = [r for r in range(self.max_batch) if r not in self._active]
+        if not self._waiting or not free:
+            return None
+        req = self._waiting.pop(0)
+        req.row = free[0]
+        self._active[req.row] = req
+        return req
 
     def _finish(self, req: _Request, reason: str) -> None:
         with self._lock:
@@ -768,15 +755,29 @@ class Engine:
         _, width, kv_len = key
         if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
             self._want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
-        exe, compiled = self._executable(key)
-        tokens = np.zeros(width, np.int32)
-        positions = np.full(width, -1, np.int32)
-        rows: list[_Request | None] = [None] * width
-        for row, req in active.items():
-            tokens[row] = req.recent[-1]
-            positions[row] = req.position
-            rows[row] = req
-        out, bad = self._run_decode(exe, tokens, positions, self._sampling_rows(rows))
+        with self._lock:
+            alone = None if self._usable_locked(key) else next(
+                (k for k in sorted(self._exe) if k[:2] == ("decode", 1) and k[2] >= need_n and self._usable_locked(k)),
+                None)
+            if alone is not None:
+                self._enqueue_locked(key, now=True)
+        if alone is not None:  # no compiled width covers the rows yet: each row alone, while it compiles
+            exe, compiled = self._exe[alone], False
+            out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
+            for row, req in active.items():
+                o, b = self._run_decode(exe, np.asarray([req.recent[-1]], np.int32), np.asarray([req.position], np.int32),
+                                        self._sampling_rows([req]), row=row)
+                out[row], bad[row] = o[0], b[0]
+        else:
+            exe, compiled = self._executable(key)
+            tokens = np.zeros(width, np.int32)
+            positions = np.full(width, -1, np.int32)
+            rows: list[_Request | None] = [None] * width
+            for row, req in active.items():
+                tokens[row] = req.recent[-1]
+                positions[row] = req.position
+                rows[row] = req
+            out, bad = self._run_decode(exe, tokens, positions, self._sampling_rows(rows))
         now = time.perf_counter()
         for row, req in active.items():
             req.position += 1
