@@ -1,8 +1,8 @@
 """The engine on the real bundled Gemma 3 270M: reference ids, sampling, flags, concurrency, cancel, bad input.
 
 One engine (float32 weights and compute, so greedy output must equal transformers' float32 ids)
-serves every test here; it is ready once prompt bucket 64 and decode width 1 are compiled, and
-compiles the other bucket (16) and widths (2, 4, 8) in the background while the tests run.
+serves every test here; it is ready once prompt bucket 16 and decode width 1 are compiled, and
+compiles the other bucket (64) and widths (2, 4, 8) in the background while the tests run.
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ def test_greedy_loop_is_flagged_and_varied_text_is_not(engine):
 
 
 def test_stats_are_reported(engine):
-    engine.wait_compiled(timeout=900)  # bucket 16 (until it is compiled, bucket 64 serves this prompt)
     out = engine.generate("Water boils at", GREEDY)
     s = out["stats"]
     for key in ("ttft_s", "prefill_tokens", "prefill_ms", "prefill_tok_s", "decode_tok_s", "new_tokens", "bucket",
@@ -170,7 +169,7 @@ def test_ready_means_servable_and_says_what_still_compiles(engine):
     assert st["state"] == "ready"
     assert ("compiling in the background" in st["message"]) == (st["compiles_pending"] > 0), st
     cs = engine.compile_state()
-    assert "prefill 64 tokens (first chunk)" in cs["compiled"] and "decode 1 row (cache ≤256)" in cs["compiled"]
+    assert "prefill 16 tokens (first chunk)" in cs["compiled"] and "decode 1 row (cache ≤256)" in cs["compiled"]
     assert {"compiling", "queued", "failed", "pending", "log"} <= set(cs)
     assert engine.info()["startup"]["ready_s"] > 0
 
@@ -223,19 +222,22 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
     eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=128, buckets=(16, 32, 64))
     try:
         eng.wait_ready(timeout=600)
-        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤128)", "prefill 64 tokens (first chunk)"]
+        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤128)", "prefill 16 tokens (first chunk)"]
         assert eng.status()["compiles_pending"] > 0 and "background" in eng.status()["message"]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-        prompt = list(range(10, 20))  # bucket 16 is not compiled: bucket 64 serves it at once
+        assert eng.generate(list(range(10, 20)), greedy)["stats"]["compiled"] is False
+        first = eng.generate(list(range(10, 60)), greedy)  # no compiled bucket holds 50 tokens: wait
+        assert (first["stats"]["bucket"], first["stats"]["compiled"]) == (64, True)
+        prompt = list(range(30, 50))  # bucket 32 is not compiled: bucket 64 serves it at once
         sub = eng.generate(prompt, greedy)
         assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (64, 1, False)
         deadline = time.time() + 300
-        while "prefill 16 tokens (first chunk)" not in eng.compile_state()["compiled"] and time.time() < deadline:
+        while "prefill 32 tokens (first chunk)" not in eng.compile_state()["compiled"] and time.time() < deadline:
             time.sleep(0.1)
         log = {shape: why for shape, _, why in eng.compile_state()["log"]}
-        assert log["prefill 16 tokens (first chunk)"] == "needed now"
+        assert log["prefill 32 tokens (first chunk)"] == log["prefill 64 tokens (first chunk)"] == "needed now"
         ideal = eng.generate(prompt, greedy)
-        assert (ideal["stats"]["bucket"], ideal["stats"]["compiled"]) == (16, False)
+        assert (ideal["stats"]["bucket"], ideal["stats"]["compiled"]) == (32, False)
         assert ideal["token_ids"] == sub["token_ids"]
         long = eng.generate(list(range(10, 80)), greedy)  # 64 + 6: the later chunk's shape is new
         assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
