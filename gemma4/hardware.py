@@ -661,7 +661,7 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
         return params, plan.replace("int8_matmul", choice), None
 
     status = cpu_int8.load()
-    test = cpu_int8.self_test([status.isa]) if status.ok else None
+    test = cpu_int8.cached_self_test(status) if status.ok else None
     native_ok = bool(status.ok and test and test["ok"])
     note = status.message + (f"; self-test {test['message']}" if test else "")
     report = {"kernel": status.to_dict(), "kernel_self_test": test, "tuning": None}

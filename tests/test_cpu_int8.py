@@ -38,6 +38,8 @@ def test_self_test_passes_on_every_isa_this_cpu_has():
     result = cpu_int8.self_test()
     assert result["ok"], result
     assert "portable" in result["isas"]
+    first = cpu_int8.cached_self_test(STATUS)
+    assert first["ok"] and cpu_int8.cached_self_test(STATUS)["message"].endswith("(cached)")
 
 
 @needs_kernel
@@ -183,7 +185,7 @@ def test_failed_self_test_keeps_the_kernel_out(tmp_path, monkeypatch):
     if not STATUS.ok:
         pytest.skip(STATUS.message)
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_int8, "self_test", lambda isas=None: {"ok": False, "message": "FAILED: planted"})
+    monkeypatch.setattr(cpu_int8, "cached_self_test", lambda status: {"ok": False, "message": "FAILED: planted"})
     _, params = _tiny_int8_params()
     params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
     assert "FAILED: planted" in plan.int8_matmul.reason

@@ -241,6 +241,28 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
                        f"max relative error {worst:.1e} (bound 2e-3)"}
 
 
+def cached_self_test(status: KernelStatus) -> dict:
+    """`self_test` on the ISA in use, once per built library: a passing result is kept beside the
+    .so (which is itself keyed by source, jaxlib, compiler and CPU), so later starts skip it."""
+    import json  # noqa: PLC0415
+
+    marker = Path(status.path).with_name(f"self-test-{status.isa}.json") if status.path else None
+    if marker is not None and marker.exists():
+        try:
+            result = json.loads(marker.read_text())
+            if result.get("ok"):
+                return {**result, "message": result["message"] + " (cached)"}
+        except (OSError, ValueError):
+            pass
+    result = self_test([status.isa])
+    if marker is not None and result.get("ok"):
+        try:
+            marker.write_text(json.dumps(result))
+        except OSError:
+            pass
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build (cached) and self-test. --setup: quiet when already built, and never fails set-up
     (the engine then falls back to the XLA paths and says why). --force rebuilds."""
