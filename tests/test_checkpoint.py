@@ -187,10 +187,10 @@ def test_gemma3_old_rope_scaling_form():
 # ------------------------------------------------------------------------------ quantized while read
 @pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"}])
 def test_quantize_at_load_equals_quantize_params_of_the_loaded_tree(e2b_folder, monkeypatch, kw):
-    from gemma4 import quant
+    from gemma4 import quant, quant_host
 
     folder, cfg, _ = e2b_folder
-    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 4096)  # several row chunks per tensor
+    monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 4096)  # several row chunks per tensor
     want = quant.quantize_params(load_safetensors_params(folder, cfg), cfg, **kw)
     got = load_safetensors_params(folder, cfg, quantize=kw)
     assert jax.tree.structure(want) == jax.tree.structure(got)

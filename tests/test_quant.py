@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import config, model, quant
+from gemma4 import config, model, quant, quant_host
 from gemma4 import params as P
 from gemma4.kernels.int4_matmul import choose_blocks, int4_matmul, reference
 
@@ -224,7 +224,7 @@ def test_choose_blocks():
 # ------------------------------------------------------------------------------ host-side quantizers (loaders)
 @pytest.mark.parametrize("shape", [(200, 128), (3000, 1024)])  # numpy and jitted paths of quantize_int8/int4
 def test_host_quantizers_equal_the_jax_quantizers(shape, monkeypatch):
-    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1 << 16)  # several row chunks
+    monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 1 << 16)  # several row chunks
     w = np.asarray(rand(*shape, scale=0.05))
     for src in (w, lambda a, b: w[a:b]):
         a, b = quant.quantize_int8(jnp.asarray(w)), quant.quantize_host(src, shape, "int8")
@@ -245,7 +245,7 @@ def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
     peak stays near the 8 MiB int8 result, and on CPU the jax leaf is that very buffer."""
     import tracemalloc
 
-    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 1 << 16)
     n_out, n_in = 4096, 2048
     rows = lambda a, b: np.full((b - a, n_in), 0.01, np.float32)  # noqa: E731
     tracemalloc.start()

@@ -194,7 +194,7 @@ def _same(a, b) -> bool:
 
 
 def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatch):
-    from gemma4 import quant
+    from gemma4 import quant_host
     from gemma4.params import iter_specs, param_specs, random_params
 
     cfg = preset("tiny-e2b")
@@ -207,17 +207,17 @@ def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatc
     want = rng.standard_normal((cfg.vocab_size, cfg.hidden_size), dtype=np.float32)
     np.testing.assert_array_equal(np.asarray(a["embed"]), want * np.float32(0.02))
     # drawn in row chunks that continue the stream: the chunk size does not change a value
-    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 1000)
     assert all(_same(x, y) for x, y in zip(_leaves(a), _leaves(random_params(cfg, seed=3))))
 
 
 @pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"},
                                 {"mode": "int8", "embed_mode": "none"}])
 def test_random_params_quantized_while_drawn_equal_quantize_params(kw, monkeypatch):
-    from gemma4 import quant
+    from gemma4 import quant, quant_host
     from gemma4.params import random_params
 
-    monkeypatch.setattr(quant, "HOST_CHUNK_ELEMENTS", 4096)  # many chunks per leaf
+    monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 4096)  # many chunks per leaf
     cfg = preset("tiny-e2b")
     want = quant.quantize_params(random_params(cfg, seed=1), cfg, **kw)
     got = random_params(cfg, seed=1, quantize=kw)
