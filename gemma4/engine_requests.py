@@ -1,0 +1,214 @@
+"""Request shaping for the engine: what goes in (prompts → token ids) and what comes out (events → text).
+
+Holds the request types (`RequestError`, `StreamEvent`, `_Request`) and `RequestsMixin`, the public
+request surface of `gemma4.engine.Engine`: chat rendering and the context rule (`render_chat`,
+`count_tokens`, `encode_prompt`), validation and queueing (`submit`), streaming with stop strings
+and the final stats and flags (`stream`, `generate`). The scheduler that serves the queued
+requests stays in `gemma4.engine`. Every name here is also importable from `gemma4.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from gemma4.sampling import SamplingParams
+
+# ------------------------------------------------------------------------------ requests
+class RequestError(ValueError):
+    """A request the engine refuses, with a message meant for the user."""
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    delta: str
+    text: str
+    stats: dict
+    flags: dict
+    done: bool = False
+    finish_reason: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    row: int = -1
+    position: int = 0  # next absolute position to write
+    generated: int = 0
+    recent: list[int] = dataclasses.field(default_factory=list)
+    stats: dict = dataclasses.field(default_factory=dict)
+    occupancy: list[float] = dataclasses.field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------ request shaping
+class RequestsMixin:
+    """Prompts in, events out, for `gemma4.engine.Engine` (which owns `tokenizer`, `cfg`,
+    `context_limit`, the waiting queue and the scheduler that serves it)."""
+
+    # ---------------------------------------------------------------- public API
+    def render_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
+        from gemma4 import chat
+
+        return chat.render(messages, self.cfg.family, self.tokenizer, system=system)
+
+    def count_tokens(self, messages: list[dict], system: str | None = None) -> int:
+        return len(self.render_chat(messages, system))
+
+    def _prompt_ids(self, prompt: Any, mode: str, system: str | None, notes: list[str]) -> list[int]:
+        from gemma4 import chat
+
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            messages = [m for m in prompt]
+            if not str(messages[-1].get("content", "")).strip():
+                raise RequestError("The message is empty — type something first.")
+            ids = self.render_chat(messages, system)
+            # Context rule: drop the oldest turns (never the last user message) until it fits,
+            # keeping room for a reply of at least 1/8 of the window.
+            dropped = 0
+            while len(ids) > self.context_limit * 7 // 8 and len(messages) > 1:
+                cut = 2 if len(messages) > 2 else 1
+                messages, dropped = messages[cut:], dropped + cut
+                ids = self.render_chat(messages, system)
+            if dropped:
+                notes.append(f"the {dropped} oldest message(s) were dropped to fit the context window")
+            return ids
+        if isinstance(prompt, (list, tuple)):
+            return [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            raise RequestError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
+        if not prompt.strip():
+            raise RequestError("The prompt is empty — type something first.")
+        if mode == "chat":
+            return chat.render([{"role": "user", "content": prompt}], self.cfg.family, self.tokenizer, system=system)
+        if mode != "completion":
+            raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
+        return chat.render_completion(prompt, self.tokenizer)
+
+    def encode_prompt(self, prompt: Any, mode: str = "completion", system: str | None = None) -> list[int]:
+        """The token ids a request with this prompt would be given (no queueing)."""
+        return self._prompt_ids(prompt, mode, system, [])
+
+    def submit(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+               system: str | None = None) -> _Request:
+        if self._status["state"] != "ready":
+            self.wait_ready()
+        notes: list[str] = []
+        try:
+            params, more = (params or SamplingParams()).validated(self.max_new_tokens_cap)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        notes += more
+        ids = self._prompt_ids(prompt, mode, system, notes)
+        if len(ids) <= 1:
+            raise RequestError("The prompt is empty — type something first.")
+        room = self.context_limit - len(ids)
+        if room < 1:
+            raise RequestError(f"The prompt is {len(ids)} tokens but the context window is {self.context_limit} "
+                               f"tokens. Shorten it (or start a new conversation).")
+        if params.max_new_tokens > room:
+            notes.append(f"max_new_tokens lowered from {params.max_new_tokens} to {room} to fit the context window")
+            params = dataclasses.replace(params, max_new_tokens=room)
+        seed = params.seed if params.seed is not None else next(self._seed_counter)
+        req = _Request(prompt_ids=ids, params=params, seed=int(seed))
+        req.stats["notes"] = notes
+        with self._lock:
+            self._waiting.append(req)
+            req.stats["queue_position"] = len(self._waiting)
+            self._wake.notify_all()
+        return req
+
+    def stream(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+               system: str | None = None) -> Iterator[StreamEvent]:
+        """Stream a reply. Closing the generator cancels the request and frees its slot."""
+        req = self.submit(prompt, params, mode=mode, system=system)
+        return self._events(req)
+
+    def _events(self, req: _Request) -> Iterator[StreamEvent]:
+        from gemma4.quality import degeneracy_flags
+        from gemma4.tokenizer import IncrementalDecoder
+
+        decoder = IncrementalDecoder(self.tokenizer)
+        text, ids = "", []
+        first_t = last_t = None
+        nonfinite = False
+        reason = None
+        stops = tuple(s for s in req.params.stop_strings if s)
+        try:
+            while True:
+                item = req.events.get()
+                kind = item[0]
+                if kind == "token":
+                    _, token, t, bad = item
+                    ids.append(token)
+                    nonfinite |= bad
+                    first_t = first_t or t
+                    last_t = t
+                    delta = decoder.push(token)
+                    if stops and delta:
+                        cut = _find_stop(text + delta, stops)
+                        if cut is not None:
+                            delta = (text + delta)[:cut][len(text):]
+                            text += delta
+                            req.cancel.set()
+                            reason = "stop"
+                            yield self._event(req, delta, text, ids, first_t, last_t, None, False)
+                            break
+                    text += delta
+                    yield self._event(req, delta, text, ids, first_t, last_t, None, False)
+                elif kind == "done":
+                    reason = item[1]
+                    break
+                else:  # error
+                    reason = "error"
+                    req.stats["error"] = item[1]
+                    break
+            tail = decoder.flush() if reason != "stop" or not stops else ""
+            text += tail
+            flags = degeneracy_flags(text, ids, prompt_text=self.tokenizer.decode(req.prompt_ids),
+                                     control_ids=getattr(self.tokenizer, "control_ids", frozenset()),
+                                     nonfinite_logits=nonfinite)
+            final = self._event(req, tail, text, ids, first_t, last_t, flags, True)
+            final.finish_reason = reason
+            final.stats["finish_reason"] = reason
+            yield final
+        finally:
+            req.cancel.set()  # no-op when finished; frees the row within one step otherwise
+            with self._lock:
+                if req in self._waiting:
+                    self._waiting.remove(req)
+                self._wake.notify_all()
+
+    def _event(self, req, delta, text, ids, first_t, last_t, flags, done) -> StreamEvent:
+        s = dict(req.stats)
+        n = len(ids)
+        s["new_tokens"] = n
+        decode_n = max(n - 1, 0)
+        span = (last_t - first_t) if (first_t and last_t) else 0.0
+        s["decode_tok_s"] = decode_n / span if span > 0 else 0.0
+        s["elapsed_s"] = time.perf_counter() - req.submitted
+        s["batch_occupancy"] = float(np.mean(req.occupancy)) if req.occupancy else 1.0 / self.max_batch
+        return StreamEvent(delta=delta, text=text, stats=s, flags=flags or {}, done=done, token_ids=list(ids))
+
+    def generate(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+                 system: str | None = None) -> dict:
+        last = None
+        for last in self.stream(prompt, params, mode=mode, system=system):
+            pass
+        return {"text": last.text, "token_ids": last.token_ids, "stats": last.stats, "flags": last.flags,
+                "finish_reason": last.finish_reason}
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
