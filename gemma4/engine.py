@@ -206,7 +206,7 @@ class Engine(CompileMixin, RequestsMixin):
         self._loop()
 
     def _load(self) -> None:
-        from gemma4 import hardware, quant, sources
+        from gemma4 import hardware, sources
 
         _enable_compile_cache()
         t0 = time.perf_counter()
