@@ -43,30 +43,31 @@ def _pad_rows(x2, at_least: int = 2):
     return jnp.concatenate([x2, jnp.zeros((at_least - m, x2.shape[1]), x2.dtype)]), m
 
 
-def _fused(x2, q, scale, group):
+def fused(x2, q, scale, group):
+    """Multiply + row reduction in float32 (M small); grouped weights are dequantized first."""
     xf = x2.astype(jnp.float32)
     if group is None:
-        wf = q.astype(jnp.float32)
-        if x2.shape[0] == 1:
-            return jnp.sum(wf * xf[0], axis=-1)[None] * scale
-        return jnp.sum(wf[None] * xf[:, None, :], axis=-1) * scale
-    wf = _dequant(q, scale, group)
-    if x2.shape[0] == 1:
-        return jnp.sum(wf * xf[0], axis=-1)[None]
-    return jnp.sum(wf[None] * xf[:, None, :], axis=-1)
+        wf, post = q.astype(jnp.float32), scale
+    else:
+        wf, post = _dequant(q, scale, group), 1.0
+    if x2.shape[0] == 1:  # the broadcast form reduces poorly for one row; keep it 2-D
+        return jnp.sum(wf * xf[0], axis=-1)[None] * post
+    return jnp.sum(wf[None] * xf[:, None, :], axis=-1) * post
 
 
-def _chunked(x2, q, scale, group):
-    from gemma4.quant import _chunked as chunked, auto_chunk_rows  # noqa: PLC0415
+def chunked(x2, q, scale, group, rows: int | None = None):
+    """Dequantize `rows` output rows at a time (None: quant.auto_chunk_rows; 0: the whole weight)
+    and dot each chunk, in x2's dtype."""
+    from gemma4.quant import _chunked, auto_chunk_rows  # noqa: PLC0415
 
     n, k = q.shape
-    x2 = x2.astype(jnp.float32)
-    rows = auto_chunk_rows(n, k, "cpu")
+    dt = x2.dtype
+    rows = auto_chunk_rows(n, k) if rows is None else rows
     if not rows:
-        return _dot(x2, _dequant(q, scale, group))
+        return _dot(x2, _dequant(q, scale, group, dt)) if group else _dot(x2, q.astype(dt)) * scale
     if group is None:
-        return chunked(x2, n, rows, (q,), lambda qq: qq.astype(jnp.float32)) * scale
-    return chunked(x2, n, rows, (q, scale), lambda qq, ss: _dequant(qq, ss, group))
+        return _chunked(x2, n, rows, (q,), lambda qq: qq.astype(dt)) * scale
+    return _chunked(x2, n, rows, (q, scale), lambda qq, ss: _dequant(qq, ss, group, dt))
 
 
 def _quant_rows(x, levels: float):
@@ -119,9 +120,9 @@ def run(path: str, x2, q, scale, group):
 
         return cpu_int8.matmul(x2, [(q, scale, group)])[0]
     if path == "xla-fused":
-        return _fused(x2, q, scale, group)
+        return fused(x2, q, scale, group)
     if path == "xla-chunked":
-        return _chunked(x2, q, scale, group)
+        return chunked(x2.astype(jnp.float32), q, scale, group)
     if path == "xla-dequant":
         # The barrier ties the dequantization to this layer's activation: otherwise XLA hoists
         # every layer's (activation-independent) dequantization to the start of the program and

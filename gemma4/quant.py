@@ -15,7 +15,7 @@ forward pass runs on any mix of them.
 How they run:
   * int8, decode-sized batches on CPU (≤ FUSED_ROWS_MAX activation rows): a fused elementwise
     convert·multiply + row reduction, which XLA:CPU runs as one loop streaming the int8 weight
-    once (see `_fused_rows` for the measurements).
+    once (see `int8_matmul.fused` and the comment above FUSED_ROWS_MAX for the measurements).
   * int8 otherwise: `dot(x, q.astype(x.dtype)) · scale` inside one jit; the per-row scale is
     applied to the [.., out] result. GPU and TPU compilers are expected to fuse the convert into the matmul (not
     measured here). XLA:CPU (jax 0.10.2) does not: it first writes the whole dequantized float32
@@ -351,29 +351,15 @@ def _chunked(x2: jax.Array, n_out: int, rows: int, parts: tuple, dequant) -> jax
 FUSED_ROWS_MAX = 16
 
 
-def _fused_rows(x2: jax.Array, q: jax.Array) -> jax.Array:
-    """[M, in] · q[out, in]ᵀ as multiply + reduce in float32 (M small)."""
-    wf = q.astype(jnp.float32)
-    xf = x2.astype(jnp.float32)
-    if x2.shape[0] == 1:  # the broadcast form reduces poorly for one row; keep it 2-D
-        return jnp.sum(wf * xf[0], axis=-1)[None]
-    return jnp.sum(wf[None] * xf[:, None, :], axis=-1)
-
-
 def _int8_default(x2: jax.Array, w: "QuantArray") -> jax.Array:
-    """The built-in int8 path (no measured plan): fused rows for decode on CPU, else dequant + dot."""
-    n_out, n_in = w.q.shape
+    """The built-in int8 path (no measured plan): fused rows for decode on CPU, else dequant + dot
+    (chunked on CPU); the formulations themselves live in gemma4.int8_matmul."""
+    from gemma4 import int8_matmul  # noqa: PLC0415
+
     grouped = w.group_size is not None
     if jax.default_backend() == "cpu" and x2.shape[0] <= FUSED_ROWS_MAX and w.chunk_rows is None and not grouped:
-        return _fused_rows(x2, w.q) * w.scale
-    rows = w.chunk_rows if w.chunk_rows is not None else auto_chunk_rows(n_out, n_in)
-    if not rows:
-        if grouped:
-            return _dot(x2, w.dequantize(x2.dtype))
-        return _dot(x2, w.q.astype(x2.dtype)) * w.scale
-    if grouped:
-        return _chunked(x2, n_out, rows, (w.q, w.scale), lambda q, s: _dequant_int8(q, s, w.group_size, x2.dtype))
-    return _chunked(x2, n_out, rows, (w.q,), lambda q: q.astype(x2.dtype)) * w.scale
+        return int8_matmul.fused(x2, w.q, w.scale, None)
+    return int8_matmul.chunked(x2, w.q, w.scale, w.group_size, w.chunk_rows)
 
 
 def int8_path(w: "QuantArray", m: int) -> str:
