@@ -206,36 +206,19 @@ GEMMA4_DEFINE_AVX512_ROWS(RowsAvx512BwT, "avx512f,avx512bw", GEMMA4_DOT_BW)
 
 using RowsFn = void (*)(const Problem&, const Weight&, int64_t, int64_t);
 
-template <int M>
-struct Avx2Of {
-  static constexpr RowsFn fn = &RowsAvx2T<M>;
-};
-template <int M>
-struct AvxVnniOf {
-  static constexpr RowsFn fn = &RowsAvxVnniT<M>;
-};
-template <int M>
-struct Avx512Of {
-  static constexpr RowsFn fn = &RowsAvx512BwT<M>;
-};
-template <int M>
-struct VnniOf {
-  static constexpr RowsFn fn = &RowsAvx512VnniT<M>;
-};
-
-template <template <int> class F>
-RowsFn Pick(int m) {
-  static constexpr RowsFn table[kMaxRows] = {F<1>::fn, F<2>::fn, F<3>::fn, F<4>::fn,
-                                            F<5>::fn, F<6>::fn, F<7>::fn, F<8>::fn};
-  return table[m - 1];
-}
+// The instantiation for each activation row count 1..kMaxRows of one ISA's row function.
+#define GEMMA4_BY_ROWS(F) {&F<1>, &F<2>, &F<3>, &F<4>, &F<5>, &F<6>, &F<7>, &F<8>}
 
 RowsFn RowsFor(int64_t isa, int m) {
+  static constexpr RowsFn vnni[kMaxRows] = GEMMA4_BY_ROWS(RowsAvx512VnniT);
+  static constexpr RowsFn avx512[kMaxRows] = GEMMA4_BY_ROWS(RowsAvx512BwT);
+  static constexpr RowsFn avx_vnni[kMaxRows] = GEMMA4_BY_ROWS(RowsAvxVnniT);
+  static constexpr RowsFn avx2[kMaxRows] = GEMMA4_BY_ROWS(RowsAvx2T);
   switch (isa) {
-    case kAvx512Vnni: return Pick<VnniOf>(m);
-    case kAvx512: return Pick<Avx512Of>(m);
-    case kAvxVnni: return Pick<AvxVnniOf>(m);
-    case kAvx2: return Pick<Avx2Of>(m);
+    case kAvx512Vnni: return vnni[m - 1];
+    case kAvx512: return avx512[m - 1];
+    case kAvxVnni: return avx_vnni[m - 1];
+    case kAvx2: return avx2[m - 1];
     default: return &RowsPortable;
   }
 }
