@@ -5,7 +5,7 @@ Everything here takes plain Python data (the engine's `stats`, `flags`, `info()`
 engine, no Gradio import: the functions are unit-tested on their own.
 
 This module holds the status line, the model banner and the session panel, and re-exports the
-helpers that live in its siblings (`ui_numbers`, `ui_reply`, `ui_hardware`), so the app and the
+helpers that live in its siblings (`ui_numbers`, `ui_reply`, `ui_thinking`, `ui_hardware`), so the app and the
 tests reach every formatter as `ui_format.<name>`.
 """
 
@@ -37,9 +37,19 @@ from gemma4.ui_reply import (
     stats_title,
     strip_trailing_assistant,
 )
+from gemma4.ui_thinking import (
+    STATS_ID,
+    THOUGHT_ID,
+    TOOLS_ID,
+    close_pending_thought,
+    is_thought,
+    thought_message,
+    tool_calls_message,
+)
 
 __all__ = [
-    "FINISH_TEXT", "NOTICE_LOG", "as_number", "clamp", "context_meter_html",
+    "FINISH_TEXT", "NOTICE_LOG", "STATS_ID", "THOUGHT_ID", "TOOLS_ID", "as_number",
+    "close_pending_thought", "is_thought", "thought_message", "tool_calls_message", "clamp", "context_meter_html",
     "empty_reply_panel_html", "flags_summary", "fmt_bytes", "fmt_int", "fmt_num",
     "hardware_markdown", "history_to_messages", "is_app_message", "is_notice", "last_user_text",
     "loading_text", "memory_markdown", "message_index", "message_text", "model_banner_html",

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gemma4.ui_numbers import as_number, fmt_int, fmt_num
+from gemma4.ui_thinking import STATS_ID, thought_message, tool_calls_message
 
 # Assistant messages the app writes itself, as opposed to model text:
 # - a *notice* (a refusal or error: "not sent, because ..."), marked with metadata log "notice";
@@ -19,7 +20,8 @@ from gemma4.ui_numbers import as_number, fmt_int, fmt_num
 #   conversation sent to the model, so a refused message does not poison the next request;
 # - a *stats* message after each reply, whose metadata title is the short stats line
 #   (Gradio renders a message with a metadata title as a collapsible block: the numbers stay
-#   with the reply in the history, the details fold away).
+#   with the reply in the history, the details fold away);
+# - a reply's *thought* and *tool calls* (gemma4/ui_thinking.py), also titled blocks.
 NOTICE_LOG = "notice"
 
 FINISH_TEXT = {
@@ -67,7 +69,8 @@ def is_notice(message: Mapping[str, Any]) -> bool:
 
 
 def is_app_message(message: Mapping[str, Any]) -> bool:
-    """True for assistant messages that are not model text (notices, stats, loading lines)."""
+    """True for assistant messages that are not the model's answer text: notices, stats,
+    loading lines, and the thought and tool-call blocks (all but notices carry a title)."""
     meta = message.get("metadata") or {}
     return message.get("role") == "assistant" and bool(meta.get("title") or is_notice(message))
 
@@ -75,7 +78,8 @@ def is_app_message(message: Mapping[str, Any]) -> bool:
 def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
     """Gradio chat history → the engine's `[{"role", "content": str}]` conversation.
 
-    App messages (stats, loading lines) are dropped; so are notices and the user turn(s) they
+    App messages (stats, loading lines, earlier thoughts and tool-call blocks) are dropped, so
+    a thought never goes back into the prompt; so are notices and the user turn(s) they
     answered, so a refused message (too long, engine error) does not poison the next request.
     Consecutive messages of one role are joined.
     """
@@ -211,10 +215,11 @@ def stats_title(
         if stats.get("compiled"):
             return "⏳ compiling for this prompt length…"
         return "⏳ reading the prompt…"
+    thought = int(as_number(stats.get("thought_tokens")) or 0)
     parts = [
         f"{_decode_rate(stats)} tok/s",
         f"TTFT {fmt_num(ttft, 2)} s",
-        f"{int(new_tokens)} tokens",
+        f"{int(new_tokens)} tokens" + (f" ({thought} thinking)" if thought else ""),
     ]
     icon = "⏱"
     if done and finish_reason == "cancelled":
@@ -260,7 +265,7 @@ def stats_message(
     return {
         "role": "assistant",
         "content": stats_details(stats, flags),
-        "metadata": {"title": title, "status": "done" if done else "pending"},
+        "metadata": {"id": STATS_ID, "title": title, "status": "done" if done else "pending"},
     }
 
 
@@ -271,13 +276,43 @@ def reply_messages(
     *,
     done: bool,
     finish_reason: str | None = None,
+    thought: str = "",
+    in_thought: bool = False,
+    thought_s: float | None = None,
+    tool_calls: Sequence[Any] = (),
 ) -> list[dict[str, Any]]:
-    """The reply as chat messages: the model's text (once there is some), then its stats."""
+    """The reply as chat messages: its thought (if any), the answer text (once there is some),
+    the tool calls it made (if any), then its stats.
+
+    `in_thought`: the model is (or, once done, was left) inside its thought; a reply done in
+    that state was cut off before its answer and its thought title says why.
+    """
     out: list[dict[str, Any]] = []
+    tokens = as_number((stats or {}).get("thought_tokens"))
+    block = thought_message(thought, pending=in_thought and not done, thought_s=thought_s,
+                            tokens=int(tokens) if tokens else None,
+                            cut_reason=finish_reason if done and in_thought else None)
+    if block:
+        out.append(block)
     if text:
         out.append({"role": "assistant", "content": text})
+    calls = tool_calls_message(tool_calls)
+    if calls:
+        out.append(calls)
     out.append(stats_message(stats, flags, done=done, finish_reason=finish_reason))
     return out
+
+
+def _split_tokens(stats: Mapping[str, Any]) -> str:
+    """" — thought 40 (3.2 s) · answer 17" when the reply thought (or thinking was on; the app
+    sets stats["thinking"]), from the request layer's separate counts."""
+    thought = as_number(stats.get("thought_tokens"))
+    if not (thought or stats.get("thinking")):
+        return ""
+    secs = as_number(stats.get("thought_s"))
+    took = f" ({fmt_num(secs, 1)} s)" if secs is not None else ""
+    return (f" — thought <b>{fmt_int(thought or 0)}</b>{took} · answer "
+            f"<b>{fmt_int(stats.get('answer_tokens'))}</b>")
 
 
 def _occupancy_plain(stats: Mapping[str, Any]) -> str:
@@ -340,7 +375,7 @@ def reply_panel_html(
         ),
         ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)"),
         ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>"),
-        ("Tokens generated", fmt_int(stats.get("new_tokens"))),
+        ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),
         ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
         ("Batch occupancy", _occupancy(stats)),
         ("Waited for a compile", compile_txt),
