@@ -57,50 +57,71 @@ class RequestsMixin:
     `context_limit`, the waiting queue and the scheduler that serves it)."""
 
     # ---------------------------------------------------------------- public API
-    def render_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], system: str | None = None, *, thinking: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids of a chat in this model's format (Gemma 4: thinking flag, tool declarations,
+        the 31B/26B empty thought block when thinking is off; see `gemma4.chat.render`)."""
         from gemma4 import chat
 
-        return chat.render(messages, self.cfg.family, self.tokenizer, system=system)
+        return chat.render(messages, self.cfg.family, self.tokenizer, system=system, thinking=thinking,
+                           tools=tools, large_model_template=chat.uses_large_template(self.cfg))
 
-    def count_tokens(self, messages: list[dict], system: str | None = None) -> int:
-        return len(self.render_chat(messages, system))
+    def count_tokens(self, messages: list[dict], system: str | None = None, *, thinking: bool = False,
+                     tools: list[dict] | None = None) -> int:
+        return len(self.render_chat(messages, system, thinking=thinking, tools=tools))
 
-    def _prompt_ids(self, prompt: Any, mode: str, system: str | None, notes: list[str]) -> list[int]:
+    def _prompt_ids(self, prompt: Any, mode: str, system: str | None, notes: list[str], *,
+                    thinking: bool = False, tools: list[dict] | None = None) -> list[int]:
         from gemma4 import chat
 
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            messages = [m for m in prompt]
-            if not str(messages[-1].get("content", "")).strip():
-                raise RequestError("The message is empty — type something first.")
-            ids = self.render_chat(messages, system)
-            # Context rule: drop the oldest turns (never the last user message) until it fits,
-            # keeping room for a reply of at least 1/8 of the window.
-            dropped = 0
-            while len(ids) > self.context_limit * 7 // 8 and len(messages) > 1:
-                cut = 2 if len(messages) > 2 else 1
-                messages, dropped = messages[cut:], dropped + cut
-                ids = self.render_chat(messages, system)
-            if dropped:
-                notes.append(f"the {dropped} oldest message(s) were dropped to fit the context window")
-            return ids
-        if isinstance(prompt, (list, tuple)):
-            return [int(t) for t in prompt]
-        if not isinstance(prompt, str):
-            raise RequestError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
-        if not prompt.strip():
-            raise RequestError("The prompt is empty — type something first.")
-        if mode == "chat":
-            return chat.render([{"role": "user", "content": prompt}], self.cfg.family, self.tokenizer, system=system)
-        if mode != "completion":
-            raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
-        return chat.render_completion(prompt, self.tokenizer)
+        try:
+            if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+                return self._chat_ids(list(prompt), system, notes, thinking, tools)
+            if (thinking or tools) and mode != "chat":
+                raise RequestError("Thinking and tools need a chat prompt (mode='chat'), not a completion.")
+            if isinstance(prompt, (list, tuple)):
+                return [int(t) for t in prompt]
+            if not isinstance(prompt, str):
+                raise RequestError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
+            if not prompt.strip():
+                raise RequestError("The prompt is empty — type something first.")
+            if mode == "chat":
+                return self.render_chat([{"role": "user", "content": prompt}], system, thinking=thinking, tools=tools)
+            if mode != "completion":
+                raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
+            return chat.render_completion(prompt, self.tokenizer)
+        except RequestError:
+            raise
+        except ValueError as e:  # a malformed message, tool or tool call: the renderer says which
+            raise RequestError(str(e)) from None
 
-    def encode_prompt(self, prompt: Any, mode: str = "completion", system: str | None = None) -> list[int]:
+    def _chat_ids(self, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
+                  tools: list[dict] | None) -> list[int]:
+        last = messages[-1]
+        if not (str(last.get("content") or "").strip() or last.get("tool_calls")):
+            raise RequestError("The message is empty — type something first.")
+        ids = self.render_chat(messages, system, thinking=thinking, tools=tools)
+        # Context rule: drop the oldest exchanges (a user message and what answers it, tool calls
+        # and results included; never a system/developer message, the tools or the last message)
+        # until the prompt fits, keeping room for a reply of at least 1/8 of the window.
+        dropped = 0
+        while len(ids) > self.context_limit * 7 // 8:
+            cut = _oldest_exchange(messages)
+            if cut is None:
+                break
+            messages, dropped = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0]
+            ids = self.render_chat(messages, system, thinking=thinking, tools=tools)
+        if dropped:
+            notes.append(f"the {dropped} oldest message(s) were dropped to fit the context window")
+        return ids
+
+    def encode_prompt(self, prompt: Any, mode: str = "completion", system: str | None = None, *,
+                      thinking: bool = False, tools: list[dict] | None = None) -> list[int]:
         """The token ids a request with this prompt would be given (no queueing)."""
-        return self._prompt_ids(prompt, mode, system, [])
+        return self._prompt_ids(prompt, mode, system, [], thinking=thinking, tools=tools)
 
     def submit(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-               system: str | None = None) -> _Request:
+               system: str | None = None, thinking: bool = False, tools: list[dict] | None = None) -> _Request:
         if self._status["state"] != "ready":
             self.wait_ready()
         notes: list[str] = []
@@ -109,7 +130,7 @@ class RequestsMixin:
         except ValueError as e:
             raise RequestError(str(e)) from None
         notes += more
-        ids = self._prompt_ids(prompt, mode, system, notes)
+        ids = self._prompt_ids(prompt, mode, system, notes, thinking=thinking, tools=tools)
         if len(ids) <= 1:
             raise RequestError("The prompt is empty — type something first.")
         room = self.context_limit - len(ids)
@@ -129,12 +150,25 @@ class RequestsMixin:
         return req
 
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-               system: str | None = None) -> Iterator[StreamEvent]:
-        """Stream a reply. Closing the generator cancels the request and frees its slot."""
-        req = self.submit(prompt, params, mode=mode, system=system)
+               system: str | None = None, thinking: bool = False,
+               tools: list[dict] | None = None) -> Iterator[StreamEvent]:
+        """Stream a reply. Closing the generator cancels the request and frees its slot. The
+        text is every generated token decoded, control tokens dropped: use
+        `gemma4.conversation.stream_reply` to get a thinking/tool reply split into its parts."""
+        req = self.submit(prompt, params, mode=mode, system=system, thinking=thinking, tools=tools)
         return self._events(req)
 
-    def _events(self, req: _Request) -> Iterator[StreamEvent]:
+    def cancel(self, req: _Request) -> None:
+        """Cancel a submitted request: it leaves the queue now, or frees its slot within one step."""
+        req.cancel.set()
+        with self._lock:
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._wake.notify_all()
+
+    def _events(self, req: _Request, stop_strings: Sequence[str] | None = None) -> Iterator[StreamEvent]:
+        """The request's events; `stop_strings` replaces the request's own (a caller that applies
+        them to part of the text, e.g. a thinking reply's answer, passes ())."""
         from gemma4.quality import degeneracy_flags
         from gemma4.tokenizer import IncrementalDecoder
 
@@ -143,7 +177,7 @@ class RequestsMixin:
         first_t = last_t = None
         nonfinite = False
         reason = None
-        stops = tuple(s for s in req.params.stop_strings if s)
+        stops = tuple(s for s in (req.params.stop_strings if stop_strings is None else stop_strings) if s)
         try:
             while True:
                 item = req.events.get()
@@ -183,11 +217,7 @@ class RequestsMixin:
             final.stats["finish_reason"] = reason
             yield final
         finally:
-            req.cancel.set()  # no-op when finished; frees the row within one step otherwise
-            with self._lock:
-                if req in self._waiting:
-                    self._waiting.remove(req)
-                self._wake.notify_all()
+            self.cancel(req)  # no-op when finished; frees the row within one step otherwise
 
     def _event(self, req, delta, text, ids, first_t, last_t, flags, done) -> StreamEvent:
         s = dict(req.stats)
@@ -201,12 +231,25 @@ class RequestsMixin:
         return StreamEvent(delta=delta, text=text, stats=s, flags=flags or {}, done=done, token_ids=list(ids))
 
     def generate(self, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-                 system: str | None = None) -> dict:
+                 system: str | None = None, thinking: bool = False, tools: list[dict] | None = None) -> dict:
         last = None
-        for last in self.stream(prompt, params, mode=mode, system=system):
+        for last in self.stream(prompt, params, mode=mode, system=system, thinking=thinking, tools=tools):
             pass
         return {"text": last.text, "token_ids": last.token_ids, "stats": last.stats, "flags": last.flags,
                 "finish_reason": last.finish_reason}
+
+
+def _oldest_exchange(messages: Sequence[dict]) -> tuple[int, int] | None:
+    """[start, end) of the oldest droppable run of messages: from the first non-system message up
+    to the next user message (so tool calls and their results go together), never reaching the
+    last message; None when nothing can be dropped."""
+    convo = [k for k, m in enumerate(messages) if m.get("role") not in ("system", "developer")]
+    if len(convo) < 2:
+        return None
+    start = convo[0]
+    # No later user message: drop all but the last message.
+    end = next((k for k in convo[1:] if messages[k].get("role") == "user"), convo[-1])
+    return start, end
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:

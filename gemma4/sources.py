@@ -368,7 +368,10 @@ def synthetic_tokenizer(vocab_size: int, family: str = "gemma4"):
     normal, control, unknown, unused, byte = 1, 3, 2, 5, 6
     specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
     if family == "gemma4":
-        specials.update({98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>"})
+        # Gemma 4's real ids, tool tokens included, so random weights render and parse tool calls.
+        specials.update({46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>",
+                         50: "<|tool_response>", 51: "<tool_response|>", 52: '<|"|>', 98: "<|think|>",
+                         100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>"})
     else:
         specials.update({105: "<start_of_turn>", 106: "<end_of_turn>"})
     first_byte = 107

@@ -72,7 +72,8 @@ def test_gemma4_thinking_and_large_template(g4tok):
     e = g4tok.encode
     msgs = [{"role": "user", "content": "Hi"}]
     think = render(msgs, "gemma4", g4tok, thinking=True)
-    head = [BOS, TURN] + e("system\n") + [THINK, END_TURN]  # empty system text after <|think|>
+    # The checkpoints' template writes "<|think|>\n", then the (here empty) system text.
+    head = [BOS, TURN] + e("system\n") + [THINK] + e("\n") + [END_TURN]
     assert think[:len(head)] == head
     large = render(msgs, "gemma4", g4tok, large_model_template=True)
     assert large[-(len(e("thought\n")) + 2):] == [CHANNEL] + e("thought\n") + [END_CHANNEL]
@@ -144,7 +145,7 @@ GEMMA4_TEMPLATE = (
     "{% set sys = messages[0]['content'] %}{% set msgs = messages[1:] %}"
     "{% else %}{% set sys = none %}{% endif %}"
     "{% if sys is not none or enable_thinking %}"
-    "<|turn>system\n{% if enable_thinking %}<|think|>{% endif %}{{ (sys or '') | trim }}<turn|>\n"
+    "<|turn>system\n{% if enable_thinking %}<|think|>\n{% endif %}{{ (sys or '') | trim }}<turn|>\n"
     "{% endif %}"
     "{% for m in msgs %}"
     "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
