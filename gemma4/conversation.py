@@ -153,7 +153,7 @@ class ReplySplitter:
         self.tool_calls: list[ToolCall] = []
         self.errors: list[str] = []
         self.thought_tokens = self.answer_tokens = self.tool_call_tokens = 0
-        self.stray = 0  # control ids dropped where they mean nothing (a stray <channel|>, …)
+        self.stray = 0  # control ids dropped where they mean nothing (flagged as control_tokens)
         self.structural: list[int] = []  # control ids used as markers (not degeneracy evidence)
         self.had_thought = in_thought
         self._dec = IncrementalDecoder(tokenizer)
@@ -219,7 +219,10 @@ class ReplySplitter:
             self.mode, self._call = "tool", []
             return self._add(answer=self._dec.flush())
         self.answer_tokens += 1
-        if self.tok.is_control(token):  # e.g. a stray <channel|>: dropped, never shown
+        if token == self.channel_close:  # a stray <channel|> (a known Gemma 4 quirk): dropped
+            self.structural.append(token)
+            return "", ""
+        if self.tok.is_control(token):  # any other control id: dropped, and flagged
             self.stray += 1
             return "", ""
         return self._add(answer=self._dec.push(token))

@@ -13,7 +13,7 @@ Usage (a module-scoped tiny random Gemma 4 engine keeps it fast)::
 
     from tests.scripted import scripted
 
-    eng = Engine("random:tiny-e2b", max_batch=2, context_limit=256, buckets=(16, 64, 256))
+    eng = tiny_gemma4()  # one shared random:tiny-e2b engine per test process
     with scripted(eng, "<|channel>thought\\nHmm.<channel|>Hello!<turn|>") as script:
         events = list(stream_reply(eng, "Hi", SamplingParams(max_new_tokens=40), thinking=True))
     assert events[-1].thought == "Hmm." and events[-1].answer == "Hello!"
@@ -36,6 +36,18 @@ from __future__ import annotations
 import contextlib
 import threading
 from typing import Callable, Iterator, Sequence
+
+
+# The tiny random Gemma 4 every scripted test shares (get_engine keeps one per settings, so the
+# modules that use it pay its load and compiles once per test run).
+TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256))
+
+
+def tiny_gemma4():
+    """The shared `random:tiny-e2b` engine (Gemma 4 geometry, synthetic byte vocabulary), ready."""
+    from gemma4.engine import get_engine
+
+    return get_engine("random:tiny-e2b", **TINY_GEMMA4).wait_ready(timeout=900)
 
 
 def script_ids(engine, script: str | Sequence[int]) -> list[int]:

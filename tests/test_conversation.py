@@ -1,0 +1,234 @@
+"""The shared request layer (`gemma4.conversation`): a tiny random Gemma 4 whose output is forced
+(`tests.scripted`) streams through the real engine, and the reply splits into thought, answer and
+tool calls exactly; cut-off thoughts, empty thought blocks, stray markers, stop strings, later
+turns, tool-call rounds, cancellation and Gemma 3 refusals."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+
+from gemma4.conversation import ReplyEvent, prompt_ids, stream_reply, supports_thinking, supports_tools
+from gemma4.engine_requests import RequestError
+from gemma4.sampling import SamplingParams
+from tests.scripted import script_ids, scripted, tiny_gemma4
+
+CHANNEL, END_CHANNEL, TURN, END_TURN = 100, 101, 105, 106
+P = SamplingParams(max_new_tokens=60, seed=1)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return tiny_gemma4()
+
+
+def run(eng, script, prompt="Hi", params=P, **kw) -> list[ReplyEvent]:
+    with scripted(eng, script) as handle:
+        events = list(stream_reply(eng, prompt, params, **kw))
+    assert handle.used == 1
+    return events
+
+
+def wait_idle(eng, timeout=10.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        q = eng.queue_state()
+        if q["active"] == 0 and q["waiting"] == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_thought_and_answer_split_exactly(eng):
+    events = run(eng, "<|channel>thought\nThe user greets. 2 < 3 & <b>\n<channel|>Hello there!<turn|>", thinking=True)
+    final = events[-1]
+    assert (final.thought, final.answer) == ("The user greets. 2 < 3 & <b>\n", "Hello there!")
+    assert final.done and final.finish_reason == "stop" and not final.in_thought
+    assert "".join(e.thought_delta for e in events) == final.thought
+    assert "".join(e.answer_delta for e in events) == final.answer
+    # in_thought while the thought streams, then off; no answer text before the thought ends.
+    in_thought = [e.in_thought for e in events]
+    assert in_thought[0] and not in_thought[-1] and in_thought == sorted(in_thought, reverse=True)
+    assert all(e.answer == "" for e in events if e.in_thought)
+    s = final.stats
+    n_thought = len(script_ids(eng, "<|channel>thought\nThe user greets. 2 < 3 & <b>\n<channel|>"))
+    assert s["thought_tokens"] == n_thought and s["answer_tokens"] == len(script_ids(eng, "Hello there!"))
+    assert s["thought_tokens"] + s["answer_tokens"] + s["tool_call_tokens"] == s["new_tokens"]
+    assert s["prompt_tokens"] == len(prompt_ids(eng, "Hi", thinking=True)) and s["finish_reason"] == "stop"
+    assert final.thought_s is not None and final.thought_s >= 0
+    assert final.flags["ok"], final.flags  # markers used as markers are not control-token evidence
+
+
+def test_no_thought_means_no_thought_fields(eng):
+    final = run(eng, "Just an answer.<turn|>")[-1]
+    assert (final.thought, final.answer, final.thought_s, final.in_thought) == ("", "Just an answer.", None, False)
+    assert final.stats["thought_tokens"] == 0
+
+
+def test_thought_cut_off_by_max_tokens(eng):
+    params = SamplingParams(max_new_tokens=12, seed=1)
+    final = run(eng, "<|channel>thought\nLet me think about this for a long while.<channel|>Never.", params=params,
+                thinking=True)[-1]
+    assert final.finish_reason == "length" and final.in_thought and final.answer == ""
+    opened = len(script_ids(eng, "<|channel>thought\n"))
+    assert final.thought == "Let me think about this for a long while."[:12 - opened]
+    assert any("cut off inside its thought" in n for n in final.notes)
+
+
+def test_empty_thought_block_and_stray_marker(eng):
+    final = run(eng, "<|channel>thought\n<channel|>Answer.<turn|>")[-1]
+    assert (final.thought, final.answer) == ("", "Answer.")
+    stray = run(eng, "Hello<channel|> world<|channel>thought\nlate<channel|>!<turn|>")[-1]
+    assert (stray.answer, stray.thought) == ("Hello world!", "late")
+    assert stray.flags["ok"], stray.flags
+    # Any other control id in the answer is dropped from the text and flagged.
+    odd = run(eng, [ord("A") + 107, TURN, ord("B") + 107, END_TURN])[-1]  # bytes of the synthetic vocabulary
+    assert odd.answer == "AB" and "control_tokens" in odd.flags["fired"]
+
+
+def test_large_template_prefills_an_empty_thought(eng, monkeypatch):
+    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "on")
+    ids = prompt_ids(eng, "Hi")
+    block = [CHANNEL] + eng.tokenizer.encode("thought\n") + [END_CHANNEL]
+    assert ids[-len(block):] == block and ids[:-len(block)] == prompt_ids(eng, "Hi", thinking=False)[:len(ids) - len(block)]
+    assert prompt_ids(eng, "Hi", thinking=True)[-1] != END_CHANNEL  # thinking on: no pre-filled block
+    final = run(eng, "Straight to the answer.<turn|>")[-1]
+    assert (final.thought, final.answer, final.thought_s) == ("", "Straight to the answer.", None)
+    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "off")
+    assert prompt_ids(eng, "Hi")[-1] != END_CHANNEL
+    monkeypatch.delenv("GEMMA4_EMPTY_THOUGHT")
+    assert prompt_ids(eng, "Hi")[-1] != END_CHANNEL  # an E2B geometry: the small template
+
+
+def test_prompt_ending_inside_a_thought_continues_it(eng):
+    prompt = prompt_ids(eng, "Hi", thinking=True) + [CHANNEL] + eng.tokenizer.encode("thought\n")
+    final = run(eng, "still thinking<channel|>done<turn|>", prompt=prompt)[-1]
+    assert (final.thought, final.answer) == ("still thinking", "done")
+
+
+def test_stop_strings_apply_to_the_answer_only(eng):
+    params = SamplingParams(max_new_tokens=60, seed=1, stop_strings=("STOP",))
+    events = run(eng, "<|channel>thought\nI must not say STOP.<channel|>abc STOP def<turn|>", params=params,
+                 thinking=True)
+    final = events[-1]
+    assert final.thought == "I must not say STOP." and final.answer == "abc " and final.finish_reason == "stop"
+    assert all("S" not in e.answer for e in events)  # the stop's first letters were never shown
+    assert "".join(e.answer_delta for e in events) == "abc "
+    assert wait_idle(eng)
+
+
+def test_later_turn_prompt_has_no_earlier_thought(eng):
+    first = run(eng, "<|channel>thought\nSECRET plan<channel|>It is 4.<turn|>", prompt="2+2?", thinking=True)[-1]
+    follow = {"role": "user", "content": "And 3+3?"}
+    # What a Gradio chat sends back (the thought as a titled display message) and what an API
+    # client sends back (reasoning_content, or the raw text with its channel block).
+    gradio = [{"role": "user", "content": "2+2?"},
+              {"role": "assistant", "content": first.thought, "metadata": {"title": "Thought", "status": "done"}},
+              {"role": "assistant", "content": first.answer}, follow]
+    api = [{"role": "user", "content": "2+2?"},
+           {"role": "assistant", "content": first.answer, "reasoning_content": first.thought}, follow]
+    raw = [{"role": "user", "content": "2+2?"},
+           {"role": "assistant", "content": "<|channel>thought\nSECRET plan<channel|>It is 4."}, follow]
+    expected = prompt_ids(eng, [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is 4."},
+                                follow], thinking=True)
+    for history in (gradio, api, raw):
+        ids = prompt_ids(eng, history, thinking=True)
+        assert ids == expected
+        assert CHANNEL not in ids and "SECRET" not in eng.tokenizer.decode(ids)
+
+
+def test_tool_call_round(eng):
+    script = ('<|channel>thought\nNeed the weather.<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>}'
+              '<tool_call|><|tool_call>call:get_weather{city:<|"|>Lyon<|"|>}<tool_call|><|tool_response>')
+    final = run(eng, script, prompt="Weather in Paris and Lyon?", tools=TOOLS, thinking=True,
+                params=SamplingParams(max_new_tokens=150, seed=1))[-1]
+    assert final.finish_reason == "tool_calls" and final.answer == "" and final.thought == "Need the weather."
+    assert [(c.id, c.name, c.arguments) for c in final.tool_calls] == [
+        ("call_1", "get_weather", {"city": "Paris"}), ("call_2", "get_weather", {"city": "Lyon"})]
+    assert final.stats["tool_call_tokens"] > 0
+    history = [{"role": "user", "content": "Weather in Paris and Lyon?"},
+               {"role": "assistant", "content": "", "reasoning_content": final.thought,
+                "tool_calls": [c.to_openai() for c in final.tool_calls]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "call_2", "content": "rain"}]
+    ids = prompt_ids(eng, history, tools=TOOLS, thinking=True)
+    assert ids[-1] == 51  # ends with <tool_response|>: the model continues its own turn
+    assert "Need the weather." in eng.tokenizer.decode(ids)  # the thought behind the pending calls stays
+    answer = run(eng, "Paris is sunny, Lyon rainy.<turn|>", prompt=history, tools=TOOLS, thinking=True)[-1]
+    assert (answer.answer, answer.tool_calls, answer.finish_reason) == ("Paris is sunny, Lyon rainy.", [], "stop")
+
+
+def test_malformed_and_cut_off_tool_calls_are_notes(eng):
+    bad = run(eng, "<|tool_call>call:get_weather{city:Paris}<tool_call|><|tool_response>", tools=TOOLS)[-1]
+    assert bad.tool_calls == [] and bad.finish_reason == "stop"
+    assert any("was not returned" in n and "malformed" in n for n in bad.notes)
+    with scripted(eng, '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'):
+        cut = list(stream_reply(eng, "x", SamplingParams(max_new_tokens=8, seed=1), tools=TOOLS))[-1]
+    assert cut.finish_reason == "length" and cut.tool_calls == []
+    assert any("cut off inside a tool call" in n for n in cut.notes)
+
+
+def test_close_cancels_and_frees_the_slot(eng):
+    assert wait_idle(eng)
+    with scripted(eng, "<|channel>thought\n" + "x" * 40, then="model"):
+        stream = stream_reply(eng, "Hi", SamplingParams(max_new_tokens=200, seed=1), thinking=True)
+        for k, ev in enumerate(stream):
+            if k == 3:
+                break
+        assert ev.in_thought and eng.queue_state()["active"] == 1
+        stream.close()
+        assert wait_idle(eng, 5.0)
+    # Closed before its first event: it never keeps a slot either.
+    stream = stream_reply(eng, "Hi", SamplingParams(max_new_tokens=200, seed=1))
+    stream.close()
+    assert wait_idle(eng, 5.0)
+    # A generator wrapping it (what Gradio and an HTTP streaming response hold), closed mid-reply.
+    def wrapper():
+        yield from stream_reply(eng, "Hi", SamplingParams(max_new_tokens=200, seed=1))
+    gen = wrapper()
+    next(gen)
+    gen.close()
+    assert wait_idle(eng, 5.0)
+
+
+def test_bad_requests_raise_request_error(eng):
+    with pytest.raises(RequestError, match="chat request"):
+        stream_reply(eng, "Hi", P, mode="completion", thinking=True)
+    with pytest.raises(RequestError, match="tools must be a list"):
+        stream_reply(eng, "Hi", P, tools={"name": "f"})
+    with pytest.raises(RequestError, match="must follow an assistant message"):
+        stream_reply(eng, [{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}], P)
+    with pytest.raises(RequestError, match="needs a 'name'"):
+        stream_reply(eng, "Hi", P, tools=[{"type": "function", "function": {}}])
+    with pytest.raises(RequestError, match="empty"):
+        stream_reply(eng, [{"role": "user", "content": "  "}], P)
+    assert wait_idle(eng)
+
+
+def test_context_rule_keeps_system_and_tools(eng):
+    long = "y" * 70  # 70 byte tokens each
+    history = [{"role": "system", "content": "SYSTEM RULES"}]
+    for k in range(4):
+        history += [{"role": "user", "content": f"q{k} {long}"}, {"role": "assistant", "content": f"a{k} {long}"}]
+    history.append({"role": "user", "content": "last question"})
+    notes: list[str] = []
+    ids = eng._prompt_ids(history, "chat", None, notes, tools=TOOLS)
+    text = eng.tokenizer.decode(ids)
+    assert len(ids) <= eng.context_limit * 7 // 8
+    assert "SYSTEM RULES" in text and "declaration:get_weather" in text and "last question" in text
+    assert "q0 " not in text and notes and "dropped" in notes[0]
+
+
+def test_gemma3_refuses_thinking_and_tools(eng):
+    assert supports_thinking(eng) == (True, "") and supports_tools(eng)[0]
+    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3"), info=lambda: {"model": "bundled"})
+    ok, why = supports_thinking(g3)
+    assert not ok and "Gemma 3" in why and "thinking" in why
+    with pytest.raises(RequestError, match="Thinking is not available: bundled is a Gemma 3 model"):
+        stream_reply(g3, "Hi", P, thinking=True)
+    with pytest.raises(RequestError, match="Tools are not available"):
+        prompt_ids(g3, "Hi", tools=TOOLS)
