@@ -8,7 +8,8 @@ the API for programs, the Blocks layout and the launch.
     python app.py --model google/gemma-4-E2B-it --host 0.0.0.0 --max-users 8
 
 Every flag has an environment variable (GEMMA4_MODEL, GEMMA4_HOST, GEMMA4_PORT, GEMMA4_SHARE,
-GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT). Nothing is loaded at import time:
+GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT; access: GEMMA4_AUTH, GEMMA4_AUTH_FILE,
+GEMMA4_API_KEY, GEMMA4_RATE_IN_FLIGHT, GEMMA4_RATE_PER_MINUTE). Nothing is loaded at import time:
 `main()` asks for the engine, which loads and warms up in the background while the page is
 already served.
 """
@@ -26,11 +27,13 @@ from typing import Any
 import gradio as gr
 
 from gemma4 import ui_format as uf
+from gemma4.server import Access, access_from_args, add_access_flags
 from gemma4.ui_chat import (
     PENALTY_RANGE,
     SEED_RANDOM,
     STREAM_INTERVAL_S,
     TEMPERATURE_RANGE,
+    THINK_INFO,
     TOP_P_RANGE,
     ChatHandlers,
     guess_is_base,
@@ -107,6 +110,8 @@ class Settings:
     max_new_tokens_cap: int = 1024
     context: int = 4096
     queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
+    # UI login, /v1 keys, per-client rate limits (gemma4.server); secrets stay out of repr()
+    access: Access = dataclasses.field(default_factory=Access)
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
@@ -134,13 +139,18 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
                    help="context window in tokens (env GEMMA4_CONTEXT)")
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue before new ones are refused")
+    add_access_flags(p, env)
     a = p.parse_args(list(argv) if argv is not None else None)
     for name in ("port", "max_users", "max_new_tokens_cap", "context", "queue_size"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    try:
+        access = access_from_args(a)
+    except ValueError as e:
+        p.error(str(e))
     return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
                     max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,
-                    context=a.context, queue_size=a.queue_size)
+                    context=a.context, queue_size=a.queue_size, access=access)
 
 
 # --------------------------------------------------------------------------- the app
@@ -152,7 +162,8 @@ class DemoApp(ChatHandlers):
     # ------------------------------------------------------------------ panels on a timer
 
     def tick(self, seen: dict | None):
-        """Every second: engine status, model banner, queue; on becoming ready, model defaults."""
+        """Every second: engine status, model banner, queue; on becoming ready, model defaults
+        and whether the Think switch applies."""
         seen = dict(seen or {})
         status = self.engine.status()
         state = status.get("state")
@@ -161,7 +172,7 @@ class DemoApp(ChatHandlers):
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = uf.model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 7
+        controls: list[Any] = [gr.skip()] * 8
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()
@@ -169,7 +180,8 @@ class DemoApp(ChatHandlers):
                         gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
                         gr.update(value=d["max_new_tokens"]),
                         gr.update(value=d["repetition_penalty"]),
-                        uf.context_meter_html(0, info.get("context_limit"), "(empty conversation)")]
+                        uf.context_meter_html(0, info.get("context_limit"), "(empty conversation)"),
+                        self.think_update()]
         return (uf.status_html(status), banner, uf.queue_html(queue), *controls, seen)
 
     def hardware_panel(self):
@@ -306,6 +318,10 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                 reply_panel = gr.HTML(uf.empty_reply_panel_html(), elem_id="reply-panel")
                 with gr.Tabs():
                     with gr.Tab("Settings"):
+                        think_ok, think_why = app.thinking_support()
+                        think = gr.Checkbox(value=False, label="Think", elem_id="think",
+                                            interactive=think_ok,
+                                            info=THINK_INFO if think_ok else think_why)
                         system = gr.Textbox(label="System prompt (chat mode)", lines=2,
                                             placeholder="You are a helpful assistant.")
                         temperature = gr.Slider(*TEMPERATURE_RANGE, value=d["temperature"],
@@ -343,7 +359,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         session = gr.State({"replies": []})
         seen = gr.State({})
         gen_inputs = [chatbot, system, mode, temperature, top_p, top_k, max_new, seed, rep_pen,
-                      session]
+                      session, think]
         gen_outputs = [chatbot, reply_panel, session]
         after_outputs = [msg, context_meter, plot_tps, plot_ttft, summary]
         after_inputs = [chatbot, system, mode, session]
@@ -384,7 +400,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     queue=False, **hidden)
 
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
-                        rep_pen, context_meter, seen]
+                        rep_pen, context_meter, think, seen]
         gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,
@@ -401,7 +417,9 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 
 
 def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks:
-    """Parse flags, start loading the engine in the background, build and launch the UI."""
+    """Parse flags, start loading the engine in the background, build the UI and serve it at /
+    with the OpenAI-compatible API at /v1 (one uvicorn server, `gemma4.server`)."""
+    from gemma4 import server
     from gemma4.engine import get_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -411,8 +429,9 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks:
                         context_limit=settings.context,
                         max_new_tokens_cap=settings.max_new_tokens_cap)  # loads in background
     demo = build_demo(engine, settings)
-    demo.launch(server_name=settings.host, server_port=settings.port, share=settings.share,
-                prevent_thread_lock=not block, css=CSS, footer_links=["api", "gradio"])
+    server.serve(demo, engine, model=settings.model, host=settings.host, port=settings.port,
+                 share=settings.share, max_new_tokens_cap=settings.max_new_tokens_cap,
+                 access=settings.access, css=CSS, block=block)
     return demo
 
 

@@ -27,6 +27,8 @@ SEED_RANDOM = -1
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_P_RANGE = (0.05, 1.0)
 PENALTY_RANGE = (1.0, 2.0)
+THINK_INFO = ("Gemma 4 thinks before it answers; the thought appears as a collapsible block "
+              "above the answer and is left out of later prompts. Chat mode only.")
 
 
 def guess_is_base(model: str) -> bool:
@@ -48,7 +50,9 @@ class ChatHandlers:
     """
 
     def __init__(self, engine: Any, settings: Any):
-        from gemma4.engine import RequestError, SamplingParams  # imports jax; loads nothing
+        # these import jax but load nothing; importing app alone must not import them
+        from gemma4 import conversation
+        from gemma4.engine import RequestError, SamplingParams
         from gemma4.sampling import K_MAX
 
         self.engine = engine
@@ -56,6 +60,7 @@ class ChatHandlers:
         self.RequestError = RequestError
         self.SamplingParams = SamplingParams
         self.top_k_max = K_MAX
+        self.conversation = conversation
 
     # ------------------------------------------------------------------ engine facts
 
@@ -80,6 +85,19 @@ class ChatHandlers:
 
     def default_mode(self) -> str:
         return "completion" if self.is_base() else "chat"
+
+    def thinking_support(self) -> tuple[bool, str]:
+        """(can this model think, why not): Gemma 4 only, known once the model has loaded."""
+        if not self.info():
+            return False, "Thinking is available for Gemma 4 models; the model is still loading."
+        return self.conversation.supports_thinking(self.engine)
+
+    def think_update(self) -> dict[str, Any]:
+        """The Think switch: enabled for Gemma 4, disabled with the reason otherwise."""
+        ok, reason = self.thinking_support()
+        if ok:
+            return gr.update(interactive=True, info=THINK_INFO)
+        return gr.update(value=False, interactive=False, info=reason)
 
     def params(self, temperature, top_p, top_k, max_new_tokens, seed, repetition_penalty=None):
         """SamplingParams from UI/API values, clamped into the UI's ranges with a note each.
@@ -128,8 +146,9 @@ class ChatHandlers:
         return gr.update(value="", interactive=False), history
 
     def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
-                repetition_penalty, session):
-        """Bot step: stream the model's reply into the last assistant message and the panel."""
+                repetition_penalty, session, think=False):
+        """Bot step: stream the model's reply (its thought, answer and tool calls as their own
+        messages) into the chat, and its numbers into the panel."""
         history = [dict(m) for m in history or []]
         session = {"replies": [dict(r) for r in (session or {}).get("replies", [])]}
         user_text = uf.last_user_text(history)
@@ -154,13 +173,16 @@ class ChatHandlers:
 
         # 2. Settings (clamped with a warning) and the prompt.
         mode = mode if mode in ("chat", "completion") else self.default_mode()
+        think, think_note = self._thinking(think, mode)
         try:
             params, notes, warnings = self.params(temperature, top_p, top_k, max_new_tokens,
                                                   seed, repetition_penalty)
             for w in warnings:
                 gr.Warning(w)
-            # chat: the conversation as messages (the engine renders the template and drops
-            # the oldest turns if it outgrows the context); completion: the latest text only.
+            notes += [think_note] if think_note else []
+            # chat: the conversation as messages, earlier thoughts left out (the engine renders
+            # the template and drops the oldest turns if it outgrows the context); completion:
+            # the latest text only.
             prompt = uf.history_to_messages(history) if mode == "chat" else user_text
         except (ValueError, self.RequestError) as e:
             yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
@@ -171,15 +193,16 @@ class ChatHandlers:
                                                 f"({type(e).__name__}: {e}).")], gr.skip(), session)
             return
 
-        # 3. Stream. Closing this generator (Stop) runs `finally`, which closes the engine's
-        #    stream and frees the decode slot within one step.
+        # 3. Stream through the request layer. Closing this generator (Stop) runs `finally`,
+        #    which closes the reply stream and frees the decode slot within one step.
         reply = {"decode_tok_s": None, "ttft_s": None, "new_tokens": 0, "mode": mode}
         session["replies"].append(reply)
         gen = None
         last_yield = 0.0
         try:
-            gen = self.engine.stream(prompt, params, mode=mode,
-                                     system=(system or "").strip() or None)
+            gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
+                                                 system=(system or "").strip() or None,
+                                                 thinking=think)
             yield ([*history, *uf.reply_messages("", {}, {}, done=False)],
                    uf.reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in gen:
@@ -187,9 +210,10 @@ class ChatHandlers:
                 if not ev.done and now - last_yield < STREAM_INTERVAL_S:
                     continue
                 last_yield = now
-                stats, flags = dict(ev.stats or {}), dict(ev.flags or {})
-                if ev.done:  # the engine's own adjustments (e.g. old turns dropped)
-                    for n in stats.get("notes") or ():
+                stats = {**(ev.stats or {}), "thinking": think, "thought_s": ev.thought_s}
+                flags = dict(ev.flags or {})
+                if ev.done:  # the request layer's own adjustments (old turns dropped, cut-offs)
+                    for n in [*(stats.get("notes") or ()), *(ev.notes or ())]:
                         if n not in notes:
                             notes.append(n)
                             gr.Warning(n)
@@ -197,8 +221,10 @@ class ChatHandlers:
                              new_tokens=stats.get("new_tokens"), stats=stats, flags=flags,
                              finish_reason=ev.finish_reason if ev.done else None,
                              flagged=uf.flags_summary(flags)[0] if ev.done else False)
-                msgs = uf.reply_messages(ev.text, stats, flags, done=ev.done,
-                                         finish_reason=ev.finish_reason)
+                msgs = uf.reply_messages(ev.answer, stats, flags, done=ev.done,
+                                         finish_reason=ev.finish_reason, thought=ev.thought,
+                                         in_thought=ev.in_thought, thought_s=ev.thought_s,
+                                         tool_calls=ev.tool_calls)
                 panel = uf.reply_panel_html(stats, flags, done=ev.done,
                                             finish_reason=ev.finish_reason, notes=notes, mode=mode)
                 yield [*history, *msgs], panel, session
@@ -214,6 +240,15 @@ class ChatHandlers:
         finally:
             if gen is not None:
                 gen.close()
+
+    def _thinking(self, think: Any, mode: str) -> tuple[bool, str | None]:
+        """(think for this reply, a note when the switch was on but thinking cannot happen)."""
+        if not think:
+            return False, None
+        if mode != "chat":
+            return False, "Thinking is off in completion mode (it needs the chat template)."
+        ok, reason = self.thinking_support()
+        return (True, None) if ok else (False, f"Thinking is off: {reason}")
 
     def after_reply(self, history, system, mode, session):
         """Refresh the context meter and the session chart; unlock the textbox."""
@@ -242,7 +277,8 @@ class ChatHandlers:
         return uf.context_meter_html(used, limit, "this conversation incl. system prompt")
 
     def finalize_stopped(self, history, session):
-        """After Stop: mark the interrupted reply as stopped (its stream was closed mid-way)."""
+        """After Stop: mark the interrupted reply (its stats line, and its thought if it was
+        still thinking) as stopped; its stream was closed mid-way."""
         history = [dict(m) for m in history or []]
         replies = [dict(r) for r in (session or {}).get("replies", [])]
         panel = gr.skip()
@@ -252,13 +288,15 @@ class ChatHandlers:
                 stats = (replies[-1].get("stats") or {}) if replies else {}
                 flags = (replies[-1].get("flags") or {}) if replies else {}
                 history[-1] = uf.stats_message(stats, flags, done=True, finish_reason="cancelled")
+                history = uf.close_pending_thought(history, "cancelled")
                 if replies:
                     replies[-1]["finish_reason"] = "cancelled"
                 panel = uf.reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
         return history, panel, {"replies": replies}
 
     def retry(self, history):
-        """Retry (offered on the last reply): drop the reply, keep the user turn, answer again."""
+        """Retry (offered on the last reply): drop the whole reply (thought, answer, tool calls,
+        stats), keep the user turn, answer again."""
         return uf.strip_trailing_assistant(history)
 
     def undo(self, history):

@@ -30,6 +30,7 @@ FINISH_TEXT = {
     "length": "done (max new tokens reached)",
     "cancelled": "stopped",
     "context": "done (context window full)",
+    "tool_calls": "done (the model called a tool)",
     "error": "error",
 }
 
