@@ -97,3 +97,167 @@ def test_close_pending_thought_only_touches_the_last_reply():
     assert out[3]["metadata"]["status"] == "done"
     assert out[3]["metadata"]["title"] == "💭 Thought — stopped before the answer"
     assert history[3]["metadata"]["status"] == "pending"  # the input is not mutated
+
+
+# --------------------------------------------------------------------------- the chat handler
+
+
+@pytest.fixture(scope="module")
+def gemma4_app():
+    """The chat handlers around the shared tiny random Gemma 4 (tests/scripted.py)."""
+    import app
+    from tests.scripted import TINY_GEMMA4, tiny_gemma4
+
+    engine = tiny_gemma4()
+    settings = app.Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                            context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64)
+    return app.DemoApp(engine, settings), engine
+
+
+@pytest.fixture
+def every_event(monkeypatch):
+    """Hand every engine event to the UI (the 80 ms throttle would skip the short ones)."""
+    from gemma4 import ui_chat
+
+    monkeypatch.setattr(ui_chat, "STREAM_INTERVAL_S", 0.0)
+
+
+def _respond(handler, history, *, think=True, max_new_tokens=64):
+    """All (history, panel, session) updates of one reply (greedy, chat mode)."""
+    return list(handler.respond(history, "", "chat", 0.0, 0.95, 64, max_new_tokens, 0, 1.0,
+                                {"replies": []}, think))
+
+
+def _ids(message) -> str | None:
+    return (message.get("metadata") or {}).get("id")
+
+
+GREETING = "<|channel>thought\nThe user greets me. I greet back.<channel|>Hello there!<turn|>"
+
+
+def test_thought_pending_then_done_then_answer(gemma4_app, every_event):
+    from tests.scripted import scripted
+
+    handler, _ = gemma4_app
+    history = [{"role": "user", "content": "Hi"}]
+    with scripted(handler.engine, GREETING) as script:
+        outputs = _respond(handler, history)
+    assert script.used == 1
+    thoughts = [next((m for m in h if uf.is_thought(m)), None) for h, _, _ in outputs]
+    states = [t["metadata"]["status"] for t in thoughts if t]
+    assert states[0] == "pending" and states[-1] == "done" and "pending" not in states[
+        states.index("done"):], states
+    # while the thought was pending, no answer message was shown yet
+    first_pending = next(i for i, t in enumerate(thoughts) if t)
+    assert [m for m in outputs[first_pending][0][1:] if _ids(m) is None] == []
+    assert thoughts[first_pending]["metadata"]["title"] == "💭 Thinking…"
+
+    final, panel, session = outputs[-1]
+    assert [_ids(m) for m in final] == [None, uf.THOUGHT_ID, None, uf.STATS_ID]
+    thought, answer, stats = final[1:]
+    assert thought["content"] == "The user greets me. I greet back."
+    assert thought["metadata"]["title"] == "💭 Thought"
+    assert thought["metadata"]["duration"] >= 0 and "tokens" in thought["metadata"]["log"]
+    assert answer == {"role": "assistant", "content": "Hello there!"}
+    assert "done (end of turn)" in panel
+    assert STATS_LINE.match(stats["metadata"]["title"]) and "thinking)" in stats["metadata"][
+        "title"]
+    counted = session["replies"][-1]["stats"]
+    assert counted["thought_tokens"] > 0 and counted["answer_tokens"] > 0
+    assert f"thought <b>{counted['thought_tokens']}</b>" in panel
+    assert f"answer <b>{counted['answer_tokens']}</b>" in panel
+
+
+def test_next_prompt_has_no_earlier_thought(gemma4_app, every_event):
+    from tests.scripted import scripted
+
+    handler, engine = gemma4_app
+    with scripted(engine, GREETING):
+        first = _respond(handler, [{"role": "user", "content": "Hi"}])[-1][0]
+    history = [*first, {"role": "user", "content": "And now?"}]
+    with scripted(engine, "Fine.<turn|>") as script:
+        final = _respond(handler, history, think=False)[-1][0]
+    prompt = engine.tokenizer.decode(script.requests[0].prompt_ids)
+    assert "Hello there!" in prompt and "And now?" in prompt
+    assert "greets" not in prompt and "thought" not in prompt
+    assert uf.message_text(final[-2]["content"]) == "Fine."
+
+
+def test_cut_off_thought_says_so(gemma4_app, every_event):
+    from tests.scripted import scripted
+
+    handler, _ = gemma4_app
+    long_thought = "<|channel>thought\n" + "I keep thinking about this. " * 20
+    with scripted(handler.engine, long_thought):
+        final, panel, _ = _respond(handler, [{"role": "user", "content": "Hi"}],
+                                   max_new_tokens=12)[-1]
+    assert [_ids(m) for m in final] == [None, uf.THOUGHT_ID, uf.STATS_ID]  # no answer
+    assert final[1]["metadata"]["status"] == "done"
+    assert "cut off before the answer" in final[1]["metadata"]["title"]
+    assert "cut off inside its thought" in panel and "max new tokens" in panel
+
+
+def test_empty_thought_block_and_tool_call(gemma4_app, every_event):
+    from tests.scripted import scripted
+
+    handler, _ = gemma4_app
+    reply = ('<|channel>thought\n<channel|>Let me look.<|tool_call>call:get_weather'
+             '{city:<|"|>Paris<|"|>}<tool_call|>')
+    with scripted(handler.engine, reply):
+        final, panel, _ = _respond(handler, [{"role": "user", "content": "Weather?"}])[-1]
+    assert [_ids(m) for m in final] == [None, None, uf.TOOLS_ID, uf.STATS_ID]  # no thought
+    assert final[1]["content"] == "Let me look."
+    assert final[2]["metadata"]["title"] == "🛠 Tool call: get_weather"
+    assert '"city": "Paris"' in final[2]["content"]
+    assert "the model called a tool" in panel
+
+
+def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app, every_event):
+    import time
+
+    from tests.scripted import scripted
+
+    handler, engine = gemma4_app
+    history = [{"role": "user", "content": "Hi"}]
+    with scripted(engine, "<|channel>thought\n" + "Still thinking. " * 30):
+        gen = handler.respond(history, "", "chat", 0.0, 0.95, 64, 64, 0, 1.0, {"replies": []},
+                              True)
+        for shown, _, session in gen:
+            if any(uf.is_thought(m) for m in shown):
+                break
+        gen.close()  # what Gradio does on Stop
+        deadline = time.monotonic() + 10
+        while engine.queue_state()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert engine.queue_state()["active"] == 0, "Stop must free the engine slot"
+    stopped, _, _ = handler.finalize_stopped(shown, session)
+    assert stopped[1]["metadata"]["status"] == "done"
+    assert stopped[1]["metadata"]["title"] == "💭 Thought — stopped before the answer"
+    assert stopped[-1]["metadata"]["title"].startswith("⏹ stopped")
+
+    done = [*history, *uf.reply_messages("Hello!", {}, {}, done=True, finish_reason="stop",
+                                         thought="hm", thought_s=0.5)]
+    assert len(done) == 4
+    assert handler.retry(done) == history  # the thought goes with its answer
+    assert handler.undo(done) == ([], "Hi")
+
+
+def test_gemma3_think_switch_disabled_with_reason(every_event):
+    """The bundled family (Gemma 3) has no thinking channel: the switch is off and says why,
+    and a request that still asks for thinking is answered without it, with a note."""
+    import app
+    from gemma4.engine import get_engine
+
+    from tests.test_app import TINY_ENGINE, TINY_MODEL
+
+    engine = get_engine(model=TINY_MODEL, **TINY_ENGINE)  # the engine tests/test_app.py uses
+    engine.wait_ready(timeout=900)
+    handler = app.DemoApp(engine, app.Settings(model=TINY_MODEL))
+    ok, reason = handler.thinking_support()
+    assert not ok and "Gemma 3" in reason
+    update = handler.think_update()
+    assert update["interactive"] is False and update["value"] is False
+    assert "Gemma 3" in update["info"]
+    final, panel, _ = _respond(handler, [{"role": "user", "content": "Hi"}], max_new_tokens=4)[-1]
+    assert not any(uf.is_thought(m) for m in final)
+    assert "Thinking is off" in panel and uf.STATS_ID == _ids(final[-1])
