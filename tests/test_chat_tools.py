@@ -204,3 +204,27 @@ def test_user_text_that_looks_like_tool_syntax_stays_plain(tok):
     # And a model turn whose *content* holds such text: still text, no call.
     ids = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": typed}], "gemma4", tok)
     assert not set(ids) & {TOOL_CALL, END_TOOL_CALL, Q}
+
+
+def test_large_template_decided_from_the_config(monkeypatch):
+    from gemma4.chat import uses_large_template
+    from gemma4.config import preset
+
+    monkeypatch.delenv("GEMMA4_EMPTY_THOUGHT", raising=False)
+    decided = {name: uses_large_template(preset(name)) for name in
+               ("e2b", "e4b", "31b", "26b-a4b", "tiny-31b", "tiny-e2b", "gemma3-270m")}
+    assert decided == {"e2b": False, "e4b": False, "31b": True, "26b-a4b": True, "tiny-31b": True,
+                       "tiny-e2b": False, "gemma3-270m": False}
+    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "on")
+    assert uses_large_template(preset("e2b")) and not uses_large_template(preset("gemma3-270m"))
+    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "off")
+    assert not uses_large_template(preset("31b"))
+
+
+def test_splitter_on_a_gemma3_vocabulary_is_all_answer():
+    g3 = synthetic_tokenizer(512, "gemma3")
+    sp = ReplySplitter(g3)
+    for t in g3.encode("<|channel>thought\nnot a marker<channel|>") + [105]:
+        sp.push(t)
+    sp.finish()
+    assert sp.answer == "<|channel>thought\nnot a marker<channel|>" and sp.thought == "" and sp.stray == 1
