@@ -1,0 +1,482 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against the real app (Gradio
+mounted beside /v1 on one uvicorn server, in-process, free port): the bundled Gemma 3 270M for
+text, a tiny random Gemma 4 with scripted output (tests/scripted.py) for thinking and tool calls,
+and the access rules (UI login, API key, rate limits). Pure helpers are tested on their own."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import app  # noqa: E402
+from gemma4 import server  # noqa: E402
+from gemma4.ratelimit import Limits, RateLimiter  # noqa: E402
+
+# The same engine as tests/test_engine.py (float32, so batched rows equal solo ones bit for bit):
+# one pytest run loads it once.
+BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
+               overrides={"weights": "none", "dtype": "float32", "kv": "native"})
+TINY = "random:tiny-e2b"
+TINY_ENGINE = dict(max_batch=2, context_limit=512, buckets=(64, 256))
+CAP = 200  # the servers' max_new_tokens cap
+OPEN = server.Access(limits=Limits(in_flight=0, per_minute=0))
+GREEDY = dict(temperature=0.0, max_tokens=6)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+# --------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(engine, model: str, access: server.Access):
+    settings = app.Settings(model=model, max_users=engine.max_batch, max_new_tokens_cap=CAP,
+                            context=engine.context_limit, access=access)
+    demo = app.build_demo(engine, settings)
+    fastapi_app = server.build_app(demo, engine, model=model, max_new_tokens_cap=CAP,
+                                   access=access)
+    running = server.start(fastapi_app, "127.0.0.1", _free_port())
+    return running, fastapi_app
+
+
+def _wait(pred, timeout=10.0, every=0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(every)
+    return pred()
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from gemma4.engine import get_engine
+
+    engine = get_engine("bundled", **BUNDLED).wait_ready(timeout=1200)
+    running, _ = _serve(engine, "bundled", OPEN)
+    client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    try:
+        yield running.url, client, engine
+    finally:
+        running.close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from gemma4.engine import get_engine
+
+    engine = get_engine(TINY, **TINY_ENGINE).wait_ready(timeout=900)
+    running, _ = _serve(engine, TINY, OPEN)
+    client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    try:
+        yield running.url, client, engine
+    finally:
+        running.close()
+
+
+def _idle(engine) -> bool:
+    q = engine.queue_state()
+    return q["active"] == 0 and q["waiting"] == 0
+
+
+# --------------------------------------------------------------------------- bundled model
+
+
+def test_models_lists_the_served_model(bundled):
+    _, client, engine = bundled
+    models = client.models.list().data
+    assert [m.id for m in models] == ["bundled"]
+    assert engine.info()["model"] in models[0].model_extra["aliases"]
+
+
+def test_chat_non_stream_equals_the_request_layer(bundled):
+    from gemma4.conversation import stream_reply
+    from gemma4.sampling import SamplingParams
+
+    _, client, engine = bundled
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model="bundled", messages=messages, **GREEDY)
+    direct = list(stream_reply(engine, messages, SamplingParams(temperature=0.0,
+                                                                max_new_tokens=6)))[-1]
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == direct.answer and direct.answer.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens == direct.stats["prompt_tokens"]
+    assert out.usage.completion_tokens == direct.stats["new_tokens"] <= 6
+    extra = out.model_extra["gemma4"]
+    assert extra["stats"]["decode_tok_s"] >= 0 and "ok" in extra["flags"]
+
+
+def test_chat_stream_matches_non_stream_and_reports_usage(bundled):
+    _, client, _ = bundled
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    whole = client.chat.completions.create(model="bundled", messages=messages, **GREEDY)
+    chunks = list(client.chat.completions.create(model="bundled", messages=messages, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **GREEDY))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert "stats" in finals[0].model_extra["gemma4"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        whole.usage.completion_tokens
+
+
+def test_completions_stream_and_not(bundled):
+    _, client, engine = bundled
+    prompt = "The capital of France is"
+    out = client.completions.create(model="bundled", prompt=prompt, **GREEDY)
+    direct = engine.generate(prompt, _greedy(6), mode="completion")
+    assert out.object == "text_completion" and out.choices[0].text == direct["text"]
+    assert direct["text"].strip()
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="bundled", prompt=prompt, stream=True, **GREEDY) if c.choices)
+    assert streamed == direct["text"]
+    alias = client.completions.create(model=engine.info()["model"], prompt=prompt, **GREEDY)
+    assert alias.model == "bundled" and alias.choices[0].text == direct["text"]
+
+
+def _greedy(n):
+    from gemma4.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def test_stop_strings(bundled):
+    _, client, _ = bundled
+    prompt = "1, 2, 3, 4,"
+    full = client.completions.create(model="bundled", prompt=prompt, temperature=0.0,
+                                     max_tokens=12).choices[0].text
+    assert " 7" in full, full
+    cut = client.completions.create(model="bundled", prompt=prompt, temperature=0.0,
+                                    max_tokens=12, stop=[" 7", "never"]).choices[0]
+    assert cut.text == full[:full.index(" 7")] and cut.finish_reason == "stop"
+    one = client.completions.create(model="bundled", prompt=prompt, temperature=0.0,
+                                    max_tokens=12, stop=" 7", stream=True)
+    assert "".join(c.choices[0].text for c in one if c.choices) == cut.text
+
+
+def test_seed_reproducible(bundled):
+    _, client, _ = bundled
+    ask = lambda seed: client.completions.create(  # noqa: E731
+        model="bundled", prompt="Once upon a time", temperature=2.0, max_tokens=6,
+        seed=seed).choices[0].text
+    first = ask(1234)
+    assert ask(1234) == first
+    assert len({first, ask(1), ask(2)}) > 1  # the seed matters at all
+
+
+def test_eight_concurrent_streams_equal_their_solo_runs(bundled):
+    _, client, engine = bundled
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
+    solo = [client.completions.create(model="bundled", prompt=p, **GREEDY).choices[0].text
+            for p in prompts]
+    results: dict[int, str] = {}
+    peak = []
+
+    def run(i):
+        stream = client.completions.create(model="bundled", prompt=prompts[i], stream=True,
+                                           **GREEDY)
+        results[i] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak.append(engine.queue_state()["active"])
+        time.sleep(0.02)
+    assert [results.get(i) for i in range(8)] == solo
+    assert max(peak) >= 2, "the streams should have been decoded together"
+
+
+def test_client_closing_its_stream_frees_the_slot(bundled):
+    _, client, engine = bundled
+    assert _wait(lambda: _idle(engine))
+    stream = client.completions.create(model="bundled", prompt="1, 2, 3, 4,", stream=True,
+                                       temperature=0.0, max_tokens=CAP)
+    got = [c for _, c in zip(range(3), stream)]
+    assert len(got) == 3 and engine.queue_state()["active"] == 1
+    t0 = time.monotonic()
+    stream.close()
+    assert _wait(lambda: _idle(engine), timeout=5), engine.queue_state()
+    print(f"\nslot freed {time.monotonic() - t0:.3f} s after the client closed its stream")
+    after = client.completions.create(model="bundled", prompt="Hello", max_tokens=2)
+    assert after.choices[0].finish_reason in ("stop", "length")
+
+
+BAD_BODIES = [  # (body, status, words the message must contain, param)
+    ({"model": "bundled"}, 400, "messages", "messages"),
+    ({"model": "bundled", "messages": "hi"}, 400, "messages", "messages"),
+    ({"model": "bundled", "messages": []}, 400, "at least one", "messages"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
+      "temperature": "hot"}, 400, "temperature", "temperature"),
+    ({"model": "bundled", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role",
+     "messages.0.role"),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-4o", "model"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n > 1",
+     "n"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+     "at least 1", "max_tokens"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, "logprobs", "logprobs"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
+      "response_format": {"type": "json_object"}}, 400, "response_format", "response_format"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "text only",
+     "messages.0.content.0"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400,
+     "Unrecognized request argument", "frobnicate"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
+      "stream_options": {"include_usage": True}}, 400, "stream", "stream_options"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
+      "tool_choice": "required", "tools": [WEATHER_TOOL]}, 400, "tool_choice", "tool_choice"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
+      "reasoning_effort": "high"}, 400, "Gemma 3", "reasoning_effort"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
+      "tools": [WEATHER_TOOL]}, 400, "Gemma 3", "tools"),
+    ({"model": "bundled", "messages": [{"role": "user", "content": "x" * 2000}]}, 400,
+     "context window", None),
+]
+
+
+@pytest.mark.parametrize("body,status,words,param", BAD_BODIES,
+                         ids=[str(i) for i in range(len(BAD_BODIES))])
+def test_bad_requests_get_openai_errors(bundled, body, status, words, param):
+    url, _, _ = bundled
+    r = httpx.post(url + "v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"] and err["param"] == param, err
+
+
+def test_bad_requests_through_the_client_and_the_server_still_serves(bundled):
+    url, client, _ = bundled
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="n > 1"):
+        client.completions.create(model="bundled", prompt="x", n=2)
+    huge = client.completions.create(model="bundled", prompt="Hi", max_tokens=10**9,
+                                     temperature=0.0, stop=[" ", "\n", "."])
+    assert any("clamped" in n for n in huge.model_extra["gemma4"]["notes"])
+    big = b'{"model": "bundled", "prompt": "' + b"a" * 1_000_001 + b'"}'
+    r = httpx.post(url + "v1/completions", content=big,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = httpx.post(url + "v1/completions", content=b"{not json", timeout=60)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(url + "v1/embeddings", timeout=60)
+    assert r.status_code == 404 and "/v1/models" in r.json()["error"]["message"]
+    ok = client.chat.completions.create(model="bundled", max_tokens=3,
+                                        messages=[{"role": "user", "content": "Hi"}])
+    assert ok.choices[0].message.content is not None
+
+
+# --------------------------------------------------------------------------- thinking and tools
+
+
+def test_thinking_comes_back_as_reasoning_content(tiny):
+    from tests.scripted import scripted
+
+    _, client, engine = tiny
+    ask = dict(model=TINY, messages=[{"role": "user", "content": "Hi"}], max_tokens=40)
+    with scripted(engine, "<|channel>thought\nThe user greets me.<channel|>Hello!<turn|>"):
+        out = client.chat.completions.create(reasoning_effort="high", **ask)
+    msg = out.choices[0].message
+    assert msg.content == "Hello!" and msg.model_extra["reasoning_content"] == "The user greets me."
+    assert out.usage.completion_tokens_details.reasoning_tokens > 0
+    with scripted(engine, "<|channel>thought\nSo: a greeting.<channel|>Hi there<turn|>"):
+        chunks = list(client.chat.completions.create(
+            stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": True}}, **ask))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
+        "So: a greeting."
+    assert "".join(d.content or "" for d in deltas) == "Hi there"
+    r = httpx.post(str(client.base_url) + "chat/completions", json={
+        **ask, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+
+
+def test_tool_calls_are_parsed_into_tool_calls(tiny):
+    from tests.scripted import scripted
+
+    _, client, engine = tiny
+    ask = dict(model=TINY, max_tokens=60, tools=[WEATHER_TOOL],
+               messages=[{"role": "user", "content": "Weather in Paris?"}])
+    call = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    with scripted(engine, call):
+        out = client.chat.completions.create(**ask)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == \
+        {"city": "Paris"}
+    with scripted(engine, call):
+        chunks = list(client.chat.completions.create(stream=True, **ask))
+    calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The result goes back as a tool message; the model answers from it.
+    follow = ask["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+        {"role": "tool", "tool_call_id": tc.id, "content": json.dumps({"sky": "clear"})}]
+    with scripted(engine, "It is clear in Paris.<turn|>"):
+        answer = client.chat.completions.create(**{**ask, "messages": follow})
+    assert answer.choices[0].message.content == "It is clear in Paris."
+    assert answer.choices[0].finish_reason == "stop"
+    with scripted(engine, "It is clear."):  # tool_choice "none": tools left out of the prompt
+        none = client.chat.completions.create(tool_choice="none", **ask)
+    assert none.choices[0].message.content == "It is clear."
+    assert none.usage.prompt_tokens < out.usage.prompt_tokens
+
+
+# --------------------------------------------------------------------------- access
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny):
+    _, _, engine = tiny
+    access = server.Access(logins=(("ann", "s3cret"),), api_keys=("sk-test-1",),
+                           limits=Limits(in_flight=1, per_minute=6))
+    running, fastapi_app = _serve(engine, TINY, access)
+    try:
+        yield running.url, fastapi_app.state.openai_api, engine
+    finally:
+        running.close()
+
+
+def test_without_credentials_ui_and_api_refuse(guarded):
+    from gradio_client import Client
+
+    url, api, _ = guarded
+    api.limiter = RateLimiter(api.limits)
+    assert httpx.get(url + "config", timeout=30).status_code == 401
+    with pytest.raises(Exception):
+        Client(url, verbose=False)
+    for key in (None, "sk-wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        r = httpx.get(url + "v1/models", headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    client = openai.OpenAI(base_url=url + "v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_with_credentials_ui_and_api_work(guarded):
+    from gradio_client import Client
+
+    url, api, _ = guarded
+    api.limiter = RateLimiter(api.limits)
+    status = Client(url, auth=("ann", "s3cret"), verbose=False).predict(
+        api_name="/engine_status")
+    assert status["state"] == "ready"
+    client = openai.OpenAI(base_url=url + "v1", api_key="sk-test-1", max_retries=0)
+    assert client.models.list().data[0].id == TINY
+    out = client.completions.create(model=TINY, prompt="Hello", max_tokens=3)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_rate_limits_answer_429_and_recover(guarded):
+    url, api, engine = guarded
+    now = [1000.0]
+    api.limiter = RateLimiter(api.limits, clock=lambda: now[0])
+    client = openai.OpenAI(base_url=url + "v1", api_key="sk-test-1", max_retries=0)
+    # In flight: one stream per client; a second request waits for it.
+    stream = client.completions.create(model=TINY, prompt="Hello", stream=True, max_tokens=CAP)
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=TINY, prompt="Hello", max_tokens=2)
+    assert e.value.response.headers["retry-after"] == "1" and "in flight" in str(e.value)
+    stream.close()
+    assert _wait(lambda: api.limiter.state(next(iter(api.limiter._clients)))["in_flight"] == 0)
+    client.models.list()  # the place is back
+    # Per minute: 6 requests in the window (the stream, the list above, these four; the refused
+    # request was not counted), so the next one is refused until the window moves on.
+    for _ in range(4):
+        client.models.list()
+    with pytest.raises(openai.RateLimitError) as e:
+        client.models.list()
+    wait = int(e.value.response.headers["retry-after"])
+    assert 1 <= wait <= 60 and "per minute" in str(e.value)
+    now[0] += wait
+    assert client.models.list().data  # recovered once the window moved on
+    assert _wait(lambda: _idle(engine))
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_login_parsing_and_flags(tmp_path):
+    assert server.parse_logins("ann:pw, bob:a:b:c") == (("ann", "pw"), ("bob", "a:b:c"))
+    with pytest.raises(ValueError, match="user:password"):
+        server.parse_logins("ann")
+    f = tmp_path / "logins"
+    f.write_text("# who may log in\nann:pw\n\ncarl:x,y\n")
+    assert server.read_login_file(str(f)) == (("ann", "pw"), ("carl", "x,y"))
+    f.write_text("ann:\n")
+    with pytest.raises(ValueError, match="line 1"):
+        server.read_login_file(str(f))
+    env = {"GEMMA4_AUTH": "ann:pw", "GEMMA4_API_KEY": "k1, k2", "GEMMA4_RATE_IN_FLIGHT": "2",
+           "GEMMA4_RATE_PER_MINUTE": "30"}
+    s = app.parse_settings([], environ=env)
+    assert s.access.logins == (("ann", "pw"),) and s.access.api_keys == ("k1", "k2")
+    assert (s.access.limits.in_flight, s.access.limits.per_minute) == (2, 30)
+    assert "pw" not in repr(s) and "k1" not in repr(s)
+    with pytest.raises(SystemExit):
+        app.parse_settings(["--auth-file", str(tmp_path / "missing")], environ={})
+    with pytest.raises(SystemExit):
+        app.parse_settings(["--rate-in-flight", "-1"], environ={})
+    assert app.parse_settings([], environ={"SPACE_ID": "u/s"}).access.trust_proxy
+
+
+def test_access_policy_and_warnings():
+    login = server.Access(logins=(("a", "b"),))
+    assert "GEMMA4_API_KEY" in server.api_closed_reason(login)
+    assert server.api_closed_reason(server.Access()) is None
+    assert server.api_closed_reason(server.Access(logins=(("a", "b"),), api_keys=("k",))) is None
+    (w,) = server.exposure_warnings(share=True, host="127.0.0.1", access=server.Access())
+    assert "PUBLIC" in w and "GEMMA4_AUTH" in w and "/v1" in w
+    assert server.exposure_warnings(share=True, host="127.0.0.1", access=login) == []
+    assert server.exposure_warnings(share=False, host="127.0.0.1", access=server.Access()) == []
+    (w,) = server.exposure_warnings(share=False, host="0.0.0.0", access=server.Access())
+    assert "0.0.0.0" in w
+
+
+def test_rate_limiter_windows():
+    now = [0.0]
+    rl = RateLimiter(Limits(in_flight=2, per_minute=3), clock=lambda: now[0])
+    assert rl.check("a", generation=True) is None and rl.check("a", generation=True) is None
+    assert rl.check("a", generation=True).retry_after == 1  # in flight
+    assert rl.check("b", generation=True) is None  # another client is not affected
+    rl.release("a")
+    now[0] = 10.0
+    assert rl.check("a", generation=False) is None  # third in the window
+    refused = rl.check("a", generation=False)
+    assert refused.retry_after == 50 and "per minute" in refused.message
+    now[0] = 60.5
+    assert rl.check("a", generation=False) is None
+    with pytest.raises(ValueError):
+        Limits(in_flight=-1).validated()
