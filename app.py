@@ -209,13 +209,15 @@ class DemoApp(ChatHandlers):
     def generate(self, prompt: str, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, mode: str = "auto",
-                 system: str = "") -> Iterator[dict]:
+                 system: str = "", thinking: bool = False) -> Iterator[dict]:
         """Generate a reply to `prompt`; streams partial results, the last one has done=True.
 
         Settings left as None use the model's defaults. mode: "chat" (the prompt is one user
         turn, rendered with the chat template), "completion" (raw text to continue) or "auto"
-        (completion for base models, chat otherwise). Returns {"text", "stats", "flags",
-        "flagged", "fired_rules", "finish_reason", "done", "mode", "model", "notes"}.
+        (completion for base models, chat otherwise). thinking: Gemma 4 thinks first (chat
+        mode; an error for Gemma 3). Returns {"text" (the answer), "thought", "tool_calls"
+        ([{"id", "name", "arguments"}]), "stats", "flags", "flagged", "fired_rules",
+        "finish_reason", "done", "mode", "model", "notes"}.
         """
         if not (prompt or "").strip():
             raise gr.Error("Empty prompt: send some text to continue or a question to answer.")
@@ -234,8 +236,9 @@ class DemoApp(ChatHandlers):
         model = self.settings.model
         gen = None
         try:
-            gen = self.engine.stream(prompt, params, mode=mode,
-                                     system=(system or "").strip() or None)
+            gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
+                                                 system=(system or "").strip() or None,
+                                                 thinking=bool(thinking))
             last_yield = 0.0
             for ev in gen:
                 now = time.monotonic()
@@ -246,7 +249,10 @@ class DemoApp(ChatHandlers):
                 flagged, fired = uf.flags_summary(flags)
                 stats = dict(ev.stats or {})
                 all_notes = notes + [n for n in stats.get("notes") or () if n not in notes]
-                yield {"text": ev.text, "stats": stats, "flags": flags,
+                calls = [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                         for c in ev.tool_calls]
+                yield {"text": ev.answer, "thought": ev.thought, "tool_calls": calls,
+                       "stats": stats, "flags": flags,
                        "flagged": flagged, "fired_rules": fired,
                        "finish_reason": ev.finish_reason, "done": bool(ev.done), "mode": mode,
                        "model": model, "notes": all_notes}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import gradio as gr
 import pytest
 
 from gemma4 import ui_format as uf
@@ -212,6 +213,18 @@ def test_empty_thought_block_and_tool_call(gemma4_app, every_event):
     assert "the model called a tool" in panel
 
 
+def test_generate_api_returns_thought_apart(gemma4_app):
+    from tests.scripted import scripted
+
+    handler, _ = gemma4_app
+    with scripted(handler.engine, GREETING):
+        out = list(handler.generate("Hi", max_new_tokens=64, temperature=0.0, mode="chat",
+                                    thinking=True))[-1]
+    assert out["done"] and out["finish_reason"] == "stop"
+    assert (out["thought"], out["text"]) == ("The user greets me. I greet back.", "Hello there!")
+    assert out["tool_calls"] == [] and out["stats"]["thought_tokens"] > 0
+
+
 def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app, every_event):
     import time
 
@@ -261,3 +274,5 @@ def test_gemma3_think_switch_disabled_with_reason(every_event):
     final, panel, _ = _respond(handler, [{"role": "user", "content": "Hi"}], max_new_tokens=4)[-1]
     assert not any(uf.is_thought(m) for m in final)
     assert "Thinking is off" in panel and uf.STATS_ID == _ids(final[-1])
+    with pytest.raises(gr.Error, match="Gemma 3"):
+        list(handler.generate("Hi", max_new_tokens=4, mode="chat", thinking=True))
