@@ -430,3 +430,13 @@ def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, m
     req = engine.submit(_prompt_arg(prompt), params, mode=mode, system=system, thinking=thinking,
                         tools=list(tools) if tools else None)
     return ReplyStream(engine, req, req.params.stop_strings)
+
+
+def complete_reply(engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
+    """The final `ReplyEvent` of `stream_reply(engine, prompt, params, **kwargs)` (a non-streaming
+    reply: whole thought, answer, tool calls, stats, flags and notes)."""
+    final = None
+    with stream_reply(engine, prompt, params, **kwargs) as stream:
+        for final in stream:
+            pass
+    return final

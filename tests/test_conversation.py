@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from gemma4.conversation import ReplyEvent, prompt_ids, stream_reply, supports_thinking, supports_tools
+from gemma4.conversation import (ReplyEvent, complete_reply, prompt_ids, stream_reply, supports_thinking,
+                                 supports_tools)
 from gemma4.engine_requests import RequestError
 from gemma4.sampling import SamplingParams
 from tests.scripted import script_ids, scripted, tiny_gemma4
@@ -64,7 +65,9 @@ def test_thought_and_answer_split_exactly(eng):
 
 
 def test_no_thought_means_no_thought_fields(eng):
-    final = run(eng, "Just an answer.<turn|>")[-1]
+    with scripted(eng, "Just an answer.<turn|>"):
+        final = complete_reply(eng, [{"role": "user", "content": "Hi"}], P)
+    assert final.done
     assert (final.thought, final.answer, final.thought_s, final.in_thought) == ("", "Just an answer.", None, False)
     assert final.stats["thought_tokens"] == 0
 
