@@ -184,6 +184,10 @@ class Engine(CompileMixin, RequestsMixin):
 
     # ---------------------------------------------------------------- loading
     def _run(self) -> None:
+        # More than one process: process 0 leads, the others replay its steps (gemma4.distributed).
+        from gemma4 import distributed
+
+        self._link = distributed.link(self)
         try:
             self._load()
             self._start_compiles()
@@ -350,17 +354,23 @@ class Engine(CompileMixin, RequestsMixin):
         return tuple(jnp.asarray(a) for a in (seeds, steps, temp, top_k, top_p, recent, penalty))
 
     def _run_prefill(self, exe, tokens, positions, row, last, sampling):
+        if getattr(self, "_link", None) is not None:  # every process must run this step: announce it
+            self._link.announce(self, "prefill", exe, tokens, positions, row, last, sampling)
         token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]),
                                      jnp.int32(row), jnp.asarray([last], jnp.int32), sampling)
         return int(token[0]), bool(bad[0])
 
     def _run_decode(self, exe, tokens, positions, sampling, row: int = 0):
+        if getattr(self, "_link", None) is not None:
+            self._link.announce(self, "decode", exe, tokens, positions, row, 0, sampling)
         token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), sampling,
                                      jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
     # ---------------------------------------------------------------- scheduler
     def _loop(self) -> None:
+        if getattr(self, "_link", None) is not None and self._link.take_loop(self):
+            return  # a follower replayed process 0's steps, or process 0 ran this loop and said stop
         while True:
             with self._lock:
                 while True:

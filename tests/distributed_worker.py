@@ -1,0 +1,93 @@
+"""One process of tests/test_distributed.py (run as a subprocess, never collected by pytest).
+
+    python tests/distributed_worker.py OUT.json [--mesh M] [--die-at-step N] [distributed flags]
+
+Loads a tiny random Gemma 4 model with the given mesh, and on process 0 generates greedy tokens
+for a few prompts (batched: all submitted at once) and writes them to OUT.json. With
+--die-at-step N, this process kills itself (SIGKILL, no goodbye) at its N-th dispatched step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODEL = "random:tiny-e2b"
+PROMPTS = ([2, 17, 99, 4, 250, 31, 7], [2, 400, 12, 12, 88], [2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+NEW_TOKENS = 6
+
+
+def main() -> int:
+    from gemma4 import distributed
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--mesh", default="none")
+    ap.add_argument("--die-at-step", type=int, default=None)
+    distributed.add_arguments(ap)
+    args = ap.parse_args()
+    try:
+        distributed.initialize(distributed.from_args(args))
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from gemma4.engine import Engine, SamplingParams
+
+    engine = Engine(MODEL, max_batch=4, context_limit=64, buckets=(16,), mesh=args.mesh,
+                    overrides={"weights": "none", "dtype": "float32", "kv": "native"})
+    if args.die_at_step is not None:
+        _die_at(engine, args.die_at_step)
+    try:
+        engine.wait_ready(timeout=600)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = {}
+    if distributed.is_leader():
+        params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+        outs = [None] * len(PROMPTS)
+
+        def one(i):
+            outs[i] = engine.generate(list(PROMPTS[i]), params)["token_ids"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        result = {"tokens": outs, "mesh": engine.info().get("sharding", {}).get("mesh")}
+    distributed.finish(engine)
+    import jax
+
+    result.update(process_id=jax.process_index(), process_count=jax.process_count(), devices=jax.device_count())
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _die_at(engine, n: int) -> None:
+    """Kill this process (no clean-up, no goodbye) when it is about to dispatch its n-th step."""
+    count = {"steps": 0}
+    for name in ("_run_prefill", "_run_decode"):
+        real = getattr(engine, name)
+
+        def wrapped(*a, real=real, **k):
+            count["steps"] += 1
+            if count["steps"] >= n:
+                sys.stderr.write(f"worker: dying at step {count['steps']}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+
+        setattr(engine, name, wrapped)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
