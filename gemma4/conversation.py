@@ -237,14 +237,18 @@ class ReplySplitter:
             return
         self.tool_calls.append(ToolCall(id=f"call_{len(self.tool_calls) + 1}", name=name, arguments=args))
 
-    def finish(self) -> tuple[str, str]:
+    def finish(self, stopped: bool = False) -> tuple[str, str]:
         """Flush what is pending at the end of the reply (the state stays: `mode` tells where the
-        reply ended)."""
+        reply ended). `stopped`: the model ended the reply itself (a stop id), so a call it left
+        without <tool_call|> (going straight to <|tool_response>) is complete and is parsed."""
         tail = self._dec.flush()
         if self.mode == "thought":
             return self._add(thought=self._thought_text(tail) + self._close_head())
         if self.mode == "tool":
-            self._call.append(tail)
+            if stopped:
+                self._end_call(tail)
+            else:
+                self._call.append(tail)
             return "", ""
         return self._add(answer=tail)
 
@@ -343,7 +347,7 @@ class ReplyStream:
                                 break
                 if ev.done:
                     if not stopped:
-                        thought_delta += sp.finish()[0]
+                        thought_delta += sp.finish(stopped=ev.finish_reason == "stop")[0]
                     break
                 visible = len(sp.answer) if stopped else len(sp.answer) - stop_string_holdback(sp.answer, stops)
                 answer_delta, shown = sp.answer[shown:max(visible, shown)], max(visible, shown)

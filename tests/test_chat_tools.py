@@ -228,3 +228,16 @@ def test_splitter_on_a_gemma3_vocabulary_is_all_answer():
         sp.push(t)
     sp.finish()
     assert sp.answer == "<|channel>thought\nnot a marker<channel|>" and sp.thought == "" and sp.stray == 1
+
+
+def test_call_left_open_at_the_stop_id_is_parsed(tok):
+    sp = ReplySplitter(tok)
+    for t in tok.encode_with_specials('<|tool_call>call:f{a:<|"|>x<|"|>}'):  # then <|tool_response> (a stop id)
+        sp.push(t)
+    sp.finish(stopped=True)
+    assert [(c.name, c.arguments) for c in sp.tool_calls] == [("f", {"a": "x"})] and sp.mode == "answer"
+    cut = ReplySplitter(tok)
+    for t in tok.encode_with_specials('<|tool_call>call:f{a:<|"|>x'):  # cut off by the token limit
+        cut.push(t)
+    cut.finish()
+    assert cut.tool_calls == [] and cut.errors == [] and cut.mode == "tool"
