@@ -80,6 +80,9 @@ class RequestsMixin:
             if (thinking or tools) and mode != "chat":
                 raise RequestError("Thinking and tools need a chat prompt (mode='chat'), not a completion.")
             if isinstance(prompt, (list, tuple)):
+                if thinking or tools:
+                    raise RequestError("A token-id prompt is used as given: thinking and tools apply to "
+                                       "messages or text, not to ids.")
                 return [int(t) for t in prompt]
             if not isinstance(prompt, str):
                 raise RequestError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")

@@ -209,6 +209,8 @@ def test_bad_requests_raise_request_error(eng):
         stream_reply(eng, "Hi", P, tools=[{"type": "function", "function": {}}])
     with pytest.raises(RequestError, match="empty"):
         stream_reply(eng, [{"role": "user", "content": "  "}], P)
+    with pytest.raises(RequestError, match="token-id prompt is used as given"):
+        stream_reply(eng, [2, 105, 106], P, thinking=True)
     assert wait_idle(eng)
 
 
