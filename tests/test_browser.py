@@ -1,7 +1,8 @@
 """The demo in a real browser: Debian's chromium driven by Playwright (never `playwright install`).
 
 Type a message, press Enter, watch the reply stream and the stats panel fill in, press Stop
-mid-reply, and check a screenshot is not blank. With GEMMA4_SAVE_SCREENSHOTS=1 the screenshots
+mid-reply, and check a screenshot is not blank; with a tiny random Gemma 4 whose reply is
+scripted (tests/scripted.py), turn Think on and open and close the reply's thought block. With GEMMA4_SAVE_SCREENSHOTS=1 the screenshots
 are written to docs/screenshots/ (for the README); GEMMA4_TEST_BROWSER_MODEL picks the model
 (the bundled Gemma 3 270M by default: its text really grows while streaming, whereas a random
 model's greedy output may loop on pieces that decode to nothing).
@@ -99,6 +100,9 @@ def test_chat_streams_stats_fill_and_stop_halts(served, browser, tmp_path):
         page.screenshot(path=str(shots / "loading.png"))
     sync_api.expect(status).to_contain_text("Model ready", timeout=900_000)
     sync_api.expect(page.locator("#model-banner")).to_contain_text("Model:")
+    if MODEL == "bundled":  # Gemma 3: no thinking channel, and the switch says so
+        sync_api.expect(page.locator("#think input")).to_be_disabled()
+        sync_api.expect(page.locator("#think")).to_contain_text("Gemma 3")
     if "random" in MODEL:
         sync_api.expect(page.locator("#model-banner")).to_contain_text("RANDOM WEIGHTS")
 
@@ -187,4 +191,65 @@ def test_readme_screenshot(served, browser):
     page.screenshot(path=str(shots / "hardware.png"))
     for name in ("chat", "session", "hardware"):
         assert _non_blank(shots / f"{name}.png") > 10
+    page.close()
+
+
+# --------------------------------------------------------------------------- thinking (Gemma 4)
+
+# A scripted reply (the tiny model's weights are random: it cannot think on its own).
+THOUGHT = "The user wants the capital of France: Paris."
+SCRIPT = f"<|channel>thought\n{THOUGHT}<channel|>The capital of France is Paris.<turn|>"
+
+
+@pytest.fixture(scope="module")
+def served_gemma4():
+    import app
+    from tests.scripted import TINY_GEMMA4, tiny_gemma4
+
+    engine = tiny_gemma4()
+    settings = app.Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                            context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=128)
+    demo = app.build_demo(engine, settings)
+    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=app.CSS,
+                            server_port=_free_port())
+    try:
+        yield url, engine
+    finally:
+        demo.close()
+
+
+def test_thought_block_opens_and_closes(served_gemma4, browser, tmp_path):
+    from tests.scripted import scripted
+
+    url, engine = served_gemma4
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready")
+    think = page.locator("#think input")
+    sync_api.expect(think).to_be_enabled()
+    think.check()
+    page.get_by_role("radio", name="chat").check()
+    box = page.locator("#msg textarea")
+    with scripted(engine, SCRIPT) as script:
+        box.fill("What is the capital of France?")
+        box.press("Enter")
+        sync_api.expect(box).not_to_be_editable()
+        sync_api.expect(box).to_be_editable(timeout=120_000)  # the reply is done
+    assert script.used == 1
+
+    block = page.locator(".thought-group", has_text="💭 Thought")
+    sync_api.expect(block).to_have_count(1)
+    body = block.get_by_text(THOUGHT)
+    sync_api.expect(body).to_be_hidden()  # a finished thought starts folded
+    sync_api.expect(page.locator("#chatbot")).to_contain_text("The capital of France is Paris.")
+    sync_api.expect(page.locator("#reply-stats")).to_contain_text(re.compile(r"thought \d+"))
+    title = block.locator("[role=button]").first
+    title.click()
+    sync_api.expect(body).to_be_visible()
+    page.wait_for_timeout(800)  # let the block finish unfolding before the screenshot
+    png = _shot_dir(tmp_path) / "thinking.png"
+    page.screenshot(path=str(png))
+    assert _non_blank(png) > 10
+    title.click()
+    sync_api.expect(body).to_be_hidden()
     page.close()
