@@ -296,9 +296,16 @@ class OpenAIApi:
     # ------------------------------------------------------------------ handlers
 
     async def models(self, request: Request, release) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": self.created,
-             "owned_by": "gemma4-jax", "aliases": self.model_ids()[1:]}]})
+        entry = {"id": self.model, "object": "model", "created": self.created,
+                 "owned_by": "gemma4-jax", "aliases": self.model_ids()[1:]}
+        status = self.engine.status()
+        entry["gemma4"] = {"state": status.get("state"), "message": status.get("message")}
+        if status.get("state") == "ready":
+            info = self.engine.info()
+            entry["gemma4"].update({k: info.get(k) for k in (
+                "description", "family", "is_base_model", "random_weights", "context_limit",
+                "max_batch")}, max_new_tokens_cap=self.cap)
+        return JSONResponse({"object": "list", "data": [entry]})
 
     async def chat(self, request: Request, release):
         req = S.parse(S.ChatRequest, await self._body(request))
@@ -319,7 +326,8 @@ class OpenAIApi:
         make = lambda: conversation.stream_reply(  # noqa: E731
             self.engine, msgs, samp.params, mode="chat", tools=tools,
             thinking=think)
-        return await self._serve(request, release, make, _ChatShape(model), req, list(samp.notes))
+        return await self._serve(request, release, make, _ChatShape(model), req,
+                                 list(samp.notes) + _model_notes(info))
 
     async def completions(self, request: Request, release):
         req = S.parse(S.CompletionRequest, await self._body(request))
@@ -331,7 +339,7 @@ class OpenAIApi:
         make = lambda: conversation.stream_reply(  # noqa: E731
             self.engine, prompt, samp.params, mode="completion")
         return await self._serve(request, release, make, _CompletionShape(model), req,
-                                 list(samp.notes))
+                                 list(samp.notes) + _model_notes(info))
 
     async def _serve(self, request, release, make, shape, req, notes):
         _, RequestError = _reply_layer()
@@ -498,6 +506,12 @@ class _CompletionShape:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _model_notes(info: dict) -> list[str]:
+    if info.get("random_weights"):
+        return ["RANDOM WEIGHTS: this model's output is meaningless (for speed measurements only)"]
+    return []
 
 
 def _error(e: ApiError) -> JSONResponse:

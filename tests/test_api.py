@@ -103,6 +103,9 @@ def test_models_lists_the_served_model(bundled):
     models = client.models.list().data
     assert [m.id for m in models] == ["bundled"]
     assert engine.info()["model"] in models[0].model_extra["aliases"]
+    facts = models[0].model_extra["gemma4"]
+    assert facts["state"] == "ready" and facts["family"] == "gemma3"
+    assert facts["max_new_tokens_cap"] == CAP and facts["random_weights"] is False
 
 
 def test_chat_non_stream_equals_the_request_layer(bundled):
@@ -390,13 +393,16 @@ def test_with_credentials_ui_and_api_work(guarded):
 
     url, api, _ = guarded
     api.limiter = RateLimiter(api.limits)
-    status = Client(url, auth=("ann", "s3cret"), verbose=False).predict(
-        api_name="/engine_status")
-    assert status["state"] == "ready"
+    ui = Client(url, auth=("ann", "s3cret"), verbose=False)
+    try:
+        assert ui.predict(api_name="/engine_status")["state"] == "ready"
+    finally:
+        ui.close()  # its heartbeat stream would otherwise hold the server's shutdown
     client = openai.OpenAI(base_url=url + "v1", api_key="sk-test-1", max_retries=0)
     assert client.models.list().data[0].id == TINY
     out = client.completions.create(model=TINY, prompt="Hello", max_tokens=3)
     assert out.usage.completion_tokens >= 1
+    assert any("RANDOM WEIGHTS" in n for n in out.model_extra["gemma4"]["notes"])
 
 
 def test_rate_limits_answer_429_and_recover(guarded):

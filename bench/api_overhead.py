@@ -1,0 +1,154 @@
+"""What the OpenAI-compatible HTTP path costs against the engine called directly.
+
+    .venv/bin/python bench/api_overhead.py [--new-tokens 64] [--runs 2] [--json out.json]
+
+One engine (the app's default settings: bundled model, int8 weights, 8 decode slots), every shape
+compiled first; then, for 1 and 8 concurrent clients, greedy completions of `--new-tokens` tokens:
+  direct: threads iterating `engine.stream(...)`;
+  layer:  threads iterating `gemma4.conversation.stream_reply(...)` (the request layer the API and
+          the chat share);
+  api:    threads streaming `/v1/completions` through the official `openai` client from the real
+          app (Gradio mounted beside /v1 on uvicorn, in this process; rate limits off).
+Speeds are measured where the tokens arrive (the client side): per-client decode tok/s = (tokens
+- 1) / (last token - first token), aggregate = all tokens / wall time. Medians over `--runs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS = [f"{i}, {i + 1}, {i + 2}, {i + 3}," for i in range(1, 9)]  # long greedy continuations
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(items) -> tuple[int, float | None, float | None]:
+    """(tokens, first arrival, last arrival) of one streamed reply. `items` yields True for an
+    item that carries new text and, last, the reply's token count (an int)."""
+    n, first, last = 0, None, None
+    for item in items:
+        if item is True:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+        else:
+            n = int(item)
+    return n, first, last
+
+
+def run_clients(clients: int, one) -> dict:
+    """`clients` threads each running `one(prompt)` → (tokens, first, last); the figures."""
+    out: list = [None] * clients
+
+    def work(i):
+        out[i] = one(PROMPTS[i % len(PROMPTS)])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    per = [(n - 1) / (b - a) for n, a, b in out if n > 1 and b > a]
+    total = sum(n for n, _, _ in out)
+    return {"decode_tok_s_per_client": statistics.median(per) if per else 0.0,
+            "aggregate_tok_s": total / wall, "tokens": total, "wall_s": wall}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args(argv)
+
+    import openai
+
+    import app
+    from gemma4 import server
+    from gemma4.conversation import stream_reply
+    from gemma4.engine import get_engine
+    from gemma4.ratelimit import Limits
+    from gemma4.sampling import SamplingParams
+
+    settings = app.Settings()
+    engine = get_engine(model=settings.model, max_batch=settings.max_users,
+                        context_limit=settings.context,
+                        max_new_tokens_cap=settings.max_new_tokens_cap)
+    engine.wait_compiled()
+    access = server.Access(limits=Limits(in_flight=0, per_minute=0))
+    demo = app.build_demo(engine, settings)
+    fast = server.build_app(demo, engine, model=settings.model,
+                            max_new_tokens_cap=settings.max_new_tokens_cap, access=access)
+    running = server.start(fast, "127.0.0.1", _free_port())
+    client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
+                           timeout=600)
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+
+    def direct(prompt):
+        def items():
+            for ev in engine.stream(prompt, params, mode="completion"):
+                yield ev.stats["new_tokens"] if ev.done else True
+        return _timed(items())
+
+    def layer(prompt):
+        def items():
+            for ev in stream_reply(engine, prompt, params, mode="completion"):
+                yield ev.stats["new_tokens"] if ev.done else True
+        return _timed(items())
+
+    def api(prompt):
+        def items():
+            for c in client.completions.create(model=settings.model, prompt=prompt, stream=True,
+                                               temperature=0.0, max_tokens=args.new_tokens,
+                                               stream_options={"include_usage": True}):
+                if c.usage is not None:
+                    yield c.usage.completion_tokens
+                elif c.choices and c.choices[0].text:
+                    yield True
+        return _timed(items())
+
+    paths = {"direct": direct, "layer": layer, "api": api}
+    for one in paths.values():  # warm-up (every path, both widths)
+        run_clients(8, one)
+    rows = []
+    for clients in (1, 8):
+        for name, one in paths.items():
+            runs = [run_clients(clients, one) for _ in range(args.runs)]
+            row = {"path": name, "clients": clients, **{
+                k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    running.close()
+    cpu = engine.info()["hardware"].get("facts", {}).get("cpu_model") or "CPU"
+    print(f"\n{cpu}; {args.new_tokens} new tokens, greedy, median of {args.runs}\n")
+    print("| clients | path | decode tok/s per client | aggregate tok/s | vs direct |")
+    print("|---|---|---|---|---|")
+    base = {r["clients"]: r for r in rows if r["path"] == "direct"}
+    for r in rows:
+        ratio = r["aggregate_tok_s"] / base[r["clients"]]["aggregate_tok_s"]
+        print(f"| {r['clients']} | {r['path']} | {r['decode_tok_s_per_client']} | "
+              f"{r['aggregate_tok_s']} | {ratio:.2f}× |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"new_tokens": args.new_tokens, "rows": rows},
+                                              indent=1))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
