@@ -260,7 +260,6 @@ def test_gemma3_think_switch_disabled_with_reason(every_event):
     and a request that still asks for thinking is answered without it, with a note."""
     import app
     from gemma4.engine import get_engine
-
     from tests.test_app import TINY_ENGINE, TINY_MODEL
 
     engine = get_engine(model=TINY_MODEL, **TINY_ENGINE)  # the engine tests/test_app.py uses
