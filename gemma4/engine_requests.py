@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from gemma4.sampling import SamplingParams
+from gemma4.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
 
 # ------------------------------------------------------------------------------ requests
 class RequestError(ValueError):
@@ -176,9 +176,9 @@ class RequestsMixin:
         from gemma4.tokenizer import IncrementalDecoder
 
         decoder = IncrementalDecoder(self.tokenizer)
-        text, ids = "", []
+        full, text, ids = "", "", []  # full: all decoded text; text: what was handed out
         first_t = last_t = None
-        nonfinite = False
+        nonfinite = cut_by_stop_string = False
         reason = None
         stops = tuple(s for s in (req.params.stop_strings if stop_strings is None else stop_strings) if s)
         try:
@@ -191,16 +191,19 @@ class RequestsMixin:
                     nonfinite |= bad
                     first_t = first_t or t
                     last_t = t
-                    delta = decoder.push(token)
-                    if stops and delta:
-                        cut = _find_stop(text + delta, stops)
-                        if cut is not None:
-                            delta = (text + delta)[:cut][len(text):]
-                            text += delta
+                    full += decoder.push(token)
+                    if stops:
+                        cut, hit = apply_stop_strings(full, stops)
+                        if hit:
+                            delta, text = cut[len(text):], cut
                             req.cancel.set()
-                            reason = "stop"
+                            reason, cut_by_stop_string = "stop", True
                             yield self._event(req, delta, text, ids, first_t, last_t, None, False)
                             break
+                    # Withhold a tail that may be the start of a stop string, so a stop that spans
+                    # tokens never shows its first characters.
+                    visible = len(full) - stop_string_holdback(full, stops) if stops else len(full)
+                    delta = full[len(text):max(visible, len(text))]
                     text += delta
                     yield self._event(req, delta, text, ids, first_t, last_t, None, False)
                 elif kind == "done":
@@ -210,8 +213,10 @@ class RequestsMixin:
                     reason = "error"
                     req.stats["error"] = item[1]
                     break
-            tail = decoder.flush() if reason != "stop" or not stops else ""
-            text += tail
+            tail = ""
+            if not cut_by_stop_string:  # a stop id, the limit, a cancel: everything decoded is the reply
+                full += decoder.flush()
+                tail, text = full[len(text):], full
             flags = degeneracy_flags(text, ids, prompt_text=self.tokenizer.decode(req.prompt_ids),
                                      control_ids=getattr(self.tokenizer, "control_ids", frozenset()),
                                      nonfinite_logits=nonfinite)

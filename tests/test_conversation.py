@@ -237,3 +237,15 @@ def test_gemma3_refuses_thinking_and_tools(eng):
         stream_reply(g3, "Hi", P, thinking=True)
     with pytest.raises(RequestError, match="Tools are not available"):
         prompt_ids(g3, "Hi", tools=TOOLS)
+
+
+def test_engine_stream_withholds_a_stop_string_spanning_tokens(eng):
+    # Engine.stream itself (no thought split): the stop's first characters are never shown, and a
+    # reply that ends otherwise keeps its held-back tail.
+    for script, want, reason in (("abc END def<turn|>", "abc ", "stop"), ("abc EN<turn|>", "abc EN", "stop"),
+                                 ("long text here", "long text ", "length")):
+        with scripted(eng, script):
+            events = list(eng.stream("Hi", SamplingParams(max_new_tokens=10, stop_strings=("END",)), mode="chat"))
+        assert (events[-1].text, events[-1].finish_reason) == (want, reason)
+        assert "".join(e.delta for e in events) == want
+        assert not any(e.text.endswith(("E", "EN")) for e in events[:-1])  # held back until decided
