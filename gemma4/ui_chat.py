@@ -173,8 +173,8 @@ class ChatHandlers:
 
         # 2. Settings (clamped with a warning) and the prompt.
         mode = mode if mode in ("chat", "completion") else self.default_mode()
-        think, think_note = self._thinking(think, mode)
         try:
+            think, think_note = self._thinking(think, mode)
             params, notes, warnings = self.params(temperature, top_p, top_k, max_new_tokens,
                                                   seed, repetition_penalty)
             for w in warnings:
