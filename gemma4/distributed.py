@@ -216,8 +216,13 @@ def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, 
 
 
 # ------------------------------------------------------------------------------ peer-loss watchdog
-def _lost(message: str) -> None:
-    sys.stderr.write(f"gemma4: {message}\n")
+def _lost(reason: str) -> None:
+    """Stop this process at once (threads may be inside a collective that will never finish)."""
+    import jax  # noqa: PLC0415
+
+    sys.stderr.write(f"gemma4: process {jax.process_index()} of {jax.process_count()}: {reason}; the device mesh "
+                     f"cannot continue without every process, so this one stops too (exit status "
+                     f"{LOST_EXIT_CODE}). Restart every process to serve again.\n")
     sys.stderr.flush()
     os._exit(LOST_EXIT_CODE)
 
@@ -290,9 +295,7 @@ class Watchdog:
                 continue
             if self.closing.is_set():
                 return
-            _lost(f"process {self.pid} of {self.n}: lost contact with process {peer} ({why}); the device mesh "
-                  f"cannot continue without it, so this process stops too (exit status {LOST_EXIT_CODE}). "
-                  f"Restart every process to serve again.")
+            _lost(f"lost contact with process {peer} ({why})")
 
     def _ping(self) -> None:
         while not self.closing.is_set():
@@ -390,9 +393,16 @@ class StepCodec:
 
 
 def _broadcast(vec: np.ndarray) -> np.ndarray:
+    """One descriptor from process 0 to all. A collective that fails (gloo reports a peer's closed
+    connection at once) means a process is gone: stop with that message rather than a traceback."""
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
-    return np.asarray(multihost_utils.broadcast_one_to_all(vec))
+    try:
+        return np.asarray(multihost_utils.broadcast_one_to_all(vec))
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        _lost(f"a collective with the other processes failed, so one of them is gone ({first})")
+        raise  # not reached: _lost exits
 
 
 # ------------------------------------------------------------------------------ the engine's side
@@ -457,13 +467,7 @@ class EngineLink:
                 else:
                     engine._run_decode(exe, step.tokens, step.positions, sampling, row=step.row)
             except Exception as e:  # noqa: BLE001 - process 0 would wait forever on this process
-                _lost(f"process {_pid()}: replaying {step.key} failed ({type(e).__name__}: {e}); stopping")
-
-
-def _pid() -> int:
-    import jax  # noqa: PLC0415
-
-    return jax.process_index()
+                _lost(f"replaying process 0's step {step.key} failed ({type(e).__name__}: {str(e)[:300]})")
 
 
 def link(engine: Any) -> EngineLink | None:

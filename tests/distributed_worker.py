@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--mesh", default="none")
     ap.add_argument("--die-at-step", type=int, default=None)
+    ap.add_argument("--max-batch", type=int, default=2)
     distributed.add_arguments(ap)
     args = ap.parse_args()
     try:
@@ -40,7 +41,7 @@ def main() -> int:
 
     from gemma4.engine import Engine, SamplingParams
 
-    engine = Engine(MODEL, max_batch=4, context_limit=64, buckets=(16,), mesh=args.mesh,
+    engine = Engine(MODEL, max_batch=args.max_batch, context_limit=64, buckets=(16,), mesh=args.mesh,
                     overrides={"weights": "none", "dtype": "float32", "kv": "native"})
     if args.die_at_step is not None:
         _die_at(engine, args.die_at_step)
