@@ -37,6 +37,7 @@ See docs/engine-api.md for the public surface.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import itertools
 import logging
@@ -50,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4 import kv_cache
+from gemma4 import kv_cache, sharding
 from gemma4 import model as M
 from gemma4.config import ModelConfig
 from gemma4.engine_compile import (  # noqa: F401  (re-exported: callers use gemma4.engine)
@@ -112,8 +113,9 @@ def _decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, opti
 class Engine(CompileMixin, RequestsMixin):
     def __init__(self, model: str = "bundled", *, max_batch: int = 8, context_limit: int | None = None,
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
-                 buckets: Sequence[int] = PROMPT_BUCKETS):
+                 buckets: Sequence[int] = PROMPT_BUCKETS, mesh: str | dict | None = "auto"):
         self.model_name = model
+        self.mesh_request = "auto" if mesh is None else mesh  # see _resolve_mesh
         self.max_batch = int(max_batch)
         self.requested_context = context_limit
         self.overrides = dict(overrides or {})
@@ -223,6 +225,7 @@ class Engine(CompileMixin, RequestsMixin):
         log.info("hardware plan:\n%s", plan.report())
         plan.apply_jax_config()
         options = plan.run_options()
+        mesh_shape = self._resolve_mesh(sources.peek_config(source), plan)
         self._startup["plan_s"] = time.perf_counter() - t0
 
         def progress(frac: float, msg: str) -> None:
@@ -233,6 +236,10 @@ class Engine(CompileMixin, RequestsMixin):
         cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
                                              quantize=plan.quantize_kwargs())
         mode = plan.weights.value
+        sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
+        self.mesh = sharding.make_mesh(mesh_shape)
+        # Each device keeps only its shards (on one device: the same arrays, placed as they are).
+        params = sharding.shard_params(cfg, params, self.mesh)
         self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
         # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
         t_mm = time.perf_counter()
@@ -249,12 +256,28 @@ class Engine(CompileMixin, RequestsMixin):
         limit = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
         self.context_limit = int(min(limit, cfg.max_position_embeddings))
         self.kv_format = plan.kv_cache.value
-        self.cache = kv_cache.init_cache(cfg, self.max_batch, self.context_limit, options.dtype, self.kv_format)
+        if self.mesh.shape["data"] > 1:
+            # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
+            # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.
+            self.widths = (self.max_batch,)
+            options = dataclasses.replace(options, rows_sharded=True)
+            self.options = options
+        shape_cache = functools.partial(kv_cache.init_cache, cfg, self.max_batch, self.context_limit, options.dtype,
+                                        self.kv_format)
+        cache_sh = sharding.cache_shardings(cfg, jax.eval_shape(shape_cache), self.mesh)
+        self.cache = jax.jit(shape_cache, out_shardings=cache_sh)()  # born split: no whole cache on one device
+        param_sh = sharding.param_shardings(cfg, self.params, self.mesh)
+        rep = sharding.replicated(self.mesh)
+        # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
+        # small inputs and outputs (tokens, positions, sampling rows) are replicated.
+        step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
         self._prefill = {fresh: jax.jit(functools.partial(_prefill_step, cfg=cfg, options=options, fresh=fresh),
-                                        donate_argnums=(1,)) for fresh in (True, False)}
+                                        in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
+                         for fresh in (True, False)}
         self.kv_lengths = kv_ladder(self.context_limit)
         self._decode = {(w, n): jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w, kv_len=n),
-                                        donate_argnums=(1,)) for w in self.widths for n in self.kv_lengths}
+                                        in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
+                        for w in self.widths for n in self.kv_lengths}
         self._row_state = np.full((self.max_batch,), -1, np.int64)
         self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.cache)
@@ -265,11 +288,38 @@ class Engine(CompileMixin, RequestsMixin):
             "max_batch": self.max_batch, "hardware": report, "kv_format": self.kv_format,
             "weights": mode, "embed_weights": plan.embed_weights.value, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
             "decode_widths": list(self.widths), "kv_lengths": list(self.kv_lengths), "load_s": round(time.perf_counter() - t0, 2),
-            "memory": self.memory(),
+            "memory": self.memory(), "sharding": self._sharding_info(mesh_shape),
             "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
                                  if cfg.family == "gemma4" else
                                  dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)),
         }
+
+    def _resolve_mesh(self, cfg: ModelConfig | None, plan) -> dict[str, int]:
+        """The mesh shape asked for: "none", "tensor=4,data=2" (or its dict), or "auto" — the
+        pre-flight's choice where gemma4.preflight is present, else one device."""
+        req = self.mesh_request
+        if isinstance(req, dict):
+            return {a: int(n) for a, n in req.items() if int(n) > 1}
+        if str(req).strip().lower() != "auto":
+            return sharding.parse_mesh(str(req))
+        try:
+            from gemma4 import preflight  # noqa: PLC0415 (optional: the memory pre-flight)
+        except ImportError:
+            return {}
+        if cfg is None or not hasattr(preflight, "choose_mesh"):
+            return {}
+        context = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
+        return dict(preflight.choose_mesh(cfg, plan, jax.devices(), context, self.max_batch))
+
+    def _sharding_info(self, shape: dict[str, int]) -> dict:
+        """The mesh, the rule table and the bytes each device holds (for the Hardware panel)."""
+        weights = sharding.device_bytes(self.params)
+        cache = sharding.device_bytes(self.cache)
+        return {"mesh": sharding.mesh_string(shape), "shape": {a: int(n) for a, n in self.mesh.shape.items()},
+                "devices": [str(d) for d in self.mesh.devices.flat], "rules": sharding.rules_table(),
+                "kv_heads_policy": sharding.KV_HEADS_POLICY, "decode_widths": list(self.widths),
+                "per_device": [{"device": d, "weights_bytes": weights.get(d, 0), "kv_cache_bytes": cache.get(d, 0)}
+                               for d in sorted(set(weights) | set(cache))]}
 
     def memory(self) -> dict:
         from gemma4.params import count_bytes

@@ -157,8 +157,17 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
     fastest that passes the accuracy bound (gemma4.cpu_tuning; cached per CPU + jax + geometry).
     GEMMA4_INT8_MATMUL=<path> forces one path for decode rows; "default" keeps the built-in one.
     Off CPU the compilers fuse the dequantization into the matmul and nothing is chosen here.
+    On a mesh of more than one device every path, the native kernel included, runs on each
+    device's own shard inside `shard_map` (see `quant._spmd`: XLA cannot partition the kernel's
+    custom call, and would gather the whole weight per step), so the paths are measured on the
+    shard shapes a device multiplies (`sharding.local_view`).
     Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
     """
+    from gemma4 import sharding  # noqa: PLC0415
+
+    if sharding.any_sharded(params):
+        tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
+        return sharding.copy_paths(params, tuned), plan, report
     import jax  # noqa: PLC0415
 
     from gemma4 import cpu_tuning, quant  # noqa: PLC0415

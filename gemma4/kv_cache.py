@@ -62,13 +62,27 @@ def _quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
+def _select_rows(x: jax.Array, row: jax.Array | int, batch: int) -> jax.Array:
+    """x[row : row + batch] as a masked sum over all rows. Exact (one row is kept, zeros added), and
+    partitioned without collectives beyond one row's all-reduce when the rows are split over a
+    mesh, where a dynamic slice of the split axis would first gather every row to every device."""
+    idx = jnp.arange(x.shape[0]) - row  # [R]: the output row each cache row would be
+    pick = (idx[None, :] == jnp.arange(batch)[:, None])  # [batch, R]
+    pick = pick.reshape(pick.shape + (1,) * (x.ndim - 1))
+    return jnp.sum(jnp.where(pick, x[None], jnp.zeros((), x.dtype)), axis=1, dtype=x.dtype)
+
+
 def read(entry: dict[str, jax.Array], dtype: Any, row: jax.Array | int = 0, batch: int | None = None,
-         kv_len: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(k, v, pos) of cache rows [row, row + batch) and slots [0, kv_len), in the compute dtype."""
+         kv_len: int | None = None, rows_sharded: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v, pos) of cache rows [row, row + batch) and slots [0, kv_len), in the compute dtype.
+
+    rows_sharded: the cache rows are split over a mesh axis: rows are selected by a mask, not sliced.
+    """
     def view(x):
+        x = x[:, :kv_len] if kv_len is not None else x
         if batch is not None and batch != x.shape[0]:
-            x = jax.lax.dynamic_slice_in_dim(x, row, batch, axis=0)
-        return x[:, :kv_len] if kv_len is not None else x
+            x = _select_rows(x, row, batch) if rows_sharded else jax.lax.dynamic_slice_in_dim(x, row, batch, axis=0)
+        return x
 
     pos = view(entry["pos"])
     if "k_scale" in entry:

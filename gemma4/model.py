@@ -31,6 +31,7 @@ class RunOptions:
     compute_dtype: str = "float32"
     attention_sliding: str = "xla"  # "xla" (einsum + softmax) or a jax.nn.dot_product_attention impl
     attention_full: str = "xla"
+    rows_sharded: bool = False  # cache rows split over a mesh axis (gemma4.sharding): rows read by mask
 
     @property
     def dtype(self) -> Any:
@@ -223,10 +224,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             # ring then holds exactly the window ending at this token.
             new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
             keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype, cache_row, B,
-                                                  None if spec.is_sliding else kv_len)
+                                                  None if spec.is_sliding else kv_len, options.rows_sharded)
         else:
             ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B,
-                                         None if spec.is_sliding else kv_len)
+                                         None if spec.is_sliding else kv_len, options.rows_sharded)
             keys = jnp.concatenate([ck, k], axis=1)
             values = jnp.concatenate([cv, v], axis=1)
             key_pos = jnp.concatenate([cpos, positions], axis=1)

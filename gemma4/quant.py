@@ -71,6 +71,10 @@ class QuantArray:
     chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     group_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     paths: tuple[tuple[int, str], ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    # Set by gemma4.sharding on a mesh of more than one device: the mesh and the mesh axis (or
+    # None) of the (out, in) dims; `linear` then runs each device's shard (see _spmd).
+    mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    mesh_axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,6 +113,8 @@ class Int4Array:
     kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
     block: tuple[int, int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # as QuantArray
+    mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))  # as QuantArray
+    mesh_axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -401,12 +407,66 @@ def _int4_linear(x: jax.Array, w: "Int4Array") -> jax.Array:
     return y.reshape(*x.shape[:-1], n_out)
 
 
+# ------------------------------------------------------------------------------ on a device mesh
+def _sharded(w: Any) -> bool:
+    return is_quantized(w) and w.mesh is not None and w.mesh.size > 1
+
+
+def _local_leaf(w: Any, *arrays) -> Any:
+    """The leaf of one device's shard: the same layout, no mesh (so `linear` runs it directly)."""
+    names = ("q", "scale") if isinstance(w, QuantArray) else ("packed", "scale")
+    return dataclasses.replace(w, **dict(zip(names, arrays)), mesh=None, mesh_axes=(None, None))
+
+
+def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
+    """linear / linear_many of quantized leaves sharded over a mesh, one shard per device.
+
+    XLA's SPMD partitioner cannot split the native int8 kernel (an FFI custom call) or see
+    through the chunked formulations' `lax.map`: it would gather the whole weight to every device
+    each step. So each device runs the chosen formulation on its own shard inside `shard_map`:
+    weights split by output rows give output columns; weights split by input columns (o, down)
+    give partial sums, added by one psum over that axis. Activation rows are split over `data`
+    when they divide evenly. All leaves of one call share x and the input axis.
+    """
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    mesh = ws[0].mesh
+    in_ax = ws[0].mesh_axes[1]
+    n_in = x.shape[-1]
+    x2 = x.reshape(-1, n_in)
+    data = mesh.shape.get("data", 1)
+    rows_ax = "data" if data > 1 and x2.shape[0] % data == 0 else None
+
+    def scale_spec(w):
+        out_ax, ax_in = w.mesh_axes
+        return P(out_ax) if w.scale.ndim == 1 else P(out_ax, ax_in)
+
+    def local(x_l, *arrays):
+        leaves = [_local_leaf(w, arrays[2 * i], arrays[2 * i + 1]) for i, w in enumerate(ws)]
+        outs = linear_many(x_l, leaves, jnp.float32)
+        return tuple(jax.lax.psum(y, in_ax) if in_ax else y for y in outs)
+
+    arrays, in_specs = [], [P(rows_ax, in_ax)]
+    for w in ws:
+        if w.mesh_axes[1] != in_ax:
+            raise ValueError(f"leaves of one call must share the input axis: {w.mesh_axes} vs {in_ax}")
+        data_arr = w.q if isinstance(w, QuantArray) else w.packed
+        arrays += [data_arr, w.scale]
+        in_specs += [P(*w.mesh_axes), scale_spec(w)]
+    out_specs = tuple(P(rows_ax, w.mesh_axes[0]) for w in ws)
+    ys = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                       check_vma=False)(x2, *arrays)
+    return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
+
+
 def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     """x [..., in] · Wᵀ → [..., out] in `out_dtype` (default x.dtype), accumulated in float32.
 
     W is a plain [out, in] array, a QuantArray or an Int4Array.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if _sharded(w):
+        return _spmd(x, [w], out_dtype)[0]
     if isinstance(w, QuantArray):
         y = _int8_linear(x, w)
     elif isinstance(w, Int4Array):
@@ -423,6 +483,8 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
     quantization instead of several; the results are the same as separate `linear` calls.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if len(ws) > 1 and all(_sharded(w) for w in ws) and len({w.mesh_axes[1] for w in ws}) == 1:
+        return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
     if len(ws) > 1 and all(isinstance(w, QuantArray) and int8_path(w, m) == "native" for w in ws):

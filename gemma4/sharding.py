@@ -181,3 +181,267 @@ def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None) -> Me
 
 def is_trivial(mesh: Mesh | None) -> bool:
     return mesh is None or mesh.size == 1
+
+
+# ------------------------------------------------------------------------------ rules → specs
+# The logical axes of the arrays outside the parameter tree (the parameters' own come from
+# gemma4.params): the KV cache entries and the activations the engine feeds in.
+CACHE_AXES = {"k": ("batch", "cache_slots", "kv_heads", "head_dim"),
+              "v": ("batch", "cache_slots", "kv_heads", "head_dim"),
+              "pos": ("batch", "cache_slots"),
+              "k_scale": ("batch", "cache_slots", "kv_heads"),
+              "v_scale": ("batch", "cache_slots", "kv_heads")}
+ACTIVATION_AXES = {"hidden": ("batch", None, "embed"), "logits": ("batch", "vocab")}
+
+
+def check_rules(rules: Sequence[tuple[str, str | None]], axes_sets: Sequence[tuple]) -> None:
+    """Reject a table that names a logical axis twice, a mesh axis not in MESH_AXES, or that maps
+    two logical axes of one array onto the same mesh axis (flax would silently drop one)."""
+    names = [r[0] for r in rules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise MeshError(f"partition rules name logical axes more than once: {dup}")
+    bad = sorted({m for _, m in rules if m is not None and m not in MESH_AXES})
+    if bad:
+        raise MeshError(f"partition rules use unknown mesh axes {bad}; axes are {', '.join(MESH_AXES)}")
+    table = dict(rules)
+    for axes in axes_sets:
+        used = [table.get(a) for a in axes if a is not None and table.get(a) is not None]
+        if len(used) != len(set(used)):
+            raise MeshError(f"partition rules map two axes of {axes} onto one mesh axis ({used})")
+
+
+def _flax_spec(axes: tuple, rules=RULES) -> tuple:
+    import flax.linen as nn  # noqa: PLC0415 (flax is imported only when a mesh is built)
+
+    spec = nn.logical_to_mesh_axes(axes, rules)
+    return tuple(spec) + (None,) * (len(axes) - len(spec))
+
+
+def _fit(shape: Sequence[int], spec: tuple, sizes: dict[str, int]) -> tuple:
+    """Drop mesh axes of size 1 and those that do not divide their dimension (→ replicated)."""
+    out = []
+    for n, ax in zip(shape, spec):
+        k = sizes.get(ax, 1) if ax is not None else 1
+        out.append(ax if k > 1 and n % k == 0 else None)
+    return tuple(out)
+
+
+def logical_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> P:
+    """The PartitionSpec of an array with these logical axes and shape on a mesh of `sizes`."""
+    return P(*_fit(shape, _flax_spec(axes), sizes))
+
+
+def _sizes(mesh: Mesh | dict) -> dict[str, int]:
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else {a: int(mesh.get(a, 1)) for a in MESH_AXES}
+
+
+def _leaf_axes(spec, leaf, sizes: dict[str, int]) -> tuple[str | None, str | None]:
+    """(out, in) mesh axes of a 2-D quantized leaf: both parts of the leaf must split alike.
+
+    int8 grouped scales split with their columns only when whole groups land on each device;
+    int4's "halves" packing puts columns j and j + in/2 in one byte, so its input dim stays whole
+    (o/down in int4 are then split by nothing: replicated over `tensor`)."""
+    from gemma4.quant import Int4Array  # noqa: PLC0415
+
+    out_ax, in_ax = _fit(spec.shape, _flax_spec(spec.axes), sizes)
+    if isinstance(leaf, Int4Array):
+        in_ax = None
+    elif in_ax is not None and leaf.group_size and (spec.shape[1] // leaf.group_size) % sizes[in_ax]:
+        in_ax = None
+    return out_ax, in_ax
+
+
+def _with_mesh(spec, leaf, mesh: Mesh) -> Any:
+    """A quantized leaf told its mesh and axes (so `quant.linear` runs it per shard)."""
+    import dataclasses  # noqa: PLC0415
+
+    from gemma4.quant import is_quantized  # noqa: PLC0415
+
+    if not is_quantized(leaf):
+        return leaf
+    if is_trivial(mesh):
+        return dataclasses.replace(leaf, mesh=None, mesh_axes=(None, None))
+    return dataclasses.replace(leaf, mesh=mesh, mesh_axes=_leaf_axes(spec, leaf, _sizes(mesh)))
+
+
+def _leaf_sharding(spec, leaf, mesh: Mesh) -> Any:
+    import dataclasses  # noqa: PLC0415
+
+    from gemma4.quant import Int4Array, QuantArray  # noqa: PLC0415
+
+    sizes = _sizes(mesh)
+    if isinstance(leaf, (QuantArray, Int4Array)):
+        out_ax, in_ax = leaf.mesh_axes if leaf.mesh is not None else _leaf_axes(spec, leaf, sizes)
+        scale = P(out_ax) if leaf.scale.ndim == 1 else P(out_ax, in_ax)
+        data = "q" if isinstance(leaf, QuantArray) else "packed"
+        return dataclasses.replace(leaf, **{data: NamedSharding(mesh, P(out_ax, in_ax)),
+                                            "scale": NamedSharding(mesh, scale)})
+    shape = getattr(leaf, "shape", spec.shape)
+    return NamedSharding(mesh, logical_spec(spec.axes, shape, sizes))
+
+
+def _all_axes(cfg) -> list[tuple]:
+    from gemma4.params import is_leaf_spec, param_specs  # noqa: PLC0415
+
+    leaves = jax.tree.leaves(param_specs(cfg), is_leaf=is_leaf_spec)
+    return [s.axes for s in leaves] + list(CACHE_AXES.values()) + list(ACTIVATION_AXES.values())
+
+
+def param_shardings(cfg, params_or_spec: Any, mesh: Mesh) -> Any:
+    """NamedShardings shaped like `params_or_spec` (a parameter tree, or `params.param_specs(cfg)`):
+    a quantized leaf gets a leaf of the same type holding its parts' shardings."""
+    from gemma4.params import is_leaf_spec, param_specs  # noqa: PLC0415
+    from gemma4.quant import is_quantized  # noqa: PLC0415
+
+    check_rules(RULES, _all_axes(cfg))
+    specs = param_specs(cfg)
+    if jax.tree.structure(params_or_spec, is_leaf=is_leaf_spec) == jax.tree.structure(specs, is_leaf=is_leaf_spec) \
+            and all(is_leaf_spec(x) for x in jax.tree.leaves(params_or_spec, is_leaf=is_leaf_spec)):
+        return jax.tree.map(lambda s: _leaf_sharding(s, s, mesh), specs, is_leaf=is_leaf_spec)
+    return jax.tree.map(lambda s, leaf: _leaf_sharding(s, leaf, mesh), specs, params_or_spec,
+                        is_leaf=lambda x: is_leaf_spec(x) or is_quantized(x))
+
+
+def annotate_params(cfg, params: Any, mesh: Mesh) -> Any:
+    """Quantized leaves told the mesh and the axes they split over (no data moves)."""
+    from gemma4.params import is_leaf_spec, param_specs  # noqa: PLC0415
+    from gemma4.quant import is_quantized  # noqa: PLC0415
+
+    return jax.tree.map(lambda s, leaf: _with_mesh(s, leaf, mesh), param_specs(cfg), params,
+                        is_leaf=lambda x: is_leaf_spec(x) or is_quantized(x))
+
+
+def shard_params(cfg, params: Any, mesh: Mesh) -> Any:
+    """The parameter tree placed on `mesh` per RULES (each device receives only its shards)."""
+    params = annotate_params(cfg, params, mesh)
+    return jax.device_put(params, param_shardings(cfg, params, mesh))
+
+
+def cache_shardings(cfg, cache: dict, mesh: Mesh) -> dict:
+    """NamedShardings for a cache from `kv_cache.init_cache` (K/V split with their heads)."""
+    check_rules(RULES, list(CACHE_AXES.values()))
+    sizes = _sizes(mesh)
+    return {idx: {name: NamedSharding(mesh, logical_spec(CACHE_AXES[name], arr.shape, sizes))
+                  for name, arr in entry.items()} for idx, entry in cache.items()}
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+# ------------------------------------------------------------------------------ bytes per device
+def _part_bytes(shape: Sequence[int], itemsize: float, spec: tuple, sizes: dict[str, int]) -> int:
+    n = float(np.prod(shape, dtype=np.float64)) * itemsize
+    for ax in spec:
+        if ax is not None:
+            n /= sizes[ax]
+    return int(n)
+
+
+def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: Any = "float32",
+                           quantize: dict | None = None, batch: int = 0, context: int = 0,
+                           kv_dtype: Any = "float32", kv_format: str = "native") -> dict[str, int]:
+    """Bytes one device holds under RULES on a mesh of `shape`, computed without any device.
+
+    Weights in their final form (`quantize` = `Plan.quantize_kwargs()`, per-row int8 scales; a
+    GGUF's grouped scales differ by a few %), plus the KV cache for `batch` rows × `context`
+    positions in `kv_format`. Returns {"weights", "kv_cache", "total"} (the most any device holds).
+    """
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from gemma4.params import LeafFormat, is_leaf_spec, iter_specs, leaf_dtype, leaf_name, param_specs  # noqa: PLC0415
+
+    sizes = _sizes(shape)
+    check_rules(RULES, _all_axes(cfg))
+    fmt = LeafFormat(jnp.dtype(weight_dtype), quantize)
+    group = fmt._kw()["group_size"]
+    weights = 0
+    for path, spec in iter_specs(param_specs(cfg)):
+        target = fmt.target(leaf_name(path), spec)
+        if target == "none":
+            dt = jnp.dtype(leaf_dtype(spec, fmt.weight_dtype))
+            weights += _part_bytes(spec.shape, dt.itemsize, _fit(spec.shape, _flax_spec(spec.axes), sizes), sizes)
+            continue
+        out_ax, in_ax = _fit(spec.shape, _flax_spec(spec.axes), sizes)
+        n_out, n_in = spec.shape
+        if target == "int4":
+            weights += _part_bytes((n_out, n_in // 2), 1, (out_ax, None), sizes)
+            weights += _part_bytes((n_out, n_in // group), 4, (out_ax, None), sizes)
+        else:
+            weights += _part_bytes((n_out, n_in), 1, (out_ax, in_ax), sizes)
+            weights += _part_bytes((n_out,), 4, (out_ax,), sizes)
+    kv = 0
+    if batch and context:
+        from gemma4.kv_cache import slots_for  # noqa: PLC0415
+
+        store = {"int8": 1, "fp8": 1}.get(kv_format, jnp.dtype(kv_dtype).itemsize)
+        for s in cfg.layers:
+            if s.is_kv_consumer:
+                continue
+            slots = slots_for(s, cfg, context)
+            kv_shape = (batch, slots, s.num_kv_heads, s.head_dim)
+            kv += 2 * _part_bytes(kv_shape, store, _fit(kv_shape, _flax_spec(CACHE_AXES["k"]), sizes), sizes)
+            kv += _part_bytes((batch, slots), 4, _fit((batch, slots), _flax_spec(CACHE_AXES["pos"]), sizes), sizes)
+            if kv_format == "int8":
+                sc = kv_shape[:3]
+                kv += 2 * _part_bytes(sc, 4, _fit(sc, _flax_spec(CACHE_AXES["k_scale"]), sizes), sizes)
+    return {"weights": int(weights), "kv_cache": int(kv), "total": int(weights + kv)}
+
+
+def device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes each device actually holds of a placed tree ({str(device): bytes}, addressable shards)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            key = str(shard.device)
+            out[key] = out.get(key, 0) + int(shard.data.size * shard.data.dtype.itemsize)
+    return out
+
+
+def rules_table() -> list[dict]:
+    """RULES as rows for the Hardware panel: logical axis, mesh axis, why."""
+    why = {
+        "batch": "decode slots: independent requests",
+        "vocab": "tied embedding / LM head and PLE table split by row",
+        "q_heads": "attention per head; one all-reduce after o",
+        "kv_heads": f"K/V and cache with their query heads ({KV_HEADS_POLICY}d when fewer than tensor)",
+        "mlp": "gate/up by output, down by input; one all-reduce per MLP",
+        "experts": "whole experts per device; routing unchanged",
+        "embed": "the residual stream: every layer needs all of it",
+        "cache_slots": "attention reads every slot of a row",
+        "head_dim": "a head is never split",
+    }
+    return [{"logical": a, "mesh": m or "replicated", "why": why.get(a, "")} for a, m in RULES]
+
+
+# ------------------------------------------------------------------------------ per-device views
+def any_sharded(params: Any) -> bool:
+    """Whether any quantized leaf is split over a mesh of more than one device."""
+    from gemma4.quant import _sharded, is_quantized  # noqa: PLC0415
+
+    return any(_sharded(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def local_view(params: Any) -> Any:
+    """Each quantized leaf as device 0's shard (shapes a device really multiplies), unsplit leaves
+    as they are: what the CPU int8 path is measured on under a mesh."""
+    from gemma4.quant import _local_leaf, _sharded, is_quantized  # noqa: PLC0415
+
+    def local(leaf):
+        if not _sharded(leaf):
+            return leaf
+        parts = (leaf.q, leaf.scale) if hasattr(leaf, "q") else (leaf.packed, leaf.scale)
+        return _local_leaf(leaf, *(p.addressable_shards[0].data for p in parts))
+
+    return jax.tree.map(local, params, is_leaf=is_quantized)
+
+
+def copy_paths(params: Any, view: Any) -> Any:
+    """params with each int8 leaf's `paths` taken from the same leaf of `view` (see local_view)."""
+    import dataclasses  # noqa: PLC0415
+
+    from gemma4.quant import QuantArray, is_quantized  # noqa: PLC0415
+
+    return jax.tree.map(lambda a, b: dataclasses.replace(a, paths=b.paths) if isinstance(a, QuantArray) else a,
+                        params, view, is_leaf=is_quantized)

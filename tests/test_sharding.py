@@ -1,0 +1,158 @@
+"""The mesh, the partition rules and the sharded engine (gemma4/sharding.py).
+
+In-process tests need no devices (mesh strings, validation messages, the rule table's
+arithmetic). The engine on meshes of 8 virtual CPU devices runs in ONE subprocess
+(tests/sharding_worker.py; the device count is fixed when JAX starts, and other tests keep one
+device): greedy tokens on every mesh must equal one device's, each device must hold exactly the
+rule table's share, and no compiled decode step may all-gather a whole weight or cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemma4 import sharding
+from gemma4.config import preset
+from gemma4.sharding import MeshError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One subprocess runs every case (starting JAX and the engine once per mesh is the cost).
+CASES = [
+    {"model": "random:tiny-e2b", "meshes": ["none", "tensor=2", "tensor=4", "data=2,tensor=4"]},
+    {"model": "random:tiny-31b", "meshes": ["none", "tensor=4"]},
+    {"model": "random:tiny-26b-a4b", "meshes": ["none", "expert=4", "tensor=2,expert=2"]},
+    {"model": "bundled", "meshes": ["none", "tensor=2", "data=2,tensor=2"]},
+    {"model": "random:tiny-e2b", "meshes": ["tensor=3", "tensor=16"]},  # refused
+]
+
+
+# ------------------------------------------------------------------------------ no devices needed
+def test_parse_mesh():
+    assert sharding.parse_mesh("none") == {}
+    assert sharding.parse_mesh("") == {}
+    assert sharding.parse_mesh("tensor=4,data=2") == {"tensor": 4, "data": 2}
+    assert sharding.parse_mesh("tensor=1") == {}
+    assert sharding.mesh_string({"data": 2, "tensor": 4}) == "data=2,tensor=4"
+    for bad, words in [("tensor=4,tensor=2", "twice"), ("model=2", "unknown axis"), ("tensor", "axis=size"),
+                       ("auto", "choose_mesh")]:
+        with pytest.raises(MeshError, match=words):
+            sharding.parse_mesh(bad)
+
+
+def test_validate_mesh_names_devices_and_divisors():
+    cfg = preset("gemma3-270m")  # 4 query heads, 1 KV head, MLP 2048, vocab 262144
+    sharding.validate_mesh(cfg, {"tensor": 4}, 8)
+    with pytest.raises(MeshError) as e:
+        sharding.validate_mesh(cfg, {"tensor": 8}, 8)
+    msg = str(e.value)
+    assert "query heads 4" in msg and "MLP width 2048" in msg and "vocab 262144" in msg
+    assert "tensor sizes that fit on 8 devices: 1, 2, 4" in msg
+    with pytest.raises(MeshError, match="needs 16 devices; there are 8 devices"):
+        sharding.validate_mesh(cfg, {"tensor": 4, "data": 4}, 8)
+    with pytest.raises(MeshError, match="no experts"):
+        sharding.validate_mesh(cfg, {"expert": 2}, 8)
+    with pytest.raises(MeshError, match="decode batch 6"):
+        sharding.validate_mesh(cfg, {"data": 4}, 8, batch=6)
+    moe = preset("26b-a4b")  # 128 experts
+    sharding.validate_mesh(moe, {"expert": 8}, 8)
+    with pytest.raises(MeshError, match="experts 128"):
+        sharding.validate_mesh(moe, {"expert": 3}, 8)
+
+
+def test_rule_table_rejects_a_mesh_axis_used_twice():
+    axes = sharding._all_axes(preset("tiny-e2b"))
+    sharding.check_rules(sharding.RULES, axes)
+    clash = tuple((a, "tensor" if a == "embed" else m) for a, m in sharding.RULES)  # embed and q_heads both
+    with pytest.raises(MeshError, match="onto one mesh axis"):
+        sharding.check_rules(clash, axes)
+    with pytest.raises(MeshError, match="more than once"):
+        sharding.check_rules(sharding.RULES + (("vocab", None),), axes)
+    with pytest.raises(MeshError, match="unknown mesh axes"):
+        sharding.check_rules((("vocab", "model"),), axes)
+
+
+def test_bytes_per_device_follow_the_rules():
+    # E2B, int8: the tensor split divides everything but the replicated K/V (1 KV head) and norms.
+    cfg = preset("e2b")
+    q = {"mode": "int8"}
+    one = sharding.shard_bytes_per_device(cfg, {}, quantize=q, batch=8, context=4096)
+    four = sharding.shard_bytes_per_device(cfg, {"tensor": 4}, quantize=q, batch=8, context=4096)
+    assert 0.25 * one["weights"] < four["weights"] < 0.26 * one["weights"]
+    assert four["kv_cache"] == one["kv_cache"]  # replicated: KV heads (1) < tensor (4)
+    data = sharding.shard_bytes_per_device(cfg, {"data": 2, "tensor": 4}, quantize=q, batch=8, context=4096)
+    assert data["weights"] == four["weights"] and data["kv_cache"] == one["kv_cache"] // 2
+    # 26B-A4B: the expert bank (float) over expert=8.
+    moe = preset("26b-a4b")
+    e1 = sharding.shard_bytes_per_device(moe, {}, weight_dtype="bfloat16")
+    e8 = sharding.shard_bytes_per_device(moe, {"expert": 8}, weight_dtype="bfloat16")
+    assert e8["weights"] < 0.25 * e1["weights"]
+
+
+# ------------------------------------------------------------------------------ 8 virtual devices
+@pytest.fixture(scope="module")
+def mesh_runs():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GEMMA4_INT8_MATMUL="default",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), json.dumps(CASES)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not rows:
+        pytest.fail(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return {(r["model"], r["mesh"]): r for r in rows}
+
+
+def _served(runs):
+    return [(m, mesh) for m, mesh in runs if "tokens" in runs[(m, mesh)] or mesh != "none"]
+
+
+@pytest.mark.parametrize("case", [(c["model"], mesh) for c in CASES[:-1] for mesh in c["meshes"] if mesh != "none"],
+                         ids=lambda c: f"{c[0]}|{c[1]}")
+def test_tokens_identical_to_one_device(mesh_runs, case):
+    model, mesh = case
+    run, base = mesh_runs[case], mesh_runs[(model, "none")]
+    assert "error" not in run, run["error"]
+    assert "error" not in base, base["error"]
+    assert run["tokens"] == base["tokens"], f"{model} on {mesh}: {run['tokens']} != {base['tokens']}"
+    assert run["alone"] == base["alone"] == base["tokens"][2]  # batched = alone, on every mesh
+
+
+@pytest.mark.parametrize("case", [(c["model"], mesh) for c in CASES[:-1] for mesh in c["meshes"]],
+                         ids=lambda c: f"{c[0]}|{c[1]}")
+def test_each_device_holds_its_share(mesh_runs, case):
+    run = mesh_runs[case]
+    assert "error" not in run, run["error"]
+    shares = run["shares"]
+    n = sharding.mesh_size(sharding.parse_mesh(case[1]))
+    assert shares["devices"] == n
+    # every device of the mesh holds the same bytes: the rule table's share (random weights are
+    # quantized per row, as the arithmetic assumes; the bundled GGUF keeps its grouped scales)
+    assert len(shares["weights"]) == 1 and len(shares["kv_cache"]) == 1, shares
+    if case[0].startswith("random:"):
+        assert shares["weights"] == [shares["expect"]["weights"]]
+    assert shares["kv_cache"] == [shares["expect"]["kv_cache"]]
+
+
+@pytest.mark.parametrize("case", [(c["model"], mesh) for c in CASES[:-1] for mesh in c["meshes"] if mesh != "none"],
+                         ids=lambda c: f"{c[0]}|{c[1]}")
+def test_decode_gathers_no_whole_weight_or_cache(mesh_runs, case):
+    run = mesh_runs[case]
+    assert "error" not in run, run["error"]
+    assert run["gathers"]["gathered_split_shapes"] == [], run["gathers"]
+    base = mesh_runs[(case[0], "none")]
+    assert run["shares"]["weights"][0] < base["shares"]["weights"][0]  # the weights really are split
+
+
+def test_bad_mesh_is_refused_with_the_divisors(mesh_runs):
+    three = mesh_runs[("random:tiny-e2b", "tensor=3")]
+    assert "MeshError" in three["error"] and "query heads 4" in three["error"]
+    assert "Traceback" not in three["error"]
+    many = mesh_runs[("random:tiny-e2b", "tensor=16")]
+    assert "needs 16 devices; there are 8 devices (cpu" in many["error"]
