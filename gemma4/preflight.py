@@ -8,7 +8,8 @@
 What a device holds, per leaf of `params.param_specs(cfg)`:
   * weights in the plan's final form (`params.LeafFormat.target`: float in the weight dtype,
     int8 + one float32 scale per row, int4 packed two per byte + one float32 scale per row and
-    group), divided along the dimensions the rule table shards (see `_shard_factor`);
+    group), divided along the dimensions `gemma4.sharding`'s rule table splits (its own
+    `shard_bytes_per_device`: replicated where a mesh axis does not divide, e.g. 1 KV head);
   * the KV cache for `batch` rows and `context` tokens in the plan's KV format (the exact
     shapes of `kv_cache.init_cache`), rows over `data`, KV heads over `tensor`;
   * a stated workspace allowance (`workspace_bytes`): the largest prefill chunk's attention
@@ -23,12 +24,15 @@ Every number here is arithmetic on the config: nothing is allocated and no weigh
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from gemma4.config import ModelConfig
+
+log = logging.getLogger("gemma4.preflight")
 
 _GiB = 1 << 30
 _MiB = 1 << 20
@@ -190,98 +194,27 @@ def _formats(plan: Any) -> dict:
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _leaf_arrays(name: str | None, spec, fmt: dict) -> list[tuple[tuple[int, ...], int, tuple]]:
-    """The arrays one leaf becomes: (shape, itemsize, logical axes), as `LeafFormat.build` makes them."""
-    from gemma4.params import LeafFormat  # noqa: PLC0415
-
-    quant = {"mode": fmt["weights"], "embed_mode": fmt["embed_weights"], "group_size": fmt["group_size"]}
-    target = LeafFormat(quantize=quant).target(name, spec)
-    if target == "none":
-        size = 4 if spec.kind in ("norm", "scalar") else _ITEMSIZE[fmt["weight_dtype"]]
-        return [(spec.shape, size, spec.axes)]
-    out_dim, in_dim = spec.shape
-    if target == "int8":
-        return [(spec.shape, 1, spec.axes), ((out_dim,), 4, spec.axes[:1])]
-    g = fmt["group_size"]
-    return [((out_dim, in_dim // 2), 1, spec.axes), ((out_dim, in_dim // g), 4, spec.axes)]
+def _quantize_kwargs(fmt: dict) -> dict:
+    return {"mode": fmt["weights"], "embed_mode": fmt["embed_weights"], "group_size": fmt["group_size"]}
 
 
-def _units(axis: str | None, cfg: ModelConfig, layer) -> int | None:
-    """How many whole units (heads, rows, experts) an axis holds: a shard must hold whole ones."""
-    if axis == "q_heads":
-        return cfg.num_heads
-    if axis == "kv_heads":
-        return layer.num_kv_heads if layer is not None else None
-    if axis == "experts":
-        return cfg.num_experts
-    return None
+def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, context: int = 0,
+                 batch: int = 0) -> dict[str, int]:
+    """{"weights", "kv_cache"} one device holds: the sharding module's own rule table applied to
+    shapes (nothing allocated), so the pre-flight and the real placement cannot disagree."""
+    from gemma4 import sharding  # noqa: PLC0415
 
-
-# The mirror of gemma4.sharding's rule table for the arithmetic: logical axis -> mesh axis. A
-# dimension is split only when its unit count divides by the mesh axis; otherwise it is replicated
-# (KV heads fewer than `tensor`: E2B's single KV head sits whole on every device).
-LOGICAL_TO_MESH = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-                   "experts": "expert", "embed": None, "batch": "data"}
-
-
-def _shard_factor(axis: str | None, dim: int, mesh: Mapping[str, int], cfg: ModelConfig, layer) -> int:
-    mesh_axis = LOGICAL_TO_MESH.get(axis) if axis else None
-    n = int(mesh.get(mesh_axis, 1)) if mesh_axis else 1
-    if n <= 1 or dim % n:
-        return 1
-    units = _units(axis, cfg, layer)
-    return 1 if units is not None and units % n else n
-
-
-def _sharded_bytes(shape, itemsize: int, axes, mesh, cfg, layer) -> float:
-    n = math.prod(shape) * itemsize
-    for axis, dim in zip(axes, shape):
-        n /= _shard_factor(axis, dim, mesh, cfg, layer)
-    return n
-
-
-def weight_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None = None) -> float:
-    """Bytes of the weights one device holds (mesh None or {}: the whole model on one device)."""
-    from gemma4.params import iter_specs, leaf_name, param_specs  # noqa: PLC0415
-
-    mesh = dict(mesh or {})
     fmt = _formats(plan)
-    total = 0.0
-    for path, spec in iter_specs(param_specs(cfg)):
-        layer = cfg.layers[path[1]] if path[0] == "layers" else None
-        for shape, itemsize, axes in _leaf_arrays(leaf_name(path), spec, fmt):
-            total += _sharded_bytes(shape, itemsize, axes, mesh, cfg, layer)
-    return total
+    out = sharding.shard_bytes_per_device(
+        cfg, {a: int(mesh.get(a, 1)) for a in MESH_AXES} if mesh else {}, weight_dtype=fmt["weight_dtype"],
+        quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
+        kv_format=fmt["kv"])
+    return {"weights": int(out["weights"]), "kv_cache": int(out["kv_cache"])}
 
 
-def kv_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int, mesh: Mapping[str, int] | None = None) -> float:
-    """Bytes of the KV cache one device holds: `kv_cache.init_cache`'s arrays, rows over `data`,
-    KV heads over `tensor` (replicated where the heads do not divide)."""
-    from gemma4.kv_cache import slots_for  # noqa: PLC0415
-
-    mesh = dict(mesh or {})
-    fmt = _formats(plan)
-    value = {"int8": 1, "fp8": 1}.get(fmt["kv"], _ITEMSIZE[fmt["compute_dtype"]])
-    total = 0.0
-    for spec in cfg.layers:
-        if spec.is_kv_consumer:
-            continue
-        S = slots_for(spec, cfg, context)
-        kvs = [((batch, S, spec.num_kv_heads, spec.head_dim), value, ("batch", None, "kv_heads", None))] * 2
-        kvs.append(((batch, S), 4, ("batch", None)))
-        if fmt["kv"] == "int8":
-            kvs += [((batch, S, spec.num_kv_heads), 4, ("batch", None, "kv_heads"))] * 2
-        for shape, itemsize, axes in kvs:
-            heads_axes = tuple("kv_heads_n" if a == "kv_heads" else a for a in axes)
-            n = math.prod(shape) * itemsize
-            for axis, dim in zip(heads_axes, shape):
-                if axis == "kv_heads_n":  # the head dimension itself: whole heads per shard
-                    t = int(mesh.get("tensor", 1))
-                    n /= t if t > 1 and dim % t == 0 else 1
-                else:
-                    n /= _shard_factor(axis, dim, mesh, cfg, None)
-            total += n
-    return total
+def _split(n: int, size: int) -> float:
+    """A dimension of n over a mesh axis of `size`: split when it divides (the rule table's fit)."""
+    return n / size if size > 1 and n % size == 0 else n
 
 
 def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
@@ -289,37 +222,41 @@ def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
     """The stated activation / workspace allowance per device, by part (bytes)."""
     mesh = dict(mesh or {})
     fmt = _formats(plan)
-    t = int(mesh.get("tensor", 1))
+    t, d = int(mesh.get("tensor", 1)), int(mesh.get("data", 1))
     act = _ITEMSIZE[fmt["compute_dtype"]]
     T = min(PREFILL_CHUNK, context)
-    heads = cfg.num_heads / t if cfg.num_heads % t == 0 else cfg.num_heads
-    mlp = max(s.mlp_width for s in cfg.layers)
-    mlp = mlp / t if mlp % t == 0 else mlp
-    if cfg.enable_moe:  # top-k experts' hidden per token beside the dense MLP
+    heads = _split(cfg.num_heads, t)
+    mlp = _split(max(s.mlp_width for s in cfg.layers), t)
+    if cfg.enable_moe:  # the routed experts' hidden activations beside the dense MLP
         mlp += cfg.top_k_experts * 2 * cfg.moe_intermediate_size
-    vocab = cfg.vocab_size / t if cfg.vocab_size % t == 0 else cfg.vocab_size
     ple = cfg.num_layers * cfg.hidden_size_per_layer_input
-    # prefill: float32 scores of one layer over the whole context, the MLP's gate+up, ~8 hidden-size
-    # buffers (residual, norms, q/k/v, attention out), the per-layer-embedding rows
+    # prefill of one chunk: one layer's float32 scores over the whole context, the MLP's gate and
+    # up, ~8 hidden-size buffers (residual, norms, q/k/v, attention out), the per-layer embeddings
     prefill = heads * T * context * 4 + 2 * T * mlp * act + 8 * T * cfg.hidden_size * 4 + T * ple * 4
-    # decode: float32 logits and the sampler's sorted copy and probabilities, plus scores
-    rows = batch / mesh.get("data", 1) if batch % mesh.get("data", 1) == 0 else batch
-    decode = rows * (3 * vocab * 4 + heads * context * 4)
+    # decode: float32 logits, the sampler's sorted copy and probabilities, and the scores
+    decode = _split(batch, d) * (3 * _split(cfg.vocab_size, t) * 4 + heads * context * 4)
     parts = {"activations": max(prefill, decode)}
     if fmt["weights"] != "none" or fmt["embed_weights"] != "none":
-        # a compiler may materialise one dequantized weight before its dot
-        from gemma4.params import iter_specs, param_specs  # noqa: PLC0415
-
-        biggest = 0.0
-        for path, spec in iter_specs(param_specs(cfg)):
-            # gathered tables (the per-layer embeddings) dequantize only their rows; the tied
-            # embedding is also the LM head's matmul operand
-            if spec.kind in ("linear", "experts") or path == ("embed",):
-                layer = cfg.layers[path[1]] if path[0] == "layers" else None
-                biggest = max(biggest, _sharded_bytes(spec.shape, act, spec.axes, mesh, cfg, layer))
-        parts["dequantized weight"] = biggest
+        parts["dequantized weight"] = _largest_matmul_operand(cfg, mesh, act)
     parts["runtime reserve"] = RESERVE_BYTES.get(fmt["platform"], RESERVE_BYTES["gpu"])
     return parts
+
+
+def _largest_matmul_operand(cfg: ModelConfig, mesh: Mapping[str, int], itemsize: int) -> float:
+    """One weight's share in the compute dtype: a compiler may dequantize it whole before its dot.
+    Gathered tables (the per-layer embeddings) dequantize only their rows; the tied embedding is
+    also the LM head's operand."""
+    from gemma4 import sharding  # noqa: PLC0415
+    from gemma4.params import iter_specs, param_specs  # noqa: PLC0415
+
+    sizes = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
+    biggest = 0.0
+    for path, spec in iter_specs(param_specs(cfg)):
+        if spec.kind in ("linear", "experts") or path == ("embed",):
+            split = sharding.logical_spec(spec.axes, spec.shape, sizes)
+            n = math.prod(spec.shape) * itemsize / math.prod(sizes[a] for a in split if a is not None)
+            biggest = max(biggest, n)
+    return biggest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,17 +296,11 @@ def mesh_size(mesh: Mapping[str, int] | None) -> int:
 
 def footprint(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, context: int, batch: int) -> Footprint:
     mesh = {k: int(v) for k, v in (mesh or {}).items() if int(v) > 1}
-    return Footprint(mesh, weight_bytes(cfg, plan, mesh), kv_bytes(cfg, plan, context, batch, mesh),
-                     workspace_bytes(cfg, plan, context, batch, mesh),
-                     weight_bytes(cfg, plan, None), kv_bytes(cfg, plan, context, batch, None))
+    share, whole = device_bytes(cfg, plan, mesh, context, batch), device_bytes(cfg, plan, None, context, batch)
+    return Footprint(mesh, share["weights"], share["kv_cache"], workspace_bytes(cfg, plan, context, batch, mesh),
+                     whole["weights"], whole["kv_cache"])
 
 
-def fits(fp: Footprint, devices: DeviceSet) -> bool:
-    if fp.devices > devices.count:
-        return False
-    if devices.shared_memory:
-        return fp.per_device * fp.devices <= devices.usable_bytes
-    return fp.per_device <= devices.usable_bytes
 
 
 def total_bytes(fp: Footprint, devices: DeviceSet) -> float:
@@ -386,34 +317,15 @@ def fits(fp: Footprint, devices: DeviceSet) -> bool:
 
 
 # ------------------------------------------------------------------------------ meshes
-def validate(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int) -> None:
-    """Raise PreflightError when `mesh` cannot run `cfg` on `n_devices` (the sharding module's rule)."""
+def validate(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int, batch: int | None = None) -> None:
+    """Raise PreflightError when `mesh` cannot run `cfg` on `n_devices` (the sharding module's rule:
+    the message names the devices and the divisors)."""
+    from gemma4 import sharding  # noqa: PLC0415
+
     try:
-        from gemma4 import sharding  # noqa: PLC0415
-    except ImportError:
-        sharding = None
-    if sharding is not None and hasattr(sharding, "validate_mesh"):
-        try:
-            sharding.validate_mesh(cfg, dict(mesh), n_devices)
-        except sharding.MeshError as e:
-            raise PreflightError(str(e)) from None
-        return
-    _validate_locally(cfg, mesh, n_devices)
-
-
-def _validate_locally(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int) -> None:
-    unknown = sorted(set(mesh) - set(MESH_AXES))
-    if unknown:
-        raise PreflightError(f"unknown mesh axis {', '.join(unknown)}; axes: {', '.join(MESH_AXES)}")
-    need = mesh_size(mesh)
-    if need > n_devices:
-        raise PreflightError(f"mesh {format_mesh(mesh)} needs {need} devices; {n_devices} available")
-    t, e = int(mesh.get("tensor", 1)), int(mesh.get("expert", 1))
-    if t > 1 and cfg.num_heads % t:
-        raise PreflightError(f"tensor={t} does not divide the {cfg.num_heads} query heads of {cfg.name}")
-    if e > 1 and (not cfg.enable_moe or cfg.num_experts % e):
-        what = f"the {cfg.num_experts} experts" if cfg.enable_moe else "a model without experts"
-        raise PreflightError(f"expert={e} does not divide {what} of {cfg.name}")
+        sharding.validate_mesh(cfg, dict(mesh), n_devices, batch=batch)
+    except sharding.MeshError as e:
+        raise PreflightError(str(e)) from None
 
 
 def format_mesh(mesh: Mapping[str, int] | None) -> str:
@@ -449,7 +361,7 @@ def _fitting(cfg, plan, devices: DeviceSet, context: int, batch: int, max_device
         best = None
         for mesh in _candidates(cfg, n):
             try:
-                validate(cfg, mesh, max_devices)
+                validate(cfg, mesh, max_devices, batch)
             except PreflightError:
                 continue
             fp = footprint(cfg, plan, mesh, context, batch)
@@ -460,6 +372,21 @@ def _fitting(cfg, plan, devices: DeviceSet, context: int, batch: int, max_device
     return None
 
 
+def _best_share(cfg, plan, devices: DeviceSet, context: int, batch: int) -> Footprint:
+    """The valid mesh over at most `devices.count` devices with the fewest bytes per device."""
+    best = footprint(cfg, plan, {}, context, batch)
+    for n in _sizes(devices.count)[1:]:
+        for mesh in _candidates(cfg, n):
+            try:
+                validate(cfg, mesh, devices.count, batch)
+            except PreflightError:
+                continue
+            fp = footprint(cfg, plan, mesh, context, batch)
+            if total_bytes(fp, devices) < total_bytes(best, devices):
+                best = fp
+    return best
+
+
 def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int = 4096, batch: int = 1
                 ) -> dict[str, int]:
     """The engine's `mesh="auto"`: the smallest mesh that fits, as {axis: size} (every axis named).
@@ -468,14 +395,79 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     sharding overhead); at equal device count the shape with the fewest bytes per device. Extra
     devices are never used for `data` on their own: on the 2-core CPU host virtual devices share
     the cores, and no accelerator was measured here to show a batch speed-up (set the mesh
-    explicitly, e.g. `data=2,tensor=4`, to use them). Raises PreflightError with the arithmetic
-    when nothing fits.
+    explicitly, e.g. `data=2,tensor=4`, to use them). With more than one process the choice is
+    process 0's, shared (memory read on each host could differ). Raises PreflightError with the
+    arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn: the one-device mesh, with a warning).
     """
     devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
     fp = _fitting(cfg, plan, devs, context, batch, devs.count)
     if fp is None:
-        raise PreflightError(refusal(cfg, plan, devs, {}, context, batch))
-    return {axis: int(fp.mesh.get(axis, 1)) for axis in MESH_AXES}
+        message = refusal(cfg, plan, devs, None, context, batch)
+        if preflight_mode() == "on":
+            raise PreflightError(message)
+        log.warning("pre-flight (GEMMA4_PREFLIGHT=%s): %s", preflight_mode(), message)
+        fp = _best_share(cfg, plan, devs, context, batch)
+    shape = [int(fp.mesh.get(axis, 1)) for axis in MESH_AXES]
+    from gemma4 import distributed  # noqa: PLC0415
+
+    shape = distributed.agree(shape)
+    return dict(zip(MESH_AXES, shape))
+
+
+def preflight_mode(env: Mapping[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    mode = (env.get("GEMMA4_PREFLIGHT") or "on").strip().lower()
+    if mode not in PREFLIGHT_MODES:
+        raise PreflightError(f"GEMMA4_PREFLIGHT={mode!r}: expected one of {', '.join(PREFLIGHT_MODES)}")
+    return mode
+
+
+def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mapping[str, int] | None,
+          context: int, batch: int) -> dict:
+    """The pre-flight for a mesh request ("auto", "none", "tensor=4,data=2" or a dict): a report
+    {"request", "mesh", "fits", "message", "devices", "usable_bytes", "footprint", "meshes"}.
+    Raises PreflightError for a mesh the model cannot use at all (bad spec, too many devices,
+    sizes that do not divide the heads / experts)."""
+    from gemma4 import sharding  # noqa: PLC0415
+
+    if isinstance(request, Mapping):
+        mesh = {a: int(n) for a, n in request.items() if int(n) > 1}
+    elif str(request or "auto").strip().lower() == "auto":
+        mesh = None
+    else:
+        try:
+            mesh = sharding.parse_mesh(str(request))
+        except sharding.MeshError as e:
+            raise PreflightError(str(e)) from None
+    if mesh is not None:
+        validate(cfg, mesh, devices.count, batch)
+    chosen = _fitting(cfg, plan, devices, context, batch, devices.count) if mesh is None else None
+    fp = chosen or footprint(cfg, plan, mesh if mesh is not None else {}, context, batch)
+    ok = fits(fp, devices)
+    some = "" if fp.devices == devices.count else f"{fp.devices} of "
+    message = (f"{describe_footprint(cfg, plan, fp, context, batch)}; {format_mesh(fp.mesh)} on "
+               f"{some}{devices.describe()} needs {_g(total_bytes(fp, devices))}{_each(devices)}: fits") if ok else \
+        refusal(cfg, plan, devices, mesh, context, batch)
+    return {"request": request if isinstance(request, str) else format_mesh(request), "mesh": format_mesh(fp.mesh),
+            "fits": ok, "message": message, "devices": devices.describe(), "usable_bytes": devices.usable_bytes,
+            "usable_fraction": devices.fraction, "memory_source": devices.source, "footprint": fp.to_dict(),
+            "per_device_needed_bytes": int(total_bytes(fp, devices)),
+            "meshes": [dict(m, fits=bool(m.pop("_fits"))) for m in _mesh_rows(cfg, plan, devices, context, batch)]}
+
+
+def _mesh_rows(cfg, plan, devices: DeviceSet, context: int, batch: int) -> list[dict]:
+    rows = []
+    for n in _sizes(devices.count):
+        for mesh in _candidates(cfg, n):
+            try:
+                validate(cfg, mesh, devices.count, batch)
+            except PreflightError:
+                continue
+            fp = footprint(cfg, plan, mesh, context, batch)
+            rows.append({"mesh": format_mesh(mesh), "devices": fp.devices, "weights_bytes": int(fp.weights),
+                         "kv_bytes": int(fp.kv), "workspace_bytes": int(fp.workspace_total),
+                         "needed_bytes": int(total_bytes(fp, devices)), "_fits": fits(fp, devices)})
+    return rows
 
 
 # ------------------------------------------------------------------------------ verdicts
@@ -504,11 +496,13 @@ def describe_footprint(cfg: ModelConfig, plan: Any, fp: Footprint, context: int,
 
 
 def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, batch: int,
-                 max_devices: int = 8) -> list[str]:
-    """The nearest plans that fit: more devices of the same kind, then smaller weights on these."""
+                 max_devices: int = 8, used: int | None = None) -> list[str]:
+    """The nearest plans that fit: more devices of the same kind (than the `used` ones), then
+    smaller weights on these."""
     out = []
+    used = devices.count if used is None else used
     wider = _fitting(cfg, plan, devices, context, batch, max(devices.count, max_devices))
-    if wider is not None and wider.devices > devices.count:
+    if wider is not None and wider.devices > used:
         out.append(f"{format_mesh(wider.mesh)} over {devices.with_count(wider.devices).describe()} needs "
                    f"{_g(total_bytes(wider, devices))} each")
     order = ("none", "int8", "int4")
@@ -524,13 +518,30 @@ def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, 
     return out
 
 
+def _each(devices: DeviceSet) -> str:
+    return "" if devices.shared_memory else " each"
+
+
+def _client_hint(devices: DeviceSet) -> str:
+    if devices.platform == "gpu" and devices.source == "simulated" and _gpu_client_fraction() == JAX_GPU_CLIENT_FRACTION:
+        return (f" (JAX takes {JAX_GPU_CLIENT_FRACTION:.0%} of each GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION "
+                "says otherwise)")
+    return ""
+
+
 def refusal(cfg: ModelConfig, plan: Any, devices: DeviceSet, mesh: Mapping[str, int] | None,
             context: int, batch: int) -> str:
-    fp = footprint(cfg, plan, mesh, context, batch)
-    on = devices.with_count(max(fp.devices, 1) if mesh else devices.count)
-    where = "" if not fp.mesh else f" as {format_mesh(fp.mesh)}"
-    msg = (f"{describe_footprint(cfg, plan, fp, context, batch)}; {on.describe()}{where} does not fit "
-           f"(needs {_g(total_bytes(fp, devices))}{' each' if not devices.shared_memory else ''}: "
-           f"{_g(fp.weights)} weights + {_g(fp.kv)} KV + {_g(fp.workspace_total)} workspace)")
-    alts = alternatives(cfg, plan, devices, context, batch)
+    """Why it does not fit, with the arithmetic, and the nearest plans that do. mesh None: no mesh
+    over these devices fits (the smallest share is shown); else that mesh does not fit."""
+    fp = _best_share(cfg, plan, devices, context, batch) if mesh is None else footprint(cfg, plan, mesh, context, batch)
+    need = (f"needs {_g(total_bytes(fp, devices))}{_each(devices)}: {_g(fp.weights)} weights + {_g(fp.kv)} KV + "
+            f"{_g(fp.workspace_total)} workspace")
+    if mesh is not None:
+        where = f"{format_mesh(fp.mesh)} on {devices.with_count(max(fp.devices, 1)).describe()} does not fit ({need})"
+    elif devices.count == 1:
+        where = f"{devices.describe()} does not fit ({need})"
+    else:
+        where = f"no mesh over {devices.describe()} fits (the smallest share, {format_mesh(fp.mesh)}, {need})"
+    msg = f"{describe_footprint(cfg, plan, fp, context, batch)}; {where}{_client_hint(devices)}"
+    alts = alternatives(cfg, plan, devices, context, batch, used=None if mesh is None else fp.devices)
     return msg + ("; " + " — or ".join(alts) if alts else "; no weight format or mesh of up to 8 of these fits")
