@@ -15,8 +15,9 @@ What a device holds, per leaf of `params.param_specs(cfg)`:
   * a stated workspace allowance (`workspace_bytes`): the largest prefill chunk's attention
     scores, MLP and hidden buffers, the decode logits, one dequantized weight for quantized
     plans, and a fixed runtime reserve.
-A device "fits" when that total is at most USABLE_FRACTION of its memory limit. CPU devices
-(virtual or not) share the host's RAM, so there the sum over all devices is compared with it.
+A device "fits" when that total is at most USABLE_FRACTION of its memory limit (device sets and
+limits: `gemma4.preflight_devices`). CPU devices (virtual or not) share the host's RAM, so there
+the sum over one host's devices is compared with it.
 
 Every number here is arithmetic on the config: nothing is allocated and no weight is read.
 """
@@ -27,10 +28,12 @@ import dataclasses
 import logging
 import math
 import os
-import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from gemma4.config import ModelConfig
+from gemma4.preflight_devices import (  # noqa: F401  (re-exported: callers use gemma4.preflight)
+    JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, USABLE_FRACTION, DeviceSet, PreflightError, _gpu_client_fraction,
+    local_device_set, simulated_devices)
 
 log = logging.getLogger("gemma4.preflight")
 
@@ -38,144 +41,20 @@ _GiB = 1 << 30
 _MiB = 1 << 20
 
 # ------------------------------------------------------------------------------ policy (one place)
-# Fraction of a device's memory limit the model may plan to use; the rest absorbs allocator
-# fragmentation and buffers XLA adds that no formula here sees. Override: GEMMA4_MEMORY_FRACTION.
-USABLE_FRACTION = 0.92
-# On GPU the JAX client itself takes only XLA_PYTHON_CLIENT_MEM_FRACTION of the card (0.75 unless
-# set, per JAX's GPU memory allocation docs); a real device's bytes_limit already includes it, a
-# simulated one applies it here.
-JAX_GPU_CLIENT_FRACTION = 0.75
 # Fixed per-device reserve for what the formulas leave out: compiled executables, the runtime's
 # own buffers, small temporaries. CPU also carries Python, jax and the tokenizer (~0.5 GB measured
 # for the bundled model, README "Loading and memory").
 RESERVE_BYTES = {"cpu": 768 * _MiB, "gpu": 384 * _MiB, "tpu": 256 * _MiB}
+# CPU only: the int8 path measurement, XLA's compile-time memory and loader temporaries grow with
+# the model. 0.35 × the weights reproduces both measured peaks of README "Loading and memory"
+# (bundled 1.26 GB, random:e2b 7.46 GB) with the fixed reserve above.
+CPU_RESERVE_PER_WEIGHT_BYTE = 0.35
 # The longest prefill chunk the engine runs (its largest default prompt bucket, engine_compile).
 PREFILL_CHUNK = 512
 # `GEMMA4_PREFLIGHT=warn` starts anyway (the refusal becomes a warning), `off` skips the check.
 PREFLIGHT_MODES = ("on", "warn", "off")
 
 MESH_AXES = ("data", "tensor", "expert")
-
-
-class PreflightError(ValueError):
-    """The model does not fit the devices; the message carries the arithmetic and what would fit."""
-
-
-# ------------------------------------------------------------------------------ device sets
-@dataclasses.dataclass(frozen=True)
-class DeviceSet:
-    """`count` devices of one kind, each with `memory_bytes` the runtime lets the model use."""
-
-    kind: str  # "NVIDIA L4", "TPU v5e", "CPU"
-    platform: str  # "cpu" | "gpu" | "tpu"
-    count: int
-    memory_bytes: int  # per device (for CPU: the host RAM all devices share)
-    source: str = "probed"  # "probed" | "simulated" | how the limit was read
-    fraction: float = USABLE_FRACTION
-
-    @property
-    def shared_memory(self) -> bool:
-        return self.platform == "cpu"
-
-    @property
-    def usable_bytes(self) -> int:
-        return int(self.memory_bytes * self.fraction)
-
-    def with_count(self, count: int) -> "DeviceSet":
-        return dataclasses.replace(self, count=int(count))
-
-    def describe(self) -> str:
-        each = "shared" if self.shared_memory else "each"
-        return f"{self.count} × {self.kind} ({self.usable_bytes / _GiB:.1f} GiB usable {each})"
-
-
-# Memory as the device reports it to its runtime: NVIDIA cards as nvidia-smi lists them (MiB),
-# TPU chips their HBM. (GPU limits are then scaled by JAX_GPU_CLIENT_FRACTION, see above.)
-SIMULATED_DEVICES: dict[str, tuple[str, str, int]] = {
-    "l4": ("NVIDIA L4", "gpu", 23034 * _MiB),
-    "a10g": ("NVIDIA A10G", "gpu", 23028 * _MiB),
-    "a100-40": ("NVIDIA A100 40GB", "gpu", 40960 * _MiB),
-    "a100-80": ("NVIDIA A100 80GB", "gpu", 81920 * _MiB),
-    "h100": ("NVIDIA H100 80GB", "gpu", 81559 * _MiB),
-    "h200": ("NVIDIA H200", "gpu", 143771 * _MiB),
-    "v5e": ("TPU v5e", "tpu", 16 * _GiB),
-    "v6e": ("TPU v6e", "tpu", 32 * _GiB),
-}
-_SIM_ALIASES = {"a100": "a100-40", "tpu-v5e": "v5e", "tpu-v6e": "v6e", "v5litepod": "v5e"}
-
-
-def _usable_fraction(env: Mapping[str, str] | None = None) -> float:
-    env = os.environ if env is None else env
-    raw = env.get("GEMMA4_MEMORY_FRACTION", "").strip()
-    if not raw:
-        return USABLE_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        raise PreflightError(f"GEMMA4_MEMORY_FRACTION={raw!r}: expected a number in (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise PreflightError(f"GEMMA4_MEMORY_FRACTION={raw!r}: expected a number in (0, 1]")
-    return value
-
-
-def _gpu_client_fraction(env: Mapping[str, str] | None = None) -> float:
-    env = os.environ if env is None else env
-    if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
-        return 1.0
-    try:
-        return float(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_CLIENT_FRACTION))
-    except ValueError:
-        return JAX_GPU_CLIENT_FRACTION
-
-
-def simulated_devices(spec: str, env: Mapping[str, str] | None = None) -> DeviceSet:
-    """A device set by name, with a count: "l4", "4xl4", "8×h100", "v5e-8" (TPU slice style)."""
-    text = spec.strip().lower().replace("×", "x").replace(" ", "")
-    m = re.fullmatch(r"(?:(\d+)x)?([a-z0-9-]+?)(?:-(\d+))?", text)
-    name = count = None
-    if m:
-        name = _SIM_ALIASES.get(m.group(2), m.group(2))
-        count = int(m.group(1) or m.group(3) or 1)
-        if name not in SIMULATED_DEVICES and m.group(3):  # "a100-40" is a name, not a count
-            joined = f"{m.group(2)}-{m.group(3)}"
-            name, count = _SIM_ALIASES.get(joined, joined), int(m.group(1) or 1)
-    if name not in SIMULATED_DEVICES or not count:
-        raise PreflightError(f"unknown simulated device set {spec!r}; use [N x]NAME with NAME one of "
-                             f"{', '.join(SIMULATED_DEVICES)} (e.g. 4xl4, 8xh100, v5e-8)")
-    kind, plat, mem = SIMULATED_DEVICES[name]
-    if plat == "gpu":
-        mem = int(mem * _gpu_client_fraction(env))
-    return DeviceSet(kind, plat, count, mem, "simulated", _usable_fraction(env))
-
-
-def local_device_set(devices: Sequence[Any] | None = None, env: Mapping[str, str] | None = None) -> DeviceSet:
-    """The device set `devices` (default: every device of the default backend, all processes).
-
-    Memory: `memory_stats()["bytes_limit"]` of this process's first device where the backend
-    reports it; for CPU the host's available RAM (psutil), shared by every CPU device.
-    """
-    import jax  # noqa: PLC0415
-
-    from gemma4.hardware_probe import _host_memory  # noqa: PLC0415
-
-    devices = list(devices) if devices is not None else jax.devices()
-    local = [d for d in devices if d.process_index == jax.process_index()] or devices
-    dev = local[0]
-    plat = {"cuda": "gpu", "rocm": "gpu"}.get(dev.platform.lower(), dev.platform.lower())
-    kind = "CPU" if plat == "cpu" else str(getattr(dev, "device_kind", plat))
-    mem, source = None, "probed"
-    if plat != "cpu":
-        try:
-            mem = (dev.memory_stats() or {}).get("bytes_limit")
-            source = "memory_stats bytes_limit"
-        except Exception:  # noqa: BLE001 - a backend without memory stats
-            mem = None
-    if mem is None:
-        total, avail = _host_memory()
-        mem, source = (avail or total or 0), "host RAM available (psutil)"
-        if plat != "cpu":
-            source = "unknown device memory; host RAM assumed"
-    return DeviceSet(kind, plat, len(devices), int(mem), source, _usable_fraction(env))
 
 
 # ------------------------------------------------------------------------------ the arithmetic
@@ -218,7 +97,7 @@ def _split(n: int, size: int) -> float:
 
 
 def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
-                    mesh: Mapping[str, int] | None = None) -> dict[str, float]:
+                    mesh: Mapping[str, int] | None = None, weights: float = 0.0) -> dict[str, float]:
     """The stated activation / workspace allowance per device, by part (bytes)."""
     mesh = dict(mesh or {})
     fmt = _formats(plan)
@@ -237,22 +116,25 @@ def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
     decode = _split(batch, d) * (3 * _split(cfg.vocab_size, t) * 4 + heads * context * 4)
     parts = {"activations": max(prefill, decode)}
     if fmt["weights"] != "none" or fmt["embed_weights"] != "none":
-        parts["dequantized weight"] = _largest_matmul_operand(cfg, mesh, act)
+        parts["dequantized weight"] = _largest_matmul_operand(cfg, mesh, act, fmt["platform"] != "cpu")
     parts["runtime reserve"] = RESERVE_BYTES.get(fmt["platform"], RESERVE_BYTES["gpu"])
+    if fmt["platform"] == "cpu":
+        parts["runtime reserve"] += CPU_RESERVE_PER_WEIGHT_BYTE * weights
     return parts
 
 
-def _largest_matmul_operand(cfg: ModelConfig, mesh: Mapping[str, int], itemsize: int) -> float:
-    """One weight's share in the compute dtype: a compiler may dequantize it whole before its dot.
-    Gathered tables (the per-layer embeddings) dequantize only their rows; the tied embedding is
-    also the LM head's operand."""
+def _largest_matmul_operand(cfg: ModelConfig, mesh: Mapping[str, int], itemsize: int, head: bool) -> float:
+    """One weight's share in the compute dtype: a compiler may dequantize it whole before its dot
+    (GPU/TPU: not measured here, so assumed). Gathered tables (the per-layer embeddings) dequantize
+    only their rows. The tied embedding is also the LM head's operand (`head`); on CPU the LM head
+    dequantizes in row chunks (gemma4.quant), only a layer's weights are held in float."""
     from gemma4 import sharding  # noqa: PLC0415
     from gemma4.params import iter_specs, param_specs  # noqa: PLC0415
 
     sizes = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
     biggest = 0.0
     for path, spec in iter_specs(param_specs(cfg)):
-        if spec.kind in ("linear", "experts") or path == ("embed",):
+        if spec.kind in ("linear", "experts") or (head and path == ("embed",)):
             split = sharding.logical_spec(spec.axes, spec.shape, sizes)
             n = math.prod(spec.shape) * itemsize / math.prod(sizes[a] for a in split if a is not None)
             biggest = max(biggest, n)
@@ -297,7 +179,8 @@ def mesh_size(mesh: Mapping[str, int] | None) -> int:
 def footprint(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, context: int, batch: int) -> Footprint:
     mesh = {k: int(v) for k, v in (mesh or {}).items() if int(v) > 1}
     share, whole = device_bytes(cfg, plan, mesh, context, batch), device_bytes(cfg, plan, None, context, batch)
-    return Footprint(mesh, share["weights"], share["kv_cache"], workspace_bytes(cfg, plan, context, batch, mesh),
+    return Footprint(mesh, share["weights"], share["kv_cache"],
+                     workspace_bytes(cfg, plan, context, batch, mesh, share["weights"]),
                      whole["weights"], whole["kv_cache"])
 
 
@@ -308,8 +191,9 @@ def total_bytes(fp: Footprint, devices: DeviceSet) -> float:
     all in the host's RAM."""
     if not devices.shared_memory:
         return fp.per_device
-    reserve = fp.workspace.get("runtime reserve", 0.0)
-    return (fp.per_device - reserve) * fp.devices + reserve
+    once = RESERVE_BYTES["cpu"]  # one process; its weight-proportional part scales with every share
+    here = min(fp.devices, devices.per_host or devices.count)  # the mesh takes process 0's devices first
+    return (fp.per_device - once) * here + once
 
 
 def fits(fp: Footprint, devices: DeviceSet) -> bool:
@@ -442,7 +326,8 @@ def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mappin
     if mesh is not None:
         validate(cfg, mesh, devices.count, batch)
     chosen = _fitting(cfg, plan, devices, context, batch, devices.count) if mesh is None else None
-    fp = chosen or footprint(cfg, plan, mesh if mesh is not None else {}, context, batch)
+    fp = chosen or (_best_share(cfg, plan, devices, context, batch) if mesh is None
+                    else footprint(cfg, plan, mesh, context, batch))
     ok = fits(fp, devices)
     some = "" if fp.devices == devices.count else f"{fp.devices} of "
     message = (f"{describe_footprint(cfg, plan, fp, context, batch)}; {format_mesh(fp.mesh)} on "
@@ -511,7 +396,7 @@ def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, 
         smaller = _with_weights(plan, mode)
         fp = _fitting(cfg, smaller, devices, context, batch, devices.count)
         if fp is not None:
-            where = "one" if fp.devices == 1 else f"{format_mesh(fp.mesh)} over {fp.devices}"
+            where = "one" if fp.devices == 1 else f"{format_mesh(fp.mesh)} over {fp.devices} ×"
             out.append(f"{mode} on {where} {devices.kind} at {_g(total_bytes(fp, devices))}"
                        + ("" if fp.devices == 1 else " each"))
             break
@@ -545,3 +430,47 @@ def refusal(cfg: ModelConfig, plan: Any, devices: DeviceSet, mesh: Mapping[str, 
     msg = f"{describe_footprint(cfg, plan, fp, context, batch)}; {where}{_client_hint(devices)}"
     alts = alternatives(cfg, plan, devices, context, batch, used=None if mesh is None else fp.devices)
     return msg + ("; " + " — or ".join(alts) if alts else "; no weight format or mesh of up to 8 of these fits")
+
+
+# ------------------------------------------------------------------------------ for `probe`
+# The hardware probe's simulated chips for each simulated device set (the plan's dtype choices).
+_SIM_FACTS = {"l4": ("l4", None, None), "a10g": ("l4", "NVIDIA A10G", "8.6"), "a100-40": ("a100", None, None),
+              "a100-80": ("a100", "NVIDIA A100-SXM4-80GB", None), "h100": ("h100", None, None),
+              "h200": ("h200", None, None), "v5e": ("tpu-v5e", None, None), "v6e": ("tpu-v6e", None, None)}
+
+
+def simulated_facts_for(spec: str):
+    """HardwareFacts for a simulated device set (as `hardware_probe.simulated_facts`, with the count)."""
+    from gemma4.hardware_probe import simulated_facts  # noqa: PLC0415
+
+    devices = simulated_devices(spec)
+    name = next(k for k, v in SIMULATED_DEVICES.items() if v[0] == devices.kind)
+    base, kind, cc = _SIM_FACTS[name]
+    facts = simulated_facts(base)
+    changes = {"device_count": devices.count, "memory_total_bytes": SIMULATED_DEVICES[name][2],
+               "memory_free_bytes": SIMULATED_DEVICES[name][2], "simulated": spec}
+    if kind:
+        changes["device_kind"] = kind
+    if cc:
+        changes["compute_capability"] = cc
+    return dataclasses.replace(facts, **changes), devices
+
+
+def probe_report(model: str, mesh: str = "auto", context: int | None = None, batch: int = 1,
+                 overrides: Mapping[str, Any] | None = None, devices: str | None = None) -> dict:
+    """The pre-flight for `python -m gemma4 probe --model M [--mesh ...] [--devices 4xl4]`: the
+    model's config (read without its weights), the plan on these (or simulated) devices, check()."""
+    from gemma4 import hardware, sources  # noqa: PLC0415
+
+    cfg = sources.peek_config(sources.resolve(model))
+    if cfg is None:
+        raise PreflightError(f"the config of {model!r} cannot be read without downloading it (offline?)")
+    if devices:
+        facts, devs = simulated_facts_for(devices)
+    else:
+        facts, devs = hardware.probe(), local_device_set()
+    plan = hardware.policy(facts, cfg, overrides)
+    ctx = int(context or min(cfg.max_position_embeddings, 4096))
+    report = check(cfg, plan, devs, mesh, ctx, batch)
+    report.update(model=cfg.name, context=ctx, batch=batch, weights=_format_name(plan))
+    return report
