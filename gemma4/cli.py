@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -20,7 +21,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=1, help="decode slots (concurrent requests)")
     p.add_argument("--buckets", default=None,
                    help="comma-separated prompt buckets to compile (default: the engine's ladder)")
+    p.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or "auto",
+                   help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
+                        "(env GEMMA4_MESH)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
+    from gemma4 import distributed
+
+    distributed.add_arguments(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,17 +50,50 @@ def _overrides(args) -> dict:
 
 
 def _engine(args):
+    from gemma4 import distributed, sharding
+
+    try:  # before anything touches a JAX backend; a bad mesh spec is refused before any loading
+        distributed.initialize(distributed.from_args(args))
+        if args.mesh.strip().lower() != "auto":
+            sharding.parse_mesh(args.mesh)
+    except (distributed.DistributedError, sharding.MeshError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _check_mesh(args)
     from gemma4.engine import get_engine
 
     extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
-                        overrides=_overrides(args), **extra)
+                        overrides=_overrides(args), mesh=args.mesh, **extra)
     try:
         engine.wait_ready()
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return engine
+
+
+def _check_mesh(args) -> None:
+    """An explicit mesh gets the memory pre-flight before any weight is read (the engine runs it
+    for mesh=auto itself); GEMMA4_PREFLIGHT=warn prints the refusal and goes on, off skips it."""
+    from gemma4 import preflight, sources
+
+    if args.mesh.strip().lower() == "auto":
+        return
+    try:
+        mode = preflight.preflight_mode()
+        if mode == "off":
+            return
+        report = preflight.probe_report(args.model, args.mesh, args.context, args.max_batch, _overrides(args))
+    except preflight.PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (sources.SourceError, OSError, ValueError):
+        return  # the engine reports a model it cannot find, with its own message
+    if not report["fits"]:
+        print(f"{'error' if mode == 'on' else 'warning'}: {report['message']}", file=sys.stderr)
+        if mode == "on":
+            raise SystemExit(2)
 
 
 def _params(args):
@@ -64,10 +104,31 @@ def _params(args):
                           repetition_penalty=args.repetition_penalty, stop_strings=tuple(args.stop))
 
 
+def _followed(engine) -> bool:
+    """More than one process: the others replay process 0's steps until it stops (True then)."""
+    from gemma4 import distributed
+
+    if distributed.is_leader():
+        return False
+    distributed.finish(engine)
+    return True
+
+
 def cmd_generate(args) -> int:
-    from gemma4.engine import RequestError
+    from gemma4 import distributed
 
     engine = _engine(args)
+    if _followed(engine):
+        return 0
+    try:
+        return _generate(engine, args)
+    finally:
+        distributed.finish(engine)
+
+
+def _generate(engine, args) -> int:
+    from gemma4.engine import RequestError
+
     info = engine.info()
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
@@ -94,9 +155,20 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from gemma4.engine import RequestError
+    from gemma4 import distributed
 
     engine = _engine(args)
+    if _followed(engine):
+        return 0
+    try:
+        return _chat(engine, args)
+    finally:
+        distributed.finish(engine)
+
+
+def _chat(engine, args) -> int:
+    from gemma4.engine import RequestError
+
     info = engine.info()
     print(f"{info['description']} — context {info['context_limit']} tokens. Empty line or Ctrl-D quits; "
           f"/reset clears the conversation.")
@@ -132,12 +204,97 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_probe(argv: list[str]) -> int:
+    """`probe`: the hardware report (gemma4.hardware_checks), then — given --model, --mesh or
+    --devices — the memory pre-flight for that model and mesh (gemma4.preflight)."""
+    import contextlib
+    import io
+
+    from gemma4.hardware import main as hardware_main
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--model")
+    ap.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or None)
+    ap.add_argument("--devices", help="a simulated device set for the pre-flight: [N x]NAME, e.g. 4xl4, v5e-8")
+    ap.add_argument("--context", type=int)
+    ap.add_argument("--max-batch", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    for flag in ("--dtype", "--weights", "--embed-weights", "--kv"):
+        ap.add_argument(flag)
+    mine, _ = ap.parse_known_args(argv)
+    if "-h" in argv or "--help" in argv or not (mine.model or mine.mesh or mine.devices):
+        if "-h" in argv or "--help" in argv:
+            print("pre-flight options: --model M (bundled, random:<preset>, a folder, a Hub id) --mesh auto|none|"
+                  "tensor=4,... --devices 4xl4|8xh100|v5e-8|... --context N --max-batch N\n")
+        return hardware_main(argv)
+    passthrough = _without_preflight_flags(argv)
+    from gemma4.config import PRESETS
+
+    name = (mine.model or "").split(":", 1)[-1].lower()
+    if name in PRESETS or name.startswith("tiny-"):
+        passthrough += ["--model", name]
+    sim = _simulate_name(mine.devices)
+    if sim and "--simulate" not in passthrough:
+        passthrough += ["--simulate", sim]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf) if mine.json else contextlib.nullcontext():
+        rc = hardware_main(passthrough)
+    from gemma4 import preflight, ui_mesh
+
+    overrides = {k: getattr(mine, k) for k in ("dtype", "weights", "embed_weights", "kv") if getattr(mine, k)}
+    try:
+        report = preflight.probe_report(mine.model or "bundled", mine.mesh or "auto", mine.context,
+                                        mine.max_batch, overrides, mine.devices)
+    except Exception as e:  # noqa: BLE001 - a bad model / mesh / device name is a message, not a traceback
+        report = {"error": f"{type(e).__name__}: {e}"}
+    if mine.json:
+        try:
+            out = json.loads(buf.getvalue())
+        except ValueError:
+            out = {"hardware_output": buf.getvalue()}
+        out["preflight"] = report
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print()
+        print(f"pre-flight: {report['error']}" if "error" in report else ui_mesh.format_text(report))
+    if "error" in report or not report["fits"]:
+        return 2
+    return rc
+
+
+def _without_preflight_flags(argv: list[str]) -> list[str]:
+    """argv less the pre-flight's own flags and their values (hardware_checks does not know them)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a.split("=", 1)[0] in ("--model", "--mesh", "--devices", "--context", "--max-batch"):
+            skip = "=" not in a and i + 1 < len(argv)
+            continue
+        out.append(a)
+    return out
+
+
+def _simulate_name(devices: str | None) -> str | None:
+    """The hardware probe's --simulate chip for a pre-flight device set, where it has one."""
+    if not devices:
+        return None
+    from gemma4 import preflight
+
+    try:
+        facts, _ = preflight.simulated_facts_for(devices)
+    except preflight.PreflightError:
+        return None
+    return facts.simulated and {"NVIDIA L4": "l4", "NVIDIA A100-SXM4-40GB": "a100", "NVIDIA H100 80GB HBM3": "h100",
+                                "NVIDIA H200": "h200", "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e"}.get(
+        facts.device_kind)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "probe":
-        from gemma4.hardware import main as probe_main
-
-        return probe_main(argv[1:])
+        return cmd_probe(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m gemma4", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt (streams to the terminal)")

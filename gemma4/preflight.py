@@ -201,7 +201,8 @@ def fits(fp: Footprint, devices: DeviceSet) -> bool:
 
 
 # ------------------------------------------------------------------------------ meshes
-def validate(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int, batch: int | None = None) -> None:
+def validate(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int, batch: int | None = None,
+             devices: DeviceSet | None = None) -> None:
     """Raise PreflightError when `mesh` cannot run `cfg` on `n_devices` (the sharding module's rule:
     the message names the devices and the divisors)."""
     from gemma4 import sharding  # noqa: PLC0415
@@ -209,7 +210,7 @@ def validate(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int, batch: i
     try:
         sharding.validate_mesh(cfg, dict(mesh), n_devices, batch=batch)
     except sharding.MeshError as e:
-        raise PreflightError(str(e)) from None
+        raise PreflightError(f"{e}" + (f" (devices here: {devices.describe()})" if devices else "")) from None
 
 
 def format_mesh(mesh: Mapping[str, int] | None) -> str:
@@ -324,7 +325,7 @@ def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mappin
         except sharding.MeshError as e:
             raise PreflightError(str(e)) from None
     if mesh is not None:
-        validate(cfg, mesh, devices.count, batch)
+        validate(cfg, mesh, devices.count, batch, devices)
     chosen = _fitting(cfg, plan, devices, context, batch, devices.count) if mesh is None else None
     fp = chosen or (_best_share(cfg, plan, devices, context, batch) if mesh is None
                     else footprint(cfg, plan, mesh, context, batch))
