@@ -103,11 +103,11 @@ def simulated_devices(spec: str, env: Mapping[str, str] | None = None) -> Device
     m = re.fullmatch(r"(?:(\d+)x)?([a-z0-9-]+?)(?:-(\d+))?", text)
     name = count = None
     if m:
-        name = _SIM_ALIASES.get(m.group(2), m.group(2))
-        count = int(m.group(1) or m.group(3) or 1)
-        if name not in SIMULATED_DEVICES and m.group(3):  # "a100-40" is a name, not a count
-            joined = f"{m.group(2)}-{m.group(3)}"
+        joined = f"{m.group(2)}-{m.group(3)}" if m.group(3) else None
+        if joined and _SIM_ALIASES.get(joined, joined) in SIMULATED_DEVICES:  # "a100-80": a name, not a count
             name, count = _SIM_ALIASES.get(joined, joined), int(m.group(1) or 1)
+        else:
+            name, count = _SIM_ALIASES.get(m.group(2), m.group(2)), int(m.group(1) or m.group(3) or 1)
     if name not in SIMULATED_DEVICES or not count:
         raise PreflightError(f"unknown simulated device set {spec!r}; use [N x]NAME with NAME one of "
                              f"{', '.join(SIMULATED_DEVICES)} (e.g. 4xl4, 8xh100, v5e-8)")

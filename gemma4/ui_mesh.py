@@ -92,3 +92,50 @@ def panel_markdown(engine: Any, info: Mapping[str, Any] | None = None) -> str:
     """What DemoApp.hardware_panel adds: the pre-flight block for this engine."""
     actual = ((info or {}).get("sharding") or {}).get("per_device")
     return markdown(engine_report(engine), actual)
+
+
+# ------------------------------------------------------------------------------ which size needs what
+SIZE_TABLE_DEVICES = ("l4", "a100-40", "a100-80", "h100", "h200", "v5e", "v6e")
+SIZE_TABLE_FORMATS = ("none", "int8", "int4")
+SIZE_TABLE_CONTEXT, SIZE_TABLE_BATCH = 4096, 8  # the app's defaults (GEMMA4_CONTEXT, GEMMA4_MAX_USERS)
+SIZE_TABLE_MAX_DEVICES = 8
+
+
+def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: int) -> str:
+    """The smallest mesh of up to 8 such devices that fits, and what each device then needs."""
+    from gemma4 import preflight  # noqa: PLC0415
+
+    devices = preflight.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
+    fp = preflight._fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)
+    if fp is None:
+        return "—"
+    where = "1" if fp.devices == 1 else f"{fp.devices}: {preflight.format_mesh(fp.mesh)}"
+    return f"{where} · {preflight.total_bytes(fp, devices) / _GiB:.1f}"
+
+
+def size_table_markdown(context: int = SIZE_TABLE_CONTEXT, batch: int = SIZE_TABLE_BATCH) -> str:
+    """README's table: for each Gemma 4 size and weight format, weights and KV per replica and,
+    per device kind, the smallest mesh that fits with the GiB each device then needs."""
+    from gemma4 import preflight  # noqa: PLC0415
+    from gemma4.config import preset  # noqa: PLC0415
+
+    kinds = [preflight.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
+    head = ["model", "weights", "weights / replica", f"KV ({context} × {batch})"] + [
+        f"{d.kind.replace('NVIDIA ', '')} ({d.usable_bytes / _GiB:.1f})" for d in kinds]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in ("e2b", "e4b", "26b-a4b", "31b"):
+        cfg = preset(name)
+        for mode in SIZE_TABLE_FORMATS:
+            cells = []
+            for dev, d in zip(SIZE_TABLE_DEVICES, kinds):
+                plan = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "weights": mode,
+                        "embed_weights": mode, "kv_cache": "native", "int4_group_size": 64, "platform": d.platform}
+                cells.append(size_cell(cfg, plan, dev, context, batch))
+            fp = preflight.footprint(cfg, plan, {}, context, batch)
+            rows.append(f"| {cfg.name} | {'bf16' if mode == 'none' else mode} | {_g(fp.replica_weights)} | "
+                        f"{_g(fp.replica_kv)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(size_table_markdown())
