@@ -245,6 +245,13 @@ class OpenAIApi:
                                 "Bearer <key>' (the server's GEMMA4_API_KEY).",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.api_keys):
+            # Wrong keys count against the address's per-minute budget: guessing stays slow.
+            ip = _client_ip(request, self.trust_proxy)
+            refusal = self.limiter.check("bad-key:" + ip, generation=False)
+            if refusal is not None:
+                raise ApiError(429, "Too many requests with a wrong API key. " + refusal.message,
+                               type="requests", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(refusal.retry_after)})
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
         return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]

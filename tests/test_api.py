@@ -228,6 +228,16 @@ def test_client_closing_its_stream_frees_the_slot(bundled):
     assert after.choices[0].finish_reason in ("stop", "length")
 
 
+def test_client_leaving_a_non_stream_request_frees_the_slot(bundled):
+    url, _, engine = bundled
+    assert _wait(lambda: _idle(engine))
+    body = {"model": "bundled", "prompt": "1, 2, 3, 4,", "temperature": 0.0, "max_tokens": CAP}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    assert engine.queue_state()["active"] == 1  # still generating when the client left
+    assert _wait(lambda: _idle(engine), timeout=5), engine.queue_state()
+
+
 BAD_BODIES = [  # (body, status, words the message must contain, param)
     ({"model": "bundled"}, 400, "messages", "messages"),
     ({"model": "bundled", "messages": "hi"}, 400, "messages", "messages"),
@@ -385,6 +395,11 @@ def test_without_credentials_ui_and_api_refuse(guarded):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     client = openai.OpenAI(base_url=url + "v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    for _ in range(api.limits.per_minute - 2):  # wrong keys: the address's budget runs out
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    with pytest.raises(openai.RateLimitError, match="wrong API key"):
         client.models.list()
 
 
