@@ -25,6 +25,7 @@ Every number here is arithmetic on the config: nothing is allocated and no weigh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -177,11 +178,21 @@ def mesh_size(mesh: Mapping[str, int] | None) -> int:
 
 
 def footprint(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, context: int, batch: int) -> Footprint:
-    mesh = {k: int(v) for k, v in (mesh or {}).items() if int(v) > 1}
-    share, whole = device_bytes(cfg, plan, mesh, context, batch), device_bytes(cfg, plan, None, context, batch)
+    fmt = tuple(sorted(_formats(plan).items()))
+    shape = tuple(sorted((k, int(v)) for k, v in (mesh or {}).items() if int(v) > 1))
+    return _footprint(cfg, fmt, shape, int(context), int(batch))
+
+
+@functools.lru_cache(maxsize=4096)
+def _footprint(cfg: ModelConfig, fmt: tuple, shape: tuple, context: int, batch: int) -> Footprint:
+    """Memoised: auto, the refusals and the tables ask for the same (config, format, mesh) often."""
+    plan, mesh = _plan_of(dict(fmt)), dict(shape)
+    share = device_bytes(cfg, plan, mesh, context, batch)
+    whole = share if not mesh else _footprint(cfg, fmt, (), context, batch)
     return Footprint(mesh, share["weights"], share["kv_cache"],
                      workspace_bytes(cfg, plan, context, batch, mesh, share["weights"]),
-                     whole["weights"], whole["kv_cache"])
+                     whole["weights"] if not mesh else whole.replica_weights,
+                     whole["kv_cache"] if not mesh else whole.replica_kv)
 
 
 
@@ -370,10 +381,15 @@ def _format_name(plan: Any) -> str:
     return name + ("" if f["kv"] == "native" else f", {f['kv']} KV")
 
 
+def _plan_of(f: dict) -> dict:
+    """A plan dict (the names `_formats` reads) from `_formats`'s output."""
+    return {"weight_dtype": f["weight_dtype"], "weights": f["weights"], "embed_weights": f["embed_weights"],
+            "kv_cache": f["kv"], "compute_dtype": f["compute_dtype"], "int4_group_size": f["group_size"],
+            "platform": f["platform"]}
+
+
 def _with_weights(plan: Any, mode: str) -> dict:
-    f = _formats(plan)
-    return {"weight_dtype": f["weight_dtype"], "weights": mode, "embed_weights": mode, "kv_cache": f["kv"],
-            "compute_dtype": f["compute_dtype"], "int4_group_size": f["group_size"], "platform": f["platform"]}
+    return _plan_of(dict(_formats(plan), weights=mode, embed_weights=mode))
 
 
 def describe_footprint(cfg: ModelConfig, plan: Any, fp: Footprint, context: int, batch: int) -> str:
