@@ -26,6 +26,7 @@ from typing import Any
 
 import gradio as gr
 
+from gemma4 import distributed, ui_mesh
 from gemma4 import ui_format as uf
 from gemma4.server import Access, access_from_args, add_access_flags
 from gemma4.ui_chat import (
@@ -112,6 +113,8 @@ class Settings:
     queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
     # UI login, /v1 keys, per-client rate limits (gemma4.server); secrets stay out of repr()
     access: Access = dataclasses.field(default_factory=Access)
+    mesh: str = "auto"  # devices the model spreads over (gemma4.preflight / gemma4.sharding)
+    distributed: Any = None  # gemma4.distributed.Settings: more than one process (None: one)
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
@@ -139,18 +142,27 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
                    help="context window in tokens (env GEMMA4_CONTEXT)")
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue before new ones are refused")
+    p.add_argument("--mesh", default=env.get("GEMMA4_MESH") or Settings.mesh,
+                   help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
     add_access_flags(p, env)
+    distributed.add_arguments(p, env)
     a = p.parse_args(list(argv) if argv is not None else None)
     for name in ("port", "max_users", "max_new_tokens_cap", "context", "queue_size"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     try:
         access = access_from_args(a)
-    except ValueError as e:
+        multi = distributed.from_args(a)
+        if a.mesh.strip().lower() != "auto":
+            from gemma4 import sharding
+
+            sharding.parse_mesh(a.mesh)  # a bad spec is a usage error, before anything loads
+    except ValueError as e:  # (DistributedError and MeshError are ValueErrors too)
         p.error(str(e))
     return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
                     max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,
-                    context=a.context, queue_size=a.queue_size, access=access)
+                    context=a.context, queue_size=a.queue_size, access=access, mesh=a.mesh,
+                    distributed=multi if multi.enabled else None)
 
 
 # --------------------------------------------------------------------------- the app
@@ -189,7 +201,8 @@ class DemoApp(ChatHandlers):
         if not info:
             return "_The hardware report appears once the model has loaded._", ""
         memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
-        return (compile_markdown(self.engine) + uf.hardware_markdown(info.get("hardware")),
+        return (compile_markdown(self.engine) + ui_mesh.panel_markdown(self.engine, info)
+                + uf.hardware_markdown(info.get("hardware")),
                 uf.memory_markdown(memory))
 
     # ------------------------------------------------------------------ API for programs
@@ -422,7 +435,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
     return demo
 
 
-def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks:
+def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks | None:
     """Parse flags, start loading the engine in the background, build the UI and serve it at /
     with the OpenAI-compatible API at /v1 (one uvicorn server, `gemma4.server`)."""
     from gemma4 import server
@@ -431,9 +444,17 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = parse_settings(argv)
     log.info("starting with %s", settings)
+    try:  # before any JAX backend starts; one process when no multi-host flag is given
+        distributed.initialize(settings.distributed or distributed.Settings())
+    except distributed.DistributedError as e:
+        raise SystemExit(f"error: {e}") from None
     engine = get_engine(model=settings.model, max_batch=settings.max_users,
-                        context_limit=settings.context,
+                        context_limit=settings.context, mesh=settings.mesh,
                         max_new_tokens_cap=settings.max_new_tokens_cap)  # loads in background
+    if not distributed.is_leader():  # the UI and the API live on process 0; this one follows it
+        log.info("following process 0's schedule (it serves the UI and the API)")
+        distributed.finish(engine)
+        return None
     demo = build_demo(engine, settings)
     server.serve(demo, engine, model=settings.model, host=settings.host, port=settings.port,
                  share=settings.share, max_new_tokens_cap=settings.max_new_tokens_cap,

@@ -14,7 +14,9 @@ _GiB = 1 << 30
 
 
 def _g(n: float | None) -> str:
-    return "—" if n is None else f"{n / _GiB:.2f} GiB"
+    if n is None:
+        return "—"
+    return f"{n / _GiB:.2f} GiB" if n >= _GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def format_text(report: Mapping[str, Any]) -> str:
