@@ -59,6 +59,7 @@ class _Pump:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._stop = threading.Event()
+        self.last_check = time.monotonic()  # when the client was last seen connected
         self._thread = threading.Thread(target=self._run, name="gemma4-api-reply", daemon=True)
         self._thread.start()
 
@@ -391,14 +392,18 @@ class OpenAIApi:
             pump.stop()
 
     async def _next(self, pump: _Pump, request: Request) -> tuple:
-        """The pump's next item, giving up (and stopping it) if the client goes away."""
+        """The pump's next item, giving up (and stopping it) if the client goes away. The
+        client is checked at least every DISCONNECT_POLL_S, however fast the items come."""
         while True:
+            if pump.last_check + DISCONNECT_POLL_S <= time.monotonic():
+                pump.last_check = time.monotonic()
+                if await request.is_disconnected():
+                    pump.stop()
+                    raise ApiError(499, "The client closed the request.")
             try:
                 return await pump.get(DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    pump.stop()
-                    raise ApiError(499, "The client closed the request.") from None
+                continue
 
     async def _stream(self, pump: _Pump, first: tuple, shape, notes: list[str],
                       usage_chunk: bool) -> AsyncIterator[str]:
