@@ -268,6 +268,27 @@ def _fitting(cfg, plan, devices: DeviceSet, context: int, batch: int, max_device
     return None
 
 
+def _fitting_all(cfg, plan, devices: DeviceSet, context: int, batch: int) -> Footprint | None:
+    """More than one process: every process's devices must hold a share (a process outside the
+    mesh could not run the steps), so the mesh spans all devices — as many `data` rows as the
+    batch allows (the least communication), the rest sharding the model."""
+    n = devices.count
+    for data in sorted((d for d in range(1, n + 1) if n % d == 0 and batch % d == 0), reverse=True):
+        best = None
+        for mesh in _candidates(cfg, n // data):
+            mesh = dict(mesh, **({"data": data} if data > 1 else {}))
+            try:
+                validate(cfg, mesh, n, batch)
+            except PreflightError:
+                continue
+            fp = footprint(cfg, plan, mesh, context, batch)
+            if fits(fp, devices) and (best is None or fp.per_device < best.per_device):
+                best = fp
+        if best is not None:
+            return best
+    return None
+
+
 def _best_share(cfg, plan, devices: DeviceSet, context: int, batch: int) -> Footprint:
     """The valid mesh over at most `devices.count` devices with the fewest bytes per device."""
     best = footprint(cfg, plan, {}, context, batch)
@@ -291,22 +312,24 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     sharding overhead); at equal device count the shape with the fewest bytes per device. Extra
     devices are never used for `data` on their own: on the 2-core CPU host virtual devices share
     the cores, and no accelerator was measured here to show a batch speed-up (set the mesh
-    explicitly, e.g. `data=2,tensor=4`, to use them). With more than one process the choice is
+    explicitly, e.g. `data=2,tensor=4`, to use them). With more than one process the mesh spans
+    every device (`_fitting_all`: a process outside it could not run the steps), and the choice is
     process 0's, shared (memory read on each host could differ). Raises PreflightError with the
     arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn: the one-device mesh, with a warning).
     """
     devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
-    fp = _fitting(cfg, plan, devs, context, batch, devs.count)
+    from gemma4 import distributed  # noqa: PLC0415
+
+    spans = distributed.process_count() > 1 and devs.count > (devs.per_host or devs.count)
+    fp = (_fitting_all(cfg, plan, devs, context, batch) if spans
+          else _fitting(cfg, plan, devs, context, batch, devs.count))
     if fp is None:
         message = refusal(cfg, plan, devs, None, context, batch)
         if preflight_mode() == "on":
             raise PreflightError(message)
         log.warning("pre-flight (GEMMA4_PREFLIGHT=%s): %s", preflight_mode(), message)
         fp = _best_share(cfg, plan, devs, context, batch)
-    shape = [int(fp.mesh.get(axis, 1)) for axis in MESH_AXES]
-    from gemma4 import distributed  # noqa: PLC0415
-
-    shape = distributed.agree(shape)
+    shape = distributed.agree([int(fp.mesh.get(axis, 1)) for axis in MESH_AXES])
     return dict(zip(MESH_AXES, shape))
 
 
