@@ -157,7 +157,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
             from gemma4 import sharding
 
             sharding.parse_mesh(a.mesh)  # a bad spec is a usage error, before anything loads
-    except ValueError as e:  # (DistributedError and MeshError are ValueErrors too)
+    except (ValueError, distributed.DistributedError) as e:  # (MeshError is a ValueError)
         p.error(str(e))
     return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
                     max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,

@@ -242,3 +242,16 @@ def test_probe_command_prints_the_preflight():
     assert report["fits"] and report["mesh"] == "tensor=2" and report["model"] == "gemma-4-E2B"
     out = run("--model", "random:e2b", "--devices", "4xl4", "--mesh", "tensor=3")
     assert out.returncode == 2 and "tensor=3 must divide query heads 8" in out.stdout
+
+
+def test_hardware_panel_block_for_a_loaded_engine():
+    from types import SimpleNamespace
+
+    cfg = preset("e2b")
+    engine = SimpleNamespace(cfg=cfg, plan=_plan("int8", "cpu", dtype="float32"), mesh=SimpleNamespace(
+        shape={"data": 1, "tensor": 1, "expert": 1}), context_limit=4096, max_batch=4)
+    md = ui_mesh.panel_markdown(engine, {"sharding": {"per_device": [
+        {"device": "TFRT_CPU_0", "weights_bytes": 4 * _GiB, "kv_cache_bytes": _GiB // 8}]}})
+    assert md.startswith("**Memory pre-flight** (fits): gemma-4-E2B int8:")
+    assert "| one device ← this engine | 1 |" in md and "| TFRT_CPU_0 | 4.00 GiB | 0.12 GiB |" in md
+    assert ui_mesh.panel_markdown(SimpleNamespace(cfg=None, plan=None)) == ""
