@@ -175,6 +175,8 @@ class OpenAIApi:
     def router(self) -> APIRouter:
         r = APIRouter(prefix="/v1")
         r.add_api_route("/models", self._guarded(self.models, generation=False), methods=["GET"])
+        r.add_api_route("/models/{name:path}", self._guarded(self.model_entry, generation=False),
+                        methods=["GET"])
         r.add_api_route("/chat/completions", self._guarded(self.chat, generation=True),
                         methods=["POST"])
         r.add_api_route("/completions", self._guarded(self.completions, generation=True),
@@ -197,12 +199,10 @@ class OpenAIApi:
         (a streaming handler hands it to the response)."""
 
         async def route(request: Request):
-            key = None
             try:
                 key = self._client_key(request)
                 refusal = self.limiter.check(key, generation=generation)
-                if refusal is not None:
-                    key = None  # nothing to release
+                if refusal is not None:  # nothing was counted: nothing to release
                     raise ApiError(429, refusal.message, type="requests", code="rate_limit_exceeded",
                                    headers={"Retry-After": str(refusal.retry_after)})
                 released = False
@@ -303,7 +303,7 @@ class OpenAIApi:
 
     # ------------------------------------------------------------------ handlers
 
-    async def models(self, request: Request, release) -> JSONResponse:
+    def _entry(self) -> dict:
         entry = {"id": self.model, "object": "model", "created": self.created,
                  "owned_by": "gemma4-jax", "aliases": self.model_ids()[1:]}
         status = self.engine.status()
@@ -313,7 +313,14 @@ class OpenAIApi:
             entry["gemma4"].update({k: info.get(k) for k in (
                 "description", "family", "is_base_model", "random_weights", "context_limit",
                 "max_batch")}, max_new_tokens_cap=self.cap)
-        return JSONResponse({"object": "list", "data": [entry]})
+        return entry
+
+    async def models(self, request: Request, release) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._entry()]})
+
+    async def model_entry(self, request: Request, release) -> JSONResponse:
+        self._check_model(request.path_params["name"])
+        return JSONResponse(self._entry())
 
     async def chat(self, request: Request, release):
         req = S.parse(S.ChatRequest, await self._body(request))

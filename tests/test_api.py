@@ -106,6 +106,9 @@ def test_models_lists_the_served_model(bundled):
     facts = models[0].model_extra["gemma4"]
     assert facts["state"] == "ready" and facts["family"] == "gemma3"
     assert facts["max_new_tokens_cap"] == CAP and facts["random_weights"] is False
+    assert client.models.retrieve(engine.info()["model"]).id == "bundled"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 def test_chat_non_stream_equals_the_request_layer(bundled):
@@ -158,6 +161,9 @@ def test_completions_stream_and_not(bundled):
     assert streamed == direct["text"]
     alias = client.completions.create(model=engine.info()["model"], prompt=prompt, **GREEDY)
     assert alias.model == "bundled" and alias.choices[0].text == direct["text"]
+    ids = engine.encode_prompt(prompt, mode="completion")  # token ids work as a prompt too
+    assert client.completions.create(model="bundled", prompt=ids, **GREEDY).choices[0].text == \
+        direct["text"]
 
 
 def _greedy(n):
