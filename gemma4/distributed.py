@@ -147,6 +147,7 @@ def initialize(settings: Settings) -> dict:
     if not settings.enabled:
         return {"process_id": 0, "num_processes": 1}
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _keep_stdout_for_python()
     kwargs = dict(initialization_timeout=int(settings.init_timeout_s),
                   heartbeat_timeout_seconds=int(max(3 * settings.heartbeat_s, 10)))
     if settings.mode == "manual":
@@ -169,6 +170,19 @@ def initialize(settings: Settings) -> dict:
     log.info("joined: process %d of %d, %d devices (%d local) via %s", pid, n, info["devices"],
              info["local_devices"], coordinator)
     return info
+
+
+def _keep_stdout_for_python() -> None:
+    """gloo prints its connection lines ("[Gloo] Rank 0 is connected ...") on the C-level stdout:
+    point file descriptor 1 at stderr and give Python's sys.stdout the original one, so stdout
+    stays the program's own output (e.g. the JSON of `generate --json`)."""
+    try:
+        sys.stdout.flush()
+        keep = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = os.fdopen(keep, "w", buffering=1, encoding=getattr(sys.stdout, "encoding", None) or "utf-8")
+    except (OSError, ValueError, AttributeError):  # no real descriptors (embedded, captured): leave them
+        pass
 
 
 def _coordinator_address() -> str | None:
