@@ -14,6 +14,7 @@ What is accepted and refused is declared in `gemma4.api_schema`; the limits are
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -21,7 +22,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -338,9 +340,8 @@ class OpenAIApi:
         if tools and not ok:
             raise ApiError(400, f"Tools are not available: {why}.", param="tools")
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
-        make = lambda: conversation.stream_reply(  # noqa: E731
-            self.engine, msgs, samp.params, mode="chat", tools=tools,
-            thinking=think)
+        make = functools.partial(conversation.stream_reply, self.engine, msgs, samp.params,
+                                 mode="chat", tools=tools, thinking=think)
         return await self._serve(request, release, make, _ChatShape(model), req,
                                  list(samp.notes) + _model_notes(info))
 
@@ -351,8 +352,8 @@ class OpenAIApi:
         conversation, _ = _reply_layer()
         prompt = S.completion_prompt(req)
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
-        make = lambda: conversation.stream_reply(  # noqa: E731
-            self.engine, prompt, samp.params, mode="completion")
+        make = functools.partial(conversation.stream_reply, self.engine, prompt, samp.params,
+                                 mode="completion")
         return await self._serve(request, release, make, _CompletionShape(model), req,
                                  list(samp.notes) + _model_notes(info))
 
@@ -409,7 +410,7 @@ class OpenAIApi:
                     raise ApiError(499, "The client closed the request.")
             try:
                 return await pump.get(DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
 
     async def _stream(self, pump: _Pump, first: tuple, shape, notes: list[str],

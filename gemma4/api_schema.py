@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -124,15 +125,15 @@ class CompletionRequest(_Common):
 
 # Declared fields that are only accepted with their neutral value: (field, accepted, why not).
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", lambda v: v in (None, 1), "n > 1 is not supported: one choice per request (send "
-                                    "several requests; they are batched together)"),
+    ("n", lambda v: v in (None, 1), ("n > 1 is not supported: one choice per request (send "
+                                     "several requests; they are batched together)")),
     ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
     ("logprobs", lambda v: v in (None, False, 0), "logprobs are not supported by this server"),
     ("top_logprobs", lambda v: v in (None, 0), "top_logprobs are not supported by this server"),
-    ("presence_penalty", lambda v: v in (None, 0), "presence_penalty is not supported; "
-                                                   "repetition_penalty (vLLM's field) is"),
-    ("frequency_penalty", lambda v: v in (None, 0), "frequency_penalty is not supported; "
-                                                    "repetition_penalty (vLLM's field) is"),
+    ("presence_penalty", lambda v: v in (None, 0),
+     "presence_penalty is not supported; repetition_penalty (vLLM's field) is"),
+    ("frequency_penalty", lambda v: v in (None, 0),
+     "frequency_penalty is not supported; repetition_penalty (vLLM's field) is"),
     ("logit_bias", lambda v: not v, "logit_bias is not supported by this server"),
     ("response_format", lambda v: v is None or v == {"type": "text"},
      "response_format other than {\"type\": \"text\"} is not supported: no constrained decoding"),

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 WINDOW_S = 60.0  # "per minute"
 MAX_TRACKED_CLIENTS = 10_000  # idle clients are forgotten past this many (memory stays bounded)
@@ -42,7 +42,7 @@ class Limits:
     max_stop: int = 16
     loading_retry_s: int = 5
 
-    def validated(self) -> "Limits":
+    def validated(self) -> Limits:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -15,9 +15,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-import app  # noqa: E402
-from gemma4 import server  # noqa: E402
-from gemma4.ratelimit import Limits, RateLimiter  # noqa: E402
+import app
+from gemma4 import server
+from gemma4.ratelimit import Limits, RateLimiter
 
 # The same engine as tests/test_engine.py (float32, so batched rows equal solo ones bit for bit):
 # one pytest run loads it once.
@@ -188,7 +188,7 @@ def test_stop_strings(bundled):
 
 def test_seed_reproducible(bundled):
     _, client, _ = bundled
-    ask = lambda seed: client.completions.create(  # noqa: E731
+    ask = lambda seed: client.completions.create(
         model="bundled", prompt="Once upon a time", temperature=2.0, max_tokens=6,
         seed=seed).choices[0].text
     first = ask(1234)
@@ -389,11 +389,12 @@ def guarded(tiny):
 
 def test_without_credentials_ui_and_api_refuse(guarded):
     from gradio_client import Client
+    from gradio_client.exceptions import AuthenticationError
 
     url, api, _ = guarded
     api.limiter = RateLimiter(api.limits)
     assert httpx.get(url + "config", timeout=30).status_code == 401
-    with pytest.raises(Exception):
+    with pytest.raises(AuthenticationError):
         Client(url, verbose=False)
     for key in (None, "sk-wrong"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
