@@ -214,15 +214,16 @@ def _path_name(path: tuple) -> str:
 def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.float32,
                             progress: Callable[[float, str], None] | None = None,
                             convert: Callable[[LeafSpec, np.ndarray], Any] | None = None,
-                            quantize: dict | None = None) -> dict:
+                            quantize: dict | None = None, mesh: Any = None) -> dict:
     """Read a HF checkpoint folder into the parameter tree for `cfg`, weights stored as `dtype`.
 
     `quantize` (`Plan.quantize_kwargs()`) quantizes each tensor as it is read, as
     `quant.quantize_params` would quantize the loaded tree. `convert(spec, raw_array)` may replace
-    the default conversion altogether.
+    the default conversion altogether. With `mesh` (more than one device), each tensor is read
+    only in the row blocks this process's devices hold and placed as `gemma4.sharding` splits it.
     """
     specs = param_specs(cfg)
-    fmt = LeafFormat(dtype, quantize)
+    fmt = LeafFormat(dtype, quantize, mesh)
     params = _empty_like(specs)
     seen: dict[tuple, str] = {}
     files = checkpoint_files(folder)

@@ -225,7 +225,12 @@ class Engine(CompileMixin, RequestsMixin):
         log.info("hardware plan:\n%s", plan.report())
         plan.apply_jax_config()
         options = plan.run_options()
-        mesh_shape = self._resolve_mesh(sources.peek_config(source), plan)
+        peeked = sources.peek_config(source)
+        mesh_shape = self._resolve_mesh(peeked, plan)
+        mesh = None
+        if peeked is not None:  # refused before any weight is read; the weights are born split
+            sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
+            mesh = sharding.make_mesh(mesh_shape)
         self._startup["plan_s"] = time.perf_counter() - t0
 
         def progress(frac: float, msg: str) -> None:
@@ -234,11 +239,12 @@ class Engine(CompileMixin, RequestsMixin):
         # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
         # float32 tree is ever held: peak host memory stays near the final weights' size.
         cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
-                                             quantize=plan.quantize_kwargs())
+                                             quantize=plan.quantize_kwargs(), mesh=mesh)
         mode = plan.weights.value
         sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
-        self.mesh = sharding.make_mesh(mesh_shape)
-        # Each device keeps only its shards (on one device: the same arrays, placed as they are).
+        self.mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
+        # Each device keeps only its shards: already so where the loader split them (then this moves
+        # nothing); a GGUF, or a source whose config was not known before loading, is split here.
         params = sharding.shard_params(cfg, params, self.mesh)
         self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
         # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.

@@ -124,6 +124,7 @@ class LeafFormat:
 
     weight_dtype: Any = jnp.float32
     quantize: dict | None = None
+    mesh: Any = None  # a jax Mesh of more than one device: each leaf is born split (gemma4.sharding)
 
     def _kw(self) -> dict:
         kw = dict(mode="none", embed_mode=None, group_size=64, int4_kernel="xla", int4_block=None)
@@ -156,6 +157,10 @@ class LeafFormat:
         """The final leaf for `spec` from `src` (float rows: an array-like, or rows(start, stop))."""
         from gemma4 import quant  # noqa: PLC0415
 
+        if self.mesh is not None and self.mesh.size > 1:
+            from gemma4 import sharding  # noqa: PLC0415
+
+            return sharding.build_sharded(dataclasses.replace(self, mesh=None), name, spec, src, self.mesh)
         target = self.target(name, spec)
         if target == "none":
             return quant.host_cast(src, spec.shape, leaf_dtype(spec, self.weight_dtype))
@@ -192,7 +197,7 @@ def tree_from_leaves(specs: Any, leaves: dict[tuple, Any], prefix: tuple = ()) -
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float32,
-                  scale: float = 0.02, quantize: dict | None = None) -> dict[str, Any]:
+                  scale: float = 0.02, quantize: dict | None = None, mesh: Any = None) -> dict[str, Any]:
     """Random weights with the real geometry (for tests and speed measurements — not a real model).
 
     Norm scales are drawn around 1 and layer scalars around 0.5..1 so that a wrong norm form or a
@@ -202,8 +207,9 @@ def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float
     the same stream, so the values do not depend on the chunk size.
     With `quantize` (`Plan.quantize_kwargs()`), each chunk goes straight into its final quantized
     leaf, so a model far larger than RAM in float32 (E2B: 4.6 B parameters) loads at its final size.
+    With `mesh`, each leaf is born split over it (each device receives only its shard).
     """
-    fmt = LeafFormat(weight_dtype, quantize)
+    fmt = LeafFormat(weight_dtype, quantize, mesh)
     leaves: dict[tuple, Any] = {}
     specs = param_specs(cfg)
     for index, (path, spec) in enumerate(iter_specs(specs)):

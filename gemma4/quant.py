@@ -418,6 +418,13 @@ def _local_leaf(w: Any, *arrays) -> Any:
     return dataclasses.replace(w, **dict(zip(names, arrays)), mesh=None, mesh_axes=(None, None))
 
 
+# Decode-sized products stream the weight (memory-bound): splitting their few rows over `data`
+# saves no weight traffic and costs an all-gather of the activations after every product (bundled
+# model, data=2,tensor=4: 246 all-gathers per decode step). Prefill chunks are compute-bound:
+# there each `data` replica takes a part of the rows.
+SPLIT_ROWS_MIN = 64
+
+
 def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
     """linear / linear_many of quantized leaves sharded over a mesh, one shard per device.
 
@@ -426,7 +433,7 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
     each step. So each device runs the chosen formulation on its own shard inside `shard_map`:
     weights split by output rows give output columns; weights split by input columns (o, down)
     give partial sums, added by one psum over that axis. Activation rows are split over `data`
-    when they divide evenly. All leaves of one call share x and the input axis.
+    only from SPLIT_ROWS_MIN rows on (see there). All leaves of one call share x and the input axis.
     """
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
@@ -435,7 +442,7 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
     n_in = x.shape[-1]
     x2 = x.reshape(-1, n_in)
     data = mesh.shape.get("data", 1)
-    rows_ax = "data" if data > 1 and x2.shape[0] % data == 0 else None
+    rows_ax = "data" if data > 1 and x2.shape[0] >= SPLIT_ROWS_MIN and x2.shape[0] % data == 0 else None
 
     def scale_spec(w):
         out_ax, ax_in = w.mesh_axes

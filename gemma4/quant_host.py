@@ -132,15 +132,19 @@ def host_cast(src: RowSource, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def quantize_host(src: RowSource, shape: tuple[int, int], mode: str, group_size: int | None = None,
-                  kernel: str = "xla", block: tuple[int, int, int] | None = None) -> "QuantArray | Int4Array":
+                  kernel: str = "xla", block: tuple[int, int, int] | None = None,
+                  as_xla: bool | None = None) -> "QuantArray | Int4Array":
     """Quantize an [out, in] weight read from `src` in row chunks, straight into its final leaf.
 
     mode "int8": group_size None → per output row (as `quantize_int8`), else grouped int8 (scale per
     row and group of inputs); mode "int4": as `quantize_int4(w, group_size, kernel, block)`.
+    as_xla: round as the jitted quantizers do (None: when `shape` is big enough that they would be
+    used; a row block of a larger leaf passes the whole leaf's answer, see gemma4.sharding).
     """
     n_out, n_in = shape
     rows = row_reader(src)
-    as_xla = n_out * n_in > _SMALL_ELEMENTS  # where quantize_int8 / quantize_int4 use their jit
+    if as_xla is None:
+        as_xla = n_out * n_in > _SMALL_ELEMENTS  # where quantize_int8 / quantize_int4 use their jit
     if mode == "int8":
         q = host_empty((n_out, n_in), np.int8)
         scale = host_empty((n_out,) if group_size is None else (n_out, n_in // group_size), np.float32)

@@ -99,7 +99,7 @@ def divisors(cfg) -> dict[str, dict[str, int]]:
     """What each mesh axis must divide for `cfg`: {axis: {what: size}} (the numbers MeshError names)."""
     tensor = {"query heads": cfg.num_heads, "vocab": cfg.vocab_size}
     for i, w in enumerate(sorted({s.mlp_width for s in cfg.layers})):
-        tensor["MLP width" if i == 0 else f"MLP width ({w})"] = w
+        tensor["MLP width" if i == 0 else "double-wide MLP width"] = w  # E2B's KV-shared layers
     if cfg.hidden_size_per_layer_input:
         tensor["per-layer-embedding vocab"] = cfg.vocab_size_per_layer_input
     if cfg.enable_moe:
@@ -445,3 +445,109 @@ def copy_paths(params: Any, view: Any) -> Any:
 
     return jax.tree.map(lambda a, b: dataclasses.replace(a, paths=b.paths) if isinstance(a, QuantArray) else a,
                         params, view, is_leaf=is_quantized)
+
+
+# ------------------------------------------------------------------------------ loading straight to the shards
+class _Cursor:
+    """Row reads from a sequential source (a random stream: rows(a, b) must continue where the last
+    read stopped): rows before a requested start are drawn and dropped, a chunk at a time."""
+
+    def __init__(self, rows, n_cols: int):
+        self.rows, self.n_cols, self.pos = rows, n_cols, 0
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        from gemma4.quant_host import host_row_chunks  # noqa: PLC0415
+
+        if a < self.pos:
+            raise ValueError(f"sequential row source read backwards ({a} < {self.pos})")
+        for s, e in host_row_chunks(a - self.pos, self.n_cols):
+            self.rows(self.pos + s, self.pos + e)  # drawn and dropped: rows another process holds
+        out = self.rows(a, b)
+        self.pos = b
+        return out
+
+
+def _row_source(src: Any, n_cols: int):
+    """block(a, b) → a RowSource for rows [a, b) of `src` (an array-like is sliced lazily)."""
+    if not callable(src):
+        return lambda a, b: src[a:b]
+    cursor = _Cursor(src, n_cols)
+    return lambda a, b: (lambda i, j: cursor.read(a + i, a + j))
+
+
+def _assemble(shape: tuple, sharding: NamedSharding, host_block: dict, part) -> jax.Array:
+    """A global array from this process's devices' parts: part(block, index) → numpy for one device."""
+    arrays = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        arrays.append(jax.device_put(np.ascontiguousarray(part(index)), device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _row_blocks(shape: tuple, sharding: NamedSharding) -> list[tuple[int, int]]:
+    rows = {(idx[0].start or 0, shape[0] if idx[0].stop is None else idx[0].stop)
+            for idx in sharding.addressable_devices_indices_map(shape).values()}
+    return sorted(rows)
+
+
+def build_sharded(fmt, name: str | None, spec, src: Any, mesh: Mesh) -> Any:
+    """One leaf in its final form, each of this process's devices given only its shard.
+
+    Only the row blocks this process's devices hold are read (a memory map is sliced; a random
+    stream is drawn through and the other rows dropped) and converted, one block at a time, so
+    peak host memory is this process's share plus one block. A per-row int8 scale needs whole
+    rows, so a leaf split by input columns (o, down) is converted a row block at a time and then
+    cut into column shards. Rounding is that of the whole leaf (`as_xla` from its full size).
+    """
+    import dataclasses  # noqa: PLC0415
+
+    from gemma4.params import LeafSpec, leaf_dtype  # noqa: PLC0415
+    from gemma4.quant import _SMALL_ELEMENTS, Int4Array, QuantArray  # noqa: PLC0415
+    from gemma4.quant_host import host_cast, quantize_host  # noqa: PLC0415
+
+    sizes = _sizes(mesh)
+    shape = tuple(spec.shape)
+    target = fmt.target(name, spec)
+    if target == "none" or len(shape) != 2:
+        sh = NamedSharding(mesh, logical_spec(spec.axes, shape, sizes))
+        dtype = leaf_dtype(spec, fmt.weight_dtype)
+        if not callable(src) and int(np.prod(shape)) * 4 <= (1 << 24):  # small: convert whole, then place
+            return jax.device_put(host_cast(src, shape, dtype), sh)
+        block = _row_source(src, int(np.prod(shape[1:], dtype=np.int64)))
+        blocks = {}
+        for a, b in _row_blocks(shape, sh):
+            blocks[a] = np.asarray(host_cast(block(a, b), (b - a,) + shape[1:], dtype))
+
+        def dense_part(index):
+            a = index[0].start or 0
+            return blocks[a][(slice(None),) + tuple(index[1:])]
+
+        return _assemble(shape, sh, blocks, dense_part)
+    kw = fmt._kw()
+    n_out, n_in = shape
+    group = kw["group_size"] if target == "int4" else None
+    probe = (Int4Array(None, None, group) if target == "int4" else QuantArray(None, None))
+    out_ax, in_ax = _leaf_axes(spec, probe, sizes)
+    q_shape = (n_out, n_in // 2) if target == "int4" else (n_out, n_in)
+    q_sh = NamedSharding(mesh, P(out_ax, in_ax))
+    s_shape = (n_out, n_in // group) if target == "int4" else (n_out,)
+    s_sh = NamedSharding(mesh, P(out_ax, None) if target == "int4" else P(out_ax))
+    block = _row_source(src, n_in)
+    as_xla = n_out * n_in > _SMALL_ELEMENTS  # the rounding quantize_host gives the whole leaf
+    leaves = {}
+    for a, b in _row_blocks(q_shape, q_sh):
+        leaf = quantize_host(block(a, b), (b - a, n_in), target, group, kw["int4_kernel"] if target == "int4" else "xla",
+                             kw["int4_block"] if target == "int4" else None, as_xla=as_xla)
+        leaves[a] = leaf
+    data = "packed" if target == "int4" else "q"
+
+    def q_part(index):
+        return np.asarray(getattr(leaves[index[0].start or 0], data))[:, index[1]]
+
+    def s_part(index):
+        return np.asarray(leaves[index[0].start or 0].scale)[(slice(None),) + tuple(index[1:])]
+
+    q = _assemble(q_shape, q_sh, leaves, q_part)
+    scale = _assemble(s_shape, s_sh, leaves, s_part)
+    first = next(iter(leaves.values()))
+    del leaves
+    return dataclasses.replace(first, **{data: q, "scale": scale}, mesh=mesh, mesh_axes=(out_ax, in_ax))

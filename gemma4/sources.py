@@ -294,7 +294,7 @@ def peek_config(source: ModelSource):
 
 
 def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None,
-         quantize: dict | None = None) -> tuple[Any, dict, dict]:
+         quantize: dict | None = None, mesh: Any = None) -> tuple[Any, dict, dict]:
     """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
     (norms in float32); `progress(fraction, message)` reports along the way.
 
@@ -302,9 +302,14 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
     makes every loader build each leaf in its final quantized form as it reads it, so the float
     tree is never held in memory; None loads float weights (`quant.quantize_params` can quantize
     them later). GGUF weights go to int8 without a second rounding where the block format allows
-    (see `gemma4.gguf_loader`)."""
+    (see `gemma4.gguf_loader`).
+
+    `mesh` (a jax Mesh): safetensors and random weights are born split over it, each device given
+    only its shard (`gemma4.sharding.build_sharded`); a GGUF (small: the bundled model) loads
+    whole and is split afterwards by the caller."""
     report = progress or (lambda fraction, message: None)
     qkw = {} if quantize is None else {"quantize": quantize}
+    mkw = {} if mesh is None else {"mesh": mesh}
     if source.kind in ("bundled", "gguf"):
         from gemma4.gguf_loader import gguf_config, load_gguf_params
 
@@ -316,14 +321,14 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         return cfg, params, {"kind": "gguf", "path": path}
     if source.kind in ("folder", "hub"):
         folder = download(source.repo_id, report) if source.kind == "hub" else source.path
-        return _load_folder(folder, source.name, dtype, report, qkw)
+        return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw})
     if source.kind == "random":
         from gemma4.config import preset
         from gemma4.params import random_params
 
         cfg = preset(source.preset)
         report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
-        params = random_params(cfg, weight_dtype=dtype, **qkw)
+        params = random_params(cfg, weight_dtype=dtype, **qkw, **mkw)
         report(1.0, "random weights ready")
         return cfg, params, {"kind": "none"}
     raise SourceError(f"unknown source kind {source.kind!r}")

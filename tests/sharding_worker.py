@@ -29,7 +29,7 @@ from gemma4 import sharding  # noqa: E402
 from gemma4.engine import Engine, SamplingParams  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
-NEW_TOKENS = 5
+NEW_TOKENS = 4
 _GATHER = re.compile(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*\ball-gather(?:-start)?\(")
 _ITEM = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 
@@ -46,14 +46,14 @@ def all_gathers(hlo: str) -> list[tuple[tuple[int, ...], int]]:
     return out
 
 
-def _generate_together(engine: Engine) -> list[list[int]]:
+def _generate_together(engine: Engine, prompts) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
-    results: list = [None] * len(PROMPTS)
+    results: list = [None] * len(prompts)
 
     def run(i):
-        results[i] = engine.generate(list(PROMPTS[i]), params)["token_ids"]
+        results[i] = engine.generate(list(prompts[i]), params)["token_ids"]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
@@ -77,7 +77,7 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
 def _decode_gathers(engine: Engine) -> dict:
     """All-gathers in the compiled widest decode step, and the full sizes of the split arrays."""
     key = ("decode", engine.widths[-1], engine.kv_lengths[0])
-    hlo = engine._compile(key).as_text()
+    hlo = (engine._exe.get(key) or engine._compile(key)).as_text()
     split = set()
     for leaf in jax.tree.leaves((engine.params, engine.cache)):
         if any(s is not None for s in leaf.sharding.spec):
@@ -87,12 +87,89 @@ def _decode_gathers(engine: Engine) -> dict:
             "max_gather_bytes": max((b for _, b in gathers), default=0), "n_gathers": len(gathers)}
 
 
+def _write_checkpoint(cfg, folder: str) -> None:
+    """Random weights of `cfg` as a float32 safetensors checkpoint (Hugging Face names)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from gemma4.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
+    from gemma4.config import to_hf_config
+    from gemma4.params import iter_specs, param_specs, random_params
+
+    glob = {v: k for k, v in _GLOBAL_NAMES.items()}
+    layer = {v: k for k, v in _LAYER_NAMES.items()}
+    params = random_params(cfg)
+    state = {}
+    for path, _ in iter_specs(param_specs(cfg)):
+        leaf = params
+        for p in path:
+            leaf = leaf[p]
+        name = glob[path] if path[0] != "layers" else f"layers.{path[1]}.{layer[path[2]]}"
+        state["model." + name] = np.asarray(leaf)
+    os.makedirs(folder, exist_ok=True)
+    save_file(state, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(to_hf_config(cfg), f)
+
+
+def _same_leaves(a, b) -> bool:
+    import numpy as np
+
+    from gemma4.quant import is_quantized
+
+    la, lb = jax.tree.leaves(a, is_leaf=is_quantized), jax.tree.leaves(b, is_leaf=is_quantized)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if type(x) is not type(y):
+            return False
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+            if u.dtype != v.dtype or not np.array_equal(np.asarray(u), np.asarray(v)):
+                return False
+    return True
+
+
+def load_case(case: dict) -> None:
+    """Loading straight to the shards gives the very leaves an unsharded load gives, and each
+    device holds only its rows (safetensors memory map and the random stream)."""
+    import tempfile
+
+    from gemma4.checkpoint import load_safetensors_params
+    from gemma4.config import preset
+    from gemma4.params import random_params
+
+    from gemma4 import quant_host
+
+    quant_host.HOST_CHUNK_ELEMENTS = 512  # several row chunks per tensor: blocks span chunks, streams skip
+    cfg = preset(case["load"])
+    with tempfile.TemporaryDirectory() as tmp:
+        _write_checkpoint(cfg, tmp)
+        for quantize in ({"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"}):
+            whole = load_safetensors_params(tmp, cfg, quantize=quantize)
+            rand = random_params(cfg, quantize=quantize)
+            for mesh in case["meshes"]:
+                m = sharding.make_mesh(sharding.parse_mesh(mesh))
+                split = load_safetensors_params(tmp, cfg, quantize=quantize, mesh=m)
+                rsplit = random_params(cfg, quantize=quantize, mesh=m)
+                held = sharding.device_bytes(split)
+                row = {"load": case["load"], "mesh": mesh, "quantize": quantize["mode"],
+                       "safetensors_equal": _same_leaves(whole, split), "random_equal": _same_leaves(rand, rsplit),
+                       "held": sorted(set(held.values())),
+                       "expect": sharding.shard_bytes_per_device(cfg, sharding.parse_mesh(mesh), quantize=quantize)}
+                print("RESULT " + json.dumps(row), flush=True)
+
+
 def main(argv: list[str]) -> int:
     cases = json.loads(argv[1])
     for case in cases:
+        if "load" in case:
+            load_case(case)
+            continue
         for mesh in case["meshes"]:
-            engine = Engine(case["model"], max_batch=4, context_limit=128, buckets=(8, 16), mesh=mesh,
-                            warmup=False, overrides=case.get("overrides"))
+            # A case may ask for fewer prompts / rows: each shape it needs is one more compile.
+            prompts = PROMPTS[:case.get("prompts", len(PROMPTS))]
+            engine = Engine(case["model"], max_batch=case.get("max_batch", 4), context_limit=128, buckets=(16,),
+                            mesh=mesh, warmup=False, overrides=case.get("overrides"))
             row = {"model": case["model"], "mesh": mesh}
             try:
                 engine.wait_ready(600)
@@ -101,8 +178,8 @@ def main(argv: list[str]) -> int:
                     row["error"] = st["error"]
                 else:
                     shape = sharding.parse_mesh(mesh)
-                    row["tokens"] = _generate_together(engine)
-                    row["alone"] = engine.generate(list(PROMPTS[2]), SamplingParams(
+                    row["tokens"] = _generate_together(engine, prompts)
+                    row["alone"] = engine.generate(list(prompts[-1]), SamplingParams(
                         temperature=0.0, max_new_tokens=NEW_TOKENS))["token_ids"]
                     row["shares"] = _shares(engine, shape)
                     row["gathers"] = _decode_gathers(engine)
