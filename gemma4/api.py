@@ -239,7 +239,7 @@ class OpenAIApi:
             raise ApiError(401, self.closed_reason, code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
         if not self.api_keys:
-            return "ip:" + _client_ip(request, self.trust_proxy)
+            return "ip:" + client_ip(request, self.trust_proxy)
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         token = token.strip()
@@ -249,7 +249,7 @@ class OpenAIApi:
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.api_keys):
             # Wrong keys count against the address's per-minute budget: guessing stays slow.
-            ip = _client_ip(request, self.trust_proxy)
+            ip = client_ip(request, self.trust_proxy)
             refusal = self.limiter.check("bad-key:" + ip, generation=False)
             if refusal is not None:
                 raise ApiError(429, "Too many requests with a wrong API key. " + refusal.message,
@@ -538,7 +538,7 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def _client_ip(request: Request, trust_proxy: bool) -> str:
+def client_ip(request: Request, trust_proxy: bool) -> str:
     """The client's address; behind a trusted proxy, the one that proxy appended last to
     X-Forwarded-For (the leftmost entries are whatever the client chose to send)."""
     if trust_proxy:

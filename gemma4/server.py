@@ -178,10 +178,39 @@ def build_app(demo: Any, engine: Any, *, model: str, max_new_tokens_cap: int,
                     trust_proxy=access.trust_proxy, closed_reason=api_closed_reason(access))
     app.include_router(api.router())
     app.state.openai_api = api
+    app.add_middleware(UiRateLimit, api=api)
     gr.mount_gradio_app(app, demo, path="/", auth=list(access.logins) or None, css=css,
                         footer_links=footer_links or ["api", "gradio"], ssr_mode=False,
                         auth_message="This demo requires a login." if access.logins else None)
     return app
+
+
+class UiRateLimit:
+    """The per-minute limit for the UI too: each message a browser sends to the model is one
+    POST to Gradio's queue/join (events with queue=False, such as the panels' timers, do not
+    go there), counted per client address beside the API's counts. In flight, the UI is bounded
+    by the Gradio queue's concurrency (the engine's slots) and size instead. Plain ASGI, so the
+    streams of / and /v1 pass through untouched."""
+
+    def __init__(self, app: Any, api: Any):
+        self.app, self.api = app, api
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"].endswith("/queue/join")):
+            from starlette.requests import Request
+            from starlette.responses import JSONResponse
+
+            from gemma4.api import client_ip
+
+            key = "ui:" + client_ip(Request(scope), self.api.trust_proxy)
+            refusal = self.api.limiter.check(key, generation=False)
+            if refusal is not None:
+                response = JSONResponse({"detail": refusal.message}, status_code=429,
+                                        headers={"Retry-After": str(refusal.retry_after)})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class Running:

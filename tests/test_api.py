@@ -454,6 +454,23 @@ def test_rate_limits_answer_429_and_recover(guarded):
     assert _wait(lambda: _idle(engine))
 
 
+def test_ui_messages_count_against_the_per_minute_limit(guarded):
+    url, api, _ = guarded
+    now = [0.0]
+    api.limiter = RateLimiter(api.limits, clock=lambda: now[0])
+    with httpx.Client(base_url=url, timeout=30) as browser:
+        assert browser.post("login", data={"username": "ann", "password": "s3cret"}
+                            ).status_code == 200
+        for _ in range(6):  # (a junk event: Gradio refuses it, but it was sent to the queue)
+            assert browser.post("gradio_api/queue/join", json={}).status_code != 429
+        refused = browser.post("gradio_api/queue/join", json={})
+        assert refused.status_code == 429 and "per minute" in refused.json()["detail"]
+        assert int(refused.headers["retry-after"]) >= 1
+        assert browser.get("config").status_code == 200  # the page itself is not limited
+        now[0] += 60
+        assert browser.post("gradio_api/queue/join", json={}).status_code != 429
+
+
 # --------------------------------------------------------------------------- pure helpers
 
 
