@@ -146,6 +146,8 @@ def initialize(settings: Settings) -> dict:
 
     if not settings.enabled:
         return {"process_id": 0, "num_processes": 1}
+    if settings.mode == "manual":
+        _check_coordinator(settings)  # the runtime aborts (no exception) when it cannot register
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _keep_stdout_for_python()
     kwargs = dict(initialization_timeout=int(settings.init_timeout_s),
@@ -158,6 +160,10 @@ def initialize(settings: Settings) -> dict:
         jax.distributed.initialize(**kwargs)
     except Exception as e:  # noqa: BLE001 - any start-up failure becomes one clear message
         first = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
+        if settings.mode == "auto":
+            raise DistributedError(f"--distributed auto: JAX found no cluster to join ({first}); it detects TPU "
+                                   "pod slices, SLURM and similar schedulers; elsewhere pass --coordinator, "
+                                   "--num-processes and --process-id") from None
         raise DistributedError(f"could not join the processes through {where} "
                                f"(process {settings.process_id} of {settings.num_processes}): {first}") from None
     pid, n = jax.process_index(), jax.process_count()
@@ -170,6 +176,31 @@ def initialize(settings: Settings) -> dict:
     log.info("joined: process %d of %d, %d devices (%d local) via %s", pid, n, info["devices"],
              info["local_devices"], coordinator)
     return info
+
+
+def _check_coordinator(settings: Settings) -> None:
+    """Process 0: the coordinator port must be free to listen on; the others: it must answer
+    within the start-up timeout. Either failure is a DistributedError, not a runtime abort."""
+    host, port = settings.coordinator.rsplit(":", 1)
+    host, port = host.strip("[]"), int(port)
+    if settings.process_id == 0:
+        try:
+            socket.create_server(("", port)).close()
+        except OSError as e:
+            raise DistributedError(f"process 0 cannot listen on the coordinator port {port} ({e.strerror or e}); "
+                                   "pick a free port for --coordinator") from None
+        return
+    end = time.monotonic() + settings.init_timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as e:
+            if time.monotonic() > end:
+                raise DistributedError(f"process {settings.process_id}: no coordinator answered at "
+                                       f"{settings.coordinator} within {settings.init_timeout_s:.0f} s ({e.strerror or e}); "
+                                       "start process 0 with the same --coordinator (and open the port)") from None
+            time.sleep(0.5)
 
 
 def _keep_stdout_for_python() -> None:

@@ -201,3 +201,15 @@ def test_app_flags_for_mesh_and_processes():
     for bad in (["--mesh", "tensr=2"], ["--coordinator", "10.0.0.1:1234"]):
         with pytest.raises(SystemExit):
             app.parse_settings(bad, environ={})
+
+
+def test_a_follower_without_a_coordinator_gets_a_message():
+    """The runtime itself would abort with a stack trace after its timeout; the check says why."""
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(D.DistributedError, match=f"process 1: no coordinator answered at 127.0.0.1:{port} within 1 s"):
+        D.initialize(D.Settings("manual", f"127.0.0.1:{port}", 2, 1, init_timeout_s=1))
+    assert time.monotonic() - start < 10
+    with socket.create_server(("", port)):
+        with pytest.raises(D.DistributedError, match=f"cannot listen on the coordinator port {port}"):
+            D.initialize(D.Settings("manual", f"127.0.0.1:{port}", 2, 0))
