@@ -333,6 +333,24 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     return dict(zip(MESH_AXES, shape))
 
 
+def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] | None, devices: Any = None,
+                 context: int = 4096, batch: int = 1) -> dict[str, int]:
+    """The mesh for any request, before any weight is read: "auto" → `choose_mesh`; "none" or an
+    explicit mesh → validated (PreflightError naming the devices and divisors) and its bytes
+    checked (PreflightError with the arithmetic, or a warning under GEMMA4_PREFLIGHT=warn)."""
+    devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
+    if not isinstance(request, Mapping) and str(request or "auto").strip().lower() == "auto":
+        return choose_mesh(cfg, plan, devs, context, batch)
+    mode = preflight_mode()
+    report = check(cfg, plan, devs, request, context, batch)  # raises for an unusable mesh
+    if not report["fits"] and mode != "off":
+        if mode == "on":
+            raise PreflightError(report["message"])
+        log.warning("pre-flight (GEMMA4_PREFLIGHT=warn): %s", report["message"])
+    shape = dict(report["footprint"]["mesh"])
+    return {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
+
+
 def preflight_mode(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     mode = (env.get("GEMMA4_PREFLIGHT") or "on").strip().lower()

@@ -255,3 +255,15 @@ def test_hardware_panel_block_for_a_loaded_engine():
     assert md.startswith("**Memory pre-flight** (fits): gemma-4-E2B int8:")
     assert "| one device ← this engine | 1 |" in md and "| TFRT_CPU_0 | 4.00 GiB | 0.12 GiB |" in md
     assert ui_mesh.panel_markdown(SimpleNamespace(cfg=None, plan=None)) == ""
+
+
+def test_resolve_mesh_checks_explicit_meshes_too(monkeypatch):
+    cfg, devs = preset("31b"), P.simulated_devices("4xl4")
+    assert P.resolve_mesh(cfg, _plan("none"), "tensor=4", devs, 4096, 1) == {"data": 1, "tensor": 4, "expert": 1}
+    assert P.resolve_mesh(cfg, _plan("none"), "auto", devs, 4096, 1)["tensor"] == 4
+    with pytest.raises(P.PreflightError, match="tensor=2 on 2 × NVIDIA L4 .* does not fit"):
+        P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)
+    with pytest.raises(P.PreflightError, match="must divide"):
+        P.resolve_mesh(cfg, _plan("none"), {"tensor": 3}, devs, 4096, 1)
+    monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")
+    assert P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)["tensor"] == 2
