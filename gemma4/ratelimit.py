@@ -1,4 +1,4 @@
-"""Per-client request limits for the HTTP API: requests in flight and requests per minute.
+"""Per-client request limits: API requests in flight, API requests and UI messages per minute.
 
 `Limits` is the one place that holds the server's request limits, each with its reason and its
 override (a flag of `python app.py` and a GEMMA4_* variable, see `gemma4.server`). `RateLimiter`
@@ -27,9 +27,10 @@ class Limits:
     in_flight: generation requests one client may have running at once. 4 is half the default
       8 decode slots: one client can never hold every slot, and a streaming UI, an agent or an
       evaluation harness with a few parallel workers still fits (GEMMA4_RATE_IN_FLIGHT).
-    per_minute: requests of any kind per client in a sliding 60 s window. 120 is two a second on
-      average, far above what a person or a sequential harness sends on CPU, but it stops a loop
-      hammering the server (GEMMA4_RATE_PER_MINUTE).
+    per_minute: API requests of any kind per client in a sliding 60 s window, and apart from
+      them the UI's messages per address. 120 is two a second on average, far above what a
+      person or a sequential harness sends on CPU, but it stops a loop hammering the server
+      (GEMMA4_RATE_PER_MINUTE).
     max_body_bytes: the largest request body; 1 MB holds a context window of text many times
       over, and a bigger body is refused (413) before it is parsed (GEMMA4_MAX_BODY_BYTES).
     max_stop: stop strings per request (OpenAI allows 4; each is checked on every token).
