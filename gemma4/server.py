@@ -79,15 +79,15 @@ def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None
                    help="file with one user:password per line (env GEMMA4_AUTH_FILE)")
     g.add_argument("--api-key", default=env.get("GEMMA4_API_KEY") or None, metavar="KEY[,...]",
                    help="bearer key(s) required by /v1 (env GEMMA4_API_KEY)")
-    g.add_argument("--rate-in-flight", type=int,
+    g.add_argument("--rate-in-flight", type=int, metavar="N",
                    default=_int(env, "GEMMA4_RATE_IN_FLIGHT", d.in_flight),
                    help=f"generation requests in flight per API client, 0 = no limit "
                         f"(env GEMMA4_RATE_IN_FLIGHT, default {d.in_flight})")
-    g.add_argument("--rate-per-minute", type=int,
+    g.add_argument("--rate-per-minute", type=int, metavar="N",
                    default=_int(env, "GEMMA4_RATE_PER_MINUTE", d.per_minute),
-                   help=f"API requests per minute per client, 0 = no limit "
+                   help=f"API requests (and UI messages) per minute per client, 0 = no limit "
                         f"(env GEMMA4_RATE_PER_MINUTE, default {d.per_minute})")
-    g.add_argument("--max-body-bytes", type=int,
+    g.add_argument("--max-body-bytes", type=int, metavar="BYTES",
                    default=_int(env, "GEMMA4_MAX_BODY_BYTES", d.max_body_bytes),
                    help=f"largest API request body (env GEMMA4_MAX_BODY_BYTES, default "
                         f"{d.max_body_bytes})")
