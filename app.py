@@ -456,9 +456,13 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks 
         distributed.finish(engine)
         return None
     demo = build_demo(engine, settings)
-    server.serve(demo, engine, model=settings.model, host=settings.host, port=settings.port,
-                 share=settings.share, max_new_tokens_cap=settings.max_new_tokens_cap,
-                 access=settings.access, css=CSS, block=block)
+    try:
+        server.serve(demo, engine, model=settings.model, host=settings.host, port=settings.port,
+                     share=settings.share, max_new_tokens_cap=settings.max_new_tokens_cap,
+                     access=settings.access, css=CSS, block=block)
+    finally:
+        if block:  # more than one process: process 0's engine stops, and tells the others
+            distributed.finish(engine)
     return demo
 
 

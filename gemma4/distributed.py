@@ -149,6 +149,10 @@ def initialize(settings: Settings) -> dict:
     if settings.mode == "manual":
         _check_coordinator(settings)  # the runtime aborts (no exception) when it cannot register
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service catches SIGTERM to reach a checkpoint sync point, and the process
+    # then never stops; a server has nothing to sync: SIGTERM stops it as Ctrl-C does instead.
+    jax.config.update("jax_enable_preemption_service", False)
+    _stop_on_sigterm()
     _keep_stdout_for_python()
     kwargs = dict(initialization_timeout=int(settings.init_timeout_s),
                   heartbeat_timeout_seconds=int(max(3 * settings.heartbeat_s, 10)))
@@ -201,6 +205,18 @@ def _check_coordinator(settings: Settings) -> None:
                                        f"{settings.coordinator} within {settings.init_timeout_s:.0f} s ({e.strerror or e}); "
                                        "start process 0 with the same --coordinator (and open the port)") from None
             time.sleep(0.5)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt in the main thread: the app / CLI then shut down the way
+    Ctrl-C does (process 0 closes its engine, which tells the others to stop)."""
+    import signal  # noqa: PLC0415
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _keep_stdout_for_python() -> None:
