@@ -315,7 +315,8 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     explicitly, e.g. `data=2,tensor=4`, to use them). With more than one process the mesh spans
     every device (`_fitting_all`: a process outside it could not run the steps), and the choice is
     process 0's, shared (memory read on each host could differ). Raises PreflightError with the
-    arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn: the one-device mesh, with a warning).
+    arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn or off: the mesh with the smallest share,
+    with a warning).
     """
     devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
     from gemma4 import distributed  # noqa: PLC0415
@@ -323,14 +324,21 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     spans = distributed.process_count() > 1 and devs.count > (devs.per_host or devs.count)
     fp = (_fitting_all(cfg, plan, devs, context, batch) if spans
           else _fitting(cfg, plan, devs, context, batch, devs.count))
+    refused = None
     if fp is None:
         message = refusal(cfg, plan, devs, None, context, batch)
         if preflight_mode() == "on":
-            raise PreflightError(message)
-        log.warning("pre-flight (GEMMA4_PREFLIGHT=%s): %s", preflight_mode(), message)
-        fp = _best_share(cfg, plan, devs, context, batch)
-    shape = distributed.agree([int(fp.mesh.get(axis, 1)) for axis in MESH_AXES])
-    return dict(zip(MESH_AXES, shape))
+            refused = message
+        else:
+            log.warning("pre-flight (GEMMA4_PREFLIGHT=%s): %s", preflight_mode(), message)
+            fp = _best_share(cfg, plan, devs, context, batch)
+    # one broadcast, so every process goes on, or refuses, together (process 0's verdict)
+    mine = [0, 1, 1, 1] if refused else [1] + [int(fp.mesh.get(axis, 1)) for axis in MESH_AXES]
+    verdict = distributed.agree(mine)
+    if not verdict[0]:
+        raise PreflightError(refused or "process 0's memory pre-flight refused this model on these devices "
+                                        "(its message says why)")
+    return dict(zip(MESH_AXES, verdict[1:]))
 
 
 def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] | None, devices: Any = None,
