@@ -202,8 +202,9 @@ def _check_coordinator(settings: Settings) -> None:
         except OSError as e:
             if time.monotonic() > end:
                 raise DistributedError(f"process {settings.process_id}: no coordinator answered at "
-                                       f"{settings.coordinator} within {settings.init_timeout_s:.0f} s ({e.strerror or e}); "
-                                       "start process 0 with the same --coordinator (and open the port)") from None
+                                       f"{settings.coordinator} within {settings.init_timeout_s:.0f} s "
+                                       f"({e.strerror or e}); start process 0 with the same --coordinator "
+                                       "(and open the port)") from None
             time.sleep(0.5)
 
 

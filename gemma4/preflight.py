@@ -474,7 +474,8 @@ def _each(devices: DeviceSet) -> str:
 
 
 def _client_hint(devices: DeviceSet) -> str:
-    if devices.platform == "gpu" and devices.source == "simulated" and _gpu_client_fraction() == JAX_GPU_CLIENT_FRACTION:
+    default_client = _gpu_client_fraction() == JAX_GPU_CLIENT_FRACTION
+    if devices.platform == "gpu" and devices.source == "simulated" and default_client:
         return (f" (JAX takes {JAX_GPU_CLIENT_FRACTION:.0%} of each GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION "
                 "says otherwise)")
     return ""
