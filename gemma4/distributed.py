@@ -182,17 +182,22 @@ def initialize(settings: Settings) -> dict:
     return info
 
 
+def _watchdog_port(coordinator_port: int) -> int:
+    return int(os.environ.get("GEMMA4_WATCHDOG_PORT") or coordinator_port + 1)
+
+
 def _check_coordinator(settings: Settings) -> None:
     """Process 0: the coordinator port must be free to listen on; the others: it must answer
     within the start-up timeout. Either failure is a DistributedError, not a runtime abort."""
     host, port = settings.coordinator.rsplit(":", 1)
     host, port = host.strip("[]"), int(port)
     if settings.process_id == 0:
-        try:
-            socket.create_server(("", port)).close()
-        except OSError as e:
-            raise DistributedError(f"process 0 cannot listen on the coordinator port {port} ({e.strerror or e}); "
-                                   "pick a free port for --coordinator") from None
+        for p, what in ((port, "the coordinator port"), (_watchdog_port(port), "the watchdog port (coordinator + 1)")):
+            try:
+                socket.create_server(("", p)).close()
+            except OSError as e:
+                raise DistributedError(f"process 0 cannot listen on {what} {p} ({e.strerror or e}); pick a free "
+                                       "port pair for --coordinator (or set GEMMA4_WATCHDOG_PORT)") from None
         return
     end = time.monotonic() + settings.init_timeout_s
     while True:
@@ -295,7 +300,7 @@ class Watchdog:
     def __init__(self, process_id: int, num_processes: int, coordinator: str, heartbeat_s: float,
                  connect_timeout_s: float):
         host, port = coordinator.rsplit(":", 1)
-        port = int(os.environ.get("GEMMA4_WATCHDOG_PORT") or int(port) + 1)
+        port = _watchdog_port(int(port))
         self.pid, self.n, self.heartbeat_s = process_id, num_processes, heartbeat_s
         self.closing = threading.Event()
         self.peers: dict[int, socket.socket] = {}
@@ -310,7 +315,11 @@ class Watchdog:
         threading.Thread(target=self._ping, name="gemma4-watchdog-ping", daemon=True).start()
 
     def _accept(self, port: int, timeout: float) -> None:
-        server = socket.create_server(("", port), reuse_port=False)
+        try:
+            server = socket.create_server(("", port))
+        except OSError as e:
+            raise DistributedError(f"watchdog: process 0 cannot listen on port {port} ({e.strerror or e}); set "
+                                   "GEMMA4_WATCHDOG_PORT to a free one (the same on every process)") from None
         server.settimeout(timeout)
         try:
             while len(self.peers) < self.n - 1:
