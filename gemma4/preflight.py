@@ -452,7 +452,9 @@ def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, 
     smaller weights on these."""
     out = []
     used = devices.count if used is None else used
-    wider = _fitting(cfg, plan, devices, context, batch, max(devices.count, max_devices))
+    # more devices of one shared memory (virtual CPU devices) never make room: not suggested
+    wider = None if devices.shared_memory else _fitting(cfg, plan, devices, context, batch,
+                                                        max(devices.count, max_devices))
     if wider is not None and wider.devices > used:
         out.append(f"{format_mesh(wider.mesh)} over {devices.with_count(wider.devices).describe()} needs "
                    f"{_g(total_bytes(wider, devices))} each")
@@ -464,7 +466,7 @@ def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, 
         if fp is not None:
             where = "one" if fp.devices == 1 else f"{format_mesh(fp.mesh)} over {fp.devices} ×"
             out.append(f"{mode} on {where} {devices.kind} at {_g(total_bytes(fp, devices))}"
-                       + ("" if fp.devices == 1 else " each"))
+                       + ("" if fp.devices == 1 else _each(devices)))
             break
     return out
 

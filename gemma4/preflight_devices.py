@@ -144,6 +144,7 @@ def local_device_set(devices: Sequence[Any] | None = None, env: Mapping[str, str
         mem, source = (avail or total or 0), "host RAM available (psutil)"
         if plat != "cpu":
             source = "unknown device memory; host RAM assumed"
-    return DeviceSet(kind, plat, len(devices), int(mem), source, _usable_fraction(env), len(local))
+    per_host = len(local) if len(local) < len(devices) else None  # None: one host holds them all
+    return DeviceSet(kind, plat, len(devices), int(mem), source, _usable_fraction(env), per_host)
 
 

@@ -267,3 +267,20 @@ def test_resolve_mesh_checks_explicit_meshes_too(monkeypatch):
         P.resolve_mesh(cfg, _plan("none"), {"tensor": 3}, devs, 4096, 1)
     monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")
     assert P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)["tensor"] == 2
+
+
+def test_cpu_refusal_never_suggests_more_virtual_devices():
+    cpu = P.DeviceSet("CPU", "cpu", 1, 8 * _GiB, "simulated")
+    msg = P.check(preset("31b"), _plan("int4", "cpu", dtype="float32"), cpu, "auto", 4096, 1)["message"]
+    assert "does not fit" in msg and "× CPU" in msg and "over 2 × CPU" not in msg
+
+
+def test_cli_refuses_before_loading():
+    """An explicit mesh that does not fit stops the CLI before any weight is read (seconds, not
+    the minutes E2B takes to load); the fraction is set so low that no machine fits it."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GEMMA4_MEMORY_FRACTION="0.01")
+    out = subprocess.run([sys.executable, "-m", "gemma4", "generate", "--model", "random:e2b", "--mesh", "none",
+                          "--prompt", "hi"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: gemma-4-E2B int8:" in out.stderr and "does not fit" in out.stderr
+    assert "Traceback" not in out.stderr
