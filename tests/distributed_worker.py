@@ -64,6 +64,7 @@ def main() -> int:
         for t in threads:
             t.join()
         result = {"tokens": outs, "mesh": engine.info().get("sharding", {}).get("mesh")}
+    result.update(_held_and_planned(engine))
     distributed.finish(engine)
     import jax
 
@@ -71,6 +72,16 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0
+
+
+def _held_and_planned(engine) -> dict:
+    """What this process's devices hold, and what the pre-flight planned per device."""
+    from gemma4 import preflight
+
+    shape = {a: int(n) for a, n in engine.mesh.shape.items()}
+    fp = preflight.footprint(engine.cfg, engine.plan, shape, engine.context_limit, engine.max_batch)
+    return {"held": engine.info().get("sharding", {}).get("per_device", []),
+            "planned": {"weights_bytes": int(fp.weights), "kv_cache_bytes": int(fp.kv)}}
 
 
 def _die_at(engine, n: int) -> None:

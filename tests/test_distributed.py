@@ -166,6 +166,13 @@ def test_two_processes_give_the_tokens_of_one(tmp_path):
     assert leader["mesh"] == "data=2,tensor=4" and one["devices"] == 1
     assert all(len(t) > 0 for t in leader["tokens"])
     assert leader["tokens"] == one["tokens"]
+    # each process's 4 devices hold exactly what the pre-flight planned per device
+    for result in (leader, follower):
+        assert len(result["held"]) == 4, result["held"]
+        for dev in result["held"]:
+            assert dev["weights_bytes"] == result["planned"]["weights_bytes"], dev
+            assert dev["kv_cache_bytes"] == result["planned"]["kv_cache_bytes"], dev
+    assert one["held"][0]["kv_cache_bytes"] == 2 * leader["planned"]["kv_cache_bytes"]  # rows over data=2
 
 
 def test_a_killed_process_stops_the_others_with_a_message(tmp_path):
