@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--mesh", default="none")
     ap.add_argument("--die-at-step", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=2)
+    ap.add_argument("--weights", default="none", help="none | int8 | int4")
     distributed.add_arguments(ap)
     args = ap.parse_args()
     try:
@@ -42,7 +43,7 @@ def main() -> int:
     from gemma4.engine import Engine, SamplingParams
 
     engine = Engine(MODEL, max_batch=args.max_batch, context_limit=64, buckets=(16,), mesh=args.mesh,
-                    overrides={"weights": "none", "dtype": "float32", "kv": "native"})
+                    overrides={"weights": args.weights, "dtype": "float32", "kv": "native"})
     if args.die_at_step is not None:
         _die_at(engine, args.die_at_step)
     try:
