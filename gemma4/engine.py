@@ -262,6 +262,9 @@ class Engine(CompileMixin, RequestsMixin):
         limit = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
         self.context_limit = int(min(limit, cfg.max_position_embeddings))
         self.kv_format = plan.kv_cache.value
+        if self.mesh.size > 1:
+            options = dataclasses.replace(options, mesh=self.mesh)  # per-shard parts (the MoE bank)
+            self.options = options
         if self.mesh.shape["data"] > 1:
             # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
             # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.

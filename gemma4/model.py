@@ -32,6 +32,7 @@ class RunOptions:
     attention_sliding: str = "xla"  # "xla" (einsum + softmax) or a jax.nn.dot_product_attention impl
     attention_full: str = "xla"
     rows_sharded: bool = False  # cache rows split over a mesh axis (gemma4.sharding): rows read by mask
+    mesh: Any = None  # the engine's jax Mesh (gemma4.sharding); an `expert` axis > 1 runs the MoE per shard
 
     @property
     def dtype(self) -> Any:
@@ -96,11 +97,50 @@ def dense_mlp(x: jax.Array, lp: dict) -> jax.Array:
     return linear(gelu(gate) * up, lp["down"])
 
 
-def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
+def _experts(u, top_w, top_i, gate_up, down, cfg: ModelConfig, first: jax.Array | int = 0, tensor: bool = False):
+    """Σ_k top_w · expert_k(u) over the experts [first, first + E_bank) this bank holds, [n, H]
+    (f32). Few tokens (decode) gather the chosen experts' weights; many tokens (prefill) run
+    every expert and combine with a sparse weight matrix, which avoids a [tokens, k, 2I, H] gather.
+
+    tensor: inside shard_map with the bank's MLP axis split over `tensor` (gate_up rows and down
+    columns): the gate/up products, activation-sized, are gathered over `tensor` (a device's
+    rows may be all gate or all up), each device applies its columns of down (partial sums)."""
+    I, E = cfg.moe_intermediate_size, gate_up.shape[0]
+    f32 = jnp.float32
+    local = top_i - first
+    here = (local >= 0) & (local < E)  # chosen experts held by this bank (all of them unsharded)
+    w = jnp.where(here, top_w, 0.0)
+
+    def activate(gu):
+        if tensor:
+            gu = jax.lax.all_gather(gu, "tensor", axis=gu.ndim - 1, tiled=True)
+        act = gelu(gu[..., :I]) * gu[..., I:]
+        if tensor:
+            cols = down.shape[-1]
+            act = jax.lax.dynamic_slice_in_dim(act, jax.lax.axis_index("tensor") * cols, cols, axis=act.ndim - 1)
+        return act
+
+    if u.shape[0] * cfg.top_k_experts < cfg.num_experts:
+        idx = jnp.clip(local, 0, E - 1)
+        gu = jnp.einsum("nh,nkoh->nko", u, gate_up[idx], preferred_element_type=f32).astype(u.dtype)
+        act = activate(gu)
+        out = jnp.einsum("nki,nkhi->nkh", act, down[idx], preferred_element_type=f32).astype(u.dtype)
+        return jnp.einsum("nk,nkh->nh", w.astype(u.dtype), out, preferred_element_type=f32)
+    gu = jnp.einsum("nh,eoh->neo", u, gate_up, preferred_element_type=f32).astype(u.dtype)
+    act = activate(gu)
+    out = jnp.einsum("nei,ehi->neh", act, down, preferred_element_type=f32).astype(u.dtype)
+    combine = jnp.zeros((u.shape[0], E), f32)
+    combine = combine.at[jnp.arange(u.shape[0])[:, None], jnp.clip(local, 0, E - 1)].add(w)
+    return jnp.einsum("ne,neh->nh", combine.astype(u.dtype), out, preferred_element_type=f32)
+
+
+def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Any = None) -> jax.Array:
     """The 26B-A4B expert bank, routed on the raw residual as transformers does.
 
-    Few tokens (decode) gather the chosen experts' weights; many tokens (prefill) run every
-    expert and combine with a sparse weight matrix, which avoids a [tokens, k, 2I, H] gather.
+    On a mesh each device runs only the experts (and the MLP columns of them) it holds, inside
+    shard_map (the routing is computed identically everywhere), and the partial sums are added
+    by one psum: left to XLA, the decode gather of the chosen experts from a split bank became an
+    all-reduce of their weights ([tokens, k, 2I, H] per layer, measured in the compiled step).
     """
     shape = residual.shape
     r = residual.reshape(-1, shape[-1])
@@ -111,22 +151,36 @@ def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig) -> jax.Array:
     top_w = top_w * lp["expert_scale"].astype(jnp.float32)[top_i]
     u = rms_norm(r, lp["pre_ffw_norm_2"], cfg.rms_norm_eps)
     gate_up, down = lp["experts_gate_up"].astype(u.dtype), lp["experts_down"].astype(u.dtype)
-    I = cfg.moe_intermediate_size
-    f32 = jnp.float32
-    if r.shape[0] * cfg.top_k_experts < cfg.num_experts:
-        gu = jnp.einsum("nh,nkoh->nko", u, gate_up[top_i], preferred_element_type=f32).astype(u.dtype)
-        act = gelu(gu[..., :I]) * gu[..., I:]
-        out = jnp.einsum("nki,nkhi->nkh", act, down[top_i], preferred_element_type=f32).astype(u.dtype)
-        mixed = jnp.einsum("nk,nkh->nh", top_w.astype(u.dtype), out, preferred_element_type=f32)
+    split = {} if mesh is None else {a: mesh.shape.get(a, 1) for a in ("expert", "tensor")}
+    if any(n > 1 for n in split.values()):
+        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+        # the bank's split, as gemma4.sharding's rules place it (an axis that does not divide stays whole)
+        e_ax = "expert" if split["expert"] > 1 and cfg.num_experts % split["expert"] == 0 else None
+        t_ax = "tensor" if split["tensor"] > 1 and cfg.moe_intermediate_size % split["tensor"] == 0 else None
+
+        def local(u, top_w, top_i, gate_up, down):
+            first = jax.lax.axis_index("expert") * gate_up.shape[0] if e_ax else 0
+            part = _experts(u, top_w, top_i, gate_up, down, cfg, first, tensor=t_ax is not None)
+            axes = tuple(a for a in (e_ax, t_ax) if a)
+            return jax.lax.psum(part, axes) if axes else part
+
+        mixed = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(e_ax, t_ax), P(e_ax, None, t_ax)),
+                              out_specs=P(), check_vma=False)(u, top_w, top_i, gate_up, down)
     else:
-        gu = jnp.einsum("nh,eoh->neo", u, gate_up, preferred_element_type=f32).astype(u.dtype)
-        act = gelu(gu[..., :I]) * gu[..., I:]
-        out = jnp.einsum("nei,ehi->neh", act, down, preferred_element_type=f32).astype(u.dtype)
-        combine = jnp.zeros((r.shape[0], cfg.num_experts), f32)
-        combine = combine.at[jnp.arange(r.shape[0])[:, None], top_i].add(top_w)
-        mixed = jnp.einsum("ne,neh->nh", combine.astype(u.dtype), out, preferred_element_type=f32)
+        mixed = _experts(u, top_w, top_i, gate_up, down, cfg)
     mixed = rms_norm(mixed.astype(u.dtype), lp["post_ffw_norm_2"], cfg.rms_norm_eps)
     return mixed.reshape(shape)
+
+
+def _as_cache(x: jax.Array, mesh: Any) -> jax.Array:
+    """K/V [B, S, nkv, d] pinned to the cache's own split (gemma4.sharding): left free, XLA split
+    a replicated K/V read over an idle mesh axis and all-gathered it back each step (tiny 26B-A4B
+    on tensor=2,expert=2: a whole [4, 128, 1, 32] layer cache per decode step)."""
+    from gemma4 import sharding  # noqa: PLC0415
+
+    spec = sharding.logical_spec(sharding.CACHE_AXES["k"], x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 # ------------------------------------------------------------------------------ embedding
@@ -232,6 +286,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             values = jnp.concatenate([cv, v], axis=1)
             key_pos = jnp.concatenate([cpos, positions], axis=1)
             new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        if options.mesh is not None and not spec.is_kv_consumer:
+            keys, values = _as_cache(keys, options.mesh), _as_cache(values, options.mesh)
         if not spec.is_kv_consumer:
             shared[spec.index] = (keys, values, key_pos)
         mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
@@ -242,7 +298,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         residual = x
         f = dense_mlp(rms_norm(residual, lp["pre_ffw_norm"], cfg.rms_norm_eps), lp)
         if cfg.enable_moe:
-            f = rms_norm(f, lp["post_ffw_norm_1"], cfg.rms_norm_eps) + moe_block(residual, lp, cfg)
+            f = rms_norm(f, lp["post_ffw_norm_1"], cfg.rms_norm_eps) + moe_block(residual, lp, cfg, options.mesh)
         x = residual + rms_norm(f, lp["post_ffw_norm"], cfg.rms_norm_eps)
 
         if per_layer is not None:

@@ -31,13 +31,15 @@ from gemma4.engine import Engine, SamplingParams  # noqa: E402
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
 NEW_TOKENS = 4
 _GATHER = re.compile(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*\ball-gather(?:-start)?\(")
+_REDUCE = re.compile(r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*\ball-reduce(?:-start)?\(")
 _ITEM = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 
 
-def all_gathers(hlo: str) -> list[tuple[tuple[int, ...], int]]:
-    """(result shape, bytes) of every all-gather in a compiled module's text."""
+def all_gathers(hlo: str, pattern=_GATHER) -> list[tuple[tuple[int, ...], int]]:
+    """(result shape, bytes) of every all-gather (or `pattern`'s collective) in a compiled module's
+    text (a tuple-valued collective: its first part)."""
     out = []
-    for dt, dims in _GATHER.findall(hlo):
+    for dt, dims in pattern.findall(hlo):
         shape = tuple(int(d) for d in dims.split(",") if d)
         n = 1
         for d in shape:
@@ -83,8 +85,11 @@ def _decode_gathers(engine: Engine) -> dict:
         if any(s is not None for s in leaf.sharding.spec):
             split.add(tuple(leaf.shape))
     gathers = all_gathers(hlo)
+    reduces = all_gathers(hlo, _REDUCE)
     return {"gathered_split_shapes": sorted({str(s) for s, _ in gathers if s in split}),
-            "max_gather_bytes": max((b for _, b in gathers), default=0), "n_gathers": len(gathers)}
+            "max_gather_bytes": max((b for _, b in gathers), default=0), "n_gathers": len(gathers),
+            "max_reduce_bytes": max((b for _, b in reduces), default=0), "n_reduces": len(reduces),
+            "logits_bytes": engine.widths[-1] * engine.cfg.vocab_size * 4}
 
 
 def _write_checkpoint(cfg, folder: str) -> None:
