@@ -478,12 +478,17 @@ def _row_source(src: Any, n_cols: int):
     return lambda a, b: (lambda i, j: cursor.read(a + i, a + j))
 
 
-def _assemble(shape: tuple, sharding: NamedSharding, host_block: dict, part) -> jax.Array:
-    """A global array from this process's devices' parts: part(block, index) → numpy for one device."""
-    arrays = []
+def _put_block(a: int, host: np.ndarray, shape: tuple, sharding: NamedSharding, out: dict) -> None:
+    """Hand each of this process's devices whose shard starts at row `a` its part of `host`
+    (rows [a, a + len(host)) of the global array, all columns)."""
     for device, index in sharding.addressable_devices_indices_map(shape).items():
-        arrays.append(jax.device_put(np.ascontiguousarray(part(index)), device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        if (index[0].start or 0) == a:
+            out[device] = jax.device_put(np.ascontiguousarray(host[(slice(None),) + tuple(index[1:])]), device)
+
+
+def _global(shape: tuple, sharding: NamedSharding, out: dict) -> jax.Array:
+    devices = sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [out[d] for d in devices])
 
 
 def _row_blocks(shape: tuple, sharding: NamedSharding) -> list[tuple[int, int]]:
@@ -497,13 +502,13 @@ def build_sharded(fmt, name: str | None, spec, src: Any, mesh: Mesh) -> Any:
 
     Only the row blocks this process's devices hold are read (a memory map is sliced; a random
     stream is drawn through and the other rows dropped) and converted, one block at a time, so
-    peak host memory is this process's share plus one block. A per-row int8 scale needs whole
+    host memory holds this process's share plus one block. A per-row int8 scale needs whole
     rows, so a leaf split by input columns (o, down) is converted a row block at a time and then
     cut into column shards. Rounding is that of the whole leaf (`as_xla` from its full size).
     """
     import dataclasses  # noqa: PLC0415
 
-    from gemma4.params import LeafSpec, leaf_dtype  # noqa: PLC0415
+    from gemma4.params import leaf_dtype  # noqa: PLC0415
     from gemma4.quant import _SMALL_ELEMENTS, Int4Array, QuantArray  # noqa: PLC0415
     from gemma4.quant_host import host_cast, quantize_host  # noqa: PLC0415
 
@@ -516,15 +521,10 @@ def build_sharded(fmt, name: str | None, spec, src: Any, mesh: Mesh) -> Any:
         if not callable(src) and int(np.prod(shape)) * 4 <= (1 << 24):  # small: convert whole, then place
             return jax.device_put(host_cast(src, shape, dtype), sh)
         block = _row_source(src, int(np.prod(shape[1:], dtype=np.int64)))
-        blocks = {}
-        for a, b in _row_blocks(shape, sh):
-            blocks[a] = np.asarray(host_cast(block(a, b), (b - a,) + shape[1:], dtype))
-
-        def dense_part(index):
-            a = index[0].start or 0
-            return blocks[a][(slice(None),) + tuple(index[1:])]
-
-        return _assemble(shape, sh, blocks, dense_part)
+        out: dict = {}
+        for a, b in _row_blocks(shape, sh):  # one block on the host at a time
+            _put_block(a, np.asarray(host_cast(block(a, b), (b - a,) + shape[1:], dtype)), shape, sh, out)
+        return _global(shape, sh, out)
     kw = fmt._kw()
     n_out, n_in = shape
     group = kw["group_size"] if target == "int4" else None
@@ -536,21 +536,16 @@ def build_sharded(fmt, name: str | None, spec, src: Any, mesh: Mesh) -> Any:
     s_sh = NamedSharding(mesh, P(out_ax, None) if target == "int4" else P(out_ax))
     block = _row_source(src, n_in)
     as_xla = n_out * n_in > _SMALL_ELEMENTS  # the rounding quantize_host gives the whole leaf
-    leaves = {}
-    for a, b in _row_blocks(q_shape, q_sh):
+    data = "packed" if target == "int4" else "q"
+    q_out: dict = {}
+    s_out: dict = {}
+    first = None
+    for a, b in _row_blocks(q_shape, q_sh):  # one block on the host at a time
         leaf = quantize_host(block(a, b), (b - a, n_in), target, group, kw["int4_kernel"] if target == "int4" else "xla",
                              kw["int4_block"] if target == "int4" else None, as_xla=as_xla)
-        leaves[a] = leaf
-    data = "packed" if target == "int4" else "q"
-
-    def q_part(index):
-        return np.asarray(getattr(leaves[index[0].start or 0], data))[:, index[1]]
-
-    def s_part(index):
-        return np.asarray(leaves[index[0].start or 0].scale)[(slice(None),) + tuple(index[1:])]
-
-    q = _assemble(q_shape, q_sh, leaves, q_part)
-    scale = _assemble(s_shape, s_sh, leaves, s_part)
-    first = next(iter(leaves.values()))
-    del leaves
+        _put_block(a, np.asarray(getattr(leaf, data)), q_shape, q_sh, q_out)
+        _put_block(a, np.asarray(leaf.scale), s_shape, s_sh, s_out)
+        first = first or dataclasses.replace(leaf, **{data: None, "scale": None})
+        del leaf
+    q, scale = _global(q_shape, q_sh, q_out), _global(s_shape, s_sh, s_out)
     return dataclasses.replace(first, **{data: q, "scale": scale}, mesh=mesh, mesh_axes=(out_ax, in_ax))
