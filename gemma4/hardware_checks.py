@@ -167,6 +167,10 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
 
     if sharding.any_sharded(params):
         tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
+        c = plan.int8_matmul
+        why = ("each device runs its own shard inside shard_map (XLA cannot partition the native kernel's custom "
+               "call and would gather the whole weight every step), measured on the shard shapes; ")
+        plan = plan.replace("int8_matmul", Choice(c.value, why + c.reason, c.source))
         return sharding.copy_paths(params, tuned), plan, report
     import jax  # noqa: PLC0415
 
