@@ -3,8 +3,10 @@
     shape = parse_mesh("tensor=4,data=2")          # {"tensor": 4, "data": 2}
     validate_mesh(cfg, shape, len(jax.devices()))  # MeshError naming devices and divisors
     mesh = make_mesh(shape)                         # axes (data, tensor, expert), always all three
-    params = jax.device_put(params, param_shardings(cfg, params, mesh))
+    params = shard_params(cfg, params, mesh)        # placed per RULES (loaders can do it per leaf:
+                                                    #   build_sharded, reading only the local rows)
     cache = jax.device_put(cache, cache_shardings(cfg, cache, mesh))
+    shard_bytes_per_device(cfg, shape, quantize=..., batch=8, context=4096)  # no device needed
 
 A single device is the trivial mesh (every axis of size 1): the same code path, every spec then
 resolves to fully replicated.
@@ -17,6 +19,11 @@ table instead, for every array the model has. After flax, a dimension the mesh a
 divide is replicated (`_fit`): that is how KV heads fewer than the tensor size are handled (see
 KV_HEADS_POLICY); the divisors the mesh must honour (query heads, MLP width, experts, vocabulary)
 are enforced up front by `validate_mesh`.
+
+Quantized leaves carry their mesh and (out, in) axes, and `quant.linear` runs them per shard in
+shard_map (XLA cannot partition the native int8 kernel); the MoE bank runs per shard in
+`model.moe_block`. Under a `data` axis the engine decodes all rows every step (`model.RunOptions.
+rows_sharded`): see gemma4/engine.py.
 """
 
 from __future__ import annotations
