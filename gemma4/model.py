@@ -173,13 +173,16 @@ def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Any = None)
     return mixed.reshape(shape)
 
 
-def _as_cache(x: jax.Array, mesh: Any) -> jax.Array:
-    """K/V [B, S, nkv, d] pinned to the cache's own split (gemma4.sharding): left free, XLA split
-    a replicated K/V read over an idle mesh axis and all-gathered it back each step (tiny 26B-A4B
-    on tensor=2,expert=2: a whole [4, 128, 1, 32] layer cache per decode step)."""
+_QKV_AXES = {"q": ("batch", None, "q_heads", "head_dim"), "kv": ("batch", "cache_slots", "kv_heads", "head_dim")}
+
+
+def _pin(x: jax.Array, axes: tuple, mesh: Any) -> jax.Array:
+    """x pinned to the split gemma4.sharding's rules give these logical axes. Left free, XLA split
+    replicated K/V over an idle mesh axis (or along the head dim) and all-gathered it back each
+    step (tiny 26B-A4B on tensor=2,expert=2: a whole [4, 128, 1, 32] layer cache per decode step)."""
     from gemma4 import sharding  # noqa: PLC0415
 
-    spec = sharding.logical_spec(sharding.CACHE_AXES["k"], x.shape, dict(mesh.shape))
+    spec = sharding.logical_spec(axes, x.shape, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
@@ -214,16 +217,20 @@ def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ one layer
-def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Array, sin: jax.Array):
+def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Array, sin: jax.Array,
+         mesh: Any = None):
     B, T, _ = a.shape
     d = spec.head_dim
     names = ["q"] if spec.is_kv_consumer else ["q", "k"] if spec.k_eq_v else ["q", "k", "v"]
     outs = linear_many(a, [lp[n] for n in names])  # one kernel call where the native path runs
-    q = apply_rope(rms_norm(outs[0].reshape(B, T, cfg.num_heads, d), lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+    heads = [o.reshape(B, T, -1, d) for o in outs]
+    if mesh is not None:  # split by head as the weights are, never along d (see _pin)
+        heads = [_pin(h, _QKV_AXES["q" if i == 0 else "kv"], mesh) for i, h in enumerate(heads)]
+    q = apply_rope(rms_norm(heads[0], lp["q_norm"], cfg.rms_norm_eps), cos, sin)
     if spec.is_kv_consumer:
         return q, None, None
-    k_raw = outs[1].reshape(B, T, spec.num_kv_heads, d)
-    v_raw = k_raw if spec.k_eq_v else outs[2].reshape(B, T, spec.num_kv_heads, d)
+    k_raw = heads[1]
+    v_raw = k_raw if spec.k_eq_v else heads[2]
     k = apply_rope(rms_norm(k_raw, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
     v = rms_norm(v_raw, None, cfg.rms_norm_eps) if cfg.use_v_norm else v_raw
     return q, k, v
@@ -260,13 +267,15 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         head_dim = cfg.global_head_dim if kind != "sliding_attention" else cfg.head_dim
         inv = np.asarray(cfg.rope_for(kind).inverse_frequencies(head_dim), np.float32)
         tables[kind] = rope_tables(positions, inv, dtype)
+        if options.mesh is not None:  # whole on every device: q (split) and k/v (maybe not) both read them
+            tables[kind] = tuple(_pin(t, ("batch", None, "head_dim"), options.mesh) for t in tables[kind])
     new_cache = dict(cache) if cache is not None else None
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # producer -> (k, v, key positions)
 
     for spec, lp in zip(cfg.layers, params["layers"]):
         cos, sin = tables[spec.attention]
         a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(lp, spec, cfg, a, cos, sin)
+        q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
         if spec.is_kv_consumer:
             keys, values, key_pos = shared[spec.kv_source]
         elif cache is None or not attend_cache:
@@ -287,7 +296,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             key_pos = jnp.concatenate([cpos, positions], axis=1)
             new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
         if options.mesh is not None and not spec.is_kv_consumer:
-            keys, values = _as_cache(keys, options.mesh), _as_cache(values, options.mesh)
+            keys, values = _pin(keys, _QKV_AXES["kv"], options.mesh), _pin(values, _QKV_AXES["kv"], options.mesh)
         if not spec.is_kv_consumer:
             shared[spec.index] = (keys, values, key_pos)
         mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
