@@ -115,7 +115,7 @@ class Engine(CompileMixin, RequestsMixin):
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
                  buckets: Sequence[int] = PROMPT_BUCKETS, mesh: str | dict | None = "auto"):
         self.model_name = model
-        self.mesh_request = "auto" if mesh is None else mesh  # see _resolve_mesh
+        self.mesh_request = "auto" if mesh is None else mesh  # see sharding.resolve_mesh
         self.max_batch = int(max_batch)
         self.requested_context = context_limit
         self.overrides = dict(overrides or {})
@@ -226,7 +226,8 @@ class Engine(CompileMixin, RequestsMixin):
         plan.apply_jax_config()
         options = plan.run_options()
         peeked = sources.peek_config(source)
-        mesh_shape = self._resolve_mesh(peeked, plan)
+        context = self.requested_context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
+        mesh_shape = sharding.resolve_mesh(self.mesh_request, peeked, plan, context, self.max_batch)
         mesh = None
         if peeked is not None:  # refused before any weight is read; the weights are born split
             sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
@@ -297,38 +298,12 @@ class Engine(CompileMixin, RequestsMixin):
             "max_batch": self.max_batch, "hardware": report, "kv_format": self.kv_format,
             "weights": mode, "embed_weights": plan.embed_weights.value, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
             "decode_widths": list(self.widths), "kv_lengths": list(self.kv_lengths), "load_s": round(time.perf_counter() - t0, 2),
-            "memory": self.memory(), "sharding": self._sharding_info(mesh_shape),
+            "memory": self.memory(), "sharding": sharding.placement_info(
+                self.mesh, mesh_shape, self.params, self.cache, self.widths),
             "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
                                  if cfg.family == "gemma4" else
                                  dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)),
         }
-
-    def _resolve_mesh(self, cfg: ModelConfig | None, plan) -> dict[str, int]:
-        """The mesh shape asked for: "none", "tensor=4,data=2" (or its dict), or "auto" — the
-        pre-flight's choice where gemma4.preflight is present, else one device."""
-        req = self.mesh_request
-        if isinstance(req, dict):
-            return {a: int(n) for a, n in req.items() if int(n) > 1}
-        if str(req).strip().lower() != "auto":
-            return sharding.parse_mesh(str(req))
-        try:
-            from gemma4 import preflight  # noqa: PLC0415 (optional: the memory pre-flight)
-        except ImportError:
-            return {}
-        if cfg is None or not hasattr(preflight, "choose_mesh"):
-            return {}
-        context = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
-        return dict(preflight.choose_mesh(cfg, plan, jax.devices(), context, self.max_batch))
-
-    def _sharding_info(self, shape: dict[str, int]) -> dict:
-        """The mesh, the rule table and the bytes each device holds (for the Hardware panel)."""
-        weights = sharding.device_bytes(self.params)
-        cache = sharding.device_bytes(self.cache)
-        return {"mesh": sharding.mesh_string(shape), "shape": {a: int(n) for a, n in self.mesh.shape.items()},
-                "devices": [str(d) for d in self.mesh.devices.flat], "rules": sharding.rules_table(),
-                "kv_heads_policy": sharding.KV_HEADS_POLICY, "decode_widths": list(self.widths),
-                "per_device": [{"device": d, "weights_bytes": weights.get(d, 0), "kv_cache_bytes": cache.get(d, 0)}
-                               for d in sorted(set(weights) | set(cache))]}
 
     def memory(self) -> dict:
         from gemma4.params import count_bytes

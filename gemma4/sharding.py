@@ -193,6 +193,22 @@ def is_trivial(mesh: Mesh | None) -> bool:
     return mesh is None or mesh.size == 1
 
 
+def resolve_mesh(request: str | dict | None, cfg, plan, context: int, batch: int) -> dict[str, int]:
+    """The engine's mesh shape: "none", "tensor=4,data=2" (or its dict), or "auto" — the
+    pre-flight's choice (`gemma4.preflight.choose_mesh`) where the config is known, else one device."""
+    if isinstance(request, dict):
+        return {a: int(n) for a, n in request.items() if int(n) > 1}
+    if str(request or "auto").strip().lower() != "auto":
+        return parse_mesh(str(request))
+    try:
+        from gemma4 import preflight  # noqa: PLC0415 (the memory pre-flight)
+    except ImportError:
+        return {}
+    if cfg is None or not hasattr(preflight, "choose_mesh"):
+        return {}
+    return dict(preflight.choose_mesh(cfg, plan, jax.devices(), context, batch))
+
+
 # ------------------------------------------------------------------------------ rules → specs
 # The logical axes of the arrays outside the parameter tree (the parameters' own come from
 # gemma4.params): the KV cache entries and the activations the engine feeds in.
@@ -407,6 +423,16 @@ def device_bytes(tree: Any) -> dict[str, int]:
             key = str(shard.device)
             out[key] = out.get(key, 0) + int(shard.data.size * shard.data.dtype.itemsize)
     return out
+
+
+def placement_info(mesh: Mesh, shape: dict[str, int], params: Any, cache: Any, widths: Sequence[int]) -> dict:
+    """The mesh, the rule table and the bytes each device holds (engine.info()["sharding"])."""
+    weights, kv = device_bytes(params), device_bytes(cache)
+    return {"mesh": mesh_string(shape), "shape": {a: int(n) for a, n in mesh.shape.items()},
+            "devices": [str(d) for d in mesh.devices.flat], "rules": rules_table(),
+            "kv_heads_policy": KV_HEADS_POLICY, "decode_widths": list(widths),
+            "per_device": [{"device": d, "weights_bytes": weights.get(d, 0), "kv_cache_bytes": kv.get(d, 0)}
+                           for d in sorted(set(weights) | set(kv))]}
 
 
 def rules_table() -> list[dict]:
