@@ -145,8 +145,9 @@ def validate_mesh(cfg, shape: dict[str, int], n_devices: int, *, batch: int | No
     have = _describe_devices(devices, n_devices)
     name = getattr(cfg, "name", "this model")
     if need > n_devices:
-        raise MeshError(f"mesh {mesh_string(shape)} needs {need} devices; there are {have}. "
-                        f"Use a mesh of at most {n_devices} devices, or 'none'.")
+        here = f"there {'is' if n_devices == 1 else 'are'} {have}"
+        fix = "use 'none' (one device)" if n_devices == 1 else f"use a mesh of at most {n_devices} devices, or 'none'"
+        raise MeshError(f"mesh {mesh_string(shape)} needs {need} devices; {here}: {fix}.")
     problems = []
     rules = divisors(cfg)
     for axis in ("tensor", "expert"):
@@ -194,19 +195,20 @@ def is_trivial(mesh: Mesh | None) -> bool:
 
 
 def resolve_mesh(request: str | dict | None, cfg, plan, context: int, batch: int) -> dict[str, int]:
-    """The engine's mesh shape: "none", "tensor=4,data=2" (or its dict), or "auto" — the
-    pre-flight's choice (`gemma4.preflight.choose_mesh`) where the config is known, else one device."""
-    if isinstance(request, dict):
-        return {a: int(n) for a, n in request.items() if int(n) > 1}
-    if str(request or "auto").strip().lower() != "auto":
-        return parse_mesh(str(request))
-    try:
-        from gemma4 import preflight  # noqa: PLC0415 (the memory pre-flight)
-    except ImportError:
-        return {}
-    if cfg is None or not hasattr(preflight, "choose_mesh"):
-        return {}
-    return dict(preflight.choose_mesh(cfg, plan, jax.devices(), context, batch))
+    """The engine's mesh shape for "none", "tensor=4,data=2" (or its dict) or "auto", decided
+    before any weight is read. Where the config is known every request goes through the memory
+    pre-flight (`gemma4.preflight.resolve_mesh`): "auto" becomes its choice, an explicit mesh is
+    validated and its bytes per device checked (a refusal carries the arithmetic). Without a
+    config (it could not be peeked) an explicit mesh is only parsed and "auto" is one device."""
+    if cfg is None:
+        if isinstance(request, dict):
+            return {a: int(n) for a, n in request.items() if int(n) > 1}
+        text = str(request or "auto").strip().lower()
+        return {} if text == "auto" else parse_mesh(text)
+    from gemma4 import preflight  # noqa: PLC0415 (the pre-flight imports this module)
+
+    shape = preflight.resolve_mesh(cfg, plan, request, jax.devices(), context, batch)
+    return {a: int(n) for a, n in shape.items() if int(n) > 1}
 
 
 # ------------------------------------------------------------------------------ rules → specs

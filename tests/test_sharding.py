@@ -156,10 +156,11 @@ def test_decode_gathers_no_whole_weight_or_cache(mesh_runs, case):
 
 def test_bad_mesh_is_refused_with_the_divisors(mesh_runs):
     three = mesh_runs[("random:tiny-e2b", "tensor=3")]
-    assert "MeshError" in three["error"] and "query heads 4" in three["error"]
+    # refused by the pre-flight, before any weight is read, with the divisors
+    assert "PreflightError" in three["error"] and "must divide query heads 4" in three["error"]
     assert "Traceback" not in three["error"]
     many = mesh_runs[("random:tiny-e2b", "tensor=16")]
-    assert "needs 16 devices; there are 8 devices (cpu" in many["error"]
+    assert "needs 16 devices; there are 8 devices" in many["error"] and "8 × CPU" in many["error"]
 
 
 @pytest.mark.parametrize("case", [(f"load:{c['load']}:{q}", mesh) for c in CASES if "load" in c
