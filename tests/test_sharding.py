@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One subprocess runs every case (starting JAX and the engine once per mesh is the cost).
 CASES = [
-    {"model": "random:tiny-e2b", "meshes": ["none", "data=2,tensor=4"]},  # 1 KV head: replicated K/V
-    {"model": "random:tiny-31b", "meshes": ["none", "tensor=4"]},
+    {"model": "random:tiny-e2b", "meshes": ["none", "tensor=2", "data=2,tensor=4"]},  # 1 KV head: replicated K/V
+    {"model": "random:tiny-31b", "meshes": ["none", "tensor=2", "tensor=4"]},
     {"model": "random:tiny-26b-a4b", "meshes": ["none", "expert=4", "tensor=2,expert=2"]},
     # the real model: two short prompts (3 compiles a mesh; each costs seconds at this size)
     {"model": "bundled", "meshes": ["none", "data=2,tensor=4"], "max_batch": 2, "prompts": 2},
