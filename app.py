@@ -29,6 +29,7 @@ import gradio as gr
 from gemma4 import distributed, ui_mesh
 from gemma4 import ui_format as uf
 from gemma4.server import Access, access_from_args, add_access_flags
+from gemma4.server import env_bool as _env_bool, env_int as _env_int
 from gemma4.ui_chat import (
     PENALTY_RANGE,
     SEED_RANDOM,
@@ -81,22 +82,6 @@ def compile_markdown(engine: Any) -> str:
 
 
 # --------------------------------------------------------------------------- settings
-
-
-def _env_bool(value: str | None, default: bool = False) -> bool:
-    if value is None or value == "":
-        return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SystemExit(f"{name}={raw!r} is not an integer") from None
 
 
 @dataclasses.dataclass(frozen=True)

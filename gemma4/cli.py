@@ -114,16 +114,22 @@ def _followed(engine) -> bool:
     return True
 
 
-def cmd_generate(args) -> int:
+def _run_on_engine(args, body) -> int:
+    """Start the engine and run `body(engine, args)` on process 0; the other processes of a
+    multi-process run only follow its steps."""
     from gemma4 import distributed
 
     engine = _engine(args)
     if _followed(engine):
         return 0
     try:
-        return _generate(engine, args)
+        return body(engine, args)
     finally:
         distributed.finish(engine)
+
+
+def cmd_generate(args) -> int:
+    return _run_on_engine(args, _generate)
 
 
 def _generate(engine, args) -> int:
@@ -155,15 +161,7 @@ def _generate(engine, args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from gemma4 import distributed
-
-    engine = _engine(args)
-    if _followed(engine):
-        return 0
-    try:
-        return _chat(engine, args)
-    finally:
-        distributed.finish(engine)
+    return _run_on_engine(args, _chat)
 
 
 def _chat(engine, args) -> int:

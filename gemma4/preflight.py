@@ -251,16 +251,21 @@ def _candidates(cfg: ModelConfig, n: int) -> list[dict[str, int]]:
     return shapes
 
 
+def _valid_footprints(cfg, plan, meshes, max_devices: int, context: int, batch: int):
+    """(mesh, footprint) of every mesh in `meshes` the model can use on `max_devices` devices."""
+    for mesh in meshes:
+        try:
+            validate(cfg, mesh, max_devices, batch)
+        except PreflightError:
+            continue
+        yield mesh, footprint(cfg, plan, mesh, context, batch)
+
+
 def _fitting(cfg, plan, devices: DeviceSet, context: int, batch: int, max_devices: int):
     """(footprint, mesh) of the smallest mesh that fits, fewest bytes per device among equals; None."""
     for n in _sizes(max_devices):
         best = None
-        for mesh in _candidates(cfg, n):
-            try:
-                validate(cfg, mesh, max_devices, batch)
-            except PreflightError:
-                continue
-            fp = footprint(cfg, plan, mesh, context, batch)
+        for _, fp in _valid_footprints(cfg, plan, _candidates(cfg, n), max_devices, context, batch):
             if fits(fp, devices.with_count(max_devices)) and (best is None or fp.per_device < best.per_device):
                 best = fp
         if best is not None:
@@ -275,13 +280,8 @@ def _fitting_all(cfg, plan, devices: DeviceSet, context: int, batch: int) -> Foo
     n = devices.count
     for data in sorted((d for d in range(1, n + 1) if n % d == 0 and batch % d == 0), reverse=True):
         best = None
-        for mesh in _candidates(cfg, n // data):
-            mesh = dict(mesh, **({"data": data} if data > 1 else {}))
-            try:
-                validate(cfg, mesh, n, batch)
-            except PreflightError:
-                continue
-            fp = footprint(cfg, plan, mesh, context, batch)
+        meshes = (dict(m, **({"data": data} if data > 1 else {})) for m in _candidates(cfg, n // data))
+        for _, fp in _valid_footprints(cfg, plan, meshes, n, context, batch):
             if fits(fp, devices) and (best is None or fp.per_device < best.per_device):
                 best = fp
         if best is not None:
@@ -293,12 +293,7 @@ def _best_share(cfg, plan, devices: DeviceSet, context: int, batch: int) -> Foot
     """The valid mesh over at most `devices.count` devices with the fewest bytes per device."""
     best = footprint(cfg, plan, {}, context, batch)
     for n in _sizes(devices.count)[1:]:
-        for mesh in _candidates(cfg, n):
-            try:
-                validate(cfg, mesh, devices.count, batch)
-            except PreflightError:
-                continue
-            fp = footprint(cfg, plan, mesh, context, batch)
+        for _, fp in _valid_footprints(cfg, plan, _candidates(cfg, n), devices.count, context, batch):
             if total_bytes(fp, devices) < total_bytes(best, devices):
                 best = fp
     return best
@@ -404,12 +399,7 @@ def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mappin
 def _mesh_rows(cfg, plan, devices: DeviceSet, context: int, batch: int) -> list[dict]:
     rows = []
     for n in _sizes(devices.count):
-        for mesh in _candidates(cfg, n):
-            try:
-                validate(cfg, mesh, devices.count, batch)
-            except PreflightError:
-                continue
-            fp = footprint(cfg, plan, mesh, context, batch)
+        for mesh, fp in _valid_footprints(cfg, plan, _candidates(cfg, n), devices.count, context, batch):
             rows.append({"mesh": format_mesh(mesh), "devices": fp.devices, "weights_bytes": int(fp.weights),
                          "kv_bytes": int(fp.kv), "workspace_bytes": int(fp.workspace_total),
                          "needed_bytes": int(total_bytes(fp, devices)), "_fits": fits(fp, devices)})

@@ -80,19 +80,19 @@ def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None
     g.add_argument("--api-key", default=env.get("GEMMA4_API_KEY") or None, metavar="KEY[,...]",
                    help="bearer key(s) required by /v1 (env GEMMA4_API_KEY)")
     g.add_argument("--rate-in-flight", type=int, metavar="N",
-                   default=_int(env, "GEMMA4_RATE_IN_FLIGHT", d.in_flight),
+                   default=env_int(env, "GEMMA4_RATE_IN_FLIGHT", d.in_flight),
                    help=f"generation requests in flight per API client, 0 = no limit "
                         f"(env GEMMA4_RATE_IN_FLIGHT, default {d.in_flight})")
     g.add_argument("--rate-per-minute", type=int, metavar="N",
-                   default=_int(env, "GEMMA4_RATE_PER_MINUTE", d.per_minute),
+                   default=env_int(env, "GEMMA4_RATE_PER_MINUTE", d.per_minute),
                    help=f"API requests (and UI messages) per minute per client, 0 = no limit "
                         f"(env GEMMA4_RATE_PER_MINUTE, default {d.per_minute})")
     g.add_argument("--max-body-bytes", type=int, metavar="BYTES",
-                   default=_int(env, "GEMMA4_MAX_BODY_BYTES", d.max_body_bytes),
+                   default=env_int(env, "GEMMA4_MAX_BODY_BYTES", d.max_body_bytes),
                    help=f"largest API request body (env GEMMA4_MAX_BODY_BYTES, default "
                         f"{d.max_body_bytes})")
     g.add_argument("--trust-proxy", action=argparse.BooleanOptionalAction,
-                   default=_bool(env.get("GEMMA4_TRUST_PROXY"), default=bool(env.get("SPACE_ID"))),
+                   default=env_bool(env.get("GEMMA4_TRUST_PROXY"), default=bool(env.get("SPACE_ID"))),
                    help="key rate limits by X-Forwarded-For (env GEMMA4_TRUST_PROXY; on by "
                         "default on Hugging Face Spaces, whose proxy sets it)")
 
@@ -108,7 +108,8 @@ def access_from_args(a: argparse.Namespace) -> Access:
     return Access(logins=logins, api_keys=keys, limits=limits, trust_proxy=a.trust_proxy)
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """An integer setting from the environment; a bad value stops start-up with a message."""
     raw = (env.get(name) or "").strip()
     if not raw:
         return default
@@ -118,7 +119,7 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise SystemExit(f"{name}={raw!r} is not an integer") from None
 
 
-def _bool(raw: str | None, default: bool) -> bool:
+def env_bool(raw: str | None, default: bool = False) -> bool:
     if raw is None or not raw.strip():
         return default
     return raw.strip().lower() in ("1", "true", "yes", "on")

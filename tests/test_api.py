@@ -6,7 +6,6 @@ and the access rules (UI login, API key, rate limits). Pure helpers are tested o
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -18,6 +17,7 @@ openai = pytest.importorskip("openai")
 import app
 from gemma4 import server
 from gemma4.ratelimit import Limits, RateLimiter
+from tests.net import free_port as _free_port, wait_until
 
 # The same engine as tests/test_engine.py (float32, so batched rows equal solo ones bit for bit):
 # one pytest run loads it once.
@@ -37,10 +37,6 @@ WEATHER_TOOL = {"type": "function", "function": {
 # --------------------------------------------------------------------------- servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(engine, model: str, access: server.Access):
@@ -54,40 +50,31 @@ def _serve(engine, model: str, access: server.Access):
 
 
 def _wait(pred, timeout=10.0, every=0.01) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(every)
-    return pred()
+    return wait_until(pred, timeout, every)
+
+
+def _served(model: str, engine_kwargs: dict, timeout: float):
+    """The engine for `model` behind an open server, with an openai client for it."""
+    from gemma4.engine import get_engine
+
+    engine = get_engine(model, **engine_kwargs).wait_ready(timeout=timeout)
+    running, _ = _serve(engine, model, OPEN)
+    client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
+                           timeout=300)
+    try:
+        yield running.url, client, engine
+    finally:
+        running.close()
 
 
 @pytest.fixture(scope="module")
 def bundled():
-    from gemma4.engine import get_engine
-
-    engine = get_engine("bundled", **BUNDLED).wait_ready(timeout=1200)
-    running, _ = _serve(engine, "bundled", OPEN)
-    client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
-                           timeout=300)
-    try:
-        yield running.url, client, engine
-    finally:
-        running.close()
+    yield from _served("bundled", BUNDLED, timeout=1200)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from gemma4.engine import get_engine
-
-    engine = get_engine(TINY, **TINY_ENGINE).wait_ready(timeout=900)
-    running, _ = _serve(engine, TINY, OPEN)
-    client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
-                           timeout=300)
-    try:
-        yield running.url, client, engine
-    finally:
-        running.close()
+    yield from _served(TINY, TINY_ENGINE, timeout=900)
 
 
 def _idle(engine) -> bool:

@@ -16,6 +16,7 @@ import pytest
 
 import app
 from gemma4 import ui_format as uf
+from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_MODEL = os.environ.get("GEMMA4_TEST_TINY_MODEL", "random:tiny-gemma3-270m")
@@ -192,19 +193,10 @@ def served(engine):
         demo.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(pred, timeout=20.0, every=0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(every)
-    return pred()
+    return wait_until(pred, timeout, every)
 
 
 def _chat(client, text, *, mode="completion", max_new_tokens=16, temperature=0.0, seed=0):

@@ -14,10 +14,11 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import time
 
 import pytest
+
+from tests.net import free_port as _free_port
 
 pytestmark = pytest.mark.browser
 
@@ -36,10 +37,6 @@ if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
 sync_api = pytest.importorskip("playwright.sync_api", reason="python playwright not installed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _non_blank(png: pathlib.Path) -> float:
