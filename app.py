@@ -1,7 +1,7 @@
 """Gradio chat demo for the pure-JAX Gemma 4 / Gemma 3 engine.
 
-UI only: the engine (`gemma4.engine`) owns the model, batching and measurements; the chat's
-event handlers live in `gemma4.ui_chat`; this file holds the settings, the panels on a timer,
+UI only: the engine (`gemma4.serve.engine`) owns the model, batching and measurements; the chat's
+event handlers live in `gemma4.ui.handlers`; this file holds the settings, the panels on a timer,
 the API for programs, the Blocks layout and the launch.
 
     python app.py --model bundled --port 7860
@@ -26,11 +26,13 @@ from typing import Any
 
 import gradio as gr
 
-from gemma4 import distributed, ui_mesh
-from gemma4 import ui_format as uf
-from gemma4.server import Access, access_from_args, add_access_flags
-from gemma4.server import env_bool as _env_bool, env_int as _env_int
-from gemma4.ui_chat import (
+from gemma4.serve import distributed
+
+from gemma4.ui import mesh_panel
+from gemma4.ui import panels as uf
+from gemma4.web.server import Access, access_from_args, add_access_flags
+from gemma4.web.server import env_bool as _env_bool, env_int as _env_int
+from gemma4.ui.handlers import (
     PENALTY_RANGE,
     SEED_RANDOM,
     STREAM_INTERVAL_S,
@@ -96,10 +98,10 @@ class Settings:
     max_new_tokens_cap: int = 1024
     context: int = 4096
     queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
-    # UI login, /v1 keys, per-client rate limits (gemma4.server); secrets stay out of repr()
+    # UI login, /v1 keys, per-client rate limits (gemma4.web.server); secrets stay out of repr()
     access: Access = dataclasses.field(default_factory=Access)
-    mesh: str = "auto"  # devices the model spreads over (gemma4.preflight / gemma4.sharding)
-    distributed: Any = None  # gemma4.distributed.Settings: more than one process (None: one)
+    mesh: str = "auto"  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
+    distributed: Any = None  # gemma4.serve.distributed.Settings: more than one process (None: one)
 
 
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
@@ -139,7 +141,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         access = access_from_args(a)
         multi = distributed.from_args(a)
         if a.mesh.strip().lower() != "auto":
-            from gemma4 import sharding
+            from gemma4.plan import sharding
 
             sharding.parse_mesh(a.mesh)  # a bad spec is a usage error, before anything loads
     except (ValueError, distributed.DistributedError) as e:  # (MeshError is a ValueError)
@@ -186,7 +188,7 @@ class DemoApp(ChatHandlers):
         if not info:
             return "_The hardware report appears once the model has loaded._", ""
         memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
-        return (compile_markdown(self.engine) + ui_mesh.panel_markdown(self.engine, info)
+        return (compile_markdown(self.engine) + mesh_panel.panel_markdown(self.engine, info)
                 + uf.hardware_markdown(info.get("hardware")),
                 uf.memory_markdown(memory))
 
@@ -422,9 +424,9 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 
 def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks | None:
     """Parse flags, start loading the engine in the background, build the UI and serve it at /
-    with the OpenAI-compatible API at /v1 (one uvicorn server, `gemma4.server`)."""
-    from gemma4 import server
-    from gemma4.engine import get_engine
+    with the OpenAI-compatible API at /v1 (one uvicorn server, `gemma4.web.server`)."""
+    from gemma4.web import server
+    from gemma4.serve.engine import get_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = parse_settings(argv)

@@ -5,7 +5,7 @@
 One engine (the app's defaults: bundled model, int8 weights, 8 decode slots; a 512-token window and
 two prompt buckets so that fewer shapes compile), every shape compiled first; then, for 1 and 8 concurrent clients, greedy completions of `--new-tokens` tokens:
   direct: threads iterating `engine.stream(...)`;
-  layer:  threads iterating `gemma4.conversation.stream_reply(...)` (the request layer the API and
+  layer:  threads iterating `gemma4.serve.conversation.stream_reply(...)` (the request layer the API and
           the chat share);
   api:    threads streaming `/v1/completions` through the official `openai` client from the real
           app (Gradio mounted beside /v1 on uvicorn, in this process; rate limits off).
@@ -83,11 +83,11 @@ def main(argv=None) -> int:
     import openai
 
     import app
-    from gemma4 import server
-    from gemma4.conversation import stream_reply
-    from gemma4.engine import get_engine
-    from gemma4.ratelimit import Limits
-    from gemma4.sampling import SamplingParams
+    from gemma4.web import server
+    from gemma4.serve.conversation import stream_reply
+    from gemma4.serve.engine import get_engine
+    from gemma4.web.ratelimit import Limits
+    from gemma4.model.sampling import SamplingParams
 
     settings = app.Settings(context=args.context)
     engine = get_engine(model=settings.model, max_batch=settings.max_users,

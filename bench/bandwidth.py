@@ -30,7 +30,7 @@ import numpy as np
 if __package__ in (None, ""):  # `python bench/bandwidth.py` from the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma4.config import ModelConfig, approx_param_count, preset  # noqa: E402
+from gemma4.model.config import ModelConfig, approx_param_count, preset  # noqa: E402
 
 
 # --------------------------------------------------------------------------- bandwidth

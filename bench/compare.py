@@ -35,7 +35,7 @@ import peers  # noqa: E402
 
 # Environment variables pointed at a fresh, empty folder for the "cold" load (and at the same folder,
 # now filled, for the warm one): the engine's cache root (gemma4.paths.cache_root) and its XLA
-# compile cache (gemma4.engine, default <cache root>/xla). Add others with --cache-env.
+# compile cache (gemma4.serve.engine, default <cache root>/xla). Add others with --cache-env.
 CACHE_ENV_VARS = ["GEMMA4_JAX_CACHE", "GEMMA4_COMPILE_CACHE"]
 
 
@@ -82,9 +82,9 @@ def measure_ours(spec: dict) -> dict:
     cpus = peers.pin_threads(spec["threads"])
     t0 = time.perf_counter()
     try:
-        from gemma4.engine import SamplingParams, get_engine
+        from gemma4.serve.engine import SamplingParams, get_engine
     except ImportError as e:
-        return {"skipped": f"gemma4.engine is not importable ({e})"}
+        return {"skipped": f"gemma4.serve.engine is not importable ({e})"}
     import_s = time.perf_counter() - t0
     kwargs: dict[str, Any] = {"model": spec["model"], "max_batch": spec["max_batch"]}
     weights = spec.get("weights") if spec.get("weights") not in (None, "", "default") else None

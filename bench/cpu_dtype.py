@@ -4,16 +4,16 @@ Measures y = x · Wᵀ (the decode-time matmul: few rows, a large weight) for
 
     f32          float32 activations, float32 weights
     bf16         bfloat16 activations, bfloat16 weights
-    int8>f32     float32 activations, int8 weights + per-row scale   (gemma4.quant.QuantArray,
+    int8>f32     float32 activations, int8 weights + per-row scale   (gemma4.ops.quant.QuantArray,
                  dequantized in cache-sized row chunks: the default on CPU)
     int8>bf16    bfloat16 activations, int8 weights
     int8 whole   float32 activations, int8 weights dequantized whole before one dot (chunk_rows=0;
                  what XLA:CPU does with a plain `dot(x, q.astype(f32))`)
-    int4>f32     float32 activations, grouped int4 weights, dequant+dot (gemma4.quant.Int4Array)
+    int4>f32     float32 activations, grouped int4 weights, dequant+dot (gemma4.ops.quant.Int4Array)
     int8 mul-sum float32, int8 weights via broadcast-multiply-then-sum (the formulation to avoid)
 
 at the LM-head shape [262144, 640] and an MLP shape [2048, 640] (Gemma 3 270M), batch 1 and 8,
-and prints a table plus the recommendation that `gemma4.hardware.policy` should agree with.
+and prints a table plus the recommendation that `gemma4.plan.hardware.policy` should agree with.
 
     python bench/cpu_dtype.py [--quick] [--decode-step] [--json]
 
@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gemma4 import quant  # noqa: E402
+from gemma4.ops import quant  # noqa: E402
 
 SHAPES = {"lm_head": (262144, 640), "mlp": (2048, 640)}
 FORMATS = ("f32", "bf16", "int8>f32", "int8>bf16", "int8 whole", "int4>f32", "int8 mul-sum")
@@ -101,8 +101,10 @@ def measure(shapes: dict[str, tuple[int, int]] | None = None, batches=(1, 8), fo
 def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "int8 whole", "bf16"),
                         reps: int = 8, seed: int = 0) -> dict[str, float]:
     """Best-of-N ms of one batch-1 decode step (random weights, 256-slot cache), formats interleaved."""
-    from gemma4 import config, kv_cache, model  # noqa: PLC0415
-    from gemma4 import params as P  # noqa: PLC0415
+    from gemma4.model.decoder import config  # noqa: PLC0415
+    from gemma4.model.decoder import kv_cache  # noqa: PLC0415
+    from gemma4.model.decoder import decoder  # noqa: PLC0415
+    from gemma4.model.decoder import params as P  # noqa: PLC0415
 
     cfg = config.preset(preset)
     base = P.random_params(cfg, seed=seed)
@@ -123,8 +125,8 @@ def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "in
     steps = {}
     for fmt, (tree, dtype) in trees.items():
         cache = kv_cache.init_cache(cfg, 1, 256, dtype)
-        opts = model.RunOptions(compute_dtype=jnp.dtype(dtype).name)
-        fn = jax.jit(lambda p, c, o=opts: model.forward(p, cfg, tok, pos, c, options=o)[0])
+        opts = decoder.RunOptions(compute_dtype=jnp.dtype(dtype).name)
+        fn = jax.jit(lambda p, c, o=opts: decoder.forward(p, cfg, tok, pos, c, options=o)[0])
         jax.block_until_ready(fn(tree, cache))
         steps[fmt] = (fn, tree, cache)
     times = {fmt: [] for fmt in steps}
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time one batch-1 decode step of Gemma 3 270M (random weights) per format")
     args = ap.parse_args(argv)
     shapes = {"mlp": SHAPES["mlp"]} if args.quick else SHAPES
-    from gemma4 import hardware  # noqa: PLC0415
+    from gemma4.plan import hardware  # noqa: PLC0415
 
     facts = hardware.probe()
     rows = measure(shapes)

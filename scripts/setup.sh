@@ -20,9 +20,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ]; then
   .venv/bin/python -m pip install -q -r "$reqs"
   echo "$sum" > "$stamp"
 fi
-# The native int8 CPU matmul kernel (gemma4/kernels/cpu_int8.cc): built once per jaxlib / CPU /
+# The native int8 CPU matmul kernel (gemma4/ops/kernels/cpu_int8.cc): built once per jaxlib / CPU /
 # compiler into the cache; without a compiler the engine uses the XLA int8 paths and says so.
-.venv/bin/python -m gemma4.kernels.cpu_int8 --setup || true
+.venv/bin/python -m gemma4.ops.kernels.cpu_int8 --setup || true
 if [ "$want" = "dev" ] && ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
     echo "[setup] installing Debian chromium for the browser test"

@@ -24,7 +24,7 @@ NEW_TOKENS = 6
 
 
 def main() -> int:
-    from gemma4 import distributed
+    from gemma4.serve import distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -40,7 +40,7 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from gemma4.engine import Engine, SamplingParams
+    from gemma4.serve.engine import Engine, SamplingParams
 
     engine = Engine(MODEL, max_batch=args.max_batch, context_limit=64, buckets=(16,), mesh=args.mesh,
                     overrides={"weights": args.weights, "dtype": "float32", "kv": "native"})
@@ -77,7 +77,7 @@ def main() -> int:
 
 def _held_and_planned(engine) -> dict:
     """What this process's devices hold, and what the pre-flight planned per device."""
-    from gemma4 import preflight
+    from gemma4.plan import preflight
 
     shape = {a: int(n) for a, n in engine.mesh.shape.items()}
     fp = preflight.footprint(engine.cfg, engine.plan, shape, engine.context_limit, engine.max_batch)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from gemma4.config import ModelConfig, to_hf_config
+from gemma4.model.config import ModelConfig, to_hf_config
 
 
 def build_hf_model(cfg: ModelConfig, seed: int = 0):

@@ -2,7 +2,7 @@
 streaming/parsing path, as if the model had sampled them.
 
 Random weights cannot be made to think or call a tool, but every path after sampling (the
-engine's stop ids and limits, `Engine.stream`, `gemma4.conversation.stream_reply`, the API and
+engine's stop ids and limits, `Engine.stream`, `gemma4.serve.conversation.stream_reply`, the API and
 the UI) must be tested with such replies. `scripted` patches one engine instance (never the
 class, never gemma4 code) at the point where the scheduler hands a sampled token to a request,
 `Engine._emit`, and replaces the token with the script's next one. Everything downstream is the
@@ -45,7 +45,7 @@ TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256))
 
 def tiny_gemma4():
     """The shared `random:tiny-e2b` engine (Gemma 4 geometry, synthetic byte vocabulary), ready."""
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     return get_engine("random:tiny-e2b", **TINY_GEMMA4).wait_ready(timeout=900)
 

@@ -25,8 +25,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from gemma4 import sharding  # noqa: E402
-from gemma4.engine import Engine, SamplingParams  # noqa: E402
+from gemma4.plan import sharding  # noqa: E402
+from gemma4.serve.engine import Engine, SamplingParams  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
 NEW_TOKENS = 4
@@ -97,9 +97,9 @@ def _write_checkpoint(cfg, folder: str) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from gemma4.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
-    from gemma4.config import to_hf_config
-    from gemma4.params import iter_specs, param_specs, random_params
+    from gemma4.weights.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
+    from gemma4.model.config import to_hf_config
+    from gemma4.model.params import iter_specs, param_specs, random_params
 
     glob = {v: k for k, v in _GLOBAL_NAMES.items()}
     layer = {v: k for k, v in _LAYER_NAMES.items()}
@@ -120,7 +120,7 @@ def _write_checkpoint(cfg, folder: str) -> None:
 def _same_leaves(a, b) -> bool:
     import numpy as np
 
-    from gemma4.quant import is_quantized
+    from gemma4.ops.quant import is_quantized
 
     la, lb = jax.tree.leaves(a, is_leaf=is_quantized), jax.tree.leaves(b, is_leaf=is_quantized)
     if len(la) != len(lb):
@@ -139,11 +139,11 @@ def load_case(case: dict) -> None:
     device holds only its rows (safetensors memory map and the random stream)."""
     import tempfile
 
-    from gemma4.checkpoint import load_safetensors_params
-    from gemma4.config import preset
-    from gemma4.params import random_params
+    from gemma4.weights.checkpoint import load_safetensors_params
+    from gemma4.model.config import preset
+    from gemma4.model.params import random_params
 
-    from gemma4 import quant_host
+    from gemma4.weights import quant_host
 
     quant_host.HOST_CHUNK_ELEMENTS = 512  # several row chunks per tensor: blocks span chunks, streams skip
     cfg = preset(case["load"])

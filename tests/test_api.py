@@ -15,8 +15,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import app
-from gemma4 import server
-from gemma4.ratelimit import Limits, RateLimiter
+from gemma4.web import server
+from gemma4.web.ratelimit import Limits, RateLimiter
 from tests.net import free_port as _free_port, wait_until
 
 # The same engine as tests/test_engine.py (float32, so batched rows equal solo ones bit for bit):
@@ -55,7 +55,7 @@ def _wait(pred, timeout=10.0, every=0.01) -> bool:
 
 def _served(model: str, engine_kwargs: dict, timeout: float):
     """The engine for `model` behind an open server, with an openai client for it."""
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     engine = get_engine(model, **engine_kwargs).wait_ready(timeout=timeout)
     running, _ = _serve(engine, model, OPEN)
@@ -99,8 +99,8 @@ def test_models_lists_the_served_model(bundled):
 
 
 def test_chat_non_stream_equals_the_request_layer(bundled):
-    from gemma4.conversation import stream_reply
-    from gemma4.sampling import SamplingParams
+    from gemma4.serve.conversation import stream_reply
+    from gemma4.model.sampling import SamplingParams
 
     _, client, engine = bundled
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -154,7 +154,7 @@ def test_completions_stream_and_not(bundled):
 
 
 def _greedy(n):
-    from gemma4.sampling import SamplingParams
+    from gemma4.model.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=n)
 

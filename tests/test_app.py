@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 import app
-from gemma4 import ui_format as uf
+from gemma4.ui import panels as uf
 from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_clamp_notes():
 
 def test_import_loads_nothing():
     """Importing app must not import the engine or jax (no model work at import time)."""
-    code = "import sys, app; print('gemma4.engine' in sys.modules, 'jax' in sys.modules)"
+    code = "import sys, app; print('gemma4.serve.engine' in sys.modules, 'jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["False", "False"]
@@ -171,7 +171,7 @@ def test_import_loads_nothing():
 
 @pytest.fixture(scope="module")
 def engine():
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     eng = get_engine(model=TINY_MODEL, **TINY_ENGINE)
     eng.wait_ready(timeout=900)
@@ -321,7 +321,7 @@ def test_message_sent_while_loading_waits_and_says_so():
     """get_engine returns at once; a message sent before the model is ready shows
     "loading model… N%" (or "compiling… N%") in the chat and is answered once it is ready.
     The chat handler is driven directly so the send surely lands during loading."""
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     # A fresh engine (other settings than the shared one): it loads and warms up meanwhile.
     engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128)
@@ -346,7 +346,7 @@ def test_load_failure_is_shown_not_traced(tmp_path):
     from gradio_client import Client
     from gradio_client.exceptions import AppError
 
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     missing = str(tmp_path / "no-such-model")
     engine = get_engine(model=missing, max_batch=1, context_limit=256)

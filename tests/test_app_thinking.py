@@ -12,7 +12,7 @@ import re
 import gradio as gr
 import pytest
 
-from gemma4 import ui_format as uf
+from gemma4.ui import panels as uf
 
 STATS_LINE = re.compile(r"^⏱ [\d.,—]+ tok/s · TTFT [\d.]+ s · \d+ tokens")
 
@@ -118,9 +118,9 @@ def gemma4_app():
 @pytest.fixture
 def every_event(monkeypatch):
     """Hand every engine event to the UI (the 80 ms throttle would skip the short ones)."""
-    from gemma4 import ui_chat
+    from gemma4.ui import handlers
 
-    monkeypatch.setattr(ui_chat, "STREAM_INTERVAL_S", 0.0)
+    monkeypatch.setattr(handlers, "STREAM_INTERVAL_S", 0.0)
 
 
 def _respond(handler, history, *, think=True, max_new_tokens=64):
@@ -259,7 +259,7 @@ def test_gemma3_think_switch_disabled_with_reason(every_event):
     """The bundled family (Gemma 3) has no thinking channel: the switch is off and says why,
     and a request that still asks for thinking is answered without it, with a note."""
     import app
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
     from tests.test_app import TINY_ENGINE, TINY_MODEL
 
     engine = get_engine(model=TINY_MODEL, **TINY_ENGINE)  # the engine tests/test_app.py uses

@@ -50,7 +50,7 @@ def _non_blank(png: pathlib.Path) -> float:
 @pytest.fixture(scope="module")
 def served():
     import app
-    from gemma4.engine import get_engine
+    from gemma4.serve.engine import get_engine
 
     # The same engine settings as tests/test_app.py: one pytest run shares one warmed engine.
     kw = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096)

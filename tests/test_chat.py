@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4.chat import render, render_completion, render_with_template, stop_ids, strip_thinking
-from gemma4.tokenizer import Tokenizer
+from gemma4.serve.chat import render, render_completion, render_with_template, stop_ids, strip_thinking
+from gemma4.weights.tokenizer import Tokenizer
 
 # Documented Gemma 4 ids (docs/gemma4-architecture.md §4).
 G4_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 50: "<|tool_response>",

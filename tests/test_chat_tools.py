@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4 import chat_tools
-from gemma4.chat import render
-from gemma4.chat_tools import QUOTE, ToolCallError, parse_call, segments_from_text
-from gemma4.conversation import ReplySplitter
-from gemma4.sources import synthetic_tokenizer
+from gemma4.serve import chat_tools
+from gemma4.serve.chat import render
+from gemma4.serve.chat_tools import QUOTE, ToolCallError, parse_call, segments_from_text
+from gemma4.serve.conversation import ReplySplitter
+from gemma4.weights.sources import synthetic_tokenizer
 
 TOOL_CALL, END_TOOL_CALL, TOOL_RESPONSE, END_TOOL_RESPONSE, Q = 48, 49, 50, 51, 52
 WEATHER = {"type": "function", "function": {
@@ -207,8 +207,8 @@ def test_user_text_that_looks_like_tool_syntax_stays_plain(tok):
 
 
 def test_large_template_decided_from_the_config(monkeypatch):
-    from gemma4.chat import uses_large_template
-    from gemma4.config import preset
+    from gemma4.serve.chat import uses_large_template
+    from gemma4.model.config import preset
 
     monkeypatch.delenv("GEMMA4_EMPTY_THOUGHT", raising=False)
     decided = {name: uses_large_template(preset(name)) for name in

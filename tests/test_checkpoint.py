@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from gemma4.checkpoint import CheckpointError, load_safetensors_params
-from gemma4.config import FULL, from_hf_config, load_hf_config, preset, tiny, to_hf_config
-from gemma4.params import abstract_params, random_params
+from gemma4.weights.checkpoint import CheckpointError, load_safetensors_params
+from gemma4.model.config import FULL, from_hf_config, load_hf_config, preset, tiny, to_hf_config
+from gemma4.model.params import abstract_params, random_params
 
 
 def _hf_state(cfg, params) -> dict[str, np.ndarray]:
@@ -187,7 +187,8 @@ def test_gemma3_old_rope_scaling_form():
 # ------------------------------------------------------------------------------ quantized while read
 @pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"}])
 def test_quantize_at_load_equals_quantize_params_of_the_loaded_tree(e2b_folder, monkeypatch, kw):
-    from gemma4 import quant, quant_host
+    from gemma4.ops import quant
+    from gemma4.weights import quant_host
 
     folder, cfg, _ = e2b_folder
     monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 4096)  # several row chunks per tensor
@@ -208,7 +209,7 @@ def test_bf16_checkpoint_quantizes_per_tensor(tmp_path):
     memory map to int8 in row chunks; the result is the int8 of the exact bf16 values."""
     import ml_dtypes
 
-    from gemma4 import quant
+    from gemma4.ops import quant
 
     cfg = tiny("e2b")
     state = {k: (v.astype(ml_dtypes.bfloat16) if v.ndim == 2 else v)

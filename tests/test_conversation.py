@@ -1,4 +1,4 @@
-"""The shared request layer (`gemma4.conversation`): a tiny random Gemma 4 whose output is forced
+"""The shared request layer (`gemma4.serve.conversation`): a tiny random Gemma 4 whose output is forced
 (`tests.scripted`) streams through the real engine, and the reply splits into thought, answer and
 tool calls exactly; cut-off thoughts, empty thought blocks, stray markers, stop strings, later
 turns, tool-call rounds, cancellation and Gemma 3 refusals."""
@@ -10,10 +10,10 @@ import types
 
 import pytest
 
-from gemma4.conversation import (ReplyEvent, complete_reply, prompt_ids, stream_reply, supports_thinking,
+from gemma4.serve.conversation import (ReplyEvent, complete_reply, prompt_ids, stream_reply, supports_thinking,
                                  supports_tools)
-from gemma4.engine_requests import RequestError
-from gemma4.sampling import SamplingParams
+from gemma4.serve.engine_requests import RequestError
+from gemma4.model.sampling import SamplingParams
 from tests.scripted import script_ids, scripted, tiny_gemma4
 
 CHANNEL, END_CHANNEL, TURN, END_TURN = 100, 101, 105, 106

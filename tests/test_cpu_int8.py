@@ -9,8 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import cpu_tuning, hardware, int8_matmul, quant
-from gemma4.kernels import cpu_int8
+from gemma4.plan import cpu_tuning
+
+from gemma4.plan import hardware
+
+from gemma4.ops import int8_matmul
+
+from gemma4.ops import quant
+from gemma4.ops.kernels import cpu_int8
 
 STATUS = cpu_int8.load()
 needs_kernel = pytest.mark.skipif(not STATUS.ok, reason=f"native kernel unavailable: {STATUS.message}")
@@ -107,8 +113,8 @@ def test_linear_many_is_one_call_with_the_same_results():
 
 
 def _tiny_int8_params():
-    from gemma4.config import preset
-    from gemma4.params import random_params
+    from gemma4.model.config import preset
+    from gemma4.model.params import random_params
 
     cfg = preset("tiny-gemma3-270m")
     return cfg, quant.quantize_params(random_params(cfg, seed=0), cfg, mode="int8")
@@ -134,7 +140,7 @@ def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch)
 
 def _logits(cfg, params):
     """Teacher-forced logits at each of 8 positions (M = 8 rows: the forced decode path runs)."""
-    from gemma4.model import forward
+    from gemma4.model.decoder import forward
 
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 8)), jnp.int32)
     positions = jnp.arange(8, dtype=jnp.int32)[None]
@@ -205,11 +211,11 @@ def test_forced_path_and_off_cpu_choice():
 
 
 def test_hardware_panel_shows_the_kernel_and_the_table(tmp_path, monkeypatch):
-    from gemma4 import ui_format
+    from gemma4.ui import panels
 
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
     _, params = _tiny_int8_params()
     _, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
-    md = ui_format.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
+    md = panels.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
     assert "native kernel" in md and "| product (N×K/group) | rows | choice |" in md
     assert "measured" in md

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gemma4 import distributed as D
+from gemma4.serve import distributed as D
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")

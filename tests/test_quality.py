@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemma4.quality import RULES, degeneracy_flags, summary
+from gemma4.serve.quality import RULES, degeneracy_flags, summary
 
 # The bundled model's greedy loop (bf16 reference, docs/bundled-model.md).
 FRANCE_LOOP = (" the capital of the country of France. It is the capital of the country of France. "

@@ -8,9 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import config, model, quant, quant_host
-from gemma4 import params as P
-from gemma4.kernels.int4_matmul import choose_blocks, int4_matmul, reference
+from gemma4.model.decoder import config
+
+from gemma4.model.decoder import decoder
+
+from gemma4.ops import quant
+
+from gemma4.weights import quant_host
+from gemma4.model.decoder import params as P
+from gemma4.ops.kernels.int4_matmul import choose_blocks, int4_matmul, reference
 
 RNG = np.random.default_rng(0)
 
@@ -111,7 +117,7 @@ def tiny_e2b():
     params = P.random_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
-    fwd = jax.jit(lambda p, t, s: model.forward(p, cfg, t, s)[0])
+    fwd = jax.jit(lambda p, t, s: decoder.forward(p, cfg, t, s)[0])
     return cfg, params, tokens, positions, fwd, np.asarray(fwd(params, tokens, positions))
 
 

@@ -25,9 +25,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gemma4 import model as M  # noqa: E402
-from gemma4.checkpoint import load_safetensors_params  # noqa: E402
-from gemma4.config import load_hf_config, tiny  # noqa: E402
+from gemma4.model.decoder import decoder as M  # noqa: E402
+from gemma4.weights.checkpoint import load_safetensors_params  # noqa: E402
+from gemma4.model.config import load_hf_config, tiny  # noqa: E402
 from tests.reference import build_hf_model, hf_forward, hf_greedy, save_as_multimodal_shards  # noqa: E402
 
 VARIANTS = ["e2b", "e4b", "31b", "26b-a4b", "gemma3-270m", "gemma3-4b"]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.sampling import (K_MAX, SamplingParams, apply_stop_strings, keys_from_seeds, row_arrays,
+from gemma4.model.sampling import (K_MAX, SamplingParams, apply_stop_strings, keys_from_seeds, row_arrays,
                              sample, split_keys, stop_string_holdback)
 
 

@@ -1,4 +1,4 @@
-"""The mesh, the partition rules and the sharded engine (gemma4/sharding.py).
+"""The mesh, the partition rules and the sharded engine (gemma4/plan/sharding.py).
 
 In-process tests need no devices (mesh strings, validation messages, the rule table's
 arithmetic). The engine on meshes of 8 virtual CPU devices runs in ONE subprocess
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gemma4 import sharding
-from gemma4.config import preset
-from gemma4.sharding import MeshError
+from gemma4.plan import sharding
+from gemma4.model.config import preset
+from gemma4.plan.sharding import MeshError
 
 ROOT = Path(__file__).resolve().parents[1]
 

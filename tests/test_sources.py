@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4 import sources
-from gemma4.config import preset, to_hf_config
-from gemma4.params import abstract_params
+from gemma4.weights import sources
+from gemma4.model.config import preset, to_hf_config
+from gemma4.model.params import abstract_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,7 +116,7 @@ def test_load_gguf_file(tmp_path, monkeypatch):
 
 
 def test_load_folder_calls_checkpoint_loader(tmp_path, monkeypatch):
-    from gemma4 import checkpoint
+    from gemma4.weights import checkpoint
 
     cfg0 = preset("tiny-gemma3-270m")
     (tmp_path / "config.json").write_text(json.dumps(to_hf_config(cfg0)))
@@ -136,7 +136,7 @@ def test_load_folder_calls_checkpoint_loader(tmp_path, monkeypatch):
 
 _HUB_SCRIPT = textwrap.dedent("""
     import sys
-    from gemma4 import sources
+    from gemma4.weights import sources
     try:
         print("FOLDER", sources.download(sys.argv[1]))
     except sources.SourceError as e:
@@ -179,13 +179,13 @@ def test_hub_unreachable_is_clear(tmp_path):
 
 # ------------------------------------------------------------------------------ random weights
 def _leaves(tree):
-    from gemma4 import quant
+    from gemma4.ops import quant
 
     return jax.tree.leaves(tree, is_leaf=quant.is_quantized)
 
 
 def _same(a, b) -> bool:
-    from gemma4 import quant
+    from gemma4.ops import quant
 
     if quant.is_quantized(a) or quant.is_quantized(b):
         return type(a) is type(b) and all(np.array_equal(np.asarray(x), np.asarray(y))
@@ -194,8 +194,8 @@ def _same(a, b) -> bool:
 
 
 def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatch):
-    from gemma4 import quant_host
-    from gemma4.params import iter_specs, param_specs, random_params
+    from gemma4.weights import quant_host
+    from gemma4.model.params import iter_specs, param_specs, random_params
 
     cfg = preset("tiny-e2b")
     a = random_params(cfg, seed=3)
@@ -214,8 +214,9 @@ def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatc
 @pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"},
                                 {"mode": "int8", "embed_mode": "none"}])
 def test_random_params_quantized_while_drawn_equal_quantize_params(kw, monkeypatch):
-    from gemma4 import quant, quant_host
-    from gemma4.params import random_params
+    from gemma4.ops import quant
+    from gemma4.weights import quant_host
+    from gemma4.model.params import random_params
 
     monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 4096)  # many chunks per leaf
     cfg = preset("tiny-e2b")
@@ -228,7 +229,7 @@ def test_random_params_quantized_while_drawn_equal_quantize_params(kw, monkeypat
 
 
 def test_load_random_with_plan_quantizes_at_load():
-    from gemma4 import quant
+    from gemma4.ops import quant
 
     cfg, params, _ = sources.load(sources.resolve("random:tiny-e2b"), jnp.float32, quantize={"mode": "int8"})
     assert isinstance(params["embed"], quant.QuantArray) and isinstance(params["ple"]["embed"], quant.QuantArray)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from gemma4.tokenizer import IncrementalDecoder, Tokenizer, gguf_to_spm_proto, read_gguf_metadata
+from gemma4.weights.tokenizer import IncrementalDecoder, Tokenizer, gguf_to_spm_proto, read_gguf_metadata
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "tokenizer_reference.json")
 

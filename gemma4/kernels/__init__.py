@@ -1,5 +1,0 @@
-"""Hand-written kernels (Pallas). Each is used only where `gemma4.hardware.policy` allows it."""
-
-from gemma4.kernels.int4_matmul import int4_block_bytes, int4_matmul
-
-__all__ = ["int4_block_bytes", "int4_matmul"]

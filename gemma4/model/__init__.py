@@ -1,0 +1,1 @@
+"""The model: config, parameter specs, the forward pass, KV cache, sampling. Pure JAX; imports only ops/."""

@@ -1,0 +1,323 @@
+"""The Gemma 4 / Gemma 3 text decoder as pure functions of (params, config).
+
+One forward pass serves every variant; `ModelConfig` switches decide norm form, attention
+scale, V-norm, K=V, KV sharing, PLE, MoE, layer scalars and the final softcap.
+
+Shapes: B batch, T tokens in this call, S cache slots, H hidden, d head dim of the layer,
+nq query heads, nkv KV heads, g = nq / nkv query heads per KV head.
+Padding tokens carry position -1: they are never attended to and never written to a cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4.model.decoder import kv_cache
+from gemma4.model.config import LayerSpec, ModelConfig
+from gemma4.ops.quant import linear, linear_many, take_rows
+
+MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How to run the model (chosen by gemma4.plan.hardware.policy; static under jit)."""
+
+    compute_dtype: str = "float32"
+    attention_sliding: str = "xla"  # "xla" (einsum + softmax) or a jax.nn.dot_product_attention impl
+    attention_full: str = "xla"
+    rows_sharded: bool = False  # cache rows split over a mesh axis (gemma4.plan.sharding): rows read by mask
+    mesh: Any = None  # the engine's jax Mesh (gemma4.plan.sharding); an `expert` axis > 1 runs the MoE per shard
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(self.compute_dtype)
+
+
+# ------------------------------------------------------------------------------ primitives
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm in float32: x · (mean(x²) + eps)^-½ · scale; scale None = no weight (V-norm)."""
+    xf = x.astype(jnp.float32)
+    y = xf / jnp.sqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, d] for the rotate-half layout, built in float32 then cast (as transformers)."""
+    angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [B, T, heads, d]: dim j pairs with j + d/2 (not interleaved)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """[B, T, S] bool: key is real, not in the future, and (sliding) within `window` keys incl. self."""
+    q = q_pos[:, :, None]
+    k = k_pos[:, None, :]
+    mask = (k >= 0) & (k <= q)
+    if window is not None:
+        mask &= (q - k) < window
+    return mask
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, impl: str) -> jax.Array:
+    """Grouped-query attention. q [B,T,nq,d], k/v [B,S,nkv,d], mask [B,T,S] → [B,T,nq·d]."""
+    B, T, nq, d = q.shape
+    nkv = k.shape[2]
+    if impl != "xla":
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
+        return out.reshape(B, T, nq * d)
+    qg = q.reshape(B, T, nkv, nq // nkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(B, T, nq * d)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+def dense_mlp(x: jax.Array, lp: dict) -> jax.Array:
+    gate, up = linear_many(x, [lp["gate"], lp["up"]])
+    return linear(gelu(gate) * up, lp["down"])
+
+
+def _experts(u, top_w, top_i, gate_up, down, cfg: ModelConfig, first: jax.Array | int = 0, tensor: bool = False):
+    """Σ_k top_w · expert_k(u) over the experts [first, first + E_bank) this bank holds, [n, H]
+    (f32). Few tokens (decode) gather the chosen experts' weights; many tokens (prefill) run
+    every expert and combine with a sparse weight matrix, which avoids a [tokens, k, 2I, H] gather.
+
+    tensor: inside shard_map with the bank's MLP axis split over `tensor` (gate_up rows and down
+    columns): the gate/up products, activation-sized, are gathered over `tensor` (a device's
+    rows may be all gate or all up), each device applies its columns of down (partial sums)."""
+    I, E = cfg.moe_intermediate_size, gate_up.shape[0]
+    f32 = jnp.float32
+    local = top_i - first
+    here = (local >= 0) & (local < E)  # chosen experts held by this bank (all of them unsharded)
+    w = jnp.where(here, top_w, 0.0)
+
+    def activate(gu):
+        if tensor:
+            gu = jax.lax.all_gather(gu, "tensor", axis=gu.ndim - 1, tiled=True)
+        act = gelu(gu[..., :I]) * gu[..., I:]
+        if tensor:
+            cols = down.shape[-1]
+            act = jax.lax.dynamic_slice_in_dim(act, jax.lax.axis_index("tensor") * cols, cols, axis=act.ndim - 1)
+        return act
+
+    if u.shape[0] * cfg.top_k_experts < cfg.num_experts:
+        idx = jnp.clip(local, 0, E - 1)
+        gu = jnp.einsum("nh,nkoh->nko", u, gate_up[idx], preferred_element_type=f32).astype(u.dtype)
+        act = activate(gu)
+        out = jnp.einsum("nki,nkhi->nkh", act, down[idx], preferred_element_type=f32).astype(u.dtype)
+        return jnp.einsum("nk,nkh->nh", w.astype(u.dtype), out, preferred_element_type=f32)
+    gu = jnp.einsum("nh,eoh->neo", u, gate_up, preferred_element_type=f32).astype(u.dtype)
+    act = activate(gu)
+    out = jnp.einsum("nei,ehi->neh", act, down, preferred_element_type=f32).astype(u.dtype)
+    combine = jnp.zeros((u.shape[0], E), f32)
+    combine = combine.at[jnp.arange(u.shape[0])[:, None], jnp.clip(local, 0, E - 1)].add(w)
+    return jnp.einsum("ne,neh->nh", combine.astype(u.dtype), out, preferred_element_type=f32)
+
+
+def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Any = None) -> jax.Array:
+    """The 26B-A4B expert bank, routed on the raw residual as transformers does.
+
+    On a mesh each device runs only the experts (and the MLP columns of them) it holds, inside
+    shard_map (the routing is computed identically everywhere), and the partial sums are added
+    by one psum: left to XLA, the decode gather of the chosen experts from a split bank became an
+    all-reduce of their weights ([tokens, k, 2I, H] per layer, measured in the compiled step).
+    """
+    shape = residual.shape
+    r = residual.reshape(-1, shape[-1])
+    z = rms_norm(r, None, cfg.rms_norm_eps) * lp["router_scale"].astype(r.dtype) * (cfg.hidden_size ** -0.5)
+    probs = jax.nn.softmax(linear(z, lp["router"]).astype(jnp.float32), axis=-1)
+    top_w, top_i = jax.lax.top_k(probs, cfg.top_k_experts)
+    top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w = top_w * lp["expert_scale"].astype(jnp.float32)[top_i]
+    u = rms_norm(r, lp["pre_ffw_norm_2"], cfg.rms_norm_eps)
+    gate_up, down = lp["experts_gate_up"].astype(u.dtype), lp["experts_down"].astype(u.dtype)
+    split = {} if mesh is None else {a: mesh.shape.get(a, 1) for a in ("expert", "tensor")}
+    if any(n > 1 for n in split.values()):
+        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+        # the bank's split, as gemma4.plan.sharding's rules place it (an axis that does not divide stays whole)
+        e_ax = "expert" if split["expert"] > 1 and cfg.num_experts % split["expert"] == 0 else None
+        t_ax = "tensor" if split["tensor"] > 1 and cfg.moe_intermediate_size % split["tensor"] == 0 else None
+
+        def local(u, top_w, top_i, gate_up, down):
+            first = jax.lax.axis_index("expert") * gate_up.shape[0] if e_ax else 0
+            part = _experts(u, top_w, top_i, gate_up, down, cfg, first, tensor=t_ax is not None)
+            axes = tuple(a for a in (e_ax, t_ax) if a)
+            return jax.lax.psum(part, axes) if axes else part
+
+        mixed = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(e_ax, t_ax), P(e_ax, None, t_ax)),
+                              out_specs=P(), check_vma=False)(u, top_w, top_i, gate_up, down)
+    else:
+        mixed = _experts(u, top_w, top_i, gate_up, down, cfg)
+    mixed = rms_norm(mixed.astype(u.dtype), lp["post_ffw_norm_2"], cfg.rms_norm_eps)
+    return mixed.reshape(shape)
+
+
+_QKV_AXES = {"q": ("batch", None, "q_heads", "head_dim"), "kv": ("batch", "cache_slots", "kv_heads", "head_dim")}
+
+
+def _pin(x: jax.Array, axes: tuple, mesh: Any) -> jax.Array:
+    """x pinned to the split gemma4.plan.sharding's rules give these logical axes. Left free, XLA split
+    replicated K/V over an idle mesh axis (or along the head dim) and all-gathered it back each
+    step (tiny 26B-A4B on tensor=2,expert=2: a whole [4, 128, 1, 32] layer cache per decode step)."""
+    from gemma4.plan import sharding  # noqa: PLC0415
+
+    spec = sharding.logical_spec(axes, x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+# ------------------------------------------------------------------------------ embedding
+def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array | None]:
+    """Scaled token embedding [B,T,H] and the per-layer inputs [B,T,L,P] (None without PLE)."""
+    table = params["embed"]
+    scale_dtype = table.dtype if jnp.issubdtype(table.dtype, jnp.floating) else dtype
+    # transformers multiplies by sqrt(H) rounded to the weight dtype (bf16: 39.25 for E2B, not 39.19)
+    scale = jnp.asarray(cfg.hidden_size ** 0.5, scale_dtype).astype(dtype)
+    e = take_rows(table, tokens, dtype) * scale
+    if not cfg.hidden_size_per_layer_input:
+        return e, None
+    ple = params["ple"]
+    B, T = tokens.shape
+    L, P = cfg.num_layers, cfg.hidden_size_per_layer_input
+    tok = take_rows(ple["embed"], tokens, dtype) * jnp.asarray(P ** 0.5, dtype)
+    ctx = linear(e, ple["proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
+    ctx = rms_norm(ctx.reshape(B, T, L, P), ple["norm"], cfg.rms_norm_eps)
+    per_layer = (ctx + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dtype)
+    return e, per_layer
+
+
+def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Final norm → tied LM head → final softcap; float32 logits [..., V]."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    logits = linear(x, params["embed"], out_dtype=jnp.float32)
+    if cfg.final_logit_softcap:
+        cap = float(cfg.final_logit_softcap)
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+# ------------------------------------------------------------------------------ one layer
+def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Array, sin: jax.Array,
+         mesh: Any = None):
+    B, T, _ = a.shape
+    d = spec.head_dim
+    names = ["q"] if spec.is_kv_consumer else ["q", "k"] if spec.k_eq_v else ["q", "k", "v"]
+    outs = linear_many(a, [lp[n] for n in names])  # one kernel call where the native path runs
+    heads = [o.reshape(B, T, -1, d) for o in outs]
+    if mesh is not None:  # split by head as the weights are, never along d (see _pin)
+        heads = [_pin(h, _QKV_AXES["q" if i == 0 else "kv"], mesh) for i, h in enumerate(heads)]
+    q = apply_rope(rms_norm(heads[0], lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+    if spec.is_kv_consumer:
+        return q, None, None
+    k_raw = heads[1]
+    v_raw = k_raw if spec.k_eq_v else heads[2]
+    k = apply_rope(rms_norm(k_raw, lp["k_norm"], cfg.rms_norm_eps), cos, sin)
+    v = rms_norm(v_raw, None, cfg.rms_norm_eps) if cfg.use_v_norm else v_raw
+    return q, k, v
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: dict | None = None, *, options: RunOptions = RunOptions(),
+            logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
+            cache_row: jax.Array | int = 0, kv_len: int | None = None):
+    """Run the decoder on a chunk of tokens.
+
+    Args:
+      tokens:    [B, T] int32 token ids.
+      positions: [B, T] int32 absolute positions; -1 marks padding.
+      cache:     None (attend within the chunk only) or a cache from `kv_cache.init_cache`; the
+                 chunk attends to cached keys plus itself, and its K/V are written.
+      logits_at: None for logits at every position, or [B] indices into T (e.g. each row's last
+                 real token) to compute only those rows of the (large) LM head.
+      attend_cache: False when the cache holds nothing for these rows (a request's first prefill
+                 chunk): attend within the chunk only, but still write the chunk to the cache.
+      cache_row: the cache row of batch row 0 (rows cache_row … cache_row + B - 1 are used), so
+                 a batch can run on part of a larger cache that is updated in place.
+      kv_len:    read only full-layer slots [0, kv_len) (every position involved is below it).
+    Returns:
+      (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
+      hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
+    """
+    dtype = options.dtype
+    B, T = tokens.shape
+    x, per_layer = embed(params, cfg, tokens, dtype)
+    hidden = [x] if return_hidden else None
+    tables = {}
+    for kind in set(cfg.layer_types):
+        head_dim = cfg.global_head_dim if kind != "sliding_attention" else cfg.head_dim
+        inv = np.asarray(cfg.rope_for(kind).inverse_frequencies(head_dim), np.float32)
+        tables[kind] = rope_tables(positions, inv, dtype)
+        if options.mesh is not None:  # whole on every device: q (split) and k/v (maybe not) both read them
+            tables[kind] = tuple(_pin(t, ("batch", None, "head_dim"), options.mesh) for t in tables[kind])
+    new_cache = dict(cache) if cache is not None else None
+    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # producer -> (k, v, key positions)
+
+    for spec, lp in zip(cfg.layers, params["layers"]):
+        cos, sin = tables[spec.attention]
+        a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
+        if spec.is_kv_consumer:
+            keys, values, key_pos = shared[spec.kv_source]
+        elif cache is None or not attend_cache:
+            keys, values, key_pos = k, v, positions
+            if cache is not None:
+                new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        elif T == 1:
+            # Decode: write first, then attend over the cache alone (no concatenated copy). The
+            # ring then holds exactly the window ending at this token.
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+            keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype, cache_row, B,
+                                                  None if spec.is_sliding else kv_len, options.rows_sharded)
+        else:
+            ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B,
+                                         None if spec.is_sliding else kv_len, options.rows_sharded)
+            keys = jnp.concatenate([ck, k], axis=1)
+            values = jnp.concatenate([cv, v], axis=1)
+            key_pos = jnp.concatenate([cpos, positions], axis=1)
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        if options.mesh is not None and not spec.is_kv_consumer:
+            keys, values = _pin(keys, _QKV_AXES["kv"], options.mesh), _pin(values, _QKV_AXES["kv"], options.mesh)
+        if not spec.is_kv_consumer:
+            shared[spec.index] = (keys, values, key_pos)
+        mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
+        impl = options.attention_sliding if spec.is_sliding else options.attention_full
+        attn = attend(q, keys, values, mask, cfg.attention_scale, impl)
+        x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)
+
+        residual = x
+        f = dense_mlp(rms_norm(residual, lp["pre_ffw_norm"], cfg.rms_norm_eps), lp)
+        if cfg.enable_moe:
+            f = rms_norm(f, lp["post_ffw_norm_1"], cfg.rms_norm_eps) + moe_block(residual, lp, cfg, options.mesh)
+        x = residual + rms_norm(f, lp["post_ffw_norm"], cfg.rms_norm_eps)
+
+        if per_layer is not None:
+            g = gelu(linear(x, lp["ple_gate"])) * per_layer[:, :, spec.index, :]
+            x = x + rms_norm(linear(g, lp["ple_proj"]), lp["ple_norm"], cfg.rms_norm_eps)
+        if cfg.has_layer_scalar:
+            x = x * lp["layer_scalar"].astype(x.dtype)  # scales the whole stream, residual included
+        if return_hidden:
+            hidden.append(x)
+
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
+    return lm_head(params, cfg, x), new_cache, hidden

@@ -1,0 +1,125 @@
+"""KV cache with per-layer shapes.
+
+One entry per KV-*producer* layer (KV consumers read their producer and own nothing):
+    k, v   [B, S, n_kv, d]   S = sliding window (a ring indexed by absolute position % S) for
+                             sliding layers, the context limit for full layers
+    pos    [B, S] int32      the absolute position each slot holds, -1 when empty
+    k_scale, v_scale [B, S, n_kv] float32   only for the int8 format (per position and head)
+The fp8 format (only chosen where the chip has an fp8 datapath) stores float8_e4m3fn, unscaled.
+
+Invariant: a slot holds the K/V of an absolute, real token position. Padding tokens are never
+written (their scatter index is out of range and dropped), and a prefill longer than a ring only
+writes its last S real tokens, so no two tokens of one write land in the same slot.
+Attention masks come from `pos`, so what a query may see never depends on padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gemma4.model.config import LayerSpec, ModelConfig
+
+KV_FORMATS = ("native", "int8", "fp8")
+
+
+def slots_for(spec: LayerSpec, cfg: ModelConfig, max_len: int) -> int:
+    return min(cfg.sliding_window, max_len) if spec.is_sliding else max_len
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, kv_format: str = "native"
+               ) -> dict[int, dict[str, jax.Array]]:
+    """An empty cache: {producer layer index: {k, v, pos[, k_scale, v_scale]}}."""
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format {kv_format!r} not in {KV_FORMATS}")
+    cache = {}
+    for spec in cfg.layers:
+        if spec.is_kv_consumer:
+            continue
+        S = slots_for(spec, cfg, max_len)
+        shape = (batch, S, spec.num_kv_heads, spec.head_dim)
+        store = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(kv_format, dtype)
+        entry = {"k": jnp.zeros(shape, store), "v": jnp.zeros(shape, store),
+                 "pos": jnp.full((batch, S), -1, jnp.int32)}
+        if kv_format == "int8":
+            entry["k_scale"] = jnp.zeros(shape[:3], jnp.float32)
+            entry["v_scale"] = jnp.zeros(shape[:3], jnp.float32)
+        cache[spec.index] = entry
+    return cache
+
+
+def cache_bytes(cache: dict) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+
+
+def _quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8 per (position, head): x ≈ q * scale, scale = max|x| / 127 over the head dim."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def _select_rows(x: jax.Array, row: jax.Array | int, batch: int) -> jax.Array:
+    """x[row : row + batch] as a masked sum over all rows. Exact (one row is kept, zeros added), and
+    partitioned without collectives beyond one row's all-reduce when the rows are split over a
+    mesh, where a dynamic slice of the split axis would first gather every row to every device."""
+    idx = jnp.arange(x.shape[0]) - row  # [R]: the output row each cache row would be
+    pick = (idx[None, :] == jnp.arange(batch)[:, None])  # [batch, R]
+    pick = pick.reshape(pick.shape + (1,) * (x.ndim - 1))
+    return jnp.sum(jnp.where(pick, x[None], jnp.zeros((), x.dtype)), axis=1, dtype=x.dtype)
+
+
+def read(entry: dict[str, jax.Array], dtype: Any, row: jax.Array | int = 0, batch: int | None = None,
+         kv_len: int | None = None, rows_sharded: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v, pos) of cache rows [row, row + batch) and slots [0, kv_len), in the compute dtype.
+
+    rows_sharded: the cache rows are split over a mesh axis: rows are selected by a mask, not sliced.
+    """
+    def view(x):
+        x = x[:, :kv_len] if kv_len is not None else x
+        if batch is not None and batch != x.shape[0]:
+            x = _select_rows(x, row, batch) if rows_sharded else jax.lax.dynamic_slice_in_dim(x, row, batch, axis=0)
+        return x
+
+    pos = view(entry["pos"])
+    if "k_scale" in entry:
+        k = (view(entry["k"]).astype(jnp.float32) * view(entry["k_scale"])[..., None]).astype(dtype)
+        v = (view(entry["v"]).astype(jnp.float32) * view(entry["v_scale"])[..., None]).astype(dtype)
+        return k, v, pos
+    return view(entry["k"]).astype(dtype), view(entry["v"]).astype(dtype), pos
+
+
+def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array,
+          row: jax.Array | int = 0) -> dict[str, jax.Array]:
+    """Scatter new K/V [B, T, n_kv, d] at absolute `positions` [B, T] (-1 = padding, not written)
+    into cache rows [row, row + B). The update is in place when the cache buffer is donated."""
+    B, T = positions.shape
+    S = entry["pos"].shape[1]
+    valid = positions >= 0
+    last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
+    # In a ring only the last S real tokens survive; writing only those keeps indices unique.
+    keep = valid & (positions > last - S)
+    slot = jnp.where(keep, positions % S, S)  # S is out of range: the write is dropped
+    rows = jnp.broadcast_to(row + jnp.arange(B)[:, None], (B, T))
+    new = dict(entry)
+    new["pos"] = entry["pos"].at[rows, slot].set(positions, mode="drop")
+    if "k_scale" in entry:
+        kq, ks = _quantize(k)
+        vq, vs = _quantize(v)
+        new["k"] = entry["k"].at[rows, slot].set(kq, mode="drop")
+        new["v"] = entry["v"].at[rows, slot].set(vq, mode="drop")
+        new["k_scale"] = entry["k_scale"].at[rows, slot].set(ks, mode="drop")
+        new["v_scale"] = entry["v_scale"].at[rows, slot].set(vs, mode="drop")
+    else:
+        new["k"] = entry["k"].at[rows, slot].set(k.astype(entry["k"].dtype), mode="drop")
+        new["v"] = entry["v"].at[rows, slot].set(v.astype(entry["v"].dtype), mode="drop")
+    return new
+
+
+def clear_row(cache: dict, row: jax.Array | int) -> dict:
+    """Mark every slot of one cache row empty (a new request takes the row)."""
+    return {idx: dict(e, pos=jax.lax.dynamic_update_slice_in_dim(
+        e["pos"], jnp.full((1, e["pos"].shape[1]), -1, jnp.int32), row, axis=0)) for idx, e in cache.items()}

@@ -1,0 +1,1 @@
+"""Array operations the model calls: quantized weight leaves, their matmul paths, native kernels."""

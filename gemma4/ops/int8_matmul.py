@@ -1,0 +1,143 @@
+"""The named formulations of an int8-weight product y = x · Wᵀ that `quant.linear` can run on CPU.
+
+Which one runs for a given weight and number of activation rows is chosen by measurement on the
+machine (`gemma4.plan.cpu_tuning`, through `gemma4.plan.hardware`) and stored in the leaf
+(`QuantArray.paths`). All take x2 [M, K] (float) and the leaf's q int8 [N, K] and scale ([N]
+per-row or [N, K/g] grouped) and return float32 [M, N].
+
+    native       the FFI kernel in gemma4/ops/kernels/cpu_int8.cc (M ≤ 8): int16 activations, streams
+                 the int8 weight once. Several weights sharing x run as one call (`run_many`).
+    xla-fused    convert·multiply + row reduction, which XLA:CPU fuses into one loop (fast on some
+                 AMD CPUs, 40× slower than a float32 dot on some Intel ones).
+    xla-chunked  dequantize a few hundred output rows at a time inside a lax.map, dot each chunk.
+    xla-dequant  dequantize the whole weight, one float32 dot (prefill: the dot's cost hides the
+                 dequantization; never for decode).
+    xla-i8x2     16-bit activations as two int8 halves, two int8×int8→int32 dots (XLA hands these to
+                 YNNPACK; M is padded to ≥ 2 because an M=1 dot never reaches it): per-row weights only.
+    xla-i8       per-row int8 activations, one int8×int8→int32 dot: fastest, but ~6% error on Gemma
+                 hidden states — it is timed for the table and normally fails the accuracy check.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+PATHS = ("native", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")
+
+
+def _dot(x, w, out=jnp.float32):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=out)
+
+
+def _dequant(q, scale, group, dtype=jnp.float32):
+    from gemma4.ops.quant import _dequant_int8  # noqa: PLC0415
+
+    return _dequant_int8(q, scale, group, dtype)
+
+
+def _pad_rows(x2, at_least: int = 2):
+    m = x2.shape[0]
+    if m >= at_least:
+        return x2, m
+    return jnp.concatenate([x2, jnp.zeros((at_least - m, x2.shape[1]), x2.dtype)]), m
+
+
+def fused(x2, q, scale, group):
+    """Multiply + row reduction in float32 (M small); grouped weights are dequantized first."""
+    xf = x2.astype(jnp.float32)
+    if group is None:
+        wf, post = q.astype(jnp.float32), scale
+    else:
+        wf, post = _dequant(q, scale, group), 1.0
+    if x2.shape[0] == 1:  # the broadcast form reduces poorly for one row; keep it 2-D
+        return jnp.sum(wf * xf[0], axis=-1)[None] * post
+    return jnp.sum(wf[None] * xf[:, None, :], axis=-1) * post
+
+
+def chunked(x2, q, scale, group, rows: int | None = None):
+    """Dequantize `rows` output rows at a time (None: quant.auto_chunk_rows; 0: the whole weight)
+    and dot each chunk, in x2's dtype."""
+    from gemma4.ops.quant import _chunked, auto_chunk_rows  # noqa: PLC0415
+
+    n, k = q.shape
+    dt = x2.dtype
+    rows = auto_chunk_rows(n, k) if rows is None else rows
+    if not rows:
+        return _dot(x2, _dequant(q, scale, group, dt)) if group else _dot(x2, q.astype(dt)) * scale
+    if group is None:
+        return _chunked(x2, n, rows, (q,), lambda qq: qq.astype(dt)) * scale
+    return _chunked(x2, n, rows, (q, scale), lambda qq, ss: _dequant(qq, ss, group, dt))
+
+
+def _quant_rows(x, levels: float):
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    s = jnp.where(amax > 0, amax / levels, 1.0)
+    return jnp.round(x / s), s
+
+
+def _i8(x2, q, scale):
+    xp, m = _pad_rows(x2.astype(jnp.float32))
+    xq, s = _quant_rows(xp, 127.0)
+    y = _dot(xq.astype(jnp.int8), q, jnp.int32).astype(jnp.float32) * s * scale
+    return y[:m]
+
+
+def _i8x2(x2, q, scale):
+    # x ≈ s · (256·hi + lo) with hi, lo int8: hi = round(v / 256), lo = v − 256·hi ∈ [−128, 128].
+    xp, m = _pad_rows(x2.astype(jnp.float32))
+    v, s = _quant_rows(xp, 32512.0)  # 127·256: hi stays within int8
+    hi = jnp.round(v / 256.0)
+    lo = jnp.clip(v - 256.0 * hi, -128, 127)
+    y_hi = _dot(hi.astype(jnp.int8), q, jnp.int32).astype(jnp.float32)
+    y_lo = _dot(lo.astype(jnp.int8), q, jnp.int32).astype(jnp.float32)
+    return ((256.0 * y_hi + y_lo) * s * scale)[:m]
+
+
+# A path that materializes the whole float32 weight is not a candidate beyond this size: its
+# temporary would cost more memory than the int8 weights save (the LM head: 671 MB).
+FLOAT_TEMP_MAX_BYTES = 64 << 20
+
+
+def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: int = 0) -> bool:
+    """Whether `path` can run this product at all (not whether it is fast); `n` = output rows."""
+    whole_float = path == "xla-dequant" or (path == "xla-fused" and group is not None)
+    if whole_float and n * k * 4 > FLOAT_TEMP_MAX_BYTES:
+        return False
+    if path == "native":
+        from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
+
+        return native_ok and m <= cpu_int8.MAX_ROWS and cpu_int8.supported(k, group, "auto")
+    if path in ("xla-i8x2", "xla-i8"):
+        return group is None
+    return path in PATHS
+
+
+def run(path: str, x2, q, scale, group):
+    """y [M, N] float32 by the named formulation."""
+    if path == "native":
+        from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
+
+        return cpu_int8.matmul(x2, [(q, scale, group)])[0]
+    if path == "xla-fused":
+        return fused(x2, q, scale, group)
+    if path == "xla-chunked":
+        return chunked(x2.astype(jnp.float32), q, scale, group)
+    if path == "xla-dequant":
+        # The barrier ties the dequantization to this layer's activation: otherwise XLA hoists
+        # every layer's (activation-independent) dequantization to the start of the program and
+        # holds all the float32 weights at once (+380 MiB per prefill measured on the 270M model).
+        x2, q, scale = jax.lax.optimization_barrier((x2, q, scale))
+        return _dot(x2.astype(jnp.float32), _dequant(q, scale, group))
+    if path == "xla-i8x2":
+        return _i8x2(x2, q, scale)
+    if path == "xla-i8":
+        return _i8(x2, q, scale)
+    raise ValueError(f"unknown int8 matmul path {path!r}; expected one of {PATHS}")
+
+
+def run_many(x2, leaves) -> list:
+    """Several int8 leaves on one activation, all on the native path: one kernel call."""
+    from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
+
+    return cpu_int8.matmul(x2, [(w.q, w.scale, w.group_size) for w in leaves])

@@ -1,0 +1,287 @@
+"""The native int8 CPU matmul (`cpu_int8.cc`): build, load, call from `jit`, self-test.
+
+    status = cpu_int8.load()            # builds on first use (g++, ~5 s), cached per jaxlib/CPU/source
+    ys = cpu_int8.matmul(x2, [(q, scale, group), ...])   # inside or outside jit
+
+It computes y_i = x · W_iᵀ for int8 weights (per-row or grouped float32 scales) and M = 1…8
+activation rows, streaming each weight once; several weights sharing x go in one call (fused
+q/k/v, gate/up). It is used only where `gemma4.plan.hardware` chose it from measurements, and only
+after `self_test()` passed. Without a compiler, or with GEMMA4_NATIVE_KERNEL=off, `load()` says why
+and the XLA paths are used.
+
+The shared object is cached under `<cache root>/kernels/<key>/`, where key hashes the source, the
+jaxlib version (the FFI ABI), the compiler and the CPU (model + flags): a change of any rebuilds.
+`python -m gemma4.ops.kernels.cpu_int8` builds it (the README's set-up runs this) and prints the
+self-test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+TARGET = "gemma4_int8_matmul"
+SOURCE = Path(__file__).with_name("cpu_int8.cc")
+MAX_ROWS = 8
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 5, "avx512": 3, "avx512-vnni": 4}
+ISA_NAMES = {v: k for k, v in ISAS.items()}
+# K must be a multiple of this for the ISA's vector loop (the kernel checks it too).
+ISA_ALIGN = {1: 1, 2: 16, 5: 16, 3: 32, 4: 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatus:
+    ok: bool
+    message: str  # one line: what was built/loaded, or why not
+    isa: str = "none"  # the best instruction set the kernel dispatches to on this CPU
+    path: str | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_lock = threading.Lock()
+_status: KernelStatus | None = None
+_supported: tuple[str, ...] = ()  # the instruction sets this CPU runs, once loaded
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    fields = {}
+    for line in text.splitlines():
+        if ":" in line:
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '')}|{fields.get('flags', '')}"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def build_key(cxx: str) -> str:
+    import jaxlib
+
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), _compiler_version(cxx).encode(),
+                 _cpu_signature().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def library_path(cxx: str) -> Path:
+    from gemma4.paths import cache_root
+
+    return cache_root() / "kernels" / build_key(cxx) / "libgemma4_cpu_int8.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel if it is not cached; returns the .so path (raises RuntimeError if it can't)."""
+    import jax
+
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++/c++/clang++ or $CXX): the native int8 kernel "
+                           "cannot be built; the XLA int8 paths are used")
+    out = library_path(cxx)
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # -march stays generic: the kernel picks AVX512-VNNI / AVX512 / AVX2 / portable at run time.
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-attributes",
+               "-Wno-return-type", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_so)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+            raise RuntimeError(f"building the native int8 kernel failed ({' '.join(cmd[:1])}):\n{tail}")
+        os.replace(tmp_so, out)  # atomic: a concurrent loader never sees half a file
+    return out
+
+
+def disabled_reason() -> str | None:
+    v = os.environ.get("GEMMA4_NATIVE_KERNEL", "auto").strip().lower()
+    if v in ("0", "off", "no", "false", "none"):
+        return "disabled by GEMMA4_NATIVE_KERNEL=off"
+    return None
+
+
+def load() -> KernelStatus:
+    """Build (if needed), load and register the kernel once per process; never raises."""
+    global _status, _supported
+    with _lock:
+        if _status is not None:
+            return _status
+        _status = _load_uncached()
+        return _status
+
+
+def _load_uncached() -> KernelStatus:
+    import jax
+
+    reason = disabled_reason()
+    if reason:
+        return KernelStatus(False, reason)
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return KernelStatus(False, f"the native int8 kernel is x86-only; this CPU is {os.uname().machine}")
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+        lib.gemma4_int8_best_isa.restype = ctypes.c_int64
+        lib.gemma4_int8_isa_supported.restype = ctypes.c_int64
+        lib.gemma4_int8_isa_supported.argtypes = [ctypes.c_int64]
+        isa = ISA_NAMES.get(int(lib.gemma4_int8_best_isa()), "portable")
+        global _supported
+        _supported = tuple(n for n, c in ISAS.items() if c and lib.gemma4_int8_isa_supported(c))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Matmul), platform="cpu")
+    except Exception as e:  # a missing compiler, a failed build, a foreign .so: fall back, say why
+        return KernelStatus(False, f"native int8 kernel unavailable: {e}".splitlines()[0][:300])
+    return KernelStatus(True, f"native int8 kernel loaded ({isa})", isa, str(path))
+
+
+def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """[x2 · W_iᵀ for each (q int8 [N, K], scale float32 [N] or [N, K/g], group g or None)].
+
+    x2: [M, K] with 1 ≤ M ≤ 8 (cast to float32). Outputs are float32 [M, N_i]. Call `load()` first.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x2 = jnp.asarray(x2, jnp.float32)
+    m, k = x2.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"the native int8 kernel takes 1..{MAX_ROWS} rows, got {m}")
+    operands, shapes, groups = [x2], [], []
+    for q, scale, group in weights:
+        operands += [q, scale.astype(jnp.float32)]
+        shapes.append(jax.ShapeDtypeStruct((m, q.shape[0]), jnp.float32))
+        groups.append(int(group or 0))
+    call = jax.ffi.ffi_call(TARGET, shapes)
+    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether the loaded kernel can run `isa` on this CPU (False before a successful load)."""
+    return isa == "auto" or isa in _supported
+
+
+def supported(k: int, group: int | None, isa: str) -> bool:
+    """Whether the kernel accepts an input width `k` and group size on `isa`."""
+    code = ISAS[isa] if isa != "auto" else ISAS.get((_status.isa if _status else "portable"), 1)
+    if k % ISA_ALIGN.get(code, 32):
+        return False
+    if group:
+        return k % group == 0 and group <= 256 and (group == 16 or group % 32 == 0)
+    return True
+
+
+def reference(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | None) -> np.ndarray:
+    """float64 x · dequant(W)ᵀ, for tests and the self-test."""
+    qf = q.astype(np.float64)
+    if group:
+        w = (qf.reshape(q.shape[0], -1, group) * scale[..., None]).reshape(q.shape)
+    else:
+        w = qf * scale[:, None]
+    return np.asarray(x2, np.float64) @ w.T
+
+
+def self_test(isas: Sequence[str] | None = None) -> dict:
+    """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused two weights, against
+    float64; relative error bound 2e-3 (int16 activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
+    import jax
+
+    status = load()
+    if not status.ok:
+        return {"ok": False, "message": status.message}
+    isas = isas or list(_supported)
+    rng = np.random.default_rng(7)
+    k = 256
+    worst, cases = 0.0, 0
+    for isa in isas:
+        for m in (1, 3, 8):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[:, 5] *= 60.0  # a few large channels, as Gemma's hidden states have
+            ws = []
+            for n, group in ((48, None), (40, 16), (24, 32)):
+                q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+                scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
+                ws.append((q, scale, group))
+            ys = jax.jit(lambda x, ws=ws, isa=isa: matmul(x, ws, isa))(x)
+            for (q, scale, group), y in zip(ws, ys):
+                ref = reference(x, q, scale, group)
+                rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+                worst = max(worst, rel)
+                cases += 1
+    ok = worst < 2e-3
+    return {"ok": ok, "max_rel": worst, "cases": cases, "isas": list(isas),
+            "message": f"{'passed' if ok else 'FAILED'}: {cases} cases on {', '.join(isas)}, "
+                       f"max relative error {worst:.1e} (bound 2e-3)"}
+
+
+def cached_self_test(status: KernelStatus) -> dict:
+    """`self_test` on the ISA in use, once per built library: a passing result is kept beside the
+    .so (which is itself keyed by source, jaxlib, compiler and CPU), so later starts skip it."""
+    import json  # noqa: PLC0415
+
+    marker = Path(status.path).with_name(f"self-test-{status.isa}.json") if status.path else None
+    if marker is not None and marker.exists():
+        try:
+            result = json.loads(marker.read_text())
+            if result.get("ok"):
+                return {**result, "message": result["message"] + " (cached)"}
+        except (OSError, ValueError):
+            pass
+    result = self_test([status.isa])
+    if marker is not None and result.get("ok"):
+        try:
+            marker.write_text(json.dumps(result))
+        except OSError:
+            pass
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (cached) and self-test. --setup: quiet when already built, and never fails set-up
+    (the engine then falls back to the XLA paths and says why). --force rebuilds."""
+    argv = sys.argv[1:] if argv is None else argv
+    setup = "--setup" in argv
+    try:
+        cxx = _compiler()
+        if setup and cxx and library_path(cxx).exists() and "--force" not in argv:
+            return 0
+        path = build(force="--force" in argv)
+    except RuntimeError as e:
+        print(f"[kernel] {e}", file=sys.stderr)
+        return 0 if setup else 1
+    status = load()
+    print(f"[kernel] {status.message}: {path}")
+    result = self_test() if status.ok else {"ok": False, "message": status.message}
+    print(f"[kernel] self-test {result['message']}")
+    return 0 if result["ok"] or setup else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

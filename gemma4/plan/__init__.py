@@ -1,0 +1,1 @@
+"""How to run on this machine: hardware probe, policy, checks, CPU tuning, mesh rules, memory pre-flight."""

@@ -1,0 +1,270 @@
+"""Measure the int8 matmul formulations on this CPU and pick the fastest accurate one per product.
+
+A formulation fastest on one CPU was 40× slower on another (../docs: XLA:CPU matmul facts), so
+nothing here is hard-coded: for every int8 product shape the model runs (N, K, group) and each row
+class (decode width 1, widths 2–8, prefill chunks), each eligible path of `gemma4.ops.int8_matmul` is
+timed on the model's own weight, checked against a float64 reference on the same data, and the
+fastest within ACCURACY_BOUND wins. Results are cached on disk per CPU model + flags, jax/jaxlib
+version, native-kernel build and the set of shapes, so only the first start on a machine pays.
+
+    tuning = tune(params, native_ok=True)    # {(n, k, group): {rows: {"path", "timings_ms"}}}
+    params = apply(params, tuning)           # QuantArray.paths set per leaf
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4.ops import int8_matmul
+from gemma4.ops.quant import QuantArray
+
+log = logging.getLogger(__name__)
+
+# (largest row count the class covers, rows measured for it). Widths 2–8 share the 8-row winner
+# and every prefill chunk the 256-row winner (long prompts are where prefill time matters):
+# measuring each width and bucket would multiply the start-up cost for choices that, where
+# checked, did not differ within a class.
+ROW_CLASSES = ((1, 1), (8, 8), (1 << 30, 256))
+ACCURACY_BOUND = 3e-3  # max |y − ref| / max |ref|; int8 activations (~1e-2 … 6e-2) fail it
+REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
+TIME_BUDGET_S = 0.05  # per candidate
+EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
+VERSION = 3  # bump when the measurement changes: old cached choices are then ignored
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    n: int
+    k: int
+    group: int | None
+    decode_only: bool  # the LM head: prefill computes logits for one row per request
+
+    @property
+    def key(self) -> str:
+        return f"{self.n}x{self.k}/" + (f"g{self.group}" if self.group else "row")
+
+
+def _leaves_with_paths(params: Any) -> list[tuple[tuple, QuantArray]]:
+    out = []
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QuantArray))
+    for path, leaf in flat:
+        if isinstance(leaf, QuantArray):
+            out.append((tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path), leaf))
+    return out
+
+
+def products(params: Any) -> dict[Product, QuantArray]:
+    """One representative leaf per distinct int8 product the forward pass runs through `linear`."""
+    found: dict[Product, QuantArray] = {}
+    for path, leaf in _leaves_with_paths(params):
+        if path[:2] == ("ple", "embed"):
+            continue  # gathered from, never multiplied
+        n, k = leaf.shape
+        found.setdefault(Product(n, k, leaf.group_size, decode_only=(path == ("embed",))), leaf)
+    return found
+
+
+def _cache_file(prods, native_ok: bool) -> Path:
+    from gemma4.plan.hardware_probe import probe  # noqa: PLC0415
+    from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
+    from gemma4.paths import cache_root  # noqa: PLC0415
+
+    facts = probe()
+    status = cpu_int8.load() if native_ok else None
+    parts = [str(VERSION), facts.cpu_model, " ".join(facts.cpu_flags), str(facts.cpu_cores), facts.jax_version,
+             facts.jaxlib_version, status.path or "" if status else "no-native",
+             ";".join(sorted(p.key + ("/head" if p.decode_only else "") for p in prods)),
+             os.environ.get("XLA_FLAGS", "")]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return cache_root() / "tuning" / f"int8-matmul-{key}.json"
+
+
+def _time(fn, *args, first: float) -> float:
+    """Best seconds per call within a budget: TIME_BUDGET_S, or ~30 calls of a fast product."""
+    budget = min(TIME_BUDGET_S, max(0.005, 30 * first))
+    best, spent = first, 0.0
+    while spent < budget:
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+    return best
+
+
+def _activations(m: int, k: int, rng) -> np.ndarray:
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, rng.choice(k, size=max(1, k // 256), replace=False)] *= 50.0  # Gemma-like outlier channels
+    return x
+
+
+# Measured but not at start-up: per-row int8 activations failed the accuracy bound on every
+# product shape tried (relative error 2e-2 … 2e-1 with Gemma-like outlier channels); `full=True`
+# (bench/cpu_matmul.py) times it anyway.
+STARTUP_SKIP = ("xla-i8",)
+
+
+def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, full: bool = False) -> dict:
+    """{"path": winner, "timings_ms": {path: ms or None}, "errors": {path: rel}} for one class."""
+    x = jnp.asarray(_activations(rows, prod.k, rng))
+    r = min(REF_ROWS, prod.n)
+    q_ref = np.asarray(leaf.q[:r])
+    s_ref = np.asarray(leaf.scale[:r])
+    from gemma4.ops.quant import _dequant_int8  # noqa: PLC0415
+
+    # float32 BLAS on the dequantized slice: its own error (~1e-6) is far below the bound
+    ref = np.asarray(x) @ np.asarray(_dequant_int8(q_ref, s_ref, prod.group, jnp.float32)).T
+    timings: dict[str, float | None] = {}
+    errors: dict[str, float] = {}
+    best = float("inf")
+    for path in int8_matmul.PATHS:  # native first: the likely winner makes the others stop early
+        if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n) or (path in STARTUP_SKIP and not full):
+            continue
+        if path == "xla-fused" and rows > 16 or path == "xla-dequant" and rows <= 8:
+            continue  # known to be hopeless there: the broadcast product / the whole dequantization
+        fn = jax.jit(lambda x, q, s, p=path: int8_matmul.run(p, x, q, s, prod.group))
+        try:
+            # Accuracy first (on the first REF_ROWS outputs): an inaccurate path is not worth timing.
+            y = np.asarray(fn(x, leaf.q, leaf.scale))[:, :r]
+            errors[path] = float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+            if errors[path] > ACCURACY_BOUND:
+                continue
+            t0 = time.perf_counter()
+            fn(x, leaf.q, leaf.scale).block_until_ready()
+            first = time.perf_counter() - t0
+            t = first if first > EARLY_STOP * best else _time(fn, x, leaf.q, leaf.scale, first=first)
+        except Exception as e:  # noqa: BLE001 - a path that cannot run here is not chosen
+            log.warning("int8 path %s failed on %s×%d: %s", path, prod.key, rows, e)
+            timings[path] = None
+            continue
+        timings[path] = round(t * 1e3, 4)
+        best = min(best, t)
+    ok = {p: t for p, t in timings.items() if t is not None}
+    winner = min(ok, key=ok.get) if ok else "xla-chunked"
+    return {"path": winner, "timings_ms": timings, "errors": {p: float(f"{e:.2e}") for p, e in errors.items()}}
+
+
+def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, full: bool = False) -> dict:
+    """Measure (or read from the cache) the winner per product and row class.
+
+    Returns {"products": {key: {"n", "k", "group", "classes": [{"max_rows", "rows", ...measure()}]}},
+    "seconds": float, "cached": bool, "cache_file": str}.
+    """
+    prods = products(params)
+    cache = _cache_file(prods, native_ok)
+    if use_cache and not full and cache.exists():
+        try:
+            data = json.loads(cache.read_text())
+            if set(data["products"]) == {p.key for p in prods}:
+                return {**data, "cached": True, "cache_file": str(cache)}
+        except (OSError, ValueError, KeyError):
+            pass
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    out = {}
+    for i, (prod, leaf) in enumerate(sorted(prods.items(), key=lambda kv: -kv[0].n * kv[0].k)):
+        if progress:
+            progress(i / len(prods), f"measuring int8 matmul paths for {prod.key} ({i + 1}/{len(prods)})")
+        classes = []
+        for max_rows, rows in ROW_CLASSES:
+            if prod.decode_only and rows > 8:
+                continue
+            classes.append({"max_rows": max_rows, "rows": rows, **measure(prod, leaf, rows, native_ok, rng, full)})
+        log.info("int8 matmul tuning: %s done after %.1f s", prod.key, time.perf_counter() - t0)
+        out[prod.key] = {"n": prod.n, "k": prod.k, "group": prod.group, "classes": classes}
+    data = {"products": out, "seconds": round(time.perf_counter() - t0, 2), "native": native_ok}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, cache)
+    except OSError as e:
+        log.warning("could not cache the int8 matmul tuning: %s", e)
+    return {**data, "cached": False, "cache_file": str(cache)}
+
+
+def paths_table(entry: dict) -> tuple[tuple[int, str], ...]:
+    return tuple((c["max_rows"], c["path"]) for c in entry["classes"])
+
+
+def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False) -> Any:
+    """Set `paths` on every int8 leaf: from the tuning, or `forced` for decode rows (≤ 8) where that
+    path can run the leaf (others keep the built-in path)."""
+    def set_paths(leaf):
+        if not isinstance(leaf, QuantArray):
+            return leaf
+        if forced is not None:
+            n, k = leaf.shape
+            can = forced != "default" and int8_matmul.eligible(forced, 8, k, leaf.group_size, native_ok, n)
+            return dataclasses.replace(leaf, paths=((8, forced),) if can else ())
+        entry = (tuning or {}).get("products", {}).get(Product(*leaf.shape, leaf.group_size, False).key)
+        return dataclasses.replace(leaf, paths=paths_table(entry)) if entry else leaf
+
+    return jax.tree.map(set_paths, params, is_leaf=lambda x: isinstance(x, QuantArray))
+
+
+def summary(tuning: dict) -> str:
+    """One line: the winner per row class, with how many products chose it."""
+    by_class: dict[str, dict[str, int]] = {}
+    for entry in tuning["products"].values():
+        for c in entry["classes"]:
+            label = "M=1" if c["max_rows"] == 1 else "M≤8" if c["max_rows"] == 8 else "prefill"
+            by_class.setdefault(label, {}).setdefault(c["path"], 0)
+            by_class[label][c["path"]] += 1
+    return "; ".join(f"{label}: " + ", ".join(f"{p} ×{n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+                     for label, counts in by_class.items())
+
+
+def table_rows(tuning: dict) -> list[dict]:
+    """Flat rows for display: product, rows, winner, each path's ms (None = failed) and error."""
+    rows = []
+    for key, entry in tuning["products"].items():
+        for c in entry["classes"]:
+            rows.append({"product": key, "rows": c["rows"], "choice": c["path"], "timings_ms": c["timings_ms"],
+                         "errors": c["errors"]})
+    return rows
+
+
+def format_table(tuning: dict) -> str:
+    paths = [p for p in int8_matmul.PATHS if any(p in r["errors"] for r in table_rows(tuning))]
+    head = f"  {'product (N×K/group)':<24}{'rows':>5}  {'choice':<12}" + "".join(f"{p:>13}" for p in paths)
+    lines = [head]
+    for r in table_rows(tuning):
+        cells = []
+        for p in paths:
+            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
+            if err is not None and err > ACCURACY_BOUND:
+                cell = f"err {err:.0e}"
+            else:
+                cell = "failed" if t is None else f"{t:.3f}" if t != "" else ""
+            cells.append(f"{cell:>13}")
+        lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}" + "".join(cells))
+    lines.append(f"  (ms per call, best of repeated runs; 'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
+    return "\n".join(lines)
+
+
+def markdown_table(tuning: dict) -> str:
+    """The same table as `format_table`, as Markdown (the app's Hardware panel)."""
+    paths = [p for p in int8_matmul.PATHS if any(p in r["errors"] for r in table_rows(tuning))]
+    lines = ["| product (N×K/group) | rows | choice | " + " | ".join(paths) + " |",
+             "|---|---|---|" + "---|" * len(paths)]
+    for r in table_rows(tuning):
+        cells = []
+        for p in paths:
+            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
+            cells.append(f"err {err:.0e}" if err is not None and err > ACCURACY_BOUND else
+                         "failed" if t is None else f"{t:.3f}" if t != "" else "")
+        lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | " + " | ".join(cells) + " |")
+    how = "read from this machine's cache" if tuning.get("cached") else f"measured in {tuning.get('seconds', 0):.1f} s"
+    lines.append(f"\nms per call ({how}); 'err' = relative error above {ACCURACY_BOUND:.0e}, not timed.")
+    return "\n".join(lines)

@@ -1,0 +1,524 @@
+"""Hardware probe and run policy: what this machine is, and how the model should run on it.
+
+    facts = probe()                          # platform, chip, memory, CPU ISA, versions
+    plan = policy(facts, model_config)       # every choice with a one-line reason
+    plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
+    options = plan.run_options()             # gemma4.model.decoder.RunOptions
+
+The self-test, `resolve`, `choose_int8_matmul`, the text report and the `probe` command live in
+`gemma4.plan.hardware_checks` and are importable from here as before.
+
+Only this module decides dtypes, weight quantization, KV format, attention path, the quantized
+matmul path and the matmul precision; everything else takes the decision as an argument.
+
+Overrides come from environment variables or a dict / CLI flags with the same names:
+
+    GEMMA4_DTYPE             auto | float32 | bfloat16 | float16
+    GEMMA4_WEIGHTS           auto | none | int8 | int4
+    GEMMA4_KV                auto | native | int8 | fp8
+    GEMMA4_ATTENTION         auto | xla | cudnn
+    GEMMA4_INT4_KERNEL       auto | pallas | xla
+    GEMMA4_MATMUL_PRECISION  auto | none | default | high | highest | bfloat16 | tensorfloat32 | float32
+    GEMMA4_INT8_MATMUL       auto | measure | default | native | xla-fused | xla-chunked | xla-i8x2 | xla-i8
+    GEMMA4_NATIVE_KERNEL     auto | off     (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
+    GEMMA4_ALLOW_FALLBACK    0 | 1
+
+An override that cannot work on this device (fp8 KV without an fp8 datapath, cuDNN attention where
+cuDNN cannot run it, the fused int4 kernel where its block does not fit on chip) raises
+`PolicyError` with the reason and the alternative — unless GEMMA4_ALLOW_FALLBACK=1, in which case the
+safe choice is taken and the refusal is kept, visibly, in the choice's reason (source "fallback")
+and in `plan.warnings`. An override that works but is slow or imprecise here (bf16 on a chip
+without bf16 units) is accepted with a "warning: ..." in its reason and in `plan.warnings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Mapping
+
+# ------------------------------------------------------------------------------ device tables
+# Max shared memory one thread block can use (opt-in dynamic limit), KiB, by compute capability.
+# Source: CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
+GPU_SMEM_PER_BLOCK_KIB = {
+    (7, 0): 96, (7, 2): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99,
+    (9, 0): 227, (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99,
+}
+GPU_SMEM_FALLBACK_KIB = 48  # the static per-block limit every CUDA GPU guarantees
+
+# VMEM a pallas_call may use on TPU without raising vmem_limit_bytes (the "scoped" default):
+# 16 MiB on v4/v5e/v5p, 32 MiB on v6e. Physical VMEM per core is larger on v5e/v6e (128 MiB, see
+# jax/_src/pallas/mosaic/tpu_info.py); the kernel does not raise the limit, so the default governs.
+TPU_SCOPED_VMEM_MIB = {"v2": 16, "v3": 16, "v4": 16, "v5e": 16, "v5p": 16, "v6e": 32}
+
+# cuDNN flash attention (jax.nn.dot_product_attention(implementation="cudnn")), bf16/fp16:
+# needs sm_80+ (cuDNN frontend SDPA support matrix: "requires SM80 (Ampere) or newer"), and
+# head_dim % 8 == 0 with head_dim <= 256 on sm_90+ and <= 128 below — the check JAX itself applies in
+# jax/_src/cudnn/fused_attention_stablehlo.py::check_is_flash_attention (jax 0.10.2).
+CUDNN_MIN_CC = (8, 0)
+
+
+def cudnn_head_dim_limit(cc: tuple[int, int]) -> int:
+    return 256 if cc >= (9, 0) else 128
+
+
+# fp8 datapaths: NVIDIA Ada/Hopper and later (sm_89+); TPU v5 and later.
+FP8_MIN_CC = (8, 9)
+FP8_TPU_GENERATIONS = ("v5e", "v5p", "v6e", "v7", "v7x")
+
+# The fused int4 kernel's block shape the policy plans with (block_m, block_n, block_k); block_k
+# None = the whole K (TPU: BlockSpecs bring a block's full K into VMEM).
+INT4_PLAN_BLOCK = {"gpu": (16, 128, 256), "tpu": (8, 256, None)}
+INT4_GROUP_SIZE = 64
+
+
+# ------------------------------------------------------------------------------ facts (gemma4.plan.hardware_probe)
+from gemma4.plan.hardware_probe import (  # noqa: E402,F401  (re-exported: callers use gemma4.plan.hardware)
+    CPU_FLAGS_OF_INTEREST, SIMULATED, HardwareFacts, _GiB, _host_memory, parse_cpuinfo, probe,
+    simulated_facts, tpu_generation)
+
+
+# ------------------------------------------------------------------------------ plan
+class PolicyError(ValueError):
+    """An explicit request this device cannot honour; the message names the alternative."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    value: Any
+    reason: str
+    source: str = "auto"  # "auto" | "override" | "fallback" | "self-test"
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "reason": self.reason, "source": self.source}
+
+
+CHOICE_NAMES = ("compute_dtype", "weight_dtype", "weights", "embed_weights", "kv_cache", "attention_sliding",
+                "attention_full", "int4_kernel", "matmul_precision", "int8_matmul")
+_INT8_MATMUL_PENDING = Choice("default", "decided after the weights load (measured per product shape on CPU)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    compute_dtype: Choice  # "float32" | "bfloat16" | "float16"
+    weight_dtype: Choice  # storage dtype of float weights (= compute dtype, converted once at load)
+    weights: Choice  # "none" | "int8" | "int4"
+    kv_cache: Choice  # "native" | "int8" | "fp8"
+    attention_sliding: Choice  # "xla" | "cudnn"
+    attention_full: Choice
+    int4_kernel: Choice  # "dequant+dot" | "pallas-int4"
+    matmul_precision: Choice  # None | "bfloat16" | ...
+    embed_weights: Choice  # "none" | "int8" | "int4": the tied embedding / LM head (and PLE table)
+    device: str = ""
+    platform: str = "unknown"
+    int4_block: tuple | None = None  # (block_m, block_n, block_k) the kernel runs with, when chosen
+    int4_group_size: int = INT4_GROUP_SIZE
+    head_dims: tuple[int, int] = (256, 512)  # (sliding, full) the attention choices were made for
+    warnings: tuple[str, ...] = ()
+    int8_matmul: Choice = _INT8_MATMUL_PENDING  # "measured" | "default" | a path of gemma4.ops.int8_matmul
+
+    def choices(self) -> dict[str, Choice]:
+        return {name: getattr(self, name) for name in CHOICE_NAMES}
+
+    def run_options(self):
+        from gemma4.model.decoder import RunOptions  # noqa: PLC0415
+
+        return RunOptions(compute_dtype=self.compute_dtype.value, attention_sliding=self.attention_sliding.value,
+                          attention_full=self.attention_full.value)
+
+    def quantize_kwargs(self) -> dict:
+        """Arguments for gemma4.ops.quant.quantize_params that realise this plan's weight choices."""
+        return {"mode": self.weights.value, "embed_mode": self.embed_weights.value,
+                "group_size": self.int4_group_size,
+                "int4_kernel": "pallas" if self.int4_kernel.value == "pallas-int4" else "xla",
+                "int4_block": self.int4_block if self.int4_kernel.value == "pallas-int4" else None}
+
+    def apply_jax_config(self) -> None:
+        """Set process-wide JAX options this plan needs (matmul precision)."""
+        import jax  # noqa: PLC0415
+
+        jax.config.update("jax_default_matmul_precision", self.matmul_precision.value)
+
+    def replace(self, name: str, choice: Choice, warning: str | None = None) -> "Plan":
+        warnings = self.warnings + ((warning,) if warning else ())
+        return dataclasses.replace(self, **{name: choice}, warnings=warnings)
+
+    def to_dict(self) -> dict:
+        d = {name: c.to_dict() for name, c in self.choices().items()}
+        d.update(device=self.device, platform=self.platform, int4_block=self.int4_block,
+                 int4_group_size=self.int4_group_size, head_dims=list(self.head_dims),
+                 warnings=list(self.warnings))
+        return d
+
+    def report(self) -> str:
+        lines = [f"device: {self.device}"]
+        for name, c in self.choices().items():
+            tag = "" if c.source == "auto" else f" [{c.source}]"
+            lines.append(f"  {name:<18} {str(c.value):<12}{tag}  {c.reason}")
+        for w in self.warnings:
+            lines.append(f"  WARNING: {w}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ overrides
+ENV_KEYS = {
+    "dtype": "GEMMA4_DTYPE", "weights": "GEMMA4_WEIGHTS", "kv": "GEMMA4_KV", "attention": "GEMMA4_ATTENTION",
+    "int4_kernel": "GEMMA4_INT4_KERNEL", "matmul_precision": "GEMMA4_MATMUL_PRECISION",
+    "embed_weights": "GEMMA4_EMBED_WEIGHTS", "int8_matmul": "GEMMA4_INT8_MATMUL",
+    "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
+}
+_DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16"}
+_ALLOWED = {
+    "weights": ("none", "int8", "int4"), "embed_weights": ("none", "int8", "int4"), "kv": ("native", "int8", "fp8"), "attention": ("xla", "cudnn"),
+    "int4_kernel": ("pallas", "xla"),
+    "int8_matmul": ("measure", "default", "native", "xla-fused", "xla-chunked", "xla-i8x2", "xla-i8"),
+    "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
+}
+
+
+def normalize_overrides(overrides: Mapping[str, Any] | None = None,
+                        env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Merge env vars (GEMMA4_*) and an explicit dict (keys "dtype" or "GEMMA4_DTYPE" alike; the dict
+    wins). "auto", "" and None mean "no override". Raises PolicyError on an unknown key or value."""
+    env = os.environ if env is None else env
+    by_env = {v: k for k, v in ENV_KEYS.items()}
+    merged: dict[str, Any] = {}
+    for source in (env, overrides or {}):
+        for key, value in source.items():
+            short = by_env.get(key) or (key if key in ENV_KEYS else None)
+            if short is None:
+                if source is env:
+                    continue  # unrelated environment variable
+                raise PolicyError(f"unknown override {key!r}; known: {', '.join(ENV_KEYS)}")
+            merged[short] = value
+    out: dict[str, Any] = {}
+    for key, value in merged.items():
+        if key == "allow_fallback":
+            out[key] = value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+            continue
+        if value is None or str(value).strip().lower() in ("", "auto"):
+            continue
+        v = str(value).strip().lower()
+        if key == "dtype":
+            if v not in _DTYPE_ALIASES:
+                raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto, float32, bfloat16 or float16")
+            v = _DTYPE_ALIASES[v]
+        elif v not in _ALLOWED[key]:
+            raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto or one of {', '.join(_ALLOWED[key])}")
+        out[key] = v
+    return out
+
+
+# ------------------------------------------------------------------------------ policy
+def _kib(n: float) -> str:
+    return f"{n / 1024:.0f} KiB" if n < 10 * 1024 * 1024 else f"{n / 1024 / 1024:.1f} MiB"
+
+
+def _bytes_per_param(weights: str, dtype: str) -> float:
+    return {"none": {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}[dtype], "int8": 1.0,
+            "int4": 0.5 + 4.0 / INT4_GROUP_SIZE}[weights]
+
+
+def _max_linear_in(cfg) -> int:
+    """The largest `in` dimension of a quantizable weight (the K the int4 kernel must hold on TPU)."""
+    return max([cfg.hidden_size] + [cfg.num_heads * s.head_dim for s in cfg.layers] + [s.mlp_width for s in cfg.layers])
+
+
+def int4_kernel_preflight(facts: HardwareFacts, act_dtype: str, model_config=None,
+                          group_size: int = INT4_GROUP_SIZE) -> tuple[bool, str, tuple | None]:
+    """Does the fused int4 kernel's block fit on this chip? (fits, arithmetic, block)."""
+    from gemma4.ops.kernels.int4_matmul import describe_block_bytes, int4_block_bytes  # noqa: PLC0415
+
+    if facts.platform == "cpu":
+        return False, "Pallas runs only in interpret mode on CPU (a test path, far slower than XLA)", None
+    if facts.platform == "gpu":
+        if facts.vendor != "nvidia" or facts.cc is None:
+            return False, "GPU shared-memory limit unknown (no NVIDIA compute capability)", None
+        bm, bn, bk = INT4_PLAN_BLOCK["gpu"]
+        limit = GPU_SMEM_PER_BLOCK_KIB.get(facts.cc, GPU_SMEM_FALLBACK_KIB) * 1024
+        where = f"sm_{facts.cc[0]}{facts.cc[1]} shared memory per block"
+        parts = int4_block_bytes(bm, bk, bn, group_size, act_dtype)
+        block = (bm, bn, bk)
+        k_desc = f"k-step {bk}"
+    elif facts.platform == "tpu":
+        gen = facts.tpu_generation or "unknown"
+        if gen not in TPU_SCOPED_VMEM_MIB:
+            return False, f"VMEM limit unknown for TPU generation {gen!r}", None
+        bm, bn, _ = INT4_PLAN_BLOCK["tpu"]
+        from gemma4.model.config import preset  # noqa: PLC0415
+
+        K = _max_linear_in(model_config or preset("e2b"))
+        limit = TPU_SCOPED_VMEM_MIB[gen] * 1024 * 1024
+        where = f"TPU {gen} scoped VMEM"
+        parts = int4_block_bytes(bm, K, bn, group_size, act_dtype, buffers=2)
+        block = (bm, bn, K)
+        k_desc = f"K {K}, double-buffered"
+    else:
+        return False, "unknown platform", None
+    need = parts["total"]
+    arithmetic = (f"need {_kib(need)} for block (m {bm}, {k_desc}, n {bn}, group {group_size}, {act_dtype}): "
+                  f"{describe_block_bytes(parts)} vs limit {_kib(limit)} ({where})")
+    return need <= limit, arithmetic, block
+
+
+def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Mapping[str, Any] | None = None,
+           env: Mapping[str, str] | None = None) -> Plan:
+    """Choose how to run on `facts` (probed when None). `env` defaults to os.environ (pass {} to ignore).
+
+    Raises PolicyError for an override this device cannot honour (unless allow_fallback).
+    """
+    facts = facts or probe()
+    if model_config is None:
+        from gemma4.model.config import preset  # noqa: PLC0415
+
+        model_config, geometry_note = preset("e2b"), " (gemma-4-E2B geometry; no model config given)"
+    else:
+        geometry_note = ""
+    ov = normalize_overrides(overrides, env)
+    fallback_ok = bool(ov.get("allow_fallback", False))
+    warnings: list[str] = []
+    plat, cc = facts.platform, facts.cc
+    where = facts.describe()
+
+    def refuse(message: str, name: str, safe_value: Any) -> Choice:
+        if not fallback_ok:
+            raise PolicyError(message)
+        warnings.append(f"{name}: {message}; fell back to {safe_value}")
+        return Choice(safe_value, f"REFUSED: {message}; fell back to {safe_value}", "fallback")
+
+    # ---------------------------------------------------------------- compute dtype
+    if plat == "tpu":
+        auto = Choice("bfloat16", "TPU: bf16 is the MXU's native input type")
+    elif plat == "gpu" and cc is not None:
+        if cc >= (8, 0):
+            auto = Choice("bfloat16", f"sm_{cc[0]}{cc[1]} has bf16 tensor cores")
+        elif cc >= (7, 0) or cc == (6, 0):
+            auto = Choice("float16", f"sm_{cc[0]}{cc[1]} has no bf16 units (bf16 would be emulated through fp32); "
+                                     "fp16 is native")
+        else:
+            auto = Choice("float32", f"sm_{cc[0]}{cc[1]} has slow fp16 and no bf16")
+    elif plat == "gpu":
+        auto = Choice("float32", "unknown GPU (no compute capability): float32 runs everywhere; "
+                                 "set GEMMA4_DTYPE if the chip has bf16/fp16 units")
+    elif plat == "cpu":
+        if facts.cpu_amx:
+            why = ("AMX present but unmeasured: XLA:CPU's default dot path is not known to use it "
+                   "(run bench/cpu_dtype.py; GEMMA4_DTYPE=bfloat16 if it wins)")
+        elif facts.cpu_native_bf16:
+            why = ("CPU has AVX512_BF16, yet on such a CPU XLA:CPU's batch-1 matvec with bf16 weights measured "
+                   "5–10× slower than float32, and with int8 weights bf16 activations were no faster at batch 1 "
+                   "(bench/cpu_dtype.py)")
+        else:
+            why = "CPU has no bf16 arithmetic (no AVX512_BF16/AMX): bf16 would be emulated"
+        auto = Choice("float32", f"{why}; float32 activations are the measured-safe path")
+    else:
+        auto = Choice("float32", "unknown platform: float32 is the safe path")
+    compute = auto
+    if "dtype" in ov and ov["dtype"] != auto.value:
+        want = ov["dtype"]
+        slow = None
+        if want == "bfloat16" and plat == "cpu":
+            slow = ("emulated, slower" if not facts.cpu_native_bf16 else
+                    "measured slower for batch-1 decode on XLA:CPU")
+        elif want == "bfloat16" and plat == "gpu" and (cc is None or cc < (8, 0)):
+            slow = "no bf16 units on this GPU: emulated through fp32, much slower"
+        elif want == "float16" and plat in ("cpu", "tpu"):
+            slow = f"no fp16 arithmetic on {plat.upper()}: emulated, slower"
+        elif want == "float16" and plat == "gpu" and cc is not None and cc >= (8, 0):
+            slow = "fp16 overflows where bf16 does not (activations > 65504)"
+        elif want == "float32" and plat in ("gpu", "tpu"):
+            slow = "float32 doubles weight bytes and skips the tensor units: slower"
+        reason = f"requested via GEMMA4_DTYPE (auto would be {auto.value})"
+        if slow:
+            reason += f"; warning: {slow}"
+            warnings.append(f"compute_dtype {want}: {slow}")
+        compute = Choice(want, reason, "override")
+    dtype = compute.value
+    weight_dtype = Choice(dtype, "float weights stored in the compute dtype, converted once at load "
+                                 "(no per-step conversion)", compute.source)
+
+    # ---------------------------------------------------------------- weight quantization
+    from gemma4.model.config import approx_param_count  # noqa: PLC0415
+
+    n_params = approx_param_count(model_config)
+    mem = facts.memory_total_bytes if plat != "cpu" else (facts.host_memory_available_bytes
+                                                          or facts.memory_total_bytes)
+    budget = 0.9 * mem if mem else None
+
+    def need(mode: str) -> float:
+        return n_params * _bytes_per_param(mode, dtype)
+
+    if plat == "cpu":
+        auto_w, why = "int8", ("int8 weights need 1/4 of float32's RAM and bandwidth; decode runs them as a "
+                               "fused convert·multiply·reduce (Gemma 3 270M step, quiet 2-core Zen 4: 46 ms at "
+                               "batch 1 and 81 ms at batch 8, vs 52 / 121 ms with float32 weights); prefill "
+                               "dequantizes in cache-sized chunks for the dot")
+    else:
+        auto_w, why = "none", f"{plat.upper()} runs {dtype} weights at full speed; quantize only when asked"
+    order = ("none", "int8", "int4")
+    if budget and need(auto_w) > budget and auto_w != "int4":
+        smaller = order[order.index(auto_w) + 1:]
+        chosen = next((m for m in smaller if need(m) <= budget), "int4")
+        why = (f"{model_config.name} needs {need(auto_w) / _GiB:.1f} GiB as {auto_w} > 90% of "
+               f"{mem / _GiB:.1f} GiB; {chosen} needs {need(chosen) / _GiB:.1f} GiB")
+        if need(chosen) > budget:
+            warnings.append(f"weights: {model_config.name} does not fit even as int4 "
+                            f"({need(chosen) / _GiB:.1f} GiB vs {mem / _GiB:.1f} GiB)")
+        auto_w = chosen
+    weights = Choice(auto_w, why)
+    if "weights" in ov and ov["weights"] != auto_w:
+        reason = f"requested via GEMMA4_WEIGHTS (auto would be {auto_w})"
+        if ov["weights"] == "int4" and plat == "cpu":
+            reason += "; note: on CPU int4 unpacking makes matmuls ~2× slower than int8 (saves RAM only)"
+        if budget and need(ov["weights"]) > budget:
+            msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / _GiB:.1f} GiB "
+                   f"vs {mem / _GiB:.1f} GiB")
+            reason += f"; warning: {msg}"
+            warnings.append(f"weights: {msg}")
+        weights = Choice(ov["weights"], reason, "override")
+
+    # ---------------------------------------------------------------- embedding / LM head
+    # Measured on the bundled Gemma 3 270M (8 prompts x 32 greedy tokens vs unquantized): int8
+    # everywhere keeps 19.6 leading tokens on average (4/8 prompts >= 20); int8 layers with a float
+    # head keep 27.1 (7/8), at ~7% of batch-1 decode speed and +0.5 GB. The head quantizes like the
+    # rest by default (it is most of the bytes); GEMMA4_EMBED_WEIGHTS=none buys the quality back.
+    embed = Choice(weights.value, "the tied embedding / LM head is quantized like the other weights (it is most "
+                   "of the bytes read per token); GEMMA4_EMBED_WEIGHTS=none keeps it exact for better agreement "
+                   "with the unquantized model" if weights.value != "none" else "weights not quantized")
+    if "embed_weights" in ov and ov["embed_weights"] != embed.value:
+        embed = Choice(ov["embed_weights"], f"requested via GEMMA4_EMBED_WEIGHTS (auto would be {embed.value})",
+                       "override")
+
+    # ---------------------------------------------------------------- KV cache
+    fp8_ok = ((plat == "gpu" and cc is not None and cc >= FP8_MIN_CC)
+              or (plat == "tpu" and facts.tpu_generation in FP8_TPU_GENERATIONS))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    kv = Choice("native", f"KV stored in {dtype} (exact); GEMMA4_KV=int8 (per-row scales) cuts KV bytes "
+                          f"to ~1/{itemsize}")
+    if "kv" in ov:
+        want = ov["kv"]
+        if want == "fp8" and not fp8_ok:
+            chip = (f"sm_{cc[0]}{cc[1]}" if cc else facts.device_kind) if plat == "gpu" else where
+            kv = refuse(f"GEMMA4_KV=fp8 refused on {chip}: no fp8 datapath (needs NVIDIA sm_89+ or TPU v5+), "
+                        "so fp8 would buy nothing; use GEMMA4_KV=int8 (int8 with per-row scales halves "
+                        "the KV bytes honestly)", "kv_cache", "int8")
+        elif want == "fp8":
+            kv = Choice("fp8", "requested via GEMMA4_KV: chip has fp8; stored as jnp.float8_e4m3fn "
+                               "(note: gemma4.model.kv_cache must implement the fp8 format)", "override")
+        elif want != "native":
+            kv = Choice(want, f"requested via GEMMA4_KV: int8 with per-row scales (~1/{itemsize} of {dtype}'s bytes)",
+                        "override")
+
+    # ---------------------------------------------------------------- attention per layer type
+    def attention_for(head_dim: int, kind: str) -> Choice:
+        if plat != "gpu" or facts.vendor != "nvidia" or cc is None:
+            auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: XLA einsum attention "
+                                   f"(cuDNN flash attention is NVIDIA-only)")
+            cud_block = f"cuDNN attention needs an NVIDIA GPU (this is {where})"
+        else:
+            limit = cudnn_head_dim_limit(cc)
+            problems = []
+            if cc < CUDNN_MIN_CC:
+                problems.append(f"cuDNN flash attention needs sm_80+ (this is sm_{cc[0]}{cc[1]})")
+            if head_dim > limit or head_dim % 8:
+                problems.append(f"head_dim {head_dim} exceeds cuDNN's limit {limit} on sm_{cc[0]}{cc[1]}"
+                                if head_dim > limit else f"head_dim {head_dim} is not a multiple of 8")
+            if dtype not in ("bfloat16", "float16"):
+                problems.append(f"cuDNN flash attention needs bf16/fp16, compute is {dtype}")
+            if problems:
+                auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: " + "; ".join(problems))
+                cud_block = "; ".join(problems)
+            else:
+                auto_c = Choice("cudnn", f"head_dim {head_dim}{geometry_note} ≤ {limit} on sm_{cc[0]}{cc[1]}, "
+                                         f"{dtype}: cuDNN flash attention")
+                cud_block = None
+        want = ov.get("attention")
+        if want is None or want == auto_c.value:
+            return auto_c if want is None else dataclasses.replace(auto_c, source="override")
+        if want == "xla":
+            return Choice("xla", f"requested via GEMMA4_ATTENTION (auto would be {auto_c.value})", "override")
+        return refuse(f"GEMMA4_ATTENTION=cudnn refused for {kind} layers: {cud_block}; use GEMMA4_ATTENTION=auto "
+                      f"(cuDNN where it fits, XLA elsewhere) or xla", f"attention_{kind}", "xla")
+
+    att_sliding = attention_for(model_config.head_dim, "sliding")
+    att_full = attention_for(model_config.global_head_dim, "full")
+
+    # ---------------------------------------------------------------- quantized matmul path
+    wmode = weights.value
+    block = None
+    if wmode != "int4":
+        what = {"none": "weights not quantized: plain dot",
+                "int8": "no int4 weights" + (
+                    "; the int8 products' path is the int8_matmul choice" if plat == "cpu"
+                    else "; int8 weights: dequantize+dot, the compiler fuses the convert into the matmul")}[wmode]
+        kern = Choice("dequant+dot", what)
+        if ov.get("int4_kernel") == "pallas":
+            kern = Choice("dequant+dot", f"GEMMA4_INT4_KERNEL=pallas ignored: {what}", "override")
+            warnings.append("int4_kernel: GEMMA4_INT4_KERNEL=pallas has no effect without int4 weights")
+    else:
+        fits, arithmetic, plan_block = int4_kernel_preflight(facts, dtype, model_config)
+        want = ov.get("int4_kernel")
+        if plat == "tpu":
+            auto_k = Choice("dequant+dot", f"{'fits' if fits else 'does not fit'}: {arithmetic}; but on TPU the "
+                                           "fused kernel measured 0.59× the XLA path (GEMMA4_INT4_KERNEL=pallas "
+                                           "to try it)")
+        elif fits:
+            auto_k = Choice("pallas-int4", f"fused int4 kernel fits: {arithmetic} (verified by the start-up "
+                                           "self-test; GEMMA4_INT4_KERNEL=xla opts out)")
+        else:
+            auto_k = Choice("dequant+dot", f"fused int4 kernel not used: {arithmetic}")
+        if want is None:
+            kern = auto_k
+        elif want == "xla":
+            kern = Choice("dequant+dot", "requested via GEMMA4_INT4_KERNEL=xla", "override")
+        elif fits:
+            kern = Choice("pallas-int4", f"requested via GEMMA4_INT4_KERNEL=pallas: {arithmetic}", "override")
+        else:
+            kern = refuse(f"GEMMA4_INT4_KERNEL=pallas refused on {where}: {arithmetic}; use GEMMA4_INT4_KERNEL=xla "
+                          "(dequantize+dot)", "int4_kernel", "dequant+dot")
+        if kern.value == "pallas-int4":
+            block = plan_block
+
+    # ---------------------------------------------------------------- matmul precision
+    if plat == "tpu":
+        prec = Choice("bfloat16", "TPU: jax_default_matmul_precision=bfloat16 (one MXU pass)")
+    else:
+        prec = Choice(None, f"{plat.upper()}: JAX default matmul precision (the bfloat16 setting is for TPUs only)")
+    if "matmul_precision" in ov:
+        want = None if ov["matmul_precision"] == "none" else ov["matmul_precision"]
+        if want != prec.value:
+            reason = f"requested via GEMMA4_MATMUL_PRECISION (auto would be {prec.value})"
+            if want == "bfloat16" and plat != "tpu":
+                reason += "; warning: bfloat16 matmul precision is right on TPU and wrong elsewhere"
+                warnings.append("matmul_precision: bfloat16 off TPU loses precision")
+            prec = Choice(want, reason, "override")
+
+    return Plan(compute_dtype=compute, weight_dtype=weight_dtype, weights=weights, embed_weights=embed, kv_cache=kv,
+                attention_sliding=att_sliding, attention_full=att_full, int4_kernel=kern,
+                matmul_precision=prec, device=where, platform=plat, int4_block=block,
+                int4_group_size=INT4_GROUP_SIZE,
+                head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(warnings))
+
+
+# ------------------------------------------------------------------------------ start-up checks and reports
+# self_test, resolve, choose_int8_matmul, full_report, format_report and `main` (the probe command)
+# live in gemma4.plan.hardware_checks, which imports this module; they are re-exported here lazily (on
+# first attribute access) so that either module can be imported first.
+_CHECKS_NAMES = ("_check", "self_test", "resolve", "choose_int8_matmul", "full_report", "_format_bytes",
+                 "format_report", "_measured_report", "main")
+
+
+def __getattr__(name: str):
+    if name in _CHECKS_NAMES:
+        from gemma4.plan import hardware_checks  # noqa: PLC0415
+
+        return getattr(hardware_checks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    from gemma4.plan.hardware_checks import main  # noqa: PLC0415
+
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Start-up checks and reporting for the hardware plan (the policy itself is `gemma4.plan.hardware`).
+
+    plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
+    params, plan, mm = choose_int8_matmul(plan, params)   # CPU int8 path, once the weights load
+    print(format_report(full_report()))      # what `python -m gemma4 probe` prints
+
+Holds the numeric self-test (`self_test`), the start-up entry points (`resolve`,
+`choose_int8_matmul`, `full_report`), the text report (`format_report`) and the `probe`
+command (`main`). Every name here is also importable from `gemma4.plan.hardware`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, Mapping
+
+from gemma4.plan.hardware import CHOICE_NAMES, Choice, Plan, PolicyError, normalize_overrides, policy
+from gemma4.plan.hardware_probe import SIMULATED, HardwareFacts, _GiB, probe, simulated_facts
+
+
+# ------------------------------------------------------------------------------ self-test
+def _check(name: str, fn) -> dict:
+    t = time.perf_counter()
+    try:
+        ok, detail = fn()
+    except Exception as e:  # noqa: BLE001 - a failing check is a result, not a crash
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return {"name": name, "ok": bool(ok), "seconds": round(time.perf_counter() - t, 4), "detail": detail}
+
+
+def self_test(plan: Plan) -> dict:
+    """Numeric checks on the default device, in the plan's dtypes and paths. Never raises.
+
+    Always: ones(256,256)·ones(256,256) in the compute dtype, reduced in float32, must sum to exactly
+    256³ (an fp16 reduction overflows at 65504), and a random matmul must match float64 numpy.
+    When the plan uses them: int8/int4 weight paths, the fused int4 kernel, cuDNN attention per layer
+    type, fp8 storage. Returns {"ok", "seconds", "checks": [{name, ok, seconds, detail}]}.
+    """
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from gemma4.ops import quant  # noqa: PLC0415
+
+    dt = jnp.dtype(plan.compute_dtype.value)
+    tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 3e-3}[dt.name]
+    rng = np.random.default_rng(0)
+    checks = []
+
+    def ones_sum():
+        a = jnp.ones((256, 256), dt)
+        c = jax.jit(lambda a, b: jnp.sum(jnp.dot(a, b, preferred_element_type=jnp.float32)))(a, a)
+        got = float(c)
+        return got == 256.0 ** 3, f"sum(ones·ones) = {got:.0f}, expected {256 ** 3}"
+
+    a64 = rng.standard_normal((64, 128))
+    b64 = rng.standard_normal((128, 96))
+
+    def random_matmul():
+        a, b = jnp.asarray(a64, dt), jnp.asarray(b64, dt)
+        got = np.asarray(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))(a, b), np.float64)
+        ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+        return err < tol, f"max rel err {err:.2e} (tol {tol:.0e}) in {dt.name}"
+
+    checks.append(_check("matmul_ones_fp32_sum", ones_sum))
+    checks.append(_check("matmul_random_vs_float64", random_matmul))
+
+    w = jnp.asarray(0.05 * rng.standard_normal((1024, 512)), jnp.float32)  # big enough to chunk on CPU
+    x = jnp.asarray(rng.standard_normal((4, 512)), dt)
+
+    def quant_check(mode: str, kernel: str = "xla"):
+        def run():
+            qw = quant.quantize_int8(w) if mode == "int8" else quant.quantize_int4(
+                w, plan.int4_group_size, "pallas" if kernel == "pallas" else "xla",
+                plan.int4_block if kernel == "pallas" else None)
+            got = np.asarray(jax.jit(lambda x, q: quant.linear(x, q, out_dtype=jnp.float32))(x, qw))
+            ref = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(jnp.float32), np.float64).T
+            err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+            return err < tol, f"{mode} {kernel}: max rel err {err:.2e} vs dequantized float64 (tol {tol:.0e})"
+        return run
+
+    if plan.weights.value in ("int8", "int4"):
+        checks.append(_check(f"linear_{plan.weights.value}", quant_check(plan.weights.value)))
+    if plan.int4_kernel.value == "pallas-int4":
+        checks.append(_check("int4_kernel_pallas", quant_check("int4", "pallas")))
+
+    for kind in ("sliding", "full"):
+        choice = getattr(plan, f"attention_{kind}")
+        if choice.value == "xla":
+            continue
+        head_dim = plan.head_dims[0 if kind == "sliding" else 1]
+
+        def attn(impl=choice.value, d=head_dim):
+            q = jnp.asarray(rng.standard_normal((1, 16, 2, d)), dt)
+            k = jnp.asarray(rng.standard_normal((1, 16, 1, d)), dt)
+            v = jnp.asarray(rng.standard_normal((1, 16, 1, d)), dt)
+            mask = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+            got = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+            ref = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+            return err < 5 * tol, f"{impl} vs xla, head_dim {d}: max abs err {err:.2e}"
+
+        checks.append(_check(f"attention_{kind}_{choice.value}", attn))
+
+    if plan.kv_cache.value == "fp8":
+        def fp8():
+            vals = jnp.asarray([0.5, -1.25, 3.0, 448.0], jnp.float32)
+            back = vals.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+            return bool(jnp.all(back == vals)), f"float8_e4m3fn round trip {np.asarray(back).tolist()}"
+
+        checks.append(_check("kv_fp8_roundtrip", fp8))
+
+    return {"ok": all(c["ok"] for c in checks), "seconds": round(sum(c["seconds"] for c in checks), 4),
+            "device": plan.device, "checks": checks}
+
+
+# ------------------------------------------------------------------------------ start-up entry points
+def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+            facts: HardwareFacts | None = None, run_self_test: bool = True) -> tuple[Plan, dict]:
+    """probe → policy → self-test; optional paths that fail the self-test fall back loudly.
+
+    Returns (the plan to run with, a JSON-able report {facts, plan, self_test, warnings}).
+    Raises PolicyError for a refused override (see module doc). The core matmul checks failing is
+    reported as report["self_test"]["ok"] == False: the engine should refuse to serve.
+    """
+    facts = facts or probe()
+    plan = policy(facts, model_config, overrides, env)
+    test = self_test(plan) if run_self_test and not facts.simulated else None
+    if test:
+        failed = {c["name"] for c in test["checks"] if not c["ok"]}
+        if "int4_kernel_pallas" in failed:
+            plan = plan.replace("int4_kernel", Choice("dequant+dot", "fused int4 kernel failed the start-up "
+                                                      "self-test; using dequantize+dot", "self-test"),
+                                "int4_kernel: pallas kernel failed the self-test, fell back to dequant+dot")
+            plan = dataclasses.replace(plan, int4_block=None)
+        for kind in ("sliding", "full"):
+            choice = getattr(plan, f"attention_{kind}")
+            if f"attention_{kind}_{choice.value}" in failed:
+                plan = plan.replace(f"attention_{kind}", Choice("xla", f"{choice.value} attention failed the "
+                                                                f"start-up self-test; using XLA", "self-test"),
+                                    f"attention_{kind}: {choice.value} failed the self-test, fell back to xla")
+    report = {"facts": facts.to_dict(), "plan": plan.to_dict(), "self_test": test, "warnings": list(plan.warnings)}
+    return plan, report
+
+
+def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None, progress=None) -> tuple[Any, Plan, dict | None]:
+    """How each int8 product runs on CPU, decided once the weights are loaded.
+
+    auto / GEMMA4_INT8_MATMUL=measure: build/load the native kernel and self-test it, then time
+    every eligible formulation per product shape and row class on this machine and keep the
+    fastest that passes the accuracy bound (gemma4.plan.cpu_tuning; cached per CPU + jax + geometry).
+    GEMMA4_INT8_MATMUL=<path> forces one path for decode rows; "default" keeps the built-in one.
+    Off CPU the compilers fuse the dequantization into the matmul and nothing is chosen here.
+    On a mesh of more than one device every path, the native kernel included, runs on each
+    device's own shard inside `shard_map` (see `quant._spmd`: XLA cannot partition the kernel's
+    custom call, and would gather the whole weight per step), so the paths are measured on the
+    shard shapes a device multiplies (`sharding.local_view`).
+    Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
+    """
+    from gemma4.plan import sharding  # noqa: PLC0415
+
+    if sharding.any_sharded(params):
+        tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
+        c = plan.int8_matmul
+        why = ("each device runs its own shard inside shard_map (XLA cannot partition the native kernel's custom "
+               "call and would gather the whole weight every step), measured on the shard shapes; ")
+        plan = plan.replace("int8_matmul", Choice(c.value, why + c.reason, c.source))
+        return sharding.copy_paths(params, tuned), plan, report
+    import jax  # noqa: PLC0415
+
+    from gemma4.plan import cpu_tuning  # noqa: PLC0415
+
+    from gemma4.ops import quant  # noqa: PLC0415
+    from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
+
+    ov = normalize_overrides(overrides, env)
+    want = ov.get("int8_matmul", "measure")
+    fallback_ok = bool(ov.get("allow_fallback", False))
+    leaves = jax.tree.leaves(params, is_leaf=quant.is_quantized)
+    if not any(isinstance(leaf, quant.QuantArray) for leaf in leaves):
+        return params, plan.replace("int8_matmul", Choice("none", "no int8 weight leaves")), None
+    if plan.platform != "cpu":
+        choice = Choice("default", f"{plan.platform.upper()}: the compiler fuses int8 dequantization into its "
+                                   "matmul; the CPU formulations do not apply")
+        if want not in ("measure", "default"):
+            msg = f"GEMMA4_INT8_MATMUL={want} is a CPU formulation; this device is {plan.device}"
+            if not fallback_ok:
+                raise PolicyError(msg)
+            return params, plan.replace("int8_matmul", Choice("default", f"REFUSED: {msg}", "fallback"), msg), None
+        return params, plan.replace("int8_matmul", choice), None
+
+    status = cpu_int8.load()
+    test = cpu_int8.cached_self_test(status) if status.ok else None
+    native_ok = bool(status.ok and test and test["ok"])
+    note = status.message + (f"; self-test {test['message']}" if test else "")
+    report = {"kernel": status.to_dict(), "kernel_self_test": test, "tuning": None}
+    warning = None
+    if want == "native" and not native_ok:
+        msg = f"GEMMA4_INT8_MATMUL=native refused: {note}"
+        if not fallback_ok:
+            raise PolicyError(msg + "; use GEMMA4_INT8_MATMUL=auto")
+        want, warning = "measure", msg
+    if want == "measure":
+        tuning = cpu_tuning.tune(params, native_ok, progress=progress)
+        params = cpu_tuning.apply(params, tuning)
+        report["tuning"] = tuning
+        how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
+        choice = Choice("measured", f"fastest path within {cpu_tuning.ACCURACY_BOUND:.0e} of float64 per product and "
+                                    f"row count ({how}): {cpu_tuning.summary(tuning)}; {note}",
+                        "fallback" if warning else "auto")
+    else:
+        params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok)
+        choice = Choice(want, f"requested via GEMMA4_INT8_MATMUL for decode rows (≤ 8) where it can run; "
+                              f"others keep the built-in path; {note}", "override")
+    return params, plan.replace("int8_matmul", choice, warning), report
+
+
+def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None, facts: HardwareFacts | None = None,
+                run_self_test: bool = True) -> dict:
+    """facts + plan + self-test as one JSON-able dict (for the UI panel and start-up logs)."""
+    return resolve(model_config, overrides, env, facts, run_self_test)[1]
+
+
+def _format_bytes(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / _GiB:.1f} GiB"
+
+
+def format_report(report: dict) -> str:
+    f = report["facts"]
+    lines = [
+        f"device: {f['description']}",
+        f"platform: {f['platform']}  devices: {f['device_count']}  kind: {f['device_kind']}",
+        f"jax {f['jax_version']} / jaxlib {f['jaxlib_version']}" + (f"  backend {f['backend_version']}"
+                                                                    if f.get("backend_version") else ""),
+    ]
+    if f["platform"] == "gpu":
+        lines.append(f"compute capability: {f['compute_capability'] or 'unknown'}  vendor: {f['vendor']}")
+    if f["platform"] == "tpu":
+        lines.append(f"TPU generation: {f['tpu_generation']}")
+    lines.append(f"memory: total {_format_bytes(f['memory_total_bytes'])}, free {_format_bytes(f['memory_free_bytes'])}"
+                 f"  (host RAM {_format_bytes(f['host_memory_total_bytes'])})")
+    lines.append(f"CPU: {f['cpu_model']} [{f['cpu_arch']}, {f['cpu_cores']} cores] flags: "
+                 f"{' '.join(f['cpu_flags']) or '-'}")
+    for n in f["notes"]:
+        lines.append(f"note: {n}")
+    p = report["plan"]
+    lines.append("")
+    lines.append("plan:")
+    for name in CHOICE_NAMES:
+        c = p[name]
+        tag = "" if c["source"] == "auto" else f" [{c['source']}]"
+        lines.append(f"  {name:<18} {str(c['value']):<12}{tag}  {c['reason']}")
+    for w in p["warnings"]:
+        lines.append(f"  WARNING: {w}")
+    mm = report.get("int8_matmul")
+    if mm:
+        from gemma4.plan import cpu_tuning  # noqa: PLC0415
+
+        lines.append("")
+        lines.append(f"native int8 kernel: {mm['kernel']['message']}"
+                     + (f"; self-test {mm['kernel_self_test']['message']}" if mm.get("kernel_self_test") else ""))
+        if mm.get("tuning"):
+            t = mm["tuning"]
+            how = "read from this machine's cache" if t.get("cached") else f"measured in {t['seconds']:.1f} s"
+            lines.append(f"int8 matmul path per product and row count ({how}):")
+            lines.append(cpu_tuning.format_table(t))
+    t = report.get("self_test")
+    if t:
+        lines.append("")
+        lines.append(f"self-test: {'PASS' if t['ok'] else 'FAIL'} ({t['seconds'] * 1e3:.0f} ms)")
+        for c in t["checks"]:
+            status = "ok  " if c["ok"] else "FAIL"
+            lines.append(f"  {status} {c['name']:<28} {c['seconds'] * 1e3:7.1f} ms  {c['detail']}")
+    return "\n".join(lines)
+
+
+def _measured_report(model: str, overrides: dict) -> dict:
+    """The engine's own hardware report after loading `model` (no warm-up compiles)."""
+    from gemma4.serve.engine import Engine  # noqa: PLC0415
+
+    engine = Engine(model, overrides=overrides, warmup=False)
+    try:
+        engine.wait_ready()
+        status = engine.status()
+        if status["state"] == "error":
+            raise PolicyError(status["error"] or status["message"])
+        return engine.info()["hardware"]
+    finally:
+        engine.close(timeout=60)  # let its threads finish before the interpreter tears down
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m gemma4 probe [--json] [--dtype ...] ...`: print the facts, the plan and the self-test."""
+    ap = argparse.ArgumentParser(prog="gemma4 probe", description="Probe the hardware and show the run plan.")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--dtype", help="auto|float32|bfloat16|float16 (GEMMA4_DTYPE)")
+    ap.add_argument("--weights", help="auto|none|int8|int4 (GEMMA4_WEIGHTS)")
+    ap.add_argument("--embed-weights", help="auto|none|int8|int4: the tied embedding / LM head (GEMMA4_EMBED_WEIGHTS)")
+    ap.add_argument("--kv", help="auto|native|int8|fp8 (GEMMA4_KV)")
+    ap.add_argument("--attention", help="auto|xla|cudnn (GEMMA4_ATTENTION)")
+    ap.add_argument("--int4-kernel", help="auto|pallas|xla (GEMMA4_INT4_KERNEL)")
+    ap.add_argument("--matmul-precision", help="auto|none|bfloat16|... (GEMMA4_MATMUL_PRECISION)")
+    ap.add_argument("--int8-matmul", help="auto|measure|default|native|xla-fused|xla-chunked|xla-i8x2 (GEMMA4_INT8_MATMUL)")
+    ap.add_argument("--measure", metavar="MODEL",
+                    help="load MODEL (bundled, a folder, a .gguf, random:<preset>) as the engine does and show the "
+                         "int8 matmul path chosen per product on this CPU, with the timings table")
+    ap.add_argument("--allow-fallback", action="store_true", help="fall back (with a warning) instead of refusing")
+    ap.add_argument("--model", default=None, help="config preset for per-layer choices (default: e2b geometry)")
+    ap.add_argument("--simulate", choices=sorted(SIMULATED), help="plan for a simulated device (no self-test)")
+    ap.add_argument("--no-self-test", action="store_true")
+    args = ap.parse_args(argv)
+    overrides = {k: getattr(args, k) for k in ("dtype", "weights", "embed_weights", "kv", "attention",
+                                               "int4_kernel", "matmul_precision", "int8_matmul") if getattr(args, k)}
+    if args.allow_fallback:
+        overrides["allow_fallback"] = True
+    cfg = None
+    if args.model:
+        from gemma4.model.config import preset  # noqa: PLC0415
+
+        cfg = preset(args.model)
+    facts = simulated_facts(args.simulate) if args.simulate else None
+    try:
+        if args.measure:
+            report = _measured_report(args.measure, overrides)
+        else:
+            report = full_report(cfg, overrides, facts=facts, run_self_test=not args.no_self_test)
+    except PolicyError as e:
+        if args.json:
+            print(json.dumps({"error": "PolicyError", "message": str(e)}))
+        else:
+            print(f"refused: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    return 0 if (report["self_test"] is None or report["self_test"]["ok"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

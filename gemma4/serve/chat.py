@@ -1,0 +1,326 @@
+"""Prompt rendering for Gemma 4 and Gemma 3 chats, and the stop ids of each family.
+
+`render` builds token ids directly: control tokens are inserted **by id** (through
+`Tokenizer.special_id`) and every piece of message text goes through `Tokenizer.encode`, which
+treats it as plain text. A user who types "<turn|>" or "<end_of_turn>" therefore gets those
+characters, not a turn boundary. Text between two control tokens is encoded in one call, so the
+ids equal those of tokenizing the rendered string with special-token matching (what the HF chat
+templates do) whenever the messages contain no control-looking text.
+
+Formats (see docs/gemma4-architecture.md §4 and §5):
+
+Gemma 4 (the checkpoints' chat_template.jinja)::
+
+    <bos>[<|turn>system\n[<|think|>\n]{system}[<|tool>declaration:…<tool|>…]<turn|>\n]
+    <|turn>user\n{text}<turn|>\n<|turn>model\n{reply}<turn|>\n ... <|turn>model\n
+    (31B/26B templates, thinking off: generation prompt + "<|channel>thought\n<channel|>")
+
+    A model turn with tool calls, then the tool messages' results, stays one turn:
+    <|turn>model\n<|tool_call>call:f{…}<tool_call|><|tool_response>response:f{…}<tool_response|>{answer}<turn|>\n
+    With no result yet it ends at the call's stop id "<|tool_response>"; after results the prompt
+    ends there too (no new "<|turn>model\n": the model continues its own turn). Syntax of the
+    declarations, calls and results: `gemma4.serve.chat_tools`. Earlier thoughts are dropped from model
+    turns, except `reasoning_content` of tool-calling turns after the last user message (the
+    thought behind a call of the turn still in progress), as the template does. Deviation: two
+    consecutive assistant messages whose first closed its turn open a new model turn (the
+    template would continue the closed one without an opening).
+
+Gemma 3 (no system role; system text is prepended to the first turn)::
+
+    <bos><start_of_turn>user\\n{system}\\n\\n{text}<end_of_turn>\\n<start_of_turn>model\\n...
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+from gemma4.serve import chat_tools
+from gemma4.weights.tokenizer import Tokenizer
+
+FAMILIES = ("gemma4", "gemma3")
+
+# Earlier thinking in a model turn: "<|channel>thought\n...<channel|>" (dropped from history).
+_THINKING = re.compile(r"<\|channel>.*?<channel\|>", re.DOTALL)
+
+_STOP_IDS = {
+    "gemma4": (1, 106, 50),  # <eos>, <turn|>, <|tool_response>
+    "gemma3": (1, 106),  # <eos>, <end_of_turn>
+}
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+
+
+def stop_ids(family: str) -> list[int]:
+    """Token ids that end a reply: Gemma 4 [1, 106, 50], Gemma 3 [1, 106]."""
+    _check_family(family)
+    return list(_STOP_IDS[family])
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, a {"type": "text", "text": ...} part, or a list
+    of such parts (concatenated, each trimmed, as the HF templates do). Non-text parts (images,
+    audio, files) raise ValueError: this is a text-only decoder."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        content = [content]
+    if isinstance(content, Sequence):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part.strip())
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text" and "text" in part:
+                texts.append(str(part["text"]).strip())
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"message part of type {kind!r} is not text; only text is supported")
+        return "".join(texts)
+    raise ValueError("message content must be a string or a list of text parts, "
+                     f"not {type(content).__name__}")
+
+
+def strip_thinking(text: str) -> str:
+    """Remove "<|channel>…<channel|>" thinking blocks from a model turn."""
+    return _THINKING.sub("", text)
+
+
+def _encode_segments(segments: Iterable[int | str], tokenizer: Tokenizer) -> list[int]:
+    """Ids for a sequence of control ids (int) and plain text (str); adjacent texts are joined and
+    encoded in one call so token merges across them match whole-string tokenization."""
+    ids: list[int] = []
+    pending: list[str] = []
+    for seg in segments:
+        if isinstance(seg, str):
+            pending.append(seg)
+            continue
+        if pending:
+            ids += tokenizer.encode("".join(pending))
+            pending = []
+        ids.append(seg)
+    if pending:
+        ids += tokenizer.encode("".join(pending))
+    return ids
+
+
+def _split_system(messages: Sequence[Mapping[str, Any]], system: str | None
+                  ) -> tuple[str | None, list[dict]]:
+    """(system text or None, [turn]) with system/developer messages folded into the system text
+    (the `system` argument first, then those messages in order). A turn is {"role": "user" |
+    "model" | "tool", "text", "tool_calls", "tool_call_id", "name", "reasoning"}."""
+    system_parts = [system] if system else []
+    turns: list[dict] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {m!r}")
+        role = m["role"]
+        text = message_text(m.get("content"))
+        if role in ("system", "developer"):
+            if text:
+                system_parts.append(text)
+        elif role in ("user", "assistant", "model", "tool"):
+            calls = m.get("tool_calls") or []
+            if calls and role not in ("assistant", "model"):
+                raise ValueError(f"message {i}: only assistant messages can carry tool_calls")
+            if not isinstance(calls, (list, tuple)):
+                raise ValueError(f"message {i}: tool_calls must be a list")
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            turns.append({"role": "model" if role in ("assistant", "model") else role, "text": text,
+                          "tool_calls": list(calls), "tool_call_id": m.get("tool_call_id"),
+                          "name": m.get("name"), "reasoning": reasoning if isinstance(reasoning, str) else None})
+        else:
+            raise ValueError(f"message {i} has unsupported role {role!r}; use system, user, assistant or tool")
+    return ("\n\n".join(system_parts) if system_parts else None), turns
+
+
+def _call_function(call: Any, i: int) -> tuple[str, Any, Any]:
+    """(name, arguments, id) of one OpenAI-style tool call {"id", "type", "function": {...}}."""
+    fn = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f"tool call {i} must look like {{\"function\": {{\"name\": ..., \"arguments\": ...}}}}")
+    return fn["name"], fn.get("arguments"), call.get("id")
+
+
+def _tool_segments(parts: list, quote_id: int) -> list[int | str]:
+    return [quote_id if p is chat_tools.QUOTE else p for p in parts]
+
+
+def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Tokenizer, tools: Sequence | None,
+                     thinking: bool, add_generation_prompt: bool, large_model_template: bool) -> list[int | str]:
+    """The Gemma 4 chat template, segment by segment (see the module docstring)."""
+    sid = tokenizer.special_id
+    turn_open, turn_close = sid("<|turn>"), sid("<turn|>")
+    segs: list[int | str] = []
+    if system_text is not None or thinking or tools:
+        segs += [turn_open, "system\n"]
+        if thinking:
+            segs += [sid("<|think|>"), "\n"]
+        segs.append((system_text or "").strip())
+        if tools:
+            q = sid(chat_tools.QUOTE_TOKEN)
+            for n, tool in enumerate(tools):
+                segs += [sid("<|tool>")] + _tool_segments(chat_tools.declaration_segments(tool, n), q) + [sid("<tool|>")]
+        segs += [turn_close, "\n"]
+    last_user = max((k for k, t in enumerate(turns) if t["role"] == "user"), default=-1)
+    open_model = False  # the last model turn ended after a call or its results, without <turn|>
+    k = 0
+    while k < len(turns):
+        t = turns[k]
+        if t["role"] == "tool":
+            raise ValueError(f"message {k}: a tool result must follow an assistant message with tool_calls")
+        if not (t["role"] == "model" and open_model):  # a model turn continues after tool results
+            segs += [turn_open, f"{t['role']}\n"]
+        responses: list = []
+        if t["tool_calls"]:
+            q = sid(chat_tools.QUOTE_TOKEN)
+            if t["reasoning"] and k > last_user:  # the thought behind calls of the turn in progress stays
+                segs += [sid("<|channel>"), "thought\n" + t["reasoning"] + "\n", sid("<channel|>")]
+            names: dict = {}
+            for n, call in enumerate(t["tool_calls"]):
+                name, args, call_id = _call_function(call, n)
+                names[call_id] = name
+                segs += [sid("<|tool_call>")] + _tool_segments(chat_tools.call_segments(name, args), q)
+                segs.append(sid("<tool_call|>"))
+            while k + 1 < len(turns) and turns[k + 1]["role"] == "tool":
+                k += 1
+                r = turns[k]
+                name = names.get(r["tool_call_id"]) if r["tool_call_id"] is not None else None
+                name = name or r["name"] or "unknown"
+                responses += [sid("<|tool_response>")]
+                responses += _tool_segments(chat_tools.response_segments(name, r["text"]), q)
+                responses += [sid("<tool_response|>")]
+            segs += responses
+        text = strip_thinking(t["text"]).strip() if t["role"] == "model" else t["text"].strip()
+        segs.append(text)
+        if t["tool_calls"] and not responses:
+            segs.append(sid("<|tool_response>"))  # the call's stop id: its result is still to come
+            open_model = True
+        elif responses and not text:
+            open_model = True
+        else:
+            segs += [turn_close, "\n"]
+            open_model = False
+        k += 1
+    if add_generation_prompt and not open_model:
+        segs += [turn_open, "model\n"]
+        if large_model_template and not thinking:
+            segs += [sid("<|channel>"), "thought\n", sid("<channel|>")]
+    return segs
+
+
+def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokenizer,
+           system: str | None = None, add_generation_prompt: bool = True, thinking: bool = False,
+           large_model_template: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+    """Token ids of a chat, BOS included.
+
+    Args:
+      messages: OpenAI-style [{"role": "system"|"developer"|"user"|"assistant"|"model"|"tool",
+        "content": str or text parts}]; assistant messages may carry "tool_calls" ([{"id",
+        "function": {"name", "arguments": dict or JSON string}}]) and "reasoning_content"; tool
+        messages carry "tool_call_id" and/or "name". System/developer messages are folded into
+        the system text.
+      family: "gemma4" or "gemma3".
+      tokenizer: provides `special_id` for control tokens and `encode` for plain text.
+      system: optional system prompt (placed before any system messages' text).
+      add_generation_prompt: end with the opening of a model turn (nothing after a tool result:
+        the model continues its own turn there).
+      thinking: Gemma 4 only: put "<|think|>" at the start of the system turn.
+      large_model_template: Gemma 4 31B/26B templates: with thinking off, the generation prompt
+        also carries an empty thought block "<|channel>thought\\n<channel|>" (see
+        `uses_large_template`).
+      tools: Gemma 4 only: OpenAI-style tool declarations, rendered into the system turn.
+
+    Returns:
+      list[int], starting with BOS.
+    """
+    _check_family(family)
+    system_text, turns = _split_system(messages, system)
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.special_id("<bos>")
+
+    if family == "gemma4":
+        segs = _gemma4_segments(system_text, turns, tokenizer, tools, thinking, add_generation_prompt,
+                                large_model_template)
+        return _encode_segments([bos] + segs, tokenizer)
+
+    # Gemma 3: roles must alternate user/model; consecutive same-role messages are merged.
+    if thinking:
+        raise ValueError("thinking mode is a Gemma 4 feature; Gemma 3 has no thinking channel")
+    if tools or any(t["role"] == "tool" or t["tool_calls"] for t in turns):
+        raise ValueError("tool calls are a Gemma 4 feature; Gemma 3 has no tool-call tokens")
+    merged: list[tuple[str, str]] = []
+    for t in turns:
+        role, text = t["role"], t["text"]
+        if merged and merged[-1][0] == role:
+            merged[-1] = (role, merged[-1][1].strip() + "\n\n" + text.strip())
+        else:
+            merged.append((role, text))
+    sid = tokenizer.special_id
+    segs: list[int | str] = [bos]
+    start, end = sid("<start_of_turn>"), sid("<end_of_turn>")
+    prefix = f"{system_text}\n\n" if system_text is not None else ""
+    if prefix and not merged:
+        merged = [("user", "")]
+    for k, (role, text) in enumerate(merged):
+        segs += [start, f"{role}\n{prefix if k == 0 else ''}{text.strip()}", end, "\n"]
+    if add_generation_prompt:
+        segs += [start, "model\n"]
+    return _encode_segments(segs, tokenizer)
+
+
+# Which Gemma 4 checkpoints pre-fill an empty thought block when thinking is off. The 31B and
+# 26B-A4B templates do, the E2B/E4B ones do not (docs/gemma4-architecture.md §4); the configs
+# tell them apart by the per-layer embeddings only the E models have. Override with
+# GEMMA4_EMPTY_THOUGHT=on|off (e.g. for a checkpoint whose own template says otherwise).
+EMPTY_THOUGHT_ENV = "GEMMA4_EMPTY_THOUGHT"
+
+
+def uses_large_template(cfg: Any) -> bool:
+    """Whether prompts for this model end with "<|channel>thought\\n<channel|>" when thinking is
+    off: Gemma 4 without per-layer embeddings (31B, 26B-A4B), unless GEMMA4_EMPTY_THOUGHT says."""
+    if getattr(cfg, "family", None) != "gemma4":
+        return False
+    forced = os.environ.get(EMPTY_THOUGHT_ENV, "auto").strip().lower()
+    if forced in ("on", "1", "true", "yes"):
+        return True
+    if forced in ("off", "0", "false", "no"):
+        return False
+    return not getattr(cfg, "hidden_size_per_layer_input", 0)
+
+
+def render_completion(text: str, tokenizer: Tokenizer) -> list[int]:
+    """[BOS] + plain ids of `text`: the prompt for a base (pretrained) model such as the bundled
+    Gemma 3 270M, which continues text rather than answering turns."""
+    return tokenizer.encode(text, add_bos=True)
+
+
+def render_with_template(template: str, messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
+                         add_generation_prompt: bool = True, thinking: bool = False,
+                         **extra: Any) -> list[int]:
+    """Ids from a checkpoint's own `chat_template.jinja` (rendered with jinja2 the way
+    transformers does: sandboxed, trim_blocks, lstrip_blocks).
+
+    The rendered string is tokenized with `Tokenizer.encode_with_specials`, so control-token
+    text is a control token — including control-looking text typed *inside* a message. Prefer
+    `render` for user input; use this to check a checkpoint's template or for unusual formats.
+    """
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    bos = tokenizer.id_to_piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.id_to_piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
+    text = env.from_string(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        enable_thinking=thinking, bos_token=bos, eos_token=eos, **extra)
+    return tokenizer.encode_with_specials(text)

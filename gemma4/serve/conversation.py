@@ -1,0 +1,446 @@
+"""The one request layer the chat UI and the HTTP API share: messages → prompt ids, engine events →
+thought, answer, tool calls, stats and flags.
+
+A Gemma 4 reply is split **on token ids**, never on decoded text: `<|channel>` … `<channel|>` is
+the thought (its channel name "thought\\n" removed), `<|tool_call>` … `<tool_call|>` is a tool call
+(parsed by `gemma4.serve.chat_tools.parse_call`), everything else is the answer. Control ids are looked
+up through `Tokenizer.special_id`, so text a user typed that looks like a marker stays text.
+
+Cases handled: a thought cut off by max_new_tokens (the last event has `in_thought` and a note),
+an empty thought block (the 31B/26B prompts pre-fill one when thinking is off, see
+`gemma4.serve.chat.uses_large_template`), a stray `<channel|>` with no opening (dropped), several calls
+in one reply, a malformed call (a note; the call is not returned), stop strings (applied to the
+answer only, so a thought may mention them). Earlier thoughts never re-enter a prompt: the
+renderer drops them from model turns, and `clean_messages` drops the thought/tool display
+messages a Gradio chat history carries.
+
+    from gemma4.serve.conversation import stream_reply
+    for ev in stream_reply(engine, messages, params, thinking=True, tools=tools):
+        ev.thought_delta, ev.answer_delta, ev.tool_calls, ev.in_thought, ev.done, ev.finish_reason
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+from gemma4.serve import chat_tools
+from gemma4.serve.engine_requests import RequestError
+from gemma4.model.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
+from gemma4.weights.tokenizer import IncrementalDecoder
+
+CHANNEL_NAME = "thought\n"  # what follows <|channel> in a thought block
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    id: str  # "call_<n>", unique in the reply
+    name: str
+    arguments: dict
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+    def to_openai(self) -> dict:
+        """{"id", "type": "function", "function": {"name", "arguments": JSON string}}."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments_json}}
+
+
+@dataclasses.dataclass
+class ReplyEvent:
+    thought_delta: str  # new thought text since the previous event
+    answer_delta: str  # new answer text since the previous event
+    thought: str  # the whole thought so far (no control tokens, no channel name)
+    answer: str  # the whole answer so far
+    tool_calls: list[ToolCall]  # complete calls parsed so far
+    in_thought: bool  # the model is inside its thought channel now
+    thought_s: float | None  # seconds spent thinking (so far / final); None without a thought
+    done: bool
+    finish_reason: str | None  # "stop" | "length" | "tool_calls" | "cancelled" | "error"
+    stats: dict  # the engine's stats + thought_tokens, answer_tokens, tool_call_tokens, prompt_tokens
+    flags: dict  # degeneracy flags (final event; {} before)
+    notes: list[str]  # user-facing notes (settings clamped, turns dropped, cut-off thought, bad calls)
+
+
+# ------------------------------------------------------------------------------ support checks
+def supports_thinking(engine) -> tuple[bool, str]:
+    """(ok, reason): Gemma 4 models have a thinking channel, Gemma 3 ones do not."""
+    family = engine.cfg.family
+    if family == "gemma4":
+        return True, ""
+    return False, (f"{engine.info().get('model', 'this model')} is a Gemma 3 model: it has no thinking channel "
+                   "(thinking is a Gemma 4 feature)")
+
+
+def supports_tools(engine) -> tuple[bool, str]:
+    """(ok, reason): Gemma 4 has tool-call tokens, Gemma 3 does not."""
+    if engine.cfg.family == "gemma4":
+        return True, ""
+    return False, (f"{engine.info().get('model', 'this model')} is a Gemma 3 model: it has no tool-call tokens "
+                   "(tool calls are a Gemma 4 feature)")
+
+
+def _check_request(engine, prompt: Any, mode: str, thinking: bool, tools: Any) -> None:
+    if thinking:
+        ok, why = supports_thinking(engine)
+        if not ok:
+            raise RequestError(f"Thinking is not available: {why}.")
+    if tools:
+        ok, why = supports_tools(engine)
+        if not ok:
+            raise RequestError(f"Tools are not available: {why}.")
+        if not isinstance(tools, (list, tuple)):
+            raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
+    if (thinking or tools) and mode != "chat":
+        raise RequestError("Thinking and tools need a chat request (mode='chat'), not a completion.")
+
+
+def clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The messages a model should see: Gradio display messages (an assistant message whose
+    metadata has a title: a thought or tool-call block) are dropped, so an earlier thought shown
+    in the chat never goes back into the prompt; everything else is passed on unchanged."""
+    out = []
+    for m in messages:
+        meta = m.get("metadata") if isinstance(m, Mapping) else None
+        if isinstance(meta, Mapping) and meta.get("title") and m.get("role") in ("assistant", "model"):
+            continue
+        out.append(m)
+    return out
+
+
+def _prompt_arg(prompt: Any) -> Any:
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
+        cleaned = clean_messages(prompt)
+        if not cleaned:
+            raise RequestError("The conversation has no messages to answer.")
+        return cleaned
+    return prompt
+
+
+def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
+               thinking: bool = False, mode: str = "chat") -> list[int]:
+    """The prompt ids a `stream_reply` with these arguments would be given (no queueing)."""
+    _check_request(engine, messages, mode, thinking, tools)
+    return engine.encode_prompt(_prompt_arg(messages), mode=mode, system=system, thinking=thinking,
+                                tools=list(tools) if tools else None)
+
+
+# ------------------------------------------------------------------------------ splitting a reply
+def _optional_id(tokenizer, piece: str) -> int | None:
+    return tokenizer.special_id(piece) if tokenizer.has_token(piece) else None
+
+
+class ReplySplitter:
+    """Token ids of one reply → thought, answer and tool calls (pure: no engine, no clock).
+
+    `push(id)` returns (thought_delta, answer_delta); `finish()` flushes what is pending. Token
+    counts: `thought_tokens` (from <|channel> through <channel|>), `tool_call_tokens` (from
+    <|tool_call> through <tool_call|>), `answer_tokens` (all others); they sum to the ids pushed.
+    """
+
+    def __init__(self, tokenizer, *, in_thought: bool = False, channel_named: bool = True):
+        self.tok = tokenizer
+        opt = lambda p: _optional_id(tokenizer, p)  # noqa: E731 - Gemma 3 vocabularies lack these
+        self.channel_open, self.channel_close = opt("<|channel>"), opt("<channel|>")
+        self.call_open, self.call_close = opt("<|tool_call>"), opt("<tool_call|>")
+        self.quote = opt(chat_tools.QUOTE_TOKEN)
+        self.mode = "thought" if in_thought else "answer"
+        self.thought = self.answer = ""
+        self.tool_calls: list[ToolCall] = []
+        self.errors: list[str] = []
+        self.thought_tokens = self.answer_tokens = self.tool_call_tokens = 0
+        self.stray = 0  # control ids dropped where they mean nothing (flagged as control_tokens)
+        self.structural: list[int] = []  # control ids used as markers (not degeneracy evidence)
+        self.had_thought = in_thought
+        self._dec = IncrementalDecoder(tokenizer)
+        self._head = ""  # thought text held back while it may still be the channel name
+        self._named = channel_named  # the channel name is behind us (already in the prompt)
+        self._call: list = []
+
+    # The current thought block's text, the channel name "thought\n" removed.
+    def _thought_text(self, text: str) -> str:
+        if self._named:
+            return text
+        self._head += text
+        if CHANNEL_NAME.startswith(self._head):
+            return ""
+        self._named = True
+        head, self._head = self._head, ""
+        return head[len(CHANNEL_NAME):] if head.startswith(CHANNEL_NAME) else head
+
+    def _close_head(self) -> str:
+        head, self._head, self._named = self._head, "", True
+        return "" if head in ("thought", CHANNEL_NAME) else head
+
+    def _add(self, thought: str = "", answer: str = "") -> tuple[str, str]:
+        self.thought += thought
+        self.answer += answer
+        return thought, answer
+
+    def push(self, token: int) -> tuple[str, str]:
+        token = int(token)
+        if self.mode == "tool":
+            self.tool_call_tokens += 1
+            if token == self.call_close:
+                self.structural.append(token)
+                self._end_call(self._dec.flush())
+            elif token == self.quote:
+                self.structural.append(token)
+                self._call += [self._dec.flush(), chat_tools.QUOTE]
+            elif self.tok.is_control(token):
+                self.stray += 1
+            else:
+                self._call.append(self._dec.push(token))
+            return "", ""
+        if self.mode == "thought":
+            self.thought_tokens += 1
+            if token == self.channel_close:
+                self.structural.append(token)
+                self.mode = "answer"
+                return self._add(thought=self._thought_text(self._dec.flush()) + self._close_head())
+            if self.tok.is_control(token):
+                self.stray += 1
+                return "", ""
+            return self._add(thought=self._thought_text(self._dec.push(token)))
+        # answer mode
+        if token == self.channel_open:
+            self.structural.append(token)
+            self.thought_tokens += 1
+            self.mode, self._named, self.had_thought = "thought", False, True
+            sep = "\n\n" if self.thought else ""  # a second thought block joins the first
+            return self._add(thought=sep, answer=self._dec.flush())
+        if token == self.call_open:
+            self.structural.append(token)
+            self.tool_call_tokens += 1
+            self.mode, self._call = "tool", []
+            return self._add(answer=self._dec.flush())
+        self.answer_tokens += 1
+        if token == self.channel_close:  # a stray <channel|> (a known Gemma 4 quirk): dropped
+            self.structural.append(token)
+            return "", ""
+        if self.tok.is_control(token):  # any other control id: dropped, and flagged
+            self.stray += 1
+            return "", ""
+        return self._add(answer=self._dec.push(token))
+
+    def _end_call(self, tail: str) -> None:
+        self._call.append(tail)
+        self.mode = "answer"
+        try:
+            name, args = chat_tools.parse_call(self._call)
+        except chat_tools.ToolCallError as e:
+            self.errors.append(f"tool call {len(self.tool_calls) + len(self.errors) + 1} was not returned: {e}")
+            return
+        self.tool_calls.append(ToolCall(id=f"call_{len(self.tool_calls) + 1}", name=name, arguments=args))
+
+    def finish(self, stopped: bool = False) -> tuple[str, str]:
+        """Flush what is pending at the end of the reply (the state stays: `mode` tells where the
+        reply ended). `stopped`: the model ended the reply itself (a stop id), so a call it left
+        without <tool_call|> (going straight to <|tool_response>) is complete and is parsed."""
+        tail = self._dec.flush()
+        if self.mode == "thought":
+            return self._add(thought=self._thought_text(tail) + self._close_head())
+        if self.mode == "tool":
+            if stopped:
+                self._end_call(tail)
+            else:
+                self._call.append(tail)
+            return "", ""
+        return self._add(answer=tail)
+
+
+def _starts_in_thought(tokenizer, ids: Sequence[int]) -> tuple[bool, bool]:
+    """(in_thought, channel_named) for a reply continuing `ids`: a prompt whose last channel
+    marker is an unclosed <|channel> (e.g. one ending "<|channel>thought\\n") is continued inside
+    the thought."""
+    open_id, close_id = _optional_id(tokenizer, "<|channel>"), _optional_id(tokenizer, "<channel|>")
+    if open_id is None:
+        return False, True
+    last_open = max((k for k, t in enumerate(ids) if t == open_id), default=-1)
+    last_close = max((k for k, t in enumerate(ids) if t == close_id), default=-1)
+    if last_open <= last_close:
+        return False, True
+    return True, tokenizer.decode(ids[last_open + 1:]).startswith(CHANNEL_NAME)
+
+
+def _merged_flags(answer_flags: dict, thought_flags: dict | None) -> dict:
+    """One flags dict: the answer's, plus every rule the thought fired ("in the thought: …")."""
+    if not thought_flags or thought_flags.get("ok", True):
+        return answer_flags
+    from gemma4.serve.quality import RULES
+
+    details = dict(answer_flags.get("details", {}))
+    for rule in thought_flags["fired"]:
+        extra = f"in the thought: {thought_flags['details'][rule]}"
+        details[rule] = f"{details[rule]}; {extra}" if rule in details else extra
+    fired = [r for r in RULES if r in details]
+    return {"ok": not fired, "fired": fired, "details": details}
+
+
+# ------------------------------------------------------------------------------ streaming
+class ReplyStream:
+    """Iterator of `ReplyEvent`s for one submitted request. `close()` (or leaving a `with`
+    block, or closing a generator that iterates it) cancels the request and frees its slot
+    within one engine step, even before the first event."""
+
+    def __init__(self, engine, req, stops: Sequence[str]):
+        self.engine, self.request = engine, req
+        self._stops = tuple(stops)
+        self._gen = self._run()
+
+    def __iter__(self) -> "ReplyStream":
+        return self
+
+    def __next__(self) -> ReplyEvent:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self.engine.cancel(self.request)
+        self._gen.close()
+
+    def __enter__(self) -> "ReplyStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # An abandoned stream must not keep its slot. Only the flag: the engine's lock may be
+        # held by the thread the collector runs on; the scheduler drops cancelled requests.
+        self.request.cancel.set()
+
+    def _run(self) -> Iterator[ReplyEvent]:
+        from gemma4.serve.quality import degeneracy_flags
+
+        engine, req, stops = self.engine, self.request, self._stops
+        tok = engine.tokenizer
+        in_thought, named = _starts_in_thought(tok, req.prompt_ids)
+        sp = ReplySplitter(tok, in_thought=in_thought, channel_named=named)
+        t_thought = [req.submitted if in_thought else None, None]  # [started, ended]
+        shown = 0  # answer characters already handed out (the rest may start a stop string)
+        seen = 0  # ids consumed
+        stopped = False
+        events = engine._events(req, stop_strings=())  # stop strings apply to the answer only
+        try:
+            for ev in events:
+                thought_delta = ""
+                if not stopped:
+                    for token in ev.token_ids[seen:]:
+                        was = sp.mode
+                        th, _ = sp.push(token)
+                        thought_delta += th
+                        now = time.perf_counter()
+                        if was != "thought" and sp.mode == "thought":
+                            t_thought[0] = t_thought[0] or now
+                        elif was == "thought" and sp.mode != "thought":
+                            t_thought[1] = now
+                        seen += 1
+                        if stops:
+                            cut, hit = apply_stop_strings(sp.answer, stops)
+                            if hit:
+                                sp.answer, stopped = cut, True
+                                engine.cancel(req)
+                                break
+                if ev.done:
+                    if not stopped:
+                        thought_delta += sp.finish(stopped=ev.finish_reason == "stop")[0]
+                    break
+                visible = len(sp.answer) if stopped else len(sp.answer) - stop_string_holdback(sp.answer, stops)
+                answer_delta, shown = sp.answer[shown:max(visible, shown)], max(visible, shown)
+                yield self._event(ev, sp, thought_delta, answer_delta, sp.answer[:shown], t_thought, seen,
+                                  None, {}, [])
+            else:
+                return  # the engine's stream ended without a final event (closed elsewhere)
+            answer_delta = sp.answer[shown:]
+            reason = "stop" if stopped else ev.finish_reason
+            notes = self._notes(sp, reason, ev)
+            if reason in ("stop", None) and sp.tool_calls:
+                reason = "tool_calls"
+            elif reason == "context":
+                reason = "length"
+            nonfinite = "nonfinite_logits" in ev.flags.get("fired", [])
+            structural = list(sp.structural)
+            plain_ids = []
+            for t in ev.token_ids[:seen]:  # markers used as markers are not degeneracy evidence
+                if structural and t == structural[0]:
+                    structural.pop(0)
+                else:
+                    plain_ids.append(t)
+            flags = degeneracy_flags(sp.answer, plain_ids, prompt_text=tok.decode(req.prompt_ids),
+                                     control_ids=getattr(tok, "control_ids", frozenset()),
+                                     nonfinite_logits=nonfinite)
+            flags = _merged_flags(flags, degeneracy_flags(sp.thought) if sp.thought else None)
+            final = self._event(ev, sp, thought_delta, answer_delta, sp.answer, t_thought, seen, reason, flags,
+                                notes)
+            final.done = True
+            yield final
+        finally:
+            events.close()
+            engine.cancel(req)
+
+    @staticmethod
+    def _notes(sp: ReplySplitter, reason: str | None, ev) -> list[str]:
+        notes = list(sp.errors)
+        if reason in ("length", "context"):
+            where = ("max_new_tokens was reached" if reason == "length" else "the context window is full")
+            if sp.mode == "thought":
+                notes.append(f"the reply was cut off inside its thought ({where}): there is no answer yet; "
+                             "allow more new tokens or turn thinking off")
+            elif sp.mode == "tool":
+                notes.append(f"the reply was cut off inside a tool call ({where}); the call was not returned")
+        if reason == "error" and ev.stats.get("error"):
+            notes.append(f"generation failed: {ev.stats['error']}")
+        return notes
+
+    def _event(self, ev, sp: ReplySplitter, thought_delta: str, answer_delta: str, answer: str, t_thought: list,
+               seen: int, reason: str | None, flags: dict, extra_notes: list[str]) -> ReplyEvent:
+        stats = dict(ev.stats)
+        stats.update(new_tokens=seen, thought_tokens=sp.thought_tokens, answer_tokens=sp.answer_tokens,
+                     tool_call_tokens=sp.tool_call_tokens, prompt_tokens=len(self.request.prompt_ids))
+        notes = list(stats.get("notes", [])) + extra_notes
+        stats["notes"] = notes
+        if reason is not None:
+            stats["finish_reason"] = reason
+        thought_s = None
+        if sp.had_thought and t_thought[0] is not None:
+            thought_s = (t_thought[1] if t_thought[1] is not None else time.perf_counter()) - t_thought[0]
+        return ReplyEvent(thought_delta=thought_delta, answer_delta=answer_delta, thought=sp.thought,
+                          answer=answer, tool_calls=list(sp.tool_calls), in_thought=sp.mode == "thought", thought_s=thought_s,
+                          done=False, finish_reason=reason, stats=stats, flags=flags, notes=notes)
+
+
+def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
+                 system: str | None = None, tools: Sequence | None = None, thinking: bool = False) -> ReplyStream:
+    """Submit a request and stream its reply as `ReplyEvent`s.
+
+    Args:
+      engine: a `gemma4.serve.engine.Engine`.
+      prompt: OpenAI-style messages (roles system/developer/user/assistant/tool; assistant
+        messages may carry "tool_calls", tool messages "tool_call_id"/"name"), or a string.
+      params: sampling settings; their stop strings apply to the answer (not the thought).
+      mode: "chat" (render the chat template) or "completion" (continue the text as is).
+      system: a system prompt placed before any system messages.
+      tools: OpenAI-style tool declarations (Gemma 4 only).
+      thinking: turn on Gemma 4's thinking channel.
+
+    Raises RequestError (before any slot is taken) for bad input, and for thinking or tools with
+    a Gemma 3 model. The request is queued at once; iterate the result for its events.
+    """
+    _check_request(engine, prompt, mode, thinking, tools)
+    req = engine.submit(_prompt_arg(prompt), params, mode=mode, system=system, thinking=thinking,
+                        tools=list(tools) if tools else None)
+    return ReplyStream(engine, req, req.params.stop_strings)
+
+
+def complete_reply(engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
+    """The final `ReplyEvent` of `stream_reply(engine, prompt, params, **kwargs)` (a non-streaming
+    reply: whole thought, answer, tool calls, stats, flags and notes)."""
+    final = None
+    with stream_reply(engine, prompt, params, **kwargs) as stream:
+        for final in stream:
+            pass
+    return final

@@ -1,0 +1,1 @@
+"""The Gradio chat's handlers and panels (plain data in, strings out)."""

@@ -1,0 +1,309 @@
+"""The chat's event handlers: the user step, the streamed reply, retry/undo/edit/stop, and
+the meters refreshed after each reply.
+
+`ChatHandlers` holds the engine and the app's settings and no per-user state (that lives in
+the Chatbot history and a `gr.State`). `app.DemoApp` adds the timers and the API on top.
+Nothing heavy is imported here: the engine modules (and jax) load when a handler is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+
+from gemma4.ui import panels as uf
+
+log = logging.getLogger("gemma4.app")
+
+STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second: long replies must not flood the browser
+LOADING_POLL_S = 0.5
+SEED_RANDOM = -1
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.05, 1.0)
+PENALTY_RANGE = (1.0, 2.0)
+THINK_INFO = ("Gemma 4 thinks before it answers; the thought appears as a collapsible block "
+              "above the answer and is left out of later prompts. Chat mode only.")
+
+
+def guess_is_base(model: str) -> bool:
+    """Before the engine has loaded: does the model name look like a base (pretrained) model?"""
+    m = model.lower()
+    if m == "bundled":
+        return True
+    return not (m.endswith("-it") or "-it-" in m or "instruct" in m)
+
+
+def plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(uf.session_rows_for_plot(replies))
+
+
+class ChatHandlers:
+    """The chat's event handlers; holds the engine and the settings, no per-user state.
+
+    `settings` is `app.Settings` (read here: `model`, `max_new_tokens_cap`).
+    """
+
+    def __init__(self, engine: Any, settings: Any):
+        # these import jax but load nothing; importing app alone must not import them
+        from gemma4.serve import conversation
+        from gemma4.serve.engine import RequestError, SamplingParams
+        from gemma4.model.sampling import K_MAX
+
+        self.engine = engine
+        self.settings = settings
+        self.RequestError = RequestError
+        self.SamplingParams = SamplingParams
+        self.top_k_max = K_MAX
+        self.conversation = conversation
+
+    # ------------------------------------------------------------------ engine facts
+
+    def info(self) -> dict[str, Any] | None:
+        """engine.info() once the model is ready, else None."""
+        if self.engine.status().get("state") != "ready":
+            return None
+        return self.engine.info()
+
+    def is_base(self) -> bool:
+        info = self.info()
+        return bool(info["is_base_model"]) if info else guess_is_base(self.settings.model)
+
+    def default_sampling(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self.SamplingParams())
+        info = self.info()
+        if info:
+            d.update(info.get("default_sampling") or {})
+        d["max_new_tokens"] = min(int(d.get("max_new_tokens") or 256),
+                                  self.settings.max_new_tokens_cap)
+        return d
+
+    def default_mode(self) -> str:
+        return "completion" if self.is_base() else "chat"
+
+    def thinking_support(self) -> tuple[bool, str]:
+        """(can this model think, why not): Gemma 4 only, known once the model has loaded."""
+        if not self.info():
+            return False, "Thinking is available for Gemma 4 models; the model is still loading."
+        return self.conversation.supports_thinking(self.engine)
+
+    def think_update(self) -> dict[str, Any]:
+        """The Think switch: enabled for Gemma 4, disabled with the reason otherwise."""
+        ok, reason = self.thinking_support()
+        if ok:
+            return gr.update(interactive=True, info=THINK_INFO)
+        return gr.update(value=False, interactive=False, info=reason)
+
+    def params(self, temperature, top_p, top_k, max_new_tokens, seed, repetition_penalty=None):
+        """SamplingParams from UI/API values, clamped into the UI's ranges with a note each.
+
+        Returns (params, notes, warnings): notes describe every adjustment (shown in the reply
+        panel); warnings are the ones worth a toast (a value was out of range). Values that are
+        not numbers raise ValueError with a message naming the field.
+        """
+        warnings: list[str] = []
+        d = self.default_sampling()
+        pick = lambda v, k: d[k] if v is None else v  # noqa: E731
+        max_new = uf.clamp(pick(max_new_tokens, "max_new_tokens"), 1,
+                           self.settings.max_new_tokens_cap, "max_new_tokens", warnings,
+                           integer=True)
+        temp = uf.clamp(pick(temperature, "temperature"), *TEMPERATURE_RANGE, "temperature",
+                        warnings)
+        top_p_v = uf.clamp(pick(top_p, "top_p"), *TOP_P_RANGE, "top_p", warnings)
+        top_k_v = uf.clamp(pick(top_k, "top_k"), 0, self.top_k_max, "top_k", warnings,
+                           integer=True)
+        penalty = uf.clamp(pick(repetition_penalty, "repetition_penalty"), *PENALTY_RANGE,
+                           "repetition_penalty", warnings)
+        seed_f = uf.as_number(seed)
+        seed_v = None if seed_f is None or seed_f < 0 else int(seed_f)
+        p = self.SamplingParams(temperature=temp, top_p=top_p_v, top_k=top_k_v,
+                                max_new_tokens=max_new, seed=seed_v, repetition_penalty=penalty)
+        p, more = p.validated(self.settings.max_new_tokens_cap)
+        return p, warnings + list(more), warnings
+
+    def _wait_ready(self) -> Iterator[dict[str, Any]]:
+        """Yield the engine status while it loads/warms; returns when ready or failed."""
+        status = self.engine.status()
+        while status.get("state") not in ("ready", "error"):
+            yield status
+            time.sleep(LOADING_POLL_S)
+            status = self.engine.status()
+
+    # ------------------------------------------------------------------ chat steps
+
+    def add_user_message(self, message: str, history: list[dict]):
+        """User step (no queue): append the message, clear and lock the textbox."""
+        history = list(history or [])
+        if not (message or "").strip():
+            gr.Warning("Type a message first — nothing was sent.")
+            return gr.update(value=message), history
+        history.append({"role": "user", "content": message})
+        return gr.update(value="", interactive=False), history
+
+    def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
+                repetition_penalty, session, think=False):
+        """Bot step: stream the model's reply (its thought, answer and tool calls as their own
+        messages) into the chat, and its numbers into the panel."""
+        history = [dict(m) for m in history or []]
+        session = {"replies": [dict(r) for r in (session or {}).get("replies", [])]}
+        user_text = uf.last_user_text(history)
+        if user_text is None:  # nothing to answer (e.g. the message was refused)
+            yield history, gr.skip(), session
+            return
+
+        # 1. The model may still be loading: say so in the chat, wait, then answer.
+        for status in self._wait_ready():
+            line = uf.loading_text(status)
+            wait_msg = {"role": "assistant",
+                        "content": f"The model is still loading ({line}). Your message will be "
+                                   "answered as soon as it is ready.",
+                        "metadata": {"title": f"⏳ {line}", "status": "pending"}}
+            yield [*history, wait_msg], gr.skip(), session
+        status = self.engine.status()
+        if status.get("state") == "error":
+            err = status.get("error") or status.get("message") or "unknown error"
+            yield ([*history, uf.notice_message(f"The model could not be loaded: {err}")],
+                   gr.skip(), session)
+            return
+
+        # 2. Settings (clamped with a warning) and the prompt.
+        mode = mode if mode in ("chat", "completion") else self.default_mode()
+        try:
+            think, think_note = self._thinking(think, mode)
+            params, notes, warnings = self.params(temperature, top_p, top_k, max_new_tokens,
+                                                  seed, repetition_penalty)
+            for w in warnings:
+                gr.Warning(w)
+            notes += [think_note] if think_note else []
+            # chat: the conversation as messages, earlier thoughts left out (the engine renders
+            # the template and drops the oldest turns if it outgrows the context); completion:
+            # the latest text only.
+            prompt = uf.history_to_messages(history) if mode == "chat" else user_text
+        except (ValueError, self.RequestError) as e:
+            yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
+            return
+        except Exception as e:  # a bug here must not leave the chat hanging or show a trace
+            log.exception("preparing the request failed")
+            yield ([*history, uf.notice_message(f"Could not prepare the request "
+                                                f"({type(e).__name__}: {e}).")], gr.skip(), session)
+            return
+
+        # 3. Stream through the request layer. Closing this generator (Stop) runs `finally`,
+        #    which closes the reply stream and frees the decode slot within one step.
+        reply = {"decode_tok_s": None, "ttft_s": None, "new_tokens": 0, "mode": mode}
+        session["replies"].append(reply)
+        gen = None
+        last_yield = 0.0
+        try:
+            gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
+                                                 system=(system or "").strip() or None,
+                                                 thinking=think)
+            yield ([*history, *uf.reply_messages("", {}, {}, done=False)],
+                   uf.reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
+            for ev in gen:
+                now = time.monotonic()
+                if not ev.done and now - last_yield < STREAM_INTERVAL_S:
+                    continue
+                last_yield = now
+                stats = {**(ev.stats or {}), "thinking": think, "thought_s": ev.thought_s}
+                flags = dict(ev.flags or {})
+                if ev.done:  # the request layer's own adjustments (old turns dropped, cut-offs)
+                    for n in [*(stats.get("notes") or ()), *(ev.notes or ())]:
+                        if n not in notes:
+                            notes.append(n)
+                            gr.Warning(n)
+                reply.update(decode_tok_s=stats.get("decode_tok_s"), ttft_s=stats.get("ttft_s"),
+                             new_tokens=stats.get("new_tokens"), stats=stats, flags=flags,
+                             finish_reason=ev.finish_reason if ev.done else None,
+                             flagged=uf.flags_summary(flags)[0] if ev.done else False)
+                msgs = uf.reply_messages(ev.answer, stats, flags, done=ev.done,
+                                         finish_reason=ev.finish_reason, thought=ev.thought,
+                                         in_thought=ev.in_thought, thought_s=ev.thought_s,
+                                         tool_calls=ev.tool_calls)
+                panel = uf.reply_panel_html(stats, flags, done=ev.done,
+                                            finish_reason=ev.finish_reason, notes=notes, mode=mode)
+                yield [*history, *msgs], panel, session
+        except self.RequestError as e:
+            session["replies"].remove(reply)
+            yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
+        except Exception as e:  # an engine failure must not take the app down or show a trace
+            log.exception("generation failed")
+            session["replies"].remove(reply)
+            yield ([*history, uf.notice_message(
+                f"The engine failed on this request ({type(e).__name__}: {e}). The app keeps "
+                "serving — try again, or clear the chat.")], gr.skip(), session)
+        finally:
+            if gen is not None:
+                gen.close()
+
+    def _thinking(self, think: Any, mode: str) -> tuple[bool, str | None]:
+        """(think for this reply, a note when the switch was on but thinking cannot happen)."""
+        if not think:
+            return False, None
+        if mode != "chat":
+            return False, "Thinking is off in completion mode (it needs the chat template)."
+        ok, reason = self.thinking_support()
+        return (True, None) if ok else (False, f"Thinking is off: {reason}")
+
+    def after_reply(self, history, system, mode, session):
+        """Refresh the context meter and the session chart; unlock the textbox."""
+        replies = (session or {}).get("replies", [])
+        frame = plot_frame(replies)
+        return (gr.update(interactive=True), self.context_meter(history, system, mode, session),
+                frame, frame, uf.session_summary_md(replies))
+
+    def context_meter(self, history, system, mode, session) -> str:
+        info = self.info()
+        if not info:
+            return uf.context_meter_html(None, None, "(model still loading)")
+        limit = info.get("context_limit")
+        if mode == "completion":
+            replies = (session or {}).get("replies", [])
+            last = (replies[-1].get("stats") or {}) if replies else {}
+            used = int(last.get("prefill_tokens") or 0) + int(last.get("new_tokens") or 0)
+            return uf.context_meter_html(used, limit, "last completion prompt + reply "
+                                         "(completion mode sends only your latest message)")
+        try:
+            used = self.engine.count_tokens(uf.history_to_messages(history),
+                                            (system or "").strip() or None)
+        except Exception as e:  # a meter must never break the chat
+            log.warning("count_tokens failed: %s", e)
+            return uf.context_meter_html(None, limit, f"(could not count: {e})")
+        return uf.context_meter_html(used, limit, "this conversation incl. system prompt")
+
+    def finalize_stopped(self, history, session):
+        """After Stop: mark the interrupted reply (its stats line, and its thought if it was
+        still thinking) as stopped; its stream was closed mid-way."""
+        history = [dict(m) for m in history or []]
+        replies = [dict(r) for r in (session or {}).get("replies", [])]
+        panel = gr.skip()
+        if history and history[-1].get("role") == "assistant":
+            meta = history[-1].get("metadata") or {}
+            if meta.get("title") and meta.get("status") == "pending":
+                stats = (replies[-1].get("stats") or {}) if replies else {}
+                flags = (replies[-1].get("flags") or {}) if replies else {}
+                history[-1] = uf.stats_message(stats, flags, done=True, finish_reason="cancelled")
+                history = uf.close_pending_thought(history, "cancelled")
+                if replies:
+                    replies[-1]["finish_reason"] = "cancelled"
+                panel = uf.reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
+        return history, panel, {"replies": replies}
+
+    def retry(self, history):
+        """Retry (offered on the last reply): drop the whole reply (thought, answer, tool calls,
+        stats), keep the user turn, answer again."""
+        return uf.strip_trailing_assistant(history)
+
+    def undo(self, history):
+        history, text = uf.pop_last_user_turn(history)
+        return history, text
+
+    def edit(self, history, edit_data: gr.EditData):
+        history = list(history or [])[: uf.message_index(edit_data.index)]
+        history.append({"role": "user", "content": edit_data.value})
+        return history

@@ -1,0 +1,418 @@
+"""Chat history and per-reply formatting for the Gradio demo.
+
+Gradio history (messages with `metadata`) → the conversation sent to the model, and a reply's
+stats/flags → its chat messages and the "This reply" panel. Plain data in, strings and dicts
+out; no Gradio, no engine.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from gemma4.ui.numbers import as_number, fmt_int, fmt_num
+from gemma4.ui.thinking import STATS_ID, thought_message, tool_calls_message
+
+# Assistant messages the app writes itself, as opposed to model text:
+# - a *notice* (a refusal or error: "not sent, because ..."), marked with metadata log "notice";
+#   it renders as a plain message, and it and the user turn it answers are left out of the
+#   conversation sent to the model, so a refused message does not poison the next request;
+# - a *stats* message after each reply, whose metadata title is the short stats line
+#   (Gradio renders a message with a metadata title as a collapsible block: the numbers stay
+#   with the reply in the history, the details fold away);
+# - a reply's *thought* and *tool calls* (gemma4/ui/thinking.py), also titled blocks.
+NOTICE_LOG = "notice"
+
+FINISH_TEXT = {
+    None: "streaming…",
+    "stop": "done (end of turn)",
+    "length": "done (max new tokens reached)",
+    "cancelled": "stopped",
+    "context": "done (context window full)",
+    "tool_calls": "done (the model called a tool)",
+    "error": "error",
+}
+
+
+# --------------------------------------------------------------------------- chat history
+
+
+def message_text(content: Any) -> str:
+    """The text of a Gradio message's content.
+
+    Gradio 6 hands history content to event functions as a list of parts
+    (`[{"type": "text", "text": ...}]`); values we build ourselves are plain strings.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        if content.get("type") == "text" or "text" in content:
+            return str(content.get("text") or "")
+        return ""
+    if isinstance(content, Sequence):
+        return "".join(message_text(part) for part in content)
+    return str(content)
+
+
+def notice_message(text: str) -> dict[str, Any]:
+    """An assistant message from the app (not the model) explaining why nothing was generated."""
+    return {"role": "assistant", "content": f"⚠️ {text}",
+            "metadata": {"log": NOTICE_LOG, "status": "done"}}
+
+
+def is_notice(message: Mapping[str, Any]) -> bool:
+    """True for a notice written by `notice_message`."""
+    meta = message.get("metadata") or {}
+    return message.get("role") == "assistant" and meta.get("log") == NOTICE_LOG
+
+
+def is_app_message(message: Mapping[str, Any]) -> bool:
+    """True for assistant messages that are not the model's answer text: notices, stats,
+    loading lines, and the thought and tool-call blocks (all but notices carry a title)."""
+    meta = message.get("metadata") or {}
+    return message.get("role") == "assistant" and bool(meta.get("title") or is_notice(message))
+
+
+def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Gradio chat history → the engine's `[{"role", "content": str}]` conversation.
+
+    App messages (stats, loading lines, earlier thoughts and tool-call blocks) are dropped, so
+    a thought never goes back into the prompt; so are notices and the user turn(s) they
+    answered, so a refused message (too long, engine error) does not poison the next request.
+    Consecutive messages of one role are joined.
+    """
+    items = list(history or [])
+    keep = [True] * len(items)
+    for i, msg in enumerate(items):
+        if is_notice(msg):
+            keep[i] = False
+            j = i - 1
+            while j >= 0 and items[j].get("role") == "user":
+                keep[j] = False
+                j -= 1
+    out: list[dict[str, str]] = []
+    for msg, k in zip(items, keep):
+        role = msg.get("role")
+        if not k or role not in ("user", "assistant") or is_app_message(msg):
+            continue
+        text = message_text(msg.get("content"))
+        if out and out[-1]["role"] == role:
+            out[-1]["content"] += "\n\n" + text
+        else:
+            out.append({"role": role, "content": text})
+    return out
+
+
+def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
+    """The text of the trailing user message, or None when history does not end with one."""
+    if not history or history[-1].get("role") != "user":
+        return None
+    return message_text(history[-1].get("content"))
+
+
+def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """History without the assistant messages after the last user message."""
+    items = [dict(m) for m in history or []]
+    while items and items[-1].get("role") == "assistant":
+        items.pop()
+    return items
+
+
+def pop_last_user_turn(history: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """Remove the last user turn and everything after it; return (history, that user's text)."""
+    items = strip_trailing_assistant(history)
+    texts: list[str] = []
+    while items and items[-1].get("role") == "user":
+        texts.insert(0, message_text(items.pop().get("content")))
+    return items, "\n\n".join(texts)
+
+
+def message_index(index: Any) -> int:
+    """Gradio's retry/undo/edit index (an int, or a list/tuple for grouped messages) as an int."""
+    if isinstance(index, (list, tuple)):
+        index = index[0]
+    return int(index)
+
+
+
+# --------------------------------------------------------------------------- per-reply stats
+
+
+def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
+    """(flagged, list of fired rules as readable text) from a degeneracy flags dict.
+
+    Tolerates the shapes a flags dict can take: a boolean per rule (`{"repeat_loop": True}`),
+    an explicit list of fired rules (`fired` / `rules` / `reasons`), per-rule dicts with a
+    `fired`/`flagged` bit and a `reason`, and an overall `ok`/`flagged`/`degenerate` bit.
+    """
+    if not flags:
+        return False, []
+    fired: list[str] = []
+    meta = {"ok", "flagged", "degenerate", "any", "fired", "rules", "reasons", "details", "checked"}
+    details = flags.get("details") if isinstance(flags.get("details"), Mapping) else {}
+
+    def named(rule: str) -> str:  # "ngram_loop" + its explanation → "ngram loop: ..."
+        why = details.get(rule)
+        label = rule.replace("_", " ")
+        return f"{label}: {why}" if why else label
+
+    for key in ("fired", "rules", "reasons"):
+        val = flags.get(key)
+        if isinstance(val, str) and val:
+            fired.append(named(val))
+        elif isinstance(val, (list, tuple)):
+            for item in val:
+                if isinstance(item, Mapping):
+                    label = item.get("rule") or item.get("name") or "rule"
+                    why = item.get("reason") or item.get("detail")
+                    fired.append(f"{label}: {why}" if why else str(label))
+                else:
+                    fired.append(named(str(item)))
+    for key, val in flags.items():
+        if key in meta:
+            continue
+        if val is True:
+            fired.append(str(key).replace("_", " "))
+        elif isinstance(val, Mapping) and (val.get("fired") or val.get("flagged")):
+            why = val.get("reason") or val.get("detail")
+            label = str(key).replace("_", " ")
+            fired.append(f"{label}: {why}" if why else label)
+    fired = list(dict.fromkeys(fired))  # de-duplicate, keep order
+    overall = None
+    for key in ("flagged", "degenerate", "any"):
+        if isinstance(flags.get(key), bool):
+            overall = flags[key]
+    if isinstance(flags.get("ok"), bool):
+        overall = not flags["ok"]
+    flagged = bool(fired) if overall is None else (overall or bool(fired))
+    return flagged, fired
+
+
+def _decode_rate(stats: Mapping[str, Any]) -> str:
+    """Decode tok/s, or "—" until there are two tokens (the first comes from the prefill)."""
+    if (as_number(stats.get("new_tokens")) or 0) < 2:
+        return "—"
+    return fmt_num(stats.get("decode_tok_s"))
+
+
+def stats_title(
+    stats: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> str:
+    """The short line attached to a reply via Chatbot metadata, e.g.
+
+    "⏱ 12.3 tok/s · TTFT 0.21 s · 57 tokens".
+    """
+    stats = stats or {}
+    new_tokens = as_number(stats.get("new_tokens")) or 0
+    ttft = as_number(stats.get("ttft_s"))
+    if not done and ttft is None:
+        if stats.get("compiled"):
+            return "⏳ compiling for this prompt length…"
+        return "⏳ reading the prompt…"
+    thought = int(as_number(stats.get("thought_tokens")) or 0)
+    parts = [
+        f"{_decode_rate(stats)} tok/s",
+        f"TTFT {fmt_num(ttft, 2)} s",
+        f"{int(new_tokens)} tokens" + (f" ({thought} thinking)" if thought else ""),
+    ]
+    icon = "⏱"
+    if done and finish_reason == "cancelled":
+        icon, parts = "⏹", ["stopped", *parts]
+    elif done and finish_reason == "length":
+        parts.append("max tokens")
+    elif done and finish_reason == "context":
+        parts.append("context full")
+    elif done and finish_reason == "error":
+        icon = "⚠️ error ·"
+    if done and flags_summary(flags)[0]:
+        parts.append("⚠ flagged")
+    return f"{icon} " + " · ".join(parts)
+
+
+def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | None) -> str:
+    """The folded-away body of the stats message: prefill, bucket, batch, compile, quality."""
+    stats = stats or {}
+    parts = [
+        f"prefill {fmt_int(stats.get('prefill_tokens'))} tokens in "
+        f"{fmt_num(stats.get('prefill_ms'), 0)} ms ({fmt_num(stats.get('prefill_tok_s'))} tok/s)",
+        f"bucket {fmt_int(stats.get('bucket'))} (+{fmt_int(stats.get('padding'))} padding)",
+        f"batch occupancy {_occupancy_plain(stats)}",
+    ]
+    if stats.get("compiled"):
+        parts.append("waited for an XLA compile")
+    if flags:
+        flagged, fired = flags_summary(flags)
+        parts.append("quality: ⚠ " + "; ".join(fired or ["flagged"]) if flagged
+                     else "quality: ok")
+    return " · ".join(parts)
+
+
+def stats_message(
+    stats: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """The assistant message after a reply that carries its stats line (Chatbot metadata)."""
+    title = stats_title(stats, done=done, finish_reason=finish_reason, flags=flags)
+    return {
+        "role": "assistant",
+        "content": stats_details(stats, flags),
+        "metadata": {"id": STATS_ID, "title": title, "status": "done" if done else "pending"},
+    }
+
+
+def reply_messages(
+    text: str,
+    stats: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+    thought: str = "",
+    in_thought: bool = False,
+    thought_s: float | None = None,
+    tool_calls: Sequence[Any] = (),
+) -> list[dict[str, Any]]:
+    """The reply as chat messages: its thought (if any), the answer text (once there is some),
+    the tool calls it made (if any), then its stats.
+
+    `in_thought`: the model is (or, once done, was left) inside its thought; a reply done in
+    that state was cut off before its answer and its thought title says why.
+    """
+    out: list[dict[str, Any]] = []
+    tokens = as_number((stats or {}).get("thought_tokens"))
+    block = thought_message(thought, pending=in_thought and not done, thought_s=thought_s,
+                            tokens=int(tokens) if tokens else None,
+                            cut_reason=finish_reason if done and in_thought else None)
+    if block:
+        out.append(block)
+    if text:
+        out.append({"role": "assistant", "content": text})
+    calls = tool_calls_message(tool_calls)
+    if calls:
+        out.append(calls)
+    out.append(stats_message(stats, flags, done=done, finish_reason=finish_reason))
+    return out
+
+
+def _split_tokens(stats: Mapping[str, Any]) -> str:
+    """" — thought 40 (3.2 s) · answer 17" when the reply thought (or thinking was on; the app
+    sets stats["thinking"]), from the request layer's separate counts."""
+    thought = as_number(stats.get("thought_tokens"))
+    if not (thought or stats.get("thinking")):
+        return ""
+    secs = as_number(stats.get("thought_s"))
+    took = f" ({fmt_num(secs, 1)} s)" if secs is not None else ""
+    return (f" — thought <b>{fmt_int(thought or 0)}</b>{took} · answer "
+            f"<b>{fmt_int(stats.get('answer_tokens'))}</b>")
+
+
+def _occupancy_plain(stats: Mapping[str, Any]) -> str:
+    occ = stats.get("batch_occupancy")
+    f = as_number(occ)
+    if f is None:
+        return str(occ) if isinstance(occ, str) else "—"
+    return f"{f * 100:.0f}%" if f <= 1.0 else f"{f:.2f}"
+
+
+def _occupancy(stats: Mapping[str, Any]) -> str:
+    occ = stats.get("batch_occupancy")
+    if isinstance(occ, str):
+        return html.escape(occ)
+    f = as_number(occ)
+    if f is None:
+        return "—"
+    if f <= 1.0:
+        return f"{f * 100:.0f}% of the batch slots"
+    return f"{f:.2f}"
+
+
+def reply_panel_html(
+    stats: Mapping[str, Any] | None,
+    flags: Mapping[str, Any] | None,
+    *,
+    done: bool,
+    finish_reason: str | None = None,
+    notes: Sequence[str] = (),
+    mode: str | None = None,
+) -> str:
+    """The per-reply panel: timings, batching facts, compile wait and quality flags."""
+    stats = stats or {}
+    status = FINISH_TEXT.get(finish_reason, str(finish_reason)) if done else "streaming…"
+    compiled = stats.get("compiled")
+    if compiled is None:
+        compile_txt = "—"
+    elif compiled:
+        compile_txt = (
+            '<span style="color:#e65100"><b>yes</b> — this reply waited for an XLA compile '
+            "(first use of this shape)</span>"
+        )
+    else:
+        compile_txt = "no (warm)"
+    pf_tokens = fmt_int(stats.get("prefill_tokens"))
+    pf_ms = fmt_num(stats.get("prefill_ms"), 0)
+    pf_tps = fmt_num(stats.get("prefill_tok_s"))
+    bucket = fmt_int(stats.get("bucket"))
+    padding = fmt_int(stats.get("padding"))
+    rows = [
+        ("Status", html.escape(status) + (f" · mode: {html.escape(mode)}" if mode else "")),
+        (
+            "Time to first token",
+            f"<b>{fmt_num(stats.get('ttft_s'), 2, 's')}</b>"
+            + (
+                f" (of which queue wait {fmt_num(stats.get('queue_wait_s'), 2, 's')})"
+                if as_number(stats.get("queue_wait_s"))
+                else ""
+            ),
+        ),
+        ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)"),
+        ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>"),
+        ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),
+        ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
+        ("Batch occupancy", _occupancy(stats)),
+        ("Waited for a compile", compile_txt),
+        ("Elapsed", fmt_num(stats.get("elapsed_s"), 2, "s")),
+    ]
+    flagged, fired = flags_summary(flags)
+    if not done and not flags:
+        quality = '<span style="color:#757575">checked when the reply ends</span>'
+    elif flagged:
+        rules = "".join(f"<li>{html.escape(r)}</li>" for r in fired) or "<li>flagged</li>"
+        quality = (
+            '<div style="background:#ffebee;color:#b71c1c;border:1px solid #e57373;'
+            'border-radius:6px;padding:4px 8px"><b>⚠️ FLAGGED</b> — '
+            "the reply looks degenerate:"
+            f'<ul style="margin:2px 0 0 0">{rules}</ul></div>'
+        )
+    else:
+        quality = (
+            '<span style="background:#e8f5e9;color:#1b5e20;border-radius:6px;padding:2px 8px">'
+            "<b>✅ ok</b> — no degeneracy rule fired</span>"
+        )
+    rows.append(("Quality flags", quality))
+    body = "".join(
+        f'<tr><td style="padding:2px 8px 2px 0;color:#616161;white-space:nowrap;'
+        f'vertical-align:top">{k}</td><td style="padding:2px 0">{v}</td></tr>'
+        for k, v in rows
+    )
+    notes_html = "".join(
+        f'<div style="color:#8d6e00">ℹ️ {html.escape(str(n))}</div>' for n in notes
+    )
+    return f'<div id="reply-stats"><table style="border:none">{body}</table>{notes_html}</div>'
+
+
+def empty_reply_panel_html() -> str:
+    return (
+        '<div id="reply-stats" style="color:#757575">Send a message: time to first token, '
+        "prefill and decode speed, batching and quality flags of the reply appear here while "
+        "it streams.</div>"
+    )

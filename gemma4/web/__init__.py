@@ -1,0 +1,1 @@
+"""HTTP: the FastAPI server, the OpenAI-compatible API, its schema and rate limits."""

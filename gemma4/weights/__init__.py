@@ -1,0 +1,1 @@
+"""Where weights and tokenizers come from: sources, safetensors, GGUF, host-side quantization."""

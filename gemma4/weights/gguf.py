@@ -1,0 +1,595 @@
+"""Load a llama.cpp GGUF file (Gemma 3 architecture) into our parameter tree.
+
+Entry points:
+
+* `gguf_config(path)` — a `ModelConfig` from the `gemma3.*` metadata plus the standard Gemma 3
+  values the file does not carry (local RoPE base 1e4, 5 sliding : 1 full layers,
+  query_pre_attn_scalar, no softcaps).
+* `load_gguf_params(path, cfg, dtype, quantize=...)` — the tree of `gemma4.model.params.param_specs(cfg)`,
+  each leaf built in its final form as its tensor is read: with an int8 plan the quantized
+  blocks become `QuantArray`s directly (exactly for Q8_0 / Q5_0 / Q4_0 / Q6_K, see `int8_form`),
+  otherwise weights are dequantized to float32 (`gguf.quants.dequantize`) and cast to `dtype`
+  (norms stay float32). The converted weights are cached on disk (see `cache_root` and
+  CACHE_FORMS), so the second start skips the conversion.
+* `gguf_tensor_info(path)` / `int8_form(tensor)` / `load_q8_0_as_int8(path, name)` — the raw
+  quantized view and its int8 + scale re-expression (the block decoders live in
+  `gemma4.weights.gguf_blocks`; every name is importable from here).
+* `read_gguf(path)` — the parsed header (`GGUFFile`: metadata dict + tensor table with data
+  views), for anyone else who needs the metadata (e.g. the vocabulary).
+
+Name mapping (llama.cpp → ours): token_embd → embed, output_norm → final_norm, per block
+`blk.N.` attn_q/k/v/output → q/k/v/o, attn_q_norm/attn_k_norm → q_norm/k_norm, attn_norm →
+attn_norm, post_attention_norm → post_attn_norm, ffn_norm → pre_ffw_norm, post_ffw_norm →
+post_ffw_norm, ffn_gate/up/down → gate/up/down.
+
+GGUF lists dimensions innermost first, so a tensor shown as [640, 1024] is our [1024, 640]
+([out, in]); the row-major data already has our layout. llama.cpp's converter stores Gemma norm
+weights with the +1 folded in, which is exactly the effective scale our tree holds, and it does
+not permute Q/K for Gemma (rotate-half RoPE), so no tensor needs rewriting.
+
+Why a header parser of our own: `gguf.GGUFReader` builds a numpy view for every part of every
+metadata field — for the 262,144-entry vocabulary that is ~15 s and ~700 MB of Python objects on
+two busy cores. The format (GGUF v2/v3, little endian) is simple enough to walk with `struct`
+in well under a second; the tensor bytes are views of one read-only memory map and are
+dequantized by the gguf package. `tests/test_gguf.py` checks the parser against GGUFReader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import mmap
+import os
+
+from gemma4.paths import cache_root
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from gemma4.model.config import ModelConfig, from_hf_config
+from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, param_specs
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 2  # 2: per-tensor manifest entries, float32 and int8 forms
+
+Progress = Callable[[float, str], None]
+
+_LAYER_NAMES = {
+    "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "attn_norm": "attn_norm", "post_attention_norm": "post_attn_norm",
+    "ffn_norm": "pre_ffw_norm", "post_ffw_norm": "post_ffw_norm",
+    "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
+}
+_OURS_TO_GGUF = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
+
+# Statistics of the last `load_gguf_params` call (for reports and tests).
+last_load_stats: dict[str, Any] = {}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that does not fit the expected model (missing/mis-shaped tensor, bad metadata)."""
+
+
+# ------------------------------------------------------------------------------ header parser
+_GGUF_MAGIC = b"GGUF"
+# GGUF metadata value types (format spec numbering) → struct format of one scalar.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclasses.dataclass
+class GGUFTensor:
+    name: str
+    type_name: str  # gguf.GGMLQuantizationType name: "F32", "Q8_0", "Q4_K", ...
+    shape: tuple[int, ...]  # ours: outermost first, i.e. [out, in] for a matrix
+    data: np.ndarray  # uint8 [rows, bytes per row] view of the file (read-only)
+
+    @property
+    def qtype(self):
+        import gguf
+
+        return gguf.GGMLQuantizationType[self.type_name]
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    path: str
+    version: int
+    metadata: dict[str, Any]  # scalars as Python values, number arrays as numpy, string arrays as lists
+    tensors: dict[str, GGUFTensor]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+
+class _Cursor:
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def unpack(self, fmt: str) -> Any:
+        try:
+            values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        except struct.error as exc:
+            raise GGUFError(f"{self.path}: truncated GGUF header at byte {self.pos}") from exc
+        self.pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: truncated GGUF string at byte {self.pos}")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("I"), self.unpack("Q")
+            if etype == _STRING:
+                return [self.string() for _ in range(count)]
+            if etype in _NUMPY_TYPES:
+                dt = np.dtype(_NUMPY_TYPES[etype]).newbyteorder("<")
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
+                self.pos += count * dt.itemsize
+                return arr
+            return [self.value(etype) for _ in range(count)]  # arrays of arrays
+        if vtype in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[vtype])
+        raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse the header of a GGUF file (metadata + tensor table); tensor data stay memory-mapped."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as exc:  # empty file
+            raise GGUFError(f"{path} is not a GGUF file (empty)") from exc
+    cur = _Cursor(buf, path)
+    if bytes(buf[:4]) != _GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version = cur.unpack("I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+    n_tensors, n_kv = cur.unpack("QQ")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("I"))
+    table = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        dims = cur.unpack("Q" * n_dims) if n_dims else ()
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        table.append((name, dims, cur.unpack("I"), cur.unpack("Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, type_id, offset in table:
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError as exc:
+            raise GGUFError(f"{path}: tensor {name} has unknown type id {type_id}") from exc
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        cols = dims[0] if dims else 1
+        n = int(np.prod(dims)) if dims else 1
+        if cols % block:
+            raise GGUFError(f"{path}: tensor {name} row of {cols} is not a whole number of {qtype.name} blocks")
+        row_bytes = cols // block * block_bytes
+        start = data_start + offset
+        nbytes = n // cols * row_bytes
+        if start + nbytes > len(whole):
+            raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated download?)")
+        data = whole[start:start + nbytes].reshape(n // cols, row_bytes)
+        tensors[name] = GGUFTensor(name, qtype.name, tuple(int(d) for d in reversed(dims)), data)
+    return GGUFFile(path, version, metadata, tensors)
+
+
+def gguf_tensor_info(path: str | os.PathLike) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, quantization type name, shape [out, in]) of every tensor in the file."""
+    return [(t.name, t.type_name, t.shape) for t in read_gguf(path).tensors.values()]
+
+
+# ------------------------------------------------------------------------------ config
+def _tidy_float(x: float) -> float:
+    """Undo float32 storage: 9.99999997e-07 → 1e-06 (shortest float32 repr)."""
+    return float(str(np.float32(x)))
+
+
+def _hf_style_config(g: GGUFFile) -> dict[str, Any]:
+    arch = g.get("general.architecture")
+    if arch != "gemma3":
+        raise GGUFError(f"{g.path}: architecture {arch!r} is not supported (only gemma3 GGUF files load here; "
+                        "for Gemma 4 pass a Hugging Face folder or repo id)")
+
+    def meta(key: str, default: Any = None, required: bool = True) -> Any:
+        value = g.get(f"gemma3.{key}", default)
+        if value is None and required:
+            raise GGUFError(f"{g.path}: metadata key gemma3.{key} is missing")
+        return value
+
+    if "token_embd.weight" not in g.tensors:
+        raise GGUFError(f"{g.path}: tensor token_embd.weight is missing")
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    layers = int(meta("block_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{g.path}: key_length != value_length is not supported")
+    # query_pre_attn_scalar: head_dim for every Gemma 3 size except 27B, which uses hidden/heads
+    # (llama.cpp keys this on the 62-layer size; the file has no metadata for it).
+    qpas = hidden // heads if layers == 62 else head_dim
+    raw = {
+        "model_type": "gemma3_text",
+        "vocab_size": g.tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", 1)),
+        "head_dim": head_dim,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "sliding_window": int(meta("attention.sliding_window")),
+        "sliding_window_pattern": 6,
+        "rope_theta": float(meta("rope.freq_base", 1_000_000.0, required=False)),
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": qpas,
+        "rms_norm_eps": _tidy_float(meta("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
+        "max_position_embeddings": int(meta("context_length")),
+        "final_logit_softcapping": None,
+        "bos_token_id": int(g.get("tokenizer.ggml.bos_token_id", 2)),
+        "eos_token_id": int(g.get("tokenizer.ggml.eos_token_id", 1)),
+        "pad_token_id": int(g.get("tokenizer.ggml.padding_token_id", 0)),
+    }
+    scaling = meta("rope.scaling.type", None, required=False)
+    if scaling and scaling != "none":
+        raw["rope_scaling"] = {"rope_type": str(scaling),
+                               "factor": float(meta("rope.scaling.factor", 1.0, required=False))}
+    return raw
+
+
+def gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig:
+    """ModelConfig from the GGUF metadata (architecture gemma3 only)."""
+    g = read_gguf(path)
+    return from_hf_config(_hf_style_config(g), name=name or str(g.get("general.name") or Path(path).stem))
+
+
+# ------------------------------------------------------------------------------ int8 blocks and dequantization
+# The GGUF block → leaf mapping (int8_form, the per-type block decoders, _dequantize,
+# load_q8_0_as_int8, and Q8_0_BLOCK, EXACT_INT8_GROUPS, REROUND_GROUP, FLOAT_TYPES) lives in
+# gemma4.weights.gguf_blocks, which imports this module's GGUFTensor / GGUFError / read_gguf; the names are
+# re-exported here lazily (on first attribute access) so that either module can be imported first.
+_BLOCK_NAMES = ("Q8_0_BLOCK", "_Q8_0_BYTES", "EXACT_INT8_GROUPS", "REROUND_GROUP", "FLOAT_TYPES", "_QK_K", "_fp16",
+                "_nibbles", "_decode_int8_blocks", "_row_step", "int8_form", "_block_bytes", "_dequantize_rows",
+                "_q8_0_split", "load_q8_0_as_int8", "_dequantize")
+
+
+def __getattr__(name: str):
+    if name in _BLOCK_NAMES:
+        from gemma4.weights import gguf_blocks  # noqa: PLC0415
+
+        return getattr(gguf_blocks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ------------------------------------------------------------------------------ name mapping
+def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, LeafSpec]]:
+    """GGUF tensor name → (path in our tree, spec)."""
+    if cfg.family != "gemma3":
+        raise GGUFError(f"GGUF loading supports Gemma 3 configs only, got family {cfg.family!r}")
+    specs = param_specs(cfg)
+    out: dict[str, tuple[tuple, LeafSpec]] = {
+        "token_embd.weight": (("embed",), specs["embed"]),
+        "output_norm.weight": (("final_norm",), specs["final_norm"]),
+    }
+    for i, layer in enumerate(specs["layers"]):
+        for ours, spec in layer.items():
+            if ours not in _OURS_TO_GGUF:
+                raise GGUFError(f"no GGUF name known for layer leaf {ours!r}")
+            out[f"blk.{i}.{_OURS_TO_GGUF[ours]}.weight"] = (("layers", i, ours), spec)
+    return out
+
+
+def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
+    """Clear errors for missing / mis-shaped tensors, before anything is dequantized."""
+    expected = _expected_tensors(cfg)
+    missing = [n for n in expected if n not in g.tensors]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise GGUFError(f"{g.path}: tensor {', '.join(missing[:5])}{more} missing "
+                        f"(expected for {cfg.name}: {cfg.num_layers} layers)")
+    for name, (_, spec) in expected.items():
+        shape = g.tensors[name].shape
+        if shape != spec.shape:
+            raise GGUFError(f"{g.path}: tensor {name} has shape {list(shape)} ([out, in]), "
+                            f"expected {list(spec.shape)} for {cfg.name}")
+    if "output.weight" in g.tensors:
+        raise GGUFError(f"{g.path}: has an untied output.weight; only tied embeddings are supported")
+    extra = sorted(set(g.tensors) - set(expected))
+    if extra:
+        log.warning("%s: ignoring %d unexpected tensors: %s", g.path, len(extra), ", ".join(extra[:5]))
+
+
+# ------------------------------------------------------------------------------ disk cache
+# One folder per (file contents, form), never shared between forms:
+#   "float32"  every tensor dequantized to float32 (plans with weights "none", or int4, which is
+#              quantized from these at load);
+#   "int8"     the tensors the plan keeps in int8 as q (int8) + scale (float32) files — the exact
+#              block re-expression, or the re-rounded one — and the others (norms, a float
+#              embedding) as float32. About a quarter of the float32 form.
+# The int8 form's folder name also carries which tensors are int8 (a plan with a float embedding
+# gets its own folder), and each manifest names every tensor's stored kind, checked on reading.
+# Writing a folder removes the folders of older contents of the same file, of any form.
+CACHE_FORMS = ("float32", "int8")
+
+
+def _content_key(real: str) -> str:
+    st = os.stat(real)
+    return hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:v{CACHE_FORMAT_VERSION}".encode()).hexdigest()[:12]
+
+
+def _cache_dir(path: str | os.PathLike, form: str = "float32") -> tuple[Path, str]:
+    """(cache folder for the file's current contents in `form`, prefix shared by all its folders).
+
+    Keyed by the real path, size and mtime (hashing 253 MB would cost about a second per start),
+    the cache format version and the form ("float32", or "int8-<hash of the int8 tensor names>").
+    """
+    if form.split("-", 1)[0] not in CACHE_FORMS:
+        raise ValueError(f"cache form {form!r} is not one of {CACHE_FORMS}")
+    real = os.path.realpath(path)
+    path_key = hashlib.sha256(real.encode()).hexdigest()[:10]
+    prefix = f"{Path(real).stem}-{path_key}-"
+    return cache_root() / "gguf" / f"{prefix}{form}-{_content_key(real)}", prefix
+
+
+def _cache_file(name: str) -> str:
+    return name + ".npy"
+
+
+def _int8_files(name: str) -> tuple[str, str]:
+    return name + ".q.npy", name + ".scale.npy"
+
+
+def _read_manifest(folder: Path, wanted: dict[str, str]) -> dict | None:
+    """The manifest if the folder holds every wanted tensor in the wanted kind, else None."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    entries = manifest.get("tensors")
+    if manifest.get("format") != CACHE_FORMAT_VERSION or not isinstance(entries, dict):
+        return None
+    if any(not isinstance(entries.get(n), dict) or entries[n].get("kind") != k for n, k in wanted.items()):
+        return None
+    return manifest
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    """A .npy file read into a 64-byte-aligned buffer (which jax then adopts without a copy)."""
+    from gemma4.ops import quant
+
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(f)
+        if fortran or dtype.hasobject:
+            raise ValueError(f"{path}: not a plain C-ordered array")
+        out = quant.host_empty(shape, dtype)
+        if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+            raise ValueError(f"{path}: truncated")
+    return out
+
+
+class _CacheWriter:
+    """Writes converted tensors into a temp folder, renamed into place at the end.
+
+    Each write runs on a helper thread (np.save releases the GIL) while the next tensor is
+    converted; at most one write is pending. The arrays written are the final leaves' own
+    buffers, so writing holds no extra copy. Any OS error (disk full, read-only home) just
+    disables caching.
+    """
+
+    def __init__(self, folder: Path, prefix: str, content_key: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.folder, self.prefix, self.content_key, self.tmp, self.pending = folder, prefix, content_key, None, None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-cache")
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
+        except OSError as exc:
+            log.warning("not caching converted GGUF weights (%s)", exc)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except OSError as exc:
+                log.warning("not caching converted GGUF weights (%s)", exc)
+                self.abort()
+            self.pending = None
+
+    def add(self, *files: tuple[str, np.ndarray]) -> None:
+        self._wait()
+        if self.tmp is not None:
+            tmp = self.tmp
+            self.pending = self.pool.submit(lambda: [np.save(tmp / fname, arr) for fname, arr in files])
+
+    def finish(self, manifest: dict) -> None:
+        self._wait()
+        self.pool.shutdown()
+        if self.tmp is None:
+            return
+        try:
+            (self.tmp / "manifest.json").write_text(json.dumps(manifest))
+            if self.folder.exists():
+                shutil.rmtree(self.folder, ignore_errors=True)
+            os.replace(self.tmp, self.folder)
+            self.tmp = None
+            for old in self.folder.parent.glob(self.prefix + "*"):  # older versions of this file
+                if not old.name.endswith("-" + self.content_key):
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            log.warning("not caching converted GGUF weights (%s)", exc)
+            self.abort()
+
+    def abort(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
+            try:
+                self.pending.result()
+            except BaseException:
+                pass
+            self.pending = None
+        self.pool.shutdown()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
+def clear_cache(path: str | os.PathLike) -> None:
+    """Remove every cached conversion of `path` (all forms and versions)."""
+    folder, prefix = _cache_dir(path)
+    for old in folder.parent.glob(prefix + "*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ params
+def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Any]) -> dict[str, Any]:
+    def build(node: Any, prefix: tuple) -> Any:
+        if is_leaf_spec(node):
+            return leaves[prefix]
+        if isinstance(node, dict):
+            return {k: build(v, prefix + (k,)) for k, v in node.items()}
+        return [build(v, prefix + (i,)) for i, v in enumerate(node)]
+
+    return build(param_specs(cfg), ())
+
+
+def _foreign(name: str, arr: np.ndarray, shape: tuple, folder: Path | None) -> GGUFError:
+    return GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {shape}; delete {folder}")
+
+
+def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "float32", *,
+                     progress: Progress | None = None, use_cache: bool = True,
+                     quantize: dict | None = None) -> dict[str, Any]:
+    """The parameter tree of `cfg` from a Gemma 3 GGUF file, each leaf built in its final form.
+
+    Every tensor is checked against `param_specs(cfg)` before anything is converted. `quantize`
+    (`Plan.quantize_kwargs()`) says which leaves end up quantized, by the rules of
+    `quant.quantize_params`: an int8 leaf is taken over from the GGUF blocks (exactly for
+    Q8_0/Q5_0/Q4_0/Q6_K, re-rounded per 32 inputs otherwise, see `int8_form`); a float leaf is
+    dequantized to float32 and cast to `dtype` (norms stay float32); an int4 leaf is quantized from
+    the float32 dequantization. One tensor is converted at a time, so no float32 copy of the model
+    exists when the plan quantizes. With `use_cache`, the converted tensors are also written to the
+    disk cache (see CACHE_FORMS), from which later calls read them back. `progress(fraction,
+    message)` is called after each tensor. Statistics of the call land in `last_load_stats`
+    ({"cached": bool, "seconds": float, "cache_dir": str | None, "form": str, ...}).
+    """
+    import jax.numpy as jnp
+
+    from gemma4.ops import quant
+    from gemma4.weights.gguf_blocks import FLOAT_TYPES, _dequantize, int8_form
+    from gemma4.model.params import LeafFormat, leaf_name
+
+    t0 = time.perf_counter()
+    report = progress or (lambda fraction, message: None)
+    fmt = LeafFormat(dtype, quantize)
+    g = read_gguf(path)
+    _check_tensors(g, cfg)
+    expected = _expected_tensors(cfg)
+    names = list(expected)
+    targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
+    kinds = {n: "int8" if t == "int8" else "float32" for n, t in targets.items()}
+    int8_names = sorted(n for n, k in kinds.items() if k == "int8")
+    form = "int8" if int8_names else "float32"
+    folder = prefix = manifest = None
+    if use_cache:
+        form_id = f"int8-{hashlib.sha256(','.join(int8_names).encode()).hexdigest()[:8]}" if int8_names else form
+        folder, prefix = _cache_dir(path, form_id)
+        manifest = _read_manifest(folder, kinds)
+    cached = manifest is not None
+    writer = None
+    if use_cache and not cached:
+        writer = _CacheWriter(folder, prefix, _content_key(os.path.realpath(path)))
+    verb = "loading cached weights" if cached else "converting"
+
+    leaves: dict[tuple, Any] = {}
+    entries: dict[str, dict] = {}
+    total = sum(int(np.prod(spec.shape)) for _, spec in expected.values())
+    done = 0
+    try:
+        for name in names:
+            tree_path, spec = expected[name]
+            tensor = g.tensors[name]
+            if kinds[name] == "int8":
+                if cached:
+                    entry = manifest["tensors"][name]
+                    qf, sf = _int8_files(name)
+                    q, scale = _read_npy(folder / qf), _read_npy(folder / sf)
+                    group, exact = entry.get("group_size"), bool(entry.get("exact"))
+                    want_scale = (spec.shape[0],) if group is None else (spec.shape[0], spec.shape[1] // group)
+                    if tuple(q.shape) != spec.shape or q.dtype != np.int8 or tuple(scale.shape) != want_scale:
+                        raise _foreign(name, q, spec.shape, folder)
+                else:
+                    q, scale, group, exact = int8_form(tensor)
+                    if writer is not None:
+                        writer.add(*zip(_int8_files(name), (q, scale)))
+                leaves[tree_path] = quant.QuantArray(quant.host_put(q), quant.host_put(scale), group_size=group)
+                entries[name] = {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
+                del q, scale
+            else:
+                arr = _read_npy(folder / _cache_file(name)) if cached else _dequantize(tensor)
+                if tuple(arr.shape) != spec.shape or arr.dtype != np.float32:  # a foreign cache entry
+                    raise _foreign(name, arr, spec.shape, folder)
+                if writer is not None:
+                    writer.add((_cache_file(name), arr))
+                if targets[name] == "none" and jnp.dtype(leaf_dtype(spec, dtype)) == jnp.float32:
+                    leaves[tree_path] = quant.host_put(arr)  # adopts the aligned buffer: no copy
+                else:
+                    leaves[tree_path] = fmt.build(leaf_name(tree_path), spec, arr)
+                entries[name] = {"kind": "float32", "type": tensor.type_name}
+                del arr
+            done += int(np.prod(spec.shape))
+            report(done / total, f"{verb} {name}")
+        if writer is not None:
+            writer.finish({"format": CACHE_FORMAT_VERSION, "form": form, "source": os.path.realpath(path),
+                           "tensors": entries})
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+
+    params = _assemble_tree(cfg, leaves)
+    counts = {k: 0 for k in ("int8_exact", "int8_rerounded", "int8_from_float", "float")}
+    for e in entries.values():
+        counts["float" if e["kind"] == "float32" else "int8_exact" if e["exact"]
+               else "int8_from_float" if e["type"] in FLOAT_TYPES else "int8_rerounded"] += 1
+    last_load_stats.clear()
+    last_load_stats.update(cached=cached, seconds=time.perf_counter() - t0, form=form,
+                           cache_dir=str(folder) if folder else None, tensors=len(names), **counts)
+    log.info("loaded %s from %s in %.1fs (%s, %s form: int8 %d exact, %d re-rounded, %d from float; %d float)",
+             cfg.name, path, last_load_stats["seconds"], "disk cache" if cached else "converted", form,
+             counts["int8_exact"], counts["int8_rerounded"], counts["int8_from_float"], counts["float"])
+    return params

