@@ -101,10 +101,10 @@ def measure(shapes: dict[str, tuple[int, int]] | None = None, batches=(1, 8), fo
 def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "int8 whole", "bf16"),
                         reps: int = 8, seed: int = 0) -> dict[str, float]:
     """Best-of-N ms of one batch-1 decode step (random weights, 256-slot cache), formats interleaved."""
-    from gemma4.model.decoder import config  # noqa: PLC0415
-    from gemma4.model.decoder import kv_cache  # noqa: PLC0415
-    from gemma4.model.decoder import decoder  # noqa: PLC0415
-    from gemma4.model.decoder import params as P  # noqa: PLC0415
+    from gemma4.model import config  # noqa: PLC0415
+    from gemma4.model import kv_cache  # noqa: PLC0415
+    from gemma4.model import decoder  # noqa: PLC0415
+    from gemma4.model import params as P  # noqa: PLC0415
 
     cfg = config.preset(preset)
     base = P.random_params(cfg, seed=seed)

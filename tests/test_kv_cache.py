@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.model.decoder import kv_cache
-from gemma4.model.decoder import decoder as M
+from gemma4.model import kv_cache
+from gemma4.model import decoder as M
 from gemma4.model.config import tiny
 from gemma4.serve.engine import _decode_step, _prefill_step, chunk_plan
 from gemma4.model.params import random_params

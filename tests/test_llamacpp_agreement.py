@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.model.decoder import decoder as M
+from gemma4.model import decoder as M
 from gemma4.ops import quant
 from gemma4.weights import sources
 

@@ -62,7 +62,7 @@ def test_one_device_weights_are_the_leaves_bytes(name):
 
 
 def test_kv_cache_bytes_match_init_cache():
-    from gemma4.model.decoder import kv_cache
+    from gemma4.model import kv_cache
 
     cfg = preset("e2b")
     for fmt, dtype in (("native", jnp.bfloat16), ("int8", jnp.bfloat16)):

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.model.decoder import config
+from gemma4.model import config
 
-from gemma4.model.decoder import decoder
+from gemma4.model import decoder
 
 from gemma4.ops import quant
 
 from gemma4.weights import quant_host
-from gemma4.model.decoder import params as P
+from gemma4.model import params as P
 from gemma4.ops.kernels.int4_matmul import choose_blocks, int4_matmul, reference
 
 RNG = np.random.default_rng(0)

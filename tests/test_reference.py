@@ -25,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from gemma4.model.decoder import decoder as M  # noqa: E402
+from gemma4.model import decoder as M  # noqa: E402
 from gemma4.weights.checkpoint import load_safetensors_params  # noqa: E402
 from gemma4.model.config import load_hf_config, tiny  # noqa: E402
 from tests.reference import build_hf_model, hf_forward, hf_greedy, save_as_multimodal_shards  # noqa: E402

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.model.decoder import kv_cache
+from gemma4.model import kv_cache
 from gemma4.model.config import LayerSpec, ModelConfig
 from gemma4.ops.quant import linear, linear_many, take_rows
 

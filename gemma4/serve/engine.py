@@ -51,10 +51,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.model.decoder import kv_cache
+from gemma4.model import kv_cache
 
 from gemma4.plan import sharding
-from gemma4.model.decoder import decoder as M
+from gemma4.model import decoder as M
 from gemma4.model.config import ModelConfig
 from gemma4.serve.engine_compile import (  # noqa: F401  (re-exported: callers use gemma4.serve.engine)
     PROMPT_BUCKETS, REPETITION_WINDOW, CompileMixin, _sampling_spec, _widths, bucket_for, chunk_plan,
