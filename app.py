@@ -29,7 +29,16 @@ import gradio as gr
 from gemma4.serve import distributed
 
 from gemma4.ui import mesh_panel
-from gemma4.ui import panels as uf
+from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
+from gemma4.ui.panels import (
+    context_meter_html,
+    loading_text,
+    model_banner_html,
+    queue_html,
+    session_summary_md,
+    status_html,
+)
+from gemma4.ui.reply import empty_reply_panel_html, flags_summary
 from gemma4.web.server import Access, access_from_args, add_access_flags
 from gemma4.web.server import env_bool as _env_bool, env_int as _env_int
 from gemma4.ui.handlers import (
@@ -170,7 +179,7 @@ class DemoApp(ChatHandlers):
         seen["state"] = state
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
-        banner = uf.model_banner_html(info, self.settings.model) if changed else gr.skip()
+        banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
         controls: list[Any] = [gr.skip()] * 8
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
@@ -179,9 +188,9 @@ class DemoApp(ChatHandlers):
                         gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
                         gr.update(value=d["max_new_tokens"]),
                         gr.update(value=d["repetition_penalty"]),
-                        uf.context_meter_html(0, info.get("context_limit"), "(empty conversation)"),
+                        context_meter_html(0, info.get("context_limit"), "(empty conversation)"),
                         self.think_update()]
-        return (uf.status_html(status), banner, uf.queue_html(queue), *controls, seen)
+        return (status_html(status), banner, queue_html(queue), *controls, seen)
 
     def hardware_panel(self):
         info = self.info()
@@ -189,8 +198,8 @@ class DemoApp(ChatHandlers):
             return "_The hardware report appears once the model has loaded._", ""
         memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
         return (compile_markdown(self.engine) + mesh_panel.panel_markdown(self.engine, info)
-                + uf.hardware_markdown(info.get("hardware")),
-                uf.memory_markdown(memory))
+                + hardware_markdown(info.get("hardware")),
+                memory_markdown(memory))
 
     # ------------------------------------------------------------------ API for programs
 
@@ -224,7 +233,7 @@ class DemoApp(ChatHandlers):
         if mode not in ("auto", "chat", "completion"):
             raise gr.Error(f"mode must be 'auto', 'chat' or 'completion', got {mode!r}")
         for status in self._wait_ready():
-            yield {"text": "", "done": False, "status": uf.loading_text(status)}
+            yield {"text": "", "done": False, "status": loading_text(status)}
         status = self.engine.status()
         if status.get("state") == "error":
             raise gr.Error(f"The model failed to load: {status.get('error')}")
@@ -246,7 +255,7 @@ class DemoApp(ChatHandlers):
                     continue
                 last_yield = now
                 flags = dict(ev.flags or {})
-                flagged, fired = uf.flags_summary(flags)
+                flagged, fired = flags_summary(flags)
                 stats = dict(ev.stats or {})
                 all_notes = notes + [n for n in stats.get("notes") or () if n not in notes]
                 calls = [{"id": c.id, "name": c.name, "arguments": c.arguments}
@@ -286,8 +295,8 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
         gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
-        banner = gr.HTML(uf.model_banner_html(app.info(), settings.model), elem_id="model-banner")
-        status_box = gr.HTML(uf.status_html(engine.status()), elem_id="engine-status")
+        banner = gr.HTML(model_banner_html(app.info(), settings.model), elem_id="model-banner")
+        status_box = gr.HTML(status_html(engine.status()), elem_id="engine-status")
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
@@ -310,8 +319,8 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
                 with gr.Row():
-                    context_meter = gr.HTML(uf.context_meter_html(None, None))
-                    queue_box = gr.HTML(uf.queue_html(None))
+                    context_meter = gr.HTML(context_meter_html(None, None))
+                    queue_box = gr.HTML(queue_html(None))
                 mode = gr.Radio(["chat", "completion"], value=app.default_mode(), label="Mode",
                                 elem_id="mode",
                                 info="completion: the model continues your latest message as raw "
@@ -321,7 +330,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                             label="Examples (click one, then press Enter)")
             with gr.Column(scale=2):
                 gr.Markdown("### This reply")
-                reply_panel = gr.HTML(uf.empty_reply_panel_html(), elem_id="reply-panel")
+                reply_panel = gr.HTML(empty_reply_panel_html(), elem_id="reply-panel")
                 with gr.Tabs():
                     with gr.Tab("Settings"):
                         think_ok, think_why = app.thinking_support()
@@ -346,7 +355,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                         seed = gr.Number(value=SEED_RANDOM, precision=0,
                                          label="Seed (-1 = random each time)", elem_id="seed")
                     with gr.Tab("Session"):
-                        summary = gr.Markdown(uf.session_summary_md([]))
+                        summary = gr.Markdown(session_summary_md([]))
                         empty = plot_frame([])
                         plot_tps = gr.LinePlot(empty, x="reply", y="decode_tok_s",
                                                title="Decode speed per reply", x_title="reply #",
@@ -394,7 +403,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
             app.after_reply, after_inputs, after_outputs, queue=False, **hidden)
 
         def cleared():
-            return [], gr.update(value="", interactive=True), uf.empty_reply_panel_html()
+            return [], gr.update(value="", interactive=True), empty_reply_panel_html()
 
         clear_btn.click(cleared, None, [chatbot, msg, reply_panel], cancels=running, queue=False,
                         **hidden).then(app.after_reply, after_inputs, after_outputs, queue=False,

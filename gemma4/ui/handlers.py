@@ -17,7 +17,26 @@ from typing import Any
 import gradio as gr
 import pandas as pd
 
-from gemma4.ui import panels as uf
+from gemma4.ui.numbers import as_number, clamp
+from gemma4.ui.panels import (
+    context_meter_html,
+    loading_text,
+    session_rows_for_plot,
+    session_summary_md,
+)
+from gemma4.ui.reply import (
+    flags_summary,
+    history_to_messages,
+    last_user_text,
+    message_index,
+    notice_message,
+    pop_last_user_turn,
+    reply_messages,
+    reply_panel_html,
+    stats_message,
+    strip_trailing_assistant,
+)
+from gemma4.ui.thinking import close_pending_thought
 
 log = logging.getLogger("gemma4.app")
 
@@ -40,7 +59,7 @@ def guess_is_base(model: str) -> bool:
 
 
 def plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(uf.session_rows_for_plot(replies))
+    return pd.DataFrame(session_rows_for_plot(replies))
 
 
 class ChatHandlers:
@@ -109,17 +128,17 @@ class ChatHandlers:
         warnings: list[str] = []
         d = self.default_sampling()
         pick = lambda v, k: d[k] if v is None else v  # noqa: E731
-        max_new = uf.clamp(pick(max_new_tokens, "max_new_tokens"), 1,
+        max_new = clamp(pick(max_new_tokens, "max_new_tokens"), 1,
                            self.settings.max_new_tokens_cap, "max_new_tokens", warnings,
                            integer=True)
-        temp = uf.clamp(pick(temperature, "temperature"), *TEMPERATURE_RANGE, "temperature",
+        temp = clamp(pick(temperature, "temperature"), *TEMPERATURE_RANGE, "temperature",
                         warnings)
-        top_p_v = uf.clamp(pick(top_p, "top_p"), *TOP_P_RANGE, "top_p", warnings)
-        top_k_v = uf.clamp(pick(top_k, "top_k"), 0, self.top_k_max, "top_k", warnings,
+        top_p_v = clamp(pick(top_p, "top_p"), *TOP_P_RANGE, "top_p", warnings)
+        top_k_v = clamp(pick(top_k, "top_k"), 0, self.top_k_max, "top_k", warnings,
                            integer=True)
-        penalty = uf.clamp(pick(repetition_penalty, "repetition_penalty"), *PENALTY_RANGE,
+        penalty = clamp(pick(repetition_penalty, "repetition_penalty"), *PENALTY_RANGE,
                            "repetition_penalty", warnings)
-        seed_f = uf.as_number(seed)
+        seed_f = as_number(seed)
         seed_v = None if seed_f is None or seed_f < 0 else int(seed_f)
         p = self.SamplingParams(temperature=temp, top_p=top_p_v, top_k=top_k_v,
                                 max_new_tokens=max_new, seed=seed_v, repetition_penalty=penalty)
@@ -151,14 +170,14 @@ class ChatHandlers:
         messages) into the chat, and its numbers into the panel."""
         history = [dict(m) for m in history or []]
         session = {"replies": [dict(r) for r in (session or {}).get("replies", [])]}
-        user_text = uf.last_user_text(history)
+        user_text = last_user_text(history)
         if user_text is None:  # nothing to answer (e.g. the message was refused)
             yield history, gr.skip(), session
             return
 
         # 1. The model may still be loading: say so in the chat, wait, then answer.
         for status in self._wait_ready():
-            line = uf.loading_text(status)
+            line = loading_text(status)
             wait_msg = {"role": "assistant",
                         "content": f"The model is still loading ({line}). Your message will be "
                                    "answered as soon as it is ready.",
@@ -167,7 +186,7 @@ class ChatHandlers:
         status = self.engine.status()
         if status.get("state") == "error":
             err = status.get("error") or status.get("message") or "unknown error"
-            yield ([*history, uf.notice_message(f"The model could not be loaded: {err}")],
+            yield ([*history, notice_message(f"The model could not be loaded: {err}")],
                    gr.skip(), session)
             return
 
@@ -183,13 +202,13 @@ class ChatHandlers:
             # chat: the conversation as messages, earlier thoughts left out (the engine renders
             # the template and drops the oldest turns if it outgrows the context); completion:
             # the latest text only.
-            prompt = uf.history_to_messages(history) if mode == "chat" else user_text
+            prompt = history_to_messages(history) if mode == "chat" else user_text
         except (ValueError, self.RequestError) as e:
-            yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
+            yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
         except Exception as e:  # a bug here must not leave the chat hanging or show a trace
             log.exception("preparing the request failed")
-            yield ([*history, uf.notice_message(f"Could not prepare the request "
+            yield ([*history, notice_message(f"Could not prepare the request "
                                                 f"({type(e).__name__}: {e}).")], gr.skip(), session)
             return
 
@@ -203,8 +222,8 @@ class ChatHandlers:
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
                                                  thinking=think)
-            yield ([*history, *uf.reply_messages("", {}, {}, done=False)],
-                   uf.reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
+            yield ([*history, *reply_messages("", {}, {}, done=False)],
+                   reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in gen:
                 now = time.monotonic()
                 if not ev.done and now - last_yield < STREAM_INTERVAL_S:
@@ -220,21 +239,21 @@ class ChatHandlers:
                 reply.update(decode_tok_s=stats.get("decode_tok_s"), ttft_s=stats.get("ttft_s"),
                              new_tokens=stats.get("new_tokens"), stats=stats, flags=flags,
                              finish_reason=ev.finish_reason if ev.done else None,
-                             flagged=uf.flags_summary(flags)[0] if ev.done else False)
-                msgs = uf.reply_messages(ev.answer, stats, flags, done=ev.done,
+                             flagged=flags_summary(flags)[0] if ev.done else False)
+                msgs = reply_messages(ev.answer, stats, flags, done=ev.done,
                                          finish_reason=ev.finish_reason, thought=ev.thought,
                                          in_thought=ev.in_thought, thought_s=ev.thought_s,
                                          tool_calls=ev.tool_calls)
-                panel = uf.reply_panel_html(stats, flags, done=ev.done,
+                panel = reply_panel_html(stats, flags, done=ev.done,
                                             finish_reason=ev.finish_reason, notes=notes, mode=mode)
                 yield [*history, *msgs], panel, session
         except self.RequestError as e:
             session["replies"].remove(reply)
-            yield [*history, uf.notice_message(f"Not sent to the model: {e}")], gr.skip(), session
+            yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
         except Exception as e:  # an engine failure must not take the app down or show a trace
             log.exception("generation failed")
             session["replies"].remove(reply)
-            yield ([*history, uf.notice_message(
+            yield ([*history, notice_message(
                 f"The engine failed on this request ({type(e).__name__}: {e}). The app keeps "
                 "serving — try again, or clear the chat.")], gr.skip(), session)
         finally:
@@ -255,26 +274,26 @@ class ChatHandlers:
         replies = (session or {}).get("replies", [])
         frame = plot_frame(replies)
         return (gr.update(interactive=True), self.context_meter(history, system, mode, session),
-                frame, frame, uf.session_summary_md(replies))
+                frame, frame, session_summary_md(replies))
 
     def context_meter(self, history, system, mode, session) -> str:
         info = self.info()
         if not info:
-            return uf.context_meter_html(None, None, "(model still loading)")
+            return context_meter_html(None, None, "(model still loading)")
         limit = info.get("context_limit")
         if mode == "completion":
             replies = (session or {}).get("replies", [])
             last = (replies[-1].get("stats") or {}) if replies else {}
             used = int(last.get("prefill_tokens") or 0) + int(last.get("new_tokens") or 0)
-            return uf.context_meter_html(used, limit, "last completion prompt + reply "
+            return context_meter_html(used, limit, "last completion prompt + reply "
                                          "(completion mode sends only your latest message)")
         try:
-            used = self.engine.count_tokens(uf.history_to_messages(history),
+            used = self.engine.count_tokens(history_to_messages(history),
                                             (system or "").strip() or None)
         except Exception as e:  # a meter must never break the chat
             log.warning("count_tokens failed: %s", e)
-            return uf.context_meter_html(None, limit, f"(could not count: {e})")
-        return uf.context_meter_html(used, limit, "this conversation incl. system prompt")
+            return context_meter_html(None, limit, f"(could not count: {e})")
+        return context_meter_html(used, limit, "this conversation incl. system prompt")
 
     def finalize_stopped(self, history, session):
         """After Stop: mark the interrupted reply (its stats line, and its thought if it was
@@ -287,23 +306,23 @@ class ChatHandlers:
             if meta.get("title") and meta.get("status") == "pending":
                 stats = (replies[-1].get("stats") or {}) if replies else {}
                 flags = (replies[-1].get("flags") or {}) if replies else {}
-                history[-1] = uf.stats_message(stats, flags, done=True, finish_reason="cancelled")
-                history = uf.close_pending_thought(history, "cancelled")
+                history[-1] = stats_message(stats, flags, done=True, finish_reason="cancelled")
+                history = close_pending_thought(history, "cancelled")
                 if replies:
                     replies[-1]["finish_reason"] = "cancelled"
-                panel = uf.reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
+                panel = reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
         return history, panel, {"replies": replies}
 
     def retry(self, history):
         """Retry (offered on the last reply): drop the whole reply (thought, answer, tool calls,
         stats), keep the user turn, answer again."""
-        return uf.strip_trailing_assistant(history)
+        return strip_trailing_assistant(history)
 
     def undo(self, history):
-        history, text = uf.pop_last_user_turn(history)
+        history, text = pop_last_user_turn(history)
         return history, text
 
     def edit(self, history, edit_data: gr.EditData):
-        history = list(history or [])[: uf.message_index(edit_data.index)]
+        history = list(history or [])[: message_index(edit_data.index)]
         history.append({"role": "user", "content": edit_data.value})
         return history
