@@ -26,8 +26,8 @@ from typing import Any
 
 import gradio as gr
 
+from gemma4.env import EnvError, env_bool, env_int
 from gemma4.serve import distributed
-
 from gemma4.ui import mesh_panel
 from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
 from gemma4.ui.panels import (
@@ -40,7 +40,6 @@ from gemma4.ui.panels import (
 )
 from gemma4.ui.reply import empty_reply_panel_html, flags_summary
 from gemma4.web.server import Access, access_from_args, add_access_flags
-from gemma4.web.server import env_bool as _env_bool, env_int as _env_int
 from gemma4.ui.handlers import (
     PENALTY_RANGE,
     SEED_RANDOM,
@@ -113,12 +112,11 @@ class Settings:
     distributed: Any = None  # gemma4.serve.distributed.Settings: more than one process (None: one)
 
 
-def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
-    """Settings from command-line flags, falling back to GEMMA4_* environment variables."""
-    env = os.environ if environ is None else environ
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The app's flags, each defaulting to its environment variable (EnvError for a bad one)."""
     # Spaces set GRADIO_SERVER_NAME/PORT; honour them when our own variables are unset.
     host = env.get("GEMMA4_HOST") or env.get("GRADIO_SERVER_NAME") or Settings.host
-    port = _env_int(env, "GEMMA4_PORT", _env_int(env, "GRADIO_SERVER_PORT", Settings.port))
+    port = env_int(env, "GEMMA4_PORT", env_int(env, "GRADIO_SERVER_PORT", Settings.port))
     p = argparse.ArgumentParser(description="Gemma 4 / Gemma 3 chat demo (pure JAX).")
     p.add_argument("--model", default=env.get("GEMMA4_MODEL") or Settings.model,
                    help="'bundled' (Gemma 3 270M base, offline), a Hub repo id, a local folder, "
@@ -126,15 +124,15 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
     p.add_argument("--host", default=host, help="interface to listen on (env GEMMA4_HOST)")
     p.add_argument("--port", type=int, default=port, help="port (env GEMMA4_PORT)")
     p.add_argument("--share", action=argparse.BooleanOptionalAction,
-                   default=_env_bool(env.get("GEMMA4_SHARE")),
+                   default=env_bool(env.get("GEMMA4_SHARE")),
                    help="open a public Gradio share link (env GEMMA4_SHARE)")
     p.add_argument("--max-users", type=int,
-                   default=_env_int(env, "GEMMA4_MAX_USERS", Settings.max_users),
+                   default=env_int(env, "GEMMA4_MAX_USERS", Settings.max_users),
                    help="requests decoded together (env GEMMA4_MAX_USERS)")
     p.add_argument("--max-new-tokens-cap", type=int,
-                   default=_env_int(env, "GEMMA4_MAX_NEW_TOKENS", Settings.max_new_tokens_cap),
+                   default=env_int(env, "GEMMA4_MAX_NEW_TOKENS", Settings.max_new_tokens_cap),
                    help="upper bound of the max-new-tokens control (env GEMMA4_MAX_NEW_TOKENS)")
-    p.add_argument("--context", type=int, default=_env_int(env, "GEMMA4_CONTEXT", Settings.context),
+    p.add_argument("--context", type=int, default=env_int(env, "GEMMA4_CONTEXT", Settings.context),
                    help="context window in tokens (env GEMMA4_CONTEXT)")
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue before new ones are refused")
@@ -142,6 +140,17 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
                    help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
     add_access_flags(p, env)
     distributed.add_arguments(p, env)
+    return p
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
+    """Settings from command-line flags, falling back to GEMMA4_* environment variables; a bad
+    value in either stops start-up with a message (SystemExit)."""
+    env = os.environ if environ is None else environ
+    try:
+        p = _parser(env)
+    except EnvError as e:
+        raise SystemExit(str(e)) from None
     a = p.parse_args(list(argv) if argv is not None else None)
     for name in ("port", "max_users", "max_new_tokens_cap", "context", "queue_size"):
         if getattr(a, name) < 1:

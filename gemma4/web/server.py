@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gemma4.env import env_bool, env_int
 from gemma4.web.ratelimit import Limits
 
 log = logging.getLogger("gemma4.web.server")
@@ -69,7 +70,8 @@ def _pair(item: str, where: str) -> tuple[str, str]:
 
 
 def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The access flags of `python app.py`, each falling back to its GEMMA4_* variable."""
+    """The access flags of `python app.py`, each falling back to its GEMMA4_* variable (a bad
+    number there raises `gemma4.env.EnvError`)."""
     d = Limits()
     g = p.add_argument_group("access (UI login, API keys, rate limits)")
     g.add_argument("--auth", default=env.get("GEMMA4_AUTH") or None, metavar="USER:PW[,...]",
@@ -106,23 +108,6 @@ def access_from_args(a: argparse.Namespace) -> Access:
     limits = Limits(in_flight=a.rate_in_flight, per_minute=a.rate_per_minute,
                     max_body_bytes=a.max_body_bytes).validated()
     return Access(logins=logins, api_keys=keys, limits=limits, trust_proxy=a.trust_proxy)
-
-
-def env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    """An integer setting from the environment; a bad value stops start-up with a message."""
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SystemExit(f"{name}={raw!r} is not an integer") from None
-
-
-def env_bool(raw: str | None, default: bool = False) -> bool:
-    if raw is None or not raw.strip():
-        return default
-    return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 # --------------------------------------------------------------------------- the policy
