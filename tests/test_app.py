@@ -24,6 +24,7 @@ from gemma4.ui.panels import (
     queue_html,
     status_html,
 )
+from gemma4.serve.chat import message_text
 from gemma4.ui.reply import (
     flags_summary,
     history_to_messages,
@@ -31,7 +32,6 @@ from gemma4.ui.reply import (
     is_notice,
     last_user_text,
     message_index,
-    message_text,
     notice_message,
     pop_last_user_turn,
     reply_messages,

@@ -12,10 +12,10 @@ import re
 import gradio as gr
 import pytest
 
+from gemma4.serve.chat import message_text
 from gemma4.ui.reply import (
     history_to_messages,
     is_app_message,
-    message_text,
     reply_messages,
     reply_panel_html,
 )

@@ -139,14 +139,6 @@ def extras(ev: Any, notes: list[str]) -> dict:
     return {"stats": stats, "flags": dict(ev.flags or {}), "notes": all_notes}
 
 
-def tool_call_json(call: Any, index: int | None = None) -> dict:
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name, "arguments": call.arguments_json}}
-    if index is not None:
-        out["index"] = index
-    return out
-
-
 def finish_reason(ev: Any) -> str:
     if ev.tool_calls:
         return "tool_calls"
@@ -474,7 +466,7 @@ class _ChatShape:
             out.append({"content": ev.answer_delta})
         calls = list(ev.tool_calls or ())
         if len(calls) > sent_calls:
-            out.append({"tool_calls": [tool_call_json(c, i) for i, c in
+            out.append({"tool_calls": [{**c.to_openai(), "index": i} for i, c in
                                        enumerate(calls) if i >= sent_calls]})
         return out
 
@@ -483,7 +475,7 @@ class _ChatShape:
                 "usage": usage(ev.stats or {})}
 
     def whole(self, ev: Any, notes: list[str]) -> dict:
-        calls = [tool_call_json(c) for c in ev.tool_calls or ()]
+        calls = [c.to_openai() for c in ev.tool_calls or ()]
         message = {"role": "assistant", "content": ev.answer if (ev.answer or not calls) else None,
                    "reasoning_content": ev.thought or None}
         if calls:
