@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -43,13 +42,13 @@ from gemma4.web.server import Access, access_from_args, add_access_flags
 from gemma4.ui.handlers import (
     PENALTY_RANGE,
     SEED_RANDOM,
-    STREAM_INTERVAL_S,
     TEMPERATURE_RANGE,
     THINK_INFO,
     TOP_P_RANGE,
     ChatHandlers,
     guess_is_base,
     plot_frame,
+    throttled,
 )
 
 log = logging.getLogger("gemma4.app")
@@ -257,12 +256,7 @@ class DemoApp(ChatHandlers):
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
                                                  thinking=bool(thinking))
-            last_yield = 0.0
-            for ev in gen:
-                now = time.monotonic()
-                if not ev.done and now - last_yield < STREAM_INTERVAL_S:
-                    continue
-                last_yield = now
+            for ev in throttled(gen):
                 flags = dict(ev.flags or {})
                 flagged, fired = flags_summary(flags)
                 stats = dict(ev.stats or {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gradio as gr
@@ -60,6 +60,18 @@ def guess_is_base(model: str) -> bool:
 
 def plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(session_rows_for_plot(replies))
+
+
+def throttled(events: Iterable[Any]) -> Iterator[Any]:
+    """The reply events worth showing: the final one always, the others at most one per
+    STREAM_INTERVAL_S (the rest are skipped; each event carries the whole text so far)."""
+    last_shown = 0.0
+    for ev in events:
+        now = time.monotonic()
+        if not ev.done and now - last_shown < STREAM_INTERVAL_S:
+            continue
+        last_shown = now
+        yield ev
 
 
 class ChatHandlers:
@@ -217,18 +229,13 @@ class ChatHandlers:
         reply = {"decode_tok_s": None, "ttft_s": None, "new_tokens": 0, "mode": mode}
         session["replies"].append(reply)
         gen = None
-        last_yield = 0.0
         try:
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
                                                  thinking=think)
             yield ([*history, *reply_messages("", {}, {}, done=False)],
                    reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
-            for ev in gen:
-                now = time.monotonic()
-                if not ev.done and now - last_yield < STREAM_INTERVAL_S:
-                    continue
-                last_yield = now
+            for ev in throttled(gen):
                 stats = {**(ev.stats or {}), "thinking": think, "thought_s": ev.thought_s}
                 flags = dict(ev.flags or {})
                 if ev.done:  # the request layer's own adjustments (old turns dropped, cut-offs)
