@@ -15,6 +15,9 @@ import pathlib
 import pytest
 
 import app
+from gemma4.ui.demo import DemoApp
+from gemma4.ui.handlers import guess_is_base
+from gemma4.web.settings import Settings, parse_settings
 from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
 from gemma4.ui.numbers import clamp
 from gemma4.ui.panels import (
@@ -57,27 +60,27 @@ STATS_LINE = re.compile(r"^⏱ [\d.,]+ tok/s · TTFT [\d.]+ s · \d+ tokens")
 
 
 def test_settings_defaults_env_and_flags():
-    s = app.parse_settings([], environ={})
+    s = parse_settings([], environ={})
     assert (s.model, s.host, s.port, s.share) == ("bundled", "127.0.0.1", 7860, False)
     env = {"GEMMA4_MODEL": "google/gemma-4-E2B-it", "GEMMA4_HOST": "0.0.0.0",
            "GEMMA4_PORT": "9000", "GEMMA4_SHARE": "true", "GEMMA4_MAX_USERS": "3",
            "GEMMA4_MAX_NEW_TOKENS": "64", "GEMMA4_CONTEXT": "2048"}
-    s = app.parse_settings([], environ=env)
-    assert s == app.Settings(model="google/gemma-4-E2B-it", host="0.0.0.0", port=9000,
+    s = parse_settings([], environ=env)
+    assert s == Settings(model="google/gemma-4-E2B-it", host="0.0.0.0", port=9000,
                              share=True, max_users=3, max_new_tokens_cap=64, context=2048)
-    s = app.parse_settings(["--port", "7000", "--model", "random:tiny-e2b", "--no-share",
+    s = parse_settings(["--port", "7000", "--model", "random:tiny-e2b", "--no-share",
                             "--max-users", "2"], environ=env)
     assert (s.port, s.model, s.share, s.max_users) == (7000, "random:tiny-e2b", False, 2)
     # On Spaces only GRADIO_SERVER_NAME is set; it must be honoured.
-    assert app.parse_settings([], environ={"GRADIO_SERVER_NAME": "0.0.0.0"}).host == "0.0.0.0"
+    assert parse_settings([], environ={"GRADIO_SERVER_NAME": "0.0.0.0"}).host == "0.0.0.0"
     with pytest.raises(SystemExit):
-        app.parse_settings(["--max-users", "0"], environ={})
+        parse_settings(["--max-users", "0"], environ={})
 
 
 def test_base_model_guess():
-    assert app.guess_is_base("bundled")
-    assert not app.guess_is_base("google/gemma-4-E2B-it")
-    assert app.guess_is_base("google/gemma-3-270m")
+    assert guess_is_base("bundled")
+    assert not guess_is_base("google/gemma-4-E2B-it")
+    assert guess_is_base("google/gemma-3-270m")
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -206,7 +209,7 @@ def engine():
 def served(engine):
     from gradio_client import Client
 
-    settings = app.Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
+    settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
                             max_new_tokens_cap=TINY_ENGINE["max_new_tokens_cap"],
                             context=TINY_ENGINE["context_limit"])
     demo = app.build_demo(engine, settings)
@@ -351,7 +354,7 @@ def test_message_sent_while_loading_waits_and_says_so():
     engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128)
     try:
         assert engine.status()["state"] in ("loading", "warming")
-        handler = app.DemoApp(engine, app.Settings(model=TINY_MODEL, max_users=1, context=128))
+        handler = DemoApp(engine, Settings(model=TINY_MODEL, max_users=1, context=128))
         outputs = list(handler.respond([{"role": "user", "content": LONG_PROMPT}], "",
                                        "completion", 0.0, 0.95, 64, 4, 0, 1.0, {"replies": []}))
         first = outputs[0][0][-1]
@@ -375,7 +378,7 @@ def test_load_failure_is_shown_not_traced(tmp_path):
     missing = str(tmp_path / "no-such-model")
     engine = get_engine(model=missing, max_batch=1, context_limit=256)
     assert _wait(lambda: engine.status()["state"] == "error", timeout=60), engine.status()
-    demo = app.build_demo(engine, app.Settings(model=missing, max_users=1))
+    demo = app.build_demo(engine, Settings(model=missing, max_users=1))
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
     try:
         client = Client(url, verbose=False)

@@ -121,13 +121,14 @@ def test_close_pending_thought_only_touches_the_last_reply():
 @pytest.fixture(scope="module")
 def gemma4_app():
     """The chat handlers around the shared tiny random Gemma 4 (tests/scripted.py)."""
-    import app
+    from gemma4.ui.demo import DemoApp
+    from gemma4.web.settings import Settings
     from tests.scripted import TINY_GEMMA4, tiny_gemma4
 
     engine = tiny_gemma4()
-    settings = app.Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+    settings = Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
                             context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64)
-    return app.DemoApp(engine, settings), engine
+    return DemoApp(engine, settings), engine
 
 
 @pytest.fixture
@@ -273,13 +274,14 @@ def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app,
 def test_gemma3_think_switch_disabled_with_reason(every_event):
     """The bundled family (Gemma 3) has no thinking channel: the switch is off and says why,
     and a request that still asks for thinking is answered without it, with a note."""
-    import app
+    from gemma4.ui.demo import DemoApp
+    from gemma4.web.settings import Settings
     from gemma4.serve.engine import get_engine
     from tests.test_app import TINY_ENGINE, TINY_MODEL
 
     engine = get_engine(model=TINY_MODEL, **TINY_ENGINE)  # the engine tests/test_app.py uses
     engine.wait_ready(timeout=900)
-    handler = app.DemoApp(engine, app.Settings(model=TINY_MODEL))
+    handler = DemoApp(engine, Settings(model=TINY_MODEL))
     ok, reason = handler.thinking_support()
     assert not ok and "Gemma 3" in reason
     update = handler.think_update()
