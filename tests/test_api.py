@@ -42,7 +42,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 def _serve(engine, model: str, access: server.Access):
     settings = Settings(model=model, max_users=engine.max_batch, max_new_tokens_cap=CAP,
-                            context=engine.context_limit, access=access)
+                        context=engine.context_limit, access=access)
     demo = app.build_demo(engine, settings)
     fastapi_app = server.build_app(demo, engine, model=model, max_new_tokens_cap=CAP,
                                    access=access)

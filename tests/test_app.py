@@ -67,9 +67,9 @@ def test_settings_defaults_env_and_flags():
            "GEMMA4_MAX_NEW_TOKENS": "64", "GEMMA4_CONTEXT": "2048"}
     s = parse_settings([], environ=env)
     assert s == Settings(model="google/gemma-4-E2B-it", host="0.0.0.0", port=9000,
-                             share=True, max_users=3, max_new_tokens_cap=64, context=2048)
+                         share=True, max_users=3, max_new_tokens_cap=64, context=2048)
     s = parse_settings(["--port", "7000", "--model", "random:tiny-e2b", "--no-share",
-                            "--max-users", "2"], environ=env)
+                        "--max-users", "2"], environ=env)
     assert (s.port, s.model, s.share, s.max_users) == (7000, "random:tiny-e2b", False, 2)
     # On Spaces only GRADIO_SERVER_NAME is set; it must be honoured.
     assert parse_settings([], environ={"GRADIO_SERVER_NAME": "0.0.0.0"}).host == "0.0.0.0"
@@ -210,8 +210,8 @@ def served(engine):
     from gradio_client import Client
 
     settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
-                            max_new_tokens_cap=TINY_ENGINE["max_new_tokens_cap"],
-                            context=TINY_ENGINE["context_limit"])
+                        max_new_tokens_cap=TINY_ENGINE["max_new_tokens_cap"],
+                        context=TINY_ENGINE["context_limit"])
     demo = app.build_demo(engine, settings)
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
     try:

@@ -53,7 +53,7 @@ def test_thought_message_states():
 def test_tool_calls_message_formats_each_call():
     assert tool_calls_message([]) is None
     one = tool_calls_message([{"id": "c1", "name": "get_weather",
-                                  "arguments": {"city": "Paris", "days": 2}}])
+                               "arguments": {"city": "Paris", "days": 2}}])
     assert one["metadata"]["title"] == "🛠 Tool call: get_weather"
     assert '"city": "Paris"' in one["content"] and "```json" in one["content"]
     assert "not run" in one["content"]
@@ -71,8 +71,8 @@ def test_reply_messages_order_and_the_next_prompt_has_no_thought():
     stats = {"decode_tok_s": 9.5, "ttft_s": 0.2, "new_tokens": 30, "thought_tokens": 21,
              "answer_tokens": 9}
     msgs = reply_messages("Paris.", stats, {}, done=True, finish_reason="stop",
-                             thought="The user asks for a capital.", thought_s=1.5,
-                             tool_calls=[{"name": "lookup", "arguments": {}}])
+                          thought="The user asks for a capital.", thought_s=1.5,
+                          tool_calls=[{"name": "lookup", "arguments": {}}])
     assert [message_text(m["content"])[:6] for m in msgs[:2]] == ["The us", "Paris."]
     assert [(m.get("metadata") or {}).get("id") for m in msgs] == [
         THOUGHT_ID, None, TOOLS_ID, STATS_ID]
@@ -90,7 +90,7 @@ def test_reply_messages_order_and_the_next_prompt_has_no_thought():
     assert [m["metadata"]["status"] for m in live] == ["pending", "pending"]
     # done inside the thought: no answer, the thought says it was cut off
     cut = reply_messages("", stats, {}, done=True, finish_reason="length", thought="Hmm",
-                            in_thought=True)
+                         in_thought=True)
     assert len(cut) == 2 and "cut off" in cut[0]["metadata"]["title"]
 
 
@@ -100,7 +100,7 @@ def test_reply_panel_counts_thought_and_answer_apart():
     assert "30 — thought <b>21</b> (1.2 s) · answer <b>9</b>" in panel
     assert "thought" not in reply_panel_html({"new_tokens": 3}, {}, done=True)
     off = reply_panel_html({"new_tokens": 3, "thinking": True, "answer_tokens": 3}, {},
-                              done=True)
+                           done=True)
     assert "thought <b>0</b> · answer <b>3</b>" in off
 
 
@@ -127,7 +127,7 @@ def gemma4_app():
 
     engine = tiny_gemma4()
     settings = Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
-                            context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64)
+                        context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64)
     return DemoApp(engine, settings), engine
 
 
@@ -265,7 +265,7 @@ def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app,
     assert stopped[-1]["metadata"]["title"].startswith("⏹ stopped")
 
     done = [*history, *reply_messages("Hello!", {}, {}, done=True, finish_reason="stop",
-                                         thought="hm", thought_s=0.5)]
+                                      thought="hm", thought_s=0.5)]
     assert len(done) == 4
     assert handler.retry(done) == history  # the thought goes with its answer
     assert handler.undo(done) == ([], "Hi")

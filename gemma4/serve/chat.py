@@ -312,7 +312,7 @@ def render_with_template(template: str, messages: Sequence[Mapping[str, Any]], t
     text is a control token — including control-looking text typed *inside* a message. Prefer
     `render` for user input; use this to check a checkpoint's template or for unusual formats.
     """
-    import jinja2
+    import jinja2  # deferred: jinja2 is optional (it comes with gradio, not requirements.txt); only this path needs it
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):

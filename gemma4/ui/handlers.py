@@ -219,7 +219,7 @@ class ChatHandlers:
         except Exception as e:  # a bug here must not leave the chat hanging or show a trace
             log.exception("preparing the request failed")
             yield ([*history, notice_message(f"Could not prepare the request "
-                                                f"({type(e).__name__}: {e}).")], gr.skip(), session)
+                                             f"({type(e).__name__}: {e}).")], gr.skip(), session)
             return
 
         # 3. Stream through the request layer. Closing this generator (Stop) runs `finally`,
@@ -246,11 +246,11 @@ class ChatHandlers:
                              finish_reason=ev.finish_reason if ev.done else None,
                              flagged=flags_summary(flags)[0] if ev.done else False)
                 msgs = reply_messages(ev.answer, stats, flags, done=ev.done,
-                                         finish_reason=ev.finish_reason, thought=ev.thought,
-                                         in_thought=ev.in_thought, thought_s=ev.thought_s,
-                                         tool_calls=ev.tool_calls)
+                                      finish_reason=ev.finish_reason, thought=ev.thought,
+                                      in_thought=ev.in_thought, thought_s=ev.thought_s,
+                                      tool_calls=ev.tool_calls)
                 panel = reply_panel_html(stats, flags, done=ev.done,
-                                            finish_reason=ev.finish_reason, notes=notes, mode=mode)
+                                         finish_reason=ev.finish_reason, notes=notes, mode=mode)
                 yield [*history, *msgs], panel, session
         except self.RequestError as e:
             session["replies"].remove(reply)
@@ -291,7 +291,7 @@ class ChatHandlers:
             last = (replies[-1].get("stats") or {}) if replies else {}
             used = int(last.get("prefill_tokens") or 0) + int(last.get("new_tokens") or 0)
             return context_meter_html(used, limit, "last completion prompt + reply "
-                                         "(completion mode sends only your latest message)")
+                                      "(completion mode sends only your latest message)")
         try:
             used = self.engine.count_tokens(history_to_messages(history),
                                             (system or "").strip() or None)
