@@ -49,6 +49,7 @@ class DemoApp(ChatHandlers):
         return (status_html(status), banner, queue_html(queue), *controls, seen)
 
     def hardware_panel(self):
+        """The Hardware tab (every 5 s): compiles, pre-flight and hardware report; memory in use."""
         info = self.info()
         if not info:
             return "_The hardware report appears once the model has loaded._", ""

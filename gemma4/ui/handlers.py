@@ -78,7 +78,7 @@ def throttled(events: Iterable[Any]) -> Iterator[Any]:
 class ChatHandlers:
     """The chat's event handlers; holds the engine and the settings, no per-user state.
 
-    `settings` is `app.Settings` (read here: `model`, `max_new_tokens_cap`).
+    `settings` is `gemma4.web.settings.Settings` (read here: `model`, `max_new_tokens_cap`).
     """
 
     def __init__(self, engine: Any, settings: Any):
