@@ -26,7 +26,6 @@ from gemma4.ui.demo import DemoApp
 from gemma4.ui.handlers import (
     PENALTY_RANGE,
     SEED_RANDOM,
-    TEMPERATURE_RANGE,
     THINK_INFO,
     TOP_P_RANGE,
     plot_frame,
@@ -119,7 +118,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                             info=THINK_INFO if think_ok else think_why)
                         system = gr.Textbox(label="System prompt (chat mode)", lines=2,
                                             placeholder="You are a helpful assistant.")
-                        temperature = gr.Slider(*TEMPERATURE_RANGE, value=d["temperature"],
+                        temperature = gr.Slider(0.0, app.temperature_max, value=d["temperature"],
                                                 step=0.05, label="Temperature (0 = greedy)",
                                                 elem_id="temperature")
                         top_p = gr.Slider(*TOP_P_RANGE, value=d["top_p"], step=0.01,

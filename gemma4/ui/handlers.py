@@ -44,7 +44,6 @@ log = logging.getLogger("gemma4.app")
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second: long replies must not flood the browser
 LOADING_POLL_S = 0.5
 SEED_RANDOM = -1
-TEMPERATURE_RANGE = (0.0, 2.0)  # the API's too (gemma4.model.sampling.TEMPERATURE_MAX)
 TOP_P_RANGE = (0.05, 1.0)
 PENALTY_RANGE = (1.0, 2.0)
 THINK_INFO = ("Gemma 4 thinks before it answers; the thought appears as a collapsible block "
@@ -91,7 +90,7 @@ class ChatHandlers:
         self.RequestError = RequestError
         self.SamplingParams = sampling.SamplingParams
         self.top_k_max = sampling.K_MAX
-        self.temperature_max = sampling.TEMPERATURE_MAX
+        self.temperature_max = sampling.TEMPERATURE_MAX  # the slider's top, the API's bound too
         self.conversation = conversation
 
     # ------------------------------------------------------------------ engine facts
@@ -143,7 +142,8 @@ class ChatHandlers:
         pick = lambda v, k: d[k] if v is None else v  # noqa: E731
         max_new = clamp(pick(max_new_tokens, "max_new_tokens"), 1,
                         self.settings.max_new_tokens_cap, "max_new_tokens", warnings, integer=True)
-        temp = clamp(pick(temperature, "temperature"), *TEMPERATURE_RANGE, "temperature", warnings)
+        temp = clamp(pick(temperature, "temperature"), 0.0, self.temperature_max, "temperature",
+                     warnings)
         top_p_v = clamp(pick(top_p, "top_p"), *TOP_P_RANGE, "top_p", warnings)
         top_k_v = clamp(pick(top_k, "top_k"), 0, self.top_k_max, "top_k", warnings, integer=True)
         penalty = clamp(pick(repetition_penalty, "repetition_penalty"), *PENALTY_RANGE,
