@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from gemma4.env import EnvError
 from gemma4.model.config import PRESETS
 from gemma4.plan import preflight
 from gemma4.plan.hardware import main as hardware_main
@@ -284,10 +285,8 @@ def _simulate_name(devices: str | None) -> str | None:
         facts.device_kind)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "probe":
-        return cmd_probe(argv[1:])
+def _parser() -> argparse.ArgumentParser:
+    """The generate and chat commands' flags (EnvError for a bad GEMMA4_* default)."""
     parser = argparse.ArgumentParser(prog="python -m gemma4", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt (streams to the terminal)")
@@ -303,6 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(temperature=0.7, max_new_tokens=256)
     c.add_argument("--system", default=None, help="system prompt")
     sub.add_parser("probe", help="print the hardware probe and policy (see --help of the subcommand)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "probe":
+        return cmd_probe(argv[1:])
+    try:
+        parser = _parser()
+    except EnvError as e:  # a GEMMA4_* variable that is not a number
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:  # a bad setting is a usage error, before anything loads
         args.params = _params(args)
