@@ -1,52 +1,43 @@
-"""Gradio chat demo for the pure-JAX Gemma 4 / Gemma 3 engine.
+"""Gradio chat demo for the pure-JAX Gemma 4 / Gemma 3 engine: glue only.
 
-UI only: the engine (`gemma4.serve.engine`) owns the model, batching and measurements; the chat's
-event handlers live in `gemma4.ui.handlers`; this file holds the settings, the panels on a timer,
-the API for programs, the Blocks layout and the launch.
+`build_demo` lays out the UI around an engine and wires it to the handlers (`gemma4.ui.demo`);
+`main` reads the settings (`gemma4.web.settings`), starts the engine loading, and serves the UI
+with the OpenAI-compatible API (`gemma4.web.server`). The engine (`gemma4.serve.engine`) owns the
+model, batching and measurements.
 
     python app.py --model bundled --port 7860
     python app.py --model google/gemma-4-E2B-it --host 0.0.0.0 --max-users 8
 
-Every flag has an environment variable (GEMMA4_MODEL, GEMMA4_HOST, GEMMA4_PORT, GEMMA4_SHARE,
-GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT; access: GEMMA4_AUTH, GEMMA4_AUTH_FILE,
-GEMMA4_API_KEY, GEMMA4_RATE_IN_FLIGHT, GEMMA4_RATE_PER_MINUTE). Nothing is loaded at import time:
-`main()` asks for the engine, which loads and warms up in the background while the page is
+Every flag has an environment variable (see `gemma4.web.settings`). Nothing is loaded at import
+time: `main()` asks for the engine, which loads and warms up in the background while the page is
 already served.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
-import os
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import gradio as gr
 
 from gemma4.serve import distributed
-
-from gemma4.ui import mesh_panel
-from gemma4.ui import panels as uf
-from gemma4.web.server import Access, access_from_args, add_access_flags
-from gemma4.web.server import env_bool as _env_bool, env_int as _env_int
+from gemma4.ui.demo import DemoApp
 from gemma4.ui.handlers import (
     PENALTY_RANGE,
     SEED_RANDOM,
-    STREAM_INTERVAL_S,
-    TEMPERATURE_RANGE,
     THINK_INFO,
     TOP_P_RANGE,
-    ChatHandlers,
-    guess_is_base,
     plot_frame,
 )
+from gemma4.ui.panels import context_meter_html, model_banner_html, queue_html, session_summary_md, status_html
+from gemma4.ui.reply import empty_reply_panel_html
+from gemma4.web import server
+from gemma4.web.settings import Settings, parse_settings
 
 log = logging.getLogger("gemma4.app")
 
-__all__ = ["CSS", "DemoApp", "Settings", "build_demo", "guess_is_base", "main", "parse_settings"]
+__all__ = ["CSS", "build_demo", "main"]
 
 COMPLETION_EXAMPLES = [
     "The capital of France is",
@@ -63,209 +54,6 @@ CSS = """
 #reply-stats table td { font-size: 0.92em; }
 #model-banner, #engine-status { margin-bottom: 2px; }
 """
-
-
-def compile_markdown(engine: Any) -> str:
-    """One line on the XLA compiles: still running in the background, or all done."""
-    state = engine.compile_state() if hasattr(engine, "compile_state") else None
-    if not state:
-        return ""
-    done = len(state["compiled"])
-    if state["pending"]:
-        now = ", ".join(state["compiling"]) or "waiting for the engine to be idle"
-        line = (f"**XLA compiles:** {done} shapes compiled, {state['pending']} still compiling in the "
-                f"background (now: {now}). A request that needs one of them uses a compiled shape "
-                "or waits for it.")
-    else:
-        line = f"**XLA compiles:** all {done} shapes compiled ({state['compile_s']:.1f} s in all)."
-    if state.get("failed"):
-        line += " Failed: " + "; ".join(f"{k}: {v}" for k, v in state["failed"].items())
-    return line + "\n\n"
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """What the app is started with (flags override environment variables)."""
-
-    model: str = "bundled"
-    host: str = "127.0.0.1"
-    port: int = 7860
-    share: bool = False
-    max_users: int = 8  # requests decoded together; also Gradio's concurrency limit
-    max_new_tokens_cap: int = 1024
-    context: int = 4096
-    queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
-    # UI login, /v1 keys, per-client rate limits (gemma4.web.server); secrets stay out of repr()
-    access: Access = dataclasses.field(default_factory=Access)
-    mesh: str = "auto"  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
-    distributed: Any = None  # gemma4.serve.distributed.Settings: more than one process (None: one)
-
-
-def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
-    """Settings from command-line flags, falling back to GEMMA4_* environment variables."""
-    env = os.environ if environ is None else environ
-    # Spaces set GRADIO_SERVER_NAME/PORT; honour them when our own variables are unset.
-    host = env.get("GEMMA4_HOST") or env.get("GRADIO_SERVER_NAME") or Settings.host
-    port = _env_int(env, "GEMMA4_PORT", _env_int(env, "GRADIO_SERVER_PORT", Settings.port))
-    p = argparse.ArgumentParser(description="Gemma 4 / Gemma 3 chat demo (pure JAX).")
-    p.add_argument("--model", default=env.get("GEMMA4_MODEL") or Settings.model,
-                   help="'bundled' (Gemma 3 270M base, offline), a Hub repo id, a local folder, "
-                        "or 'random:<preset>' (env GEMMA4_MODEL)")
-    p.add_argument("--host", default=host, help="interface to listen on (env GEMMA4_HOST)")
-    p.add_argument("--port", type=int, default=port, help="port (env GEMMA4_PORT)")
-    p.add_argument("--share", action=argparse.BooleanOptionalAction,
-                   default=_env_bool(env.get("GEMMA4_SHARE")),
-                   help="open a public Gradio share link (env GEMMA4_SHARE)")
-    p.add_argument("--max-users", type=int,
-                   default=_env_int(env, "GEMMA4_MAX_USERS", Settings.max_users),
-                   help="requests decoded together (env GEMMA4_MAX_USERS)")
-    p.add_argument("--max-new-tokens-cap", type=int,
-                   default=_env_int(env, "GEMMA4_MAX_NEW_TOKENS", Settings.max_new_tokens_cap),
-                   help="upper bound of the max-new-tokens control (env GEMMA4_MAX_NEW_TOKENS)")
-    p.add_argument("--context", type=int, default=_env_int(env, "GEMMA4_CONTEXT", Settings.context),
-                   help="context window in tokens (env GEMMA4_CONTEXT)")
-    p.add_argument("--queue-size", type=int, default=Settings.queue_size,
-                   help="requests that may wait in the queue before new ones are refused")
-    p.add_argument("--mesh", default=env.get("GEMMA4_MESH") or Settings.mesh,
-                   help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
-    add_access_flags(p, env)
-    distributed.add_arguments(p, env)
-    a = p.parse_args(list(argv) if argv is not None else None)
-    for name in ("port", "max_users", "max_new_tokens_cap", "context", "queue_size"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
-    try:
-        access = access_from_args(a)
-        multi = distributed.from_args(a)
-        if a.mesh.strip().lower() != "auto":
-            from gemma4.plan import sharding
-
-            sharding.parse_mesh(a.mesh)  # a bad spec is a usage error, before anything loads
-    except (ValueError, distributed.DistributedError) as e:  # (MeshError is a ValueError)
-        p.error(str(e))
-    return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
-                    max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,
-                    context=a.context, queue_size=a.queue_size, access=access, mesh=a.mesh,
-                    distributed=multi if multi.enabled else None)
-
-
-# --------------------------------------------------------------------------- the app
-
-
-class DemoApp(ChatHandlers):
-    """The chat handlers (`ChatHandlers`) plus the panels on a timer and the API for programs."""
-
-    # ------------------------------------------------------------------ panels on a timer
-
-    def tick(self, seen: dict | None):
-        """Every second: engine status, model banner, queue; on becoming ready, model defaults
-        and whether the Think switch applies."""
-        seen = dict(seen or {})
-        status = self.engine.status()
-        state = status.get("state")
-        changed = state != seen.get("state")
-        seen["state"] = state
-        info = self.info() if state == "ready" else None
-        queue = self.engine.queue_state() if state == "ready" else None
-        banner = uf.model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 8
-        if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
-            seen["defaults_applied"] = True
-            d = self.default_sampling()
-            controls = [gr.update(value=self.default_mode()), gr.update(value=d["temperature"]),
-                        gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
-                        gr.update(value=d["max_new_tokens"]),
-                        gr.update(value=d["repetition_penalty"]),
-                        uf.context_meter_html(0, info.get("context_limit"), "(empty conversation)"),
-                        self.think_update()]
-        return (uf.status_html(status), banner, uf.queue_html(queue), *controls, seen)
-
-    def hardware_panel(self):
-        info = self.info()
-        if not info:
-            return "_The hardware report appears once the model has loaded._", ""
-        memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
-        return (compile_markdown(self.engine) + mesh_panel.panel_markdown(self.engine, info)
-                + uf.hardware_markdown(info.get("hardware")),
-                uf.memory_markdown(memory))
-
-    # ------------------------------------------------------------------ API for programs
-
-    def engine_status(self) -> dict:
-        """The engine's state ("loading" | "warming" | "ready" | "error"), progress, message,
-        error, and — once ready — the model facts and the queue ({"active", "waiting"})."""
-        status = dict(self.engine.status())
-        info = self.info()
-        if info:
-            status["model"] = {k: info.get(k) for k in ("model", "source", "is_base_model",
-                                                        "random_weights", "family",
-                                                        "context_limit", "max_batch")}
-            status["queue"] = self.engine.queue_state()
-        return status
-
-    def generate(self, prompt: str, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, seed: int | None = None, mode: str = "auto",
-                 system: str = "", thinking: bool = False) -> Iterator[dict]:
-        """Generate a reply to `prompt`; streams partial results, the last one has done=True.
-
-        Settings left as None use the model's defaults. mode: "chat" (the prompt is one user
-        turn, rendered with the chat template), "completion" (raw text to continue) or "auto"
-        (completion for base models, chat otherwise). thinking: Gemma 4 thinks first (chat
-        mode; an error for Gemma 3). Returns {"text" (the answer), "thought", "tool_calls"
-        ([{"id", "name", "arguments"}]), "stats", "flags", "flagged", "fired_rules",
-        "finish_reason", "done", "mode", "model", "notes"}.
-        """
-        if not (prompt or "").strip():
-            raise gr.Error("Empty prompt: send some text to continue or a question to answer.")
-        if mode not in ("auto", "chat", "completion"):
-            raise gr.Error(f"mode must be 'auto', 'chat' or 'completion', got {mode!r}")
-        for status in self._wait_ready():
-            yield {"text": "", "done": False, "status": uf.loading_text(status)}
-        status = self.engine.status()
-        if status.get("state") == "error":
-            raise gr.Error(f"The model failed to load: {status.get('error')}")
-        mode = self.default_mode() if mode == "auto" else mode
-        try:
-            params, notes, _ = self.params(temperature, top_p, top_k, max_new_tokens, seed)
-        except (ValueError, self.RequestError) as e:
-            raise gr.Error(str(e)) from None
-        model = self.settings.model
-        gen = None
-        try:
-            gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
-                                                 system=(system or "").strip() or None,
-                                                 thinking=bool(thinking))
-            last_yield = 0.0
-            for ev in gen:
-                now = time.monotonic()
-                if not ev.done and now - last_yield < STREAM_INTERVAL_S:
-                    continue
-                last_yield = now
-                flags = dict(ev.flags or {})
-                flagged, fired = uf.flags_summary(flags)
-                stats = dict(ev.stats or {})
-                all_notes = notes + [n for n in stats.get("notes") or () if n not in notes]
-                calls = [{"id": c.id, "name": c.name, "arguments": c.arguments}
-                         for c in ev.tool_calls]
-                yield {"text": ev.answer, "thought": ev.thought, "tool_calls": calls,
-                       "stats": stats, "flags": flags,
-                       "flagged": flagged, "fired_rules": fired,
-                       "finish_reason": ev.finish_reason, "done": bool(ev.done), "mode": mode,
-                       "model": model, "notes": all_notes}
-        except self.RequestError as e:
-            raise gr.Error(str(e)) from None
-        except gr.Error:
-            raise
-        except Exception as e:
-            log.exception("generation failed (API)")
-            raise gr.Error(f"The engine failed on this request: {type(e).__name__}: {e}") from None
-        finally:
-            if gen is not None:
-                gen.close()
 
 
 # --------------------------------------------------------------------------- layout
@@ -286,8 +74,8 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
         gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
-        banner = gr.HTML(uf.model_banner_html(app.info(), settings.model), elem_id="model-banner")
-        status_box = gr.HTML(uf.status_html(engine.status()), elem_id="engine-status")
+        banner = gr.HTML(model_banner_html(app.info(), settings.model), elem_id="model-banner")
+        status_box = gr.HTML(status_html(engine.status()), elem_id="engine-status")
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(
@@ -310,8 +98,8 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
                 with gr.Row():
-                    context_meter = gr.HTML(uf.context_meter_html(None, None))
-                    queue_box = gr.HTML(uf.queue_html(None))
+                    context_meter = gr.HTML(context_meter_html(None, None))
+                    queue_box = gr.HTML(queue_html(None))
                 mode = gr.Radio(["chat", "completion"], value=app.default_mode(), label="Mode",
                                 elem_id="mode",
                                 info="completion: the model continues your latest message as raw "
@@ -321,7 +109,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                             label="Examples (click one, then press Enter)")
             with gr.Column(scale=2):
                 gr.Markdown("### This reply")
-                reply_panel = gr.HTML(uf.empty_reply_panel_html(), elem_id="reply-panel")
+                reply_panel = gr.HTML(empty_reply_panel_html(), elem_id="reply-panel")
                 with gr.Tabs():
                     with gr.Tab("Settings"):
                         think_ok, think_why = app.thinking_support()
@@ -330,7 +118,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                             info=THINK_INFO if think_ok else think_why)
                         system = gr.Textbox(label="System prompt (chat mode)", lines=2,
                                             placeholder="You are a helpful assistant.")
-                        temperature = gr.Slider(*TEMPERATURE_RANGE, value=d["temperature"],
+                        temperature = gr.Slider(0.0, app.temperature_max, value=d["temperature"],
                                                 step=0.05, label="Temperature (0 = greedy)",
                                                 elem_id="temperature")
                         top_p = gr.Slider(*TOP_P_RANGE, value=d["top_p"], step=0.01,
@@ -346,7 +134,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                         seed = gr.Number(value=SEED_RANDOM, precision=0,
                                          label="Seed (-1 = random each time)", elem_id="seed")
                     with gr.Tab("Session"):
-                        summary = gr.Markdown(uf.session_summary_md([]))
+                        summary = gr.Markdown(session_summary_md([]))
                         empty = plot_frame([])
                         plot_tps = gr.LinePlot(empty, x="reply", y="decode_tok_s",
                                                title="Decode speed per reply", x_title="reply #",
@@ -394,7 +182,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
             app.after_reply, after_inputs, after_outputs, queue=False, **hidden)
 
         def cleared():
-            return [], gr.update(value="", interactive=True), uf.empty_reply_panel_html()
+            return [], gr.update(value="", interactive=True), empty_reply_panel_html()
 
         clear_btn.click(cleared, None, [chatbot, msg, reply_panel], cancels=running, queue=False,
                         **hidden).then(app.after_reply, after_inputs, after_outputs, queue=False,
@@ -425,8 +213,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks | None:
     """Parse flags, start loading the engine in the background, build the UI and serve it at /
     with the OpenAI-compatible API at /v1 (one uvicorn server, `gemma4.web.server`)."""
-    from gemma4.web import server
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine import get_engine  # deferred: jax, +1.5 s on `import app` (measured)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = parse_settings(argv)

@@ -87,9 +87,10 @@ def main(argv=None) -> int:
     from gemma4.serve.conversation import stream_reply
     from gemma4.serve.engine import get_engine
     from gemma4.web.ratelimit import Limits
+    from gemma4.web.settings import Settings
     from gemma4.model.sampling import SamplingParams
 
-    settings = app.Settings(context=args.context)
+    settings = Settings(context=args.context)
     engine = get_engine(model=settings.model, max_batch=settings.max_users,
                         context_limit=settings.context, buckets=(16, 64),
                         max_new_tokens_cap=settings.max_new_tokens_cap)

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import os
 import sys
+
+from gemma4.env import EnvError
+from gemma4.model.config import PRESETS
+from gemma4.plan import preflight
+from gemma4.plan.hardware import main as hardware_main
+from gemma4.serve import distributed
+from gemma4.ui import mesh_panel
+from gemma4.weights import sources
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,8 +35,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
                         "(env GEMMA4_MESH)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
-    from gemma4.serve import distributed
-
     distributed.add_arguments(p)
 
 
@@ -50,8 +58,7 @@ def _overrides(args) -> dict:
 
 
 def _engine(args):
-    from gemma4.serve import distributed
-    from gemma4.plan import sharding
+    from gemma4.plan import sharding  # deferred: jax, +1.2 s on --help and usage errors (measured)
 
     try:  # before anything touches a JAX backend; a bad mesh spec is refused before any loading
         distributed.initialize(distributed.from_args(args))
@@ -61,7 +68,7 @@ def _engine(args):
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     _check_mesh(args)
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine import get_engine  # deferred: jax, as above
 
     extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
@@ -77,9 +84,6 @@ def _engine(args):
 def _check_mesh(args) -> None:
     """An explicit mesh gets the memory pre-flight before any weight is read (the engine runs it
     for mesh=auto itself); GEMMA4_PREFLIGHT=warn prints the refusal and goes on, off skips it."""
-    from gemma4.plan import preflight
-    from gemma4.weights import sources
-
     if args.mesh.strip().lower() == "auto":
         return
     try:
@@ -99,17 +103,19 @@ def _check_mesh(args) -> None:
 
 
 def _params(args):
-    from gemma4.model.sampling import SamplingParams
+    """The run's sampling settings, checked as every front checks them (`SamplingParams.validated`;
+    ValueError names the flag's field). No cap here: the engine applies its own."""
+    from gemma4.model.sampling import SamplingParams  # deferred: jax, as in _engine
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          repetition_penalty=args.repetition_penalty, stop_strings=tuple(args.stop))
+    params, _ = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               max_new_tokens=args.max_new_tokens, seed=args.seed,
+                               repetition_penalty=args.repetition_penalty,
+                               stop_strings=tuple(args.stop)).validated(None)
+    return params
 
 
 def _followed(engine) -> bool:
     """More than one process: the others replay process 0's steps until it stops (True then)."""
-    from gemma4.serve import distributed
-
     if distributed.is_leader():
         return False
     distributed.finish(engine)
@@ -119,8 +125,6 @@ def _followed(engine) -> bool:
 def _run_on_engine(args, body) -> int:
     """Start the engine and run `body(engine, args)` on process 0; the other processes of a
     multi-process run only follow its steps."""
-    from gemma4.serve import distributed
-
     engine = _engine(args)
     if _followed(engine):
         return 0
@@ -135,13 +139,13 @@ def cmd_generate(args) -> int:
 
 
 def _generate(engine, args) -> int:
-    from gemma4.serve.engine import RequestError
+    from gemma4.serve.engine_requests import RequestError  # deferred: jax, as in _engine
 
     info = engine.info()
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
-        events = engine.stream(args.prompt, _params(args), mode=args.mode)
+        events = engine.stream(args.prompt, args.params, mode=args.mode)
         last = None
         for last in events:
             if not args.json:
@@ -167,7 +171,7 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, args) -> int:
-    from gemma4.serve.engine import RequestError
+    from gemma4.serve.engine_requests import RequestError  # deferred: jax, as in _engine
 
     info = engine.info()
     print(f"{info['description']} — context {info['context_limit']} tokens. Empty line or Ctrl-D quits; "
@@ -189,7 +193,7 @@ def _chat(engine, args) -> int:
         print("model> ", end="", flush=True)
         try:
             last = None
-            for last in engine.stream(messages, _params(args), mode="chat", system=args.system):
+            for last in engine.stream(messages, args.params, mode="chat", system=args.system):
                 print(last.delta, end="", flush=True)
         except RequestError as e:
             print(f"\nerror: {e}")
@@ -207,11 +211,6 @@ def _chat(engine, args) -> int:
 def cmd_probe(argv: list[str]) -> int:
     """`probe`: the hardware report (gemma4.plan.hardware_checks), then — given --model, --mesh or
     --devices — the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
-    import contextlib
-    import io
-
-    from gemma4.plan.hardware import main as hardware_main
-
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model")
     ap.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or None)
@@ -228,8 +227,6 @@ def cmd_probe(argv: list[str]) -> int:
                   "tensor=4,... --devices 4xl4|8xh100|v5e-8|... --context N --max-batch N\n")
         return hardware_main(argv)
     passthrough = _without_preflight_flags(argv)
-    from gemma4.model.config import PRESETS
-
     name = (mine.model or "").split(":", 1)[-1].lower()
     if name in PRESETS or name.startswith("tiny-"):
         passthrough += ["--model", name]
@@ -239,8 +236,6 @@ def cmd_probe(argv: list[str]) -> int:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf) if mine.json else contextlib.nullcontext():
         rc = hardware_main(passthrough)
-    from gemma4.plan import preflight
-    from gemma4.ui import mesh_panel
 
     overrides = {k: getattr(mine, k) for k in ("dtype", "weights", "embed_weights", "kv") if getattr(mine, k)}
     try:
@@ -281,8 +276,6 @@ def _simulate_name(devices: str | None) -> str | None:
     """The hardware probe's --simulate chip for a pre-flight device set, where it has one."""
     if not devices:
         return None
-    from gemma4.plan import preflight
-
     try:
         facts, _ = preflight.simulated_facts_for(devices)
     except preflight.PreflightError:
@@ -292,10 +285,8 @@ def _simulate_name(devices: str | None) -> str | None:
         facts.device_kind)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "probe":
-        return cmd_probe(argv[1:])
+def _parser() -> argparse.ArgumentParser:
+    """The generate and chat commands' flags (EnvError for a bad GEMMA4_* default)."""
     parser = argparse.ArgumentParser(prog="python -m gemma4", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt (streams to the terminal)")
@@ -311,7 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     c.set_defaults(temperature=0.7, max_new_tokens=256)
     c.add_argument("--system", default=None, help="system prompt")
     sub.add_parser("probe", help="print the hardware probe and policy (see --help of the subcommand)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "probe":
+        return cmd_probe(argv[1:])
+    try:
+        parser = _parser()
+    except EnvError as e:  # a GEMMA4_* variable that is not a number
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
+    try:  # a bad setting is a usage error, before anything loads
+        args.params = _params(args)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)

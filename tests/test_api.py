@@ -15,6 +15,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import app
+from gemma4.web.settings import Settings, parse_settings
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits, RateLimiter
 from tests.net import free_port as _free_port, wait_until
@@ -40,8 +41,8 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 def _serve(engine, model: str, access: server.Access):
-    settings = app.Settings(model=model, max_users=engine.max_batch, max_new_tokens_cap=CAP,
-                            context=engine.context_limit, access=access)
+    settings = Settings(model=model, max_users=engine.max_batch, max_new_tokens_cap=CAP,
+                        context=engine.context_limit, access=access)
     demo = app.build_demo(engine, settings)
     fastapi_app = server.build_app(demo, engine, model=model, max_new_tokens_cap=CAP,
                                    access=access)
@@ -473,15 +474,15 @@ def test_login_parsing_and_flags(tmp_path):
         server.read_login_file(str(f))
     env = {"GEMMA4_AUTH": "ann:pw", "GEMMA4_API_KEY": "k1, k2", "GEMMA4_RATE_IN_FLIGHT": "2",
            "GEMMA4_RATE_PER_MINUTE": "30"}
-    s = app.parse_settings([], environ=env)
+    s = parse_settings([], environ=env)
     assert s.access.logins == (("ann", "pw"),) and s.access.api_keys == ("k1", "k2")
     assert (s.access.limits.in_flight, s.access.limits.per_minute) == (2, 30)
     assert "pw" not in repr(s) and "k1" not in repr(s)
     with pytest.raises(SystemExit):
-        app.parse_settings(["--auth-file", str(tmp_path / "missing")], environ={})
+        parse_settings(["--auth-file", str(tmp_path / "missing")], environ={})
     with pytest.raises(SystemExit):
-        app.parse_settings(["--rate-in-flight", "-1"], environ={})
-    assert app.parse_settings([], environ={"SPACE_ID": "u/s"}).access.trust_proxy
+        parse_settings(["--rate-in-flight", "-1"], environ={})
+    assert parse_settings([], environ={"SPACE_ID": "u/s"}).access.trust_proxy
 
 
 def test_access_policy_and_warnings():

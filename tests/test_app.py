@@ -15,7 +15,34 @@ import pathlib
 import pytest
 
 import app
-from gemma4.ui import panels as uf
+from gemma4.ui.demo import DemoApp
+from gemma4.ui.handlers import guess_is_base
+from gemma4.web.settings import Settings, parse_settings
+from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
+from gemma4.ui.numbers import clamp
+from gemma4.ui.panels import (
+    context_meter_html,
+    loading_text,
+    model_banner_html,
+    queue_html,
+    status_html,
+)
+from gemma4.serve.chat import message_text
+from gemma4.ui.reply import (
+    flags_summary,
+    history_to_messages,
+    is_app_message,
+    is_notice,
+    last_user_text,
+    message_index,
+    notice_message,
+    pop_last_user_turn,
+    reply_messages,
+    reply_panel_html,
+    stats_message,
+    stats_title,
+    strip_trailing_assistant,
+)
 from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,27 +60,27 @@ STATS_LINE = re.compile(r"^⏱ [\d.,]+ tok/s · TTFT [\d.]+ s · \d+ tokens")
 
 
 def test_settings_defaults_env_and_flags():
-    s = app.parse_settings([], environ={})
+    s = parse_settings([], environ={})
     assert (s.model, s.host, s.port, s.share) == ("bundled", "127.0.0.1", 7860, False)
     env = {"GEMMA4_MODEL": "google/gemma-4-E2B-it", "GEMMA4_HOST": "0.0.0.0",
            "GEMMA4_PORT": "9000", "GEMMA4_SHARE": "true", "GEMMA4_MAX_USERS": "3",
            "GEMMA4_MAX_NEW_TOKENS": "64", "GEMMA4_CONTEXT": "2048"}
-    s = app.parse_settings([], environ=env)
-    assert s == app.Settings(model="google/gemma-4-E2B-it", host="0.0.0.0", port=9000,
-                             share=True, max_users=3, max_new_tokens_cap=64, context=2048)
-    s = app.parse_settings(["--port", "7000", "--model", "random:tiny-e2b", "--no-share",
-                            "--max-users", "2"], environ=env)
+    s = parse_settings([], environ=env)
+    assert s == Settings(model="google/gemma-4-E2B-it", host="0.0.0.0", port=9000,
+                         share=True, max_users=3, max_new_tokens_cap=64, context=2048)
+    s = parse_settings(["--port", "7000", "--model", "random:tiny-e2b", "--no-share",
+                        "--max-users", "2"], environ=env)
     assert (s.port, s.model, s.share, s.max_users) == (7000, "random:tiny-e2b", False, 2)
     # On Spaces only GRADIO_SERVER_NAME is set; it must be honoured.
-    assert app.parse_settings([], environ={"GRADIO_SERVER_NAME": "0.0.0.0"}).host == "0.0.0.0"
+    assert parse_settings([], environ={"GRADIO_SERVER_NAME": "0.0.0.0"}).host == "0.0.0.0"
     with pytest.raises(SystemExit):
-        app.parse_settings(["--max-users", "0"], environ={})
+        parse_settings(["--max-users", "0"], environ={})
 
 
 def test_base_model_guess():
-    assert app.guess_is_base("bundled")
-    assert not app.guess_is_base("google/gemma-4-E2B-it")
-    assert app.guess_is_base("google/gemma-3-270m")
+    assert guess_is_base("bundled")
+    assert not guess_is_base("google/gemma-4-E2B-it")
+    assert guess_is_base("google/gemma-3-270m")
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -63,34 +90,34 @@ def test_history_to_messages_drops_app_messages_and_refused_turns():
     history = [
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
-        uf.stats_message({"decode_tok_s": 10, "ttft_s": 0.1, "new_tokens": 3}, {}, done=True),
+        stats_message({"decode_tok_s": 10, "ttft_s": 0.1, "new_tokens": 3}, {}, done=True),
         {"role": "user", "content": "x" * 100},
-        uf.notice_message("Not sent to the model: too long"),
+        notice_message("Not sent to the model: too long"),
         {"role": "user", "content": "again <end_of_turn>"},
     ]
-    assert uf.history_to_messages(history) == [
+    assert history_to_messages(history) == [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "again <end_of_turn>"},
     ]
-    assert uf.last_user_text(history) == "again <end_of_turn>"
-    rest, text = uf.pop_last_user_turn(history)
+    assert last_user_text(history) == "again <end_of_turn>"
+    rest, text = pop_last_user_turn(history)
     assert text == "again <end_of_turn>" and rest[-1]["role"] == "assistant"
-    assert uf.strip_trailing_assistant(history[:3]) == history[:1]
-    assert uf.message_index([4, 0]) == 4 and uf.message_index(2) == 2
+    assert strip_trailing_assistant(history[:3]) == history[:1]
+    assert message_index([4, 0]) == 4 and message_index(2) == 2
 
 
 def test_stats_title_and_messages():
     stats = {"decode_tok_s": 12.34, "ttft_s": 0.211, "new_tokens": 57}
-    assert uf.stats_title(stats, done=True, finish_reason="stop") == (
+    assert stats_title(stats, done=True, finish_reason="stop") == (
         "⏱ 12.3 tok/s · TTFT 0.21 s · 57 tokens")
-    assert uf.stats_title({}, done=False).startswith("⏳")
-    assert uf.stats_title(stats, done=True, finish_reason="cancelled").startswith("⏹ stopped")
-    msgs = uf.reply_messages("Paris.", stats, {}, done=False)
+    assert stats_title({}, done=False).startswith("⏳")
+    assert stats_title(stats, done=True, finish_reason="cancelled").startswith("⏹ stopped")
+    msgs = reply_messages("Paris.", stats, {}, done=False)
     assert msgs[0] == {"role": "assistant", "content": "Paris."}
     assert msgs[1]["metadata"]["status"] == "pending"
-    assert uf.reply_messages("", {}, {}, done=False)[0]["metadata"]["title"].startswith("⏳")
-    assert uf.is_app_message(msgs[1]) and not uf.is_app_message(msgs[0])
+    assert reply_messages("", {}, {}, done=False)[0]["metadata"]["title"].startswith("⏳")
+    assert is_app_message(msgs[1]) and not is_app_message(msgs[0])
 
 
 @pytest.mark.parametrize("flags, rules", [
@@ -104,7 +131,7 @@ def test_stats_title_and_messages():
     ({"nonfinite": {"fired": True, "reason": "NaN logits"}}, ["nonfinite: NaN logits"]),
 ])
 def test_flags_summary_shapes(flags, rules):
-    flagged, fired = uf.flags_summary(flags)
+    flagged, fired = flags_summary(flags)
     assert fired == rules and flagged == bool(rules)
 
 
@@ -112,50 +139,50 @@ def test_reply_panel_states():
     stats = {"ttft_s": 0.5, "prefill_tokens": 7, "prefill_ms": 20, "prefill_tok_s": 350,
              "decode_tok_s": 40, "new_tokens": 9, "bucket": 16, "padding": 9,
              "batch_occupancy": 0.25, "compiled": True, "elapsed_s": 1.0}
-    ok = uf.reply_panel_html(stats, {"repeat_loop": False}, done=True, finish_reason="stop")
+    ok = reply_panel_html(stats, {"repeat_loop": False}, done=True, finish_reason="stop")
     assert "✅ ok" in ok and "XLA compile" in ok and "7 tokens in 20 ms" in ok
     assert "25% of the batch slots" in ok
-    bad = uf.reply_panel_html(stats, {"repeat_loop": True}, done=True, finish_reason="length")
+    bad = reply_panel_html(stats, {"repeat_loop": True}, done=True, finish_reason="length")
     assert "FLAGGED" in bad and "repeat loop" in bad and "max new tokens" in bad
-    live = uf.reply_panel_html(stats, {}, done=False)
+    live = reply_panel_html(stats, {}, done=False)
     assert "streaming" in live and "checked when the reply ends" in live
-    assert "&lt;script&gt;" in uf.reply_panel_html({}, {"fired": ["<script>"]}, done=True)
+    assert "&lt;script&gt;" in reply_panel_html({}, {"fired": ["<script>"]}, done=True)
 
 
 def test_banner_status_and_meters():
     info = {"model": "random:tiny", "source": "random", "is_base_model": True,
             "random_weights": True, "family": "gemma3", "context_limit": 1024}
-    banner = uf.model_banner_html(info)
+    banner = model_banner_html(info)
     assert "RANDOM WEIGHTS" in banner and "base model" in banner
-    assert "RANDOM" not in uf.model_banner_html({**info, "random_weights": False})
-    assert "instruction-tuned" in uf.model_banner_html({**info, "is_base_model": False})
-    assert "loaded" in uf.model_banner_html(None, "bundled")
-    assert "40%" in uf.status_html({"state": "loading", "progress": 0.4})
-    assert uf.loading_text({"state": "loading", "progress": 0.4}) == "loading model… 40%"
-    assert "failed to load" in uf.status_html({"state": "error", "error": "no such repo"})
-    assert "no such repo" in uf.status_html({"state": "error", "error": "no such repo"})
-    assert "512 / 1,024" in uf.context_meter_html(512, 1024)
-    assert "2 request(s) waiting" in uf.queue_html({"active": 4, "waiting": 2, "max_batch": 4})
+    assert "RANDOM" not in model_banner_html({**info, "random_weights": False})
+    assert "instruction-tuned" in model_banner_html({**info, "is_base_model": False})
+    assert "loaded" in model_banner_html(None, "bundled")
+    assert "40%" in status_html({"state": "loading", "progress": 0.4})
+    assert loading_text({"state": "loading", "progress": 0.4}) == "loading model… 40%"
+    assert "failed to load" in status_html({"state": "error", "error": "no such repo"})
+    assert "no such repo" in status_html({"state": "error", "error": "no such repo"})
+    assert "512 / 1,024" in context_meter_html(512, 1024)
+    assert "2 request(s) waiting" in queue_html({"active": 4, "waiting": 2, "max_batch": 4})
 
 
 def test_hardware_and_memory_markdown():
     hw = {"facts": {"platform": "cpu", "bf16_units": False},
           "choices": {"dtype": {"value": "float32", "reason": "no bf16 arithmetic on this CPU"}},
           "refusals": ["fp8 KV: no fp8 datapath"]}
-    md = uf.hardware_markdown(hw)
+    md = hardware_markdown(hw)
     assert "**dtype**: `float32` — no bf16 arithmetic on this CPU" in md
     assert "fp8 KV: no fp8 datapath" in md and "platform" in md
-    mem = uf.memory_markdown({"bytes_in_use": 3 * 2**30, "bytes_limit": 12 * 2**30})
+    mem = memory_markdown({"bytes_in_use": 3 * 2**30, "bytes_limit": 12 * 2**30})
     assert "3.00 GiB of 12.00 GiB (25.0%)" in mem
 
 
 def test_clamp_notes():
     notes: list[str] = []
-    assert uf.clamp(5000, 1, 1024, "max_new_tokens", notes, integer=True) == 1024
+    assert clamp(5000, 1, 1024, "max_new_tokens", notes, integer=True) == 1024
     assert notes and "1024" in notes[0]
-    assert uf.clamp(0.5, 0, 1, "top_p", notes) == 0.5 and len(notes) == 1
+    assert clamp(0.5, 0, 1, "top_p", notes) == 0.5 and len(notes) == 1
     with pytest.raises(ValueError):
-        uf.clamp("lots", 0, 1, "top_p", notes)
+        clamp("lots", 0, 1, "top_p", notes)
 
 
 def test_import_loads_nothing():
@@ -182,9 +209,9 @@ def engine():
 def served(engine):
     from gradio_client import Client
 
-    settings = app.Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
-                            max_new_tokens_cap=TINY_ENGINE["max_new_tokens_cap"],
-                            context=TINY_ENGINE["context_limit"])
+    settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
+                        max_new_tokens_cap=TINY_ENGINE["max_new_tokens_cap"],
+                        context=TINY_ENGINE["context_limit"])
     demo = app.build_demo(engine, settings)
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
     try:
@@ -214,7 +241,7 @@ def test_chat_turn_streams_and_completes(served):
     assert len(outputs) >= 3, "the reply should stream in several updates"
     assert history[0]["role"] == "user"
     reply, stats = history[-2], history[-1]
-    assert reply["role"] == "assistant" and uf.message_text(reply["content"]).strip()
+    assert reply["role"] == "assistant" and message_text(reply["content"]).strip()
     assert stats["metadata"]["status"] == "done"
     assert STATS_LINE.match(stats["metadata"]["title"]), stats["metadata"]["title"]
     assert "Time to first token" in panel and "Quality flags" in panel
@@ -296,8 +323,8 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     job = _chat(client, "word " * 20_000, mode="chat")
     history = job.result(timeout=120)[0]
     notice = history[-1]
-    assert uf.is_notice(notice)
-    text = uf.message_text(notice["content"])
+    assert is_notice(notice)
+    text = message_text(notice["content"])
     assert "context" in text.lower() and "Traceback" not in text
     with pytest.raises(AppError, match="(?i)context"):
         client.predict("word " * 20_000, api_name="/generate")
@@ -327,7 +354,7 @@ def test_message_sent_while_loading_waits_and_says_so():
     engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128)
     try:
         assert engine.status()["state"] in ("loading", "warming")
-        handler = app.DemoApp(engine, app.Settings(model=TINY_MODEL, max_users=1, context=128))
+        handler = DemoApp(engine, Settings(model=TINY_MODEL, max_users=1, context=128))
         outputs = list(handler.respond([{"role": "user", "content": LONG_PROMPT}], "",
                                        "completion", 0.0, 0.95, 64, 4, 0, 1.0, {"replies": []}))
         first = outputs[0][0][-1]
@@ -351,7 +378,7 @@ def test_load_failure_is_shown_not_traced(tmp_path):
     missing = str(tmp_path / "no-such-model")
     engine = get_engine(model=missing, max_batch=1, context_limit=256)
     assert _wait(lambda: engine.status()["state"] == "error", timeout=60), engine.status()
-    demo = app.build_demo(engine, app.Settings(model=missing, max_users=1))
+    demo = app.build_demo(engine, Settings(model=missing, max_users=1))
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
     try:
         client = Client(url, verbose=False)
@@ -360,10 +387,10 @@ def test_load_failure_is_shown_not_traced(tmp_path):
         _, history = client.predict("Hello", [], api_name="/add_message")
         history = client.predict(history, "", "chat", 0.0, 0.95, 64, 8, 0, 1.0,
                                  api_name="/respond")[0]
-        text = uf.message_text(history[-1]["content"])
-        assert uf.is_notice(history[-1]) and "could not be loaded" in text
+        text = message_text(history[-1]["content"])
+        assert is_notice(history[-1]) and "could not be loaded" in text
         assert "Traceback" not in text
-        assert "failed to load" in uf.status_html(engine.status())
+        assert "failed to load" in status_html(engine.status())
     finally:
         demo.close()
 

@@ -12,7 +12,22 @@ import re
 import gradio as gr
 import pytest
 
-from gemma4.ui import panels as uf
+from gemma4.serve.chat import message_text
+from gemma4.ui.reply import (
+    history_to_messages,
+    is_app_message,
+    reply_messages,
+    reply_panel_html,
+)
+from gemma4.ui.thinking import (
+    STATS_ID,
+    THOUGHT_ID,
+    TOOLS_ID,
+    close_pending_thought,
+    is_thought,
+    thought_message,
+    tool_calls_message,
+)
 
 STATS_LINE = re.compile(r"^⏱ [\d.,—]+ tok/s · TTFT [\d.]+ s · \d+ tokens")
 
@@ -21,24 +36,24 @@ STATS_LINE = re.compile(r"^⏱ [\d.,—]+ tok/s · TTFT [\d.]+ s · \d+ tokens")
 
 
 def test_thought_message_states():
-    assert uf.thought_message("", pending=True) is None
-    assert uf.thought_message("  \n ", pending=False, thought_s=1.0) is None  # empty block
-    live = uf.thought_message("Let me see", pending=True, thought_s=0.44, tokens=3)
+    assert thought_message("", pending=True) is None
+    assert thought_message("  \n ", pending=False, thought_s=1.0) is None  # empty block
+    live = thought_message("Let me see", pending=True, thought_s=0.44, tokens=3)
     assert live["content"] == "Let me see"
-    assert live["metadata"] == {"id": uf.THOUGHT_ID, "title": "💭 Thinking…",
+    assert live["metadata"] == {"id": THOUGHT_ID, "title": "💭 Thinking…",
                                 "status": "pending", "duration": 0.4, "log": "3 tokens"}
-    done = uf.thought_message("Let me see", pending=False, thought_s=3.21)
+    done = thought_message("Let me see", pending=False, thought_s=3.21)
     assert done["metadata"]["title"] == "💭 Thought" and done["metadata"]["status"] == "done"
     assert done["metadata"]["duration"] == 3.2
-    cut = uf.thought_message("Let me", pending=False, cut_reason="length")
+    cut = thought_message("Let me", pending=False, cut_reason="length")
     assert "cut off before the answer" in cut["metadata"]["title"]
     assert "max new tokens" in cut["metadata"]["title"]
 
 
 def test_tool_calls_message_formats_each_call():
-    assert uf.tool_calls_message([]) is None
-    one = uf.tool_calls_message([{"id": "c1", "name": "get_weather",
-                                  "arguments": {"city": "Paris", "days": 2}}])
+    assert tool_calls_message([]) is None
+    one = tool_calls_message([{"id": "c1", "name": "get_weather",
+                               "arguments": {"city": "Paris", "days": 2}}])
     assert one["metadata"]["title"] == "🛠 Tool call: get_weather"
     assert '"city": "Paris"' in one["content"] and "```json" in one["content"]
     assert "not run" in one["content"]
@@ -46,54 +61,54 @@ def test_tool_calls_message_formats_each_call():
     class Call:  # the request layer's ToolCall shape: attributes, arguments as JSON text
         id, name, arguments = "c2", "search", '{"q": "a \\"quoted\\" word"}'
 
-    two = uf.tool_calls_message([Call(), {"name": "get_weather", "arguments": "not json"}])
+    two = tool_calls_message([Call(), {"name": "get_weather", "arguments": "not json"}])
     assert two["metadata"]["title"] == "🛠 2 tool calls: search, get_weather"
     assert '"q": "a \\"quoted\\" word"' in two["content"] and "not json" in two["content"]
-    assert uf.is_app_message(two)
+    assert is_app_message(two)
 
 
 def test_reply_messages_order_and_the_next_prompt_has_no_thought():
     stats = {"decode_tok_s": 9.5, "ttft_s": 0.2, "new_tokens": 30, "thought_tokens": 21,
              "answer_tokens": 9}
-    msgs = uf.reply_messages("Paris.", stats, {}, done=True, finish_reason="stop",
-                             thought="The user asks for a capital.", thought_s=1.5,
-                             tool_calls=[{"name": "lookup", "arguments": {}}])
-    assert [uf.message_text(m["content"])[:6] for m in msgs[:2]] == ["The us", "Paris."]
+    msgs = reply_messages("Paris.", stats, {}, done=True, finish_reason="stop",
+                          thought="The user asks for a capital.", thought_s=1.5,
+                          tool_calls=[{"name": "lookup", "arguments": {}}])
+    assert [message_text(m["content"])[:6] for m in msgs[:2]] == ["The us", "Paris."]
     assert [(m.get("metadata") or {}).get("id") for m in msgs] == [
-        uf.THOUGHT_ID, None, uf.TOOLS_ID, uf.STATS_ID]
+        THOUGHT_ID, None, TOOLS_ID, STATS_ID]
     assert msgs[0]["metadata"]["log"] == "21 tokens"
     assert msgs[-1]["metadata"]["title"].endswith("30 tokens (21 thinking)")
     assert STATS_LINE.match(msgs[-1]["metadata"]["title"])
     history = [{"role": "user", "content": "Capital of France?"}, *msgs,
                {"role": "user", "content": [{"type": "text", "text": "And Spain?"}]}]
-    prompt = uf.history_to_messages(history)
+    prompt = history_to_messages(history)
     assert prompt == [{"role": "user", "content": "Capital of France?"},
                       {"role": "assistant", "content": "Paris."},
                       {"role": "user", "content": "And Spain?"}]
     # while still thinking: a pending thought, no answer message yet, a pending stats line
-    live = uf.reply_messages("", {}, {}, done=False, thought="Hmm", in_thought=True)
+    live = reply_messages("", {}, {}, done=False, thought="Hmm", in_thought=True)
     assert [m["metadata"]["status"] for m in live] == ["pending", "pending"]
     # done inside the thought: no answer, the thought says it was cut off
-    cut = uf.reply_messages("", stats, {}, done=True, finish_reason="length", thought="Hmm",
-                            in_thought=True)
+    cut = reply_messages("", stats, {}, done=True, finish_reason="length", thought="Hmm",
+                         in_thought=True)
     assert len(cut) == 2 and "cut off" in cut[0]["metadata"]["title"]
 
 
 def test_reply_panel_counts_thought_and_answer_apart():
     stats = {"new_tokens": 30, "thought_tokens": 21, "answer_tokens": 9, "thought_s": 1.25}
-    panel = uf.reply_panel_html(stats, {}, done=True, finish_reason="stop")
+    panel = reply_panel_html(stats, {}, done=True, finish_reason="stop")
     assert "30 — thought <b>21</b> (1.2 s) · answer <b>9</b>" in panel
-    assert "thought" not in uf.reply_panel_html({"new_tokens": 3}, {}, done=True)
-    off = uf.reply_panel_html({"new_tokens": 3, "thinking": True, "answer_tokens": 3}, {},
-                              done=True)
+    assert "thought" not in reply_panel_html({"new_tokens": 3}, {}, done=True)
+    off = reply_panel_html({"new_tokens": 3, "thinking": True, "answer_tokens": 3}, {},
+                           done=True)
     assert "thought <b>0</b> · answer <b>3</b>" in off
 
 
 def test_close_pending_thought_only_touches_the_last_reply():
-    old = uf.thought_message("old", pending=True)  # (cannot happen, but must be left alone)
+    old = thought_message("old", pending=True)  # (cannot happen, but must be left alone)
     history = [{"role": "user", "content": "a"}, old, {"role": "user", "content": "b"},
-               *uf.reply_messages("", {}, {}, done=False, thought="thinking", in_thought=True)]
-    out = uf.close_pending_thought(history, "cancelled")
+               *reply_messages("", {}, {}, done=False, thought="thinking", in_thought=True)]
+    out = close_pending_thought(history, "cancelled")
     assert out[1]["metadata"]["status"] == "pending"
     assert out[3]["metadata"]["status"] == "done"
     assert out[3]["metadata"]["title"] == "💭 Thought — stopped before the answer"
@@ -106,13 +121,14 @@ def test_close_pending_thought_only_touches_the_last_reply():
 @pytest.fixture(scope="module")
 def gemma4_app():
     """The chat handlers around the shared tiny random Gemma 4 (tests/scripted.py)."""
-    import app
+    from gemma4.ui.demo import DemoApp
+    from gemma4.web.settings import Settings
     from tests.scripted import TINY_GEMMA4, tiny_gemma4
 
     engine = tiny_gemma4()
-    settings = app.Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
-                            context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64)
-    return app.DemoApp(engine, settings), engine
+    settings = Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                        context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64)
+    return DemoApp(engine, settings), engine
 
 
 @pytest.fixture
@@ -144,7 +160,7 @@ def test_thought_pending_then_done_then_answer(gemma4_app, every_event):
     with scripted(handler.engine, GREETING) as script:
         outputs = _respond(handler, history)
     assert script.used == 1
-    thoughts = [next((m for m in h if uf.is_thought(m)), None) for h, _, _ in outputs]
+    thoughts = [next((m for m in h if is_thought(m)), None) for h, _, _ in outputs]
     states = [t["metadata"]["status"] for t in thoughts if t]
     assert states[0] == "pending" and states[-1] == "done" and "pending" not in states[
         states.index("done"):], states
@@ -154,7 +170,7 @@ def test_thought_pending_then_done_then_answer(gemma4_app, every_event):
     assert thoughts[first_pending]["metadata"]["title"] == "💭 Thinking…"
 
     final, panel, session = outputs[-1]
-    assert [_ids(m) for m in final] == [None, uf.THOUGHT_ID, None, uf.STATS_ID]
+    assert [_ids(m) for m in final] == [None, THOUGHT_ID, None, STATS_ID]
     thought, answer, stats = final[1:]
     assert thought["content"] == "The user greets me. I greet back."
     assert thought["metadata"]["title"] == "💭 Thought"
@@ -181,7 +197,7 @@ def test_next_prompt_has_no_earlier_thought(gemma4_app, every_event):
     prompt = engine.tokenizer.decode(script.requests[0].prompt_ids)
     assert "Hello there!" in prompt and "And now?" in prompt
     assert "greets" not in prompt and "thought" not in prompt
-    assert uf.message_text(final[-2]["content"]) == "Fine."
+    assert message_text(final[-2]["content"]) == "Fine."
 
 
 def test_cut_off_thought_says_so(gemma4_app, every_event):
@@ -192,7 +208,7 @@ def test_cut_off_thought_says_so(gemma4_app, every_event):
     with scripted(handler.engine, long_thought):
         final, panel, _ = _respond(handler, [{"role": "user", "content": "Hi"}],
                                    max_new_tokens=12)[-1]
-    assert [_ids(m) for m in final] == [None, uf.THOUGHT_ID, uf.STATS_ID]  # no answer
+    assert [_ids(m) for m in final] == [None, THOUGHT_ID, STATS_ID]  # no answer
     assert final[1]["metadata"]["status"] == "done"
     assert "cut off before the answer" in final[1]["metadata"]["title"]
     assert "cut off inside its thought" in panel and "max new tokens" in panel
@@ -206,7 +222,7 @@ def test_empty_thought_block_and_tool_call(gemma4_app, every_event):
              '{city:<|"|>Paris<|"|>}<tool_call|>')
     with scripted(handler.engine, reply):
         final, panel, _ = _respond(handler, [{"role": "user", "content": "Weather?"}])[-1]
-    assert [_ids(m) for m in final] == [None, None, uf.TOOLS_ID, uf.STATS_ID]  # no thought
+    assert [_ids(m) for m in final] == [None, None, TOOLS_ID, STATS_ID]  # no thought
     assert final[1]["content"] == "Let me look."
     assert final[2]["metadata"]["title"] == "🛠 Tool call: get_weather"
     assert '"city": "Paris"' in final[2]["content"]
@@ -236,7 +252,7 @@ def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app,
         gen = handler.respond(history, "", "chat", 0.0, 0.95, 64, 64, 0, 1.0, {"replies": []},
                               True)
         for shown, _, session in gen:
-            if any(uf.is_thought(m) for m in shown):
+            if any(is_thought(m) for m in shown):
                 break
         gen.close()  # what Gradio does on Stop
         deadline = time.monotonic() + 10
@@ -248,8 +264,8 @@ def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app,
     assert stopped[1]["metadata"]["title"] == "💭 Thought — stopped before the answer"
     assert stopped[-1]["metadata"]["title"].startswith("⏹ stopped")
 
-    done = [*history, *uf.reply_messages("Hello!", {}, {}, done=True, finish_reason="stop",
-                                         thought="hm", thought_s=0.5)]
+    done = [*history, *reply_messages("Hello!", {}, {}, done=True, finish_reason="stop",
+                                      thought="hm", thought_s=0.5)]
     assert len(done) == 4
     assert handler.retry(done) == history  # the thought goes with its answer
     assert handler.undo(done) == ([], "Hi")
@@ -258,20 +274,21 @@ def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app,
 def test_gemma3_think_switch_disabled_with_reason(every_event):
     """The bundled family (Gemma 3) has no thinking channel: the switch is off and says why,
     and a request that still asks for thinking is answered without it, with a note."""
-    import app
+    from gemma4.ui.demo import DemoApp
+    from gemma4.web.settings import Settings
     from gemma4.serve.engine import get_engine
     from tests.test_app import TINY_ENGINE, TINY_MODEL
 
     engine = get_engine(model=TINY_MODEL, **TINY_ENGINE)  # the engine tests/test_app.py uses
     engine.wait_ready(timeout=900)
-    handler = app.DemoApp(engine, app.Settings(model=TINY_MODEL))
+    handler = DemoApp(engine, Settings(model=TINY_MODEL))
     ok, reason = handler.thinking_support()
     assert not ok and "Gemma 3" in reason
     update = handler.think_update()
     assert update["interactive"] is False and update["value"] is False
     assert "Gemma 3" in update["info"]
     final, panel, _ = _respond(handler, [{"role": "user", "content": "Hi"}], max_new_tokens=4)[-1]
-    assert not any(uf.is_thought(m) for m in final)
-    assert "Thinking is off" in panel and uf.STATS_ID == _ids(final[-1])
+    assert not any(is_thought(m) for m in final)
+    assert "Thinking is off" in panel and STATS_ID == _ids(final[-1])
     with pytest.raises(gr.Error, match="Gemma 3"):
         list(handler.generate("Hi", max_new_tokens=4, mode="chat", thinking=True))

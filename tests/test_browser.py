@@ -50,13 +50,13 @@ def _non_blank(png: pathlib.Path) -> float:
 @pytest.fixture(scope="module")
 def served():
     import app
+    from gemma4.web.settings import Settings
     from gemma4.serve.engine import get_engine
 
     # The same engine settings as tests/test_app.py: one pytest run shares one warmed engine.
     kw = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096)
-    settings = app.Settings(model=MODEL, max_users=kw["max_batch"],
-                            max_new_tokens_cap=kw["max_new_tokens_cap"],
-                            context=kw["context_limit"])
+    settings = Settings(model=MODEL, max_users=kw["max_batch"],
+                        max_new_tokens_cap=kw["max_new_tokens_cap"], context=kw["context_limit"])
     engine = get_engine(model=MODEL, **kw)  # loads in the background; the page is served at once
     demo = app.build_demo(engine, settings)
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=app.CSS,
@@ -201,11 +201,12 @@ SCRIPT = f"<|channel>thought\n{THOUGHT}<channel|>The capital of France is Paris.
 @pytest.fixture(scope="module")
 def served_gemma4():
     import app
+    from gemma4.web.settings import Settings
     from tests.scripted import TINY_GEMMA4, tiny_gemma4
 
     engine = tiny_gemma4()
-    settings = app.Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
-                            context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=128)
+    settings = Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                        context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=128)
     demo = app.build_demo(engine, settings)
     _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=app.CSS,
                             server_port=_free_port())

@@ -211,11 +211,11 @@ def test_forced_path_and_off_cpu_choice():
 
 
 def test_hardware_panel_shows_the_kernel_and_the_table(tmp_path, monkeypatch):
-    from gemma4.ui import panels
+    from gemma4.ui import hardware_panel
 
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
     _, params = _tiny_int8_params()
     _, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
-    md = panels.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
+    md = hardware_panel.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
     assert "native kernel" in md and "| product (N×K/group) | rows | choice |" in md
     assert "measured" in md

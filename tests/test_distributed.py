@@ -197,17 +197,17 @@ def test_a_killed_process_stops_the_others_with_a_message(tmp_path):
 
 
 def test_app_flags_for_mesh_and_processes():
-    import app
+    from gemma4.web.settings import parse_settings
 
-    s = app.parse_settings(["--mesh", "tensor=2", "--coordinator", "10.0.0.1:1234", "--num-processes", "2",
-                            "--process-id", "1"], environ={})
+    s = parse_settings(["--mesh", "tensor=2", "--coordinator", "10.0.0.1:1234", "--num-processes", "2",
+                        "--process-id", "1"], environ={})
     assert s.mesh == "tensor=2" and s.distributed.mode == "manual" and s.distributed.process_id == 1
-    s = app.parse_settings([], environ={"GEMMA4_MESH": "data=2,tensor=4", "GEMMA4_DISTRIBUTED": "auto"})
+    s = parse_settings([], environ={"GEMMA4_MESH": "data=2,tensor=4", "GEMMA4_DISTRIBUTED": "auto"})
     assert s.mesh == "data=2,tensor=4" and s.distributed.mode == "auto"
-    assert app.parse_settings([], environ={}).distributed is None
+    assert parse_settings([], environ={}).distributed is None
     for bad in (["--mesh", "tensr=2"], ["--coordinator", "10.0.0.1:1234"]):
         with pytest.raises(SystemExit):
-            app.parse_settings(bad, environ={})
+            parse_settings(bad, environ={})
 
 
 def test_a_follower_without_a_coordinator_gets_a_message():

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 K_MAX = 128  # static width of the top-k candidate set
+TEMPERATURE_MAX = 2.0  # the fronts' upper bound (OpenAI's range is [0, 2]; the UI slider's too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +54,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def validated(self, max_new_tokens_cap: int, top_k_cap: int = K_MAX
-                  ) -> tuple["SamplingParams", list[str]]:
+    def validated(self, max_new_tokens_cap: int | None, top_k_cap: int = K_MAX,
+                  temperature_max: float | None = None) -> tuple["SamplingParams", list[str]]:
         """A checked copy plus human-readable notes about anything that was adjusted.
 
+        The one check of sampling settings: the engine, the chat UI, the HTTP API and the
+        command line all call it. `max_new_tokens_cap` None: no cap here (the command line's
+        case; the engine applies its own). `temperature_max`: the front's upper bound
+        (`TEMPERATURE_MAX` for the API and the UI); None: no bound.
+
         Raises ValueError (the message names the field, the value and the allowed range) for:
-          temperature negative / NaN / infinite; top_k negative or not an integer;
+          temperature negative / NaN / infinite / above `temperature_max`;
+          top_k negative or not an integer;
           top_p NaN, ≤ 0 or > 1; repetition_penalty NaN, infinite or ≤ 0;
           max_new_tokens < 1 or not an integer; seed not an integer; stop_strings not strings.
         Adjusts, with a note, where a friendly reading exists:
@@ -69,6 +76,8 @@ class SamplingParams:
         """
         notes: list[str] = []
         temperature = _real("temperature", self.temperature)
+        if temperature_max is not None and not 0 <= temperature <= temperature_max:
+            raise ValueError(f"temperature must be between 0 and {temperature_max:g}, got {temperature}.")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         top_p = _real("top_p", self.top_p)
@@ -83,7 +92,7 @@ class SamplingParams:
         max_new = _integer("max_new_tokens", self.max_new_tokens)
         if max_new < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
-        if max_new_tokens_cap < 1:
+        if max_new_tokens_cap is not None and max_new_tokens_cap < 1:
             raise ValueError(f"max_new_tokens_cap must be >= 1, got {max_new_tokens_cap}")
         seed = None if self.seed is None else _integer("seed", self.seed)
         if isinstance(self.stop_strings, str):
@@ -92,7 +101,7 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in stops):
             raise ValueError(f"stop_strings must all be strings, got {stops!r}")
 
-        if max_new > max_new_tokens_cap:
+        if max_new_tokens_cap is not None and max_new > max_new_tokens_cap:
             notes.append(f"max_new_tokens {max_new} clamped to this server's cap {max_new_tokens_cap}")
             max_new = max_new_tokens_cap
         if top_k == 0:

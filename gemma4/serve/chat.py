@@ -62,9 +62,12 @@ def stop_ids(family: str) -> list[int]:
 
 
 def message_text(content: Any) -> str:
-    """The text of a message's content: a string, a {"type": "text", "text": ...} part, or a list
-    of such parts (concatenated, each trimmed, as the HF templates do). Non-text parts (images,
-    audio, files) raise ValueError: this is a text-only decoder."""
+    """The text of a message's content, for the prompt and for the chat's history alike.
+
+    A string is returned as it is; a {"type": "text", "text": ...} part, or a list of such parts
+    (Gradio 6's history, OpenAI's content parts), gives the parts' texts concatenated, each
+    trimmed, as the HF templates do. Non-text parts (images, audio, files) raise ValueError:
+    this is a text-only decoder."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -309,7 +312,7 @@ def render_with_template(template: str, messages: Sequence[Mapping[str, Any]], t
     text is a control token — including control-looking text typed *inside* a message. Prefer
     `render` for user input; use this to check a checkpoint's template or for unusual formats.
     """
-    import jinja2
+    import jinja2  # deferred: jinja2 is optional (it comes with gradio, not requirements.txt); only this path needs it
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):

@@ -43,6 +43,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from gemma4.env import env_float, env_int
+
 log = logging.getLogger("gemma4.serve.distributed")
 
 DEFAULT_HEARTBEAT_S = 10.0  # a silent peer is declared lost after this long
@@ -82,30 +84,12 @@ def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
                         "Giving --coordinator implies manual start-up (env GEMMA4_DISTRIBUTED)")
     g.add_argument("--coordinator", default=env.get("GEMMA4_COORDINATOR") or None, metavar="HOST:PORT",
                    help="address of process 0, the same on every process (env GEMMA4_COORDINATOR)")
-    g.add_argument("--num-processes", type=int, default=_int_env(env, "GEMMA4_NUM_PROCESSES"),
+    g.add_argument("--num-processes", type=int, default=env_int(env, "GEMMA4_NUM_PROCESSES"),
                    help="how many processes join (env GEMMA4_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=_int_env(env, "GEMMA4_PROCESS_ID"),
+    g.add_argument("--process-id", type=int, default=env_int(env, "GEMMA4_PROCESS_ID"),
                    help="this process's index, 0 serves the UI/API (env GEMMA4_PROCESS_ID)")
-    g.add_argument("--heartbeat-s", type=float, default=_float_env(env, "GEMMA4_HEARTBEAT_S", DEFAULT_HEARTBEAT_S),
+    g.add_argument("--heartbeat-s", type=float, default=env_float(env, "GEMMA4_HEARTBEAT_S", DEFAULT_HEARTBEAT_S),
                    help="seconds of silence after which a peer counts as lost (env GEMMA4_HEARTBEAT_S)")
-
-
-def _int_env(env: Mapping[str, str], name: str) -> int | None:
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise DistributedError(f"{name}={raw!r} is not an integer") from None
-
-
-def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = (env.get(name) or "").strip()
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise DistributedError(f"{name}={raw!r} is not a number") from None
 
 
 def from_args(args: Any) -> Settings:

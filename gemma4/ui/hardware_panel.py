@@ -1,5 +1,6 @@
-"""The Hardware tab: the hardware report (choices with their reasons, facts, refusals) and the
-device memory in use, as Markdown. Pure functions of the engine's `info()` dicts."""
+"""The Hardware tab: the hardware report (choices with their reasons, facts, refusals), the
+device memory in use and the state of the XLA compiles, as Markdown. Pure functions of the
+engine's `info()`, `memory()` and `compile_state()` dicts."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _md_lines(obj: Any, depth: int = 0) -> list[str]:
 
 def _int8_matmul_lines(report: Mapping[str, Any]) -> list[str]:
     """The native kernel's status and the measured path table (not the raw nested dict)."""
-    from gemma4.plan import cpu_tuning  # noqa: PLC0415
+    from gemma4.plan import cpu_tuning  # deferred: jax, +2.4 s on `import app` (measured)
 
     kernel = report.get("kernel") or {}
     test = report.get("kernel_self_test") or {}
@@ -126,3 +127,21 @@ def memory_markdown(memory: Mapping[str, Any] | None) -> str:
     if not head and as_number(in_use) is not None:
         head = f"**Device memory in use:** {fmt_bytes(in_use)}\n\n"
     return head + "\n".join(_md_lines(memory))
+
+
+def compile_markdown(state: Mapping[str, Any] | None) -> str:
+    """One line on the XLA compiles (the engine's `compile_state()`): still running in the
+    background, or all done."""
+    if not state:
+        return ""
+    done = len(state["compiled"])
+    if state["pending"]:
+        now = ", ".join(state["compiling"]) or "waiting for the engine to be idle"
+        line = (f"**XLA compiles:** {done} shapes compiled, {state['pending']} still compiling in the "
+                f"background (now: {now}). A request that needs one of them uses a compiled shape "
+                "or waits for it.")
+    else:
+        line = f"**XLA compiles:** all {done} shapes compiled ({state['compile_s']:.1f} s in all)."
+    if state.get("failed"):
+        line += " Failed: " + "; ".join(f"{k}: {v}" for k, v in state["failed"].items())
+    return line + "\n\n"

@@ -1,12 +1,11 @@
-"""Pure formatting helpers for the Gradio demo's panels.
+"""The demo's own panels: the engine status line (and the "loading…" line of a waiting reply),
+the model banner, and the session panel (context meter, engine queue, session chart and summary).
 
-Everything here takes plain Python data (the engine's `stats`, `flags`, `info()`, `status()`,
-`queue_state()` dicts and Gradio chat history) and returns strings or plain data. No arrays, no
-engine, no Gradio import: the functions are unit-tested on their own.
-
-This module holds the status line, the model banner and the session panel, and re-exports the
-helpers that live in its siblings (`ui_numbers`, `ui_reply`, `ui_thinking`, `ui_hardware`), so the app and the
-tests reach every formatter as `ui_format.<name>`.
+Plain Python data in (the engine's `status()`, `info()` and `queue_state()` dicts, the session's
+replies), HTML/Markdown strings or plain columns out. No arrays, no engine, no Gradio import: the
+functions are unit-tested on their own. The other formatters live where their idea is: numbers
+(`gemma4.ui.numbers`), chat history and the per-reply panel (`gemma4.ui.reply`), thoughts and
+tool calls (`gemma4.ui.thinking`), the hardware report (`gemma4.ui.hardware_panel`).
 """
 
 from __future__ import annotations
@@ -15,79 +14,7 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
-from gemma4.ui.numbers import as_number, clamp, fmt_bytes, fmt_int, fmt_num
-from gemma4.ui.reply import (
-    FINISH_TEXT,
-    NOTICE_LOG,
-    empty_reply_panel_html,
-    flags_summary,
-    history_to_messages,
-    is_app_message,
-    is_notice,
-    last_user_text,
-    message_index,
-    message_text,
-    notice_message,
-    pop_last_user_turn,
-    reply_messages,
-    reply_panel_html,
-    stats_details,
-    stats_message,
-    stats_title,
-    strip_trailing_assistant,
-)
-from gemma4.ui.thinking import (
-    STATS_ID,
-    THOUGHT_ID,
-    TOOLS_ID,
-    close_pending_thought,
-    is_thought,
-    thought_message,
-    tool_calls_message,
-)
-
-__all__ = [
-    "FINISH_TEXT",
-    "NOTICE_LOG",
-    "STATS_ID",
-    "THOUGHT_ID",
-    "TOOLS_ID",
-    "as_number",
-    "clamp",
-    "close_pending_thought",
-    "context_meter_html",
-    "empty_reply_panel_html",
-    "flags_summary",
-    "fmt_bytes",
-    "fmt_int",
-    "fmt_num",
-    "hardware_markdown",
-    "history_to_messages",
-    "is_app_message",
-    "is_notice",
-    "is_thought",
-    "last_user_text",
-    "loading_text",
-    "memory_markdown",
-    "message_index",
-    "message_text",
-    "model_banner_html",
-    "notice_message",
-    "pop_last_user_turn",
-    "queue_html",
-    "reply_messages",
-    "reply_panel_html",
-    "session_rows_for_plot",
-    "session_summary_md",
-    "stats_details",
-    "stats_message",
-    "stats_title",
-    "status_html",
-    "strip_trailing_assistant",
-    "thought_message",
-    "tool_calls_message",
-]
+from gemma4.ui.numbers import as_number, fmt_int, fmt_num
 
 
 # --------------------------------------------------------------------------- status and loading
@@ -134,7 +61,6 @@ def status_html(status: Mapping[str, Any]) -> str:
     )
 
 
-
 # --------------------------------------------------------------------------- model indicator
 
 
@@ -178,7 +104,6 @@ def model_banner_html(info: Mapping[str, Any] | None, fallback_name: str = "") -
             "</div>" + banner
         )
     return banner
-
 
 
 # --------------------------------------------------------------------------- session panel
@@ -235,6 +160,7 @@ def session_rows_for_plot(replies: Sequence[Mapping[str, Any]]) -> dict[str, lis
 
 
 def session_summary_md(replies: Sequence[Mapping[str, Any]]) -> str:
+    """One line over the session: replies, tokens, mean decode speed and TTFT, flagged ones."""
     if not replies:
         return "_No replies yet in this session._"
     tps = [f for f in (as_number(r.get("decode_tok_s")) for r in replies) if f]

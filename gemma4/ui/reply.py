@@ -2,7 +2,9 @@
 
 Gradio history (messages with `metadata`) → the conversation sent to the model, and a reply's
 stats/flags → its chat messages and the "This reply" panel. Plain data in, strings and dicts
-out; no Gradio, no engine.
+out; no Gradio, no engine. Gradio 6 hands history content to event functions as a list of parts
+(`[{"type": "text", "text": ...}]`); `gemma4.serve.chat.message_text` reads it, as it reads the
+API's messages.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import html
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from gemma4.serve.chat import message_text
 from gemma4.ui.numbers import as_number, fmt_int, fmt_num
 from gemma4.ui.thinking import STATS_ID, thought_message, tool_calls_message
 
@@ -36,25 +39,6 @@ FINISH_TEXT = {
 
 
 # --------------------------------------------------------------------------- chat history
-
-
-def message_text(content: Any) -> str:
-    """The text of a Gradio message's content.
-
-    Gradio 6 hands history content to event functions as a list of parts
-    (`[{"type": "text", "text": ...}]`); values we build ourselves are plain strings.
-    """
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Mapping):
-        if content.get("type") == "text" or "text" in content:
-            return str(content.get("text") or "")
-        return ""
-    if isinstance(content, Sequence):
-        return "".join(message_text(part) for part in content)
-    return str(content)
 
 
 def notice_message(text: str) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 /v1/models.
 
 Requests go through the same request layer as the chat (`gemma4.serve.conversation.stream_reply`), so
-they are batched with the chat's. The blocking event generator runs in a thread of its own per
+they are batched with the chat's, and it is the one place that checks what a model supports
+(thinking, tools); its refusals become 400s (`refusal`). The blocking event generator runs in a thread of its own per
 request (`_Pump`); the event loop only awaits a queue, so it never blocks. A client that goes
 away (mid-stream, or while a non-stream reply is being made) stops its pump, which closes the
 generator: the engine frees the slot within one decode step.
@@ -28,22 +29,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from gemma4.serve import conversation
+from gemma4.serve.engine_requests import RequestError
 from gemma4.web import api_schema as S
 from gemma4.web.api_schema import ApiError
-from gemma4.web.ratelimit import Limits, RateLimiter
+from gemma4.web.ratelimit import Limits, RateLimiter, client_ip
 
 log = logging.getLogger("gemma4.web.api")
 
 DISCONNECT_POLL_S = 0.25  # how often a non-stream request checks that its client is still there
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "context": "length"}
-
-
-def _reply_layer():
-    # Imported on first use: gemma4.serve.conversation imports the engine (and jax).
-    from gemma4.serve import conversation
-    from gemma4.serve.engine import RequestError
-
-    return conversation, RequestError
 
 
 # --------------------------------------------------------------------------- the event pump
@@ -137,14 +132,6 @@ def extras(ev: Any, notes: list[str]) -> dict:
         if n not in all_notes:
             all_notes.append(n)
     return {"stats": stats, "flags": dict(ev.flags or {}), "notes": all_notes}
-
-
-def tool_call_json(call: Any, index: int | None = None) -> dict:
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name, "arguments": call.arguments_json}}
-    if index is not None:
-        out["index"] = index
-    return out
 
 
 def finish_reason(ev: Any) -> str:
@@ -328,17 +315,9 @@ class OpenAIApi:
         req = S.parse(S.ChatRequest, await self._body(request))
         model = self._check_model(req.model)
         info = self._check_ready()
-        conversation, _ = _reply_layer()
         msgs = S.messages(req)
         think = S.thinking(req)
-        ok, why = conversation.supports_thinking(self.engine)
-        if think and not ok:
-            raise ApiError(400, f"Thinking is not available: {why}; leave enable_thinking / "
-                                "reasoning_effort out.", param="reasoning_effort")
         tools = S.tools(req)
-        ok, why = conversation.supports_tools(self.engine)
-        if tools and not ok:
-            raise ApiError(400, f"Tools are not available: {why}.", param="tools")
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, msgs, samp.params,
                                  mode="chat", tools=tools, thinking=think)
@@ -349,7 +328,6 @@ class OpenAIApi:
         req = S.parse(S.CompletionRequest, await self._body(request))
         model = self._check_model(req.model)
         info = self._check_ready()
-        conversation, _ = _reply_layer()
         prompt = S.completion_prompt(req)
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, prompt, samp.params,
@@ -358,7 +336,6 @@ class OpenAIApi:
                                  list(samp.notes) + _model_notes(info))
 
     async def _serve(self, request, release, make, shape, req, notes):
-        _, RequestError = _reply_layer()
         pump = _Pump(make)
         try:
             first = await self._next(pump, request)
@@ -369,7 +346,7 @@ class OpenAIApi:
             pump.stop()
             e = first[1]
             if isinstance(e, (RequestError, ValueError)):
-                raise ApiError(400, str(e))
+                raise refusal(e)
             raise e
         if req.stream:
             usage_chunk = bool(req.stream_options and req.stream_options.include_usage)
@@ -474,7 +451,7 @@ class _ChatShape:
             out.append({"content": ev.answer_delta})
         calls = list(ev.tool_calls or ())
         if len(calls) > sent_calls:
-            out.append({"tool_calls": [tool_call_json(c, i) for i, c in
+            out.append({"tool_calls": [{**c.to_openai(), "index": i} for i, c in
                                        enumerate(calls) if i >= sent_calls]})
         return out
 
@@ -483,7 +460,7 @@ class _ChatShape:
                 "usage": usage(ev.stats or {})}
 
     def whole(self, ev: Any, notes: list[str]) -> dict:
-        calls = [tool_call_json(c) for c in ev.tool_calls or ()]
+        calls = [c.to_openai() for c in ev.tool_calls or ()]
         message = {"role": "assistant", "content": ev.answer if (ev.answer or not calls) else None,
                    "reasoning_content": ev.thought or None}
         if calls:
@@ -528,6 +505,24 @@ class _CompletionShape:
 # --------------------------------------------------------------------------- helpers
 
 
+# The request layer's refusals that concern one field of a chat request (it checks them, with
+# these messages: gemma4.serve.conversation): (how the message starts, the field, a hint).
+FIELD_REFUSALS = (
+    ("Thinking is not available", "reasoning_effort",
+     "Leave enable_thinking / reasoning_effort out."),
+    ("Tools are not available", "tools", ""),
+)
+
+
+def refusal(e: Exception) -> ApiError:
+    """The 400 for a request the request layer refused, naming the field where it is one."""
+    message = str(e)
+    for start, param, hint in FIELD_REFUSALS:
+        if message.startswith(start):
+            return ApiError(400, f"{message} {hint}".strip(), param=param)
+    return ApiError(400, message)
+
+
 def _model_notes(info: dict) -> list[str]:
     if info.get("random_weights"):
         return ["RANDOM WEIGHTS: this model's output is meaningless (for speed measurements only)"]
@@ -536,13 +531,3 @@ def _model_notes(info: dict) -> list[str]:
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def client_ip(request: Request, trust_proxy: bool) -> str:
-    """The client's address; behind a trusted proxy, the one that proxy appended last to
-    X-Forwarded-For (the leftmost entries are whatever the client chose to send)."""
-    if trust_proxy:
-        forwarded = [p.strip() for p in request.headers.get("x-forwarded-for", "").split(",")]
-        if forwarded and forwarded[-1]:
-            return forwarded[-1]
-    return request.client.host if request.client else "unknown"

@@ -16,9 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling import TEMPERATURE_MAX, SamplingParams
 
-TEMPERATURE_MAX = 2.0  # OpenAI's range is [0, 2]
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # what vLLM and OpenAI accept
 TEMPLATE_KWARGS = ("enable_thinking",)  # the chat_template_kwargs keys Gemma's template reads
 
@@ -189,7 +188,8 @@ class Sampling:
 
 
 def sampling(req: _Common, defaults: dict, cap: int, max_stop: int) -> Sampling:
-    """SamplingParams from a request, with the model's defaults for what it leaves out.
+    """SamplingParams from a request, with the model's defaults for what it leaves out, checked
+    by `SamplingParams.validated` (a refusal is a 400 naming the request's field).
 
     max_tokens: 0 or negative → 400; above the server's cap → clamped with a note (so a client
     asking for "as much as possible" still gets an answer); absent → the cap (the engine also
@@ -208,9 +208,6 @@ def sampling(req: _Common, defaults: dict, cap: int, max_stop: int) -> Sampling:
         notes.append(f"{names[0]} {max_new} clamped to this server's cap of {cap}")
         max_new = cap
     temperature = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
-    if not 0 <= temperature <= TEMPERATURE_MAX:
-        raise ApiError(400, f"temperature must be between 0 and {TEMPERATURE_MAX:g}, got "
-                            f"{temperature}.", param="temperature")
     top_k = defaults.get("top_k", 64) if req.top_k is None else req.top_k
     if top_k == -1:  # vLLM's spelling of "no limit"
         top_k = 0
@@ -224,7 +221,7 @@ def sampling(req: _Common, defaults: dict, cap: int, max_stop: int) -> Sampling:
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         stop_strings=stops)
     try:
-        p, more = p.validated(cap)
+        p, more = p.validated(cap, temperature_max=TEMPERATURE_MAX)
     except ValueError as e:
         raise ApiError(400, str(e), param=_param_of(str(e))) from None
     return Sampling(p, tuple(notes + [n for n in more if not n.startswith("temperature 0")]))

@@ -2,7 +2,7 @@
 
 `Limits` is the one place that holds the server's request limits, each with its reason and its
 override (a flag of `python app.py` and a GEMMA4_* variable, see `gemma4.web.server`). `RateLimiter`
-enforces them per client key (an API key's hash, or the client's address). These limits only keep
+enforces them per client key (an API key's hash, or the client's address: `client_ip`). These limits only keep
 one client from taking every slot; the real back-pressure stays the engine's decode slots and the
 Gradio queue's size.
 """
@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 WINDOW_S = 60.0  # "per minute"
 MAX_TRACKED_CLIENTS = 10_000  # idle clients are forgotten past this many (memory stays bounded)
@@ -118,3 +119,13 @@ class RateLimiter:
                 if c.in_flight == 0 and (not c.stamps or c.stamps[-1] <= now - WINDOW_S)]
         for k in idle:
             del self._clients[k]
+
+
+def client_ip(request: Any, trust_proxy: bool) -> str:
+    """The client's address; behind a trusted proxy, the one that proxy appended last to
+    X-Forwarded-For (the leftmost entries are whatever the client chose to send)."""
+    if trust_proxy:
+        forwarded = [p.strip() for p in request.headers.get("x-forwarded-for", "").split(",")]
+        if forwarded and forwarded[-1]:
+            return forwarded[-1]
+    return request.client.host if request.client else "unknown"

@@ -7,7 +7,8 @@ and `exposure_warnings`): a UI login with no API key closes /v1 (an open API bes
 let anyone spend the machine the login protects); a public share link or a non-local address
 without a login is warned about loudly.
 
-Nothing heavy is imported at module level (app.py imports this to parse its flags).
+The API's routes (and with them the request layer and jax) are imported when the app is built,
+not with this module: `import app` stays free of model work.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gemma4.web.ratelimit import Limits
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI
+from gradio import networking
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gemma4.env import env_bool, env_int
+from gemma4.web.ratelimit import Limits, client_ip
 
 log = logging.getLogger("gemma4.web.server")
 
@@ -69,7 +78,8 @@ def _pair(item: str, where: str) -> tuple[str, str]:
 
 
 def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The access flags of `python app.py`, each falling back to its GEMMA4_* variable."""
+    """The access flags of `python app.py`, each falling back to its GEMMA4_* variable (a bad
+    number there raises `gemma4.env.EnvError`)."""
     d = Limits()
     g = p.add_argument_group("access (UI login, API keys, rate limits)")
     g.add_argument("--auth", default=env.get("GEMMA4_AUTH") or None, metavar="USER:PW[,...]",
@@ -106,23 +116,6 @@ def access_from_args(a: argparse.Namespace) -> Access:
     limits = Limits(in_flight=a.rate_in_flight, per_minute=a.rate_per_minute,
                     max_body_bytes=a.max_body_bytes).validated()
     return Access(logins=logins, api_keys=keys, limits=limits, trust_proxy=a.trust_proxy)
-
-
-def env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    """An integer setting from the environment; a bad value stops start-up with a message."""
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise SystemExit(f"{name}={raw!r} is not an integer") from None
-
-
-def env_bool(raw: str | None, default: bool = False) -> bool:
-    if raw is None or not raw.strip():
-        return default
-    return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 # --------------------------------------------------------------------------- the policy
@@ -168,10 +161,7 @@ def build_app(demo: Any, engine: Any, *, model: str, max_new_tokens_cap: int,
               footer_links: list | None = None):
     """The FastAPI app: /v1 (router first, so the UI's catch-all mount does not shadow it),
     then the Gradio Blocks at /, with the UI login if one is configured."""
-    import gradio as gr
-    from fastapi import FastAPI
-
-    from gemma4.web.api import OpenAIApi
+    from gemma4.web.api import OpenAIApi  # deferred: jax, +1.3 s on `import app` (measured)
 
     app = FastAPI(title="gemma4-jax", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(engine, model=model, max_new_tokens_cap=max_new_tokens_cap,
@@ -199,11 +189,6 @@ class UiRateLimit:
     async def __call__(self, scope, receive, send) -> None:
         if (scope["type"] == "http" and scope["method"] == "POST"
                 and scope["path"].endswith("/queue/join")):
-            from starlette.requests import Request
-            from starlette.responses import JSONResponse
-
-            from gemma4.web.api import client_ip
-
             key = "ui:" + client_ip(Request(scope), self.api.trust_proxy)
             refusal = self.api.limiter.check(key, generation=False)
             if refusal is not None:
@@ -236,8 +221,6 @@ class Running:
 
 def start(app: Any, host: str, port: int) -> Running:
     """Run uvicorn in a background thread; returns once it listens (RuntimeError if it cannot)."""
-    import uvicorn
-
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
@@ -257,8 +240,6 @@ def start(app: Any, host: str, port: int) -> Running:
 def open_share_link(port: int) -> str:
     """A Gradio share tunnel to the local port (the same one demo.launch(share=True) opens:
     it needs internet access and Gradio's frpc binary). RuntimeError with the reason if not."""
-    from gradio import networking
-
     try:
         url = networking.setup_tunnel(local_host="127.0.0.1", local_port=port,
                                       share_token=secrets.token_urlsafe(32),

@@ -1,0 +1,130 @@
+"""The demo's whole set of Gradio handlers: the chat's (`ChatHandlers`), the panels refreshed on a
+timer (status, model banner, queue, the model's defaults once it is ready; the Hardware tab), and
+the API for programs (`/generate`, `/engine_status`). `app.build_demo` wires them to the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import gradio as gr
+
+from gemma4.ui import mesh_panel
+from gemma4.ui.handlers import ChatHandlers, throttled
+from gemma4.ui.hardware_panel import compile_markdown, hardware_markdown, memory_markdown
+from gemma4.ui.panels import context_meter_html, loading_text, model_banner_html, queue_html, status_html
+from gemma4.ui.reply import flags_summary
+
+log = logging.getLogger("gemma4.app")
+
+
+class DemoApp(ChatHandlers):
+    """The chat handlers (`ChatHandlers`) plus the panels on a timer and the API for programs."""
+
+    # ------------------------------------------------------------------ panels on a timer
+
+    def tick(self, seen: dict | None):
+        """Every second: engine status, model banner, queue; on becoming ready, model defaults
+        and whether the Think switch applies."""
+        seen = dict(seen or {})
+        status = self.engine.status()
+        state = status.get("state")
+        changed = state != seen.get("state")
+        seen["state"] = state
+        info = self.info() if state == "ready" else None
+        queue = self.engine.queue_state() if state == "ready" else None
+        banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
+        controls: list[Any] = [gr.skip()] * 8
+        if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
+            seen["defaults_applied"] = True
+            d = self.default_sampling()
+            controls = [gr.update(value=self.default_mode()), gr.update(value=d["temperature"]),
+                        gr.update(value=d["top_p"]), gr.update(value=d["top_k"]),
+                        gr.update(value=d["max_new_tokens"]),
+                        gr.update(value=d["repetition_penalty"]),
+                        context_meter_html(0, info.get("context_limit"), "(empty conversation)"),
+                        self.think_update()]
+        return (status_html(status), banner, queue_html(queue), *controls, seen)
+
+    def hardware_panel(self):
+        """The Hardware tab (every 5 s): compiles, pre-flight and hardware report; memory in use."""
+        info = self.info()
+        if not info:
+            return "_The hardware report appears once the model has loaded._", ""
+        memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
+        compiles = self.engine.compile_state() if hasattr(self.engine, "compile_state") else None
+        return (compile_markdown(compiles) + mesh_panel.panel_markdown(self.engine, info)
+                + hardware_markdown(info.get("hardware")),
+                memory_markdown(memory))
+
+    # ------------------------------------------------------------------ API for programs
+
+    def engine_status(self) -> dict:
+        """The engine's state ("loading" | "warming" | "ready" | "error"), progress, message,
+        error, and — once ready — the model facts and the queue ({"active", "waiting"})."""
+        status = dict(self.engine.status())
+        info = self.info()
+        if info:
+            status["model"] = {k: info.get(k) for k in ("model", "source", "is_base_model",
+                                                        "random_weights", "family",
+                                                        "context_limit", "max_batch")}
+            status["queue"] = self.engine.queue_state()
+        return status
+
+    def generate(self, prompt: str, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, seed: int | None = None, mode: str = "auto",
+                 system: str = "", thinking: bool = False) -> Iterator[dict]:
+        """Generate a reply to `prompt`; streams partial results, the last one has done=True.
+
+        Settings left as None use the model's defaults. mode: "chat" (the prompt is one user
+        turn, rendered with the chat template), "completion" (raw text to continue) or "auto"
+        (completion for base models, chat otherwise). thinking: Gemma 4 thinks first (chat
+        mode; an error for Gemma 3). Returns {"text" (the answer), "thought", "tool_calls"
+        ([{"id", "name", "arguments"}]), "stats", "flags", "flagged", "fired_rules",
+        "finish_reason", "done", "mode", "model", "notes"}.
+        """
+        if not (prompt or "").strip():
+            raise gr.Error("Empty prompt: send some text to continue or a question to answer.")
+        if mode not in ("auto", "chat", "completion"):
+            raise gr.Error(f"mode must be 'auto', 'chat' or 'completion', got {mode!r}")
+        for status in self.wait_ready():
+            yield {"text": "", "done": False, "status": loading_text(status)}
+        status = self.engine.status()
+        if status.get("state") == "error":
+            raise gr.Error(f"The model failed to load: {status.get('error')}")
+        mode = self.default_mode() if mode == "auto" else mode
+        try:
+            params, notes, _ = self.params(temperature, top_p, top_k, max_new_tokens, seed)
+        except (ValueError, self.RequestError) as e:
+            raise gr.Error(str(e)) from None
+        model = self.settings.model
+        gen = None
+        try:
+            gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
+                                                 system=(system or "").strip() or None,
+                                                 thinking=bool(thinking))
+            for ev in throttled(gen):
+                flags = dict(ev.flags or {})
+                flagged, fired = flags_summary(flags)
+                stats = dict(ev.stats or {})
+                all_notes = notes + [n for n in stats.get("notes") or () if n not in notes]
+                calls = [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                         for c in ev.tool_calls]
+                yield {"text": ev.answer, "thought": ev.thought, "tool_calls": calls,
+                       "stats": stats, "flags": flags,
+                       "flagged": flagged, "fired_rules": fired,
+                       "finish_reason": ev.finish_reason, "done": bool(ev.done), "mode": mode,
+                       "model": model, "notes": all_notes}
+        except self.RequestError as e:
+            raise gr.Error(str(e)) from None
+        except gr.Error:
+            raise
+        except Exception as e:
+            log.exception("generation failed (API)")
+            raise gr.Error(f"The engine failed on this request: {type(e).__name__}: {e}") from None
+        finally:
+            if gen is not None:
+                gen.close()

@@ -1,0 +1,98 @@
+"""What the demo server is started with: its flags, each falling back to a GEMMA4_* environment
+variable (Spaces' GRADIO_SERVER_NAME/PORT too), checked before anything loads.
+
+    python app.py --model bundled --port 7860
+    python app.py --model google/gemma-4-E2B-it --host 0.0.0.0 --max-users 8
+
+Every flag has an environment variable (GEMMA4_MODEL, GEMMA4_HOST, GEMMA4_PORT, GEMMA4_SHARE,
+GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT, GEMMA4_MESH; access: GEMMA4_AUTH,
+GEMMA4_AUTH_FILE, GEMMA4_API_KEY, GEMMA4_RATE_IN_FLIGHT, GEMMA4_RATE_PER_MINUTE; multi-host:
+`gemma4.serve.distributed`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gemma4.env import EnvError, env_bool, env_int
+from gemma4.serve import distributed
+from gemma4.web.server import Access, access_from_args, add_access_flags
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the app is started with (flags override environment variables)."""
+
+    model: str = "bundled"
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+    max_users: int = 8  # requests decoded together; also Gradio's concurrency limit
+    max_new_tokens_cap: int = 1024
+    context: int = 4096
+    queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
+    # UI login, /v1 keys, per-client rate limits (gemma4.web.server); secrets stay out of repr()
+    access: Access = dataclasses.field(default_factory=Access)
+    mesh: str = "auto"  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
+    distributed: Any = None  # gemma4.serve.distributed.Settings: more than one process (None: one)
+
+
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The app's flags, each defaulting to its environment variable (EnvError for a bad one)."""
+    # Spaces set GRADIO_SERVER_NAME/PORT; honour them when our own variables are unset.
+    host = env.get("GEMMA4_HOST") or env.get("GRADIO_SERVER_NAME") or Settings.host
+    port = env_int(env, "GEMMA4_PORT", env_int(env, "GRADIO_SERVER_PORT", Settings.port))
+    p = argparse.ArgumentParser(description="Gemma 4 / Gemma 3 chat demo (pure JAX).")
+    p.add_argument("--model", default=env.get("GEMMA4_MODEL") or Settings.model,
+                   help="'bundled' (Gemma 3 270M base, offline), a Hub repo id, a local folder, "
+                        "or 'random:<preset>' (env GEMMA4_MODEL)")
+    p.add_argument("--host", default=host, help="interface to listen on (env GEMMA4_HOST)")
+    p.add_argument("--port", type=int, default=port, help="port (env GEMMA4_PORT)")
+    p.add_argument("--share", action=argparse.BooleanOptionalAction,
+                   default=env_bool(env.get("GEMMA4_SHARE")),
+                   help="open a public Gradio share link (env GEMMA4_SHARE)")
+    p.add_argument("--max-users", type=int,
+                   default=env_int(env, "GEMMA4_MAX_USERS", Settings.max_users),
+                   help="requests decoded together (env GEMMA4_MAX_USERS)")
+    p.add_argument("--max-new-tokens-cap", type=int,
+                   default=env_int(env, "GEMMA4_MAX_NEW_TOKENS", Settings.max_new_tokens_cap),
+                   help="upper bound of the max-new-tokens control (env GEMMA4_MAX_NEW_TOKENS)")
+    p.add_argument("--context", type=int, default=env_int(env, "GEMMA4_CONTEXT", Settings.context),
+                   help="context window in tokens (env GEMMA4_CONTEXT)")
+    p.add_argument("--queue-size", type=int, default=Settings.queue_size,
+                   help="requests that may wait in the queue before new ones are refused")
+    p.add_argument("--mesh", default=env.get("GEMMA4_MESH") or Settings.mesh,
+                   help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
+    add_access_flags(p, env)
+    distributed.add_arguments(p, env)
+    return p
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None):
+    """Settings from command-line flags, falling back to GEMMA4_* environment variables; a bad
+    value in either stops start-up with a message (SystemExit)."""
+    env = os.environ if environ is None else environ
+    try:
+        p = _parser(env)
+    except EnvError as e:
+        raise SystemExit(str(e)) from None
+    a = p.parse_args(list(argv) if argv is not None else None)
+    for name in ("port", "max_users", "max_new_tokens_cap", "context", "queue_size"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    try:
+        access = access_from_args(a)
+        multi = distributed.from_args(a)
+        if a.mesh.strip().lower() != "auto":
+            from gemma4.plan import sharding  # deferred: jax, +1.2 s on `import app` (measured)
+
+            sharding.parse_mesh(a.mesh)  # a bad spec is a usage error, before anything loads
+    except (ValueError, distributed.DistributedError) as e:  # (MeshError is a ValueError)
+        p.error(str(e))
+    return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
+                    max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,
+                    context=a.context, queue_size=a.queue_size, access=access, mesh=a.mesh,
+                    distributed=multi if multi.enabled else None)
