@@ -104,6 +104,11 @@ def test_history_to_messages_drops_app_messages_and_refused_turns():
     rest, text = pop_last_user_turn(history)
     assert text == "again <end_of_turn>" and rest[-1]["role"] == "assistant"
     assert strip_trailing_assistant(history[:3]) == history[:1]
+    # Gradio 6 hands the history back as text parts: a completion prompt keeps its trailing space
+    parts = [{"role": "user", "content": [{"type": "text", "text": "The capital of France is "}]}]
+    assert last_user_text(parts) == "The capital of France is "
+    assert pop_last_user_turn(parts)[1] == "The capital of France is "
+    assert message_text(parts[0]["content"]) == "The capital of France is"  # chat turns: trimmed, as HF
     assert message_index([4, 0]) == 4 and message_index(2) == 2
 
 

@@ -61,13 +61,14 @@ def stop_ids(family: str) -> list[int]:
     return list(_STOP_IDS[family])
 
 
-def message_text(content: Any) -> str:
+def message_text(content: Any, trim_parts: bool = True) -> str:
     """The text of a message's content, for the prompt and for the chat's history alike.
 
     A string is returned as it is; a {"type": "text", "text": ...} part, or a list of such parts
     (Gradio 6's history, OpenAI's content parts), gives the parts' texts concatenated, each
-    trimmed, as the HF templates do. Non-text parts (images, audio, files) raise ValueError:
-    this is a text-only decoder."""
+    trimmed as the HF chat templates do — or as typed with `trim_parts=False` (a completion
+    prompt, where a trailing space is part of the prompt). Non-text parts (images, audio, files)
+    raise ValueError: this is a text-only decoder."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -78,12 +79,13 @@ def message_text(content: Any) -> str:
         texts = []
         for part in content:
             if isinstance(part, str):
-                texts.append(part.strip())
+                text = part
             elif isinstance(part, Mapping) and part.get("type", "text") == "text" and "text" in part:
-                texts.append(str(part["text"]).strip())
+                text = str(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise ValueError(f"message part of type {kind!r} is not text; only text is supported")
+            texts.append(text.strip() if trim_parts else text)
         return "".join(texts)
     raise ValueError("message content must be a string or a list of text parts, "
                      f"not {type(content).__name__}")

@@ -94,7 +94,7 @@ def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
     """The text of the trailing user message, or None when history does not end with one."""
     if not history or history[-1].get("role") != "user":
         return None
-    return message_text(history[-1].get("content"))
+    return message_text(history[-1].get("content"), trim_parts=False)
 
 
 def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -110,7 +110,7 @@ def pop_last_user_turn(history: Sequence[Mapping[str, Any]]) -> tuple[list[dict[
     items = strip_trailing_assistant(history)
     texts: list[str] = []
     while items and items[-1].get("role") == "user":
-        texts.insert(0, message_text(items.pop().get("content")))
+        texts.insert(0, message_text(items.pop().get("content"), trim_parts=False))
     return items, "\n\n".join(texts)
 
 
