@@ -135,13 +135,14 @@ def cmd_generate(args) -> int:
 
 
 def _generate(engine, args) -> int:
+    from gemma4.serve import conversation
     from gemma4.serve.engine import RequestError
 
     info = engine.info()
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
-        events = engine.stream(args.prompt, _params(args), mode=args.mode)
+        events = conversation.stream(engine, args.prompt, _params(args), mode=args.mode)
         last = None
         for last in events:
             if not args.json:
@@ -167,6 +168,7 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, args) -> int:
+    from gemma4.serve import conversation
     from gemma4.serve.engine import RequestError
 
     info = engine.info()
@@ -189,7 +191,7 @@ def _chat(engine, args) -> int:
         print("model> ", end="", flush=True)
         try:
             last = None
-            for last in engine.stream(messages, _params(args), mode="chat", system=args.system):
+            for last in conversation.stream(engine, messages, _params(args), mode="chat", system=args.system):
                 print(last.delta, end="", flush=True)
         except RequestError as e:
             print(f"\nerror: {e}")

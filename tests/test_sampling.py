@@ -9,8 +9,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.model.sampling import (K_MAX, SamplingParams, apply_stop_strings, keys_from_seeds, row_arrays,
-                             sample, split_keys, stop_string_holdback)
+from gemma4.model.sampling import K_MAX, SamplingParams, apply_stop_strings, sample, stop_string_holdback
+
+
+def row_arrays(params):
+    """Per-row arrays for `sample` from validated params: temperature f32 [B], top_k int32 [B],
+    top_p f32 [B], repetition_penalty f32 [B]."""
+    return {
+        "temperature": jnp.asarray([p.temperature for p in params], jnp.float32),
+        "top_k": jnp.asarray([p.top_k for p in params], jnp.int32),
+        "top_p": jnp.asarray([p.top_p for p in params], jnp.float32),
+        "repetition_penalty": jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
+    }
+
+
+def keys_from_seeds(seeds):
+    """Raw PRNG keys uint32 [B, 2], one per row, from integer seeds."""
+    return jnp.stack([jax.random.PRNGKey(int(s) % (1 << 32)) for s in seeds])
+
+
+@jax.jit
+def split_keys(keys):
+    """(keys to carry to the next step, keys to sample this step), both uint32 [B, 2]."""
+    both = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [B, 2, 2]
+    return both[:, 0], both[:, 1]
 
 
 def _rows(b, temperature=1.0, top_k=0, top_p=1.0):

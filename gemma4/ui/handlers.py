@@ -269,8 +269,8 @@ class ChatHandlers:
             return uf.context_meter_html(used, limit, "last completion prompt + reply "
                                          "(completion mode sends only your latest message)")
         try:
-            used = self.engine.count_tokens(uf.history_to_messages(history),
-                                            (system or "").strip() or None)
+            used = self.conversation.count_tokens(self.engine, uf.history_to_messages(history),
+                                                  (system or "").strip() or None)
         except Exception as e:  # a meter must never break the chat
             log.warning("count_tokens failed: %s", e)
             return uf.context_meter_html(None, limit, f"(could not count: {e})")
