@@ -12,10 +12,13 @@ import os
 import threading
 import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from gemma4.model import decoder as M
 from gemma4.serve import conversation
-from gemma4.serve.engine import RequestError, get_engine
+from gemma4.serve.engine import Embeddings, RequestError, flatten_segments, get_engine
 from gemma4.serve.engine_compile import chunk_plan
 from gemma4.model.sampling import SamplingParams
 
@@ -245,3 +248,54 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
         assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
     finally:
         eng.close(timeout=120)
+
+
+# ---------------------------------------------------------------- the media seam: embedding segments
+def _embedding_rows(eng, ids):
+    """The decoder's own input rows for `ids` (what an image/audio encoder would hand over)."""
+    rows = M.embed_tokens(eng.params, eng.cfg, jnp.asarray([ids], jnp.int32), eng.options.dtype)[0]
+    return np.asarray(rows.astype(jnp.float32))
+
+
+def _same_tokens_through_embeddings(eng, ids, params):
+    """ids as ids, as one embedding run (carrying the ids as its per-layer ids), and mixed
+    (ids, embeddings, ids): the same greedy tokens."""
+    rows = _embedding_rows(eng, ids)
+    as_ids = conversation.generate(eng, ids, params)
+    whole = conversation.generate(eng, [Embeddings(rows, ple_ids=ids)], params)
+    mixed = conversation.generate(eng, [ids[:2], Embeddings(rows[2:5], ple_ids=ids[2:5]), ids[5:]], params)
+    assert whole["token_ids"] == as_ids["token_ids"]
+    assert mixed["token_ids"] == as_ids["token_ids"]
+    assert whole["stats"]["prefill_tokens"] == mixed["stats"]["prefill_tokens"] == len(ids)
+
+
+def test_embedding_segments_give_the_tokens_of_their_ids(engine):
+    """Bundled Gemma 3 270M: a prompt fed as its own embedding rows gives its greedy tokens; the
+    embedding prefill is compiled only once a request has an embedding segment."""
+    ids = conversation.prompt_ids(engine, "The three laws of motion", mode="completion")
+    assert not any("with embeddings" in s for s in engine.compile_state()["compiled"])
+    _same_tokens_through_embeddings(engine, ids, GREEDY)
+    assert any("with embeddings" in s for s in engine.compile_state()["compiled"])
+
+
+def test_embedding_segments_with_per_layer_embeddings():
+    """A tiny random Gemma 4 E2B-like model (PLE): the per-layer input of an embedding run comes
+    from the ids it carries, so the tokens match the ids' too."""
+    from tests.scripted import tiny_gemma4
+
+    eng = tiny_gemma4()
+    assert eng.cfg.hidden_size_per_layer_input
+    ids = [2] + list(range(300, 309))
+    _same_tokens_through_embeddings(eng, ids, SamplingParams(temperature=0.0, max_new_tokens=8))
+
+
+def test_flatten_segments_lays_runs_out_in_order():
+    rows = np.ones((2, 4), np.float32)
+    ids, embeds, mask = flatten_segments([[5, 6], Embeddings(rows), [7]], pad_id=0, hidden=4)
+    assert ids == [5, 6, 0, 0, 7] and mask.tolist() == [False, False, True, True, False]
+    assert embeds[2:4].tolist() == rows.tolist() and not embeds[[0, 1, 4]].any()
+    assert flatten_segments([5, 6, 7], pad_id=0, hidden=4) == ([5, 6, 7], None, None)
+    with pytest.raises(RequestError, match=r"must be \[n, 4\]"):
+        flatten_segments([Embeddings(np.ones((2, 3)))], pad_id=0, hidden=4)
+    with pytest.raises(RequestError, match="2 rows but 1 ple_ids"):
+        flatten_segments([Embeddings(rows, ple_ids=[1])], pad_id=0, hidden=4)
