@@ -765,10 +765,12 @@ class Engine:
         req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * (t1 - t0),
                          prefill_tok_s=len(ids) / max(t1 - t0, 1e-9), bucket=plan[-1][2], chunks=len(plan),
                          padding=padding, compiled=compiled, ttft_s=t1 - req.submitted)
-        self._emit(req, token, bad, t1)
+        self.emit(req, token, bad, t1)
 
-    def _emit(self, req: Request, token: int, bad: bool, now: float) -> None:
-        """Hand one sampled token to the request; finish it if a limit is reached."""
+    def emit(self, req: Request, token: int, bad: bool, now: float) -> None:
+        """Hand one sampled token to the request (on the scheduler thread); finish it on a stop id
+        or when a limit is reached. Public as the one point where a sampled token enters a reply:
+        tests/scripted.py replaces it on one engine instance to script a model's output."""
         req.generated += 1
         if token in self.cfg.stop_ids:
             self._finish(req, "stop")
@@ -816,7 +818,7 @@ class Engine:
             if req.cancel.is_set():
                 self._finish(req, "cancelled")
             else:
-                self._emit(req, int(out[row]), bool(bad[row]), now)
+                self.emit(req, int(out[row]), bool(bad[row]), now)
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Stop the scheduler and the compile threads; wait up to `timeout` s for them (None: no
