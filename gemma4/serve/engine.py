@@ -1,4 +1,4 @@
-"""The serving engine: one cached model per process, continuous batching, streaming with cancel.
+"""The serving engine: one cached model per process, continuous batching, token streams with cancel.
 
 Shape of the work:
 - A background thread loads the model (source → hardware plan → weights converted once; the
@@ -25,7 +25,6 @@ Shape of the work:
   approaches them. Every executable lands in the persistent compile cache.
 - Consumers read events from a per-request queue; closing the stream generator sets a cancel
   flag and the scheduler frees the row before its next step.
-
 - A request is a sequence of *segments* (`Segment`): token ids, and runs of precomputed input
   embeddings (`Embeddings`: images, audio). The engine streams a request's tokens (`TokenStream`:
   ids, timing, finish reason); text, stop strings, the thought/answer split and degeneracy flags
