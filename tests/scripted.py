@@ -37,6 +37,8 @@ import contextlib
 import threading
 from typing import Callable, Iterator, Sequence
 
+from gemma4.serve.engine import get_engine
+
 
 # The tiny random Gemma 4 every scripted test shares (get_engine keeps one per settings, so the
 # modules that use it pay its load and compiles once per test run).
@@ -45,8 +47,6 @@ TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256))
 
 def tiny_gemma4():
     """The shared `random:tiny-e2b` engine (Gemma 4 geometry, synthetic byte vocabulary), ready."""
-    from gemma4.serve.engine import get_engine
-
     return get_engine("random:tiny-e2b", **TINY_GEMMA4).wait_ready(timeout=900)
 
 

@@ -6,6 +6,7 @@ real multi-process JAX (the coordinator on localhost), not mocks.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -130,8 +131,6 @@ def test_step_descriptor_round_trip():
     (dict(heartbeat_s=-1.0), "must be positive"),
 ])
 def test_incomplete_flags_are_refused_with_a_message(flags, message):
-    import argparse
-
     ns = argparse.Namespace(**{"distributed": None, "coordinator": None, "num_processes": None,
                                "process_id": None, "heartbeat_s": 10.0, **flags})
     with pytest.raises(D.DistributedError) as e:
@@ -140,8 +139,6 @@ def test_incomplete_flags_are_refused_with_a_message(flags, message):
 
 
 def test_flags_and_environment():
-    import argparse
-
     p = argparse.ArgumentParser()
     D.add_arguments(p, {"GEMMA4_COORDINATOR": "10.0.0.1:1234", "GEMMA4_NUM_PROCESSES": "2",
                         "GEMMA4_PROCESS_ID": "1"})
@@ -201,7 +198,7 @@ def test_a_killed_process_stops_the_others_with_a_message(tmp_path):
 
 
 def test_app_flags_for_mesh_and_processes():
-    import app
+    import app  # deferred: app imports gradio (10 s), which only this test needs
 
     s = app.parse_settings(["--mesh", "tensor=2", "--coordinator", "10.0.0.1:1234", "--num-processes", "2",
                             "--process-id", "1"], environ={})

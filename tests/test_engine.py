@@ -18,9 +18,11 @@ import pytest
 
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
+from gemma4.serve import engine as E
 from gemma4.serve.engine import Embeddings, RequestError, flatten_segments, get_engine
 from gemma4.serve.engine_compile import chunk_plan
 from gemma4.model.sampling import SamplingParams
+from tests.scripted import tiny_gemma4
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference_ids.json")))
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
@@ -221,8 +223,6 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
     two shapes; a prompt whose bucket is missing runs in the compiled bigger one without waiting,
     and the missing bucket is compiled anyway (as a busy engine's would be) — same tokens; a prompt
     no compiled shape can serve waits for its compile and says so."""
-    from gemma4.serve import engine as E
-
     monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)
     eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=128, buckets=(16, 32, 64))
     try:
@@ -281,8 +281,6 @@ def test_embedding_segments_give_the_tokens_of_their_ids(engine):
 def test_embedding_segments_with_per_layer_embeddings():
     """A tiny random Gemma 4 E2B-like model (PLE): the per-layer input of an embedding run comes
     from the ids it carries, so the tokens match the ids' too."""
-    from tests.scripted import tiny_gemma4
-
     eng = tiny_gemma4()
     assert eng.cfg.hidden_size_per_layer_input
     ids = [2] + list(range(300, 309))

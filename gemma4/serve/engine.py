@@ -346,7 +346,10 @@ class Engine:
         while the engine is idle."""
         end = None if timeout is None else time.monotonic() + timeout
         self.wait_ready(timeout)
-        self.shapes.wait_all(None if end is None else max(0.0, end - time.monotonic()))
+        try:
+            self.shapes.wait_all(None if end is None else max(0.0, end - time.monotonic()))
+        except TimeoutError:  # the message names the caller's whole timeout
+            raise TimeoutError(f"{self.shapes.pending()} shapes still compiling after {timeout} s") from None
         return self
 
     def compile_state(self) -> dict:
