@@ -181,11 +181,8 @@ class SamplingRows:
             self.recent[i, :len(tail)] = tail
 
     def on_device(self) -> "SamplingRows":
+        """The same rows as device arrays."""
         return jax.tree.map(jnp.asarray, self)
-
-    @property
-    def width(self) -> int:
-        return int(np.shape(self.seeds)[0])
 
 
 def sample_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:

@@ -28,6 +28,7 @@ from gemma4.serve import distributed
 
 log = logging.getLogger("gemma4.serve.distributed")
 
+
 # ------------------------------------------------------------------------------ the step descriptor
 OP_STOP, OP_PREFILL, OP_DECODE = 1, 2, 3
 _HEADER = 8  # op, size, extra, row, last, n tokens, n sampling rows, spare
@@ -130,6 +131,8 @@ class EngineLink:
         """Before process 0 runs a step (the engine calls this): send it to the other processes."""
         if not self.leader:
             return  # a follower replays: the step came from process 0
+        if key[0] not in ("prefill", "decode"):  # the descriptor carries ids only (no embedding rows)
+            raise ValueError(f"step {key} cannot be sent to the other processes")
         op = OP_DECODE if key[0] == "decode" else OP_PREFILL
         host = SamplingRows(**{f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingRows)})
         _broadcast(self.codec.encode(Step(op, key, tokens, positions, int(row), int(last), host)))
