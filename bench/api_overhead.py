@@ -4,7 +4,7 @@
 
 One engine (the app's defaults: bundled model, int8 weights, 8 decode slots; a 512-token window and
 two prompt buckets so that fewer shapes compile), every shape compiled first; then, for 1 and 8 concurrent clients, greedy completions of `--new-tokens` tokens:
-  direct: threads iterating `engine.stream(...)`;
+  direct: threads iterating `conversation.stream(engine, ...)`;
   layer:  threads iterating `gemma4.serve.conversation.stream_reply(...)` (the request layer the API and
           the chat share);
   api:    threads streaming `/v1/completions` through the official `openai` client from the real
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
 
     import app
     from gemma4.web import server
+    from gemma4.serve import conversation
     from gemma4.serve.conversation import stream_reply
     from gemma4.serve.engine import get_engine
     from gemma4.web.ratelimit import Limits
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
 
     def direct(prompt):
         def items():
-            for ev in engine.stream(prompt, params, mode="completion"):
+            for ev in conversation.stream(engine, prompt, params, mode="completion"):
                 yield ev.stats["new_tokens"] if ev.done else True
         return _timed(items())
 

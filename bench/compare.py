@@ -82,6 +82,7 @@ def measure_ours(spec: dict) -> dict:
     cpus = peers.pin_threads(spec["threads"])
     t0 = time.perf_counter()
     try:
+        from gemma4.serve import conversation
         from gemma4.serve.engine import SamplingParams, get_engine
     except ImportError as e:
         return {"skipped": f"gemma4.serve.engine is not importable ({e})"}
@@ -141,7 +142,7 @@ def measure_ours(spec: dict) -> dict:
         stamps: list[tuple[float, int]] = []
         final = None
         t_start = time.perf_counter()
-        for ev in engine.stream(text, greedy(n), mode="completion"):
+        for ev in conversation.stream(engine, text, greedy(n), mode="completion"):
             now = time.perf_counter()
             stats = ev.stats or {}
             k = stats.get("new_tokens")
@@ -222,13 +223,13 @@ def ours_quality(engine, spec: dict, greedy) -> list[dict]:
     for text in spec["quality_prompts"]:
         params = greedy(spec["quality_tokens"])
         try:
-            res = engine.generate(text, params, mode="completion")
+            res = conversation.generate(engine, text, params, mode="completion")
             ids = res.get("token_ids")
             out.append({"prompt": text, "ids": [int(i) for i in ids] if ids is not None else None,
                         "text": res.get("text")})
         except TypeError:  # no mode= on generate: stream the text instead
             final = None
-            for ev in engine.stream(text, params, mode="completion"):
+            for ev in conversation.stream(engine, text, params, mode="completion"):
                 final = ev
             out.append({"prompt": text, "ids": None, "text": final.text if final else ""})
     return out

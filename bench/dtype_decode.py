@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--model", default="bundled")
     args = ap.parse_args(argv)
+    from gemma4.serve import conversation
     from gemma4.serve.engine import get_engine
     from gemma4.model.sampling import SamplingParams
 
@@ -33,8 +34,8 @@ def main(argv=None) -> int:
         engine = get_engine(args.model, max_batch=1, context_limit=512, buckets=(16,),
                             overrides=dict(overrides, allow_fallback=True)).wait_ready()
         p = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-        engine.generate("The history of the printing press", p)  # warm-up
-        runs = [engine.generate("The history of the printing press", p)["stats"] for _ in range(3)]
+        conversation.generate(engine, "The history of the printing press", p)  # warm-up
+        runs = [conversation.generate(engine, "The history of the printing press", p)["stats"] for _ in range(3)]
         row = dict(overrides, decode_tok_s=round(statistics.median(r["decode_tok_s"] for r in runs), 1),
                    ttft_s=round(statistics.median(r["ttft_s"] for r in runs), 3))
         rows.append(row)

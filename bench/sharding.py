@@ -38,6 +38,7 @@ MESHES = {1: "none", 2: "tensor=2", 4: "tensor=4", 8: "data=2,tensor=4"}
 def _decode_worker(models: list[str], tokens: int) -> None:
     import jax
 
+    from gemma4.serve import conversation
     from gemma4.serve.engine import Engine, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
@@ -50,12 +51,12 @@ def _decode_worker(models: list[str], tokens: int) -> None:
             try:
                 eng.wait_compiled(1800)
                 prompt = [2] + list(range(1000, 1010))
-                eng.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=4))  # first runs
-                row["b1"] = eng.generate(prompt, params)["stats"]["decode_tok_s"]
+                conversation.generate(eng, prompt, SamplingParams(temperature=0.0, max_new_tokens=4))  # first runs
+                row["b1"] = conversation.generate(eng, prompt, params)["stats"]["decode_tok_s"]
                 out: list = [None] * 8
 
                 def go(i):
-                    out[i] = eng.generate([2] + list(range(1000 + 37 * i, 1010 + 37 * i)), params)
+                    out[i] = conversation.generate(eng, [2] + list(range(1000 + 37 * i, 1010 + 37 * i)), params)
 
                 t0 = time.perf_counter()
                 threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]

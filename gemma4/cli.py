@@ -139,13 +139,14 @@ def cmd_generate(args) -> int:
 
 
 def _generate(engine, args) -> int:
-    from gemma4.serve.engine_requests import RequestError  # deferred: jax, as in _engine
+    from gemma4.serve import conversation  # deferred: jax, as in _engine
+    from gemma4.serve.engine import RequestError  # deferred: jax, as in _engine
 
     info = engine.info()
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
-        events = engine.stream(args.prompt, args.params, mode=args.mode)
+        events = conversation.stream(engine, args.prompt, args.params, mode=args.mode)
         last = None
         for last in events:
             if not args.json:
@@ -171,7 +172,8 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, args) -> int:
-    from gemma4.serve.engine_requests import RequestError  # deferred: jax, as in _engine
+    from gemma4.serve import conversation  # deferred: jax, as in _engine
+    from gemma4.serve.engine import RequestError  # deferred: jax, as in _engine
 
     info = engine.info()
     print(f"{info['description']} — context {info['context_limit']} tokens. Empty line or Ctrl-D quits; "
@@ -193,7 +195,7 @@ def _chat(engine, args) -> int:
         print("model> ", end="", flush=True)
         try:
             last = None
-            for last in engine.stream(messages, args.params, mode="chat", system=args.system):
+            for last in conversation.stream(engine, messages, args.params, mode="chat", system=args.system):
                 print(last.delta, end="", flush=True)
         except RequestError as e:
             print(f"\nerror: {e}")

@@ -40,6 +40,7 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from gemma4.serve import conversation
     from gemma4.serve.engine import Engine, SamplingParams
 
     engine = Engine(MODEL, max_batch=args.max_batch, context_limit=64, buckets=(16,), mesh=args.mesh,
@@ -57,7 +58,7 @@ def main() -> int:
         outs = [None] * len(PROMPTS)
 
         def one(i):
-            outs[i] = engine.generate(list(PROMPTS[i]), params)["token_ids"]
+            outs[i] = conversation.generate(engine, list(PROMPTS[i]), params)["token_ids"]
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:
@@ -88,7 +89,7 @@ def _held_and_planned(engine) -> dict:
 def _die_at(engine, n: int) -> None:
     """Kill this process (no clean-up, no goodbye) when it is about to dispatch its n-th step."""
     count = {"steps": 0}
-    for name in ("_run_prefill", "_run_decode"):
+    for name in ("run_prefill", "run_decode"):
         real = getattr(engine, name)
 
         def wrapped(*a, real=real, **k):

@@ -2,10 +2,10 @@
 streaming/parsing path, as if the model had sampled them.
 
 Random weights cannot be made to think or call a tool, but every path after sampling (the
-engine's stop ids and limits, `Engine.stream`, `gemma4.serve.conversation.stream_reply`, the API and
+engine's stop ids and limits, `gemma4.serve.conversation.stream` and `stream_reply`, the API and
 the UI) must be tested with such replies. `scripted` patches one engine instance (never the
 class, never gemma4 code) at the point where the scheduler hands a sampled token to a request,
-`Engine._emit`, and replaces the token with the script's next one. Everything downstream is the
+`Engine.emit`, and replaces the token with the script's next one. Everything downstream is the
 production code: the scripted id is fed back to the model as its next input, a stop id ends the
 reply with "stop", `max_new_tokens` cuts it with "length", cancelling frees the slot.
 
@@ -37,6 +37,8 @@ import contextlib
 import threading
 from typing import Callable, Iterator, Sequence
 
+from gemma4.serve.engine import get_engine
+
 
 # The tiny random Gemma 4 every scripted test shares (get_engine keeps one per settings, so the
 # modules that use it pay its load and compiles once per test run).
@@ -45,8 +47,6 @@ TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256))
 
 def tiny_gemma4():
     """The shared `random:tiny-e2b` engine (Gemma 4 geometry, synthetic byte vocabulary), ready."""
-    from gemma4.serve.engine import get_engine
-
     return get_engine("random:tiny-e2b", **TINY_GEMMA4).wait_ready(timeout=900)
 
 
@@ -76,13 +76,13 @@ def scripted(engine, *scripts: str | Sequence[int], then: str = "stop",
     """Replace the sampled tokens of the next requests with `scripts` (see the module docstring)."""
     if then not in ("stop", "model"):
         raise ValueError(f"then must be 'stop' or 'model', not {then!r}")
-    if "_emit" in vars(engine):
+    if "emit" in vars(engine):
         raise RuntimeError("this engine is already scripted (nested scripted blocks are not supported)")
     engine.wait_ready()
     handle = ScriptHandle([script_ids(engine, s) for s in scripts])
     stops = tuple(engine.cfg.stop_ids)
     end_id = 106 if 106 in stops else stops[0]  # <turn|> / <end_of_turn>
-    original = engine._emit
+    original = engine.emit
     active: dict[int, tuple[object, list[int]]] = {}  # id(request) -> (request, remaining ids)
 
     def emit(req, token, bad, now):
@@ -99,8 +99,8 @@ def scripted(engine, *scripts: str | Sequence[int], then: str = "stop",
                 token = end_id
         return original(req, token, bad, now)
 
-    engine._emit = emit
+    engine.emit = emit
     try:
         yield handle
     finally:
-        del engine._emit
+        del engine.emit

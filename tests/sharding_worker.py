@@ -26,6 +26,7 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from gemma4.plan import sharding  # noqa: E402
+from gemma4.serve import conversation  # noqa: E402
 from gemma4.serve.engine import Engine, SamplingParams  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
@@ -53,7 +54,7 @@ def _generate_together(engine: Engine, prompts) -> list[list[int]]:
     results: list = [None] * len(prompts)
 
     def run(i):
-        results[i] = engine.generate(list(prompts[i]), params)["token_ids"]
+        results[i] = conversation.generate(engine, list(prompts[i]), params)["token_ids"]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -79,7 +80,7 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
 def _decode_gathers(engine: Engine) -> dict:
     """All-gathers in the compiled widest decode step, and the full sizes of the split arrays."""
     key = ("decode", engine.widths[-1], engine.kv_lengths[0])
-    hlo = (engine._exe.get(key) or engine._compile(key)).as_text()
+    hlo = (engine.shapes.get(key) or engine.shapes.compile(key)).as_text()
     split = set()
     for leaf in jax.tree.leaves((engine.params, engine.cache)):
         if any(s is not None for s in leaf.sharding.spec):
@@ -184,7 +185,7 @@ def main(argv: list[str]) -> int:
                 else:
                     shape = sharding.parse_mesh(mesh)
                     row["tokens"] = _generate_together(engine, prompts)
-                    row["alone"] = engine.generate(list(prompts[-1]), SamplingParams(
+                    row["alone"] = conversation.generate(engine, list(prompts[-1]), SamplingParams(
                         temperature=0.0, max_new_tokens=NEW_TOKENS))["token_ids"]
                     row["shares"] = _shares(engine, shape)
                     row["gathers"] = _decode_gathers(engine)

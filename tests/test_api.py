@@ -16,6 +16,7 @@ openai = pytest.importorskip("openai")
 
 import app
 from gemma4.web.settings import Settings, parse_settings
+from gemma4.serve import conversation
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits, RateLimiter
 from tests.net import free_port as _free_port, wait_until
@@ -141,7 +142,7 @@ def test_completions_stream_and_not(bundled):
     _, client, engine = bundled
     prompt = "The capital of France is"
     out = client.completions.create(model="bundled", prompt=prompt, **GREEDY)
-    direct = engine.generate(prompt, _greedy(6), mode="completion")
+    direct = conversation.generate(engine, prompt, _greedy(6), mode="completion")
     assert out.object == "text_completion" and out.choices[0].text == direct["text"]
     assert direct["text"].strip()
     streamed = "".join(c.choices[0].text for c in client.completions.create(
@@ -149,7 +150,7 @@ def test_completions_stream_and_not(bundled):
     assert streamed == direct["text"]
     alias = client.completions.create(model=engine.info()["model"], prompt=prompt, **GREEDY)
     assert alias.model == "bundled" and alias.choices[0].text == direct["text"]
-    ids = engine.encode_prompt(prompt, mode="completion")  # token ids work as a prompt too
+    ids = conversation.prompt_ids(engine, prompt, mode="completion")  # token ids work as a prompt too
     assert client.completions.create(model="bundled", prompt=ids, **GREEDY).choices[0].text == \
         direct["text"]
 

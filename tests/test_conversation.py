@@ -12,7 +12,8 @@ import pytest
 
 from gemma4.serve.conversation import (ReplyEvent, complete_reply, prompt_ids, stream_reply, supports_thinking,
                                  supports_tools)
-from gemma4.serve.engine_requests import RequestError
+from gemma4.serve import conversation
+from gemma4.serve.engine import RequestError
 from gemma4.model.sampling import SamplingParams
 from tests.scripted import script_ids, scripted, tiny_gemma4
 
@@ -221,7 +222,7 @@ def test_context_rule_keeps_system_and_tools(eng):
         history += [{"role": "user", "content": f"q{k} {long}"}, {"role": "assistant", "content": f"a{k} {long}"}]
     history.append({"role": "user", "content": "last question"})
     notes: list[str] = []
-    ids = eng._prompt_ids(history, "chat", None, notes, tools=TOOLS)
+    ids = prompt_ids(eng, history, tools=TOOLS, notes=notes)
     text = eng.tokenizer.decode(ids)
     assert len(ids) <= eng.context_limit * 7 // 8
     assert "SYSTEM RULES" in text and "declaration:get_weather" in text and "last question" in text
@@ -240,12 +241,12 @@ def test_gemma3_refuses_thinking_and_tools(eng):
 
 
 def test_engine_stream_withholds_a_stop_string_spanning_tokens(eng):
-    # Engine.stream itself (no thought split): the stop's first characters are never shown, and a
+    # conversation.stream (no thought split): the stop's first characters are never shown, and a
     # reply that ends otherwise keeps its held-back tail.
     for script, want, reason in (("abc END def<turn|>", "abc ", "stop"), ("abc EN<turn|>", "abc EN", "stop"),
                                  ("long text here", "long text ", "length")):
         with scripted(eng, script):
-            events = list(eng.stream("Hi", SamplingParams(max_new_tokens=10, stop_strings=("END",)), mode="chat"))
+            events = list(conversation.stream(eng, "Hi", SamplingParams(max_new_tokens=10, stop_strings=("END",)), mode="chat"))
         assert (events[-1].text, events[-1].finish_reason) == (want, reason)
         assert "".join(e.delta for e in events) == want
         assert not any(e.text.endswith(("E", "EN")) for e in events[:-1])  # held back until decided

@@ -6,6 +6,7 @@ real multi-process JAX (the coordinator on localhost), not mocks.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -13,10 +14,13 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from gemma4.model.sampling import SamplingRows
 from gemma4.serve import distributed as D
+from gemma4.serve import step_link as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
@@ -98,25 +102,26 @@ def _needs_gloo():
 
 # ------------------------------------------------------------------------------ pure parts
 def test_step_descriptor_round_trip():
-    codec = D.StepCodec(max_tokens=16, max_rows=4, window=8)
-    sampling = (np.array([4_000_000_000, 5], np.uint32), np.array([1, 2], np.int32), np.array([0.7, 0.0], np.float32),
-                np.array([64, 1], np.int32), np.array([0.95, 1.0], np.float32),
-                np.arange(16, dtype=np.int32).reshape(2, 8) - 1, np.array([1.1, 1.0], np.float32))
-    step = D.Step(D.OP_DECODE, ("decode", 2, 512), np.array([5, 6]), np.array([10, -1]), 1, 0, sampling)
+    codec = L.StepCodec(max_tokens=16, max_rows=4, window=8)
+    sampling = SamplingRows(np.array([4_000_000_000, 5], np.uint32), np.array([1, 2], np.int32),
+                            np.array([0.7, 0.0], np.float32), np.array([64, 1], np.int32),
+                            np.array([0.95, 1.0], np.float32), np.arange(16, dtype=np.int32).reshape(2, 8) - 1,
+                            np.array([1.1, 1.0], np.float32))
+    step = L.Step(L.OP_DECODE, ("decode", 2, 512), np.array([5, 6]), np.array([10, -1]), 1, 0, sampling)
     vec = codec.encode(step)
     assert vec.shape == (codec.size,) and vec.dtype == np.int32
     back = codec.decode(vec)
     assert back.key == ("decode", 2, 512) and back.row == 1
     assert back.tokens.tolist() == [5, 6] and back.positions.tolist() == [10, -1]
-    for a, b in zip(back.sampling, sampling):
+    for a, b in zip(jax.tree.leaves(back.sampling), jax.tree.leaves(sampling)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
-    pre = D.Step(D.OP_PREFILL, ("prefill", 16, True), np.arange(16), np.arange(16), 0, 6,
-                 tuple(x[:1] for x in sampling))
+    pre = L.Step(L.OP_PREFILL, ("prefill", 16, True), np.arange(16), np.arange(16), 0, 6,
+                 jax.tree.map(lambda x: x[:1], sampling))
     assert codec.decode(codec.encode(pre)).key == ("prefill", 16, True)
-    assert codec.decode(codec.encode(D.Step(D.OP_STOP))).op == D.OP_STOP
+    assert codec.decode(codec.encode(L.Step(L.OP_STOP))).op == L.OP_STOP
     with pytest.raises(ValueError, match="does not fit"):
-        codec.encode(D.Step(D.OP_PREFILL, ("prefill", 32, True), np.arange(32), np.arange(32), 0, 0,
-                            tuple(x[:1] for x in sampling)))
+        codec.encode(L.Step(L.OP_PREFILL, ("prefill", 32, True), np.arange(32), np.arange(32), 0, 0,
+                            jax.tree.map(lambda x: x[:1], sampling)))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -126,8 +131,6 @@ def test_step_descriptor_round_trip():
     (dict(heartbeat_s=-1.0), "must be positive"),
 ])
 def test_incomplete_flags_are_refused_with_a_message(flags, message):
-    import argparse
-
     ns = argparse.Namespace(**{"distributed": None, "coordinator": None, "num_processes": None,
                                "process_id": None, "heartbeat_s": 10.0, **flags})
     with pytest.raises(D.DistributedError) as e:
@@ -136,8 +139,6 @@ def test_incomplete_flags_are_refused_with_a_message(flags, message):
 
 
 def test_flags_and_environment():
-    import argparse
-
     p = argparse.ArgumentParser()
     D.add_arguments(p, {"GEMMA4_COORDINATOR": "10.0.0.1:1234", "GEMMA4_NUM_PROCESSES": "2",
                         "GEMMA4_PROCESS_ID": "1"})

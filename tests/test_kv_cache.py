@@ -16,8 +16,10 @@ import pytest
 from gemma4.model import kv_cache
 from gemma4.model import decoder as M
 from gemma4.model.config import tiny
-from gemma4.serve.engine import _decode_step, _prefill_step, chunk_plan
+from gemma4.serve.engine import decode_step, prefill_step
+from gemma4.serve.engine_compile import chunk_plan
 from gemma4.model.params import random_params
+from gemma4.model.sampling import SamplingRows
 
 CFG = tiny("e2b")
 PARAMS = random_params(CFG, seed=7, scale=0.08)
@@ -44,14 +46,12 @@ def greedy_full(prompt: list[int], n: int) -> list[int]:
 
 
 def _greedy_sampling(width):
-    z = jnp.zeros((width,), jnp.int32)
-    return (z.astype(jnp.uint32), z, jnp.zeros((width,), jnp.float32), jnp.ones((width,), jnp.int32),
-            jnp.ones((width,), jnp.float32), jnp.full((width, 4), -1, jnp.int32), jnp.ones((width,), jnp.float32))
+    return SamplingRows.idle(width, window=4).on_device()  # greedy rows, nothing recent
 
 
-_prefill = {fresh: jax.jit(functools.partial(_prefill_step, cfg=CFG, options=M.RunOptions(), fresh=fresh))
+_prefill = {fresh: jax.jit(functools.partial(prefill_step, cfg=CFG, options=M.RunOptions(), fresh=fresh))
             for fresh in (True, False)}
-_decode = {w: jax.jit(functools.partial(_decode_step, cfg=CFG, options=M.RunOptions(), width=w, kv_len=64))
+_decode = {w: jax.jit(functools.partial(decode_step, cfg=CFG, options=M.RunOptions(), width=w, kv_len=64))
            for w in (1, 2, 4)}
 
 

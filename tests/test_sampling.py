@@ -9,8 +9,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.model.sampling import (K_MAX, SamplingParams, apply_stop_strings, keys_from_seeds, row_arrays,
-                             sample, split_keys, stop_string_holdback)
+from gemma4.model.sampling import (K_MAX, SamplingParams, SamplingRows, apply_stop_strings, sample, sample_rows,
+                                   stop_string_holdback)
+
+
+def row_arrays(params):
+    """Per-row arrays for `sample` from validated params: temperature f32 [B], top_k int32 [B],
+    top_p f32 [B], repetition_penalty f32 [B]."""
+    return {
+        "temperature": jnp.asarray([p.temperature for p in params], jnp.float32),
+        "top_k": jnp.asarray([p.top_k for p in params], jnp.int32),
+        "top_p": jnp.asarray([p.top_p for p in params], jnp.float32),
+        "repetition_penalty": jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
+    }
+
+
+def keys_from_seeds(seeds):
+    """Raw PRNG keys uint32 [B, 2], one per row, from integer seeds."""
+    return jnp.stack([jax.random.PRNGKey(int(s) % (1 << 32)) for s in seeds])
+
+
+@jax.jit
+def split_keys(keys):
+    """(keys to carry to the next step, keys to sample this step), both uint32 [B, 2]."""
+    both = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [B, 2, 2]
+    return both[:, 0], both[:, 1]
 
 
 def _rows(b, temperature=1.0, top_k=0, top_p=1.0):
@@ -185,3 +208,18 @@ def test_stop_strings():
     assert stop_string_holdback("Hello Us", ["User:"]) == 2
     assert stop_string_holdback("Hello", ["User:"]) == 0
     assert stop_string_holdback("ab\n", ["\n\n", "b\n\nx"]) == 2
+
+
+def test_sampling_rows_idle_set_row_and_spec():
+    rows = SamplingRows.idle(3, window=4)
+    rows.set_row(1, SamplingParams(temperature=0.5, top_k=8, top_p=0.9, repetition_penalty=1.2), seed=2**32 + 7,
+                 step=3, history=[1, 2, 3, 4, 5, 6])
+    rows.set_row(2, SamplingParams(temperature=0.7), seed=9, step=0, history=[1, 2])
+    assert rows.seeds.tolist() == [0, 7, 9] and rows.steps.tolist() == [0, 3, 0]
+    assert rows.recent.tolist() == [[-1] * 4, [3, 4, 5, 6], [-1] * 4]  # the tail, only with a penalty
+    assert rows.temperature[0] == 0 and rows.top_k[0] == 1 and rows.penalty[0] == 1  # idle: greedy, no penalty
+    spec = SamplingRows.spec(3, window=4)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(spec)] == [(a.shape, a.dtype) for a in jax.tree.leaves(rows)]
+    logits = jnp.zeros((3, 16)).at[:, 5].set(4.0).at[:, 6].set(3.9)
+    ids = sample_rows(logits, SamplingRows.idle(3, window=4).on_device())
+    assert ids.tolist() == [5, 5, 5]

@@ -187,23 +187,27 @@ def _pin(x: jax.Array, axes: tuple, mesh: Any) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ embedding
-def embed(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array | None]:
-    """Scaled token embedding [B,T,H] and the per-layer inputs [B,T,L,P] (None without PLE)."""
+def embed_tokens(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """Scaled token embedding [B,T,H]: the decoder's input scale (what an `inputs_embeds` row must match)."""
     table = params["embed"]
     scale_dtype = table.dtype if jnp.issubdtype(table.dtype, jnp.floating) else dtype
     # transformers multiplies by sqrt(H) rounded to the weight dtype (bf16: 39.25 for E2B, not 39.19)
     scale = jnp.asarray(cfg.hidden_size ** 0.5, scale_dtype).astype(dtype)
-    e = take_rows(table, tokens, dtype) * scale
+    return take_rows(table, tokens, dtype) * scale
+
+
+def per_layer_inputs(params: dict, cfg: ModelConfig, e: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array | None:
+    """The per-layer inputs [B,T,L,P] (None without PLE): the ids' per-layer embedding plus a
+    projection of the input embedding `e` [B,T,H] (which, for a media position, is not its id's)."""
     if not cfg.hidden_size_per_layer_input:
-        return e, None
+        return None
     ple = params["ple"]
     B, T = tokens.shape
     L, P = cfg.num_layers, cfg.hidden_size_per_layer_input
     tok = take_rows(ple["embed"], tokens, dtype) * jnp.asarray(P ** 0.5, dtype)
     ctx = linear(e, ple["proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, dtype)
     ctx = rms_norm(ctx.reshape(B, T, L, P), ple["norm"], cfg.rms_norm_eps)
-    per_layer = (ctx + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dtype)
-    return e, per_layer
+    return (ctx + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dtype)
 
 
 def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -239,11 +243,14 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
-            cache_row: jax.Array | int = 0, kv_len: int | None = None):
+            cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None):
     """Run the decoder on a chunk of tokens.
 
     Args:
       tokens:    [B, T] int32 token ids.
+      inputs_embeds: None, or [B, T, H] input embeddings in the model's input scale (see
+                 `embed_tokens`) used instead of the ids' embedding; the ids still give the
+                 per-layer inputs (PLE), so a media position carries the id it stands for.
       positions: [B, T] int32 absolute positions; -1 marks padding.
       cache:     None (attend within the chunk only) or a cache from `kv_cache.init_cache`; the
                  chunk attends to cached keys plus itself, and its K/V are written.
@@ -260,7 +267,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     """
     dtype = options.dtype
     B, T = tokens.shape
-    x, per_layer = embed(params, cfg, tokens, dtype)
+    x = embed_tokens(params, cfg, tokens, dtype) if inputs_embeds is None else inputs_embeds.astype(dtype)
+    per_layer = per_layer_inputs(params, cfg, x, tokens, dtype)
     hidden = [x] if return_hidden else None
     tables = {}
     for kind in set(cfg.layer_types):

@@ -17,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import secrets
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -141,36 +140,70 @@ def _integer(name: str, value) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Batched arrays and keys
+# The per-row sampling state of one batched step
 # ----------------------------------------------------------------------------------------------
 
-
-def row_arrays(params: Sequence[SamplingParams]) -> dict[str, jax.Array]:
-    """Per-row arrays for `sample` from validated params: temperature f32 [B], top_k int32 [B],
-    top_p f32 [B], repetition_penalty f32 [B]."""
-    return {
-        "temperature": jnp.asarray([p.temperature for p in params], jnp.float32),
-        "top_k": jnp.asarray([p.top_k for p in params], jnp.int32),
-        "top_p": jnp.asarray([p.top_p for p in params], jnp.float32),
-        "repetition_penalty": jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
-    }
+REPETITION_WINDOW = 64  # tokens the repetition penalty looks back over
 
 
-def fresh_seed() -> int:
-    """A random 32-bit seed for requests that did not give one (report it so runs can be redone)."""
-    return secrets.randbits(32)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """What every row of one compiled step samples with (a pytree: a step takes it whole).
+
+    B is the step's batch width. An idle row (`idle`) is greedy with nothing recent, so it costs
+    nothing and changes nothing. Built on the host as numpy arrays (`idle`, then `set_row`), moved
+    to the device with `on_device`; `spec` is the shape a step is compiled for.
+    """
+
+    seeds: Any  # uint32 [B]: the request's seed; the row's key is fold_in(PRNGKey(seed), steps)
+    steps: Any  # int32 [B]: tokens the row has generated so far (a fresh key per token)
+    temperature: Any  # float32 [B]: 0 = greedy
+    top_k: Any  # int32 [B]: 1..K_MAX (validated)
+    top_p: Any  # float32 [B]: nucleus mass in (0, 1]
+    recent: Any  # int32 [B, REPETITION_WINDOW]: the prompt + reply tail the penalty covers; -1 = empty
+    penalty: Any  # float32 [B]: repetition penalty; 1 = off
+
+    @classmethod
+    def idle(cls, n: int, window: int = REPETITION_WINDOW) -> "SamplingRows":
+        """n idle rows as host (numpy) arrays, ready for `set_row`."""
+        return cls(seeds=np.zeros(n, np.uint32), steps=np.zeros(n, np.int32), temperature=np.zeros(n, np.float32),
+                   top_k=np.ones(n, np.int32), top_p=np.ones(n, np.float32),
+                   recent=np.full((n, window), -1, np.int32), penalty=np.ones(n, np.float32))
+
+    @classmethod
+    def spec(cls, n: int, window: int = REPETITION_WINDOW) -> "SamplingRows":
+        """The shapes and dtypes of n rows (what an executable is compiled for)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), cls.idle(n, window))
+
+    def set_row(self, i: int, params: SamplingParams, seed: int, step: int, history: Sequence[int]) -> None:
+        """Row i samples with validated `params`, `seed`, as its `step`-th token; `history` (the
+        prompt and the reply so far) feeds the repetition penalty, when it is on."""
+        self.seeds[i] = seed & 0xFFFFFFFF
+        self.steps[i] = step
+        self.temperature[i] = params.temperature
+        self.top_k[i] = params.top_k
+        self.top_p[i] = params.top_p
+        self.penalty[i] = params.repetition_penalty
+        if params.repetition_penalty != 1.0:
+            tail = list(history)[-self.recent.shape[1]:]
+            self.recent[i, :len(tail)] = tail
+
+    def on_device(self) -> "SamplingRows":
+        """The same rows as device arrays."""
+        return jax.tree.map(jnp.asarray, self)
 
 
-def keys_from_seeds(seeds: Sequence[int]) -> jax.Array:
-    """Raw PRNG keys uint32 [B, 2], one per row, from integer seeds."""
-    return jnp.stack([jax.random.PRNGKey(int(s) % (1 << 32)) for s in seeds])
-
-
-@jax.jit
-def split_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(keys to carry to the next step, keys to sample this step), both uint32 [B, 2]."""
-    both = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [B, 2, 2]
-    return both[:, 0], both[:, 1]
+def sample_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """One token per row of logits [B, V] with each row's own settings (inside a compiled step).
+    The repetition penalty covers the ids in `rows.recent` through the sampler's token counts."""
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(rows.seeds, rows.steps)
+    recent = rows.recent
+    row_ids = jnp.broadcast_to(jnp.arange(recent.shape[0])[:, None], recent.shape)
+    ids = jnp.where(recent >= 0, recent, logits.shape[1])  # out of range → dropped
+    seen = jnp.zeros(logits.shape, jnp.int32).at[row_ids, ids].add(1, mode="drop")
+    return sample(logits, keys, rows.temperature, rows.top_k, rows.top_p, token_counts=seen,
+                  repetition_penalty=rows.penalty)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +278,7 @@ def _sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: j
 
     Args:
       logits: [B, V] (any float dtype; computed in f32).
-      keys: uint32 [B, 2] raw PRNG keys, one per row (use `split_keys` each step).
+      keys: uint32 [B, 2] raw PRNG keys, one per row (a fresh key per token).
       temperature: f32 [B]; 0 → greedy for that row.
       top_k: int32 [B]; clamped to [1, min(K_MAX, V)]; values ≤ 0 mean the cap.
       top_p: f32 [B] in (0, 1].
@@ -281,7 +314,7 @@ def _sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: j
 
 
 # ----------------------------------------------------------------------------------------------
-# Stop strings (applied to decoded text by the engine)
+# Stop strings (applied to decoded text by the request layer, gemma4.serve.conversation)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,8 @@
-"""The one request layer the chat UI and the HTTP API share: messages → prompt ids, engine events →
-thought, answer, tool calls, stats and flags.
+"""The request layer: what the chat UI, the HTTP API and the CLI send the engine, and what they get
+back. Messages or text → prompt ids (the chat template, the context rule, the thinking/tools
+check: `render_chat`, `prompt_ids`, `submit`); the engine's token stream → text with stop strings
+and degeneracy flags (`stream`, `generate`), or a reply split into thought, answer and tool calls
+(`stream_reply`, `complete_reply`). The engine below knows only token ids and embeddings.
 
 A Gemma 4 reply is split **on token ids**, never on decoded text: `<|channel>` … `<channel|>` is
 the thought (its channel name "thought\\n" removed), `<|tool_call>` … `<tool_call|>` is a tool call
@@ -26,9 +29,10 @@ import json
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
-from gemma4.serve import chat_tools
-from gemma4.serve.engine_requests import RequestError
 from gemma4.model.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
+from gemma4.serve import chat, chat_tools
+from gemma4.serve.engine import Embeddings, Request, RequestError, Segment, TokenStream, flatten_segments
+from gemma4.serve.quality import RULES, degeneracy_flags
 from gemma4.weights.tokenizer import IncrementalDecoder
 
 CHANNEL_NAME = "thought\n"  # what follows <|channel> in a thought block
@@ -84,7 +88,13 @@ def supports_tools(engine) -> tuple[bool, str]:
                    "(tool calls are a Gemma 4 feature)")
 
 
-def _check_request(engine, prompt: Any, mode: str, thinking: bool, tools: Any) -> None:
+def _is_messages(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+
+
+def check_request(engine, prompt: Any, mode: str, thinking: bool, tools: Any) -> None:
+    """The one check of thinking, tools and mode for a request (RequestError, meant for the user):
+    thinking and tools need a Gemma 4 model, a chat request, and messages or text (not ids)."""
     if thinking:
         ok, why = supports_thinking(engine)
         if not ok:
@@ -97,6 +107,9 @@ def _check_request(engine, prompt: Any, mode: str, thinking: bool, tools: Any) -
             raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
     if (thinking or tools) and mode != "chat":
         raise RequestError("Thinking and tools need a chat request (mode='chat'), not a completion.")
+    if (thinking or tools) and isinstance(prompt, (list, tuple)) and not _is_messages(prompt):
+        raise RequestError("A token-id prompt is used as given: thinking and tools apply to "
+                           "messages or text, not to ids.")
 
 
 def clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -113,7 +126,7 @@ def clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 
 def _prompt_arg(prompt: Any) -> Any:
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
+    if _is_messages(prompt):
         cleaned = clean_messages(prompt)
         if not cleaned:
             raise RequestError("The conversation has no messages to answer.")
@@ -121,12 +134,178 @@ def _prompt_arg(prompt: Any) -> Any:
     return prompt
 
 
+# ------------------------------------------------------------------------------ prompts → ids
+def render_chat(engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
+                tools: list[dict] | None = None) -> list[int]:
+    """Prompt ids of a chat in the engine's model format (Gemma 4: thinking flag, tool
+    declarations, the 31B/26B empty thought block when thinking is off; see `gemma4.serve.chat.render`)."""
+    return chat.render(messages, engine.cfg.family, engine.tokenizer, system=system, thinking=thinking,
+                       tools=tools, large_model_template=chat.uses_large_template(engine.cfg))
+
+
+def count_tokens(engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
+                 tools: list[dict] | None = None) -> int:
+    return len(render_chat(engine, messages, system, thinking=thinking, tools=tools))
+
+
+def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[str], *,
+              thinking: bool = False, tools: list[dict] | None = None) -> list[int] | list[Segment]:
+    """The ids (or segments) of a checked prompt: messages → the chat template (context rule
+    applied), text → the chat template or the text itself, ids or segments → as given."""
+    try:
+        if _is_messages(prompt):
+            return _chat_ids(engine, list(prompt), system, notes, thinking, tools)
+        if isinstance(prompt, (list, tuple)):
+            if any(isinstance(s, Embeddings) for s in prompt):
+                return list(prompt)
+            return [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            raise RequestError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
+        if not prompt.strip():
+            raise RequestError("The prompt is empty — type something first.")
+        if mode == "chat":
+            return render_chat(engine, [{"role": "user", "content": prompt}], system, thinking=thinking, tools=tools)
+        if mode != "completion":
+            raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
+        return chat.render_completion(prompt, engine.tokenizer)
+    except RequestError:
+        raise
+    except ValueError as e:  # a malformed message, tool or tool call: the renderer says which
+        raise RequestError(str(e)) from None
+
+
+def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
+              tools: list[dict] | None) -> list[int]:
+    last = messages[-1]
+    if not (str(last.get("content") or "").strip() or last.get("tool_calls")):
+        raise RequestError("The message is empty — type something first.")
+    ids = render_chat(engine, messages, system, thinking=thinking, tools=tools)
+    # Context rule: drop the oldest exchanges (a user message and what answers it, tool calls
+    # and results included; never a system/developer message, the tools or the last message)
+    # until the prompt fits, keeping room for a reply of at least 1/8 of the window.
+    dropped = 0
+    while len(ids) > engine.context_limit * 7 // 8:
+        cut = _oldest_exchange(messages)
+        if cut is None:
+            break
+        messages, dropped = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0]
+        ids = render_chat(engine, messages, system, thinking=thinking, tools=tools)
+    if dropped:
+        notes.append(f"the {dropped} oldest message(s) were dropped to fit the context window")
+    return ids
+
+
+def _oldest_exchange(messages: Sequence[dict]) -> tuple[int, int] | None:
+    """[start, end) of the oldest droppable run of messages: from the first non-system message up
+    to the next user message (so tool calls and their results go together), never reaching the
+    last message; None when nothing can be dropped."""
+    convo = [k for k, m in enumerate(messages) if m.get("role") not in ("system", "developer")]
+    if len(convo) < 2:
+        return None
+    start = convo[0]
+    # No later user message: drop all but the last message.
+    end = next((k for k in convo[1:] if messages[k].get("role") == "user"), convo[-1])
+    return start, end
+
+
 def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
-               thinking: bool = False, mode: str = "chat") -> list[int]:
-    """The prompt ids a `stream_reply` with these arguments would be given (no queueing)."""
-    _check_request(engine, messages, mode, thinking, tools)
-    return engine.encode_prompt(_prompt_arg(messages), mode=mode, system=system, thinking=thinking,
-                                tools=list(tools) if tools else None)
+               thinking: bool = False, mode: str = "chat", notes: list[str] | None = None) -> list[int]:
+    """The prompt ids a request with these arguments would be given (no queueing); `notes`
+    collects what the context rule did."""
+    check_request(engine, messages, mode, thinking, tools)
+    out = _segments(engine, _prompt_arg(messages), mode, system, [] if notes is None else notes,
+                    thinking=thinking, tools=list(tools) if tools else None)
+    if any(isinstance(s, Embeddings) for s in out):
+        return flatten_segments(out, engine.cfg.pad_id, engine.cfg.hidden_size)[0]
+    return out
+
+
+def submit(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+           system: str | None = None, thinking: bool = False, tools: Sequence | None = None) -> Request:
+    """Check, shape and queue a request (see `stream_reply` for the arguments); RequestError
+    before any slot is taken for bad input."""
+    check_request(engine, prompt, mode, thinking, tools)
+    if engine.status()["state"] != "ready":
+        engine.wait_ready()
+    params, notes = engine.validate(params)
+    ids = _segments(engine, _prompt_arg(prompt), mode, system, notes, thinking=thinking,
+                    tools=list(tools) if tools else None)
+    return engine.submit(ids, params, notes=notes)
+
+
+# ------------------------------------------------------------------------------ text out: stop strings, flags
+@dataclasses.dataclass
+class StreamEvent:
+    delta: str
+    text: str
+    stats: dict
+    flags: dict
+    done: bool = False
+    finish_reason: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+def stream(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+           system: str | None = None, thinking: bool = False, tools: Sequence | None = None) -> Iterator[StreamEvent]:
+    """Stream a reply as text: every generated token decoded, control tokens dropped, cut before
+    the first stop string (a tail that may start one is withheld until decided), degeneracy
+    flags on the last event. Closing the generator cancels the request and frees its slot. For a
+    thinking/tool reply split into its parts, use `stream_reply`."""
+    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools)
+    return _text_events(engine, req, engine.tokens(req))
+
+
+def _text_events(engine, req: Request, tokens: TokenStream) -> Iterator[StreamEvent]:
+    decoder = IncrementalDecoder(engine.tokenizer)
+    full, text, ids = "", "", []  # full: all decoded text; text: what was handed out
+    cut_by_stop_string = False
+    reason = None
+    stops = tuple(s for s in req.params.stop_strings if s)
+    try:
+        for ev in tokens:
+            if ev.done:
+                reason = ev.finish_reason
+                break
+            token = ev.token_ids[-1]
+            ids.append(token)
+            full += decoder.push(token)
+            if stops:
+                cut, hit = apply_stop_strings(full, stops)
+                if hit:
+                    delta, text = cut[len(text):], cut
+                    req.cancel.set()
+                    reason, cut_by_stop_string = "stop", True
+                    yield StreamEvent(delta, text, tokens.stats(), {}, token_ids=list(ids))
+                    break
+            # Withhold a tail that may be the start of a stop string, so a stop that spans
+            # tokens never shows its first characters.
+            visible = len(full) - stop_string_holdback(full, stops) if stops else len(full)
+            delta = full[len(text):max(visible, len(text))]
+            text += delta
+            yield StreamEvent(delta, text, tokens.stats(), {}, token_ids=list(ids))
+        tail = ""
+        if not cut_by_stop_string:  # a stop id, the limit, a cancel: everything decoded is the reply
+            full += decoder.flush()
+            tail, text = full[len(text):], full
+        tok = engine.tokenizer
+        flags = degeneracy_flags(text, ids, prompt_text=tok.decode(req.prompt_ids),
+                                 control_ids=getattr(tok, "control_ids", frozenset()),
+                                 nonfinite_logits=tokens.nonfinite)
+        stats = tokens.stats()
+        stats["finish_reason"] = reason
+        yield StreamEvent(tail, text, stats, flags, True, reason, list(ids))
+    finally:
+        tokens.close()  # no-op when finished; frees the row within one step otherwise
+
+
+def generate(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+             system: str | None = None, thinking: bool = False, tools: Sequence | None = None) -> dict:
+    """The whole reply of `stream`: {"text", "token_ids", "stats", "flags", "finish_reason"}."""
+    last = None
+    for last in stream(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools):
+        pass
+    return {"text": last.text, "token_ids": last.token_ids, "stats": last.stats, "flags": last.flags,
+            "finish_reason": last.finish_reason}
 
 
 # ------------------------------------------------------------------------------ splitting a reply
@@ -271,8 +450,6 @@ def _merged_flags(answer_flags: dict, thought_flags: dict | None) -> dict:
     """One flags dict: the answer's, plus every rule the thought fired ("in the thought: …")."""
     if not thought_flags or thought_flags.get("ok", True):
         return answer_flags
-    from gemma4.serve.quality import RULES
-
     details = dict(answer_flags.get("details", {}))
     for rule in thought_flags["fired"]:
         extra = f"in the thought: {thought_flags['details'][rule]}"
@@ -314,8 +491,6 @@ class ReplyStream:
         self.request.cancel.set()
 
     def _run(self) -> Iterator[ReplyEvent]:
-        from gemma4.serve.quality import degeneracy_flags
-
         engine, req, stops = self.engine, self.request, self._stops
         tok = engine.tokenizer
         in_thought, named = _starts_in_thought(tok, req.prompt_ids)
@@ -324,7 +499,7 @@ class ReplyStream:
         shown = 0  # answer characters already handed out (the rest may start a stop string)
         seen = 0  # ids consumed
         stopped = False
-        events = engine._events(req, stop_strings=())  # stop strings apply to the answer only
+        events = engine.tokens(req)  # stop strings apply to the answer only: here, not to the whole text
         try:
             for ev in events:
                 thought_delta = ""
@@ -362,7 +537,7 @@ class ReplyStream:
                 reason = "tool_calls"
             elif reason == "context":
                 reason = "length"
-            nonfinite = "nonfinite_logits" in ev.flags.get("fired", [])
+            nonfinite = ev.nonfinite
             structural = list(sp.structural)
             plain_ids = []
             for t in ev.token_ids[:seen]:  # markers used as markers are not degeneracy evidence
@@ -430,9 +605,7 @@ def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, m
     Raises RequestError (before any slot is taken) for bad input, and for thinking or tools with
     a Gemma 3 model. The request is queued at once; iterate the result for its events.
     """
-    _check_request(engine, prompt, mode, thinking, tools)
-    req = engine.submit(_prompt_arg(prompt), params, mode=mode, system=system, thinking=thinking,
-                        tools=list(tools) if tools else None)
+    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools)
     return ReplyStream(engine, req, req.params.stop_strings)
 
 

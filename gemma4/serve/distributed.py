@@ -1,21 +1,11 @@
-"""More than one process: `jax.distributed` start-up, process 0's schedule, and peer loss.
+"""More than one process: `jax.distributed` start-up, the end of a run, and peer loss.
 
     settings = from_args(args)          # --coordinator / --num-processes / --process-id / --distributed
     initialize(settings)                # before anything touches a JAX backend
     # then get_engine(...) as usual: on process 0 it serves; on the others it follows
 
-How the schedule reaches the other processes. Every process loads the same model onto the same
-global mesh and compiles the same steps; every jitted step is then one SPMD program that all
-processes must enter in the same order with the same host inputs. Process 0 alone runs the
-scheduler (admission, chunking, sampling parameters, seeds). Before each dispatch — every prefill
-chunk and every decode step, warm-up runs included — it broadcasts a fixed-size int32 *step
-descriptor* with `multihost_utils.broadcast_one_to_all` (one small collective): the operation,
-the executable's shape key (kind, size, fresh / cache length), the row, the last position, the
-tokens and positions, and the sampling rows (seeds, steps, temperatures, top-k, top-p, the
-repetition window and penalty; floats by bit pattern). The other processes sit in `follow`:
-receive a descriptor, take their own executable for that key (compiling it first if needed), run
-it on exactly those inputs, repeat. So followers never warm up or schedule on their own: they
-replay process 0's sequence. A STOP descriptor (process 0's engine closing) ends them.
+How the schedule reaches the other processes: gemma4.serve.step_link (process 0 broadcasts each
+step it dispatches; the others replay it).
 
 Choices that could differ per process are fixed instead of measured: the CPU int8 matmul path
 (`MULTIHOST_INT8_MATMUL`), and `mesh="auto"` is decided on process 0 and shared (`agree`).
@@ -35,6 +25,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -126,7 +117,7 @@ def initialize(settings: Settings) -> dict:
     CPU collectives go through gloo (`jax_cpu_collectives_implementation`), so a CPU-only cluster
     (and the tests) work too. Returns {"process_id", "num_processes", "devices", "local_devices"}.
     """
-    import jax  # noqa: PLC0415
+    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
 
     if not settings.enabled:
         return {"process_id": 0, "num_processes": 1}
@@ -200,8 +191,6 @@ def _check_coordinator(settings: Settings) -> None:
 def _stop_on_sigterm() -> None:
     """SIGTERM raises KeyboardInterrupt in the main thread: the app / CLI then shut down the way
     Ctrl-C does (process 0 closes its engine, which tells the others to stop)."""
-    import signal  # noqa: PLC0415
-
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -224,7 +213,7 @@ def _keep_stdout_for_python() -> None:
 
 def _coordinator_address() -> str | None:
     try:
-        from jax._src import distributed as _d  # noqa: PLC0415 (the auto-detected address lives only here)
+        from jax._src import distributed as _d  # deferred: keeps jax (2.7 s) out of `import app`; the auto-detected address lives only here
 
         return getattr(_d.global_state, "coordinator_address", None)
     except Exception:  # noqa: BLE001
@@ -232,13 +221,13 @@ def _coordinator_address() -> str | None:
 
 
 def process_count() -> int:
-    import jax  # noqa: PLC0415
+    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
 
     return jax.process_count()
 
 
 def is_leader() -> bool:
-    import jax  # noqa: PLC0415
+    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
 
     return jax.process_index() == 0
 
@@ -247,7 +236,7 @@ def agree(values: Sequence[int]) -> list[int]:
     """Process 0's `values` on every process (one broadcast; every process must call it)."""
     if process_count() == 1:
         return [int(v) for v in values]
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.experimental import multihost_utils  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
 
     out = multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
     return [int(v) for v in np.asarray(out)]
@@ -267,9 +256,9 @@ def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, 
 
 
 # ------------------------------------------------------------------------------ peer-loss watchdog
-def _lost(reason: str) -> None:
+def lost(reason: str) -> None:
     """Stop this process at once (threads may be inside a collective that will never finish)."""
-    import jax  # noqa: PLC0415
+    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
 
     sys.stderr.write(f"gemma4: process {jax.process_index()} of {jax.process_count()}: {reason}; the device mesh "
                      f"cannot continue without every process, so this one stops too (exit status "
@@ -350,7 +339,7 @@ class Watchdog:
                 continue
             if self.closing.is_set():
                 return
-            _lost(f"lost contact with process {peer} ({why})")
+            lost(f"lost contact with process {peer} ({why})")
 
     def _ping(self) -> None:
         while not self.closing.is_set():
@@ -376,180 +365,19 @@ def goodbye() -> None:
         _state["watchdog"].goodbye()
 
 
-# ------------------------------------------------------------------------------ the step descriptor
-OP_STOP, OP_PREFILL, OP_DECODE = 1, 2, 3
-_HEADER = 8  # op, size, extra, row, last, n tokens, n sampling rows, spare
-_SAMPLING_COLUMNS = 6  # seeds, steps, temperature, top_k, top_p, penalty (+ the recent window)
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """One dispatch: which executable (key) and its host inputs."""
-
-    op: int
-    key: tuple = ()
-    tokens: np.ndarray | None = None
-    positions: np.ndarray | None = None
-    row: int = 0
-    last: int = 0
-    sampling: tuple = ()
-
-
-class StepCodec:
-    """Fixed-size int32 encoding of a Step (every process must broadcast the same shape)."""
-
-    def __init__(self, max_tokens: int, max_rows: int, window: int):
-        self.max_tokens, self.max_rows, self.window = int(max_tokens), int(max_rows), int(window)
-        self.size = _HEADER + 2 * self.max_tokens + self.max_rows * (_SAMPLING_COLUMNS + self.window)
-
-    def encode(self, step: Step) -> np.ndarray:
-        out = np.zeros(self.size, np.int32)
-        if step.op == OP_STOP:
-            out[0] = OP_STOP
-            return out
-        kind, size, extra = step.key
-        tokens, positions = np.asarray(step.tokens, np.int32).ravel(), np.asarray(step.positions, np.int32).ravel()
-        seeds, steps, temp, top_k, top_p, recent, penalty = (np.asarray(a) for a in step.sampling)
-        n, rows = tokens.size, seeds.shape[0]
-        if n > self.max_tokens or rows > self.max_rows or recent.shape[1] != self.window:
-            raise ValueError(f"step {step.key} does not fit the descriptor ({n} tokens, {rows} rows)")
-        out[:_HEADER] = (step.op, size, int(extra), step.row, step.last, n, rows, 0)
-        t = _HEADER
-        out[t:t + n], out[t + self.max_tokens:t + self.max_tokens + n] = tokens, positions
-        s = _HEADER + 2 * self.max_tokens
-        cols = (seeds.astype(np.uint32).view(np.int32), steps.astype(np.int32),
-                temp.astype(np.float32).view(np.int32), top_k.astype(np.int32),
-                top_p.astype(np.float32).view(np.int32), penalty.astype(np.float32).view(np.int32))
-        for i, col in enumerate(cols):
-            out[s + i * self.max_rows:s + i * self.max_rows + rows] = col
-        r = s + _SAMPLING_COLUMNS * self.max_rows
-        out[r:r + rows * self.window] = recent.astype(np.int32).ravel()
-        return out
-
-    def decode(self, vec: np.ndarray) -> Step:
-        vec = np.asarray(vec, np.int32)
-        op = int(vec[0])
-        if op == OP_STOP:
-            return Step(OP_STOP)
-        if op not in (OP_PREFILL, OP_DECODE):
-            raise ValueError(f"unknown step descriptor op {op}")
-        _, size, extra, row, last, n, rows, _ = (int(v) for v in vec[:_HEADER])
-        t = _HEADER
-        tokens = vec[t:t + n].copy()
-        positions = vec[t + self.max_tokens:t + self.max_tokens + n].copy()
-        s = _HEADER + 2 * self.max_tokens
-        col = [vec[s + i * self.max_rows:s + i * self.max_rows + rows].copy() for i in range(_SAMPLING_COLUMNS)]
-        r = s + _SAMPLING_COLUMNS * self.max_rows
-        recent = vec[r:r + rows * self.window].reshape(rows, self.window).copy()
-        sampling = (col[0].view(np.uint32), col[1], col[2].view(np.float32), col[3], col[4].view(np.float32),
-                    recent, col[5].view(np.float32))
-        key = ("prefill", size, bool(extra)) if op == OP_PREFILL else ("decode", size, extra)
-        return Step(op, key, tokens, positions, row, last, sampling)
-
-
-def _broadcast(vec: np.ndarray) -> np.ndarray:
-    """One descriptor from process 0 to all. A collective that fails (gloo reports a peer's closed
-    connection at once) means a process is gone: stop with that message rather than a traceback."""
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    try:
-        return np.asarray(multihost_utils.broadcast_one_to_all(vec))
-    except Exception as e:  # noqa: BLE001
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        _lost(f"a collective with the other processes failed, so one of them is gone ({first})")
-        raise  # not reached: _lost exits
-
-
-# ------------------------------------------------------------------------------ the engine's side
-class EngineLink:
-    """Process 0 announces every dispatch; the others replay them (see the module doc)."""
-
-    def __init__(self, engine: Any):
-        from gemma4.serve.engine_compile import REPETITION_WINDOW, _widths  # noqa: PLC0415
-
-        self.leader = is_leader()
-        widths = _widths(engine.max_batch)
-        self.codec = StepCodec(max(max(engine.buckets), max(widths)), max(widths), REPETITION_WINDOW)
-        self._leading = False
-        self.stopped = False
-
-    # process 0 --------------------------------------------------------------
-    def announce(self, engine: Any, kind: str, exe: Any, tokens, positions, row: int, last: int, sampling) -> None:
-        if not self.leader:
-            return  # a follower replays: the step came from process 0
-        with engine._lock:
-            key = next(k for k, v in engine._exe.items() if v is exe)
-        op = OP_PREFILL if kind == "prefill" else OP_DECODE
-        _broadcast(self.codec.encode(Step(op, key, tokens, positions, int(row), int(last),
-                                          tuple(np.asarray(a) for a in sampling))))
-
-    def take_loop(self, engine: Any) -> bool:
-        """At the scheduler's entry: True when this link ran the loop (the caller returns)."""
-        if not self.leader:
-            self.follow(engine)
-            return True
-        if self._leading:
-            return False  # the nested call: run the scheduler itself
-        self._leading = True
-        try:
-            engine._loop()
-        finally:
-            self.stop_followers()
-        return True
-
-    def stop_followers(self) -> None:
-        """Send STOP once (from the thread that dispatches steps, or after it ended)."""
-        if self.leader and not self.stopped:
-            self.stopped = True
-            _broadcast(self.codec.encode(Step(OP_STOP)))  # the followers' loops end
-
-    # the other processes ------------------------------------------------------
-    def follow(self, engine: Any) -> None:
-        import jax.numpy as jnp  # noqa: PLC0415
-
-        engine._set_status("ready", 1.0, f"following process 0's schedule ({engine._info.get('description', '')})")
-        while True:
-            step = self.codec.decode(_broadcast(np.zeros(self.codec.size, np.int32)))
-            if step.op == OP_STOP:
-                log.info("process 0 stopped its engine; this follower stops too")
-                goodbye()
-                return
-            try:
-                exe, _ = engine._executable(step.key)
-                sampling = tuple(jnp.asarray(a) for a in step.sampling)
-                if step.op == OP_PREFILL:
-                    engine._run_prefill(exe, step.tokens, step.positions, step.row, step.last, sampling)
-                else:
-                    engine._run_decode(exe, step.tokens, step.positions, sampling, row=step.row)
-            except Exception as e:  # noqa: BLE001 - process 0 would wait forever on this process
-                _lost(f"replaying process 0's step {step.key} failed ({type(e).__name__}: {str(e)[:300]})")
-
-
-def link(engine: Any) -> EngineLink | None:
-    """The engine's multi-host link (None in a single process). Followers skip their own warm-up:
-    they run process 0's warm-up steps as it sends them."""
-    if process_count() == 1:
-        return None
-    engine.overrides = engine_overrides(engine.overrides)
-    lk = EngineLink(engine)
-    if not lk.leader:
-        engine._warmup = False
-    return lk
-
-
 def finish(engine: Any, timeout: float = 120.0) -> None:
     """End of a multi-host run: process 0 closes its engine (which tells the others to stop);
     the others wait for that. Then this process leaves without being reported as lost."""
     if process_count() == 1:
         return
-    lk = getattr(engine, "_link", None)
+    lk = engine.link
     if is_leader():
         engine.close(timeout=timeout)
-        if engine._thread.is_alive():
+        if not engine.wait_stopped(0):
             log.warning("the engine did not stop within %.0f s; the other processes are not told", timeout)
             return  # no goodbye: they will report this process as lost when it exits
         if lk is not None:
             lk.stop_followers()  # the engine failed before its scheduler ran: say stop from here
     else:
-        engine._thread.join()  # until process 0 says stop (or the watchdog reports it lost)
+        engine.wait_stopped()  # until process 0 says stop (or the watchdog reports it lost)
     goodbye()

@@ -1,4 +1,4 @@
-"""The serving engine: one cached model per process, continuous batching, streaming with cancel.
+"""The serving engine: one cached model per process, continuous batching, token streams with cancel.
 
 Shape of the work:
 - A background thread loads the model (source → hardware plan → weights converted once; the
@@ -25,11 +25,13 @@ Shape of the work:
   approaches them. Every executable lands in the persistent compile cache.
 - Consumers read events from a per-request queue; closing the stream generator sets a cancel
   flag and the scheduler frees the row before its next step.
+- A request is a sequence of *segments* (`Segment`): token ids, and runs of precomputed input
+  embeddings (`Embeddings`: images, audio). The engine streams a request's tokens (`TokenStream`:
+  ids, timing, finish reason); text, stop strings, the thought/answer split and degeneracy flags
+  are the request layer's (gemma4.serve.conversation), above it.
 
-Compile management (shape keys, ahead-of-time compiles, the compile threads, choosing a compiled
-shape) is `CompileMixin` in gemma4/serve/engine_compile.py; request shaping (prompts → ids, submit,
-streaming, stop strings) is `RequestsMixin` in gemma4/serve/engine_requests.py. Their names are
-importable from here too.
+The compiled shapes (shape keys, ahead-of-time compiles, the compile threads, choosing a compiled
+shape) are a `CompiledShapes` (gemma4/serve/engine_compile.py) the engine owns as `shapes`.
 
 See docs/engine-api.md for the public surface.
 """
@@ -42,26 +44,32 @@ import functools
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.model import kv_cache
-
-from gemma4.plan import sharding
 from gemma4.model import decoder as M
+from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
-from gemma4.serve.engine_compile import (  # noqa: F401  (re-exported: callers use gemma4.serve.engine)
-    PROMPT_BUCKETS, REPETITION_WINDOW, CompileMixin, _sampling_spec, _widths, bucket_for, chunk_plan,
-    describe_shape, kv_ladder)
-from gemma4.serve.engine_requests import (  # noqa: F401  (re-exported: callers use gemma4.serve.engine)
-    RequestError, RequestsMixin, StreamEvent, _find_stop, _Request)
-from gemma4.model.sampling import SamplingParams  # noqa: F401  (re-exported: callers use gemma4.serve.engine)
+from gemma4.model.params import count_bytes
+from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
+from gemma4.paths import cache_root
+from gemma4.plan import hardware, sharding
+from gemma4.serve import step_link
+from gemma4.serve.engine_compile import PROMPT_BUCKETS, CompiledShapes, decode_widths, describe_shape, kv_ladder
+from gemma4.weights import sources
+from gemma4.weights.tokenizer import Tokenizer
+
+try:  # optional: the host's resident memory in `memory()`
+    import psutil
+except ImportError:
+    psutil = None
 
 log = logging.getLogger("gemma4.serve.engine")
 
@@ -69,35 +77,195 @@ BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has b
 DEFAULT_CONTEXT = 4096
 
 
+# ------------------------------------------------------------------------------ requests
+class RequestError(ValueError):
+    """A request the engine refuses, with a message meant for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Embeddings:
+    """A run of precomputed input embeddings in a request (an image's or an audio clip's soft
+    tokens, from an encoder outside the decoder).
+
+    rows: float [n, hidden_size], already in the model's input scale: what the decoder's own
+      token embedding gives (`gemma4.model.decoder.embed_tokens`, √hidden included), so a text
+      position and an embedding position enter the first layer alike.
+    ple_ids: for models with per-layer embeddings (Gemma 4 E2B/E4B), the n ids whose per-layer
+      embedding each position gets (the per-layer input's token part; its context part comes
+      from the rows). Default: the pad id at every position, as transformers does for image and
+      audio soft tokens. These ids also stand for the run in `Request.prompt_ids`.
+    """
+
+    rows: Any
+    ple_ids: Sequence[int] | None = None
+
+    def __len__(self) -> int:
+        return int(np.shape(self.rows)[0])
+
+
+# A request's prompt is a sequence of segments, laid out one after the other from position 0: a
+# run of token ids (a list or tuple of ints), or an `Embeddings` run. A plain list of ids is a
+# one-segment prompt.
+Segment = Union[Sequence[int], Embeddings]
+
+
+@dataclasses.dataclass
+class Request:
+    """One queued or running request. `prompt_ids`: the prompt's ids (an embedding run's ple ids
+    stand for it); `embeds`/`embed_mask`: the embedding rows [n, hidden] and which positions take
+    them (None for a text-only prompt)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    embeds: np.ndarray | None = None
+    embed_mask: np.ndarray | None = None
+    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    row: int = -1
+    position: int = 0  # next absolute position to write
+    generated: int = 0
+    recent: list[int] = dataclasses.field(default_factory=list)
+    stats: dict = dataclasses.field(default_factory=dict)
+    occupancy: list[float] = dataclasses.field(default_factory=list)
+
+
+def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, hidden: int
+                     ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+    """(ids, embeds [n, hidden] float32 or None, embed_mask [n] bool or None) of a prompt given
+    as token ids or as segments (see `Segment`)."""
+    if not any(isinstance(s, Embeddings) for s in segments):
+        if all(isinstance(s, (int, np.integer)) for s in segments):
+            return [int(t) for t in segments], None, None
+        return [int(t) for seg in segments for t in seg], None, None
+    ids: list[int] = []
+    runs: list[tuple[int, np.ndarray]] = []
+    for seg in segments:
+        if isinstance(seg, Embeddings):
+            rows = np.asarray(seg.rows, np.float32)
+            if rows.ndim != 2 or rows.shape[1] != hidden:
+                raise RequestError(f"an embedding segment must be [n, {hidden}] (the model's hidden size), "
+                                   f"not {list(rows.shape)}")
+            ple = [pad_id] * len(rows) if seg.ple_ids is None else [int(t) for t in seg.ple_ids]
+            if len(ple) != len(rows):
+                raise RequestError(f"an embedding segment has {len(rows)} rows but {len(ple)} ple_ids")
+            runs.append((len(ids), rows))
+            ids += ple
+        else:
+            ids += [int(t) for t in seg]
+    embeds = np.zeros((len(ids), hidden), np.float32)
+    mask = np.zeros(len(ids), bool)
+    for start, rows in runs:
+        embeds[start:start + len(rows)] = rows
+        mask[start:start + len(rows)] = True
+    return ids, embeds, mask
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One step of a request's token stream: every id so far, the stats now, and on the last
+    event `done` and the finish reason ("stop" | "length" | "context" | "cancelled" | "error")."""
+
+    token_ids: list[int]
+    stats: dict
+    done: bool = False
+    finish_reason: str | None = None
+    nonfinite: bool = False  # some step of this reply had non-finite logits
+
+
+class TokenStream:
+    """The tokens of one submitted request as `TokenEvent`s, as the scheduler samples them.
+    `close()` (or closing a generator that iterates it) cancels the request and frees its slot
+    within one step. `stats()`: the reply's stats at this moment."""
+
+    def __init__(self, engine: "Engine", req: Request):
+        self.engine, self.request = engine, req
+        self.ids: list[int] = []
+        self.first_t = self.last_t = None
+        self.nonfinite = False
+        self._gen = self._run()
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self.engine.cancel(self.request)
+        self._gen.close()
+
+    def stats(self) -> dict:
+        """The request's stats (queueing, prefill, compile) plus new_tokens, decode_tok_s,
+        elapsed_s and batch_occupancy so far."""
+        req = self.request
+        s = dict(req.stats)
+        n = len(self.ids)
+        s["new_tokens"] = n
+        decode_n = max(n - 1, 0)
+        span = (self.last_t - self.first_t) if (self.first_t and self.last_t) else 0.0
+        s["decode_tok_s"] = decode_n / span if span > 0 else 0.0
+        s["elapsed_s"] = time.perf_counter() - req.submitted
+        s["batch_occupancy"] = float(np.mean(req.occupancy)) if req.occupancy else 1.0 / self.engine.max_batch
+        return s
+
+    def _run(self) -> Iterator[TokenEvent]:
+        req = self.request
+        try:
+            while True:
+                item = req.events.get()
+                kind = item[0]
+                if kind == "token":
+                    _, token, t, bad = item
+                    self.ids.append(token)
+                    self.nonfinite |= bad
+                    self.first_t = self.first_t or t
+                    self.last_t = t
+                    yield TokenEvent(list(self.ids), self.stats(), nonfinite=self.nonfinite)
+                    continue
+                if kind == "done":
+                    reason = item[1]
+                else:  # error
+                    reason = "error"
+                    req.stats["error"] = item[1]
+                stats = self.stats()
+                stats["finish_reason"] = reason
+                yield TokenEvent(list(self.ids), stats, True, reason, self.nonfinite)
+                return
+        finally:
+            self.engine.cancel(req)  # no-op when finished; frees the row within one step otherwise
+
+
 # ------------------------------------------------------------------------------ compiled steps
-def _sample(logits, seeds, steps, temperature, top_k, top_p, recent, penalty):
-    """Sample one token per row; the repetition penalty covers the ids in `recent` [B, W] (-1 = empty)
-    through the sampler's own token-count mechanism."""
-    from gemma4.model.sampling import sample
-
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(seeds, steps)
-    rows = jnp.broadcast_to(jnp.arange(recent.shape[0])[:, None], recent.shape)
-    ids = jnp.where(recent >= 0, recent, logits.shape[1])  # out of range → dropped
-    seen = jnp.zeros(logits.shape, jnp.int32).at[rows, ids].add(1, mode="drop")
-    return sample(logits, keys, temperature, top_k, top_p, token_counts=seen, repetition_penalty=penalty)
-
-
-def _prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
+def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
     """Prefill one chunk of one request into cache row `row` (in place); sample a token from its
     last position.
 
     fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
     (skipping a read of the whole empty row); later chunks attend to the cached ones too.
     """
+    return prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, None, None, cfg=cfg,
+                                options=options, fresh=fresh)
+
+
+def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, *, cfg,
+                         options, fresh):
+    """`prefill_step` where the positions in embed_mask [1, T] take rows of embeds [1, T, H]
+    instead of their ids' embedding (the ids still give those positions' per-layer inputs)."""
     if fresh:
         cache = kv_cache.clear_row(cache, row)
+    inputs = None
+    if embeds is not None:
+        own = M.embed_tokens(params, cfg, tokens, options.dtype)
+        inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
-                                 attend_cache=not fresh, cache_row=row)
-    token = _sample(logits, *sampling)
+                                 attend_cache=not fresh, cache_row=row, inputs_embeds=inputs)
+    token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
-def _decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
+def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
     """One token for cache rows [row, row + width): tokens/positions [width]; position -1 = idle
     row. (row is 0 but for a narrow shape standing in for a wider one not compiled yet.)
 
@@ -107,12 +275,15 @@ def _decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, opti
     """
     logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
                                  logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
-    token = _sample(logits, *sampling)
+    token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
 # ------------------------------------------------------------------------------ the engine
-class Engine(CompileMixin, RequestsMixin):
+class Engine:
+    """One model, its KV cache and its compiled steps; the scheduler that serves requests on them.
+    See the module docstring and docs/engine-api.md."""
+
     def __init__(self, model: str = "bundled", *, max_batch: int = 8, context_limit: int | None = None,
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
                  buckets: Sequence[int] = PROMPT_BUCKETS, mesh: str | dict | None = "auto"):
@@ -123,34 +294,24 @@ class Engine(CompileMixin, RequestsMixin):
         self.overrides = dict(overrides or {})
         self.max_new_tokens_cap = int(max_new_tokens_cap)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
-        self.widths = _widths(self.max_batch)
+        self.widths = decode_widths(self.max_batch)
         self._warmup = warmup
         self._status = {"state": "loading", "progress": 0.0, "message": "starting", "error": None,
                         "compiles_pending": 0}
         self._ready = threading.Event()
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)  # requests, compiles finished, stop
-        self._waiting: list[_Request] = []
-        self._active: dict[int, _Request] = {}
-        # Ahead-of-time compiled executables by shape key ("prefill", bucket, fresh) or
-        # ("decode", width, kv_len); all guarded by _lock. _urgent: needed now or soon (compiled
-        # even while requests run); _background: the rest (compiled only while the engine is idle).
-        self._exe: dict[tuple, Any] = {}
-        self._urgent: list[tuple] = []
-        self._background: list[tuple] = []
-        self._compiling: set[tuple] = set()
-        self._compile_failed: dict[tuple, str] = {}
-        self._compile_log: list[tuple[tuple, float, str]] = []  # (key, seconds, why)
-        self._startup_keys: tuple[tuple, ...] = ()
-        self._usable_only: set[tuple] | None = None  # tests: pretend only these shapes are compiled
+        self._wake = threading.Condition(self._lock)  # requests, stop
+        self._waiting: list[Request] = []
+        self._active: dict[int, Request] = {}
+        # The ahead-of-time compiled executables by shape key (see engine_compile.CompiledShapes).
+        self.shapes = CompiledShapes(self._lower, self._idle_for_background)
         self._t_start = time.perf_counter()
         self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
         self._startup: dict[str, float] = {}
-        self._compile_threads: list[threading.Thread] = []
-        self._lower_lock = threading.Lock()
         self._seed_counter = itertools.count(int(time.time()) & 0x7FFFFFFF)
         self._info: dict = {}
         self._stop = False
+        self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
         _all_engines.add(self)
         self._thread.start()
@@ -161,7 +322,7 @@ class Engine(CompileMixin, RequestsMixin):
         also says how many shapes are still compiling in the background."""
         with self._lock:
             out = dict(self._status)
-            pending = out["compiles_pending"] = self._pending_locked()
+        pending = out["compiles_pending"] = self.shapes.pending()
         if out["state"] == "ready" and pending:
             out["message"] += (f" · {pending} more shape{'s' if pending > 1 else ''} compiling in the "
                                "background (a request that needs one waits for it or uses a compiled one)")
@@ -179,6 +340,22 @@ class Engine(CompileMixin, RequestsMixin):
             raise RuntimeError(self._status["error"])
         return self
 
+    def wait_compiled(self, timeout: float | None = None) -> "Engine":
+        """wait_ready, then wait until the background compiles are done (benchmarks that must not
+        measure a fallback shape or share the CPU with a compile). Background compiles run only
+        while the engine is idle."""
+        end = None if timeout is None else time.monotonic() + timeout
+        self.wait_ready(timeout)
+        try:
+            self.shapes.wait_all(None if end is None else max(0.0, end - time.monotonic()))
+        except TimeoutError:  # the message names the caller's whole timeout
+            raise TimeoutError(f"{self.shapes.pending()} shapes still compiling after {timeout} s") from None
+        return self
+
+    def compile_state(self) -> dict:
+        """What is compiled, compiling and queued (for the Hardware panel and benchmarks)."""
+        return self.shapes.state()
+
     def info(self) -> dict:
         return dict(self._info)
 
@@ -188,13 +365,13 @@ class Engine(CompileMixin, RequestsMixin):
 
     # ---------------------------------------------------------------- loading
     def _run(self) -> None:
-        # More than one process: process 0 leads, the others replay its steps (gemma4.serve.distributed).
-        from gemma4.serve import distributed
-
-        self._link = distributed.link(self)
+        # More than one process: process 0 leads, the others replay its steps (gemma4.serve.step_link).
+        self.link = step_link.link(self)
+        if self.link is not None and not self.link.leader:
+            self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
             self._load()
-            self._start_compiles()
+            self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup)
             if self._warmup:
                 self._warm_up()
             self._join_tokenizer()
@@ -211,12 +388,15 @@ class Engine(CompileMixin, RequestsMixin):
             self._ready.set()
             return
         self._ready.set()
-        self._loop()
+        if self.link is None:
+            self.serve_requests()
+        elif self.link.leader:
+            self.link.lead(self)
+        else:
+            self._set_status("ready", 1.0, f"following process 0's schedule ({self._info.get('description', '')})")
+            self.link.follow(self)
 
     def _load(self) -> None:
-        from gemma4.plan import hardware
-        from gemma4.weights import sources
-
         _enable_compile_cache()
         t0 = time.perf_counter()
         source = sources.resolve(self.model_name)
@@ -284,14 +464,18 @@ class Engine(CompileMixin, RequestsMixin):
         # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
         # small inputs and outputs (tokens, positions, sampling rows) are replicated.
         step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
-        self._prefill = {fresh: jax.jit(functools.partial(_prefill_step, cfg=cfg, options=options, fresh=fresh),
+        self._prefill = {fresh: jax.jit(functools.partial(prefill_step, cfg=cfg, options=options, fresh=fresh),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
                          for fresh in (True, False)}
         self.kv_lengths = kv_ladder(self.context_limit)
-        self._decode = {(w, n): jax.jit(functools.partial(_decode_step, cfg=cfg, options=options, width=w, kv_len=n),
+        # The variant with input embeddings (media segments): compiled only for a request that has one.
+        self._prefill_embeds = {
+            fresh: jax.jit(functools.partial(prefill_embeds_step, cfg=cfg, options=options, fresh=fresh),
+                           in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep), **step)
+            for fresh in (True, False)}
+        self._decode = {(w, n): jax.jit(functools.partial(decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
                         for w in self.widths for n in self.kv_lengths}
-        self._row_state = np.full((self.max_batch,), -1, np.int64)
         self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.cache)
         self._info = {
@@ -309,8 +493,6 @@ class Engine(CompileMixin, RequestsMixin):
         }
 
     def memory(self) -> dict:
-        from gemma4.model.params import count_bytes
-
         out = {"weights_bytes": count_bytes(self.params), "kv_cache_bytes": kv_cache.cache_bytes(self.cache)}
         try:
             stats = jax.devices()[0].memory_stats() or {}
@@ -318,16 +500,11 @@ class Engine(CompileMixin, RequestsMixin):
                 out["device_bytes_in_use"] = int(stats["bytes_in_use"])
         except Exception:  # CPU backends may not report memory stats
             pass
-        try:
-            import psutil
-
+        if psutil is not None:
             out["host_rss_bytes"] = psutil.Process().memory_info().rss
-        except ImportError:
-            pass
         return out
 
     # ---------------------------------------------------------------- compiling
-    # (queueing, compiling and choosing compiled shapes: CompileMixin, gemma4/serve/engine_compile.py)
     def _start_tokenizer(self, tok_spec: dict, cfg: ModelConfig) -> None:
         box: dict = {}
 
@@ -352,62 +529,163 @@ class Engine(CompileMixin, RequestsMixin):
         self.tokenizer = self._tokenizer_box["tokenizer"]
         self._startup["tokenizer_s"] = self._tokenizer_box["s"]
 
-    # Which queue a compile thread (CompileMixin._compile_worker) takes from next stays here: the
-    # background queue is gated on the scheduler's state and on BACKGROUND_IDLE_S of this module.
-    def _next_compile_locked(self, kind: str) -> tuple[tuple, str] | None:
-        if kind == "now":
-            if not self._urgent:
-                return None
-            key = self._urgent.pop(0)
-            return key, ("before ready" if key in self._startup_keys else "needed now")
-        if (not self._background or not self._ready.is_set() or self._active or self._waiting
-                or time.monotonic() - self._last_busy < BACKGROUND_IDLE_S):
-            return None  # the background queue moves only while no request is being served
-        return self._background.pop(0), "background"
+    def _idle_for_background(self) -> bool:
+        """May the background compile queue move? Only once ready, while no request is being
+        served and none has been for BACKGROUND_IDLE_S."""
+        return (self._ready.is_set() and not self._active and not self._waiting
+                and time.monotonic() - self._last_busy >= BACKGROUND_IDLE_S)
+
+    def _lower(self, key: tuple):
+        """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
+        kind, size, extra = key
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        if kind == "prefill":
+            return self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
+                                              i32(1), SamplingRows.spec(1))
+        if kind == "prefill_embeds":
+            return self._prefill_embeds[extra].lower(
+                self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
+                jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
+                jax.ShapeDtypeStruct((1, size), jnp.bool_))
+        return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
+                                               SamplingRows.spec(size), i32())
+
+    def _warm_up(self) -> None:
+        """Wait for the shapes needed before ready (compiled by the compile threads), and run each
+        once as soon as it is compiled — while the next one compiles — on idle inputs (padding
+        positions: the cache is not written): an executable's first run costs far more than the
+        next ones (bundled model: a prefill's first run 1.0–1.4 s, then 0.3 s), and that would
+        otherwise land on the first request. Nothing else uses the cache before ready."""
+        t0 = time.perf_counter()
+        keys, shown, ran = self.shapes.startup_keys, None, set()
+        while True:
+            if self._stop:
+                raise RuntimeError("the engine was closed during start-up")
+            failed = [k for k in keys if self.shapes.failure(k)]
+            if failed:
+                raise RuntimeError(f"compiling {describe_shape(failed[0])} failed: {self.shapes.failure(failed[0])}")
+            todo = [k for k in keys if self.shapes.get(k) is None]
+            fresh = [k for k in keys if k not in todo and k not in ran]
+            for key in fresh:
+                t = time.perf_counter()
+                self._run_idle(key)
+                ran.add(key)
+                self._startup["first_runs_s"] = self._startup.get("first_runs_s", 0.0) + time.perf_counter() - t
+            if not todo and len(ran) == len(keys):
+                break
+            if len(todo) != shown:
+                shown = len(todo)
+                done = len(keys) - len(todo)
+                self._set_status("warming", 0.8 + 0.18 * done / len(keys),
+                                 f"compiling {' and '.join(describe_shape(k) for k in todo) or 'done'} "
+                                 f"({done}/{len(keys)} done; the other shapes compile after the model is ready)")
+            elif todo and not fresh:
+                self.shapes.wait_any(todo, timeout=0.5)
+        self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
+
+    def _run_idle(self, key: tuple) -> None:
+        """Run one executable on idle inputs (every position -1: nothing is written or attended)."""
+        kind, size, _ = key
+        idle = np.full(size, -1, np.int32)
+        if kind == "prefill":
+            self.run_prefill(key, np.zeros(size, np.int32), idle, 0, 0, SamplingRows.idle(1))
+        else:
+            self.run_decode(key, np.zeros(size, np.int32), idle, SamplingRows.idle(size))
 
     # ---------------------------------------------------------------- device calls
-    def _sampling_rows(self, reqs: Sequence[_Request | None]):
-        n = len(reqs)
-        seeds = np.zeros(n, np.uint32)
-        steps = np.zeros(n, np.int32)
-        temp = np.zeros(n, np.float32)
-        top_k = np.ones(n, np.int32)
-        top_p = np.ones(n, np.float32)
-        recent = np.full((n, REPETITION_WINDOW), -1, np.int32)
-        penalty = np.ones(n, np.float32)
+    def _sampling_rows(self, reqs: Sequence[Request | None]) -> SamplingRows:
+        rows = SamplingRows.idle(len(reqs), REPETITION_WINDOW)
         for i, r in enumerate(reqs):
-            if r is None:
-                continue
-            p = r.params
-            seeds[i] = r.seed & 0xFFFFFFFF
-            steps[i] = r.generated
-            temp[i] = p.temperature
-            top_k[i] = p.top_k
-            top_p[i] = p.top_p
-            penalty[i] = p.repetition_penalty
-            if p.repetition_penalty != 1.0:
-                tail = (r.prompt_ids + r.recent)[-REPETITION_WINDOW:]
-                recent[i, :len(tail)] = tail
-        return tuple(jnp.asarray(a) for a in (seeds, steps, temp, top_k, top_p, recent, penalty))
+            if r is not None:
+                rows.set_row(i, r.params, r.seed, r.generated, r.prompt_ids[-REPETITION_WINDOW:] + r.recent)
+        return rows
 
-    def _run_prefill(self, exe, tokens, positions, row, last, sampling):
-        if getattr(self, "_link", None) is not None:  # every process must run this step: announce it
-            self._link.announce(self, "prefill", exe, tokens, positions, row, last, sampling)
-        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]),
-                                     jnp.int32(row), jnp.asarray([last], jnp.int32), sampling)
+    def run_prefill(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows,
+                    embeds=None, embed_mask=None) -> tuple[int, bool]:
+        """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
+        [bucket] (padding: position -1) into cache row `row`; returns (the token sampled at chunk
+        index `last`, whether its logits were non-finite). `embeds` [bucket, hidden] and
+        `embed_mask` [bucket] go with a ("prefill_embeds", …) key. Every process of a multi-host
+        run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
+        exe, _ = self.shapes.executable(key)
+        if self.link is not None:
+            self.link.announce(key, tokens, positions, row, last, sampling)
+        args = [self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.int32(row),
+                jnp.asarray([last], jnp.int32), sampling.on_device()]
+        if embeds is not None:
+            args += [jnp.asarray(embeds[None], jnp.float32), jnp.asarray(embed_mask[None])]
+        token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
-    def _run_decode(self, exe, tokens, positions, sampling, row: int = 0):
-        if getattr(self, "_link", None) is not None:
-            self._link.announce(self, "decode", exe, tokens, positions, row, 0, sampling)
-        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), sampling,
-                                     jnp.int32(row))
+    def run_decode(self, key: tuple, tokens, positions, sampling: SamplingRows, row: int = 0):
+        """Run decode shape `key` (compiled first if it is not) for cache rows [row, row + width):
+        tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
+        [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
+        exe, _ = self.shapes.executable(key)
+        if self.link is not None:
+            self.link.announce(key, tokens, positions, row, 0, sampling)
+        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                                     sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
+    # ---------------------------------------------------------------- requests
+    def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:
+        """(params checked against this engine's max_new_tokens cap, notes on what was adjusted);
+        RequestError for nonsense (see `SamplingParams.validated`)."""
+        try:
+            return (params or SamplingParams()).validated(self.max_new_tokens_cap)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def submit(self, prompt: Sequence[int] | Sequence[Segment], params: SamplingParams | None = None, *,
+               notes: Sequence[str] = ()) -> Request:
+        """Queue a request: `prompt` token ids or segments (`Segment`), `params` validated
+        (`validate`; None: the defaults), `notes` for the user so far. max_new_tokens is lowered
+        to what the context window leaves (with a note). RequestError for an empty prompt or one
+        that does not fit the context window."""
+        if self._status["state"] != "ready":
+            self.wait_ready()
+        notes = list(notes)
+        if params is None:
+            params, more = self.validate(None)
+            notes += more
+        ids, embeds, mask = flatten_segments(prompt, self.cfg.pad_id, self.cfg.hidden_size)
+        if len(ids) <= 1:
+            raise RequestError("The prompt is empty — type something first.")
+        room = self.context_limit - len(ids)
+        if room < 1:
+            raise RequestError(f"The prompt is {len(ids)} tokens but the context window is {self.context_limit} "
+                               f"tokens. Shorten it (or start a new conversation).")
+        if embeds is not None and self.link is not None:
+            raise RequestError("Embedding segments are not supported across several processes yet.")
+        if params.max_new_tokens > room:
+            notes.append(f"max_new_tokens lowered from {params.max_new_tokens} to {room} to fit the context window")
+            params = dataclasses.replace(params, max_new_tokens=room)
+        seed = params.seed if params.seed is not None else next(self._seed_counter)
+        req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask)
+        req.stats["notes"] = notes
+        with self._lock:
+            self._waiting.append(req)
+            req.stats["queue_position"] = len(self._waiting)
+            self._wake.notify_all()
+        return req
+
+    def tokens(self, req: Request) -> TokenStream:
+        """The submitted request's tokens as they are sampled (see `TokenStream`)."""
+        return TokenStream(self, req)
+
+    def cancel(self, req: Request) -> None:
+        """Cancel a submitted request: it leaves the queue now, or frees its slot within one step."""
+        req.cancel.set()
+        with self._lock:
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._wake.notify_all()
+
     # ---------------------------------------------------------------- scheduler
-    def _loop(self) -> None:
-        if getattr(self, "_link", None) is not None and self._link.take_loop(self):
-            return  # a follower replayed process 0's steps, or process 0 ran this loop and said stop
+    def serve_requests(self) -> None:
+        """The scheduler loop (on the engine thread, until `close`): admit waiting requests,
+        prefill them, decode every active row one token per step."""
         while True:
             with self._lock:
                 while True:
@@ -433,7 +711,7 @@ class Engine(CompileMixin, RequestsMixin):
                     r.events.put(("error", f"{type(e).__name__}: {e}"))
             self._last_busy = time.monotonic()
 
-    def _admission_locked(self) -> _Request | None:
+    def _admission_locked(self) -> Request | None:
         """The next waiting request, given the lowest free row."""
         free = [r for r in range(self.max_batch) if r not in self._active]
         if not self._waiting or not free:
@@ -443,7 +721,7 @@ class Engine(CompileMixin, RequestsMixin):
         self._active[req.row] = req
         return req
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         with self._lock:
             if self._active.get(req.row) is req:
                 del self._active[req.row]
@@ -453,7 +731,7 @@ class Engine(CompileMixin, RequestsMixin):
         for req in [r for r in list(self._active.values()) if r.cancel.is_set()]:
             self._finish(req, "cancelled")
 
-    def _admit(self, req: _Request) -> None:
+    def _admit(self, req: Request) -> None:
         if req.cancel.is_set():
             self._finish(req, "cancelled")
             return
@@ -463,15 +741,25 @@ class Engine(CompileMixin, RequestsMixin):
         compiled = bool(req.stats.get("compiled"))
         with self._lock:
             need_w = max(self._active) + 1
-        self._want_decode(need_w, len(ids) + 1)  # the first decode step's shape, compiled meanwhile if new
-        plan = self._prefill_plan(len(ids))
+        self.shapes.want_decode(need_w, len(ids) + 1)  # the first decode step's shape, compiled meanwhile if new
+        plan = self.shapes.prefill_plan(len(ids))
         for n, (start, length, bucket) in enumerate(plan):
-            exe, waited = self._executable(("prefill", bucket, n == 0))
+            chunk = slice(start, start + length)
+            with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
+            key = ("prefill_embeds" if with_embeds else "prefill", bucket, n == 0)
+            _, waited = self.shapes.executable(key)
             tokens = np.zeros(bucket, np.int32)
-            tokens[:length] = ids[start:start + length]
+            tokens[:length] = ids[chunk]
             positions = np.full(bucket, -1, np.int32)
             positions[:length] = np.arange(start, start + length)
-            token, bad = self._run_prefill(exe, tokens, positions, req.row, length - 1, self._sampling_rows([req]))
+            embeds = mask = None
+            if with_embeds:
+                embeds = np.zeros((bucket, self.cfg.hidden_size), np.float32)
+                embeds[:length] = req.embeds[chunk]
+                mask = np.zeros(bucket, bool)
+                mask[:length] = req.embed_mask[chunk]
+            token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
+                                          embeds, mask)
             compiled |= waited
         t1 = time.perf_counter()
         req.position = len(ids)
@@ -479,10 +767,12 @@ class Engine(CompileMixin, RequestsMixin):
         req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * (t1 - t0),
                          prefill_tok_s=len(ids) / max(t1 - t0, 1e-9), bucket=plan[-1][2], chunks=len(plan),
                          padding=padding, compiled=compiled, ttft_s=t1 - req.submitted)
-        self._emit(req, token, bad, t1)
+        self.emit(req, token, bad, t1)
 
-    def _emit(self, req: _Request, token: int, bad: bool, now: float) -> None:
-        """Hand one sampled token to the request; finish it if a limit is reached."""
+    def emit(self, req: Request, token: int, bad: bool, now: float) -> None:
+        """Hand one sampled token to the request (on the scheduler thread); finish it on a stop id
+        or when a limit is reached. Public as the one point where a sampled token enters a reply:
+        tests/scripted.py replaces it on one engine instance to script a model's output."""
         req.generated += 1
         if token in self.cfg.stop_ids:
             self._finish(req, "stop")
@@ -500,33 +790,28 @@ class Engine(CompileMixin, RequestsMixin):
         if not active:
             return
         need_w, need_n = max(active) + 1, max(r.position for r in active.values()) + 1
-        key = self._decode_key(need_w, need_n)
+        key = self.shapes.decode_key(need_w, need_n)
         _, width, kv_len = key
         if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
-            self._want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
-        with self._lock:
-            alone = None if self._usable_locked(key) else next(
-                (k for k in sorted(self._exe) if k[:2] == ("decode", 1) and k[2] >= need_n and self._usable_locked(k)),
-                None)
-            if alone is not None:
-                self._enqueue_locked(key, now=True)
+            self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
+        alone = self.shapes.narrow_decode(key, need_n)
         if alone is not None:  # no compiled width covers the rows yet: each row alone, while it compiles
-            exe, compiled = self._exe[alone], False
+            compiled = False
             out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
             for row, req in active.items():
-                o, b = self._run_decode(exe, np.asarray([req.recent[-1]], np.int32), np.asarray([req.position], np.int32),
-                                        self._sampling_rows([req]), row=row)
+                o, b = self.run_decode(alone, np.asarray([req.recent[-1]], np.int32), np.asarray([req.position], np.int32),
+                                       self._sampling_rows([req]), row=row)
                 out[row], bad[row] = o[0], b[0]
         else:
-            exe, compiled = self._executable(key)
+            _, compiled = self.shapes.executable(key)
             tokens = np.zeros(width, np.int32)
             positions = np.full(width, -1, np.int32)
-            rows: list[_Request | None] = [None] * width
+            rows: list[Request | None] = [None] * width
             for row, req in active.items():
                 tokens[row] = req.recent[-1]
                 positions[row] = req.position
                 rows[row] = req
-            out, bad = self._run_decode(exe, tokens, positions, self._sampling_rows(rows))
+            out, bad = self.run_decode(key, tokens, positions, self._sampling_rows(rows))
         now = time.perf_counter()
         for row, req in active.items():
             req.position += 1
@@ -535,7 +820,7 @@ class Engine(CompileMixin, RequestsMixin):
             if req.cancel.is_set():
                 self._finish(req, "cancelled")
             else:
-                self._emit(req, int(out[row]), bool(bad[row]), now)
+                self.emit(req, int(out[row]), bool(bad[row]), now)
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Stop the scheduler and the compile threads; wait up to `timeout` s for them (None: no
@@ -543,16 +828,22 @@ class Engine(CompileMixin, RequestsMixin):
         with self._lock:
             self._stop = True
             self._wake.notify_all()
+        self.shapes.close()
         end = None if timeout is None else time.monotonic() + timeout
-        for t in [*self._compile_threads, self._thread]:
+        for t in [*self.shapes.threads, self._thread]:
             left = None if end is None else end - time.monotonic()
             if t is not threading.current_thread() and (left is None or left > 0):
                 t.join(left)
 
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` s (None: no limit) for the engine thread to end (after `close`,
+        or a follower's STOP); True when it has."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
 
 def _make_tokenizer(spec: dict, cfg: ModelConfig):
-    from gemma4.weights.tokenizer import Tokenizer
-
     kind = spec.get("kind")
     if kind == "gguf":
         return Tokenizer.from_gguf(spec["path"])
@@ -560,16 +851,12 @@ def _make_tokenizer(spec: dict, cfg: ModelConfig):
         return Tokenizer.from_folder(spec["path"])
     if kind == "none":
         # random weights carry no tokenizer: use the bundled vocabulary when it matches in size
-        from gemma4.weights import sources
-
         return sources.fallback_tokenizer(cfg)
     raise ValueError(f"unknown tokenizer spec {spec}")
 
 
 def _enable_compile_cache() -> None:
     """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir)."""
-    from gemma4.paths import cache_root
-
     path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
     if path.lower() in ("", "off", "none"):
         return

@@ -83,7 +83,7 @@ class ChatHandlers:
     def __init__(self, engine: Any, settings: Any):
         from gemma4.model import sampling  # deferred: jax, +1.5 s on `import app` (measured)
         from gemma4.serve import conversation  # deferred: jax, as above
-        from gemma4.serve.engine_requests import RequestError  # deferred: jax, as above
+        from gemma4.serve.engine import RequestError  # deferred: jax, as above
 
         self.engine = engine
         self.settings = settings
@@ -293,8 +293,8 @@ class ChatHandlers:
             return context_meter_html(used, limit, "last completion prompt + reply "
                                       "(completion mode sends only your latest message)")
         try:
-            used = self.engine.count_tokens(history_to_messages(history),
-                                            (system or "").strip() or None)
+            used = self.conversation.count_tokens(self.engine, history_to_messages(history),
+                                                  (system or "").strip() or None)
         except Exception as e:  # a meter must never break the chat
             log.warning("count_tokens failed: %s", e)
             return context_meter_html(None, limit, f"(could not count: {e})")

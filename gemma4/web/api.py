@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gemma4.serve import conversation
-from gemma4.serve.engine_requests import RequestError
+from gemma4.serve.engine import RequestError
 from gemma4.web import api_schema as S
 from gemma4.web.api_schema import ApiError
 from gemma4.web.ratelimit import Limits, RateLimiter, client_ip
