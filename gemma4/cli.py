@@ -205,12 +205,12 @@ def _chat(engine, args) -> int:
 
 
 def cmd_probe(argv: list[str]) -> int:
-    """`probe`: the hardware report (gemma4.plan.hardware_checks), then — given --model, --mesh or
+    """`probe`: the hardware report (gemma4.serve.probe), then — given --model, --mesh or
     --devices — the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
     import contextlib
     import io
 
-    from gemma4.plan.hardware import main as hardware_main
+    from gemma4.serve.probe import main as hardware_main
 
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model")

@@ -18,7 +18,7 @@ it on exactly those inputs, repeat. So followers never warm up or schedule on th
 replay process 0's sequence. A STOP descriptor (process 0's engine closing) ends them.
 
 Choices that could differ per process are fixed instead of measured: the CPU int8 matmul path
-(`MULTIHOST_INT8_MATMUL`), and `mesh="auto"` is decided on process 0 and shared (`agree`).
+(`MULTIHOST_INT8_MATMUL`), and `mesh="auto"` is decided on process 0 and shared (the pre-flight's broadcast).
 
 Peer loss. The JAX runtime itself terminates a process whose peer vanished, but with a fatal
 log and a stack trace, after its heartbeat timeout. A small watchdog gets there first with a
@@ -39,7 +39,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -257,16 +257,6 @@ def is_leader() -> bool:
     import jax  # noqa: PLC0415
 
     return jax.process_index() == 0
-
-
-def agree(values: Sequence[int]) -> list[int]:
-    """Process 0's `values` on every process (one broadcast; every process must call it)."""
-    if process_count() == 1:
-        return [int(v) for v in values]
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    out = multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
-    return [int(v) for v in np.asarray(out)]
 
 
 def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> dict:

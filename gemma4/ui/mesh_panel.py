@@ -108,7 +108,7 @@ def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: in
     from gemma4.plan import preflight  # noqa: PLC0415
 
     devices = preflight.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
-    fp = preflight._fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)
+    fp = preflight.smallest_fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)
     if fp is None:
         return "—"
     where = "1" if fp.devices == 1 else f"{fp.devices}: {preflight.format_mesh(fp.mesh)}"

@@ -300,12 +300,12 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
 
     `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
     makes every loader build each leaf in its final quantized form as it reads it, so the float
-    tree is never held in memory; None loads float weights (`quant.quantize_params` can quantize
+    tree is never held in memory; None loads float weights (`gemma4.model.quantize.quantize_params` can quantize
     them later). GGUF weights go to int8 without a second rounding where the block format allows
     (see `gemma4.weights.gguf`).
 
     `mesh` (a jax Mesh): safetensors and random weights are born split over it, each device given
-    only its shard (`gemma4.plan.sharding.build_sharded`); a GGUF (small: the bundled model) loads
+    only its shard (`gemma4.weights.leaf_format.build_sharded`); a GGUF (small: the bundled model) loads
     whole and is split afterwards by the caller."""
     report = progress or (lambda fraction, message: None)
     qkw = {} if quantize is None else {"quantize": quantize}
@@ -324,7 +324,7 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw})
     if source.kind == "random":
         from gemma4.model.config import preset
-        from gemma4.model.params import random_params
+        from gemma4.weights.random_init import random_params
 
         cfg = preset(source.preset)
         report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from gemma4.ops.quant import dequant_int4
+
 DEFAULT_BLOCK = {"gpu": (16, 128, 256), "tpu": (8, 256, None), "cpu": (8, 128, 256)}  # (m, n, k); None = K
 
 
@@ -175,9 +177,7 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
 def reference(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: int,
               out_dtype: Any = None) -> jax.Array:
     """Dequantize-then-dot with the same numerics contract (float32 accumulation)."""
-    from gemma4.ops.quant import _dequant_int4  # noqa: PLC0415
-
-    w = _dequant_int4(w_int4, scales, group_size, jnp.float32)
+    w = dequant_int4(w_int4, scales, group_size, jnp.float32)
     y = jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return y.astype(x.dtype if out_dtype is None else out_dtype)
