@@ -77,7 +77,7 @@ def _engine(args):
 def _check_mesh(args) -> None:
     """An explicit mesh gets the memory pre-flight before any weight is read (the engine runs it
     for mesh=auto itself); GEMMA4_PREFLIGHT=warn prints the refusal and goes on, off skips it."""
-    from gemma4.plan import preflight
+    from gemma4.plan import preflight, preflight_devices
     from gemma4.weights import sources
 
     if args.mesh.strip().lower() == "auto":
@@ -87,7 +87,7 @@ def _check_mesh(args) -> None:
         if mode == "off":
             return
         report = preflight.probe_report(args.model, args.mesh, args.context, args.max_batch, _overrides(args))
-    except preflight.PreflightError as e:
+    except preflight_devices.PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except (sources.SourceError, OSError, ValueError):
@@ -281,11 +281,11 @@ def _simulate_name(devices: str | None) -> str | None:
     """The hardware probe's --simulate chip for a pre-flight device set, where it has one."""
     if not devices:
         return None
-    from gemma4.plan import preflight
+    from gemma4.plan import preflight, preflight_devices
 
     try:
         facts, _ = preflight.simulated_facts_for(devices)
-    except preflight.PreflightError:
+    except preflight_devices.PreflightError:
         return None
     return facts.simulated and {"NVIDIA L4": "l4", "NVIDIA A100-SXM4-40GB": "a100", "NVIDIA H100 80GB HBM3": "h100",
                                 "NVIDIA H200": "h200", "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e"}.get(

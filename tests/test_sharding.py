@@ -1,4 +1,4 @@
-"""The mesh, the partition rules and the sharded engine (gemma4/plan/sharding.py).
+"""The mesh, the partition rules and the sharded engine (gemma4/plan/sharding.py, gemma4/model/partitioning.py).
 
 In-process tests need no devices (mesh strings, validation messages, the rule table's
 arithmetic). The engine on meshes of 8 virtual CPU devices runs in ONE subprocess

@@ -15,14 +15,6 @@ import dataclasses
 import time
 from typing import Any, Mapping
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from gemma4.ops import quant
-from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.linear import linear
-from gemma4.plan import cpu_tuning, sharding
 from gemma4.plan.hardware import CHOICE_NAMES, Choice, Plan, PolicyError, normalize_overrides, policy
 from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
@@ -45,7 +37,12 @@ def self_test(plan: Plan) -> dict:
     When the plan uses them: int8/int4 weight paths, the fused int4 kernel, cuDNN attention per layer
     type, fp8 storage. Returns {"ok", "seconds", "checks": [{name, ok, seconds, detail}]}.
     """
+    import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    import jax.numpy as jnp  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    import numpy as np  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
+    from gemma4.ops import quant  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    from gemma4.ops.linear import linear  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
     dt = jnp.dtype(plan.compute_dtype.value)
     tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 3e-3}[dt.name]
@@ -164,6 +161,11 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
     shard shapes a device multiplies (`sharding.local_view`).
     Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
     """
+    import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+
+    from gemma4.ops import quant  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    from gemma4.ops.kernels import cpu_int8  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    from gemma4.plan import cpu_tuning, sharding  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
     if sharding.any_sharded(params):
         tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
@@ -172,8 +174,6 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
                "call and would gather the whole weight every step), measured on the shard shapes; ")
         plan = plan.replace("int8_matmul", Choice(c.value, why + c.reason, c.source))
         return sharding.copy_paths(params, tuned), plan, report
-
-
 
     ov = normalize_overrides(overrides, env)
     want = ov.get("int8_matmul", "measure")
@@ -257,6 +257,7 @@ def format_report(report: dict) -> str:
         lines.append(f"  WARNING: {w}")
     mm = report.get("int8_matmul")
     if mm:
+        from gemma4.plan import cpu_tuning  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
         lines.append("")
         lines.append(f"native int8 kernel: {mm['kernel']['message']}"

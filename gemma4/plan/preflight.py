@@ -6,9 +6,9 @@
     shape = choose_mesh(cfg, plan, devices, context, batch)      # the engine's mesh="auto"
 
 What a device holds, per leaf of `params.param_specs(cfg)`:
-  * weights in the plan's final form (`params.LeafFormat.target`: float in the weight dtype,
+  * weights in the plan's final form (`leaf_format.LeafFormat.target`: float in the weight dtype,
     int8 + one float32 scale per row, int4 packed two per byte + one float32 scale per row and
-    group), divided along the dimensions `gemma4.plan.sharding`'s rule table splits (its own
+    group), divided along the dimensions the rule table (`gemma4.model.partitioning`) splits (its own
     `shard_bytes_per_device`: replicated where a mesh axis does not divide, e.g. 1 KV head);
   * the KV cache for `batch` rows and `context` tokens in the plan's KV format (the exact
     shapes of `kv_cache.init_cache`), rows over `data`, KV heads over `tensor`;
@@ -40,9 +40,8 @@ from gemma4.model.params import iter_specs, param_specs
 from gemma4.model.partitioning import MESH_AXES, logical_spec
 from gemma4.plan import hardware, sharding
 from gemma4.plan.hardware_probe import simulated_facts
-from gemma4.plan.preflight_devices import (  # noqa: F401  (re-exported: callers use gemma4.plan.preflight)
-    JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, USABLE_FRACTION, DeviceSet, PreflightError, gpu_client_fraction,
-    local_device_set, simulated_devices)
+from gemma4.plan.preflight_devices import (JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, DeviceSet, PreflightError,
+                                           gpu_client_fraction, local_device_set, simulated_devices)
 from gemma4.plan.sharding import mesh_size
 from gemma4.weights import sources
 

@@ -17,11 +17,12 @@ from gemma4.model.config import preset
 from gemma4.plan.hardware import PolicyError
 from gemma4.plan.hardware_checks import format_report, full_report
 from gemma4.plan.hardware_probe import SIMULATED, simulated_facts
-from gemma4.serve.engine import Engine
 
 
 def _measured_report(model: str, overrides: dict) -> dict:
     """The engine's own hardware report after loading `model` (no warm-up compiles)."""
+    from gemma4.serve.engine import Engine  # deferred: only --measure needs it (probe --simulate: 0.2 s vs 4-5 s, measured)
+
     engine = Engine(model, overrides=overrides, warmup=False)
     try:
         engine.wait_ready()

@@ -74,7 +74,7 @@ def engine_report(engine: Any) -> dict | None:
     mesh = getattr(engine, "mesh", None)
     if cfg is None or plan is None:
         return None
-    from gemma4.plan import preflight  # noqa: PLC0415
+    from gemma4.plan import preflight, preflight_devices  # noqa: PLC0415
 
     shape = {a: int(n) for a, n in dict(getattr(mesh, "shape", {}) or {}).items()}
     key = (id(cfg), tuple(sorted(shape.items())), engine.context_limit, engine.max_batch)
@@ -82,7 +82,7 @@ def engine_report(engine: Any) -> dict | None:
     if hit and hit[0] == key:
         return hit[1]
     try:
-        report = preflight.check(cfg, plan, preflight.local_device_set(), shape, engine.context_limit,
+        report = preflight.check(cfg, plan, preflight_devices.local_device_set(), shape, engine.context_limit,
                                  engine.max_batch)
     except Exception as e:  # noqa: BLE001 - the panel shows the reason instead of failing
         report = {"error": f"{type(e).__name__}: {e}"}
@@ -105,9 +105,9 @@ SIZE_TABLE_MAX_DEVICES = 8
 
 def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: int) -> str:
     """The smallest mesh of up to 8 such devices that fits, and what each device then needs."""
-    from gemma4.plan import preflight  # noqa: PLC0415
+    from gemma4.plan import preflight, preflight_devices  # noqa: PLC0415
 
-    devices = preflight.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
+    devices = preflight_devices.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
     fp = preflight.smallest_fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)
     if fp is None:
         return "—"
@@ -118,10 +118,10 @@ def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: in
 def size_table_markdown(context: int = SIZE_TABLE_CONTEXT, batch: int = SIZE_TABLE_BATCH) -> str:
     """README's table: for each Gemma 4 size and weight format, weights and KV per replica and,
     per device kind, the smallest mesh that fits with the GiB each device then needs."""
-    from gemma4.plan import preflight  # noqa: PLC0415
+    from gemma4.plan import preflight, preflight_devices  # noqa: PLC0415
     from gemma4.model.config import preset  # noqa: PLC0415
 
-    kinds = [preflight.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
+    kinds = [preflight_devices.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
     head = ["model", "weights", "weights / replica", f"KV ({context} × {batch})"] + [
         f"{d.kind.replace('NVIDIA ', '')} ({d.usable_bytes / _GiB:.1f})" for d in kinds]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from gemma4.ops.quant import dequant_int4
 
@@ -150,8 +151,6 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
     bm, bn, bk = choose_blocks(M, N, K, group_size, block_m, block_n, block_k, platform)
     compiler_params = None
     if platform == "gpu":
-        from jax.experimental.pallas import triton as pl_triton  # noqa: PLC0415
-
         compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
     m_pad = -M % bm
     xp = jnp.pad(x, ((0, m_pad), (0, 0))) if m_pad else x
