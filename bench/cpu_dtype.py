@@ -37,6 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gemma4.ops import quant  # noqa: E402
+from gemma4.model.quantize import quantize_params  # noqa: E402
+from gemma4.ops.linear import linear as ops_linear  # noqa: E402
 
 SHAPES = {"lm_head": (262144, 640), "mlp": (2048, 640)}
 FORMATS = ("f32", "bf16", "int8>f32", "int8>bf16", "int8 whole", "int4>f32", "int8 mul-sum")
@@ -66,7 +68,7 @@ def measure(shapes: dict[str, tuple[int, int]] | None = None, batches=(1, 8), fo
     """Best-of-N milliseconds per matmul for every (shape, batch, format); also GB/s of weight bytes."""
     shapes = shapes or SHAPES
     rng = np.random.default_rng(seed)
-    linear = jax.jit(quant.linear)
+    linear = jax.jit(ops_linear)
     mul_sum = jax.jit(_mul_sum)
     rows = []
     for shape_name, (n_out, n_in) in shapes.items():
@@ -104,10 +106,10 @@ def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "in
     from gemma4.model import config  # noqa: PLC0415
     from gemma4.model import kv_cache  # noqa: PLC0415
     from gemma4.model import decoder  # noqa: PLC0415
-    from gemma4.model import params as P  # noqa: PLC0415
+    from gemma4.weights.random_init import random_params  # noqa: PLC0415
 
     cfg = config.preset(preset)
-    base = P.random_params(cfg, seed=seed)
+    base = random_params(cfg, seed=seed)
     trees = {}
     for fmt in formats:
         if fmt == "f32":
@@ -115,7 +117,7 @@ def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "in
         elif fmt == "bf16":
             trees[fmt] = (jax.tree.map(lambda w: w if w.ndim < 2 else w.astype(jnp.bfloat16), base), jnp.bfloat16)
         else:
-            q = quant.quantize_params(base, cfg, "int8")
+            q = quantize_params(base, cfg, "int8")
             if fmt == "int8 whole":
                 q = jax.tree.map(lambda w: dataclasses.replace(w, chunk_rows=0) if quant.is_quantized(w) else w,
                                  q, is_leaf=quant.is_quantized)
@@ -175,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time one batch-1 decode step of Gemma 3 270M (random weights) per format")
     args = ap.parse_args(argv)
     shapes = {"mlp": SHAPES["mlp"]} if args.quick else SHAPES
-    from gemma4.plan import hardware  # noqa: PLC0415
+    from gemma4.plan import hardware, hardware_probe  # noqa: PLC0415
 
-    facts = hardware.probe()
+    facts = hardware_probe.probe()
     rows = measure(shapes)
     rec = recommend(rows)
     step = measure_decode_step() if args.decode_step else None

@@ -12,8 +12,8 @@ import sys
 
 from gemma4.env import EnvError
 from gemma4.model.config import PRESETS
-from gemma4.plan import preflight
-from gemma4.plan.hardware import main as hardware_main
+from gemma4.plan import preflight, preflight_devices
+from gemma4.serve.probe import main as hardware_main
 from gemma4.serve import distributed
 from gemma4.ui import mesh_panel
 from gemma4.weights import sources
@@ -91,7 +91,7 @@ def _check_mesh(args) -> None:
         if mode == "off":
             return
         report = preflight.probe_report(args.model, args.mesh, args.context, args.max_batch, _overrides(args))
-    except preflight.PreflightError as e:
+    except preflight_devices.PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except (sources.SourceError, OSError, ValueError):
@@ -211,7 +211,7 @@ def _chat(engine, args) -> int:
 
 
 def cmd_probe(argv: list[str]) -> int:
-    """`probe`: the hardware report (gemma4.plan.hardware_checks), then — given --model, --mesh or
+    """`probe`: the hardware report (gemma4.serve.probe), then — given --model, --mesh or
     --devices — the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model")
@@ -280,7 +280,7 @@ def _simulate_name(devices: str | None) -> str | None:
         return None
     try:
         facts, _ = preflight.simulated_facts_for(devices)
-    except preflight.PreflightError:
+    except preflight_devices.PreflightError:
         return None
     return facts.simulated and {"NVIDIA L4": "l4", "NVIDIA A100-SXM4-40GB": "a100", "NVIDIA H100 80GB HBM3": "h100",
                                 "NVIDIA H200": "h200", "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e"}.get(

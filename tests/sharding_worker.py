@@ -100,7 +100,8 @@ def _write_checkpoint(cfg, folder: str) -> None:
 
     from gemma4.weights.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
     from gemma4.model.config import to_hf_config
-    from gemma4.model.params import iter_specs, param_specs, random_params
+    from gemma4.model.params import iter_specs, param_specs
+    from gemma4.weights.random_init import random_params
 
     glob = {v: k for k, v in _GLOBAL_NAMES.items()}
     layer = {v: k for k, v in _LAYER_NAMES.items()}
@@ -142,7 +143,7 @@ def load_case(case: dict) -> None:
 
     from gemma4.weights.checkpoint import load_safetensors_params
     from gemma4.model.config import preset
-    from gemma4.model.params import random_params
+    from gemma4.weights.random_init import random_params
 
     from gemma4.weights import quant_host
 

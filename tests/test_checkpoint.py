@@ -13,7 +13,8 @@ from safetensors.numpy import save_file
 
 from gemma4.weights.checkpoint import CheckpointError, load_safetensors_params
 from gemma4.model.config import FULL, from_hf_config, load_hf_config, preset, tiny, to_hf_config
-from gemma4.model.params import abstract_params, random_params
+from gemma4.model.params import abstract_params
+from gemma4.weights.random_init import random_params
 
 
 def _hf_state(cfg, params) -> dict[str, np.ndarray]:
@@ -188,11 +189,12 @@ def test_gemma3_old_rope_scaling_form():
 @pytest.mark.parametrize("kw", [{"mode": "int8"}, {"mode": "int4", "group_size": 32, "embed_mode": "int8"}])
 def test_quantize_at_load_equals_quantize_params_of_the_loaded_tree(e2b_folder, monkeypatch, kw):
     from gemma4.ops import quant
+    from gemma4.model.quantize import quantize_params
     from gemma4.weights import quant_host
 
     folder, cfg, _ = e2b_folder
     monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 4096)  # several row chunks per tensor
-    want = quant.quantize_params(load_safetensors_params(folder, cfg), cfg, **kw)
+    want = quantize_params(load_safetensors_params(folder, cfg), cfg, **kw)
     got = load_safetensors_params(folder, cfg, quantize=kw)
     assert jax.tree.structure(want) == jax.tree.structure(got)
     for a, b in zip(jax.tree.leaves(want, is_leaf=quant.is_quantized), jax.tree.leaves(got, is_leaf=quant.is_quantized)):

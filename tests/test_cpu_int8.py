@@ -11,11 +11,13 @@ import pytest
 
 from gemma4.plan import cpu_tuning
 
-from gemma4.plan import hardware
+from gemma4.plan import hardware, hardware_checks, hardware_probe
 
 from gemma4.ops import int8_matmul
 
 from gemma4.ops import quant
+from gemma4.model.quantize import quantize_params
+from gemma4.ops.linear import linear, linear_many
 from gemma4.ops.kernels import cpu_int8
 
 STATUS = cpu_int8.load()
@@ -103,21 +105,21 @@ def test_linear_many_is_one_call_with_the_same_results():
     rng = np.random.default_rng(3)
     ws = [dataclasses.replace(_leaf(rng, n, 640, g), paths=((8, "native"),)) for n, g in ((256, 32), (96, None), (64, 16))]
     x = jnp.asarray(_x(rng, 3, 640)).reshape(1, 3, 640)
-    fused = jax.jit(lambda x, ws: quant.linear_many(x, ws))(x, ws)
-    alone = [jax.jit(quant.linear)(x, w) for w in ws]
+    fused = jax.jit(lambda x, ws: linear_many(x, ws))(x, ws)
+    alone = [jax.jit(linear)(x, w) for w in ws]
     for a, b in zip(fused, alone):
         assert a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    text = jax.jit(lambda x, ws: quant.linear_many(x, ws)).lower(x, ws).as_text()
+    text = jax.jit(lambda x, ws: linear_many(x, ws)).lower(x, ws).as_text()
     assert text.count(cpu_int8.TARGET) == 1
 
 
 def _tiny_int8_params():
     from gemma4.model.config import preset
-    from gemma4.model.params import random_params
+    from gemma4.weights.random_init import random_params
 
     cfg = preset("tiny-gemma3-270m")
-    return cfg, quant.quantize_params(random_params(cfg, seed=0), cfg, mode="int8")
+    return cfg, quantize_params(random_params(cfg, seed=0), cfg, mode="int8")
 
 
 def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch):
@@ -160,13 +162,13 @@ def test_model_paths_give_the_reference_tokens(forced):
 
 
 def _cpu_plan():
-    return hardware.policy(hardware.probe(), None, env={})
+    return hardware.policy(hardware_probe.probe(), None, env={})
 
 
 def test_policy_measures_on_cpu_and_reports_the_table(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
     _, params = _tiny_int8_params()
-    params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    params, plan, report = hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={})
     assert plan.int8_matmul.value == "measured"
     assert "fastest path" in plan.int8_matmul.reason and report["tuning"]["products"]
     assert ("kernel loaded" in plan.int8_matmul.reason) == STATUS.ok
@@ -176,13 +178,13 @@ def test_native_kernel_disabled_falls_back_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_int8, "load", lambda: cpu_int8.KernelStatus(False, "disabled by GEMMA4_NATIVE_KERNEL=off"))
     _, params = _tiny_int8_params()
-    params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    params, plan, report = hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={})
     assert "GEMMA4_NATIVE_KERNEL=off" in plan.int8_matmul.reason
     for entry in report["tuning"]["products"].values():
         assert all(c["path"] != "native" for c in entry["classes"])
     with pytest.raises(hardware.PolicyError, match="native refused"):
-        hardware.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "native"})
-    _, plan, _ = hardware.choose_int8_matmul(_cpu_plan(), params,
+        hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "native"})
+    _, plan, _ = hardware_checks.choose_int8_matmul(_cpu_plan(), params,
                                              env={"GEMMA4_INT8_MATMUL": "native", "GEMMA4_ALLOW_FALLBACK": "1"})
     assert plan.int8_matmul.source == "fallback" and plan.warnings
 
@@ -193,7 +195,7 @@ def test_failed_self_test_keeps_the_kernel_out(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_int8, "cached_self_test", lambda status: {"ok": False, "message": "FAILED: planted"})
     _, params = _tiny_int8_params()
-    params, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    params, plan, report = hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={})
     assert "FAILED: planted" in plan.int8_matmul.reason
     assert all(p != "native" for leaf in jax.tree.leaves(params, is_leaf=quant.is_quantized)
                if isinstance(leaf, quant.QuantArray) for _, p in leaf.paths)
@@ -201,13 +203,13 @@ def test_failed_self_test_keeps_the_kernel_out(tmp_path, monkeypatch):
 
 def test_forced_path_and_off_cpu_choice():
     _, params = _tiny_int8_params()
-    out, plan, _ = hardware.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "xla-chunked"})
+    out, plan, _ = hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "xla-chunked"})
     assert plan.int8_matmul.value == "xla-chunked" and plan.int8_matmul.source == "override"
-    gpu_plan = hardware.policy(hardware.simulated_facts("l4"), None, env={})
-    _, plan, report = hardware.choose_int8_matmul(gpu_plan, params, env={})
+    gpu_plan = hardware.policy(hardware_probe.simulated_facts("l4"), None, env={})
+    _, plan, report = hardware_checks.choose_int8_matmul(gpu_plan, params, env={})
     assert plan.int8_matmul.value == "default" and report is None
     with pytest.raises(hardware.PolicyError, match="CPU formulation"):
-        hardware.choose_int8_matmul(gpu_plan, params, env={"GEMMA4_INT8_MATMUL": "native"})
+        hardware_checks.choose_int8_matmul(gpu_plan, params, env={"GEMMA4_INT8_MATMUL": "native"})
 
 
 def test_hardware_panel_shows_the_kernel_and_the_table(tmp_path, monkeypatch):
@@ -215,7 +217,7 @@ def test_hardware_panel_shows_the_kernel_and_the_table(tmp_path, monkeypatch):
 
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
     _, params = _tiny_int8_params()
-    _, plan, report = hardware.choose_int8_matmul(_cpu_plan(), params, env={})
+    _, plan, report = hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={})
     md = hardware_panel.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
     assert "native kernel" in md and "| product (N×K/group) | rows | choice |" in md
     assert "measured" in md

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from gemma4.weights import gguf as gl
+from gemma4.weights import gguf_blocks, gguf_file
 from gemma4.ops import quant
+from gemma4.model.quantize import quantize_params
 from gemma4.model.config import preset
 from gemma4.model.params import abstract_params, param_specs
 
@@ -103,7 +105,7 @@ def test_parser_matches_gguf_reader(tiny_file):
     import gguf
 
     path, _, _ = tiny_file
-    ours = gl.read_gguf(path)
+    ours = gguf_file.read_gguf(path)
     ref = gguf.GGUFReader(path)
     assert list(ours.metadata) == [k for k in ref.fields if not k.startswith("GGUF.")]
     for key, field in ref.fields.items():
@@ -139,7 +141,7 @@ def test_tiny_file_roundtrip_and_cache(tiny_file):
     np.testing.assert_array_equal(np.asarray(cold["layers"][0]["down"]), tensors["blk.0.ffn_down.weight"])
     np.testing.assert_array_equal(np.asarray(cold["final_norm"]), tensors["output_norm.weight"])  # used as-is
     # Q8_0 tensors equal gguf's own dequantization
-    raw = gl.read_gguf(path).tensors["token_embd.weight"]
+    raw = gguf_file.read_gguf(path).tensors["token_embd.weight"]
     np.testing.assert_array_equal(np.asarray(cold["embed"]), gguf.quants.dequantize(raw.data, raw.qtype))
     for a, b in zip(jax.tree.leaves(cold), jax.tree.leaves(warm)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -157,15 +159,15 @@ def test_q8_0_int8_blocks_exact(tiny_file):
     import gguf
 
     path, _, _ = tiny_file
-    info = {name: (kind, shape) for name, kind, shape in gl.gguf_tensor_info(path)}
+    info = {name: (kind, shape) for name, kind, shape in gguf_file.gguf_tensor_info(path)}
     assert info["blk.1.attn_v.weight"] == ("Q8_0", (16, 64))
-    q, scale = gl.load_q8_0_as_int8(path, "blk.1.attn_v.weight")
+    q, scale = gguf_blocks.load_q8_0_as_int8(path, "blk.1.attn_v.weight")
     assert q.dtype == np.int8 and q.shape == (16, 64) and scale.dtype == np.float32 and scale.shape == (16, 2)
-    raw = gl.read_gguf(path).tensors["blk.1.attn_v.weight"]
+    raw = gguf_file.read_gguf(path).tensors["blk.1.attn_v.weight"]
     np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scale, 32, axis=1),
                                   gguf.quants.dequantize(raw.data, raw.qtype))
-    with pytest.raises(gl.GGUFError, match="blk.1.attn_k.weight is F32, not Q8_0"):
-        gl.load_q8_0_as_int8(path, "blk.1.attn_k.weight")
+    with pytest.raises(gguf_file.GGUFError, match="blk.1.attn_k.weight is F32, not Q8_0"):
+        gguf_blocks.load_q8_0_as_int8(path, "blk.1.attn_k.weight")
 
 
 # ------------------------------------------------------------------------------ int8 forms of the block types
@@ -173,7 +175,7 @@ INT8_PLAN = {"mode": "int8", "embed_mode": "int8", "group_size": 64, "int4_kerne
 _FP16_AT = {"Q8_0": (0,), "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q6_K": (208,), "Q4_K": (0, 2)}
 
 
-def _random_blocks(type_name: str, n_rows: int, n_cols: int, seed: int = 0) -> gl.GGUFTensor:
+def _random_blocks(type_name: str, n_rows: int, n_cols: int, seed: int = 0) -> gguf_file.GGUFTensor:
     """Random raw blocks of `type_name` (every bit pattern of the quants, finite fp16 scales)."""
     import gguf
 
@@ -185,10 +187,10 @@ def _random_blocks(type_name: str, n_rows: int, n_cols: int, seed: int = 0) -> g
     for at in _FP16_AT[type_name]:
         d = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16)
         raw[:, at:at + 2] = d.view(np.uint8).reshape(n_blocks, 2)
-    return gl.GGUFTensor(f"test.{type_name}", type_name, (n_rows, n_cols), raw.reshape(n_rows, -1))
+    return gguf_file.GGUFTensor(f"test.{type_name}", type_name, (n_rows, n_cols), raw.reshape(n_rows, -1))
 
 
-def _gguf_dequant(t: gl.GGUFTensor) -> np.ndarray:
+def _gguf_dequant(t: gguf_file.GGUFTensor) -> np.ndarray:
     import gguf
 
     return gguf.quants.dequantize(t.data, t.qtype).reshape(t.shape)
@@ -204,7 +206,7 @@ def test_exact_int8_forms_equal_gguf_dequantization(type_name, group, lo, hi):
     """Every bit pattern of the block formats: QuantArray.dequantize() is gguf's dequantization,
     bit for bit (a wrong nibble order, bit plane, scale or offset would break this)."""
     t = _random_blocks(type_name, 24, 512)
-    q, scale, g, exact = gl.int8_form(t)
+    q, scale, g, exact = gguf_blocks.int8_form(t)
     assert exact and g == group and q.dtype == np.int8 and q.shape == (24, 512)
     assert scale.dtype == np.float32 and scale.shape == (24, 512 // group)
     assert q.min() == lo and q.max() == hi  # the whole range is used: offsets are right
@@ -214,8 +216,8 @@ def test_exact_int8_forms_equal_gguf_dequantization(type_name, group, lo, hi):
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
 def test_asymmetric_types_rerounded_within_half_an_int8_step(type_name):
     t = _random_blocks(type_name, 24, 512)
-    q, scale, g, exact = gl.int8_form(t)
-    assert not exact and g == gl.REROUND_GROUP == 32 and q.dtype == np.int8 and scale.shape == (24, 16)
+    q, scale, g, exact = gguf_blocks.int8_form(t)
+    assert not exact and g == gguf_blocks.REROUND_GROUP == 32 and q.dtype == np.int8 and scale.shape == (24, 16)
     want = _gguf_dequant(t).reshape(24, 16, 32)
     err = np.abs(np.asarray(_quant_array(q, scale, g).dequantize()).reshape(24, 16, 32) - want).max(-1)
     assert np.all(err <= np.abs(want).max(-1) / 254 * (1 + 1e-5))
@@ -240,7 +242,7 @@ def test_int8_plan_takes_blocks_over_and_caches_int8(tmp_path, monkeypatch):
     assert (stats["int8_exact"], stats["int8_rerounded"], stats["int8_from_float"]) == (4, 1, n_weights - 5)
     warm = gl.load_gguf_params(path, cfg, jnp.float32, quantize=INT8_PLAN)
     assert gl.last_load_stats["cached"] is True and gl.last_load_stats["cache_dir"] == stats["cache_dir"]
-    g = gl.read_gguf(path)
+    g = gguf_file.read_gguf(path)
     for name, (tree_path, spec) in gl._expected_tensors(cfg).items():
         leaf, again = cold, warm
         for part in tree_path:
@@ -256,10 +258,10 @@ def test_int8_plan_takes_blocks_over_and_caches_int8(tmp_path, monkeypatch):
         np.testing.assert_array_equal(np.asarray(again.q), np.asarray(leaf.q))
         np.testing.assert_array_equal(np.asarray(again.scale), np.asarray(leaf.scale))
         want = gguf.quants.dequantize(t.data, t.qtype).reshape(spec.shape)
-        if t.type_name in gl.EXACT_INT8_GROUPS:
-            assert leaf.group_size == gl.EXACT_INT8_GROUPS[t.type_name], name
+        if t.type_name in gguf_blocks.EXACT_INT8_GROUPS:
+            assert leaf.group_size == gguf_blocks.EXACT_INT8_GROUPS[t.type_name], name
             np.testing.assert_array_equal(np.asarray(leaf.dequantize()), want, err_msg=name)
-        elif t.type_name in gl.FLOAT_TYPES:  # per-row int8, as quantize_params does
+        elif t.type_name in gguf_blocks.FLOAT_TYPES:  # per-row int8, as quantize_params does
             ref = quant.quantize_int8(jnp.asarray(want))
             assert leaf.group_size is None, name
             np.testing.assert_array_equal(np.asarray(leaf.q), np.asarray(ref.q), err_msg=name)
@@ -303,7 +305,7 @@ def test_int4_plan_quantizes_each_tensor_as_quantize_params(tiny_file):
     path, cfg, _ = tiny_file
     kw = {"mode": "int4", "embed_mode": "int8", "group_size": 32}
     floats = gl.load_gguf_params(path, cfg, jnp.float32)
-    want = quant.quantize_params(floats, cfg, **kw)
+    want = quantize_params(floats, cfg, **kw)
     got = gl.load_gguf_params(path, cfg, jnp.float32, quantize=kw)
     assert gl.last_load_stats["form"] == "int8"
     assert isinstance(got["embed"], quant.QuantArray) and got["embed"].group_size == 32
@@ -323,7 +325,7 @@ def test_missing_tensor_names_tensor_and_file(tmp_path):
     tensors = _tiny_tensors(cfg)
     del tensors["blk.3.ffn_up.weight"]
     path = _write_gguf(tmp_path / "missing.gguf", cfg, tensors)
-    with pytest.raises(gl.GGUFError) as err:
+    with pytest.raises(gguf_file.GGUFError) as err:
         gl.load_gguf_params(path, cfg, use_cache=False)
     assert "blk.3.ffn_up.weight" in str(err.value) and "missing.gguf" in str(err.value)
 
@@ -333,7 +335,7 @@ def test_wrong_shape_names_tensor_and_file(tmp_path):
     tensors = _tiny_tensors(cfg)
     tensors["blk.2.attn_k.weight"] = np.zeros((32, 64), np.float32)
     path = _write_gguf(tmp_path / "badshape.gguf", cfg, tensors)
-    with pytest.raises(gl.GGUFError) as err:
+    with pytest.raises(gguf_file.GGUFError) as err:
         gl.load_gguf_params(path, cfg, use_cache=False)
     msg = str(err.value)
     assert "blk.2.attn_k.weight" in msg and "badshape.gguf" in msg and "[32, 64]" in msg and "[16, 64]" in msg
@@ -342,7 +344,7 @@ def test_wrong_shape_names_tensor_and_file(tmp_path):
 def test_not_a_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(100))
-    with pytest.raises(gl.GGUFError, match="not a GGUF file"):
+    with pytest.raises(gguf_file.GGUFError, match="not a GGUF file"):
         gl.gguf_config(bad)
     with pytest.raises(FileNotFoundError):
         gl.gguf_config(tmp_path / "absent.gguf")
@@ -373,7 +375,7 @@ def test_bundled_config_equals_preset(bundled_path):
 
 
 def test_bundled_tensor_table(bundled_path):
-    info = {name: (kind, shape) for name, kind, shape in gl.gguf_tensor_info(bundled_path)}
+    info = {name: (kind, shape) for name, kind, shape in gguf_file.gguf_tensor_info(bundled_path)}
     assert len(info) == 236
     assert info["token_embd.weight"] == ("Q8_0", (262144, 640))
     assert info["blk.0.attn_output.weight"] == ("Q4_K", (640, 1024))
@@ -395,8 +397,8 @@ def test_bundled_params_match_abstract(bundled):
 def test_bundled_q8_0_blocks_exact(bundled_path):
     import gguf
 
-    q, scale = gl.load_q8_0_as_int8(bundled_path, "blk.0.attn_v.weight")
-    raw = gl.read_gguf(bundled_path).tensors["blk.0.attn_v.weight"]
+    q, scale = gguf_blocks.load_q8_0_as_int8(bundled_path, "blk.0.attn_v.weight")
+    raw = gguf_file.read_gguf(bundled_path).tensors["blk.0.attn_v.weight"]
     np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scale, 32, axis=1),
                                   gguf.quants.dequantize(raw.data, raw.qtype))
 
@@ -406,7 +408,7 @@ def test_bundled_int8_forms_match_gguf_dequantization(bundled_path):
     across the row chunks): exact for Q8_0, Q5_0, Q6_K; Q4_K within half an int8 step per 32."""
     import gguf
 
-    g = gl.read_gguf(bundled_path)
+    g = gguf_file.read_gguf(bundled_path)
     first: dict[str, str] = {}
     for name, t in g.tensors.items():
         if name.startswith("blk.") and len(t.shape) == 2:
@@ -414,7 +416,7 @@ def test_bundled_int8_forms_match_gguf_dequantization(bundled_path):
     assert set(first) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
     for type_name, name in first.items():
         t = g.tensors[name]
-        q, scale, group, exact = gl.int8_form(t)
+        q, scale, group, exact = gguf_blocks.int8_form(t)
         got = np.asarray(_quant_array(q, scale, group).dequantize())
         want = _gguf_dequant(t)
         if type_name == "Q4_K":
@@ -424,10 +426,10 @@ def test_bundled_int8_forms_match_gguf_dequantization(bundled_path):
             assert np.all(err <= np.abs(groups).max(-1) / 254 * (1 + 1e-5)), name
             assert rel(got, want) < 0.01
         else:
-            assert exact and group == gl.EXACT_INT8_GROUPS[type_name]
+            assert exact and group == gguf_blocks.EXACT_INT8_GROUPS[type_name]
             np.testing.assert_array_equal(got, want, err_msg=name)
     embed = g.tensors["token_embd.weight"]
-    q, scale, group, exact = gl.int8_form(embed)
+    q, scale, group, exact = gguf_blocks.int8_form(embed)
     assert exact and q.shape == (262144, 640) and scale.shape == (262144, 20)
     for rows in (slice(0, 8192), slice(262144 - 100, 262144)):
         want = gguf.quants.dequantize(embed.data[rows], embed.qtype).reshape(-1, 640)

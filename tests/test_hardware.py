@@ -4,10 +4,12 @@ import json
 
 import pytest
 
-from gemma4.plan import hardware
 from gemma4.model.config import preset
-from gemma4.plan.hardware import PolicyError, policy, simulated_facts
 from gemma4.ops.kernels.int4_matmul import int4_block_bytes
+from gemma4.plan import hardware, hardware_checks, hardware_probe
+from gemma4.plan.hardware import PolicyError, policy
+from gemma4.plan.hardware_probe import simulated_facts
+from gemma4.serve import probe
 
 E2B = preset("e2b")
 
@@ -186,20 +188,20 @@ def test_plan_serialises_and_reports():
 def test_parse_cpuinfo():
     x86 = ("processor\t: 0\nmodel name\t: Some CPU\n"
            "flags\t\t: fpu sse4_2 avx avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
-    model, flags = hardware.parse_cpuinfo(x86)
+    model, flags = hardware_probe.parse_cpuinfo(x86)
     assert model == "Some CPU" and {"avx2", "avx512_bf16", "amx_bf16"} <= set(flags) and "fpu" not in flags
     arm = "processor : 0\nFeatures : fp asimd sve bf16 i8mm\nCPU part : 0xd40\n"
-    assert set(hardware.parse_cpuinfo(arm)[1]) == {"asimd", "sve", "bf16", "i8mm"}
-    assert hardware.parse_cpuinfo("") == ("unknown", ())
+    assert set(hardware_probe.parse_cpuinfo(arm)[1]) == {"asimd", "sve", "bf16", "i8mm"}
+    assert hardware_probe.parse_cpuinfo("") == ("unknown", ())
 
 
 def test_tpu_generation_names():
-    assert [hardware.tpu_generation(k) for k in ("TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "TPU v9 turbo")] \
+    assert [hardware_probe.tpu_generation(k) for k in ("TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite", "TPU v9 turbo")] \
         == ["v4", "v5e", "v5p", "v6e", "unknown"]
 
 
 def test_probe_on_this_machine():
-    facts = hardware.probe()
+    facts = hardware_probe.probe()
     assert facts.platform == "cpu" and facts.device_count >= 1
     assert facts.jax_version != "unknown"
     json.dumps(facts.to_dict())
@@ -208,8 +210,8 @@ def test_probe_on_this_machine():
 
 
 def test_self_test_passes_on_cpu():
-    plan = policy(hardware.probe(), env={})
-    result = hardware.self_test(plan)
+    plan = policy(hardware_probe.probe(), env={})
+    result = hardware_checks.self_test(plan)
     assert result["ok"], result
     names = {c["name"] for c in result["checks"]}
     assert {"matmul_ones_fp32_sum", "matmul_random_vs_float64", "linear_int8"} <= names
@@ -224,7 +226,7 @@ def clean_env(monkeypatch):
 
 
 def test_main_json(capsys, clean_env):
-    assert hardware.main(["--json"]) == 0
+    assert probe.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["facts"]["platform"] == "cpu"
     assert report["plan"]["compute_dtype"]["value"] == "float32"
@@ -232,17 +234,17 @@ def test_main_json(capsys, clean_env):
 
 
 def test_main_simulated_refusal_and_text(capsys, clean_env):
-    assert hardware.main(["--simulate", "t4", "--kv", "fp8", "--json"]) == 2
+    assert probe.main(["--simulate", "t4", "--kv", "fp8", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert out["error"] == "PolicyError" and "int8" in out["message"]
-    assert hardware.main(["--simulate", "h200", "--weights", "int4"]) == 0
+    assert probe.main(["--simulate", "h200", "--weights", "int4"]) == 0
     text = capsys.readouterr().out
     assert "pallas-int4" in text and "cudnn" in text and "simulated: h200" in text
 
 
 def test_embed_weights_follow_weights_and_can_be_overridden():
     """The tied embedding / LM head quantizes like the rest unless GEMMA4_EMBED_WEIGHTS says otherwise."""
-    facts = hardware.simulated_facts("cpu-avx2")
+    facts = hardware_probe.simulated_facts("cpu-avx2")
     plan = hardware.policy(facts, None, {}, env={})
     assert plan.weights.value == "int8" and plan.embed_weights.value == "int8"
     assert plan.quantize_kwargs()["embed_mode"] == "int8"

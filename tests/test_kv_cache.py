@@ -18,8 +18,8 @@ from gemma4.model import decoder as M
 from gemma4.model.config import tiny
 from gemma4.serve.engine import decode_step, prefill_step
 from gemma4.serve.engine_compile import chunk_plan
-from gemma4.model.params import random_params
 from gemma4.model.sampling import SamplingRows
+from gemma4.weights.random_init import random_params
 
 CFG = tiny("e2b")
 PARAMS = random_params(CFG, seed=7, scale=0.08)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gemma4.model import decoder as M
-from gemma4.ops import quant
+from gemma4.model.quantize import quantize_params
 from gemma4.weights import sources
 
 REF = json.load(open(os.path.join(os.path.dirname(__file__), "data", "llamacpp_top1.json")))
@@ -47,7 +47,7 @@ def _agreement(cfg, params) -> float:
 def test_top1_agreement_with_llamacpp(bundled, weights):
     cfg, params = bundled
     if weights == "int8":
-        params = quant.quantize_params(params, cfg, "int8")
+        params = quantize_params(params, cfg, "int8")
     rate = _agreement(cfg, params)
     print(f"{weights}: top-1 agreement with llama.cpp {rate:.1%}")
     assert rate >= 0.90

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gemma4.plan import preflight as P
+from gemma4.plan import preflight_devices as PD
 from gemma4.ui import mesh_panel
 from gemma4.model.config import preset
 
@@ -88,7 +89,7 @@ def test_sharding_divides_what_the_rules_split_and_replicates_one_kv_head():
 @pytest.mark.parametrize("mode", FORMATS)
 @pytest.mark.parametrize("name", GEMMA4)
 def test_verdict_and_arithmetic_for_every_preset(name, mode, devices):
-    cfg, devs = preset(name), P.simulated_devices(devices)
+    cfg, devs = preset(name), PD.simulated_devices(devices)
     plan = _plan(mode, devs.platform)
     report = P.check(cfg, plan, devs, "auto", 4096, 8)
     fp = report["footprint"]
@@ -123,8 +124,8 @@ def test_verdict_and_arithmetic_for_every_preset(name, mode, devices):
 
 def test_the_issue_example_31b_bf16_on_one_l4():
     cfg = preset("31b")
-    with pytest.raises(P.PreflightError) as e:
-        P.choose_mesh(cfg, _plan("none"), P.simulated_devices("l4"), 4096, 1)
+    with pytest.raises(PD.PreflightError) as e:
+        P.choose_mesh(cfg, _plan("none"), PD.simulated_devices("l4"), 4096, 1)
     msg = str(e.value)
     assert msg.startswith("gemma-4-31B bf16: 57.2 GiB weights + 1.1 GiB KV (4096 tokens × 1 row) per replica")
     assert "1 × NVIDIA L4 (15.5 GiB usable each) does not fit (needs 59.0 GiB each" in msg
@@ -133,14 +134,14 @@ def test_the_issue_example_31b_bf16_on_one_l4():
 
 
 def test_memory_fraction_settings(monkeypatch):
-    base = P.simulated_devices("l4").usable_bytes
+    base = PD.simulated_devices("l4").usable_bytes
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    assert P.simulated_devices("l4").usable_bytes == pytest.approx(base * 0.95 / 0.75, rel=1e-6)
+    assert PD.simulated_devices("l4").usable_bytes == pytest.approx(base * 0.95 / 0.75, rel=1e-6)
     monkeypatch.setenv("GEMMA4_MEMORY_FRACTION", "0.5")
-    assert P.simulated_devices("v5e").usable_bytes == 8 * _GiB
+    assert PD.simulated_devices("v5e").usable_bytes == 8 * _GiB
     monkeypatch.setenv("GEMMA4_MEMORY_FRACTION", "2")
-    with pytest.raises(P.PreflightError, match="GEMMA4_MEMORY_FRACTION"):
-        P.simulated_devices("v5e")
+    with pytest.raises(PD.PreflightError, match="GEMMA4_MEMORY_FRACTION"):
+        PD.simulated_devices("v5e")
 
 
 # ------------------------------------------------------------------------------ mesh=auto
@@ -153,19 +154,19 @@ def test_memory_fraction_settings(monkeypatch):
     ("e4b", "none", "8xv5e", 8, {"tensor": 2}),            # 16 GiB of HBM: E4B bf16 does not fit one chip
 ])
 def test_auto_picks_the_smallest_mesh_that_fits(name, mode, devices, batch, want):
-    devs = P.simulated_devices(devices)
+    devs = PD.simulated_devices(devices)
     got = P.choose_mesh(preset(name), _plan(mode, devs.platform), devs, 4096, batch)
     assert got == {a: want.get(a, 1) for a in P.MESH_AXES}
 
 
 def test_auto_refuses_or_warns_when_nothing_fits(monkeypatch):
-    cfg, devs = preset("31b"), P.simulated_devices("2xl4")
-    with pytest.raises(P.PreflightError, match="no mesh over 2 × NVIDIA L4"):
+    cfg, devs = preset("31b"), PD.simulated_devices("2xl4")
+    with pytest.raises(PD.PreflightError, match="no mesh over 2 × NVIDIA L4"):
         P.choose_mesh(cfg, _plan("none"), devs, 4096, 8)
     monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")
     assert P.choose_mesh(cfg, _plan("none"), devs, 4096, 8)["tensor"] == 2  # the smallest share, warned
     monkeypatch.setenv("GEMMA4_PREFLIGHT", "maybe")
-    with pytest.raises(P.PreflightError, match="GEMMA4_PREFLIGHT"):
+    with pytest.raises(PD.PreflightError, match="GEMMA4_PREFLIGHT"):
         P.choose_mesh(cfg, _plan("none"), devs, 4096, 8)
 
 
@@ -175,14 +176,14 @@ def test_auto_on_this_machine_with_a_real_plan():
     cfg = preset("tiny-e2b")
     plan = hardware.policy(None, cfg, env={})
     assert P.choose_mesh(cfg, plan, jax.devices(), 64, 2) == {"data": 1, "tensor": 1, "expert": 1}
-    devs = P.local_device_set()
+    devs = PD.local_device_set()
     assert devs.platform == "cpu" and devs.shared_memory and devs.memory_bytes > 0
     assert "psutil" in devs.source or "RAM" in devs.source
 
 
 def test_cpu_estimate_reproduces_the_measured_peaks():
     """docs/loading-and-memory.md: bundled 1.26 GB, random:e2b 7.46 GB peak RSS (int8, float32)."""
-    devs = P.local_device_set()
+    devs = PD.local_device_set()
     for name, peak in (("gemma3-270m", 1.26e9), ("e2b", 7.46e9)):
         fp = P.footprint(preset(name), _plan("int8", "cpu", dtype="float32"), {}, 4096, 1)
         assert P.total_bytes(fp, devs) == pytest.approx(peak, rel=0.1), name
@@ -199,23 +200,23 @@ def test_cpu_estimate_reproduces_the_measured_peaks():
     ("tensor=two", 8, ["expected axis=size pairs"]),
 ])
 def test_bad_meshes_are_refused_with_the_devices_and_divisors(request_, batch, words):
-    with pytest.raises(P.PreflightError) as e:
-        P.check(preset("31b"), _plan("none"), P.simulated_devices("8xl4"), request_, 4096, batch)
+    with pytest.raises(PD.PreflightError) as e:
+        P.check(preset("31b"), _plan("none"), PD.simulated_devices("8xl4"), request_, 4096, batch)
     for w in words:
         assert w in str(e.value)
 
 
 def test_simulated_device_names():
-    assert P.simulated_devices("8×h100").count == 8
-    assert P.simulated_devices("v5e-8").describe() == "8 × TPU v5e (14.7 GiB usable each)"
-    assert P.simulated_devices("2xa100-80").kind == "NVIDIA A100 80GB"
-    with pytest.raises(P.PreflightError, match="unknown simulated device set"):
-        P.simulated_devices("4xfoo")
+    assert PD.simulated_devices("8×h100").count == 8
+    assert PD.simulated_devices("v5e-8").describe() == "8 × TPU v5e (14.7 GiB usable each)"
+    assert PD.simulated_devices("2xa100-80").kind == "NVIDIA A100 80GB"
+    with pytest.raises(PD.PreflightError, match="unknown simulated device set"):
+        PD.simulated_devices("4xfoo")
 
 
 # ------------------------------------------------------------------------------ surfaces
 def test_text_and_markdown_show_the_table():
-    report = P.check(preset("31b"), _plan("none"), P.simulated_devices("4xl4"), "auto", 4096, 1)
+    report = P.check(preset("31b"), _plan("none"), PD.simulated_devices("4xl4"), "auto", 4096, 1)
     text = mesh_panel.format_text(report)
     assert "memory pre-flight (mesh auto): FITS" in text and "tensor=4" in text
     md = mesh_panel.markdown(report, [{"device": "cuda:0", "weights_bytes": 2 * _GiB, "kv_cache_bytes": _GiB}])
@@ -258,19 +259,19 @@ def test_hardware_panel_block_for_a_loaded_engine():
 
 
 def test_resolve_mesh_checks_explicit_meshes_too(monkeypatch):
-    cfg, devs = preset("31b"), P.simulated_devices("4xl4")
+    cfg, devs = preset("31b"), PD.simulated_devices("4xl4")
     assert P.resolve_mesh(cfg, _plan("none"), "tensor=4", devs, 4096, 1) == {"data": 1, "tensor": 4, "expert": 1}
     assert P.resolve_mesh(cfg, _plan("none"), "auto", devs, 4096, 1)["tensor"] == 4
-    with pytest.raises(P.PreflightError, match="tensor=2 on 2 × NVIDIA L4 .* does not fit"):
+    with pytest.raises(PD.PreflightError, match="tensor=2 on 2 × NVIDIA L4 .* does not fit"):
         P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)
-    with pytest.raises(P.PreflightError, match="must divide"):
+    with pytest.raises(PD.PreflightError, match="must divide"):
         P.resolve_mesh(cfg, _plan("none"), {"tensor": 3}, devs, 4096, 1)
     monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")
     assert P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)["tensor"] == 2
 
 
 def test_cpu_refusal_never_suggests_more_virtual_devices():
-    cpu = P.DeviceSet("CPU", "cpu", 1, 8 * _GiB, "simulated")
+    cpu = PD.DeviceSet("CPU", "cpu", 1, 8 * _GiB, "simulated")
     msg = P.check(preset("31b"), _plan("int4", "cpu", dtype="float32"), cpu, "auto", 4096, 1)["message"]
     assert "does not fit" in msg and "× CPU" in msg and "over 2 × CPU" not in msg
 

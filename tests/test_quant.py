@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 
 from gemma4.model import config
-
 from gemma4.model import decoder
-
-from gemma4.ops import quant
-
-from gemma4.weights import quant_host
 from gemma4.model import params as P
+from gemma4.model.quantize import quantize_params
+from gemma4.ops import quant
+from gemma4.ops.chunked import auto_chunk_rows
 from gemma4.ops.kernels.int4_matmul import choose_blocks, int4_matmul, reference
+from gemma4.ops.linear import linear, take_rows
+from gemma4.weights import quant_host
+from gemma4.weights.quant_host import HOST_ALIGN, host_empty, host_put, quantize_host
+from gemma4.weights.random_init import random_params
 
 RNG = np.random.default_rng(0)
 
@@ -44,7 +46,7 @@ def test_int8_linear_equals_dequant_dot_and_approximates_float(chunk_rows):
     x = rand(3, 5, 96)
     qw = dataclasses.replace(quant.quantize_int8(w), chunk_rows=chunk_rows)
     assert qw.q.dtype == jnp.int8 and qw.scale.shape == (200,) and qw.shape == (200, 96)
-    got = jax.jit(quant.linear)(x, qw)
+    got = jax.jit(linear)(x, qw)
     assert got.shape == (3, 5, 200) and got.dtype == jnp.float32
     exact = np.asarray(x) @ np.asarray(qw.dequantize()).T
     np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-6)
@@ -58,7 +60,7 @@ def test_int4_linear_equals_dequant_dot_and_approximates_float(group_size, chunk
     x = rand(4, 512)
     qw = dataclasses.replace(quant.quantize_int4(w, group_size), chunk_rows=chunk_rows)
     assert qw.packed.shape == (120, 256) and qw.scale.shape == (120, 512 // group_size)
-    got = jax.jit(quant.linear)(x, qw)
+    got = jax.jit(linear)(x, qw)
     exact = np.asarray(x) @ np.asarray(qw.dequantize()).T
     np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5)
     assert rel(got, np.asarray(x) @ np.asarray(w).T) < 0.15  # int4 absmax/7 grouped: ~10% on Gaussians
@@ -68,9 +70,9 @@ def test_linear_bf16_activations_and_out_dtype():
     w = rand(64, 128, scale=0.05)
     x = rand(2, 128).astype(jnp.bfloat16)
     for qw in (quant.quantize_int8(w), quant.quantize_int4(w, 32), w.astype(jnp.bfloat16)):
-        y = quant.linear(x, qw)
+        y = linear(x, qw)
         assert y.dtype == jnp.bfloat16
-        y32 = quant.linear(x, qw, out_dtype=jnp.float32)
+        y32 = linear(x, qw, out_dtype=jnp.float32)
         assert y32.dtype == jnp.float32
         ref = np.asarray(x, np.float32) @ np.asarray(quant.dequantize(qw)).T
         assert rel(y32, ref) < 1e-2
@@ -80,10 +82,10 @@ def test_take_rows_dequantizes_gathered_rows():
     table = rand(50, 64, scale=0.1)
     ids = jnp.asarray([[3, 0, 49], [7, 7, 1]])
     for qt in (quant.quantize_int8(table), quant.quantize_int4(table, 32)):
-        got = quant.take_rows(qt, ids, jnp.float32)
+        got = take_rows(qt, ids, jnp.float32)
         np.testing.assert_allclose(np.asarray(got), np.asarray(qt.dequantize())[np.asarray(ids)], rtol=1e-6, atol=1e-7)
-        assert quant.take_rows(qt, ids, jnp.bfloat16).dtype == jnp.bfloat16
-    assert np.array_equal(np.asarray(quant.take_rows(table, ids, jnp.float32)), np.asarray(table)[np.asarray(ids)])
+        assert take_rows(qt, ids, jnp.bfloat16).dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(take_rows(table, ids, jnp.float32)), np.asarray(table)[np.asarray(ids)])
 
 
 def test_leaves_are_pytrees_with_static_layout():
@@ -103,18 +105,18 @@ def test_int4_rejects_ungroupable_shapes():
 
 
 def test_auto_chunk_rows():
-    assert quant.auto_chunk_rows(262144, 640, "cpu") == 512  # LM head: at most 512 steps
-    assert quant.auto_chunk_rows(2048, 640, "cpu") == 128  # layers: ~2^17 elements (512 KiB float32) per step
-    assert quant.auto_chunk_rows(6144, 1536, "cpu") == 64
-    assert quant.auto_chunk_rows(262144, 640, "gpu") == 0  # accelerators fuse the convert into the dot
-    assert quant.auto_chunk_rows(256, 640, "cpu") == 0  # small enough: one dequantize, one dot
+    assert auto_chunk_rows(262144, 640, "cpu") == 512  # LM head: at most 512 steps
+    assert auto_chunk_rows(2048, 640, "cpu") == 128  # layers: ~2^17 elements (512 KiB float32) per step
+    assert auto_chunk_rows(6144, 1536, "cpu") == 64
+    assert auto_chunk_rows(262144, 640, "gpu") == 0  # accelerators fuse the convert into the dot
+    assert auto_chunk_rows(256, 640, "cpu") == 0  # small enough: one dequantize, one dot
 
 
 # ------------------------------------------------------------------------------ whole model
 @pytest.fixture(scope="module")
 def tiny_e2b():
     cfg = config.tiny("e2b")
-    params = P.random_params(cfg)
+    params = random_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (2, 12)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12))
     fwd = jax.jit(lambda p, t, s: decoder.forward(p, cfg, t, s)[0])
@@ -123,7 +125,7 @@ def tiny_e2b():
 
 def test_quantize_params_kinds(tiny_e2b):
     cfg, params, *_ = tiny_e2b
-    q = quant.quantize_params(params, cfg, "int4", group_size=32)
+    q = quantize_params(params, cfg, "int4", group_size=32)
     assert isinstance(q["embed"], quant.Int4Array)
     assert isinstance(q["ple"]["embed"], quant.QuantArray)  # [512, 160]: in/2 = 80 not groupable by 32 → int8
     assert isinstance(q["ple"]["proj"], quant.Int4Array)
@@ -134,9 +136,9 @@ def test_quantize_params_kinds(tiny_e2b):
     assert layer["layer_scalar"] is params["layers"][0]["layer_scalar"]
     sizes = quant.quantized_bytes(q)
     assert sizes["total"] < P.count_bytes(params) / 5
-    mixed = quant.quantize_params(params, cfg, "int4", group_size=32, embed_mode="int8")
+    mixed = quantize_params(params, cfg, "int4", group_size=32, embed_mode="int8")
     assert isinstance(mixed["embed"], quant.QuantArray) and isinstance(mixed["layers"][0]["q"], quant.Int4Array)
-    assert quant.quantize_params(q, cfg, "int8")["layers"][0]["q"] is layer["q"]  # already quantized: kept
+    assert quantize_params(q, cfg, "int8")["layers"][0]["q"] is layer["q"]  # already quantized: kept
 
 
 def test_quantized_forward_matches_dequantized_and_approximates_float(tiny_e2b):
@@ -146,7 +148,7 @@ def test_quantized_forward_matches_dequantized_and_approximates_float(tiny_e2b):
     run on the dequantized dense weights: that isolates the dispatch, which must be exact."""
     cfg, params, tokens, positions, fwd, ref = tiny_e2b
     spread = np.linalg.norm(ref - ref.mean(-1, keepdims=True))
-    q8 = quant.quantize_params(params, cfg, "int8")
+    q8 = quantize_params(params, cfg, "int8")
     out8 = np.asarray(fwd(q8, tokens, positions))
     assert np.all(np.isfinite(out8))
     assert np.linalg.norm(out8 - ref) / spread < 0.2
@@ -157,7 +159,7 @@ def test_quantized_forward_matches_dequantized_and_approximates_float(tiny_e2b):
     clear = (top2[..., 1] - top2[..., 0]) > 0.2 * ref.std(-1)
     assert clear.sum() >= 8 and (out8.argmax(-1) == ref.argmax(-1))[clear].mean() >= 0.9
 
-    q4 = quant.quantize_params(params, cfg, "int4", group_size=32)
+    q4 = quantize_params(params, cfg, "int4", group_size=32)
     out4 = np.asarray(fwd(q4, tokens, positions))
     assert np.all(np.isfinite(out4)) and np.linalg.norm(out4 - ref) / spread < 1.2
     dense = jax.tree.map(lambda w: quant.dequantize(w, jnp.float32) if quant.is_quantized(w) else w, q4,
@@ -195,8 +197,8 @@ def test_pallas_int4_interpret_bf16_padding_and_explicit_blocks():
 
 def test_pallas_int4_through_linear_with_interpret_kernel():
     x, qw = _int4_problem(6, 128, 512, 64)
-    xla = quant.linear(x.reshape(2, 3, 512), qw)
-    fused = quant.linear(x.reshape(2, 3, 512), dataclasses.replace(qw, kernel="pallas-interpret"))
+    xla = linear(x.reshape(2, 3, 512), qw)
+    fused = linear(x.reshape(2, 3, 512), dataclasses.replace(qw, kernel="pallas-interpret"))
     np.testing.assert_allclose(np.asarray(fused), np.asarray(xla), rtol=1e-4, atol=1e-4)
 
 
@@ -233,14 +235,14 @@ def test_host_quantizers_equal_the_jax_quantizers(shape, monkeypatch):
     monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 1 << 16)  # several row chunks
     w = np.asarray(rand(*shape, scale=0.05))
     for src in (w, lambda a, b: w[a:b]):
-        a, b = quant.quantize_int8(jnp.asarray(w)), quant.quantize_host(src, shape, "int8")
+        a, b = quant.quantize_int8(jnp.asarray(w)), quantize_host(src, shape, "int8")
         assert b.group_size is None and b.q.dtype == jnp.int8
         np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
         np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
-        a, b = quant.quantize_int4(jnp.asarray(w), 32), quant.quantize_host(src, shape, "int4", 32)
+        a, b = quant.quantize_int4(jnp.asarray(w), 32), quantize_host(src, shape, "int4", 32)
         np.testing.assert_array_equal(np.asarray(a.packed), np.asarray(b.packed))
         np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
-    g = quant.quantize_host(w, shape, "int8", 32)  # grouped int8: one scale per row and 32 inputs
+    g = quantize_host(w, shape, "int8", 32)  # grouped int8: one scale per row and 32 inputs
     assert g.scale.shape == (shape[0], shape[1] // 32) and g.group_size == 32
     assert quant.quantization_error(jnp.asarray(w), g)["relative"] < quant.quantization_error(
         jnp.asarray(w), quant.quantize_int8(jnp.asarray(w)))["relative"]
@@ -256,13 +258,13 @@ def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
     rows = lambda a, b: np.full((b - a, n_in), 0.01, np.float32)  # noqa: E731
     tracemalloc.start()
     try:
-        leaf = quant.quantize_host(rows, (n_out, n_in), "int8")
+        leaf = quantize_host(rows, (n_out, n_in), "int8")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 1.25 * n_out * n_in, peak
-    assert leaf.q.unsafe_buffer_pointer() % quant.HOST_ALIGN == 0
-    host = quant.host_empty((1024, 512), np.int8)
+    assert leaf.q.unsafe_buffer_pointer() % HOST_ALIGN == 0
+    host = host_empty((1024, 512), np.int8)
     host[...] = 3
     if jax.default_backend() == "cpu":
-        assert quant.host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied
+        assert host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied

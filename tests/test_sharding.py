@@ -1,4 +1,4 @@
-"""The mesh, the partition rules and the sharded engine (gemma4/plan/sharding.py).
+"""The mesh, the partition rules and the sharded engine (gemma4/plan/sharding.py, gemma4/model/partitioning.py).
 
 In-process tests need no devices (mesh strings, validation messages, the rule table's
 arithmetic). The engine on meshes of 8 virtual CPU devices runs in ONE subprocess
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gemma4.plan import sharding
+from gemma4.model import partitioning
 from gemma4.model.config import preset
+from gemma4.plan import sharding
 from gemma4.plan.sharding import MeshError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,13 +72,13 @@ def test_validate_mesh_names_devices_and_divisors():
 
 
 def test_rule_table_rejects_a_mesh_axis_used_twice():
-    axes = sharding._all_axes(preset("tiny-e2b"))
-    sharding.check_rules(sharding.RULES, axes)
-    clash = tuple((a, "tensor" if a == "embed" else m) for a, m in sharding.RULES)  # embed and q_heads both
+    axes = sharding.all_axes(preset("tiny-e2b"))
+    sharding.check_rules(partitioning.RULES, axes)
+    clash = tuple((a, "tensor" if a == "embed" else m) for a, m in partitioning.RULES)  # embed and q_heads both
     with pytest.raises(MeshError, match="onto one mesh axis"):
         sharding.check_rules(clash, axes)
     with pytest.raises(MeshError, match="more than once"):
-        sharding.check_rules(sharding.RULES + (("vocab", None),), axes)
+        sharding.check_rules(partitioning.RULES + (("vocab", None),), axes)
     with pytest.raises(MeshError, match="unknown mesh axes"):
         sharding.check_rules((("vocab", "model"),), axes)
 

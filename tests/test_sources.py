@@ -195,7 +195,8 @@ def _same(a, b) -> bool:
 
 def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatch):
     from gemma4.weights import quant_host
-    from gemma4.model.params import iter_specs, param_specs, random_params
+    from gemma4.model.params import iter_specs, param_specs
+    from gemma4.weights.random_init import random_params
 
     cfg = preset("tiny-e2b")
     a = random_params(cfg, seed=3)
@@ -215,12 +216,13 @@ def test_random_params_are_float32_draws_deterministic_and_chunk_free(monkeypatc
                                 {"mode": "int8", "embed_mode": "none"}])
 def test_random_params_quantized_while_drawn_equal_quantize_params(kw, monkeypatch):
     from gemma4.ops import quant
+    from gemma4.model.quantize import quantize_params
     from gemma4.weights import quant_host
-    from gemma4.model.params import random_params
+    from gemma4.weights.random_init import random_params
 
     monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 4096)  # many chunks per leaf
     cfg = preset("tiny-e2b")
-    want = quant.quantize_params(random_params(cfg, seed=1), cfg, **kw)
+    want = quantize_params(random_params(cfg, seed=1), cfg, **kw)
     got = random_params(cfg, seed=1, quantize=kw)
     assert jax.tree.structure(want) == jax.tree.structure(got)
     assert all(_same(x, y) for x, y in zip(_leaves(want), _leaves(got)))

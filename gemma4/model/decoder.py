@@ -17,9 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from gemma4.model import kv_cache
 from gemma4.model.config import LayerSpec, ModelConfig
-from gemma4.ops.quant import linear, linear_many, take_rows
+from gemma4.model.partitioning import logical_spec
+from gemma4.ops.linear import linear, linear_many, take_rows
 
 MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
 
@@ -153,9 +156,7 @@ def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Any = None)
     gate_up, down = lp["experts_gate_up"].astype(u.dtype), lp["experts_down"].astype(u.dtype)
     split = {} if mesh is None else {a: mesh.shape.get(a, 1) for a in ("expert", "tensor")}
     if any(n > 1 for n in split.values()):
-        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-
-        # the bank's split, as gemma4.plan.sharding's rules place it (an axis that does not divide stays whole)
+        # the bank's split, as the partition rules (gemma4.model.partitioning) place it (an axis that does not divide stays whole)
         e_ax = "expert" if split["expert"] > 1 and cfg.num_experts % split["expert"] == 0 else None
         t_ax = "tensor" if split["tensor"] > 1 and cfg.moe_intermediate_size % split["tensor"] == 0 else None
 
@@ -177,13 +178,12 @@ _QKV_AXES = {"q": ("batch", None, "q_heads", "head_dim"), "kv": ("batch", "cache
 
 
 def _pin(x: jax.Array, axes: tuple, mesh: Any) -> jax.Array:
-    """x pinned to the split gemma4.plan.sharding's rules give these logical axes. Left free, XLA split
-    replicated K/V over an idle mesh axis (or along the head dim) and all-gathered it back each
-    step (tiny 26B-A4B on tensor=2,expert=2: a whole [4, 128, 1, 32] layer cache per decode step)."""
-    from gemma4.plan import sharding  # noqa: PLC0415
-
-    spec = sharding.logical_spec(axes, x.shape, dict(mesh.shape))
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+    """x pinned to the split the model's partition rules (gemma4.model.partitioning) give these logical
+    axes. Left free, XLA split replicated K/V over an idle mesh axis (or along the head dim) and
+    all-gathered it back each step (tiny 26B-A4B on tensor=2,expert=2: a whole [4, 128, 1, 32] layer
+    cache per decode step)."""
+    spec = logical_spec(axes, x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 # ------------------------------------------------------------------------------ embedding

@@ -1,4 +1,4 @@
-"""The named formulations of an int8-weight product y = x · Wᵀ that `quant.linear` can run on CPU.
+"""The named formulations of an int8-weight product y = x · Wᵀ that `linear.linear` can run on CPU.
 
 Which one runs for a given weight and number of activation rows is chosen by measurement on the
 machine (`gemma4.plan.cpu_tuning`, through `gemma4.plan.hardware`) and stored in the leaf
@@ -23,6 +23,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gemma4.ops.chunked import auto_chunk_rows, chunked as chunked_dot
+from gemma4.ops.kernels import cpu_int8
+from gemma4.ops.quant import dequant_int8
+
 PATHS = ("native", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")
 
 
@@ -31,9 +35,7 @@ def _dot(x, w, out=jnp.float32):
 
 
 def _dequant(q, scale, group, dtype=jnp.float32):
-    from gemma4.ops.quant import _dequant_int8  # noqa: PLC0415
-
-    return _dequant_int8(q, scale, group, dtype)
+    return dequant_int8(q, scale, group, dtype)
 
 
 def _pad_rows(x2, at_least: int = 2):
@@ -56,18 +58,16 @@ def fused(x2, q, scale, group):
 
 
 def chunked(x2, q, scale, group, rows: int | None = None):
-    """Dequantize `rows` output rows at a time (None: quant.auto_chunk_rows; 0: the whole weight)
-    and dot each chunk, in x2's dtype."""
-    from gemma4.ops.quant import _chunked, auto_chunk_rows  # noqa: PLC0415
-
+    """Dequantize `rows` output rows at a time (None: ops.chunked.auto_chunk_rows; 0: the whole
+    weight) and dot each chunk, in x2's dtype."""
     n, k = q.shape
     dt = x2.dtype
     rows = auto_chunk_rows(n, k) if rows is None else rows
     if not rows:
         return _dot(x2, _dequant(q, scale, group, dt)) if group else _dot(x2, q.astype(dt)) * scale
     if group is None:
-        return _chunked(x2, n, rows, (q,), lambda qq: qq.astype(dt)) * scale
-    return _chunked(x2, n, rows, (q, scale), lambda qq, ss: _dequant(qq, ss, group, dt))
+        return chunked_dot(x2, n, rows, (q,), lambda qq: qq.astype(dt)) * scale
+    return chunked_dot(x2, n, rows, (q, scale), lambda qq, ss: _dequant(qq, ss, group, dt))
 
 
 def _quant_rows(x, levels: float):
@@ -105,8 +105,6 @@ def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: i
     if whole_float and n * k * 4 > FLOAT_TEMP_MAX_BYTES:
         return False
     if path == "native":
-        from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
-
         return native_ok and m <= cpu_int8.MAX_ROWS and cpu_int8.supported(k, group, "auto")
     if path in ("xla-i8x2", "xla-i8"):
         return group is None
@@ -116,8 +114,6 @@ def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: i
 def run(path: str, x2, q, scale, group):
     """y [M, N] float32 by the named formulation."""
     if path == "native":
-        from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
-
         return cpu_int8.matmul(x2, [(q, scale, group)])[0]
     if path == "xla-fused":
         return fused(x2, q, scale, group)
@@ -138,6 +134,4 @@ def run(path: str, x2, q, scale, group):
 
 def run_many(x2, leaves) -> list:
     """Several int8 leaves on one activation, all on the native path: one kernel call."""
-    from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
-
     return cpu_int8.matmul(x2, [(w.q, w.scale, w.group_size) for w in leaves])

@@ -27,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.ops import int8_matmul
-from gemma4.ops.quant import QuantArray
+from gemma4.ops.kernels import cpu_int8
+from gemma4.ops.quant import QuantArray, dequant_int8
+from gemma4.paths import cache_root
+from gemma4.plan.hardware_probe import probe
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +79,6 @@ def products(params: Any) -> dict[Product, QuantArray]:
 
 
 def _cache_file(prods, native_ok: bool) -> Path:
-    from gemma4.plan.hardware_probe import probe  # noqa: PLC0415
-    from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
-    from gemma4.paths import cache_root  # noqa: PLC0415
-
     facts = probe()
     status = cpu_int8.load() if native_ok else None
     parts = [str(VERSION), facts.cpu_model, " ".join(facts.cpu_flags), str(facts.cpu_cores), facts.jax_version,
@@ -120,10 +119,8 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     r = min(REF_ROWS, prod.n)
     q_ref = np.asarray(leaf.q[:r])
     s_ref = np.asarray(leaf.scale[:r])
-    from gemma4.ops.quant import _dequant_int8  # noqa: PLC0415
-
     # float32 BLAS on the dequantized slice: its own error (~1e-6) is far below the bound
-    ref = np.asarray(x) @ np.asarray(_dequant_int8(q_ref, s_ref, prod.group, jnp.float32)).T
+    ref = np.asarray(x) @ np.asarray(dequant_int8(q_ref, s_ref, prod.group, jnp.float32)).T
     timings: dict[str, float | None] = {}
     errors: dict[str, float] = {}
     best = float("inf")

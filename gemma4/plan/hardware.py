@@ -1,12 +1,12 @@
 """Hardware probe and run policy: what this machine is, and how the model should run on it.
 
-    facts = probe()                          # platform, chip, memory, CPU ISA, versions
+    facts = hardware_probe.probe()           # platform, chip, memory, CPU ISA, versions
     plan = policy(facts, model_config)       # every choice with a one-line reason
-    plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
     options = plan.run_options()             # gemma4.model.decoder.RunOptions
 
-The self-test, `resolve`, `choose_int8_matmul`, the text report and the `probe` command live in
-`gemma4.plan.hardware_checks` and are importable from here as before.
+The facts come from `gemma4.plan.hardware_probe`; the self-test, `resolve` (probe + policy + a
+numeric self-test on the device), `choose_int8_matmul` and the text report are
+`gemma4.plan.hardware_checks`, which builds on this module.
 
 Only this module decides dtypes, weight quantization, KV format, attention path, the quantized
 matmul path and the matmul precision; everything else takes the decision as an argument.
@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from typing import Any, Mapping
+
+from gemma4.model.config import approx_param_count, preset
+from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
 # ------------------------------------------------------------------------------ device tables
 # Max shared memory one thread block can use (opt-in dynamic limit), KiB, by compute capability.
@@ -71,12 +73,6 @@ FP8_TPU_GENERATIONS = ("v5e", "v5p", "v6e", "v7", "v7x")
 # None = the whole K (TPU: BlockSpecs bring a block's full K into VMEM).
 INT4_PLAN_BLOCK = {"gpu": (16, 128, 256), "tpu": (8, 256, None)}
 INT4_GROUP_SIZE = 64
-
-
-# ------------------------------------------------------------------------------ facts (gemma4.plan.hardware_probe)
-from gemma4.plan.hardware_probe import (  # noqa: E402,F401  (re-exported: callers use gemma4.plan.hardware)
-    CPU_FLAGS_OF_INTEREST, SIMULATED, HardwareFacts, _GiB, _host_memory, parse_cpuinfo, probe,
-    simulated_facts, tpu_generation)
 
 
 # ------------------------------------------------------------------------------ plan
@@ -122,13 +118,13 @@ class Plan:
         return {name: getattr(self, name) for name in CHOICE_NAMES}
 
     def run_options(self):
-        from gemma4.model.decoder import RunOptions  # noqa: PLC0415
+        from gemma4.model.decoder import RunOptions  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
         return RunOptions(compute_dtype=self.compute_dtype.value, attention_sliding=self.attention_sliding.value,
                           attention_full=self.attention_full.value)
 
     def quantize_kwargs(self) -> dict:
-        """Arguments for gemma4.ops.quant.quantize_params that realise this plan's weight choices."""
+        """Arguments for gemma4.model.quantize.quantize_params that realise this plan's weight choices."""
         return {"mode": self.weights.value, "embed_mode": self.embed_weights.value,
                 "group_size": self.int4_group_size,
                 "int4_kernel": "pallas" if self.int4_kernel.value == "pallas-int4" else "xla",
@@ -136,7 +132,7 @@ class Plan:
 
     def apply_jax_config(self) -> None:
         """Set process-wide JAX options this plan needs (matmul precision)."""
-        import jax  # noqa: PLC0415
+        import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
         jax.config.update("jax_default_matmul_precision", self.matmul_precision.value)
 
@@ -229,7 +225,7 @@ def _max_linear_in(cfg) -> int:
 def int4_kernel_preflight(facts: HardwareFacts, act_dtype: str, model_config=None,
                           group_size: int = INT4_GROUP_SIZE) -> tuple[bool, str, tuple | None]:
     """Does the fused int4 kernel's block fit on this chip? (fits, arithmetic, block)."""
-    from gemma4.ops.kernels.int4_matmul import describe_block_bytes, int4_block_bytes  # noqa: PLC0415
+    from gemma4.ops.kernels.int4_matmul import describe_block_bytes, int4_block_bytes  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
     if facts.platform == "cpu":
         return False, "Pallas runs only in interpret mode on CPU (a test path, far slower than XLA)", None
@@ -247,8 +243,6 @@ def int4_kernel_preflight(facts: HardwareFacts, act_dtype: str, model_config=Non
         if gen not in TPU_SCOPED_VMEM_MIB:
             return False, f"VMEM limit unknown for TPU generation {gen!r}", None
         bm, bn, _ = INT4_PLAN_BLOCK["tpu"]
-        from gemma4.model.config import preset  # noqa: PLC0415
-
         K = _max_linear_in(model_config or preset("e2b"))
         limit = TPU_SCOPED_VMEM_MIB[gen] * 1024 * 1024
         where = f"TPU {gen} scoped VMEM"
@@ -271,8 +265,6 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     """
     facts = facts or probe()
     if model_config is None:
-        from gemma4.model.config import preset  # noqa: PLC0415
-
         model_config, geometry_note = preset("e2b"), " (gemma-4-E2B geometry; no model config given)"
     else:
         geometry_note = ""
@@ -340,8 +332,6 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                                  "(no per-step conversion)", compute.source)
 
     # ---------------------------------------------------------------- weight quantization
-    from gemma4.model.config import approx_param_count  # noqa: PLC0415
-
     n_params = approx_param_count(model_config)
     mem = facts.memory_total_bytes if plat != "cpu" else (facts.host_memory_available_bytes
                                                           or facts.memory_total_bytes)
@@ -361,11 +351,11 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     if budget and need(auto_w) > budget and auto_w != "int4":
         smaller = order[order.index(auto_w) + 1:]
         chosen = next((m for m in smaller if need(m) <= budget), "int4")
-        why = (f"{model_config.name} needs {need(auto_w) / _GiB:.1f} GiB as {auto_w} > 90% of "
-               f"{mem / _GiB:.1f} GiB; {chosen} needs {need(chosen) / _GiB:.1f} GiB")
+        why = (f"{model_config.name} needs {need(auto_w) / GiB:.1f} GiB as {auto_w} > 90% of "
+               f"{mem / GiB:.1f} GiB; {chosen} needs {need(chosen) / GiB:.1f} GiB")
         if need(chosen) > budget:
             warnings.append(f"weights: {model_config.name} does not fit even as int4 "
-                            f"({need(chosen) / _GiB:.1f} GiB vs {mem / _GiB:.1f} GiB)")
+                            f"({need(chosen) / GiB:.1f} GiB vs {mem / GiB:.1f} GiB)")
         auto_w = chosen
     weights = Choice(auto_w, why)
     if "weights" in ov and ov["weights"] != auto_w:
@@ -373,8 +363,8 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
         if ov["weights"] == "int4" and plat == "cpu":
             reason += "; note: on CPU int4 unpacking makes matmuls ~2× slower than int8 (saves RAM only)"
         if budget and need(ov["weights"]) > budget:
-            msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / _GiB:.1f} GiB "
-                   f"vs {mem / _GiB:.1f} GiB")
+            msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / GiB:.1f} GiB "
+                   f"vs {mem / GiB:.1f} GiB")
             reason += f"; warning: {msg}"
             warnings.append(f"weights: {msg}")
         weights = Choice(ov["weights"], reason, "override")
@@ -500,25 +490,3 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                 matmul_precision=prec, device=where, platform=plat, int4_block=block,
                 int4_group_size=INT4_GROUP_SIZE,
                 head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(warnings))
-
-
-# ------------------------------------------------------------------------------ start-up checks and reports
-# self_test, resolve, choose_int8_matmul, full_report, format_report and `main` (the probe command)
-# live in gemma4.plan.hardware_checks, which imports this module; they are re-exported here lazily (on
-# first attribute access) so that either module can be imported first.
-_CHECKS_NAMES = ("_check", "self_test", "resolve", "choose_int8_matmul", "full_report", "_format_bytes",
-                 "format_report", "_measured_report", "main")
-
-
-def __getattr__(name: str):
-    if name in _CHECKS_NAMES:
-        from gemma4.plan import hardware_checks  # noqa: PLC0415
-
-        return getattr(hardware_checks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    from gemma4.plan.hardware_checks import main  # noqa: PLC0415
-
-    sys.exit(main())

@@ -5,21 +5,18 @@
     print(format_report(full_report()))      # what `python -m gemma4 probe` prints
 
 Holds the numeric self-test (`self_test`), the start-up entry points (`resolve`,
-`choose_int8_matmul`, `full_report`), the text report (`format_report`) and the `probe`
-command (`main`). Every name here is also importable from `gemma4.plan.hardware`.
+`choose_int8_matmul`, `full_report`) and the text report (`format_report`); the `probe` command
+that prints it (and can load a model through the engine) is `gemma4.serve.probe`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 import time
 from typing import Any, Mapping
 
 from gemma4.plan.hardware import CHOICE_NAMES, Choice, Plan, PolicyError, normalize_overrides, policy
-from gemma4.plan.hardware_probe import SIMULATED, HardwareFacts, _GiB, probe, simulated_facts
+from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
 
 # ------------------------------------------------------------------------------ self-test
@@ -40,11 +37,12 @@ def self_test(plan: Plan) -> dict:
     When the plan uses them: int8/int4 weight paths, the fused int4 kernel, cuDNN attention per layer
     type, fp8 storage. Returns {"ok", "seconds", "checks": [{name, ok, seconds, detail}]}.
     """
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    import jax.numpy as jnp  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    import numpy as np  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
-    from gemma4.ops import quant  # noqa: PLC0415
+    from gemma4.ops import quant  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    from gemma4.ops.linear import linear  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
     dt = jnp.dtype(plan.compute_dtype.value)
     tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 3e-3}[dt.name]
@@ -78,7 +76,7 @@ def self_test(plan: Plan) -> dict:
             qw = quant.quantize_int8(w) if mode == "int8" else quant.quantize_int4(
                 w, plan.int4_group_size, "pallas" if kernel == "pallas" else "xla",
                 plan.int4_block if kernel == "pallas" else None)
-            got = np.asarray(jax.jit(lambda x, q: quant.linear(x, q, out_dtype=jnp.float32))(x, qw))
+            got = np.asarray(jax.jit(lambda x, q: linear(x, q, out_dtype=jnp.float32))(x, qw))
             ref = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(jnp.float32), np.float64).T
             err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
             return err < tol, f"{mode} {kernel}: max rel err {err:.2e} vs dequantized float64 (tol {tol:.0e})"
@@ -158,12 +156,16 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
     GEMMA4_INT8_MATMUL=<path> forces one path for decode rows; "default" keeps the built-in one.
     Off CPU the compilers fuse the dequantization into the matmul and nothing is chosen here.
     On a mesh of more than one device every path, the native kernel included, runs on each
-    device's own shard inside `shard_map` (see `quant._spmd`: XLA cannot partition the kernel's
+    device's own shard inside `shard_map` (see `gemma4.ops.linear`: XLA cannot partition the kernel's
     custom call, and would gather the whole weight per step), so the paths are measured on the
     shard shapes a device multiplies (`sharding.local_view`).
     Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
     """
-    from gemma4.plan import sharding  # noqa: PLC0415
+    import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+
+    from gemma4.ops import quant  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    from gemma4.ops.kernels import cpu_int8  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
+    from gemma4.plan import cpu_tuning, sharding  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
     if sharding.any_sharded(params):
         tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
@@ -172,12 +174,6 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
                "call and would gather the whole weight every step), measured on the shard shapes; ")
         plan = plan.replace("int8_matmul", Choice(c.value, why + c.reason, c.source))
         return sharding.copy_paths(params, tuned), plan, report
-    import jax  # noqa: PLC0415
-
-    from gemma4.plan import cpu_tuning  # noqa: PLC0415
-
-    from gemma4.ops import quant  # noqa: PLC0415
-    from gemma4.ops.kernels import cpu_int8  # noqa: PLC0415
 
     ov = normalize_overrides(overrides, env)
     want = ov.get("int8_matmul", "measure")
@@ -229,7 +225,7 @@ def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,
 
 
 def _format_bytes(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / _GiB:.1f} GiB"
+    return "unknown" if n is None else f"{n / GiB:.1f} GiB"
 
 
 def format_report(report: dict) -> str:
@@ -261,7 +257,7 @@ def format_report(report: dict) -> str:
         lines.append(f"  WARNING: {w}")
     mm = report.get("int8_matmul")
     if mm:
-        from gemma4.plan import cpu_tuning  # noqa: PLC0415
+        from gemma4.plan import cpu_tuning  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
 
         lines.append("")
         lines.append(f"native int8 kernel: {mm['kernel']['message']}"
@@ -279,70 +275,3 @@ def format_report(report: dict) -> str:
             status = "ok  " if c["ok"] else "FAIL"
             lines.append(f"  {status} {c['name']:<28} {c['seconds'] * 1e3:7.1f} ms  {c['detail']}")
     return "\n".join(lines)
-
-
-def _measured_report(model: str, overrides: dict) -> dict:
-    """The engine's own hardware report after loading `model` (no warm-up compiles)."""
-    from gemma4.serve.engine import Engine  # noqa: PLC0415
-
-    engine = Engine(model, overrides=overrides, warmup=False)
-    try:
-        engine.wait_ready()
-        status = engine.status()
-        if status["state"] == "error":
-            raise PolicyError(status["error"] or status["message"])
-        return engine.info()["hardware"]
-    finally:
-        engine.close(timeout=60)  # let its threads finish before the interpreter tears down
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m gemma4 probe [--json] [--dtype ...] ...`: print the facts, the plan and the self-test."""
-    ap = argparse.ArgumentParser(prog="gemma4 probe", description="Probe the hardware and show the run plan.")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--dtype", help="auto|float32|bfloat16|float16 (GEMMA4_DTYPE)")
-    ap.add_argument("--weights", help="auto|none|int8|int4 (GEMMA4_WEIGHTS)")
-    ap.add_argument("--embed-weights", help="auto|none|int8|int4: the tied embedding / LM head (GEMMA4_EMBED_WEIGHTS)")
-    ap.add_argument("--kv", help="auto|native|int8|fp8 (GEMMA4_KV)")
-    ap.add_argument("--attention", help="auto|xla|cudnn (GEMMA4_ATTENTION)")
-    ap.add_argument("--int4-kernel", help="auto|pallas|xla (GEMMA4_INT4_KERNEL)")
-    ap.add_argument("--matmul-precision", help="auto|none|bfloat16|... (GEMMA4_MATMUL_PRECISION)")
-    ap.add_argument("--int8-matmul", help="auto|measure|default|native|xla-fused|xla-chunked|xla-i8x2 (GEMMA4_INT8_MATMUL)")
-    ap.add_argument("--measure", metavar="MODEL",
-                    help="load MODEL (bundled, a folder, a .gguf, random:<preset>) as the engine does and show the "
-                         "int8 matmul path chosen per product on this CPU, with the timings table")
-    ap.add_argument("--allow-fallback", action="store_true", help="fall back (with a warning) instead of refusing")
-    ap.add_argument("--model", default=None, help="config preset for per-layer choices (default: e2b geometry)")
-    ap.add_argument("--simulate", choices=sorted(SIMULATED), help="plan for a simulated device (no self-test)")
-    ap.add_argument("--no-self-test", action="store_true")
-    args = ap.parse_args(argv)
-    overrides = {k: getattr(args, k) for k in ("dtype", "weights", "embed_weights", "kv", "attention",
-                                               "int4_kernel", "matmul_precision", "int8_matmul") if getattr(args, k)}
-    if args.allow_fallback:
-        overrides["allow_fallback"] = True
-    cfg = None
-    if args.model:
-        from gemma4.model.config import preset  # noqa: PLC0415
-
-        cfg = preset(args.model)
-    facts = simulated_facts(args.simulate) if args.simulate else None
-    try:
-        if args.measure:
-            report = _measured_report(args.measure, overrides)
-        else:
-            report = full_report(cfg, overrides, facts=facts, run_self_test=not args.no_self_test)
-    except PolicyError as e:
-        if args.json:
-            print(json.dumps({"error": "PolicyError", "message": str(e)}))
-        else:
-            print(f"refused: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(format_report(report))
-    return 0 if (report["self_test"] is None or report["self_test"]["ok"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,9 +6,9 @@
     shape = choose_mesh(cfg, plan, devices, context, batch)      # the engine's mesh="auto"
 
 What a device holds, per leaf of `params.param_specs(cfg)`:
-  * weights in the plan's final form (`params.LeafFormat.target`: float in the weight dtype,
+  * weights in the plan's final form (`leaf_format.LeafFormat.target`: float in the weight dtype,
     int8 + one float32 scale per row, int4 packed two per byte + one float32 scale per row and
-    group), divided along the dimensions `gemma4.plan.sharding`'s rule table splits (its own
+    group), divided along the dimensions the rule table (`gemma4.model.partitioning`) splits (its own
     `shard_bytes_per_device`: replicated where a mesh axis does not divide, e.g. 1 KV head);
   * the KV cache for `batch` rows and `context` tokens in the plan's KV format (the exact
     shapes of `kv_cache.init_cache`), rows over `data`, KV heads over `tensor`;
@@ -31,10 +31,19 @@ import math
 import os
 from typing import Any, Mapping
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from gemma4.model.config import ModelConfig
-from gemma4.plan.preflight_devices import (  # noqa: F401  (re-exported: callers use gemma4.plan.preflight)
-    JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, USABLE_FRACTION, DeviceSet, PreflightError, _gpu_client_fraction,
-    local_device_set, simulated_devices)
+from gemma4.model.params import iter_specs, param_specs
+from gemma4.model.partitioning import MESH_AXES, logical_spec
+from gemma4.plan import hardware, sharding
+from gemma4.plan.hardware_probe import simulated_facts
+from gemma4.plan.preflight_devices import (JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, DeviceSet, PreflightError,
+                                           gpu_client_fraction, local_device_set, simulated_devices)
+from gemma4.plan.sharding import mesh_size
+from gemma4.weights import sources
 
 log = logging.getLogger("gemma4.plan.preflight")
 
@@ -54,9 +63,6 @@ CPU_RESERVE_PER_WEIGHT_BYTE = 0.35
 PREFILL_CHUNK = 512
 # `GEMMA4_PREFLIGHT=warn` starts anyway (the refusal becomes a warning), `off` skips the check.
 PREFLIGHT_MODES = ("on", "warn", "off")
-
-MESH_AXES = ("data", "tensor", "expert")
-
 
 # ------------------------------------------------------------------------------ the arithmetic
 def _formats(plan: Any) -> dict:
@@ -82,7 +88,6 @@ def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, co
                  batch: int = 0) -> dict[str, int]:
     """{"weights", "kv_cache"} one device holds: the sharding module's own rule table applied to
     shapes (nothing allocated), so the pre-flight and the real placement cannot disagree."""
-    from gemma4.plan import sharding  # noqa: PLC0415
 
     fmt = _formats(plan)
     out = sharding.shard_bytes_per_device(
@@ -129,14 +134,11 @@ def _largest_matmul_operand(cfg: ModelConfig, mesh: Mapping[str, int], itemsize:
     (GPU/TPU: not measured here, so assumed). Gathered tables (the per-layer embeddings) dequantize
     only their rows. The tied embedding is also the LM head's operand (`head`); on CPU the LM head
     dequantizes in row chunks (gemma4.ops.quant), only a layer's weights are held in float."""
-    from gemma4.plan import sharding  # noqa: PLC0415
-    from gemma4.model.params import iter_specs, param_specs  # noqa: PLC0415
-
     sizes = {a: int(mesh.get(a, 1)) for a in MESH_AXES}
     biggest = 0.0
     for path, spec in iter_specs(param_specs(cfg)):
         if spec.kind in ("linear", "experts") or (head and path == ("embed",)):
-            split = sharding.logical_spec(spec.axes, spec.shape, sizes)
+            split = logical_spec(spec.axes, spec.shape, sizes)
             n = math.prod(spec.shape) * itemsize / math.prod(sizes[a] for a in split if a is not None)
             biggest = max(biggest, n)
     return biggest
@@ -171,10 +173,6 @@ class Footprint:
                 "workspace": {k: int(v) for k, v in self.workspace.items()},
                 "per_device_bytes": int(self.per_device), "replica_weights_bytes": int(self.replica_weights),
                 "replica_kv_bytes": int(self.replica_kv)}
-
-
-def mesh_size(mesh: Mapping[str, int] | None) -> int:
-    return math.prod(int(v) for v in (mesh or {}).values()) if mesh else 1
 
 
 def footprint(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, context: int, batch: int) -> Footprint:
@@ -216,7 +214,6 @@ def validate(cfg: ModelConfig, mesh: Mapping[str, int], n_devices: int, batch: i
              devices: DeviceSet | None = None) -> None:
     """Raise PreflightError when `mesh` cannot run `cfg` on `n_devices` (the sharding module's rule:
     the message names the devices and the divisors)."""
-    from gemma4.plan import sharding  # noqa: PLC0415
 
     try:
         sharding.validate_mesh(cfg, dict(mesh), n_devices, batch=batch)
@@ -261,8 +258,9 @@ def _valid_footprints(cfg, plan, meshes, max_devices: int, context: int, batch: 
         yield mesh, footprint(cfg, plan, mesh, context, batch)
 
 
-def _fitting(cfg, plan, devices: DeviceSet, context: int, batch: int, max_devices: int):
-    """(footprint, mesh) of the smallest mesh that fits, fewest bytes per device among equals; None."""
+def smallest_fitting(cfg, plan, devices: DeviceSet, context: int, batch: int, max_devices: int) -> Footprint | None:
+    """The footprint of the smallest mesh of at most `max_devices` that fits, fewest bytes per
+    device among equals; None when none fits."""
     for n in _sizes(max_devices):
         best = None
         for _, fp in _valid_footprints(cfg, plan, _candidates(cfg, n), max_devices, context, batch):
@@ -314,11 +312,10 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     with a warning).
     """
     devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
-    from gemma4.serve import distributed  # noqa: PLC0415
 
-    spans = distributed.process_count() > 1 and devs.count > (devs.per_host or devs.count)
+    spans = jax.process_count() > 1 and devs.count > (devs.per_host or devs.count)
     fp = (_fitting_all(cfg, plan, devs, context, batch) if spans
-          else _fitting(cfg, plan, devs, context, batch, devs.count))
+          else smallest_fitting(cfg, plan, devs, context, batch, devs.count))
     refused = None
     if fp is None:
         message = refusal(cfg, plan, devs, None, context, batch)
@@ -329,11 +326,19 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
             fp = _best_share(cfg, plan, devs, context, batch)
     # one broadcast, so every process goes on, or refuses, together (process 0's verdict)
     mine = [0, 1, 1, 1] if refused else [1] + [int(fp.mesh.get(axis, 1)) for axis in MESH_AXES]
-    verdict = distributed.agree(mine)
+    verdict = _process0s(mine)
     if not verdict[0]:
         raise PreflightError(refused or "process 0's memory pre-flight refused this model on these devices "
                                         "(its message says why)")
     return dict(zip(MESH_AXES, verdict[1:]))
+
+
+def _process0s(values: list[int]) -> list[int]:
+    """Process 0's `values` on every process (one broadcast; every process must call it)."""
+    if jax.process_count() == 1:
+        return [int(v) for v in values]
+    out = multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
+    return [int(v) for v in np.asarray(out)]
 
 
 def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] | None, devices: Any = None,
@@ -354,6 +359,21 @@ def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] |
     return {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
 
 
+def engine_mesh(request: str | dict | None, cfg, plan, context: int, batch: int) -> dict[str, int]:
+    """The engine's mesh shape for "none", "tensor=4,data=2" (or its dict) or "auto", decided
+    before any weight is read. Where the config is known every request goes through the memory
+    pre-flight (`resolve_mesh`): "auto" becomes its choice, an explicit mesh is
+    validated and its bytes per device checked (a refusal carries the arithmetic). Without a
+    config (it could not be peeked) an explicit mesh is only parsed and "auto" is one device."""
+    if cfg is None:
+        if isinstance(request, dict):
+            return {a: int(n) for a, n in request.items() if int(n) > 1}
+        text = str(request or "auto").strip().lower()
+        return {} if text == "auto" else sharding.parse_mesh(text)
+    shape = resolve_mesh(cfg, plan, request, jax.devices(), context, batch)
+    return {a: int(n) for a, n in shape.items() if int(n) > 1}
+
+
 def preflight_mode(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     mode = (env.get("GEMMA4_PREFLIGHT") or "on").strip().lower()
@@ -368,7 +388,6 @@ def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mappin
     {"request", "mesh", "fits", "message", "devices", "usable_bytes", "footprint", "meshes"}.
     Raises PreflightError for a mesh the model cannot use at all (bad spec, too many devices,
     sizes that do not divide the heads / experts)."""
-    from gemma4.plan import sharding  # noqa: PLC0415
 
     if isinstance(request, Mapping):
         mesh = {a: int(n) for a, n in request.items() if int(n) > 1}
@@ -381,7 +400,7 @@ def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mappin
             raise PreflightError(str(e)) from None
     if mesh is not None:
         validate(cfg, mesh, devices.count, batch, devices)
-    chosen = _fitting(cfg, plan, devices, context, batch, devices.count) if mesh is None else None
+    chosen = smallest_fitting(cfg, plan, devices, context, batch, devices.count) if mesh is None else None
     fp = chosen or (_best_share(cfg, plan, devices, context, batch) if mesh is None
                     else footprint(cfg, plan, mesh, context, batch))
     ok = fits(fp, devices)
@@ -443,7 +462,7 @@ def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, 
     out = []
     used = devices.count if used is None else used
     # more devices of one shared memory (virtual CPU devices) never make room: not suggested
-    wider = None if devices.shared_memory else _fitting(cfg, plan, devices, context, batch,
+    wider = None if devices.shared_memory else smallest_fitting(cfg, plan, devices, context, batch,
                                                         max(devices.count, max_devices))
     if wider is not None and wider.devices > used:
         out.append(f"{format_mesh(wider.mesh)} over {devices.with_count(wider.devices).describe()} needs "
@@ -452,7 +471,7 @@ def alternatives(cfg: ModelConfig, plan: Any, devices: DeviceSet, context: int, 
     current = _formats(plan)["weights"]
     for mode in order[order.index(current) + 1:] if current in order else ():
         smaller = _with_weights(plan, mode)
-        fp = _fitting(cfg, smaller, devices, context, batch, devices.count)
+        fp = smallest_fitting(cfg, smaller, devices, context, batch, devices.count)
         if fp is not None:
             where = "one" if fp.devices == 1 else f"{format_mesh(fp.mesh)} over {fp.devices} ×"
             out.append(f"{mode} on {where} {devices.kind} at {_g(total_bytes(fp, devices))}"
@@ -466,7 +485,7 @@ def _each(devices: DeviceSet) -> str:
 
 
 def _client_hint(devices: DeviceSet) -> str:
-    default_client = _gpu_client_fraction() == JAX_GPU_CLIENT_FRACTION
+    default_client = gpu_client_fraction() == JAX_GPU_CLIENT_FRACTION
     if devices.platform == "gpu" and devices.source == "simulated" and default_client:
         return (f" (JAX takes {JAX_GPU_CLIENT_FRACTION:.0%} of each GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION "
                 "says otherwise)")
@@ -500,8 +519,6 @@ _SIM_FACTS = {"l4": ("l4", None, None), "a10g": ("l4", "NVIDIA A10G", "8.6"), "a
 
 def simulated_facts_for(spec: str):
     """HardwareFacts for a simulated device set (as `hardware_probe.simulated_facts`, with the count)."""
-    from gemma4.plan.hardware_probe import simulated_facts  # noqa: PLC0415
-
     devices = simulated_devices(spec)
     name = next(k for k, v in SIMULATED_DEVICES.items() if v[0] == devices.kind)
     base, kind, cc = _SIM_FACTS[name]
@@ -519,8 +536,6 @@ def probe_report(model: str, mesh: str = "auto", context: int | None = None, bat
                  overrides: Mapping[str, Any] | None = None, devices: str | None = None) -> dict:
     """The pre-flight for `python -m gemma4 probe --model M [--mesh ...] [--devices 4xl4]`: the
     model's config (read without its weights), the plan on these (or simulated) devices, check()."""
-    from gemma4.plan import hardware  # noqa: PLC0415
-    from gemma4.weights import sources  # noqa: PLC0415
 
     cfg = sources.peek_config(sources.resolve(model))
     if cfg is None:

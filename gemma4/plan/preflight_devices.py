@@ -13,6 +13,10 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+import jax
+
+from gemma4.plan.hardware_probe import host_memory
+
 _GiB = 1 << 30
 _MiB = 1 << 20
 
@@ -87,7 +91,9 @@ def _usable_fraction(env: Mapping[str, str] | None = None) -> float:
     return value
 
 
-def _gpu_client_fraction(env: Mapping[str, str] | None = None) -> float:
+def gpu_client_fraction(env: Mapping[str, str] | None = None) -> float:
+    """The share of GPU memory JAX's client takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 1.0 for the
+    platform allocator)."""
     env = os.environ if env is None else env
     if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
         return 1.0
@@ -113,7 +119,7 @@ def simulated_devices(spec: str, env: Mapping[str, str] | None = None) -> Device
                              f"{', '.join(SIMULATED_DEVICES)} (e.g. 4xl4, 8xh100, v5e-8)")
     kind, plat, mem = SIMULATED_DEVICES[name]
     if plat == "gpu":
-        mem = int(mem * _gpu_client_fraction(env))
+        mem = int(mem * gpu_client_fraction(env))
     return DeviceSet(kind, plat, count, mem, "simulated", _usable_fraction(env))
 
 
@@ -123,10 +129,6 @@ def local_device_set(devices: Sequence[Any] | None = None, env: Mapping[str, str
     Memory: `memory_stats()["bytes_limit"]` of this process's first device where the backend
     reports it; for CPU the host's available RAM (psutil), shared by every CPU device.
     """
-    import jax  # noqa: PLC0415
-
-    from gemma4.plan.hardware_probe import _host_memory  # noqa: PLC0415
-
     devices = list(devices) if devices is not None else jax.devices()
     local = [d for d in devices if d.process_index == jax.process_index()] or devices
     dev = local[0]
@@ -140,7 +142,7 @@ def local_device_set(devices: Sequence[Any] | None = None, env: Mapping[str, str
         except Exception:  # noqa: BLE001 - a backend without memory stats
             mem = None
     if mem is None:
-        total, avail = _host_memory()
+        total, avail = host_memory()
         mem, source = (avail or total or 0), "host RAM available (psutil)"
         if plat != "cpu":
             source = "unknown device memory; host RAM assumed"

@@ -8,7 +8,7 @@ How the schedule reaches the other processes: gemma4.serve.step_link (process 0 
 step it dispatches; the others replay it).
 
 Choices that could differ per process are fixed instead of measured: the CPU int8 matmul path
-(`MULTIHOST_INT8_MATMUL`), and `mesh="auto"` is decided on process 0 and shared (`agree`).
+(`MULTIHOST_INT8_MATMUL`), and `mesh="auto"` is decided on process 0 and shared (the pre-flight's broadcast).
 
 Peer loss. The JAX runtime itself terminates a process whose peer vanished, but with a fatal
 log and a stack trace, after its heartbeat timeout. A small watchdog gets there first with a
@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -230,16 +230,6 @@ def is_leader() -> bool:
     import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
 
     return jax.process_index() == 0
-
-
-def agree(values: Sequence[int]) -> list[int]:
-    """Process 0's `values` on every process (one broadcast; every process must call it)."""
-    if process_count() == 1:
-        return [int(v) for v in values]
-    from jax.experimental import multihost_utils  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
-
-    out = multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
-    return [int(v) for v in np.asarray(out)]
 
 
 def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> dict:

@@ -60,7 +60,7 @@ from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
 from gemma4.paths import cache_root
-from gemma4.plan import hardware, sharding
+from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import step_link
 from gemma4.serve.engine_compile import PROMPT_BUCKETS, CompiledShapes, decode_widths, describe_shape, kv_ladder
 from gemma4.weights import sources
@@ -288,7 +288,7 @@ class Engine:
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
                  buckets: Sequence[int] = PROMPT_BUCKETS, mesh: str | dict | None = "auto"):
         self.model_name = model
-        self.mesh_request = "auto" if mesh is None else mesh  # see sharding.resolve_mesh
+        self.mesh_request = "auto" if mesh is None else mesh  # see preflight.engine_mesh
         self.max_batch = int(max_batch)
         self.requested_context = context_limit
         self.overrides = dict(overrides or {})
@@ -402,7 +402,7 @@ class Engine:
         source = sources.resolve(self.model_name)
         self._set_status("loading", 0.02, f"resolving {source.description}")
         # The plan depends on the geometry (head dims → attention path): peek at the config first.
-        plan, report = hardware.resolve(sources.peek_config(source), self.overrides)
+        plan, report = hardware_checks.resolve(sources.peek_config(source), self.overrides)
         if report.get("self_test") and not report["self_test"]["ok"]:
             raise RuntimeError(f"device self-test failed: {report['self_test']}")
         log.info("hardware plan:\n%s", plan.report())
@@ -410,7 +410,7 @@ class Engine:
         options = plan.run_options()
         peeked = sources.peek_config(source)
         context = self.requested_context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
-        mesh_shape = sharding.resolve_mesh(self.mesh_request, peeked, plan, context, self.max_batch)
+        mesh_shape = preflight.engine_mesh(self.mesh_request, peeked, plan, context, self.max_batch)
         mesh = None
         if peeked is not None:  # refused before any weight is read; the weights are born split
             sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
@@ -433,7 +433,7 @@ class Engine:
         self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
         # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
         t_mm = time.perf_counter()
-        params, plan, report["int8_matmul"] = hardware.choose_int8_matmul(
+        params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
             plan, params, self.overrides,
             progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg))
         report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gemma4.model.config import preset
-from gemma4.plan import preflight
+from gemma4.plan import preflight, preflight_devices
 
 _GiB = 1 << 30
 
@@ -83,7 +83,7 @@ def engine_report(engine: Any) -> dict | None:
     if hit and hit[0] == key:
         return hit[1]
     try:
-        report = preflight.check(cfg, plan, preflight.local_device_set(), shape, engine.context_limit,
+        report = preflight.check(cfg, plan, preflight_devices.local_device_set(), shape, engine.context_limit,
                                  engine.max_batch)
     except Exception as e:  # noqa: BLE001 - the panel shows the reason instead of failing
         report = {"error": f"{type(e).__name__}: {e}"}
@@ -106,8 +106,8 @@ SIZE_TABLE_MAX_DEVICES = 8
 
 def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: int) -> str:
     """The smallest mesh of up to 8 such devices that fits, and what each device then needs."""
-    devices = preflight.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
-    fp = preflight._fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)
+    devices = preflight_devices.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
+    fp = preflight.smallest_fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)
     if fp is None:
         return "—"
     where = "1" if fp.devices == 1 else f"{fp.devices}: {preflight.format_mesh(fp.mesh)}"
@@ -117,7 +117,7 @@ def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: in
 def size_table_markdown(context: int = SIZE_TABLE_CONTEXT, batch: int = SIZE_TABLE_BATCH) -> str:
     """README's table: for each Gemma 4 size and weight format, weights and KV per replica and,
     per device kind, the smallest mesh that fits with the GiB each device then needs."""
-    kinds = [preflight.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
+    kinds = [preflight_devices.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
     head = ["model", "weights", "weights / replica", f"KV ({context} × {batch})"] + [
         f"{d.kind.replace('NVIDIA ', '')} ({d.usable_bytes / _GiB:.1f})" for d in kinds]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -7,7 +7,7 @@ once with the shape `gemma4.model.params` describes; anything else is an error n
 
 Files are read through a memory map, one tensor at a time (big tensors in row chunks), and each
 tensor goes straight into its final leaf — the target dtype, or quantized as the plan asks
-(`quantize`, see `gemma4.model.params.LeafFormat`) — so peak host memory stays near the final size of
+(`quantize`, see `gemma4.weights.leaf_format.LeafFormat`) — so peak host memory stays near the final size of
 the model, never a float32 copy of it.
 """
 
@@ -24,7 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import LeafFormat, LeafSpec, leaf_name, param_specs
+from gemma4.model.params import LeafSpec, leaf_name, param_specs
+from gemma4.weights.leaf_format import LeafFormat
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
@@ -218,9 +219,9 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
     """Read a HF checkpoint folder into the parameter tree for `cfg`, weights stored as `dtype`.
 
     `quantize` (`Plan.quantize_kwargs()`) quantizes each tensor as it is read, as
-    `quant.quantize_params` would quantize the loaded tree. `convert(spec, raw_array)` may replace
+    `gemma4.model.quantize.quantize_params` would quantize the loaded tree. `convert(spec, raw_array)` may replace
     the default conversion altogether. With `mesh` (more than one device), each tensor is read
-    only in the row blocks this process's devices hold and placed as `gemma4.plan.sharding` splits it.
+    only in the row blocks this process's devices hold and placed as the partition rules split it.
     """
     specs = param_specs(cfg)
     fmt = LeafFormat(dtype, quantize, mesh)

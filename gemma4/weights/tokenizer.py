@@ -40,6 +40,11 @@ import struct
 from typing import Iterable, Sequence
 
 import numpy as np
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as pb
+from tokenizers import Tokenizer as HFTokenizer
+
+from gemma4.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +137,6 @@ def gguf_to_spm_proto(meta: dict) -> bytes:
 
     Raises ValueError when the GGUF does not describe a SentencePiece-style vocabulary.
     """
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     kind = meta.get("tokenizer.ggml.model")
     if kind != "llama":
         raise ValueError(
@@ -189,8 +192,6 @@ def gguf_to_spm_proto(meta: dict) -> bytes:
 
 def default_cache_dir() -> str:
     """The project cache (see gemma4.paths.cache_root)."""
-    from gemma4.paths import cache_root
-
     return str(cache_root())
 
 
@@ -212,9 +213,6 @@ class _SentencePieceBackend:
     control-looking user-defined pieces are promoted to control before loading."""
 
     def __init__(self, serialized: bytes):
-        import sentencepiece as spm
-        from sentencepiece import sentencepiece_model_pb2 as pb
-
         mp = pb.ModelProto()
         mp.ParseFromString(serialized)
         changed = False
@@ -256,8 +254,6 @@ class _TokenizersBackend:
     (`encode_special_tokens`), so control text in user input is encoded as ordinary text."""
 
     def __init__(self, json_str: str, config: dict | None = None):
-        from tokenizers import Tokenizer as HFTokenizer
-
         self.tok = HFTokenizer.from_str(json_str)
         # Split special added tokens as plain text instead of matching them (tokenizers >= 0.19).
         self.tok.encode_special_tokens = True

@@ -1,5 +1,2 @@
-"""Hand-written kernels (Pallas). Each is used only where `gemma4.plan.hardware.policy` allows it."""
-
-from gemma4.ops.kernels.int4_matmul import int4_block_bytes, int4_matmul
-
-__all__ = ["int4_block_bytes", "int4_matmul"]
+"""Hand-written kernels: the native int8 CPU kernel (cpu_int8) and the fused int4 Pallas kernel
+(int4_matmul). Each is used only where `gemma4.plan.hardware.policy` allows it."""

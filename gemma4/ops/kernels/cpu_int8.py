@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -29,7 +30,12 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
+import jaxlib
 import numpy as np
+
+from gemma4.paths import cache_root
 
 TARGET = "gemma4_int8_matmul"
 SOURCE = Path(__file__).with_name("cpu_int8.cc")
@@ -81,8 +87,6 @@ def _compiler_version(cxx: str) -> str:
 
 
 def build_key(cxx: str) -> str:
-    import jaxlib
-
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), _compiler_version(cxx).encode(),
                  _cpu_signature().encode()):
@@ -92,15 +96,11 @@ def build_key(cxx: str) -> str:
 
 
 def library_path(cxx: str) -> Path:
-    from gemma4.paths import cache_root
-
     return cache_root() / "kernels" / build_key(cxx) / "libgemma4_cpu_int8.so"
 
 
 def build(force: bool = False) -> Path:
     """Compile the kernel if it is not cached; returns the .so path (raises RuntimeError if it can't)."""
-    import jax
-
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++/c++/clang++ or $CXX): the native int8 kernel "
@@ -140,8 +140,6 @@ def load() -> KernelStatus:
 
 
 def _load_uncached() -> KernelStatus:
-    import jax
-
     reason = disabled_reason()
     if reason:
         return KernelStatus(False, reason)
@@ -167,9 +165,6 @@ def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
 
     x2: [M, K] with 1 ≤ M ≤ 8 (cast to float32). Outputs are float32 [M, N_i]. Call `load()` first.
     """
-    import jax
-    import jax.numpy as jnp
-
     x2 = jnp.asarray(x2, jnp.float32)
     m, k = x2.shape
     if not 1 <= m <= MAX_ROWS:
@@ -211,8 +206,6 @@ def reference(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | Non
 def self_test(isas: Sequence[str] | None = None) -> dict:
     """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused two weights, against
     float64; relative error bound 2e-3 (int16 activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
-    import jax
-
     status = load()
     if not status.ok:
         return {"ok": False, "message": status.message}
@@ -244,8 +237,6 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
 def cached_self_test(status: KernelStatus) -> dict:
     """`self_test` on the ISA in use, once per built library: a passing result is kept beside the
     .so (which is itself keyed by source, jaxlib, compiler and CPU), so later starts skip it."""
-    import json  # noqa: PLC0415
-
     marker = Path(status.path).with_name(f"self-test-{status.isa}.json") if status.path else None
     if marker is not None and marker.exists():
         try:

@@ -28,6 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from gemma4.ops.quant import dequant_int4
 
 DEFAULT_BLOCK = {"gpu": (16, 128, 256), "tpu": (8, 256, None), "cpu": (8, 128, 256)}  # (m, n, k); None = K
 
@@ -148,8 +151,6 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
     bm, bn, bk = choose_blocks(M, N, K, group_size, block_m, block_n, block_k, platform)
     compiler_params = None
     if platform == "gpu":
-        from jax.experimental.pallas import triton as pl_triton  # noqa: PLC0415
-
         compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
     m_pad = -M % bm
     xp = jnp.pad(x, ((0, m_pad), (0, 0))) if m_pad else x
@@ -175,9 +176,7 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
 def reference(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: int,
               out_dtype: Any = None) -> jax.Array:
     """Dequantize-then-dot with the same numerics contract (float32 accumulation)."""
-    from gemma4.ops.quant import _dequant_int4  # noqa: PLC0415
-
-    w = _dequant_int4(w_int4, scales, group_size, jnp.float32)
+    w = dequant_int4(w_int4, scales, group_size, jnp.float32)
     y = jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     return y.astype(x.dtype if out_dtype is None else out_dtype)

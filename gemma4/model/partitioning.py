@@ -1,0 +1,111 @@
+"""The model's logical axes on a device mesh: one rule table, and the PartitionSpec it gives an array.
+
+Every array the model has names its dimensions by LOGICAL axes (the parameters in
+`gemma4.model.params`, the KV cache and the activations here). `RULES` maps each logical axis onto
+one of the mesh axes `MESH_AXES` (or none: replicated), and `logical_spec` turns an array's axes and
+shape into a `PartitionSpec` through flax's `flax.linen.logical_to_mesh_axes`. After flax, a
+dimension the mesh axis does not divide is replicated (`fit_spec`): that is how KV heads fewer
+than the tensor size are handled (see KV_HEADS_POLICY). Choosing and checking a mesh, and placing
+a tree on it, is `gemma4.plan.sharding`; building a loaded leaf on its shards is
+`gemma4.weights.leaf_format`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+from jax.sharding import Mesh, PartitionSpec as P
+
+from gemma4.ops.quant import Int4Array
+
+MESH_AXES = ("data", "tensor", "expert")
+
+# logical axis -> mesh axis (None = replicated). One entry per logical name; why, per rule:
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),        # decode slots (cache rows, activation rows): independent requests
+    ("vocab", "tensor"),      # tied embedding / LM head and the PLE table: the largest tables, split by row
+    ("q_heads", "tensor"),    # attention is per head: q/o split by head needs one all-reduce after o
+    ("kv_heads", "tensor"),   # K/V (weights and cache) with their query heads; replicated when fewer
+    ("mlp", "tensor"),        # gate/up by output, down by input: one all-reduce per MLP (Megatron)
+    ("experts", "expert"),    # the MoE bank: each device holds whole experts, routing is unchanged
+    ("embed", None),          # the residual stream is small and every layer needs all of it
+    ("cache_slots", None),    # positions of a row: attention reads them all
+    ("head_dim", None),       # a head is never split (its dot products would need an all-reduce)
+)
+
+# KV heads fewer than (or not divisible by) the tensor size — E2B has 1 KV head, 31B 4 global ones:
+# K/V projections and their cache are REPLICATED over `tensor` rather than split along the head
+# dim. Measured (tiny-e2b, tensor=4, the compiled decode step): with the cache split along the head
+# dim, XLA's partitioner all-gathers every layer's whole cache row each step (10 × [1,8,1,16] ring
+# and 2 × [1,512,1,32] full-layer gathers), so the split saves memory at rest only; replicated,
+# nothing of the cache is gathered. The price is memory: each device holds the whole K/V (E2B:
+# 18 KiB/token in bf16; k/v weights 0.4% of the model). A head-dim split without gathers would
+# need hand-written attention (partial scores all-reduced per layer). Override: none.
+KV_HEADS_POLICY = "replicate"
+
+
+# The logical axes of the arrays outside the parameter tree (the parameters' own come from
+# gemma4.model.params): the KV cache entries and the activations the engine feeds in.
+CACHE_AXES = {"k": ("batch", "cache_slots", "kv_heads", "head_dim"),
+              "v": ("batch", "cache_slots", "kv_heads", "head_dim"),
+              "pos": ("batch", "cache_slots"),
+              "k_scale": ("batch", "cache_slots", "kv_heads"),
+              "v_scale": ("batch", "cache_slots", "kv_heads")}
+ACTIVATION_AXES = {"hidden": ("batch", None, "embed"), "logits": ("batch", "vocab")}
+
+
+def flax_spec(axes: tuple, rules: Sequence[tuple[str, str | None]] = RULES) -> tuple:
+    """The mesh axis (or None) of each logical axis in `axes` under `rules`, as flax maps them."""
+    spec = nn.logical_to_mesh_axes(axes, rules)
+    return tuple(spec) + (None,) * (len(axes) - len(spec))
+
+
+def fit_spec(shape: Sequence[int], spec: tuple, sizes: dict[str, int]) -> tuple:
+    """Drop mesh axes of size 1 and those that do not divide their dimension (→ replicated)."""
+    out = []
+    for n, ax in zip(shape, spec):
+        k = sizes.get(ax, 1) if ax is not None else 1
+        out.append(ax if k > 1 and n % k == 0 else None)
+    return tuple(out)
+
+
+def logical_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> P:
+    """The PartitionSpec of an array with these logical axes and shape on a mesh of `sizes`."""
+    return P(*fit_spec(shape, flax_spec(axes), sizes))
+
+
+def mesh_sizes(mesh: Mesh | dict) -> dict[str, int]:
+    """{axis: size} of a Mesh, or of a mesh shape (a dict; every axis of MESH_AXES, 1 where absent)."""
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else {a: int(mesh.get(a, 1)) for a in MESH_AXES}
+
+
+def leaf_axes(spec: Any, leaf: Any, sizes: dict[str, int]) -> tuple[str | None, str | None]:
+    """(out, in) mesh axes of a 2-D quantized leaf described by `spec` (a LeafSpec): both parts of
+    the leaf must split alike.
+
+    int8 grouped scales split with their columns only when whole groups land on each device;
+    int4's "halves" packing puts columns j and j + in/2 in one byte, so its input dim stays whole
+    (o/down in int4 are then split by nothing: replicated over `tensor`)."""
+    out_ax, in_ax = fit_spec(spec.shape, flax_spec(spec.axes), sizes)
+    if isinstance(leaf, Int4Array):
+        in_ax = None
+    elif in_ax is not None and leaf.group_size and (spec.shape[1] // leaf.group_size) % sizes[in_ax]:
+        in_ax = None
+    return out_ax, in_ax
+
+
+def rules_table() -> list[dict]:
+    """RULES as rows for the Hardware panel: logical axis, mesh axis, why."""
+    why = {
+        "batch": "decode slots: independent requests",
+        "vocab": "tied embedding / LM head and PLE table split by row",
+        "q_heads": "attention per head; one all-reduce after o",
+        "kv_heads": f"K/V and cache with their query heads ({KV_HEADS_POLICY}d when fewer than tensor)",
+        "mlp": "gate/up by output, down by input; one all-reduce per MLP",
+        "experts": "whole experts per device; routing unchanged",
+        "embed": "the residual stream: every layer needs all of it",
+        "cache_slots": "attention reads every slot of a row",
+        "head_dim": "a head is never split",
+    }
+    return [{"logical": a, "mesh": m or "replicated", "why": why.get(a, "")} for a, m in RULES]

@@ -1,0 +1,181 @@
+"""Matmul and gather entry points the model uses, for every weight leaf type.
+
+The model never multiplies weights directly: it calls `linear` (y = x·Wᵀ, W stored [out, in]),
+`linear_many` (several weights on one activation) and `take_rows` (embedding gather). W is a plain
+array or one of the quantized leaves of `gemma4.ops.quant`; a plain one is cast to the activation
+dtype inside the dot.
+
+How they run:
+  * int8, decode-sized batches on CPU (≤ FUSED_ROWS_MAX activation rows): a fused elementwise
+    convert·multiply + row reduction, which XLA:CPU runs as one loop streaming the int8 weight
+    once (see `int8_matmul.fused` and the comment above FUSED_ROWS_MAX for the measurements).
+  * int8 otherwise: `dot(x, q.astype(x.dtype)) · scale` inside one jit; the per-row scale is
+    applied to the [.., out] result. GPU and TPU compilers are expected to fuse the convert into the matmul (not
+    measured here). XLA:CPU (jax 0.10.2) does not: it first writes the whole dequantized float32
+    weight (measured 10× slower than a float32 matvec at the LM-head shape). So on CPU the weight is
+    dequantized `chunk_rows` output rows at a time inside a `lax.map`, which keeps each chunk in
+    cache and measured ~2× *faster* than float32 weights (bench/cpu_dtype.py). A multiply-then-sum
+    formulation is slower still.
+  * int4: the packed nibbles are unpacked and scaled into a dequantized operand inside the same jit
+    ("dequant+dot", chunked on CPU like int8), or — where the hardware policy allows — by the fused
+    Pallas kernel in `gemma4.ops.kernels.int4_matmul` (`Int4Array.kernel == "pallas"`).
+  * gathers (`take_rows`) dequantize only the gathered rows, so the tied embedding / LM head and
+    the per-layer-embedding table can be quantized too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gemma4.ops import chunked, int8_matmul
+from gemma4.ops.kernels.int4_matmul import int4_matmul
+from gemma4.ops.quant import Int4Array, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf
+
+
+# For a few activation rows (decode), XLA:CPU runs an elementwise convert·multiply + row reduction
+# as one fused loop that streams the int8 weight once: measured on a quiet 2-core Zen 4 at the
+# [262144, 640] LM head, 21.6 ms for 1 row and 27.5 ms for 8 rows, against 36 / 82 ms chunked and
+# 24 / ~240 ms for float32 weights through dot. Many rows (prefill) are compute-bound: dot wins.
+FUSED_ROWS_MAX = 16
+
+
+def _int8_default(x2: jax.Array, w: QuantArray) -> jax.Array:
+    """The built-in int8 path (no measured plan): fused rows for decode on CPU, else dequant + dot
+    (chunked on CPU); the formulations themselves live in gemma4.ops.int8_matmul."""
+    grouped = w.group_size is not None
+    if jax.default_backend() == "cpu" and x2.shape[0] <= FUSED_ROWS_MAX and w.chunk_rows is None and not grouped:
+        return int8_matmul.fused(x2, w.q, w.scale, None)
+    return int8_matmul.chunked(x2, w.q, w.scale, w.group_size, w.chunk_rows)
+
+
+def int8_path(w: QuantArray, m: int) -> str:
+    """The formulation `linear` uses for `m` activation rows of this leaf ("default" = built-in)."""
+    for max_rows, path in w.paths:
+        if m <= max_rows:
+            return path
+    return "default"
+
+
+def _int8_linear(x: jax.Array, w: QuantArray) -> jax.Array:
+    n_out, n_in = w.q.shape
+    x2 = x.reshape(-1, n_in)
+    path = int8_path(w, x2.shape[0])
+    if path == "default":
+        y = _int8_default(x2, w)
+    else:
+        y = int8_matmul.run(path, x2, w.q, w.scale, w.group_size)
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def _int4_linear(x: jax.Array, w: Int4Array) -> jax.Array:
+    n_out, n_in = w.shape
+    if w.kernel != "xla":
+        bm, bn, bk = w.block or (None, None, None)
+        y = int4_matmul(x.reshape(-1, n_in), w.packed, w.scale, w.group_size, block_m=bm, block_n=bn,
+                        block_k=bk, interpret=(w.kernel == "pallas-interpret"), out_dtype=jnp.float32)
+        return y.reshape(*x.shape[:-1], n_out)
+    rows = w.chunk_rows if w.chunk_rows is not None else chunked.auto_chunk_rows(n_out, n_in)
+    if not rows:
+        return chunked.dot(x, w.dequantize(x.dtype))
+    x2 = x.reshape(-1, n_in)
+    y = chunked.chunked(x2, n_out, rows, (w.packed, w.scale),
+                        lambda p, s: dequant_int4(p, s, w.group_size, x.dtype))
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+# ------------------------------------------------------------------------------ on a device mesh
+# Decode-sized products stream the weight (memory-bound): splitting their few rows over `data`
+# saves no weight traffic and costs an all-gather of the activations after every product (bundled
+# model, data=2,tensor=4: 246 all-gathers per decode step). Prefill chunks are compute-bound:
+# there each `data` replica takes a part of the rows.
+SPLIT_ROWS_MIN = 64
+
+
+def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
+    """linear / linear_many of quantized leaves sharded over a mesh, one shard per device.
+
+    XLA's SPMD partitioner cannot split the native int8 kernel (an FFI custom call) or see
+    through the chunked formulations' `lax.map`: it would gather the whole weight to every device
+    each step. So each device runs the chosen formulation on its own shard inside `shard_map`:
+    weights split by output rows give output columns; weights split by input columns (o, down)
+    give partial sums, added by one psum over that axis. Activation rows are split over `data`
+    only from SPLIT_ROWS_MIN rows on (see there). All leaves of one call share x and the input axis.
+    """
+    mesh = ws[0].mesh
+    in_ax = ws[0].mesh_axes[1]
+    n_in = x.shape[-1]
+    x2 = x.reshape(-1, n_in)
+    data = mesh.shape.get("data", 1)
+    rows_ax = "data" if data > 1 and x2.shape[0] >= SPLIT_ROWS_MIN and x2.shape[0] % data == 0 else None
+
+    def scale_spec(w):
+        out_ax, ax_in = w.mesh_axes
+        return P(out_ax) if w.scale.ndim == 1 else P(out_ax, ax_in)
+
+    def local(x_l, *arrays):
+        leaves = [local_leaf(w, arrays[2 * i], arrays[2 * i + 1]) for i, w in enumerate(ws)]
+        outs = linear_many(x_l, leaves, jnp.float32)
+        return tuple(jax.lax.psum(y, in_ax) if in_ax else y for y in outs)
+
+    arrays, in_specs = [], [P(rows_ax, in_ax)]
+    for w in ws:
+        if w.mesh_axes[1] != in_ax:
+            raise ValueError(f"leaves of one call must share the input axis: {w.mesh_axes} vs {in_ax}")
+        data_arr = w.q if isinstance(w, QuantArray) else w.packed
+        arrays += [data_arr, w.scale]
+        in_specs += [P(*w.mesh_axes), scale_spec(w)]
+    out_specs = tuple(P(rows_ax, w.mesh_axes[0]) for w in ws)
+    ys = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                       check_vma=False)(x2, *arrays)
+    return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
+
+
+def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
+    """x [..., in] · Wᵀ → [..., out] in `out_dtype` (default x.dtype), accumulated in float32.
+
+    W is a plain [out, in] array, a QuantArray or an Int4Array.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if is_sharded(w):
+        return _spmd(x, [w], out_dtype)[0]
+    if isinstance(w, QuantArray):
+        y = _int8_linear(x, w)
+    elif isinstance(w, Int4Array):
+        y = _int4_linear(x, w)
+    else:
+        y = chunked.dot(x, w.astype(x.dtype))
+    return y.astype(out_dtype)
+
+
+def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array]:
+    """[linear(x, w) for w in ws], as one native kernel call when every leaf runs natively here.
+
+    Products that share an activation (q/k/v, gate/up) cost one kernel launch and one activation
+    quantization instead of several; the results are the same as separate `linear` calls.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if len(ws) > 1 and all(is_sharded(w) for w in ws) and len({w.mesh_axes[1] for w in ws}) == 1:
+        return _spmd(x, ws, out_dtype)
+    n_in = x.shape[-1]
+    m = int(np.prod(x.shape[:-1]))
+    if len(ws) > 1 and all(isinstance(w, QuantArray) and int8_path(w, m) == "native" for w in ws):
+        ys = int8_matmul.run_many(x.reshape(m, n_in), ws)
+        return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
+    return [linear(x, w, out_dtype) for w in ws]
+
+
+def take_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
+    """table[ids] as `dtype` (embedding lookup); quantized tables dequantize only the gathered rows."""
+    if isinstance(table, QuantArray):
+        q = jnp.take(table.q, ids, axis=0)
+        return dequant_int8(q, jnp.take(table.scale, ids, axis=0), table.group_size, dtype)
+    if isinstance(table, Int4Array):
+        packed = jnp.take(table.packed, ids, axis=0)
+        scale = jnp.take(table.scale, ids, axis=0)
+        return dequant_int4(packed, scale, table.group_size, dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
