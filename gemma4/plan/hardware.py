@@ -5,8 +5,8 @@
     options = plan.run_options()             # gemma4.model.decoder.RunOptions
 
 The facts come from `gemma4.plan.hardware_probe`; the self-test, `resolve` (probe + policy + a
-numeric self-test on the device), `choose_int8_matmul` and the text report are
-`gemma4.plan.hardware_checks`, which builds on this module.
+numeric self-test on the device) and `choose_int8_matmul` are `gemma4.plan.hardware_checks`;
+the text report and the plan for a simulated device are `gemma4.plan.hardware_report`. Both build on this module.
 
 Only this module decides dtypes, weight quantization, KV format, attention path, the quantized
 matmul path and the matmul precision; everything else takes the decision as an argument.

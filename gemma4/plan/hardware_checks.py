@@ -1,11 +1,13 @@
-"""Start-up checks and reporting for the hardware plan (the policy itself is `gemma4.plan.hardware`).
+"""Start-up checks on the live device (the policy itself is `gemma4.plan.hardware`).
 
     plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
     params, plan, mm = choose_int8_matmul(plan, params)   # CPU int8 path, once the weights load
     print(format_report(full_report()))      # what `python -m gemma4 probe` prints
 
-Holds the numeric self-test (`self_test`), the start-up entry points (`resolve`,
-`choose_int8_matmul`, `full_report`) and the text report (`format_report`); the `probe` command
+Holds the numeric self-test (`self_test`) and the start-up entry points (`resolve`,
+`choose_int8_matmul`, `full_report`); they run JAX, so this module imports it. The report's
+shape and its text (`format_report`), and the plan for a simulated device, are the jax-free
+`gemma4.plan.hardware_report`, which is all `probe --simulate` loads; the `probe` command
 that prints it (and can load a model through the engine) is `gemma4.serve.probe`.
 """
 
@@ -15,8 +17,17 @@ import dataclasses
 import time
 from typing import Any, Mapping
 
-from gemma4.plan.hardware import CHOICE_NAMES, Choice, Plan, PolicyError, normalize_overrides, policy
-from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4.ops import quant
+from gemma4.ops.kernels import cpu_int8
+from gemma4.ops.linear import linear
+from gemma4.plan import cpu_tuning, sharding
+from gemma4.plan.hardware import Choice, Plan, PolicyError, normalize_overrides, policy
+from gemma4.plan.hardware_probe import HardwareFacts, probe
+from gemma4.plan.hardware_report import report_dict
 
 
 # ------------------------------------------------------------------------------ self-test
@@ -37,13 +48,6 @@ def self_test(plan: Plan) -> dict:
     When the plan uses them: int8/int4 weight paths, the fused int4 kernel, cuDNN attention per layer
     type, fp8 storage. Returns {"ok", "seconds", "checks": [{name, ok, seconds, detail}]}.
     """
-    import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-    import jax.numpy as jnp  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-    import numpy as np  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
-    from gemma4.ops import quant  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-    from gemma4.ops.linear import linear  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
     dt = jnp.dtype(plan.compute_dtype.value)
     tol = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 3e-3}[dt.name]
     rng = np.random.default_rng(0)
@@ -142,8 +146,7 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
                 plan = plan.replace(f"attention_{kind}", Choice("xla", f"{choice.value} attention failed the "
                                                                 f"start-up self-test; using XLA", "self-test"),
                                     f"attention_{kind}: {choice.value} failed the self-test, fell back to xla")
-    report = {"facts": facts.to_dict(), "plan": plan.to_dict(), "self_test": test, "warnings": list(plan.warnings)}
-    return plan, report
+    return plan, report_dict(facts, plan, test)
 
 
 def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
@@ -161,12 +164,6 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
     shard shapes a device multiplies (`sharding.local_view`).
     Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
     """
-    import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
-    from gemma4.ops import quant  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-    from gemma4.ops.kernels import cpu_int8  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-    from gemma4.plan import cpu_tuning, sharding  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
     if sharding.any_sharded(params):
         tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
         c = plan.int8_matmul
@@ -222,56 +219,3 @@ def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,
                 run_self_test: bool = True) -> dict:
     """facts + plan + self-test as one JSON-able dict (for the UI panel and start-up logs)."""
     return resolve(model_config, overrides, env, facts, run_self_test)[1]
-
-
-def _format_bytes(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / GiB:.1f} GiB"
-
-
-def format_report(report: dict) -> str:
-    f = report["facts"]
-    lines = [
-        f"device: {f['description']}",
-        f"platform: {f['platform']}  devices: {f['device_count']}  kind: {f['device_kind']}",
-        f"jax {f['jax_version']} / jaxlib {f['jaxlib_version']}" + (f"  backend {f['backend_version']}"
-                                                                    if f.get("backend_version") else ""),
-    ]
-    if f["platform"] == "gpu":
-        lines.append(f"compute capability: {f['compute_capability'] or 'unknown'}  vendor: {f['vendor']}")
-    if f["platform"] == "tpu":
-        lines.append(f"TPU generation: {f['tpu_generation']}")
-    lines.append(f"memory: total {_format_bytes(f['memory_total_bytes'])}, free {_format_bytes(f['memory_free_bytes'])}"
-                 f"  (host RAM {_format_bytes(f['host_memory_total_bytes'])})")
-    lines.append(f"CPU: {f['cpu_model']} [{f['cpu_arch']}, {f['cpu_cores']} cores] flags: "
-                 f"{' '.join(f['cpu_flags']) or '-'}")
-    for n in f["notes"]:
-        lines.append(f"note: {n}")
-    p = report["plan"]
-    lines.append("")
-    lines.append("plan:")
-    for name in CHOICE_NAMES:
-        c = p[name]
-        tag = "" if c["source"] == "auto" else f" [{c['source']}]"
-        lines.append(f"  {name:<18} {str(c['value']):<12}{tag}  {c['reason']}")
-    for w in p["warnings"]:
-        lines.append(f"  WARNING: {w}")
-    mm = report.get("int8_matmul")
-    if mm:
-        from gemma4.plan import cpu_tuning  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
-        lines.append("")
-        lines.append(f"native int8 kernel: {mm['kernel']['message']}"
-                     + (f"; self-test {mm['kernel_self_test']['message']}" if mm.get("kernel_self_test") else ""))
-        if mm.get("tuning"):
-            t = mm["tuning"]
-            how = "read from this machine's cache" if t.get("cached") else f"measured in {t['seconds']:.1f} s"
-            lines.append(f"int8 matmul path per product and row count ({how}):")
-            lines.append(cpu_tuning.format_table(t))
-    t = report.get("self_test")
-    if t:
-        lines.append("")
-        lines.append(f"self-test: {'PASS' if t['ok'] else 'FAIL'} ({t['seconds'] * 1e3:.0f} ms)")
-        for c in t["checks"]:
-            status = "ok  " if c["ok"] else "FAIL"
-            lines.append(f"  {status} {c['name']:<28} {c['seconds'] * 1e3:7.1f} ms  {c['detail']}")
-    return "\n".join(lines)

@@ -4,6 +4,7 @@
     python -m gemma4 probe --measure MODEL    # load MODEL as the engine does: the measured int8 paths
 
 It lives above `gemma4.plan` because `--measure` runs an Engine; the report itself is
+`gemma4.plan.hardware_report` (jax-free: all that `--simulate` loads) and, on the live device,
 `gemma4.plan.hardware_checks`.
 """
 
@@ -15,7 +16,7 @@ import sys
 
 from gemma4.model.config import preset
 from gemma4.plan.hardware import PolicyError
-from gemma4.plan.hardware_checks import format_report, full_report
+from gemma4.plan.hardware_report import format_report, simulated_report
 from gemma4.plan.hardware_probe import SIMULATED, simulated_facts
 
 
@@ -59,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.allow_fallback:
         overrides["allow_fallback"] = True
     cfg = preset(args.model) if args.model else None
-    facts = simulated_facts(args.simulate) if args.simulate else None
     try:
         if args.measure:
             report = _measured_report(args.measure, overrides)
+        elif args.simulate:
+            report = simulated_report(simulated_facts(args.simulate), cfg, overrides)[1]
         else:
-            report = full_report(cfg, overrides, facts=facts, run_self_test=not args.no_self_test)
+            from gemma4.plan import hardware_checks  # deferred: the live device needs jax; probe --simulate does not (0.2 s vs 4-5 s, measured)
+
+            report = hardware_checks.full_report(cfg, overrides, run_self_test=not args.no_self_test)
     except PolicyError as e:
         if args.json:
             print(json.dumps({"error": "PolicyError", "message": str(e)}))
