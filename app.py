@@ -21,7 +21,7 @@ from typing import Any
 
 import gradio as gr
 
-from gemma4.serve import distributed
+from gemma4.serve import distributed_flags
 from gemma4.ui.demo import DemoApp
 from gemma4.ui.handlers import (
     PENALTY_RANGE,
@@ -213,14 +213,15 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 def main(argv: Sequence[str] | None = None, *, block: bool = True) -> gr.Blocks | None:
     """Parse flags, start loading the engine in the background, build the UI and serve it at /
     with the OpenAI-compatible API at /v1 (one uvicorn server, `gemma4.web.server`)."""
+    from gemma4.serve import distributed  # deferred: its runtime imports jax, +1.5 s on `import app` (measured)
     from gemma4.serve.engine import get_engine  # deferred: jax, +1.5 s on `import app` (measured)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = parse_settings(argv)
     log.info("starting with %s", settings)
     try:  # before any JAX backend starts; one process when no multi-host flag is given
-        distributed.initialize(settings.distributed or distributed.Settings())
-    except distributed.DistributedError as e:
+        distributed.initialize(settings.distributed or distributed_flags.Settings())
+    except distributed_flags.DistributedError as e:
         raise SystemExit(f"error: {e}") from None
     engine = get_engine(model=settings.model, max_batch=settings.max_users,
                         context_limit=settings.context, mesh=settings.mesh,

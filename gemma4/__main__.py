@@ -1,5 +1,5 @@
 import sys
 
-from gemma4.cli import main
+from gemma4.cli.commands import main
 
 sys.exit(main())

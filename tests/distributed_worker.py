@@ -24,7 +24,7 @@ NEW_TOKENS = 6
 
 
 def main() -> int:
-    from gemma4.serve import distributed
+    from gemma4.serve import distributed, distributed_flags
 
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -32,11 +32,11 @@ def main() -> int:
     ap.add_argument("--die-at-step", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=2)
     ap.add_argument("--weights", default="none", help="none | int8 | int4")
-    distributed.add_arguments(ap)
+    distributed_flags.add_arguments(ap)
     args = ap.parse_args()
     try:
-        distributed.initialize(distributed.from_args(args))
-    except distributed.DistributedError as e:
+        distributed.initialize(distributed_flags.from_args(args))
+    except distributed_flags.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

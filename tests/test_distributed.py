@@ -20,6 +20,7 @@ import pytest
 
 from gemma4.model.sampling import SamplingRows
 from gemma4.serve import distributed as D
+from gemma4.serve import distributed_flags as F
 from gemma4.serve import step_link as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,20 +134,20 @@ def test_step_descriptor_round_trip():
 def test_incomplete_flags_are_refused_with_a_message(flags, message):
     ns = argparse.Namespace(**{"distributed": None, "coordinator": None, "num_processes": None,
                                "process_id": None, "heartbeat_s": 10.0, **flags})
-    with pytest.raises(D.DistributedError) as e:
-        D.from_args(ns)
+    with pytest.raises(F.DistributedError) as e:
+        F.from_args(ns)
     assert message in str(e.value)
 
 
 def test_flags_and_environment():
     p = argparse.ArgumentParser()
-    D.add_arguments(p, {"GEMMA4_COORDINATOR": "10.0.0.1:1234", "GEMMA4_NUM_PROCESSES": "2",
+    F.add_arguments(p, {"GEMMA4_COORDINATOR": "10.0.0.1:1234", "GEMMA4_NUM_PROCESSES": "2",
                         "GEMMA4_PROCESS_ID": "1"})
-    s = D.from_args(p.parse_args([]))
+    s = F.from_args(p.parse_args([]))
     assert (s.mode, s.coordinator, s.num_processes, s.process_id) == ("manual", "10.0.0.1:1234", 2, 1)
-    assert D.from_args(p.parse_args(["--distributed", "off"])).mode == "off"
-    assert D.from_args(p.parse_args(["--distributed", "auto"])).mode == "auto"
-    assert not D.from_args(argparse.ArgumentParser().parse_args([])).enabled
+    assert F.from_args(p.parse_args(["--distributed", "off"])).mode == "off"
+    assert F.from_args(p.parse_args(["--distributed", "auto"])).mode == "auto"
+    assert not F.from_args(argparse.ArgumentParser().parse_args([])).enabled
 
 
 # ------------------------------------------------------------------------------ real processes
@@ -215,9 +216,9 @@ def test_a_follower_without_a_coordinator_gets_a_message():
     """The runtime itself would abort with a stack trace after its timeout; the check says why."""
     port = _free_port()
     start = time.monotonic()
-    with pytest.raises(D.DistributedError, match=f"process 1: no coordinator answered at 127.0.0.1:{port} within 1 s"):
-        D.initialize(D.Settings("manual", f"127.0.0.1:{port}", 2, 1, init_timeout_s=1))
+    with pytest.raises(F.DistributedError, match=f"process 1: no coordinator answered at 127.0.0.1:{port} within 1 s"):
+        D.initialize(F.Settings("manual", f"127.0.0.1:{port}", 2, 1, init_timeout_s=1))
     assert time.monotonic() - start < 10
     with socket.create_server(("", port)):
-        with pytest.raises(D.DistributedError, match=f"cannot listen on the coordinator port {port}"):
-            D.initialize(D.Settings("manual", f"127.0.0.1:{port}", 2, 0))
+        with pytest.raises(F.DistributedError, match=f"cannot listen on the coordinator port {port}"):
+            D.initialize(F.Settings("manual", f"127.0.0.1:{port}", 2, 0))

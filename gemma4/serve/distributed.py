@@ -1,6 +1,6 @@
 """More than one process: `jax.distributed` start-up, the end of a run, and peer loss.
 
-    settings = from_args(args)          # --coordinator / --num-processes / --process-id / --distributed
+    settings = distributed_flags.from_args(args)   # the flags: gemma4.serve.distributed_flags (no jax)
     initialize(settings)                # before anything touches a JAX backend
     # then get_engine(...) as usual: on process 0 it serves; on the others it follows
 
@@ -21,8 +21,6 @@ to 3 × heartbeat_s so the watchdog speaks first.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -32,79 +30,22 @@ import threading
 import time
 from typing import Any, Mapping
 
-import numpy as np
+import jax
 
-from gemma4.env import env_float, env_int
+try:  # the auto-detected coordinator address lives only in this private module
+    from jax._src import distributed as jax_distributed_state
+except ImportError:  # another jax: the address is then unknown (None), as before
+    jax_distributed_state = None
+
+from gemma4.serve.distributed_flags import DistributedError, Settings
 
 log = logging.getLogger("gemma4.serve.distributed")
 
-DEFAULT_HEARTBEAT_S = 10.0  # a silent peer is declared lost after this long
-DEFAULT_INIT_TIMEOUT_S = 300  # JAX's own default for reaching the coordinator
 PING_INTERVAL_S = 1.0
 LOST_EXIT_CODE = 3
 # The measured CPU int8 path could differ per process (timings differ); the built-in formulation
 # is the same everywhere. A specific path the user forces (GEMMA4_INT8_MATMUL=native, ...) is kept.
 MULTIHOST_INT8_MATMUL = "default"
-
-
-class DistributedError(RuntimeError):
-    """Start-up of the multi-process runtime failed; the message is meant for the user."""
-
-
-# ------------------------------------------------------------------------------ settings
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    mode: str = "off"  # "off" | "manual" (coordinator/count/id given) | "auto" (TPU pod, SLURM, ...)
-    coordinator: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
-
-
-def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """The multi-host flags (defaults from GEMMA4_* environment variables)."""
-    env = os.environ if environ is None else environ
-    g = p.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--distributed", choices=["off", "auto"], default=env.get("GEMMA4_DISTRIBUTED") or None,
-                   help="auto: let JAX detect the cluster (TPU pod slice, SLURM, ...); off: one process. "
-                        "Giving --coordinator implies manual start-up (env GEMMA4_DISTRIBUTED)")
-    g.add_argument("--coordinator", default=env.get("GEMMA4_COORDINATOR") or None, metavar="HOST:PORT",
-                   help="address of process 0, the same on every process (env GEMMA4_COORDINATOR)")
-    g.add_argument("--num-processes", type=int, default=env_int(env, "GEMMA4_NUM_PROCESSES"),
-                   help="how many processes join (env GEMMA4_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=env_int(env, "GEMMA4_PROCESS_ID"),
-                   help="this process's index, 0 serves the UI/API (env GEMMA4_PROCESS_ID)")
-    g.add_argument("--heartbeat-s", type=float, default=env_float(env, "GEMMA4_HEARTBEAT_S", DEFAULT_HEARTBEAT_S),
-                   help="seconds of silence after which a peer counts as lost (env GEMMA4_HEARTBEAT_S)")
-
-
-def from_args(args: Any) -> Settings:
-    """Settings from parsed flags; raises DistributedError for an incomplete or inconsistent set."""
-    mode = (getattr(args, "distributed", None) or "").lower()
-    coord, n, pid = getattr(args, "coordinator", None), getattr(args, "num_processes", None), \
-        getattr(args, "process_id", None)
-    hb = float(getattr(args, "heartbeat_s", DEFAULT_HEARTBEAT_S) or DEFAULT_HEARTBEAT_S)
-    if hb <= 0:
-        raise DistributedError(f"--heartbeat-s must be positive, got {hb}")
-    if mode == "auto":
-        return Settings("auto", coord, n, pid, hb)
-    if mode == "off" or (coord is None and n is None and pid is None):
-        return Settings("off", heartbeat_s=hb)
-    missing = [f for f, v in (("--coordinator", coord), ("--num-processes", n), ("--process-id", pid)) if v is None]
-    if missing:
-        raise DistributedError(f"multi-host start-up needs --coordinator, --num-processes and --process-id "
-                               f"together (missing {', '.join(missing)}), or --distributed auto on a TPU pod / "
-                               f"SLURM")
-    if n < 1 or not 0 <= pid < n:
-        raise DistributedError(f"--process-id {pid} must be in [0, {n}) for --num-processes {n}")
-    if ":" not in coord or not coord.rsplit(":", 1)[1].isdigit():
-        raise DistributedError(f"--coordinator {coord!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
-    return Settings("manual", coord, n, pid, hb)
 
 
 # ------------------------------------------------------------------------------ start-up
@@ -117,8 +58,6 @@ def initialize(settings: Settings) -> dict:
     CPU collectives go through gloo (`jax_cpu_collectives_implementation`), so a CPU-only cluster
     (and the tests) work too. Returns {"process_id", "num_processes", "devices", "local_devices"}.
     """
-    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
-
     if not settings.enabled:
         return {"process_id": 0, "num_processes": 1}
     if settings.mode == "manual":
@@ -213,22 +152,16 @@ def _keep_stdout_for_python() -> None:
 
 def _coordinator_address() -> str | None:
     try:
-        from jax._src import distributed as _d  # deferred: keeps jax (2.7 s) out of `import app`; the auto-detected address lives only here
-
-        return getattr(_d.global_state, "coordinator_address", None)
+        return getattr(jax_distributed_state.global_state, "coordinator_address", None)
     except Exception:  # noqa: BLE001
         return None
 
 
 def process_count() -> int:
-    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
-
     return jax.process_count()
 
 
 def is_leader() -> bool:
-    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
-
     return jax.process_index() == 0
 
 
@@ -248,8 +181,6 @@ def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, 
 # ------------------------------------------------------------------------------ peer-loss watchdog
 def lost(reason: str) -> None:
     """Stop this process at once (threads may be inside a collective that will never finish)."""
-    import jax  # deferred: keeps jax (2.7 s) out of `import app` (test_app::test_import_loads_nothing)
-
     sys.stderr.write(f"gemma4: process {jax.process_index()} of {jax.process_count()}: {reason}; the device mesh "
                      f"cannot continue without every process, so this one stops too (exit status "
                      f"{LOST_EXIT_CODE}). Restart every process to serve again.\n")

@@ -7,7 +7,7 @@ variable (Spaces' GRADIO_SERVER_NAME/PORT too), checked before anything loads.
 Every flag has an environment variable (GEMMA4_MODEL, GEMMA4_HOST, GEMMA4_PORT, GEMMA4_SHARE,
 GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT, GEMMA4_MESH; access: GEMMA4_AUTH,
 GEMMA4_AUTH_FILE, GEMMA4_API_KEY, GEMMA4_RATE_IN_FLIGHT, GEMMA4_RATE_PER_MINUTE; multi-host:
-`gemma4.serve.distributed`).
+`gemma4.serve.distributed_flags`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gemma4.env import EnvError, env_bool, env_int
-from gemma4.serve import distributed
+from gemma4.serve import distributed_flags
 from gemma4.web.server import Access, access_from_args, add_access_flags
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Settings:
     # UI login, /v1 keys, per-client rate limits (gemma4.web.server); secrets stay out of repr()
     access: Access = dataclasses.field(default_factory=Access)
     mesh: str = "auto"  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
-    distributed: Any = None  # gemma4.serve.distributed.Settings: more than one process (None: one)
+    distributed: Any = None  # gemma4.serve.distributed_flags.Settings: more than one process (None: one)
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=env.get("GEMMA4_MESH") or Settings.mesh,
                    help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
     add_access_flags(p, env)
-    distributed.add_arguments(p, env)
+    distributed_flags.add_arguments(p, env)
     return p
 
 
@@ -85,12 +85,12 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     try:
         access = access_from_args(a)
-        multi = distributed.from_args(a)
+        multi = distributed_flags.from_args(a)
         if a.mesh.strip().lower() != "auto":
             from gemma4.plan import sharding  # deferred: jax, +1.2 s on `import app` (measured)
 
             sharding.parse_mesh(a.mesh)  # a bad spec is a usage error, before anything loads
-    except (ValueError, distributed.DistributedError) as e:  # (MeshError is a ValueError)
+    except (ValueError, distributed_flags.DistributedError) as e:  # (MeshError is a ValueError)
         p.error(str(e))
     return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
                     max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,

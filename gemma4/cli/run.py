@@ -1,4 +1,12 @@
-"""Command line: `python -m gemma4 {generate,chat,probe,bench}`."""
+"""The commands that run JAX: generate and chat on an engine, and `probe`'s memory pre-flight.
+
+    python -m gemma4 generate --prompt "..."            # cmd_generate
+    python -m gemma4 chat                               # cmd_chat
+    python -m gemma4 probe --model e4b --devices 4xl4   # cmd_probe: hardware report + pre-flight
+
+`gemma4.cli.commands` parses the command line without JAX and hands over here once a command
+needs it, so this module imports the engine, the pre-flight and the mesh at the top.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +14,16 @@ import argparse
 import contextlib
 import io
 import json
-import logging
-import os
 import sys
 
-from gemma4.env import EnvError
 from gemma4.model.config import PRESETS
-from gemma4.plan import preflight, preflight_devices
+from gemma4.model.sampling import SamplingParams
+from gemma4.plan import preflight, preflight_devices, sharding
+from gemma4.serve import conversation, distributed, distributed_flags
+from gemma4.serve.engine import RequestError, get_engine
 from gemma4.serve.probe import main as hardware_main
-from gemma4.serve import distributed
 from gemma4.ui import mesh_panel
 from gemma4.weights import sources
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="bundled",
-                   help="bundled (Gemma 3 270M, offline) | a local HF folder | an HF repo id | random:<preset>")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the compute dtype")
-    p.add_argument("--weights", choices=["none", "int8", "int4"], help="override weight quantization")
-    p.add_argument("--embed-weights", choices=["none", "int8", "int4"],
-                   help="override quantization of the tied embedding / LM head alone")
-    p.add_argument("--kv", choices=["native", "int8", "fp8"], help="override the KV cache format")
-    p.add_argument("--context", type=int, default=None, help="context window (tokens) to allocate")
-    p.add_argument("--max-batch", type=int, default=1, help="decode slots (concurrent requests)")
-    p.add_argument("--buckets", default=None,
-                   help="comma-separated prompt buckets to compile (default: the engine's ladder)")
-    p.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or "auto",
-                   help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
-                        "(env GEMMA4_MESH)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
-    distributed.add_arguments(p)
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=64)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def _overrides(args) -> dict:
@@ -58,18 +36,14 @@ def _overrides(args) -> dict:
 
 
 def _engine(args):
-    from gemma4.plan import sharding  # deferred: jax, +1.2 s on --help and usage errors (measured)
-
     try:  # before anything touches a JAX backend; a bad mesh spec is refused before any loading
-        distributed.initialize(distributed.from_args(args))
+        distributed.initialize(distributed_flags.from_args(args))
         if args.mesh.strip().lower() != "auto":
             sharding.parse_mesh(args.mesh)
-    except (distributed.DistributedError, sharding.MeshError) as e:
+    except (distributed_flags.DistributedError, sharding.MeshError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     _check_mesh(args)
-    from gemma4.serve.engine import get_engine  # deferred: jax, as above
-
     extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
                         overrides=_overrides(args), mesh=args.mesh, **extra)
@@ -102,11 +76,9 @@ def _check_mesh(args) -> None:
             raise SystemExit(2)
 
 
-def _params(args):
+def sampling_params(args):
     """The run's sampling settings, checked as every front checks them (`SamplingParams.validated`;
     ValueError names the flag's field). No cap here: the engine applies its own."""
-    from gemma4.model.sampling import SamplingParams  # deferred: jax, as in _engine
-
     params, _ = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                max_new_tokens=args.max_new_tokens, seed=args.seed,
                                repetition_penalty=args.repetition_penalty,
@@ -139,9 +111,6 @@ def cmd_generate(args) -> int:
 
 
 def _generate(engine, args) -> int:
-    from gemma4.serve import conversation  # deferred: jax, as in _engine
-    from gemma4.serve.engine import RequestError  # deferred: jax, as in _engine
-
     info = engine.info()
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
@@ -172,9 +141,6 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, args) -> int:
-    from gemma4.serve import conversation  # deferred: jax, as in _engine
-    from gemma4.serve.engine import RequestError  # deferred: jax, as in _engine
-
     info = engine.info()
     print(f"{info['description']} — context {info['context_limit']} tokens. Empty line or Ctrl-D quits; "
           f"/reset clears the conversation.")
@@ -210,24 +176,9 @@ def _chat(engine, args) -> int:
     return 0
 
 
-def cmd_probe(argv: list[str]) -> int:
-    """`probe`: the hardware report (gemma4.serve.probe), then — given --model, --mesh or
-    --devices — the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
-    ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--model")
-    ap.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or None)
-    ap.add_argument("--devices", help="a simulated device set for the pre-flight: [N x]NAME, e.g. 4xl4, v5e-8")
-    ap.add_argument("--context", type=int)
-    ap.add_argument("--max-batch", type=int, default=1)
-    ap.add_argument("--json", action="store_true")
-    for flag in ("--dtype", "--weights", "--embed-weights", "--kv"):
-        ap.add_argument(flag)
-    mine, _ = ap.parse_known_args(argv)
-    if "-h" in argv or "--help" in argv or not (mine.model or mine.mesh or mine.devices):
-        if "-h" in argv or "--help" in argv:
-            print("pre-flight options: --model M (bundled, random:<preset>, a folder, a Hub id) --mesh auto|none|"
-                  "tensor=4,... --devices 4xl4|8xh100|v5e-8|... --context N --max-batch N\n")
-        return hardware_main(argv)
+def cmd_probe(argv: list[str], mine: argparse.Namespace) -> int:
+    """`probe` with pre-flight flags (`mine`, as gemma4.cli.commands parsed them): the hardware
+    report (gemma4.serve.probe), then the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
     passthrough = _without_preflight_flags(argv)
     name = (mine.model or "").split(":", 1)[-1].lower()
     if name in PRESETS or name.startswith("tiny-"):
@@ -285,42 +236,3 @@ def _simulate_name(devices: str | None) -> str | None:
     return facts.simulated and {"NVIDIA L4": "l4", "NVIDIA A100-SXM4-40GB": "a100", "NVIDIA H100 80GB HBM3": "h100",
                                 "NVIDIA H200": "h200", "TPU v5 lite": "tpu-v5e", "TPU v6 lite": "tpu-v6e"}.get(
         facts.device_kind)
-
-
-def _parser() -> argparse.ArgumentParser:
-    """The generate and chat commands' flags (EnvError for a bad GEMMA4_* default)."""
-    parser = argparse.ArgumentParser(prog="python -m gemma4", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="continue a prompt (streams to the terminal)")
-    _add_model_args(g)
-    _sampling_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--mode", choices=["completion", "chat"], default="completion",
-                   help="completion: raw text after BOS; chat: wrap in the model's chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, flags)")
-    c = sub.add_parser("chat", help="interactive terminal chat")
-    _add_model_args(c)
-    _sampling_args(c)
-    c.set_defaults(temperature=0.7, max_new_tokens=256)
-    c.add_argument("--system", default=None, help="system prompt")
-    sub.add_parser("probe", help="print the hardware probe and policy (see --help of the subcommand)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "probe":
-        return cmd_probe(argv[1:])
-    try:
-        parser = _parser()
-    except EnvError as e:  # a GEMMA4_* variable that is not a number
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
-    try:  # a bad setting is a usage error, before anything loads
-        args.params = _params(args)
-    except ValueError as e:
-        parser.error(str(e))
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
