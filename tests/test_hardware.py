@@ -49,7 +49,7 @@ def test_policy_on_simulated_devices(device):
     assert plan.warnings == ()
     for c in plan.choices().values():
         assert c.reason and c.source == "auto"
-    opts = plan.run_options()
+    opts = hardware_checks.run_options(plan)
     assert (opts.compute_dtype, opts.attention_sliding, opts.attention_full) == (dtype, att_s, att_f)
 
     int4 = plan_for(device, {"weights": "int4"})

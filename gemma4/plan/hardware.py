@@ -2,7 +2,7 @@
 
     facts = hardware_probe.probe()           # platform, chip, memory, CPU ISA, versions
     plan = policy(facts, model_config)       # every choice with a one-line reason
-    options = plan.run_options()             # gemma4.model.decoder.RunOptions
+    options = hardware_checks.run_options(plan)   # gemma4.model.decoder.RunOptions
 
 The facts come from `gemma4.plan.hardware_probe`; the self-test, `resolve` (probe + policy + a
 numeric self-test on the device) and `choose_int8_matmul` are `gemma4.plan.hardware_checks`;
@@ -117,24 +117,12 @@ class Plan:
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in CHOICE_NAMES}
 
-    def run_options(self):
-        from gemma4.model.decoder import RunOptions  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
-        return RunOptions(compute_dtype=self.compute_dtype.value, attention_sliding=self.attention_sliding.value,
-                          attention_full=self.attention_full.value)
-
     def quantize_kwargs(self) -> dict:
         """Arguments for gemma4.model.quantize.quantize_params that realise this plan's weight choices."""
         return {"mode": self.weights.value, "embed_mode": self.embed_weights.value,
                 "group_size": self.int4_group_size,
                 "int4_kernel": "pallas" if self.int4_kernel.value == "pallas-int4" else "xla",
                 "int4_block": self.int4_block if self.int4_kernel.value == "pallas-int4" else None}
-
-    def apply_jax_config(self) -> None:
-        """Set process-wide JAX options this plan needs (matmul precision)."""
-        import jax  # deferred: no jax in `probe --simulate` (measured 0.2 s vs 4-5 s)
-
-        jax.config.update("jax_default_matmul_precision", self.matmul_precision.value)
 
     def replace(self, name: str, choice: Choice, warning: str | None = None) -> "Plan":
         warnings = self.warnings + ((warning,) if warning else ())

@@ -4,8 +4,8 @@
     params, plan, mm = choose_int8_matmul(plan, params)   # CPU int8 path, once the weights load
     print(format_report(full_report()))      # what `python -m gemma4 probe` prints
 
-Holds the numeric self-test (`self_test`) and the start-up entry points (`resolve`,
-`choose_int8_matmul`, `full_report`); they run JAX, so this module imports it. The report's
+Holds the numeric self-test (`self_test`), the start-up entry points (`resolve`,
+`choose_int8_matmul`, `full_report`) and what a plan sets up to run (`run_options`, `apply_jax_config`); they run JAX, so this module imports it. The report's
 shape and its text (`format_report`), and the plan for a simulated device, are the jax-free
 `gemma4.plan.hardware_report`, which is all `probe --simulate` loads; the `probe` command
 that prints it (and can load a model through the engine) is `gemma4.serve.probe`.
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.model.decoder import RunOptions
 from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
@@ -121,7 +122,19 @@ def self_test(plan: Plan) -> dict:
             "device": plan.device, "checks": checks}
 
 
+
 # ------------------------------------------------------------------------------ start-up entry points
+def run_options(plan: Plan) -> RunOptions:
+    """The forward pass's options this plan chose (compute dtype, attention path per layer type)."""
+    return RunOptions(compute_dtype=plan.compute_dtype.value, attention_sliding=plan.attention_sliding.value,
+                      attention_full=plan.attention_full.value)
+
+
+def apply_jax_config(plan: Plan) -> None:
+    """Set process-wide JAX options this plan needs (matmul precision)."""
+    jax.config.update("jax_default_matmul_precision", plan.matmul_precision.value)
+
+
 def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
             facts: HardwareFacts | None = None, run_self_test: bool = True) -> tuple[Plan, dict]:
     """probe → policy → self-test; optional paths that fail the self-test fall back loudly.

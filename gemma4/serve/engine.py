@@ -406,8 +406,8 @@ class Engine:
         if report.get("self_test") and not report["self_test"]["ok"]:
             raise RuntimeError(f"device self-test failed: {report['self_test']}")
         log.info("hardware plan:\n%s", plan.report())
-        plan.apply_jax_config()
-        options = plan.run_options()
+        hardware_checks.apply_jax_config(plan)
+        options = hardware_checks.run_options(plan)
         peeked = sources.peek_config(source)
         context = self.requested_context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
         mesh_shape = preflight.engine_mesh(self.mesh_request, peeked, plan, context, self.max_batch)
