@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.plan import cpu_tuning
+from gemma4.plan import cpu_tuning, tuning_report
 
 from gemma4.plan import hardware, hardware_checks, hardware_probe
 
-from gemma4.ops import int8_matmul
+from gemma4.ops import int8_matmul, int8_paths
 
 from gemma4.ops import quant
 from gemma4.model.quantize import quantize_params
@@ -76,7 +76,7 @@ def test_kernel_refuses_bad_shapes_with_a_message():
         cpu_int8.matmul(jnp.ones((9, 64)), [(w.q, w.scale, 16)])
 
 
-@pytest.mark.parametrize("path", [p for p in int8_matmul.PATHS if p != "xla-i8"])
+@pytest.mark.parametrize("path", [p for p in int8_paths.PATHS if p != "xla-i8"])
 @pytest.mark.parametrize("group", [None, 32])
 def test_every_accurate_path_matches_the_dequantized_product(path, group):
     native_ok = STATUS.ok
@@ -88,7 +88,7 @@ def test_every_accurate_path_matches_the_dequantized_product(path, group):
         x = _x(rng, m, 256)
         y = jax.jit(lambda x, q, s: int8_matmul.run(path, x, q, s, group))(x, w.q, w.scale)
         ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), group)
-        assert _rel(y, ref) < cpu_tuning.ACCURACY_BOUND, (path, m)
+        assert _rel(y, ref) < tuning_report.ACCURACY_BOUND, (path, m)
 
 
 def test_per_row_int8_activations_fail_the_bound_on_outlier_channels():
@@ -97,7 +97,7 @@ def test_per_row_int8_activations_fail_the_bound_on_outlier_channels():
     w = _leaf(rng, 300, 640, None)
     x = _x(rng, 4, 640)
     y = int8_matmul.run("xla-i8", jnp.asarray(x), w.q, w.scale, None)
-    assert _rel(y, cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), None)) > cpu_tuning.ACCURACY_BOUND
+    assert _rel(y, cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), None)) > tuning_report.ACCURACY_BOUND
 
 
 @needs_kernel
@@ -129,15 +129,15 @@ def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch)
     assert not tuning["cached"] and tuning["products"]
     for entry in tuning["products"].values():
         for c in entry["classes"]:
-            assert c["path"] in int8_matmul.PATHS
-            assert c["errors"][c["path"]] <= cpu_tuning.ACCURACY_BOUND
+            assert c["path"] in int8_paths.PATHS
+            assert c["errors"][c["path"]] <= tuning_report.ACCURACY_BOUND
             assert c["timings_ms"][c["path"]] == min(t for t in c["timings_ms"].values() if t is not None)
     again = cpu_tuning.tune(params, native_ok=STATUS.ok)
     assert again["cached"] and again["products"] == tuning["products"]
     tuned = cpu_tuning.apply(params, tuning)
     assert all(leaf.paths for leaf in jax.tree.leaves(tuned, is_leaf=quant.is_quantized)
                if isinstance(leaf, quant.QuantArray))
-    assert "product" in cpu_tuning.format_table(tuning)
+    assert "product" in tuning_report.format_table(tuning)
 
 
 def _logits(cfg, params):

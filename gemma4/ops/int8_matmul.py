@@ -25,9 +25,8 @@ import jax.numpy as jnp
 
 from gemma4.ops.chunked import auto_chunk_rows, chunked as chunked_dot
 from gemma4.ops.kernels import cpu_int8
+from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.quant import dequant_int8
-
-PATHS = ("native", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")
 
 
 def _dot(x, w, out=jnp.float32):

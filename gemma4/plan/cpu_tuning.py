@@ -9,6 +9,9 @@ version, native-kernel build and the set of shapes, so only the first start on a
 
     tuning = tune(params, native_ok=True)    # {(n, k, group): {rows: {"path", "timings_ms"}}}
     params = apply(params, tuning)           # QuantArray.paths set per leaf
+
+What it measured is shown by `gemma4.plan.tuning_report` (the accuracy bound, the summary, the
+timings table), which needs no JAX.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.ops import int8_matmul
+from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.quant import QuantArray, dequant_int8
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
+from gemma4.plan.tuning_report import ACCURACY_BOUND
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +44,6 @@ log = logging.getLogger(__name__)
 # measuring each width and bucket would multiply the start-up cost for choices that, where
 # checked, did not differ within a class.
 ROW_CLASSES = ((1, 1), (8, 8), (1 << 30, 256))
-ACCURACY_BOUND = 3e-3  # max |y − ref| / max |ref|; int8 activations (~1e-2 … 6e-2) fail it
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
@@ -124,7 +128,7 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     timings: dict[str, float | None] = {}
     errors: dict[str, float] = {}
     best = float("inf")
-    for path in int8_matmul.PATHS:  # native first: the likely winner makes the others stop early
+    for path in PATHS:  # native first: the likely winner makes the others stop early
         if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n) or (path in STARTUP_SKIP and not full):
             continue
         if path == "xla-fused" and rows > 16 or path == "xla-dequant" and rows <= 8:
@@ -208,60 +212,3 @@ def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok
         return dataclasses.replace(leaf, paths=paths_table(entry)) if entry else leaf
 
     return jax.tree.map(set_paths, params, is_leaf=lambda x: isinstance(x, QuantArray))
-
-
-def summary(tuning: dict) -> str:
-    """One line: the winner per row class, with how many products chose it."""
-    by_class: dict[str, dict[str, int]] = {}
-    for entry in tuning["products"].values():
-        for c in entry["classes"]:
-            label = "M=1" if c["max_rows"] == 1 else "M≤8" if c["max_rows"] == 8 else "prefill"
-            by_class.setdefault(label, {}).setdefault(c["path"], 0)
-            by_class[label][c["path"]] += 1
-    return "; ".join(f"{label}: " + ", ".join(f"{p} ×{n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-                     for label, counts in by_class.items())
-
-
-def table_rows(tuning: dict) -> list[dict]:
-    """Flat rows for display: product, rows, winner, each path's ms (None = failed) and error."""
-    rows = []
-    for key, entry in tuning["products"].items():
-        for c in entry["classes"]:
-            rows.append({"product": key, "rows": c["rows"], "choice": c["path"], "timings_ms": c["timings_ms"],
-                         "errors": c["errors"]})
-    return rows
-
-
-def format_table(tuning: dict) -> str:
-    paths = [p for p in int8_matmul.PATHS if any(p in r["errors"] for r in table_rows(tuning))]
-    head = f"  {'product (N×K/group)':<24}{'rows':>5}  {'choice':<12}" + "".join(f"{p:>13}" for p in paths)
-    lines = [head]
-    for r in table_rows(tuning):
-        cells = []
-        for p in paths:
-            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
-            if err is not None and err > ACCURACY_BOUND:
-                cell = f"err {err:.0e}"
-            else:
-                cell = "failed" if t is None else f"{t:.3f}" if t != "" else ""
-            cells.append(f"{cell:>13}")
-        lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}" + "".join(cells))
-    lines.append(f"  (ms per call, best of repeated runs; 'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
-    return "\n".join(lines)
-
-
-def markdown_table(tuning: dict) -> str:
-    """The same table as `format_table`, as Markdown (the app's Hardware panel)."""
-    paths = [p for p in int8_matmul.PATHS if any(p in r["errors"] for r in table_rows(tuning))]
-    lines = ["| product (N×K/group) | rows | choice | " + " | ".join(paths) + " |",
-             "|---|---|---|" + "---|" * len(paths)]
-    for r in table_rows(tuning):
-        cells = []
-        for p in paths:
-            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
-            cells.append(f"err {err:.0e}" if err is not None and err > ACCURACY_BOUND else
-                         "failed" if t is None else f"{t:.3f}" if t != "" else "")
-        lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | " + " | ".join(cells) + " |")
-    how = "read from this machine's cache" if tuning.get("cached") else f"measured in {tuning.get('seconds', 0):.1f} s"
-    lines.append(f"\nms per call ({how}); 'err' = relative error above {ACCURACY_BOUND:.0e}, not timed.")
-    return "\n".join(lines)

@@ -25,7 +25,7 @@ from gemma4.model.decoder import RunOptions
 from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
-from gemma4.plan import cpu_tuning, sharding
+from gemma4.plan import cpu_tuning, sharding, tuning_report
 from gemma4.plan.hardware import Choice, Plan, PolicyError, normalize_overrides, policy
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import report_dict
@@ -217,8 +217,8 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
         params = cpu_tuning.apply(params, tuning)
         report["tuning"] = tuning
         how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
-        choice = Choice("measured", f"fastest path within {cpu_tuning.ACCURACY_BOUND:.0e} of float64 per product and "
-                                    f"row count ({how}): {cpu_tuning.summary(tuning)}; {note}",
+        choice = Choice("measured", f"fastest path within {tuning_report.ACCURACY_BOUND:.0e} of float64 per product and "
+                                    f"row count ({how}): {tuning_report.summary(tuning)}; {note}",
                         "fallback" if warning else "auto")
     else:
         params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok)

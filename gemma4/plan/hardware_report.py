@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from gemma4.plan import tuning_report
 from gemma4.plan.hardware import CHOICE_NAMES, Plan, policy
 from gemma4.plan.hardware_probe import GiB, HardwareFacts
 
@@ -65,8 +66,6 @@ def format_report(report: dict) -> str:
         lines.append(f"  WARNING: {w}")
     mm = report.get("int8_matmul")
     if mm:
-        from gemma4.plan import cpu_tuning  # deferred: only a measured report has a table; cpu_tuning loads jax (probe --simulate 0.2 s vs 4-5 s, measured)
-
         lines.append("")
         lines.append(f"native int8 kernel: {mm['kernel']['message']}"
                      + (f"; self-test {mm['kernel_self_test']['message']}" if mm.get("kernel_self_test") else ""))
@@ -74,7 +73,7 @@ def format_report(report: dict) -> str:
             t = mm["tuning"]
             how = "read from this machine's cache" if t.get("cached") else f"measured in {t['seconds']:.1f} s"
             lines.append(f"int8 matmul path per product and row count ({how}):")
-            lines.append(cpu_tuning.format_table(t))
+            lines.append(tuning_report.format_table(t))
     t = report.get("self_test")
     if t:
         lines.append("")

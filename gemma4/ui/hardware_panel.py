@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gemma4.plan import tuning_report
 from gemma4.ui.numbers import as_number, fmt_bytes
 
 
@@ -75,14 +76,12 @@ def _md_lines(obj: Any, depth: int = 0) -> list[str]:
 
 def _int8_matmul_lines(report: Mapping[str, Any]) -> list[str]:
     """The native kernel's status and the measured path table (not the raw nested dict)."""
-    from gemma4.plan import cpu_tuning  # deferred: jax, +2.4 s on `import app` (measured)
-
     kernel = report.get("kernel") or {}
     test = report.get("kernel_self_test") or {}
     lines = [f"- **native kernel**: {kernel.get('message', 'not loaded')}"
              + (f"; self-test {test['message']}" if test.get("message") else "")]
     if report.get("tuning"):
-        lines += ["", cpu_tuning.markdown_table(report["tuning"])]
+        lines += ["", tuning_report.markdown_table(report["tuning"])]
     return lines
 
 

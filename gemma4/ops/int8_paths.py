@@ -1,0 +1,5 @@
+"""The names of the int8 matmul formulations (`gemma4.ops.int8_matmul` runs them), in the order
+they are measured and shown: native first, the likely winner. Without JAX, so the reports that
+list the paths (`gemma4.plan.tuning_report`, the app's Hardware panel) load none."""
+
+PATHS = ("native", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")

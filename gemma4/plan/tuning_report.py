@@ -1,0 +1,68 @@
+"""The int8 matmul tuning as a report: the accuracy bound, a one-line summary and the timings table
+(text for `probe`, Markdown for the app's Hardware panel). Without JAX: `gemma4.plan.cpu_tuning`
+measures (and imports JAX); this module only formats what it measured, so `import app` and
+`probe --simulate` load no JAX for it.
+"""
+
+from __future__ import annotations
+
+from gemma4.ops.int8_paths import PATHS
+
+ACCURACY_BOUND = 3e-3  # max |y − ref| / max |ref|; int8 activations (~1e-2 … 6e-2) fail it
+
+
+def summary(tuning: dict) -> str:
+    """One line: the winner per row class, with how many products chose it."""
+    by_class: dict[str, dict[str, int]] = {}
+    for entry in tuning["products"].values():
+        for c in entry["classes"]:
+            label = "M=1" if c["max_rows"] == 1 else "M≤8" if c["max_rows"] == 8 else "prefill"
+            by_class.setdefault(label, {}).setdefault(c["path"], 0)
+            by_class[label][c["path"]] += 1
+    return "; ".join(f"{label}: " + ", ".join(f"{p} ×{n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+                     for label, counts in by_class.items())
+
+
+def table_rows(tuning: dict) -> list[dict]:
+    """Flat rows for display: product, rows, winner, each path's ms (None = failed) and error."""
+    rows = []
+    for key, entry in tuning["products"].items():
+        for c in entry["classes"]:
+            rows.append({"product": key, "rows": c["rows"], "choice": c["path"], "timings_ms": c["timings_ms"],
+                         "errors": c["errors"]})
+    return rows
+
+
+def format_table(tuning: dict) -> str:
+    paths = [p for p in PATHS if any(p in r["errors"] for r in table_rows(tuning))]
+    head = f"  {'product (N×K/group)':<24}{'rows':>5}  {'choice':<12}" + "".join(f"{p:>13}" for p in paths)
+    lines = [head]
+    for r in table_rows(tuning):
+        cells = []
+        for p in paths:
+            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
+            if err is not None and err > ACCURACY_BOUND:
+                cell = f"err {err:.0e}"
+            else:
+                cell = "failed" if t is None else f"{t:.3f}" if t != "" else ""
+            cells.append(f"{cell:>13}")
+        lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}" + "".join(cells))
+    lines.append(f"  (ms per call, best of repeated runs; 'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
+    return "\n".join(lines)
+
+
+def markdown_table(tuning: dict) -> str:
+    """The same table as `format_table`, as Markdown (the app's Hardware panel)."""
+    paths = [p for p in PATHS if any(p in r["errors"] for r in table_rows(tuning))]
+    lines = ["| product (N×K/group) | rows | choice | " + " | ".join(paths) + " |",
+             "|---|---|---|" + "---|" * len(paths)]
+    for r in table_rows(tuning):
+        cells = []
+        for p in paths:
+            t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
+            cells.append(f"err {err:.0e}" if err is not None and err > ACCURACY_BOUND else
+                         "failed" if t is None else f"{t:.3f}" if t != "" else "")
+        lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | " + " | ".join(cells) + " |")
+    how = "read from this machine's cache" if tuning.get("cached") else f"measured in {tuning.get('seconds', 0):.1f} s"
+    lines.append(f"\nms per call ({how}); 'err' = relative error above {ACCURACY_BOUND:.0e}, not timed.")
+    return "\n".join(lines)
