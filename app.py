@@ -22,14 +22,7 @@ from typing import Any
 import gradio as gr
 
 from gemma4.serve import distributed_flags
-from gemma4.ui.demo import DemoApp
-from gemma4.ui.handlers import (
-    PENALTY_RANGE,
-    SEED_RANDOM,
-    THINK_INFO,
-    TOP_P_RANGE,
-    plot_frame,
-)
+from gemma4.ui.chat_controls import PENALTY_RANGE, SEED_RANDOM, THINK_INFO, TOP_P_RANGE, plot_frame
 from gemma4.ui.panels import context_meter_html, model_banner_html, queue_html, session_summary_md, status_html
 from gemma4.ui.reply import empty_reply_panel_html
 from gemma4.web import server
@@ -61,6 +54,8 @@ CSS = """
 
 def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
     """The Blocks UI around `engine` (queued with the settings' concurrency); not launched."""
+    from gemma4.ui.demo import DemoApp  # deferred: the handlers run on the engine and import jax, kept out of `import app` (+1.5 s, measured)
+
     settings = settings or Settings()
     app = DemoApp(engine, settings)
     d = app.default_sampling()

@@ -16,7 +16,7 @@ import pytest
 
 import app
 from gemma4.ui.demo import DemoApp
-from gemma4.ui.handlers import guess_is_base
+from gemma4.ui.chat_controls import guess_is_base
 from gemma4.web.settings import Settings, parse_settings
 from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
 from gemma4.ui.numbers import clamp

@@ -3,8 +3,9 @@ the meters refreshed after each reply.
 
 `ChatHandlers` holds the engine and the app's settings and no per-user state (that lives in
 the Chatbot history and a `gr.State`). `gemma4.ui.demo.DemoApp` adds the timers and the API on
-top. The request layer (and with it jax) is imported when a handler is built, not with this module:
-importing `app` stays free of model work (and 1.5 s quicker).
+top. They run on an engine, so this module imports the request layer (and with it jax) at the top;
+what the layout needs before an engine exists is `gemma4.ui.chat_controls`, so `import app` stays
+free of model work (`app.build_demo` imports `gemma4.ui.demo` once it has an engine).
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import gradio as gr
-import pandas as pd
 
+from gemma4.model import sampling
+from gemma4.serve import conversation
+from gemma4.serve.engine import RequestError
+from gemma4.ui.chat_controls import PENALTY_RANGE, THINK_INFO, TOP_P_RANGE, guess_is_base, plot_frame
 from gemma4.ui.numbers import as_number, clamp
 from gemma4.ui.panels import (
     context_meter_html,
     loading_text,
-    session_rows_for_plot,
     session_summary_md,
 )
 from gemma4.ui.reply import (
@@ -43,25 +46,6 @@ log = logging.getLogger("gemma4.app")
 
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second: long replies must not flood the browser
 LOADING_POLL_S = 0.5
-SEED_RANDOM = -1
-TOP_P_RANGE = (0.05, 1.0)
-PENALTY_RANGE = (1.0, 2.0)
-THINK_INFO = ("Gemma 4 thinks before it answers; the thought appears as a collapsible block "
-              "above the answer and is left out of later prompts. Chat mode only.")
-
-
-def guess_is_base(model: str) -> bool:
-    """Before the engine has loaded: does the model name look like a base (pretrained) model?"""
-    m = model.lower()
-    if m == "bundled":
-        return True
-    return not (m.endswith("-it") or "-it-" in m or "instruct" in m)
-
-
-def plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
-    return pd.DataFrame(session_rows_for_plot(replies))
-
-
 def throttled(events: Iterable[Any]) -> Iterator[Any]:
     """The reply events worth showing: the final one always, the others at most one per
     STREAM_INTERVAL_S (the rest are skipped; each event carries the whole text so far)."""
@@ -81,10 +65,6 @@ class ChatHandlers:
     """
 
     def __init__(self, engine: Any, settings: Any):
-        from gemma4.model import sampling  # deferred: jax, +1.5 s on `import app` (measured)
-        from gemma4.serve import conversation  # deferred: jax, as above
-        from gemma4.serve.engine import RequestError  # deferred: jax, as above
-
         self.engine = engine
         self.settings = settings
         self.RequestError = RequestError
