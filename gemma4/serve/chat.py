@@ -315,7 +315,7 @@ def render_with_template(template: str, messages: Sequence[Mapping[str, Any]], t
     `render` for user input; use this to check a checkpoint's template or for unusual formats.
     """
     import jinja2  # deferred: jinja2 is optional (it comes with gradio, not requirements.txt); only this path needs it
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # deferred: as jinja2 above
 
     def raise_exception(message: str):
         raise jinja2.TemplateError(message)
