@@ -8,7 +8,7 @@ import pytest
 from gemma4.serve.chat import render, render_completion, render_with_template, stop_ids, strip_thinking
 from gemma4.weights.tokenizer import Tokenizer
 
-# Documented Gemma 4 ids (docs/gemma4-architecture.md §4).
+# Gemma 4's control-token ids (as its tokenizer assigns them).
 G4_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 50: "<|tool_response>",
                98: "<|think|>", 100: "<|channel>", 101: "<channel|>", 105: "<|turn>", 106: "<turn|>"}
 BOS, TURN, END_TURN, THINK, CHANNEL, END_CHANNEL = 2, 105, 106, 98, 100, 101

@@ -6,7 +6,7 @@ import pytest
 
 from gemma4.serve.quality import RULES, degeneracy_flags, summary
 
-# The bundled model's greedy loop (bf16 reference, docs/bundled-model.md).
+# The bundled model's greedy loop (its bf16 reference continuation).
 FRANCE_LOOP = (" the capital of the country of France. It is the capital of the country of France. "
                "It is the capital of the country of France. It is")
 # The float32 reference continuation: varied, must pass.

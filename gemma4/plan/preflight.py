@@ -53,10 +53,10 @@ _MiB = 1 << 20
 # ------------------------------------------------------------------------------ policy (one place)
 # Fixed per-device reserve for what the formulas leave out: compiled executables, the runtime's
 # own buffers, small temporaries. CPU also carries Python, jax and the tokenizer (~0.5 GB measured
-# for the bundled model, README "Loading and memory").
+# for the bundled model, docs/loading-and-memory.md).
 RESERVE_BYTES = {"cpu": 768 * _MiB, "gpu": 384 * _MiB, "tpu": 256 * _MiB}
 # CPU only: the int8 path measurement, XLA's compile-time memory and loader temporaries grow with
-# the model. 0.35 × the weights reproduces both measured peaks of README "Loading and memory"
+# the model. 0.35 × the weights reproduces both measured peaks of docs/loading-and-memory.md
 # (bundled 1.26 GB, random:e2b 7.46 GB) with the fixed reserve above.
 CPU_RESERVE_PER_WEIGHT_BYTE = 0.35
 # The longest prefill chunk the engine runs (its largest default prompt bucket, engine_compile).

@@ -7,7 +7,7 @@ characters, not a turn boundary. Text between two control tokens is encoded in o
 ids equal those of tokenizing the rendered string with special-token matching (what the HF chat
 templates do) whenever the messages contain no control-looking text.
 
-Formats (see docs/gemma4-architecture.md §4 and §5):
+Formats (as the checkpoints' own chat templates write them):
 
 Gemma 4 (the checkpoints' chat_template.jinja)::
 
@@ -279,7 +279,7 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
 
 
 # Which Gemma 4 checkpoints pre-fill an empty thought block when thinking is off. The 31B and
-# 26B-A4B templates do, the E2B/E4B ones do not (docs/gemma4-architecture.md §4); the configs
+# 26B-A4B templates do, the E2B/E4B ones do not (their chat_template.jinja); the configs
 # tell them apart by the per-layer embeddings only the E models have. Override with
 # GEMMA4_EMPTY_THOUGHT=on|off (e.g. for a checkpoint whose own template says otherwise).
 EMPTY_THOUGHT_ENV = "GEMMA4_EMPTY_THOUGHT"

@@ -115,8 +115,9 @@ def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: in
 
 
 def size_table_markdown(context: int = SIZE_TABLE_CONTEXT, batch: int = SIZE_TABLE_BATCH) -> str:
-    """README's table: for each Gemma 4 size and weight format, weights and KV per replica and,
-    per device kind, the smallest mesh that fits with the GiB each device then needs."""
+    """docs/sharding.md's table ("which Gemma 4 size needs what"): for each Gemma 4 size and
+    weight format, weights and KV per replica and, per device kind, the smallest mesh that fits
+    with the GiB each device then needs."""
     kinds = [preflight_devices.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
     head = ["model", "weights", "weights / replica", f"KV ({context} × {batch})"] + [
         f"{d.kind.replace('NVIDIA ', '')} ({d.usable_bytes / _GiB:.1f})" for d in kinds]

@@ -11,8 +11,8 @@ and the XLA paths are used.
 
 The shared object is cached under `<cache root>/kernels/<key>/`, where key hashes the source, the
 jaxlib version (the FFI ABI), the compiler and the CPU (model + flags): a change of any rebuilds.
-`python -m gemma4.ops.kernels.cpu_int8` builds it (the README's set-up runs this) and prints the
-self-test.
+`python -m gemma4.ops.kernels.cpu_int8` builds it (`scripts/setup.sh` runs this;
+docs/hardware-policy.md) and prints the self-test.
 """
 
 from __future__ import annotations
