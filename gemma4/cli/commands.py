@@ -1,4 +1,4 @@
-"""Command line: `python -m gemma4 {generate,chat,probe,bench}`."""
+"""Command line: `python -m gemma4 {generate,chat,probe}`."""
 
 # This module parses the command line without JAX, so --help, usage errors and `probe --simulate`
 # stay quick (0.2 s; 2.4 s with JAX, measured); a command that runs the model or the pre-flight
