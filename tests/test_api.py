@@ -302,6 +302,23 @@ def test_bad_requests_through_the_client_and_the_server_still_serves(bundled):
     assert ok.choices[0].message.content is not None
 
 
+def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_first(bundled):
+    """Regression: [2, 99999999] ran a whole generation on a clamped id, then answered 500."""
+    url, client, _ = bundled
+    for prompt, bad, index in (([2, 99999999], 99999999, 1), ([2, -5, 7, -6], -5, 1),
+                               ([2, 651, 262144], 262144, 2)):
+        r = httpx.post(url + "v1/completions", json={"model": "bundled", "prompt": prompt,
+                                                     "max_tokens": 4}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt"
+        assert f"Token id {bad} at index {index} of the prompt" in err["message"], err
+        assert "ids 0 to 262143" in err["message"]
+    ok = client.completions.create(model="bundled", prompt=[2, 651, 262143], max_tokens=2,
+                                   temperature=0.0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
 # --------------------------------------------------------------------------- thinking and tools
 
 

@@ -19,7 +19,7 @@ import pytest
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
 from gemma4.serve import engine as E
-from gemma4.serve.engine import Embeddings, RequestError, flatten_segments, get_engine
+from gemma4.serve.engine import Embeddings, RequestError, check_vocabulary, flatten_segments, get_engine
 from gemma4.serve.engine_compile import chunk_plan
 from gemma4.model.sampling import SamplingParams
 from tests.scripted import tiny_gemma4
@@ -54,6 +54,17 @@ def test_greedy_matches_recorded_reference(engine, case):
 def test_prompt_ids_match_reference_tokenizer(engine):
     for case in REFERENCE["prompts"]:
         assert conversation.prompt_ids(engine, case["prompt"], mode="completion") == case["prompt_ids"]
+
+
+def test_ids_outside_the_vocabulary_are_refused_before_any_work(engine):
+    with pytest.raises(RequestError, match=r"Token id 262144 at index 2 of the prompt .*ids 0 to 262143"):
+        engine.submit([2, 651, 262144, 7], GREEDY)
+    with pytest.raises(RequestError, match="Token id -1 at index 0"):
+        conversation.generate(engine, [-1, 2], GREEDY)
+    with pytest.raises(RequestError, match=f"Token id {10**30} at index 1"):
+        check_vocabulary([2, 10**30], 262144)  # too big for int64: still named, not an overflow
+    check_vocabulary([0, 262143], 262144)
+    assert engine.queue_state()["waiting"] == 0 and engine.queue_state()["active"] == 0
 
 
 def test_default_sampling_gives_text_and_same_seed_same_text(engine):

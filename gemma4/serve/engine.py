@@ -162,6 +162,17 @@ def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, h
     return ids, embeds, mask
 
 
+def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
+    """RequestError naming the first id outside [0, vocab_size) and its index in the prompt.
+
+    Checked before any work: XLA clamps an out-of-range gather index silently, so without this
+    a bad id would run a whole generation on the wrong embedding and fail only in the tokenizer."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"Token id {ids[bad]} at index {bad} of the prompt is outside this model's "
+                           f"vocabulary (ids 0 to {vocab_size - 1}).")
+
+
 @dataclasses.dataclass
 class TokenEvent:
     """One step of a request's token stream: every id so far, the stats now, and on the last
@@ -641,8 +652,8 @@ class Engine:
                notes: Sequence[str] = ()) -> Request:
         """Queue a request: `prompt` token ids or segments (`Segment`), `params` validated
         (`validate`; None: the defaults), `notes` for the user so far. max_new_tokens is lowered
-        to what the context window leaves (with a note). RequestError for an empty prompt or one
-        that does not fit the context window."""
+        to what the context window leaves (with a note). RequestError for an id outside the
+        vocabulary, an empty prompt or one that does not fit the context window."""
         if self._status["state"] != "ready":
             self.wait_ready()
         notes = list(notes)
@@ -650,6 +661,8 @@ class Engine:
             params, more = self.validate(None)
             notes += more
         ids, embeds, mask = flatten_segments(prompt, self.cfg.pad_id, self.cfg.hidden_size)
+        # ids every part knows: the embedding table and the tokenizer that decodes the reply
+        check_vocabulary(ids, min(self.cfg.vocab_size, self.tokenizer.vocab_size))
         if len(ids) <= 1:
             raise RequestError("The prompt is empty — type something first.")
         room = self.context_limit - len(ids)

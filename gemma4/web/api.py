@@ -511,6 +511,7 @@ FIELD_REFUSALS = (
     ("Thinking is not available", "reasoning_effort",
      "Leave enable_thinking / reasoning_effort out."),
     ("Tools are not available", "tools", ""),
+    ("Token id ", "prompt", ""),
 )
 
 
