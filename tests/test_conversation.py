@@ -250,3 +250,73 @@ def test_engine_stream_withholds_a_stop_string_spanning_tokens(eng):
         assert (events[-1].text, events[-1].finish_reason) == (want, reason)
         assert "".join(e.delta for e in events) == want
         assert not any(e.text.endswith(("E", "EN")) for e in events[:-1])  # held back until decided
+
+
+def _old_exchange(messages):
+    """The context rule's previous one-exchange-at-a-time cut, kept here as the reference."""
+    convo = [k for k, m in enumerate(messages) if m.get("role") not in ("system", "developer")]
+    if len(convo) < 2:
+        return None
+    end = next((k for k in convo[1:] if messages[k].get("role") == "user"), convo[-1])
+    return convo[0], end
+
+
+def _old_context_rule(engine, messages, system, tools):
+    ids = conversation.render_chat(engine, messages, system, tools=tools)
+    dropped = 0
+    while len(ids) > engine.context_limit * 7 // 8:
+        cut = _old_exchange(messages)
+        if cut is None:
+            break
+        messages, dropped = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0]
+        ids = conversation.render_chat(engine, messages, system, tools=tools)
+    notes = [f"the {dropped} oldest message(s) were dropped to fit the context window"] if dropped else []
+    return ids, notes
+
+
+def test_context_rule_drops_what_one_exchange_at_a_time_dropped(eng):
+    """The bisection finds the same fewest exchanges as dropping them one by one did: same ids,
+    same note, over random chats (runs of one role, system messages anywhere, tool rounds)."""
+    import random
+
+    rng = random.Random(0)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    seen_drops = 0
+    for case in range(60):
+        msgs = []
+        for k in range(rng.randint(1, 14)):
+            role = rng.choice(["user", "user", "assistant", "assistant", "system"])
+            msgs.append({"role": role, "content": f"m{k} " + "z" * rng.randint(0, 40)})
+            if role == "assistant" and rng.random() < 0.2:
+                msgs[-1]["tool_calls"] = [call]
+                msgs.append({"role": "tool", "tool_call_id": "c1", "content": "sunny"})
+        if rng.random() < 0.7:
+            msgs.append({"role": "user", "content": "last"})
+        else:  # a tool round ends the chat: the model goes on after the result
+            msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        small = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, info=eng.info,
+                                      context_limit=rng.choice([64, 96, 128, 256, 4096]))
+        system, tools = rng.choice([None, "be brief"]), rng.choice([None, TOOLS])
+        try:
+            want = _old_context_rule(small, msgs, system, tools)
+        except ValueError as e:  # a chat the renderer refuses is refused the same way
+            with pytest.raises(RequestError, match=str(e)[:30]):
+                prompt_ids(small, msgs, system=system, tools=tools)
+            continue
+        notes: list[str] = []
+        assert prompt_ids(small, msgs, system=system, tools=tools, notes=notes) == want[0], case
+        assert notes == want[1], case
+        seen_drops += bool(notes)
+    assert seen_drops >= 10  # the cases exercised the rule
+
+
+def test_context_rule_is_quick_on_a_huge_chat(eng):
+    """26,000 one-word messages: rendered a few times, each text encoded once (was ~minutes)."""
+    msgs = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"w{k}"} for k in range(26_000)]
+    msgs.append({"role": "user", "content": "last"})
+    t = time.perf_counter()
+    notes: list[str] = []
+    ids = prompt_ids(eng, msgs, notes=notes)
+    assert time.perf_counter() - t < 10  # generous for a loaded 2-core CI machine
+    assert len(ids) <= eng.context_limit * 7 // 8 and notes and "dropped" in notes[0]

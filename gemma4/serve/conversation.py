@@ -179,33 +179,80 @@ def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str]
     last = messages[-1]
     if not (str(last.get("content") or "").strip() or last.get("tool_calls")):
         raise RequestError("The message is empty — type something first.")
-    ids = render_chat(engine, messages, system, thinking=thinking, tools=tools)
+    tokenizer = _EncodeOnce(engine.tokenizer)
+
+    def render(msgs: list[dict]) -> list[int]:
+        return chat.render(msgs, engine.cfg.family, tokenizer, system=system, thinking=thinking,
+                           tools=tools, large_model_template=chat.uses_large_template(engine.cfg))
+
     # Context rule: drop the oldest exchanges (a user message and what answers it, tool calls
-    # and results included; never a system/developer message, the tools or the last message)
-    # until the prompt fits, keeping room for a reply of at least 1/8 of the window.
-    dropped = 0
-    while len(ids) > engine.context_limit * 7 // 8:
-        cut = _oldest_exchange(messages)
-        if cut is None:
-            break
-        messages, dropped = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0]
-        ids = render_chat(engine, messages, system, thinking=thinking, tools=tools)
-    if dropped:
-        notes.append(f"the {dropped} oldest message(s) were dropped to fit the context window")
-    return ids
+    # and results included; never a leading system/developer message, the tools or the last
+    # message) until the prompt fits, keeping room for a reply of at least 1/8 of the window.
+    # The fewest exchanges that make it fit are found by bisection (a prompt only shrinks as
+    # more is dropped), so a long chat is rendered O(log n) times, each text encoded once.
+    limit = engine.context_limit * 7 // 8
+    ids = render(messages)
+    if len(ids) <= limit:
+        return ids
+    keep_head, ends = _exchange_ends(messages)
+    if not ends:
+        return ids
+
+    def dropped(k: int) -> list[dict]:
+        return messages[:keep_head] + messages[ends[k - 1]:]
+
+    # Dropping up to a later user message always leaves a valid chat; the last cut (all but the
+    # last message, when it is not a user message) may not, so it is rendered only if needed,
+    # as one exchange at a time would have. Invariant: best = render(dropped(hi)); hi fits, or
+    # is the most that can be dropped up to a user message.
+    safe = len(ends) - (messages[ends[-1]].get("role") != "user")
+    lo, hi = 1, max(safe, 1)
+    best = render(dropped(hi))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = render(dropped(mid))
+        if len(trial) <= limit:
+            hi, best = mid, trial
+        else:
+            lo = mid + 1
+    if len(best) > limit and hi < len(ends):
+        hi = len(ends)
+        best = render(dropped(hi))
+    notes.append(f"the {ends[hi - 1] - keep_head} oldest message(s) were dropped to fit the context window")
+    return best
 
 
-def _oldest_exchange(messages: Sequence[dict]) -> tuple[int, int] | None:
-    """[start, end) of the oldest droppable run of messages: from the first non-system message up
-    to the next user message (so tool calls and their results go together), never reaching the
-    last message; None when nothing can be dropped."""
+class _EncodeOnce:
+    """The tokenizer as `chat.render` uses it, with `encode` remembered per text: the context
+    rule renders one chat several times, and each message's text is then encoded once."""
+
+    def __init__(self, tokenizer):
+        self.bos_id = tokenizer.bos_id
+        self.special_id = tokenizer.special_id
+        self._encode = tokenizer.encode
+        self._memo: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        if text not in self._memo:
+            self._memo[text] = self._encode(text)
+        return list(self._memo[text])
+
+
+def _exchange_ends(messages: Sequence[dict]) -> tuple[int, list[int]]:
+    """(h, ends): dropping the k oldest exchanges leaves messages[:h] + messages[ends[k-1]:].
+
+    h is the index of the first non-system message (what precedes it stays). An exchange runs
+    from a non-system message up to the next user message, so tool calls and their results go
+    together; when no later user message exists, the last exchange ends at the last non-system
+    message, which always stays. Empty when nothing can be dropped."""
     convo = [k for k, m in enumerate(messages) if m.get("role") not in ("system", "developer")]
     if len(convo) < 2:
-        return None
-    start = convo[0]
-    # No later user message: drop all but the last message.
-    end = next((k for k in convo[1:] if messages[k].get("role") == "user"), convo[-1])
-    return start, end
+        return 0, []
+    users = [k for k in convo[1:] if messages[k].get("role") == "user"]
+    ends = list(users)
+    if not users or users[-1] != convo[-1]:
+        ends.append(convo[-1])  # past the last user message: all but the last message can go
+    return convo[0], ends
 
 
 def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
