@@ -149,7 +149,7 @@ def test_completions_stream_and_not(bundled):
         model="bundled", prompt=prompt, stream=True, **GREEDY) if c.choices)
     assert streamed == direct["text"]
     alias = client.completions.create(model=engine.info()["model"], prompt=prompt, **GREEDY)
-    assert alias.model == "bundled" and alias.choices[0].text == direct["text"]
+    assert alias.model == engine.info()["model"] and alias.choices[0].text == direct["text"]
     ids = conversation.prompt_ids(engine, prompt, mode="completion")  # token ids work as a prompt too
     assert client.completions.create(model="bundled", prompt=ids, **GREEDY).choices[0].text == \
         direct["text"]
@@ -300,6 +300,39 @@ def test_bad_requests_through_the_client_and_the_server_still_serves(bundled):
     ok = client.chat.completions.create(model="bundled", max_tokens=3,
                                         messages=[{"role": "user", "content": "Hi"}])
     assert ok.choices[0].message.content is not None
+
+
+def test_fields_that_change_nothing_are_accepted_and_noted(bundled):
+    _, client, _ = bundled
+    out = client.chat.completions.create(
+        model="bundled", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        temperature=0.0, store=True, metadata={"team": "a"}, service_tier="auto", user="u1")
+    notes = out.model_extra["gemma4"]["notes"]
+    for said in ("store: this server keeps no completions", "metadata accepted",
+                 "service_tier accepted", "user accepted"):
+        assert any(n.startswith(said) for n in notes), (said, notes)
+    plain = client.chat.completions.create(model="bundled", max_tokens=2, temperature=0.0,
+                                           messages=[{"role": "user", "content": "Hi"}])
+    assert not any("accepted" in n for n in plain.model_extra["gemma4"]["notes"])
+
+
+def test_errors_name_the_requests_own_field_paths(bundled):
+    url, _, _ = bundled
+
+    def err(body: dict, route: str = "chat/completions") -> dict:
+        r = httpx.post(url + "v1/" + route, json={"model": "bundled", **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    e = err({"messages": [{"role": "user", "content": 5}]})
+    assert e["param"] == "messages.0.content" and "valid string" in e["message"]
+    assert "valid array" in e["message"]  # both accepted types are named
+    e = err({"messages": [{"role": "user", "content": "x"}], "stop": [1]})
+    assert e["param"] == "stop.0", e
+    e = err({"prompt": [1.5]}, "completions")
+    assert e["param"] == "prompt.0" and "valid integer" in e["message"], e
+    e = err({"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert e["param"] == "messages.0.content.0.text" and 'needs a string "text"' in e["message"]
 
 
 def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_first(bundled):

@@ -277,7 +277,7 @@ class OpenAIApi:
             raise ApiError(404, f"The model '{name}' does not exist on this server; it serves "
                                 f"{ids} (GET /v1/models).", param="model",
                            code="model_not_found")
-        return self.model
+        return name  # the reply names the model as the client did (the served name or an alias)
 
     def _check_ready(self) -> dict:
         status = self.engine.status()
@@ -322,7 +322,7 @@ class OpenAIApi:
         make = functools.partial(conversation.stream_reply, self.engine, msgs, samp.params,
                                  mode="chat", tools=tools, thinking=think)
         return await self._serve(request, release, make, _ChatShape(model), req,
-                                 list(samp.notes) + _model_notes(info))
+                                 list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
 
     async def completions(self, request: Request, release):
         req = S.parse(S.CompletionRequest, await self._body(request))
@@ -333,7 +333,7 @@ class OpenAIApi:
         make = functools.partial(conversation.stream_reply, self.engine, prompt, samp.params,
                                  mode="completion")
         return await self._serve(request, release, make, _CompletionShape(model), req,
-                                 list(samp.notes) + _model_notes(info))
+                                 list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
 
     async def _serve(self, request, release, make, shape, req, notes):
         pump = _Pump(make)

@@ -4,14 +4,18 @@ thinking, tools). Pure: no engine, no HTTP; `gemma4.web.api` serves it.
 
 Every field a client may send is declared here. A field that is not declared is refused (400,
 "Unrecognized request argument supplied"), and a declared field we do not implement is refused
-unless it has its neutral value (`REFUSED`): nothing is silently ignored.
+unless it has its neutral value (`REFUSED`): nothing is silently ignored. Documented OpenAI
+fields that cannot change the output (`store`, `metadata`, `service_tier`, `user`,
+`parallel_tool_calls: true`) are accepted, and the reply's notes say so (`NOTED`). An error's
+`param` is the request's own field path ("messages.0.content").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -99,6 +103,10 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # an end-user id for the owner's logs; it changes nothing here
+    # Documented OpenAI fields that do not change the output: accepted, and said so in the notes.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 class ChatRequest(_Common):
@@ -143,13 +151,31 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+# Declared fields that change nothing here: (field, what the reply's notes say when it is set).
+NOTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("store", bool, "store: this server keeps no completions"),
+    ("metadata", bool, "metadata accepted; this server does not keep it"),
+    ("service_tier", lambda v: v is not None, "service_tier accepted; this server has one tier"),
+    ("user", lambda v: v is not None, "user accepted (for your logs); it changes nothing here"),
+    ("parallel_tool_calls", lambda v: v is True, "parallel_tool_calls: the model may always call "
+                                                 "several tools in one reply"),
+)
+
+
+def accepted_notes(req: _Strict) -> list[str]:
+    """The notes for fields a request set that are accepted but change nothing (`NOTED`)."""
+    return [note for name, is_set, note in NOTED
+            if name in type(req).model_fields and is_set(getattr(req, name))]
+
+
 def parse(model_cls: type[_Strict], body: bytes) -> _Strict:
     """Validate a JSON body; ApiError(400) naming the first bad field otherwise."""
     try:
         req = model_cls.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
+        errors = e.errors()
+        err = errors[0]
+        loc = _field_path(err.get("loc", ()))
         if err["type"] == "json_invalid":
             raise ApiError(400, f"The body is not valid JSON: {err['msg']}") from None
         if err["type"] == "extra_forbidden":
@@ -158,10 +184,16 @@ def parse(model_cls: type[_Strict], body: bytes) -> _Strict:
         if err["type"] == "missing":
             raise ApiError(400, f"Missing required parameter: '{loc}'.", param=loc,
                            code="missing_required_parameter") from None
+        # A union field gives one error per accepted type: report the deepest path they reach
+        # ("stop.0", not "stop") and every type accepted there.
+        inside = [(path, x) for x in errors
+                  if (path := _field_path(x.get("loc", ()))) == loc or path.startswith(loc + ".")]
+        loc = max((path for path, _ in inside), key=lambda path: path.count("."))
+        there = [x for path, x in inside if path == loc]
+        wants = "; or ".join(dict.fromkeys(x["msg"] for x in there))
         where = f"'{loc}'" if loc else "the body"
-        raise ApiError(400, f"Invalid value for {where}: {err['msg']} (got "
-                            f"{_short(err.get('input'))}).", param=loc or None,
-                       code="invalid_type") from None
+        raise ApiError(400, f"Invalid value for {where}: {wants} (got {_short(there[0].get('input'))}).",
+                       param=loc or None, code="invalid_type") from None
     for name, ok, why in REFUSED:
         if name in type(req).model_fields and not ok(getattr(req, name)):
             raise ApiError(400, why, param=name, code="unsupported_parameter")
@@ -169,6 +201,15 @@ def parse(model_cls: type[_Strict], body: bytes) -> _Strict:
         raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is "
                             "enabled.", param="stream_options")
     return req
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|function-\S+)$|\[", re.IGNORECASE)
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """The request's own field path ("messages.0.content") of a validation error, without the
+    names pydantic gives the members of a union ("str", "list[dict[str,any]]")."""
+    return ".".join(str(p) for p in loc if isinstance(p, int) or not _UNION_TAG.search(str(p)))
 
 
 def _short(value: Any) -> str:
@@ -315,7 +356,11 @@ def _text(content: str | list[dict] | None, where: str) -> str | None:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}.{j}: a text part needs a string \"text\" field ("
+                                f"{{\"type\": \"text\", \"text\": ...}}), got {_short(part)}.",
+                           param=f"{where}.{j}.text")
+        if kind != "text":
             raise ApiError(400, f"{where}.{j}: content part type {kind!r} is not supported; this "
                                 "server serves text only (parts must be "
                                 "{\"type\": \"text\", \"text\": ...}).", param=f"{where}.{j}")
