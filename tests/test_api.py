@@ -302,6 +302,38 @@ def test_bad_requests_through_the_client_and_the_server_still_serves(bundled):
     assert ok.choices[0].message.content is not None
 
 
+def test_health_and_readiness(bundled):
+    url, _, _ = bundled
+    assert httpx.get(url + "health", timeout=60).json() == {"status": "ok"}
+    r = httpx.get(url + "health/ready", timeout=60)
+    assert r.status_code == 200 and r.json() == {"status": "ready", "model": "bundled"}
+
+
+def test_readiness_is_503_with_the_reason_while_loading_and_keys_apply():
+    import types
+
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from gemma4.web.api import OpenAIApi
+
+    status = {"state": "loading", "message": "reading weights (3/7)"}
+    engine = types.SimpleNamespace(status=lambda: dict(status))
+    api = OpenAIApi(engine, model="m", max_new_tokens_cap=8, api_keys=("k1",))
+    fast = FastAPI()
+    fast.include_router(api.health_router())
+    client = TestClient(fast)
+    assert client.get("/health").status_code == 401  # the /v1 key applies here too
+    auth = {"Authorization": "Bearer k1"}
+    assert client.get("/health", headers=auth).json() == {"status": "ok"}
+    r = client.get("/health/ready", headers=auth)
+    assert r.status_code == 503 and r.headers["Retry-After"]
+    assert r.json() == {"status": "loading", "reason": "reading weights (3/7)"}
+    status.update(state="error", error="the checkpoint is corrupt")
+    r = client.get("/health/ready", headers=auth)
+    assert r.status_code == 503 and r.json()["reason"] == "the checkpoint is corrupt"
+
+
 def test_fields_that_change_nothing_are_accepted_and_noted(bundled):
     _, client, _ = bundled
     out = client.chat.completions.create(

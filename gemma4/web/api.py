@@ -180,6 +180,28 @@ class OpenAIApi:
                                                              "PATCH"], include_in_schema=False)
         return r
 
+    def health_router(self) -> APIRouter:
+        """GET /health (the process answers) and GET /health/ready (200 once the model is ready,
+        else 503 with the reason), under the same access rules as /v1: the key, when one is set,
+        and the per-minute limit."""
+        r = APIRouter()
+        r.add_api_route("/health", self._guarded(self.health, generation=False), methods=["GET"])
+        r.add_api_route("/health/ready", self._guarded(self.health_ready, generation=False),
+                        methods=["GET"])
+        return r
+
+    async def health(self, request: Request, release) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def health_ready(self, request: Request, release) -> JSONResponse:
+        status = self.engine.status()
+        state = status.get("state")
+        if state == "ready":
+            return JSONResponse({"status": "ready", "model": self.model})
+        body = {"status": state, "reason": status.get("error") or status.get("message")}
+        headers = {"Retry-After": str(self.limits.loading_retry_s)} if state != "error" else {}
+        return JSONResponse(body, status_code=503, headers=headers)
+
     # ------------------------------------------------------------------ access
 
     def _guarded(self, handler, *, generation: bool):

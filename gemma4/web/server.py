@@ -168,6 +168,7 @@ def build_app(demo: Any, engine: Any, *, model: str, max_new_tokens_cap: int,
                     limits=access.limits, api_keys=access.api_keys,
                     trust_proxy=access.trust_proxy, closed_reason=api_closed_reason(access))
     app.include_router(api.router())
+    app.include_router(api.health_router())
     app.state.openai_api = api
     app.add_middleware(UiRateLimit, api=api)
     gr.mount_gradio_app(app, demo, path="/", auth=list(access.logins) or None, css=css,
