@@ -13,26 +13,24 @@ class EnvError(ValueError):
     """An environment variable holds a value of the wrong type."""
 
 
-def env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
-    """The integer in `env[name]`, or `default` when it is unset or blank."""
+def _number(env: Mapping[str, str], name: str, default, cast, what: str):
     raw = (env.get(name) or "").strip()
     if not raw:
         return default
     try:
-        return int(raw)
+        return cast(raw)
     except ValueError:
-        raise EnvError(f"{name}={raw!r} is not an integer") from None
+        raise EnvError(f"{name}={raw!r} is not {what}") from None
+
+
+def env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    """The integer in `env[name]`, or `default` when it is unset or blank."""
+    return _number(env, name, default, int, "an integer")
 
 
 def env_float(env: Mapping[str, str], name: str, default: float | None = None) -> float | None:
     """The number in `env[name]`, or `default` when it is unset or blank."""
-    raw = (env.get(name) or "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise EnvError(f"{name}={raw!r} is not a number") from None
+    return _number(env, name, default, float, "a number")
 
 
 def env_bool(raw: str | None, default: bool = False) -> bool:

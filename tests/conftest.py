@@ -5,9 +5,22 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import importlib  # noqa: E402
+import pkgutil  # noqa: E402
+
+import anyio  # noqa: E402
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# pytest assertion-rewrites every module of a package that ships a pytest plugin (anyio does),
+# and anyio imports its submodules lazily, on first use: inside the test servers' threads, where
+# CPython 3.11's ast.parse is not thread-safe ("SystemError: AST constructor recursion depth
+# mismatch" in test_browser, seen on fresh virtual environments). Import them all here, in one
+# thread, before any server starts.
+for _mod in pkgutil.walk_packages(anyio.__path__, "anyio."):
+    if "_trio" not in _mod.name:  # the trio backend: trio is not installed (and not used)
+        importlib.import_module(_mod.name)
 
 
 # Under CI (CI=true) a skipped test fails the run unless its reason is on this list: a missing
