@@ -304,7 +304,8 @@ def stream(engine, prompt: Any, params: SamplingParams | None = None, *, mode: s
 
 def _text_events(engine, req: Request, tokens: TokenStream) -> Iterator[StreamEvent]:
     decoder = IncrementalDecoder(engine.tokenizer)
-    full, text, ids = "", "", []  # full: all decoded text; text: what was handed out
+    full, text = "", ""  # full: all decoded text; text: what was handed out
+    ids = tokens.ids  # the ids so far (the token stream's list)
     cut_by_stop_string = False
     reason = None
     stops = tuple(s for s in req.params.stop_strings if s)
@@ -313,23 +314,21 @@ def _text_events(engine, req: Request, tokens: TokenStream) -> Iterator[StreamEv
             if ev.done:
                 reason = ev.finish_reason
                 break
-            token = ev.token_ids[-1]
-            ids.append(token)
-            full += decoder.push(token)
+            full += decoder.push(ids[-1])
             if stops:
                 cut, hit = apply_stop_strings(full, stops)
                 if hit:
                     delta, text = cut[len(text):], cut
                     req.cancel.set()
                     reason, cut_by_stop_string = "stop", True
-                    yield StreamEvent(delta, text, tokens.stats(), {}, token_ids=list(ids))
+                    yield StreamEvent(delta, text, ev.stats, {}, token_ids=list(ids))
                     break
             # Withhold a tail that may be the start of a stop string, so a stop that spans
             # tokens never shows its first characters.
             visible = len(full) - stop_string_holdback(full, stops) if stops else len(full)
             delta = full[len(text):max(visible, len(text))]
             text += delta
-            yield StreamEvent(delta, text, tokens.stats(), {}, token_ids=list(ids))
+            yield StreamEvent(delta, text, ev.stats, {}, token_ids=list(ids))
         tail = ""
         if not cut_by_stop_string:  # a stop id, the limit, a cancel: everything decoded is the reply
             full += decoder.flush()

@@ -128,7 +128,8 @@ class Request:
     generated: int = 0
     recent: list[int] = dataclasses.field(default_factory=list)
     stats: dict = dataclasses.field(default_factory=dict)
-    occupancy: list[float] = dataclasses.field(default_factory=list)
+    occupancy_sum: float = 0.0  # Σ over the decode steps it took part in of (active rows / max_batch)
+    occupancy_steps: int = 0
 
 
 def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, hidden: int
@@ -176,7 +177,10 @@ def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
 @dataclasses.dataclass
 class TokenEvent:
     """One step of a request's token stream: every id so far, the stats now, and on the last
-    event `done` and the finish reason ("stop" | "length" | "context" | "cancelled" | "error")."""
+    event `done` and the finish reason ("stop" | "length" | "context" | "cancelled" | "error").
+
+    `token_ids` is the stream's own growing list (not copied per token, which would cost O(n)
+    a token): read it as the event arrives, copy it to keep it."""
 
     token_ids: list[int]
     stats: dict
@@ -218,7 +222,8 @@ class TokenStream:
         span = (self.last_t - self.first_t) if (self.first_t and self.last_t) else 0.0
         s["decode_tok_s"] = decode_n / span if span > 0 else 0.0
         s["elapsed_s"] = time.perf_counter() - req.submitted
-        s["batch_occupancy"] = float(np.mean(req.occupancy)) if req.occupancy else 1.0 / self.engine.max_batch
+        s["batch_occupancy"] = (req.occupancy_sum / req.occupancy_steps if req.occupancy_steps
+                                else 1.0 / self.engine.max_batch)
         return s
 
     def _run(self) -> Iterator[TokenEvent]:
@@ -233,7 +238,7 @@ class TokenStream:
                     self.nonfinite |= bad
                     self.first_t = self.first_t or t
                     self.last_t = t
-                    yield TokenEvent(list(self.ids), self.stats(), nonfinite=self.nonfinite)
+                    yield TokenEvent(self.ids, self.stats(), nonfinite=self.nonfinite)
                     continue
                 if kind == "done":
                     reason = item[1]
@@ -242,7 +247,7 @@ class TokenStream:
                     req.stats["error"] = item[1]
                 stats = self.stats()
                 stats["finish_reason"] = reason
-                yield TokenEvent(list(self.ids), stats, True, reason, self.nonfinite)
+                yield TokenEvent(self.ids, stats, True, reason, self.nonfinite)
                 return
         finally:
             self.engine.cancel(req)  # no-op when finished; frees the row within one step otherwise
@@ -828,7 +833,8 @@ class Engine:
         now = time.perf_counter()
         for row, req in active.items():
             req.position += 1
-            req.occupancy.append(len(active) / self.max_batch)
+            req.occupancy_sum += len(active) / self.max_batch
+            req.occupancy_steps += 1
             req.stats["compiled"] = req.stats.get("compiled", False) or compiled
             if req.cancel.is_set():
                 self._finish(req, "cancelled")
