@@ -130,18 +130,31 @@ def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = No
         if not container.streams.audio:
             raise MediaError(f"{label} has no audio track: send an audio file")
         stream = container.streams.audio[0]
-        seconds = (container.duration or 0) / av.time_base
-        if seconds > limits.audio_seconds:
-            raise _too_long(label, seconds, limits)
-        chunks, rate, kept = [], None, 0
+        if stream.codec_context is None:  # no decoder for its codec (or a damaged header)
+            raise MediaError(f"{label}'s audio codec cannot be decoded: it is damaged, or convert "
+                             "it to WAV, FLAC or MP3")
+        stated = (container.duration or 0) / av.time_base
+        if stated > limits.audio_seconds:
+            raise _too_long(label, stated, limits)
+        chunks, rate, seen, kept, stopped = [], None, 0, 0, False
         try:
             for frame in container.decode(stream):
                 rate = rate or frame.sample_rate
                 chunk = _planar_float(frame)
-                chunks.append(chunk)
-                kept += chunk.shape[1]
-                if kept > limits.audio_seconds * rate:
-                    raise _too_long(label, kept / rate, limits)
+                if frame.sample_rate != rate or (chunks and chunk.shape[0] != chunks[0].shape[0]):
+                    raise MediaError(f"{label} changes its sample rate or channels midway: convert "
+                                     "it to WAV, FLAC or MP3")
+                seen += chunk.shape[1]
+                if seen > limits.audio_seconds * rate:
+                    raise _too_long(label, seen / rate, limits)
+                # Keep 30 s and one more (the resampler's filter reaches past the cut); past that,
+                # the stated length will do, or the rest is only counted for the limit.
+                if kept < (MAX_SECONDS + 1) * rate:
+                    chunks.append(chunk)
+                    kept += chunk.shape[1]
+                elif stated:
+                    stopped = True
+                    break
         except (av.FFmpegError, OSError, ValueError) as e:
             raise MediaError(f"{label} is damaged or cut short ({_reason(e)}): send the file again") from None
     if not kept:
@@ -153,7 +166,8 @@ def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = No
     if rate != SAMPLE_RATE:
         mono = resample(mono, rate)
     if len(mono) > MAX_SAMPLES:
-        notes.append(f"{label} is {len(mono) / SAMPLE_RATE:.1f} s long; the model hears the first "
+        length = stated if stopped else seen / rate
+        notes.append(f"{label} is {length:.1f} s long; the model hears the first "
                      f"{MAX_SECONDS} s")
         mono = mono[:MAX_SAMPLES]
     return AudioClip(samples=np.ascontiguousarray(mono, dtype=np.float32), source_rate=rate,
