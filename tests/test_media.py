@@ -132,6 +132,15 @@ def test_data_uris_base64_urlsafe_and_percent_encoded():
         assert item.data == data and item.kind == "image"
 
 
+def test_plain_base64_as_openai_input_audio_sends_it():
+    wav = SNIFF_CASES["WAV"] + bytes(100)
+    item = files.media_from_base64(base64.b64encode(wav).decode(), name="clip", kind="audio")
+    assert (item.kind, item.name, item.data) == ("audio", "clip", wav)
+    assert "not valid base64" in _error(files.media_from_base64, "not base64!")
+    msg = _error(files.media_from_base64, "A" * 400, limits=MediaLimits(10, 10, 10))
+    assert msg.startswith("the media base64 data holds about 300 bytes; media may be at most 10 bytes")
+
+
 def _error(fn, *args, **kw) -> str:
     with pytest.raises(MediaError) as info:
         fn(*args, **kw)
@@ -294,7 +303,7 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_preprocess_is_the_pil_processor_in_every_mode(mode):
     image = MODES[mode]()
-    for budget in (70, 1120):
+    for budget in SOFT_TOKEN_BUDGETS:
         _assert_same_patches(image, budget)
 
 

@@ -299,17 +299,32 @@ def media_from_data_uri(uri: str, name: str = "", kind: str | None = None,
     if not sep:
         raise MediaError(f"{label} has no ',' between its header and its data: "
                          "send data:<type>;base64,<bytes>")
-    largest = max(limits.bytes_for(k) for k in KINDS)
     is_base64 = header.lower().split(";")[-1].strip() == "base64"
     if is_base64:
-        # Over every limit even with a line break every 64 characters: refused undecoded.
-        if len(payload) * 3 // 4 > largest * 65 // 64 + 3:
-            raise MediaError(f"{label} holds about {_size(len(payload) * 3 // 4)}; media may be "
-                             f"at most {_size(largest)}: send a smaller file")
+        _check_base64_size(payload, label, limits)
         data = _b64decode(payload, label)
     else:
         data = urllib.parse.unquote_to_bytes(payload)
     return _checked_item(data, name, kind, limits, label)
+
+
+def media_from_base64(payload: str, name: str = "", kind: str | None = None,
+                      limits: MediaLimits | None = None) -> MediaItem:
+    """Base64 text without a `data:` header (OpenAI's `input_audio.data`) as a MediaItem; the
+    kind is sniffed from the decoded bytes, as everywhere."""
+    limits = MediaLimits.from_env() if limits is None else limits
+    label = describe(name, kind) if name else f"the {kind or 'media'} base64 data"
+    _check_base64_size(payload, label, limits)
+    return _checked_item(_b64decode(payload, label), name, kind, limits, label)
+
+
+def _check_base64_size(payload: str, label: str, limits: MediaLimits) -> None:
+    """Refuse base64 text over every limit before decoding it (a line break every 64
+    characters allowed for)."""
+    largest = max(limits.bytes_for(k) for k in KINDS)
+    if len(payload) * 3 // 4 > largest * 65 // 64 + 3:
+        raise MediaError(f"{label} holds about {_size(len(payload) * 3 // 4)}; media may be "
+                         f"at most {_size(largest)}: send a smaller file")
 
 
 def _b64decode(payload: str, label: str) -> bytes:
