@@ -101,6 +101,7 @@ def test_a_raw_mp3_frame_is_audio_and_a_jpeg_is_not_one():
     assert files.sniff(b"\xff\xfb\x90\x64" + bytes(60)) is files.MP3  # MPEG-1 layer III
     assert files.sniff(b"\xff\xf3\x90\x64" + bytes(60)) is files.MP3  # MPEG-2 layer III
     assert files.sniff(b"\xff\xf1\x50\x80" + bytes(60)) is None  # ADTS (layer 00): not MP3
+    assert files.sniff("\ufeffhello".encode("utf-16-le")) is None  # FF FE: a UTF-16 text
     assert files.sniff(SNIFF_CASES["JPEG"]) is files.JPEG
 
 

@@ -157,11 +157,13 @@ def sniff(data: bytes) -> Format | None:
 
 
 def _is_mpeg_audio_frame(head: bytes) -> bool:
-    """An MPEG audio frame header: 11 sync bits, a version other than 'reserved', layer I-III."""
-    if len(head) < 2 or head[0] != 0xFF or head[1] & 0xE0 != 0xE0:
+    """An MP3 frame header without an ID3 tag: 11 sync bits, a version other than 'reserved',
+    layer III, a valid bitrate and sampling rate (so a UTF-16 text's FF FE is not one)."""
+    if len(head) < 3 or head[0] != 0xFF or head[1] & 0xE0 != 0xE0:
         return False
     version, layer = (head[1] >> 3) & 0b11, (head[1] >> 1) & 0b11
-    return version != 0b01 and layer != 0b00
+    bitrate, rate = head[2] >> 4, (head[2] >> 2) & 0b11
+    return version != 0b01 and layer == 0b01 and bitrate not in (0b0000, 0b1111) and rate != 0b11
 
 
 def _unknown_message(label: str, data: bytes) -> str:
