@@ -34,7 +34,8 @@ from gemma4.media import files, layout
 from gemma4.media.audio import (FFT_LENGTH, FRAME_LENGTH, HOP_LENGTH, MEL_FILTERS, WINDOW,
                                 audio_features, decode_audio)
 from gemma4.media.files import MediaError, MediaLimits
-from gemma4.media.image import SOFT_TOKEN_BUDGETS, decode_image, preprocess_image, resized_size
+from gemma4.media.image import (SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image,
+                                resized_size)
 from gemma4.media.video import (DEFAULT_NUM_FRAMES, VIDEO_SOFT_TOKENS, VideoFrames, decode_video,
                                 sample_indices, video_patches)
 
@@ -254,9 +255,13 @@ def test_exif_orientation_turns_the_picture_upright():
     assert decode_image(_exif_rotated_jpeg(3)).size == (50, 30)
 
 
-def test_an_animated_gif_gives_its_first_frame():
+def test_an_animated_gif_gives_its_first_frame_and_a_note_says_so():
     first = Image.open(io.BytesIO(_animated_gif())).convert("RGB")
     assert np.array_equal(np.asarray(decode_image(_animated_gif())), np.asarray(first))
+    assert animation_note(_animated_gif(), name="cat.gif") == (
+        "'cat.gif' is animated (3 frames); the model sees its first frame")
+    assert animation_note(DECODE_CASES["palette.gif"]()) is None
+    assert animation_note(b"not an image") is None
 
 
 _PROCESSORS: dict[int, Gemma4ImageProcessorPil] = {}

@@ -89,6 +89,19 @@ def decode_image(data: bytes, *, name: str = "", limits: MediaLimits | None = No
         raise MediaError(f"{label} is damaged or cut short ({_reason(e)}): send the file again") from None
 
 
+def animation_note(data: bytes, *, name: str = "") -> str | None:
+    """A note for the reply when `data` is an animated image (the model sees its first frame
+    only, as transformers reads it), else None. Unreadable data is `decode_image`'s to refuse."""
+    try:
+        frames = getattr(Image.open(io.BytesIO(data), formats=PILLOW_FORMATS), "n_frames", 1)
+    except (Image.DecompressionBombError, Image.UnidentifiedImageError, OSError, SyntaxError,
+            ValueError):
+        return None  # a note is never the reason a request fails
+    if frames <= 1:
+        return None
+    return f"{describe(name, 'image')} is animated ({frames} frames); the model sees its first frame"
+
+
 def _reason(e: Exception) -> str:
     return str(e).strip() or type(e).__name__
 
