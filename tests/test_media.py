@@ -78,6 +78,7 @@ SNIFF_CASES = {
     "TIFF": _encode(SMALL_RGB, "TIFF"),
     "MP4": b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41",
     "MOV": b"\x00\x00\x00\x14ftypqt  \x00\x00\x00\x00qt  ",
+    "MOV-no-ftyp": b"\x00\x00\x00\x08wide\x00\x10\x00\x00mdat",
     "WEBM": b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81\x01\x42\xf7\x81\x01\x42\x82\x84webm",
     "MKV": b"\x1a\x45\xdf\xa3\xa3\x42\x86\x81\x01\x42\xf7\x81\x01\x42\x82\x88matroska",
     "AVI": b"RIFF\x00\x10\x00\x00AVI LIST",
@@ -93,7 +94,7 @@ SNIFF_CASES = {
 def test_kind_and_format_come_from_the_bytes(name):
     data = SNIFF_CASES[name]
     fmt = files.sniff(data)
-    assert fmt is not None and fmt.name == name
+    assert fmt is not None and fmt.name == name.split("-")[0]
     item = files.media_from_bytes(data, name="upload.bin")  # the name says nothing
     assert item.kind == fmt.kind and item.mime == fmt.mime
 
@@ -121,6 +122,11 @@ def test_media_from_path_names_the_item_by_its_file(tmp_path):
     assert files.media_from_path(str(path), kind="image").data == SNIFF_CASES["PNG"]
 
 
+def test_a_kind_must_be_one_of_the_three():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        files.media_from_bytes(SNIFF_CASES["PNG"], kind="picture")
+
+
 def test_data_uris_base64_urlsafe_and_percent_encoded():
     data = SNIFF_CASES["PNG"]
     b64 = base64.b64encode(data).decode()
@@ -128,6 +134,7 @@ def test_data_uris_base64_urlsafe_and_percent_encoded():
                 f"DATA:image/png;BASE64,{b64[:40]}\n{b64[40:]}",  # case, a line break
                 f"data:image/png;base64,{b64.rstrip('=')}",  # padding dropped
                 f"data:;base64,{base64.urlsafe_b64encode(data).decode()}",
+                "data:image/png;base64," + base64.b64encode(data).decode().replace("+", "%2B"),
                 "data:video/mp4;base64," + b64,  # the declared type is not trusted
                 "data:image/png," + "".join(f"%{c:02x}" for c in data)):
         item = files.media_from_data_uri(uri)
@@ -184,6 +191,10 @@ def test_byte_limits_per_kind_from_the_environment(tmp_path):
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     msg = _error(files.media_from_data_uri, uri, limits=limits)
     assert msg.startswith("the media data URI is ") and "GEMMA4_MAX_IMAGE_BYTES" in msg
+    big = b"\x89PNG\r\n\x1a\n" + bytes(2_500_000)
+    msg = _error(files.media_from_bytes, big, limits=MediaLimits(image_bytes=2_000_000))
+    assert msg == ("the file is 2.5 MB; an image may be at most 2.0 MB (GEMMA4_MAX_IMAGE_BYTES): "
+                   "send a smaller file")
     tiny = MediaLimits(image_bytes=10, video_bytes=10, audio_bytes=10)
     assert "media may be at most" in _error(files.media_from_data_uri, uri, limits=tiny)
     with pytest.raises(EnvError, match="GEMMA4_MAX_IMAGE_BYTES='big'"):
@@ -720,3 +731,37 @@ def test_damaged_files_give_media_errors_and_nothing_else():
             except MediaError:
                 outcomes["refused"] += 1
     assert outcomes["refused"] > 100 and outcomes["decoded"] > 10, outcomes
+
+
+def _packet_starts(data: bytes) -> list[int]:
+    """Where each video packet of `data` begins in the file."""
+    with av.open(io.BytesIO(data)) as container:
+        return [p.pos for p in container.demux(container.streams.video[0]) if p.size]
+
+
+def test_a_few_frames_short_of_the_header_are_sampled_over_what_is_there(tmp_path):
+    whole = _video(path=tmp_path / "fast.mp4")  # 45 frames, its index first
+    starts = _packet_starts(whole)
+    short = whole[: starts[-2]]  # the last two frames' packets are gone: 43 of 45 (4 % missing)
+    ours = decode_video(short)
+    assert ours.total_frames == 43 and ours.indices == sample_indices(43, 32)
+    ref_frames, _ = _transformers_frames(short, tmp_path, lambda metadata, **kw: np.array(ours.indices))
+    assert np.array_equal(np.stack(ours.frames), ref_frames)
+    msg = _error(decode_video, whole[: starts[-3]])  # 42 of 45: more than 5 % missing
+    assert "ends after 42 of the 45 frames its header lists" in msg
+
+
+def test_8_bit_audio_and_a_clip_without_samples():
+    pcm = np.arange(0, 256, dtype=np.uint8).repeat(40)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as out:
+        stream = out.add_stream("pcm_u8", rate=16_000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="u8", layout="mono")
+        frame.sample_rate = 16_000
+        for packet in list(stream.encode(frame)) + list(stream.encode()):
+            out.mux(packet)
+    clip = decode_audio(buf.getvalue())
+    assert np.array_equal(clip.samples, (pcm.astype(np.float32) - 128) / 128)  # libsndfile's scale
+    fmt_chunk = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, 16_000, 32_000, 2, 16)
+    empty = b"RIFF" + struct.pack("<I", 4 + len(fmt_chunk) + 8) + b"WAVE" + fmt_chunk + b"data" + bytes(4)
+    assert "has no audio samples that decode" in _error(decode_audio, empty, name="e.wav")

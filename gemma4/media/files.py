@@ -283,8 +283,6 @@ def media_from_path(path: str | os.PathLike, kind: str | None = None,
         raise MediaError(f"{path} does not exist: check the path") from None
     except PermissionError:
         raise MediaError(f"{path} cannot be read (permission denied)") from None
-    except IsADirectoryError:
-        raise MediaError(f"{path} is a folder: give the path of an image, video or audio file") from None
     return media_from_bytes(data, name=path.name, kind=kind, limits=limits)
 
 

@@ -130,8 +130,7 @@ def resized_size(height: int, width: int, *, max_soft_tokens: int = DEFAULT_SOFT
     new_h = int(math.floor(factor * height / step)) * step
     new_w = int(math.floor(factor * width / step)) * step
     longest = (max_patches // pooling_kernel_size**2) * step
-    if new_h == 0 and new_w == 0:  # unreachable for the budgets above; kept as transformers has it
-        raise MediaError(f"a {height}×{width} image rounds to 0×0 pixels")
+    # Both sides never round to 0: the ideal sides multiply to max_patches·p² ≥ (k·p)².
     if new_h == 0:
         new_h, new_w = step, min(int(math.floor(width / height)) * step, longest)
     elif new_w == 0:

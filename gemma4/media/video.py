@@ -57,10 +57,6 @@ class VideoFrames:
         """Seconds of each sampled frame: index / fps, as transformers' VideoMetadata says."""
         return [i / self.fps for i in self.indices]
 
-    @property
-    def duration(self) -> float:
-        return self.total_frames / self.fps
-
 
 @dataclass
 class VideoFrame:
