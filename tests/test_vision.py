@@ -185,6 +185,17 @@ def test_tower_switches_are_exercised(variant, switch, tmp_path_factory):
     assert min(errs) > 100 * TOWER_TOL, errs
 
 
+def test_attention_in_query_blocks_equals_whole(tmp_path_factory):
+    """The tower's attention run a block of queries at a time (bounded memory at large budgets;
+    100 does not divide 630, so the last block is padded) gives the soft tokens of the whole."""
+    cfg, params, _ = _setup("e2b", tmp_path_factory)
+    px = _pixels(_images(7, [(50, 120), (96, 64)]), 70)
+    args = (jnp.asarray(px["pixel_values"].numpy()), jnp.asarray(px["image_position_ids"].numpy(), jnp.int32))
+    whole = np.asarray(encode_images(params, cfg, *args))
+    blocked = np.asarray(jax.jit(lambda p, a, b: encode_images(p, cfg, a, b, query_block=100))(params, *args))
+    assert _rel_err(blocked, whole) <= 1e-6
+
+
 # ------------------------------------------------------------------------------ image prompts
 def _prompt(cfg, counts: list[int], seed: int = 0) -> np.ndarray:
     """bos, text, then per image `<|image>` + n × `<|image|>` + `<image|>` and more text
