@@ -138,6 +138,31 @@ def test_text_only_load_skips_the_tower(tmp_path_factory):
     assert count_bytes(params) - count_bytes(plain) == count_bytes(params["vision"]) > 0
 
 
+def test_text_only_setting_reaches_the_loader_and_the_preflight(monkeypatch):
+    """GEMMA4_VISION=off (or load_vision=False) drops the tower from what loads and from what the
+    pre-flight counts (E2B in bf16: 0.31 GiB less); a mistyped value is an error naming it."""
+    from gemma4.env import EnvError, vision_enabled
+    from gemma4.plan import preflight
+    from gemma4.weights import sources
+
+    assert vision_enabled({}) and not vision_enabled({"GEMMA4_VISION": "OFF"}) and vision_enabled({"GEMMA4_VISION": "1"})
+    with pytest.raises(EnvError, match="GEMMA4_VISION='of'"):
+        vision_enabled({"GEMMA4_VISION": "of"})
+    src = sources.resolve("random:e2b")
+    monkeypatch.delenv("GEMMA4_VISION", raising=False)
+    full = sources.peek_config(src)
+    assert full.vision is not None and sources.peek_config(src, load_vision=False).vision is None
+    monkeypatch.setenv("GEMMA4_VISION", "off")
+    text = sources.peek_config(src)
+    assert text.vision is None and text == text_only(full)
+    plan = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "weights": "none", "platform": "cpu"}
+    diff = preflight.footprint(full, plan, {}, 4096, 1).weights - preflight.footprint(text, plan, {}, 4096, 1).weights
+    assert diff == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(full, jnp.bfloat16)["vision"]))
+    assert 0.30 < diff / 2**30 < 0.32
+    _, params, _ = sources.load(sources.resolve("random:tiny-e2b"))  # GEMMA4_VISION=off still set
+    assert "vision" not in params
+
+
 def test_random_tower_has_no_clipping_and_runs():
     """Random weights carry the tower with unset (infinite) clip bounds, as transformers initialises them."""
     cfg = tiny("e2b")
