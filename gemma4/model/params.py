@@ -118,7 +118,7 @@ def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
     v = cfg.vision
     tree: dict[str, Any] = {
         "patch_proj": _tower((v.hidden_size, v.patch_dim)),
-        "pos_table": _tower((2, v.position_table_size, v.hidden_size)),
+        "pos_table": _tower((2, v.position_table_size, v.hidden_size), (None, "vocab", "embed")),  # rows, as embed
         "layers": [_vision_layer_spec(v) for _ in range(v.num_layers)],
         "proj": _tower((cfg.hidden_size, v.hidden_size)),
     }
