@@ -52,17 +52,24 @@ def eng():
     return tiny_gemma4()
 
 
-def _direct_greedy(eng, ids: list[int], rows_at: dict[int, np.ndarray], n: int) -> list[int]:
+def _direct_greedy(eng, ids: list[int], rows_at: dict[int, np.ndarray], n: int, groups=None) -> list[int]:
     """n greedy tokens from `decoder.forward` over the whole sequence each step (no cache, no
     engine): the ids' embeddings, the rows at their positions (their per-layer ids: pad). One
-    compile: the sequence is right-padded to its final length (padding: position -1)."""
+    compile: the sequence is right-padded to its final length (padding: position -1). `groups`:
+    the prompt's vision groups, for a model bidirectional over vision (generated tokens: -1)."""
     cfg, params, opts = eng.cfg, eng.params, eng.options
     total = len(ids) + n
+
+    extra = {}
+    if groups is not None:
+        g = np.full((1, total), -1, np.int32)
+        g[0, :len(groups)] = groups
+        extra["vision_groups"] = jnp.asarray(g)
 
     @jax.jit
     def next_token(tokens, positions, embeds, last):
         logits, _, _ = M.forward(params, cfg, tokens, positions, None, options=opts, logits_at=last,
-                                 inputs_embeds=embeds)
+                                 inputs_embeds=embeds, **extra)
         return jnp.argmax(logits, axis=-1)
 
     ids = list(ids)
@@ -254,9 +261,11 @@ def test_bad_media_requests(eng, monkeypatch):
                                     {"role": "user", "content": "hi"}], GREEDY, mode="chat")
 
 
-def test_media_for_a_model_without_a_tower_is_refused(engine_without_tower=None):
-    """The bundled Gemma 3 270M has no tower: a clear refusal naming a model that has one."""
-    eng = E.get_engine("random:tiny-gemma3-270m", max_batch=1, context_limit=128, buckets=(16, 64)).wait_ready(600)
+def test_media_for_a_model_without_a_tower_is_refused():
+    """The bundled Gemma 3 270M has no tower: a clear refusal naming a model that has one (the
+    engine of tests/test_engine.py and test_api.py: one load per test run)."""
+    eng = E.get_engine("bundled", max_batch=8, context_limit=256, buckets=(16, 64),
+                       overrides={"weights": "none", "dtype": "float32", "kv": "native"}).wait_ready(1200)
     ok, why = conversation.supports_vision(eng)
     assert not ok and "no vision tower" in why and "google/gemma-4-E2B-it" in why
     with pytest.raises(RequestError, match="Images and video are not available: .*no vision tower"):
@@ -295,15 +304,34 @@ def test_embedding_cache_is_bounded_lru_and_read_only():
     assert cache.put("huge", np.zeros((100, 100), np.float32)).shape == (100, 100) and cache.get("huge") is None
 
 
-def test_atomic_chunk_plan_never_splits_a_span():
-    buckets = (16, 32, 64)
-    assert E.atomic_chunk_plan(100, buckets, []) == E.chunk_plan(100, buckets)
-    plan = E.atomic_chunk_plan(150, buckets, [(50, 90), (100, 110)])
-    ends = [s + n for s, n, _ in plan]
-    assert all(not (s < e < t) for e in ends for s, t in [(50, 90), (100, 110)])
-    assert sum(n for _, n, _ in plan) == 150 and all(n <= b for _, n, b in plan)
-    long = E.atomic_chunk_plan(200, buckets, [(10, 150)])
-    assert long[1] == (10, 140, 192) and long[0] == (0, 10, 16)
+@pytest.mark.slow
+def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
+    """A 31B-like tiny model (bidirectional over vision): the request carries its vision groups
+    and atomic spans; prefilled in 16-token chunks, no chunk ends inside the image, and the
+    tokens equal a direct forward over the whole sequence with the same groups."""
+    eng = E.get_engine("random:tiny-31b", max_batch=1, context_limit=256, buckets=(16, 128)).wait_ready(900)
+    assert eng.cfg.bidirectional_vision and conversation.supports_vision(eng)[0]
+    eng.chunk_override = {False: 16, True: 16}
+    data = png(48, 40, seed=11)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Here:"}, image_part(data, max_soft_tokens=70),
+                                         {"type": "text", "text": "What?"}]}]
+    ids = conversation.prompt_ids(eng, msgs)
+    cfg = eng.cfg
+    start, n = ids.index(cfg.image_token_id), ids.count(cfg.image_token_id)
+    req = conversation.submit(eng, msgs, GREEDY, mode="chat")
+    got = list(eng.tokens(req))[-1]
+    assert req.atomic_spans == [(start, start + n)] and req.vision_groups[start:start + n].tolist() == [0] * n
+    assert req.vision_groups[:start].tolist() == [-1] * start
+    ends = [a + b for a, b, _ in req.prefill_chunks]
+    assert len(req.prefill_chunks) > 2 and not any(start < e < start + n for e in ends)
+
+    patches = preprocess_image(decode_image(data), max_soft_tokens=70, patch_size=cfg.vision.patch_size,
+                               pooling_kernel_size=cfg.vision.pooling_kernel_size)
+    rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.options.dtype))[0, :n]
+    direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
+    groups = [0 if start <= k < start + n else -1 for k in range(len(ids))]
+    assert list(got.token_ids) == _direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens, groups)
 
 
 def test_vision_layout_groups_each_run():
