@@ -35,7 +35,7 @@ import numpy as np
 from gemma4.env import env_int
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, decode_image, preprocess_image
-# TEMPORARY until the media branch's video module lands: from gemma4.media.video import video_patches
+from gemma4.media.video import video_patches
 from gemma4.serve.engine import Embeddings, RequestError
 from gemma4.serve.media_cache import shared_cache
 
@@ -178,8 +178,8 @@ class MediaPlan:
                                                patch_size=vis.patch_size, pooling_kernel_size=vis.pooling_kernel_size)
                     prep.frames, prep.patches = [(None, int(patches.num_soft_tokens))], [patches]
             else:  # a video's frames are decoded every time (cheap next to the tower); its rows are cached
-                raise RequestError("video input is not wired yet (gemma4.media.video)")  # TEMPORARY
-                frames = video_patches(item.data, max_soft_tokens=budget)  # noqa: F821
+                frames = video_patches(item.data, max_soft_tokens=budget, name=name, patch_size=vis.patch_size,
+                                       pooling_kernel_size=vis.pooling_kernel_size)
                 prep.frames = [(f.timestamp, int(f.patches.num_soft_tokens)) for f in frames]
                 prep.patches = [] if rows is not None else [f.patches for f in frames]
         except MediaError as e:
