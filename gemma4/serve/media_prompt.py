@@ -89,6 +89,27 @@ def parts_from_marked_text(text: str, media: Sequence[Mapping[str, Any]]) -> lis
     return out
 
 
+def parts_in_marker_order(text: str, images: Sequence[MediaItem], videos: Sequence[MediaItem],
+                          max_soft_tokens: int | None = None) -> list[dict]:
+    """Media parts for a text's markers in the order they appear: each <|image|> takes the next
+    of `images`, each <|video|> the next of `videos` (the CLI's --image / --video). RequestError
+    when the counts differ."""
+    counts = count_markers(text)
+    if counts != {"image": len(images), "video": len(videos)}:
+        raise RequestError(f"The prompt has {counts['image']} <|image|> and {counts['video']} <|video|> markers but "
+                           f"{len(images)} image(s) and {len(videos)} video(s) were given: put one marker where each "
+                           "file goes, in order.")
+    pending = {"image": iter(images), "video": iter(videos)}
+    out = []
+    for m in _MARKER.finditer(text):
+        kind = COMPLETION_MARKERS[m.group(0)]
+        part = {"type": kind, "media": next(pending[kind])}
+        if max_soft_tokens is not None:
+            part["max_soft_tokens"] = max_soft_tokens
+        out.append(part)
+    return out
+
+
 @dataclasses.dataclass
 class PreparedMedia:
     """One media part of a request, checked and preprocessed (or found in the cache)."""
