@@ -730,6 +730,8 @@ class Engine:
     # ---------------------------------------------------------------- vision
     def supports_vision(self) -> tuple[bool, str]:
         """(ok, reason when not): the model has a vision tower, loaded, on one process."""
+        if self._status["state"] != "ready":
+            return False, "the model is still loading (images can be sent once it is ready)"
         cfg = self.cfg
         name = self._info.get("model", self.model_name)
         if cfg.vision is None or cfg.image_token_id is None or cfg.boi_token_id is None or cfg.eoi_token_id is None:
