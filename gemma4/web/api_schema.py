@@ -324,7 +324,7 @@ def tools(req: ChatRequest) -> list[dict] | None:
 def messages(req: ChatRequest) -> list[dict]:
     """The conversation as plain OpenAI-style dicts for the request layer (`gemma4.serve.chat.render`
     folds system/developer messages into Gemma's one system turn). Content parts are text, or in
-    user and assistant messages image_url / video_url parts (see `media_parts`): such a message's
+    user messages image_url / video_url parts (see `media_parts`): such a message's
     content is a list of {"type": "text", "text"} and {"type": "image" | "video", "url", "param",
     "max_soft_tokens"?} parts, the URL still to be fetched (gemma4.web.media_fetch)."""
     if not req.messages:
@@ -333,7 +333,7 @@ def messages(req: ChatRequest) -> list[dict]:
     out: list[dict] = []
     for i, m in enumerate(req.messages):
         if _has_media_parts(m.content):
-            if m.role not in ("user", "assistant"):
+            if m.role != "user":
                 raise ApiError(400, f"messages.{i}: images and video go in user messages, not in {m.role} ones.",
                                param=f"messages.{i}.content")
             out.append({"role": m.role, "content": media_parts(m.content, f"messages.{i}.content", budget)})
