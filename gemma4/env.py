@@ -38,3 +38,25 @@ def env_bool(raw: str | None, default: bool = False) -> bool:
     if raw is None or not raw.strip():
         return default
     return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def env_switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A strict on/off setting: 1/true/yes/on or 0/false/no/off (any case); unset or blank → default;
+    anything else raises EnvError (a mistyped "of" must not silently mean on)."""
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in _ON or raw in _OFF:
+        return raw in _ON
+    raise EnvError(f"{name}={env.get(name)!r} is not on or off (use one of {', '.join(_ON + _OFF)})")
+
+
+def vision_enabled(env: Mapping[str, str]) -> bool:
+    """`GEMMA4_VISION` (default on): off loads a Gemma 4 checkpoint text-only — the vision tower's
+    weights are neither read nor held (E2B/E4B: 0.17 B parameters, 31B/26B-A4B: 0.57 B), and image
+    input is refused."""
+    return env_switch(env, "GEMMA4_VISION", True)

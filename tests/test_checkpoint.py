@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from gemma4.weights.checkpoint import CheckpointError, load_safetensors_params
-from gemma4.model.config import FULL, from_hf_config, load_hf_config, preset, tiny, to_hf_config
+from gemma4.model.config import FULL, from_hf_config, load_hf_config, preset, text_only, tiny, to_hf_config
 from gemma4.model.params import abstract_params
 from gemma4.weights.random_init import random_params
 
@@ -47,7 +47,7 @@ def _write(folder, cfg, state):
 
 @pytest.fixture()
 def e2b_folder(tmp_path):
-    cfg = tiny("e2b")
+    cfg = text_only(tiny("e2b"))  # a text-only checkpoint
     state = _hf_state(cfg, random_params(cfg))
     # KV-consumer layers ship unused k/v weights in released checkpoints: they must be skipped.
     consumer = next(s.index for s in cfg.layers if s.is_kv_consumer)
@@ -60,7 +60,7 @@ def e2b_folder(tmp_path):
 def test_text_only_layout_loads_and_skips_consumer_kv(e2b_folder):
     folder, cfg, _ = e2b_folder
     params = load_safetensors_params(folder, load_hf_config(folder))
-    want = abstract_params(cfg)
+    want = abstract_params(text_only(cfg))  # a text-only config.json: no tower
     assert jax.tree.structure(params) == jax.tree.structure(want)
     assert all(a.shape == b.shape for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
 
@@ -213,7 +213,7 @@ def test_bf16_checkpoint_quantizes_per_tensor(tmp_path):
 
     from gemma4.ops import quant
 
-    cfg = tiny("e2b")
+    cfg = text_only(tiny("e2b"))  # a text-only checkpoint
     state = {k: (v.astype(ml_dtypes.bfloat16) if v.ndim == 2 else v)
              for k, v in _hf_state(cfg, random_params(cfg)).items()}
     folder = str(tmp_path / "bf16")

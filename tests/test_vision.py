@@ -42,6 +42,11 @@ TOWER_TOL = 1e-5  # max abs difference of the soft tokens, relative to their lar
 TOL = 1e-4  # logits, as tests/test_reference.py
 SIZES = [(50, 120), (96, 64), (40, 40), (200, 30)]  # (height, width): wide, tall, square, very tall
 N_NEW = 8
+BUCKET = 160  # every prompt (or prefill chunk) is padded to this length: one compiled shape per variant
+
+# compiled once per (config, shapes) for the whole file
+_encode = jax.jit(encode_images, static_argnums=1)
+_forward = jax.jit(M.forward, static_argnums=1, static_argnames=("attend_cache",))
 
 _cache: dict[str, tuple] = {}
 
@@ -72,10 +77,14 @@ def _pixels(images, budget: int) -> dict:
     return Gemma4ImageProcessorPil(max_soft_tokens=budget)(images=images, return_tensors="pt")
 
 
-def _ours_soft(params, cfg, px) -> list[np.ndarray]:
-    """Our soft tokens per image, padding rows dropped."""
-    out = jax.jit(lambda p, a, b: encode_images(p, cfg, a, b))(
-        params, jnp.asarray(px["pixel_values"].numpy()), jnp.asarray(px["image_position_ids"].numpy(), jnp.int32))
+def _ours_soft(params, cfg, px, encode=None) -> list[np.ndarray]:
+    """Our soft tokens per image, padding rows dropped (the batch padded to 4 images with empty
+    ones, all patches padding: one compiled shape per patch count)."""
+    pv, pos = px["pixel_values"].numpy(), px["image_position_ids"].numpy().astype(np.int32)
+    extra = 4 - len(pv)
+    pv = np.concatenate([pv, np.zeros((extra,) + pv.shape[1:], pv.dtype)])
+    pos = np.concatenate([pos, np.full((extra,) + pos.shape[1:], -1, np.int32)])
+    out = (encode or (lambda p, a, b: _encode(p, cfg, a, b)))(params, jnp.asarray(pv), jnp.asarray(pos))
     return [np.asarray(out[i, :n]) for i, n in enumerate(px["num_soft_tokens_per_image"].tolist())]
 
 
@@ -129,6 +138,31 @@ def test_text_only_load_skips_the_tower(tmp_path_factory):
     assert count_bytes(params) - count_bytes(plain) == count_bytes(params["vision"]) > 0
 
 
+def test_text_only_setting_reaches_the_loader_and_the_preflight(monkeypatch):
+    """GEMMA4_VISION=off (or load_vision=False) drops the tower from what loads and from what the
+    pre-flight counts (E2B in bf16: 0.31 GiB less); a mistyped value is an error naming it."""
+    from gemma4.env import EnvError, vision_enabled
+    from gemma4.plan import preflight
+    from gemma4.weights import sources
+
+    assert vision_enabled({}) and not vision_enabled({"GEMMA4_VISION": "OFF"}) and vision_enabled({"GEMMA4_VISION": "1"})
+    with pytest.raises(EnvError, match="GEMMA4_VISION='of'"):
+        vision_enabled({"GEMMA4_VISION": "of"})
+    src = sources.resolve("random:e2b")
+    monkeypatch.delenv("GEMMA4_VISION", raising=False)
+    full = sources.peek_config(src)
+    assert full.vision is not None and sources.peek_config(src, load_vision=False).vision is None
+    monkeypatch.setenv("GEMMA4_VISION", "off")
+    text = sources.peek_config(src)
+    assert text.vision is None and text == text_only(full)
+    plan = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "weights": "none", "platform": "cpu"}
+    diff = preflight.footprint(full, plan, {}, 4096, 1).weights - preflight.footprint(text, plan, {}, 4096, 1).weights
+    assert diff == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(full, jnp.bfloat16)["vision"]))
+    assert 0.30 < diff / 2**30 < 0.32
+    _, params, _ = sources.load(sources.resolve("random:tiny-e2b"))  # GEMMA4_VISION=off still set
+    assert "vision" not in params
+
+
 def test_random_tower_has_no_clipping_and_runs():
     """Random weights carry the tower with unset (infinite) clip bounds, as transformers initialises them."""
     cfg = tiny("e2b")
@@ -159,19 +193,32 @@ def test_tower_matches_transformers(variant, budget, tmp_path_factory):
 
 @pytest.mark.parametrize("variant,switch", [("e2b", "clip"), ("31b", "standardize")])
 def test_tower_switches_are_exercised(variant, switch, tmp_path_factory):
-    """Dropping the clipping (E2B-like) or the standardization (31B-like) moves the soft tokens far
-    past the tolerance: the comparison above really covers both paths."""
+    """Neutral clip bounds (±inf, E2B-like) or a neutral standardization (bias 0, scale 1, 31B-like)
+    move the soft tokens far past the tolerance: the comparison above really covers both paths.
+    (Neutral values rather than removed leaves: the same tree, so the same compiled call.)"""
     cfg, params, hf_model = _setup(variant, tmp_path_factory)
     px = _pixels(_images(70), 70)
     vp = dict(params["vision"])
     if switch == "clip":
-        vp["layers"] = [{k: v for k, v in lp.items() if k != "clip"} for lp in vp["layers"]]
-        bad_cfg = cfg
+        def neutral(bounds):
+            return {n: jnp.full_like(b, -jnp.inf if n.endswith("_min") else jnp.inf) for n, b in bounds.items()}
+        vp["layers"] = [dict(lp, clip={name: neutral(b) for name, b in lp["clip"].items()}) for lp in vp["layers"]]
     else:
-        bad_cfg = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, standardize=False))
-    ours = _ours_soft(dict(params, vision=vp), bad_cfg, px)
+        vp["std_bias"], vp["std_scale"] = jnp.zeros_like(vp["std_bias"]), jnp.ones_like(vp["std_scale"])
+    ours = _ours_soft(dict(params, vision=vp), cfg, px)
     errs = [_rel_err(o, r) for o, r in zip(ours, _hf_soft(hf_model, px))]
     assert min(errs) > 100 * TOWER_TOL, errs
+
+
+def test_attention_in_query_blocks_equals_whole(tmp_path_factory):
+    """The tower's attention run a block of queries at a time (bounded memory at large budgets;
+    100 does not divide 630, so the last block is padded) gives the soft tokens of the whole."""
+    cfg, params, _ = _setup("e2b", tmp_path_factory)
+    px = _pixels(_images(7, [(50, 120), (96, 64)]), 70)
+    whole = _ours_soft(params, cfg, px)
+    blocked_encode = jax.jit(lambda p, a, b: encode_images(p, cfg, a, b, query_block=100))
+    blocked = _ours_soft(params, cfg, px, blocked_encode)
+    assert all(_rel_err(b, w) <= 1e-6 for b, w in zip(blocked, whole))
 
 
 # ------------------------------------------------------------------------------ image prompts
@@ -214,15 +261,13 @@ def test_merged_logits_match(variant, tmp_path_factory):
     ids = _prompt(cfg, counts)
     with torch.no_grad():
         ref = hf_model(**_hf_inputs(cfg, ids, px), use_cache=False, logits_to_keep=0).logits[0].numpy()
-    tokens, embeds, groups = _merged_inputs(params, cfg, ids, _ours_soft(params, cfg, px))
-    pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    run = jax.jit(lambda p, t, e, g: M.forward(p, cfg, t, pos, inputs_embeds=e, vision_groups=g)[0])
-    logits = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray(embeds), jnp.asarray(groups)))[0]
+    T = len(ids)
+    tokens, embeds, groups, pos = _padded(*_merged_inputs(params, cfg, ids, _ours_soft(params, cfg, px)), 0, T)
+    logits = _prefill_logits(params, cfg, tokens, embeds, groups, pos)[:T]
     err = _rel_err(logits, ref)
-    print(f"{variant}: merged logits max rel err {err:.1e} over {len(ids)} positions")
+    print(f"{variant}: merged logits max rel err {err:.1e} over {T} positions")
     assert err <= TOL
-    causal = np.asarray(jax.jit(lambda p, t, e: M.forward(p, cfg, t, pos, inputs_embeds=e)[0])(
-        params, jnp.asarray(tokens), jnp.asarray(embeds)))[0]
+    causal = _prefill_logits(params, cfg, tokens, embeds, jnp.full_like(groups, -1), pos)[:T]  # no groups
     if cfg.bidirectional_vision:
         assert _rel_err(causal, ref) > 100 * TOL  # the groups matter, and are honoured
     else:
@@ -238,22 +283,38 @@ def _argmax(cfg, logits) -> int:
     return int(jnp.argmax(logits.at[jnp.asarray(_media_ids(cfg))].set(-jnp.inf)))
 
 
+def _padded(tokens, embeds, groups, a: int, b: int):
+    """Positions [a, b) of the merged inputs padded to BUCKET (padding: position -1, group -1)."""
+    n = b - a
+    assert n <= BUCKET, n
+    pad = BUCKET - n
+    t = np.pad(tokens[:, a:b], ((0, 0), (0, pad)))
+    e = np.pad(embeds[:, a:b], ((0, 0), (0, pad), (0, 0)))
+    g = np.pad(groups[:, a:b], ((0, 0), (0, pad)), constant_values=-1)
+    pos = np.concatenate([np.arange(a, b), np.full(pad, -1)])[None].astype(np.int32)
+    return jnp.asarray(t), jnp.asarray(e), jnp.asarray(g), jnp.asarray(pos)
+
+
+def _prefill_logits(params, cfg, tokens, embeds, groups, pos) -> np.ndarray:
+    """[BUCKET, V] logits of a first prefill chunk (the same compiled call the greedy test prefills with)."""
+    cache = kv_cache.init_cache(cfg, 1, BUCKET + N_NEW, jnp.float32)
+    logits, _, _ = _forward(params, cfg, tokens, pos, cache, inputs_embeds=embeds, vision_groups=groups,
+                            attend_cache=False)
+    return np.asarray(logits)[0]
+
+
 def _greedy_cached(params, cfg, tokens, embeds, groups, n_new: int, split: int | None = None) -> list[int]:
     """Prefill (in one call, or two split at `split`) into the KV cache, then decode one token a step."""
     T = tokens.shape[1]
-    cache = kv_cache.init_cache(cfg, 1, T + n_new, jnp.float32)
-    step = jax.jit(lambda p, t, pos, c, e, g, first: M.forward(p, cfg, t, pos, c, inputs_embeds=e, vision_groups=g,
-                                                               attend_cache=not first, logits_at=jnp.asarray([t.shape[1] - 1]))[:2],
-                   static_argnums=(6,))
+    cache = kv_cache.init_cache(cfg, 1, BUCKET + n_new, jnp.float32)
     bounds = [0, T] if split is None else [0, split, T]
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        pos = jnp.arange(a, b, dtype=jnp.int32)[None]
-        logits, cache = step(params, jnp.asarray(tokens[:, a:b]), pos, cache, jnp.asarray(embeds[:, a:b]),
-                             jnp.asarray(groups[:, a:b]), i == 0)
-    decode = jax.jit(lambda p, t, pos, c: M.forward(p, cfg, t, pos, c, logits_at=jnp.asarray([0]))[:2])
-    out = [_argmax(cfg, logits[0])]
+        t, e, g, pos = _padded(tokens, embeds, groups, a, b)
+        logits, cache, _ = _forward(params, cfg, t, pos, cache, inputs_embeds=e, vision_groups=g, attend_cache=i > 0)
+    out = [_argmax(cfg, logits[0, b - a - 1])]
     for n in range(T, T + n_new - 1):
-        logits, cache = decode(params, jnp.asarray([[out[-1]]], jnp.int32), jnp.asarray([[n]], jnp.int32), cache)
+        logits, cache, _ = _forward(params, cfg, jnp.asarray([[out[-1]]], jnp.int32), jnp.asarray([[n]], jnp.int32),
+                                    cache, logits_at=jnp.asarray([0]))
         out.append(_argmax(cfg, logits[0]))
     return out
 

@@ -91,17 +91,21 @@ VISION_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")  # the tower's clipp
 CLIP_BOUNDS = ("in_min", "in_max", "out_min", "out_max")
 
 
-def _tower(*shape: int) -> LeafSpec:
-    return LeafSpec(tuple(shape), (None,) * len(shape), "tower")
+def _tower(shape: tuple[int, ...], axes: tuple[str | None, ...] | None = None) -> LeafSpec:
+    """A tower weight; its linears split over a mesh as the decoder's do (heads, MLP width)."""
+    return LeafSpec(shape, axes or (None,) * len(shape), "tower")
 
 
 def _vision_layer_spec(v: VisionConfig) -> dict[str, Any]:
     D, d, I = v.hidden_size, v.head_dim, v.intermediate_size
     out: dict[str, Any] = {
         "attn_norm": _norm(D), "post_attn_norm": _norm(D), "pre_ffw_norm": _norm(D), "post_ffw_norm": _norm(D),
-        "q": _tower(v.num_heads * d, D), "k": _tower(v.num_kv_heads * d, D), "v": _tower(v.num_kv_heads * d, D),
-        "o": _tower(D, v.num_heads * d), "q_norm": _norm(d), "k_norm": _norm(d),
-        "gate": _tower(I, D), "up": _tower(I, D), "down": _tower(D, I),
+        "q": _tower((v.num_heads * d, D), ("q_heads", "embed")),
+        "k": _tower((v.num_kv_heads * d, D), ("kv_heads", "embed")),
+        "v": _tower((v.num_kv_heads * d, D), ("kv_heads", "embed")),
+        "o": _tower((D, v.num_heads * d), ("embed", "q_heads")), "q_norm": _norm(d), "k_norm": _norm(d),
+        "gate": _tower((I, D), ("mlp", "embed")), "up": _tower((I, D), ("mlp", "embed")),
+        "down": _tower((D, I), ("embed", "mlp")),
     }
     if v.use_clipped_linears:
         out["clip"] = {n: {b: LeafSpec((), (), "clip") for b in CLIP_BOUNDS} for n in VISION_LINEARS}
@@ -113,10 +117,10 @@ def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
     [text hidden, tower hidden] (transformers' `embed_vision.embedding_projection`)."""
     v = cfg.vision
     tree: dict[str, Any] = {
-        "patch_proj": _tower(v.hidden_size, v.patch_dim),
-        "pos_table": _tower(2, v.position_table_size, v.hidden_size),
+        "patch_proj": _tower((v.hidden_size, v.patch_dim)),
+        "pos_table": _tower((2, v.position_table_size, v.hidden_size), (None, "vocab", "embed")),  # rows, as embed
         "layers": [_vision_layer_spec(v) for _ in range(v.num_layers)],
-        "proj": _tower(cfg.hidden_size, v.hidden_size),
+        "proj": _tower((cfg.hidden_size, v.hidden_size)),
     }
     if v.standardize:
         tree["std_bias"] = LeafSpec((v.hidden_size,), (None,), "scalar")

@@ -31,6 +31,12 @@ from gemma4.model.config import ModelConfig, VisionConfig
 from gemma4.model.decoder import apply_rope, attend, gelu, rms_norm
 from gemma4.ops.linear import linear
 
+# Queries per block of the tower's attention. The scores of a whole image are heads × P × P
+# float32: at the largest budget (1120 soft tokens, P = 10080) 4.9 GB for E2B's 12 heads. In
+# blocks of 1260 queries they are at most 0.6 GB (a default 280-token image, P = 2520, runs in two
+# blocks, 0.15 GB each); each query's softmax is the same whatever the blocking.
+QUERY_BLOCK = 1260
+
 
 def _clipped(x: jax.Array, lp: dict, name: str) -> jax.Array:
     """A tower linear; with clipped linears its input and output are clamped to the checkpoint's bounds."""
@@ -71,7 +77,21 @@ def _rope_heads(x: jax.Array, tables: list[tuple[jax.Array, jax.Array]]) -> jax.
     return jnp.concatenate(parts, axis=-1)
 
 
-def encoder_layer(lp: dict, v: VisionConfig, x: jax.Array, tables, mask: jax.Array) -> jax.Array:
+def blocked_attention(q: jax.Array, k: jax.Array, val: jax.Array, valid: jax.Array, block: int) -> jax.Array:
+    """Bidirectional attention over the real patches (`valid` [B, P] keys), `block` queries at a time
+    (one block when P <= block); q [B, P, nq, d], k/v [B, P, nkv, d] → [B, P, nq·d]."""
+    B, P = valid.shape
+    if P <= block:
+        return attend(q, k, val, jnp.broadcast_to(valid[:, None, :], (B, P, P)), 1.0, "xla")
+    n = -(-P // block)
+    qb = jnp.pad(q, ((0, 0), (0, n * block - P), (0, 0), (0, 0))).reshape(B, n, block, *q.shape[2:])
+    mask = jnp.broadcast_to(valid[:, None, :], (B, block, P))
+    out = jax.lax.map(lambda qi: attend(qi, k, val, mask, 1.0, "xla"), jnp.moveaxis(qb, 1, 0))
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * block, -1)[:, :P]
+
+
+def encoder_layer(lp: dict, v: VisionConfig, x: jax.Array, tables, valid: jax.Array,
+                  block: int = QUERY_BLOCK) -> jax.Array:
     """One encoder layer: attention (scale 1.0, q/k/v normed, 2-D RoPE) and the gated MLP, each
     sandwiched between RMSNorms, added to the stream."""
     B, P, _ = x.shape
@@ -83,7 +103,7 @@ def encoder_layer(lp: dict, v: VisionConfig, x: jax.Array, tables, mask: jax.Arr
     q = _rope_heads(rms_norm(q, lp["q_norm"], eps), tables)
     k = _rope_heads(rms_norm(k, lp["k_norm"], eps), tables)
     val = rms_norm(val, None, eps)
-    attn = attend(q, k, val, mask, 1.0, "xla")
+    attn = blocked_attention(q, k, val, valid, block)
     x = x + rms_norm(_clipped(attn, lp, "o"), lp["post_attn_norm"], eps)
     h = rms_norm(x, lp["pre_ffw_norm"], eps)
     h = _clipped(gelu(_clipped(h, lp, "gate")) * _clipped(h, lp, "up"), lp, "down")
@@ -109,15 +129,14 @@ def pool(v: VisionConfig, x: jax.Array, position_ids: jax.Array, padding: jax.Ar
     return pooled.astype(dtype).astype(jnp.float32) * np.float32(v.hidden_size ** 0.5)
 
 
-def tower(vp: dict, v: VisionConfig, pixel_values: jax.Array, position_ids: jax.Array, dtype: Any) -> jax.Array:
+def tower(vp: dict, v: VisionConfig, pixel_values: jax.Array, position_ids: jax.Array, dtype: Any,
+          query_block: int = QUERY_BLOCK) -> jax.Array:
     """[B, L, D] in `dtype`: the vision tower's pooled (and standardized) soft tokens, before the projector."""
     padding = jnp.all(position_ids == -1, axis=-1)  # [B, P]
     x = patch_embed(vp, v, pixel_values, position_ids, padding, dtype)
     tables = rope_2d(v, position_ids, dtype)
-    valid = ~padding
-    mask = jnp.broadcast_to(valid[:, None, :], (x.shape[0], x.shape[1], x.shape[1]))  # every real patch, both ways
-    for lp in vp["layers"]:
-        x = encoder_layer(lp, v, x, tables, mask)
+    for lp in vp["layers"]:  # every patch sees every real patch of its image
+        x = encoder_layer(lp, v, x, tables, ~padding, query_block)
     h = pool(v, x, position_ids, padding)
     if v.standardize:
         h = (h - vp["std_bias"].astype(jnp.float32)) * vp["std_scale"].astype(jnp.float32)
@@ -130,13 +149,14 @@ def project(vp: dict, v: VisionConfig, h: jax.Array) -> jax.Array:
 
 
 def encode_images(params: dict, cfg: ModelConfig, pixel_values: jax.Array, position_ids: jax.Array, *,
-                  dtype: Any = jnp.float32) -> jax.Array:
+                  dtype: Any = jnp.float32, query_block: int = QUERY_BLOCK) -> jax.Array:
     """Soft tokens [B, P // k², text hidden] of B preprocessed images.
 
     Args:
       pixel_values: [B, P, 3·p·p] float in [0, 1] (`VisionPatches.pixel_values`, stacked).
       position_ids: [B, P, 2] int32 (x, y) of each patch; (-1, -1) rows are padding.
       dtype: the compute dtype (the plan's; float32 for parity tests).
+      query_block: queries per attention block (QUERY_BLOCK; static).
     Row i of image b is its soft token i; keep the first `num_soft_tokens` of each image.
     """
     if cfg.vision is None or "vision" not in params:
@@ -150,4 +170,4 @@ def encode_images(params: dict, cfg: ModelConfig, pixel_values: jax.Array, posit
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected "
                          f"{tuple(pixel_values.shape[:2]) + (2,)}")
     vp = params["vision"]
-    return project(vp, v, tower(vp, v, pixel_values, position_ids, jnp.dtype(dtype)))
+    return project(vp, v, tower(vp, v, pixel_values, position_ids, jnp.dtype(dtype), query_block))

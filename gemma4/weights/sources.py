@@ -34,7 +34,8 @@ import numpy as np
 from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-from gemma4.model.config import PRESETS, load_hf_config, preset
+from gemma4.env import vision_enabled
+from gemma4.model.config import PRESETS, load_hf_config, preset, text_only
 from gemma4.weights import checkpoint
 from gemma4.weights.gguf import gguf_config, load_gguf_params
 from gemma4.weights.random_init import random_params
@@ -258,8 +259,22 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------ config / load
-def peek_config(source: ModelSource):
-    """The ModelConfig if it is cheap to know before loading (for hardware planning), else None."""
+def with_vision(cfg, load_vision: bool | None = None):
+    """`cfg` as it will be loaded: without its vision tower when `load_vision` is False, or when it
+    is None and `GEMMA4_VISION=off` (`gemma4.env.vision_enabled`; a bad value raises EnvError).
+    The one place the choice is made: the pre-flight (through `peek_config`) and the loaders both ask here."""
+    enabled = vision_enabled(os.environ) if load_vision is None else load_vision
+    return cfg if enabled else text_only(cfg)
+
+
+def peek_config(source: ModelSource, load_vision: bool | None = None):
+    """The ModelConfig if it is cheap to know before loading (for hardware planning), else None
+    (without the vision tower where `with_vision` says so)."""
+    cfg = _peek_config(source)
+    return None if cfg is None else with_vision(cfg, load_vision)
+
+
+def _peek_config(source: ModelSource):
     try:
         if source.kind == "random":
             return preset(source.preset)
@@ -287,9 +302,13 @@ def peek_config(source: ModelSource):
 
 
 def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None,
-         quantize: dict | None = None, mesh: Any = None) -> tuple[Any, dict, dict]:
+         quantize: dict | None = None, mesh: Any = None, load_vision: bool | None = None) -> tuple[Any, dict, dict]:
     """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
     (norms in float32); `progress(fraction, message)` reports along the way.
+
+    `load_vision` (default: `GEMMA4_VISION`, on): a Gemma 4 model's vision tower loads into
+    `params["vision"]`; False loads text-only (`cfg.vision` None, see `with_vision`). GGUF files
+    hold no tower.
 
     `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
     makes every loader build each leaf in its final quantized form as it reads it, so the float
@@ -312,9 +331,9 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         return cfg, params, {"kind": "gguf", "path": path}
     if source.kind in ("folder", "hub"):
         folder = download(source.repo_id, report) if source.kind == "hub" else source.path
-        return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw})
+        return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw}, load_vision)
     if source.kind == "random":
-        cfg = preset(source.preset)
+        cfg = with_vision(preset(source.preset), load_vision)
         report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
         params = random_params(cfg, weight_dtype=dtype, **qkw, **mkw)
         report(1.0, "random weights ready")
@@ -322,10 +341,11 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
     raise SourceError(f"unknown source kind {source.kind!r}")
 
 
-def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict) -> tuple[Any, dict, dict]:
+def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict,
+                 load_vision: bool | None = None) -> tuple[Any, dict, dict]:
     if not os.path.isdir(folder):
         raise SourceError(f"no such folder: {folder}")
-    cfg = dataclasses.replace(load_hf_config(folder), name=name)
+    cfg = with_vision(dataclasses.replace(load_hf_config(folder), name=name), load_vision)
     report(0.0, f"reading {name} ({cfg.describe()})")
     params = checkpoint.load_safetensors_params(folder, cfg, dtype, progress=report, **qkw)
     return cfg, params, {"kind": "folder", "path": folder}
