@@ -46,6 +46,8 @@ class MediaLimits:
     - `video_seconds` / `video_frames`: a video is decoded frame by frame up to its last sampled
       frame (as transformers does), so its length is its decoding time: 10 minutes and 36,000
       frames (10 minutes at 60 fps) at most.
+    - `audio_seconds`: a clip is decoded whole before its first 30 s are kept (the model hears
+      no more), so 10 minutes at most; a 2-hour recording is refused, not decoded.
     """
 
     image_bytes: int = 20 * MB
@@ -54,6 +56,7 @@ class MediaLimits:
     image_pixels: int = Image.MAX_IMAGE_PIXELS or 89_478_485
     video_seconds: float = 600.0
     video_frames: int = 36_000
+    audio_seconds: float = 600.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MediaLimits:
@@ -67,6 +70,7 @@ class MediaLimits:
             image_pixels=env_int(env, "GEMMA4_MAX_IMAGE_PIXELS", d.image_pixels),
             video_seconds=env_float(env, "GEMMA4_MAX_VIDEO_SECONDS", d.video_seconds),
             video_frames=env_int(env, "GEMMA4_MAX_VIDEO_FRAMES", d.video_frames),
+            audio_seconds=env_float(env, "GEMMA4_MAX_AUDIO_SECONDS", d.audio_seconds),
         )
 
     def bytes_for(self, kind: str) -> int:
@@ -153,11 +157,13 @@ def sniff(data: bytes) -> Format | None:
 
 
 def _is_mpeg_audio_frame(head: bytes) -> bool:
-    """An MPEG audio frame header: 11 sync bits, a version other than 'reserved', layer I-III."""
-    if len(head) < 2 or head[0] != 0xFF or head[1] & 0xE0 != 0xE0:
+    """An MP3 frame header without an ID3 tag: 11 sync bits, a version other than 'reserved',
+    layer III, a valid bitrate and sampling rate (so a UTF-16 text's FF FE is not one)."""
+    if len(head) < 3 or head[0] != 0xFF or head[1] & 0xE0 != 0xE0:
         return False
     version, layer = (head[1] >> 3) & 0b11, (head[1] >> 1) & 0b11
-    return version != 0b01 and layer != 0b00
+    bitrate, rate = head[2] >> 4, (head[2] >> 2) & 0b11
+    return version != 0b01 and layer == 0b01 and bitrate not in (0b0000, 0b1111) and rate != 0b11
 
 
 def _unknown_message(label: str, data: bytes) -> str:
@@ -277,8 +283,6 @@ def media_from_path(path: str | os.PathLike, kind: str | None = None,
         raise MediaError(f"{path} does not exist: check the path") from None
     except PermissionError:
         raise MediaError(f"{path} cannot be read (permission denied)") from None
-    except IsADirectoryError:
-        raise MediaError(f"{path} is a folder: give the path of an image, video or audio file") from None
     return media_from_bytes(data, name=path.name, kind=kind, limits=limits)
 
 
@@ -295,17 +299,32 @@ def media_from_data_uri(uri: str, name: str = "", kind: str | None = None,
     if not sep:
         raise MediaError(f"{label} has no ',' between its header and its data: "
                          "send data:<type>;base64,<bytes>")
-    largest = max(limits.bytes_for(k) for k in KINDS)
     is_base64 = header.lower().split(";")[-1].strip() == "base64"
     if is_base64:
-        # Over every limit even with a line break every 64 characters: refused undecoded.
-        if len(payload) * 3 // 4 > largest * 65 // 64 + 3:
-            raise MediaError(f"{label} holds about {_size(len(payload) * 3 // 4)}; media may be "
-                             f"at most {_size(largest)}: send a smaller file")
+        _check_base64_size(payload, label, limits)
         data = _b64decode(payload, label)
     else:
         data = urllib.parse.unquote_to_bytes(payload)
     return _checked_item(data, name, kind, limits, label)
+
+
+def media_from_base64(payload: str, name: str = "", kind: str | None = None,
+                      limits: MediaLimits | None = None) -> MediaItem:
+    """Base64 text without a `data:` header (OpenAI's `input_audio.data`) as a MediaItem; the
+    kind is sniffed from the decoded bytes, as everywhere."""
+    limits = MediaLimits.from_env() if limits is None else limits
+    label = describe(name, kind) if name else f"the {kind or 'media'} base64 data"
+    _check_base64_size(payload, label, limits)
+    return _checked_item(_b64decode(payload, label), name, kind, limits, label)
+
+
+def _check_base64_size(payload: str, label: str, limits: MediaLimits) -> None:
+    """Refuse base64 text over every limit before decoding it (a line break every 64
+    characters allowed for)."""
+    largest = max(limits.bytes_for(k) for k in KINDS)
+    if len(payload) * 3 // 4 > largest * 65 // 64 + 3:
+        raise MediaError(f"{label} holds about {_size(len(payload) * 3 // 4)}; media may be "
+                         f"at most {_size(largest)}: send a smaller file")
 
 
 def _b64decode(payload: str, label: str) -> bytes:

@@ -89,6 +89,19 @@ def decode_image(data: bytes, *, name: str = "", limits: MediaLimits | None = No
         raise MediaError(f"{label} is damaged or cut short ({_reason(e)}): send the file again") from None
 
 
+def animation_note(data: bytes, *, name: str = "") -> str | None:
+    """A note for the reply when `data` is an animated image (the model sees its first frame
+    only, as transformers reads it), else None. Unreadable data is `decode_image`'s to refuse."""
+    try:
+        frames = getattr(Image.open(io.BytesIO(data), formats=PILLOW_FORMATS), "n_frames", 1)
+    except (Image.DecompressionBombError, Image.UnidentifiedImageError, OSError, SyntaxError,
+            ValueError):
+        return None  # a note is never the reason a request fails
+    if frames <= 1:
+        return None
+    return f"{describe(name, 'image')} is animated ({frames} frames); the model sees its first frame"
+
+
 def _reason(e: Exception) -> str:
     return str(e).strip() or type(e).__name__
 
@@ -117,8 +130,7 @@ def resized_size(height: int, width: int, *, max_soft_tokens: int = DEFAULT_SOFT
     new_h = int(math.floor(factor * height / step)) * step
     new_w = int(math.floor(factor * width / step)) * step
     longest = (max_patches // pooling_kernel_size**2) * step
-    if new_h == 0 and new_w == 0:  # unreachable for the budgets above; kept as transformers has it
-        raise MediaError(f"a {height}×{width} image rounds to 0×0 pixels")
+    # Both sides never round to 0: the ideal sides multiply to max_patches·p² ≥ (k·p)².
     if new_h == 0:
         new_h, new_w = step, min(int(math.floor(width / height)) * step, longest)
     elif new_w == 0:

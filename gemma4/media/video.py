@@ -57,10 +57,6 @@ class VideoFrames:
         """Seconds of each sampled frame: index / fps, as transformers' VideoMetadata says."""
         return [i / self.fps for i in self.indices]
 
-    @property
-    def duration(self) -> float:
-        return self.total_frames / self.fps
-
 
 @dataclass
 class VideoFrame:
@@ -86,6 +82,10 @@ def _open(data: bytes, label: str):
         container.close()
         raise MediaError(f"{label} has no video stream: send a video (audio goes as audio)")
     stream = container.streams.video[0]
+    if stream.codec_context is None:  # a codec FFmpeg has no decoder for (or a damaged header)
+        container.close()
+        raise MediaError(f"{label}'s video codec cannot be decoded: it is damaged, or re-encode "
+                         "it as H.264 (MP4) or VP9 (WEBM)")
     stream.thread_type = "AUTO"  # decoding threads: same frames, sooner
     return container, stream
 
@@ -126,18 +126,23 @@ def _too_long(label: str, what: str, limits: MediaLimits) -> MediaError:
                       f"{limits.video_frames} frames (GEMMA4_MAX_VIDEO_FRAMES): send a shorter clip")
 
 
-def _pick(data: bytes, label: str, indices: list[int]) -> tuple[list[np.ndarray], int]:
-    """The frames at `indices` (sorted), and how many frames were decoded to reach them."""
+def _pick(data: bytes, label: str, indices: list[int], convert) -> tuple[list, int]:
+    """`convert(frame)` of the frames at `indices` (sorted), one frame held at a time, and how
+    many frames were decoded to reach them."""
     container, stream = _open(data, label)
-    wanted, frames, count = set(indices), [], 0
+    wanted, picked, count = set(indices), [], 0
     with container:
         for i, frame in enumerate(_decoded(container, stream, label)):
             count = i + 1
             if i in wanted:
-                frames.append(frame.to_ndarray(format="rgb24"))
+                picked.append(convert(frame.to_ndarray(format="rgb24")))
             if i >= indices[-1]:
                 break
-    return frames, count
+    return picked, count
+
+
+def _rgb(frame: np.ndarray) -> np.ndarray:
+    return frame
 
 
 def decode_video(data: bytes, *, num_frames: int = DEFAULT_NUM_FRAMES, name: str = "",
@@ -147,6 +152,29 @@ def decode_video(data: bytes, *, num_frames: int = DEFAULT_NUM_FRAMES, name: str
     No video stream, undecodable or damaged data, frames over `limits.image_pixels`, and a video
     over `limits.video_seconds` or `limits.video_frames` raise `MediaError` naming the video.
     """
+    frames, indices, fps, total = _sample(data, num_frames, name, limits, _rgb)
+    return VideoFrames(frames=frames, indices=indices, fps=fps, total_frames=total)
+
+
+def video_patches(data: bytes, *, max_soft_tokens: int = VIDEO_SOFT_TOKENS,
+                  num_frames: int = DEFAULT_NUM_FRAMES, name: str = "",
+                  limits: MediaLimits | None = None, patch_size: int = PATCH_SIZE,
+                  pooling_kernel_size: int = POOLING_KERNEL_SIZE) -> list[VideoFrame]:
+    """Each sampled frame of the video as the tower's input, with its 'mm:ss' label: the
+    frames of `decode_video`, each turned into patches as soon as it is decoded (32 frames of a
+    4K video would hold 800 MB; their patches at 70 tokens hold 60 MB)."""
+    check_budget(max_soft_tokens)  # before the decoding, not after
+
+    def patches(frame: np.ndarray) -> VisionPatches:
+        return preprocess_image(Image.fromarray(frame), max_soft_tokens=max_soft_tokens,
+                                patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
+
+    converted, indices, fps, _ = _sample(data, num_frames, name, limits, patches)
+    return [VideoFrame(timestamp=timestamp(i / fps), patches=p) for i, p in zip(indices, converted)]
+
+
+def _sample(data: bytes, num_frames: int, name: str, limits: MediaLimits | None, convert):
+    """(convert(frame) for each sampled frame, their indices, fps, the frame count)."""
     if num_frames < 1:
         raise MediaError(f"num_frames={num_frames} must be at least 1")
     limits = MediaLimits.from_env() if limits is None else limits
@@ -168,26 +196,12 @@ def decode_video(data: bytes, *, num_frames: int = DEFAULT_NUM_FRAMES, name: str
         if total == 0:
             raise MediaError(f"{label} has no frames that decode: send the file again")
     indices = sample_indices(total, num_frames)
-    frames, decoded = _pick(data, label, indices)
-    if len(frames) < len(indices):  # the header promised frames that are not there
+    picked, decoded = _pick(data, label, indices, convert)
+    if len(picked) < len(indices):  # the header promised frames that are not there
         if decoded < total * (1 - MISSING_FRAMES_OK):
             raise MediaError(f"{label} ends after {decoded} of the {total} frames its header lists: "
                              "it is damaged or cut short; send the whole file")
         total = decoded
         indices = sample_indices(total, num_frames)
-        frames, _ = _pick(data, label, indices)
-    return VideoFrames(frames=frames, indices=indices, fps=fps, total_frames=total)
-
-
-def video_patches(data: bytes, *, max_soft_tokens: int = VIDEO_SOFT_TOKENS,
-                  num_frames: int = DEFAULT_NUM_FRAMES, name: str = "",
-                  limits: MediaLimits | None = None, patch_size: int = PATCH_SIZE,
-                  pooling_kernel_size: int = POOLING_KERNEL_SIZE) -> list[VideoFrame]:
-    """Each sampled frame of the video as the tower's input, with its 'mm:ss' label."""
-    check_budget(max_soft_tokens)  # before the decoding, not after
-    video = decode_video(data, num_frames=num_frames, name=name, limits=limits)
-    return [VideoFrame(timestamp=timestamp(t),
-                       patches=preprocess_image(Image.fromarray(frame), max_soft_tokens=max_soft_tokens,
-                                                patch_size=patch_size,
-                                                pooling_kernel_size=pooling_kernel_size))
-            for frame, t in zip(video.frames, video.timestamps)]
+        picked, _ = _pick(data, label, indices, convert)
+    return picked, indices, fps, total
