@@ -335,9 +335,9 @@ class CompiledShapes:
             return self._exe[key], True
 
     def wait_any(self, keys: Sequence[tuple], timeout: float | None = None) -> None:
-        """Return once one of `keys` is compiled or has failed (or after `timeout`, or on close)."""
+        """Return once one of `keys` is usable or has failed (or after `timeout`, or on close)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stop or any(k in self._exe or k in self._failed for k in keys),
+            self._cond.wait_for(lambda: self._stop or any(self._usable_locked(k) or k in self._failed for k in keys),
                                 timeout)
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -365,21 +365,19 @@ class CompiledShapes:
     def chunk_key(self, kind: str, length: int, fresh: bool) -> tuple | None:
         """The compiled shape to run a `length`-token prefill chunk in: its own bucket's; else the
         smallest larger compiled one (identical tokens: padding invariance) while its own is
-        compiled (not waited for); else the largest smaller compiled one (the caller shrinks the
-        chunk to it); else None, and its own bucket is compiled first in line (the request that
-        needs it waits for it; nobody else does)."""
+        compiled (not waited for); else None, and its own is compiled first in line (the request
+        that needs it waits for it; nobody else does).
+
+        Not through several smaller chunks: each later chunk is a dispatch with the fixed cost of
+        one (and, on a fresh engine, a later-chunk shape of its own to compile), so a prompt
+        waiting for one compile gets its first token sooner."""
         ideal = (kind, bucket_for(length, self.buckets), fresh)
         with self._cond:
             if self._usable_locked(ideal):
                 return ideal
-            usable = [b for b in self.buckets if self._usable_locked((kind, b, fresh))]
-            bigger = [b for b in usable if b >= length]
-            smaller = [b for b in usable if b < length]
-            if bigger or smaller:
-                self._enqueue_locked(ideal)
-                return (kind, bigger[0] if bigger else smaller[-1], fresh)
-            self._enqueue_locked(ideal, now=True)
-            return None
+            bigger = [b for b in self.buckets if b >= length and self._usable_locked((kind, b, fresh))]
+            self._enqueue_locked(ideal, now=not bigger)
+            return (kind, bigger[0], fresh) if bigger else None
 
     def decode_key(self, need_w: int, need_n: int) -> tuple:
         """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal
