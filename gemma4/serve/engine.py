@@ -845,7 +845,7 @@ class Engine:
         if forced is not None:
             return forced
         costs = self._chunk_cost[fresh]
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, costs, alone))
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, costs, alone), from_above=alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,

@@ -34,7 +34,9 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; l
 # Zen 4, against 0.05 s a decode step) smaller chunks no longer shorten the gap, they only
 # slow the prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
 # at most that much of someone else's prefill). Costs are measured: the engine times every chunk
-# and decode step it runs (seeded at warm-up). GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
+# and decode step it runs (seeded at warm-up): beside streams the size grows from the smallest
+# bucket as measures allow, alone it starts at the largest and steps down (`chunk_limit`).
+# GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
 # (tokens, rounded down to a bucket) override the choice.
 INTERLEAVE_STEPS = 2.0
 FLOOR_SLACK = 2.0
@@ -106,11 +108,20 @@ def chunk_budget_s(decode_s: float | None, costs: Mapping[int, float], alone: bo
     return max(beside, LONE_CHUNK_S) if alone else beside
 
 
-def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: float) -> int:
-    """The largest bucket whose chunk is predicted to cost ≤ budget_s: its measured cost, else the
-    cost of the largest measured bucket below it scaled by the token ratio (an over-estimate: a
-    chunk's cost has a fixed part), so a bucket is tried only when that bound fits and is then
-    measured. At least the smallest bucket (the best there is when even it is over budget)."""
+def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: float, *, from_above: bool = False) -> int:
+    """The largest bucket whose chunk is predicted to cost ≤ budget_s, at least the smallest (the
+    best there is when even it is over budget).
+
+    From below (beside running streams, whose gaps an over-budget chunk would hurt): a bucket's
+    measured cost, else the cost of the largest measured bucket below it scaled by the token
+    ratio (an over-estimate: a chunk's cost has a fixed part), so a bucket is tried only when
+    that bound fits, and is measured then. From above (alone: nobody's gap to protect, and every
+    chunk pays the fixed part again): any bucket not ruled out, i.e. unless it or a smaller one
+    was measured over budget (costs grow with the bucket), so a lone prompt starts with the
+    largest bucket and steps down only as far as its measured costs say."""
+    if from_above:
+        over = [b for b, c in costs.items() if c > budget_s * (1 + 1e-6)]
+        return max((b for b in buckets if not any(o <= b for o in over)), default=buckets[0])
     best = buckets[0]
     for b in buckets:
         below = [m for m in costs if m <= b]
