@@ -845,7 +845,9 @@ class Engine:
         if forced is not None:
             return forced
         costs = self._chunk_cost[fresh]
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, costs, alone), from_above=alone)
+        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
+        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,

@@ -29,7 +29,7 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; l
 # chunk's cost is added to every running stream's inter-token gap, and a request that arrives
 # meanwhile waits for the chunk in flight. Beside running streams a chunk may cost
 # INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap), but never less than
-# FLOOR_SLACK × the cheapest chunk measured: where one prefill call has a high fixed cost (the
+# FLOOR_SLACK × a chunk of the smallest bucket: where one prefill call has a high fixed cost (the
 # bundled model's int8 prefill: ~0.3 s for 16 tokens and for 64 alike, on a 2-core AMD EPYC
 # Zen 4, against 0.05 s a decode step) smaller chunks no longer shorten the gap, they only
 # slow the prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
@@ -100,11 +100,11 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
-def chunk_budget_s(decode_s: float | None, costs: Mapping[int, float], alone: bool) -> float:
+def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -> float:
     """Seconds one prefill chunk may cost (see INTERLEAVE_STEPS above): `decode_s` a decode step's
-    measured cost (None: not measured yet), `costs` the measured chunk cost by bucket."""
-    floor = FLOOR_SLACK * min(costs.values()) if costs else 0.0
-    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, floor)
+    measured cost, `floor_s` a chunk of the smallest bucket's (the fixed cost of a prefill call;
+    None: not measured yet)."""
+    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, FLOOR_SLACK * floor_s if floor_s else 0.0)
     return max(beside, LONE_CHUNK_S) if alone else beside
 
 
