@@ -59,17 +59,23 @@ def test_chunk_size_is_the_largest_bucket_a_few_decode_steps_pay_for():
     buckets = (16, 32, 64, 128)
     # cheap chunks (floor well below the budget): tokens grow until the predicted cost exceeds it
     costs = {16: 0.010}
-    budget = chunk_budget_s(0.05, costs, alone=False)
+    budget = chunk_budget_s(0.05, costs[16], alone=False)
     assert budget == INTERLEAVE_STEPS * 0.05
     assert chunk_limit(buckets, costs, budget) == 128      # 0.01 × 8 = 0.08 ≤ 0.1
     assert chunk_limit(buckets, {16: 0.010, 64: 0.09}, budget) == 64   # measured: 128 predicted 0.18
     # a high fixed cost per call (int8 prefill): the budget is FLOOR_SLACK × the cheapest chunk
     costs = {16: 0.33}
-    assert chunk_budget_s(0.05, costs, alone=False) == pytest.approx(FLOOR_SLACK * 0.33)
-    assert chunk_limit(buckets, costs, chunk_budget_s(0.05, costs, False)) == 32
+    assert chunk_budget_s(0.05, 0.33, alone=False) == pytest.approx(FLOOR_SLACK * 0.33)
+    assert chunk_limit(buckets, costs, chunk_budget_s(0.05, 0.33, False)) == 32
     assert chunk_limit(buckets, {16: 0.33, 32: 0.32}, FLOOR_SLACK * 0.32) == 64
-    # alone: LONE_CHUNK_S; nothing measured: the smallest bucket
-    assert chunk_budget_s(0.05, {16: 0.01}, alone=True) == LONE_CHUNK_S
+    # alone: LONE_CHUNK_S, from the largest bucket down as far as measures say; beside streams,
+    # nothing measured: the smallest bucket
+    assert chunk_budget_s(0.05, 0.01, alone=True) == LONE_CHUNK_S
+    assert chunk_budget_s(None, None, alone=False) == 0.0  # nothing measured: the smallest bucket
+    assert chunk_limit(buckets, {}, 1.0, from_above=True) == 128
+    assert chunk_limit(buckets, {128: 1.4}, 1.0, from_above=True) == 64
+    assert chunk_limit(buckets, {128: 1.4, 64: 0.9, 32: 0.5}, 1.0, from_above=True) == 64
+    assert chunk_limit(buckets, {16: 1.2}, 1.0, from_above=True) == 16
     assert chunk_limit(buckets, {}, 10.0) == 16
     assert override_limit({"GEMMA4_PREFILL_CHUNK": "100"}, False, buckets) == 64
     assert override_limit({"GEMMA4_PREFILL_CHUNK_ALONE": "8"}, True, buckets) == 16

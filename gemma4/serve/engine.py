@@ -8,16 +8,21 @@ Shape of the work:
   ahead-of-time (lower → compile) in compile threads: the other shapes compile in the background
   while the engine is idle, and a shape a request needed (whether it waited for it or used a
   substitute) is compiled at once, so a busy engine still gets every shape it uses.
-- Nothing waits for a compile it does not need: a prompt whose bucket is not compiled yet runs
-  in a larger compiled one (the same tokens: padding invariance); a decode step uses any
-  compiled (width, length) that covers the active rows, and while no compiled width does, each
-  row decodes alone with width 1 at its row offset (the same tokens: batch invariance). A
-  request waits only when no compiled shape can serve it (the reply's stats say so). The next
-  cache length is compiled ahead, before a conversation reaches it.
+- The scheduler dispatches compiled shapes only, so nothing waits for a compile another request
+  needs: a prompt chunk whose bucket is not compiled yet runs in a larger compiled one (the same
+  tokens: padding invariance); a decode step uses any compiled (width, length) that covers the
+  rows, else each row alone with width 1 at its row offset (the same tokens: batch invariance);
+  a request that no compiled shape can serve waits for its own shape, compiled first in line,
+  while the others go on (the reply's stats say `compiled`). The next cache length is compiled
+  ahead, before a conversation reaches it.
 - The KV cache has `max_batch` rows. A request takes the lowest free row; its prompt is prefilled
   in bucketed chunks (right-padded, padding carries position -1 so it is never cached or
-  attended), and the first token is sampled in the same dispatch.
-- Each scheduler step decodes one token for every active row at once. The decode executable is
+  attended), ONE chunk per scheduler iteration, between the decode steps of the running streams
+  (its row is idle in them meanwhile), so a long prompt adds about one chunk to everyone's
+  inter-token gap instead of its whole prefill. Several prompts may be prefilling: the one with
+  the fewest tokens left goes first. A chunk's size is measured to cost about a few decode
+  steps (engine_compile.chunk_budget_s). The first token is sampled in the last chunk's dispatch.
+- Each scheduler iteration decodes one token for every row whose prompt is in. The decode executable is
   compiled for a small ladder of batch widths (1, 2, 4, 8…): rows [0, width) run, so a lone
   request does not pay for eight; and for a ladder of full-layer cache lengths (512, 1024, …):
   only slots below the longest active position are read. The background compiles every prefill
@@ -961,7 +966,9 @@ class Engine:
         if forced is not None:
             return forced
         costs = self._chunk_cost[fresh]
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, costs, alone))
+        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
+        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,
@@ -986,8 +993,8 @@ class Engine:
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
             key = self.shapes.chunk_key("prefill_embeds" if with_embeds else "prefill", length, fresh)
             if key is None:  # its shape compiles first in line; this request waits for it, nobody else
-                req.stats["compiled"] = True
-                self._blocked_on.append(("prefill_embeds" if with_embeds else "prefill", bucket_for(length, self.buckets), fresh))
+                need = ("prefill_embeds" if with_embeds else "prefill", bucket_for(length, self.buckets), fresh)
+                self._wait_or_fail(req, need)
                 continue
             if key[1] < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
                 length = next_chunk(start, n, key[1], req.atomic_spans)
@@ -997,6 +1004,19 @@ class Engine:
             self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
             return True
         return False
+
+    def _wait_or_fail(self, req: Request, key: tuple) -> None:
+        """`req` cannot run this iteration: it waits for shape `key` (its stats say it waited for a
+        compile), or, when compiling `key` failed, it ends with that error (the others go on)."""
+        failed = self.shapes.failure(key)
+        if failed is None:
+            req.stats["compiled"] = True
+            self._blocked_on.append(key)
+            return
+        with self._lock:
+            if self._active.get(req.row) is req:
+                del self._active[req.row]
+        req.events.put(("error", f"compiling {describe_shape(key)} failed: {failed}"))
 
     def _run_chunk(self, req: Request, key: tuple, start: int, length: int, with_embeds: bool) -> None:
         """Prefill prompt positions [start, start + length) of `req` in shape `key`; after its last
@@ -1069,9 +1089,7 @@ class Engine:
             self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
         plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
         for row in wait:  # its own shape compiles first in line (decode_plan); nobody else waits
-            decoding.pop(row).stats["compiled"] = True
-        if wait:
-            self._blocked_on.append(self.shapes.decode_key(need_w, need_n))
+            self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
         if not plan:
             return False
         t0 = time.perf_counter()

@@ -29,12 +29,14 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; l
 # chunk's cost is added to every running stream's inter-token gap, and a request that arrives
 # meanwhile waits for the chunk in flight. Beside running streams a chunk may cost
 # INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap), but never less than
-# FLOOR_SLACK × the cheapest chunk measured: where one prefill call has a high fixed cost (the
+# FLOOR_SLACK × a chunk of the smallest bucket: where one prefill call has a high fixed cost (the
 # bundled model's int8 prefill: ~0.3 s for 16 tokens and for 64 alike, on a 2-core AMD EPYC
 # Zen 4, against 0.05 s a decode step) smaller chunks no longer shorten the gap, they only
 # slow the prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
 # at most that much of someone else's prefill). Costs are measured: the engine times every chunk
-# and decode step it runs (seeded at warm-up). GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
+# and decode step it runs (seeded at warm-up): beside streams the size grows from the smallest
+# bucket as measures allow, alone it starts at the largest and steps down (`chunk_limit`).
+# GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
 # (tokens, rounded down to a bucket) override the choice.
 INTERLEAVE_STEPS = 2.0
 FLOOR_SLACK = 2.0
@@ -98,19 +100,28 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
-def chunk_budget_s(decode_s: float | None, costs: Mapping[int, float], alone: bool) -> float:
+def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -> float:
     """Seconds one prefill chunk may cost (see INTERLEAVE_STEPS above): `decode_s` a decode step's
-    measured cost (None: not measured yet), `costs` the measured chunk cost by bucket."""
-    floor = FLOOR_SLACK * min(costs.values()) if costs else 0.0
-    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, floor)
+    measured cost, `floor_s` a chunk of the smallest bucket's (the fixed cost of a prefill call;
+    None: not measured yet)."""
+    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, FLOOR_SLACK * floor_s if floor_s else 0.0)
     return max(beside, LONE_CHUNK_S) if alone else beside
 
 
-def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: float) -> int:
-    """The largest bucket whose chunk is predicted to cost ≤ budget_s: its measured cost, else the
-    cost of the largest measured bucket below it scaled by the token ratio (an over-estimate: a
-    chunk's cost has a fixed part), so a bucket is tried only when that bound fits and is then
-    measured. At least the smallest bucket (the best there is when even it is over budget)."""
+def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: float, *, from_above: bool = False) -> int:
+    """The largest bucket whose chunk is predicted to cost ≤ budget_s, at least the smallest (the
+    best there is when even it is over budget).
+
+    From below (beside running streams, whose gaps an over-budget chunk would hurt): a bucket's
+    measured cost, else the cost of the largest measured bucket below it scaled by the token
+    ratio (an over-estimate: a chunk's cost has a fixed part), so a bucket is tried only when
+    that bound fits, and is measured then. From above (alone: nobody's gap to protect, and every
+    chunk pays the fixed part again): any bucket not ruled out, i.e. unless it or a smaller one
+    was measured over budget (costs grow with the bucket), so a lone prompt starts with the
+    largest bucket and steps down only as far as its measured costs say."""
+    if from_above:
+        over = [b for b, c in costs.items() if c > budget_s * (1 + 1e-6)]
+        return max((b for b in buckets if not any(o <= b for o in over)), default=buckets[0])
     best = buckets[0]
     for b in buckets:
         below = [m for m in costs if m <= b]
@@ -335,9 +346,9 @@ class CompiledShapes:
             return self._exe[key], True
 
     def wait_any(self, keys: Sequence[tuple], timeout: float | None = None) -> None:
-        """Return once one of `keys` is compiled or has failed (or after `timeout`, or on close)."""
+        """Return once one of `keys` is usable or has failed (or after `timeout`, or on close)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stop or any(k in self._exe or k in self._failed for k in keys),
+            self._cond.wait_for(lambda: self._stop or any(self._usable_locked(k) or k in self._failed for k in keys),
                                 timeout)
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -365,21 +376,19 @@ class CompiledShapes:
     def chunk_key(self, kind: str, length: int, fresh: bool) -> tuple | None:
         """The compiled shape to run a `length`-token prefill chunk in: its own bucket's; else the
         smallest larger compiled one (identical tokens: padding invariance) while its own is
-        compiled (not waited for); else the largest smaller compiled one (the caller shrinks the
-        chunk to it); else None, and its own bucket is compiled first in line (the request that
-        needs it waits for it; nobody else does)."""
+        compiled (not waited for); else None, and its own is compiled first in line (the request
+        that needs it waits for it; nobody else does).
+
+        Not through several smaller chunks: each later chunk is a dispatch with the fixed cost of
+        one (and, on a fresh engine, a later-chunk shape of its own to compile), so a prompt
+        waiting for one compile gets its first token sooner."""
         ideal = (kind, bucket_for(length, self.buckets), fresh)
         with self._cond:
             if self._usable_locked(ideal):
                 return ideal
-            usable = [b for b in self.buckets if self._usable_locked((kind, b, fresh))]
-            bigger = [b for b in usable if b >= length]
-            smaller = [b for b in usable if b < length]
-            if bigger or smaller:
-                self._enqueue_locked(ideal)
-                return (kind, bigger[0] if bigger else smaller[-1], fresh)
-            self._enqueue_locked(ideal, now=True)
-            return None
+            bigger = [b for b in self.buckets if b >= length and self._usable_locked((kind, b, fresh))]
+            self._enqueue_locked(ideal, now=not bigger)
+            return (kind, bigger[0], fresh) if bigger else None
 
     def decode_key(self, need_w: int, need_n: int) -> tuple:
         """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal
