@@ -222,6 +222,14 @@ def test_a_video_is_its_frames_with_timestamps_as_the_processor_writes_them(eng)
     assert again["stats"]["media"][0]["cached"] and again["token_ids"] == out["token_ids"]
 
 
+def test_an_animated_image_says_its_first_frame_is_seen(eng):
+    frames = [Image.fromarray(np.full((24, 24, 3), 60 * k, np.uint8)) for k in range(3)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    out = conversation.generate(eng, ask(buf.getvalue(), max_soft_tokens=70), GREEDY, mode="chat")
+    assert any("animated (3 frames)" in n and "first frame" in n for n in out["stats"]["notes"]), out["stats"]["notes"]
+
+
 def test_typed_placeholder_text_stays_text(eng):
     """A user typing "<|image|>" in a chat gets those characters: no placeholder id, no media."""
     ids = conversation.prompt_ids(eng, [{"role": "user", "content": "what is <|image|> and <|video|>?"}])

@@ -301,7 +301,7 @@ def submit(engine, prompt: Any, params: SamplingParams | None = None, *, mode: s
     if plan is None or not plan.items:
         return engine.submit(ids, params, notes=notes)
     _check_media_fits(engine, ids, plan)
-    req = engine.submit(plan.segments(ids), params, notes=notes)
+    req = engine.submit(plan.segments(ids), params, notes=notes + plan.notes)
     req.stats["media"] = plan.stats()
     return req
 

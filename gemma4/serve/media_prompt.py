@@ -34,7 +34,7 @@ import numpy as np
 
 from gemma4.env import env_int
 from gemma4.media.files import MediaError, MediaItem
-from gemma4.media.image import SOFT_TOKEN_BUDGETS, decode_image, preprocess_image
+from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
 from gemma4.serve.engine import Embeddings, RequestError
 from gemma4.serve.media_cache import shared_cache
@@ -137,6 +137,7 @@ class MediaPlan:
         self.engine = engine
         self.items: list[PreparedMedia] = []
         self.parts: list[Mapping[str, Any]] = []  # a completion prompt's media parts, one per marker
+        self.notes: list[str] = []  # for the reply (an animated image: its first frame is seen)
         self._by_part: dict[int, PreparedMedia] = {}
         self._used: list[PreparedMedia] = []
 
@@ -192,6 +193,9 @@ class MediaPlan:
         prep = PreparedMedia(kind=kind, name=name, budget=budget, key=key, frames=[], patches=[])
         try:
             if kind == "image":
+                note = animation_note(item.data, name=item.name)
+                if note and note not in self.notes:
+                    self.notes.append(note)
                 if rows is not None:
                     prep.frames = [(None, int(rows.shape[0]))]
                 else:
