@@ -8,16 +8,21 @@ Shape of the work:
   ahead-of-time (lower → compile) in compile threads: the other shapes compile in the background
   while the engine is idle, and a shape a request needed (whether it waited for it or used a
   substitute) is compiled at once, so a busy engine still gets every shape it uses.
-- Nothing waits for a compile it does not need: a prompt whose bucket is not compiled yet runs
-  in a larger compiled one (the same tokens: padding invariance); a decode step uses any
-  compiled (width, length) that covers the active rows, and while no compiled width does, each
-  row decodes alone with width 1 at its row offset (the same tokens: batch invariance). A
-  request waits only when no compiled shape can serve it (the reply's stats say so). The next
-  cache length is compiled ahead, before a conversation reaches it.
+- The scheduler dispatches compiled shapes only, so nothing waits for a compile another request
+  needs: a prompt chunk whose bucket is not compiled yet runs in a larger compiled one (the same
+  tokens: padding invariance); a decode step uses any compiled (width, length) that covers the
+  rows, else each row alone with width 1 at its row offset (the same tokens: batch invariance);
+  a request that no compiled shape can serve waits for its own shape, compiled first in line,
+  while the others go on (the reply's stats say `compiled`). The next cache length is compiled
+  ahead, before a conversation reaches it.
 - The KV cache has `max_batch` rows. A request takes the lowest free row; its prompt is prefilled
   in bucketed chunks (right-padded, padding carries position -1 so it is never cached or
-  attended), and the first token is sampled in the same dispatch.
-- Each scheduler step decodes one token for every active row at once. The decode executable is
+  attended), ONE chunk per scheduler iteration, between the decode steps of the running streams
+  (its row is idle in them meanwhile), so a long prompt adds about one chunk to everyone's
+  inter-token gap instead of its whole prefill. Several prompts may be prefilling: the one with
+  the fewest tokens left goes first. A chunk's size is measured to cost about a few decode
+  steps (engine_compile.chunk_budget_s). The first token is sampled in the last chunk's dispatch.
+- Each scheduler iteration decodes one token for every row whose prompt is in. The decode executable is
   compiled for a small ladder of batch widths (1, 2, 4, 8…): rows [0, width) run, so a lone
   request does not pay for eight; and for a ladder of full-layer cache lengths (512, 1024, …):
   only slots below the longest active position are read. The background compiles every prefill
@@ -56,13 +61,16 @@ import numpy as np
 
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
+from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import step_link
-from gemma4.serve.engine_compile import PROMPT_BUCKETS, CompiledShapes, decode_widths, describe_shape, kv_ladder
+from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
+                                         decode_widths, describe_shape, kv_ladder, merge_spans, next_chunk,
+                                         override_limit)
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -75,6 +83,7 @@ log = logging.getLogger("gemma4.serve.engine")
 
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
 DEFAULT_CONTEXT = 4096
+ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's frames come in batches)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -98,6 +107,10 @@ class Embeddings:
 
     rows: Any
     ple_ids: Sequence[int] | None = None
+    # The soft tokens of one image or video frame: under bidirectional vision attention
+    # (`ModelConfig.bidirectional_vision`) its positions see each other in sliding layers, and a
+    # prefill chunk never ends inside it (`Request.vision_groups`, `Request.atomic_spans`).
+    vision: bool = False
 
     def __len__(self) -> int:
         return int(np.shape(self.rows)[0])
@@ -120,6 +133,9 @@ class Request:
     seed: int
     embeds: np.ndarray | None = None
     embed_mask: np.ndarray | None = None
+    # int32 [n_prompt]: the image (or frame) index of each prompt position, -1 elsewhere; given to
+    # `forward(vision_groups=...)` by prefill when the model is bidirectional over vision.
+    vision_groups: np.ndarray | None = None
     events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -130,6 +146,21 @@ class Request:
     stats: dict = dataclasses.field(default_factory=dict)
     occupancy_sum: float = 0.0  # Σ over the decode steps it took part in of (active rows / max_batch)
     occupancy_steps: int = 0
+    # [start, end) prompt position ranges no prefill chunk may end inside (an image under
+    # bidirectional vision attention); merged and checked against the largest bucket at submit.
+    atomic_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Prefill, one chunk per scheduler iteration: positions already in the cache, when the first
+    # chunk started, the (start, length, bucket) of each chunk run, and the other streams' decode
+    # steps run between its first and its last chunk.
+    prefilled: int = 0
+    prefill_t0: float | None = None
+    prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    interleaved_steps: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not all in the cache yet (its row is idle in decode steps meanwhile)."""
+        return self.prefilled < len(self.prompt_ids)
 
 
 def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, hidden: int
@@ -172,6 +203,37 @@ def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
     if bad is not None:
         raise RequestError(f"Token id {ids[bad]} at index {bad} of the prompt is outside this model's "
                            f"vocabulary (ids 0 to {vocab_size - 1}).")
+
+
+def vision_layout(segments: Sequence[int] | Sequence[Segment]) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """(vision_groups [n] int32 or None, spans) of a prompt's segments: each `Embeddings` run
+    marked `vision` is one group (its index in order), every other position -1; spans are the
+    groups' [start, end) ranges. (None, []) when no run is marked."""
+    if not any(isinstance(s, Embeddings) and s.vision for s in segments):
+        return None, []
+    groups: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for seg in segments:
+        if isinstance(seg, Embeddings) and seg.vision:
+            spans.append((len(groups), len(groups) + len(seg)))
+            groups += [len(spans) - 1] * len(seg)
+        elif isinstance(seg, Embeddings):
+            groups += [-1] * len(seg)
+        elif isinstance(seg, (int, np.integer)):
+            groups.append(-1)
+        else:
+            groups += [-1] * len(seg)
+    return np.asarray(groups, np.int32), spans
+
+
+def bidirectional_vision(cfg: ModelConfig) -> bool:
+    """Whether this model's sliding layers let an image's tokens see the whole image
+    (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs)."""
+    return bool(cfg.bidirectional_vision)
+
+
+NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
+                   "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
 
 
 @dataclasses.dataclass
@@ -265,18 +327,21 @@ def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, 
                                 options=options, fresh=fresh)
 
 
-def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, *, cfg,
-                         options, fresh):
+def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, vision_groups=None,
+                         *, cfg, options, fresh):
     """`prefill_step` where the positions in embed_mask [1, T] take rows of embeds [1, T, H]
-    instead of their ids' embedding (the ids still give those positions' per-layer inputs)."""
+    instead of their ids' embedding (the ids still give those positions' per-layer inputs).
+    vision_groups [1, T] (models bidirectional over vision only): each position's image index,
+    -1 for text and padding (see `decoder.forward`)."""
     if fresh:
         cache = kv_cache.clear_row(cache, row)
     inputs = None
     if embeds is not None:
         own = M.embed_tokens(params, cfg, tokens, options.dtype)
         inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
+    groups = {} if vision_groups is None else {"vision_groups": vision_groups}
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
-                                 attend_cache=not fresh, cache_row=row, inputs_embeds=inputs)
+                                 attend_cache=not fresh, cache_row=row, inputs_embeds=inputs, **groups)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
@@ -328,6 +393,18 @@ class Engine:
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
+        self._vision_exe: dict[tuple[int, int], Any] = {}  # the tower compiled per (batch, max_patches)
+        self._vision_lock = threading.Lock()
+        self._encode_info = threading.local()  # per calling thread: what its last encode_images did
+        # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
+        # by (first chunk?, bucket) and per decode step, running means.
+        self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self._decode_cost: float | None = None
+        self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
+        # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
+        # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
+        self.chunk_override: dict[bool, int | None] = {
+            alone: override_limit(os.environ, alone, self.buckets) for alone in (False, True)}
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
         _all_engines.add(self)
         self._thread.start()
@@ -487,7 +564,7 @@ class Engine:
         # The variant with input embeddings (media segments): compiled only for a request that has one.
         self._prefill_embeds = {
             fresh: jax.jit(functools.partial(prefill_embeds_step, cfg=cfg, options=options, fresh=fresh),
-                           in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep), **step)
+                           in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
             for fresh in (True, False)}
         self._decode = {(w, n): jax.jit(functools.partial(decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
@@ -555,6 +632,11 @@ class Engine:
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
         kind, size, extra = key
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        if kind == "vision":  # the tower for `size` images of `extra` patches (`encode_images`)
+            cfg, dtype = self.cfg, self.options.dtype
+            step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
+            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, cfg.vision.patch_dim), jnp.float32),
+                              i32(size, extra, 2))
         if kind == "prefill":
             return self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
                                               i32(1), SamplingRows.spec(1))
@@ -562,7 +644,7 @@ class Engine:
             return self._prefill_embeds[extra].lower(
                 self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
                 jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
-                jax.ShapeDtypeStruct((1, size), jnp.bool_))
+                jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
         return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
                                                SamplingRows.spec(size), i32())
 
@@ -587,6 +669,9 @@ class Engine:
                 self._run_idle(key)
                 ran.add(key)
                 self._startup["first_runs_s"] = self._startup.get("first_runs_s", 0.0) + time.perf_counter() - t
+                t = time.perf_counter()  # a second run costs what a request's will: the chunk size's first measure
+                self._run_idle(key)
+                self._note_cost(key, time.perf_counter() - t)
             if not todo and len(ran) == len(keys):
                 break
             if len(todo) != shown:
@@ -617,11 +702,12 @@ class Engine:
         return rows
 
     def run_prefill(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows,
-                    embeds=None, embed_mask=None) -> tuple[int, bool]:
+                    embeds=None, embed_mask=None, vision_groups=None) -> tuple[int, bool]:
         """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
         [bucket] (padding: position -1) into cache row `row`; returns (the token sampled at chunk
         index `last`, whether its logits were non-finite). `embeds` [bucket, hidden] and
-        `embed_mask` [bucket] go with a ("prefill_embeds", …) key. Every process of a multi-host
+        `embed_mask` [bucket] go with a ("prefill_embeds", …) key, and `vision_groups` [bucket]
+        too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
         if self.link is not None:
@@ -630,6 +716,8 @@ class Engine:
                 jnp.asarray([last], jnp.int32), sampling.on_device()]
         if embeds is not None:
             args += [jnp.asarray(embeds[None], jnp.float32), jnp.asarray(embed_mask[None])]
+        if vision_groups is not None:
+            args.append(jnp.asarray(vision_groups[None], jnp.int32))
         token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
@@ -644,6 +732,70 @@ class Engine:
                                      sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
+    # ---------------------------------------------------------------- vision
+    def supports_vision(self) -> tuple[bool, str]:
+        """(ok, reason when not): the model has a vision tower, loaded, on one process."""
+        if self._status["state"] != "ready":
+            return False, "the model is still loading (images can be sent once it is ready)"
+        cfg = self.cfg
+        name = self._info.get("model", self.model_name)
+        if cfg.vision is None or cfg.image_token_id is None or cfg.boi_token_id is None or cfg.eoi_token_id is None:
+            return False, NO_TOWER_REASON.format(model=name)
+        if "vision" not in self.params:
+            return False, f"{name} was loaded without its vision tower (text-only serving); reload it with the tower"
+        if self.link is not None:
+            return False, "images are not supported across several processes yet"
+        return True, ""
+
+    def encode_images(self, patches: Sequence[Any]) -> list[np.ndarray]:
+        """Soft-token rows [n_i, hidden] float32 of preprocessed images (`gemma4.media.image.VisionPatches`,
+        or video frames' patches), in order: each image's first `num_soft_tokens` rows of the tower
+        and projector (`gemma4.model.vision.encode_images`), which go into the decoder as they are.
+
+        Images with the same patch budget run together, in a batch padded to the next width of
+        `decode_widths` by repeating the last image (so few shapes compile); one executable per
+        (width, max_patches), compiled on first use (`last_encode()` says whether this call did)."""
+        ok, why = self.supports_vision()
+        if not ok:
+            raise RequestError(f"Images are not available: {why}.")
+        out: list[np.ndarray | None] = [None] * len(patches)
+        by_size: dict[int, list[int]] = {}
+        for i, p in enumerate(patches):
+            by_size.setdefault(int(np.shape(p.pixel_values)[0]), []).append(i)
+        compiled, t0 = False, time.perf_counter()
+        widths = decode_widths(ENCODE_BATCH)
+        for size, idx in by_size.items():
+            for at in range(0, len(idx), ENCODE_BATCH):
+                part = idx[at:at + ENCODE_BATCH]
+                width = next(w for w in widths if w >= len(part))
+                take = part + [part[-1]] * (width - len(part))
+                pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
+                pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
+                exe, new = self._vision_executable(width, size)
+                compiled |= new
+                rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
+                for j, i in enumerate(part):
+                    out[i] = rows[j, :int(patches[i].num_soft_tokens)]
+        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
+        return out  # type: ignore[return-value]
+
+    def last_encode(self) -> dict:
+        """{"compiled", "encode_s"} of this thread's last `encode_images` call ({} before one):
+        whether it compiled a tower shape, and its seconds (compile included)."""
+        return dict(getattr(self._encode_info, "last", {}))
+
+    def _vision_executable(self, width: int, max_patches: int):
+        """(the compiled tower for [width, max_patches] patches, whether this call compiled it)."""
+        key = (width, max_patches)
+        with self._vision_lock:
+            if key in self._vision_exe:
+                return self._vision_exe[key], False
+            # Lowered under the compile threads' lock (`_lower`'s "vision" kind): two traces at once
+            # broke a prefill compile here (a jaxpr KeyError) while an image was encoded.
+            exe = self.shapes.compile(("vision", width, max_patches))
+            self._vision_exe[key] = exe
+            return exe, True
+
     # ---------------------------------------------------------------- requests
     def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:
         """(params checked against this engine's max_new_tokens cap, notes on what was adjusted);
@@ -654,11 +806,13 @@ class Engine:
             raise RequestError(str(e)) from None
 
     def submit(self, prompt: Sequence[int] | Sequence[Segment], params: SamplingParams | None = None, *,
-               notes: Sequence[str] = ()) -> Request:
+               notes: Sequence[str] = (), atomic_spans: Sequence[tuple[int, int]] = ()) -> Request:
         """Queue a request: `prompt` token ids or segments (`Segment`), `params` validated
-        (`validate`; None: the defaults), `notes` for the user so far. max_new_tokens is lowered
-        to what the context window leaves (with a note). RequestError for an id outside the
-        vocabulary, an empty prompt or one that does not fit the context window."""
+        (`validate`; None: the defaults), `notes` for the user so far, `atomic_spans` [start, end)
+        prompt position ranges no prefill chunk may end inside (`Request.atomic_spans`).
+        max_new_tokens is lowered to what the context window leaves (with a note). RequestError
+        for an id outside the vocabulary, an empty prompt, one that does not fit the context
+        window, or a span outside the prompt or longer than the largest prefill bucket."""
         if self._status["state"] != "ready":
             self.wait_ready()
         notes = list(notes)
@@ -679,14 +833,34 @@ class Engine:
         if params.max_new_tokens > room:
             notes.append(f"max_new_tokens lowered from {params.max_new_tokens} to {room} to fit the context window")
             params = dataclasses.replace(params, max_new_tokens=room)
+        vision_groups, image_spans = vision_layout(prompt) if bidirectional_vision(self.cfg) else (None, [])
+        spans = self._checked_spans(list(atomic_spans) + image_spans, len(ids))
         seed = params.seed if params.seed is not None else next(self._seed_counter)
-        req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask)
+        req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask,
+                      atomic_spans=spans)
+        if bidirectional_vision(self.cfg):
+            req.vision_groups = vision_groups
         req.stats["notes"] = notes
         with self._lock:
             self._waiting.append(req)
             req.stats["queue_position"] = len(self._waiting)
             self._wake.notify_all()
         return req
+
+    def _checked_spans(self, spans: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+        """Atomic spans merged (engine_compile.merge_spans); RequestError for one outside the
+        prompt, or longer than the largest prefill bucket (it could never be prefilled whole)."""
+        merged = merge_spans(spans)
+        for a, b in merged:
+            if a < 0 or b > n:
+                raise RequestError(f"An atomic span [{a}, {b}) lies outside the {n}-token prompt.")
+            if b - a > self.buckets[-1]:
+                raise RequestError(
+                    f"An atomic span of {b - a} positions ([{a}, {b}): e.g. an image's soft tokens, which attend to "
+                    f"each other) is longer than the largest prefill chunk ({self.buckets[-1]} tokens), so it cannot "
+                    f"be prefilled in one chunk. Use a smaller image budget (fewer soft tokens), or start the engine "
+                    f"with a larger bucket.")
+        return merged
 
     def tokens(self, req: Request) -> TokenStream:
         """The submitted request's tokens as they are sampled (see `TokenStream`)."""
@@ -702,8 +876,9 @@ class Engine:
 
     # ---------------------------------------------------------------- scheduler
     def serve_requests(self) -> None:
-        """The scheduler loop (on the engine thread, until `close`): admit waiting requests,
-        prefill them, decode every active row one token per step."""
+        """The scheduler loop (on the engine thread, until `close`): each iteration admits a
+        waiting request to a free row, runs one prefill chunk of one prefilling request, and one
+        decode step of every row whose prompt is in (see `_schedule_once`)."""
         while True:
             with self._lock:
                 while True:
@@ -719,7 +894,7 @@ class Engine:
                     self._admit(admit)
                 self._reap_cancelled()
                 if self._active:
-                    self._step()
+                    self._schedule_once()
             except Exception as e:  # never kill the loop: fail the affected requests
                 log.exception("scheduler step failed")
                 with self._lock:
@@ -750,41 +925,138 @@ class Engine:
             self._finish(req, "cancelled")
 
     def _admit(self, req: Request) -> None:
+        """A request got its row: its prefill starts at the next chunk the scheduler runs (no device
+        work here); the shape of its first decode step is asked for now, compiled meanwhile if new."""
         if req.cancel.is_set():
             self._finish(req, "cancelled")
             return
-        t0 = time.perf_counter()
-        req.stats["queue_wait_s"] = t0 - req.submitted
-        ids = req.prompt_ids
-        compiled = bool(req.stats.get("compiled"))
+        req.prefilled = 0
         with self._lock:
             need_w = max(self._active) + 1
-        self.shapes.want_decode(need_w, len(ids) + 1)  # the first decode step's shape, compiled meanwhile if new
-        plan = self.shapes.prefill_plan(len(ids))
-        for n, (start, length, bucket) in enumerate(plan):
+        self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
+
+    def _schedule_once(self) -> None:
+        """One scheduler iteration: one prefill chunk (`_prefill_chunk`), then one decode step
+        (`_step`). A chunk costs about a few decode steps (engine_compile.chunk_limit), so a
+        running stream's inter-token gap grows by one chunk at most, however long the prompt.
+        Nothing here waits for a compile while other work can run: when nothing could (every
+        row waits for its own shape), the loop sleeps until a compile lands (or briefly, for new
+        requests and cancels)."""
+        self._blocked_on = []
+        ran = self._prefill_chunk()
+        ran = self._step() or ran
+        if not ran:
+            self.shapes.wait_any(self._blocked_on, timeout=0.1)
+
+    def _note_cost(self, key: tuple, seconds: float) -> None:
+        """Fold one measured dispatch into the chunk-size costs (a running mean that follows the
+        machine's load: a new measure weighs 0.3)."""
+        kind, size, extra = key
+        if kind == "decode":
+            self._decode_cost = seconds if self._decode_cost is None else 0.7 * self._decode_cost + 0.3 * seconds
+        elif kind == "prefill":
+            costs = self._chunk_cost[bool(extra)]
+            costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
+
+    def chunk_tokens(self, fresh: bool, alone: bool) -> int:
+        """The most prompt tokens one prefill chunk takes now: the env override, else the largest
+        bucket whose measured cost fits the budget (engine_compile.chunk_budget_s: a few decode
+        steps beside running streams, LONE_CHUNK_S alone)."""
+        forced = self.chunk_override[alone]
+        if forced is not None:
+            return forced
+        costs = self._chunk_cost[fresh]
+        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
+        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
+
+    def _prefill_chunk(self) -> bool:
+        """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,
+        or each waits for a shape of its own to compile).
+
+        Which request: the one with the fewest prompt tokens left (shortest remaining first), so
+        a short prompt admitted during a long prefill has its single chunk run next and its
+        first token within about one chunk; a long prompt still moves whenever no shorter one is
+        pending, and it cannot be starved for long: every request holds one of max_batch rows, so
+        at most max_batch - 1 prompts can pass it, each once."""
+        with self._lock:
+            rows = list(self._active.values())
+            waiting = bool(self._waiting)
+        pending = sorted((r for r in rows if r.prefilling and not r.cancel.is_set()),
+                         key=lambda r: (len(r.prompt_ids) - r.prefilled, r.submitted))
+        alone = len(rows) == 1 and not waiting
+        for req in pending:
+            fresh = req.prefilled == 0
+            start, n = req.prefilled, len(req.prompt_ids)
+            length = next_chunk(start, n, self.chunk_tokens(fresh, alone), req.atomic_spans)
             chunk = slice(start, start + length)
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
-            key = ("prefill_embeds" if with_embeds else "prefill", bucket, n == 0)
-            _, waited = self.shapes.executable(key)
-            tokens = np.zeros(bucket, np.int32)
-            tokens[:length] = ids[chunk]
-            positions = np.full(bucket, -1, np.int32)
-            positions[:length] = np.arange(start, start + length)
-            embeds = mask = None
-            if with_embeds:
-                embeds = np.zeros((bucket, self.cfg.hidden_size), np.float32)
-                embeds[:length] = req.embeds[chunk]
-                mask = np.zeros(bucket, bool)
-                mask[:length] = req.embed_mask[chunk]
-            token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
-                                          embeds, mask)
-            compiled |= waited
+            key = self.shapes.chunk_key("prefill_embeds" if with_embeds else "prefill", length, fresh)
+            if key is None:  # its shape compiles first in line; this request waits for it, nobody else
+                need = ("prefill_embeds" if with_embeds else "prefill", bucket_for(length, self.buckets), fresh)
+                self._wait_or_fail(req, need)
+                continue
+            if key[1] < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
+                length = next_chunk(start, n, key[1], req.atomic_spans)
+                if length > key[1]:  # a span needs the larger shape: wait for it
+                    self._blocked_on.append((key[0], bucket_for(length, self.buckets), fresh))
+                    continue
+            self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
+            return True
+        return False
+
+    def _wait_or_fail(self, req: Request, key: tuple) -> None:
+        """`req` cannot run this iteration: it waits for shape `key` (its stats say it waited for a
+        compile), or, when compiling `key` failed, it ends with that error (the others go on)."""
+        failed = self.shapes.failure(key)
+        if failed is None:
+            req.stats["compiled"] = True
+            self._blocked_on.append(key)
+            return
+        with self._lock:
+            if self._active.get(req.row) is req:
+                del self._active[req.row]
+        req.events.put(("error", f"compiling {describe_shape(key)} failed: {failed}"))
+
+    def _run_chunk(self, req: Request, key: tuple, start: int, length: int, with_embeds: bool) -> None:
+        """Prefill prompt positions [start, start + length) of `req` in shape `key`; after its last
+        chunk, its prefill stats and its first token (sampled in the same dispatch)."""
+        t0 = time.perf_counter()
+        if req.prefill_t0 is None:
+            req.prefill_t0 = t0
+            req.stats["queue_wait_s"] = t0 - req.submitted
+        bucket = key[1]
+        chunk = slice(start, start + length)
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:length] = req.prompt_ids[chunk]
+        positions = np.full(bucket, -1, np.int32)
+        positions[:length] = np.arange(start, start + length)
+        embeds = mask = None
+        if with_embeds:
+            embeds = np.zeros((bucket, self.cfg.hidden_size), np.float32)
+            embeds[:length] = req.embeds[chunk]
+            mask = np.zeros(bucket, bool)
+            mask[:length] = req.embed_mask[chunk]
+        groups = None
+        if with_embeds and bidirectional_vision(self.cfg):  # an image's soft tokens see each other
+            groups = np.full(bucket, -1, np.int32)
+            if req.vision_groups is not None:
+                groups[:length] = req.vision_groups[chunk]
+        token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
+                                      embeds, mask, groups)
         t1 = time.perf_counter()
+        self._note_cost(key, t1 - t0)
+        req.prefilled += length
+        req.prefill_chunks.append((start, length, bucket))
+        if req.prefilling:
+            return
+        ids, plan = req.prompt_ids, req.prefill_chunks
         req.position = len(ids)
-        padding = sum(b - l for _, l, b in plan)
-        req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * (t1 - t0),
-                         prefill_tok_s=len(ids) / max(t1 - t0, 1e-9), bucket=plan[-1][2], chunks=len(plan),
-                         padding=padding, compiled=compiled, ttft_s=t1 - req.submitted)
+        wall = t1 - req.prefill_t0
+        req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
+                         bucket=plan[-1][2], chunks=len(plan), padding=sum(b - l for _, l, b in plan),
+                         compiled=bool(req.stats.get("compiled")), ttft_s=t1 - req.submitted,
+                         prefill_interleaved_steps=req.interleaved_steps)
         self.emit(req, token, bad, t1)
 
     def emit(self, req: Request, token: int, bad: bool, now: float) -> None:
@@ -802,44 +1074,51 @@ class Engine:
         elif req.position >= self.context_limit:
             self._finish(req, "context")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One decode step: one token for every row whose prompt is in (a prefilling row is idle:
+        position -1), with compiled shapes only (`CompiledShapes.decode_plan`: a row whose shape
+        is not compiled yet waits for it alone). True when something ran."""
         with self._lock:
             active = dict(self._active)
-        if not active:
-            return
-        need_w, need_n = max(active) + 1, max(r.position for r in active.values()) + 1
-        key = self.shapes.decode_key(need_w, need_n)
-        _, width, kv_len = key
+        decoding = {row: r for row, r in active.items() if not r.prefilling}
+        if not decoding:
+            return False
+        need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
+        kv_len = self.shapes.decode_key(need_w, need_n)[2]
         if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
             self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
-        alone = self.shapes.narrow_decode(key, need_n)
-        if alone is not None:  # no compiled width covers the rows yet: each row alone, while it compiles
-            compiled = False
-            out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
-            for row, req in active.items():
-                o, b = self.run_decode(alone, np.asarray([req.recent[-1]], np.int32), np.asarray([req.position], np.int32),
-                                       self._sampling_rows([req]), row=row)
-                out[row], bad[row] = o[0], b[0]
-        else:
-            _, compiled = self.shapes.executable(key)
+        plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
+        for row in wait:  # its own shape compiles first in line (decode_plan); nobody else waits
+            self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
+        if not plan:
+            return False
+        t0 = time.perf_counter()
+        out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
+        for key, first, rows in plan:
+            width = key[1]
             tokens = np.zeros(width, np.int32)
             positions = np.full(width, -1, np.int32)
-            rows: list[Request | None] = [None] * width
-            for row, req in active.items():
-                tokens[row] = req.recent[-1]
-                positions[row] = req.position
-                rows[row] = req
-            out, bad = self.run_decode(key, tokens, positions, self._sampling_rows(rows))
+            sampling: list[Request | None] = [None] * width
+            for row in rows:
+                req = decoding[row]
+                tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
+            o, b = self.run_decode(key, tokens, positions, self._sampling_rows(sampling), row=first)
+            for row in rows:
+                out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
-        for row, req in active.items():
+        self._note_cost(plan[0][0], (now - t0) / len(plan))
+        for req in active.values():
+            if req.prefilling and req.prefill_t0 is not None:
+                req.interleaved_steps += 1
+        for row, req in decoding.items():
             req.position += 1
-            req.occupancy_sum += len(active) / self.max_batch
+            req.occupancy_sum += len(decoding) / self.max_batch
             req.occupancy_steps += 1
-            req.stats["compiled"] = req.stats.get("compiled", False) or compiled
             if req.cancel.is_set():
                 self._finish(req, "cancelled")
             else:
                 self.emit(req, int(out[row]), bool(bad[row]), now)
+        return True
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Stop the scheduler and the compile threads; wait up to `timeout` s for them (None: no
