@@ -12,11 +12,15 @@ import threading
 import time
 import pathlib
 
+import gradio as gr
 import pytest
 
 import app
+from gemma4.media.files import MediaError
 from gemma4.ui.demo import DemoApp
-from gemma4.ui.chat_controls import guess_is_base
+from gemma4.ui.chat_controls import EXAMPLE_IMAGE, guess_is_base
+from gemma4.ui.handlers import ChatHandlers
+from gemma4.ui.media_parts import read_textbox, user_content
 from gemma4.web.settings import Settings, parse_settings
 from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
 from gemma4.ui.numbers import clamp
@@ -33,6 +37,7 @@ from gemma4.ui.reply import (
     history_to_messages,
     is_app_message,
     is_notice,
+    last_user_content,
     last_user_text,
     message_index,
     notice_message,
@@ -110,6 +115,126 @@ def test_history_to_messages_drops_app_messages_and_refused_turns():
     assert pop_last_user_turn(parts)[1] == "The capital of France is "
     assert message_text(parts[0]["content"]) == "The capital of France is"  # chat turns: trimmed, as HF
     assert message_index([4, 0]) == 4 and message_index(2) == 2
+
+
+# --------------------------------------------------------------------------- media in the chat
+
+# The smallest byte strings whose kind media.files sniffs as video (an MP4 'ftyp' box) and as
+# nothing at all; the picture is the one the app ships.
+MP4_HEAD = b"\x00\x00\x00\x18ftypmp42" + bytes(16)
+
+
+@pytest.fixture
+def media_files(tmp_path):
+    """(picture, video, not-media) paths, as Gradio's upload cache would hold them."""
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(MP4_HEAD)
+    bogus = tmp_path / "notes.png"  # a text file named like a picture
+    bogus.write_text("not a picture")
+    return str(EXAMPLE_IMAGE), str(video), str(bogus)
+
+
+def gradio_file(path: str, mime: str) -> dict:
+    """A file part as Gradio hands the Chatbot history back to event functions."""
+    return {"type": "file", "alt_text": None,
+            "file": {"path": path, "url": None, "size": None, "orig_name": None,
+                     "mime_type": mime, "is_stream": False, "meta": {"_type": "gradio.FileData"}}}
+
+
+def test_media_history_to_request_parts(media_files):
+    picture, video, bogus = media_files
+    assert read_textbox({"text": "What is it?", "files": [picture]}) == ("What is it?", [picture])
+    assert read_textbox("plain") == ("plain", []) and read_textbox(None) == ("", [])
+    assert user_content("Hi", []) == "Hi"  # a text message keeps its string content
+    assert user_content("What is it?", [picture]) == [{"path": picture}, "What is it?"]
+    assert user_content("  ", [picture]) == [{"path": picture}]  # a picture alone
+    history = [
+        {"role": "user", "content": user_content("What is it?", [picture])},  # as the app writes it
+        {"role": "assistant", "content": "A house."},
+        stats_message({"media": [{"kind": "image", "name": "x.png", "soft_tokens": 70}]}, {},
+                      done=True),
+        {"role": "user", "content": [gradio_file(picture, "image/png"),  # as Gradio returns it
+                                     gradio_file(video, "video/mp4"),
+                                     {"type": "text", "text": " And these? "}]},
+    ]
+    msgs = history_to_messages(history)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    first, last = msgs[0]["content"], msgs[2]["content"]
+    assert [p["type"] for p in first] == ["image", "text"] and first[1]["text"] == "What is it?"
+    item = first[0]["media"]
+    assert (item.kind, item.name) == ("image", "example_scene.png")
+    assert item.data == EXAMPLE_IMAGE.read_bytes()
+    assert msgs[1]["content"] == "A house."
+    assert [p["type"] for p in last] == ["image", "video", "text"]
+    assert last[1]["media"].name == "clip.mp4" and last[2]["text"] == "And these?"  # trimmed, as HF
+    assert last[0]["media"].digest == item.digest  # the same picture: one cache entry
+    assert last_user_text(history) == " And these? "  # completion: as typed
+    completion = last_user_content(history)
+    assert [p["type"] for p in completion] == ["image", "video", "text"]
+    assert completion[2]["text"] == " And these? "
+    # two user messages in a row (the first unanswered) are one turn, their texts joined
+    joined = history_to_messages([{"role": "user", "content": "Look:"},
+                                  {"role": "user", "content": user_content("this", [picture])}])
+    assert len(joined) == 1 and [p["type"] for p in joined[0]["content"]] == ["text", "image", "text"]
+    joined = history_to_messages([{"role": "user", "content": user_content("a", [picture])},
+                                  {"role": "user", "content": "b"}])
+    assert [p.get("text") for p in joined[0]["content"]] == [None, "a\n\nb"]
+    # a refused media turn (answered by a notice) leaves the next prompt
+    refused = [*history[:3], {"role": "user", "content": user_content("?", [bogus])},
+               notice_message("Not sent to the model: not a picture"),
+               {"role": "user", "content": "Thanks"}]
+    assert history_to_messages(refused)[-1] == {"role": "user", "content": "Thanks"}
+    # a file that is not an image or video is refused with its name, before any model work
+    with pytest.raises(MediaError, match="notes.png"):
+        history_to_messages([{"role": "user", "content": user_content("?", [bogus])}])
+
+
+def test_retry_edit_undo_keep_media(media_files):
+    picture, video, _ = media_files
+    handler = ChatHandlers(engine=None, settings=Settings())  # these steps never touch the engine
+    turn = {"role": "user", "content": [gradio_file(picture, "image/png"),
+                                        gradio_file(video, "video/mp4"),
+                                        {"type": "text", "text": "Compare them."}]}
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    done = [*earlier, turn, *reply_messages("They differ.", {}, {}, done=True,
+                                            finish_reason="stop")]
+    # Retry: the reply goes, the turn stays with both files
+    assert handler.retry(done) == [*earlier, turn]
+    # Undo: the turn goes, its text and files go back into the message box, in order
+    rest, box = handler.undo(done)
+    assert rest == earlier and box == {"text": "Compare them.", "files": [picture, video]}
+    assert pop_last_user_turn(done) == (earlier, "Compare them.")
+    # Edit: Gradio sends the message's index and its new text; the files stay with it
+    edited = handler.edit(done, gr.EditData(None, {"index": 2, "value": "Which is larger?",
+                                                   "previous_value": "Compare them."}))
+    assert edited == [*earlier, {"role": "user",
+                                 "content": [{"path": picture}, {"path": video},
+                                             "Which is larger?"]}]
+    assert [p["type"] for p in history_to_messages(edited)[-1]["content"]] == [
+        "image", "video", "text"]
+    # editing a text message still gives a text message
+    assert handler.edit(done, gr.EditData(None, {"index": 0, "value": "Hey",
+                                                 "previous_value": "Hi"})) == [
+        {"role": "user", "content": "Hey"}]
+
+
+def test_reply_panel_media_rows():
+    media = [{"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.8412,
+              "cached": False},
+             {"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.0,
+              "cached": True},
+             {"kind": "video", "name": "<clip>.mp4", "soft_tokens": 560, "encode_s": 3.2,
+              "cached": False}]
+    panel = reply_panel_html({"media": media, "prefill_tokens": 900}, {}, done=True,
+                             finish_reason="stop")
+    rows = re.findall(r'<div class="media-row">(.*?)</div>', panel)
+    assert rows == ["🖼 scene.png: 280 soft tokens · encoded in 0.84 s",
+                    "🖼 scene.png: 280 soft tokens · cached, not re-encoded",
+                    "🎞 &lt;clip&gt;.mp4: 560 soft tokens · encoded in 3.20 s"]
+    assert "Media" in panel
+    assert "media-row" not in reply_panel_html({"prefill_tokens": 9}, {}, done=True)
+    details = stats_message({"media": media[:1]}, {}, done=True)["content"]
+    assert "scene.png: 280 soft tokens" in details
 
 
 def test_stats_title_and_messages():
@@ -232,7 +357,7 @@ def _wait(pred, timeout=20.0, every=0.05) -> bool:
 
 
 def _chat(client, text, *, mode="completion", max_new_tokens=16, temperature=0.0, seed=0):
-    _, history = client.predict(text, [], api_name="/add_message")
+    _, history = client.predict({"text": text, "files": []}, [], api_name="/add_message")
     job = client.submit(history, "", mode, temperature, 0.95, 64, max_new_tokens, seed, 1.0,
                         api_name="/respond")
     return job
@@ -320,7 +445,7 @@ def test_bad_inputs_get_friendly_messages(served, engine):
 
     _, client = served
     # Empty message: nothing is added to the chat, nothing reaches the engine.
-    _, history = client.predict("   ", [], api_name="/add_message")
+    _, history = client.predict({"text": "   ", "files": []}, [], api_name="/add_message")
     assert history == []
     with pytest.raises(AppError, match="Empty prompt"):
         client.predict("  ", api_name="/generate")
@@ -389,7 +514,7 @@ def test_load_failure_is_shown_not_traced(tmp_path):
         client = Client(url, verbose=False)
         with pytest.raises(AppError, match="failed to load"):
             client.predict("Hello", api_name="/generate")
-        _, history = client.predict("Hello", [], api_name="/add_message")
+        _, history = client.predict({"text": "Hello", "files": []}, [], api_name="/add_message")
         history = client.predict(history, "", "chat", 0.0, 0.95, 64, 8, 0, 1.0,
                                  api_name="/respond")[0]
         text = message_text(history[-1]["content"])

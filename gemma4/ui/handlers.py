@@ -18,10 +18,22 @@ from typing import Any
 
 import gradio as gr
 
+from gemma4.media.files import MediaError, media_from_path
 from gemma4.model import sampling
 from gemma4.serve import conversation
 from gemma4.serve.engine import RequestError
-from gemma4.ui.chat_controls import PENALTY_RANGE, THINK_INFO, TOP_P_RANGE, guess_is_base, plot_frame
+from gemma4.ui.chat_controls import (
+    MEDIA_INFO,
+    MEDIA_PLACEHOLDER,
+    PENALTY_RANGE,
+    TEXT_PLACEHOLDER,
+    THINK_INFO,
+    TOP_P_RANGE,
+    guess_is_base,
+    media_note_md,
+    plot_frame,
+)
+from gemma4.ui.media_parts import read_textbox, split_content, textbox_value, user_content
 from gemma4.ui.numbers import as_number, clamp
 from gemma4.ui.panels import (
     context_meter_html,
@@ -31,10 +43,11 @@ from gemma4.ui.panels import (
 from gemma4.ui.reply import (
     flags_summary,
     history_to_messages,
+    last_user_content,
     last_user_text,
     message_index,
     notice_message,
-    pop_last_user_turn,
+    pop_last_user_input,
     reply_messages,
     reply_panel_html,
     stats_message,
@@ -103,6 +116,20 @@ class ChatHandlers:
             return False, "Thinking is available for Gemma 4 models; the model is still loading."
         return self.conversation.supports_thinking(self.engine)
 
+    def media_support(self) -> tuple[bool, str]:
+        """(can this model read images and video, why not): a vision tower, known once loaded."""
+        if not self.info():
+            return False, "Images and video need a model with a vision tower; the model is still loading."
+        return self.conversation.supports_vision(self.engine)
+
+    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any]]:
+        """(the message box, the line under it, the picture example): uploads, paste and drag on
+        with a vision tower; otherwise no upload source at all, and the line says why."""
+        ok, reason = self.media_support()
+        box = gr.update(sources=["upload"] if ok else [],
+                        placeholder=MEDIA_PLACEHOLDER if ok else TEXT_PLACEHOLDER)
+        return box, media_note_md(ok, reason), gr.update(visible=ok)
+
     def think_update(self) -> dict[str, Any]:
         """The Think switch: enabled for Gemma 4, disabled with the reason otherwise."""
         ok, reason = self.thinking_support()
@@ -145,14 +172,31 @@ class ChatHandlers:
 
     # ------------------------------------------------------------------ chat steps
 
-    def add_user_message(self, message: str, history: list[dict]):
-        """User step (no queue): append the message, clear and lock the textbox."""
+    def add_user_message(self, message: dict | str, history: list[dict]):
+        """User step (no queue): append the message (its files, then its text), clear and lock
+        the message box. A message that cannot be sent (empty, a file that is not an image or
+        video, media for a text-only model) stays in the box with a warning saying why."""
         history = list(history or [])
-        if not (message or "").strip():
+        text, files = read_textbox(message)
+        if not text.strip() and not files:
             gr.Warning("Type a message first — nothing was sent.")
             return gr.update(value=message), history
-        history.append({"role": "user", "content": message})
-        return gr.update(value="", interactive=False), history
+        try:
+            self._check_files(files)
+        except MediaError as e:
+            gr.Warning(f"Nothing was sent: {e}")
+            return gr.update(value=message), history
+        history.append({"role": "user", "content": user_content(text, files)})
+        return gr.update(value=textbox_value(""), interactive=False), history
+
+    def _check_files(self, files: list[str]) -> None:
+        """Refuse (MediaError) files the reply could not use, before they enter the chat: each is
+        read and its kind sniffed from its bytes; none for a loaded model without a tower."""
+        for f in files:
+            media_from_path(f)
+        ok, reason = self.media_support()
+        if files and self.info() and not ok:
+            raise MediaError(reason)
 
     def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
                 repetition_penalty, session, think=False):
@@ -192,7 +236,8 @@ class ChatHandlers:
             # chat: the conversation as messages, earlier thoughts left out (the engine renders
             # the template and drops the oldest turns if it outgrows the context); completion:
             # the latest text only.
-            prompt = history_to_messages(history) if mode == "chat" else user_text
+            prompt = (history_to_messages(history) if mode == "chat"
+                      else last_user_content(history))
         except (ValueError, self.RequestError) as e:
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
@@ -232,7 +277,7 @@ class ChatHandlers:
                 panel = reply_panel_html(stats, flags, done=ev.done,
                                          finish_reason=ev.finish_reason, notes=notes, mode=mode)
                 yield [*history, *msgs], panel, session
-        except self.RequestError as e:
+        except (self.RequestError, MediaError) as e:  # a refusal, or a file it could not read
             session["replies"].remove(reply)
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
         except Exception as e:  # an engine failure must not take the app down or show a trace
@@ -304,10 +349,15 @@ class ChatHandlers:
         return strip_trailing_assistant(history)
 
     def undo(self, history):
-        history, text = pop_last_user_turn(history)
-        return history, text
+        """Undo: drop the last user turn and its reply; its text and files go back into the box."""
+        history, text, files = pop_last_user_input(history)
+        return history, textbox_value(text, files)
 
     def edit(self, history, edit_data: gr.EditData):
-        history = list(history or [])[: message_index(edit_data.index)]
-        history.append({"role": "user", "content": edit_data.value})
-        return history
+        """Edit a user message's text: the chat is cut there and the message keeps its files."""
+        history = list(history or [])
+        index = message_index(edit_data.index)
+        files = split_content(history[index].get("content"))[1] if index < len(history) else []
+        value = edit_data.value
+        text = value if isinstance(value, str) else split_content(value, trim_parts=False)[0]
+        return [*history[:index], {"role": "user", "content": user_content(text, files)}]
