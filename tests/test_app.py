@@ -3,6 +3,7 @@ gradio_client against a real engine with a tiny random model (plus one bundled-m
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import socket
@@ -146,16 +147,16 @@ def test_media_history_to_request_parts(media_files):
     assert read_textbox({"text": "What is it?", "files": [picture]}) == ("What is it?", [picture])
     assert read_textbox("plain") == ("plain", []) and read_textbox(None) == ("", [])
     assert user_content("Hi", []) == "Hi"  # a text message keeps its string content
-    assert user_content("What is it?", [picture]) == [{"path": picture}, "What is it?"]
+    assert user_content("What is it?", [picture]) == ["What is it?", {"path": picture}]
     assert user_content("  ", [picture]) == [{"path": picture}]  # a picture alone
     history = [
         {"role": "user", "content": user_content("What is it?", [picture])},  # as the app writes it
         {"role": "assistant", "content": "A house."},
         stats_message({"media": [{"kind": "image", "name": "x.png", "soft_tokens": 70}]}, {},
                       done=True),
-        {"role": "user", "content": [gradio_file(picture, "image/png"),  # as Gradio returns it
-                                     gradio_file(video, "video/mp4"),
-                                     {"type": "text", "text": " And these? "}]},
+        {"role": "user", "content": [{"type": "text", "text": " And these? "},  # as Gradio
+                                     gradio_file(picture, "image/png"),  # returns it
+                                     gradio_file(video, "video/mp4")]},
     ]
     msgs = history_to_messages(history)
     assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
@@ -192,9 +193,9 @@ def test_media_history_to_request_parts(media_files):
 def test_retry_edit_undo_keep_media(media_files):
     picture, video, _ = media_files
     handler = ChatHandlers(engine=None, settings=Settings())  # these steps never touch the engine
-    turn = {"role": "user", "content": [gradio_file(picture, "image/png"),
-                                        gradio_file(video, "video/mp4"),
-                                        {"type": "text", "text": "Compare them."}]}
+    turn = {"role": "user", "content": [{"type": "text", "text": "Compare them."},
+                                        gradio_file(picture, "image/png"),
+                                        gradio_file(video, "video/mp4")]}
     earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     done = [*earlier, turn, *reply_messages("They differ.", {}, {}, done=True,
                                             finish_reason="stop")]
@@ -204,12 +205,13 @@ def test_retry_edit_undo_keep_media(media_files):
     rest, box = handler.undo(done)
     assert rest == earlier and box == {"text": "Compare them.", "files": [picture, video]}
     assert pop_last_user_turn(done) == (earlier, "Compare them.")
-    # Edit: Gradio sends the message's index and its new text; the files stay with it
+    # Edit: Gradio sends the message's index and its new text; the files stay with it (Gradio
+    # 6.31 offers no Edit on a bubble ending with a file, see media_parts; a fixed one may)
     edited = handler.edit(done, gr.EditData(None, {"index": 2, "value": "Which is larger?",
                                                    "previous_value": "Compare them."}))
     assert edited == [*earlier, {"role": "user",
-                                 "content": [{"path": picture}, {"path": video},
-                                             "Which is larger?"]}]
+                                 "content": ["Which is larger?", {"path": picture},
+                                             {"path": video}]}]
     assert [p["type"] for p in history_to_messages(edited)[-1]["content"]] == [
         "image", "video", "text"]
     # editing a text message still gives a text message
@@ -472,6 +474,33 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     # ... and the next ordinary request still works.
     assert client.predict("Hello", max_new_tokens=4, api_name="/generate")["done"]
     assert engine.queue_state()["active"] == 0
+
+
+def test_text_only_model_has_no_upload(engine, media_files):
+    """The shared tiny Gemma 3 has no vision tower: the box takes no files (no upload source, so
+    no 📎, drop or paste), the line under it and the warning say why, the picture example is
+    hidden; a file sent anyway (a program calling /add_message) stays in the box."""
+    picture, _, bogus = media_files
+    settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
+                        context=TINY_ENGINE["context_limit"])
+    handler = DemoApp(engine, settings)
+    ok, why = handler.media_support()
+    assert not ok and why
+    box, note, example = handler.media_updates()
+    assert box["sources"] == [] and "drop" not in box["placeholder"]
+    assert note.startswith("🚫") and html.escape(why) in note and example["visible"] is False
+    demo = app.build_demo(engine, settings)  # ready at build time: built without an upload
+    boxes = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "msg"]
+    assert len(boxes) == 1 and boxes[0].sources == [] and boxes[0].file_count == "multiple"
+    sent = {"text": "What is this?", "files": [picture]}
+    with pytest.warns(UserWarning, match="Nothing was sent"):
+        update, history = handler.add_user_message(sent, [])
+    assert history == [] and update["value"] == sent  # nothing lost
+    with pytest.warns(UserWarning, match="notes.png"):  # not a picture, whatever its name
+        update, _ = handler.add_user_message({"text": "", "files": [bogus]}, [])
+    assert update["value"]["files"] == [bogus]
+    update, history = handler.add_user_message({"text": "Hello", "files": []}, [])
+    assert history == [{"role": "user", "content": "Hello"}] and update["interactive"] is False
 
 
 def test_message_sent_while_loading_waits_and_says_so():

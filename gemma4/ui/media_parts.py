@@ -2,14 +2,21 @@
 parts, and the request layer's content parts, each built from the other (plain data, no Gradio).
 
 A user message with media lives in the Chatbot history as one message whose content is its
-files, then its text (the order the prompt takes: the chat template puts each image where its
-part is, and a picture before the question about it is what Gemma's own examples do)::
+text, then its files; the request gets the files first, then the text (the chat template puts
+each image where its part is, and a picture before the question about it is the order of
+Gemma's own examples)::
 
     textbox value     {"text": "What is this?", "files": ["/tmp/gradio/…/cat.png"]}
-    history content   [{"path": "/tmp/gradio/…/cat.png"}, "What is this?"]        (what we write)
-                      [{"type": "file", "file": {"path": …, "mime_type": …}}, {"type": "text", …}]
+    history content   ["What is this?", {"path": "/tmp/gradio/…/cat.png"}]        (what we write)
+                      [{"type": "text", …}, {"type": "file", "file": {"path": …, "mime_type": …}}]
                                                                    (what Gradio hands back)
     request content   [{"type": "image", "media": MediaItem}, {"type": "text", "text": "What is this?"}]
+
+Why the text comes first on screen: Gradio 6.31's Chatbot offers Edit on a bubble that ends
+with text, and its edit submit fails in the browser on a bubble holding a file (it calls
+`.slice()` on the file: a TypeError, nothing is sent). Text first, the bubble ends with a file,
+so Gradio offers no broken Edit there; Undo puts the text and the files back into the box
+instead, and `ChatHandlers.edit` keeps the files should an edit of such a turn arrive.
 
 A message without files keeps its plain-string content, as before media existed. The files are
 read (and their kind sniffed from their bytes) only when a request is built, by
@@ -60,10 +67,10 @@ def has_media(message: Mapping[str, Any]) -> bool:
 
 
 def user_content(text: str, files: Sequence[str]) -> str | list[Any]:
-    """History content for a user message: the text alone, or its files then its text."""
+    """History content for a user message: the text alone, or its text then its files."""
     if not files:
         return text
-    return [*({"path": str(f)} for f in files), *([text] if text.strip() else [])]
+    return [*([text] if text.strip() else []), *({"path": str(f)} for f in files)]
 
 
 def textbox_value(text: str, files: Sequence[str] = ()) -> dict[str, Any]:
