@@ -1,6 +1,8 @@
 """ModelConfig: every switch that distinguishes Gemma 4 (E2B, E4B, 31B, 26B-A4B) and Gemma 3.
 
 A config is a frozen, hashable dataclass so it can be a static argument of `jax.jit`.
+Gemma 4's vision tower is described by `VisionConfig` (`ModelConfig.vision`; None for Gemma 3 and
+for a text-only load, see `text_only`).
 Per-layer geometry (attention type, head dim, KV heads, KV source layer, MLP width) is
 derived once in `ModelConfig.layers`, never recomputed inside the forward pass.
 """
@@ -41,6 +43,88 @@ class RopeSpec:
         freqs = [1.0 / (self.theta ** (2 * j / head_dim)) for j in range(rotated)]
         freqs += [0.0] * (half - rotated)
         return tuple(f / self.factor for f in freqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """Gemma 4's vision tower (transformers' `Gemma4VisionConfig`) and its projector.
+
+    The tower: a patch embedder (a bias-free linear of 3·p² pixels plus a learned 2-D position
+    table [2, position_table_size, hidden]), `num_layers` encoder layers (q/k/v RMS norms, 2-D
+    RoPE, attention scale 1.0, bidirectional over an image's patches), a k×k average pooler
+    scaled by √hidden, optionally a standardization (bias, scale), then the projector
+    (`embed_vision`: weightless RMSNorm + bias-free linear into the text width).
+    """
+
+    hidden_size: int = 768
+    num_layers: int = 16
+    num_heads: int = 12
+    num_kv_heads: int = 12
+    head_dim: int = 64
+    intermediate_size: int = 3072
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_table_size: int = 10240
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    use_clipped_linears: bool = False  # every tower linear clamps its input and output (bounds from the checkpoint)
+    standardize: bool = False  # soft tokens become (x - std_bias) · std_scale
+    default_output_length: int = 280  # soft tokens per image when the request does not say
+
+    def __post_init__(self):
+        if self.head_dim % 4:
+            raise ValueError(f"vision head_dim {self.head_dim} must be a multiple of 4 (2-D RoPE rotates "
+                             "half the dims with x, half with y, each in rotate-half pairs)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"vision num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: 3 channels × p × p."""
+        return 3 * self.patch_size ** 2
+
+    def inverse_frequencies(self) -> tuple[float, ...]:
+        """The head_dim/4 inverse frequencies of one spatial axis (transformers' axial RoPE)."""
+        spatial = self.head_dim // 2
+        return tuple(1.0 / (self.rope_theta ** (j / spatial)) for j in range(0, spatial, 2))
+
+
+def vision_from_hf(vc: dict) -> VisionConfig:
+    """A VisionConfig from a HF `vision_config` dict (missing fields take transformers' defaults)."""
+    act = vc.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"vision_config.hidden_activation {act!r} unsupported (only gelu_pytorch_tanh)")
+    d = VisionConfig()
+    rope = vc.get("rope_parameters") or {}
+    return VisionConfig(
+        hidden_size=int(vc.get("hidden_size", d.hidden_size)),
+        num_layers=int(vc.get("num_hidden_layers", d.num_layers)),
+        num_heads=int(vc.get("num_attention_heads", d.num_heads)),
+        num_kv_heads=int(vc.get("num_key_value_heads", d.num_kv_heads)),
+        head_dim=int(vc.get("head_dim", d.head_dim)),
+        intermediate_size=int(vc.get("intermediate_size", d.intermediate_size)),
+        patch_size=int(vc.get("patch_size", d.patch_size)),
+        pooling_kernel_size=int(vc.get("pooling_kernel_size", d.pooling_kernel_size)),
+        position_table_size=int(vc.get("position_embedding_size", d.position_table_size)),
+        rope_theta=float(rope.get("rope_theta", d.rope_theta)),
+        rms_norm_eps=float(vc.get("rms_norm_eps", d.rms_norm_eps)),
+        use_clipped_linears=bool(vc.get("use_clipped_linears", d.use_clipped_linears)),
+        standardize=bool(vc.get("standardize", d.standardize)),
+        default_output_length=int(vc.get("default_output_length", d.default_output_length)),
+    )
+
+
+def vision_to_hf(v: VisionConfig) -> dict:
+    """The HF `vision_config` dict of `v` (tests build transformers' tower from it)."""
+    return dict(
+        model_type="gemma4_vision", hidden_size=v.hidden_size, num_hidden_layers=v.num_layers,
+        num_attention_heads=v.num_heads, num_key_value_heads=v.num_kv_heads, head_dim=v.head_dim,
+        intermediate_size=v.intermediate_size, patch_size=v.patch_size, pooling_kernel_size=v.pooling_kernel_size,
+        position_embedding_size=v.position_table_size, rms_norm_eps=v.rms_norm_eps,
+        rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta},
+        use_clipped_linears=v.use_clipped_linears, standardize=v.standardize,
+        default_output_length=v.default_output_length, hidden_activation="gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +186,15 @@ class ModelConfig:
     eos_id: int = 1
     bos_id: int = 2
     stop_ids: tuple[int, ...] = (1, 106)
+    # Gemma 4 vision: the tower (None: Gemma 3, or loaded text-only), the media token ids of the
+    # top-level HF config, and whether sliding layers let an image's soft tokens see each other
+    # (text config `use_bidirectional_attention == "vision"`: 31B and 26B-A4B).
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
+    bidirectional_vision: bool = False
 
     # ----------------------------------------------------------------- derived values
     @property
@@ -223,6 +316,11 @@ def from_hf_config(raw: dict, name: str | None = None) -> ModelConfig:
     raise ValueError(f"unsupported model_type {model_type!r}/{text_type!r}: expected gemma4* or gemma3*")
 
 
+# transformers' Gemma4Config defaults (the released checkpoints' ids)
+GEMMA4_MEDIA_TOKEN_IDS = {"image_token_id": 258880, "video_token_id": 258884, "boi_token_id": 255999,
+                          "eoi_token_id": 258882}
+
+
 def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
     L = int(tc["num_hidden_layers"])
     types = _layer_types(tc, L, force_last_full=True)
@@ -274,7 +372,19 @@ def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
         eos_id=_first(tc.get("eos_token_id", 1)),
         bos_id=int(tc.get("bos_token_id", 2)),
         stop_ids=stop,
+        **_gemma4_media_fields(raw, tc),
     )
+
+
+def _gemma4_media_fields(raw: dict, tc: dict) -> dict:
+    """The vision fields of a Gemma 4 config: the tower where `vision_config` is present, the token
+    ids (top level, transformers' defaults where a multimodal config leaves them out), the flag."""
+    vc = raw.get("vision_config") if raw is not tc else None
+    if not vc:
+        return dict(bidirectional_vision=tc.get("use_bidirectional_attention") == "vision")
+    ids = {k: raw.get(k, v) for k, v in GEMMA4_MEDIA_TOKEN_IDS.items()}
+    return dict(vision=vision_from_hf(vc), bidirectional_vision=tc.get("use_bidirectional_attention") == "vision",
+                **{k: (None if v is None else int(v)) for k, v in ids.items()})
 
 
 def _gemma3_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
@@ -374,19 +484,29 @@ def _gemma3(name: str, *, hidden: int, layers: int, heads: int, kv: int, inter: 
         stop_ids=(1, 106))
 
 
+# The released towers' geometry (their config.json `vision_config`): E2B and E4B share a 768-wide,
+# 16-layer tower with clipped linears; 31B and 26B-A4B a 1152-wide, 27-layer one (head dim 72)
+# that standardizes its soft tokens, and their text models attend bidirectionally over an image.
+SMALL_TOWER = VisionConfig(hidden_size=768, num_layers=16, num_heads=12, num_kv_heads=12, head_dim=64,
+                           intermediate_size=3072, use_clipped_linears=True, standardize=False)
+LARGE_TOWER = VisionConfig(hidden_size=1152, num_layers=27, num_heads=16, num_kv_heads=16, head_dim=72,
+                           intermediate_size=4304, use_clipped_linears=False, standardize=True)
+_G4_SMALL_VISION = dict(vision=SMALL_TOWER, **GEMMA4_MEDIA_TOKEN_IDS)
+_G4_LARGE_VISION = dict(vision=LARGE_TOWER, bidirectional_vision=True, **GEMMA4_MEDIA_TOKEN_IDS)
+
 PRESETS: dict[str, ModelConfig] = {
     "e2b": _gemma4("gemma-4-E2B", hidden=1536, layers=35, heads=8, kv=1, global_kv=None, period=5,
                    window=512, inter=6144, max_pos=131072, use_double_wide_mlp=True,
                    hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
-                   num_kv_shared_layers=20),
+                   num_kv_shared_layers=20, **_G4_SMALL_VISION),
     "e4b": _gemma4("gemma-4-E4B", hidden=2560, layers=42, heads=8, kv=2, global_kv=None, period=6,
                    window=512, inter=10240, max_pos=131072, hidden_size_per_layer_input=256,
-                   vocab_size_per_layer_input=262144, num_kv_shared_layers=18),
+                   vocab_size_per_layer_input=262144, num_kv_shared_layers=18, **_G4_SMALL_VISION),
     "31b": _gemma4("gemma-4-31B", hidden=5376, layers=60, heads=32, kv=16, global_kv=4, period=6,
-                   window=1024, inter=21504, max_pos=262144, attention_k_eq_v=True),
+                   window=1024, inter=21504, max_pos=262144, attention_k_eq_v=True, **_G4_LARGE_VISION),
     "26b-a4b": _gemma4("gemma-4-26B-A4B", hidden=2816, layers=30, heads=16, kv=8, global_kv=2, period=6,
                        window=1024, inter=2112, max_pos=262144, attention_k_eq_v=True, enable_moe=True,
-                       num_experts=128, top_k_experts=8, moe_intermediate_size=704),
+                       num_experts=128, top_k_experts=8, moe_intermediate_size=704, **_G4_LARGE_VISION),
     "gemma3-270m": _gemma3("gemma-3-270m", hidden=640, layers=18, heads=4, kv=1, inter=2048, window=512,
                            vocab=262144, full_rope_factor=1.0, max_pos=32768),
     "gemma3-1b": _gemma3("gemma-3-1b", hidden=1152, layers=26, heads=4, kv=1, inter=6912, window=512,
@@ -424,7 +544,26 @@ def tiny(base: str) -> ModelConfig:
         num_kv_shared_layers=shared, num_experts=8 if cfg.enable_moe else 0,
         top_k_experts=2 if cfg.enable_moe else 0, moe_intermediate_size=24 if cfg.enable_moe else 0,
         max_position_embeddings=4096,
-        query_pre_attn_scalar=24.0 if cfg.family == "gemma3" else None)
+        query_pre_attn_scalar=24.0 if cfg.family == "gemma3" else None,
+        **_tiny_vision(cfg))
+
+
+# The tiny tower keeps its preset's switches (clipped linears, standardize) at hidden 64 with two
+# layers; the media ids are the last four of the tiny vocabulary (512).
+TINY_MEDIA_TOKEN_IDS = {"boi_token_id": 508, "image_token_id": 509, "eoi_token_id": 510, "video_token_id": 511}
+
+
+def _tiny_vision(cfg: ModelConfig) -> dict:
+    if cfg.vision is None:
+        return {}
+    tower = dataclasses.replace(cfg.vision, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                                head_dim=32, intermediate_size=96, position_table_size=256)
+    return dict(vision=tower, **TINY_MEDIA_TOKEN_IDS)
+
+
+def text_only(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` without its vision tower (a text-only load: the tower's weights are neither read nor held)."""
+    return cfg if cfg.vision is None else dataclasses.replace(cfg, vision=None)
 
 
 def preset(name: str) -> ModelConfig:
@@ -471,6 +610,28 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         num_kv_shared_layers=cfg.num_kv_shared_layers, enable_moe_block=cfg.enable_moe,
         num_experts=cfg.num_experts or None, top_k_experts=cfg.top_k_experts or None,
         moe_intermediate_size=cfg.moe_intermediate_size or None)
+
+
+def to_hf_multimodal_config(cfg: ModelConfig) -> dict:
+    """A transformers `Gemma4Config` dict (text + vision, no audio) for a config with a tower."""
+    if cfg.vision is None:
+        raise ValueError(f"{cfg.name} has no vision tower")
+    text = to_hf_config(cfg)
+    text["use_bidirectional_attention"] = "vision" if cfg.bidirectional_vision else None
+    return dict(model_type="gemma4", text_config=text, vision_config=vision_to_hf(cfg.vision), audio_config=None,
+                image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+                boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, tie_word_embeddings=True)
+
+
+def vision_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the vision tower and its projector (0 without a tower)."""
+    v = cfg.vision
+    if v is None:
+        return 0
+    D, d = v.hidden_size, v.head_dim
+    per_layer = (2 * v.num_heads + 2 * v.num_kv_heads) * d * D + 3 * v.intermediate_size * D + 4 * D + 2 * d
+    n = v.patch_dim * D + 2 * v.position_table_size * D + v.num_layers * per_layer + D * cfg.hidden_size
+    return int(n + (2 * D if v.standardize else 0))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> float:

@@ -12,8 +12,14 @@ Layout (linear weights keep the PyTorch [out, in] layout so checkpoints load wit
     ple/proj         [L*P, H]
     ple/norm         [P]
     layers[i]/...    see `_layer_spec`
+    vision/...       the vision tower and its projector (Gemma 4 with `cfg.vision`), see `_vision_spec`
 
 Norm weights are always kept in float32 (they are tiny, and transformers computes norms in fp32).
+
+Leaf kinds: "linear" (quantizable [out, in]), "embed" (a gathered table, quantizable), "norm",
+"scalar" (float32), "experts" (the MoE bank), "tower" (a vision-tower weight: kept in the weight
+dtype, never quantized — the tower is 2-3% of a model's parameters, runs once per image, and its
+soft tokens feed every later token), "clip" (a clipped linear's float32 bound, ±inf when unset).
 """
 
 from __future__ import annotations
@@ -24,14 +30,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemma4.model.config import LayerSpec, ModelConfig
+from gemma4.model.config import LayerSpec, ModelConfig, VisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names, mapped to a mesh by gemma4.model.partitioning
-    kind: str  # "linear" (quantizable [out, in]), "embed", "norm", "scalar", "experts"
+    kind: str  # "linear", "embed", "norm", "scalar", "experts", "tower", "clip" (see the module doc)
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -81,6 +87,43 @@ def _layer_spec(cfg: ModelConfig, spec: LayerSpec) -> dict[str, LeafSpec]:
     return out
 
 
+VISION_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")  # the tower's clippable linears
+CLIP_BOUNDS = ("in_min", "in_max", "out_min", "out_max")
+
+
+def _tower(*shape: int) -> LeafSpec:
+    return LeafSpec(tuple(shape), (None,) * len(shape), "tower")
+
+
+def _vision_layer_spec(v: VisionConfig) -> dict[str, Any]:
+    D, d, I = v.hidden_size, v.head_dim, v.intermediate_size
+    out: dict[str, Any] = {
+        "attn_norm": _norm(D), "post_attn_norm": _norm(D), "pre_ffw_norm": _norm(D), "post_ffw_norm": _norm(D),
+        "q": _tower(v.num_heads * d, D), "k": _tower(v.num_kv_heads * d, D), "v": _tower(v.num_kv_heads * d, D),
+        "o": _tower(D, v.num_heads * d), "q_norm": _norm(d), "k_norm": _norm(d),
+        "gate": _tower(I, D), "up": _tower(I, D), "down": _tower(D, I),
+    }
+    if v.use_clipped_linears:
+        out["clip"] = {n: {b: LeafSpec((), (), "clip") for b in CLIP_BOUNDS} for n in VISION_LINEARS}
+    return out
+
+
+def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
+    """The tower (patch embedder, encoder layers, standardization) and the projector `proj`
+    [text hidden, tower hidden] (transformers' `embed_vision.embedding_projection`)."""
+    v = cfg.vision
+    tree: dict[str, Any] = {
+        "patch_proj": _tower(v.hidden_size, v.patch_dim),
+        "pos_table": _tower(2, v.position_table_size, v.hidden_size),
+        "layers": [_vision_layer_spec(v) for _ in range(v.num_layers)],
+        "proj": _tower(cfg.hidden_size, v.hidden_size),
+    }
+    if v.standardize:
+        tree["std_bias"] = LeafSpec((v.hidden_size,), (None,), "scalar")
+        tree["std_scale"] = LeafSpec((v.hidden_size,), (None,), "scalar")
+    return tree
+
+
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     """The whole tree of LeafSpecs for `cfg`."""
     tree: dict[str, Any] = {
@@ -95,6 +138,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
             "proj": LeafSpec((LP, cfg.hidden_size), (None, "embed"), "linear"),
             "norm": _norm(cfg.hidden_size_per_layer_input),
         }
+    if cfg.vision is not None:
+        tree["vision"] = _vision_spec(cfg)
     return tree
 
 
@@ -103,8 +148,8 @@ def is_leaf_spec(x: Any) -> bool:
 
 
 def leaf_dtype(spec: LeafSpec, weight_dtype: Any) -> Any:
-    """Norms and scalars stay float32; everything else is stored in `weight_dtype`."""
-    return jnp.float32 if spec.kind in ("norm", "scalar") else weight_dtype
+    """Norms, scalars and clip bounds stay float32; everything else is stored in `weight_dtype`."""
+    return jnp.float32 if spec.kind in ("norm", "scalar", "clip") else weight_dtype
 
 
 def abstract_params(cfg: ModelConfig, weight_dtype: Any = jnp.float32) -> dict[str, Any]:

@@ -91,6 +91,40 @@ def message_text(content: Any, trim_parts: bool = True) -> str:
                      f"not {type(content).__name__}")
 
 
+MEDIA_TYPES = ("image", "video")  # the content parts a vision model reads (`render(media=...)`)
+
+# Where the checkpoints' chat_template.jinja puts a media part inside a turn: the placeholder
+# between blank lines ('\n\n<|image|>\n\n', '\n\n<|video|>\n\n'), text parts trimmed around it;
+# Gemma4Processor then expands the placeholder (`render`'s `media` callback does it here).
+MEDIA_SEPARATOR = "\n\n"
+
+
+def is_media_part(part: Any) -> bool:
+    """A {"type": "image" | "video", ...} content part."""
+    return isinstance(part, Mapping) and part.get("type") in MEDIA_TYPES
+
+
+def has_media(content: Any) -> bool:
+    """Whether a message's content holds an image or video part."""
+    if isinstance(content, Mapping):
+        return is_media_part(content)
+    return isinstance(content, Sequence) and not isinstance(content, str) and any(is_media_part(p) for p in content)
+
+
+def message_parts(content: Any) -> list:
+    """A message's content in order as text (each text part trimmed, as the template does) and
+    media parts (the part mappings themselves); other part types raise ValueError."""
+    if isinstance(content, Mapping):
+        content = [content]
+    out: list = []
+    for part in content:
+        if is_media_part(part):
+            out.append(part)
+        else:
+            out.append(message_text(part))
+    return out
+
+
 def strip_thinking(text: str) -> str:
     """Remove "<|channel>…<channel|>" thinking blocks from a model turn."""
     return _THINKING.sub("", text)
@@ -114,18 +148,32 @@ def _encode_segments(segments: Iterable[int | str], tokenizer: Tokenizer) -> lis
     return ids
 
 
-def _split_system(messages: Sequence[Mapping[str, Any]], system: str | None
+def encode_segments(segments: Iterable[int | str], tokenizer: Tokenizer) -> list[int]:
+    """Ids of control ids (int) and plain text (str) in order, adjacent texts encoded in one call
+    (what `render` does with a template's pieces; a completion prompt with media uses it too)."""
+    return _encode_segments(segments, tokenizer)
+
+
+def _split_system(messages: Sequence[Mapping[str, Any]], system: str | None, media: bool = False
                   ) -> tuple[str | None, list[dict]]:
     """(system text or None, [turn]) with system/developer messages folded into the system text
     (the `system` argument first, then those messages in order). A turn is {"role": "user" |
-    "model" | "tool", "text", "tool_calls", "tool_call_id", "name", "reasoning"}."""
+    "model" | "tool", "text", "tool_calls", "tool_call_id", "name", "reasoning"}, and "parts"
+    (`message_parts`) when `media` and its content holds an image or video."""
     system_parts = [system] if system else []
     turns: list[dict] = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
             raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {m!r}")
         role = m["role"]
-        text = message_text(m.get("content"))
+        parts = None
+        if media and has_media(m.get("content")):
+            if role not in ("user", "assistant", "model"):
+                raise ValueError(f"message {i}: images and video go in user (or assistant) messages, not {role!r} ones")
+            parts = message_parts(m.get("content"))
+            text = "".join(p for p in parts if isinstance(p, str))
+        else:
+            text = message_text(m.get("content"))
         if role in ("system", "developer"):
             if text:
                 system_parts.append(text)
@@ -139,6 +187,8 @@ def _split_system(messages: Sequence[Mapping[str, Any]], system: str | None
             turns.append({"role": "model" if role in ("assistant", "model") else role, "text": text,
                           "tool_calls": list(calls), "tool_call_id": m.get("tool_call_id"),
                           "name": m.get("name"), "reasoning": reasoning if isinstance(reasoning, str) else None})
+            if parts is not None:
+                turns[-1]["parts"] = parts
         else:
             raise ValueError(f"message {i} has unsupported role {role!r}; use system, user, assistant or tool")
     return ("\n\n".join(system_parts) if system_parts else None), turns
@@ -157,7 +207,8 @@ def _tool_segments(parts: list, quote_id: int) -> list[int | str]:
 
 
 def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Tokenizer, tools: Sequence | None,
-                     thinking: bool, add_generation_prompt: bool, large_model_template: bool) -> list[int | str]:
+                     thinking: bool, add_generation_prompt: bool, large_model_template: bool,
+                     media: Any = None) -> list[int | str]:
     """The Gemma 4 chat template, segment by segment (see the module docstring)."""
     sid = tokenizer.special_id
     turn_open, turn_close = sid("<|turn>"), sid("<turn|>")
@@ -202,7 +253,10 @@ def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Toke
                 responses += [sid("<tool_response|>")]
             segs += responses
         text = strip_thinking(t["text"]).strip() if t["role"] == "model" else t["text"].strip()
-        segs.append(text)
+        if t.get("parts") is not None:
+            segs += _media_turn_segments(t, media)
+        else:
+            segs.append(text)
         if t["tool_calls"] and not responses:
             segs.append(sid("<|tool_response>"))  # the call's stop id: its result is still to come
             open_model = True
@@ -219,9 +273,22 @@ def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Toke
     return segs
 
 
+def _media_turn_segments(turn: dict, media: Any) -> list[int | str]:
+    """A turn's content with media, part by part as the template writes it: text trimmed (a
+    model turn's thoughts stripped), each media part "\n\n" + media(part) + "\n\n"."""
+    segs: list[int | str] = []
+    for part in turn["parts"]:
+        if isinstance(part, str):
+            segs.append(strip_thinking(part).strip() if turn["role"] == "model" else part.strip())
+        else:
+            segs += [MEDIA_SEPARATOR, *media(part), MEDIA_SEPARATOR]
+    return segs
+
+
 def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokenizer,
            system: str | None = None, add_generation_prompt: bool = True, thinking: bool = False,
-           large_model_template: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+           large_model_template: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+           media: Any = None) -> list[int]:
     """Token ids of a chat, BOS included.
 
     Args:
@@ -240,17 +307,23 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
         also carries an empty thought block "<|channel>thought\\n<channel|>" (see
         `uses_large_template`).
       tools: Gemma 4 only: OpenAI-style tool declarations, rendered into the system turn.
+      media: Gemma 4 only: a callable taking an image or video content part ({"type": "image" |
+        "video", ...}) and returning its expansion as control ids (int) and text (str), placed
+        where the template puts the part (see `MEDIA_SEPARATOR`). None: media parts raise
+        ValueError (a text-only request).
 
     Returns:
       list[int], starting with BOS.
     """
     _check_family(family)
-    system_text, turns = _split_system(messages, system)
+    if media is not None and family != "gemma4":
+        raise ValueError("images and video are a Gemma 4 feature here; this is a Gemma 3 model")
+    system_text, turns = _split_system(messages, system, media=media is not None)
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.special_id("<bos>")
 
     if family == "gemma4":
         segs = _gemma4_segments(system_text, turns, tokenizer, tools, thinking, add_generation_prompt,
-                                large_model_template)
+                                large_model_template, media)
         return _encode_segments([bos] + segs, tokenizer)
 
     # Gemma 3: roles must alternate user/model; consecutive same-role messages are merged.

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from gemma4.model.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
 from gemma4.serve import chat, chat_tools
 from gemma4.serve.engine import Embeddings, Request, RequestError, Segment, TokenStream, flatten_segments
+from gemma4.serve.media_prompt import MediaPlan, parts_from_marked_text
 from gemma4.serve.quality import RULES, degeneracy_flags
 from gemma4.weights.tokenizer import IncrementalDecoder
 
@@ -86,6 +87,12 @@ def supports_tools(engine) -> tuple[bool, str]:
         return True, ""
     return False, (f"{engine.info().get('model', 'this model')} is a Gemma 3 model: it has no tool-call tokens "
                    "(tool calls are a Gemma 4 feature)")
+
+
+def supports_vision(engine) -> tuple[bool, str]:
+    """(ok, reason): the model reads images and video (it has a vision tower; see
+    `Engine.supports_vision`)."""
+    return engine.supports_vision()
 
 
 def _is_messages(prompt: Any) -> bool:
@@ -149,12 +156,17 @@ def count_tokens(engine, messages: list[dict], system: str | None = None, *, thi
 
 
 def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[str], *,
-              thinking: bool = False, tools: list[dict] | None = None) -> list[int] | list[Segment]:
+              thinking: bool = False, tools: list[dict] | None = None,
+              plan: MediaPlan | None = None) -> list[int] | list[Segment]:
     """The ids (or segments) of a checked prompt: messages → the chat template (context rule
-    applied), text → the chat template or the text itself, ids or segments → as given."""
+    applied), text → the chat template or the text itself, ids or segments → as given. With a
+    media `plan` (`_media_plan`), media parts are expanded into placeholder ids (see
+    gemma4/serve/media_prompt.py)."""
     try:
         if _is_messages(prompt):
-            return _chat_ids(engine, list(prompt), system, notes, thinking, tools)
+            if plan is not None:
+                plan.prepare_messages(prompt)
+            return _chat_ids(engine, list(prompt), system, notes, thinking, tools, plan)
         if isinstance(prompt, (list, tuple)):
             if any(isinstance(s, Embeddings) for s in prompt):
                 return list(prompt)
@@ -167,6 +179,9 @@ def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[st
             return render_chat(engine, [{"role": "user", "content": prompt}], system, thinking=thinking, tools=tools)
         if mode != "completion":
             raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
+        if plan is not None and plan.parts:
+            plan.prepare_parts(plan.parts)
+            return chat.encode_segments(plan.completion_segments(prompt, plan.parts, engine.tokenizer), engine.tokenizer)
         return chat.render_completion(prompt, engine.tokenizer)
     except RequestError:
         raise
@@ -175,7 +190,7 @@ def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[st
 
 
 def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
-              tools: list[dict] | None) -> list[int]:
+              tools: list[dict] | None, plan: MediaPlan | None = None) -> list[int]:
     last = messages[-1]
     if not (str(last.get("content") or "").strip() or last.get("tool_calls")):
         raise RequestError("The message is empty — type something first.")
@@ -183,7 +198,8 @@ def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str]
 
     def render(msgs: list[dict]) -> list[int]:
         return chat.render(msgs, engine.cfg.family, tokenizer, system=system, thinking=thinking,
-                           tools=tools, large_model_template=chat.uses_large_template(engine.cfg))
+                           tools=tools, large_model_template=chat.uses_large_template(engine.cfg),
+                           media=plan.expand if plan is not None and plan.items else None)
 
     # Context rule: drop the oldest exchanges (a user message and what answers it, tool calls
     # and results included; never a leading system/developer message, the tools or the last
@@ -256,28 +272,72 @@ def _exchange_ends(messages: Sequence[dict]) -> tuple[int, list[int]]:
 
 
 def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
-               thinking: bool = False, mode: str = "chat", notes: list[str] | None = None) -> list[int]:
+               thinking: bool = False, mode: str = "chat", notes: list[str] | None = None,
+               media: Sequence[Mapping] = ()) -> list[int]:
     """The prompt ids a request with these arguments would be given (no queueing); `notes`
-    collects what the context rule did."""
+    collects what the context rule did. An image's or video frame's soft tokens are its
+    placeholder id (`<|image|>` / `<|video|>`), as in transformers' input_ids; nothing is encoded."""
     check_request(engine, messages, mode, thinking, tools)
-    out = _segments(engine, _prompt_arg(messages), mode, system, [] if notes is None else notes,
-                    thinking=thinking, tools=list(tools) if tools else None)
+    messages, plan = _media_plan(engine, _prompt_arg(messages), mode, media)
+    out = _segments(engine, messages, mode, system, [] if notes is None else notes,
+                    thinking=thinking, tools=list(tools) if tools else None, plan=plan)
     if any(isinstance(s, Embeddings) for s in out):
         return flatten_segments(out, engine.cfg.pad_id, engine.cfg.hidden_size)[0]
     return out
 
 
 def submit(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-           system: str | None = None, thinking: bool = False, tools: Sequence | None = None) -> Request:
+           system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
+           media: Sequence[Mapping] = ()) -> Request:
     """Check, shape and queue a request (see `stream_reply` for the arguments); RequestError
     before any slot is taken for bad input."""
     check_request(engine, prompt, mode, thinking, tools)
     if engine.status()["state"] != "ready":
         engine.wait_ready()
     params, notes = engine.validate(params)
-    ids = _segments(engine, _prompt_arg(prompt), mode, system, notes, thinking=thinking,
-                    tools=list(tools) if tools else None)
-    return engine.submit(ids, params, notes=notes)
+    prompt, plan = _media_plan(engine, _prompt_arg(prompt), mode, media)
+    ids = _segments(engine, prompt, mode, system, notes, thinking=thinking,
+                    tools=list(tools) if tools else None, plan=plan)
+    if plan is None or not plan.items:
+        return engine.submit(ids, params, notes=notes)
+    _check_media_fits(engine, ids, plan)
+    req = engine.submit(plan.segments(ids), params, notes=notes)
+    req.stats["media"] = plan.stats()
+    return req
+
+
+def _media_plan(engine, prompt: Any, mode: str, media: Sequence[Mapping]) -> tuple[Any, MediaPlan | None]:
+    """(prompt, plan): a MediaPlan when the prompt's messages hold image/video parts or `media`
+    parts come with a text prompt (its <|image|>/<|video|> markers say where: the parts of a
+    chat message in chat mode, expanded in place in completion mode); (prompt, None) otherwise."""
+    media = list(media or ())
+    if _is_messages(prompt):
+        if media:
+            raise RequestError("media= goes with a text prompt whose markers place it; in messages, put image "
+                               "and video parts in the message content instead.")
+        if not any(chat.has_media(m.get("content")) for m in prompt if isinstance(m, Mapping)):
+            return prompt, None
+        return prompt, MediaPlan(engine)
+    if not media:
+        return prompt, None
+    if not isinstance(prompt, str):
+        raise RequestError("media= needs a text prompt with an <|image|> or <|video|> marker for each file.")
+    plan = MediaPlan(engine)
+    plan.check_model()
+    if mode == "chat":
+        return [{"role": "user", "content": parts_from_marked_text(prompt, media)}], plan
+    plan.parts = media
+    return prompt, plan
+
+
+def _check_media_fits(engine, ids: Sequence[int], plan: MediaPlan) -> None:
+    """RequestError when a prompt with media does not fit the context window, saying why."""
+    if len(ids) < engine.context_limit:
+        return
+    raise RequestError(f"The prompt with its {len(plan.items)} image(s)/video(s) is {len(ids)} tokens "
+                       f"({plan.soft_tokens()} of them soft tokens) but the context window is {engine.context_limit} "
+                       "tokens. Send fewer or smaller media (max_soft_tokens 70 or 140), shorten the text, "
+                       "or start a new conversation.")
 
 
 # ------------------------------------------------------------------------------ text out: stop strings, flags
@@ -293,12 +353,13 @@ class StreamEvent:
 
 
 def stream(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-           system: str | None = None, thinking: bool = False, tools: Sequence | None = None) -> Iterator[StreamEvent]:
+           system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
+           media: Sequence[Mapping] = ()) -> Iterator[StreamEvent]:
     """Stream a reply as text: every generated token decoded, control tokens dropped, cut before
     the first stop string (a tail that may start one is withheld until decided), degeneracy
     flags on the last event. Closing the generator cancels the request and frees its slot. For a
     thinking/tool reply split into its parts, use `stream_reply`."""
-    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools)
+    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media)
     return _text_events(engine, req, engine.tokens(req))
 
 
@@ -345,10 +406,12 @@ def _text_events(engine, req: Request, tokens: TokenStream) -> Iterator[StreamEv
 
 
 def generate(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-             system: str | None = None, thinking: bool = False, tools: Sequence | None = None) -> dict:
+             system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
+             media: Sequence[Mapping] = ()) -> dict:
     """The whole reply of `stream`: {"text", "token_ids", "stats", "flags", "finish_reason"}."""
     last = None
-    for last in stream(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools):
+    for last in stream(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools,
+                       media=media):
         pass
     return {"text": last.text, "token_ids": last.token_ids, "stats": last.stats, "flags": last.flags,
             "finish_reason": last.finish_reason}
@@ -635,7 +698,8 @@ class ReplyStream:
 
 
 def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
-                 system: str | None = None, tools: Sequence | None = None, thinking: bool = False) -> ReplyStream:
+                 system: str | None = None, tools: Sequence | None = None, thinking: bool = False,
+                 media: Sequence[Mapping] = ()) -> ReplyStream:
     """Submit a request and stream its reply as `ReplyEvent`s.
 
     Args:
@@ -647,11 +711,14 @@ def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, m
       system: a system prompt placed before any system messages.
       tools: OpenAI-style tool declarations (Gemma 4 only).
       thinking: turn on Gemma 4's thinking channel.
+      media: image/video parts ({"type": "image" | "video", "media": MediaItem, "max_soft_tokens"?})
+        for a text prompt's <|image|> / <|video|> markers, in order. In messages, put such parts
+        in a message's content instead (a list of parts, with {"type": "text", "text"} ones).
 
     Raises RequestError (before any slot is taken) for bad input, and for thinking or tools with
     a Gemma 3 model. The request is queued at once; iterate the result for its events.
     """
-    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools)
+    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media)
     return ReplyStream(engine, req, req.params.stop_strings)
 
 

@@ -56,6 +56,7 @@ import numpy as np
 
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
+from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
@@ -63,6 +64,7 @@ from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import step_link
 from gemma4.serve.engine_compile import PROMPT_BUCKETS, CompiledShapes, decode_widths, describe_shape, kv_ladder
+from gemma4.serve.engine_compile import bucket_for, chunk_plan
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -75,6 +77,7 @@ log = logging.getLogger("gemma4.serve.engine")
 
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
 DEFAULT_CONTEXT = 4096
+ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's frames come in batches)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -98,6 +101,10 @@ class Embeddings:
 
     rows: Any
     ple_ids: Sequence[int] | None = None
+    # The soft tokens of one image or video frame: under bidirectional vision attention
+    # (`ModelConfig.bidirectional_vision`) its positions see each other in sliding layers, and a
+    # prefill chunk never ends inside it (`Request.vision_groups`, `Request.atomic_spans`).
+    vision: bool = False
 
     def __len__(self) -> int:
         return int(np.shape(self.rows)[0])
@@ -120,6 +127,12 @@ class Request:
     seed: int
     embeds: np.ndarray | None = None
     embed_mask: np.ndarray | None = None
+    # [start, end) position ranges a prefill chunk boundary must never fall inside (an image
+    # under bidirectional vision attention: its tokens must be in one forward call).
+    atomic_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # int32 [n_prompt]: the image (or frame) index of each prompt position, -1 elsewhere; given to
+    # `forward(vision_groups=...)` by prefill when the model is bidirectional over vision.
+    vision_groups: np.ndarray | None = None
     events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -172,6 +185,58 @@ def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
     if bad is not None:
         raise RequestError(f"Token id {ids[bad]} at index {bad} of the prompt is outside this model's "
                            f"vocabulary (ids 0 to {vocab_size - 1}).")
+
+
+def vision_layout(segments: Sequence[int] | Sequence[Segment]) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """(vision_groups [n] int32 or None, spans) of a prompt's segments: each `Embeddings` run
+    marked `vision` is one group (its index in order), every other position -1; spans are the
+    groups' [start, end) ranges. (None, []) when no run is marked."""
+    if not any(isinstance(s, Embeddings) and s.vision for s in segments):
+        return None, []
+    groups: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for seg in segments:
+        if isinstance(seg, Embeddings) and seg.vision:
+            spans.append((len(groups), len(groups) + len(seg)))
+            groups += [len(spans) - 1] * len(seg)
+        elif isinstance(seg, Embeddings):
+            groups += [-1] * len(seg)
+        elif isinstance(seg, (int, np.integer)):
+            groups.append(-1)
+        else:
+            groups += [-1] * len(seg)
+    return np.asarray(groups, np.int32), spans
+
+
+def bidirectional_vision(cfg: ModelConfig) -> bool:
+    """Whether this model's sliding layers let an image's tokens see the whole image
+    (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs)."""
+    return bool(cfg.bidirectional_vision)
+
+
+NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
+                   "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
+
+
+def atomic_chunk_plan(n: int, buckets: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, length, bucket) chunks of an n-token prompt, none ending inside a span: a chunk that
+    would end inside one ends at its start instead; a span longer than the largest bucket gets a
+    chunk of its own, in a bucket of a multiple of the largest one (a shape compiled when needed).
+    Without spans: `engine_compile.chunk_plan`."""
+    if not spans:
+        return chunk_plan(n, buckets)
+    big = max(buckets)
+    plan, start = [], 0
+    while start < n:
+        end = min(start + big, n)
+        inside = next(((s, e) for s, e in spans if s < end < e), None)
+        if inside is not None:
+            end = inside[0] if inside[0] > start else inside[1]
+        length = end - start
+        bucket = bucket_for(length, buckets) if length <= big else -(-length // big) * big
+        plan.append((start, length, bucket))
+        start = end
+    return plan
 
 
 @dataclasses.dataclass
@@ -265,18 +330,21 @@ def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, 
                                 options=options, fresh=fresh)
 
 
-def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, *, cfg,
-                         options, fresh):
+def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, vision_groups=None,
+                         *, cfg, options, fresh):
     """`prefill_step` where the positions in embed_mask [1, T] take rows of embeds [1, T, H]
-    instead of their ids' embedding (the ids still give those positions' per-layer inputs)."""
+    instead of their ids' embedding (the ids still give those positions' per-layer inputs).
+    vision_groups [1, T] (models bidirectional over vision only): each position's image index,
+    -1 for text and padding (see `decoder.forward`)."""
     if fresh:
         cache = kv_cache.clear_row(cache, row)
     inputs = None
     if embeds is not None:
         own = M.embed_tokens(params, cfg, tokens, options.dtype)
         inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
+    groups = {} if vision_groups is None else {"vision_groups": vision_groups}
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
-                                 attend_cache=not fresh, cache_row=row, inputs_embeds=inputs)
+                                 attend_cache=not fresh, cache_row=row, inputs_embeds=inputs, **groups)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
@@ -328,6 +396,9 @@ class Engine:
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
+        self._vision_exe: dict[tuple[int, int], Any] = {}  # the tower compiled per (batch, max_patches)
+        self._vision_lock = threading.Lock()
+        self._encode_info = threading.local()  # per calling thread: what its last encode_images did
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
         _all_engines.add(self)
         self._thread.start()
@@ -487,7 +558,7 @@ class Engine:
         # The variant with input embeddings (media segments): compiled only for a request that has one.
         self._prefill_embeds = {
             fresh: jax.jit(functools.partial(prefill_embeds_step, cfg=cfg, options=options, fresh=fresh),
-                           in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep), **step)
+                           in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
             for fresh in (True, False)}
         self._decode = {(w, n): jax.jit(functools.partial(decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
@@ -562,7 +633,7 @@ class Engine:
             return self._prefill_embeds[extra].lower(
                 self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
                 jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
-                jax.ShapeDtypeStruct((1, size), jnp.bool_))
+                jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
         return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
                                                SamplingRows.spec(size), i32())
 
@@ -617,11 +688,12 @@ class Engine:
         return rows
 
     def run_prefill(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows,
-                    embeds=None, embed_mask=None) -> tuple[int, bool]:
+                    embeds=None, embed_mask=None, vision_groups=None) -> tuple[int, bool]:
         """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
         [bucket] (padding: position -1) into cache row `row`; returns (the token sampled at chunk
         index `last`, whether its logits were non-finite). `embeds` [bucket, hidden] and
-        `embed_mask` [bucket] go with a ("prefill_embeds", …) key. Every process of a multi-host
+        `embed_mask` [bucket] go with a ("prefill_embeds", …) key, and `vision_groups` [bucket]
+        too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
         if self.link is not None:
@@ -630,6 +702,8 @@ class Engine:
                 jnp.asarray([last], jnp.int32), sampling.on_device()]
         if embeds is not None:
             args += [jnp.asarray(embeds[None], jnp.float32), jnp.asarray(embed_mask[None])]
+        if vision_groups is not None:
+            args.append(jnp.asarray(vision_groups[None], jnp.int32))
         token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
@@ -643,6 +717,70 @@ class Engine:
         token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                                      sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
+
+    # ---------------------------------------------------------------- vision
+    def supports_vision(self) -> tuple[bool, str]:
+        """(ok, reason when not): the model has a vision tower, loaded, on one process."""
+        cfg = self.cfg
+        name = self._info.get("model", self.model_name)
+        if cfg.vision is None or cfg.image_token_id is None or cfg.boi_token_id is None or cfg.eoi_token_id is None:
+            return False, NO_TOWER_REASON.format(model=name)
+        if "vision" not in self.params:
+            return False, f"{name} was loaded without its vision tower (text-only serving); reload it with the tower"
+        if self.link is not None:
+            return False, "images are not supported across several processes yet"
+        return True, ""
+
+    def encode_images(self, patches: Sequence[Any]) -> list[np.ndarray]:
+        """Soft-token rows [n_i, hidden] float32 of preprocessed images (`gemma4.media.image.VisionPatches`,
+        or video frames' patches), in order: each image's first `num_soft_tokens` rows of the tower
+        and projector (`gemma4.model.vision.encode_images`), which go into the decoder as they are.
+
+        Images with the same patch budget run together, in a batch padded to the next width of
+        `decode_widths` by repeating the last image (so few shapes compile); one executable per
+        (width, max_patches), compiled on first use (`last_encode()` says whether this call did)."""
+        ok, why = self.supports_vision()
+        if not ok:
+            raise RequestError(f"Images are not available: {why}.")
+        out: list[np.ndarray | None] = [None] * len(patches)
+        by_size: dict[int, list[int]] = {}
+        for i, p in enumerate(patches):
+            by_size.setdefault(int(np.shape(p.pixel_values)[0]), []).append(i)
+        compiled, t0 = False, time.perf_counter()
+        widths = decode_widths(ENCODE_BATCH)
+        for size, idx in by_size.items():
+            for at in range(0, len(idx), ENCODE_BATCH):
+                part = idx[at:at + ENCODE_BATCH]
+                width = next(w for w in widths if w >= len(part))
+                take = part + [part[-1]] * (width - len(part))
+                pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
+                pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
+                exe, new = self._vision_executable(width, size)
+                compiled |= new
+                rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
+                for j, i in enumerate(part):
+                    out[i] = rows[j, :int(patches[i].num_soft_tokens)]
+        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
+        return out  # type: ignore[return-value]
+
+    def last_encode(self) -> dict:
+        """{"compiled", "encode_s"} of this thread's last `encode_images` call ({} before one):
+        whether it compiled a tower shape, and its seconds (compile included)."""
+        return dict(getattr(self._encode_info, "last", {}))
+
+    def _vision_executable(self, width: int, max_patches: int):
+        """(the compiled tower for [width, max_patches] patches, whether this call compiled it)."""
+        key = (width, max_patches)
+        with self._vision_lock:
+            if key in self._vision_exe:
+                return self._vision_exe[key], False
+            cfg, dtype = self.cfg, self.options.dtype
+            step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
+            patch = 3 * cfg.vision.patch_size ** 2
+            exe = step.lower(self.params, jax.ShapeDtypeStruct((width, max_patches, patch), jnp.float32),
+                             jax.ShapeDtypeStruct((width, max_patches, 2), jnp.int32)).compile()
+            self._vision_exe[key] = exe
+            return exe, True
 
     # ---------------------------------------------------------------- requests
     def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:
@@ -681,6 +819,8 @@ class Engine:
             params = dataclasses.replace(params, max_new_tokens=room)
         seed = params.seed if params.seed is not None else next(self._seed_counter)
         req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask)
+        if bidirectional_vision(self.cfg):
+            req.vision_groups, req.atomic_spans = vision_layout(prompt)
         req.stats["notes"] = notes
         with self._lock:
             self._waiting.append(req)
@@ -761,6 +901,8 @@ class Engine:
             need_w = max(self._active) + 1
         self.shapes.want_decode(need_w, len(ids) + 1)  # the first decode step's shape, compiled meanwhile if new
         plan = self.shapes.prefill_plan(len(ids))
+        if req.atomic_spans:  # no chunk boundary inside an image (bidirectional vision attention)
+            plan = atomic_chunk_plan(len(ids), self.buckets, req.atomic_spans)
         for n, (start, length, bucket) in enumerate(plan):
             chunk = slice(start, start + length)
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
@@ -776,8 +918,13 @@ class Engine:
                 embeds[:length] = req.embeds[chunk]
                 mask = np.zeros(bucket, bool)
                 mask[:length] = req.embed_mask[chunk]
+            groups = None
+            if with_embeds and bidirectional_vision(self.cfg):
+                groups = np.full(bucket, -1, np.int32)
+                if req.vision_groups is not None:
+                    groups[:length] = req.vision_groups[chunk]
             token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
-                                          embeds, mask)
+                                          embeds, mask, groups)
             compiled |= waited
         t1 = time.perf_counter()
         req.position = len(ids)

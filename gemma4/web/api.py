@@ -31,7 +31,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gemma4.serve import conversation
 from gemma4.serve.engine import RequestError
+from gemma4.serve.media_prompt import MAX_MEDIA_ENV, max_media
 from gemma4.web import api_schema as S
+from gemma4.web import media_fetch
 from gemma4.web.api_schema import ApiError
 from gemma4.web.ratelimit import Limits, RateLimiter, client_ip
 
@@ -160,6 +162,7 @@ class OpenAIApi:
         self.trust_proxy = trust_proxy
         self.closed_reason = closed_reason
         self.created = int(time.time())
+        self.fetch_policy = media_fetch.FetchPolicy.from_env()  # image_url / video_url fetching
 
     def router(self) -> APIRouter:
         r = APIRouter(prefix="/v1")
@@ -337,7 +340,7 @@ class OpenAIApi:
         req = S.parse(S.ChatRequest, await self._body(request))
         model = self._check_model(req.model)
         info = self._check_ready()
-        msgs = S.messages(req)
+        msgs = await self._with_media(S.messages(req))
         think = S.thinking(req)
         tools = S.tools(req)
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
@@ -345,6 +348,25 @@ class OpenAIApi:
                                  mode="chat", tools=tools, thinking=think)
         return await self._serve(request, release, make, _ChatShape(model), req,
                                  list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
+
+    async def _with_media(self, msgs: list[dict]) -> list[dict]:
+        """The messages with each image/video part's file resolved (`media_fetch.resolve`, off
+        the event loop), after the checks that need no file: the model reads media, and no more
+        parts than the request layer accepts (so a refused request fetches nothing)."""
+        parts = [p for m in msgs if isinstance(m.get("content"), list) for p in m["content"]
+                 if p.get("type") in ("image", "video")]
+        if not parts:
+            return msgs
+        ok, why = conversation.supports_vision(self.engine)
+        if not ok:
+            raise ApiError(400, f"Images and video are not available: {why}.", param=parts[0]["param"])
+        if len(parts) > max_media():
+            raise ApiError(400, f"The request has {len(parts)} images/videos; at most {max_media()} are accepted "
+                                f"in one request ({MAX_MEDIA_ENV}).", param="messages")
+        for p in parts:
+            url, param = p.pop("url"), p.pop("param")
+            p["media"] = await asyncio.to_thread(media_fetch.resolve, url, p["type"], param, self.fetch_policy)
+        return msgs
 
     async def completions(self, request: Request, release):
         req = S.parse(S.CompletionRequest, await self._body(request))

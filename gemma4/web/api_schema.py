@@ -24,6 +24,10 @@ from gemma4.model.sampling import TEMPERATURE_MAX, SamplingParams
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # what vLLM and OpenAI accept
 TEMPLATE_KWARGS = ("enable_thinking",)  # the chat_template_kwargs keys Gemma's template reads
+MM_PROCESSOR_KWARGS = ("max_soft_tokens",)  # vLLM's mm_processor_kwargs keys Gemma 4's processor reads
+# Content parts that carry media: OpenAI's image_url, vLLM's video_url → the request layer's part type.
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail: accepted, the budget is max_soft_tokens
 
 
 class ApiError(Exception):
@@ -120,6 +124,7 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: {"max_soft_tokens": 70|140|280|560|1120}
 
 
 class CompletionRequest(_Common):
@@ -318,11 +323,21 @@ def tools(req: ChatRequest) -> list[dict] | None:
 
 def messages(req: ChatRequest) -> list[dict]:
     """The conversation as plain OpenAI-style dicts for the request layer (`gemma4.serve.chat.render`
-    folds system/developer messages into Gemma's one system turn). Content parts must be text."""
+    folds system/developer messages into Gemma's one system turn). Content parts are text, or in
+    user and assistant messages image_url / video_url parts (see `media_parts`): such a message's
+    content is a list of {"type": "text", "text"} and {"type": "image" | "video", "url", "param",
+    "max_soft_tokens"?} parts, the URL still to be fetched (gemma4.web.media_fetch)."""
     if not req.messages:
         raise ApiError(400, "messages must hold at least one message.", param="messages")
+    budget = max_soft_tokens(req)
     out: list[dict] = []
     for i, m in enumerate(req.messages):
+        if _has_media_parts(m.content):
+            if m.role not in ("user", "assistant"):
+                raise ApiError(400, f"messages.{i}: images and video go in user messages, not in {m.role} ones.",
+                               param=f"messages.{i}.content")
+            out.append({"role": m.role, "content": media_parts(m.content, f"messages.{i}.content", budget)})
+            continue
         text = _text(m.content, f"messages.{i}.content")
         msg: dict[str, Any] = {"role": m.role, "content": text}
         if m.tool_calls:
@@ -350,6 +365,62 @@ def messages(req: ChatRequest) -> list[dict]:
     return out
 
 
+def max_soft_tokens(req: ChatRequest) -> int | None:
+    """mm_processor_kwargs.max_soft_tokens (vLLM's field), or None when not given. Which values
+    the model takes is the request layer's check (gemma4.serve.media_prompt)."""
+    kwargs = req.mm_processor_kwargs or {}
+    unknown = sorted(set(kwargs) - set(MM_PROCESSOR_KWARGS))
+    if unknown:
+        raise ApiError(400, f"mm_processor_kwargs {unknown} are not supported; only {list(MM_PROCESSOR_KWARGS)}.",
+                       param="mm_processor_kwargs")
+    value = kwargs.get("max_soft_tokens")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ApiError(400, f"mm_processor_kwargs.max_soft_tokens must be an integer, got {_short(value)}.",
+                       param="mm_processor_kwargs.max_soft_tokens")
+    return value
+
+
+def _has_media_parts(content: Any) -> bool:
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in content)
+
+
+def media_parts(content: list[dict], where: str, budget: int | None) -> list[dict]:
+    """A content list with image_url / video_url parts as the request layer's parts, in order:
+    {"type": "image_url", "image_url": {"url": "data:…" | "https://…", "detail"?}} → {"type":
+    "image", "url", "param"}; {"type": "video_url", "video_url": {"url"}} → {"type": "video", …};
+    text parts as they are. `budget` (mm_processor_kwargs.max_soft_tokens) goes on each media part."""
+    out: list[dict] = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        here = f"{where}.{j}"
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{here}: a text part needs a string \"text\" field, got {_short(part)}.",
+                               param=f"{here}.text")
+            out.append({"type": "text", "text": part["text"]})
+            continue
+        if kind not in MEDIA_PARTS:
+            raise ApiError(400, f"{here}: content part type {kind!r} is not supported; send text, image_url "
+                                "or video_url parts.", param=here)
+        body = part.get(kind)
+        if isinstance(body, str):  # a bare URL string, as some clients send it
+            body = {"url": body}
+        extra = sorted(set(part) - {"type", kind})
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str) or not body["url"] or extra:
+            raise ApiError(400, f"{here}: an {kind} part looks like {{\"type\": \"{kind}\", \"{kind}\": "
+                                f"{{\"url\": \"data:…\" or \"https://…\"}}}}, got {_short(part)}.", param=f"{here}.{kind}")
+        unknown = sorted(set(body) - {"url", "detail"})
+        if unknown or ("detail" in body and body["detail"] not in IMAGE_DETAILS):
+            raise ApiError(400, f"{here}.{kind}: only 'url' and 'detail' ({'/'.join(IMAGE_DETAILS)}) are accepted, "
+                                f"got {_short(body)}; the soft-token budget is mm_processor_kwargs.max_soft_tokens.",
+                           param=f"{here}.{kind}")
+        media = {"type": MEDIA_PARTS[kind], "url": body["url"], "param": f"{here}.{kind}.url"}
+        if budget is not None:
+            media["max_soft_tokens"] = budget
+        out.append(media)
+    return out
+
+
 def _text(content: str | list[dict] | None, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
@@ -361,9 +432,9 @@ def _text(content: str | list[dict] | None, where: str) -> str | None:
                                 f"{{\"type\": \"text\", \"text\": ...}}), got {_short(part)}.",
                            param=f"{where}.{j}.text")
         if kind != "text":
-            raise ApiError(400, f"{where}.{j}: content part type {kind!r} is not supported; this "
-                                "server serves text only (parts must be "
-                                "{\"type\": \"text\", \"text\": ...}).", param=f"{where}.{j}")
+            raise ApiError(400, f"{where}.{j}: content part type {kind!r} is not supported; parts must be "
+                                "{\"type\": \"text\", \"text\": ...}, or image_url / video_url in a user "
+                                "message.", param=f"{where}.{j}")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -1,8 +1,10 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded) into our parameter tree.
 
 Layouts the Hub uses: `model.language_model.` (Gemma 4 multimodal repos), `model.` (text-only
-saves), `language_model.model.` (older Gemma 3 multimodal repos). Vision/audio towers and the
-unused k/v weights of KV-consumer layers are skipped. Every expected tensor must arrive exactly
+saves), `language_model.model.` (older Gemma 3 multimodal repos). Gemma 4's vision tower
+(`model.vision_tower.`, `model.embed_vision.`) loads into `params["vision"]` when the config has
+one (`cfg.vision`; a text-only load, `config.text_only`, skips it); audio towers, Gemma 3's
+vision tower and the unused k/v weights of KV-consumer layers are skipped. Every expected tensor must arrive exactly
 once with the shape `gemma4.model.params` describes; anything else is an error naming tensor and file.
 
 Files are read through a memory map, one tensor at a time (big tensors in row chunks), and each
@@ -69,6 +71,31 @@ _LAYER_NAMES = {
     "post_feedforward_layernorm_1.weight": "post_ffw_norm_1",
     "post_feedforward_layernorm_2.weight": "post_ffw_norm_2",
 }
+VISION_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
+_VISION_GLOBAL_NAMES = {
+    "model.vision_tower.patch_embedder.input_proj.weight": ("patch_proj",),
+    "model.vision_tower.patch_embedder.position_embedding_table": ("pos_table",),
+    "model.vision_tower.std_bias": ("std_bias",),
+    "model.vision_tower.std_scale": ("std_scale",),
+    "model.embed_vision.embedding_projection.weight": ("proj",),
+}
+_VISION_LAYER_NAMES = {
+    "input_layernorm.weight": ("attn_norm",),
+    "post_attention_layernorm.weight": ("post_attn_norm",),
+    "pre_feedforward_layernorm.weight": ("pre_ffw_norm",),
+    "post_feedforward_layernorm.weight": ("post_ffw_norm",),
+    "self_attn.q_norm.weight": ("q_norm",),
+    "self_attn.k_norm.weight": ("k_norm",),
+}
+_VISION_LINEAR_MODULES = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+                          "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+                          "mlp.down_proj": "down"}
+_CLIP_BUFFERS = {"input_min": "in_min", "input_max": "in_max", "output_min": "out_min", "output_max": "out_max"}
+for _module, _name in _VISION_LINEAR_MODULES.items():
+    _VISION_LAYER_NAMES[f"{_module}.linear.weight"] = (_name,)
+    for _buffer, _bound in _CLIP_BUFFERS.items():
+        _VISION_LAYER_NAMES[f"{_module}.{_buffer}"] = ("clip", _name, _bound)
+_VISION_LAYER_RE = re.compile(r"^model\.vision_tower\.encoder\.layers\.(\d+)\.(.+)$")
 _CONSUMER_IGNORED = {"self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight",
                      "self_attn.v_norm.weight"}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -171,6 +198,16 @@ def tree_path(cfg: ModelConfig, rel: str) -> tuple | None:
     return ("layers", idx, _LAYER_NAMES[sub])
 
 
+def vision_tree_path(key: str) -> tuple:
+    """Our tree path (under `vision`) of a Hub vision-tower tensor; KeyError if unknown."""
+    if key in _VISION_GLOBAL_NAMES:
+        return ("vision",) + _VISION_GLOBAL_NAMES[key]
+    m = _VISION_LAYER_RE.match(key)
+    if not m or m.group(2) not in _VISION_LAYER_NAMES:
+        raise KeyError(key)
+    return ("vision", "layers", int(m.group(1))) + _VISION_LAYER_NAMES[m.group(2)]
+
+
 def _spec_at(specs: dict, path: tuple) -> LeafSpec | None:
     node: Any = specs
     for part in path:
@@ -235,11 +272,12 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
         fname = os.path.basename(path)
         for key in st.keys():
             done += 1
-            rel = strip_prefix(key)
+            vision = cfg.vision is not None and key.startswith(VISION_PREFIXES)
+            rel = key if vision else strip_prefix(key)
             if rel is None:
                 continue
             try:
-                target = tree_path(cfg, rel)
+                target = vision_tree_path(key) if vision else tree_path(cfg, rel)
             except KeyError:
                 raise CheckpointError(
                     f"{fname}: unexpected tensor {key!r} — it has no place in a {cfg.family} model with "
@@ -271,6 +309,8 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
 
 def _final_leaf(cfg: ModelConfig, fmt: LeafFormat, target: tuple, spec: LeafSpec, raw: np.ndarray) -> Any:
     """One checkpoint tensor (a memory map) → its final leaf, read in row chunks."""
+    if spec.kind == "clip":  # a 0-d bound (read as one row)
+        return fmt.build(leaf_name(target), spec, np.asarray(raw, dtype=np.float32).reshape(1))
     if spec.kind in ("norm", "scalar"):
         value = np.asarray(raw, dtype=np.float32).reshape(spec.shape)
         if spec.kind == "norm" and cfg.norm_offset:

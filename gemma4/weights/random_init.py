@@ -35,6 +35,10 @@ def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float
     for index, (path, spec) in enumerate(iter_specs(specs)):
         rng = np.random.Generator(np.random.SFC64([seed, index]))
         name = leaf_name(path)
+        if spec.kind == "clip":  # unset bounds, as transformers initialises them: clipping does nothing
+            value = np.full(spec.shape or (1,), -np.inf if name.endswith("_min") else np.inf, np.float32)
+            leaves[path] = fmt.build(name, spec, value)
+            continue
         if spec.kind in ("norm", "scalar"):
             if spec.kind == "scalar":
                 value = np.float32(0.5) + np.float32(0.5) * rng.random(spec.shape, dtype=np.float32)

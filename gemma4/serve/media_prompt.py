@@ -1,0 +1,300 @@
+"""Images and video in a request: content parts → soft-token placeholders → embedding segments.
+
+The request layer (gemma4/serve/conversation.py) makes one `MediaPlan` per request that holds
+media. The plan
+
+1. checks and prepares each part (`prepare`): the model must have a vision tower
+   (`Engine.supports_vision`), at most `max_media()` parts, each an image or video `MediaItem`
+   (gemma4.media.files) with a soft-token budget in `SOFT_TOKEN_BUDGETS`; it preprocesses the
+   file (gemma4.media.image / gemma4.media.video) unless its rows are already in the embedding
+   cache (gemma4/serve/media_cache.py), so the number of soft tokens is known before rendering;
+2. expands a part where the chat template (gemma4/serve/chat.py `render(media=...)`) or a
+   completion prompt's marker puts it (`expand`), as Gemma4Processor does: an image is
+   `<|image>` + n × `<|image|>` + `<image|>`, a video is "mm:ss " + that (with `<|video|>`) per
+   frame, frames joined by a space. The n placeholder ids stay in the ids while the context rule
+   runs, so it counts soft tokens and, dropping whole exchanges, never splits an image;
+3. after the context rule, encodes the parts that are still in the prompt (`segments`): each
+   placeholder run becomes an `Embeddings` segment of the encoded rows (`vision=True`, per-layer
+   ids = the pad id, as transformers), and the begin/end tokens stay ids. `stats()` is the
+   per-reply `stats["media"]`.
+
+Typed placeholder text stays text: the tokenizer's `encode` never produces a control id from
+user text, so the only placeholder ids in a rendered prompt are the ones `expand` put there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from gemma4.env import env_int
+from gemma4.media.files import MediaError, MediaItem
+from gemma4.media.image import SOFT_TOKEN_BUDGETS, decode_image, preprocess_image
+from gemma4.media.video import video_patches
+from gemma4.serve.engine import Embeddings, RequestError
+from gemma4.serve.media_cache import shared_cache
+
+MAX_MEDIA_ENV = "GEMMA4_MAX_MEDIA"
+DEFAULT_MAX_MEDIA = 8  # images + videos in one request: each costs an encode and up to 1,120 tokens
+DEFAULT_SOFT_TOKENS = {"image": 280, "video": 70}  # transformers' image and video processor defaults
+
+# The markers of a completion prompt (and the CLI's --prompt): where the next file goes, in order.
+COMPLETION_MARKERS = {"<|image|>": "image", "<|video|>": "video"}
+_MARKER = re.compile("|".join(re.escape(m) for m in COMPLETION_MARKERS))
+
+
+def max_media() -> int:
+    """The most images + videos one request may carry (GEMMA4_MAX_MEDIA, default 8)."""
+    return int(env_int(os.environ, MAX_MEDIA_ENV, DEFAULT_MAX_MEDIA))
+
+
+def count_markers(text: str) -> dict[str, int]:
+    """{"image": n, "video": m}: the media markers in a completion prompt."""
+    out = {"image": 0, "video": 0}
+    for m in _MARKER.finditer(text):
+        out[COMPLETION_MARKERS[m.group(0)]] += 1
+    return out
+
+
+def _check_markers(text: str, media: Sequence[Mapping[str, Any]]) -> None:
+    counts = count_markers(text)
+    given = {kind: sum(p.get("type") == kind for p in media) for kind in ("image", "video")}
+    if counts != given:
+        raise RequestError(f"The prompt has {counts['image']} <|image|> and {counts['video']} <|video|> markers but "
+                           f"{given['image']} image(s) and {given['video']} video(s) were given: put one marker "
+                           "where each file goes, in order.")
+
+
+def parts_from_marked_text(text: str, media: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """A chat message's content parts from a text with markers and the media for them, in order
+    (the CLI's chat mode): text around each marker, the marker replaced by the next part."""
+    _check_markers(text, media)
+    out: list[dict] = []
+    pos = 0
+    for k, m in enumerate(_MARKER.finditer(text)):
+        if media[k].get("type") != COMPLETION_MARKERS[m.group(0)]:
+            raise RequestError(f"Marker {k + 1} is {m.group(0)} but file {k + 1} is a {media[k].get('type')}: "
+                               "the markers and the files must come in the same order.")
+        if text[pos:m.start()].strip():
+            out.append({"type": "text", "text": text[pos:m.start()]})
+        out.append(dict(media[k]))
+        pos = m.end()
+    if text[pos:].strip():
+        out.append({"type": "text", "text": text[pos:]})
+    return out
+
+
+@dataclasses.dataclass
+class PreparedMedia:
+    """One media part of a request, checked and preprocessed (or found in the cache)."""
+
+    kind: str  # "image" | "video"
+    name: str
+    budget: int  # max_soft_tokens
+    key: tuple  # the embedding cache's key
+    frames: list[tuple[str | None, int]]  # (timestamp "mm:ss" for a video frame, soft tokens)
+    patches: list[Any]  # VisionPatches per frame ([] when the rows were cached)
+    rows: np.ndarray | None = None  # [Σ soft tokens, hidden] once encoded or found
+    cached: bool = False
+    encode_s: float = 0.0
+    compiled: bool = False
+
+    @property
+    def soft_tokens(self) -> int:
+        return sum(n for _, n in self.frames)
+
+
+class MediaPlan:
+    """The media of one request (see the module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.items: list[PreparedMedia] = []
+        self.parts: list[Mapping[str, Any]] = []  # a completion prompt's media parts, one per marker
+        self._by_part: dict[int, PreparedMedia] = {}
+        self._used: list[PreparedMedia] = []
+
+    # ---------------------------------------------------------------- 1. checks and preprocessing
+    def check_model(self) -> None:
+        ok, why = self.engine.supports_vision()
+        if not ok:
+            raise RequestError(f"Images and video are not available: {why}.")
+
+    def prepare_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Prepare every media part of the messages, in order."""
+        from_messages = [(i, p) for i, m in enumerate(messages) for p in _content_list(m.get("content"))
+                         if isinstance(p, Mapping) and p.get("type") in ("image", "video")]
+        self._check_count(len(from_messages))
+        for i, part in from_messages:
+            self._by_part[id(part)] = self.prepare(part, where=f"message {i}")
+
+    def prepare_parts(self, parts: Sequence[Mapping[str, Any]]) -> None:
+        """Prepare the media of a completion prompt (one part per marker, in order)."""
+        self._check_count(len(parts))
+        for k, part in enumerate(parts):
+            self._by_part[id(part)] = self.prepare(part, where=f"media {k}")
+
+    def _check_count(self, n: int) -> None:
+        if n:
+            self.check_model()
+        cap = max_media()
+        if n > cap:
+            raise RequestError(f"The request has {n} images/videos; at most {cap} are accepted in one request "
+                               f"(send fewer, or raise {MAX_MEDIA_ENV}).")
+
+    def prepare(self, part: Mapping[str, Any], where: str = "") -> PreparedMedia:
+        """Check one {"type": "image"|"video", "media": MediaItem, "max_soft_tokens"?} part and
+        preprocess its file (unless its rows are cached). RequestError says what is wrong."""
+        kind = part.get("type")
+        item = part.get("media")
+        label = f"{where}: " if where else ""
+        if not isinstance(item, MediaItem):
+            raise RequestError(f"{label}an {kind} part needs its file as 'media' (a MediaItem), "
+                               f"not {type(item).__name__}")
+        name = item.name or f"{kind} {len(self.items) + 1}"
+        if item.kind != kind:
+            raise RequestError(f"{label}{name} was sent as an {kind} but its bytes are {item.kind!r} data; "
+                               f"send it as a {item.kind} part.")
+        budget = part.get("max_soft_tokens")
+        budget = DEFAULT_SOFT_TOKENS[kind] if budget is None else budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget not in SOFT_TOKEN_BUDGETS:
+            raise RequestError(f"{label}max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, "
+                               f"not {budget!r}.")
+        key = (item.digest, kind, budget, self.engine.model_name, id(self.engine))
+        vis = self.engine.cfg.vision
+        rows = shared_cache().get(key)
+        prep = PreparedMedia(kind=kind, name=name, budget=budget, key=key, frames=[], patches=[])
+        try:
+            if kind == "image":
+                if rows is not None:
+                    prep.frames = [(None, int(rows.shape[0]))]
+                else:
+                    patches = preprocess_image(decode_image(item.data), max_soft_tokens=budget,
+                                               patch_size=vis.patch_size, pooling_kernel_size=vis.pooling_kernel_size)
+                    prep.frames, prep.patches = [(None, int(patches.num_soft_tokens))], [patches]
+            else:  # a video's frames are decoded every time (cheap next to the tower); its rows are cached
+                frames = video_patches(item.data, max_soft_tokens=budget)
+                prep.frames = [(f.timestamp, int(f.patches.num_soft_tokens)) for f in frames]
+                prep.patches = [] if rows is not None else [f.patches for f in frames]
+        except MediaError as e:
+            raise RequestError(f"{label}{e}") from None
+        if rows is not None:
+            prep.rows, prep.cached = rows, True
+        self.items.append(prep)
+        return prep
+
+    # ---------------------------------------------------------------- 2. expansion
+    def expand(self, part: Mapping[str, Any]) -> list[int | str]:
+        """The prompt pieces a prepared part stands for (control ids and text; see the module docstring)."""
+        prep = self._by_part[id(part)]
+        cfg = self.engine.cfg
+        if prep.kind == "image":
+            return [cfg.boi_token_id] + [cfg.image_token_id] * prep.soft_tokens + [cfg.eoi_token_id]
+        if cfg.video_token_id is None:
+            raise RequestError(f"{self.engine.info().get('model', 'this model')} has no video token; send frames as images.")
+        out: list[int | str] = []
+        for k, (stamp, n) in enumerate(prep.frames):
+            out += [(" " if k else "") + f"{stamp} ", cfg.boi_token_id] + [cfg.video_token_id] * n + [cfg.eoi_token_id]
+        return out
+
+    def completion_segments(self, text: str, parts: Sequence[Mapping[str, Any]], tokenizer) -> list[int | str]:
+        """A completion prompt's pieces: [BOS], its text as plain text, each marker replaced by the
+        next part's expansion (the part's type must be the marker's)."""
+        _check_markers(text, parts)
+        segs: list[int | str] = [tokenizer.bos_id]
+        pos, k = 0, 0
+        for m in _MARKER.finditer(text):
+            part = parts[k]
+            if part.get("type") != COMPLETION_MARKERS[m.group(0)]:
+                raise RequestError(f"Marker {k + 1} is {m.group(0)} but file {k + 1} is a {part.get('type')}: "
+                                   "the markers and the files must come in the same order.")
+            segs += [text[pos:m.start()], *self.expand(part)]
+            pos, k = m.end(), k + 1
+        segs.append(text[pos:])
+        return segs
+
+    # ---------------------------------------------------------------- 3. encoding, segments
+    def placeholder_ids(self) -> tuple[int, ...]:
+        cfg = self.engine.cfg
+        return tuple(t for t in (cfg.image_token_id, cfg.video_token_id) if t is not None)
+
+    def segments(self, ids: Sequence[int]) -> list:
+        """The request's segments: ids, with each placeholder run replaced by its rows. The runs
+        belong to the last prepared parts (the context rule drops whole exchanges from the
+        front); only those are encoded."""
+        marks = set(self.placeholder_ids())
+        runs: list[tuple[int, int]] = []
+        k = 0
+        while k < len(ids):
+            if ids[k] in marks:
+                j = k
+                while j < len(ids) and ids[j] == ids[k]:
+                    j += 1
+                runs.append((k, j))
+                k = j
+            else:
+                k += 1
+        used, frames = [], 0
+        for prep in reversed(self.items):
+            if frames >= len(runs):
+                break
+            used.insert(0, prep)
+            frames += len(prep.frames)
+        if frames != len(runs):
+            raise RuntimeError(f"{len(runs)} placeholder runs in the prompt for {frames} media frames")
+        self._used = used
+        self._encode(used)
+        rows = [r for prep in used for r in _split_rows(prep)]
+        out: list = []
+        at = 0
+        for (start, end), r in zip(runs, rows):
+            if len(r) != end - start:
+                raise RuntimeError(f"a placeholder run of {end - start} for {len(r)} encoded rows")
+            out += [list(ids[at:start]), Embeddings(r, vision=True)]
+            at = end
+        out.append(list(ids[at:]))
+        return [s for s in out if isinstance(s, Embeddings) or s]
+
+    def _encode(self, items: Sequence[PreparedMedia]) -> None:
+        cache = shared_cache()
+        for prep in items:
+            if prep.rows is not None:
+                continue
+            t = time.perf_counter()
+            rows = self.engine.encode_images(prep.patches)
+            info = self.engine.last_encode()
+            prep.encode_s = time.perf_counter() - t
+            prep.compiled = bool(info.get("compiled"))
+            prep.rows = cache.put(prep.key, np.concatenate(rows, axis=0))
+            prep.patches = []  # the pixels are not needed any more
+
+    def stats(self) -> list[dict]:
+        """stats["media"]: per part still in the prompt {"kind", "name", "soft_tokens", "encode_s",
+        "cached", "compiled"} (compiled: this encode compiled a tower shape first)."""
+        return [{"kind": p.kind, "name": p.name, "soft_tokens": p.soft_tokens, "encode_s": round(p.encode_s, 4),
+                 "cached": p.cached, "compiled": p.compiled} for p in self._used]
+
+    def soft_tokens(self) -> int:
+        return sum(p.soft_tokens for p in self.items)
+
+
+def _content_list(content: Any) -> list:
+    if isinstance(content, Mapping):
+        return [content]
+    if isinstance(content, (list, tuple)):
+        return list(content)
+    return []
+
+
+def _split_rows(prep: PreparedMedia) -> list[np.ndarray]:
+    """A part's rows, one array per frame."""
+    out, at = [], 0
+    for _, n in prep.frames:
+        out.append(prep.rows[at:at + n])
+        at += n
+    return out

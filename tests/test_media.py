@@ -1,0 +1,336 @@
+"""gemma4.media against transformers: files and their kinds, image decoding as `load_image` does,
+preprocessing byte-identical to `Gemma4ImageProcessorPil`, video frames as `Gemma4VideoProcessor`
+samples them, the prompt layout as `Gemma4Processor` writes it, and every MediaError path.
+
+Every picture and clip is made here with Pillow / PyAV (tiny, seeded); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers.image_utils import load_image
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+from gemma4.media import files
+from gemma4.media.files import MediaError, MediaItem, MediaLimits
+from gemma4.media.image import (SOFT_TOKEN_BUDGETS, decode_image, preprocess_image, resized_size)
+
+RNG_SEED = 1234
+
+
+def _noise(h: int, w: int, channels: int = 3, seed: int = RNG_SEED) -> np.ndarray:
+    """A smooth-plus-noise picture: gradients (so resizing has structure to keep) and noise."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([(xx * 255 // max(w - 1, 1)), (yy * 255 // max(h - 1, 1)),
+                     ((xx + yy) * 127 // max(h + w - 2, 1))] + [np.full_like(xx, 200)] * (channels - 3), -1)
+    noisy = base + rng.integers(-40, 41, base.shape)
+    return np.clip(noisy, 0, 255).astype(np.uint8)
+
+
+def _encode(image: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+# --- files: kinds sniffed from bytes, limits, data URIs ---------------------------------------
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width`×`height` (RGB, 8 bits) and holds no pixels: a bomb's shape."""
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+SMALL_RGB = Image.fromarray(_noise(24, 32))
+SNIFF_CASES = {
+    "PNG": _encode(SMALL_RGB, "PNG"),
+    "JPEG": _encode(SMALL_RGB, "JPEG"),
+    "GIF": _encode(SMALL_RGB, "GIF"),
+    "WEBP": _encode(SMALL_RGB, "WEBP"),
+    "BMP": _encode(SMALL_RGB, "BMP"),
+    "TIFF": _encode(SMALL_RGB, "TIFF"),
+    "MP4": b"\x00\x00\x00\x20ftypisom\x00\x00\x02\x00isomiso2avc1mp41",
+    "MOV": b"\x00\x00\x00\x14ftypqt  \x00\x00\x00\x00qt  ",
+    "WEBM": b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81\x01\x42\xf7\x81\x01\x42\x82\x84webm",
+    "MKV": b"\x1a\x45\xdf\xa3\xa3\x42\x86\x81\x01\x42\xf7\x81\x01\x42\x82\x88matroska",
+    "AVI": b"RIFF\x00\x10\x00\x00AVI LIST",
+    "WAV": b"RIFF\x24\x08\x00\x00WAVEfmt ",
+    "FLAC": b"fLaC\x00\x00\x00\x22",
+    "OGG": b"OggS\x00\x02\x00\x00",
+    "MP3": b"ID3\x04\x00\x00\x00\x00\x00\x00",
+    "M4A": b"\x00\x00\x00\x1cftypM4A \x00\x00\x00\x00M4A mp42isom",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SNIFF_CASES))
+def test_kind_and_format_come_from_the_bytes(name):
+    data = SNIFF_CASES[name]
+    fmt = files.sniff(data)
+    assert fmt is not None and fmt.name == name
+    item = files.media_from_bytes(data, name="upload.bin")  # the name says nothing
+    assert item.kind == fmt.kind and item.mime == fmt.mime
+
+
+def test_a_raw_mp3_frame_is_audio_and_a_jpeg_is_not_one():
+    assert files.sniff(b"\xff\xfb\x90\x64" + bytes(60)) is files.MP3  # MPEG-1 layer III
+    assert files.sniff(b"\xff\xf3\x90\x64" + bytes(60)) is files.MP3  # MPEG-2 layer III
+    assert files.sniff(b"\xff\xf1\x50\x80" + bytes(60)) is None  # ADTS (layer 00): not MP3
+    assert files.sniff(SNIFF_CASES["JPEG"]) is files.JPEG
+
+
+def test_digest_is_the_sha256_of_the_bytes_and_names_do_not_change_it():
+    data = SNIFF_CASES["PNG"]
+    a, b = files.media_from_bytes(data, name="a.png"), files.media_from_bytes(data, name="b.png")
+    import hashlib
+    assert a.digest == b.digest == hashlib.sha256(data).hexdigest()
+    assert "bytes" in repr(a) and len(repr(a)) < 200  # the bytes stay out of logs
+
+
+def test_media_from_path_names_the_item_by_its_file(tmp_path):
+    path = tmp_path / "holiday.jpg"
+    path.write_bytes(SNIFF_CASES["PNG"])  # a PNG behind a .jpg name
+    item = files.media_from_path(path)
+    assert (item.kind, item.name, item.mime) == ("image", "holiday.jpg", "image/png")
+    assert files.media_from_path(str(path), kind="image").data == SNIFF_CASES["PNG"]
+
+
+def test_data_uris_base64_urlsafe_and_percent_encoded():
+    data = SNIFF_CASES["PNG"]
+    b64 = base64.b64encode(data).decode()
+    for uri in (f"data:image/png;base64,{b64}",
+                f"DATA:image/png;BASE64,{b64[:40]}\n{b64[40:]}",  # case, a line break
+                f"data:image/png;base64,{b64.rstrip('=')}",  # padding dropped
+                f"data:;base64,{base64.urlsafe_b64encode(data).decode()}",
+                "data:video/mp4;base64," + b64,  # the declared type is not trusted
+                "data:image/png," + "".join(f"%{c:02x}" for c in data)):
+        item = files.media_from_data_uri(uri)
+        assert item.data == data and item.kind == "image"
+
+
+def _error(fn, *args, **kw) -> str:
+    with pytest.raises(MediaError) as info:
+        fn(*args, **kw)
+    return str(info.value)
+
+
+def test_empty_unknown_and_wrong_kind_are_clear_errors(tmp_path):
+    assert "is empty (0 bytes)" in _error(files.media_from_bytes, b"", name="a.png")
+    msg = _error(files.media_from_bytes, b"hello, this is text", name="notes.png")
+    assert "'notes.png' is not an image, video or audio file I can read (first bytes 68 65 6c" in msg
+    msg = _error(files.media_from_bytes, SNIFF_CASES["MP4"], name="clip.png", kind="image")
+    assert "'clip.png' was sent as an image, but it is a video (MP4)" in msg
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic"
+    assert "HEIF/AVIF image (heic)" in _error(files.media_from_bytes, heic, name="p.heic")
+    assert "does not exist" in _error(files.media_from_path, tmp_path / "missing.png")
+    assert "is not a file" in _error(files.media_from_path, tmp_path)
+    (tmp_path / "empty.png").write_bytes(b"")
+    assert "is empty" in _error(files.media_from_path, tmp_path / "empty.png")
+
+
+def test_bad_data_uris_are_clear_errors():
+    assert "does not start with 'data:'" in _error(files.media_from_data_uri, "http://x/a.png")
+    assert "has no ','" in _error(files.media_from_data_uri, "data:image/png;base64")
+    assert "not valid base64" in _error(files.media_from_data_uri, "data:image/png;base64,@@@@")
+    assert "is empty" in _error(files.media_from_data_uri, "data:image/png;base64,")
+
+
+def test_byte_limits_per_kind_from_the_environment(tmp_path):
+    limits = MediaLimits.from_env({"GEMMA4_MAX_IMAGE_BYTES": "100", "GEMMA4_MAX_VIDEO_BYTES": "50"})
+    assert (limits.image_bytes, limits.video_bytes) == (100, 50)
+    assert limits.audio_bytes == MediaLimits().audio_bytes
+    png = SNIFF_CASES["PNG"]
+    assert len(png) > 100
+    msg = _error(files.media_from_bytes, png, name="big.png", limits=limits)
+    assert f"'big.png' is {len(png) / 1e3:.1f} kB; an image may be at most 100 bytes (GEMMA4_MAX_IMAGE_BYTES)" in msg
+    path = tmp_path / "big.png"
+    path.write_bytes(png)
+    assert "GEMMA4_MAX_IMAGE_BYTES" in _error(files.media_from_path, path, limits=limits)
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    msg = _error(files.media_from_data_uri, uri, limits=limits)
+    assert msg.startswith("the media data URI is ") and "GEMMA4_MAX_IMAGE_BYTES" in msg
+    tiny = MediaLimits(image_bytes=10, video_bytes=10, audio_bytes=10)
+    assert "media may be at most" in _error(files.media_from_data_uri, uri, limits=tiny)
+    from gemma4.env import EnvError
+    with pytest.raises(EnvError, match="GEMMA4_MAX_IMAGE_BYTES='big'"):
+        MediaLimits.from_env({"GEMMA4_MAX_IMAGE_BYTES": "big"})
+
+
+# --- images: decoding as load_image, preprocessing as Gemma4ImageProcessorPil ------------------
+
+def _rgba(h: int, w: int) -> Image.Image:
+    arr = _noise(h, w, 4)
+    arr[: h // 2, :, 3] = np.linspace(0, 255, w, dtype=np.uint8)  # a real alpha ramp
+    arr[h // 2:, : w // 3, 3] = 0  # fully transparent, with colour under it
+    return Image.fromarray(arr, "RGBA")
+
+
+def _palette_with_transparency() -> Image.Image:
+    p = Image.fromarray(_noise(30, 40)).quantize(16)
+    p.info["transparency"] = 3
+    return p
+
+
+def _exif_rotated_jpeg(orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return _encode(Image.fromarray(_noise(30, 50)), "JPEG", exif=exif.tobytes(), quality=90)
+
+
+def _animated_gif() -> bytes:
+    frames = [Image.fromarray(_noise(20, 20, seed=s)).quantize(32) for s in range(3)]
+    return _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100)
+
+
+DECODE_CASES = {
+    "rgb.png": lambda: _encode(SMALL_RGB, "PNG"),
+    "rgba.png": lambda: _encode(_rgba(30, 40), "PNG"),
+    "la.png": lambda: _encode(_rgba(30, 40).convert("LA"), "PNG"),
+    "p_transparency.png": lambda: _encode(_palette_with_transparency(), "PNG"),
+    "l.png": lambda: _encode(SMALL_RGB.convert("L"), "PNG"),
+    "i16.png": lambda: _encode(Image.fromarray(
+        (np.random.default_rng(3).integers(0, 65536, (20, 30))).astype(np.uint16)), "PNG"),
+    "cmyk.jpg": lambda: _encode(SMALL_RGB.convert("CMYK"), "JPEG"),
+    "exif6.jpg": lambda: _exif_rotated_jpeg(6),
+    "exif3.jpg": lambda: _exif_rotated_jpeg(3),
+    "exif8.jpg": lambda: _exif_rotated_jpeg(8),
+    "palette.gif": lambda: _encode(SMALL_RGB.quantize(64), "GIF"),
+    "animated.gif": _animated_gif,
+    "rgba.webp": lambda: _encode(_rgba(30, 40), "WEBP", lossless=True),
+    "rgb.bmp": lambda: _encode(SMALL_RGB, "BMP"),
+    "rgba.tiff": lambda: _encode(_rgba(30, 40), "TIFF"),
+    "cmyk.tiff": lambda: _encode(SMALL_RGB.convert("CMYK"), "TIFF"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_decode_image_is_load_image(name, tmp_path):
+    data = DECODE_CASES[name]()
+    path = tmp_path / name
+    path.write_bytes(data)
+    ref = load_image(str(path))
+    ours = decode_image(files.media_from_bytes(data, kind="image").data, name=name)
+    assert ours.mode == "RGB" and ours.size == ref.size
+    assert np.array_equal(np.asarray(ours), np.asarray(ref)), name
+    # and the whole path, bytes to patches, is the processor's on load_image's image
+    _assert_same_patches(ours, 280, ref_image=ref)
+
+
+def test_exif_orientation_turns_the_picture_upright():
+    assert decode_image(_exif_rotated_jpeg(6)).size == (30, 50)  # stored 50 wide: turned 90°
+    assert decode_image(_exif_rotated_jpeg(3)).size == (50, 30)
+
+
+def test_an_animated_gif_gives_its_first_frame():
+    first = Image.open(io.BytesIO(_animated_gif())).convert("RGB")
+    assert np.array_equal(np.asarray(decode_image(_animated_gif())), np.asarray(first))
+
+
+_PROCESSORS: dict[int, Gemma4ImageProcessorPil] = {}
+
+
+def _assert_same_patches(image: Image.Image, budget: int, ref_image: Image.Image | None = None):
+    proc = _PROCESSORS.setdefault(budget, Gemma4ImageProcessorPil(max_soft_tokens=budget))
+    ref = proc(ref_image if ref_image is not None else image, return_tensors="np")
+    ours = preprocess_image(image, max_soft_tokens=budget)
+    pixels, positions = ref["pixel_values"][0], ref["image_position_ids"][0]
+    assert ours.pixel_values.dtype == pixels.dtype == np.float32
+    assert ours.pixel_values.shape == pixels.shape == (budget * 9, 768)
+    assert np.array_equal(ours.pixel_values.view(np.uint32), pixels.view(np.uint32))  # every bit
+    assert ours.position_ids.dtype == np.int32 and np.array_equal(ours.position_ids, positions)
+    assert ours.num_soft_tokens == int(ref["num_soft_tokens_per_image"][0])
+    assert ours.num_patches == ours.num_soft_tokens * 9
+    h, w = ours.size
+    assert h % 48 == 0 and w % 48 == 0 and ours.num_patches == (h // 16) * (w // 16)
+    return ours
+
+
+SIZES = [(1, 1), (2, 3), (1, 500), (500, 1), (3, 700), (17, 31), (48, 48), (47, 49), (99, 37),
+         (240, 320), (333, 1000), (768, 768), (1080, 1920), (1023, 257)]
+
+
+@pytest.mark.parametrize("budget", SOFT_TOKEN_BUDGETS)
+def test_preprocess_is_the_pil_processor_at_every_size(budget):
+    for h, w in SIZES:
+        _assert_same_patches(Image.fromarray(_noise(h, w, seed=h * 7 + w)), budget)
+
+
+MODES = {
+    "RGBA": lambda: _rgba(37, 53),
+    "LA": lambda: _rgba(37, 53).convert("LA"),
+    "P+transparency": _palette_with_transparency,
+    "P": lambda: Image.fromarray(_noise(37, 53)).quantize(50),
+    "L": lambda: Image.fromarray(_noise(37, 53)).convert("L"),
+    "I;16": lambda: Image.fromarray(np.random.default_rng(5).integers(0, 65536, (37, 53)).astype(np.uint16)),
+    "I": lambda: Image.fromarray(np.random.default_rng(6).integers(-50, 400, (37, 53)).astype(np.int32)),
+    "CMYK": lambda: Image.fromarray(_noise(37, 53)).convert("CMYK"),
+    "1": lambda: Image.fromarray(_noise(37, 53)).convert("1"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_preprocess_is_the_pil_processor_in_every_mode(mode):
+    image = MODES[mode]()
+    for budget in (70, 1120):
+        _assert_same_patches(image, budget)
+
+
+def test_resize_rule_examples():
+    # a square photo at the default budget: 768×768, 48×48 patches, 256 soft tokens
+    assert resized_size(1000, 1000) == (768, 768)
+    assert resized_size(480, 640, max_soft_tokens=70) == (336, 432)  # 7 × 9 blocks: 63 tokens
+    # a thin strip: one 48-pixel block high, as many as the budget allows along it
+    assert resized_size(1, 500) == (48, 13440) and resized_size(500, 1, max_soft_tokens=70) == (3360, 48)
+    patches = preprocess_image(Image.new("RGB", (100, 100)))
+    assert patches.num_soft_tokens == 256 and patches.size == (768, 768)  # upscaled 7.68×
+
+
+def test_positions_are_x_then_y_row_major_and_padding_is_minus_one():
+    raw = _noise(336, 432)  # already its own target size at 70 tokens: not resized
+    p = preprocess_image(Image.fromarray(raw), max_soft_tokens=70)
+    assert p.size == (336, 432) and p.num_patches == 21 * 27 and p.num_soft_tokens == 63
+    assert p.position_ids[:28].tolist() == [[x, 0] for x in range(27)] + [[0, 1]]
+    assert (p.position_ids[567:] == -1).all() and not p.pixel_values[567:].any()
+    # patch 0 holds the top-left 16×16 pixels, row by row, each pixel's R, G, B; patch 1 the next
+    for i, cols in ((0, slice(0, 16)), (1, slice(16, 32)), (27, slice(0, 16))):
+        rows = slice(16, 32) if i == 27 else slice(0, 16)
+        want = (raw[rows, cols].astype(np.float64) * (1 / 255)).astype(np.float32)
+        assert np.array_equal(p.pixel_values[i].reshape(16, 16, 3), want)
+
+
+def test_an_unknown_budget_is_a_clear_error():
+    for bad in (0, 100, 256, 2240, True):
+        msg = _error(preprocess_image, SMALL_RGB, max_soft_tokens=bad)
+        assert "is not one of 70, 140, 280, 560, 1120" in msg
+
+
+def test_damaged_images_are_clear_errors():
+    png, jpeg = SNIFF_CASES["PNG"], _encode(Image.fromarray(_noise(64, 64)), "JPEG")
+    assert "damaged or cut short" in _error(decode_image, png[: len(png) // 2], name="half.png")
+    assert "damaged or cut short" in _error(decode_image, jpeg[: len(jpeg) // 2], name="half.jpg")
+    garbage = png[:16] + bytes(np.random.default_rng(0).integers(0, 256, 200, dtype=np.uint8))
+    msg = _error(decode_image, garbage, name="x.png")
+    assert "'x.png'" in msg and ("not an image I can read" in msg or "damaged" in msg)
+    assert "not an image I can read" in _error(decode_image, b"GIF89a" + bytes(10))
+    # a format Pillow knows but we do not accept is never opened (here: a PPM)
+    assert "not an image I can read" in _error(decode_image, _encode(SMALL_RGB, "PPM"))
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_decompression_bombs_are_refused_before_decoding():
+    msg = _error(decode_image, _png_header(10_000, 10_000), name="bomb.png")
+    assert "10000×10000 = 100.0 megapixels; an image may have at most 89.5" in msg
+    assert "GEMMA4_MAX_IMAGE_PIXELS" in msg
+    # past twice Pillow's own threshold Pillow refuses by itself; still our error
+    assert "too large to decode safely" in _error(decode_image, _png_header(20_000, 20_000))
+    small = MediaLimits(image_pixels=100)
+    assert "an image may have at most 0.0" in _error(decode_image, SNIFF_CASES["PNG"], limits=small)
