@@ -334,3 +334,213 @@ def test_decompression_bombs_are_refused_before_decoding():
     assert "too large to decode safely" in _error(decode_image, _png_header(20_000, 20_000))
     small = MediaLimits(image_pixels=100)
     assert "an image may have at most 0.0" in _error(decode_image, SNIFF_CASES["PNG"], limits=small)
+
+
+# --- video: frames as Gemma4VideoProcessor samples them --------------------------------------
+
+def _video(fmt: str = "mp4", codec: str = "mpeg4", frames: int = 45, fps: int = 15,
+           size: tuple[int, int] = (48, 64), pix_fmt: str = "yuv420p", path=None) -> bytes:
+    """A tiny synthetic clip: each frame's colours and a moving bar say which frame it is."""
+    import av
+    h, w = size
+    target = io.BytesIO() if path is None else str(path)
+    options = {} if path is None else {"movflags": "faststart"}
+    with av.open(target, "w", format=fmt, options=options) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, pix_fmt
+        for i in range(frames):
+            arr = _noise(h, w, seed=i)
+            arr[:, : (i * 3) % w, 1] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return target.getvalue() if path is None else path.read_bytes()
+
+
+def _transformers_frames(data: bytes, tmp_path, indices_fn):
+    """transformers' own PyAV reader on the same bytes, with the given sampling."""
+    from transformers.video_utils import read_video_pyav
+    path = tmp_path / "clip.bin"
+    path.write_bytes(data)
+    return read_video_pyav(str(path), indices_fn)
+
+
+def _processor_default(name: str):
+    """A class attribute of Gemma4VideoProcessor, read from its source: the class itself needs
+    torchvision, which does not work beside the CPU torch here."""
+    import ast
+    import transformers.models.gemma4 as pkg
+    from pathlib import Path
+    tree = ast.parse((Path(pkg.__file__).parent / "video_processing_gemma4.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Gemma4VideoProcessor")
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"Gemma4VideoProcessor has no {name}")
+
+
+def test_video_defaults_are_the_processors():
+    from gemma4.media import video
+    assert video.DEFAULT_NUM_FRAMES == _processor_default("num_frames") == 32
+    assert video.VIDEO_SOFT_TOKENS == _processor_default("max_soft_tokens") == 70
+    assert _processor_default("do_sample_frames") is True
+
+
+@pytest.mark.parametrize("total,num_frames", [(32, 32), (45, 32), (100, 32), (1000, 32), (7, 3), (2, 1)])
+def test_sample_indices_are_transformers(total, num_frames):
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+    from gemma4.media.video import sample_indices
+    ref = default_sample_indices_fn(VideoMetadata(total_num_frames=total, fps=30.0), num_frames=num_frames)
+    assert sample_indices(total, num_frames) == ref.tolist()
+
+
+def test_a_video_shorter_than_num_frames_gives_every_frame():
+    from gemma4.media.video import sample_indices
+    assert sample_indices(10, 32) == list(range(10))  # transformers raises here
+
+
+VIDEO_CASES = {
+    "mp4-mpeg4": dict(fmt="mp4", codec="mpeg4"),
+    "mp4-h264": dict(fmt="mp4", codec="libx264"),  # B-frames: decoding order ≠ stored order
+    "mov": dict(fmt="mov", codec="mpeg4"),
+    "avi-mjpeg": dict(fmt="avi", codec="mjpeg", pix_fmt="yuvj420p"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VIDEO_CASES))
+def test_video_frames_and_times_are_transformers(case, tmp_path):
+    from transformers.video_utils import default_sample_indices_fn
+    from gemma4.media.video import decode_video
+    data = _video(**VIDEO_CASES[case])
+    ref_frames, meta = _transformers_frames(
+        data, tmp_path, lambda metadata, **kw: default_sample_indices_fn(metadata, num_frames=32))
+    ours = decode_video(files.media_from_bytes(data, kind="video").data)
+    assert ours.indices == list(meta.frames_indices) and len(ours.frames) == 32
+    assert ours.total_frames == meta.total_num_frames == 45 and ours.fps == meta.fps == 15.0
+    assert ours.timestamps == meta.timestamps
+    assert np.array_equal(np.stack(ours.frames), ref_frames)
+
+
+def test_a_webm_without_a_frame_count_is_counted(tmp_path):
+    from gemma4.media.video import decode_video, sample_indices
+    for fmt, codec in (("webm", "libvpx"), ("matroska", "libx264")):
+        data = _video(fmt=fmt, codec=codec, frames=40)
+        indices = sample_indices(40, 32)
+        ref_frames, meta = _transformers_frames(data, tmp_path, lambda metadata, **kw: np.array(indices))
+        assert meta.total_num_frames == 0  # the container does not say: transformers would refuse
+        ours = decode_video(data)
+        assert ours.total_frames == 40 and ours.indices == indices
+        assert np.array_equal(np.stack(ours.frames), ref_frames)
+
+
+def test_each_frame_is_the_image_processor_on_the_decoded_frame():
+    from gemma4.media.video import decode_video, video_patches
+    data = _video(frames=20, size=(90, 160))
+    frames = decode_video(data).frames
+    patches = video_patches(data)
+    proc = Gemma4ImageProcessorPil(max_soft_tokens=70)
+    assert len(patches) == len(frames) == 20  # a short clip: all its frames
+    for frame, got in zip(frames, patches):
+        ref = proc(frame, return_tensors="np")  # the decoded [H, W, 3] array itself
+        assert np.array_equal(got.patches.pixel_values, ref["pixel_values"][0])
+        assert np.array_equal(got.patches.position_ids, ref["image_position_ids"][0])
+        assert got.patches.num_soft_tokens == int(ref["num_soft_tokens_per_image"][0]) <= 70
+    assert [f.timestamp for f in patches[::5]] == ["00:00", "00:00", "00:00", "00:01"]
+    assert video_patches(data, max_soft_tokens=140, num_frames=4)[0].patches.pixel_values.shape == (1260, 768)
+
+
+def test_timestamps_past_a_minute_as_the_processor_writes_them():
+    from gemma4.media.video import decode_video, video_patches
+    data = _video(frames=100, fps=1, size=(48, 48))  # 100 s
+    video = decode_video(data)
+    labels = [f.timestamp for f in video_patches(data)]
+    assert video.indices[-1] == 96 and labels[-1] == "01:36" and labels[:2] == ["00:00", "00:03"]
+    assert _processor_replacement(video, 1).split(" ")[::2] == labels
+
+
+def _processor_replacement(video, num_soft_tokens: int) -> str:
+    """Gemma4Processor.replace_video_token itself, on a stand-in with the tokenizer's strings."""
+    from types import SimpleNamespace
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from transformers.video_utils import VideoMetadata
+    meta = VideoMetadata(total_num_frames=video.total_frames, fps=video.fps, frames_indices=video.indices)
+    fake = SimpleNamespace(boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>")
+    return Gemma4Processor.replace_video_token(
+        fake, {"num_soft_tokens_per_video": [num_soft_tokens], "video_metadata": [meta]}, 0)
+
+
+def test_bad_videos_are_clear_errors(tmp_path):
+    from gemma4.media.video import decode_video, video_patches
+    mp4 = SNIFF_CASES["MP4"] + bytes(np.random.default_rng(1).integers(0, 256, 300, dtype=np.uint8))
+    assert "cannot be read as a video" in _error(decode_video, mp4, name="x.mp4")
+    clip = _video()
+    assert "cannot be read as a video" in _error(decode_video, clip[: len(clip) // 2])  # moov lost
+    whole = _video(path=tmp_path / "fast.mp4")  # index first: a cut keeps the header's count
+    msg = _error(decode_video, whole[: len(whole) * 2 // 3], name="cut.mp4")
+    assert "'cut.mp4' ends after" in msg and "of the 45 frames its header lists" in msg
+    import av
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as out:
+        stream = out.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    assert "has no video stream" in _error(decode_video, buf.getvalue(), name="a.wav")
+    assert "is too long (3 s)" in _error(decode_video, clip, limits=MediaLimits(video_seconds=2))
+    msg = _error(decode_video, clip, limits=MediaLimits(video_frames=40))
+    assert "is too long (45 frames)" in msg and "GEMMA4_MAX_VIDEO_FRAMES" in msg
+    webm = _video(fmt="webm", codec="libvpx", frames=40)
+    assert "more than 30 frames" in _error(decode_video, webm, limits=MediaLimits(video_frames=30))
+    assert "GEMMA4_MAX_IMAGE_PIXELS" in _error(decode_video, clip, limits=MediaLimits(image_pixels=1000))
+    assert "is not one of 70, 140" in _error(video_patches, clip, max_soft_tokens=64)
+    assert "at least 1" in _error(decode_video, clip, num_frames=0)
+
+
+# --- layout: the prompt text, as Gemma4Processor writes it -----------------------------------
+
+def _fake_processor():
+    from types import SimpleNamespace
+    fake = SimpleNamespace(image_token="<|image|>", video_token="<|video|>", audio_token="<|audio|>",
+                           boi_token="<|image>", eoi_token="<image|>", boa_token="<|audio>",
+                           eoa_token="<audio|>")
+    fake.all_special_multimodal_tokens = [fake.image_token, fake.video_token, fake.audio_token]
+    return fake
+
+
+def test_expansions_are_the_processors():
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+    from gemma4.media import layout
+    fake = _fake_processor()
+    for n in (1, 63, 256, 280):
+        ref = Gemma4Processor.replace_image_token(fake, {"num_soft_tokens_per_image": [7, n]}, 1)
+        assert layout.image_expansion(n) == ref
+        mask = np.ones(4 * n, dtype=bool)  # two stride-2 convolutions: n frames remain
+        ref = Gemma4Processor.replace_audio_token(fake, {"input_features_mask": [mask]}, 0)
+        assert layout.audio_expansion(n) == ref
+    from gemma4.media.video import VideoFrames
+    video = VideoFrames(frames=[], indices=[0, 37, 74, 1800, 3599], fps=30.0, total_frames=3600)
+    frames = [(layout.timestamp(t), 63) for t in video.timestamps]
+    assert [t for t, _ in frames] == ["00:00", "00:01", "00:02", "01:00", "01:59"]
+    assert layout.video_expansion(frames) == _processor_replacement(video, 63)
+
+
+def test_expand_prompt_replaces_placeholders_in_order_as_the_processor_does():
+    from transformers.processing_utils import ProcessorMixin
+    from gemma4.media import layout
+    text = "A <|image|> and <|video|>, then <|image|> and <|audio|>. <|image|>!"
+    images = [layout.image_expansion(n) for n in (3, 1, 2)]
+    videos = [layout.video_expansion([("00:00", 2), ("00:05", 2)])]
+    audio = [layout.audio_expansion(4)]
+    (ref,), _ = ProcessorMixin.get_text_with_replacements(
+        _fake_processor(), [text], images_replacements=images, videos_replacements=videos,
+        audio_replacements=audio)
+    assert layout.expand_prompt(text, images=images, videos=videos, audio=audio) == ref
+    assert layout.expand_prompt("no media") == "no media"
+    msg = _error(layout.expand_prompt, text, images=images[:2], videos=videos, audio=audio)
+    assert "the prompt has 3 <|image|> placeholders but 2 image files came with it" in msg
+    msg = _error(layout.expand_prompt, "plain", videos=videos)
+    assert "the prompt has 0 <|video|> placeholders but 1 video file came with it" in msg
