@@ -38,7 +38,7 @@ from gemma4.ui.reply import (
     history_to_messages,
     is_app_message,
     is_notice,
-    last_user_content,
+    last_user_completion,
     last_user_text,
     message_index,
     notice_message,
@@ -170,9 +170,12 @@ def test_media_history_to_request_parts(media_files):
     assert last[1]["media"].name == "clip.mp4" and last[2]["text"] == "And these?"  # trimmed, as HF
     assert last[0]["media"].digest == item.digest  # the same picture: one cache entry
     assert last_user_text(history) == " And these? "  # completion: as typed
-    completion = last_user_content(history)
-    assert [p["type"] for p in completion] == ["image", "video", "text"]
-    assert completion[2]["text"] == " And these? "
+    # completion mode: the text as typed, a marker per file in front (or where the text has them)
+    text, media = last_user_completion(history)
+    assert text == "<|image|><|video|> And these? " and [p["type"] for p in media] == ["image", "video"]
+    marked = {"role": "user", "content": ["Here <|image|> is it.", {"path": picture}]}
+    assert last_user_completion([marked])[0] == "Here <|image|> is it."
+    assert last_user_completion([{"role": "user", "content": "Hi "}]) == ("Hi ", [])
     # two user messages in a row (the first unanswered) are one turn, their texts joined
     joined = history_to_messages([{"role": "user", "content": "Look:"},
                                   {"role": "user", "content": user_content("this", [picture])}])
@@ -226,13 +229,13 @@ def test_reply_panel_media_rows():
              {"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.0,
               "cached": True},
              {"kind": "video", "name": "<clip>.mp4", "soft_tokens": 560, "encode_s": 3.2,
-              "cached": False}]
+              "cached": False, "compiled": True}]
     panel = reply_panel_html({"media": media, "prefill_tokens": 900}, {}, done=True,
                              finish_reason="stop")
     rows = re.findall(r'<div class="media-row">(.*?)</div>', panel)
     assert rows == ["🖼 scene.png: 280 soft tokens · encoded in 0.84 s",
                     "🖼 scene.png: 280 soft tokens · cached, not re-encoded",
-                    "🎞 &lt;clip&gt;.mp4: 560 soft tokens · encoded in 3.20 s"]
+                    "🎞 &lt;clip&gt;.mp4: 560 soft tokens · encoded in 3.20 s (incl. compiling the tower)"]
     assert "Media" in panel
     assert "media-row" not in reply_panel_html({"prefill_tokens": 9}, {}, done=True)
     details = stats_message({"media": media[:1]}, {}, done=True)["content"]
@@ -501,6 +504,55 @@ def test_text_only_model_has_no_upload(engine, media_files):
     assert update["value"]["files"] == [bogus]
     update, history = handler.add_user_message({"text": "Hello", "files": []}, [])
     assert history == [{"role": "user", "content": "Hello"}] and update["interactive"] is False
+
+
+def test_image_turn_reply_panel_and_cache(media_files):
+    """The chat handler with the tiny random Gemma 4 and its vision tower (reply scripted):
+    an image turn is answered, This reply's Media row gives its soft tokens and encode time,
+    a follow-up re-sends the picture from the history and the row says it was cached, completion
+    mode takes the files too, and the context meter counts the soft tokens."""
+    from tests.scripted import TINY_GEMMA4, scripted, tiny_gemma4
+
+    picture, _, bogus = media_files
+    engine = tiny_gemma4()
+    handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                                       context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
+    assert handler.media_support() == (True, "")
+    box, note, example = handler.media_updates()
+    assert box["sources"] == ["upload"] and note.startswith("🖼") and example["visible"] is True
+    update, history = handler.add_user_message({"text": "What is this?", "files": [picture]}, [])
+    assert history == [{"role": "user", "content": ["What is this?", {"path": picture}]}]
+
+    def answer(history, script, mode="chat"):
+        with scripted(engine, script) as sc:
+            out = list(handler.respond(history, "", mode, 0.0, 0.95, 64, 16, 0, 1.0,
+                                       {"replies": []}))
+        assert sc.used == 1
+        history, panel, session = out[-1]
+        return history, re.findall(r'<div class="media-row">(.*?)</div>', panel), session
+
+    history, rows, session = answer(history, "A red house.<turn|>")
+    assert message_text(history[-2]["content"]) == "A red house."
+    assert len(rows) == 1 and re.fullmatch(
+        r"🖼 example_scene\.png: \d+ soft tokens · encoded in [\d.]+ s( \(incl\. compiling the tower\))?",
+        rows[0]), rows
+    soft = session["replies"][-1]["stats"]["media"][0]["soft_tokens"]
+    assert soft > 0
+    history.append({"role": "user", "content": "And the roof?"})
+    history, rows, _ = answer(history, "Brown.<turn|>")
+    assert rows == [f"🖼 example_scene.png: {soft} soft tokens · cached, not re-encoded"]
+    meter = handler.context_meter(history, "", "chat", {})
+    used = int(re.search(r"</b> ([\d,]+) /", meter).group(1).replace(",", ""))
+    assert used > soft, meter
+    # completion mode: the latest message's files come first (a marker each), then its text
+    _, rows, _ = answer([{"role": "user", "content": user_content("A picture of", [picture])}],
+                        "a house", mode="completion")
+    assert rows == [f"🖼 example_scene.png: {soft} soft tokens · cached, not re-encoded"]
+    # a file that is no picture, already in the history: a notice saying which, no trace
+    out = list(handler.respond([{"role": "user", "content": user_content("?", [bogus])}], "",
+                               "chat", 0.0, 0.95, 64, 16, 0, 1.0, {"replies": []}))
+    notice = out[-1][0][-1]
+    assert is_notice(notice) and "notes.png" in message_text(notice["content"])
 
 
 def test_message_sent_while_loading_waits_and_says_so():

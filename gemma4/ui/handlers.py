@@ -33,7 +33,7 @@ from gemma4.ui.chat_controls import (
     media_note_md,
     plot_frame,
 )
-from gemma4.ui.media_parts import read_textbox, split_content, textbox_value, user_content
+from gemma4.ui.media_parts import has_media, read_textbox, split_content, textbox_value, user_content
 from gemma4.ui.numbers import as_number, clamp
 from gemma4.ui.panels import (
     context_meter_html,
@@ -43,7 +43,7 @@ from gemma4.ui.panels import (
 from gemma4.ui.reply import (
     flags_summary,
     history_to_messages,
-    last_user_content,
+    last_user_completion,
     last_user_text,
     message_index,
     notice_message,
@@ -234,10 +234,13 @@ class ChatHandlers:
                 gr.Warning(w)
             notes += [think_note] if think_note else []
             # chat: the conversation as messages, earlier thoughts left out (the engine renders
-            # the template and drops the oldest turns if it outgrows the context); completion:
-            # the latest text only.
-            prompt = (history_to_messages(history) if mode == "chat"
-                      else last_user_content(history))
+            # the template and drops the oldest turns if it outgrows the context), media as parts
+            # of their message; completion: the latest text only, its files as media=.
+            media: list[dict] = []
+            if mode == "chat":
+                prompt = history_to_messages(history)
+            else:
+                prompt, media = last_user_completion(history)
         except (ValueError, self.RequestError) as e:
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
@@ -255,7 +258,7 @@ class ChatHandlers:
         try:
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
-                                                 thinking=think)
+                                                 thinking=think, media=media)
             yield ([*history, *reply_messages("", {}, {}, done=False)],
                    reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in throttled(gen):
@@ -318,8 +321,12 @@ class ChatHandlers:
             return context_meter_html(used, limit, "last completion prompt + reply "
                                       "(completion mode sends only your latest message)")
         try:
-            used = self.conversation.count_tokens(self.engine, history_to_messages(history),
-                                                  (system or "").strip() or None)
+            messages = history_to_messages(history)
+            system = (system or "").strip() or None
+            if any(has_media(m) for m in history or ()):  # soft tokens count: the request's ids
+                used = len(self.conversation.prompt_ids(self.engine, messages, system=system))
+            else:
+                used = self.conversation.count_tokens(self.engine, messages, system)
         except Exception as e:  # a meter must never break the chat
             log.warning("count_tokens failed: %s", e)
             return context_meter_html(None, limit, f"(could not count: {e})")

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gemma4.media.files import MediaItem, media_from_path
+from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve.chat import message_text
 
 LoadMedia = Callable[[str], MediaItem]
@@ -106,6 +107,19 @@ def request_content(content: Any, *, load: LoadMedia = media_from_path,
         return text
     parts = [media_part(load(f)) for f in files]
     return parts + ([{"type": "text", "text": text}] if text else [])
+
+
+def completion_request(content: Any, *, load: LoadMedia = media_from_path
+                       ) -> tuple[str, list[dict[str, Any]]]:
+    """(prompt text, media parts) of a message for completion mode, where the request layer
+    takes a text and its files (`stream_reply(..., media=…)`): the text as typed, in which each
+    <|image|> / <|video|> marks where the next file goes (as on the command line); a text with
+    no marker gets one per file in front, in order, so the files come first, as in chat mode."""
+    text, files = split_content(content, trim_parts=False)
+    parts = [media_part(load(f)) for f in files]
+    if parts and not any(marker in text for marker in PLACEHOLDERS.values()):
+        text = "".join(PLACEHOLDERS[p["type"]] for p in parts) + text
+    return text, parts
 
 
 def join_contents(first: str | list[dict[str, Any]], second: str | list[dict[str, Any]]

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gemma4.media.files import media_from_path
-from gemma4.ui.media_parts import LoadMedia, join_contents, request_content, split_content
+from gemma4.ui.media_parts import LoadMedia, completion_request, join_contents, request_content, split_content
 from gemma4.ui.numbers import as_number, fmt_int, fmt_num
 from gemma4.ui.thinking import STATS_ID, thought_message, tool_calls_message
 
@@ -104,13 +104,14 @@ def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
     return split_content(history[-1].get("content"), trim_parts=False)[0]
 
 
-def last_user_content(history: Sequence[Mapping[str, Any]], *,
-                      load: LoadMedia = media_from_path) -> str | list[dict[str, Any]] | None:
-    """The trailing user message for a completion prompt: its text as typed, or its media parts
-    then that text (`request_content`); None when history does not end with a user message."""
+def last_user_completion(history: Sequence[Mapping[str, Any]], *, load: LoadMedia = media_from_path
+                         ) -> tuple[str, list[dict[str, Any]]] | None:
+    """The trailing user message as a completion prompt: (its text as typed, with a marker per
+    file where it has none, and its media parts; `media_parts.completion_request`), or None when
+    history does not end with a user message."""
     if not history or history[-1].get("role") != "user":
         return None
-    return request_content(history[-1].get("content"), load=load, trim_parts=False)
+    return completion_request(history[-1].get("content"), load=load)
 
 
 def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -353,7 +354,8 @@ MEDIA_ICONS = {"image": "🖼", "video": "🎞", "audio": "🔊"}
 
 def media_line(item: Mapping[str, Any]) -> str:
     """One media item of a reply (an entry of the request layer's stats["media"]) as plain text,
-    e.g. "🖼 scene.png: 280 soft tokens · encoded in 0.84 s" or "… · cached, not re-encoded"."""
+    e.g. "🖼 scene.png: 280 soft tokens · encoded in 0.84 s" or "… · cached, not re-encoded";
+    an encode that first compiled the tower for this shape says so (its time includes it)."""
     kind = str(item.get("kind") or "media")
     name = str(item.get("name") or kind)
     tokens = fmt_int(item.get("soft_tokens"))
@@ -361,6 +363,7 @@ def media_line(item: Mapping[str, Any]) -> str:
         how = "cached, not re-encoded"
     else:
         how = f"encoded in {fmt_num(item.get('encode_s'), 2, 's')}"
+        how += " (incl. compiling the tower)" if item.get("compiled") else ""
     return f"{MEDIA_ICONS.get(kind, '📎')} {name}: {tokens} soft tokens · {how}"
 
 
