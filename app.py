@@ -59,6 +59,9 @@ CSS = """
 #reply-stats table td { font-size: 0.92em; }
 #model-banner, #engine-status { margin-bottom: 2px; }
 #media-note { font-size: 0.85em; color: #616161; margin-top: -6px; }
+/* a message's pictures and videos as thumbnails (the ⛶ button still shows them whole) */
+#chatbot .user-row .image-container, #chatbot .user-row video { max-width: 240px; }
+#chatbot .user-row .image-frame img, #chatbot .user-row video { max-height: 180px; width: auto; }
 """
 
 
