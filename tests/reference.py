@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from gemma4.model.config import ModelConfig, to_hf_config
+from gemma4.model.config import ModelConfig, to_hf_config, to_hf_multimodal_config
 
 
 def build_hf_model(cfg: ModelConfig, seed: int = 0):
@@ -29,6 +29,14 @@ def build_hf_model(cfg: ModelConfig, seed: int = 0):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_cls(config).eval().to(torch.float32)
+    randomize(model, cfg, seed)
+    return model
+
+
+def randomize(model, cfg: ModelConfig, seed: int) -> None:
+    """Every parameter and buffer of `model` drawn at random (see `build_hf_model`); a vision tower's
+    position table too, its clip bounds finite (so that some activations are clipped) and its
+    standardization away from the identity."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -46,6 +54,28 @@ def build_hf_model(cfg: ModelConfig, seed: int = 0):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + 0.5 * torch.rand(b.shape, generator=gen))
+            elif name.endswith(("input_min", "input_max")):  # inputs are RMS-normed: clip the tails
+                b.copy_((1.0 + torch.rand(b.shape, generator=gen)) * (-1 if name.endswith("min") else 1))
+            elif name.endswith(("output_min", "output_max")):
+                b.copy_((0.3 + 0.3 * torch.rand(b.shape, generator=gen)) * (-1 if name.endswith("min") else 1))
+            elif name.endswith("std_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
+            elif name.endswith("std_scale"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+
+
+def build_hf_multimodal(cfg: ModelConfig, seed: int = 0):
+    """transformers' Gemma4ForConditionalGeneration (text + vision tower, no audio) with cfg's geometry
+    and random weights (float32, eager attention)."""
+    import transformers
+
+    config = transformers.Gemma4Config(**{k: v for k, v in to_hf_multimodal_config(cfg).items() if k != "model_type"})
+    config._attn_implementation = "eager"
+    for sub in (config.text_config, config.vision_config):
+        sub._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval().to(torch.float32)
+    randomize(model, cfg, seed)
     return model
 
 

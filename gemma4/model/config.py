@@ -630,6 +630,7 @@ def vision_param_count(cfg: ModelConfig) -> int:
         return 0
     D, d = v.hidden_size, v.head_dim
     per_layer = (2 * v.num_heads + 2 * v.num_kv_heads) * d * D + 3 * v.intermediate_size * D + 4 * D + 2 * d
+    per_layer += 7 * 4 if v.use_clipped_linears else 0  # each linear's input and output bounds
     n = v.patch_dim * D + 2 * v.position_table_size * D + v.num_layers * per_layer + D * cfg.hidden_size
     return int(n + (2 * D if v.standardize else 0))
 

@@ -76,6 +76,21 @@ def attention_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> ja
     return mask
 
 
+def vision_mask(q_pos: jax.Array, k_pos: jax.Array, groups: jax.Array, window: int) -> jax.Array:
+    """[B, T, S] bool: the keys a query sees because both are soft tokens of one image (bidirectional
+    vision attention of a sliding layer, transformers' `create_masks_for_vision_model`): same group
+    (>= 0), key real and within the window (a later key of the image always is).
+
+    `groups` [B, T] is the image index of each query (-1: not a soft token); the chunk's own keys are
+    the last T of the S keys (cached keys, all earlier, are taken as group -1: a prefill chunk
+    boundary never falls inside an image, `Request.atomic_spans`)."""
+    B, T = groups.shape
+    S = k_pos.shape[1]
+    k_groups = groups if S == T else jnp.concatenate([jnp.full((B, S - T), -1, groups.dtype), groups], axis=1)
+    same = (groups[:, :, None] >= 0) & (groups[:, :, None] == k_groups[:, None, :])
+    return same & (k_pos[:, None, :] >= 0) & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, impl: str) -> jax.Array:
     """Grouped-query attention. q [B,T,nq,d], k/v [B,S,nkv,d], mask [B,T,S] → [B,T,nq·d]."""
     B, T, nq, d = q.shape
@@ -243,7 +258,8 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
-            cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None):
+            cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None,
+            vision_groups: jax.Array | None = None):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -261,6 +277,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
       cache_row: the cache row of batch row 0 (rows cache_row … cache_row + B - 1 are used), so
                  a batch can run on part of a larger cache that is updated in place.
       kv_len:    read only full-layer slots [0, kv_len) (every position involved is below it).
+      vision_groups: None, or [B, T] int32, the image index of each position (-1: not an image soft
+                 token). Where `cfg.bidirectional_vision`, sliding layers let a soft token see every
+                 soft token of its image in this call (`vision_mask`); full layers and decode steps
+                 (T == 1) stay causal. None (static): the text path, unchanged.
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -279,6 +299,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             tables[kind] = tuple(_pin(t, ("batch", None, "head_dim"), options.mesh) for t in tables[kind])
     new_cache = dict(cache) if cache is not None else None
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # producer -> (k, v, key positions)
+    groups = vision_groups if (vision_groups is not None and cfg.bidirectional_vision and T > 1) else None
 
     for spec, lp in zip(cfg.layers, params["layers"]):
         cos, sin = tables[spec.attention]
@@ -308,6 +329,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         if not spec.is_kv_consumer:
             shared[spec.index] = (keys, values, key_pos)
         mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
+        if groups is not None and spec.is_sliding:
+            mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
         impl = options.attention_sliding if spec.is_sliding else options.attention_full
         attn = attend(q, keys, values, mask, cfg.attention_scale, impl)
         x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)

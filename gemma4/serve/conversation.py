@@ -334,8 +334,10 @@ def _check_media_fits(engine, ids: Sequence[int], plan: MediaPlan) -> None:
     """RequestError when a prompt with media does not fit the context window, saying why."""
     if len(ids) < engine.context_limit:
         return
-    raise RequestError(f"The prompt with its {len(plan.items)} image(s)/video(s) is {len(ids)} tokens "
-                       f"({plan.soft_tokens()} of them soft tokens) but the context window is {engine.context_limit} "
+    marks = set(plan.placeholder_ids())
+    soft = sum(t in marks for t in ids)
+    raise RequestError(f"The prompt with its images/video is {len(ids)} tokens ({soft} of them soft tokens) "
+                       f"but the context window is {engine.context_limit} "
                        "tokens. Send fewer or smaller media (max_soft_tokens 70 or 140), shorten the text, "
                        "or start a new conversation.")
 

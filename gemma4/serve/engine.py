@@ -63,8 +63,9 @@ from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRow
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import step_link
-from gemma4.serve.engine_compile import PROMPT_BUCKETS, CompiledShapes, decode_widths, describe_shape, kv_ladder
-from gemma4.serve.engine_compile import bucket_for, chunk_plan
+from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
+                                         decode_widths, describe_shape, kv_ladder, merge_spans, next_chunk,
+                                         override_limit)
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -127,9 +128,6 @@ class Request:
     seed: int
     embeds: np.ndarray | None = None
     embed_mask: np.ndarray | None = None
-    # [start, end) position ranges a prefill chunk boundary must never fall inside (an image
-    # under bidirectional vision attention: its tokens must be in one forward call).
-    atomic_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # int32 [n_prompt]: the image (or frame) index of each prompt position, -1 elsewhere; given to
     # `forward(vision_groups=...)` by prefill when the model is bidirectional over vision.
     vision_groups: np.ndarray | None = None
@@ -143,6 +141,21 @@ class Request:
     stats: dict = dataclasses.field(default_factory=dict)
     occupancy_sum: float = 0.0  # Σ over the decode steps it took part in of (active rows / max_batch)
     occupancy_steps: int = 0
+    # [start, end) prompt position ranges no prefill chunk may end inside (an image under
+    # bidirectional vision attention); merged and checked against the largest bucket at submit.
+    atomic_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Prefill, one chunk per scheduler iteration: positions already in the cache, when the first
+    # chunk started, the (start, length, bucket) of each chunk run, and the other streams' decode
+    # steps run between its first and its last chunk.
+    prefilled: int = 0
+    prefill_t0: float | None = None
+    prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    interleaved_steps: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not all in the cache yet (its row is idle in decode steps meanwhile)."""
+        return self.prefilled < len(self.prompt_ids)
 
 
 def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, hidden: int
@@ -216,27 +229,6 @@ def bidirectional_vision(cfg: ModelConfig) -> bool:
 
 NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
                    "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
-
-
-def atomic_chunk_plan(n: int, buckets: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(start, length, bucket) chunks of an n-token prompt, none ending inside a span: a chunk that
-    would end inside one ends at its start instead; a span longer than the largest bucket gets a
-    chunk of its own, in a bucket of a multiple of the largest one (a shape compiled when needed).
-    Without spans: `engine_compile.chunk_plan`."""
-    if not spans:
-        return chunk_plan(n, buckets)
-    big = max(buckets)
-    plan, start = [], 0
-    while start < n:
-        end = min(start + big, n)
-        inside = next(((s, e) for s, e in spans if s < end < e), None)
-        if inside is not None:
-            end = inside[0] if inside[0] > start else inside[1]
-        length = end - start
-        bucket = bucket_for(length, buckets) if length <= big else -(-length // big) * big
-        plan.append((start, length, bucket))
-        start = end
-    return plan
 
 
 @dataclasses.dataclass
@@ -399,6 +391,15 @@ class Engine:
         self._vision_exe: dict[tuple[int, int], Any] = {}  # the tower compiled per (batch, max_patches)
         self._vision_lock = threading.Lock()
         self._encode_info = threading.local()  # per calling thread: what its last encode_images did
+        # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
+        # by (first chunk?, bucket) and per decode step, running means.
+        self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self._decode_cost: float | None = None
+        self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
+        # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
+        # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
+        self.chunk_override: dict[bool, int | None] = {
+            alone: override_limit(os.environ, alone, self.buckets) for alone in (False, True)}
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
         _all_engines.add(self)
         self._thread.start()
@@ -658,6 +659,9 @@ class Engine:
                 self._run_idle(key)
                 ran.add(key)
                 self._startup["first_runs_s"] = self._startup.get("first_runs_s", 0.0) + time.perf_counter() - t
+                t = time.perf_counter()  # a second run costs what a request's will: the chunk size's first measure
+                self._run_idle(key)
+                self._note_cost(key, time.perf_counter() - t)
             if not todo and len(ran) == len(keys):
                 break
             if len(todo) != shown:
@@ -792,11 +796,13 @@ class Engine:
             raise RequestError(str(e)) from None
 
     def submit(self, prompt: Sequence[int] | Sequence[Segment], params: SamplingParams | None = None, *,
-               notes: Sequence[str] = ()) -> Request:
+               notes: Sequence[str] = (), atomic_spans: Sequence[tuple[int, int]] = ()) -> Request:
         """Queue a request: `prompt` token ids or segments (`Segment`), `params` validated
-        (`validate`; None: the defaults), `notes` for the user so far. max_new_tokens is lowered
-        to what the context window leaves (with a note). RequestError for an id outside the
-        vocabulary, an empty prompt or one that does not fit the context window."""
+        (`validate`; None: the defaults), `notes` for the user so far, `atomic_spans` [start, end)
+        prompt position ranges no prefill chunk may end inside (`Request.atomic_spans`).
+        max_new_tokens is lowered to what the context window leaves (with a note). RequestError
+        for an id outside the vocabulary, an empty prompt, one that does not fit the context
+        window, or a span outside the prompt or longer than the largest prefill bucket."""
         if self._status["state"] != "ready":
             self.wait_ready()
         notes = list(notes)
@@ -817,16 +823,34 @@ class Engine:
         if params.max_new_tokens > room:
             notes.append(f"max_new_tokens lowered from {params.max_new_tokens} to {room} to fit the context window")
             params = dataclasses.replace(params, max_new_tokens=room)
+        vision_groups, image_spans = vision_layout(prompt) if bidirectional_vision(self.cfg) else (None, [])
+        spans = self._checked_spans(list(atomic_spans) + image_spans, len(ids))
         seed = params.seed if params.seed is not None else next(self._seed_counter)
-        req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask)
+        req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask,
+                      atomic_spans=spans)
         if bidirectional_vision(self.cfg):
-            req.vision_groups, req.atomic_spans = vision_layout(prompt)
+            req.vision_groups = vision_groups
         req.stats["notes"] = notes
         with self._lock:
             self._waiting.append(req)
             req.stats["queue_position"] = len(self._waiting)
             self._wake.notify_all()
         return req
+
+    def _checked_spans(self, spans: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+        """Atomic spans merged (engine_compile.merge_spans); RequestError for one outside the
+        prompt, or longer than the largest prefill bucket (it could never be prefilled whole)."""
+        merged = merge_spans(spans)
+        for a, b in merged:
+            if a < 0 or b > n:
+                raise RequestError(f"An atomic span [{a}, {b}) lies outside the {n}-token prompt.")
+            if b - a > self.buckets[-1]:
+                raise RequestError(
+                    f"An atomic span of {b - a} positions ([{a}, {b}): e.g. an image's soft tokens, which attend to "
+                    f"each other) is longer than the largest prefill chunk ({self.buckets[-1]} tokens), so it cannot "
+                    f"be prefilled in one chunk. Use a smaller image budget (fewer soft tokens), or start the engine "
+                    f"with a larger bucket.")
+        return merged
 
     def tokens(self, req: Request) -> TokenStream:
         """The submitted request's tokens as they are sampled (see `TokenStream`)."""
@@ -842,8 +866,9 @@ class Engine:
 
     # ---------------------------------------------------------------- scheduler
     def serve_requests(self) -> None:
-        """The scheduler loop (on the engine thread, until `close`): admit waiting requests,
-        prefill them, decode every active row one token per step."""
+        """The scheduler loop (on the engine thread, until `close`): each iteration admits a
+        waiting request to a free row, runs one prefill chunk of one prefilling request, and one
+        decode step of every row whose prompt is in (see `_schedule_once`)."""
         while True:
             with self._lock:
                 while True:
@@ -859,7 +884,7 @@ class Engine:
                     self._admit(admit)
                 self._reap_cancelled()
                 if self._active:
-                    self._step()
+                    self._schedule_once()
             except Exception as e:  # never kill the loop: fail the affected requests
                 log.exception("scheduler step failed")
                 with self._lock:
@@ -890,48 +915,123 @@ class Engine:
             self._finish(req, "cancelled")
 
     def _admit(self, req: Request) -> None:
+        """A request got its row: its prefill starts at the next chunk the scheduler runs (no device
+        work here); the shape of its first decode step is asked for now, compiled meanwhile if new."""
         if req.cancel.is_set():
             self._finish(req, "cancelled")
             return
-        t0 = time.perf_counter()
-        req.stats["queue_wait_s"] = t0 - req.submitted
-        ids = req.prompt_ids
-        compiled = bool(req.stats.get("compiled"))
+        req.prefilled = 0
         with self._lock:
             need_w = max(self._active) + 1
-        self.shapes.want_decode(need_w, len(ids) + 1)  # the first decode step's shape, compiled meanwhile if new
-        plan = self.shapes.prefill_plan(len(ids))
-        if req.atomic_spans:  # no chunk boundary inside an image (bidirectional vision attention)
-            plan = atomic_chunk_plan(len(ids), self.buckets, req.atomic_spans)
-        for n, (start, length, bucket) in enumerate(plan):
+        self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
+
+    def _schedule_once(self) -> None:
+        """One scheduler iteration: one prefill chunk (`_prefill_chunk`), then one decode step
+        (`_step`). A chunk costs about a few decode steps (engine_compile.chunk_limit), so a
+        running stream's inter-token gap grows by one chunk at most, however long the prompt.
+        Nothing here waits for a compile while other work can run: when nothing could (every
+        row waits for its own shape), the loop sleeps until a compile lands (or briefly, for new
+        requests and cancels)."""
+        self._blocked_on = []
+        ran = self._prefill_chunk()
+        ran = self._step() or ran
+        if not ran:
+            self.shapes.wait_any(self._blocked_on, timeout=0.1)
+
+    def _note_cost(self, key: tuple, seconds: float) -> None:
+        """Fold one measured dispatch into the chunk-size costs (a running mean that follows the
+        machine's load: a new measure weighs 0.3)."""
+        kind, size, extra = key
+        if kind == "decode":
+            self._decode_cost = seconds if self._decode_cost is None else 0.7 * self._decode_cost + 0.3 * seconds
+        elif kind == "prefill":
+            costs = self._chunk_cost[bool(extra)]
+            costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
+
+    def chunk_tokens(self, fresh: bool, alone: bool) -> int:
+        """The most prompt tokens one prefill chunk takes now: the env override, else the largest
+        bucket whose measured cost fits the budget (engine_compile.chunk_budget_s: a few decode
+        steps beside running streams, LONE_CHUNK_S alone)."""
+        forced = self.chunk_override[alone]
+        if forced is not None:
+            return forced
+        costs = self._chunk_cost[fresh]
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, costs, alone))
+
+    def _prefill_chunk(self) -> bool:
+        """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,
+        or each waits for a shape of its own to compile).
+
+        Which request: the one with the fewest prompt tokens left (shortest remaining first), so
+        a short prompt admitted during a long prefill has its single chunk run next and its
+        first token within about one chunk; a long prompt still moves whenever no shorter one is
+        pending, and it cannot be starved for long: every request holds one of max_batch rows, so
+        at most max_batch - 1 prompts can pass it, each once."""
+        with self._lock:
+            rows = list(self._active.values())
+            waiting = bool(self._waiting)
+        pending = sorted((r for r in rows if r.prefilling and not r.cancel.is_set()),
+                         key=lambda r: (len(r.prompt_ids) - r.prefilled, r.submitted))
+        alone = len(rows) == 1 and not waiting
+        for req in pending:
+            fresh = req.prefilled == 0
+            start, n = req.prefilled, len(req.prompt_ids)
+            length = next_chunk(start, n, self.chunk_tokens(fresh, alone), req.atomic_spans)
             chunk = slice(start, start + length)
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
-            key = ("prefill_embeds" if with_embeds else "prefill", bucket, n == 0)
-            _, waited = self.shapes.executable(key)
-            tokens = np.zeros(bucket, np.int32)
-            tokens[:length] = ids[chunk]
-            positions = np.full(bucket, -1, np.int32)
-            positions[:length] = np.arange(start, start + length)
-            embeds = mask = None
-            if with_embeds:
-                embeds = np.zeros((bucket, self.cfg.hidden_size), np.float32)
-                embeds[:length] = req.embeds[chunk]
-                mask = np.zeros(bucket, bool)
-                mask[:length] = req.embed_mask[chunk]
-            groups = None
-            if with_embeds and bidirectional_vision(self.cfg):
-                groups = np.full(bucket, -1, np.int32)
-                if req.vision_groups is not None:
-                    groups[:length] = req.vision_groups[chunk]
-            token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
-                                          embeds, mask, groups)
-            compiled |= waited
+            key = self.shapes.chunk_key("prefill_embeds" if with_embeds else "prefill", length, fresh)
+            if key is None:  # its shape compiles first in line; this request waits for it, nobody else
+                req.stats["compiled"] = True
+                self._blocked_on.append(("prefill_embeds" if with_embeds else "prefill", bucket_for(length, self.buckets), fresh))
+                continue
+            if key[1] < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
+                length = next_chunk(start, n, key[1], req.atomic_spans)
+                if length > key[1]:  # a span needs the larger shape: wait for it
+                    self._blocked_on.append((key[0], bucket_for(length, self.buckets), fresh))
+                    continue
+            self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
+            return True
+        return False
+
+    def _run_chunk(self, req: Request, key: tuple, start: int, length: int, with_embeds: bool) -> None:
+        """Prefill prompt positions [start, start + length) of `req` in shape `key`; after its last
+        chunk, its prefill stats and its first token (sampled in the same dispatch)."""
+        t0 = time.perf_counter()
+        if req.prefill_t0 is None:
+            req.prefill_t0 = t0
+            req.stats["queue_wait_s"] = t0 - req.submitted
+        bucket = key[1]
+        chunk = slice(start, start + length)
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:length] = req.prompt_ids[chunk]
+        positions = np.full(bucket, -1, np.int32)
+        positions[:length] = np.arange(start, start + length)
+        embeds = mask = None
+        if with_embeds:
+            embeds = np.zeros((bucket, self.cfg.hidden_size), np.float32)
+            embeds[:length] = req.embeds[chunk]
+            mask = np.zeros(bucket, bool)
+            mask[:length] = req.embed_mask[chunk]
+        groups = None
+        if with_embeds and bidirectional_vision(self.cfg):  # an image's soft tokens see each other
+            groups = np.full(bucket, -1, np.int32)
+            if req.vision_groups is not None:
+                groups[:length] = req.vision_groups[chunk]
+        token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
+                                      embeds, mask, groups)
         t1 = time.perf_counter()
+        self._note_cost(key, t1 - t0)
+        req.prefilled += length
+        req.prefill_chunks.append((start, length, bucket))
+        if req.prefilling:
+            return
+        ids, plan = req.prompt_ids, req.prefill_chunks
         req.position = len(ids)
-        padding = sum(b - l for _, l, b in plan)
-        req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * (t1 - t0),
-                         prefill_tok_s=len(ids) / max(t1 - t0, 1e-9), bucket=plan[-1][2], chunks=len(plan),
-                         padding=padding, compiled=compiled, ttft_s=t1 - req.submitted)
+        wall = t1 - req.prefill_t0
+        req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
+                         bucket=plan[-1][2], chunks=len(plan), padding=sum(b - l for _, l, b in plan),
+                         compiled=bool(req.stats.get("compiled")), ttft_s=t1 - req.submitted,
+                         prefill_interleaved_steps=req.interleaved_steps)
         self.emit(req, token, bad, t1)
 
     def emit(self, req: Request, token: int, bad: bool, now: float) -> None:
@@ -949,44 +1049,53 @@ class Engine:
         elif req.position >= self.context_limit:
             self._finish(req, "context")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One decode step: one token for every row whose prompt is in (a prefilling row is idle:
+        position -1), with compiled shapes only (`CompiledShapes.decode_plan`: a row whose shape
+        is not compiled yet waits for it alone). True when something ran."""
         with self._lock:
             active = dict(self._active)
-        if not active:
-            return
-        need_w, need_n = max(active) + 1, max(r.position for r in active.values()) + 1
-        key = self.shapes.decode_key(need_w, need_n)
-        _, width, kv_len = key
+        decoding = {row: r for row, r in active.items() if not r.prefilling}
+        if not decoding:
+            return False
+        need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
+        kv_len = self.shapes.decode_key(need_w, need_n)[2]
         if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
             self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
-        alone = self.shapes.narrow_decode(key, need_n)
-        if alone is not None:  # no compiled width covers the rows yet: each row alone, while it compiles
-            compiled = False
-            out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
-            for row, req in active.items():
-                o, b = self.run_decode(alone, np.asarray([req.recent[-1]], np.int32), np.asarray([req.position], np.int32),
-                                       self._sampling_rows([req]), row=row)
-                out[row], bad[row] = o[0], b[0]
-        else:
-            _, compiled = self.shapes.executable(key)
+        plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
+        for row in wait:  # its own shape compiles first in line (decode_plan); nobody else waits
+            decoding.pop(row).stats["compiled"] = True
+        if wait:
+            self._blocked_on.append(self.shapes.decode_key(need_w, need_n))
+        if not plan:
+            return False
+        t0 = time.perf_counter()
+        out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
+        for key, first, rows in plan:
+            width = key[1]
             tokens = np.zeros(width, np.int32)
             positions = np.full(width, -1, np.int32)
-            rows: list[Request | None] = [None] * width
-            for row, req in active.items():
-                tokens[row] = req.recent[-1]
-                positions[row] = req.position
-                rows[row] = req
-            out, bad = self.run_decode(key, tokens, positions, self._sampling_rows(rows))
+            sampling: list[Request | None] = [None] * width
+            for row in rows:
+                req = decoding[row]
+                tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
+            o, b = self.run_decode(key, tokens, positions, self._sampling_rows(sampling), row=first)
+            for row in rows:
+                out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
-        for row, req in active.items():
+        self._note_cost(plan[0][0], (now - t0) / len(plan))
+        for req in active.values():
+            if req.prefilling and req.prefill_t0 is not None:
+                req.interleaved_steps += 1
+        for row, req in decoding.items():
             req.position += 1
-            req.occupancy_sum += len(active) / self.max_batch
+            req.occupancy_sum += len(decoding) / self.max_batch
             req.occupancy_steps += 1
-            req.stats["compiled"] = req.stats.get("compiled", False) or compiled
             if req.cancel.is_set():
                 self._finish(req, "cancelled")
             else:
                 self.emit(req, int(out[row]), bool(bad[row]), now)
+        return True
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Stop the scheduler and the compile threads; wait up to `timeout` s for them (None: no

@@ -4,7 +4,8 @@ Shape keys — prompt buckets and chunk plans (`bucket_for`, `chunk_plan`), deco
 (`decode_widths`), the full-layer cache-length ladder (`kv_ladder`), `describe_shape` — and
 `CompiledShapes`, the object a `gemma4.serve.engine.Engine` owns: its queues (needed now, and the
 idle-time background), its compile threads (lower → compile), and the choice of a compiled shape
-for each prefill chunk and decode step (`prefill_plan`, `decode_key`, `narrow_decode`). What a
+for each prefill chunk and decode step (`chunk_key`, `decode_key`, `decode_plan`), and how big a
+prefill chunk is (`chunk_budget_s`, `chunk_limit`: the policy's one place). What a
 shape compiles to (the jitted steps) and when the background queue may move are the engine's:
 it passes them in (`lower`, `may_background`).
 """
@@ -15,11 +16,29 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from gemma4.env import env_int
 
 log = logging.getLogger("gemma4.serve.engine")
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; longer prompts are chunked
+
+# How big a prefill chunk is (the one place: `chunk_budget_s` and `chunk_limit`). A prompt is
+# prefilled one chunk per scheduler iteration, between decode steps of the running streams, so a
+# chunk's cost is added to every running stream's inter-token gap, and a request that arrives
+# meanwhile waits for the chunk in flight. Beside running streams a chunk may cost
+# INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap), but never less than
+# FLOOR_SLACK × the cheapest chunk measured: where one prefill call has a high fixed cost (the
+# bundled model's int8 prefill: ~0.3 s for 16 tokens and for 64 alike, on a 2-core AMD EPYC
+# Zen 4, against 0.05 s a decode step) smaller chunks no longer shorten the gap, they only
+# slow the prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
+# at most that much of someone else's prefill). Costs are measured: the engine times every chunk
+# and decode step it runs (seeded at warm-up). GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
+# (tokens, rounded down to a bucket) override the choice.
+INTERLEAVE_STEPS = 2.0
+FLOOR_SLACK = 2.0
+LONE_CHUNK_S = 1.0
 
 
 # ------------------------------------------------------------------------------ shape keys
@@ -50,6 +69,68 @@ def chunk_plan(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> list[tuple[in
         start += big
     plan.append((start, n - start, bucket_for(n - start, buckets)))
     return plan
+
+
+def merge_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Atomic spans [start, end) sorted, empty ones dropped, overlapping or touching ones merged
+    (a chunk may end where one span ends and the next begins only if they were given apart:
+    touching spans are kept apart, overlapping ones merged)."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in spans if int(b) > int(a)):
+        if out and a < out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] = ()) -> int:
+    """The length of the prompt chunk that starts at `start` of an n-token prompt: at most `limit`
+    tokens, and never ending strictly inside an atomic span (merged, see `merge_spans`): a chunk
+    that would end inside one ends at the span's start instead, and one that starts at (or
+    inside) a span takes the whole span even past `limit` (spans are checked at submit to fit
+    the largest bucket)."""
+    end = min(n, start + max(1, int(limit)))
+    for a, b in spans:
+        if a < end < b:
+            end = a if a > start else b
+            break
+    return end - start
+
+
+def chunk_budget_s(decode_s: float | None, costs: Mapping[int, float], alone: bool) -> float:
+    """Seconds one prefill chunk may cost (see INTERLEAVE_STEPS above): `decode_s` a decode step's
+    measured cost (None: not measured yet), `costs` the measured chunk cost by bucket."""
+    floor = FLOOR_SLACK * min(costs.values()) if costs else 0.0
+    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, floor)
+    return max(beside, LONE_CHUNK_S) if alone else beside
+
+
+def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: float) -> int:
+    """The largest bucket whose chunk is predicted to cost ≤ budget_s: its measured cost, else the
+    cost of the largest measured bucket below it scaled by the token ratio (an over-estimate: a
+    chunk's cost has a fixed part), so a bucket is tried only when that bound fits and is then
+    measured. At least the smallest bucket (the best there is when even it is over budget)."""
+    best = buckets[0]
+    for b in buckets:
+        below = [m for m in costs if m <= b]
+        if not below:
+            continue
+        ref = max(below)
+        predicted = costs[ref] * b / ref
+        if predicted <= budget_s * (1 + 1e-6):
+            best = b
+    return best
+
+
+def override_limit(env: Mapping[str, str], alone: bool, buckets: Sequence[int]) -> int | None:
+    """GEMMA4_PREFILL_CHUNK (beside running streams) or GEMMA4_PREFILL_CHUNK_ALONE, in tokens,
+    rounded down to a bucket (at least the smallest); None when unset."""
+    name = "GEMMA4_PREFILL_CHUNK_ALONE" if alone else "GEMMA4_PREFILL_CHUNK"
+    tokens = env_int(env, name)
+    if tokens is None:
+        return None
+    return max([b for b in buckets if b <= tokens] or [buckets[0]])
 
 
 def describe_shape(key: tuple) -> str:
@@ -133,14 +214,18 @@ class CompiledShapes:
         """(before ready, background) shape keys in compile order. Before ready: the smallest
         prefill bucket and decode width 1 (a bigger first bucket would serve more prompts at once
         but costs every short prompt: bundled model, 7 tokens, TTFT 0.16 s in bucket 16, 0.6 s in
-        64). Then the buckets up to 64 (chat turns), the other widths, the longer buckets.
-        Later-chunk shapes (prompts beyond the largest bucket) and longer cache lengths compile
-        when first needed, as they always did."""
+        64). Then the buckets up to 64 (chat turns), the other widths, the later-chunk shapes
+        (a prompt longer than one chunk), the longer buckets, and every width at the longer cache
+        lengths: every shape a request can reach, so that on an engine that was idle long
+        enough none compiles on a request's path (a missing one is compiled when first needed,
+        and only the request that needs it waits for it)."""
         n0 = self.kv_lengths[0]
         first = [("prefill", self.buckets[0], True), ("decode", self.widths[0], n0)]
         short = [("prefill", b, True) for b in self.buckets[1:] if b <= 64]
-        rest = (short + [("decode", w, n0) for w in self.widths[1:]]
-                + [("prefill", b, True) for b in self.buckets[1:] if b > 64])
+        later = [("prefill", b, False) for b in self.buckets]
+        rest = (short + [("decode", w, n0) for w in self.widths[1:]] + later
+                + [("prefill", b, True) for b in self.buckets[1:] if b > 64]
+                + [("decode", w, n) for n in self.kv_lengths[1:] for w in self.widths])
         return first, rest
 
     def close(self) -> None:
@@ -277,25 +362,24 @@ class CompiledShapes:
                     "log": [(describe_shape(k), round(s, 2), why) for k, s, why in self._log]}
 
     # ---------------------------------------------------------------- picking a compiled shape
-    def prefill_plan(self, n: int) -> list[tuple[int, int, int]]:
-        """The ideal chunk plan for an n-token prompt when its shapes are compiled. Else, for a
-        prompt that fits one chunk, a larger compiled bucket (identical tokens: padding
-        invariance), and the ideal bucket is compiled at once, not waited for (so a busy engine
-        still gets it). Else the ideal plan (its missing shapes are compiled first and waited for).
-
-        Not through several smaller chunks: a later chunk attends over the whole cache row and
-        costs far more than a fresh one (bundled model, context 4096: 1.7 s for 16 tokens against
-        0.3 s for a first chunk of 16), so chunking loses to waiting for one compile."""
-        ideal = chunk_plan(n, self.buckets)
-        keys = [("prefill", b, i == 0) for i, (_, _, b) in enumerate(ideal)]
+    def chunk_key(self, kind: str, length: int, fresh: bool) -> tuple | None:
+        """The compiled shape to run a `length`-token prefill chunk in: its own bucket's; else the
+        smallest larger compiled one (identical tokens: padding invariance) while its own is
+        compiled (not waited for); else the largest smaller compiled one (the caller shrinks the
+        chunk to it); else None, and its own bucket is compiled first in line (the request that
+        needs it waits for it; nobody else does)."""
+        ideal = (kind, bucket_for(length, self.buckets), fresh)
         with self._cond:
-            if all(self._usable_locked(k) for k in keys):
+            if self._usable_locked(ideal):
                 return ideal
-            bigger = [b for b in self.buckets if b >= n and self._usable_locked(("prefill", b, True))]
-            if len(ideal) == 1 and bigger:
-                self._enqueue_locked(keys[0])
-                return [(0, n, bigger[0])]
-        return ideal
+            usable = [b for b in self.buckets if self._usable_locked((kind, b, fresh))]
+            bigger = [b for b in usable if b >= length]
+            smaller = [b for b in usable if b < length]
+            if bigger or smaller:
+                self._enqueue_locked(ideal)
+                return (kind, bigger[0] if bigger else smaller[-1], fresh)
+            self._enqueue_locked(ideal, now=True)
+            return None
 
     def decode_key(self, need_w: int, need_n: int) -> tuple:
         """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal
@@ -316,15 +400,36 @@ class CompiledShapes:
         key = self.decode_key(need_w, min(need_n, self.kv_lengths[-1]))
         self.request(key)
 
-    def narrow_decode(self, key: tuple, need_n: int) -> tuple | None:
-        """While `key` is not usable: a compiled width-1 decode shape covering positions < need_n
-        (each row then decodes alone at its row offset: the same tokens, batch invariance), and
-        `key` is compiled first in line. None when `key` is usable or no such shape exists."""
+    def decode_plan(self, need: Mapping[int, int]) -> tuple[list[tuple[tuple, int, list[int]]], list[int]]:
+        """How to decode one token for cache rows `need` (row → positions it needs: its position
+        + 1) with compiled shapes only: ([(key, first row, rows)], rows that wait).
+
+        The ideal or the cheapest compiled cover of every row (`decode_key`), as one dispatch at
+        row 0. Else the ideal one is compiled first in line, and meanwhile the rows that some
+        compiled cache length covers decode — under one compiled cover of them all, else each
+        alone with width 1 at its row offset (the same tokens: batch invariance) — and a row that
+        no compiled length covers (a long prompt just prefilled) waits for its own shape: no
+        other row waits for it."""
+        rows = sorted(need)
+        key = self.decode_key(rows[-1] + 1, max(need.values()))
         with self._cond:
             if self._usable_locked(key):
-                return None
-            alone = next((k for k in sorted(self._exe) if k[:2] == ("decode", 1) and k[2] >= need_n
-                          and self._usable_locked(k)), None)
-            if alone is not None:
-                self._enqueue_locked(key, now=True)
-            return alone
+                return [(key, 0, rows)], []
+            self._enqueue_locked(key, now=True)
+            compiled = [k for k in self._exe if k[0] == "decode" and self._usable_locked(k)]
+            longest = max((k[2] for k in compiled), default=0)
+            fit = [r for r in rows if need[r] <= longest]
+            wait = [r for r in rows if need[r] > longest]
+            if not fit:
+                return [], wait
+            covers = [k for k in compiled if k[1] >= fit[-1] + 1 and k[2] >= max(need[r] for r in fit)]
+            if covers:
+                return [(min(covers, key=lambda k: (k[2], k[1])), 0, fit)], wait
+            plan = []
+            for r in fit:
+                alone = min((k for k in compiled if k[1] == 1 and k[2] >= need[r]), default=None, key=lambda k: k[2])
+                if alone is None:
+                    wait.append(r)
+                else:
+                    plan.append((alone, r, [r]))
+            return plan, sorted(wait)

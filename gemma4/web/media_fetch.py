@@ -1,7 +1,8 @@
 """The media of an API request: image_url / video_url → `MediaItem` (gemma4.media.files).
 
 A `data:` URI is decoded in place. An http(s) URL is fetched by the server, with a byte limit
-(the body is read no further than it) and a time limit for the whole fetch; a server that cannot
+(the media kind's, `MediaLimits`: the body is read no further than it) and a time limit for the
+whole fetch; a server that cannot
 reach it (offline, DNS, refused, timed out) is refused with a message that says to send the file
 as a data: URI. Other schemes (file:, ftp:) are refused: a client must never make the server
 read its own disk. Fetching can be turned off (GEMMA4_FETCH_URLS=off: data: URIs only), e.g. for
@@ -20,30 +21,29 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from gemma4.env import env_bool, env_float, env_int
-from gemma4.media.files import MediaError, MediaItem, media_from_bytes, media_from_data_uri
+from gemma4.env import env_bool, env_float
+from gemma4.media.files import MediaError, MediaItem, MediaLimits, media_from_bytes, media_from_data_uri
 from gemma4.web.api_schema import ApiError
 
 FETCH_ENV = "GEMMA4_FETCH_URLS"
-FETCH_BYTES_ENV = "GEMMA4_FETCH_MAX_BYTES"
 FETCH_TIMEOUT_ENV = "GEMMA4_FETCH_TIMEOUT_S"
 
 
 @dataclasses.dataclass(frozen=True)
 class FetchPolicy:
-    """enabled: fetch http(s) URLs at all; max_bytes: the largest file (20 MB: a large photo or
-    a short clip); timeout_s: the whole fetch, connection and body (10 s)."""
+    """enabled: fetch http(s) URLs at all (GEMMA4_FETCH_URLS); timeout_s: the whole fetch,
+    connection and body (10 s, GEMMA4_FETCH_TIMEOUT_S); limits: the byte limit per media kind."""
 
     enabled: bool = True
-    max_bytes: int = 20_000_000
     timeout_s: float = 10.0
+    limits: MediaLimits = dataclasses.field(default_factory=MediaLimits)
 
     @classmethod
     def from_env(cls, env=os.environ) -> "FetchPolicy":
         d = cls()
         return cls(enabled=env_bool(env.get(FETCH_ENV), d.enabled),
-                   max_bytes=int(env_int(env, FETCH_BYTES_ENV, d.max_bytes)),
-                   timeout_s=float(env_float(env, FETCH_TIMEOUT_ENV, d.timeout_s)))
+                   timeout_s=float(env_float(env, FETCH_TIMEOUT_ENV, d.timeout_s)),
+                   limits=MediaLimits.from_env(env))
 
 
 def resolve(url: str, kind: str, param: str, policy: FetchPolicy) -> MediaItem:
@@ -51,16 +51,15 @@ def resolve(url: str, kind: str, param: str, policy: FetchPolicy) -> MediaItem:
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     try:
         if scheme == "data":
-            item = media_from_data_uri(url)
+            item = media_from_data_uri(url, kind=kind, limits=policy.limits)
         elif scheme in ("http", "https"):
-            item = media_from_bytes(_fetch(url, param, policy), name=_name_of(url))
+            item = media_from_bytes(_fetch(url, kind, param, policy), name=_name_of(url), kind=kind,
+                                    limits=policy.limits)
         else:
             raise ApiError(400, f"{param}: URLs of scheme {scheme or '(none)'!r} are not accepted; send a data: URI "
                                 "(base64) or an http(s) URL.", param=param)
     except MediaError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None
-    if item.kind != kind:
-        raise ApiError(400, f"{param}: the file is {item.kind!r} data but was sent as an {kind}_url part.", param=param)
     return item
 
 
@@ -68,20 +67,21 @@ def _name_of(url: str) -> str:
     return os.path.basename(urllib.parse.urlsplit(url).path) or urllib.parse.urlsplit(url).netloc
 
 
-def _fetch(url: str, param: str, policy: FetchPolicy) -> bytes:
+def _fetch(url: str, kind: str, param: str, policy: FetchPolicy) -> bytes:
     if not policy.enabled:
         raise ApiError(400, f"{param}: this server does not fetch URLs ({FETCH_ENV}=off); send the file as a data: "
                             "URI (data:image/png;base64,...).", param=param)
     end = time.monotonic() + policy.timeout_s
+    max_bytes, variable = policy.limits.bytes_for(kind), MediaLimits.bytes_variable(kind)
     offline = (f"{param}: could not fetch {url!r}: {{why}}. This server may be offline or unable to reach that "
                "host; send the file as a data: URI (data:image/png;base64,...) instead.")
     try:
         req = urllib.request.Request(url, headers={"User-Agent": "gemma4-jax"})
         with urllib.request.urlopen(req, timeout=policy.timeout_s) as resp:
             declared = resp.headers.get("Content-Length")
-            if declared and declared.isdigit() and int(declared) > policy.max_bytes:
-                raise ApiError(400, f"{param}: {url!r} is {int(declared)} bytes; the limit is {policy.max_bytes} "
-                                    f"bytes ({FETCH_BYTES_ENV}).", param=param)
+            if declared and declared.isdigit() and int(declared) > max_bytes:
+                raise ApiError(400, f"{param}: {url!r} is {int(declared)} bytes; an {kind} may be at most "
+                                    f"{max_bytes} bytes ({variable}).", param=param)
             chunks, size = [], 0
             while True:
                 if time.monotonic() > end:
@@ -90,9 +90,9 @@ def _fetch(url: str, param: str, policy: FetchPolicy) -> bytes:
                 if not chunk:
                     break
                 size += len(chunk)
-                if size > policy.max_bytes:
-                    raise ApiError(400, f"{param}: {url!r} is over the limit of {policy.max_bytes} bytes "
-                                        f"({FETCH_BYTES_ENV}).", param=param)
+                if size > max_bytes:
+                    raise ApiError(400, f"{param}: {url!r} is over the limit of {max_bytes} bytes for an {kind} "
+                                        f"({variable}).", param=param)
                 chunks.append(chunk)
             return b"".join(chunks)
     except urllib.error.HTTPError as e:

@@ -1,0 +1,185 @@
+"""The scheduler: prefill one chunk per iteration beside the other streams' decode steps, atomic
+spans, the chunk-size policy, and no request waiting for a compile another one needs.
+
+Exactness is in token ids (greedy): a prompt prefilled in chunks gives the tokens of its
+prefill in one piece; a stream decoding while another prompt prefills, and that prompt, give
+their solo tokens. A tiny random Gemma 3 (its own engine, two cache lengths) keeps it fast.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gemma4.model.sampling import SamplingParams
+from gemma4.serve import conversation
+from gemma4.serve.engine import Engine, RequestError
+from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, chunk_budget_s, chunk_limit,
+                                         merge_spans, next_chunk, override_limit)
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+BUCKETS = (16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = Engine("random:tiny-gemma3-270m", max_batch=4, context_limit=1024, buckets=BUCKETS)
+    e.wait_compiled(timeout=900)
+    yield e
+    e.close(timeout=120)
+
+
+@pytest.fixture
+def chunk(eng):
+    """Set the chunk size (tokens, beside others and alone) for one test."""
+    def set_chunk(tokens):
+        eng.chunk_override = {False: tokens, True: tokens}
+    yield set_chunk
+    eng.chunk_override = {False: None, True: None}
+
+
+def _prompt(n, seed=0):
+    return [2] + [(7 * i + 13 * seed) % 200 + 10 for i in range(n - 1)]
+
+
+# ---------------------------------------------------------------- the pure policy
+def test_next_chunk_never_ends_inside_a_span():
+    assert next_chunk(0, 100, 32) == 32 and next_chunk(96, 100, 32) == 4
+    spans = merge_spans([(20, 40)])
+    assert next_chunk(0, 100, 32, spans) == 20        # would end inside: ends at the span's start
+    assert next_chunk(20, 100, 16, spans) == 20       # starts at the span: the whole span, past the limit
+    assert next_chunk(40, 100, 32, spans) == 32
+    assert next_chunk(0, 100, 40, spans) == 40        # ends exactly at its end: fine
+    assert merge_spans([(30, 50), (5, 10), (45, 60), (10, 12), (3, 3)]) == [(5, 10), (10, 12), (30, 60)]
+
+
+def test_chunk_size_is_the_largest_bucket_a_few_decode_steps_pay_for():
+    buckets = (16, 32, 64, 128)
+    # cheap chunks (floor well below the budget): tokens grow until the predicted cost exceeds it
+    costs = {16: 0.010}
+    budget = chunk_budget_s(0.05, costs, alone=False)
+    assert budget == INTERLEAVE_STEPS * 0.05
+    assert chunk_limit(buckets, costs, budget) == 128      # 0.01 × 8 = 0.08 ≤ 0.1
+    assert chunk_limit(buckets, {16: 0.010, 64: 0.09}, budget) == 64   # measured: 128 predicted 0.18
+    # a high fixed cost per call (int8 prefill): the budget is FLOOR_SLACK × the cheapest chunk
+    costs = {16: 0.33}
+    assert chunk_budget_s(0.05, costs, alone=False) == pytest.approx(FLOOR_SLACK * 0.33)
+    assert chunk_limit(buckets, costs, chunk_budget_s(0.05, costs, False)) == 32
+    assert chunk_limit(buckets, {16: 0.33, 32: 0.32}, FLOOR_SLACK * 0.32) == 64
+    # alone: LONE_CHUNK_S; nothing measured: the smallest bucket
+    assert chunk_budget_s(0.05, {16: 0.01}, alone=True) == LONE_CHUNK_S
+    assert chunk_limit(buckets, {}, 10.0) == 16
+    assert override_limit({"GEMMA4_PREFILL_CHUNK": "100"}, False, buckets) == 64
+    assert override_limit({"GEMMA4_PREFILL_CHUNK_ALONE": "8"}, True, buckets) == 16
+    assert override_limit({}, False, buckets) is None
+
+
+# ---------------------------------------------------------------- exactness
+def test_chunked_prefill_gives_the_tokens_of_a_whole_one(eng, chunk):
+    prompt = _prompt(150)
+    chunk(64)
+    whole = conversation.generate(eng, prompt, GREEDY)
+    assert whole["stats"]["chunks"] == 3
+    chunk(16)
+    small = conversation.generate(eng, prompt, GREEDY)
+    assert small["stats"]["chunks"] == 10 and small["stats"]["bucket"] == 16
+    assert small["token_ids"] == whole["token_ids"]
+    # spans move the boundaries (never inside one); the tokens stay
+    req = eng.submit(prompt, GREEDY, atomic_spans=[(10, 30), (60, 100)])
+    spanned = list(eng.tokens(req))[-1]
+    assert [c[:2] for c in req.prefill_chunks] == [(0, 10), (10, 20), (30, 16), (46, 14), (60, 40), (100, 16),
+                                                   (116, 16), (132, 16), (148, 2)]
+    assert spanned.token_ids == whole["token_ids"]
+
+
+def test_a_span_longer_than_the_largest_bucket_is_refused_at_submit(eng):
+    with pytest.raises(RequestError, match=r"atomic span of 65 positions .* largest prefill chunk \(64 tokens\)"):
+        eng.submit(_prompt(100), GREEDY, atomic_spans=[(10, 75)])
+    with pytest.raises(RequestError, match="outside the 100-token prompt"):
+        eng.submit(_prompt(100), GREEDY, atomic_spans=[(90, 110)])
+    assert eng.queue_state() == {"active": 0, "waiting": 0, "max_batch": 4}
+
+
+def test_streams_decode_while_a_long_prompt_prefills_with_their_solo_tokens(eng, chunk):
+    """A stream decoding while a 600-token prompt prefills in 16-token chunks keeps decoding
+    between the chunks; both get their solo tokens, and a 4-token prompt sent during the
+    prefill has its first token long before the long prompt does (shortest remaining first)."""
+    chunk(16)
+    running, long, short = _prompt(20, 1), _prompt(600, 2), _prompt(4, 3)
+    many = SamplingParams(temperature=0.0, max_new_tokens=60)
+    solo = {"running": conversation.generate(eng, running, many)["token_ids"],
+            "long": conversation.generate(eng, long, GREEDY)["token_ids"],
+            "short": conversation.generate(eng, short, GREEDY)["token_ids"]}
+    out, first_at = {}, {}
+
+    def run(name, prompt, params):
+        req = eng.submit(prompt, params)
+        for ev in eng.tokens(req):
+            first_at.setdefault(name, time.perf_counter())
+            out[name] = (list(ev.token_ids), ev.stats)
+
+    t = threading.Thread(target=run, args=("running", running, many))
+    t.start()
+    while "running" not in first_at:
+        time.sleep(0.001)
+    threads = [threading.Thread(target=run, args=("long", long, GREEDY)),
+               threading.Thread(target=run, args=("short", short, GREEDY))]
+    for th in threads:
+        th.start()
+        time.sleep(0.005)
+    for th in [t, *threads]:
+        th.join(timeout=300)
+    assert {k: v[0] for k, v in out.items()} == solo
+    long_stats = out["long"][1]
+    assert long_stats["chunks"] == 38 and long_stats["prefill_interleaved_steps"] > 0
+    assert first_at["short"] < first_at["long"]
+    assert not any(v[1]["compiled"] for v in out.values())
+
+
+# ---------------------------------------------------------------- compiles off the request path
+def test_nobody_waits_for_a_shape_another_request_needs(eng, chunk):
+    """With the later-chunk prefill shapes and the longer cache length hidden (as if still
+    compiling), a long prompt waits for them — and says so — while a short request is served
+    from start to end meanwhile, not waiting; once they are usable, the long one finishes with
+    its solo tokens."""
+    chunk(64)
+    long, short = _prompt(700, 4), _prompt(10, 5)
+    solo_long = conversation.generate(eng, long, GREEDY)["token_ids"]
+    solo_short = conversation.generate(eng, short, GREEDY)["token_ids"]
+    eng.shapes.usable_only = {("prefill", b, True) for b in BUCKETS} | {("decode", w, 512) for w in (1, 2, 4)}
+    try:
+        req_long = eng.submit(long, GREEDY)
+        deadline = time.time() + 30
+        while req_long.prefilled == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        assert req_long.prefilled == 64  # its first chunk ran; the next needs a hidden shape
+        served = conversation.generate(eng, short, GREEDY)
+        assert served["token_ids"] == solo_short and served["stats"]["compiled"] is False
+        assert req_long.prefilled == 64 and req_long.stats["compiled"] is True
+    finally:
+        eng.shapes.usable_only = None
+    assert list(eng.tokens(req_long))[-1].token_ids == solo_long
+
+
+def test_a_row_past_every_compiled_cache_length_waits_alone(eng, chunk):
+    """A stream past position 512 (cache length 1024 hidden) waits for its shape while a short
+    stream decodes at length 512; both end with their solo tokens."""
+    chunk(64)
+    long, short = _prompt(520, 6), _prompt(10, 7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    solo = [conversation.generate(eng, p, params)["token_ids"] for p in (long, short)]
+    eng.shapes.usable_only = ({("prefill", b, f) for b in BUCKETS for f in (True, False)}
+                              | {("decode", w, 512) for w in (1, 2, 4)})
+    try:
+        req_long = eng.submit(long, params)
+        stream = eng.tokens(req_long)
+        first = next(stream)  # sampled by its last prefill chunk; its decode needs length 1024
+        assert len(first.token_ids) == 1
+        served = conversation.generate(eng, short, params)
+        assert served["token_ids"] == solo[1] and served["stats"]["compiled"] is False
+        assert req_long.generated == 1 and req_long.stats["compiled"] is True
+    finally:
+        eng.shapes.usable_only = None
+    assert list(stream)[-1].token_ids == solo[0]
