@@ -46,6 +46,8 @@ class MediaLimits:
     - `video_seconds` / `video_frames`: a video is decoded frame by frame up to its last sampled
       frame (as transformers does), so its length is its decoding time: 10 minutes and 36,000
       frames (10 minutes at 60 fps) at most.
+    - `audio_seconds`: a clip is decoded whole before its first 30 s are kept (the model hears
+      no more), so 10 minutes at most; a 2-hour recording is refused, not decoded.
     """
 
     image_bytes: int = 20 * MB
@@ -54,6 +56,7 @@ class MediaLimits:
     image_pixels: int = Image.MAX_IMAGE_PIXELS or 89_478_485
     video_seconds: float = 600.0
     video_frames: int = 36_000
+    audio_seconds: float = 600.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MediaLimits:
@@ -67,6 +70,7 @@ class MediaLimits:
             image_pixels=env_int(env, "GEMMA4_MAX_IMAGE_PIXELS", d.image_pixels),
             video_seconds=env_float(env, "GEMMA4_MAX_VIDEO_SECONDS", d.video_seconds),
             video_frames=env_int(env, "GEMMA4_MAX_VIDEO_FRAMES", d.video_frames),
+            audio_seconds=env_float(env, "GEMMA4_MAX_AUDIO_SECONDS", d.audio_seconds),
         )
 
     def bytes_for(self, kind: str) -> int:

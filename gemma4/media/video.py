@@ -86,6 +86,10 @@ def _open(data: bytes, label: str):
         container.close()
         raise MediaError(f"{label} has no video stream: send a video (audio goes as audio)")
     stream = container.streams.video[0]
+    if stream.codec_context is None:  # a codec FFmpeg has no decoder for (or a damaged header)
+        container.close()
+        raise MediaError(f"{label}'s video codec cannot be decoded: it is damaged, or re-encode "
+                         "it as H.264 (MP4) or VP9 (WEBM)")
     stream.thread_type = "AUTO"  # decoding threads: same frames, sooner
     return container, stream
 

@@ -1,0 +1,224 @@
+"""Audio: clips decoded to 16 kHz mono, and the log-mel features transformers'
+`Gemma4AudioFeatureExtractor` computes from them, bit for bit, in numpy.
+
+Decoding (`decode_audio`): PyAV (FFmpeg) decodes the first audio stream of any file it reads;
+integer samples become float32 as libsndfile makes them (x / 2^15 for 16-bit, x / 2^31 for
+32-bit, (x − 128) / 128 for 8-bit); the channels are averaged (float32 `mean` over channels, as
+transformers' loader does); a rate other than 16 kHz is resampled with FFmpeg's swresample and
+the length set to ⌈n · 16000 / rate⌉ samples (padded or trimmed, as transformers does).
+transformers' own loader resamples with soxr (`soxr_hq`), which is not installed here nor inside
+PyAV's FFmpeg: resampled clips are close to, not identical with, transformers' (docs/media.md).
+
+Features (`audio_features`, the extractor's `__call__` on one clip): the clip cut to its first
+30 s (480,000 samples: `max_length`, `truncation=True`), zero-padded on the right to a multiple
+of 128 samples, 160 zeros prepended (semicausal padding), frames of 321 samples every 160 of which
+the first 320 are used (no pre-emphasis), a periodic Hann window (float32), a 512-point real FFT,
+magnitudes, an HTK mel filter bank (128 bins, 0–8000 Hz, no norm, float64), `log(mel + 0.001)`,
+float32; a frame is real when the last sample of its window is real audio, and padding frames are
+zeroed. The soft tokens are the real frames left after two stride-2 subsamplings (25 a second),
+counted as `Gemma4Processor.replace_audio_token` counts them.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+
+import av
+import numpy as np
+
+from gemma4.media.files import MediaError, MediaLimits, describe
+
+SAMPLE_RATE = 16_000
+MAX_SECONDS = 30  # the extractor's max_length (480,000 samples) and the tower's 750 soft tokens
+MAX_SAMPLES = MAX_SECONDS * SAMPLE_RATE
+FEATURE_SIZE = 128
+FRAME_LENGTH = 320  # 20 ms
+HOP_LENGTH = 160  # 10 ms
+FFT_LENGTH = 512  # the next power of two of the frame
+PAD_TO_MULTIPLE_OF = 128  # the extractor's pad_to_multiple_of (samples)
+MEL_FLOOR = 1e-3
+MIN_FREQUENCY, MAX_FREQUENCY = 0.0, 8000.0
+
+# Integer sample formats: the float32 scale libsndfile applies when reading them as float.
+_INT_SCALE = {"s16": 2.0**-15, "s32": 2.0**-31, "s64": 2.0**-63, "u8": 2.0**-7}
+
+
+def _hertz_to_mel(hz):
+    return 2595.0 * np.log10(1.0 + (hz / 700.0))  # HTK
+
+
+def _mel_to_hertz(mel):
+    return 700.0 * (np.power(10, mel / 2595.0) - 1.0)
+
+
+def mel_filters(num_bins: int = FFT_LENGTH // 2 + 1, num_mel: int = FEATURE_SIZE,
+                low: float = MIN_FREQUENCY, high: float = MAX_FREQUENCY,
+                sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """[num_bins, num_mel] float64: triangles between mel-spaced edges (HTK scale), no
+    normalisation. The top filter falls between FFT bins at 512 points and stays all zero, as in
+    transformers."""
+    edges = _mel_to_hertz(np.linspace(_hertz_to_mel(low), _hertz_to_mel(high), num_mel + 2))
+    bins = np.linspace(0, sample_rate // 2, num_bins)
+    widths = np.diff(edges)
+    offsets = np.expand_dims(edges, 0) - np.expand_dims(bins, 1)
+    rising = -offsets[:, :-2] / widths[:-1]
+    falling = offsets[:, 2:] / widths[1:]
+    return np.maximum(np.zeros(1), np.minimum(rising, falling))
+
+
+MEL_FILTERS = mel_filters()
+WINDOW = np.hanning(FRAME_LENGTH + 1)[:-1].astype(np.float32)  # periodic Hann
+
+
+@dataclass
+class AudioClip:
+    """One clip at 16 kHz mono float32, with what it was and what was done to it."""
+
+    samples: np.ndarray
+    source_rate: int
+    channels: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / SAMPLE_RATE
+
+
+@dataclass
+class AudioFeatures:
+    """The tower's input for one clip: features [T, 128] float32 (padding frames zero), mask [T]
+    bool (real frames), and the soft tokens the clip becomes."""
+
+    features: np.ndarray
+    mask: np.ndarray
+    num_soft_tokens: int
+
+
+def _reason(e: Exception) -> str:
+    return str(e).strip() or type(e).__name__
+
+
+def _planar_float(frame) -> np.ndarray:
+    """A decoded frame as [channels, samples] float32, integers scaled as libsndfile does."""
+    fmt = frame.format
+    raw = frame.to_ndarray()
+    channels = len(frame.layout.channels)
+    if not fmt.is_planar:  # interleaved: [1, samples · channels]
+        raw = raw.reshape(-1, channels).T
+    name = fmt.name.rstrip("p")
+    if name in ("flt", "dbl"):
+        return raw.astype(np.float32)
+    if name == "u8":
+        return (raw.astype(np.float32) - 128.0) * np.float32(_INT_SCALE["u8"])
+    return raw.astype(np.float32) * np.float32(_INT_SCALE[name])
+
+
+def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = None) -> AudioClip:
+    """The first audio stream of `data` as a 16 kHz mono clip, cut to its first 30 s (a note
+    says so). No audio stream, undecodable or damaged data and a clip longer than
+    `limits.audio_seconds` raise `MediaError` naming the clip."""
+    limits = MediaLimits.from_env() if limits is None else limits
+    label = describe(name, "audio")
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise MediaError(f"{label} cannot be read as audio ({_reason(e)}): it is damaged, cut short "
+                         "or not audio; send a WAV, FLAC, OGG, MP3 or M4A file") from None
+    with container:
+        if not container.streams.audio:
+            raise MediaError(f"{label} has no audio track: send an audio file")
+        stream = container.streams.audio[0]
+        if stream.codec_context is None:  # no decoder for its codec (or a damaged header)
+            raise MediaError(f"{label}'s audio codec cannot be decoded: it is damaged, or convert "
+                             "it to WAV, FLAC or MP3")
+        stated = (container.duration or 0) / av.time_base
+        if stated > limits.audio_seconds:
+            raise _too_long(label, stated, limits)
+        chunks, rate, seen, kept, stopped = [], None, 0, 0, False
+        try:
+            for frame in container.decode(stream):
+                rate = rate or frame.sample_rate
+                chunk = _planar_float(frame)
+                if frame.sample_rate != rate or (chunks and chunk.shape[0] != chunks[0].shape[0]):
+                    raise MediaError(f"{label} changes its sample rate or channels midway: convert "
+                                     "it to WAV, FLAC or MP3")
+                seen += chunk.shape[1]
+                if seen > limits.audio_seconds * rate:
+                    raise _too_long(label, seen / rate, limits)
+                # Keep 30 s and one more (the resampler's filter reaches past the cut); past that,
+                # the stated length will do, or the rest is only counted for the limit.
+                if kept < (MAX_SECONDS + 1) * rate:
+                    chunks.append(chunk)
+                    kept += chunk.shape[1]
+                elif stated:
+                    stopped = True
+                    break
+        except (av.FFmpegError, OSError, ValueError) as e:
+            raise MediaError(f"{label} is damaged or cut short ({_reason(e)}): send the file again") from None
+    if not kept:
+        raise MediaError(f"{label} has no audio samples that decode: send the file again")
+    waveform = np.concatenate(chunks, axis=1)
+    channels = waveform.shape[0]
+    mono = waveform.mean(axis=0) if channels > 1 else waveform[0]
+    notes = []
+    if rate != SAMPLE_RATE:
+        mono = resample(mono, rate)
+    if len(mono) > MAX_SAMPLES:
+        length = stated if stopped else seen / rate
+        notes.append(f"{label} is {length:.1f} s long; the model hears the first "
+                     f"{MAX_SECONDS} s")
+        mono = mono[:MAX_SAMPLES]
+    return AudioClip(samples=np.ascontiguousarray(mono, dtype=np.float32), source_rate=rate,
+                     channels=channels, notes=notes)
+
+
+def _too_long(label: str, seconds: float, limits: MediaLimits) -> MediaError:
+    return MediaError(f"{label} is {seconds:.0f} s long; audio may be at most "
+                      f"{limits.audio_seconds:g} s (GEMMA4_MAX_AUDIO_SECONDS), and the model hears "
+                      f"its first {MAX_SECONDS} s: send a shorter clip")
+
+
+def resample(samples: np.ndarray, rate: int) -> np.ndarray:
+    """Mono float32 at `rate` → 16 kHz with FFmpeg's swresample, ⌈n · 16000 / rate⌉ samples."""
+    target = math.ceil(len(samples) * SAMPLE_RATE / rate)
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1).astype(np.float32), format="flt",
+                                       layout="mono")
+    frame.sample_rate, frame.pts = rate, 0
+    out = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame) + resampler.resample(None)]
+    y = np.concatenate(out) if out else np.zeros(0, np.float32)
+    return np.pad(y, (0, max(0, target - len(y))))[:target]
+
+
+def soft_tokens(mask: np.ndarray) -> int:
+    """The real frames left after the tower's two stride-2 convolutions (kernel 3, padding 1),
+    counted as `Gemma4Processor.replace_audio_token` counts them."""
+    for _ in range(2):
+        mask = mask[::2][: (len(mask) + 2 - 3) // 2 + 1]
+    return int(mask.sum())
+
+
+def audio_features(samples: np.ndarray) -> AudioFeatures:
+    """The extractor's features of one 16 kHz mono clip (module docstring)."""
+    x = np.asarray(samples)
+    x = x.astype(np.float32) if x.dtype == np.float64 else x  # the extractor's padding does this
+    x = x[:MAX_SAMPLES]
+    n = len(x)
+    padded = -(-n // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF if n % PAD_TO_MULTIPLE_OF else n
+    real = np.zeros(padded + FRAME_LENGTH // 2, np.int32)
+    real[FRAME_LENGTH // 2: FRAME_LENGTH // 2 + n] = 1
+    wave = np.zeros((1, padded + FRAME_LENGTH // 2), x.dtype)
+    wave[0, FRAME_LENGTH // 2: FRAME_LENGTH // 2 + n] = x
+    span = FRAME_LENGTH + 1  # the extractor frames 321 samples (one more for pre-emphasis)
+    count = max(0, (wave.shape[1] - span) // HOP_LENGTH + 1)
+    if count == 0:  # shorter than one frame
+        empty = np.zeros((0, FEATURE_SIZE), np.float32)
+        return AudioFeatures(features=empty, mask=np.zeros(0, bool), num_soft_tokens=0)
+    frames = np.lib.stride_tricks.sliding_window_view(wave, span, axis=1)[:, ::HOP_LENGTH][:, :count, :-1]
+    spectrum = np.abs(np.fft.rfft(frames * WINDOW, n=FFT_LENGTH, axis=-1))
+    log_mel = np.log(np.matmul(spectrum, MEL_FILTERS) + np.array(MEL_FLOOR, np.float64))[0]
+    mask = real[np.arange(count) * HOP_LENGTH + span - 1].astype(bool)
+    features = log_mel.astype(np.float32) * mask[:, None]
+    return AudioFeatures(features=features, mask=mask, num_soft_tokens=soft_tokens(mask))
