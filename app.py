@@ -25,6 +25,9 @@ from gemma4.serve import distributed_flags
 from gemma4.ui.chat_controls import (
     EXAMPLE_IMAGE,
     IMAGE_EXAMPLE_TEXT,
+    IMAGE_TOKEN_CHOICES,
+    IMAGE_TOKENS_DEFAULT,
+    IMAGE_TOKENS_INFO,
     MEDIA_FILE_TYPES,
     MEDIA_PLACEHOLDER,
     PENALTY_RANGE,
@@ -141,6 +144,10 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                             info=THINK_INFO if think_ok else think_why)
                         system = gr.Textbox(label="System prompt (chat mode)", lines=2,
                                             placeholder="You are a helpful assistant.")
+                        image_tokens = gr.Radio(IMAGE_TOKEN_CHOICES, value=IMAGE_TOKENS_DEFAULT,
+                                                label="Image detail (soft tokens per image)",
+                                                info=IMAGE_TOKENS_INFO, visible=media_ok,
+                                                elem_id="image-tokens")
                         temperature = gr.Slider(0.0, app.temperature_max, value=d["temperature"],
                                                 step=0.05, label="Temperature (0 = greedy)",
                                                 elem_id="temperature")
@@ -176,10 +183,10 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         session = gr.State({"replies": []})
         seen = gr.State({})
         gen_inputs = [chatbot, system, mode, temperature, top_p, top_k, max_new, seed, rep_pen,
-                      session, think]
+                      session, think, image_tokens]
         gen_outputs = [chatbot, reply_panel, session]
         after_outputs = [msg, context_meter, plot_tps, plot_ttft, summary]
-        after_inputs = [chatbot, system, mode, session]
+        after_inputs = [chatbot, system, mode, session, image_tokens]
         hidden = dict(api_visibility="undocumented")
 
         def chain(user_step, **api):
@@ -213,12 +220,12 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         chatbot.clear(cleared, None, [chatbot, msg, reply_panel], cancels=running, queue=False,
                       **hidden).then(app.after_reply, after_inputs, after_outputs, queue=False,
                                      **hidden)
-        system.blur(app.context_meter, [chatbot, system, mode, session], [context_meter],
-                    queue=False, **hidden)
+        system.blur(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
+        image_tokens.change(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
 
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
                         rep_pen, context_meter, think, msg, media_note, image_example.dataset,
-                        seen]
+                        image_tokens, seen]
         gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,

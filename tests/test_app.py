@@ -176,6 +176,13 @@ def test_media_history_to_request_parts(media_files):
     marked = {"role": "user", "content": ["Here <|image|> is it.", {"path": picture}]}
     assert last_user_completion([marked])[0] == "Here <|image|> is it."
     assert last_user_completion([{"role": "user", "content": "Hi "}]) == ("Hi ", [])
+    # Image detail: a budget goes on each image part (a video keeps its per-frame default)
+    detailed = history_to_messages(history[3:], image_tokens=70)[0]["content"]
+    assert [p.get("max_soft_tokens") for p in detailed] == [70, None, None]
+    assert "max_soft_tokens" not in msgs[0]["content"][0]  # none chosen: the request's default
+    assert ChatHandlers.image_tokens(None) is None and ChatHandlers.image_tokens("140") == 140
+    with pytest.raises(ValueError, match="image_tokens must be one of 70, 140, 280, 560, 1120"):
+        ChatHandlers.image_tokens(100)
     # two user messages in a row (the first unanswered) are one turn, their texts joined
     joined = history_to_messages([{"role": "user", "content": "Look:"},
                                   {"role": "user", "content": user_content("this", [picture])}])
@@ -489,9 +496,10 @@ def test_text_only_model_has_no_upload(engine, media_files):
     handler = DemoApp(engine, settings)
     ok, why = handler.media_support()
     assert not ok and why
-    box, note, example = handler.media_updates()
+    box, note, example, detail = handler.media_updates()
     assert box["sources"] == [] and "drop" not in box["placeholder"]
-    assert note.startswith("🚫") and html.escape(why) in note and example["visible"] is False
+    assert note.startswith("🚫") and html.escape(why) in note
+    assert example["visible"] is False and detail["visible"] is False
     demo = app.build_demo(engine, settings)  # ready at build time: built without an upload
     boxes = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "msg"]
     assert len(boxes) == 1 and boxes[0].sources == [] and boxes[0].file_count == "multiple"
@@ -518,15 +526,16 @@ def test_image_turn_reply_panel_and_cache(media_files):
     handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
                                        context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
     assert handler.media_support() == (True, "")
-    box, note, example = handler.media_updates()
-    assert box["sources"] == ["upload"] and note.startswith("🖼") and example["visible"] is True
+    box, note, example, detail = handler.media_updates()
+    assert box["sources"] == ["upload"] and note.startswith("🖼")
+    assert example["visible"] is True and detail["visible"] is True
     update, history = handler.add_user_message({"text": "What is this?", "files": [picture]}, [])
     assert history == [{"role": "user", "content": ["What is this?", {"path": picture}]}]
 
-    def answer(history, script, mode="chat"):
+    def answer(history, script, mode="chat", image_tokens=None):
         with scripted(engine, script) as sc:
             out = list(handler.respond(history, "", mode, 0.0, 0.95, 64, 16, 0, 1.0,
-                                       {"replies": []}))
+                                       {"replies": []}, False, image_tokens))
         assert sc.used == 1
         history, panel, session = out[-1]
         return history, re.findall(r'<div class="media-row">(.*?)</div>', panel), session
@@ -548,6 +557,10 @@ def test_image_turn_reply_panel_and_cache(media_files):
     _, rows, _ = answer([{"role": "user", "content": user_content("A picture of", [picture])}],
                         "a house", mode="completion")
     assert rows == [f"🖼 example_scene.png: {soft} soft tokens · cached, not re-encoded"]
+    # Image detail 70: fewer soft tokens, encoded anew (the cache keys the budget too)
+    _, rows, session = answer(history[:1], "A house.<turn|>", image_tokens=70)
+    fewer = session["replies"][-1]["stats"]["media"][0]["soft_tokens"]
+    assert 0 < fewer <= 70 < soft and "encoded in" in rows[0], rows
     # a file that is no picture, already in the history: a notice saying which, no trace
     out = list(handler.respond([{"role": "user", "content": user_content("?", [bogus])}], "",
                                "chat", 0.0, 0.95, 64, 16, 0, 1.0, {"replies": []}))

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from gemma4.media.image import DEFAULT_SOFT_TOKENS, SOFT_TOKEN_BUDGETS
 from gemma4.ui.panels import session_rows_for_plot
 
 SEED_RANDOM = -1
@@ -30,6 +31,11 @@ MEDIA_FILE_TYPES = ["image", "video"]  # what the upload accepts (Gradio file_ty
 # Drawn by scripts/make_example_image.py (shipped with the app, nothing downloaded).
 EXAMPLE_IMAGE = pathlib.Path(__file__).resolve().parent / "data" / "example_scene.png"
 IMAGE_EXAMPLE_TEXT = "Describe this picture in two sentences."
+# The Image detail control: the tower's soft-token budgets (gemma4.media.image), its default.
+IMAGE_TOKEN_CHOICES = list(SOFT_TOKEN_BUDGETS)
+IMAGE_TOKENS_DEFAULT = DEFAULT_SOFT_TOKENS
+IMAGE_TOKENS_INFO = ("Soft tokens per image: fewer are read (and encoded) faster, more see finer "
+                     "detail. Video frames take 70 each.")
 
 
 def media_note_md(ok: bool, reason: str) -> str:

@@ -36,7 +36,7 @@ class DemoApp(ChatHandlers):
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 11
+        controls: list[Any] = [gr.skip()] * 12
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()

@@ -23,6 +23,7 @@ from gemma4.model import sampling
 from gemma4.serve import conversation
 from gemma4.serve.engine import RequestError
 from gemma4.ui.chat_controls import (
+    IMAGE_TOKEN_CHOICES,
     MEDIA_INFO,
     MEDIA_PLACEHOLDER,
     PENALTY_RANGE,
@@ -122,13 +123,26 @@ class ChatHandlers:
             return False, "Images and video need a model with a vision tower; the model is still loading."
         return self.conversation.supports_vision(self.engine)
 
-    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any]]:
-        """(the message box, the line under it, the picture example): uploads, paste and drag on
-        with a vision tower; otherwise no upload source at all, and the line says why."""
+    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any]]:
+        """(the message box, the line under it, the picture example, the Image detail control):
+        uploads, paste and drag on with a vision tower; otherwise no upload source at all, the
+        line says why, and the example and the control are hidden."""
         ok, reason = self.media_support()
         box = gr.update(sources=["upload"] if ok else [],
                         placeholder=MEDIA_PLACEHOLDER if ok else TEXT_PLACEHOLDER)
-        return box, media_note_md(ok, reason), gr.update(visible=ok)
+        return box, media_note_md(ok, reason), gr.update(visible=ok), gr.update(visible=ok)
+
+    @staticmethod
+    def image_tokens(value: Any) -> int | None:
+        """The Image detail setting as a soft-token budget (None: the request layer's default);
+        ValueError naming the field and the choices for anything else."""
+        if value is None or value == "":
+            return None
+        number = as_number(value)
+        if number is None or number not in IMAGE_TOKEN_CHOICES:
+            choices = ", ".join(map(str, IMAGE_TOKEN_CHOICES))
+            raise ValueError(f"image_tokens must be one of {choices}, not {value!r}")
+        return int(number)
 
     def think_update(self) -> dict[str, Any]:
         """The Think switch: enabled for Gemma 4, disabled with the reason otherwise."""
@@ -199,9 +213,10 @@ class ChatHandlers:
             raise MediaError(reason)
 
     def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
-                repetition_penalty, session, think=False):
+                repetition_penalty, session, think=False, image_tokens=None):
         """Bot step: stream the model's reply (its thought, answer and tool calls as their own
-        messages) into the chat, and its numbers into the panel."""
+        messages) into the chat, and its numbers into the panel. `image_tokens`: the Image
+        detail setting (soft tokens per image; None: the default)."""
         history = [dict(m) for m in history or []]
         session = {"replies": [dict(r) for r in (session or {}).get("replies", [])]}
         user_text = last_user_text(history)
@@ -237,10 +252,11 @@ class ChatHandlers:
             # the template and drops the oldest turns if it outgrows the context), media as parts
             # of their message; completion: the latest text only, its files as media=.
             media: list[dict] = []
+            budget = self.image_tokens(image_tokens)
             if mode == "chat":
-                prompt = history_to_messages(history)
+                prompt = history_to_messages(history, image_tokens=budget)
             else:
-                prompt, media = last_user_completion(history)
+                prompt, media = last_user_completion(history, image_tokens=budget)
         except (ValueError, self.RequestError) as e:
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
@@ -302,14 +318,15 @@ class ChatHandlers:
         ok, reason = self.thinking_support()
         return (True, None) if ok else (False, f"Thinking is off: {reason}")
 
-    def after_reply(self, history, system, mode, session):
+    def after_reply(self, history, system, mode, session, image_tokens=None):
         """Refresh the context meter and the session chart; unlock the textbox."""
         replies = (session or {}).get("replies", [])
         frame = plot_frame(replies)
-        return (gr.update(interactive=True), self.context_meter(history, system, mode, session),
+        return (gr.update(interactive=True),
+                self.context_meter(history, system, mode, session, image_tokens),
                 frame, frame, session_summary_md(replies))
 
-    def context_meter(self, history, system, mode, session) -> str:
+    def context_meter(self, history, system, mode, session, image_tokens=None) -> str:
         info = self.info()
         if not info:
             return context_meter_html(None, None, "(model still loading)")
@@ -321,7 +338,7 @@ class ChatHandlers:
             return context_meter_html(used, limit, "last completion prompt + reply "
                                       "(completion mode sends only your latest message)")
         try:
-            messages = history_to_messages(history)
+            messages = history_to_messages(history, image_tokens=self.image_tokens(image_tokens))
             system = (system or "").strip() or None
             if any(has_media(m) for m in history or ()):  # soft tokens count: the request's ids
                 used = len(self.conversation.prompt_ids(self.engine, messages, system=system))

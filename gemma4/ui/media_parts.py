@@ -93,30 +93,36 @@ def read_textbox(value: Any) -> tuple[str, list[str]]:
                      f"not {type(value).__name__}")
 
 
-def media_part(item: MediaItem) -> dict[str, Any]:
-    """The request layer's content part for one media item ({"type": "image"|"video", "media"})."""
-    return {"type": item.kind, "media": item}
+def media_part(item: MediaItem, image_tokens: int | None = None) -> dict[str, Any]:
+    """The request layer's content part for one media item ({"type": "image"|"video", "media"}),
+    with an image's soft-token budget (`max_soft_tokens`) when one is chosen; a video keeps the
+    request layer's per-frame default."""
+    part: dict[str, Any] = {"type": item.kind, "media": item}
+    if image_tokens is not None and item.kind == "image":
+        part["max_soft_tokens"] = int(image_tokens)
+    return part
 
 
-def request_content(content: Any, *, load: LoadMedia = media_from_path,
-                    trim_parts: bool = True) -> str | list[dict[str, Any]]:
+def request_content(content: Any, *, load: LoadMedia = media_from_path, trim_parts: bool = True,
+                    image_tokens: int | None = None) -> str | list[dict[str, Any]]:
     """A history message's content for the request layer: its text when it has no files, else
-    its media parts (read with `load`) followed by a text part when there is text."""
+    its media parts (read with `load`; images with `image_tokens` soft tokens when given)
+    followed by a text part when there is text."""
     text, files = split_content(content, trim_parts=trim_parts)
     if not files:
         return text
-    parts = [media_part(load(f)) for f in files]
+    parts = [media_part(load(f), image_tokens) for f in files]
     return parts + ([{"type": "text", "text": text}] if text else [])
 
 
-def completion_request(content: Any, *, load: LoadMedia = media_from_path
-                       ) -> tuple[str, list[dict[str, Any]]]:
+def completion_request(content: Any, *, load: LoadMedia = media_from_path,
+                       image_tokens: int | None = None) -> tuple[str, list[dict[str, Any]]]:
     """(prompt text, media parts) of a message for completion mode, where the request layer
     takes a text and its files (`stream_reply(..., media=…)`): the text as typed, in which each
     <|image|> / <|video|> marks where the next file goes (as on the command line); a text with
     no marker gets one per file in front, in order, so the files come first, as in chat mode."""
     text, files = split_content(content, trim_parts=False)
-    parts = [media_part(load(f)) for f in files]
+    parts = [media_part(load(f), image_tokens) for f in files]
     if parts and not any(marker in text for marker in PLACEHOLDERS.values()):
         text = "".join(PLACEHOLDERS[p["type"]] for p in parts) + text
     return text, parts

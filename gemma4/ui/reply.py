@@ -62,12 +62,13 @@ def is_app_message(message: Mapping[str, Any]) -> bool:
     return message.get("role") == "assistant" and bool(meta.get("title") or is_notice(message))
 
 
-def history_to_messages(history: Iterable[Mapping[str, Any]], *,
-                        load: LoadMedia = media_from_path) -> list[dict[str, Any]]:
+def history_to_messages(history: Iterable[Mapping[str, Any]], *, load: LoadMedia = media_from_path,
+                        image_tokens: int | None = None) -> list[dict[str, Any]]:
     """Gradio chat history → the request layer's `[{"role", "content"}]` conversation.
 
     Content is the message's text, or — for a user message with files — its media parts
-    (`{"type": "image"|"video", "media": MediaItem}`, read with `load`) then its text part
+    (`{"type": "image"|"video", "media": MediaItem}`, read with `load`; images with
+    `image_tokens` soft tokens when given) then its text part
     (`gemma4.ui.media_parts.request_content`). App messages (stats, loading lines, earlier
     thoughts and tool-call blocks) are dropped, so a thought never goes back into the prompt;
     so are notices and the user turn(s) they answered, so a refused message (too long, a bad
@@ -88,7 +89,7 @@ def history_to_messages(history: Iterable[Mapping[str, Any]], *,
         role = msg.get("role")
         if not k or role not in ("user", "assistant") or is_app_message(msg):
             continue
-        content = request_content(msg.get("content"), load=load)
+        content = request_content(msg.get("content"), load=load, image_tokens=image_tokens)
         if out and out[-1]["role"] == role:
             out[-1]["content"] = join_contents(out[-1]["content"], content)
         else:
@@ -104,14 +105,14 @@ def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
     return split_content(history[-1].get("content"), trim_parts=False)[0]
 
 
-def last_user_completion(history: Sequence[Mapping[str, Any]], *, load: LoadMedia = media_from_path
-                         ) -> tuple[str, list[dict[str, Any]]] | None:
+def last_user_completion(history: Sequence[Mapping[str, Any]], *, load: LoadMedia = media_from_path,
+                         image_tokens: int | None = None) -> tuple[str, list[dict[str, Any]]] | None:
     """The trailing user message as a completion prompt: (its text as typed, with a marker per
     file where it has none, and its media parts; `media_parts.completion_request`), or None when
     history does not end with a user message."""
     if not history or history[-1].get("role") != "user":
         return None
-    return completion_request(history[-1].get("content"), load=load)
+    return completion_request(history[-1].get("content"), load=load, image_tokens=image_tokens)
 
 
 def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
