@@ -31,6 +31,9 @@ CHROMIUM_ARGS = [
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("GEMMA4_TEST_BROWSER_MODEL", "bundled")  # real text: a random model may emit pieces that decode to nothing
 SAVE = os.environ.get("GEMMA4_SAVE_SCREENSHOTS") == "1"
+# A page's first paint on a busy machine (the engines' background compiles, other jobs): the
+# default 5 s of Playwright's expect was seen to fall short with a load average of 12 on 2 cores.
+PAGE_LOAD_MS = 120_000
 
 if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
     pytest.skip(f"{CHROMIUM} is missing (install Debian's chromium: apt-get install -y chromium)",
@@ -171,7 +174,7 @@ def test_readme_screenshot(served, browser):
     engine.wait_ready(timeout=900)
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     page.goto(url)
-    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready")
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
     max_new = page.locator("#max-new-tokens input[data-testid='number-input']")
     max_new.fill("40")
     max_new.press("Enter")
@@ -226,7 +229,7 @@ def test_thought_block_opens_and_closes(served_gemma4, browser, tmp_path):
     url, engine = served_gemma4
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
-    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready")
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
     think = page.locator("#think input")
     sync_api.expect(think).to_be_enabled()
     think.check()
@@ -274,13 +277,14 @@ def test_image_upload_reply_and_media_row(served_gemma4, browser, tmp_path):
     url, engine = served_gemma4
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     page.goto(url)
-    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready")
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
     sync_api.expect(page.locator("#media-note")).to_contain_text("Images and videos")
     page.get_by_role("radio", name="chat").check()
     upload = page.locator("#msg input[type='file']")
     sync_api.expect(upload).to_have_count(1)  # the box takes files once the model is known
     upload.set_input_files(str(EXAMPLE_IMAGE))
-    sync_api.expect(page.locator("#msg .thumbnail-wrapper img")).to_have_count(1)  # uploaded
+    sync_api.expect(page.locator("#msg .thumbnail-wrapper img")).to_have_count(
+        1, timeout=30_000)  # uploaded
     box = page.locator("#msg textarea")
     panel = page.locator("#reply-stats")
     with scripted(engine, PICTURE_REPLY, FOLLOW_UP_REPLY) as script:
