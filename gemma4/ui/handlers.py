@@ -120,6 +120,8 @@ class ChatHandlers:
     def media_support(self) -> tuple[bool, str]:
         """(can this model read images and video, why not): a vision tower, known once loaded."""
         if not self.info():
+            if self.engine.status().get("state") == "error":
+                return False, "the model could not be loaded"
             return False, "Images and video need a model with a vision tower; the model is still loading."
         return self.conversation.supports_vision(self.engine)
 
