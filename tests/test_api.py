@@ -251,8 +251,8 @@ BAD_BODIES = [  # (body, status, words the message must contain, param)
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
       "response_format": {"type": "json_object"}}, 400, "response_format", "response_format"),
     ({"model": "bundled", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "text only",
-     "messages.0.content.0"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "no vision tower",
+     "messages.0.content.0.image_url.url"),
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400,
      "Unrecognized request argument", "frobnicate"),
     ({"model": "bundled", "messages": [{"role": "user", "content": "hi"}],
@@ -596,3 +596,78 @@ def test_rate_limiter_windows():
     assert rl.check("a", generation=False) is None
     with pytest.raises(ValueError):
         Limits(in_flight=-1).validated()
+
+
+# --------------------------------------------------------------------------- images (issue 16)
+
+
+def _data_uri(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _image_message(url: str, text: str = "What is this?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_an_image_through_the_openai_client(tiny):
+    """The official client sends a data-URI image_url part (and vLLM's mm_processor_kwargs): the
+    reply is the request layer's for the same message, and usage counts the soft tokens as
+    prompt tokens; the image's row is in the gemma4 stats."""
+    from gemma4.media.files import media_from_bytes
+    from gemma4.model.sampling import SamplingParams
+    from tests.test_vision_serve import png
+
+    _, client, engine = tiny
+    data = png(40, 56, seed=12)
+    reply = client.chat.completions.create(model=TINY, messages=_image_message(_data_uri(data)), temperature=0.0,
+                                           max_tokens=5, extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image", "media": media_from_bytes(data), "max_soft_tokens": 70}]}]
+    ids = conversation.prompt_ids(engine, msgs)
+    same = conversation.complete_reply(engine, msgs, SamplingParams(temperature=0.0, max_new_tokens=5))
+    (media,) = reply.model_extra["gemma4"]["stats"]["media"]
+    assert reply.usage.prompt_tokens == len(ids) and media["soft_tokens"] == ids.count(engine.cfg.image_token_id) > 0
+    assert reply.choices[0].message.content == same.answer
+
+
+def test_bad_images_get_clear_400s(tiny, monkeypatch):
+    """Every bad image path answers 400 naming the part's field, and the server goes on serving."""
+    from tests.net import free_port
+    from tests.test_vision_serve import png
+
+    url, client, _ = tiny
+    good = _data_uri(png(20, 20))
+    here = "messages.0.content.1.image_url"
+    cases = [
+        (_image_message("data:image/png;base64,"), "empty", here + ".url"),
+        (_image_message("data:image/png;base64," + "QUJD" * 10), "not", here + ".url"),
+        (_image_message(_data_uri(png(20, 20)[:80])), "damaged or cut short", None),
+        (_image_message("file:///etc/passwd"), "scheme 'file'", here + ".url"),
+        (_image_message(f"http://127.0.0.1:{free_port()}/cat.png"), "offline", here + ".url"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": good, "size": 3}}]}], "only 'url'",
+         "messages.0.content.0.image_url"),
+        ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": good}}]},
+          {"role": "user", "content": "hi"}], "user messages", "messages.0.content"),
+    ]
+    for messages, words, param in cases:
+        r = httpx.post(url + "v1/chat/completions", json={"model": TINY, "messages": messages, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400, (messages, r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and (param is None or err["param"] == param), err
+    r = httpx.post(url + "v1/chat/completions", json={"model": TINY, "messages": _image_message(good), "max_tokens": 2,
+                                                      "mm_processor_kwargs": {"max_soft_tokens": 100}}, timeout=60)
+    assert r.status_code == 400 and "70, 140, 280, 560, 1120" in r.json()["error"]["message"]
+    r = httpx.post(url + "v1/chat/completions", json={"model": TINY, "messages": _image_message(good), "max_tokens": 2,
+                                                      "mm_processor_kwargs": {"frames": 3}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs"
+    monkeypatch.setenv("GEMMA4_MAX_MEDIA", "1")
+    two = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": good}}] * 2}]
+    r = httpx.post(url + "v1/chat/completions", json={"model": TINY, "messages": two, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "at most 1" in r.json()["error"]["message"]
+    monkeypatch.delenv("GEMMA4_MAX_MEDIA")
+    ok = client.chat.completions.create(model=TINY, messages=_image_message(good), max_tokens=2,
+                                        extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
+    assert ok.choices[0].finish_reason in ("stop", "length")

@@ -663,3 +663,34 @@ def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_generate_api_takes_images_as_data_uris(served):
+    """/generate with files: on a Gemma 4 with a tower the image goes where <|image|> stands (or
+    in front) and the stats list it; on this Gemma 3 (no tower) a clear error, and a bad data URI
+    is named."""
+    import base64
+
+    from gradio_client import Client
+
+    from tests.scripted import tiny_gemma4
+    from tests.test_vision_serve import png
+
+    uri = "data:image/png;base64," + base64.b64encode(png(30, 30)).decode()
+    _, client = served
+    with pytest.raises(Exception, match="no vision tower"):
+        client.predict("What is it?", images=[uri], mode="chat", api_name="/generate")
+    eng = tiny_gemma4()
+    settings = Settings(model="random:tiny-e2b", max_users=eng.max_batch, max_new_tokens_cap=64,
+                        context=eng.context_limit)
+    demo = app.build_demo(eng, settings)
+    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, server_port=_free_port())
+    try:
+        g4 = Client(url, verbose=False)
+        out = g4.predict("What is it?", max_new_tokens=3, temperature=0.0, mode="chat", images=[uri],
+                         max_soft_tokens=70, api_name="/generate")
+        assert out["done"] and [m["kind"] for m in out["stats"]["media"]] == ["image"]
+        with pytest.raises(Exception, match="image 1' has no ','"):
+            g4.predict("<|image|> and?", images=["data:image/png;base64"], mode="chat", api_name="/generate")
+    finally:
+        demo.close()

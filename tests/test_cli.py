@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,3 +43,38 @@ def test_bad_model_is_a_clear_error():
     out = _run("generate", "--model", "no/such-model-here", "--prompt", "x", timeout=300,)
     assert out.returncode != 0
     assert "error" in out.stderr.lower() and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_generate_with_an_image_on_a_tiny_gemma4(tmp_path):
+    """`generate --image` on a tiny random Gemma 4 with its tower: the file goes where <|image|>
+    stands, the JSON's token_ids are the generated ids (those the request layer gives the same
+    prompt and file in-process), stats list the image; a marker without its file is a clear error."""
+    from tests.test_vision_serve import png
+
+    picture = tmp_path / "pic.png"
+    picture.write_bytes(png(40, 30, seed=3))
+    common = ("generate", "--model", "random:tiny-e2b", "--temperature", "0", "--max-new-tokens", "4",
+              "--buckets", "16,64", "--context", "512", "--max-soft-tokens", "70")
+    out = _run(*common, "--prompt", "Look: <|image|> It is", "--image", str(picture), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    (media,) = result["stats"]["media"]
+    assert (media["kind"], media["name"], media["cached"]) == ("image", "pic.png", False) and media["soft_tokens"] > 0
+
+    from gemma4.media.files import media_from_path
+    from gemma4.model.sampling import SamplingParams
+    from gemma4.serve import conversation
+    from tests.scripted import tiny_gemma4
+
+    part = {"type": "image", "media": media_from_path(picture), "max_soft_tokens": 70}
+    same = conversation.generate(tiny_gemma4(), "Look: <|image|> It is", SamplingParams(temperature=0.0, max_new_tokens=4),
+                                 media=[part])
+    assert result["token_ids"] == same["token_ids"] and len(result["token_ids"]) == result["stats"]["new_tokens"]
+
+    missing = _run(*common, "--prompt", "Two <|image|> and <|image|>", "--image", str(picture), timeout=300)
+    assert missing.returncode == 2 and "2 <|image|> and 0 <|video|> markers but 1 image" in missing.stderr
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"")
+    empty = _run(*common, "--prompt", "<|image|>", "--image", str(bad), timeout=300)
+    assert empty.returncode == 2 and "empty" in empty.stderr and "Traceback" not in empty.stderr

@@ -39,6 +39,25 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+def mp4(frames: int = 4, fps: int = 2, size: tuple[int, int] = (48, 64)) -> bytes:
+    """A tiny clip made here (PyAV, mpeg4): each frame a different noise picture."""
+    import av
+
+    h, w = size
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        rng = np.random.default_rng(0)
+        for _ in range(frames):
+            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def image_part(data: bytes, name: str = "pic.png", **extra) -> dict:
     return {"type": "image", "media": media_from_bytes(data, name=name), **extra}
 
@@ -174,6 +193,33 @@ def test_two_images_in_one_prompt_and_a_follow_up_turn(eng):
     assert [m["cached"] for m in second["stats"]["media"]] == [True, True, True]
     ids = conversation.prompt_ids(eng, follow)
     assert ids.count(eng.cfg.boi_token_id) == 3
+
+
+def test_a_video_is_its_frames_with_timestamps_as_the_processor_writes_them(eng):
+    """A video part expands as Gemma4Processor's replace_video_token (gemma4.media.layout's
+    video_expansion): "mm:ss <|image>" + n × <|video|> + "<image|>" per frame, joined by spaces;
+    each frame's run gets its own rows (one vision group per frame); asked again, it is cached."""
+    from gemma4.media import layout
+    from gemma4.media.video import video_patches
+
+    shared_cache().clear()
+    cfg, tok = eng.cfg, eng.tokenizer
+    data = mp4()
+    part = {"type": "video", "media": media_from_bytes(data, name="clip.mp4")}
+    msgs = [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}]
+    ids = conversation.prompt_ids(eng, msgs)
+    frames = video_patches(data, patch_size=cfg.vision.patch_size, pooling_kernel_size=cfg.vision.pooling_kernel_size)
+    names = {cfg.boi_token_id: layout.BOI, cfg.eoi_token_id: layout.EOI, cfg.video_token_id: layout.VIDEO_PLACEHOLDER}
+    first, last = ids.index(cfg.boi_token_id), len(ids) - ids[::-1].index(cfg.eoi_token_id)
+    text = "".join(names.get(t) or tok.decode([t]) for t in ids[first:last])
+    expected = layout.video_expansion([(f.timestamp, f.patches.num_soft_tokens) for f in frames])
+    stamp = frames[0].timestamp + " "
+    assert stamp + text == expected and tok.decode(ids[:first]).endswith("user\n\n\n" + stamp)
+    out = conversation.generate(eng, msgs, GREEDY, mode="chat")
+    (media,) = out["stats"]["media"]
+    assert (media["kind"], media["soft_tokens"], media["cached"]) == ("video", sum(f.patches.num_soft_tokens for f in frames), False)
+    again = conversation.generate(eng, msgs, GREEDY, mode="chat")
+    assert again["stats"]["media"][0]["cached"] and again["token_ids"] == out["token_ids"]
 
 
 def test_typed_placeholder_text_stays_text(eng):

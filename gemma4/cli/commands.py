@@ -78,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=["completion", "chat"], default="completion",
                    help="completion: raw text after BOS; chat: wrap in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, flags)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the next <|image|> in --prompt (repeatable, in order; a Gemma 4 model)")
+    g.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="a video for the next <|video|> in --prompt (repeatable, in order)")
+    g.add_argument("--max-soft-tokens", type=int, default=None, metavar="N",
+                   help="soft tokens per image (70, 140, 280, 560 or 1120; default 280) and per video frame "
+                        "(default 70)")
     c = sub.add_parser("chat", help="interactive terminal chat")
     _add_model_args(c)
     _sampling_args(c)

@@ -18,9 +18,11 @@ import sys
 
 from gemma4.model.config import PRESETS
 from gemma4.model.sampling import SamplingParams
+from gemma4.media.files import MediaError, media_from_path
 from gemma4.plan import preflight, preflight_devices, sharding
 from gemma4.serve import conversation, distributed, distributed_flags
 from gemma4.serve.engine import RequestError, get_engine
+from gemma4.serve.media_prompt import parts_in_marker_order
 from gemma4.serve.probe import main as hardware_main
 from gemma4.ui import mesh_panel
 from gemma4.weights import sources
@@ -107,6 +109,11 @@ def _run_on_engine(args, body) -> int:
 
 
 def cmd_generate(args) -> int:
+    try:  # the files and the markers are checked before the model loads
+        args.media_parts = _media_parts(args)
+    except (RequestError, MediaError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return _run_on_engine(args, _generate)
 
 
@@ -115,12 +122,13 @@ def _generate(engine, args) -> int:
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
-        events = conversation.stream(engine, args.prompt, args.params, mode=args.mode)
+        events = conversation.stream(engine, args.prompt, args.params, mode=args.mode,
+                                     media=getattr(args, "media_parts", ()))
         last = None
         for last in events:
             if not args.json:
                 print(last.delta, end="", flush=True)
-    except RequestError as e:
+    except (RequestError, MediaError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -134,6 +142,16 @@ def _generate(engine, args) -> int:
               f"flags: {'ok' if last.flags.get('ok') else ', '.join(last.flags.get('fired', []))}]",
               file=sys.stderr)
     return 0
+
+
+def _media_parts(args) -> list[dict]:
+    """--image / --video files as the request layer's parts, in the order their markers come in
+    --prompt (a file that cannot be read, or a marker count that does not match, is an error)."""
+    images = [media_from_path(p, kind="image") for p in getattr(args, "image", None) or ()]
+    videos = [media_from_path(p, kind="video") for p in getattr(args, "video", None) or ()]
+    if not images and not videos:
+        return []
+    return parts_in_marker_order(args.prompt, images, videos, getattr(args, "max_soft_tokens", None))
 
 
 def cmd_chat(args) -> int:

@@ -627,6 +627,11 @@ class Engine:
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
         kind, size, extra = key
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        if kind == "vision":  # the tower for `size` images of `extra` patches (`encode_images`)
+            cfg, dtype = self.cfg, self.options.dtype
+            step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
+            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, cfg.vision.patch_dim), jnp.float32),
+                              i32(size, extra, 2))
         if kind == "prefill":
             return self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
                                               i32(1), SamplingRows.spec(1))
@@ -778,11 +783,9 @@ class Engine:
         with self._vision_lock:
             if key in self._vision_exe:
                 return self._vision_exe[key], False
-            cfg, dtype = self.cfg, self.options.dtype
-            step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
-            patch = 3 * cfg.vision.patch_size ** 2
-            exe = step.lower(self.params, jax.ShapeDtypeStruct((width, max_patches, patch), jnp.float32),
-                             jax.ShapeDtypeStruct((width, max_patches, 2), jnp.int32)).compile()
+            # Lowered under the compile threads' lock (`_lower`'s "vision" kind): two traces at once
+            # broke a prefill compile here (a jaxpr KeyError) while an image was encoded.
+            exe = self.shapes.compile(("vision", width, max_patches))
             self._vision_exe[key] = exe
             return exe, True
 

@@ -35,7 +35,7 @@ import numpy as np
 from gemma4.env import env_int
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, decode_image, preprocess_image
-# TEMPORARY until the media branch's video module lands: from gemma4.media.video import video_patches
+from gemma4.media.video import video_patches
 from gemma4.serve.engine import Embeddings, RequestError
 from gemma4.serve.media_cache import shared_cache
 
@@ -86,6 +86,27 @@ def parts_from_marked_text(text: str, media: Sequence[Mapping[str, Any]]) -> lis
         pos = m.end()
     if text[pos:].strip():
         out.append({"type": "text", "text": text[pos:]})
+    return out
+
+
+def parts_in_marker_order(text: str, images: Sequence[MediaItem], videos: Sequence[MediaItem],
+                          max_soft_tokens: int | None = None) -> list[dict]:
+    """Media parts for a text's markers in the order they appear: each <|image|> takes the next
+    of `images`, each <|video|> the next of `videos` (the CLI's --image / --video). RequestError
+    when the counts differ."""
+    counts = count_markers(text)
+    if counts != {"image": len(images), "video": len(videos)}:
+        raise RequestError(f"The prompt has {counts['image']} <|image|> and {counts['video']} <|video|> markers but "
+                           f"{len(images)} image(s) and {len(videos)} video(s) were given: put one marker where each "
+                           "file goes, in order.")
+    pending = {"image": iter(images), "video": iter(videos)}
+    out = []
+    for m in _MARKER.finditer(text):
+        kind = COMPLETION_MARKERS[m.group(0)]
+        part = {"type": kind, "media": next(pending[kind])}
+        if max_soft_tokens is not None:
+            part["max_soft_tokens"] = max_soft_tokens
+        out.append(part)
     return out
 
 
@@ -178,8 +199,8 @@ class MediaPlan:
                                                patch_size=vis.patch_size, pooling_kernel_size=vis.pooling_kernel_size)
                     prep.frames, prep.patches = [(None, int(patches.num_soft_tokens))], [patches]
             else:  # a video's frames are decoded every time (cheap next to the tower); its rows are cached
-                raise RequestError("video input is not wired yet (gemma4.media.video)")  # TEMPORARY
-                frames = video_patches(item.data, max_soft_tokens=budget)  # noqa: F821
+                frames = video_patches(item.data, max_soft_tokens=budget, name=name, patch_size=vis.patch_size,
+                                       pooling_kernel_size=vis.pooling_kernel_size)
                 prep.frames = [(f.timestamp, int(f.patches.num_soft_tokens)) for f in frames]
                 prep.patches = [] if rows is not None else [f.patches for f in frames]
         except MediaError as e:

@@ -11,6 +11,8 @@ from typing import Any
 
 import gradio as gr
 
+from gemma4.media.files import MediaError, media_from_data_uri
+from gemma4.serve.media_prompt import count_markers, parts_in_marker_order
 from gemma4.ui import mesh_panel
 from gemma4.ui.handlers import ChatHandlers, throttled
 from gemma4.ui.hardware_panel import compile_markdown, hardware_markdown, memory_markdown
@@ -76,13 +78,18 @@ class DemoApp(ChatHandlers):
     def generate(self, prompt: str, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, mode: str = "auto",
-                 system: str = "", thinking: bool = False) -> Iterator[dict]:
+                 system: str = "", thinking: bool = False, images: list[str] | None = None,
+                 videos: list[str] | None = None, max_soft_tokens: int | None = None) -> Iterator[dict]:
         """Generate a reply to `prompt`; streams partial results, the last one has done=True.
 
         Settings left as None use the model's defaults. mode: "chat" (the prompt is one user
         turn, rendered with the chat template), "completion" (raw text to continue) or "auto"
         (completion for base models, chat otherwise). thinking: Gemma 4 thinks first (chat
-        mode; an error for Gemma 3). Returns {"text" (the answer), "thought", "tool_calls"
+        mode; an error for Gemma 3). images / videos: files as data: URIs
+        ("data:image/png;base64,..."), each for the next <|image|> / <|video|> in the prompt, in
+        order (a prompt without markers gets them in front: images, then videos);
+        max_soft_tokens: 70, 140, 280, 560 or 1120 per image (default 280; 70 per video frame).
+        Returns {"text" (the answer), "thought", "tool_calls"
         ([{"id", "name", "arguments"}]), "stats", "flags", "flagged", "fired_rules",
         "finish_reason", "done", "mode", "model", "notes"}.
         """
@@ -103,9 +110,10 @@ class DemoApp(ChatHandlers):
         model = self.settings.model
         gen = None
         try:
+            prompt, media = self._media(prompt, images, videos, max_soft_tokens)
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
-                                                 thinking=bool(thinking))
+                                                 thinking=bool(thinking), media=media)
             for ev in throttled(gen):
                 flags = dict(ev.flags or {})
                 flagged, fired = flags_summary(flags)
@@ -118,7 +126,7 @@ class DemoApp(ChatHandlers):
                        "flagged": flagged, "fired_rules": fired,
                        "finish_reason": ev.finish_reason, "done": bool(ev.done), "mode": mode,
                        "model": model, "notes": all_notes}
-        except self.RequestError as e:
+        except (self.RequestError, MediaError) as e:
             raise gr.Error(str(e)) from None
         except gr.Error:
             raise
@@ -128,3 +136,17 @@ class DemoApp(ChatHandlers):
         finally:
             if gen is not None:
                 gen.close()
+
+    @staticmethod
+    def _media(prompt: str, images: list[str] | None, videos: list[str] | None,
+               max_soft_tokens: int | None) -> tuple[str, list[dict]]:
+        """(prompt, media parts) for /generate: each data: URI as a file (MediaError says what is
+        wrong with which); a prompt without markers gets one per file in front."""
+        images, videos = list(images or ()), list(videos or ())
+        if not images and not videos:
+            return prompt, []
+        items = {kind: [media_from_data_uri(uri, name=f"{kind} {k + 1}", kind=kind) for k, uri in enumerate(uris)]
+                 for kind, uris in (("image", images), ("video", videos))}
+        if not any(count_markers(prompt).values()):
+            prompt = "<|image|>" * len(images) + "<|video|>" * len(videos) + prompt
+        return prompt, parts_in_marker_order(prompt, items["image"], items["video"], max_soft_tokens)
