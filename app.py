@@ -22,7 +22,22 @@ from typing import Any
 import gradio as gr
 
 from gemma4.serve import distributed_flags
-from gemma4.ui.chat_controls import PENALTY_RANGE, SEED_RANDOM, THINK_INFO, TOP_P_RANGE, plot_frame
+from gemma4.ui.chat_controls import (
+    EXAMPLE_IMAGE,
+    IMAGE_EXAMPLE_TEXT,
+    IMAGE_TOKEN_CHOICES,
+    IMAGE_TOKENS_DEFAULT,
+    IMAGE_TOKENS_INFO,
+    MEDIA_FILE_TYPES,
+    MEDIA_PLACEHOLDER,
+    PENALTY_RANGE,
+    SEED_RANDOM,
+    TEXT_PLACEHOLDER,
+    THINK_INFO,
+    TOP_P_RANGE,
+    media_note_md,
+    plot_frame,
+)
 from gemma4.ui.panels import context_meter_html, model_banner_html, queue_html, session_summary_md, status_html
 from gemma4.ui.reply import empty_reply_panel_html
 from gemma4.web import server
@@ -46,6 +61,10 @@ CHAT_EXAMPLES = [
 CSS = """
 #reply-stats table td { font-size: 0.92em; }
 #model-banner, #engine-status { margin-bottom: 2px; }
+#media-note { font-size: 0.85em; color: #616161; margin-top: -6px; }
+/* a message's pictures and videos as thumbnails (the ⛶ button still shows them whole) */
+#chatbot .user-row .image-container, #chatbot .user-row video { max-width: 240px; }
+#chatbot .user-row .image-frame img, #chatbot .user-row video { max-height: 180px; width: auto; }
 """
 
 
@@ -66,6 +85,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         else [[e, "chat"] for e in CHAT_EXAMPLES] + [[e, "completion"] for e in COMPLETION_EXAMPLES]
     )
     engine_events = dict(concurrency_limit=settings.max_users, concurrency_id="engine")
+    media_ok, media_why = app.media_support()  # known once the model is ready; tick() updates it
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
         gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
@@ -83,15 +103,21 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     ),
                 )
                 with gr.Row():
-                    msg = gr.Textbox(label="Message", show_label=False, scale=8, lines=1,
-                                     max_lines=8,
-                                     placeholder="Type a message and press Enter",
-                                     elem_id="msg", autofocus=True)
+                    # Text, plus images and videos (📎, drag and drop, paste) where the model has
+                    # a vision tower; with no source at all the box takes text only. Pasted
+                    # text stays text (Gradio turns a long paste into a .txt file otherwise).
+                    msg = gr.MultimodalTextbox(
+                        label="Message", show_label=False, scale=8, lines=1, max_lines=8,
+                        placeholder=MEDIA_PLACEHOLDER if media_ok else TEXT_PLACEHOLDER,
+                        elem_id="msg", autofocus=True, file_types=MEDIA_FILE_TYPES,
+                        file_count="multiple", sources=["upload"] if media_ok else [],
+                        submit_btn=False, max_plain_text_length=10**9)
                     send_btn = gr.Button("Send", variant="primary", scale=1, min_width=100,
                                          elem_id="send")
                     stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, min_width=100,
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
+                media_note = gr.Markdown(media_note_md(media_ok, media_why), elem_id="media-note")
                 with gr.Row():
                     context_meter = gr.HTML(context_meter_html(None, None))
                     queue_box = gr.HTML(queue_html(None))
@@ -102,6 +128,11 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                      "through the chat template.")
                 gr.Examples(examples=examples, inputs=[msg, mode], cache_examples=False,
                             label="Examples (click one, then press Enter)")
+                # Offered only where the model reads images (tick() shows it once it knows).
+                image_example = gr.Examples(
+                    examples=[[{"text": IMAGE_EXAMPLE_TEXT, "files": [str(EXAMPLE_IMAGE)]}, "chat"]],
+                    inputs=[msg, mode], cache_examples=False, visible=media_ok,
+                    label="Example with a picture (drawn for this demo)")
             with gr.Column(scale=2):
                 gr.Markdown("### This reply")
                 reply_panel = gr.HTML(empty_reply_panel_html(), elem_id="reply-panel")
@@ -113,6 +144,10 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                             info=THINK_INFO if think_ok else think_why)
                         system = gr.Textbox(label="System prompt (chat mode)", lines=2,
                                             placeholder="You are a helpful assistant.")
+                        image_tokens = gr.Radio(IMAGE_TOKEN_CHOICES, value=IMAGE_TOKENS_DEFAULT,
+                                                label="Image detail (soft tokens per image)",
+                                                info=IMAGE_TOKENS_INFO, visible=media_ok,
+                                                elem_id="image-tokens")
                         temperature = gr.Slider(0.0, app.temperature_max, value=d["temperature"],
                                                 step=0.05, label="Temperature (0 = greedy)",
                                                 elem_id="temperature")
@@ -148,10 +183,10 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         session = gr.State({"replies": []})
         seen = gr.State({})
         gen_inputs = [chatbot, system, mode, temperature, top_p, top_k, max_new, seed, rep_pen,
-                      session, think]
+                      session, think, image_tokens]
         gen_outputs = [chatbot, reply_panel, session]
         after_outputs = [msg, context_meter, plot_tps, plot_ttft, summary]
-        after_inputs = [chatbot, system, mode, session]
+        after_inputs = [chatbot, system, mode, session, image_tokens]
         hidden = dict(api_visibility="undocumented")
 
         def chain(user_step, **api):
@@ -185,11 +220,12 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         chatbot.clear(cleared, None, [chatbot, msg, reply_panel], cancels=running, queue=False,
                       **hidden).then(app.after_reply, after_inputs, after_outputs, queue=False,
                                      **hidden)
-        system.blur(app.context_meter, [chatbot, system, mode, session], [context_meter],
-                    queue=False, **hidden)
+        system.blur(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
+        image_tokens.change(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
 
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
-                        rep_pen, context_meter, think, seen]
+                        rep_pen, context_meter, think, msg, media_note, image_example.dataset,
+                        image_tokens, seen]
         gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,

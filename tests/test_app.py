@@ -3,6 +3,7 @@ gradio_client against a real engine with a tiny random model (plus one bundled-m
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import socket
@@ -12,11 +13,15 @@ import threading
 import time
 import pathlib
 
+import gradio as gr
 import pytest
 
 import app
+from gemma4.media.files import MediaError
 from gemma4.ui.demo import DemoApp
-from gemma4.ui.chat_controls import guess_is_base
+from gemma4.ui.chat_controls import EXAMPLE_IMAGE, guess_is_base
+from gemma4.ui.handlers import ChatHandlers
+from gemma4.ui.media_parts import read_textbox, user_content
 from gemma4.web.settings import Settings, parse_settings
 from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
 from gemma4.ui.numbers import clamp
@@ -33,6 +38,7 @@ from gemma4.ui.reply import (
     history_to_messages,
     is_app_message,
     is_notice,
+    last_user_completion,
     last_user_text,
     message_index,
     notice_message,
@@ -110,6 +116,137 @@ def test_history_to_messages_drops_app_messages_and_refused_turns():
     assert pop_last_user_turn(parts)[1] == "The capital of France is "
     assert message_text(parts[0]["content"]) == "The capital of France is"  # chat turns: trimmed, as HF
     assert message_index([4, 0]) == 4 and message_index(2) == 2
+
+
+# --------------------------------------------------------------------------- media in the chat
+
+# The smallest byte strings whose kind media.files sniffs as video (an MP4 'ftyp' box) and as
+# nothing at all; the picture is the one the app ships.
+MP4_HEAD = b"\x00\x00\x00\x18ftypmp42" + bytes(16)
+
+
+@pytest.fixture
+def media_files(tmp_path):
+    """(picture, video, not-media) paths, as Gradio's upload cache would hold them."""
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(MP4_HEAD)
+    bogus = tmp_path / "notes.png"  # a text file named like a picture
+    bogus.write_text("not a picture")
+    return str(EXAMPLE_IMAGE), str(video), str(bogus)
+
+
+def gradio_file(path: str, mime: str) -> dict:
+    """A file part as Gradio hands the Chatbot history back to event functions."""
+    return {"type": "file", "alt_text": None,
+            "file": {"path": path, "url": None, "size": None, "orig_name": None,
+                     "mime_type": mime, "is_stream": False, "meta": {"_type": "gradio.FileData"}}}
+
+
+def test_media_history_to_request_parts(media_files):
+    picture, video, bogus = media_files
+    assert read_textbox({"text": "What is it?", "files": [picture]}) == ("What is it?", [picture])
+    assert read_textbox("plain") == ("plain", []) and read_textbox(None) == ("", [])
+    assert user_content("Hi", []) == "Hi"  # a text message keeps its string content
+    assert user_content("What is it?", [picture]) == ["What is it?", {"path": picture}]
+    assert user_content("  ", [picture]) == [{"path": picture}]  # a picture alone
+    history = [
+        {"role": "user", "content": user_content("What is it?", [picture])},  # as the app writes it
+        {"role": "assistant", "content": "A house."},
+        stats_message({"media": [{"kind": "image", "name": "x.png", "soft_tokens": 70}]}, {},
+                      done=True),
+        {"role": "user", "content": [{"type": "text", "text": " And these? "},  # as Gradio
+                                     gradio_file(picture, "image/png"),  # returns it
+                                     gradio_file(video, "video/mp4")]},
+    ]
+    msgs = history_to_messages(history)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    first, last = msgs[0]["content"], msgs[2]["content"]
+    assert [p["type"] for p in first] == ["image", "text"] and first[1]["text"] == "What is it?"
+    item = first[0]["media"]
+    assert (item.kind, item.name) == ("image", "example_scene.png")
+    assert item.data == EXAMPLE_IMAGE.read_bytes()
+    assert msgs[1]["content"] == "A house."
+    assert [p["type"] for p in last] == ["image", "video", "text"]
+    assert last[1]["media"].name == "clip.mp4" and last[2]["text"] == "And these?"  # trimmed, as HF
+    assert last[0]["media"].digest == item.digest  # the same picture: one cache entry
+    assert last_user_text(history) == " And these? "  # completion: as typed
+    # completion mode: the text as typed, a marker per file in front (or where the text has them)
+    text, media = last_user_completion(history)
+    assert text == "<|image|><|video|> And these? " and [p["type"] for p in media] == ["image", "video"]
+    marked = {"role": "user", "content": ["Here <|image|> is it.", {"path": picture}]}
+    assert last_user_completion([marked])[0] == "Here <|image|> is it."
+    assert last_user_completion([{"role": "user", "content": "Hi "}]) == ("Hi ", [])
+    # Image detail: a budget goes on each image part (a video keeps its per-frame default)
+    detailed = history_to_messages(history[3:], image_tokens=70)[0]["content"]
+    assert [p.get("max_soft_tokens") for p in detailed] == [70, None, None]
+    assert "max_soft_tokens" not in msgs[0]["content"][0]  # none chosen: the request's default
+    assert ChatHandlers.image_tokens(None) is None and ChatHandlers.image_tokens("140") == 140
+    with pytest.raises(ValueError, match="image_tokens must be one of 70, 140, 280, 560, 1120"):
+        ChatHandlers.image_tokens(100)
+    # two user messages in a row (the first unanswered) are one turn, their texts joined
+    joined = history_to_messages([{"role": "user", "content": "Look:"},
+                                  {"role": "user", "content": user_content("this", [picture])}])
+    assert len(joined) == 1 and [p["type"] for p in joined[0]["content"]] == ["text", "image", "text"]
+    joined = history_to_messages([{"role": "user", "content": user_content("a", [picture])},
+                                  {"role": "user", "content": "b"}])
+    assert [p.get("text") for p in joined[0]["content"]] == [None, "a\n\nb"]
+    # a refused media turn (answered by a notice) leaves the next prompt
+    refused = [*history[:3], {"role": "user", "content": user_content("?", [bogus])},
+               notice_message("Not sent to the model: not a picture"),
+               {"role": "user", "content": "Thanks"}]
+    assert history_to_messages(refused)[-1] == {"role": "user", "content": "Thanks"}
+    # a file that is not an image or video is refused with its name, before any model work
+    with pytest.raises(MediaError, match="notes.png"):
+        history_to_messages([{"role": "user", "content": user_content("?", [bogus])}])
+
+
+def test_retry_edit_undo_keep_media(media_files):
+    picture, video, _ = media_files
+    handler = ChatHandlers(engine=None, settings=Settings())  # these steps never touch the engine
+    turn = {"role": "user", "content": [{"type": "text", "text": "Compare them."},
+                                        gradio_file(picture, "image/png"),
+                                        gradio_file(video, "video/mp4")]}
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    done = [*earlier, turn, *reply_messages("They differ.", {}, {}, done=True,
+                                            finish_reason="stop")]
+    # Retry: the reply goes, the turn stays with both files
+    assert handler.retry(done) == [*earlier, turn]
+    # Undo: the turn goes, its text and files go back into the message box, in order
+    rest, box = handler.undo(done)
+    assert rest == earlier and box == {"text": "Compare them.", "files": [picture, video]}
+    assert pop_last_user_turn(done) == (earlier, "Compare them.")
+    # Edit: Gradio sends the message's index and its new text; the files stay with it (Gradio
+    # 6.31 offers no Edit on a bubble ending with a file, see media_parts; a fixed one may)
+    edited = handler.edit(done, gr.EditData(None, {"index": 2, "value": "Which is larger?",
+                                                   "previous_value": "Compare them."}))
+    assert edited == [*earlier, {"role": "user",
+                                 "content": ["Which is larger?", {"path": picture},
+                                             {"path": video}]}]
+    assert [p["type"] for p in history_to_messages(edited)[-1]["content"]] == [
+        "image", "video", "text"]
+    # editing a text message still gives a text message
+    assert handler.edit(done, gr.EditData(None, {"index": 0, "value": "Hey",
+                                                 "previous_value": "Hi"})) == [
+        {"role": "user", "content": "Hey"}]
+
+
+def test_reply_panel_media_rows():
+    media = [{"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.8412,
+              "cached": False},
+             {"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.0,
+              "cached": True},
+             {"kind": "video", "name": "<clip>.mp4", "soft_tokens": 560, "encode_s": 3.2,
+              "cached": False, "compiled": True}]
+    panel = reply_panel_html({"media": media, "prefill_tokens": 900}, {}, done=True,
+                             finish_reason="stop")
+    rows = re.findall(r'<div class="media-row">(.*?)</div>', panel)
+    assert rows == ["🖼 scene.png: 280 soft tokens · encoded in 0.84 s",
+                    "🖼 scene.png: 280 soft tokens · cached, not re-encoded",
+                    "🎞 &lt;clip&gt;.mp4: 560 soft tokens · encoded in 3.20 s (incl. compiling the tower)"]
+    assert "Media" in panel
+    assert "media-row" not in reply_panel_html({"prefill_tokens": 9}, {}, done=True)
+    details = stats_message({"media": media[:1]}, {}, done=True)["content"]
+    assert "scene.png: 280 soft tokens" in details
 
 
 def test_stats_title_and_messages():
@@ -232,7 +369,7 @@ def _wait(pred, timeout=20.0, every=0.05) -> bool:
 
 
 def _chat(client, text, *, mode="completion", max_new_tokens=16, temperature=0.0, seed=0):
-    _, history = client.predict(text, [], api_name="/add_message")
+    _, history = client.predict({"text": text, "files": []}, [], api_name="/add_message")
     job = client.submit(history, "", mode, temperature, 0.95, 64, max_new_tokens, seed, 1.0,
                         api_name="/respond")
     return job
@@ -320,7 +457,7 @@ def test_bad_inputs_get_friendly_messages(served, engine):
 
     _, client = served
     # Empty message: nothing is added to the chat, nothing reaches the engine.
-    _, history = client.predict("   ", [], api_name="/add_message")
+    _, history = client.predict({"text": "   ", "files": []}, [], api_name="/add_message")
     assert history == []
     with pytest.raises(AppError, match="Empty prompt"):
         client.predict("  ", api_name="/generate")
@@ -347,6 +484,88 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     # ... and the next ordinary request still works.
     assert client.predict("Hello", max_new_tokens=4, api_name="/generate")["done"]
     assert engine.queue_state()["active"] == 0
+
+
+def test_text_only_model_has_no_upload(engine, media_files):
+    """The shared tiny Gemma 3 has no vision tower: the box takes no files (no upload source, so
+    no 📎, drop or paste), the line under it and the warning say why, the picture example is
+    hidden; a file sent anyway (a program calling /add_message) stays in the box."""
+    picture, _, bogus = media_files
+    settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
+                        context=TINY_ENGINE["context_limit"])
+    handler = DemoApp(engine, settings)
+    ok, why = handler.media_support()
+    assert not ok and why
+    box, note, example, detail = handler.media_updates()
+    assert box["sources"] == [] and "drop" not in box["placeholder"]
+    assert note.startswith("🚫") and html.escape(why) in note
+    assert example["visible"] is False and detail["visible"] is False
+    demo = app.build_demo(engine, settings)  # ready at build time: built without an upload
+    boxes = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "msg"]
+    assert len(boxes) == 1 and boxes[0].sources == [] and boxes[0].file_count == "multiple"
+    sent = {"text": "What is this?", "files": [picture]}
+    with pytest.warns(UserWarning, match="Nothing was sent"):
+        update, history = handler.add_user_message(sent, [])
+    assert history == [] and update["value"] == sent  # nothing lost
+    with pytest.warns(UserWarning, match="notes.png"):  # not a picture, whatever its name
+        update, _ = handler.add_user_message({"text": "", "files": [bogus]}, [])
+    assert update["value"]["files"] == [bogus]
+    update, history = handler.add_user_message({"text": "Hello", "files": []}, [])
+    assert history == [{"role": "user", "content": "Hello"}] and update["interactive"] is False
+
+
+def test_image_turn_reply_panel_and_cache(media_files):
+    """The chat handler with the tiny random Gemma 4 and its vision tower (reply scripted):
+    an image turn is answered, This reply's Media row gives its soft tokens and encode time,
+    a follow-up re-sends the picture from the history and the row says it was cached, completion
+    mode takes the files too, and the context meter counts the soft tokens."""
+    from tests.scripted import TINY_GEMMA4, scripted, tiny_gemma4
+
+    picture, _, bogus = media_files
+    engine = tiny_gemma4()
+    handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                                       context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
+    assert handler.media_support() == (True, "")
+    box, note, example, detail = handler.media_updates()
+    assert box["sources"] == ["upload"] and note.startswith("🖼")
+    assert example["visible"] is True and detail["visible"] is True
+    update, history = handler.add_user_message({"text": "What is this?", "files": [picture]}, [])
+    assert history == [{"role": "user", "content": ["What is this?", {"path": picture}]}]
+
+    def answer(history, script, mode="chat", image_tokens=None):
+        with scripted(engine, script) as sc:
+            out = list(handler.respond(history, "", mode, 0.0, 0.95, 64, 16, 0, 1.0,
+                                       {"replies": []}, False, image_tokens))
+        assert sc.used == 1
+        history, panel, session = out[-1]
+        return history, re.findall(r'<div class="media-row">(.*?)</div>', panel), session
+
+    history, rows, session = answer(history, "A red house.<turn|>")
+    assert message_text(history[-2]["content"]) == "A red house."
+    assert len(rows) == 1 and re.fullmatch(
+        r"🖼 example_scene\.png: \d+ soft tokens · encoded in [\d.]+ s( \(incl\. compiling the tower\))?",
+        rows[0]), rows
+    soft = session["replies"][-1]["stats"]["media"][0]["soft_tokens"]
+    assert soft > 0
+    history.append({"role": "user", "content": "And the roof?"})
+    history, rows, _ = answer(history, "Brown.<turn|>")
+    assert rows == [f"🖼 example_scene.png: {soft} soft tokens · cached, not re-encoded"]
+    meter = handler.context_meter(history, "", "chat", {})
+    used = int(re.search(r"</b> ([\d,]+) /", meter).group(1).replace(",", ""))
+    assert used > soft, meter
+    # completion mode: the latest message's files come first (a marker each), then its text
+    _, rows, _ = answer([{"role": "user", "content": user_content("A picture of", [picture])}],
+                        "a house", mode="completion")
+    assert rows == [f"🖼 example_scene.png: {soft} soft tokens · cached, not re-encoded"]
+    # Image detail 70: fewer soft tokens, encoded anew (the cache keys the budget too)
+    _, rows, session = answer(history[:1], "A house.<turn|>", image_tokens=70)
+    fewer = session["replies"][-1]["stats"]["media"][0]["soft_tokens"]
+    assert 0 < fewer <= 70 < soft and "encoded in" in rows[0], rows
+    # a file that is no picture, already in the history: a notice saying which, no trace
+    out = list(handler.respond([{"role": "user", "content": user_content("?", [bogus])}], "",
+                               "chat", 0.0, 0.95, 64, 16, 0, 1.0, {"replies": []}))
+    notice = out[-1][0][-1]
+    assert is_notice(notice) and "notes.png" in message_text(notice["content"])
 
 
 def test_message_sent_while_loading_waits_and_says_so():
@@ -389,7 +608,7 @@ def test_load_failure_is_shown_not_traced(tmp_path):
         client = Client(url, verbose=False)
         with pytest.raises(AppError, match="failed to load"):
             client.predict("Hello", api_name="/generate")
-        _, history = client.predict("Hello", [], api_name="/add_message")
+        _, history = client.predict({"text": "Hello", "files": []}, [], api_name="/add_message")
         history = client.predict(history, "", "chat", 0.0, 0.95, 64, 8, 0, 1.0,
                                  api_name="/respond")[0]
         text = message_text(history[-1]["content"])

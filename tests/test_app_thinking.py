@@ -268,7 +268,7 @@ def test_stop_mid_thought_frees_slot_and_retry_undo_drop_the_thought(gemma4_app,
                                       thought="hm", thought_s=0.5)]
     assert len(done) == 4
     assert handler.retry(done) == history  # the thought goes with its answer
-    assert handler.undo(done) == ([], "Hi")
+    assert handler.undo(done) == ([], {"text": "Hi", "files": []})  # the message box's value
 
 
 def test_gemma3_think_switch_disabled_with_reason(every_event):

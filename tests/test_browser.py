@@ -2,7 +2,8 @@
 
 Type a message, press Enter, watch the reply stream and the stats panel fill in, press Stop
 mid-reply, and check a screenshot is not blank; with a tiny random Gemma 4 whose reply is
-scripted (tests/scripted.py), turn Think on and open and close the reply's thought block. With GEMMA4_SAVE_SCREENSHOTS=1 the screenshots
+scripted (tests/scripted.py), turn Think on and open and close the reply's thought block, and
+attach a picture and see its thumbnail, the reply and This reply's Media row. With GEMMA4_SAVE_SCREENSHOTS=1 the screenshots
 are written to docs/screenshots/ (for the README); GEMMA4_TEST_BROWSER_MODEL picks the model
 (the bundled Gemma 3 270M by default: its text really grows while streaming, whereas a random
 model's greedy output may loop on pieces that decode to nothing).
@@ -30,6 +31,9 @@ CHROMIUM_ARGS = [
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("GEMMA4_TEST_BROWSER_MODEL", "bundled")  # real text: a random model may emit pieces that decode to nothing
 SAVE = os.environ.get("GEMMA4_SAVE_SCREENSHOTS") == "1"
+# A page's first paint on a busy machine (the engines' background compiles, other jobs): the
+# default 5 s of Playwright's expect was seen to fall short with a load average of 12 on 2 cores.
+PAGE_LOAD_MS = 120_000
 
 if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
     pytest.skip(f"{CHROMIUM} is missing (install Debian's chromium: apt-get install -y chromium)",
@@ -100,6 +104,9 @@ def test_chat_streams_stats_fill_and_stop_halts(served, browser, tmp_path):
     if MODEL == "bundled":  # Gemma 3: no thinking channel, and the switch says so
         sync_api.expect(page.locator("#think input")).to_be_disabled()
         sync_api.expect(page.locator("#think")).to_contain_text("Gemma 3")
+        # ... and no vision tower: no upload in the message box, and the line under it says so
+        sync_api.expect(page.locator("#media-note")).to_contain_text("No image or video upload")
+        sync_api.expect(page.locator("#msg [data-testid='upload-button']")).to_have_count(0)
     if "random" in MODEL:
         sync_api.expect(page.locator("#model-banner")).to_contain_text("RANDOM WEIGHTS")
 
@@ -167,7 +174,7 @@ def test_readme_screenshot(served, browser):
     engine.wait_ready(timeout=900)
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     page.goto(url)
-    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready")
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
     max_new = page.locator("#max-new-tokens input[data-testid='number-input']")
     max_new.fill("40")
     max_new.press("Enter")
@@ -222,7 +229,7 @@ def test_thought_block_opens_and_closes(served_gemma4, browser, tmp_path):
     url, engine = served_gemma4
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
-    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready")
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
     think = page.locator("#think input")
     sync_api.expect(think).to_be_enabled()
     think.check()
@@ -250,4 +257,58 @@ def test_thought_block_opens_and_closes(served_gemma4, browser, tmp_path):
     assert _non_blank(png) > 10
     title.click()
     sync_api.expect(body).to_be_hidden()
+    page.close()
+
+
+# --------------------------------------------------------------------------- images (Gemma 4)
+
+PICTURE_REPLY = "A red house on a green hill, a tree beside it and the sun above.<turn|>"
+FOLLOW_UP_REPLY = "The sky is blue.<turn|>"
+
+
+def test_image_upload_reply_and_media_row(served_gemma4, browser, tmp_path):
+    """Attach the bundled picture to a chat message against the tiny random Gemma 4 with its
+    vision tower: the thumbnail shows in the box and in the history, the reply arrives, and
+    This reply's Media row gives the picture's soft tokens and encode time; a follow-up about
+    the same picture re-sends it and the row says it was cached."""
+    from gemma4.ui.chat_controls import EXAMPLE_IMAGE
+    from tests.scripted import scripted
+
+    url, engine = served_gemma4
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url)
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
+    sync_api.expect(page.locator("#media-note")).to_contain_text("Images and videos")
+    page.get_by_role("radio", name="chat").check()
+    upload = page.locator("#msg input[type='file']")
+    sync_api.expect(upload).to_have_count(1)  # the box takes files once the model is known
+    upload.set_input_files(str(EXAMPLE_IMAGE))
+    sync_api.expect(page.locator("#msg .thumbnail-wrapper img")).to_have_count(
+        1, timeout=30_000)  # uploaded
+    box = page.locator("#msg textarea")
+    panel = page.locator("#reply-stats")
+    with scripted(engine, PICTURE_REPLY, FOLLOW_UP_REPLY) as script:
+        box.fill("What is in this picture?")
+        box.press("Enter")
+        sync_api.expect(box).not_to_be_editable()
+        sync_api.expect(box).to_be_editable(timeout=300_000)  # the reply is done
+        sync_api.expect(page.locator("#msg .thumbnail-wrapper")).to_have_count(0)  # box cleared
+        sync_api.expect(page.locator("#chatbot")).to_contain_text("A red house on a green hill")
+        sync_api.expect(page.locator("#chatbot .user-row img")).to_have_count(1)  # thumbnail
+        row = panel.locator(".media-row")
+        sync_api.expect(row).to_have_count(1)
+        sync_api.expect(row).to_contain_text(
+            re.compile(r"example_scene\.png: \d+ soft tokens · encoded in [\d.]+ s"))
+        png = _shot_dir(tmp_path) / "image.png"
+        page.screenshot(path=str(png))
+        assert _non_blank(png) > 10
+
+        box.fill("And the sky?")  # the picture is still in the conversation
+        box.press("Enter")
+        sync_api.expect(box).not_to_be_editable()
+        sync_api.expect(box).to_be_editable(timeout=300_000)
+        sync_api.expect(page.locator("#chatbot")).to_contain_text("The sky is blue.")
+        sync_api.expect(row).to_contain_text(
+            re.compile(r"example_scene\.png: \d+ soft tokens · cached, not re-encoded"))
+    assert script.used == 2
     page.close()

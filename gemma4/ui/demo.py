@@ -28,8 +28,8 @@ class DemoApp(ChatHandlers):
     # ------------------------------------------------------------------ panels on a timer
 
     def tick(self, seen: dict | None):
-        """Every second: engine status, model banner, queue; on becoming ready, model defaults
-        and whether the Think switch applies."""
+        """Every second: engine status, model banner, queue; on becoming ready, model defaults,
+        whether the Think switch applies and whether the message box takes images and video."""
         seen = dict(seen or {})
         status = self.engine.status()
         state = status.get("state")
@@ -38,7 +38,7 @@ class DemoApp(ChatHandlers):
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 8
+        controls: list[Any] = [gr.skip()] * 12
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()
@@ -47,7 +47,7 @@ class DemoApp(ChatHandlers):
                         gr.update(value=d["max_new_tokens"]),
                         gr.update(value=d["repetition_penalty"]),
                         context_meter_html(0, info.get("context_limit"), "(empty conversation)"),
-                        self.think_update()]
+                        self.think_update(), *self.media_updates()]
         return (status_html(status), banner, queue_html(queue), *controls, seen)
 
     def hardware_panel(self):

@@ -18,10 +18,23 @@ from typing import Any
 
 import gradio as gr
 
+from gemma4.media.files import MediaError, media_from_path
 from gemma4.model import sampling
 from gemma4.serve import conversation
 from gemma4.serve.engine import RequestError
-from gemma4.ui.chat_controls import PENALTY_RANGE, THINK_INFO, TOP_P_RANGE, guess_is_base, plot_frame
+from gemma4.ui.chat_controls import (
+    IMAGE_TOKEN_CHOICES,
+    MEDIA_INFO,
+    MEDIA_PLACEHOLDER,
+    PENALTY_RANGE,
+    TEXT_PLACEHOLDER,
+    THINK_INFO,
+    TOP_P_RANGE,
+    guess_is_base,
+    media_note_md,
+    plot_frame,
+)
+from gemma4.ui.media_parts import has_media, read_textbox, split_content, textbox_value, user_content
 from gemma4.ui.numbers import as_number, clamp
 from gemma4.ui.panels import (
     context_meter_html,
@@ -31,10 +44,11 @@ from gemma4.ui.panels import (
 from gemma4.ui.reply import (
     flags_summary,
     history_to_messages,
+    last_user_completion,
     last_user_text,
     message_index,
     notice_message,
-    pop_last_user_turn,
+    pop_last_user_input,
     reply_messages,
     reply_panel_html,
     stats_message,
@@ -103,6 +117,35 @@ class ChatHandlers:
             return False, "Thinking is available for Gemma 4 models; the model is still loading."
         return self.conversation.supports_thinking(self.engine)
 
+    def media_support(self) -> tuple[bool, str]:
+        """(can this model read images and video, why not): a vision tower, known once loaded."""
+        if not self.info():
+            if self.engine.status().get("state") == "error":
+                return False, "the model could not be loaded"
+            return False, "Images and video need a model with a vision tower; the model is still loading."
+        return self.conversation.supports_vision(self.engine)
+
+    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any]]:
+        """(the message box, the line under it, the picture example, the Image detail control):
+        uploads, paste and drag on with a vision tower; otherwise no upload source at all, the
+        line says why, and the example and the control are hidden."""
+        ok, reason = self.media_support()
+        box = gr.update(sources=["upload"] if ok else [],
+                        placeholder=MEDIA_PLACEHOLDER if ok else TEXT_PLACEHOLDER)
+        return box, media_note_md(ok, reason), gr.update(visible=ok), gr.update(visible=ok)
+
+    @staticmethod
+    def image_tokens(value: Any) -> int | None:
+        """The Image detail setting as a soft-token budget (None: the request layer's default);
+        ValueError naming the field and the choices for anything else."""
+        if value is None or value == "":
+            return None
+        number = as_number(value)
+        if number is None or number not in IMAGE_TOKEN_CHOICES:
+            choices = ", ".join(map(str, IMAGE_TOKEN_CHOICES))
+            raise ValueError(f"image_tokens must be one of {choices}, not {value!r}")
+        return int(number)
+
     def think_update(self) -> dict[str, Any]:
         """The Think switch: enabled for Gemma 4, disabled with the reason otherwise."""
         ok, reason = self.thinking_support()
@@ -145,19 +188,37 @@ class ChatHandlers:
 
     # ------------------------------------------------------------------ chat steps
 
-    def add_user_message(self, message: str, history: list[dict]):
-        """User step (no queue): append the message, clear and lock the textbox."""
+    def add_user_message(self, message: dict | str, history: list[dict]):
+        """User step (no queue): append the message (its files, then its text), clear and lock
+        the message box. A message that cannot be sent (empty, a file that is not an image or
+        video, media for a text-only model) stays in the box with a warning saying why."""
         history = list(history or [])
-        if not (message or "").strip():
+        text, files = read_textbox(message)
+        if not text.strip() and not files:
             gr.Warning("Type a message first — nothing was sent.")
             return gr.update(value=message), history
-        history.append({"role": "user", "content": message})
-        return gr.update(value="", interactive=False), history
+        try:
+            self._check_files(files)
+        except MediaError as e:
+            gr.Warning(f"Nothing was sent: {e}")
+            return gr.update(value=message), history
+        history.append({"role": "user", "content": user_content(text, files)})
+        return gr.update(value=textbox_value(""), interactive=False), history
+
+    def _check_files(self, files: list[str]) -> None:
+        """Refuse (MediaError) files the reply could not use, before they enter the chat: each is
+        read and its kind sniffed from its bytes; none for a loaded model without a tower."""
+        for f in files:
+            media_from_path(f)
+        ok, reason = self.media_support()
+        if files and self.info() and not ok:
+            raise MediaError(reason)
 
     def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
-                repetition_penalty, session, think=False):
+                repetition_penalty, session, think=False, image_tokens=None):
         """Bot step: stream the model's reply (its thought, answer and tool calls as their own
-        messages) into the chat, and its numbers into the panel."""
+        messages) into the chat, and its numbers into the panel. `image_tokens`: the Image
+        detail setting (soft tokens per image; None: the default)."""
         history = [dict(m) for m in history or []]
         session = {"replies": [dict(r) for r in (session or {}).get("replies", [])]}
         user_text = last_user_text(history)
@@ -190,9 +251,14 @@ class ChatHandlers:
                 gr.Warning(w)
             notes += [think_note] if think_note else []
             # chat: the conversation as messages, earlier thoughts left out (the engine renders
-            # the template and drops the oldest turns if it outgrows the context); completion:
-            # the latest text only.
-            prompt = history_to_messages(history) if mode == "chat" else user_text
+            # the template and drops the oldest turns if it outgrows the context), media as parts
+            # of their message; completion: the latest text only, its files as media=.
+            media: list[dict] = []
+            budget = self.image_tokens(image_tokens)
+            if mode == "chat":
+                prompt = history_to_messages(history, image_tokens=budget)
+            else:
+                prompt, media = last_user_completion(history, image_tokens=budget)
         except (ValueError, self.RequestError) as e:
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
@@ -210,7 +276,7 @@ class ChatHandlers:
         try:
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
-                                                 thinking=think)
+                                                 thinking=think, media=media)
             yield ([*history, *reply_messages("", {}, {}, done=False)],
                    reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in throttled(gen):
@@ -232,7 +298,7 @@ class ChatHandlers:
                 panel = reply_panel_html(stats, flags, done=ev.done,
                                          finish_reason=ev.finish_reason, notes=notes, mode=mode)
                 yield [*history, *msgs], panel, session
-        except self.RequestError as e:
+        except (self.RequestError, MediaError) as e:  # a refusal, or a file it could not read
             session["replies"].remove(reply)
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
         except Exception as e:  # an engine failure must not take the app down or show a trace
@@ -254,14 +320,15 @@ class ChatHandlers:
         ok, reason = self.thinking_support()
         return (True, None) if ok else (False, f"Thinking is off: {reason}")
 
-    def after_reply(self, history, system, mode, session):
+    def after_reply(self, history, system, mode, session, image_tokens=None):
         """Refresh the context meter and the session chart; unlock the textbox."""
         replies = (session or {}).get("replies", [])
         frame = plot_frame(replies)
-        return (gr.update(interactive=True), self.context_meter(history, system, mode, session),
+        return (gr.update(interactive=True),
+                self.context_meter(history, system, mode, session, image_tokens),
                 frame, frame, session_summary_md(replies))
 
-    def context_meter(self, history, system, mode, session) -> str:
+    def context_meter(self, history, system, mode, session, image_tokens=None) -> str:
         info = self.info()
         if not info:
             return context_meter_html(None, None, "(model still loading)")
@@ -273,8 +340,12 @@ class ChatHandlers:
             return context_meter_html(used, limit, "last completion prompt + reply "
                                       "(completion mode sends only your latest message)")
         try:
-            used = self.conversation.count_tokens(self.engine, history_to_messages(history),
-                                                  (system or "").strip() or None)
+            messages = history_to_messages(history, image_tokens=self.image_tokens(image_tokens))
+            system = (system or "").strip() or None
+            if any(has_media(m) for m in history or ()):  # soft tokens count: the request's ids
+                used = len(self.conversation.prompt_ids(self.engine, messages, system=system))
+            else:
+                used = self.conversation.count_tokens(self.engine, messages, system)
         except Exception as e:  # a meter must never break the chat
             log.warning("count_tokens failed: %s", e)
             return context_meter_html(None, limit, f"(could not count: {e})")
@@ -304,10 +375,15 @@ class ChatHandlers:
         return strip_trailing_assistant(history)
 
     def undo(self, history):
-        history, text = pop_last_user_turn(history)
-        return history, text
+        """Undo: drop the last user turn and its reply; its text and files go back into the box."""
+        history, text, files = pop_last_user_input(history)
+        return history, textbox_value(text, files)
 
     def edit(self, history, edit_data: gr.EditData):
-        history = list(history or [])[: message_index(edit_data.index)]
-        history.append({"role": "user", "content": edit_data.value})
-        return history
+        """Edit a user message's text: the chat is cut there and the message keeps its files."""
+        history = list(history or [])
+        index = message_index(edit_data.index)
+        files = split_content(history[index].get("content"))[1] if index < len(history) else []
+        value = edit_data.value
+        text = value if isinstance(value, str) else split_content(value, trim_parts=False)[0]
+        return [*history[:index], {"role": "user", "content": user_content(text, files)}]

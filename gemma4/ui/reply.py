@@ -3,8 +3,9 @@
 Gradio history (messages with `metadata`) → the conversation sent to the model, and a reply's
 stats/flags → its chat messages and the "This reply" panel. Plain data in, strings and dicts
 out; no Gradio, no engine. Gradio 6 hands history content to event functions as a list of parts
-(`[{"type": "text", "text": ...}]`); `gemma4.serve.chat.message_text` reads it, as it reads the
-API's messages.
+(`[{"type": "text", "text": ...}]`, and `{"type": "file", ...}` for uploaded media);
+`gemma4.ui.media_parts` splits it into text and files and builds the request layer's parts (the
+files are read only then).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import html
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from gemma4.serve.chat import message_text
+from gemma4.media.files import media_from_path
+from gemma4.ui.media_parts import LoadMedia, completion_request, join_contents, request_content, split_content
 from gemma4.ui.numbers import as_number, fmt_int, fmt_num
 from gemma4.ui.thinking import STATS_ID, thought_message, tool_calls_message
 
@@ -60,13 +62,18 @@ def is_app_message(message: Mapping[str, Any]) -> bool:
     return message.get("role") == "assistant" and bool(meta.get("title") or is_notice(message))
 
 
-def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Gradio chat history → the engine's `[{"role", "content": str}]` conversation.
+def history_to_messages(history: Iterable[Mapping[str, Any]], *, load: LoadMedia = media_from_path,
+                        image_tokens: int | None = None) -> list[dict[str, Any]]:
+    """Gradio chat history → the request layer's `[{"role", "content"}]` conversation.
 
-    App messages (stats, loading lines, earlier thoughts and tool-call blocks) are dropped, so
-    a thought never goes back into the prompt; so are notices and the user turn(s) they
-    answered, so a refused message (too long, engine error) does not poison the next request.
-    Consecutive messages of one role are joined.
+    Content is the message's text, or — for a user message with files — its media parts
+    (`{"type": "image"|"video", "media": MediaItem}`, read with `load`; images with
+    `image_tokens` soft tokens when given) then its text part
+    (`gemma4.ui.media_parts.request_content`). App messages (stats, loading lines, earlier
+    thoughts and tool-call blocks) are dropped, so a thought never goes back into the prompt;
+    so are notices and the user turn(s) they answered, so a refused message (too long, a bad
+    file, engine error) does not poison the next request. Consecutive messages of one role are
+    joined. A file that cannot be read raises its MediaError (a ValueError).
     """
     items = list(history or [])
     keep = [True] * len(items)
@@ -77,24 +84,35 @@ def history_to_messages(history: Iterable[Mapping[str, Any]]) -> list[dict[str, 
             while j >= 0 and items[j].get("role") == "user":
                 keep[j] = False
                 j -= 1
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for msg, k in zip(items, keep):
         role = msg.get("role")
         if not k or role not in ("user", "assistant") or is_app_message(msg):
             continue
-        text = message_text(msg.get("content"))
+        content = request_content(msg.get("content"), load=load, image_tokens=image_tokens)
         if out and out[-1]["role"] == role:
-            out[-1]["content"] += "\n\n" + text
+            out[-1]["content"] = join_contents(out[-1]["content"], content)
         else:
-            out.append({"role": role, "content": text})
+            out.append({"role": role, "content": content})
     return out
 
 
 def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
-    """The text of the trailing user message, or None when history does not end with one."""
+    """The text of the trailing user message (as typed; "" for media alone), or None when
+    history does not end with one."""
     if not history or history[-1].get("role") != "user":
         return None
-    return message_text(history[-1].get("content"), trim_parts=False)
+    return split_content(history[-1].get("content"), trim_parts=False)[0]
+
+
+def last_user_completion(history: Sequence[Mapping[str, Any]], *, load: LoadMedia = media_from_path,
+                         image_tokens: int | None = None) -> tuple[str, list[dict[str, Any]]] | None:
+    """The trailing user message as a completion prompt: (its text as typed, with a marker per
+    file where it has none, and its media parts; `media_parts.completion_request`), or None when
+    history does not end with a user message."""
+    if not history or history[-1].get("role") != "user":
+        return None
+    return completion_request(history[-1].get("content"), load=load, image_tokens=image_tokens)
 
 
 def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -107,11 +125,22 @@ def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[
 
 def pop_last_user_turn(history: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], str]:
     """Remove the last user turn and everything after it; return (history, that user's text)."""
+    items, text, _ = pop_last_user_input(history)
+    return items, text
+
+
+def pop_last_user_input(history: Sequence[Mapping[str, Any]]
+                        ) -> tuple[list[dict[str, Any]], str, list[str]]:
+    """Remove the last user turn and everything after it; return (history, that user's text,
+    its files in order): what Undo puts back into the message box."""
     items = strip_trailing_assistant(history)
     texts: list[str] = []
+    files: list[str] = []
     while items and items[-1].get("role") == "user":
-        texts.insert(0, message_text(items.pop().get("content"), trim_parts=False))
-    return items, "\n\n".join(texts)
+        text, paths = split_content(items.pop().get("content"), trim_parts=False)
+        texts.insert(0, text)
+        files[:0] = paths
+    return items, "\n\n".join(t for t in texts if t), files
 
 
 def message_index(index: Any) -> int:
@@ -231,6 +260,7 @@ def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | No
     ]
     if stats.get("compiled"):
         parts.append("waited for an XLA compile")
+    parts += [media_line(m) for m in stats.get("media") or ()]
     if flags:
         flagged, fired = flags_summary(flags)
         parts.append("quality: ⚠ " + "; ".join(fired or ["flagged"]) if flagged
@@ -320,6 +350,29 @@ def _occupancy(stats: Mapping[str, Any]) -> str:
     return f"{f:.2f}"
 
 
+MEDIA_ICONS = {"image": "🖼", "video": "🎞", "audio": "🔊"}
+
+
+def media_line(item: Mapping[str, Any]) -> str:
+    """One media item of a reply (an entry of the request layer's stats["media"]) as plain text,
+    e.g. "🖼 scene.png: 280 soft tokens · encoded in 0.84 s" or "… · cached, not re-encoded";
+    an encode that first compiled the tower for this shape says so (its time includes it)."""
+    kind = str(item.get("kind") or "media")
+    name = str(item.get("name") or kind)
+    tokens = fmt_int(item.get("soft_tokens"))
+    if item.get("cached"):
+        how = "cached, not re-encoded"
+    else:
+        how = f"encoded in {fmt_num(item.get('encode_s'), 2, 's')}"
+        how += " (incl. compiling the tower)" if item.get("compiled") else ""
+    return f"{MEDIA_ICONS.get(kind, '📎')} {name}: {tokens} soft tokens · {how}"
+
+
+def media_html(media: Sequence[Mapping[str, Any]]) -> str:
+    """The panel's Media cell: one line per image or video of the prompt (`media_line`)."""
+    return "".join(f'<div class="media-row">{html.escape(media_line(m))}</div>' for m in media)
+
+
 def reply_panel_html(
     stats: Mapping[str, Any] | None,
     flags: Mapping[str, Any] | None,
@@ -359,6 +412,7 @@ def reply_panel_html(
             ),
         ),
         ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)"),
+        *([("Media", media_html(stats["media"]))] if stats.get("media") else []),
         ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>"),
         ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),
         ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
