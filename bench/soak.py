@@ -22,8 +22,8 @@ each one the workers pause, the server must drain to 0 busy slots (GET /metrics)
 is read. A sampler reads RSS every --sample-s.
 
 It prints p50/p99 TTFT and inter-token gaps (client side), requests and errors by kind, busy
-slots after each phase, and RSS over time with its slope (MB/min, least squares over the samples
-after --warmup-s). `soak()` is what tests/test_soak.py runs for a short while.
+slots after each phase, and RSS over time with its slope (MB/min, the median of pairwise slopes
+over the samples after --warmup-s). `soak()` is what tests/test_soak.py runs for a short while.
 """
 
 from __future__ import annotations
@@ -108,16 +108,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def slope_mb_per_min(samples: list[tuple[float, float]], after_s: float) -> float | None:
-    """Least-squares slope of RSS (MB) over time, in MB/min, of the samples after `after_s`."""
+    """The slope of RSS (MB) over time in MB/min, of the samples after `after_s`: the median of
+    the pairwise slopes (Theil–Sen), so one transient peak (a long prompt's buffers, freed a
+    sample later) does not read as growth the way it would in a least-squares fit."""
     pts = [(t, mb) for t, mb in samples if t >= after_s]
-    if len(pts) < 3:
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(pts) for b in pts[i + 1:] if b[0] > a[0]]
+    if len(pts) < 3 or not slopes:
         return None
-    mt = statistics.fmean(t for t, _ in pts)
-    mm = statistics.fmean(mb for _, mb in pts)
-    var = sum((t - mt) ** 2 for t, _ in pts)
-    if var == 0:
-        return None
-    return 60.0 * sum((t - mt) * (mb - mm) for t, mb in pts) / var
+    return 60.0 * statistics.median(slopes)
 
 
 def is_5xx_or_transport(err_key: str) -> bool:

@@ -335,3 +335,21 @@ def test_a_fault_ends_a_stream_with_an_error_event_and_a_whole_reply_with_a_500(
     assert _value(m, "gemma4_replies_total", route="/v1/completions", finish_reason="error") >= 1
     ok = httpx.post(url + "v1/completions", json=body, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_fault_reaches_the_chat_apps_api_as_an_error_with_its_message(served):
+    from gradio_client import Client
+
+    url, _, engine = served
+    assert wait_until(lambda: _idle(engine), 10, 0.05)
+    ui = Client(url, verbose=False)
+    try:
+        with _Fault(engine, "run_decode", times=1):
+            out = ui.predict("Hello", 20, api_name="/generate")
+        assert out["done"] and out["finish_reason"] == "error", out
+        assert any("injected fault in run_decode" in n for n in out["notes"]), out["notes"]
+        again = ui.predict("Hello", 3, api_name="/generate")
+        assert again["done"] and again["finish_reason"] in ("stop", "length")
+    finally:
+        ui.close()
+    assert wait_until(lambda: _idle(engine), 5, 0.05)

