@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP routes on the chat's own engine: /v1/chat/completions, /v1/completions,
-/v1/models.
+/v1/models; beside them /health, /health/ready and /metrics (`gemma4.web.metrics`), under the
+same access rules.
 
 Requests go through the same request layer as the chat (`gemma4.serve.conversation.stream_reply`), so
 they are batched with the chat's, and it is the one place that checks what a model supports
