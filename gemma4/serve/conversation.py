@@ -191,7 +191,7 @@ def check_message_count(count: int, caps: InputCaps | None, context_limit: int) 
                            "server's --max-messages).")
 
 
-def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[int, int]) -> None:
+def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[int, int], context_limit: int) -> None:
     """RequestError if the messages exceed a cap (see `InputCaps`). `tokenizer` is the request's
     `_EncodeOnce`: the texts counted here are remembered, and it stops when the client leaves."""
     max_messages, max_tokens = caps
@@ -202,10 +202,10 @@ def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[in
     for k, m in enumerate(messages):
         total += len(tokenizer.encode(_plain_text(m.get("content") if isinstance(m, Mapping) else None)))
         if total > max_tokens:
-            raise RequestError(f"Too many input tokens: the messages hold more than {max_tokens} tokens "
-                               f"(the cap before old turns are dropped; the first {k + 1} of {len(messages)} "
-                               f"messages already hold {total}). Send a shorter conversation (or raise "
-                               "the server's --max-input-tokens).")
+            raise RequestError(f"Too many input tokens: the messages hold more than {max_tokens} tokens, the "
+                               f"cap before old turns are dropped to fit the {context_limit}-token context "
+                               f"window (the first {k + 1} of {len(messages)} messages already hold {total}). "
+                               "Send a shorter conversation (or raise the server's --max-input-tokens).")
 
 
 # ------------------------------------------------------------------------------ prompts → ids
@@ -257,7 +257,7 @@ def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str]
         raise RequestError("The message is empty — type something first.")
     tokenizer = _EncodeOnce(engine.tokenizer, cancel)
     if caps is not None:
-        _check_size(messages, tokenizer, caps)
+        _check_size(messages, tokenizer, caps, engine.context_limit)
 
     def render(msgs: list[dict]) -> list[int]:
         return chat.render(msgs, engine.cfg.family, tokenizer, system=system, thinking=thinking,
