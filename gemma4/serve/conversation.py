@@ -141,6 +141,80 @@ def _prompt_arg(prompt: Any) -> Any:
     return prompt
 
 
+# ------------------------------------------------------------------------------ bounded work
+@dataclasses.dataclass(frozen=True)
+class InputCaps:
+    """How much input one chat request may bring, checked before any rendering: a request over a
+    cap is refused (RequestError naming the field, the count and the cap), never worked on.
+
+    None = the default for the engine's context window (`resolved`), 0 = no cap.
+    max_messages: messages per request. Default: half the context window in tokens. A rendered
+      message takes at least ~5 tokens (its turn markers), so at most a fifth of that many ever
+      fit in one prompt; a longer chat is still accepted (its oldest turns are dropped) up to
+      about 2.5 windows' worth of the shortest messages.
+    max_input_tokens: tokens in the messages' texts before the context rule drops old turns.
+      Default: 4 context windows; a longer chat must be shortened by the client. Counted a
+      message at a time and stopped at the cap, so a huge body costs no more than the cap.
+    The server's flags set them: --max-messages / GEMMA4_MAX_MESSAGES, --max-input-tokens /
+    GEMMA4_MAX_INPUT_TOKENS (gemma4.web.ratelimit.Limits)."""
+
+    max_messages: int | None = None
+    max_input_tokens: int | None = None
+
+    def resolved(self, context_limit: int) -> tuple[int, int]:
+        """(max_messages, max_input_tokens) for this context window; 0 = no cap."""
+        messages = context_limit // 2 if self.max_messages is None else int(self.max_messages)
+        tokens = 4 * context_limit if self.max_input_tokens is None else int(self.max_input_tokens)
+        return messages, tokens
+
+
+class RequestCancelled(RequestError):
+    """The request's client left while its prompt was being prepared: the work stopped."""
+
+
+def _check_cancel(cancel: Any) -> None:
+    if cancel is not None and cancel.is_set():
+        raise RequestCancelled("The request was cancelled while its prompt was being prepared.")
+
+
+def _plain_text(content: Any) -> str:
+    """The text parts of a message's content (other parts and malformed ones count nothing here:
+    the renderer refuses what is malformed, with its own message)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        return "".join(str(p.get("text") or "") for p in content
+                       if isinstance(p, Mapping) and p.get("type", "text") == "text")
+    return ""
+
+
+def check_message_count(count: int, caps: InputCaps | None, context_limit: int) -> None:
+    """RequestError if `count` messages exceed the cap (the first check of `InputCaps`; public so
+    that a front end can apply it before it even validates a huge body)."""
+    max_messages, _ = (caps or InputCaps()).resolved(context_limit)
+    if max_messages and count > max_messages:
+        raise RequestError(f"Too many messages: the request has {count} messages; the cap is "
+                           f"{max_messages} per request. Send only the recent turns (or raise the "
+                           "server's --max-messages).")
+
+
+def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[int, int], context_limit: int) -> None:
+    """RequestError if the messages exceed a cap (see `InputCaps`). `tokenizer` is the request's
+    `_EncodeOnce`: the texts counted here are remembered, and it stops when the client leaves."""
+    max_messages, max_tokens = caps
+    check_message_count(len(messages), InputCaps(max_messages, max_tokens), 0)
+    if not max_tokens:
+        return
+    total = 0
+    for k, m in enumerate(messages):
+        total += len(tokenizer.encode(_plain_text(m.get("content") if isinstance(m, Mapping) else None)))
+        if total > max_tokens:
+            raise RequestError(f"Too many input tokens: the messages hold more than {max_tokens} tokens, the "
+                               f"cap before old turns are dropped to fit the {context_limit}-token context "
+                               f"window (the first {k + 1} of {len(messages)} messages already hold {total}). "
+                               "Send a shorter conversation (or raise the server's --max-input-tokens).")
+
+
 # ------------------------------------------------------------------------------ prompts → ids
 def render_chat(engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
                 tools: list[dict] | None = None) -> list[int]:
@@ -156,17 +230,18 @@ def count_tokens(engine, messages: list[dict], system: str | None = None, *, thi
 
 
 def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[str], *,
-              thinking: bool = False, tools: list[dict] | None = None,
-              plan: MediaPlan | None = None) -> list[int] | list[Segment]:
+              thinking: bool = False, tools: list[dict] | None = None, plan: MediaPlan | None = None,
+              caps: tuple[int, int] | None = None, cancel: Any = None) -> list[int] | list[Segment]:
     """The ids (or segments) of a checked prompt: messages → the chat template (context rule
-    applied), text → the chat template or the text itself, ids or segments → as given. With a
+    applied; `caps` (max_messages, max_input_tokens) checked first; `cancel` looked at between
+    steps), text → the chat template or the text itself, ids or segments → as given. With a
     media `plan` (`_media_plan`), media parts are expanded into placeholder ids (see
     gemma4/serve/media_prompt.py)."""
     try:
         if _is_messages(prompt):
             if plan is not None:
                 plan.prepare_messages(prompt)
-            return _chat_ids(engine, list(prompt), system, notes, thinking, tools, plan)
+            return _chat_ids(engine, list(prompt), system, notes, thinking, tools, plan, caps, cancel)
         if isinstance(prompt, (list, tuple)):
             if any(isinstance(s, Embeddings) for s in prompt):
                 return list(prompt)
@@ -190,11 +265,14 @@ def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[st
 
 
 def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
-              tools: list[dict] | None, plan: MediaPlan | None = None) -> list[int]:
+              tools: list[dict] | None, plan: MediaPlan | None = None, caps: tuple[int, int] | None = None,
+              cancel: Any = None) -> list[int]:
     last = messages[-1]
     if not (str(last.get("content") or "").strip() or last.get("tool_calls")):
         raise RequestError("The message is empty — type something first.")
-    tokenizer = _EncodeOnce(engine.tokenizer)
+    tokenizer = _EncodeOnce(engine.tokenizer, cancel)
+    if caps is not None:
+        _check_size(messages, tokenizer, caps, engine.context_limit)
 
     def render(msgs: list[dict]) -> list[int]:
         return chat.render(msgs, engine.cfg.family, tokenizer, system=system, thinking=thinking,
@@ -240,15 +318,19 @@ def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str]
 
 class _EncodeOnce:
     """The tokenizer as `chat.render` uses it, with `encode` remembered per text: the context
-    rule renders one chat several times, and each message's text is then encoded once."""
+    rule renders one chat several times, and each message's text is then encoded once. With
+    `cancel` (a threading.Event), every encode first looks at it, so even one render of a huge
+    chat stops within a message of the client leaving (RequestCancelled)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, cancel: Any = None):
         self.bos_id = tokenizer.bos_id
         self.special_id = tokenizer.special_id
         self._encode = tokenizer.encode
         self._memo: dict[str, list[int]] = {}
+        self._cancel = cancel
 
     def encode(self, text: str) -> list[int]:
+        _check_cancel(self._cancel)
         if text not in self._memo:
             self._memo[text] = self._encode(text)
         return list(self._memo[text])
@@ -273,14 +355,16 @@ def _exchange_ends(messages: Sequence[dict]) -> tuple[int, list[int]]:
 
 def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
                thinking: bool = False, mode: str = "chat", notes: list[str] | None = None,
-               media: Sequence[Mapping] = ()) -> list[int]:
+               media: Sequence[Mapping] = (), caps: InputCaps | None = None) -> list[int]:
     """The prompt ids a request with these arguments would be given (no queueing); `notes`
     collects what the context rule did. An image's or video frame's soft tokens are its
-    placeholder id (`<|image|>` / `<|video|>`), as in transformers' input_ids; nothing is encoded."""
+    placeholder id (`<|image|>` / `<|video|>`), as in transformers' input_ids; nothing is encoded.
+    `caps`: checked when given (a request's are, always)."""
     check_request(engine, messages, mode, thinking, tools)
     messages, plan = _media_plan(engine, _prompt_arg(messages), mode, media)
     out = _segments(engine, messages, mode, system, [] if notes is None else notes,
-                    thinking=thinking, tools=list(tools) if tools else None, plan=plan)
+                    thinking=thinking, tools=list(tools) if tools else None, plan=plan,
+                    caps=None if caps is None else caps.resolved(engine.context_limit))
     if any(isinstance(s, Embeddings) for s in out):
         return flatten_segments(out, engine.cfg.pad_id, engine.cfg.hidden_size)[0]
     return out
@@ -288,20 +372,24 @@ def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Seque
 
 def submit(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
            system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
-           media: Sequence[Mapping] = ()) -> Request:
+           media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> Request:
     """Check, shape and queue a request (see `stream_reply` for the arguments); RequestError
-    before any slot is taken for bad input."""
+    before any slot is taken for bad input, RequestCancelled if `cancel` was set meanwhile."""
     check_request(engine, prompt, mode, thinking, tools)
     if engine.status()["state"] != "ready":
         engine.wait_ready()
     params, notes = engine.validate(params)
     prompt, plan = _media_plan(engine, _prompt_arg(prompt), mode, media)
     ids = _segments(engine, prompt, mode, system, notes, thinking=thinking,
-                    tools=list(tools) if tools else None, plan=plan)
+                    tools=list(tools) if tools else None, plan=plan,
+                    caps=(caps or InputCaps()).resolved(engine.context_limit), cancel=cancel)
+    _check_cancel(cancel)
     if plan is None or not plan.items:
         return engine.submit(ids, params, notes=notes)
     _check_media_fits(engine, ids, plan)
-    req = engine.submit(plan.segments(ids), params, notes=notes + plan.notes)
+    segments = plan.segments(ids)  # the encodes (or cache hits)
+    _check_cancel(cancel)
+    req = engine.submit(segments, params, notes=notes + plan.notes)
     req.stats["media"] = plan.stats()
     return req
 
@@ -701,7 +789,7 @@ class ReplyStream:
 
 def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
                  system: str | None = None, tools: Sequence | None = None, thinking: bool = False,
-                 media: Sequence[Mapping] = ()) -> ReplyStream:
+                 media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> ReplyStream:
     """Submit a request and stream its reply as `ReplyEvent`s.
 
     Args:
@@ -716,11 +804,15 @@ def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, m
       media: image/video parts ({"type": "image" | "video", "media": MediaItem, "max_soft_tokens"?})
         for a text prompt's <|image|> / <|video|> markers, in order. In messages, put such parts
         in a message's content instead (a list of parts, with {"type": "text", "text"} ones).
+      caps: the input caps (`InputCaps`; None: the defaults for the engine's context window).
+      cancel: a threading.Event the caller sets when its client leaves: the prompt's preparation
+        (size check, rendering, the context rule) stops at its next step (RequestCancelled).
 
     Raises RequestError (before any slot is taken) for bad input, and for thinking or tools with
     a Gemma 3 model. The request is queued at once; iterate the result for its events.
     """
-    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media)
+    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media,
+                 caps=caps, cancel=cancel)
     return ReplyStream(engine, req, req.params.stop_strings)
 
 

@@ -44,6 +44,7 @@ See docs/engine-api.md for the public surface.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -71,6 +72,7 @@ from gemma4.serve import step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, kv_ladder, merge_spans, next_chunk,
                                          override_limit)
+from gemma4.serve.step_times import StepTimes
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -405,6 +407,7 @@ class Engine:
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
         self.chunk_override: dict[bool, int | None] = {
             alone: override_limit(os.environ, alone, self.buckets) for alone in (False, True)}
+        self.step_times = StepTimes()  # step durations and faults (`step_guard`; read by /metrics)
         self._thread = threading.Thread(target=self._run, name="gemma4-engine", daemon=True)
         _all_engines.add(self)
         self._thread.start()
@@ -551,7 +554,8 @@ class Engine:
         shape_cache = functools.partial(kv_cache.init_cache, cfg, self.max_batch, self.context_limit, options.dtype,
                                         self.kv_format)
         cache_sh = sharding.cache_shardings(cfg, jax.eval_shape(shape_cache), self.mesh)
-        self.cache = jax.jit(shape_cache, out_shardings=cache_sh)()  # born split: no whole cache on one device
+        self._new_cache = jax.jit(shape_cache, out_shardings=cache_sh)  # also re-allocates after a fault
+        self.cache = self._new_cache()  # born split: no whole cache on one device
         param_sh = sharding.param_shardings(cfg, self.params, self.mesh)
         rep = sharding.replicated(self.mesh)
         # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
@@ -891,18 +895,62 @@ class Engine:
                 self._last_busy = time.monotonic()
             try:
                 if admit is not None:
-                    self._admit(admit)
+                    self._admit(admit)  # no device work: its chunks run in _schedule_once, guarded
                 self._reap_cancelled()
                 if self._active:
                     self._schedule_once()
-            except Exception as e:  # never kill the loop: fail the affected requests
-                log.exception("scheduler step failed")
+            except Exception as e:  # last resort, a fault outside any step: fail every active request
+                log.exception("scheduler iteration failed")
                 with self._lock:
                     victims = list(self._active.values())
                     self._active.clear()
                 for r in victims:
                     r.events.put(("error", f"{type(e).__name__}: {e}"))
             self._last_busy = time.monotonic()
+
+    @contextlib.contextmanager
+    def step_guard(self, kind: str, requests: Sequence[Request] | None = None) -> Iterator[None]:
+        """Time one scheduler step of `kind` ("prefill" | "decode", into `step_times`) and keep a
+        fault inside it: the loop never dies, and no client hangs.
+
+        An exception fails the requests of that step — `requests` (a prefill: the one request
+        being prefilled), or None: every decoding row (a decode step runs them all) — with an
+        "error" event carrying the message; the other requests keep their rows and go on. When
+        the KV cache itself was lost (a donated buffer consumed by a call that failed), every
+        active request fails, the cache is re-allocated, and the log and `step_times` say so.
+        Tests inject a fault by replacing `run_prefill` / `run_decode` on one engine instance."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+            log.exception("scheduler %s step failed", kind)
+            lost = self._cache_lost()
+            if lost:
+                self.cache = self._new_cache()
+                log.error("the KV cache was lost in the failed step: re-allocated; every active "
+                          "request failed, the engine keeps serving")
+            with self._lock:
+                if lost:
+                    victims = list(self._active.values())
+                elif requests is None:  # a decode step: its rows (a row still prefilling took no part)
+                    victims = [r for r in self._active.values() if not r.prefilling]
+                else:
+                    victims = [r for r in requests if self._active.get(r.row) is r]
+                for r in victims:
+                    del self._active[r.row]
+            for r in victims:
+                r.events.put(("error", message))
+            self.step_times.fault(kind, message, cache_reset=lost)
+        else:
+            self.step_times.record(kind, time.perf_counter() - t0)
+
+    def _cache_lost(self) -> bool:
+        """Whether any KV-cache buffer was deleted (donated to a call that then failed)."""
+        try:
+            return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache))
+        except Exception:  # not even readable: treat as lost
+            return True
 
     def _admission_locked(self) -> Request | None:
         """The next waiting request, given the lowest free row."""
@@ -944,7 +992,8 @@ class Engine:
         requests and cancels)."""
         self._blocked_on = []
         ran = self._prefill_chunk()
-        ran = self._step() or ran
+        with self.step_guard("decode"):  # a fault fails this step's rows, the loop goes on
+            ran = self._step() or ran
         if not ran:
             self.shapes.wait_any(self._blocked_on, timeout=0.1)
 
@@ -1001,7 +1050,8 @@ class Engine:
                 if length > key[1]:  # a span needs the larger shape: wait for it
                     self._blocked_on.append((key[0], bucket_for(length, self.buckets), fresh))
                     continue
-            self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
+            with self.step_guard("prefill", [req]):  # a fault fails this request only
+                self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
             return True
         return False
 

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP routes on the chat's own engine: /v1/chat/completions, /v1/completions,
-/v1/models.
+/v1/models; beside them /health, /health/ready and /metrics (`gemma4.web.metrics`), under the
+same access rules.
 
 Requests go through the same request layer as the chat (`gemma4.serve.conversation.stream_reply`), so
 they are batched with the chat's, and it is the one place that checks what a model supports
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gemma4.serve import conversation
 from gemma4.serve.engine import RequestError
@@ -35,6 +36,7 @@ from gemma4.serve.media_prompt import MAX_MEDIA_ENV, max_media
 from gemma4.web import api_schema as S
 from gemma4.web import media_fetch
 from gemma4.web.api_schema import ApiError
+from gemma4.web.metrics import ReplyMeter, ServerMetrics
 from gemma4.web.ratelimit import Limits, RateLimiter, client_ip
 
 log = logging.getLogger("gemma4.web.api")
@@ -53,11 +55,15 @@ class _Pump:
     the generator after the event it is waiting for (a reply's next token: one decode step).
     """
 
-    def __init__(self, make_events: Callable[[], Iterator[Any]]):
+    def __init__(self, make_events: Callable[[], Iterator[Any]], *, stop: threading.Event | None = None,
+                 meter: ReplyMeter | None = None):
         self._make = make_events
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._stop = threading.Event()
+        # Set when the client leaves; `make_events` may watch it too (the request layer stops
+        # preparing a prompt nobody waits for).
+        self._stop = stop or threading.Event()
+        self._meter = meter  # counts the reply's tokens and timings for /metrics, on this thread
         self.last_check = time.monotonic()  # when the client was last seen connected
         self._thread = threading.Thread(target=self._run, name="gemma4-api-reply", daemon=True)
         self._thread.start()
@@ -75,12 +81,18 @@ class _Pump:
             for ev in gen:
                 if self._stop.is_set():
                     break
+                if self._meter is not None:
+                    self._meter.event(ev)
                 self._put(("event", ev))
         except Exception as e:  # handed to the request, which turns it into an error response
+            if self._meter is not None and not isinstance(e, ValueError):
+                self._meter.finish = "error"  # a refusal (ValueError) never became a reply
             self._put(("error", e))
         finally:
             if gen is not None:
                 gen.close()  # cancels the request if it is still running: its slot is freed
+            if self._meter is not None:
+                self._meter.close()
             self._put(("end", None))
 
     async def get(self, timeout: float | None = None) -> tuple:
@@ -163,6 +175,9 @@ class OpenAIApi:
         self.closed_reason = closed_reason
         self.created = int(time.time())
         self.fetch_policy = media_fetch.FetchPolicy.from_env()  # image_url / video_url fetching
+        self.metrics = ServerMetrics(engine)  # this server's own registry (GET /metrics)
+        self.caps = conversation.InputCaps(max_messages=self.limits.max_messages,
+                                           max_input_tokens=self.limits.max_input_tokens)
 
     def router(self) -> APIRouter:
         r = APIRouter(prefix="/v1")
@@ -193,6 +208,17 @@ class OpenAIApi:
                         methods=["GET"])
         return r
 
+    def metrics_router(self) -> APIRouter:
+        """GET /metrics in the Prometheus text format (`gemma4.web.metrics`), under the same
+        access rules as /v1: the key, when one is set, and the per-minute limit."""
+        r = APIRouter()
+        r.add_api_route("/metrics", self._guarded(self.metrics_text, generation=False), methods=["GET"])
+        return r
+
+    async def metrics_text(self, request: Request, release) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
     async def health(self, request: Request, release) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
@@ -213,6 +239,12 @@ class OpenAIApi:
         (a streaming handler hands it to the response)."""
 
         async def route(request: Request):
+            response = await guarded(request)
+            path = getattr(request.scope.get("route"), "path", None) or request.url.path
+            self.metrics.request(path, response.status_code)
+            return response
+
+        async def guarded(request: Request):
             try:
                 key = self._client_key(request)
                 refusal = self.limiter.check(key, generation=generation)
@@ -337,7 +369,9 @@ class OpenAIApi:
         return JSONResponse(self._entry())
 
     async def chat(self, request: Request, release):
-        req = S.parse(S.ChatRequest, await self._body(request))
+        body = await self._body(request)
+        self._precheck_messages(body)
+        req = S.parse(S.ChatRequest, body)
         model = self._check_model(req.model)
         info = self._check_ready()
         msgs = await self._with_media(S.messages(req))
@@ -345,7 +379,7 @@ class OpenAIApi:
         tools = S.tools(req)
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, msgs, samp.params,
-                                 mode="chat", tools=tools, thinking=think)
+                                 mode="chat", tools=tools, thinking=think, caps=self.caps)
         return await self._serve(request, release, make, _ChatShape(model), req,
                                  list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
 
@@ -368,6 +402,21 @@ class OpenAIApi:
             p["media"] = await asyncio.to_thread(media_fetch.resolve, url, p["type"], param, self.fetch_policy)
         return msgs
 
+    def _precheck_messages(self, body: bytes) -> None:
+        """The message cap, checked on the raw JSON before the body is validated (validating
+        26,000 messages alone takes ~0.3 s on a 2-core CPU); the request layer checks it again."""
+        if self.engine.status().get("state") != "ready":
+            return
+        try:
+            msgs = json.loads(body).get("messages")
+        except (ValueError, AttributeError):
+            return  # S.parse says what is wrong with it
+        if isinstance(msgs, list):
+            try:
+                conversation.check_message_count(len(msgs), self.caps, self.engine.context_limit)
+            except RequestError as e:
+                raise refusal(e) from None
+
     async def completions(self, request: Request, release):
         req = S.parse(S.CompletionRequest, await self._body(request))
         model = self._check_model(req.model)
@@ -375,12 +424,14 @@ class OpenAIApi:
         prompt = S.completion_prompt(req)
         samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, prompt, samp.params,
-                                 mode="completion")
+                                 mode="completion", caps=self.caps)
         return await self._serve(request, release, make, _CompletionShape(model), req,
                                  list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
 
     async def _serve(self, request, release, make, shape, req, notes):
-        pump = _Pump(make)
+        stop = threading.Event()  # set by the pump when the client leaves: preparation stops too
+        pump = _Pump(functools.partial(make, cancel=stop), stop=stop,
+                     meter=self.metrics.meter("/v1/chat/completions" if shape.chat else "/v1/completions"))
         try:
             first = await self._next(pump, request)
         except BaseException:
@@ -556,6 +607,8 @@ FIELD_REFUSALS = (
      "Leave enable_thinking / reasoning_effort out."),
     ("Tools are not available", "tools", ""),
     ("Token id ", "prompt", ""),
+    ("Too many messages", "messages", ""),
+    ("Too many input tokens", "messages", ""),
 )
 
 

@@ -36,6 +36,11 @@ class Limits:
       over, and a bigger body is refused (413) before it is parsed (GEMMA4_MAX_BODY_BYTES).
     max_stop: stop strings per request (OpenAI allows 4; each is checked on every token).
     loading_retry_s: the Retry-After given while the model still loads (503).
+    max_messages, max_input_tokens: the caps on one chat request's messages and on their tokens
+      before old turns are dropped, refused with a 400 before any rendering. None: the defaults
+      for the context window, explained in `gemma4.serve.conversation.InputCaps` (half the
+      window in messages, four windows in tokens); 0: no cap (GEMMA4_MAX_MESSAGES,
+      GEMMA4_MAX_INPUT_TOKENS).
     """
 
     in_flight: int = 4
@@ -43,10 +48,14 @@ class Limits:
     max_body_bytes: int = 1_000_000
     max_stop: int = 16
     loading_retry_s: int = 5
+    max_messages: int | None = None
+    max_input_tokens: int | None = None
 
     def validated(self) -> Limits:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if v is None and f.name in ("max_messages", "max_input_tokens"):
+                continue  # the context window's default
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{f.name} must be an integer >= 0, got {v!r}")
         if self.max_body_bytes < 1024:

@@ -101,6 +101,15 @@ def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None
                    default=env_int(env, "GEMMA4_MAX_BODY_BYTES", d.max_body_bytes),
                    help=f"largest API request body (env GEMMA4_MAX_BODY_BYTES, default "
                         f"{d.max_body_bytes})")
+    g.add_argument("--max-messages", type=int, metavar="N",
+                   default=env_int(env, "GEMMA4_MAX_MESSAGES", d.max_messages),
+                   help="messages per API chat request, refused (400) above it; 0 = no cap "
+                        "(env GEMMA4_MAX_MESSAGES, default half the context window)")
+    g.add_argument("--max-input-tokens", type=int, metavar="N",
+                   default=env_int(env, "GEMMA4_MAX_INPUT_TOKENS", d.max_input_tokens),
+                   help="tokens in an API chat request's messages before old turns are dropped, "
+                        "refused (400) above it; 0 = no cap (env GEMMA4_MAX_INPUT_TOKENS, default "
+                        "4 context windows)")
     g.add_argument("--trust-proxy", action=argparse.BooleanOptionalAction,
                    default=env_bool(env.get("GEMMA4_TRUST_PROXY"), default=bool(env.get("SPACE_ID"))),
                    help="key rate limits by X-Forwarded-For (env GEMMA4_TRUST_PROXY; on by "
@@ -114,7 +123,8 @@ def access_from_args(a: argparse.Namespace) -> Access:
         logins += read_login_file(a.auth_file)
     keys = tuple(k.strip() for k in (a.api_key or "").split(",") if k.strip())
     limits = Limits(in_flight=a.rate_in_flight, per_minute=a.rate_per_minute,
-                    max_body_bytes=a.max_body_bytes).validated()
+                    max_body_bytes=a.max_body_bytes, max_messages=a.max_messages,
+                    max_input_tokens=a.max_input_tokens).validated()
     return Access(logins=logins, api_keys=keys, limits=limits, trust_proxy=a.trust_proxy)
 
 
@@ -169,6 +179,7 @@ def build_app(demo: Any, engine: Any, *, model: str, max_new_tokens_cap: int,
                     trust_proxy=access.trust_proxy, closed_reason=api_closed_reason(access))
     app.include_router(api.router())
     app.include_router(api.health_router())
+    app.include_router(api.metrics_router())
     app.state.openai_api = api
     app.add_middleware(UiRateLimit, api=api)
     gr.mount_gradio_app(app, demo, path="/", auth=list(access.logins) or None, css=css,

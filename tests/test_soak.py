@@ -1,0 +1,80 @@
+"""The soak's short version (bench/soak.py; the lead runs the hour): mixed traffic against the real
+app (Gradio beside /v1 on one uvicorn server, in this process, three API keys, the bundled model)
+for GEMMA4_SOAK_S seconds (default 60), then: no 5xx or transport failure, every bad body a 4xx,
+no slot leaked after any phase, RSS flat after the warm-up (slope below a bound)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("gradio_client")
+
+import app
+from gemma4.web import server
+from gemma4.web.ratelimit import Limits
+from gemma4.web.settings import Settings
+from tests.net import free_port
+
+# The engine of tests/test_api.py and tests/test_engine.py (one pytest run loads it once).
+BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
+               overrides={"weights": "none", "dtype": "float32", "kv": "native"})
+KEYS = ["sk-soak-1", "sk-soak-2", "sk-soak-3"]
+DURATION_S = float(os.environ.get("GEMMA4_SOAK_S", "60"))
+# RSS still creeps in a minute-long run while allocators and caches settle (~20-30 MB/min seen
+# here, the clients' memory included: they run in this process); a leak of the size the issue
+# saw (1742 → 1972 MB over ~230 requests, ~1 MB a request) at this rate (~100 requests a
+# minute) would be ~100 MB/min. The hour's soak (bench/soak.py) is where flatness is shown.
+MAX_SLOPE_MB_PER_MIN = 60.0
+
+
+def _load_soak():
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[1] / "bench" / "soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def soak_server():
+    from gemma4.serve.engine import get_engine
+
+    engine = get_engine("bundled", **BUNDLED).wait_ready(timeout=1200)
+    access = server.Access(api_keys=tuple(KEYS), limits=Limits(in_flight=0, per_minute=0))
+    settings = Settings(model="bundled", max_users=engine.max_batch, max_new_tokens_cap=200,
+                        context=engine.context_limit, access=access)
+    fastapi_app = server.build_app(app.build_demo(engine, settings), engine, model="bundled",
+                                   max_new_tokens_cap=200, access=access)
+    running = server.start(fastapi_app, "127.0.0.1", free_port())
+    try:
+        yield running.url, engine
+    finally:
+        running.close()
+
+
+def test_a_short_soak_leaves_the_server_as_it_found_it(soak_server):
+    url, engine = soak_server
+    soak = _load_soak()
+    engine.wait_compiled(timeout=600)  # compiles grow RSS: not what the slope is about
+    out = soak.soak(url, keys=KEYS, duration_s=DURATION_S, workers=5, phase_s=DURATION_S / 3,
+                    sample_s=2.0, warmup_s=DURATION_S / 3, max_tokens=8)
+    print("\n" + soak.report_text(out))
+    requests = out["requests"]
+    for kind in soak.MIX:  # every kind of traffic ran
+        assert requests.get(kind, 0) >= 1, (kind, requests)
+    assert out["server_errors"] == {}, out["errors"]
+    assert out["errors"] == {}  # nor anything else unexpected (a wrong answer shape, no turns dropped)
+    assert not [k for k in out["errors"] if k.startswith("bad_body")], out["bad_bodies"]
+    assert out["bad_bodies"] and all(400 <= int(k.rsplit("→ ", 1)[1]) < 500 for k in out["bad_bodies"])
+    assert len(out["phases"]) == 3 and out["leaked_slots"] == 0, out["phases"]
+    assert out["ttft_s"]["n"] >= 5 and out["inter_token_s"]["n"] >= 20
+    slope = out["rss_mb"]["slope_mb_per_min"]
+    assert slope is not None and slope < MAX_SLOPE_MB_PER_MIN, out["rss_mb"]
+    q = engine.queue_state()
+    assert q["active"] == 0 and q["waiting"] == 0
