@@ -271,10 +271,14 @@ def test_image_upload_reply_and_media_row(served_gemma4, browser, tmp_path):
     vision tower: the thumbnail shows in the box and in the history, the reply arrives, and
     This reply's Media row gives the picture's soft tokens and encode time; a follow-up about
     the same picture re-sends it and the row says it was cached."""
+    from gemma4.serve.media_cache import shared_cache
     from gemma4.ui.chat_controls import EXAMPLE_IMAGE
     from tests.scripted import scripted
 
     url, engine = served_gemma4
+    # The embedding cache is process-wide: tests/test_app.py may have encoded this picture on the
+    # same tiny model earlier in the run, and the first turn here must really encode it.
+    shared_cache().clear()
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     page.goto(url)
     sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
