@@ -269,7 +269,7 @@ class CompiledShapes:
                 self._compiling.add(key)
             t = time.perf_counter()
             try:
-                exe, err = self.compile(key), None
+                exe, err = self._compile_with_retry(key), None
             except Exception as e:  # a request that needs it gets the message
                 exe, err = None, f"{type(e).__name__}: {e}"
                 log.error("compiling %s failed: %s", describe_shape(key), err)
@@ -284,6 +284,17 @@ class CompiledShapes:
                 pending = self._pending_locked()
                 self._cond.notify_all()
             log.info("compiled %s in %.2f s (%s; %d shapes pending)", describe_shape(key), dt, why, pending)
+
+    def _compile_with_retry(self, key: tuple):
+        """`compile`, tried a second time after a failure: a lowering traced while another thread
+        traces jax code (a test, an image encode, the caller's own jax work) has been seen to fail
+        once with `KeyError: Var(...)` under jax 0.10 — a transient, and a request waiting for the
+        shape would otherwise get that error. A failure that repeats is real: it is raised."""
+        try:
+            return self.compile(key)
+        except Exception as e:
+            log.warning("compiling %s failed (%s: %s); trying once more", describe_shape(key), type(e).__name__, e)
+            return self.compile(key)
 
     def compile(self, key: tuple):
         """Lower and compile one shape ahead of time (hits the persistent compile cache when
