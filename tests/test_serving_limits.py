@@ -137,22 +137,13 @@ def test_a_fault_that_loses_the_kv_cache_reallocates_it_and_says_so(engine):
 @pytest.fixture(scope="module")
 def served(engine):
     """The tiny engine behind an open server: (url, OpenAIApi, engine)."""
-    import app
     from gemma4.web import server
     from gemma4.web.ratelimit import Limits
-    from gemma4.web.settings import Settings
-    from tests.net import free_port
+    from tests.net import serve_demo
 
     access = server.Access(limits=Limits(in_flight=0, per_minute=0))
-    settings = Settings(model="tiny", max_users=engine.max_batch, max_new_tokens_cap=200,
-                        context=engine.context_limit, access=access)
-    fastapi_app = server.build_app(app.build_demo(engine, settings), engine, model="tiny",
-                                   max_new_tokens_cap=200, access=access)
-    running = server.start(fastapi_app, "127.0.0.1", free_port())
-    try:
-        yield running.url, fastapi_app.state.openai_api, engine
-    finally:
-        running.close()
+    with serve_demo(engine, "tiny", access) as (url, fastapi_app):
+        yield url, fastapi_app.state.openai_api, engine
 
 
 def _chat(url, messages, timeout=60, **body):

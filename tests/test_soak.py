@@ -15,11 +15,9 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("gradio_client")
 
-import app
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits
-from gemma4.web.settings import Settings
-from tests.net import free_port
+from tests.net import serve_demo
 
 # The engine of tests/test_api.py and tests/test_engine.py (one pytest run loads it once).
 BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
@@ -47,15 +45,8 @@ def soak_server():
 
     engine = get_engine("bundled", **BUNDLED).wait_ready(timeout=1200)
     access = server.Access(api_keys=tuple(KEYS), limits=Limits(in_flight=0, per_minute=0))
-    settings = Settings(model="bundled", max_users=engine.max_batch, max_new_tokens_cap=200,
-                        context=engine.context_limit, access=access)
-    fastapi_app = server.build_app(app.build_demo(engine, settings), engine, model="bundled",
-                                   max_new_tokens_cap=200, access=access)
-    running = server.start(fastapi_app, "127.0.0.1", free_port())
-    try:
-        yield running.url, engine
-    finally:
-        running.close()
+    with serve_demo(engine, "bundled", access) as (url, _):
+        yield url, engine
 
 
 def test_a_short_soak_leaves_the_server_as_it_found_it(soak_server):
