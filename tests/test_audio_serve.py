@@ -269,8 +269,8 @@ def flac_stating(seconds: float, stated_s: float, rate: int = 16_000) -> bytes:
 BAD_CLIPS = [  # (bytes, words in the error)
     (wav(0.01), "too short for one soft token"),  # 10 ms: no soft token
     (flac_stating(0.5, 7200), "is 7200 s long; audio may be at most 600 s"),  # a 2-hour recording
-    (_wav_header(16_000, 3200, tag=0x7777) + bytes(3200), "codec"),  # a codec nobody decodes
-    (wav(0.5)[:30], "cannot be read as audio|damaged|no audio samples"),  # cut in its header
+    (_wav_header(16_000, 3200, tag=0x7777) + bytes(3200), "audio codec cannot be decoded"),  # a codec nobody decodes
+    (wav(0.5)[:30], "cannot be read as audio"),  # cut in its header
     (_wav_header(16_000, 0), "no audio samples that decode"),  # a header and nothing else
 ]
 
@@ -458,8 +458,9 @@ def test_bad_audio_gets_clear_400s_naming_the_part(served):
         (msg(_input_audio(b"RIFF\x00\x00\x00\x00WAVEjunkjunk")), "cannot be read as audio", here + ".input_audio.data"),
         (msg(_input_audio(wav(0.01))), "too short for one soft token", here + ".input_audio.data"),
         (msg(_input_audio(flac_stating(0.5, 7200))), "7200 s long", here + ".input_audio.data"),
-        (msg(_input_audio(_wav_header(16_000, 3200, tag=0x7777) + bytes(3200))), "codec", here + ".input_audio.data"),
-        (msg(_input_audio(png(8, 8))), "not audio|is an image|image", here + ".input_audio.data"),
+        (msg(_input_audio(_wav_header(16_000, 3200, tag=0x7777) + bytes(3200))), "audio codec cannot be decoded",
+         here + ".input_audio.data"),
+        (msg(_input_audio(png(8, 8))), "it is an image (PNG)", here + ".input_audio.data"),
         (msg({"type": "input_audio", "input_audio": {"data": b64(wav(0.2)), "format": "pcm16"}}), "raw samples",
          here + ".input_audio.format"),
         (msg({"type": "input_audio", "input_audio": {"data": b64(wav(0.2)), "rate": 16000}}), "only 'data' and 'format'",
