@@ -246,6 +246,24 @@ def test_a_long_clip_is_cut_to_30_s_with_a_note_and_a_too_long_prompt_is_refused
         conversation.generate(eng, hear(data, name="talk.wav"), GREEDY, mode="chat")
 
 
+def test_the_context_rule_drops_whole_old_clips(eng):
+    """A chat whose clips outgrow 7/8 of the window drops whole old exchanges, clips with them;
+    what is left holds whole clips only, and each <|audio|> run gets its own clip's rows."""
+    clips = [wav(2.0, seed=20 + k) for k in range(7)]
+    msgs = []
+    for k, clip in enumerate(clips):
+        msgs += [{"role": "user", "content": [audio_part(clip, f"c{k}.wav"), {"type": "text", "text": "And?"}]},
+                 {"role": "assistant", "content": "Yes."}]
+    msgs = msgs[:-1]
+    notes: list[str] = []
+    ids = conversation.prompt_ids(eng, msgs, notes=notes)
+    kept = ids.count(eng.cfg.boa_token_id)
+    assert notes and "dropped" in notes[0] and 0 < kept < len(clips)
+    assert len(ids) <= eng.context_limit * 7 // 8 and ids.count(eng.cfg.audio_token_id) == 50 * kept
+    out = conversation.generate(eng, msgs, GREEDY, mode="chat")
+    assert [m["name"] for m in out["stats"]["media"]] == [f"c{k}.wav" for k in range(len(clips) - kept, len(clips))]
+
+
 def _wav_header(rate: int, data_bytes: int, tag: int = 1, bits: int = 16) -> bytes:
     fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, tag, 1, rate, rate * bits // 8, bits // 8, bits)
     return b"RIFF" + struct.pack("<I", 4 + len(fmt) + 8 + data_bytes) + b"WAVE" + fmt + b"data" + struct.pack("<I", data_bytes)
