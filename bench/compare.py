@@ -263,6 +263,7 @@ def run_ours(args, prompts: dict, gguf_path: str) -> tuple[list[dict], dict]:
                     _log("  " + (cold.get("skipped") or cold["error"]))
                     continue
             _log(f"ours ({weights}): warm load + measurements ...")
+            _quiet_first(args)
             row = peers.run_worker(script, "ours", dict(base, mode="full", weights=weights),
                                    args.threads, args.timeout, env)
             if row.get("skipped") or row.get("error"):
@@ -309,6 +310,7 @@ def run_peers(args, prompts: dict, gguf_path: str) -> list[dict]:
                 rows.append({"stack": label, "weights": "gguf", "skipped": msg})
                 continue
         _log(f"{label} ...")
+        _quiet_first(args)
         spec = dict(base, **overrides)
         row = peers.run_worker(script, kind, spec, args.threads, args.timeout)
         if row.get("error"):
@@ -317,6 +319,27 @@ def run_peers(args, prompts: dict, gguf_path: str) -> list[dict]:
             continue
         rows.append(row)
     return rows
+
+
+def busy_warnings(rows: list[dict]) -> list[str]:
+    """A loud line per row measured while other processes used the CPU (peers.activity_between)."""
+    out = []
+    for r in rows:
+        m = r.get("machine") or {}
+        if m.get("others_cores", 0.0) >= peers.BUSY_OTHERS_CORES or m.get("steal_cores", 0.0) >= peers.BUSY_OTHERS_CORES:
+            out.append(f"**WARNING: {r['stack']} ({r.get('weights')}) ran on a busy machine**: other processes used "
+                       f"{m['others_cores']:.2f} cores on average and the hypervisor stole {m['steal_cores']:.2f} "
+                       f"(load average {m['load_avg_before']} → {m['load_avg_after']}); its figures, and every "
+                       "ratio against it, are not comparable.")
+    return out
+
+
+def _quiet_first(args) -> None:
+    """Before a stack runs: wait (up to --wait-quiet s) until other processes leave the CPU."""
+    if args.wait_quiet > 0:
+        act = peers.wait_until_quiet(args.wait_quiet, log=_log)
+        if act["others_cores"] >= peers.BUSY_OTHERS_CORES:
+            _log(f"  still busy after {act['waited_s']:.0f} s (others {act['others_cores']:.2f} cores): measuring anyway")
 
 
 def _failed_row(stack: str, weights: str, res: dict) -> dict:
@@ -464,6 +487,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="prompt length of each concurrent stream in the aggregate rows")
     ap.add_argument("--batches", default="4,8", help="concurrent-stream counts for the aggregate columns")
     ap.add_argument("--threads", type=int, default=2, help="CPUs / threads every stack gets")
+    ap.add_argument("--wait-quiet", type=float, default=120.0,
+                    help="seconds to wait before each stack for other processes to leave the CPU (0: don't)")
     ap.add_argument("--peers", choices=("all", "none", "transformers", "llamacpp"), default="all")
     ap.add_argument("--no-ours", action="store_true", help="skip our engine (peers only)")
     ap.add_argument("--ours-weights", default="default",
@@ -524,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if any(r.get("timed_runs_compiled") or []):
             notes.append(f"Warning: {r['stack']}: a timed run waited for an XLA compile.")
+    notes += busy_warnings(rows)
     report = ["## Speed", "", table, "", *notes, "", "## Decode ceiling", "", ceil_text]
     if q:
         report += ["", "## Quality", "", render_quality(q, len(prompts["quality_prompts"]), args.quality_tokens)]

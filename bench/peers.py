@@ -204,6 +204,54 @@ def leading_match(a: list[int], b: list[int]) -> int:
     return n
 
 
+# ----------------------------------------------------------------------------- is the machine quiet?
+# A side-by-side run on a busy machine says nothing (llama.cpp's spinning thread pool fell from
+# ~80 to 2.2 tok/s with one other process on one of two cores, while ours held 35.7). The load
+# average cannot tell our own worker from others, so each worker's run is accounted exactly: the
+# machine's busy CPU time (/proc/stat) minus the CPU time of this process and its waited-for
+# children (getrusage) is what other processes used meanwhile.
+BUSY_OTHERS_CORES = 0.1  # other processes' average use, in cores, above which a row is flagged
+
+
+def cpu_snapshot() -> dict:
+    """The machine's busy and steal seconds so far, and this process's + its children's CPU seconds."""
+    import resource
+
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    own = sum(getattr(resource.getrusage(who), k) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for k in ("ru_utime", "ru_stime"))
+    return {"t": time.monotonic(), "busy_s": (user + nice + system + irq + softirq) / tick,
+            "steal_s": steal / tick, "own_s": own, "load1": os.getloadavg()[0]}
+
+
+def activity_between(a: dict, b: dict) -> dict:
+    """What the machine did between two snapshots: other processes' average cores, the hypervisor's
+    steal (cores), the load averages at both ends."""
+    wall = max(b["t"] - a["t"], 1e-9)
+    others = max(0.0, (b["busy_s"] - a["busy_s"]) - (b["own_s"] - a["own_s"])) / wall
+    return {"others_cores": round(others, 3), "steal_cores": round((b["steal_s"] - a["steal_s"]) / wall, 3),
+            "load_avg_before": round(a["load1"], 2), "load_avg_after": round(b["load1"], 2)}
+
+
+def wait_until_quiet(max_wait_s: float, sample_s: float = 2.0, log=None) -> dict:
+    """Sample the others' use every `sample_s` until it is under BUSY_OTHERS_CORES (or `max_wait_s`
+    passes); the last sample's activity, with "waited_s"."""
+    t0 = time.monotonic()
+    while True:
+        a = cpu_snapshot()
+        time.sleep(sample_s)
+        act = activity_between(a, cpu_snapshot())
+        waited = time.monotonic() - t0
+        if act["others_cores"] < BUSY_OTHERS_CORES or waited >= max_wait_s:
+            return dict(act, waited_s=round(waited, 1))
+        if log:
+            log(f"  machine busy: other processes use {act['others_cores']:.2f} cores; waiting "
+                f"({waited:.0f} of {max_wait_s:.0f} s)")
+
+
 def run_worker(script: str, kind: str, spec: dict, threads: int, timeout: float = 3600,
                extra_env: dict[str, str] | None = None) -> dict:
     """Run `python script --worker kind` on `spec` in a fresh process; its result dict.
@@ -219,6 +267,7 @@ def run_worker(script: str, kind: str, spec: dict, threads: int, timeout: float 
             env.update(extra_env)
         cmd = [sys.executable, script, "--worker", kind, "--spec", spec_path, "--out", out_path]
         t0 = time.perf_counter()
+        snap = cpu_snapshot()
         try:
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -229,6 +278,7 @@ def run_worker(script: str, kind: str, spec: dict, threads: int, timeout: float 
         with open(out_path) as f:
             out = json.load(f)
         out["worker_wall_s"] = wall
+        out["machine"] = activity_between(snap, cpu_snapshot())
         return out
 
 

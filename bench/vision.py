@@ -41,6 +41,7 @@ from gemma4.media.files import media_from_bytes  # noqa: E402
 from gemma4.media.image import decode_image, preprocess_image  # noqa: E402
 from gemma4.model import vision as V  # noqa: E402
 from gemma4.model.config import SMALL_TOWER, preset  # noqa: E402
+from gemma4.model.params import cast_towers  # noqa: E402
 from gemma4.model.sampling import SamplingParams  # noqa: E402
 from gemma4.weights.random_init import random_params  # noqa: E402
 
@@ -77,35 +78,36 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_peak(repeats: int) -> dict:
-    """float32 GFLOP/s of two products on this machine (the faster is the 'peak')."""
+def matmul_peak(repeats: int, dtype=jnp.float32) -> dict:
+    """GFLOP/s of two products in `dtype` (float32 accumulation) on this machine (the faster is the 'peak')."""
     out = {}
     for name, (m, k, n) in {"tower MLP 2520x768x3072": (2520, 768, 3072), "square 2048": (2048, 2048, 2048)}.items():
-        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k), np.float32))
-        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32))
-        f = jax.jit(lambda a, b: a @ b)
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k), np.float32), dtype)
+        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32), dtype)
+        f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
         s = _median_time(lambda: f(a, b).block_until_ready(), repeats)
         out[name] = 2 * m * k * n / s / 1e9
     out["peak"] = max(out.values())
     return out
 
 
-def encode_bench(repeats: int) -> dict:
-    """The E2B tower on one 768×768 image (see the module docstring)."""
+def encode_bench(repeats: int, dtype=jnp.float32) -> dict:
+    """The E2B tower on one 768×768 image (see the module docstring), weights and activations in `dtype`."""
     base = preset("tiny-e2b")
     cfg = dataclasses.replace(base, vision=SMALL_TOWER, hidden_size=preset("e2b").hidden_size)
-    params = {"vision": random_params(cfg)["vision"]}
+    params = cast_towers({"vision": random_params(cfg)["vision"]}, cfg, dtype)
     t = time.perf_counter()
     patches = preprocess_image(decode_image(picture()), max_soft_tokens=280)
     prep_s = time.perf_counter() - t
     pixels, pos = jnp.asarray(patches.pixel_values[None]), jnp.asarray(patches.position_ids[None])
-    step = jax.jit(lambda p, x, q: V.encode_images(p, cfg, x, q, dtype=jnp.float32))
+    step = jax.jit(lambda p, x, q: V.encode_images(p, cfg, x, q, dtype=dtype))
     t = time.perf_counter()
     step(params, pixels, pos).block_until_ready()
     first_s = time.perf_counter() - t
     s = _median_time(lambda: step(params, pixels, pos).block_until_ready(), repeats)
     flops = tower_flops(SMALL_TOWER, cfg.hidden_size, patches.pixel_values.shape[0])
-    return {"image": "768x768", "patches": int(patches.num_patches), "padded_patches": int(patches.pixel_values.shape[0]),
+    rows = np.asarray(step(params, pixels, pos), np.float32)[0, :patches.num_soft_tokens]
+    return {"dtype": jnp.dtype(dtype).name, "rows": rows, "image": "768x768", "patches": int(patches.num_patches), "padded_patches": int(patches.pixel_values.shape[0]),
             "soft_tokens": int(patches.num_soft_tokens), "preprocess_s": prep_s, "first_run_s": first_s,
             "encode_s": s, "gflop": flops / 1e9, "gflop_s": flops / s / 1e9}
 
@@ -142,8 +144,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-model", default="random:e2b", help="the model of the TTFT run ('none' skips it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    out = {"cpu_count": os.cpu_count(), "peak": matmul_peak(args.repeats), "encode": encode_bench(args.repeats)}
+    out = {"cpu_count": os.cpu_count(), "load_before": os.getloadavg()[0], "peak": matmul_peak(args.repeats),
+           "encode": encode_bench(args.repeats)}
     out["encode"]["share_of_peak"] = out["encode"]["gflop_s"] / out["peak"]["peak"]
+    # bf16 products (float32 accumulation): what GEMMA4_ENCODER_DTYPE=bfloat16 (or the plan's
+    # measured choice on a CPU with bf16 units) runs, and how far its soft tokens move.
+    out["peak_bf16"] = matmul_peak(args.repeats, jnp.bfloat16)
+    out["encode_bf16"] = encode_bench(args.repeats, jnp.bfloat16)
+    out["encode_bf16"]["share_of_peak"] = out["encode_bf16"]["gflop_s"] / out["peak_bf16"]["peak"]
+    ref, low = out["encode"].pop("rows"), out["encode_bf16"].pop("rows")
+    out["encode_bf16"]["rel_err_vs_float32"] = float(np.linalg.norm(low - ref) / np.linalg.norm(ref))
+    out["load_after"] = os.getloadavg()[0]
     if args.ttft_model != "none":
         out["ttft"] = ttft_bench(args.ttft_model, args.repeats)
     if args.json:
@@ -154,6 +165,11 @@ def main(argv=None) -> int:
     print(f"encode 768x768 (E2B tower, {e['patches']} patches padded to {e['padded_patches']}, {e['soft_tokens']} soft "
           f"tokens): {e['encode_s']:.2f} s ({e['gflop']:.0f} GFLOP, {e['gflop_s']:.1f} GFLOP/s = "
           f"{100 * e['share_of_peak']:.0f}% of peak); first run {e['first_run_s']:.1f} s; preprocess {e['preprocess_s']:.2f} s")
+    b, pb = out["encode_bf16"], out["peak_bf16"]
+    print(f"bf16 matmul: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in pb.items()))
+    print(f"encode in bf16: {b['encode_s']:.2f} s ({b['gflop_s']:.1f} GFLOP/s = {100 * b['share_of_peak']:.0f}% of the "
+          f"bf16 peak, {e['encode_s'] / b['encode_s']:.2f}x float32); soft tokens {100 * b['rel_err_vs_float32']:.2f}% "
+          f"from float32's; load average {out['load_before']:.1f} before, {out['load_after']:.1f} after")
     if "ttft" in out:
         t = out["ttft"]
         print(f"TTFT image question on {t['model']}: {t['ttft_s']:.2f} s (encode {t['encode_s']:.2f} s, prefill "

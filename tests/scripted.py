@@ -42,7 +42,9 @@ from gemma4.serve.engine import get_engine
 
 # The tiny random Gemma 4 every scripted test shares (get_engine keeps one per settings, so the
 # modules that use it pay its load and compiles once per test run).
-TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256))
+# The towers pinned to float32 (auto picks bf16 where it measures faster): tests compare the
+# engine's soft tokens with a float32 encode through the model directly.
+TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256), overrides={"encoder_dtype": "float32"})
 
 
 def tiny_gemma4():

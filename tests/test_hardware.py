@@ -253,3 +253,48 @@ def test_embed_weights_follow_weights_and_can_be_overridden():
     assert kept.quantize_kwargs() == dict(plan.quantize_kwargs(), embed_mode="none")
     with pytest.raises(hardware.PolicyError):
         hardware.policy(facts, None, {"embed_weights": "int3"}, env={})
+
+
+def test_encoder_dtype_is_measured_on_cpu_and_overridable():
+    """The towers' dtype: bf16 on a CPU with bf16 units only when a tower-shaped product measured
+    faster by the threshold (a fake timer stands in for the machine), float32 without bf16 units
+    or when bf16 is not faster enough, the compute dtype off CPU, the override always; the tower
+    leaves are cast, norms/clip bounds and the text model are not; no tower → "none"."""
+    import jax.numpy as jnp
+
+    from gemma4.model.config import tiny
+    from gemma4.plan import hardware_checks as hc
+    from gemma4.weights.random_init import random_params
+
+    cfg = tiny("e2b")
+    params = random_params(cfg)
+    seen = []
+
+    def timer(speedup):
+        def t(width, dtype):
+            seen.append((width, jnp.dtype(dtype).name))
+            return 1.0 if jnp.dtype(dtype) == jnp.float32 else 1.0 / speedup
+        return t
+
+    def choose(device, speedup=2.0, **kw):
+        facts = simulated_facts(device)
+        return hc.choose_encoder_dtype(policy(facts, cfg, None, env={}), params, cfg, env=kw.get("env", {}),
+                                       timer=timer(speedup), facts=facts)
+
+    out, plan, report = choose("cpu-avx512bf16", 2.0)
+    assert plan.encoder_dtype.value == "bfloat16" and "2.00×" in plan.encoder_dtype.reason and report["speedup"] == 2.0
+    assert seen == [(768, "float32"), (768, "bfloat16")]  # a tiny tower is measured at a released width
+    assert out["vision"]["layers"][0]["q"].dtype == jnp.bfloat16 and out["vision"]["proj"].dtype == jnp.bfloat16
+    assert out["vision"]["layers"][0]["attn_norm"].dtype == jnp.float32
+    assert out["embed"] is params["embed"] and params["vision"]["layers"][0]["q"].dtype == jnp.float32
+    assert choose("cpu-avx512bf16", 1.1)[1].encoder_dtype.value == "float32"
+    seen.clear()
+    assert choose("cpu-avx2")[1].encoder_dtype.value == "float32" and not seen  # no bf16 units: not measured
+    gpu = choose("h100")[1]
+    assert gpu.encoder_dtype.value == gpu.compute_dtype.value == "bfloat16" and "compute dtype" in gpu.encoder_dtype.reason
+    forced = choose("cpu-avx512bf16", 2.0, env={"GEMMA4_ENCODER_DTYPE": "f32"})[1].encoder_dtype
+    assert (forced.value, forced.source) == ("float32", "override")
+    with pytest.raises(PolicyError, match="GEMMA4_ENCODER_DTYPE"):
+        choose("cpu-avx512bf16", env={"GEMMA4_ENCODER_DTYPE": "int8"})
+    text = {k: v for k, v in params.items() if k != "vision"}
+    assert hc.choose_encoder_dtype(plan, text, cfg, env={}, timer=timer(2.0))[1].encoder_dtype.value == "none"

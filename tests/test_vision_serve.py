@@ -144,7 +144,7 @@ def test_image_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     patches = preprocess_image(decode_image(data), patch_size=cfg.vision.patch_size,
                                pooling_kernel_size=cfg.vision.pooling_kernel_size)
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
-                                      jnp.asarray(patches.position_ids[None]), dtype=eng.options.dtype))[0, :n]
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.encoder_dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     assert first["token_ids"] == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens)
     assert first["stats"]["prefill_tokens"] == len(ids)
@@ -382,7 +382,7 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
     patches = preprocess_image(decode_image(data), max_soft_tokens=70, patch_size=cfg.vision.patch_size,
                                pooling_kernel_size=cfg.vision.pooling_kernel_size)
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
-                                      jnp.asarray(patches.position_ids[None]), dtype=eng.options.dtype))[0, :n]
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.encoder_dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     groups = [0 if start <= k < start + n else -1 for k in range(len(ids))]
     assert list(got.token_ids) == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens, groups)

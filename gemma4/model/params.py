@@ -237,3 +237,40 @@ def tree_from_leaves(specs: Any, leaves: dict[tuple, Any], prefix: tuple = ()) -
 
 def count_bytes(params: Any) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+TOWER_KEYS = ("vision", "audio")  # the top-level subtrees that hold a vision or audio tower
+
+
+def has_tower(params: dict) -> bool:
+    """Whether a vision or audio tower is loaded in `params`."""
+    return any(key in params for key in TOWER_KEYS)
+
+
+def cast_towers(params: dict, cfg: ModelConfig, dtype: Any) -> dict:
+    """`params` with every "tower" leaf (the vision/audio towers' weight matrices and tables)
+    in `dtype`; norms, scalars and clip bounds stay float32, the text model is untouched. The
+    encoder dtype is a choice of its own (`gemma4.plan.hardware_checks.choose_encoder_dtype`)."""
+    specs = param_specs(cfg)
+    out = dict(params)
+    for key in TOWER_KEYS:
+        if key not in params or key not in specs:
+            continue
+        leaves = {path: leaf for path, leaf in _iter_leaves(params[key])}
+        for path, spec in iter_specs(specs[key]):
+            if spec.kind == "tower" and leaves[path].dtype != jnp.dtype(dtype):
+                leaves[path] = leaves[path].astype(dtype)
+        out[key] = tree_from_leaves(specs[key], leaves)
+    return out
+
+
+def _iter_leaves(tree: Any, prefix: tuple = ()):
+    """(path, leaf) of a params subtree, paths as `iter_specs` writes them."""
+    if isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from _iter_leaves(tree[k], prefix + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _iter_leaves(v, prefix + (i,))
+    else:
+        yield prefix, tree

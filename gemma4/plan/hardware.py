@@ -91,8 +91,9 @@ class Choice:
 
 
 CHOICE_NAMES = ("compute_dtype", "weight_dtype", "weights", "embed_weights", "kv_cache", "attention_sliding",
-                "attention_full", "int4_kernel", "matmul_precision", "int8_matmul")
+                "attention_full", "int4_kernel", "matmul_precision", "int8_matmul", "encoder_dtype")
 _INT8_MATMUL_PENDING = Choice("default", "decided after the weights load (measured per product shape on CPU)")
+_ENCODER_DTYPE_PENDING = Choice("float32", "decided after the weights load (measured on CPU where the towers load)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,10 @@ class Plan:
     head_dims: tuple[int, int] = (256, 512)  # (sliding, full) the attention choices were made for
     warnings: tuple[str, ...] = ()
     int8_matmul: Choice = _INT8_MATMUL_PENDING  # "measured" | "default" | a path of gemma4.ops.int8_matmul
+    # The vision/audio towers' dtype (weights and activations; "none" without a tower): their
+    # products are compute-bound GEMMs of hundreds of rows, unlike batch-1 decode (see
+    # hardware_checks.choose_encoder_dtype).
+    encoder_dtype: Choice = _ENCODER_DTYPE_PENDING
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in CHOICE_NAMES}
@@ -150,6 +155,7 @@ ENV_KEYS = {
     "dtype": "GEMMA4_DTYPE", "weights": "GEMMA4_WEIGHTS", "kv": "GEMMA4_KV", "attention": "GEMMA4_ATTENTION",
     "int4_kernel": "GEMMA4_INT4_KERNEL", "matmul_precision": "GEMMA4_MATMUL_PRECISION",
     "embed_weights": "GEMMA4_EMBED_WEIGHTS", "int8_matmul": "GEMMA4_INT8_MATMUL",
+    "encoder_dtype": "GEMMA4_ENCODER_DTYPE",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
 _DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -185,7 +191,7 @@ def normalize_overrides(overrides: Mapping[str, Any] | None = None,
         if value is None or str(value).strip().lower() in ("", "auto"):
             continue
         v = str(value).strip().lower()
-        if key == "dtype":
+        if key in ("dtype", "encoder_dtype"):
             if v not in _DTYPE_ALIASES:
                 raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto, float32, bfloat16 or float16")
             v = _DTYPE_ALIASES[v]

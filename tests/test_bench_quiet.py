@@ -1,0 +1,49 @@
+"""bench/compare.py's guard against measuring on a busy machine: other processes' CPU use is
+accounted exactly (the machine's busy time minus ours), and a row measured beside them is flagged."""
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))  # compare.py imports its siblings (peers, bandwidth) by name
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_others_cpu_use_is_counted_and_ours_is_not():
+    peers = _load("peers")
+    a = peers.cpu_snapshot()
+    deadline = time.process_time() + 0.6
+    while time.process_time() < deadline:  # our own work: 0.6 s of CPU
+        pass
+    mine = peers.activity_between(a, peers.cpu_snapshot())
+    spin = "import time\nt = time.process_time() + 1.0\nwhile time.process_time() < t: pass"
+    other = subprocess.Popen([sys.executable, "-c", spin])  # not waited for while measuring: "another process"
+    b = peers.cpu_snapshot()
+    time.sleep(0.8)
+    busy = peers.activity_between(b, peers.cpu_snapshot())
+    other.wait()
+    # Ours is subtracted (what others did meanwhile stays: allow the machine's background);
+    # a spinning process shows as most of a core.
+    assert busy["others_cores"] > mine["others_cores"] + 0.4 and busy["others_cores"] > 0.5, (mine, busy)
+
+
+def test_rows_from_a_busy_machine_are_flagged():
+    compare = _load("compare")
+    quiet = {"stack": "ours (JAX)", "weights": "int8", "machine": {
+        "others_cores": 0.02, "steal_cores": 0.0, "load_avg_before": 0.1, "load_avg_after": 1.9}}
+    busy = {"stack": "llama.cpp flash-attn off", "weights": "gguf", "machine": {
+        "others_cores": 0.95, "steal_cores": 0.0, "load_avg_before": 1.2, "load_avg_after": 2.8}}
+    (line,) = compare.busy_warnings([quiet, busy, {"stack": "failed", "weights": "x"}])
+    assert "llama.cpp flash-attn off" in line and "0.95 cores" in line and "not comparable" in line
