@@ -144,7 +144,7 @@ def test_audio_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     x = np.zeros((1, frames, 128), np.float32)
     mask = np.zeros((1, frames), bool)
     x[0, :len(feats.mask)], mask[0, :len(feats.mask)] = feats.features, feats.mask
-    tower = jax.jit(lambda params, x, mask: AU.encode_audio(params, cfg, x, mask, dtype=eng.options.dtype))
+    tower = jax.jit(lambda params, x, mask: AU.encode_audio(params, cfg, x, mask, dtype=eng.encoder_dtype))
     soft, valid = tower(eng.params, jnp.asarray(x), jnp.asarray(mask))
     rows = np.asarray(soft, np.float32)[0, :n]
     assert np.asarray(valid)[0].sum() == n
@@ -379,8 +379,10 @@ def _run(*args, timeout=900):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "gemma4", *args], cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=timeout)
+    # The towers in float32 as tests.scripted.TINY_GEMMA4 pins them (outputs are compared with it).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GEMMA4_ENCODER_DTYPE="float32")
+    return subprocess.run([sys.executable, "-m", "gemma4", *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.slow

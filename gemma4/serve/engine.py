@@ -667,7 +667,7 @@ class Engine:
             return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, cfg.vision.patch_dim), jnp.float32),
                               i32(size, extra, 2))
         if kind == "audio":  # the audio tower for `size` clips of `extra` feature frames (`encode_audio`)
-            cfg, dtype = self.cfg, self.options.dtype
+            cfg, dtype = self.cfg, self.encoder_dtype
             step = jax.jit(lambda params, feats, mask: AU.encode_audio(params, cfg, feats, mask, dtype=dtype))
             return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, FEATURE_SIZE), jnp.float32),
                               jax.ShapeDtypeStruct((size, extra), jnp.bool_))
@@ -852,8 +852,8 @@ class Engine:
     def encode_audio(self, features: Sequence[AudioFeatures]) -> list[np.ndarray]:
         """Soft-token rows [n_i, hidden] float32 of audio clips' features (`gemma4.media.audio.AudioFeatures`),
         in order: each clip's first `num_soft_tokens` rows of the tower and projector
-        (`gemma4.model.audio.encode_audio`, in the plan's compute dtype, as `encode_images`), which go
-        into the decoder as they are.
+        (`gemma4.model.audio.encode_audio`, in the plan's encoder dtype, `Engine.encoder_dtype`, as
+        `encode_images`), which go into the decoder as they are.
 
         A clip is padded with masked frames to its bucket (`audio_bucket`: 2, 4, 8, 16 or 30 s);
         clips of one bucket run together, in a batch padded to the next width of `decode_widths` by
