@@ -67,3 +67,20 @@ def audio_enabled(env: Mapping[str, str]) -> bool:
     the tower's weights are neither read nor held (0.31 B parameters: 0.57 GiB in bfloat16), and
     audio input is refused."""
     return env_switch(env, "GEMMA4_AUDIO", True)
+
+
+def audio_bucket_seconds(env: Mapping[str, str], default: tuple[float, ...] = (2, 4, 8, 16, 30)) -> tuple[float, ...]:
+    """`GEMMA4_AUDIO_BUCKETS` (default 2,4,8,16,30): the clip lengths in seconds the audio tower is
+    compiled for (a clip is padded to the next; fewer buckets, fewer compiles, more padding), as
+    comma-separated positive numbers; EnvError otherwise. The engine always adds the 30 s the
+    model hears as the top one."""
+    raw = (env.get("GEMMA4_AUDIO_BUCKETS") or "").strip()
+    if not raw:
+        return tuple(default)
+    try:
+        values = tuple(float(v) for v in raw.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(not v > 0 for v in values):
+        raise EnvError(f"GEMMA4_AUDIO_BUCKETS={raw!r} is not a list of positive seconds (e.g. 2,4,8,16,30)")
+    return values

@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -60,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.env import audio_bucket_seconds
 from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
 from gemma4.model import audio as AU
 from gemma4.model import decoder as M
@@ -91,6 +93,7 @@ ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's 
 # The audio tower's compiled lengths, in feature frames (100 a second; 3,000 = the 30 s the model
 # hears): a clip is padded with masked frames up to the next one (its valid rows do not change),
 # so at most five shapes compile per batch width, and a clip pays at most about twice its length.
+# GEMMA4_AUDIO_BUCKETS (seconds) overrides (`audio_frame_buckets`).
 AUDIO_FRAME_BUCKETS = (200, 400, 800, 1600, 3000)
 
 
@@ -248,6 +251,15 @@ def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS) -> i
             return int(b)
     raise RequestError(f"An audio clip of {frames} feature frames is longer than the {max(buckets)} frames "
                        f"({max(buckets) / 100:g} s) the audio tower is compiled for; cut it to its first 30 s.")
+
+
+def audio_frame_buckets(env=os.environ) -> tuple[int, ...]:
+    """The audio buckets in feature frames (100 a second) from GEMMA4_AUDIO_BUCKETS' seconds
+    (`gemma4.env.audio_bucket_seconds`; default `AUDIO_FRAME_BUCKETS`): none past 30 s, and 30 s
+    always the top one, so every clip the front end gives has a bucket."""
+    top = AUDIO_FRAME_BUCKETS[-1]
+    frames = {min(top, math.ceil(s * 100)) for s in audio_bucket_seconds(env)}
+    return tuple(sorted(frames | {top}))
 
 
 NO_AUDIO_TOWER_REASON = "{model} has no audio tower; audio needs Gemma 4 E2B or E4B (e.g. --model google/gemma-4-E2B-it)"
@@ -417,7 +429,7 @@ class Engine:
         self._vision_lock = threading.Lock()
         self._encode_info = threading.local()  # per calling thread: what its last encode_images/encode_audio did
         self._audio_exe: dict[tuple[int, int], Any] = {}  # the audio tower compiled per (batch, frames)
-        self.audio_buckets = AUDIO_FRAME_BUCKETS  # the compiled clip lengths (`audio_bucket`); tests may narrow it
+        self.audio_buckets = audio_frame_buckets()  # the compiled clip lengths (`audio_bucket`); tests may narrow it
         # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
         # by (first chunk?, bucket) and per decode step, running means.
         self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
