@@ -153,9 +153,9 @@ def test_audio_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     assert first["token_ids"] == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens)
     assert first["stats"]["prefill_tokens"] == len(ids)
 
-    again = conversation.generate(eng, hear(data), GREEDY, mode="chat")
+    again = conversation.generate(eng, hear(data, name="renamed.wav"), GREEDY, mode="chat")  # keyed by content
     assert again["stats"]["media"][0]["cached"] is True and again["stats"]["media"][0]["encode_s"] == 0
-    assert again["token_ids"] == first["token_ids"]
+    assert again["token_ids"] == first["token_ids"] and again["stats"]["media"][0]["name"] == "renamed.wav"
 
 
 def test_an_audio_request_beside_a_text_request_gets_its_solo_tokens(eng):
@@ -466,6 +466,17 @@ def test_input_audio_through_the_openai_client(served, eng):
     for other in (by_url, mislabelled):
         r = client.chat.completions.create(model="random:tiny-e2b", messages=other, temperature=0.0, max_tokens=5)
         assert r.choices[0].message.content == same.answer and r.usage.prompt_tokens == len(ids)
+
+    import soundfile  # an MP3 and an Ogg Vorbis clip, written by libsndfile
+
+    for fmt, subtype in (("MP3", "MPEG_LAYER_III"), ("OGG", "VORBIS")):
+        buf = io.BytesIO()
+        soundfile.write(buf, decode_audio(data).samples, 16_000, format=fmt, subtype=subtype)
+        clip = buf.getvalue()
+        lossy = [{"role": "user", "content": [_input_audio(clip, fmt.lower()), {"type": "text", "text": "And this?"}]}]
+        r = client.chat.completions.create(model="random:tiny-e2b", messages=lossy, temperature=0.0, max_tokens=2)
+        (media,) = r.model_extra["gemma4"]["stats"]["media"]
+        assert media["soft_tokens"] == soft_tokens_of(clip) > 0 and r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_bad_audio_gets_clear_400s_naming_the_part(served):
