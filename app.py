@@ -23,19 +23,17 @@ import gradio as gr
 
 from gemma4.serve import distributed_flags
 from gemma4.ui.chat_controls import (
+    AUDIO_EXAMPLE_TEXT,
     EXAMPLE_IMAGE,
     IMAGE_EXAMPLE_TEXT,
     IMAGE_TOKEN_CHOICES,
     IMAGE_TOKENS_DEFAULT,
     IMAGE_TOKENS_INFO,
-    MEDIA_FILE_TYPES,
-    MEDIA_PLACEHOLDER,
     PENALTY_RANGE,
     SEED_RANDOM,
-    TEXT_PLACEHOLDER,
     THINK_INFO,
     TOP_P_RANGE,
-    media_note_md,
+    example_audio,
     plot_frame,
 )
 from gemma4.ui.panels import context_meter_html, model_banner_html, queue_html, session_summary_md, status_html
@@ -85,7 +83,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         else [[e, "chat"] for e in CHAT_EXAMPLES] + [[e, "completion"] for e in COMPLETION_EXAMPLES]
     )
     engine_events = dict(concurrency_limit=settings.max_users, concurrency_id="engine")
-    media_ok, media_why = app.media_support()  # known once the model is ready; tick() updates it
+    media = app.support()  # the towers: known once the model is ready; tick() updates the box
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
         gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
@@ -104,20 +102,20 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                 )
                 with gr.Row():
                     # Text, plus images and videos (📎, drag and drop, paste) where the model has
-                    # a vision tower; with no source at all the box takes text only. Pasted
-                    # text stays text (Gradio turns a long paste into a .txt file otherwise).
+                    # a vision tower, audio files and 🎙 recordings where it has an audio tower;
+                    # with no source at all the box takes text only. Pasted text stays text
+                    # (Gradio turns a long paste into a .txt file otherwise).
                     msg = gr.MultimodalTextbox(
                         label="Message", show_label=False, scale=8, lines=1, max_lines=8,
-                        placeholder=MEDIA_PLACEHOLDER if media_ok else TEXT_PLACEHOLDER,
-                        elem_id="msg", autofocus=True, file_types=MEDIA_FILE_TYPES,
-                        file_count="multiple", sources=["upload"] if media_ok else [],
-                        submit_btn=False, max_plain_text_length=10**9)
+                        placeholder=media.placeholder(), elem_id="msg", autofocus=True,
+                        file_types=media.file_types(), file_count="multiple",
+                        sources=media.sources(), submit_btn=False, max_plain_text_length=10**9)
                     send_btn = gr.Button("Send", variant="primary", scale=1, min_width=100,
                                          elem_id="send")
                     stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, min_width=100,
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
-                media_note = gr.Markdown(media_note_md(media_ok, media_why), elem_id="media-note")
+                media_note = gr.Markdown(media.note_md(), elem_id="media-note")
                 with gr.Row():
                     context_meter = gr.HTML(context_meter_html(None, None))
                     queue_box = gr.HTML(queue_html(None))
@@ -131,8 +129,17 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                 # Offered only where the model reads images (tick() shows it once it knows).
                 image_example = gr.Examples(
                     examples=[[{"text": IMAGE_EXAMPLE_TEXT, "files": [str(EXAMPLE_IMAGE)]}, "chat"]],
-                    inputs=[msg, mode], cache_examples=False, visible=media_ok,
+                    inputs=[msg, mode], cache_examples=False, visible=media.vision,
                     label="Example with a picture (drawn for this demo)")
+                # Offered only where the model hears (the line under the box says why not);
+                # the clip is read from the installed gradio package (chat_controls).
+                clip = example_audio()
+                audio_example = gr.Examples(
+                    examples=[[{"text": AUDIO_EXAMPLE_TEXT, "files": [clip] if clip else []},
+                               "chat"]],
+                    inputs=[msg, mode], cache_examples=False,
+                    visible=media.audio_example() is not None,
+                    label="Example with speech (a clip that ships with Gradio)")
             with gr.Column(scale=2):
                 gr.Markdown("### This reply")
                 reply_panel = gr.HTML(empty_reply_panel_html(), elem_id="reply-panel")
@@ -146,7 +153,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                             placeholder="You are a helpful assistant.")
                         image_tokens = gr.Radio(IMAGE_TOKEN_CHOICES, value=IMAGE_TOKENS_DEFAULT,
                                                 label="Image detail (soft tokens per image)",
-                                                info=IMAGE_TOKENS_INFO, visible=media_ok,
+                                                info=IMAGE_TOKENS_INFO, visible=media.vision,
                                                 elem_id="image-tokens")
                         temperature = gr.Slider(0.0, app.temperature_max, value=d["temperature"],
                                                 step=0.05, label="Temperature (0 = greedy)",
@@ -225,7 +232,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
 
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
                         rep_pen, context_meter, think, msg, media_note, image_example.dataset,
-                        image_tokens, seen]
+                        image_tokens, audio_example.dataset, seen]
         gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,

@@ -19,7 +19,7 @@ import pytest
 import app
 from gemma4.media.files import MediaError
 from gemma4.ui.demo import DemoApp
-from gemma4.ui.chat_controls import EXAMPLE_IMAGE, guess_is_base
+from gemma4.ui.chat_controls import EXAMPLE_AUDIO_NAME, EXAMPLE_IMAGE, MediaSupport, example_audio, guess_is_base
 from gemma4.ui.handlers import ChatHandlers
 from gemma4.ui.media_parts import read_textbox, user_content
 from gemma4.web.settings import Settings, parse_settings
@@ -247,6 +247,112 @@ def test_reply_panel_media_rows():
     assert "media-row" not in reply_panel_html({"prefill_tokens": 9}, {}, done=True)
     details = stats_message({"media": media[:1]}, {}, done=True)["content"]
     assert "scene.png: 280 soft tokens" in details
+
+
+# --------------------------------------------------------------------------- audio in the chat
+
+
+def tone_wav(path: pathlib.Path, seconds: float = 1.0, rate: int = 16_000) -> str:
+    """A mono 16-bit WAV of a 440 Hz tone (what an upload or a 🎙 recording leaves on disk)."""
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate), w.writeframes(pcm.tobytes())
+    return str(path)
+
+
+@pytest.fixture
+def audio_file(tmp_path):
+    """A recording as the 🎙 button uploads it (Gradio names it audio.wav)."""
+    return tone_wav(tmp_path / "audio.wav")
+
+
+def test_audio_history_to_request_parts(audio_file, media_files):
+    """Audio files are audio parts, as images are image parts: in chat mode before the text, in
+    completion mode with an <|audio|> marker in front of a text that has none; the kind comes
+    from the bytes; retry, undo and edit keep the clip with its turn."""
+    picture = media_files[0]
+    history = [{"role": "user", "content": user_content("What is said?", [audio_file])},
+               {"role": "assistant", "content": "A tone."},
+               {"role": "user", "content": [{"type": "text", "text": "And here? "},
+                                            gradio_file(audio_file, "audio/wav"),
+                                            gradio_file(picture, "image/png")]}]
+    msgs = history_to_messages(history)
+    first, last = msgs[0]["content"], msgs[2]["content"]
+    assert [p["type"] for p in first] == ["audio", "text"]
+    assert (first[0]["media"].kind, first[0]["media"].name) == ("audio", "audio.wav")
+    assert [p["type"] for p in last] == ["audio", "image", "text"]
+    assert history_to_messages(history, image_tokens=70)[2]["content"][0].keys() == {"type", "media"}
+    text, media = last_user_completion(history)
+    assert text == "<|audio|><|image|>And here? " and [p["type"] for p in media] == ["audio", "image"]
+    marked = {"role": "user", "content": ["Transcribe <|audio|> please:", {"path": audio_file}]}
+    assert last_user_completion([marked])[0] == "Transcribe <|audio|> please:"
+    handler = ChatHandlers(engine=None, settings=Settings())  # these steps never touch the engine
+    done = [*history, *reply_messages("Hello.", {}, {}, done=True, finish_reason="stop")]
+    assert handler.retry(done) == history
+    rest, box = handler.undo(done)
+    assert rest == history[:2] and box == {"text": "And here? ", "files": [audio_file, picture]}
+    edited = handler.edit(history, gr.EditData(None, {"index": 0, "value": "Transcribe it.",
+                                                      "previous_value": "What is said?"}))
+    assert edited == [{"role": "user", "content": ["Transcribe it.", {"path": audio_file}]}]
+
+
+def test_transcription_example_is_speech_from_gradio():
+    """The example clip is read from the installed gradio package (not a copy in this repo) and
+    is audio by its bytes."""
+    from gemma4.media.files import media_from_path
+
+    clip = example_audio()
+    assert clip and pathlib.Path(clip).name == EXAMPLE_AUDIO_NAME
+    assert pathlib.Path(gr.__file__).parent in pathlib.Path(clip).parents
+    assert not list(ROOT.glob(f"**/{EXAMPLE_AUDIO_NAME}"))  # not copied into the repo
+    item = media_from_path(clip)
+    assert item.kind == "audio" and item.name == EXAMPLE_AUDIO_NAME
+    assert MediaSupport(True, audio=True).audio_example() == clip
+    assert MediaSupport(True, audio=False, audio_reason="no tower").audio_example() is None
+
+
+def test_message_box_follows_the_towers():
+    """The upload, the microphone, the file types, the placeholder and the line under the box
+    for each pair of towers; a missing tower's reason is shown (escaped)."""
+    both = MediaSupport(True, "", True, "")
+    assert both.sources() == ["upload", "microphone"]
+    assert {"image", "video", "audio", ".m4a"} <= set(both.file_types())
+    assert "record" in both.placeholder() and "images" in both.placeholder()
+    assert both.note_md().startswith("🖼 🔊") and "30 s" in both.note_md()
+    deaf = MediaSupport(True, "", False, "gemma-4-31B has no audio tower; audio needs E2B or E4B")
+    assert deaf.sources() == ["upload"] and "audio" not in deaf.file_types()
+    assert "record" not in deaf.placeholder()
+    assert deaf.note_md().startswith("🖼 ") and "🔇 No audio: gemma-4-31B has no audio tower" in deaf.note_md()
+    text = MediaSupport(False, "Gemma 3 <270M> reads text", False, "Gemma 3 has no audio tower")
+    assert text.sources() == [] and text.placeholder() == "Type a message and press Enter"
+    assert "No image or video upload: Gemma 3 &lt;270M&gt; reads text" in text.note_md()
+    assert "🔇 No audio: Gemma 3 has no audio tower" in text.note_md()
+    ears = MediaSupport(False, "no vision tower", True, "")
+    assert ears.sources() == ["upload", "microphone"] and "image" not in ears.file_types()
+    assert ears.note_md().startswith("🔊") and "No image or video upload" in ears.note_md()
+
+
+def test_reply_panel_audio_rows():
+    """A clip's row gives its length, soft tokens, encode time and what was done to it."""
+    media = [{"kind": "audio", "name": "talk.mp3", "soft_tokens": 198, "encode_s": 0.4213,
+              "cached": False, "seconds": 7.884, "notes": ["resampled from 32000 Hz", "mixed 2 channels to mono"]},
+             {"kind": "audio", "name": "audio.wav", "soft_tokens": 750, "encode_s": 0.0,
+              "cached": True, "seconds": 30.0, "notes": ["cut to its first 30 s"]},
+             {"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.8412,
+              "cached": False}]
+    panel = reply_panel_html({"media": media}, {}, done=True, finish_reason="stop")
+    rows = re.findall(r'<div class="media-row">(.*?)</div>', panel)
+    assert rows == [
+        "🔊 talk.mp3 (7.9 s): 198 soft tokens · encoded in 0.42 s · resampled from 32000 Hz"
+        " · mixed 2 channels to mono",
+        "🔊 audio.wav (30.0 s): 750 soft tokens · cached, not re-encoded · cut to its first 30 s",
+        "🖼 scene.png: 280 soft tokens · encoded in 0.84 s"]
+    assert "talk.mp3 (7.9 s): 198 soft tokens" in stats_message({"media": media}, {}, done=True)["content"]
 
 
 def test_stats_title_and_messages():

@@ -29,7 +29,8 @@ class DemoApp(ChatHandlers):
 
     def tick(self, seen: dict | None):
         """Every second: engine status, model banner, queue; on becoming ready, model defaults,
-        whether the Think switch applies and whether the message box takes images and video."""
+        whether the Think switch applies and whether the message box takes images, video and
+        audio (and the examples that need them)."""
         seen = dict(seen or {})
         status = self.engine.status()
         state = status.get("state")
@@ -38,7 +39,7 @@ class DemoApp(ChatHandlers):
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 12
+        controls: list[Any] = [gr.skip()] * 13
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()
