@@ -49,6 +49,7 @@ from gemma4.ui.reply import (
     stats_title,
     strip_trailing_assistant,
 )
+from tests.audio_files import tone_wav
 from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -250,19 +251,6 @@ def test_reply_panel_media_rows():
 
 
 # --------------------------------------------------------------------------- audio in the chat
-
-
-def tone_wav(path: pathlib.Path, seconds: float = 1.0, rate: int = 16_000) -> str:
-    """A mono 16-bit WAV of a 440 Hz tone (what an upload or a 🎙 recording leaves on disk)."""
-    import wave
-
-    import numpy as np
-
-    t = np.arange(int(seconds * rate)) / rate
-    pcm = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate), w.writeframes(pcm.tobytes())
-    return str(path)
 
 
 @pytest.fixture
@@ -592,20 +580,28 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     assert engine.queue_state()["active"] == 0
 
 
-def test_text_only_model_has_no_upload(engine, media_files):
-    """The shared tiny Gemma 3 has no vision tower: the box takes no files (no upload source, so
-    no 📎, drop or paste), the line under it and the warning say why, the picture example is
-    hidden; a file sent anyway (a program calling /add_message) stays in the box."""
+def test_text_only_model_has_no_upload(engine, media_files, audio_file):
+    """The shared tiny Gemma 3 has no vision tower and no audio tower: the box takes no files (no
+    upload source, so no 📎, drop or paste, and no microphone), the line under it and the warning
+    say why, the picture and speech examples are hidden; a file sent anyway (a program calling
+    /add_message) stays in the box, with the text."""
     picture, _, bogus = media_files
     settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
                         context=TINY_ENGINE["context_limit"])
     handler = DemoApp(engine, settings)
     ok, why = handler.media_support()
     assert not ok and why
-    box, note, example, detail = handler.media_updates()
+    hears, deaf_why = handler.audio_support()
+    assert not hears and "audio" in deaf_why
+    box, note, example, detail, speech = handler.media_updates()
     assert box["sources"] == [] and "drop" not in box["placeholder"]
-    assert note.startswith("🚫") and html.escape(why) in note
-    assert example["visible"] is False and detail["visible"] is False
+    assert note.startswith("🚫") and html.escape(why) in note and html.escape(deaf_why) in note
+    assert example["visible"] is False and detail["visible"] is False and speech["visible"] is False
+    # audio to a model that cannot hear: refused with the reason, the message stays in the box
+    sent = {"text": "Transcribe this.", "files": [audio_file]}
+    with pytest.warns(UserWarning, match=r"Nothing was sent: 'audio.wav' cannot be used: .*audio"):
+        update, history = handler.add_user_message(sent, [])
+    assert history == [] and update["value"] == sent
     demo = app.build_demo(engine, settings)  # ready at build time: built without an upload
     boxes = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "msg"]
     assert len(boxes) == 1 and boxes[0].sources == [] and boxes[0].file_count == "multiple"
@@ -631,10 +627,10 @@ def test_image_turn_reply_panel_and_cache(media_files):
     engine = tiny_gemma4()
     handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
                                        context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
-    assert handler.media_support() == (True, "")
-    box, note, example, detail = handler.media_updates()
-    assert box["sources"] == ["upload"] and note.startswith("🖼")
-    assert example["visible"] is True and detail["visible"] is True
+    assert handler.media_support() == (True, "") and handler.audio_support() == (True, "")
+    box, note, example, detail, speech = handler.media_updates()
+    assert box["sources"] == ["upload", "microphone"] and note.startswith("🖼")
+    assert example["visible"] is True and detail["visible"] is True and speech["visible"] is True
     update, history = handler.add_user_message({"text": "What is this?", "files": [picture]}, [])
     assert history == [{"role": "user", "content": ["What is this?", {"path": picture}]}]
 
@@ -672,6 +668,53 @@ def test_image_turn_reply_panel_and_cache(media_files):
                                "chat", 0.0, 0.95, 64, 16, 0, 1.0, {"replies": []}))
     notice = out[-1][0][-1]
     assert is_notice(notice) and "notes.png" in message_text(notice["content"])
+
+
+def test_audio_turn_reply_panel_and_cache(audio_file):
+    """The chat handler with the tiny random Gemma 4 and its audio tower (reply scripted): a
+    recording is answered, This reply's row gives its length, soft tokens (as many as
+    gemma4.media.audio makes of it) and encode time; a follow-up re-sends it from the history and
+    the row says it was cached; the transcription example's clip (32 kHz MP3) says it was
+    resampled; completion mode takes the clip too, and the context meter counts its soft tokens."""
+    from gemma4.media.audio import audio_features, decode_audio
+    from tests.scripted import TINY_GEMMA4, scripted, tiny_gemma4
+
+    engine = tiny_gemma4()
+    handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                                       context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
+    assert handler.audio_support() == (True, "")
+    update, history = handler.add_user_message({"text": "Transcribe this.", "files": [audio_file]}, [])
+    assert history == [{"role": "user", "content": ["Transcribe this.", {"path": audio_file}]}]
+
+    def answer(history, script, mode="chat"):
+        with scripted(engine, script) as sc:
+            out = list(handler.respond(history, "", mode, 0.0, 0.95, 64, 16, 0, 1.0,
+                                       {"replies": []}, False, None))
+        assert sc.used == 1, out[-1][0][-1]
+        history, panel, session = out[-1]
+        return history, re.findall(r'<div class="media-row">(.*?)</div>', panel), session
+
+    expected = audio_features(decode_audio(pathlib.Path(audio_file).read_bytes()).samples).num_soft_tokens
+    history, rows, session = answer(history, "A tone.<turn|>")
+    assert message_text(history[-2]["content"]) == "A tone."
+    assert len(rows) == 1 and re.fullmatch(
+        rf"🔊 audio\.wav \(1\.0 s\): {expected} soft tokens · encoded in [\d.]+ s"
+        r"( \(incl\. compiling the tower\))?", rows[0]), rows
+    assert session["replies"][-1]["stats"]["media"][0]["kind"] == "audio"
+    history.append({"role": "user", "content": "Louder?"})
+    history, rows, _ = answer(history, "No.<turn|>")
+    assert rows == [f"🔊 audio.wav (1.0 s): {expected} soft tokens · cached, not re-encoded"]
+    meter = handler.context_meter(history, "", "chat", {})
+    used = int(re.search(r"</b> ([\d,]+) /", meter).group(1).replace(",", ""))
+    assert used > expected, meter
+    _, rows, _ = answer([{"role": "user", "content": user_content("Heard:", [audio_file])}],
+                        "a tone", mode="completion")
+    assert rows == [f"🔊 audio.wav (1.0 s): {expected} soft tokens · cached, not re-encoded"]
+    speech = example_audio()
+    _, rows, _ = answer([{"role": "user", "content": user_content("Transcribe this audio clip.",
+                                                                  [speech])}], "Hello.<turn|>")
+    assert len(rows) == 1 and rows[0].startswith(f"🔊 {EXAMPLE_AUDIO_NAME} (7.9 s): ") and (
+        "resampled from 32000 Hz" in rows[0]), rows
 
 
 def test_message_sent_while_loading_waits_and_says_so():
