@@ -65,14 +65,15 @@ def randomize(model, cfg: ModelConfig, seed: int) -> None:
 
 
 def build_hf_multimodal(cfg: ModelConfig, seed: int = 0):
-    """transformers' Gemma4ForConditionalGeneration (text + vision tower, no audio) with cfg's geometry
-    and random weights (float32, eager attention)."""
+    """transformers' Gemma4ForConditionalGeneration (text + vision tower, and the audio tower when
+    `cfg.audio` is set) with cfg's geometry and random weights (float32, eager attention)."""
     import transformers
 
     config = transformers.Gemma4Config(**{k: v for k, v in to_hf_multimodal_config(cfg).items() if k != "model_type"})
     config._attn_implementation = "eager"
-    for sub in (config.text_config, config.vision_config):
-        sub._attn_implementation = "eager"
+    for sub in (config.text_config, config.vision_config, config.audio_config):
+        if sub is not None:
+            sub._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.Gemma4ForConditionalGeneration(config).eval().to(torch.float32)
     randomize(model, cfg, seed)

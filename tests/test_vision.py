@@ -30,7 +30,7 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImagePr
 from gemma4.model import decoder as M  # noqa: E402
 from gemma4.model import kv_cache  # noqa: E402
 from gemma4.model.config import (PRESETS, load_hf_config, text_only, tiny, vision_from_hf,  # noqa: E402
-                                 vision_param_count, vision_to_hf)
+                                 vision_param_count, vision_to_hf, without_vision)
 from gemma4.model.params import abstract_params, count_bytes, param_specs  # noqa: E402
 from gemma4.model.vision import encode_images  # noqa: E402
 from gemma4.weights.checkpoint import load_safetensors_params  # noqa: E402
@@ -132,10 +132,11 @@ def test_text_only_load_skips_the_tower(tmp_path_factory):
     cfg, params, _ = _setup("e2b", tmp_path_factory)
     folder = _cache["e2b"][3]
     plain = load_safetensors_params(folder, text_only(cfg), jnp.float32)
-    assert "vision" not in plain and "vision" in params
+    assert "vision" not in plain and "vision" in params and "audio" not in plain
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), plain,
-                                     {k: v for k, v in params.items() if k != "vision"}))
-    assert count_bytes(params) - count_bytes(plain) == count_bytes(params["vision"]) > 0
+                                     {k: v for k, v in params.items() if k not in ("vision", "audio")}))
+    towers = count_bytes(params["vision"]) + count_bytes(params.get("audio", {}))
+    assert count_bytes(params) - count_bytes(plain) == towers > count_bytes(params["vision"]) > 0
 
 
 def test_text_only_setting_reaches_the_loader_and_the_preflight(monkeypatch):
@@ -154,7 +155,7 @@ def test_text_only_setting_reaches_the_loader_and_the_preflight(monkeypatch):
     assert full.vision is not None and sources.peek_config(src, load_vision=False).vision is None
     monkeypatch.setenv("GEMMA4_VISION", "off")
     text = sources.peek_config(src)
-    assert text.vision is None and text == text_only(full)
+    assert text.vision is None and text == without_vision(full) and text.audio == full.audio
     plan = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "weights": "none", "platform": "cpu"}
     diff = preflight.footprint(full, plan, {}, 4096, 1).weights - preflight.footprint(text, plan, {}, 4096, 1).weights
     assert diff == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(full, jnp.bfloat16)["vision"]))

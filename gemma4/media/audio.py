@@ -1,13 +1,19 @@
-"""Audio: clips decoded to 16 kHz mono, and the log-mel features transformers'
-`Gemma4AudioFeatureExtractor` computes from them, bit for bit, in numpy.
+"""Audio: clips decoded to 16 kHz mono as transformers' `load_audio(..., backend="soundfile")`
+loads them, and the log-mel features its `Gemma4AudioFeatureExtractor` computes from them, bit
+for bit, in numpy.
 
-Decoding (`decode_audio`): PyAV (FFmpeg) decodes the first audio stream of any file it reads;
-integer samples become float32 as libsndfile makes them (x / 2^15 for 16-bit, x / 2^31 for
-32-bit, (x − 128) / 128 for 8-bit); the channels are averaged (float32 `mean` over channels, as
-transformers' loader does); a rate other than 16 kHz is resampled with FFmpeg's swresample and
-the length set to ⌈n · 16000 / rate⌉ samples (padded or trimmed, as transformers does).
-transformers' own loader resamples with soxr (`soxr_hq`), which is not installed here nor inside
-PyAV's FFmpeg: resampled clips are close to, not identical with, transformers' (docs/media.md).
+Decoding (`decode_audio`): PyAV (FFmpeg) decodes the first audio stream of any file it reads
+(WAV, FLAC, OGG, MP3, M4A, and the audio track of a video, in one wheel); integer samples become
+float32 as libsndfile makes them (x / 2^15 for 16-bit, x / 2^31 for 24- and 32-bit, (x − 128) /
+128 for 8-bit); the channels are averaged (float32 `mean` over channels, as transformers' loader
+does); a rate other than 16 kHz is resampled with soxr's HQ filter (`soxr.resample(x, rate,
+16000, quality="soxr_hq")`) and the length set to ⌈n · 16000 / rate⌉ samples (padded or trimmed),
+which is what transformers' soundfile backend does after decoding with libsndfile. The decoded
+samples equal libsndfile's for WAV (8/16/24/32-bit and float) and FLAC, so such a clip is
+identical to transformers' at any rate. Lossy codecs are decoded by FFmpeg's own decoders, not
+the libraries libsndfile links: Vorbis and Opus differ from libsndfile's by at most 6e-8 (one
+float32 step near 1), MP3 by at most ~1e-6 (FFmpeg's mp3float against mpg123); lengths and
+alignment agree (measured in tests/test_media.py, docs/media.md).
 
 Features (`audio_features`, the extractor's `__call__` on one clip): the clip cut to its first
 30 s (480,000 samples: `max_length`, `truncation=True`), zero-padded on the right to a multiple
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 
 import av
 import numpy as np
+import soxr
 
 from gemma4.media.files import MediaError, MediaLimits, describe
 
@@ -100,7 +107,7 @@ def _reason(e: Exception) -> str:
     return str(e).strip() or type(e).__name__
 
 
-def _planar_float(frame) -> np.ndarray:
+def planar_float(frame) -> np.ndarray:
     """A decoded frame as [channels, samples] float32, integers scaled as libsndfile does."""
     fmt = frame.format
     raw = frame.to_ndarray()
@@ -140,7 +147,7 @@ def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = No
         try:
             for frame in container.decode(stream):
                 rate = rate or frame.sample_rate
-                chunk = _planar_float(frame)
+                chunk = planar_float(frame)
                 if frame.sample_rate != rate or (chunks and chunk.shape[0] != chunks[0].shape[0]):
                     raise MediaError(f"{label} changes its sample rate or channels midway: convert "
                                      "it to WAV, FLAC or MP3")
@@ -181,14 +188,10 @@ def _too_long(label: str, seconds: float, limits: MediaLimits) -> MediaError:
 
 
 def resample(samples: np.ndarray, rate: int) -> np.ndarray:
-    """Mono float32 at `rate` → 16 kHz with FFmpeg's swresample, ⌈n · 16000 / rate⌉ samples."""
+    """Mono float32 at `rate` → 16 kHz with soxr HQ, ⌈n · 16000 / rate⌉ samples (padded with
+    zeros or trimmed), as transformers' soundfile backend of `load_audio` resamples."""
     target = math.ceil(len(samples) * SAMPLE_RATE / rate)
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-    frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1).astype(np.float32), format="flt",
-                                       layout="mono")
-    frame.sample_rate, frame.pts = rate, 0
-    out = [f.to_ndarray().reshape(-1) for f in resampler.resample(frame) + resampler.resample(None)]
-    y = np.concatenate(out) if out else np.zeros(0, np.float32)
+    y = soxr.resample(np.asarray(samples, np.float32), rate, SAMPLE_RATE, quality="soxr_hq")
     return np.pad(y, (0, max(0, target - len(y))))[:target]
 
 

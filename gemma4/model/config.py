@@ -2,7 +2,8 @@
 
 A config is a frozen, hashable dataclass so it can be a static argument of `jax.jit`.
 Gemma 4's vision tower is described by `VisionConfig` (`ModelConfig.vision`; None for Gemma 3 and
-for a text-only load, see `text_only`).
+for a text-only load, see `text_only`), its audio tower (E2B and E4B only) by `AudioConfig`
+(`ModelConfig.audio`; None without one, or loaded without it, see `without_audio`).
 Per-layer geometry (attention type, head dim, KV heads, KV source layer, MLP width) is
 derived once in `ModelConfig.layers`, never recomputed inside the forward pass.
 """
@@ -127,6 +128,111 @@ def vision_to_hf(v: VisionConfig) -> dict:
         default_output_length=v.default_output_length, hidden_activation="gelu_pytorch_tanh")
 
 
+AUDIO_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # what gemma4.model.audio implements
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioConfig:
+    """Gemma 4's audio tower (transformers' `Gemma4AudioConfig`, every field) and its projector.
+
+    The tower: two 3×3 stride-2 convolutions over (time, mel) with `subsampling_conv_channels`
+    channels (each: LayerNorm without bias over channels, ReLU), a linear to `hidden_size`,
+    `num_layers` conformer layers (half-step FFN, chunked local self-attention with relative
+    positions — blocks of `attention_chunk_size` frames, `attention_context_left - 1` frames of
+    left context, `attention_context_right` of right, logits soft-capped at `attention_logit_cap` —,
+    a causal depthwise convolution of `conv_kernel_size` with GLU, half-step FFN), then a linear
+    with bias to `output_proj_dims`; the projector (`embed_audio`: weightless RMSNorm + bias-free
+    linear) maps those into the text width. `subsampling_conv_channels[0]` must be 128 with 128 mel
+    bins (the input linear is `(channels[0] // 4) · channels[1]` wide, the flattened
+    (mel / 4) × channels[1] of the second convolution).
+    """
+
+    hidden_size: int = 1024
+    num_layers: int = 12
+    num_heads: int = 8
+    hidden_act: str = "silu"
+    subsampling_conv_channels: tuple[int, int] = (128, 32)
+    conv_kernel_size: int = 5
+    residual_weight: float = 0.5  # the FFNs' half step
+    attention_chunk_size: int = 12
+    attention_context_left: int = 13
+    attention_context_right: int = 0
+    attention_logit_cap: float = 50.0
+    attention_invalid_logits_value: float = -1.0e9
+    use_clipped_linears: bool = True  # bounds from the checkpoint (±inf in random init)
+    rms_norm_eps: float = 1e-6
+    gradient_clipping: float = 1e10
+    output_proj_dims: int = 1536
+
+    def __post_init__(self):
+        if self.hidden_act not in AUDIO_ACTIVATIONS:
+            raise ValueError(f"audio_config.hidden_act {self.hidden_act!r} unsupported (supported: "
+                             f"{', '.join(AUDIO_ACTIVATIONS)})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"audio_config.hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_heads}")
+        if len(self.subsampling_conv_channels) != 2:
+            raise ValueError(f"audio_config.subsampling_conv_channels {self.subsampling_conv_channels!r} "
+                             "must have two entries (one per subsampling convolution)")
+        if self.attention_chunk_size < 1 or self.attention_context_left < 1 or self.attention_context_right < 0:
+            raise ValueError(f"audio_config attention geometry (chunk {self.attention_chunk_size}, left "
+                             f"{self.attention_context_left}, right {self.attention_context_right}) must "
+                             "have chunk >= 1, left >= 1, right >= 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def context_size(self) -> int:
+        """Keys each block of queries sees: the block plus its left and right context."""
+        return self.attention_chunk_size + self.attention_context_left - 1 + self.attention_context_right
+
+    @property
+    def subsampled_width(self) -> int:
+        """Inputs of the subsampling's linear: (channels[0] // 4) · channels[1]."""
+        c0, c1 = self.subsampling_conv_channels
+        return (c0 // 4) * c1
+
+
+def audio_from_hf(ac: dict) -> AudioConfig:
+    """An AudioConfig from a HF `audio_config` dict (missing fields take transformers' defaults)."""
+    d = AudioConfig()
+    channels = ac.get("subsampling_conv_channels", d.subsampling_conv_channels)
+    return AudioConfig(
+        hidden_size=int(ac.get("hidden_size", d.hidden_size)),
+        num_layers=int(ac.get("num_hidden_layers", d.num_layers)),
+        num_heads=int(ac.get("num_attention_heads", d.num_heads)),
+        hidden_act=str(ac.get("hidden_act", d.hidden_act)),
+        subsampling_conv_channels=tuple(int(c) for c in channels),
+        conv_kernel_size=int(ac.get("conv_kernel_size", d.conv_kernel_size)),
+        residual_weight=float(ac.get("residual_weight", d.residual_weight)),
+        attention_chunk_size=int(ac.get("attention_chunk_size", d.attention_chunk_size)),
+        attention_context_left=int(ac.get("attention_context_left", d.attention_context_left)),
+        attention_context_right=int(ac.get("attention_context_right", d.attention_context_right)),
+        attention_logit_cap=float(ac.get("attention_logit_cap", d.attention_logit_cap)),
+        attention_invalid_logits_value=float(ac.get("attention_invalid_logits_value",
+                                                    d.attention_invalid_logits_value)),
+        use_clipped_linears=bool(ac.get("use_clipped_linears", d.use_clipped_linears)),
+        rms_norm_eps=float(ac.get("rms_norm_eps", d.rms_norm_eps)),
+        gradient_clipping=float(ac.get("gradient_clipping", d.gradient_clipping)),
+        output_proj_dims=int(ac.get("output_proj_dims", d.output_proj_dims)),
+    )
+
+
+def audio_to_hf(a: AudioConfig) -> dict:
+    """The HF `audio_config` dict of `a` (tests build transformers' tower from it)."""
+    return dict(
+        model_type="gemma4_audio", hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads, hidden_act=a.hidden_act,
+        subsampling_conv_channels=list(a.subsampling_conv_channels), conv_kernel_size=a.conv_kernel_size,
+        residual_weight=a.residual_weight, attention_chunk_size=a.attention_chunk_size,
+        attention_context_left=a.attention_context_left, attention_context_right=a.attention_context_right,
+        attention_logit_cap=a.attention_logit_cap, attention_invalid_logits_value=a.attention_invalid_logits_value,
+        use_clipped_linears=a.use_clipped_linears, rms_norm_eps=a.rms_norm_eps,
+        gradient_clipping=a.gradient_clipping, output_proj_dims=a.output_proj_dims)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """Geometry of one decoder layer, derived from the config."""
@@ -195,6 +301,12 @@ class ModelConfig:
     boi_token_id: int | None = None
     eoi_token_id: int | None = None
     bidirectional_vision: bool = False
+    # Gemma 4 audio (E2B, E4B): the tower (None: no tower, or loaded without it) and the ids of
+    # `<|audio|>` (the placeholder the soft tokens replace), `<|audio>` and `<audio|>`.
+    audio: AudioConfig | None = None
+    audio_token_id: int | None = None
+    boa_token_id: int | None = None
+    eoa_token_id: int | None = None
 
     # ----------------------------------------------------------------- derived values
     @property
@@ -321,6 +433,9 @@ GEMMA4_MEDIA_TOKEN_IDS = {"image_token_id": 258880, "video_token_id": 258884, "b
                           "eoi_token_id": 258882}
 
 
+GEMMA4_AUDIO_TOKEN_IDS = {"audio_token_id": 258881, "boa_token_id": 256000, "eoa_token_id": 258883}
+
+
 def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
     L = int(tc["num_hidden_layers"])
     types = _layer_types(tc, L, force_last_full=True)
@@ -377,14 +492,28 @@ def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
 
 
 def _gemma4_media_fields(raw: dict, tc: dict) -> dict:
-    """The vision fields of a Gemma 4 config: the tower where `vision_config` is present, the token
-    ids (top level, transformers' defaults where a multimodal config leaves them out), the flag."""
-    vc = raw.get("vision_config") if raw is not tc else None
-    if not vc:
-        return dict(bidirectional_vision=tc.get("use_bidirectional_attention") == "vision")
-    ids = {k: raw.get(k, v) for k, v in GEMMA4_MEDIA_TOKEN_IDS.items()}
-    return dict(vision=vision_from_hf(vc), bidirectional_vision=tc.get("use_bidirectional_attention") == "vision",
-                **{k: (None if v is None else int(v)) for k, v in ids.items()})
+    """The media fields of a Gemma 4 config: the vision tower where `vision_config` is present, the
+    audio tower where `audio_config` is, each with its token ids (top level, transformers' defaults
+    where a multimodal config leaves them out), and the bidirectional-vision flag."""
+    out: dict[str, Any] = dict(bidirectional_vision=tc.get("use_bidirectional_attention") == "vision")
+    multimodal = raw is not tc
+    vc = raw.get("vision_config") if multimodal else None
+    if vc:
+        ids = {k: raw.get(k, v) for k, v in GEMMA4_MEDIA_TOKEN_IDS.items()}
+        out.update(vision=vision_from_hf(vc), **{k: (None if v is None else int(v)) for k, v in ids.items()})
+    ac = raw.get("audio_config") if multimodal else None
+    if ac:
+        out.update(audio=audio_from_hf(ac), **_audio_ids(raw))
+    return out
+
+
+def _audio_ids(raw: dict) -> dict:
+    """The audio token ids of a top-level config; transformers names the end id `eoa_token_index`."""
+    d = GEMMA4_AUDIO_TOKEN_IDS
+    eoa = raw.get("eoa_token_index", raw.get("eoa_token_id", d["eoa_token_id"]))
+    ids = dict(audio_token_id=raw.get("audio_token_id", d["audio_token_id"]),
+               boa_token_id=raw.get("boa_token_id", d["boa_token_id"]), eoa_token_id=eoa)
+    return {k: (None if v is None else int(v)) for k, v in ids.items()}
 
 
 def _gemma3_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
@@ -491,7 +620,10 @@ SMALL_TOWER = VisionConfig(hidden_size=768, num_layers=16, num_heads=12, num_kv_
                            intermediate_size=3072, use_clipped_linears=True, standardize=False)
 LARGE_TOWER = VisionConfig(hidden_size=1152, num_layers=27, num_heads=16, num_kv_heads=16, head_dim=72,
                            intermediate_size=4304, use_clipped_linears=False, standardize=True)
-_G4_SMALL_VISION = dict(vision=SMALL_TOWER, **GEMMA4_MEDIA_TOKEN_IDS)
+# E2B and E4B also carry the audio tower, with transformers' Gemma4AudioConfig defaults (1024 wide,
+# 12 layers, 8 heads, channels (128, 32), output 1536); the large models have none.
+AUDIO_TOWER = AudioConfig()
+_G4_SMALL_VISION = dict(vision=SMALL_TOWER, **GEMMA4_MEDIA_TOKEN_IDS, audio=AUDIO_TOWER, **GEMMA4_AUDIO_TOKEN_IDS)
 _G4_LARGE_VISION = dict(vision=LARGE_TOWER, bidirectional_vision=True, **GEMMA4_MEDIA_TOKEN_IDS)
 
 PRESETS: dict[str, ModelConfig] = {
@@ -545,7 +677,7 @@ def tiny(base: str) -> ModelConfig:
         top_k_experts=2 if cfg.enable_moe else 0, moe_intermediate_size=24 if cfg.enable_moe else 0,
         max_position_embeddings=4096,
         query_pre_attn_scalar=24.0 if cfg.family == "gemma3" else None,
-        **_tiny_vision(cfg))
+        **_tiny_vision(cfg), **_tiny_audio(cfg))
 
 
 # The tiny tower keeps its preset's switches (clipped linears, standardize) at hidden 64 with two
@@ -561,9 +693,37 @@ def _tiny_vision(cfg: ModelConfig) -> dict:
     return dict(vision=tower, **TINY_MEDIA_TOKEN_IDS)
 
 
+# The tiny audio tower: 32 wide, two layers of two heads, the released attention geometry (chunk
+# 12, left context 13) so that several blocks and the relative-position shift are exercised on
+# clips of a second or two; channels (128, 8) because the first must be 128 with 128 mel bins;
+# output 48 (differs from both widths, so a swapped projection shows). The ids are the three
+# below the tiny vision ids.
+TINY_AUDIO_TOKEN_IDS = {"boa_token_id": 505, "audio_token_id": 506, "eoa_token_id": 507}
+
+
+def _tiny_audio(cfg: ModelConfig) -> dict:
+    if cfg.audio is None:
+        return {}
+    tower = dataclasses.replace(cfg.audio, hidden_size=32, num_layers=2, num_heads=2,
+                                subsampling_conv_channels=(128, 8), output_proj_dims=48)
+    return dict(audio=tower, **TINY_AUDIO_TOKEN_IDS)
+
+
 def text_only(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` without its vision tower (a text-only load: the tower's weights are neither read nor held)."""
+    """`cfg` without its towers, vision and audio (a text-only load: their weights are neither read nor held)."""
+    if cfg.vision is None and cfg.audio is None:
+        return cfg
+    return dataclasses.replace(cfg, vision=None, audio=None)
+
+
+def without_vision(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` without its vision tower (the audio tower, if any, stays)."""
     return cfg if cfg.vision is None else dataclasses.replace(cfg, vision=None)
+
+
+def without_audio(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` without its audio tower (the vision tower, if any, stays)."""
+    return cfg if cfg.audio is None else dataclasses.replace(cfg, audio=None)
 
 
 def preset(name: str) -> ModelConfig:
@@ -613,14 +773,19 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 
 
 def to_hf_multimodal_config(cfg: ModelConfig) -> dict:
-    """A transformers `Gemma4Config` dict (text + vision, no audio) for a config with a tower."""
+    """A transformers `Gemma4Config` dict (text + vision, and audio when `cfg.audio` is set) for a
+    config with a vision tower."""
     if cfg.vision is None:
         raise ValueError(f"{cfg.name} has no vision tower")
     text = to_hf_config(cfg)
     text["use_bidirectional_attention"] = "vision" if cfg.bidirectional_vision else None
-    return dict(model_type="gemma4", text_config=text, vision_config=vision_to_hf(cfg.vision), audio_config=None,
-                image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
-                boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, tie_word_embeddings=True)
+    out = dict(model_type="gemma4", text_config=text, vision_config=vision_to_hf(cfg.vision), audio_config=None,
+               image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+               boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, tie_word_embeddings=True)
+    if cfg.audio is not None:
+        out.update(audio_config=audio_to_hf(cfg.audio), audio_token_id=cfg.audio_token_id,
+                   boa_token_id=cfg.boa_token_id, eoa_token_index=cfg.eoa_token_id)
+    return out
 
 
 def vision_param_count(cfg: ModelConfig) -> int:
@@ -633,6 +798,23 @@ def vision_param_count(cfg: ModelConfig) -> int:
     per_layer += 7 * 4 if v.use_clipped_linears else 0  # each linear's input and output bounds
     n = v.patch_dim * D + 2 * v.position_table_size * D + v.num_layers * per_layer + D * cfg.hidden_size
     return int(n + (2 * D if v.standardize else 0))
+
+
+def audio_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the audio tower and its projector (0 without a tower), clip bounds included."""
+    a = cfg.audio
+    if a is None:
+        return 0
+    D, K = a.hidden_size, a.conv_kernel_size
+    c0, c1 = a.subsampling_conv_channels
+    subsample = c0 * 9 + c0 + c1 * c0 * 9 + c1 + a.subsampled_width * D
+    ffn = 2 * 4 * D * D + 2 * D  # two linears, pre and post norm
+    attention = 5 * D * D + a.head_dim  # q, k, v, post, relative_k; per_dim_scale
+    lconv = 3 * D * D + D * K + 2 * D  # linear_start (2D wide), linear_end, depthwise, two norms
+    per_layer = 2 * ffn + attention + lconv + 3 * D  # + norm_pre_attn, norm_post_attn, norm_out
+    per_layer += 10 * 4 if a.use_clipped_linears else 0  # ten clippable linears, four bounds each
+    out = D * a.output_proj_dims + a.output_proj_dims
+    return int(subsample + a.num_layers * per_layer + out + a.output_proj_dims * cfg.hidden_size)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> float:

@@ -13,13 +13,15 @@ Layout (linear weights keep the PyTorch [out, in] layout so checkpoints load wit
     ple/norm         [P]
     layers[i]/...    see `_layer_spec`
     vision/...       the vision tower and its projector (Gemma 4 with `cfg.vision`), see `_vision_spec`
+    audio/...        the audio tower and its projector (E2B/E4B with `cfg.audio`), see `_audio_spec`
 
 Norm weights are always kept in float32 (they are tiny, and transformers computes norms in fp32).
 
 Leaf kinds: "linear" (quantizable [out, in]), "embed" (a gathered table, quantizable), "norm",
-"scalar" (float32), "experts" (the MoE bank), "tower" (a vision-tower weight: kept in the weight
-dtype, never quantized — the tower is 2-3% of a model's parameters, runs once per image, and its
-soft tokens feed every later token), "clip" (a clipped linear's float32 bound, ±inf when unset).
+"scalar" (float32), "experts" (the MoE bank), "tower" (a vision- or audio-tower weight: kept in
+the weight dtype, never quantized — a tower is 2-7% of a model's parameters, runs once per image or
+clip, and its soft tokens feed every later token), "clip" (a clipped linear's float32 bound, ±inf
+when unset).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gemma4.model.config import LayerSpec, ModelConfig, VisionConfig
+from gemma4.model.config import AudioConfig, LayerSpec, ModelConfig, VisionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +130,49 @@ def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
     return tree
 
 
+# The audio tower's clippable linears: each FFN's two, attention's four, the light conv's two.
+AUDIO_LINEARS = ("ffn1_up", "ffn1_down", "ffn2_up", "ffn2_down", "q", "k", "v", "o", "conv_start", "conv_end")
+
+
+def _audio_layer_spec(a: AudioConfig) -> dict[str, Any]:
+    D = a.hidden_size
+    out: dict[str, Any] = {}
+    for ffn in ("ffn1", "ffn2"):  # the half-step feed-forwards before and after attention + conv
+        out.update({f"{ffn}_pre_norm": _norm(D), f"{ffn}_post_norm": _norm(D),
+                    f"{ffn}_up": _tower((4 * D, D), ("mlp", "embed")), f"{ffn}_down": _tower((D, 4 * D), ("embed", "mlp"))})
+    out.update({
+        "attn_norm": _norm(D), "post_attn_norm": _norm(D), "out_norm": _norm(D),
+        "q": _tower((D, D), ("q_heads", "embed")), "k": _tower((D, D), ("q_heads", "embed")),
+        "v": _tower((D, D), ("q_heads", "embed")), "o": _tower((D, D), ("embed", "q_heads")),
+        "rel_k": _tower((D, D)),  # relative-position keys (transformers' relative_k_proj)
+        "per_dim_scale": LeafSpec((a.head_dim,), (None,), "scalar"),  # queries × softplus(this)
+        "conv_pre_norm": _norm(D), "conv_norm": _norm(D),
+        "conv_start": _tower((2 * D, D)),  # → GLU
+        "conv_dw": _tower((D, 1, a.conv_kernel_size)),  # depthwise causal conv, PyTorch's [out, in/groups, k]
+        "conv_end": _tower((D, D)),
+    })
+    if a.use_clipped_linears:
+        out["clip"] = {n: {b: LeafSpec((), (), "clip") for b in CLIP_BOUNDS} for n in AUDIO_LINEARS}
+    return out
+
+
+def _audio_spec(cfg: ModelConfig) -> dict[str, Any]:
+    """The tower (subsampling convolutions [out, in, 3, 3] with their LayerNorm scales, input
+    linear, conformer layers, output projection with bias) and the projector `proj`
+    [text hidden, output_proj_dims] (transformers' `embed_audio.embedding_projection`)."""
+    a = cfg.audio
+    c0, c1 = a.subsampling_conv_channels
+    return {
+        "conv0": _tower((c0, 1, 3, 3)), "conv0_norm": _norm(c0),
+        "conv1": _tower((c1, c0, 3, 3)), "conv1_norm": _norm(c1),
+        "input_proj": _tower((a.hidden_size, a.subsampled_width)),
+        "layers": [_audio_layer_spec(a) for _ in range(a.num_layers)],
+        "output_proj": _tower((a.output_proj_dims, a.hidden_size)),
+        "output_bias": _tower((a.output_proj_dims,)),
+        "proj": _tower((cfg.hidden_size, a.output_proj_dims)),
+    }
+
+
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     """The whole tree of LeafSpecs for `cfg`."""
     tree: dict[str, Any] = {
@@ -144,6 +189,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
         }
     if cfg.vision is not None:
         tree["vision"] = _vision_spec(cfg)
+    if cfg.audio is not None:
+        tree["audio"] = _audio_spec(cfg)
     return tree
 
 

@@ -38,8 +38,10 @@ from gemma4.ops.linear import linear
 QUERY_BLOCK = 1260
 
 
-def _clipped(x: jax.Array, lp: dict, name: str) -> jax.Array:
-    """A tower linear; with clipped linears its input and output are clamped to the checkpoint's bounds."""
+def clipped_linear(x: jax.Array, lp: dict, name: str) -> jax.Array:
+    """The tower linear `lp[name]`; with clipped linears (`lp["clip"][name]` present) its input and
+    output are clamped to the checkpoint's bounds (transformers' `Gemma4ClippableLinear`; the
+    vision and audio towers share it)."""
     bounds = lp.get("clip", {}).get(name)
     if bounds is not None:
         x = jnp.clip(x, bounds["in_min"].astype(x.dtype), bounds["in_max"].astype(x.dtype))
@@ -97,16 +99,16 @@ def encoder_layer(lp: dict, v: VisionConfig, x: jax.Array, tables, valid: jax.Ar
     B, P, _ = x.shape
     eps = v.rms_norm_eps
     a = rms_norm(x, lp["attn_norm"], eps)
-    q = _clipped(a, lp, "q").reshape(B, P, v.num_heads, v.head_dim)
-    k = _clipped(a, lp, "k").reshape(B, P, v.num_kv_heads, v.head_dim)
-    val = _clipped(a, lp, "v").reshape(B, P, v.num_kv_heads, v.head_dim)
+    q = clipped_linear(a, lp, "q").reshape(B, P, v.num_heads, v.head_dim)
+    k = clipped_linear(a, lp, "k").reshape(B, P, v.num_kv_heads, v.head_dim)
+    val = clipped_linear(a, lp, "v").reshape(B, P, v.num_kv_heads, v.head_dim)
     q = _rope_heads(rms_norm(q, lp["q_norm"], eps), tables)
     k = _rope_heads(rms_norm(k, lp["k_norm"], eps), tables)
     val = rms_norm(val, None, eps)
     attn = blocked_attention(q, k, val, valid, block)
-    x = x + rms_norm(_clipped(attn, lp, "o"), lp["post_attn_norm"], eps)
+    x = x + rms_norm(clipped_linear(attn, lp, "o"), lp["post_attn_norm"], eps)
     h = rms_norm(x, lp["pre_ffw_norm"], eps)
-    h = _clipped(gelu(_clipped(h, lp, "gate")) * _clipped(h, lp, "up"), lp, "down")
+    h = clipped_linear(gelu(clipped_linear(h, lp, "gate")) * clipped_linear(h, lp, "up"), lp, "down")
     return x + rms_norm(h, lp["post_ffw_norm"], eps)
 
 

@@ -91,21 +91,23 @@ def message_text(content: Any, trim_parts: bool = True) -> str:
                      f"not {type(content).__name__}")
 
 
-MEDIA_TYPES = ("image", "video")  # the content parts a vision model reads (`render(media=...)`)
+MEDIA_TYPES = ("image", "video", "audio")  # the content parts a Gemma 4 tower reads (`render(media=...)`)
 
-# Where the checkpoints' chat_template.jinja puts a media part inside a turn: the placeholder
-# between blank lines ('\n\n<|image|>\n\n', '\n\n<|video|>\n\n'), text parts trimmed around it;
-# Gemma4Processor then expands the placeholder (`render`'s `media` callback does it here).
+# Where the checkpoints' chat_template.jinja puts a media part inside a turn: an image or video
+# placeholder between blank lines ('\n\n<|image|>\n\n', '\n\n<|video|>\n\n'), an audio one bare
+# ('<|audio|>', right against the trimmed text around it); Gemma4Processor then expands the
+# placeholder (`render`'s `media` callback does it here).
 MEDIA_SEPARATOR = "\n\n"
+MEDIA_SEPARATORS = {"image": MEDIA_SEPARATOR, "video": MEDIA_SEPARATOR, "audio": ""}
 
 
 def is_media_part(part: Any) -> bool:
-    """A {"type": "image" | "video", ...} content part."""
+    """A {"type": "image" | "video" | "audio", ...} content part."""
     return isinstance(part, Mapping) and part.get("type") in MEDIA_TYPES
 
 
 def has_media(content: Any) -> bool:
-    """Whether a message's content holds an image or video part."""
+    """Whether a message's content holds an image, video or audio part."""
     if isinstance(content, Mapping):
         return is_media_part(content)
     return isinstance(content, Sequence) and not isinstance(content, str) and any(is_media_part(p) for p in content)
@@ -275,13 +277,15 @@ def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Toke
 
 def _media_turn_segments(turn: dict, media: Any) -> list[int | str]:
     """A turn's content with media, part by part as the template writes it: text trimmed (a
-    model turn's thoughts stripped), each media part "\n\n" + media(part) + "\n\n"."""
+    model turn's thoughts stripped), each media part media(part) between its kind's separators
+    (`MEDIA_SEPARATORS`: "\n\n" for an image or video, none for audio)."""
     segs: list[int | str] = []
     for part in turn["parts"]:
         if isinstance(part, str):
             segs.append(strip_thinking(part).strip() if turn["role"] == "model" else part.strip())
         else:
-            segs += [MEDIA_SEPARATOR, *media(part), MEDIA_SEPARATOR]
+            sep = MEDIA_SEPARATORS[part["type"]]
+            segs += [sep, *media(part), sep]
     return segs
 
 
@@ -307,9 +311,9 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
         also carries an empty thought block "<|channel>thought\\n<channel|>" (see
         `uses_large_template`).
       tools: Gemma 4 only: OpenAI-style tool declarations, rendered into the system turn.
-      media: Gemma 4 only: a callable taking an image or video content part ({"type": "image" |
-        "video", ...}) and returning its expansion as control ids (int) and text (str), placed
-        where the template puts the part (see `MEDIA_SEPARATOR`). None: media parts raise
+      media: Gemma 4 only: a callable taking an image, video or audio content part ({"type":
+        "image" | "video" | "audio", ...}) and returning its expansion as control ids (int) and
+        text (str), placed where the template puts the part (see `MEDIA_SEPARATORS`). None: media parts raise
         ValueError (a text-only request).
 
     Returns:
@@ -317,7 +321,7 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
     """
     _check_family(family)
     if media is not None and family != "gemma4":
-        raise ValueError("images and video are a Gemma 4 feature here; this is a Gemma 3 model")
+        raise ValueError("images, video and audio are a Gemma 4 feature here; this is a Gemma 3 model")
     system_text, turns = _split_system(messages, system, media=media is not None)
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.special_id("<bos>")
 

@@ -95,6 +95,12 @@ def supports_vision(engine) -> tuple[bool, str]:
     return engine.supports_vision()
 
 
+def supports_audio(engine) -> tuple[bool, str]:
+    """(ok, reason): the model hears audio (it has an audio tower: Gemma 4 E2B / E4B; see
+    `Engine.supports_audio`)."""
+    return engine.supports_audio()
+
+
 def _is_messages(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
 
@@ -409,9 +415,9 @@ def _media_plan(engine, prompt: Any, mode: str, media: Sequence[Mapping]) -> tup
     if not media:
         return prompt, None
     if not isinstance(prompt, str):
-        raise RequestError("media= needs a text prompt with an <|image|> or <|video|> marker for each file.")
+        raise RequestError("media= needs a text prompt with an <|image|>, <|video|> or <|audio|> marker for each file.")
     plan = MediaPlan(engine)
-    plan.check_model()
+    plan.check_model([p.get("type") for p in media if isinstance(p, Mapping)])
     if mode == "chat":
         return [{"role": "user", "content": parts_from_marked_text(prompt, media)}], plan
     plan.parts = media
@@ -424,7 +430,8 @@ def _check_media_fits(engine, ids: Sequence[int], plan: MediaPlan) -> None:
         return
     marks = set(plan.placeholder_ids())
     soft = sum(t in marks for t in ids)
-    raise RequestError(f"The prompt with its images/video is {len(ids)} tokens ({soft} of them soft tokens) "
+    what = "media" if any(p.kind == "audio" for p in plan.items) else "images/video"
+    raise RequestError(f"The prompt with its {what} is {len(ids)} tokens ({soft} of them soft tokens) "
                        f"but the context window is {engine.context_limit} "
                        "tokens. Send fewer or smaller media (max_soft_tokens 70 or 140), shorten the text, "
                        "or start a new conversation.")
@@ -802,8 +809,9 @@ def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, m
       tools: OpenAI-style tool declarations (Gemma 4 only).
       thinking: turn on Gemma 4's thinking channel.
       media: image/video parts ({"type": "image" | "video", "media": MediaItem, "max_soft_tokens"?})
-        for a text prompt's <|image|> / <|video|> markers, in order. In messages, put such parts
-        in a message's content instead (a list of parts, with {"type": "text", "text"} ones).
+        and audio parts ({"type": "audio", "media": MediaItem}) for a text prompt's <|image|> /
+        <|video|> / <|audio|> markers, in order. In messages, put such parts in a message's content
+        instead (a list of parts, with {"type": "text", "text"} ones).
       caps: the input caps (`InputCaps`; None: the defaults for the engine's context window).
       cancel: a threading.Event the caller sets when its client leaves: the prompt's preparation
         (size check, rendering, the context rule) stops at its next step (RequestCancelled).

@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
+from gemma4.model import audio as AU
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model import vision as V
@@ -86,6 +88,10 @@ log = logging.getLogger("gemma4.serve.engine")
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
 DEFAULT_CONTEXT = 4096
 ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's frames come in batches)
+# The audio tower's compiled lengths, in feature frames (100 a second; 3,000 = the 30 s the model
+# hears): a clip is padded with masked frames up to the next one (its valid rows do not change),
+# so at most five shapes compile per batch width, and a clip pays at most about twice its length.
+AUDIO_FRAME_BUCKETS = (200, 400, 800, 1600, 3000)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -233,6 +239,18 @@ def bidirectional_vision(cfg: ModelConfig) -> bool:
     (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs)."""
     return bool(cfg.bidirectional_vision)
 
+
+def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS) -> int:
+    """The compiled length (feature frames) a clip of `frames` frames is padded to: the smallest
+    bucket that holds it (RequestError past the largest: more than the 30 s the model hears)."""
+    for b in sorted(buckets):
+        if frames <= b:
+            return int(b)
+    raise RequestError(f"An audio clip of {frames} feature frames is longer than the {max(buckets)} frames "
+                       f"({max(buckets) / 100:g} s) the audio tower is compiled for; cut it to its first 30 s.")
+
+
+NO_AUDIO_TOWER_REASON = "{model} has no audio tower; audio needs Gemma 4 E2B or E4B (e.g. --model google/gemma-4-E2B-it)"
 
 NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
                    "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
@@ -397,7 +415,9 @@ class Engine:
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
         self._vision_exe: dict[tuple[int, int], Any] = {}  # the tower compiled per (batch, max_patches)
         self._vision_lock = threading.Lock()
-        self._encode_info = threading.local()  # per calling thread: what its last encode_images did
+        self._encode_info = threading.local()  # per calling thread: what its last encode_images/encode_audio did
+        self._audio_exe: dict[tuple[int, int], Any] = {}  # the audio tower compiled per (batch, frames)
+        self.audio_buckets = AUDIO_FRAME_BUCKETS  # the compiled clip lengths (`audio_bucket`); tests may narrow it
         # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
         # by (first chunk?, bucket) and per decode step, running means.
         self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
@@ -641,6 +661,11 @@ class Engine:
             step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
             return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, cfg.vision.patch_dim), jnp.float32),
                               i32(size, extra, 2))
+        if kind == "audio":  # the audio tower for `size` clips of `extra` feature frames (`encode_audio`)
+            cfg, dtype = self.cfg, self.options.dtype
+            step = jax.jit(lambda params, feats, mask: AU.encode_audio(params, cfg, feats, mask, dtype=dtype))
+            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, FEATURE_SIZE), jnp.float32),
+                              jax.ShapeDtypeStruct((size, extra), jnp.bool_))
         if kind == "prefill":
             return self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
                                               i32(1), SamplingRows.spec(1))
@@ -784,8 +809,8 @@ class Engine:
         return out  # type: ignore[return-value]
 
     def last_encode(self) -> dict:
-        """{"compiled", "encode_s"} of this thread's last `encode_images` call ({} before one):
-        whether it compiled a tower shape, and its seconds (compile included)."""
+        """{"compiled", "encode_s"} of this thread's last `encode_images` or `encode_audio` call ({}
+        before one): whether it compiled a tower shape, and its seconds (compile included)."""
         return dict(getattr(self._encode_info, "last", {}))
 
     def _vision_executable(self, width: int, max_patches: int):
@@ -798,6 +823,81 @@ class Engine:
             # broke a prefill compile here (a jaxpr KeyError) while an image was encoded.
             exe = self.shapes.compile(("vision", width, max_patches))
             self._vision_exe[key] = exe
+            return exe, True
+
+    # ---------------------------------------------------------------- audio
+    def supports_audio(self) -> tuple[bool, str]:
+        """(ok, reason when not): the model has an audio tower (Gemma 4 E2B / E4B), loaded, on one process."""
+        if self._status["state"] != "ready":
+            return False, "the model is still loading (audio can be sent once it is ready)"
+        cfg = self.cfg
+        name = self._info.get("model", self.model_name)
+        if cfg.family != "gemma4":
+            return False, f"{name} is a Gemma 3 model: it has no audio tower; audio needs Gemma 4 E2B or E4B"
+        if cfg.audio is None and cfg.audio_token_id is not None:  # the checkpoint has one; it was not loaded
+            return False, f"{name} was loaded without its audio tower (GEMMA4_AUDIO=off); reload it with the tower"
+        if cfg.audio is None or cfg.audio_token_id is None or cfg.boa_token_id is None or cfg.eoa_token_id is None:
+            return False, NO_AUDIO_TOWER_REASON.format(model=name)
+        if "audio" not in self.params:
+            return False, f"{name} was loaded without its audio tower (text-only serving); reload it with the tower"
+        if self.link is not None:
+            return False, "audio is not supported across several processes yet"
+        return True, ""
+
+    def encode_audio(self, features: Sequence[AudioFeatures]) -> list[np.ndarray]:
+        """Soft-token rows [n_i, hidden] float32 of audio clips' features (`gemma4.media.audio.AudioFeatures`),
+        in order: each clip's first `num_soft_tokens` rows of the tower and projector
+        (`gemma4.model.audio.encode_audio`, in the plan's compute dtype, as `encode_images`), which go
+        into the decoder as they are.
+
+        A clip is padded with masked frames to its bucket (`audio_bucket`: 2, 4, 8, 16 or 30 s);
+        clips of one bucket run together, in a batch padded to the next width of `decode_widths` by
+        repeating the last clip. One executable per (width, frames), compiled on first use
+        (`last_encode()` says whether this call did). RequestError for a clip without a soft token."""
+        ok, why = self.supports_audio()
+        if not ok:
+            raise RequestError(f"Audio is not available: {why}.")
+        out: list[np.ndarray | None] = [None] * len(features)
+        by_bucket: dict[int, list[int]] = {}
+        for i, f in enumerate(features):
+            if int(f.num_soft_tokens) < 1:
+                raise RequestError(f"Audio clip {i + 1} is too short to hear (no soft token: under 40 ms of sound); "
+                                   "send a longer clip.")
+            by_bucket.setdefault(audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets), []).append(i)
+        compiled, t0 = False, time.perf_counter()
+        widths = decode_widths(ENCODE_BATCH)
+        for frames, idx in by_bucket.items():
+            for at in range(0, len(idx), ENCODE_BATCH):
+                part = idx[at:at + ENCODE_BATCH]
+                width = next(w for w in widths if w >= len(part))
+                take = part + [part[-1]] * (width - len(part))
+                feats = np.zeros((width, frames, FEATURE_SIZE), np.float32)
+                mask = np.zeros((width, frames), bool)
+                for j, i in enumerate(take):
+                    n = int(np.shape(features[i].features)[0])
+                    feats[j, :n] = features[i].features
+                    mask[j, :n] = features[i].mask
+                exe, new = self._audio_executable(width, frames)
+                compiled |= new
+                soft, valid = exe(self.params, jnp.asarray(feats), jnp.asarray(mask))
+                soft, valid = np.asarray(soft, np.float32), np.asarray(valid)
+                for j, i in enumerate(part):
+                    n = int(features[i].num_soft_tokens)
+                    if int(valid[j].sum()) != n or not valid[j, :n].all():  # the tower and the front end disagree
+                        raise RuntimeError(f"the audio tower marks {int(valid[j].sum())} valid rows for a clip of "
+                                           f"{n} soft tokens")
+                    out[i] = soft[j, :n]
+        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
+        return out  # type: ignore[return-value]
+
+    def _audio_executable(self, width: int, frames: int):
+        """(the compiled audio tower for [width, frames] feature frames, whether this call compiled it)."""
+        key = (width, frames)
+        with self._vision_lock:  # one lock for both towers' compile-on-first-use (see _vision_executable)
+            if key in self._audio_exe:
+                return self._audio_exe[key], False
+            exe = self.shapes.compile(("audio", width, frames))
+            self._audio_exe[key] = exe
             return exe, True
 
     # ---------------------------------------------------------------- requests

@@ -3,8 +3,10 @@
 Layouts the Hub uses: `model.language_model.` (Gemma 4 multimodal repos), `model.` (text-only
 saves), `language_model.model.` (older Gemma 3 multimodal repos). Gemma 4's vision tower
 (`model.vision_tower.`, `model.embed_vision.`) loads into `params["vision"]` when the config has
-one (`cfg.vision`; a text-only load, `config.text_only`, skips it); audio towers, Gemma 3's
-vision tower and the unused k/v weights of KV-consumer layers are skipped. Every expected tensor must arrive exactly
+one (`cfg.vision`; a text-only load, `config.text_only`, skips it); the audio tower
+(`model.audio_tower.`, `model.embed_audio.`) loads into `params["audio"]` when the config has one
+(`cfg.audio`; `config.without_audio` skips it); Gemma 3's vision tower and the unused k/v
+weights of KV-consumer layers are skipped. Every expected tensor must arrive exactly
 once with the shape `gemma4.model.params` describes; anything else is an error naming tensor and file.
 
 Files are read through a memory map, one tensor at a time (big tensors in row chunks), and each
@@ -96,6 +98,39 @@ for _module, _name in _VISION_LINEAR_MODULES.items():
     for _buffer, _bound in _CLIP_BUFFERS.items():
         _VISION_LAYER_NAMES[f"{_module}.{_buffer}"] = ("clip", _name, _bound)
 _VISION_LAYER_RE = re.compile(r"^model\.vision_tower\.encoder\.layers\.(\d+)\.(.+)$")
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
+_AUDIO_GLOBAL_NAMES = {
+    "model.audio_tower.subsample_conv_projection.layer0.conv.weight": ("conv0",),
+    "model.audio_tower.subsample_conv_projection.layer0.norm.weight": ("conv0_norm",),
+    "model.audio_tower.subsample_conv_projection.layer1.conv.weight": ("conv1",),
+    "model.audio_tower.subsample_conv_projection.layer1.norm.weight": ("conv1_norm",),
+    "model.audio_tower.subsample_conv_projection.input_proj_linear.weight": ("input_proj",),
+    "model.audio_tower.output_proj.weight": ("output_proj",),
+    "model.audio_tower.output_proj.bias": ("output_bias",),
+    "model.embed_audio.embedding_projection.weight": ("proj",),
+}
+_AUDIO_LAYER_NAMES = {
+    "norm_pre_attn.weight": ("attn_norm",),
+    "norm_post_attn.weight": ("post_attn_norm",),
+    "norm_out.weight": ("out_norm",),
+    "self_attn.relative_k_proj.weight": ("rel_k",),
+    "self_attn.per_dim_scale": ("per_dim_scale",),
+    "lconv1d.pre_layer_norm.weight": ("conv_pre_norm",),
+    "lconv1d.conv_norm.weight": ("conv_norm",),
+    "lconv1d.depthwise_conv1d.weight": ("conv_dw",),
+}
+_AUDIO_LINEAR_MODULES = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+                         "self_attn.post": "o", "lconv1d.linear_start": "conv_start", "lconv1d.linear_end": "conv_end"}
+for _i in (1, 2):
+    _AUDIO_LINEAR_MODULES[f"feed_forward{_i}.ffw_layer_1"] = f"ffn{_i}_up"
+    _AUDIO_LINEAR_MODULES[f"feed_forward{_i}.ffw_layer_2"] = f"ffn{_i}_down"
+    _AUDIO_LAYER_NAMES[f"feed_forward{_i}.pre_layer_norm.weight"] = (f"ffn{_i}_pre_norm",)
+    _AUDIO_LAYER_NAMES[f"feed_forward{_i}.post_layer_norm.weight"] = (f"ffn{_i}_post_norm",)
+for _module, _name in _AUDIO_LINEAR_MODULES.items():
+    _AUDIO_LAYER_NAMES[f"{_module}.linear.weight"] = (_name,)
+    for _buffer, _bound in _CLIP_BUFFERS.items():
+        _AUDIO_LAYER_NAMES[f"{_module}.{_buffer}"] = ("clip", _name, _bound)
+_AUDIO_LAYER_RE = re.compile(r"^model\.audio_tower\.layers\.(\d+)\.(.+)$")
 _CONSUMER_IGNORED = {"self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight",
                      "self_attn.v_norm.weight"}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -208,6 +243,16 @@ def vision_tree_path(key: str) -> tuple:
     return ("vision", "layers", int(m.group(1))) + _VISION_LAYER_NAMES[m.group(2)]
 
 
+def audio_tree_path(key: str) -> tuple:
+    """Our tree path (under `audio`) of a Hub audio-tower tensor; KeyError if unknown."""
+    if key in _AUDIO_GLOBAL_NAMES:
+        return ("audio",) + _AUDIO_GLOBAL_NAMES[key]
+    m = _AUDIO_LAYER_RE.match(key)
+    if not m or m.group(2) not in _AUDIO_LAYER_NAMES:
+        raise KeyError(key)
+    return ("audio", "layers", int(m.group(1))) + _AUDIO_LAYER_NAMES[m.group(2)]
+
+
 def _spec_at(specs: dict, path: tuple) -> LeafSpec | None:
     node: Any = specs
     for part in path:
@@ -273,11 +318,13 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
         for key in st.keys():
             done += 1
             vision = cfg.vision is not None and key.startswith(VISION_PREFIXES)
-            rel = key if vision else strip_prefix(key)
+            audio = cfg.audio is not None and key.startswith(AUDIO_PREFIXES)
+            rel = key if (vision or audio) else strip_prefix(key)
             if rel is None:
                 continue
             try:
-                target = vision_tree_path(key) if vision else tree_path(cfg, rel)
+                target = (vision_tree_path(key) if vision else audio_tree_path(key) if audio
+                          else tree_path(cfg, rel))
             except KeyError:
                 raise CheckpointError(
                     f"{fname}: unexpected tensor {key!r} — it has no place in a {cfg.family} model with "

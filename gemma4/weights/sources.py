@@ -34,8 +34,8 @@ import numpy as np
 from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-from gemma4.env import vision_enabled
-from gemma4.model.config import PRESETS, load_hf_config, preset, text_only
+from gemma4.env import audio_enabled, vision_enabled
+from gemma4.model.config import PRESETS, load_hf_config, preset, without_audio, without_vision
 from gemma4.weights import checkpoint
 from gemma4.weights.gguf import gguf_config, load_gguf_params
 from gemma4.weights.random_init import random_params
@@ -264,14 +264,27 @@ def with_vision(cfg, load_vision: bool | None = None):
     is None and `GEMMA4_VISION=off` (`gemma4.env.vision_enabled`; a bad value raises EnvError).
     The one place the choice is made: the pre-flight (through `peek_config`) and the loaders both ask here."""
     enabled = vision_enabled(os.environ) if load_vision is None else load_vision
-    return cfg if enabled else text_only(cfg)
+    return cfg if enabled else without_vision(cfg)
 
 
-def peek_config(source: ModelSource, load_vision: bool | None = None):
+def with_audio(cfg, load_audio: bool | None = None):
+    """`cfg` as it will be loaded: without its audio tower when `load_audio` is False, or when it
+    is None and `GEMMA4_AUDIO=off` (`gemma4.env.audio_enabled`; a bad value raises EnvError).
+    The one place the choice is made, as `with_vision` for the vision tower."""
+    enabled = audio_enabled(os.environ) if load_audio is None else load_audio
+    return cfg if enabled else without_audio(cfg)
+
+
+def with_towers(cfg, load_vision: bool | None = None, load_audio: bool | None = None):
+    """`cfg` with the towers `with_vision` and `with_audio` keep."""
+    return with_audio(with_vision(cfg, load_vision), load_audio)
+
+
+def peek_config(source: ModelSource, load_vision: bool | None = None, load_audio: bool | None = None):
     """The ModelConfig if it is cheap to know before loading (for hardware planning), else None
-    (without the vision tower where `with_vision` says so)."""
+    (without the towers `with_vision` / `with_audio` drop)."""
     cfg = _peek_config(source)
-    return None if cfg is None else with_vision(cfg, load_vision)
+    return None if cfg is None else with_towers(cfg, load_vision, load_audio)
 
 
 def _peek_config(source: ModelSource):
@@ -302,13 +315,15 @@ def _peek_config(source: ModelSource):
 
 
 def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None,
-         quantize: dict | None = None, mesh: Any = None, load_vision: bool | None = None) -> tuple[Any, dict, dict]:
+         quantize: dict | None = None, mesh: Any = None, load_vision: bool | None = None,
+         load_audio: bool | None = None) -> tuple[Any, dict, dict]:
     """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
     (norms in float32); `progress(fraction, message)` reports along the way.
 
     `load_vision` (default: `GEMMA4_VISION`, on): a Gemma 4 model's vision tower loads into
-    `params["vision"]`; False loads text-only (`cfg.vision` None, see `with_vision`). GGUF files
-    hold no tower.
+    `params["vision"]`; False loads it without (`cfg.vision` None, see `with_vision`).
+    `load_audio` (default: `GEMMA4_AUDIO`, on): E2B/E4B's audio tower loads into `params["audio"]`;
+    False loads without it (`cfg.audio` None, see `with_audio`). GGUF files hold no tower.
 
     `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
     makes every loader build each leaf in its final quantized form as it reads it, so the float
@@ -331,9 +346,9 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         return cfg, params, {"kind": "gguf", "path": path}
     if source.kind in ("folder", "hub"):
         folder = download(source.repo_id, report) if source.kind == "hub" else source.path
-        return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw}, load_vision)
+        return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw}, load_vision, load_audio)
     if source.kind == "random":
-        cfg = with_vision(preset(source.preset), load_vision)
+        cfg = with_towers(preset(source.preset), load_vision, load_audio)
         report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
         params = random_params(cfg, weight_dtype=dtype, **qkw, **mkw)
         report(1.0, "random weights ready")
@@ -342,10 +357,10 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
 
 
 def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict,
-                 load_vision: bool | None = None) -> tuple[Any, dict, dict]:
+                 load_vision: bool | None = None, load_audio: bool | None = None) -> tuple[Any, dict, dict]:
     if not os.path.isdir(folder):
         raise SourceError(f"no such folder: {folder}")
-    cfg = with_vision(dataclasses.replace(load_hf_config(folder), name=name), load_vision)
+    cfg = with_towers(dataclasses.replace(load_hf_config(folder), name=name), load_vision, load_audio)
     report(0.0, f"reading {name} ({cfg.describe()})")
     params = checkpoint.load_safetensors_params(folder, cfg, dtype, progress=report, **qkw)
     return cfg, params, {"kind": "folder", "path": folder}
