@@ -328,17 +328,19 @@ def test_message_box_follows_the_towers():
 def test_reply_panel_audio_rows():
     """A clip's row gives its length, soft tokens, encode time and what was done to it."""
     media = [{"kind": "audio", "name": "talk.mp3", "soft_tokens": 198, "encode_s": 0.4213,
-              "cached": False, "seconds": 7.884, "notes": ["resampled from 32000 Hz", "mixed 2 channels to mono"]},
+              "cached": False, "seconds": 7.884, "notes": ["resampled from 32,000 Hz to 16 kHz", "2 channels mixed to mono"]},
              {"kind": "audio", "name": "audio.wav", "soft_tokens": 750, "encode_s": 0.0,
-              "cached": True, "seconds": 30.0, "notes": ["cut to its first 30 s"]},
+              "cached": True, "seconds": 30.0,
+              "notes": ["'audio.wav' is 45.0 s long; the model hears the first 30 s"]},
              {"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.8412,
               "cached": False}]
     panel = reply_panel_html({"media": media}, {}, done=True, finish_reason="stop")
     rows = re.findall(r'<div class="media-row">(.*?)</div>', panel)
     assert rows == [
-        "🔊 talk.mp3 (7.9 s): 198 soft tokens · encoded in 0.42 s · resampled from 32000 Hz"
-        " · mixed 2 channels to mono",
-        "🔊 audio.wav (30.0 s): 750 soft tokens · cached, not re-encoded · cut to its first 30 s",
+        "🔊 talk.mp3 (7.9 s): 198 soft tokens · encoded in 0.42 s · resampled from 32,000 Hz to"
+        " 16 kHz · 2 channels mixed to mono",
+        "🔊 audio.wav (30.0 s): 750 soft tokens · cached, not re-encoded · &#x27;audio.wav&#x27; is"
+        " 45.0 s long; the model hears the first 30 s",
         "🖼 scene.png: 280 soft tokens · encoded in 0.84 s"]
     assert "talk.mp3 (7.9 s): 198 soft tokens" in stats_message({"media": media}, {}, done=True)["content"]
 
@@ -714,7 +716,7 @@ def test_audio_turn_reply_panel_and_cache(audio_file):
     _, rows, _ = answer([{"role": "user", "content": user_content("Transcribe this audio clip.",
                                                                   [speech])}], "Hello.<turn|>")
     assert len(rows) == 1 and rows[0].startswith(f"🔊 {EXAMPLE_AUDIO_NAME} (7.9 s): ") and (
-        "resampled from 32000 Hz" in rows[0]), rows
+        "resampled from 32,000 Hz to 16 kHz" in rows[0]), rows
 
 
 def test_message_sent_while_loading_waits_and_says_so():
