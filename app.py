@@ -84,6 +84,11 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
     )
     engine_events = dict(concurrency_limit=settings.max_users, concurrency_id="engine")
     media = app.support()  # the towers: known once the model is ready; tick() updates the box
+    # The examples' files are served where they lie: an example built hidden and shown by tick()
+    # once the model is known is processed after launch, when Gradio moves only files from the
+    # working directory or the temp folder (the speech clip lies in the gradio package).
+    clip = example_audio()
+    gr.set_static_paths([str(EXAMPLE_IMAGE), *([clip] if clip else [])])
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
         gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
@@ -124,8 +129,9 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                 info="completion: the model continues your latest message as raw "
                                      "text (suits base models); chat: the whole conversation goes "
                                      "through the chat template.")
-                gr.Examples(examples=examples, inputs=[msg, mode], cache_examples=False,
-                            label="Examples (click one, then press Enter)")
+                text_examples = gr.Examples(examples=examples, inputs=[msg, mode],
+                                            cache_examples=False,
+                                            label="Examples (click one, then press Enter)")
                 # Offered only where the model reads images (tick() shows it once it knows).
                 image_example = gr.Examples(
                     examples=[[{"text": IMAGE_EXAMPLE_TEXT, "files": [str(EXAMPLE_IMAGE)]}, "chat"]],
@@ -133,7 +139,6 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                     label="Example with a picture (drawn for this demo)")
                 # Offered only where the model hears (the line under the box says why not);
                 # the clip is read from the installed gradio package (chat_controls).
-                clip = example_audio()
                 audio_example = gr.Examples(
                     examples=[[{"text": AUDIO_EXAMPLE_TEXT, "files": [clip] if clip else []},
                                "chat"]],
@@ -229,6 +234,11 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                      **hidden)
         system.blur(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
         image_tokens.change(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
+
+        # Gradio's example click puts back the message box's props as they were at build time
+        # (no upload while the model was loading): the towers' box follows each click.
+        for ex in (text_examples, image_example, audio_example):
+            ex.load_input_event.then(app.box_update, None, [msg], queue=False, **hidden)
 
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
                         rep_pen, context_meter, think, msg, media_note, image_example.dataset,

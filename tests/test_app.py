@@ -607,6 +607,10 @@ def test_text_only_model_has_no_upload(engine, media_files, audio_file):
     demo = app.build_demo(engine, settings)  # ready at build time: built without an upload
     boxes = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "msg"]
     assert len(boxes) == 1 and boxes[0].sources == [] and boxes[0].file_count == "multiple"
+    # the hidden examples' files are static: tick() may show them after launch without a copy
+    from gradio.utils import is_static_file
+
+    assert is_static_file(str(EXAMPLE_IMAGE)) and is_static_file(example_audio())
     sent = {"text": "What is this?", "files": [picture]}
     with pytest.warns(UserWarning, match="Nothing was sent"):
         update, history = handler.add_user_message(sent, [])
@@ -816,10 +820,10 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_generate_api_takes_images_as_data_uris(served):
-    """/generate with files: on a Gemma 4 with a tower the image goes where <|image|> stands (or
-    in front) and the stats list it; on this Gemma 3 (no tower) a clear error, and a bad data URI
-    is named."""
+def test_generate_api_takes_images_as_data_uris(served, tmp_path):
+    """/generate with files: on a Gemma 4 with its towers the image goes where <|image|> stands (or
+    in front), an audio clip after it, and the stats list them; on this Gemma 3 (no tower) a clear error, and a bad data URI
+    is named; audio the same way."""
     import base64
 
     from gradio_client import Client
@@ -831,6 +835,10 @@ def test_generate_api_takes_images_as_data_uris(served):
     _, client = served
     with pytest.raises(Exception, match="no vision tower"):
         client.predict("What is it?", images=[uri], mode="chat", api_name="/generate")
+    wav = "data:audio/wav;base64," + base64.b64encode(
+        pathlib.Path(tone_wav(tmp_path / "tone.wav", seconds=0.5)).read_bytes()).decode()
+    with pytest.raises(Exception, match="no audio tower; audio needs Gemma 4 E2B or E4B"):
+        client.predict("What is said?", audio=[wav], mode="chat", api_name="/generate")
     eng = tiny_gemma4()
     settings = Settings(model="random:tiny-e2b", max_users=eng.max_batch, max_new_tokens_cap=64,
                         context=eng.context_limit)
@@ -843,5 +851,11 @@ def test_generate_api_takes_images_as_data_uris(served):
         assert out["done"] and [m["kind"] for m in out["stats"]["media"]] == ["image"]
         with pytest.raises(Exception, match="image 1' has no ','"):
             g4.predict("<|image|> and?", images=["data:image/png;base64"], mode="chat", api_name="/generate")
+        # audio too: a clip in front of a prompt without markers, after the picture
+        out = g4.predict("Both?", max_new_tokens=3, temperature=0.0, mode="chat", images=[uri],
+                         audio=[wav], api_name="/generate")
+        assert [(m["kind"], m["name"]) for m in out["stats"]["media"]] == [("image", "image 1"),
+                                                                           ("audio", "audio 1")]
+        assert out["stats"]["media"][1]["seconds"] == 0.5
     finally:
         demo.close()

@@ -28,8 +28,7 @@ THINK_INFO = ("Gemma 4 thinks before it answers; the thought appears as a collap
 TEXT_PLACEHOLDER = "Type a message and press Enter"
 MEDIA_PLACEHOLDER = "Type a message and press Enter; drop, paste or attach images and videos"
 AUDIO_PLACEHOLDER = "Type a message and press Enter; drop or attach audio, or 🎙 record"
-ALL_MEDIA_PLACEHOLDER = ("Type a message and press Enter; drop, paste or attach images, videos "
-                         "and audio, or 🎙 record")
+ALL_MEDIA_PLACEHOLDER = "Type a message; add images, video or audio (📎, drop, paste), or 🎙 record"
 MEDIA_INFO = ("Images and videos go into your message (📎, drag and drop, or paste); each shows "
               "its soft tokens and encode time under This reply.")
 ALL_MEDIA_INFO = ("Images, videos and audio go into your message (📎, drag and drop, paste, or 🎙 "

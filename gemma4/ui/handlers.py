@@ -146,6 +146,11 @@ class ChatHandlers:
                 gr.update(visible=media.vision),
                 gr.update(visible=media.audio_example() is not None))
 
+    def box_update(self) -> dict[str, Any]:
+        """The message box's sources, file types and placeholder for the loaded model (its value
+        untouched): after an example's click, which puts back the props of build time."""
+        return self.media_updates()[0]
+
     @staticmethod
     def image_tokens(value: Any) -> int | None:
         """The Image detail setting as a soft-token budget (None: the request layer's default);
