@@ -325,6 +325,42 @@ def test_message_box_follows_the_towers():
     assert ears.note_md().startswith("🔊") and "No image or video upload" in ears.note_md()
 
 
+def test_each_kind_is_checked_against_its_own_tower(audio_file, media_files):
+    """A model with a vision tower but none for audio (a 31B, or E2B with GEMMA4_AUDIO=off) takes
+    the picture and refuses the clip, naming it, with the request layer's reason; the message
+    stays in the box; a model that hears but cannot see the other way round."""
+    import types
+
+    picture = media_files[0]
+
+    class ReadyEngine:  # what ChatHandlers asks of an engine before any request
+        def status(self):
+            return {"state": "ready"}
+
+        def info(self):
+            return {"is_base_model": False}
+
+    def handler_for(vision, audio):
+        handler = ChatHandlers(ReadyEngine(), Settings())
+        handler.conversation = types.SimpleNamespace(supports_vision=lambda engine: vision,
+                                                     supports_audio=lambda engine: audio)
+        return handler
+
+    deaf = handler_for((True, ""), (False, "gemma-4-31B has no audio tower; audio needs Gemma 4 E2B or E4B"))
+    _, history = deaf.add_user_message({"text": "What is it?", "files": [picture]}, [])
+    assert history == [{"role": "user", "content": ["What is it?", {"path": picture}]}]
+    sent = {"text": "And this?", "files": [picture, audio_file]}
+    with pytest.warns(UserWarning, match=r"'audio\.wav' cannot be used: gemma-4-31B has no audio tower"):
+        update, history = deaf.add_user_message(sent, [])
+    assert history == [] and update["value"] == sent
+    assert deaf.media_updates()[0]["sources"] == ["upload"]
+    blind = handler_for((False, "no vision tower"), (True, ""))
+    with pytest.warns(UserWarning, match=r"'example_scene\.png' cannot be used: no vision tower"):
+        blind.add_user_message(sent, [])
+    _, history = blind.add_user_message({"text": "", "files": [audio_file]}, [])
+    assert history == [{"role": "user", "content": [{"path": audio_file}]}]
+
+
 def test_reply_panel_audio_rows():
     """A clip's row gives its length, soft tokens, encode time and what was done to it."""
     media = [{"kind": "audio", "name": "talk.mp3", "soft_tokens": 198, "encode_s": 0.4213,
