@@ -14,8 +14,6 @@ one token a step through the KV cache; once with the prefill split in two chunks
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,39 +25,22 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil  # noqa: E402
 
-from gemma4.model import decoder as M  # noqa: E402
-from gemma4.model import kv_cache  # noqa: E402
-from gemma4.model.config import (PRESETS, load_hf_config, text_only, tiny, vision_from_hf,  # noqa: E402
+from gemma4.model.config import (PRESETS, text_only, tiny, vision_from_hf,  # noqa: E402
                                  vision_param_count, vision_to_hf, without_vision)
 from gemma4.model.params import abstract_params, count_bytes, param_specs  # noqa: E402
 from gemma4.model.vision import encode_images  # noqa: E402
 from gemma4.weights.checkpoint import load_safetensors_params  # noqa: E402
 from gemma4.weights.random_init import random_params  # noqa: E402
-from tests.reference import build_hf_multimodal  # noqa: E402
+from tests.multimodal import (N_NEW, checkpoint_folder, greedy_cached, media_ids, merged_inputs,  # noqa: E402
+                              padded, prefill_logits, rel_err, setup)
 
 VARIANTS = ["e2b", "31b"]
 TOWER_TOL = 1e-5  # max abs difference of the soft tokens, relative to their largest magnitude
 TOL = 1e-4  # logits, as tests/test_reference.py
 SIZES = [(50, 120), (96, 64), (40, 40), (200, 30)]  # (height, width): wide, tall, square, very tall
-N_NEW = 8
-BUCKET = 160  # every prompt (or prefill chunk) is padded to this length: one compiled shape per variant
 
 # compiled once per (config, shapes) for the whole file
 _encode = jax.jit(encode_images, static_argnums=1)
-_forward = jax.jit(M.forward, static_argnums=1, static_argnames=("attend_cache",))
-
-_cache: dict[str, tuple] = {}
-
-
-def _setup(variant: str, tmp_path_factory):
-    """(cfg read back from the saved config.json, our params read from the safetensors, HF model)."""
-    if variant not in _cache:
-        hf_model = build_hf_multimodal(tiny(variant), seed=1)
-        folder = str(tmp_path_factory.mktemp(f"vision-{variant}"))
-        hf_model.save_pretrained(folder)
-        cfg = load_hf_config(folder)
-        _cache[variant] = (cfg, load_safetensors_params(folder, cfg, jnp.float32), hf_model, folder)
-    return _cache[variant][:3]
 
 
 def _images(seed: int, sizes=SIZES) -> list[Image.Image]:
@@ -94,10 +75,6 @@ def _hf_soft(hf_model, px) -> list[np.ndarray]:
     return [f.numpy() for f in feats]
 
 
-def _rel_err(ours, ref):
-    return float(np.max(np.abs(np.asarray(ours) - ref)) / max(np.max(np.abs(ref)), 1e-30))
-
-
 # ------------------------------------------------------------------------------ config and tree
 def test_preset_towers_round_trip_through_hf_configs():
     """Each preset's tower survives vision_config → VisionConfig → vision_config, and the parameter
@@ -117,7 +94,7 @@ def test_preset_towers_round_trip_through_hf_configs():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_config_read_back_from_transformers(variant, tmp_path_factory):
     """The config transformers saved parses to the tiny preset's tower, media ids and vision flag."""
-    cfg, params, _ = _setup(variant, tmp_path_factory)
+    cfg, params, _ = setup(variant, tmp_path_factory)
     want = tiny(variant)
     assert cfg.vision == want.vision
     assert (cfg.image_token_id, cfg.video_token_id, cfg.boi_token_id, cfg.eoi_token_id) == (509, 511, 508, 510)
@@ -129,8 +106,8 @@ def test_config_read_back_from_transformers(variant, tmp_path_factory):
 def test_text_only_load_skips_the_tower(tmp_path_factory):
     """A text-only load (`text_only`) reads the same checkpoint without the tower: the text weights
     are identical and the tree holds no vision leaves."""
-    cfg, params, _ = _setup("e2b", tmp_path_factory)
-    folder = _cache["e2b"][3]
+    cfg, params, _ = setup("e2b", tmp_path_factory)
+    folder = checkpoint_folder("e2b", tmp_path_factory)
     plain = load_safetensors_params(folder, text_only(cfg), jnp.float32)
     assert "vision" not in plain and "vision" in params and "audio" not in plain
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), plain,
@@ -180,14 +157,14 @@ def test_random_tower_has_no_clipping_and_runs():
 @pytest.mark.parametrize("budget", [70, 140])
 def test_tower_matches_transformers(variant, budget, tmp_path_factory):
     """The projected soft tokens of four images of different aspect ratios (one padded batch)."""
-    cfg, params, hf_model = _setup(variant, tmp_path_factory)
+    cfg, params, hf_model = setup(variant, tmp_path_factory)
     px = _pixels(_images(budget), budget)
     counts = px["num_soft_tokens_per_image"].tolist()
     assert len(set(counts)) > 1 and max(counts) <= budget  # the batch really mixes padded images
     ours, ref = _ours_soft(params, cfg, px), _hf_soft(hf_model, px)
     for i, (o, r) in enumerate(zip(ours, ref)):
         assert o.shape == r.shape, (i, o.shape, r.shape)
-        err = _rel_err(o, r)
+        err = rel_err(o, r)
         print(f"{variant} budget {budget} image {SIZES[i]}: {r.shape[0]} soft tokens, max rel err {err:.1e}")
         assert err <= TOWER_TOL, f"image {i} {SIZES[i]}: rel err {err:.2e}"
 
@@ -197,7 +174,7 @@ def test_tower_switches_are_exercised(variant, switch, tmp_path_factory):
     """Neutral clip bounds (±inf, E2B-like) or a neutral standardization (bias 0, scale 1, 31B-like)
     move the soft tokens far past the tolerance: the comparison above really covers both paths.
     (Neutral values rather than removed leaves: the same tree, so the same compiled call.)"""
-    cfg, params, hf_model = _setup(variant, tmp_path_factory)
+    cfg, params, hf_model = setup(variant, tmp_path_factory)
     px = _pixels(_images(70), 70)
     vp = dict(params["vision"])
     if switch == "clip":
@@ -207,19 +184,19 @@ def test_tower_switches_are_exercised(variant, switch, tmp_path_factory):
     else:
         vp["std_bias"], vp["std_scale"] = jnp.zeros_like(vp["std_bias"]), jnp.ones_like(vp["std_scale"])
     ours = _ours_soft(dict(params, vision=vp), cfg, px)
-    errs = [_rel_err(o, r) for o, r in zip(ours, _hf_soft(hf_model, px))]
+    errs = [rel_err(o, r) for o, r in zip(ours, _hf_soft(hf_model, px))]
     assert min(errs) > 100 * TOWER_TOL, errs
 
 
 def test_attention_in_query_blocks_equals_whole(tmp_path_factory):
     """The tower's attention run a block of queries at a time (bounded memory at large budgets;
     100 does not divide 630, so the last block is padded) gives the soft tokens of the whole."""
-    cfg, params, _ = _setup("e2b", tmp_path_factory)
+    cfg, params, _ = setup("e2b", tmp_path_factory)
     px = _pixels(_images(7, [(50, 120), (96, 64)]), 70)
     whole = _ours_soft(params, cfg, px)
     blocked_encode = jax.jit(lambda p, a, b: encode_images(p, cfg, a, b, query_block=100))
     blocked = _ours_soft(params, cfg, px, blocked_encode)
-    assert all(_rel_err(b, w) <= 1e-6 for b, w in zip(blocked, whole))
+    assert all(rel_err(b, w) <= 1e-6 for b, w in zip(blocked, whole))
 
 
 # ------------------------------------------------------------------------------ image prompts
@@ -233,18 +210,6 @@ def _prompt(cfg, counts: list[int], seed: int = 0) -> np.ndarray:
     return np.asarray(ids, np.int64)
 
 
-def _merged_inputs(params, cfg, ids: np.ndarray, soft: list[np.ndarray]):
-    """(tokens with the pad id at soft-token positions, input embeddings with the soft tokens
-    scattered in, vision groups) — what the request layer builds."""
-    is_image = ids == cfg.image_token_id
-    tokens = np.where(is_image, cfg.pad_id, ids).astype(np.int32)[None]
-    embeds = np.array(M.embed_tokens(params, cfg, jnp.asarray(tokens), jnp.float32))
-    embeds[0, is_image] = np.concatenate(soft)
-    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
-    groups = np.where(is_image, np.cumsum(starts) - 1, -1).astype(np.int32)[None]
-    return tokens, embeds, groups
-
-
 def _hf_inputs(cfg, ids, px):
     mm = (ids == cfg.image_token_id).astype(np.int64)
     return dict(input_ids=torch.as_tensor(ids[None]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -256,68 +221,23 @@ def _hf_inputs(cfg, ids, px):
 def test_merged_logits_match(variant, tmp_path_factory):
     """Full-sequence logits of a prompt with two images (soft tokens placed, PLE ids = pad,
     vision groups); for the bidirectional model, dropping the groups is caught."""
-    cfg, params, hf_model = _setup(variant, tmp_path_factory)
+    cfg, params, hf_model = setup(variant, tmp_path_factory)
     px = _pixels(_images(3, [(50, 120), (96, 64)]), 70)
     counts = px["num_soft_tokens_per_image"].tolist()
     ids = _prompt(cfg, counts)
     with torch.no_grad():
         ref = hf_model(**_hf_inputs(cfg, ids, px), use_cache=False, logits_to_keep=0).logits[0].numpy()
     T = len(ids)
-    tokens, embeds, groups, pos = _padded(*_merged_inputs(params, cfg, ids, _ours_soft(params, cfg, px)), 0, T)
-    logits = _prefill_logits(params, cfg, tokens, embeds, groups, pos)[:T]
-    err = _rel_err(logits, ref)
+    tokens, embeds, groups, pos = padded(*merged_inputs(params, cfg, ids, _ours_soft(params, cfg, px)), 0, T)
+    logits = prefill_logits(params, cfg, tokens, embeds, groups, pos)[:T]
+    err = rel_err(logits, ref)
     print(f"{variant}: merged logits max rel err {err:.1e} over {T} positions")
     assert err <= TOL
-    causal = _prefill_logits(params, cfg, tokens, embeds, jnp.full_like(groups, -1), pos)[:T]  # no groups
+    causal = prefill_logits(params, cfg, tokens, embeds, jnp.full_like(groups, -1), pos)[:T]  # no groups
     if cfg.bidirectional_vision:
-        assert _rel_err(causal, ref) > 100 * TOL  # the groups matter, and are honoured
+        assert rel_err(causal, ref) > 100 * TOL  # the groups matter, and are honoured
     else:
         np.testing.assert_array_equal(causal, logits)  # a causal model ignores them
-
-
-def _media_ids(cfg) -> list[int]:
-    return [cfg.boi_token_id, cfg.image_token_id, cfg.eoi_token_id, cfg.video_token_id]
-
-
-def _argmax(cfg, logits) -> int:
-    """Greedy, media ids excluded (see test_greedy_continuation_matches_generate)."""
-    return int(jnp.argmax(logits.at[jnp.asarray(_media_ids(cfg))].set(-jnp.inf)))
-
-
-def _padded(tokens, embeds, groups, a: int, b: int):
-    """Positions [a, b) of the merged inputs padded to BUCKET (padding: position -1, group -1)."""
-    n = b - a
-    assert n <= BUCKET, n
-    pad = BUCKET - n
-    t = np.pad(tokens[:, a:b], ((0, 0), (0, pad)))
-    e = np.pad(embeds[:, a:b], ((0, 0), (0, pad), (0, 0)))
-    g = np.pad(groups[:, a:b], ((0, 0), (0, pad)), constant_values=-1)
-    pos = np.concatenate([np.arange(a, b), np.full(pad, -1)])[None].astype(np.int32)
-    return jnp.asarray(t), jnp.asarray(e), jnp.asarray(g), jnp.asarray(pos)
-
-
-def _prefill_logits(params, cfg, tokens, embeds, groups, pos) -> np.ndarray:
-    """[BUCKET, V] logits of a first prefill chunk (the same compiled call the greedy test prefills with)."""
-    cache = kv_cache.init_cache(cfg, 1, BUCKET + N_NEW, jnp.float32)
-    logits, _, _ = _forward(params, cfg, tokens, pos, cache, inputs_embeds=embeds, vision_groups=groups,
-                            attend_cache=False)
-    return np.asarray(logits)[0]
-
-
-def _greedy_cached(params, cfg, tokens, embeds, groups, n_new: int, split: int | None = None) -> list[int]:
-    """Prefill (in one call, or two split at `split`) into the KV cache, then decode one token a step."""
-    T = tokens.shape[1]
-    cache = kv_cache.init_cache(cfg, 1, BUCKET + n_new, jnp.float32)
-    bounds = [0, T] if split is None else [0, split, T]
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        t, e, g, pos = _padded(tokens, embeds, groups, a, b)
-        logits, cache, _ = _forward(params, cfg, t, pos, cache, inputs_embeds=e, vision_groups=g, attend_cache=i > 0)
-    out = [_argmax(cfg, logits[0, b - a - 1])]
-    for n in range(T, T + n_new - 1):
-        logits, cache, _ = _forward(params, cfg, jnp.asarray([[out[-1]]], jnp.int32), jnp.asarray([[n]], jnp.int32),
-                                    cache, logits_at=jnp.asarray([0]))
-        out.append(_argmax(cfg, logits[0]))
-    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -329,7 +249,7 @@ def test_greedy_continuation_matches_generate(variant, case, tmp_path_factory):
     random model may pick one, and transformers embeds a media id in the prompt as the pad id
     (a placeholder), so a generated one would be fed back differently. A trained model never
     emits them."""
-    cfg, params, hf_model = _setup(variant, tmp_path_factory)
+    cfg, params, hf_model = setup(variant, tmp_path_factory)
     if case.startswith("one"):
         budget = int(case.split(", ")[1])
         px = _pixels(_images(budget + 1, [(96, 64)]), budget)
@@ -340,11 +260,11 @@ def test_greedy_continuation_matches_generate(variant, case, tmp_path_factory):
     with torch.no_grad():
         out = hf_model.generate(**_hf_inputs(cfg, ids, px), max_new_tokens=N_NEW, min_new_tokens=N_NEW,
                                 do_sample=False, eos_token_id=None, pad_token_id=cfg.pad_id,
-                                suppress_tokens=_media_ids(cfg))
+                                suppress_tokens=media_ids(cfg))
     want = out[0, len(ids):].tolist()
-    tokens, embeds, groups = _merged_inputs(params, cfg, ids, _ours_soft(params, cfg, px))
+    tokens, embeds, groups = merged_inputs(params, cfg, ids, _ours_soft(params, cfg, px))
     split = None
     if case.startswith("two"):  # the chunk boundary in the text between the images, never inside one
         split = int(np.flatnonzero(ids == cfg.eoi_token_id)[0]) + 2
-    got = _greedy_cached(params, cfg, tokens, embeds, groups, N_NEW, split)
+    got = greedy_cached(params, cfg, tokens, embeds, groups, N_NEW, split)
     assert got == want, f"{variant} {case}: ours {got}, transformers {want}"

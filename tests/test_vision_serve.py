@@ -71,7 +71,7 @@ def eng():
     return tiny_gemma4()
 
 
-def _direct_greedy(eng, ids: list[int], rows_at: dict[int, np.ndarray], n: int, groups=None) -> list[int]:
+def direct_greedy(eng, ids: list[int], rows_at: dict[int, np.ndarray], n: int, groups=None) -> list[int]:
     """n greedy tokens from `decoder.forward` over the whole sequence each step (no cache, no
     engine): the ids' embeddings, the rows at their positions (their per-layer ids: pad). One
     compile: the sequence is right-padded to its final length (padding: position -1). `groups`:
@@ -146,7 +146,7 @@ def test_image_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
                                       jnp.asarray(patches.position_ids[None]), dtype=eng.options.dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
-    assert first["token_ids"] == _direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens)
+    assert first["token_ids"] == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens)
     assert first["stats"]["prefill_tokens"] == len(ids)
 
     again = conversation.generate(eng, ask(data), GREEDY, mode="chat")
@@ -385,7 +385,7 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
                                       jnp.asarray(patches.position_ids[None]), dtype=eng.options.dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     groups = [0 if start <= k < start + n else -1 for k in range(len(ids))]
-    assert list(got.token_ids) == _direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens, groups)
+    assert list(got.token_ids) == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens, groups)
 
 
 def test_vision_layout_groups_each_run():

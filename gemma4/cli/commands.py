@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="an image for the next <|image|> in --prompt (repeatable, in order; a Gemma 4 model)")
     g.add_argument("--video", action="append", default=[], metavar="FILE",
                    help="a video for the next <|video|> in --prompt (repeatable, in order)")
+    g.add_argument("--audio", action="append", default=[], metavar="FILE",
+                   help="an audio clip for the next <|audio|> in --prompt (repeatable, in order; Gemma 4 E2B/E4B; "
+                        "the model hears its first 30 s)")
     g.add_argument("--max-soft-tokens", type=int, default=None, metavar="N",
                    help="soft tokens per image (70, 140, 280, 560 or 1120; default 280) and per video frame "
                         "(default 70)")

@@ -145,13 +145,14 @@ def _generate(engine, args) -> int:
 
 
 def _media_parts(args) -> list[dict]:
-    """--image / --video files as the request layer's parts, in the order their markers come in
-    --prompt (a file that cannot be read, or a marker count that does not match, is an error)."""
+    """--image / --video / --audio files as the request layer's parts, in the order their markers
+    come in --prompt (a file that cannot be read, or a marker count that does not match, is an error)."""
     images = [media_from_path(p, kind="image") for p in getattr(args, "image", None) or ()]
     videos = [media_from_path(p, kind="video") for p in getattr(args, "video", None) or ()]
-    if not images and not videos:
+    audio = [media_from_path(p, kind="audio") for p in getattr(args, "audio", None) or ()]
+    if not images and not videos and not audio:
         return []
-    return parts_in_marker_order(args.prompt, images, videos, getattr(args, "max_soft_tokens", None))
+    return parts_in_marker_order(args.prompt, images, videos, getattr(args, "max_soft_tokens", None), audio=audio)
 
 
 def cmd_chat(args) -> int:

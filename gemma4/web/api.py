@@ -384,22 +384,36 @@ class OpenAIApi:
                                  list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
 
     async def _with_media(self, msgs: list[dict]) -> list[dict]:
-        """The messages with each image/video part's file resolved (`media_fetch.resolve`, off
-        the event loop), after the checks that need no file: the model reads media, and no more
-        parts than the request layer accepts (so a refused request fetches nothing)."""
+        """The messages with each image/video/audio part's file resolved (`media_fetch.resolve`
+        for a URL, `media_fetch.from_base64` for input_audio's data; off the event loop), after the
+        checks that need no file: the model has the tower each kind needs, and no more parts than
+        the request layer accepts (so a refused request fetches nothing). Each part keeps its
+        "param", so the request layer's refusal of its file names the field too."""
         parts = [p for m in msgs if isinstance(m.get("content"), list) for p in m["content"]
-                 if p.get("type") in ("image", "video")]
+                 if p.get("type") in ("image", "video", "audio")]
         if not parts:
             return msgs
-        ok, why = conversation.supports_vision(self.engine)
-        if not ok:
-            raise ApiError(400, f"Images and video are not available: {why}.", param=parts[0]["param"])
+        seen = [p for p in parts if p["type"] != "audio"]
+        if seen:
+            ok, why = conversation.supports_vision(self.engine)
+            if not ok:
+                raise ApiError(400, f"Images and video are not available: {why}.", param=seen[0]["param"])
+        heard = [p for p in parts if p["type"] == "audio"]
+        if heard:
+            ok, why = conversation.supports_audio(self.engine)
+            if not ok:
+                raise ApiError(400, f"Audio is not available: {why}.", param=heard[0]["param"])
         if len(parts) > max_media():
-            raise ApiError(400, f"The request has {len(parts)} images/videos; at most {max_media()} are accepted "
+            what = "images/videos/audio clips" if heard else "images/videos"
+            raise ApiError(400, f"The request has {len(parts)} {what}; at most {max_media()} are accepted "
                                 f"in one request ({MAX_MEDIA_ENV}).", param="messages")
         for p in parts:
-            url, param = p.pop("url"), p.pop("param")
-            p["media"] = await asyncio.to_thread(media_fetch.resolve, url, p["type"], param, self.fetch_policy)
+            if "data" in p:  # input_audio: base64 bytes in the request
+                p["media"] = await asyncio.to_thread(media_fetch.from_base64, p.pop("data"), p["type"], p["param"],
+                                                     self.fetch_policy)
+            else:
+                p["media"] = await asyncio.to_thread(media_fetch.resolve, p.pop("url"), p["type"], p["param"],
+                                                     self.fetch_policy)
         return msgs
 
     def _precheck_messages(self, body: bytes) -> None:
@@ -615,6 +629,8 @@ FIELD_REFUSALS = (
 def refusal(e: Exception) -> ApiError:
     """The 400 for a request the request layer refused, naming the field where it is one."""
     message = str(e)
+    if getattr(e, "param", None):  # a media part's file (media_prompt.MediaPartError): its field path
+        return ApiError(400, message, param=e.param)
     for start, param, hint in FIELD_REFUSALS:
         if message.startswith(start):
             return ApiError(400, f"{message} {hint}".strip(), param=param)

@@ -25,8 +25,14 @@ from gemma4.model.sampling import TEMPERATURE_MAX, SamplingParams
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # what vLLM and OpenAI accept
 TEMPLATE_KWARGS = ("enable_thinking",)  # the chat_template_kwargs keys Gemma's template reads
 MM_PROCESSOR_KWARGS = ("max_soft_tokens",)  # vLLM's mm_processor_kwargs keys Gemma 4's processor reads
-# Content parts that carry media: OpenAI's image_url, vLLM's video_url → the request layer's part type.
-MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
+# Content parts that carry media: OpenAI's image_url, vLLM's video_url and audio_url → the request
+# layer's part type; OpenAI's input_audio (base64 bytes and a format) → "audio" too.
+MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+INPUT_AUDIO = "input_audio"
+# input_audio.format values accepted. The bytes decide how a clip is decoded (as an image_url's
+# declared type does not): a format that disagrees with them changes nothing. OpenAI's "pcm16"
+# (raw samples, no header) is refused: nothing in the bytes says their rate or channels.
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a")
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail: accepted, the budget is max_soft_tokens
 
 
@@ -324,9 +330,10 @@ def tools(req: ChatRequest) -> list[dict] | None:
 def messages(req: ChatRequest) -> list[dict]:
     """The conversation as plain OpenAI-style dicts for the request layer (`gemma4.serve.chat.render`
     folds system/developer messages into Gemma's one system turn). Content parts are text, or in
-    user messages image_url / video_url parts (see `media_parts`): such a message's
-    content is a list of {"type": "text", "text"} and {"type": "image" | "video", "url", "param",
-    "max_soft_tokens"?} parts, the URL still to be fetched (gemma4.web.media_fetch)."""
+    user messages image_url / video_url / audio_url / input_audio parts (see `media_parts`): such
+    a message's content is a list of {"type": "text", "text"} and {"type": "image" | "video" |
+    "audio", "url" (or an input_audio's base64 "data"), "param", "max_soft_tokens"?} parts, the
+    file still to be fetched or decoded (gemma4.web.media_fetch)."""
     if not req.messages:
         raise ApiError(400, "messages must hold at least one message.", param="messages")
     budget = max_soft_tokens(req)
@@ -334,7 +341,7 @@ def messages(req: ChatRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         if _has_media_parts(m.content):
             if m.role != "user":
-                raise ApiError(400, f"messages.{i}: images and video go in user messages, not in {m.role} ones.",
+                raise ApiError(400, f"messages.{i}: images, video and audio go in user messages, not in {m.role} ones.",
                                param=f"messages.{i}.content")
             out.append({"role": m.role, "content": media_parts(m.content, f"messages.{i}.content", budget)})
             continue
@@ -381,14 +388,17 @@ def max_soft_tokens(req: ChatRequest) -> int | None:
 
 
 def _has_media_parts(content: Any) -> bool:
-    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in MEDIA_PARTS for p in content)
+    return isinstance(content, list) and any(isinstance(p, dict) and (p.get("type") in MEDIA_PARTS
+                                                                       or p.get("type") == INPUT_AUDIO) for p in content)
 
 
 def media_parts(content: list[dict], where: str, budget: int | None) -> list[dict]:
-    """A content list with image_url / video_url parts as the request layer's parts, in order:
+    """A content list with media parts as the request layer's parts, in order:
     {"type": "image_url", "image_url": {"url": "data:…" | "https://…", "detail"?}} → {"type":
     "image", "url", "param"}; {"type": "video_url", "video_url": {"url"}} → {"type": "video", …};
-    text parts as they are. `budget` (mm_processor_kwargs.max_soft_tokens) goes on each media part."""
+    {"type": "audio_url", "audio_url": {"url"}} → {"type": "audio", …}; {"type": "input_audio",
+    "input_audio": {"data", "format"?}} → {"type": "audio", "data", "param"}; text parts as they
+    are. `budget` (mm_processor_kwargs.max_soft_tokens) goes on each image and video part."""
     out: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type")
@@ -399,9 +409,12 @@ def media_parts(content: list[dict], where: str, budget: int | None) -> list[dic
                                param=f"{here}.text")
             out.append({"type": "text", "text": part["text"]})
             continue
+        if kind == INPUT_AUDIO:
+            out.append(_input_audio(part, here))
+            continue
         if kind not in MEDIA_PARTS:
-            raise ApiError(400, f"{here}: content part type {kind!r} is not supported; send text, image_url "
-                                "or video_url parts.", param=here)
+            raise ApiError(400, f"{here}: content part type {kind!r} is not supported; send text, image_url, "
+                                "video_url, input_audio or audio_url parts.", param=here)
         body = part.get(kind)
         if isinstance(body, str):  # a bare URL string, as some clients send it
             body = {"url": body}
@@ -409,16 +422,41 @@ def media_parts(content: list[dict], where: str, budget: int | None) -> list[dic
         if not isinstance(body, dict) or not isinstance(body.get("url"), str) or not body["url"] or extra:
             raise ApiError(400, f"{here}: an {kind} part looks like {{\"type\": \"{kind}\", \"{kind}\": "
                                 f"{{\"url\": \"data:…\" or \"https://…\"}}}}, got {_short(part)}.", param=f"{here}.{kind}")
-        unknown = sorted(set(body) - {"url", "detail"})
+        unknown = sorted(set(body) - ({"url"} if kind == "audio_url" else {"url", "detail"}))
+        if kind == "audio_url" and unknown:
+            raise ApiError(400, f"{here}.{kind}: only 'url' is accepted, got {_short(body)}.", param=f"{here}.{kind}")
         if unknown or ("detail" in body and body["detail"] not in IMAGE_DETAILS):
             raise ApiError(400, f"{here}.{kind}: only 'url' and 'detail' ({'/'.join(IMAGE_DETAILS)}) are accepted, "
                                 f"got {_short(body)}; the soft-token budget is mm_processor_kwargs.max_soft_tokens.",
                            param=f"{here}.{kind}")
         media = {"type": MEDIA_PARTS[kind], "url": body["url"], "param": f"{here}.{kind}.url"}
-        if budget is not None:
+        if budget is not None and kind != "audio_url":  # a clip has no budget (25 soft tokens a second)
             media["max_soft_tokens"] = budget
         out.append(media)
     return out
+
+
+def _input_audio(part: dict, here: str) -> dict:
+    """OpenAI's {"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}} → the
+    request layer's {"type": "audio", "data", "param"} (decoded by gemma4.web.media_fetch)."""
+    body = part.get(INPUT_AUDIO)
+    shape = (f"{here}: an input_audio part looks like {{\"type\": \"input_audio\", \"input_audio\": "
+             f"{{\"data\": \"<base64>\", \"format\": \"wav\"}}}}, got {_short(part)}.")
+    if not isinstance(body, dict) or set(part) - {"type", INPUT_AUDIO}:
+        raise ApiError(400, shape, param=f"{here}.{INPUT_AUDIO}")
+    unknown = sorted(set(body) - {"data", "format"})
+    if unknown:
+        raise ApiError(400, f"{here}.{INPUT_AUDIO}: only 'data' and 'format' are accepted, got {_short(body)}.",
+                       param=f"{here}.{INPUT_AUDIO}")
+    if not isinstance(body.get("data"), str):
+        raise ApiError(400, shape, param=f"{here}.{INPUT_AUDIO}.data")
+    fmt = body.get("format")
+    if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in AUDIO_FORMATS):
+        why = (" (raw samples: nothing says their rate; send a WAV)" if isinstance(fmt, str) and fmt.lower() == "pcm16"
+               else "")
+        raise ApiError(400, f"{here}.{INPUT_AUDIO}.format must be one of {list(AUDIO_FORMATS)}, got {_short(fmt)}"
+                            f"{why}; the file's own bytes say how it is decoded.", param=f"{here}.{INPUT_AUDIO}.format")
+    return {"type": "audio", "data": body["data"], "param": f"{here}.{INPUT_AUDIO}.data"}
 
 
 def _text(content: str | list[dict] | None, where: str) -> str | None:
@@ -433,8 +471,8 @@ def _text(content: str | list[dict] | None, where: str) -> str | None:
                            param=f"{where}.{j}.text")
         if kind != "text":
             raise ApiError(400, f"{where}.{j}: content part type {kind!r} is not supported; parts must be "
-                                "{\"type\": \"text\", \"text\": ...}, or image_url / video_url in a user "
-                                "message.", param=f"{where}.{j}")
+                                "{\"type\": \"text\", \"text\": ...}, or image_url / video_url / input_audio / "
+                                "audio_url in a user message.", param=f"{where}.{j}")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -1,4 +1,5 @@
-"""The media of an API request: image_url / video_url → `MediaItem` (gemma4.media.files).
+"""The media of an API request: image_url / video_url / audio_url → `MediaItem` (gemma4.media.files),
+and input_audio's base64 data (`from_base64`).
 
 A `data:` URI is decoded in place. An http(s) URL is fetched by the server, with a byte limit
 (the media kind's, `MediaLimits`: the body is read no further than it) and a time limit for the
@@ -22,7 +23,8 @@ import urllib.parse
 import urllib.request
 
 from gemma4.env import env_bool, env_float
-from gemma4.media.files import MediaError, MediaItem, MediaLimits, media_from_bytes, media_from_data_uri
+from gemma4.media.files import (MediaError, MediaItem, MediaLimits, media_from_base64, media_from_bytes,
+                                media_from_data_uri)
 from gemma4.web.api_schema import ApiError
 
 FETCH_ENV = "GEMMA4_FETCH_URLS"
@@ -61,6 +63,15 @@ def resolve(url: str, kind: str, param: str, policy: FetchPolicy) -> MediaItem:
     except MediaError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None
     return item
+
+
+def from_base64(data: str, kind: str, param: str, policy: FetchPolicy) -> MediaItem:
+    """The MediaItem of base64 bytes sent in the request (OpenAI's input_audio.data), within the
+    kind's byte limit; the kind is sniffed from the bytes (a declared format is not trusted)."""
+    try:
+        return media_from_base64(data, kind=kind, limits=policy.limits)
+    except MediaError as e:
+        raise ApiError(400, f"{param}: {e}", param=param) from None
 
 
 def _name_of(url: str) -> str:
