@@ -98,7 +98,8 @@ def _write_checkpoint(cfg, folder: str) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from gemma4.weights.checkpoint import _GLOBAL_NAMES, _LAYER_NAMES, _VISION_GLOBAL_NAMES, _VISION_LAYER_NAMES
+    from gemma4.weights.checkpoint import (_AUDIO_GLOBAL_NAMES, _AUDIO_LAYER_NAMES, _GLOBAL_NAMES, _LAYER_NAMES,
+                                           _VISION_GLOBAL_NAMES, _VISION_LAYER_NAMES)
     from gemma4.model.config import to_hf_config
     from gemma4.model.params import iter_specs, param_specs
     from gemma4.weights.random_init import random_params
@@ -107,6 +108,8 @@ def _write_checkpoint(cfg, folder: str) -> None:
     layer = {v: k for k, v in _LAYER_NAMES.items()}
     vision_glob = {v: k for k, v in _VISION_GLOBAL_NAMES.items()}
     vision_layer = {v: k for k, v in _VISION_LAYER_NAMES.items()}
+    audio_glob = {v: k for k, v in _AUDIO_GLOBAL_NAMES.items()}
+    audio_layer = {v: k for k, v in _AUDIO_LAYER_NAMES.items()}
     params = random_params(cfg)
     state = {}
     for path, _ in iter_specs(param_specs(cfg)):
@@ -116,6 +119,11 @@ def _write_checkpoint(cfg, folder: str) -> None:
         if path[0] == "vision":  # the tower, in the Hub's names (full keys)
             key = (vision_glob[path[1:]] if path[1] != "layers"
                    else f"model.vision_tower.encoder.layers.{path[2]}.{vision_layer[path[3:]]}")
+            state[key] = np.asarray(leaf)
+            continue
+        if path[0] == "audio":  # the audio tower, likewise
+            key = (audio_glob[path[1:]] if path[1] != "layers"
+                   else f"model.audio_tower.layers.{path[2]}.{audio_layer[path[3:]]}")
             state[key] = np.asarray(leaf)
             continue
         name = glob[path] if path[0] != "layers" else f"layers.{path[1]}.{layer[path[2]]}"

@@ -135,8 +135,10 @@ def test_quantize_params_kinds(tiny_e2b):
     assert layer["attn_norm"] is params["layers"][0]["attn_norm"]  # norms untouched
     assert layer["layer_scalar"] is params["layers"][0]["layer_scalar"]
     assert q["vision"]["layers"][0]["q"] is params["vision"]["layers"][0]["q"]  # the tower stays float (policy)
-    sizes = quant.quantized_bytes({k: v for k, v in q.items() if k != "vision"})
-    assert sizes["total"] < P.count_bytes({k: v for k, v in params.items() if k != "vision"}) / 5
+    assert q["audio"]["layers"][0]["ffn1_up"] is params["audio"]["layers"][0]["ffn1_up"]  # so does the audio tower
+    towers = ("vision", "audio")
+    sizes = quant.quantized_bytes({k: v for k, v in q.items() if k not in towers})
+    assert sizes["total"] < P.count_bytes({k: v for k, v in params.items() if k not in towers}) / 5
     mixed = quantize_params(params, cfg, "int4", group_size=32, embed_mode="int8")
     assert isinstance(mixed["embed"], quant.QuantArray) and isinstance(mixed["layers"][0]["q"], quant.Int4Array)
     assert quantize_params(q, cfg, "int8")["layers"][0]["q"] is layer["q"]  # already quantized: kept

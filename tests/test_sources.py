@@ -236,6 +236,7 @@ def test_load_random_with_plan_quantizes_at_load():
     cfg, params, _ = sources.load(sources.resolve("random:tiny-e2b"), jnp.float32, quantize={"mode": "int8"})
     assert isinstance(params["embed"], quant.QuantArray) and isinstance(params["ple"]["embed"], quant.QuantArray)
     assert params["ple"]["embed"].group_size is None  # per-row int8: take_rows gathers rows of it
-    text = {k: v for k, v in params.items() if k != "vision"}
+    text = {k: v for k, v in params.items() if k not in ("vision", "audio")}
     assert all(quant.is_quantized(x) or x.ndim == 1 for x in _leaves(text))
     assert not any(quant.is_quantized(x) for x in _leaves(params["vision"]))  # the tower stays float (policy)
+    assert not any(quant.is_quantized(x) for x in _leaves(params["audio"]))  # so does the audio tower
