@@ -107,7 +107,7 @@ class MediaSupport:
                   else f"🚫 No image or video upload: {html.escape(self.vision_reason)}")
         audio = (f"🔊 {AUDIO_INFO}" if self.audio
                  else f"🔇 No audio: {html.escape(self.audio_reason)}")
-        return f"{audio} {vision}" if self.audio else f"{vision} {audio}"
+        return f"{audio}  \n{vision}" if self.audio else f"{vision}  \n{audio}"  # a line each
 
 
 def guess_is_base(model: str) -> bool:
