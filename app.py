@@ -23,19 +23,17 @@ import gradio as gr
 
 from gemma4.serve import distributed_flags
 from gemma4.ui.chat_controls import (
+    AUDIO_EXAMPLE_TEXT,
     EXAMPLE_IMAGE,
     IMAGE_EXAMPLE_TEXT,
     IMAGE_TOKEN_CHOICES,
     IMAGE_TOKENS_DEFAULT,
     IMAGE_TOKENS_INFO,
-    MEDIA_FILE_TYPES,
-    MEDIA_PLACEHOLDER,
     PENALTY_RANGE,
     SEED_RANDOM,
-    TEXT_PLACEHOLDER,
     THINK_INFO,
     TOP_P_RANGE,
-    media_note_md,
+    example_audio,
     plot_frame,
 )
 from gemma4.ui.panels import context_meter_html, model_banner_html, queue_html, session_summary_md, status_html
@@ -85,7 +83,12 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         else [[e, "chat"] for e in CHAT_EXAMPLES] + [[e, "completion"] for e in COMPLETION_EXAMPLES]
     )
     engine_events = dict(concurrency_limit=settings.max_users, concurrency_id="engine")
-    media_ok, media_why = app.media_support()  # known once the model is ready; tick() updates it
+    media = app.support()  # the towers: known once the model is ready; tick() updates the box
+    # The examples' files are served where they lie: an example built hidden and shown by tick()
+    # once the model is known is processed after launch, when Gradio moves only files from the
+    # working directory or the temp folder (the speech clip lies in the gradio package).
+    clip = example_audio()
+    gr.set_static_paths([str(EXAMPLE_IMAGE), *([clip] if clip else [])])
 
     with gr.Blocks(title="Gemma in pure JAX") as demo:
         gr.Markdown("## 💎 Gemma 4 / Gemma 3 in pure JAX — live speed and quality per reply")
@@ -104,20 +107,20 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                 )
                 with gr.Row():
                     # Text, plus images and videos (📎, drag and drop, paste) where the model has
-                    # a vision tower; with no source at all the box takes text only. Pasted
-                    # text stays text (Gradio turns a long paste into a .txt file otherwise).
+                    # a vision tower, audio files and 🎙 recordings where it has an audio tower;
+                    # with no source at all the box takes text only. Pasted text stays text
+                    # (Gradio turns a long paste into a .txt file otherwise).
                     msg = gr.MultimodalTextbox(
                         label="Message", show_label=False, scale=8, lines=1, max_lines=8,
-                        placeholder=MEDIA_PLACEHOLDER if media_ok else TEXT_PLACEHOLDER,
-                        elem_id="msg", autofocus=True, file_types=MEDIA_FILE_TYPES,
-                        file_count="multiple", sources=["upload"] if media_ok else [],
-                        submit_btn=False, max_plain_text_length=10**9)
+                        placeholder=media.placeholder(), elem_id="msg", autofocus=True,
+                        file_types=media.file_types(), file_count="multiple",
+                        sources=media.sources(), submit_btn=False, max_plain_text_length=10**9)
                     send_btn = gr.Button("Send", variant="primary", scale=1, min_width=100,
                                          elem_id="send")
                     stop_btn = gr.Button("⏹ Stop", variant="stop", scale=1, min_width=100,
                                          elem_id="stop")
                     clear_btn = gr.Button("🗑 Clear", scale=1, min_width=100, elem_id="clear")
-                media_note = gr.Markdown(media_note_md(media_ok, media_why), elem_id="media-note")
+                media_note = gr.Markdown(media.note_md(), elem_id="media-note")
                 with gr.Row():
                     context_meter = gr.HTML(context_meter_html(None, None))
                     queue_box = gr.HTML(queue_html(None))
@@ -126,13 +129,22 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                 info="completion: the model continues your latest message as raw "
                                      "text (suits base models); chat: the whole conversation goes "
                                      "through the chat template.")
-                gr.Examples(examples=examples, inputs=[msg, mode], cache_examples=False,
-                            label="Examples (click one, then press Enter)")
+                text_examples = gr.Examples(examples=examples, inputs=[msg, mode],
+                                            cache_examples=False,
+                                            label="Examples (click one, then press Enter)")
                 # Offered only where the model reads images (tick() shows it once it knows).
                 image_example = gr.Examples(
                     examples=[[{"text": IMAGE_EXAMPLE_TEXT, "files": [str(EXAMPLE_IMAGE)]}, "chat"]],
-                    inputs=[msg, mode], cache_examples=False, visible=media_ok,
+                    inputs=[msg, mode], cache_examples=False, visible=media.vision,
                     label="Example with a picture (drawn for this demo)")
+                # Offered only where the model hears (the line under the box says why not);
+                # the clip is read from the installed gradio package (chat_controls).
+                audio_example = gr.Examples(
+                    examples=[[{"text": AUDIO_EXAMPLE_TEXT, "files": [clip] if clip else []},
+                               "chat"]],
+                    inputs=[msg, mode], cache_examples=False,
+                    visible=media.audio_example() is not None,
+                    label="Example with speech (a clip that ships with Gradio)")
             with gr.Column(scale=2):
                 gr.Markdown("### This reply")
                 reply_panel = gr.HTML(empty_reply_panel_html(), elem_id="reply-panel")
@@ -146,7 +158,7 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
                                             placeholder="You are a helpful assistant.")
                         image_tokens = gr.Radio(IMAGE_TOKEN_CHOICES, value=IMAGE_TOKENS_DEFAULT,
                                                 label="Image detail (soft tokens per image)",
-                                                info=IMAGE_TOKENS_INFO, visible=media_ok,
+                                                info=IMAGE_TOKENS_INFO, visible=media.vision,
                                                 elem_id="image-tokens")
                         temperature = gr.Slider(0.0, app.temperature_max, value=d["temperature"],
                                                 step=0.05, label="Temperature (0 = greedy)",
@@ -223,9 +235,14 @@ def build_demo(engine: Any, settings: Settings | None = None) -> gr.Blocks:
         system.blur(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
         image_tokens.change(app.context_meter, after_inputs, [context_meter], queue=False, **hidden)
 
+        # Gradio's example click puts back the message box's props as they were at build time
+        # (no upload while the model was loading): the towers' box follows each click.
+        for ex in (text_examples, image_example, audio_example):
+            ex.load_input_event.then(app.box_update, None, [msg], queue=False, **hidden)
+
         tick_outputs = [status_box, banner, queue_box, mode, temperature, top_p, top_k, max_new,
                         rep_pen, context_meter, think, msg, media_note, image_example.dataset,
-                        image_tokens, seen]
+                        image_tokens, audio_example.dataset, seen]
         gr.Timer(1.0).tick(app.tick, [seen], tick_outputs, queue=False, show_progress="hidden",
                            **hidden)
         gr.Timer(5.0).tick(app.hardware_panel, None, [hw_md, mem_md], queue=False,

@@ -19,7 +19,7 @@ import pytest
 import app
 from gemma4.media.files import MediaError
 from gemma4.ui.demo import DemoApp
-from gemma4.ui.chat_controls import EXAMPLE_IMAGE, guess_is_base
+from gemma4.ui.chat_controls import EXAMPLE_AUDIO_NAME, EXAMPLE_IMAGE, MediaSupport, example_audio, guess_is_base
 from gemma4.ui.handlers import ChatHandlers
 from gemma4.ui.media_parts import read_textbox, user_content
 from gemma4.web.settings import Settings, parse_settings
@@ -49,6 +49,7 @@ from gemma4.ui.reply import (
     stats_title,
     strip_trailing_assistant,
 )
+from tests.audio_files import tone_wav
 from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -247,6 +248,137 @@ def test_reply_panel_media_rows():
     assert "media-row" not in reply_panel_html({"prefill_tokens": 9}, {}, done=True)
     details = stats_message({"media": media[:1]}, {}, done=True)["content"]
     assert "scene.png: 280 soft tokens" in details
+
+
+# --------------------------------------------------------------------------- audio in the chat
+
+
+@pytest.fixture
+def audio_file(tmp_path):
+    """A recording as the 🎙 button uploads it (Gradio names it audio.wav)."""
+    return tone_wav(tmp_path / "audio.wav")
+
+
+def test_audio_history_to_request_parts(audio_file, media_files):
+    """Audio files are audio parts, as images are image parts: in chat mode before the text, in
+    completion mode with an <|audio|> marker in front of a text that has none; the kind comes
+    from the bytes; retry, undo and edit keep the clip with its turn."""
+    picture = media_files[0]
+    history = [{"role": "user", "content": user_content("What is said?", [audio_file])},
+               {"role": "assistant", "content": "A tone."},
+               {"role": "user", "content": [{"type": "text", "text": "And here? "},
+                                            gradio_file(audio_file, "audio/wav"),
+                                            gradio_file(picture, "image/png")]}]
+    msgs = history_to_messages(history)
+    first, last = msgs[0]["content"], msgs[2]["content"]
+    assert [p["type"] for p in first] == ["audio", "text"]
+    assert (first[0]["media"].kind, first[0]["media"].name) == ("audio", "audio.wav")
+    assert [p["type"] for p in last] == ["audio", "image", "text"]
+    assert history_to_messages(history, image_tokens=70)[2]["content"][0].keys() == {"type", "media"}
+    text, media = last_user_completion(history)
+    assert text == "<|audio|><|image|>And here? " and [p["type"] for p in media] == ["audio", "image"]
+    marked = {"role": "user", "content": ["Transcribe <|audio|> please:", {"path": audio_file}]}
+    assert last_user_completion([marked])[0] == "Transcribe <|audio|> please:"
+    handler = ChatHandlers(engine=None, settings=Settings())  # these steps never touch the engine
+    done = [*history, *reply_messages("Hello.", {}, {}, done=True, finish_reason="stop")]
+    assert handler.retry(done) == history
+    rest, box = handler.undo(done)
+    assert rest == history[:2] and box == {"text": "And here? ", "files": [audio_file, picture]}
+    edited = handler.edit(history, gr.EditData(None, {"index": 0, "value": "Transcribe it.",
+                                                      "previous_value": "What is said?"}))
+    assert edited == [{"role": "user", "content": ["Transcribe it.", {"path": audio_file}]}]
+
+
+def test_transcription_example_is_speech_from_gradio():
+    """The example clip is read from the installed gradio package (not a copy in this repo) and
+    is audio by its bytes."""
+    from gemma4.media.files import media_from_path
+
+    clip = example_audio()
+    assert clip and pathlib.Path(clip).name == EXAMPLE_AUDIO_NAME
+    assert pathlib.Path(gr.__file__).parent in pathlib.Path(clip).parents
+    assert not list(ROOT.glob(f"**/{EXAMPLE_AUDIO_NAME}"))  # not copied into the repo
+    item = media_from_path(clip)
+    assert item.kind == "audio" and item.name == EXAMPLE_AUDIO_NAME
+    assert MediaSupport(True, audio=True).audio_example() == clip
+    assert MediaSupport(True, audio=False, audio_reason="no tower").audio_example() is None
+
+
+def test_message_box_follows_the_towers():
+    """The upload, the microphone, the file types, the placeholder and the line under the box
+    for each pair of towers; a missing tower's reason is shown (escaped)."""
+    both = MediaSupport(True, "", True, "")
+    assert both.sources() == ["upload", "microphone"]
+    assert {"image", "video", "audio", ".m4a"} <= set(both.file_types())
+    assert "record" in both.placeholder() and "images" in both.placeholder()
+    assert both.note_md().startswith("🖼 🔊") and "30 s" in both.note_md()
+    deaf = MediaSupport(True, "", False, "gemma-4-31B has no audio tower; audio needs E2B or E4B")
+    assert deaf.sources() == ["upload"] and "audio" not in deaf.file_types()
+    assert "record" not in deaf.placeholder()
+    assert deaf.note_md().startswith("🖼 ") and "🔇 No audio: gemma-4-31B has no audio tower" in deaf.note_md()
+    text = MediaSupport(False, "Gemma 3 <270M> reads text", False, "Gemma 3 has no audio tower")
+    assert text.sources() == [] and text.placeholder() == "Type a message and press Enter"
+    assert "No image or video upload: Gemma 3 &lt;270M&gt; reads text" in text.note_md()
+    assert "🔇 No audio: Gemma 3 has no audio tower" in text.note_md()
+    ears = MediaSupport(False, "no vision tower", True, "")
+    assert ears.sources() == ["upload", "microphone"] and "image" not in ears.file_types()
+    assert ears.note_md().startswith("🔊") and "No image or video upload" in ears.note_md()
+
+
+def test_each_kind_is_checked_against_its_own_tower(audio_file, media_files):
+    """A model with a vision tower but none for audio (a 31B, or E2B with GEMMA4_AUDIO=off) takes
+    the picture and refuses the clip, naming it, with the request layer's reason; the message
+    stays in the box; a model that hears but cannot see the other way round."""
+    import types
+
+    picture = media_files[0]
+
+    class ReadyEngine:  # what ChatHandlers asks of an engine before any request
+        def status(self):
+            return {"state": "ready"}
+
+        def info(self):
+            return {"is_base_model": False}
+
+    def handler_for(vision, audio):
+        handler = ChatHandlers(ReadyEngine(), Settings())
+        handler.conversation = types.SimpleNamespace(supports_vision=lambda engine: vision,
+                                                     supports_audio=lambda engine: audio)
+        return handler
+
+    deaf = handler_for((True, ""), (False, "gemma-4-31B has no audio tower; audio needs Gemma 4 E2B or E4B"))
+    _, history = deaf.add_user_message({"text": "What is it?", "files": [picture]}, [])
+    assert history == [{"role": "user", "content": ["What is it?", {"path": picture}]}]
+    sent = {"text": "And this?", "files": [picture, audio_file]}
+    with pytest.warns(UserWarning, match=r"'audio\.wav' cannot be used: gemma-4-31B has no audio tower"):
+        update, history = deaf.add_user_message(sent, [])
+    assert history == [] and update["value"] == sent
+    assert deaf.media_updates()[0]["sources"] == ["upload"]
+    blind = handler_for((False, "no vision tower"), (True, ""))
+    with pytest.warns(UserWarning, match=r"'example_scene\.png' cannot be used: no vision tower"):
+        blind.add_user_message(sent, [])
+    _, history = blind.add_user_message({"text": "", "files": [audio_file]}, [])
+    assert history == [{"role": "user", "content": [{"path": audio_file}]}]
+
+
+def test_reply_panel_audio_rows():
+    """A clip's row gives its length, soft tokens, encode time and what was done to it."""
+    media = [{"kind": "audio", "name": "talk.mp3", "soft_tokens": 198, "encode_s": 0.4213,
+              "cached": False, "seconds": 7.884, "notes": ["resampled from 32,000 Hz to 16 kHz", "2 channels mixed to mono"]},
+             {"kind": "audio", "name": "audio.wav", "soft_tokens": 750, "encode_s": 0.0,
+              "cached": True, "seconds": 30.0,
+              "notes": ["'audio.wav' is 45.0 s long; the model hears the first 30 s"]},
+             {"kind": "image", "name": "scene.png", "soft_tokens": 280, "encode_s": 0.8412,
+              "cached": False}]
+    panel = reply_panel_html({"media": media}, {}, done=True, finish_reason="stop")
+    rows = re.findall(r'<div class="media-row">(.*?)</div>', panel)
+    assert rows == [
+        "🔊 talk.mp3 (7.9 s): 198 soft tokens · encoded in 0.42 s · resampled from 32,000 Hz to"
+        " 16 kHz · 2 channels mixed to mono",
+        "🔊 audio.wav (30.0 s): 750 soft tokens · cached, not re-encoded · &#x27;audio.wav&#x27; is"
+        " 45.0 s long; the model hears the first 30 s",
+        "🖼 scene.png: 280 soft tokens · encoded in 0.84 s"]
+    assert "talk.mp3 (7.9 s): 198 soft tokens" in stats_message({"media": media}, {}, done=True)["content"]
 
 
 def test_stats_title_and_messages():
@@ -486,23 +618,35 @@ def test_bad_inputs_get_friendly_messages(served, engine):
     assert engine.queue_state()["active"] == 0
 
 
-def test_text_only_model_has_no_upload(engine, media_files):
-    """The shared tiny Gemma 3 has no vision tower: the box takes no files (no upload source, so
-    no 📎, drop or paste), the line under it and the warning say why, the picture example is
-    hidden; a file sent anyway (a program calling /add_message) stays in the box."""
+def test_text_only_model_has_no_upload(engine, media_files, audio_file):
+    """The shared tiny Gemma 3 has no vision tower and no audio tower: the box takes no files (no
+    upload source, so no 📎, drop or paste, and no microphone), the line under it and the warning
+    say why, the picture and speech examples are hidden; a file sent anyway (a program calling
+    /add_message) stays in the box, with the text."""
     picture, _, bogus = media_files
     settings = Settings(model=TINY_MODEL, max_users=TINY_ENGINE["max_batch"],
                         context=TINY_ENGINE["context_limit"])
     handler = DemoApp(engine, settings)
     ok, why = handler.media_support()
     assert not ok and why
-    box, note, example, detail = handler.media_updates()
+    hears, deaf_why = handler.audio_support()
+    assert not hears and "audio" in deaf_why
+    box, note, example, detail, speech = handler.media_updates()
     assert box["sources"] == [] and "drop" not in box["placeholder"]
-    assert note.startswith("🚫") and html.escape(why) in note
-    assert example["visible"] is False and detail["visible"] is False
+    assert note.startswith("🚫") and html.escape(why) in note and html.escape(deaf_why) in note
+    assert example["visible"] is False and detail["visible"] is False and speech["visible"] is False
+    # audio to a model that cannot hear: refused with the reason, the message stays in the box
+    sent = {"text": "Transcribe this.", "files": [audio_file]}
+    with pytest.warns(UserWarning, match=r"Nothing was sent: 'audio.wav' cannot be used: .*audio"):
+        update, history = handler.add_user_message(sent, [])
+    assert history == [] and update["value"] == sent
     demo = app.build_demo(engine, settings)  # ready at build time: built without an upload
     boxes = [b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "msg"]
     assert len(boxes) == 1 and boxes[0].sources == [] and boxes[0].file_count == "multiple"
+    # the hidden examples' files are static: tick() may show them after launch without a copy
+    from gradio.utils import is_static_file
+
+    assert is_static_file(str(EXAMPLE_IMAGE)) and is_static_file(example_audio())
     sent = {"text": "What is this?", "files": [picture]}
     with pytest.warns(UserWarning, match="Nothing was sent"):
         update, history = handler.add_user_message(sent, [])
@@ -525,10 +669,10 @@ def test_image_turn_reply_panel_and_cache(media_files):
     engine = tiny_gemma4()
     handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
                                        context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
-    assert handler.media_support() == (True, "")
-    box, note, example, detail = handler.media_updates()
-    assert box["sources"] == ["upload"] and note.startswith("🖼")
-    assert example["visible"] is True and detail["visible"] is True
+    assert handler.media_support() == (True, "") and handler.audio_support() == (True, "")
+    box, note, example, detail, speech = handler.media_updates()
+    assert box["sources"] == ["upload", "microphone"] and note.startswith("🖼")
+    assert example["visible"] is True and detail["visible"] is True and speech["visible"] is True
     update, history = handler.add_user_message({"text": "What is this?", "files": [picture]}, [])
     assert history == [{"role": "user", "content": ["What is this?", {"path": picture}]}]
 
@@ -566,6 +710,53 @@ def test_image_turn_reply_panel_and_cache(media_files):
                                "chat", 0.0, 0.95, 64, 16, 0, 1.0, {"replies": []}))
     notice = out[-1][0][-1]
     assert is_notice(notice) and "notes.png" in message_text(notice["content"])
+
+
+def test_audio_turn_reply_panel_and_cache(audio_file):
+    """The chat handler with the tiny random Gemma 4 and its audio tower (reply scripted): a
+    recording is answered, This reply's row gives its length, soft tokens (as many as
+    gemma4.media.audio makes of it) and encode time; a follow-up re-sends it from the history and
+    the row says it was cached; the transcription example's clip (32 kHz MP3) says it was
+    resampled; completion mode takes the clip too, and the context meter counts its soft tokens."""
+    from gemma4.media.audio import audio_features, decode_audio
+    from tests.scripted import TINY_GEMMA4, scripted, tiny_gemma4
+
+    engine = tiny_gemma4()
+    handler = DemoApp(engine, Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
+                                       context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=64))
+    assert handler.audio_support() == (True, "")
+    update, history = handler.add_user_message({"text": "Transcribe this.", "files": [audio_file]}, [])
+    assert history == [{"role": "user", "content": ["Transcribe this.", {"path": audio_file}]}]
+
+    def answer(history, script, mode="chat"):
+        with scripted(engine, script) as sc:
+            out = list(handler.respond(history, "", mode, 0.0, 0.95, 64, 16, 0, 1.0,
+                                       {"replies": []}, False, None))
+        assert sc.used == 1, out[-1][0][-1]
+        history, panel, session = out[-1]
+        return history, re.findall(r'<div class="media-row">(.*?)</div>', panel), session
+
+    expected = audio_features(decode_audio(pathlib.Path(audio_file).read_bytes()).samples).num_soft_tokens
+    history, rows, session = answer(history, "A tone.<turn|>")
+    assert message_text(history[-2]["content"]) == "A tone."
+    assert len(rows) == 1 and re.fullmatch(
+        rf"🔊 audio\.wav \(1\.0 s\): {expected} soft tokens · encoded in [\d.]+ s"
+        r"( \(incl\. compiling the tower\))?", rows[0]), rows
+    assert session["replies"][-1]["stats"]["media"][0]["kind"] == "audio"
+    history.append({"role": "user", "content": "Louder?"})
+    history, rows, _ = answer(history, "No.<turn|>")
+    assert rows == [f"🔊 audio.wav (1.0 s): {expected} soft tokens · cached, not re-encoded"]
+    meter = handler.context_meter(history, "", "chat", {})
+    used = int(re.search(r"</b> ([\d,]+) /", meter).group(1).replace(",", ""))
+    assert used > expected, meter
+    _, rows, _ = answer([{"role": "user", "content": user_content("Heard:", [audio_file])}],
+                        "a tone", mode="completion")
+    assert rows == [f"🔊 audio.wav (1.0 s): {expected} soft tokens · cached, not re-encoded"]
+    speech = example_audio()
+    _, rows, _ = answer([{"role": "user", "content": user_content("Transcribe this audio clip.",
+                                                                  [speech])}], "Hello.<turn|>")
+    assert len(rows) == 1 and rows[0].startswith(f"🔊 {EXAMPLE_AUDIO_NAME} (7.9 s): ") and (
+        "resampled from 32,000 Hz to 16 kHz" in rows[0]), rows
 
 
 def test_message_sent_while_loading_waits_and_says_so():
@@ -665,10 +856,10 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_generate_api_takes_images_as_data_uris(served):
-    """/generate with files: on a Gemma 4 with a tower the image goes where <|image|> stands (or
-    in front) and the stats list it; on this Gemma 3 (no tower) a clear error, and a bad data URI
-    is named."""
+def test_generate_api_takes_images_as_data_uris(served, tmp_path):
+    """/generate with files: on a Gemma 4 with its towers the image goes where <|image|> stands (or
+    in front), an audio clip after it, and the stats list them; on this Gemma 3 (no tower) a clear error, and a bad data URI
+    is named; audio the same way."""
     import base64
 
     from gradio_client import Client
@@ -680,6 +871,10 @@ def test_generate_api_takes_images_as_data_uris(served):
     _, client = served
     with pytest.raises(Exception, match="no vision tower"):
         client.predict("What is it?", images=[uri], mode="chat", api_name="/generate")
+    wav = "data:audio/wav;base64," + base64.b64encode(
+        pathlib.Path(tone_wav(tmp_path / "tone.wav", seconds=0.5)).read_bytes()).decode()
+    with pytest.raises(Exception, match="no audio tower; audio needs Gemma 4 E2B or E4B"):
+        client.predict("What is said?", audio=[wav], mode="chat", api_name="/generate")
     eng = tiny_gemma4()
     settings = Settings(model="random:tiny-e2b", max_users=eng.max_batch, max_new_tokens_cap=64,
                         context=eng.context_limit)
@@ -692,5 +887,11 @@ def test_generate_api_takes_images_as_data_uris(served):
         assert out["done"] and [m["kind"] for m in out["stats"]["media"]] == ["image"]
         with pytest.raises(Exception, match="image 1' has no ','"):
             g4.predict("<|image|> and?", images=["data:image/png;base64"], mode="chat", api_name="/generate")
+        # audio too: a clip in front of a prompt without markers, after the picture
+        out = g4.predict("Both?", max_new_tokens=3, temperature=0.0, mode="chat", images=[uri],
+                         audio=[wav], api_name="/generate")
+        assert [(m["kind"], m["name"]) for m in out["stats"]["media"]] == [("image", "image 1"),
+                                                                           ("audio", "audio 1")]
+        assert out["stats"]["media"][1]["seconds"] == 0.5
     finally:
         demo.close()

@@ -3,7 +3,8 @@
 Type a message, press Enter, watch the reply stream and the stats panel fill in, press Stop
 mid-reply, and check a screenshot is not blank; with a tiny random Gemma 4 whose reply is
 scripted (tests/scripted.py), turn Think on and open and close the reply's thought block, and
-attach a picture and see its thumbnail, the reply and This reply's Media row. With GEMMA4_SAVE_SCREENSHOTS=1 the screenshots
+attach a picture and see its thumbnail, the reply and This reply's Media row, and attach a WAV
+and record from Chromium's fake microphone and see the players and the clips' rows. With GEMMA4_SAVE_SCREENSHOTS=1 the screenshots
 are written to docs/screenshots/ (for the README); GEMMA4_TEST_BROWSER_MODEL picks the model
 (the bundled Gemma 3 270M by default: its text really grows while streaming, whereas a random
 model's greedy output may loop on pieces that decode to nothing).
@@ -27,6 +28,9 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    # a fake microphone (it beeps), granted without a prompt: only a page that asks for the
+    # microphone sees it (the audio test's 🎙 recording)
+    "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
 ]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("GEMMA4_TEST_BROWSER_MODEL", "bundled")  # real text: a random model may emit pieces that decode to nothing
@@ -314,5 +318,72 @@ def test_image_upload_reply_and_media_row(served_gemma4, browser, tmp_path):
         sync_api.expect(page.locator("#chatbot")).to_contain_text("The sky is blue.")
         sync_api.expect(row).to_contain_text(
             re.compile(r"example_scene\.png: \d+ soft tokens · cached, not re-encoded"))
+    assert script.used == 2
+    page.close()
+
+
+# --------------------------------------------------------------------------- audio (Gemma 4)
+
+TONE_REPLY = "A steady tone.<turn|>"
+MIC_REPLY = "A beep, once a second.<turn|>"
+
+
+def test_audio_upload_microphone_reply_and_media_rows(served_gemma4, browser, tmp_path):
+    """Attach a WAV to a chat message against the tiny random Gemma 4 with its audio tower: the
+    box shows it, the history shows a player, the reply arrives and This reply's row gives the
+    clip's length, soft tokens and encode time; then record from Chromium's fake microphone
+    (🎙, start, stop, attach): a second player, and the rows of both clips (the first cached)."""
+    from gemma4.serve.media_cache import shared_cache
+    from tests.audio_files import tone_wav
+    from tests.scripted import scripted
+
+    url, engine = served_gemma4
+    shared_cache().clear()  # process-wide: tests/test_app.py may have encoded this clip already
+    tone = tone_wav(tmp_path / "tone.wav", seconds=2.0)
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(url)
+    sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
+    sync_api.expect(page.locator("#media-note")).to_contain_text("audio")
+    page.get_by_role("radio", name="chat").check()
+    upload = page.locator("#msg input[type='file']")
+    sync_api.expect(upload).to_have_count(1)
+    upload.set_input_files(tone)
+    sync_api.expect(page.locator("#msg .thumbnail-wrapper")).to_have_count(1, timeout=30_000)
+    box = page.locator("#msg textarea")
+    panel = page.locator("#reply-stats")
+    players = page.locator("#chatbot .user-row [data-testid='waveform-Audio']")
+    rows = panel.locator(".media-row")
+    with scripted(engine, TONE_REPLY, MIC_REPLY) as script:
+        box.fill("What do you hear?")
+        box.press("Enter")
+        sync_api.expect(box).not_to_be_editable()
+        sync_api.expect(box).to_be_editable(timeout=300_000)  # the reply is done
+        sync_api.expect(page.locator("#chatbot")).to_contain_text("A steady tone.")
+        sync_api.expect(players).to_have_count(1)
+        sync_api.expect(rows).to_have_count(1)
+        sync_api.expect(rows).to_contain_text(
+            re.compile(r"🔊 tone\.wav \(2\.0 s\): \d+ soft tokens · encoded in [\d.]+ s"))
+        png = _shot_dir(tmp_path) / "audio.png"
+        page.screenshot(path=str(png))
+        assert _non_blank(png) > 10
+
+        # 🎙: the fake microphone, about two seconds of it, attached to the next message
+        page.locator("#msg [data-testid='microphone-button']").click()
+        page.locator("#msg [aria-label='Start recording']").click()
+        page.wait_for_timeout(2000)
+        page.locator("#msg [aria-label='Stop recording']").click()
+        page.locator("#msg [aria-label='Attach audio']").click()
+        sync_api.expect(page.locator("#msg .thumbnail-wrapper")).to_have_count(1, timeout=30_000)
+        box.fill("And now?")
+        box.press("Enter")
+        sync_api.expect(box).not_to_be_editable()
+        sync_api.expect(box).to_be_editable(timeout=300_000)
+        sync_api.expect(page.locator("#chatbot")).to_contain_text("A beep, once a second.")
+        sync_api.expect(players).to_have_count(2)
+        sync_api.expect(rows).to_have_count(2)
+        sync_api.expect(rows.nth(0)).to_contain_text(
+            re.compile(r"tone\.wav \(2\.0 s\): \d+ soft tokens · cached, not re-encoded"))
+        sync_api.expect(rows.nth(1)).to_contain_text(
+            re.compile(r"🔊 audio\.wav \([\d.]+ s\): \d+ soft tokens · encoded in [\d.]+ s"))
     assert script.used == 2
     page.close()

@@ -12,6 +12,7 @@ from typing import Any
 import gradio as gr
 
 from gemma4.media.files import MediaError, media_from_data_uri
+from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve.media_prompt import count_markers, parts_in_marker_order
 from gemma4.ui import mesh_panel
 from gemma4.ui.handlers import ChatHandlers, throttled
@@ -29,7 +30,8 @@ class DemoApp(ChatHandlers):
 
     def tick(self, seen: dict | None):
         """Every second: engine status, model banner, queue; on becoming ready, model defaults,
-        whether the Think switch applies and whether the message box takes images and video."""
+        whether the Think switch applies and whether the message box takes images, video and
+        audio (and the examples that need them)."""
         seen = dict(seen or {})
         status = self.engine.status()
         state = status.get("state")
@@ -38,7 +40,7 @@ class DemoApp(ChatHandlers):
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 12
+        controls: list[Any] = [gr.skip()] * 13
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()
@@ -79,16 +81,19 @@ class DemoApp(ChatHandlers):
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, mode: str = "auto",
                  system: str = "", thinking: bool = False, images: list[str] | None = None,
-                 videos: list[str] | None = None, max_soft_tokens: int | None = None) -> Iterator[dict]:
+                 videos: list[str] | None = None, max_soft_tokens: int | None = None,
+                 audio: list[str] | None = None) -> Iterator[dict]:
         """Generate a reply to `prompt`; streams partial results, the last one has done=True.
 
         Settings left as None use the model's defaults. mode: "chat" (the prompt is one user
         turn, rendered with the chat template), "completion" (raw text to continue) or "auto"
         (completion for base models, chat otherwise). thinking: Gemma 4 thinks first (chat
-        mode; an error for Gemma 3). images / videos: files as data: URIs
-        ("data:image/png;base64,..."), each for the next <|image|> / <|video|> in the prompt, in
-        order (a prompt without markers gets them in front: images, then videos);
-        max_soft_tokens: 70, 140, 280, 560 or 1120 per image (default 280; 70 per video frame).
+        mode; an error for Gemma 3). images / videos / audio: files as data: URIs
+        ("data:image/png;base64,...", "data:audio/wav;base64,..."), each for the next <|image|> /
+        <|video|> / <|audio|> in the prompt, in order (a prompt without markers gets them in
+        front: images, then videos, then audio; audio needs a model with an audio tower, E2B or
+        E4B); max_soft_tokens: 70, 140, 280, 560 or 1120 per image (default 280; 70 per video
+        frame; audio takes 25 a second).
         Returns {"text" (the answer), "thought", "tool_calls"
         ([{"id", "name", "arguments"}]), "stats", "flags", "flagged", "fired_rules",
         "finish_reason", "done", "mode", "model", "notes"}.
@@ -110,7 +115,7 @@ class DemoApp(ChatHandlers):
         model = self.settings.model
         gen = None
         try:
-            prompt, media = self._media(prompt, images, videos, max_soft_tokens)
+            prompt, media = self._media(prompt, images, videos, max_soft_tokens, audio)
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
                                                  thinking=bool(thinking), media=media)
@@ -139,14 +144,15 @@ class DemoApp(ChatHandlers):
 
     @staticmethod
     def _media(prompt: str, images: list[str] | None, videos: list[str] | None,
-               max_soft_tokens: int | None) -> tuple[str, list[dict]]:
+               max_soft_tokens: int | None, audio: list[str] | None = None) -> tuple[str, list[dict]]:
         """(prompt, media parts) for /generate: each data: URI as a file (MediaError says what is
         wrong with which); a prompt without markers gets one per file in front."""
-        images, videos = list(images or ()), list(videos or ())
-        if not images and not videos:
+        uris = {"image": list(images or ()), "video": list(videos or ()), "audio": list(audio or ())}
+        if not any(uris.values()):
             return prompt, []
-        items = {kind: [media_from_data_uri(uri, name=f"{kind} {k + 1}", kind=kind) for k, uri in enumerate(uris)]
-                 for kind, uris in (("image", images), ("video", videos))}
+        items = {kind: [media_from_data_uri(uri, name=f"{kind} {k + 1}", kind=kind) for k, uri in enumerate(given)]
+                 for kind, given in uris.items()}
         if not any(count_markers(prompt).values()):
-            prompt = "<|image|>" * len(images) + "<|video|>" * len(videos) + prompt
-        return prompt, parts_in_marker_order(prompt, items["image"], items["video"], max_soft_tokens)
+            prompt = "".join(PLACEHOLDERS[kind] * len(given) for kind, given in uris.items()) + prompt
+        return prompt, parts_in_marker_order(prompt, items["image"], items["video"], max_soft_tokens,
+                                             audio=items["audio"])

@@ -18,20 +18,17 @@ from typing import Any
 
 import gradio as gr
 
-from gemma4.media.files import MediaError, media_from_path
+from gemma4.media.files import MediaError, describe, media_from_path
 from gemma4.model import sampling
 from gemma4.serve import conversation
 from gemma4.serve.engine import RequestError
 from gemma4.ui.chat_controls import (
     IMAGE_TOKEN_CHOICES,
-    MEDIA_INFO,
-    MEDIA_PLACEHOLDER,
     PENALTY_RANGE,
-    TEXT_PLACEHOLDER,
     THINK_INFO,
     TOP_P_RANGE,
+    MediaSupport,
     guess_is_base,
-    media_note_md,
     plot_frame,
 )
 from gemma4.ui.media_parts import has_media, read_textbox, split_content, textbox_value, user_content
@@ -125,14 +122,34 @@ class ChatHandlers:
             return False, "Images and video need a model with a vision tower; the model is still loading."
         return self.conversation.supports_vision(self.engine)
 
-    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any]]:
-        """(the message box, the line under it, the picture example, the Image detail control):
-        uploads, paste and drag on with a vision tower; otherwise no upload source at all, the
-        line says why, and the example and the control are hidden."""
-        ok, reason = self.media_support()
-        box = gr.update(sources=["upload"] if ok else [],
-                        placeholder=MEDIA_PLACEHOLDER if ok else TEXT_PLACEHOLDER)
-        return box, media_note_md(ok, reason), gr.update(visible=ok), gr.update(visible=ok)
+    def audio_support(self) -> tuple[bool, str]:
+        """(can this model hear, why not): an audio tower (E2B, E4B), known once loaded."""
+        if not self.info():
+            if self.engine.status().get("state") == "error":
+                return False, "the model could not be loaded"
+            return False, "Audio needs a model with an audio tower; the model is still loading."
+        return self.conversation.supports_audio(self.engine)
+
+    def support(self) -> MediaSupport:
+        """Both towers' answers in one: what the message box takes and why not the rest."""
+        return MediaSupport(*self.media_support(), *self.audio_support())
+
+    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(the message box, the line under it, the picture example, the Image detail control,
+        the transcription example): uploads, paste and drag on with either tower and the
+        microphone with an audio tower; without them no upload source at all, the line says
+        why, and the examples and the control the model cannot use are hidden."""
+        media = self.support()
+        box = gr.update(sources=media.sources(), file_types=media.file_types(),
+                        placeholder=media.placeholder())
+        return (box, media.note_md(), gr.update(visible=media.vision),
+                gr.update(visible=media.vision),
+                gr.update(visible=media.audio_example() is not None))
+
+    def box_update(self) -> dict[str, Any]:
+        """The message box's sources, file types and placeholder for the loaded model (its value
+        untouched): after an example's click, which puts back the props of build time."""
+        return self.media_updates()[0]
 
     @staticmethod
     def image_tokens(value: Any) -> int | None:
@@ -191,7 +208,8 @@ class ChatHandlers:
     def add_user_message(self, message: dict | str, history: list[dict]):
         """User step (no queue): append the message (its files, then its text), clear and lock
         the message box. A message that cannot be sent (empty, a file that is not an image or
-        video, media for a text-only model) stays in the box with a warning saying why."""
+        video or audio, images for a model without a vision tower, audio for one without an
+        audio tower) stays in the box, text and files, with a warning saying why."""
         history = list(history or [])
         text, files = read_textbox(message)
         if not text.strip() and not files:
@@ -207,12 +225,18 @@ class ChatHandlers:
 
     def _check_files(self, files: list[str]) -> None:
         """Refuse (MediaError) files the reply could not use, before they enter the chat: each is
-        read and its kind sniffed from its bytes; none for a loaded model without a tower."""
-        for f in files:
-            media_from_path(f)
-        ok, reason = self.media_support()
-        if files and self.info() and not ok:
-            raise MediaError(reason)
+        read and its kind sniffed from its bytes; once the model is known, an image or video
+        needs its vision tower and an audio clip its audio tower (the message names the file)."""
+        items = [media_from_path(f) for f in files]
+        if not items or not self.info():
+            return
+        media = self.support()
+        for item in items:
+            ok, reason = ((media.audio, media.audio_reason) if item.kind == "audio"
+                          else (media.vision, media.vision_reason))
+            if not ok:
+                raise MediaError(f"{describe(item.name, item.kind)} cannot be used: {reason.rstrip('.')}. "
+                                 "Your text and files are still in the box.")
 
     def respond(self, history, system, mode, temperature, top_p, top_k, max_new_tokens, seed,
                 repetition_penalty, session, think=False, image_tokens=None):

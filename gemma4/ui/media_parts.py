@@ -12,6 +12,9 @@ Gemma's own examples)::
                                                                    (what Gradio hands back)
     request content   [{"type": "image", "media": MediaItem}, {"type": "text", "text": "What is this?"}]
 
+Audio files and 🎙 recordings (Gradio uploads a recording as `audio.wav`) take the same path:
+their parts are {"type": "audio", "media": MediaItem}, and the Chatbot shows each as a player.
+
 Why the text comes first on screen: Gradio 6.31's Chatbot offers Edit on a bubble that ends
 with text, and its edit submit fails in the browser on a bubble holding a file (it calls
 `.slice()` on the file: a TypeError, nothing is sent). Text first, the bubble ends with a file,
@@ -94,9 +97,9 @@ def read_textbox(value: Any) -> tuple[str, list[str]]:
 
 
 def media_part(item: MediaItem, image_tokens: int | None = None) -> dict[str, Any]:
-    """The request layer's content part for one media item ({"type": "image"|"video", "media"}),
-    with an image's soft-token budget (`max_soft_tokens`) when one is chosen; a video keeps the
-    request layer's per-frame default."""
+    """The request layer's content part for one media item ({"type": "image"|"video"|"audio",
+    "media"}), with an image's soft-token budget (`max_soft_tokens`) when one is chosen; a video
+    keeps the request layer's per-frame default, and audio has no budget (25 a second)."""
     part: dict[str, Any] = {"type": item.kind, "media": item}
     if image_tokens is not None and item.kind == "image":
         part["max_soft_tokens"] = int(image_tokens)
@@ -119,7 +122,7 @@ def completion_request(content: Any, *, load: LoadMedia = media_from_path,
                        image_tokens: int | None = None) -> tuple[str, list[dict[str, Any]]]:
     """(prompt text, media parts) of a message for completion mode, where the request layer
     takes a text and its files (`stream_reply(..., media=…)`): the text as typed, in which each
-    <|image|> / <|video|> marks where the next file goes (as on the command line); a text with
+    <|image|> / <|video|> / <|audio|> marks where the next file goes (as on the command line); a text with
     no marker gets one per file in front, in order, so the files come first, as in chat mode."""
     text, files = split_content(content, trim_parts=False)
     parts = [media_part(load(f), image_tokens) for f in files]

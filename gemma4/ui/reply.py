@@ -356,20 +356,25 @@ MEDIA_ICONS = {"image": "🖼", "video": "🎞", "audio": "🔊"}
 def media_line(item: Mapping[str, Any]) -> str:
     """One media item of a reply (an entry of the request layer's stats["media"]) as plain text,
     e.g. "🖼 scene.png: 280 soft tokens · encoded in 0.84 s" or "… · cached, not re-encoded";
-    an encode that first compiled the tower for this shape says so (its time includes it)."""
+    an encode that first compiled the tower for this shape says so (its time includes it). An
+    audio clip gives its length, "🔊 talk.mp3 (7.9 s): 198 soft tokens · encoded in 0.42 s", and
+    any item its notes after it (what was done to it: "resampled from 32000 Hz", "cut to …")."""
     kind = str(item.get("kind") or "media")
     name = str(item.get("name") or kind)
+    seconds = as_number(item.get("seconds"))
+    length = f" ({fmt_num(seconds, 1, 's')})" if seconds is not None else ""
     tokens = fmt_int(item.get("soft_tokens"))
     if item.get("cached"):
         how = "cached, not re-encoded"
     else:
         how = f"encoded in {fmt_num(item.get('encode_s'), 2, 's')}"
         how += " (incl. compiling the tower)" if item.get("compiled") else ""
-    return f"{MEDIA_ICONS.get(kind, '📎')} {name}: {tokens} soft tokens · {how}"
+    notes = "".join(f" · {n}" for n in item.get("notes") or ())
+    return f"{MEDIA_ICONS.get(kind, '📎')} {name}{length}: {tokens} soft tokens · {how}{notes}"
 
 
 def media_html(media: Sequence[Mapping[str, Any]]) -> str:
-    """The panel's Media cell: one line per image or video of the prompt (`media_line`)."""
+    """The panel's Media cell: one line per image, video or audio clip of the prompt (`media_line`)."""
     return "".join(f'<div class="media-row">{html.escape(media_line(m))}</div>' for m in media)
 
 
