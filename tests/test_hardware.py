@@ -296,5 +296,6 @@ def test_encoder_dtype_is_measured_on_cpu_and_overridable():
     assert (forced.value, forced.source) == ("float32", "override")
     with pytest.raises(PolicyError, match="GEMMA4_ENCODER_DTYPE"):
         choose("cpu-avx512bf16", env={"GEMMA4_ENCODER_DTYPE": "int8"})
-    text = {k: v for k, v in params.items() if k != "vision"}
+    assert out["audio"]["layers"][0]["ffn1_up"].dtype == jnp.bfloat16  # the audio tower too
+    text = {k: v for k, v in params.items() if k not in ("vision", "audio")}
     assert hc.choose_encoder_dtype(plan, text, cfg, env={}, timer=timer(2.0))[1].encoder_dtype.value == "none"
