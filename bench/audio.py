@@ -17,9 +17,10 @@ each block's context window, the depthwise convolution, the output projection an
 
 **Peak**: this machine's float32 matmul rate on the tower's own FFN product ([750, 1024] × [1024,
 4096], a 30 s clip) and on a square 2048³ one, the faster of the two, at the start; and the FFN
-product alone again right before and right after each encode row (the faster of the two is that
-row's `peak_gflop_s`, its share the encode's GFLOP/s against it): on a shared machine the rate
-moves between rows.
+product alone in the row's dtype (float32 accumulation, as the model's linears) right before and
+right after each encode row (the faster of the two is that row's `peak_gflop_s`, its share the
+encode's GFLOP/s against it): on a shared machine the rate moves between rows. The dtypes of one
+clip length run back to back, so that they meet about the same load.
 
 Not a test: the figures depend on the machine and on what else runs on it (a shared machine says so).
 """
@@ -90,14 +91,15 @@ def _median_time(fn, repeats: int) -> tuple[float, float]:
 PRODUCTS = {"tower FFN 750x1024x4096": (750, 1024, 4096), "square 2048": (2048, 2048, 2048)}
 
 
-def matmul_peak(repeats: int, products=tuple(PRODUCTS)) -> dict:
-    """float32 GFLOP/s of the named products on this machine (the faster is the 'peak')."""
+def matmul_peak(repeats: int, products=tuple(PRODUCTS), dtype: str = "float32") -> dict:
+    """GFLOP/s of the named products on this machine in `dtype` (accumulated in float32, as the
+    model's linears are); the faster is the 'peak'."""
     out = {}
     for name in products:
         m, k, n = PRODUCTS[name]
-        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k), np.float32))
-        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32))
-        f = jax.jit(lambda a, b: a @ b)
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((m, k), np.float32), dtype)
+        b = jnp.asarray(np.random.default_rng(1).standard_normal((k, n), np.float32), dtype)
+        f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
         _, s = _median_time(lambda: f(a, b).block_until_ready(), repeats)
         out[name] = 2 * m * k * n / s / 1e9
     out["peak"] = max(out.values())
@@ -110,20 +112,25 @@ def e2b_audio_config():
 
 
 def encode_bench(seconds: list[float], dtypes: list[str], repeats: int) -> list[dict]:
+    """One row per (clip length, dtype); the dtypes of a length run back to back, so that they
+    meet about the same load on a shared machine."""
     cfg = e2b_audio_config()
     rows = []
-    for dtype in dtypes:
-        params = {"audio": random_params(cfg, weight_dtype=jnp.dtype(dtype))["audio"]}
-        step = jax.jit(lambda p, x, m, dt=jnp.dtype(dtype): A.encode_audio(p, cfg, x, m, dtype=dt)[0])
-        for s in seconds:
+    params = {dtype: {"audio": random_params(cfg, weight_dtype=jnp.dtype(dtype))["audio"]} for dtype in dtypes}
+    steps = {dtype: jax.jit(lambda p, x, m, dt=jnp.dtype(dtype): A.encode_audio(p, cfg, x, m, dtype=dt)[0])
+             for dtype in dtypes}
+    for s in seconds:
+        for dtype in dtypes:
+            step = steps[dtype]
             wave = waveform(s)
             t = time.perf_counter()
             feats = audio_features(wave)
             features_s = time.perf_counter() - t
             x, m = jnp.asarray(feats.features[None]), jnp.asarray(feats.mask[None])
-            before = matmul_peak(repeats, ("tower FFN 750x1024x4096",))["peak"]
-            first, warm = _median_time(lambda: step(params, x, m).block_until_ready(), repeats)
-            peak = max(before, matmul_peak(repeats, ("tower FFN 750x1024x4096",))["peak"])
+            ffn = ("tower FFN 750x1024x4096",)
+            before = matmul_peak(repeats, ffn, dtype)["peak"]
+            first, warm = _median_time(lambda: step(params[dtype], x, m).block_until_ready(), repeats)
+            peak = max(before, matmul_peak(repeats, ffn, dtype)["peak"])
             flops = tower_flops(cfg.audio, cfg.hidden_size, x.shape[1])
             rows.append({"dtype": dtype, "seconds": s, "frames": int(x.shape[1]),
                          "soft_tokens": int(feats.num_soft_tokens), "features_s": features_s,
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
         print(f"encode {r['seconds']:g} s clip ({r['frames']} frames → {r['soft_tokens']} soft tokens), E2B audio tower, "
               f"{r['dtype']}: {r['encode_s']:.2f} s = {r['encode_s_per_audio_s']:.3f} s per second of audio "
               f"({r['gflop']:.0f} GFLOP, {r['gflop_s']:.1f} GFLOP/s = {100 * r['share_of_peak']:.0f}% of the "
-              f"{r['peak_gflop_s']:.0f} GFLOP/s measured around it); "
+              f"{r['peak_gflop_s']:.0f} GFLOP/s of its dtype's product measured around it); "
               f"first run {r['first_run_s']:.1f} s; features {r['features_s'] * 1000:.0f} ms")
     return 0
 

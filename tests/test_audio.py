@@ -230,6 +230,8 @@ def test_bad_inputs_name_the_problem(tmp_path_factory):
     x, m = jnp.zeros((1, 40, 80)), jnp.ones((1, 40), bool)
     with pytest.raises(ValueError, match="expected \\[clips, frames, 128\\]"):
         A.encode_audio(params, cfg, x, m)
+    with pytest.raises(ValueError, match="no frames"):
+        A.encode_audio(params, cfg, jnp.zeros((1, 0, 128)), jnp.ones((1, 0), bool))
     with pytest.raises(ValueError, match="one flag per frame"):
         A.encode_audio(params, cfg, jnp.zeros((1, 40, 128)), jnp.ones((1, 39), bool))
     with pytest.raises(ValueError, match="no audio tower loaded"):

@@ -245,6 +245,9 @@ def encode_audio(params: dict, cfg: ModelConfig, features: jax.Array, mask: jax.
     if features.ndim != 3 or features.shape[-1] != MEL_BINS:
         raise ValueError(f"audio features have shape {tuple(features.shape)}; expected [clips, frames, "
                          f"{MEL_BINS}] (gemma4.media.audio.audio_features)")
+    if features.shape[1] == 0:
+        raise ValueError("audio features have no frames (a clip shorter than one 20 ms window has no soft "
+                         "tokens: leave it out of the prompt)")
     if tuple(mask.shape) != tuple(features.shape[:2]):
         raise ValueError(f"audio mask has shape {tuple(mask.shape)}; expected {tuple(features.shape[:2])} "
                          "(one flag per frame)")
