@@ -300,9 +300,11 @@ def _hf_inputs(cfg, ids, audio_px, image_px=None) -> dict:
     return out
 
 
-def _case(cfg, params, case: str):
-    """(prompt ids, HF inputs, our merged inputs) of an audio prompt or an image + audio prompt."""
-    wave = _wave(LENGTHS["2.3 s"] if case == "audio" else LENGTHS["1 s"], 3)
+def _case(cfg, params, case: str, wave: np.ndarray | None = None):
+    """(prompt ids, HF inputs, our merged inputs) of an audio prompt or an image + audio prompt
+    (the clip: `wave`, 16 kHz mono, else a synthetic one)."""
+    if wave is None:
+        wave = _wave(LENGTHS["2.3 s"] if case == "audio" else LENGTHS["1 s"], 3)
     audio_px = _extracted([wave])
     feats, x, m = _ours_batch([wave])
     soft, _ = _encode(params, cfg, x, m)
@@ -359,3 +361,30 @@ def test_greedy_continuation_matches_generate(case, tmp_path_factory):
         split = int(np.flatnonzero(ids == cfg.eoi_token_id)[0]) + 2
     got = greedy_cached(params, cfg, *merged, N_NEW, split)
     assert got == want, f"{case}: ours {got}, transformers {want}"
+
+
+@pytest.mark.parametrize("rate,channels", [(44_100, 2), (22_050, 1)])
+def test_greedy_from_a_file_matches_generate(rate, channels, tmp_path, tmp_path_factory):
+    """From a WAV file to greedy ids: our decode (PyAV, channels averaged, soxr HQ to 16 kHz) gives
+    the samples transformers' `load_audio(backend="soundfile")` gives, bit for bit, and the clip's
+    greedy continuation equals `generate`'s — a clip that needs resampling, and a two-channel one."""
+    import soundfile
+    from transformers.audio_utils import load_audio
+
+    from gemma4.media.audio import decode_audio
+
+    n = int(1.3 * rate)
+    left = _wave(n, 5)
+    data = np.stack([left, _wave(n, 6)[::-1].copy()], axis=1) if channels == 2 else left
+    path = tmp_path / f"clip-{rate}-{channels}.wav"
+    soundfile.write(str(path), data, rate, subtype="PCM_16")
+    ours = decode_audio(path.read_bytes(), name=path.name).samples
+    ref = load_audio(str(path), sampling_rate=16_000, backend="soundfile")
+    assert ours.dtype == np.float32 and np.array_equal(ours, np.asarray(ref, np.float32)), "decoded samples differ"
+    cfg, params, hf_model = setup("e2b", tmp_path_factory)
+    ids, hf_inputs, merged = _case(cfg, params, "audio", wave=ours)
+    with torch.no_grad():
+        out = hf_model.generate(**hf_inputs, max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+                                eos_token_id=None, pad_token_id=cfg.pad_id, suppress_tokens=media_ids(cfg))
+    want = out[0, len(ids):].tolist()
+    assert greedy_cached(params, cfg, *merged, N_NEW, None) == want
