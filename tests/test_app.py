@@ -896,3 +896,24 @@ def test_generate_api_takes_images_as_data_uris(served, tmp_path):
         assert out["stats"]["media"][1]["seconds"] == 0.5
     finally:
         demo.close()
+
+
+def test_chat_requests_take_the_servers_input_caps():
+    """--max-messages / --max-input-tokens (the /v1 caps) bound the chat's requests too: a chat
+    over the message cap is refused in the chat with the cap named, and nothing reaches the engine."""
+    from gemma4.web.ratelimit import Limits
+    from gemma4.web.server import Access
+    from tests.scripted import TINY_GEMMA4, tiny_gemma4
+
+    engine = tiny_gemma4()
+    settings = Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"], context=TINY_GEMMA4["context_limit"],
+                        max_new_tokens_cap=64, access=Access(limits=Limits(max_messages=2, max_input_tokens=0)))
+    handler = DemoApp(engine, settings)
+    assert (handler.input_caps().max_messages, handler.input_caps().max_input_tokens) == (2, 0)
+    history = [{"role": "user", "content": "One."}, {"role": "assistant", "content": "Two."},
+               {"role": "user", "content": "Three?"}]
+    before = engine.queue_state()
+    out = list(handler.respond(history, "", "chat", 0.0, 0.95, 64, 8, 0, 1.0, {"replies": []}, False, None))
+    notice = out[-1][0][-1]
+    assert is_notice(notice) and "3 messages" in message_text(notice["content"]) and "2" in message_text(notice["content"])
+    assert engine.queue_state() == before

@@ -118,7 +118,7 @@ class DemoApp(ChatHandlers):
             prompt, media = self._media(prompt, images, videos, max_soft_tokens, audio)
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
-                                                 thinking=bool(thinking), media=media)
+                                                 thinking=bool(thinking), media=media, caps=self.input_caps())
             for ev in throttled(gen):
                 flags = dict(ev.flags or {})
                 flagged, fired = flags_summary(flags)

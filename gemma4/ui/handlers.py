@@ -86,6 +86,13 @@ class ChatHandlers:
 
     # ------------------------------------------------------------------ engine facts
 
+
+    def input_caps(self) -> conversation.InputCaps:
+        """The caps on one chat request's input (messages, tokens): the server's flags
+        (--max-messages / --max-input-tokens, shared with /v1), else the context window's defaults."""
+        limits = getattr(getattr(self.settings, "access", None), "limits", None)
+        return conversation.InputCaps(max_messages=getattr(limits, "max_messages", None),
+                                      max_input_tokens=getattr(limits, "max_input_tokens", None))
     def info(self) -> dict[str, Any] | None:
         """engine.info() once the model is ready, else None."""
         if self.engine.status().get("state") != "ready":
@@ -300,7 +307,7 @@ class ChatHandlers:
         try:
             gen = self.conversation.stream_reply(self.engine, prompt, params, mode=mode,
                                                  system=(system or "").strip() or None,
-                                                 thinking=think, media=media)
+                                                 thinking=think, media=media, caps=self.input_caps())
             yield ([*history, *reply_messages("", {}, {}, done=False)],
                    reply_panel_html({}, {}, done=False, notes=notes, mode=mode), session)
             for ev in throttled(gen):
