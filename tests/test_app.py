@@ -917,3 +917,15 @@ def test_chat_requests_take_the_servers_input_caps():
     notice = out[-1][0][-1]
     assert is_notice(notice) and "3 messages" in message_text(notice["content"]) and "2" in message_text(notice["content"])
     assert engine.queue_state() == before
+
+
+def test_reply_panel_says_how_a_long_prompt_was_chunked():
+    """This reply's Prefill row names the chunks of a prompt prefilled in several and the decode
+    steps of other replies they ran beside; a one-chunk prompt says nothing more."""
+    base = {"prefill_tokens": 3500, "prefill_ms": 9000.0, "prefill_tok_s": 388.9, "ttft_s": 9.1}
+    many = reply_panel_html(dict(base, chunks=28, prefill_interleaved_steps=27), {}, done=True)
+    assert "3,500 tokens in 9,000 ms (388.9 tok/s) · in 28 chunks, beside 27 decode steps of other replies" in many
+    alone = reply_panel_html(dict(base, chunks=7, prefill_interleaved_steps=0), {}, done=True)
+    assert "· in 7 chunks<" in alone and "beside" not in alone
+    one = reply_panel_html(dict(base, chunks=1), {}, done=True)
+    assert "chunks" not in one

@@ -204,6 +204,17 @@ def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
     return flagged, fired
 
 
+def _chunks(stats: dict) -> str:
+    """' · in N chunks, beside M decode steps of other replies' where the prompt was prefilled in
+    several chunks (the scheduler runs one chunk per step, between other replies' decode steps)."""
+    chunks = as_number(stats.get("chunks"))
+    if not chunks or chunks <= 1:
+        return ""
+    steps = int(as_number(stats.get("prefill_interleaved_steps")) or 0)
+    beside = f", beside {steps:,} decode steps of other replies" if steps else ""
+    return f" · in {int(chunks):,} chunks{beside}"
+
+
 def _decode_rate(stats: Mapping[str, Any]) -> str:
     """Decode tok/s, or "—" until there are two tokens (the first comes from the prefill)."""
     if (as_number(stats.get("new_tokens")) or 0) < 2:
@@ -416,7 +427,7 @@ def reply_panel_html(
                 else ""
             ),
         ),
-        ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)"),
+        ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)" + _chunks(stats)),
         *([("Media", media_html(stats["media"]))] if stats.get("media") else []),
         ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>"),
         ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),
