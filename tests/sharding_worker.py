@@ -25,7 +25,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from gemma4.plan import sharding  # noqa: E402
+from gemma4.plan import preflight, sharding  # noqa: E402
 from gemma4.serve import conversation  # noqa: E402
 from gemma4.serve.engine import Engine, SamplingParams  # noqa: E402
 
@@ -72,7 +72,7 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
     expect = sharding.shard_bytes_per_device(
         engine.cfg, mesh_shape, weight_dtype=plan.weight_dtype.value, quantize=plan.quantize_kwargs(),
         batch=engine.max_batch, context=engine.context_limit, kv_dtype=engine.options.compute_dtype,
-        kv_format=engine.kv_format)
+        kv_format=engine.kv_format, tower_dtype=preflight.tower_dtype(plan))
     return {"weights": sorted(set(held.values())), "kv_cache": sorted(set(cache.values())),
             "devices": len(held), "expect": expect}
 

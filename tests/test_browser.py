@@ -286,7 +286,7 @@ def test_image_upload_reply_and_media_row(served_gemma4, browser, tmp_path):
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
     page.goto(url)
     sync_api.expect(page.locator("#engine-status")).to_contain_text("Model ready", timeout=PAGE_LOAD_MS)
-    sync_api.expect(page.locator("#media-note")).to_contain_text("Images and videos")
+    sync_api.expect(page.locator("#media-note")).to_contain_text("Images, videos and audio")  # tiny E2B has both towers
     page.get_by_role("radio", name="chat").check()
     upload = page.locator("#msg input[type='file']")
     sync_api.expect(upload).to_have_count(1)  # the box takes files once the model is known

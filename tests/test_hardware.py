@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+
 import pytest
 
 from gemma4.model.config import preset
@@ -256,18 +258,21 @@ def test_embed_weights_follow_weights_and_can_be_overridden():
 
 
 def test_encoder_dtype_is_measured_on_cpu_and_overridable():
-    """The towers' dtype: bf16 on a CPU with bf16 units only when a tower-shaped product measured
-    faster by the threshold (a fake timer stands in for the machine), float32 without bf16 units
-    or when bf16 is not faster enough, the compute dtype off CPU, the override always; the tower
-    leaves are cast, norms/clip bounds and the text model are not; no tower → "none"."""
+    """The towers' dtype, decided before the load: bf16 on a CPU with bf16 units only when a
+    tower-shaped product measured faster by the threshold (a fake timer stands in for the
+    machine), float32 without bf16 units or when bf16 is not faster enough, the compute dtype off
+    CPU, the override always, "none" without a tower; after the load the tower leaves are cast,
+    norms/clip bounds and the text model are not; the pre-flight counts the towers in that dtype."""
+    import dataclasses
+
     import jax.numpy as jnp
 
-    from gemma4.model.config import tiny
+    from gemma4.model.config import text_only, tiny
     from gemma4.plan import hardware_checks as hc
+    from gemma4.plan import preflight
     from gemma4.weights.random_init import random_params
 
     cfg = tiny("e2b")
-    params = random_params(cfg)
     seen = []
 
     def timer(speedup):
@@ -276,26 +281,36 @@ def test_encoder_dtype_is_measured_on_cpu_and_overridable():
             return 1.0 if jnp.dtype(dtype) == jnp.float32 else 1.0 / speedup
         return t
 
-    def choose(device, speedup=2.0, **kw):
-        facts = simulated_facts(device)
-        return hc.choose_encoder_dtype(policy(facts, cfg, None, env={}), params, cfg, env=kw.get("env", {}),
+    def decide(device, speedup=2.0, env=None, model=cfg):
+        facts = dataclasses.replace(simulated_facts(device), simulated=None)  # as if probed: measured
+        return hc.decide_encoder_dtype(policy(facts, model, None, env={}), model, env=env or {},
                                        timer=timer(speedup), facts=facts)
 
-    out, plan, report = choose("cpu-avx512bf16", 2.0)
+    plan, report = decide("cpu-avx512bf16", 2.0)
     assert plan.encoder_dtype.value == "bfloat16" and "2.00×" in plan.encoder_dtype.reason and report["speedup"] == 2.0
     assert seen == [(768, "float32"), (768, "bfloat16")]  # a tiny tower is measured at a released width
-    assert out["vision"]["layers"][0]["q"].dtype == jnp.bfloat16 and out["vision"]["proj"].dtype == jnp.bfloat16
-    assert out["vision"]["layers"][0]["attn_norm"].dtype == jnp.float32
-    assert out["embed"] is params["embed"] and params["vision"]["layers"][0]["q"].dtype == jnp.float32
-    assert choose("cpu-avx512bf16", 1.1)[1].encoder_dtype.value == "float32"
+    assert decide("cpu-avx512bf16", 1.1)[0].encoder_dtype.value == "float32"
     seen.clear()
-    assert choose("cpu-avx2")[1].encoder_dtype.value == "float32" and not seen  # no bf16 units: not measured
-    gpu = choose("h100")[1]
-    assert gpu.encoder_dtype.value == gpu.compute_dtype.value == "bfloat16" and "compute dtype" in gpu.encoder_dtype.reason
-    forced = choose("cpu-avx512bf16", 2.0, env={"GEMMA4_ENCODER_DTYPE": "f32"})[1].encoder_dtype
+    assert decide("cpu-avx2")[0].encoder_dtype.value == "float32" and not seen  # no bf16 units: not measured
+    sim = hc.decide_encoder_dtype(policy(simulated_facts("cpu-amx"), cfg, None, env={}), cfg, env={},
+                                  timer=timer(2.0), facts=simulated_facts("cpu-amx"))[0].encoder_dtype
+    assert sim.value == "bfloat16" and "not measured" in sim.reason and not seen
+    gpu = decide("h100")[0].encoder_dtype
+    assert gpu.value == "bfloat16" and "compute dtype" in gpu.reason
+    forced = decide("cpu-avx512bf16", 2.0, env={"GEMMA4_ENCODER_DTYPE": "f32"})[0].encoder_dtype
     assert (forced.value, forced.source) == ("float32", "override")
     with pytest.raises(PolicyError, match="GEMMA4_ENCODER_DTYPE"):
-        choose("cpu-avx512bf16", env={"GEMMA4_ENCODER_DTYPE": "int8"})
-    assert out["audio"]["layers"][0]["ffn1_up"].dtype == jnp.bfloat16  # the audio tower too
-    text = {k: v for k, v in params.items() if k not in ("vision", "audio")}
-    assert hc.choose_encoder_dtype(plan, text, cfg, env={}, timer=timer(2.0))[1].encoder_dtype.value == "none"
+        decide("cpu-avx512bf16", env={"GEMMA4_ENCODER_DTYPE": "int8"})
+    assert decide("cpu-avx512bf16", model=text_only(cfg))[0].encoder_dtype.value == "none"
+
+    params = random_params(cfg, quantize=plan.quantize_kwargs())  # the text model as the plan stores it
+    out = hc.apply_encoder_dtype(plan, params, cfg)
+    assert out["vision"]["layers"][0]["q"].dtype == jnp.bfloat16 and out["vision"]["proj"].dtype == jnp.bfloat16
+    assert out["audio"]["layers"][0]["ffn1_up"].dtype == jnp.bfloat16
+    assert out["vision"]["layers"][0]["attn_norm"].dtype == jnp.float32
+    assert out["embed"] is params["embed"] and params["vision"]["layers"][0]["q"].dtype == jnp.float32
+    # the pre-flight counts the towers' bytes as they are held after the cast
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
+    assert preflight.device_bytes(cfg, plan, None)["weights"] == held
+    f32 = preflight.device_bytes(cfg, plan.replace("encoder_dtype", hardware.Choice("float32", "x")), None)
+    assert f32["weights"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) > held

@@ -144,12 +144,13 @@ def _audio_layer_spec(a: AudioConfig) -> dict[str, Any]:
         "attn_norm": _norm(D), "post_attn_norm": _norm(D), "out_norm": _norm(D),
         "q": _tower((D, D), ("q_heads", "embed")), "k": _tower((D, D), ("q_heads", "embed")),
         "v": _tower((D, D), ("q_heads", "embed")), "o": _tower((D, D), ("embed", "q_heads")),
-        "rel_k": _tower((D, D)),  # relative-position keys (transformers' relative_k_proj)
+        "rel_k": _tower((D, D), ("q_heads", "embed")),  # relative-position keys (transformers' relative_k_proj), per head
         "per_dim_scale": LeafSpec((a.head_dim,), (None,), "scalar"),  # queries × softplus(this)
         "conv_pre_norm": _norm(D), "conv_norm": _norm(D),
-        "conv_start": _tower((2 * D, D)),  # → GLU
-        "conv_dw": _tower((D, 1, a.conv_kernel_size)),  # depthwise causal conv, PyTorch's [out, in/groups, k]
-        "conv_end": _tower((D, D)),
+        # the light conv split over `tensor` like an MLP (its channels are independent until conv_end)
+        "conv_start": _tower((2 * D, D), ("mlp", "embed")),  # → GLU
+        "conv_dw": _tower((D, 1, a.conv_kernel_size), ("mlp", None, None)),  # depthwise causal conv, PyTorch's [out, in/groups, k]
+        "conv_end": _tower((D, D), ("embed", "mlp")),
     })
     if a.use_clipped_linears:
         out["clip"] = {n: {b: LeafSpec((), (), "clip") for b in CLIP_BOUNDS} for n in AUDIO_LINEARS}
@@ -198,9 +199,12 @@ def is_leaf_spec(x: Any) -> bool:
     return isinstance(x, LeafSpec)
 
 
-def leaf_dtype(spec: LeafSpec, weight_dtype: Any) -> Any:
-    """Norms, scalars and clip bounds stay float32; everything else is stored in `weight_dtype`."""
-    return jnp.float32 if spec.kind in ("norm", "scalar", "clip") else weight_dtype
+def leaf_dtype(spec: LeafSpec, weight_dtype: Any, tower_dtype: Any = None) -> Any:
+    """Norms, scalars and clip bounds stay float32; a tower's weights are stored in `tower_dtype`
+    (the plan's encoder dtype; None: `weight_dtype`); everything else in `weight_dtype`."""
+    if spec.kind in ("norm", "scalar", "clip"):
+        return jnp.float32
+    return tower_dtype if spec.kind == "tower" and tower_dtype is not None else weight_dtype
 
 
 def abstract_params(cfg: ModelConfig, weight_dtype: Any = jnp.float32) -> dict[str, Any]:
@@ -245,6 +249,11 @@ TOWER_KEYS = ("vision", "audio")  # the top-level subtrees that hold a vision or
 def has_tower(params: dict) -> bool:
     """Whether a vision or audio tower is loaded in `params`."""
     return any(key in params for key in TOWER_KEYS)
+
+
+def config_has_tower(cfg: ModelConfig | None) -> bool:
+    """Whether `cfg` (as it will be loaded) has a vision or audio tower."""
+    return cfg is not None and (cfg.vision is not None or getattr(cfg, "audio", None) is not None)
 
 
 def cast_towers(params: dict, cfg: ModelConfig, dtype: Any) -> dict:

@@ -2,7 +2,7 @@
 
     plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
     params, plan, mm = choose_int8_matmul(plan, params)   # CPU int8 path, once the weights load
-    params, plan, enc = choose_encoder_dtype(plan, params, cfg)   # the towers' dtype, measured on CPU
+    params = apply_encoder_dtype(plan, params, cfg)   # the towers in the dtype resolve() measured
     print(format_report(full_report()))      # what `python -m gemma4 probe` prints
 
 Holds the numeric self-test (`self_test`), the start-up entry points (`resolve`,
@@ -24,7 +24,7 @@ import numpy as np
 
 from gemma4.model.config import ModelConfig
 from gemma4.model.decoder import RunOptions
-from gemma4.model.params import cast_towers, has_tower
+from gemma4.model.params import cast_towers, config_has_tower, has_tower
 from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
@@ -162,7 +162,10 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
                 plan = plan.replace(f"attention_{kind}", Choice("xla", f"{choice.value} attention failed the "
                                                                 f"start-up self-test; using XLA", "self-test"),
                                     f"attention_{kind}: {choice.value} failed the self-test, fell back to xla")
-    return plan, report_dict(facts, plan, test)
+    plan, encoder = decide_encoder_dtype(plan, model_config, overrides, env, facts=facts)
+    report = report_dict(facts, plan, test)
+    report["encoder_dtype"] = encoder
+    return plan, report
 
 
 def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
@@ -263,10 +266,11 @@ def time_tower_product(width: int, dtype: Any, rounds: int = 3) -> float:
     return best
 
 
-def choose_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig, overrides: Mapping[str, Any] | None = None,
-                         env: Mapping[str, str] | None = None,
-                         timer=time_tower_product, facts: HardwareFacts | None = None) -> tuple[dict, Plan, dict | None]:
-    """The dtype the vision/audio towers run in (weights and activations), once the weights load.
+def decide_encoder_dtype(plan: Plan, cfg: ModelConfig | None, overrides: Mapping[str, Any] | None = None,
+                         env: Mapping[str, str] | None = None, timer=time_tower_product,
+                         facts: HardwareFacts | None = None) -> tuple[Plan, dict | None]:
+    """The dtype the vision/audio towers run in (weights and activations), decided before the
+    weights load (so the pre-flight counts the towers' bytes as they will be held).
 
     The towers' products are compute-bound GEMMs (hundreds of rows per call), where a bf16 dot
     product with float32 accumulation runs on AVX512_BF16/AMX at up to twice float32's rate
@@ -274,12 +278,12 @@ def choose_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig, overrides: 
     while batch-1 decode — what the text model's float32 choice is made for — does not gain. So:
     GPU/TPU: the compute dtype; CPU with bf16 units: bf16 when a tower-shaped product measured
     here is at least ENCODER_BF16_MIN_SPEEDUP× faster, else float32; CPU without: float32 (bf16
-    would be emulated). GEMMA4_ENCODER_DTYPE overrides. bf16 moves a tower's soft tokens by ~1%
-    (against ~1e-6 in float32); parity tests pin float32.
-    Returns (params with the tower leaves in that dtype, the plan with its choice, a report or None).
+    would be emulated); a simulated CPU is not measured (bf16 where it has the units).
+    GEMMA4_ENCODER_DTYPE overrides. bf16 moves a tower's soft tokens by ~1% (against ~1e-6 in
+    float32); parity tests pin float32. Returns (the plan with its choice, a report or None).
     """
-    if not has_tower(params):
-        return params, plan.replace("encoder_dtype", Choice("none", "no vision or audio tower loaded")), None
+    if not config_has_tower(cfg):
+        return plan.replace("encoder_dtype", Choice("none", "no vision or audio tower loaded")), None
     ov = normalize_overrides(overrides, env)
     compute = plan.compute_dtype.value
     report = None
@@ -292,6 +296,9 @@ def choose_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig, overrides: 
         facts = facts or probe()
         if not (facts.cpu_native_bf16 or facts.cpu_amx):
             choice = Choice("float32", "CPU has no bf16 arithmetic (no AVX512_BF16/AMX): bf16 would be emulated")
+        elif facts.simulated:
+            choice = Choice("bfloat16", "simulated CPU with bf16 units (not measured; the real machine measures "
+                                        "a tower-shaped product in both dtypes)")
         else:
             width = tower_width(cfg)
             f32, bf16 = timer(width, jnp.float32), timer(width, jnp.bfloat16)
@@ -306,7 +313,14 @@ def choose_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig, overrides: 
                                             "soft tokens within ~1% of float32; GEMMA4_ENCODER_DTYPE=float32 keeps float32")
             else:
                 choice = Choice("float32", f"bf16 not faster enough (needs {ENCODER_BF16_MIN_SPEEDUP}×): {measured}")
-    return cast_towers(params, cfg, jnp.dtype(choice.value)), plan.replace("encoder_dtype", choice), report
+    return plan.replace("encoder_dtype", choice), report
+
+
+def apply_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig) -> dict:
+    """`params` with the loaded towers' weights in the plan's encoder dtype (cast once, after load)."""
+    if not has_tower(params) or plan.encoder_dtype.value == "none":
+        return params
+    return cast_towers(params, cfg, jnp.dtype(plan.encoder_dtype.value))
 
 
 def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,

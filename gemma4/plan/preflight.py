@@ -74,7 +74,7 @@ def _formats(plan: Any) -> dict:
     return {"weight_dtype": value("weight_dtype", "float32"), "weights": value("weights", "none"),
             "embed_weights": value("embed_weights", value("weights", "none")), "kv": value("kv_cache", "native"),
             "compute_dtype": value("compute_dtype", "float32"), "group_size": int(value("int4_group_size", 64)),
-            "platform": value("platform", "cpu")}
+            "platform": value("platform", "cpu"), "encoder_dtype": value("encoder_dtype", None)}
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -93,8 +93,14 @@ def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, co
     out = sharding.shard_bytes_per_device(
         cfg, {a: int(mesh.get(a, 1)) for a in MESH_AXES} if mesh else {}, weight_dtype=fmt["weight_dtype"],
         quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
-        kv_format=fmt["kv"])
+        kv_format=fmt["kv"], tower_dtype=tower_dtype(plan))
     return {"weights": int(out["weights"]), "kv_cache": int(out["kv_cache"])}
+
+
+def tower_dtype(plan: Any) -> str | None:
+    """The dtype the plan keeps the towers' weights in (its encoder dtype), None when it has none."""
+    value = _formats(plan)["encoder_dtype"]
+    return value if value in _ITEMSIZE else None
 
 
 def _split(n: int, size: int) -> float:
@@ -443,7 +449,7 @@ def _plan_of(f: dict) -> dict:
     """A plan dict (the names `_formats` reads) from `_formats`'s output."""
     return {"weight_dtype": f["weight_dtype"], "weights": f["weights"], "embed_weights": f["embed_weights"],
             "kv_cache": f["kv"], "compute_dtype": f["compute_dtype"], "int4_group_size": f["group_size"],
-            "platform": f["platform"]}
+            "platform": f["platform"], "encoder_dtype": f.get("encoder_dtype")}
 
 
 def _with_weights(plan: Any, mode: str) -> dict:

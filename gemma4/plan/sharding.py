@@ -272,12 +272,14 @@ def _part_bytes(shape: Sequence[int], itemsize: float, spec: tuple, sizes: dict[
 
 def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: Any = "float32",
                            quantize: dict | None = None, batch: int = 0, context: int = 0,
-                           kv_dtype: Any = "float32", kv_format: str = "native") -> dict[str, int]:
+                           kv_dtype: Any = "float32", kv_format: str = "native",
+                           tower_dtype: Any = None) -> dict[str, int]:
     """Bytes one device holds under RULES on a mesh of `shape`, computed without any device.
 
     Weights in their final form (`quantize` = `Plan.quantize_kwargs()`, per-row int8 scales; a
     GGUF's grouped scales differ by a few %), plus the KV cache for `batch` rows × `context`
-    positions in `kv_format`. Returns {"weights", "kv_cache", "total"} (the most any device holds).
+    positions in `kv_format`; the towers' weights in `tower_dtype` (the plan's encoder dtype; None:
+    `weight_dtype`). Returns {"weights", "kv_cache", "total"} (the most any device holds).
     """
     sizes = mesh_sizes(shape)
     check_rules(RULES, all_axes(cfg))
@@ -287,7 +289,7 @@ def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: A
     for path, spec in iter_specs(param_specs(cfg)):
         target = fmt.target(leaf_name(path), spec)
         if target == "none":
-            dt = jnp.dtype(leaf_dtype(spec, fmt.weight_dtype))
+            dt = jnp.dtype(leaf_dtype(spec, fmt.weight_dtype, tower_dtype))
             weights += _part_bytes(spec.shape, dt.itemsize, fit_spec(spec.shape, flax_spec(spec.axes), sizes), sizes)
             continue
         out_ax, in_ax = fit_spec(spec.shape, flax_spec(spec.axes), sizes)
