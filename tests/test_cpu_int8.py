@@ -114,6 +114,25 @@ def test_linear_many_is_one_call_with_the_same_results():
     assert text.count(cpu_int8.TARGET) == 1
 
 
+@needs_kernel
+def test_native_runs_a_prefill_chunk_as_8_row_slices():
+    # 20 rows = slices of 8, 8 and 4: one kernel call per slice for all leaves, the same results as
+    # separate products, each within the bound of the float64 reference
+    rng = np.random.default_rng(4)
+    ws = [dataclasses.replace(_leaf(rng, n, 640, g), paths=((int8_matmul.NATIVE_ROWS_MAX, "native"),))
+          for n, g in ((256, 32), (96, None))]
+    x = _x(rng, 20, 640)
+    fused = jax.jit(lambda x, ws: linear_many(x, ws))(jnp.asarray(x), ws)
+    for w, y in zip(ws, fused):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(linear)(jnp.asarray(x), w)))
+        ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), w.group_size)
+        assert _rel(y, ref) < tuning_report.ACCURACY_BOUND
+    text = jax.jit(lambda x, ws: linear_many(x, ws)).lower(jnp.asarray(x), ws).as_text()
+    assert text.count(cpu_int8.TARGET) == 3
+    assert int8_matmul.eligible("native", int8_matmul.NATIVE_ROWS_MAX, 640, 32, True)
+    assert not int8_matmul.eligible("native", int8_matmul.NATIVE_ROWS_MAX + 1, 640, 32, True)
+
+
 def _tiny_int8_params():
     from gemma4.model.config import preset
     from gemma4.weights.random_init import random_params

@@ -112,6 +112,13 @@ def test_padding_invariance_across_buckets():
     assert a == b == c
 
 
+def test_later_chunks_equal_full_recompute():
+    """A prompt prefilled in 8-token chunks (later chunks write their keys first on full layers and
+    concatenate on sliding ones, whose ring wraps) continues as the whole prompt recomputed."""
+    prompt = _prompt(7, 30)
+    assert greedy_cached([prompt], 12, buckets=(8,)) == [greedy_full(prompt, 12)]
+
+
 def test_long_padding_never_evicts_real_tokens():
     """The field bug: right-padding longer than the ring must not overwrite the real window."""
     prompt = _prompt(11, 6)

@@ -255,6 +255,15 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
     return q, k, v
 
 
+def _write_first(spec: LayerSpec, entry: dict, dtype: Any) -> bool:
+    """Whether a chunk of several tokens may be written to the cache before it attends, reading
+    its own keys back from there instead of concatenating the cached row with them (a copy of
+    the whole row per layer: ~50 ms of a later 16-token chunk of the bundled model at context
+    4096, 2-core AMD EPYC Zen 4). Exact only on a full layer (no ring: no slot the chunk needs
+    is overwritten) whose cache stores the compute dtype (no int8 / fp8 rounding of its keys)."""
+    return not spec.is_sliding and "k_scale" not in entry and entry["k"].dtype == jnp.dtype(dtype)
+
+
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
@@ -311,9 +320,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             keys, values, key_pos = k, v, positions
             if cache is not None:
                 new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        elif T == 1:
+        elif T == 1 or _write_first(spec, cache[spec.index], dtype):
             # Decode: write first, then attend over the cache alone (no concatenated copy). The
-            # ring then holds exactly the window ending at this token.
+            # ring then holds exactly the window ending at this token. A later prefill chunk on a
+            # full layer too (`_write_first`).
             new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
             keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype, cache_row, B,
                                                   None if spec.is_sliding else kv_len, options.rows_sharded)

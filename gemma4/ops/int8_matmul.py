@@ -5,8 +5,11 @@ machine (`gemma4.plan.cpu_tuning`, through `gemma4.plan.hardware`) and stored in
 (`QuantArray.paths`). All take x2 [M, K] (float) and the leaf's q int8 [N, K] and scale ([N]
 per-row or [N, K/g] grouped) and return float32 [M, N].
 
-    native       the FFI kernel in gemma4/ops/kernels/cpu_int8.cc (M ≤ 8): int16 activations, streams
-                 the int8 weight once. Several weights sharing x run as one call (`run_many`).
+    native       the FFI kernel in gemma4/ops/kernels/cpu_int8.cc: int16 activations, streams the
+                 int8 weight once per call of ≤ 8 rows (cpu_int8.MAX_ROWS); more rows (a short
+                 prefill chunk) run as slices of 8, each streaming the weight again, which still
+                 beats dequantizing the whole weight up to a few dozen rows. Several weights
+                 sharing x run as one call (`run_many`).
     xla-fused    convert·multiply + row reduction, which XLA:CPU fuses into one loop (fast on some
                  AMD CPUs, 40× slower than a float32 dot on some Intel ones).
     xla-chunked  dequantize a few hundred output rows at a time inside a lax.map, dot each chunk.
@@ -98,13 +101,28 @@ def _i8x2(x2, q, scale):
 FLOAT_TEMP_MAX_BYTES = 64 << 20
 
 
+# The most rows the native path takes (in slices of cpu_int8.MAX_ROWS): each slice streams the whole
+# weight again, so at 256 rows (32 slices) it cannot win and is not worth timing at start-up.
+NATIVE_ROWS_MAX = 128
+
+
+def native_sliced(x2, weights) -> list:
+    """cpu_int8.matmul for any number of rows: slices of MAX_ROWS rows, one kernel call each, the
+    outputs concatenated (a row's result does not depend on the other rows of its call)."""
+    m, step = x2.shape[0], cpu_int8.MAX_ROWS
+    if m <= step:
+        return cpu_int8.matmul(x2, weights)
+    parts = [cpu_int8.matmul(x2[i:i + step], weights) for i in range(0, m, step)]
+    return [jnp.concatenate(ys, axis=0) for ys in zip(*parts)]
+
+
 def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: int = 0) -> bool:
     """Whether `path` can run this product at all (not whether it is fast); `n` = output rows."""
     whole_float = path == "xla-dequant" or (path == "xla-fused" and group is not None)
     if whole_float and n * k * 4 > FLOAT_TEMP_MAX_BYTES:
         return False
     if path == "native":
-        return native_ok and m <= cpu_int8.MAX_ROWS and cpu_int8.supported(k, group, "auto")
+        return native_ok and m <= NATIVE_ROWS_MAX and cpu_int8.supported(k, group, "auto")
     if path in ("xla-i8x2", "xla-i8"):
         return group is None
     return path in PATHS
@@ -113,7 +131,7 @@ def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: i
 def run(path: str, x2, q, scale, group):
     """y [M, N] float32 by the named formulation."""
     if path == "native":
-        return cpu_int8.matmul(x2, [(q, scale, group)])[0]
+        return native_sliced(x2, [(q, scale, group)])[0]
     if path == "xla-fused":
         return fused(x2, q, scale, group)
     if path == "xla-chunked":
@@ -133,4 +151,4 @@ def run(path: str, x2, q, scale, group):
 
 def run_many(x2, leaves) -> list:
     """Several int8 leaves on one activation, all on the native path: one kernel call."""
-    return cpu_int8.matmul(x2, [(w.q, w.scale, w.group_size) for w in leaves])
+    return native_sliced(x2, [(w.q, w.scale, w.group_size) for w in leaves])

@@ -39,15 +39,18 @@ from gemma4.plan.tuning_report import ACCURACY_BOUND
 
 log = logging.getLogger(__name__)
 
-# (largest row count the class covers, rows measured for it). Widths 2–8 share the 8-row winner
-# and every prefill chunk the 256-row winner (long prompts are where prefill time matters):
-# measuring each width and bucket would multiply the start-up cost for choices that, where
-# checked, did not differ within a class.
-ROW_CLASSES = ((1, 1), (8, 8), (1 << 30, 256))
+# (largest row count the class covers, rows measured for it). Widths 2–8 share the 8-row winner.
+# Prefill chunks are measured at the engine's small buckets too, not only at 256 rows: a 256-row
+# winner that dequantizes the whole weight per call (xla-dequant) put a fixed ~0.25 s on every
+# 16-token chunk of the bundled model (2-core AMD EPYC Zen 4), where the native kernel in 8-row
+# slices costs a fraction of it (docs/performance.md, "One prefill call"). A chunk of 17–32 rows
+# takes the 32-row winner, and so on; measuring every bucket up to 512 would add start-up time for
+# classes whose winner (a dot) did not differ where checked.
+ROW_CLASSES = ((1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (1 << 30, 256))
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
-VERSION = 3  # bump when the measurement changes: old cached choices are then ignored
+VERSION = 5  # bump when the measurement changes: old cached choices are then ignored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +96,33 @@ def _cache_file(prods, native_ok: bool) -> Path:
     return cache_root() / "tuning" / f"int8-matmul-{key}.json"
 
 
-def _time(fn, *args, first: float) -> float:
-    """Best seconds per call within a budget: TIME_BUDGET_S, or ~30 calls of a fast product."""
+# In the model a weight is used once per forward pass, after ~100 MB of other weights went
+# through the caches; timed on one buffer over and over it stays in cache, which favoured the
+# whole-weight dequantization by up to 3× against what the engine then measured (bundled model,
+# 16-row chunk: xla-dequant 0.64 ms timed warm, the native kernel's 8-row slices ~2× faster in
+# the model; docs/performance.md, "One prefill call"). So each timed call reads another copy of
+# the weight, as many copies as make COLD_BYTES (larger than the last-level cache of the CPUs
+# measured; a weight as large as that gets none).
+COLD_BYTES = 64 << 20
+
+
+def cold_copies(q, scale) -> list[tuple]:
+    """The weight (q, scale) and enough copies of it that cycling through them reads COLD_BYTES."""
+    size = q.size * q.dtype.itemsize + scale.size * scale.dtype.itemsize
+    n = max(1, min(256, -(-COLD_BYTES // max(size, 1))))
+    return [(q, scale)] + [(jnp.array(q, copy=True), jnp.array(scale, copy=True)) for _ in range(n - 1)]
+
+
+def _time(fn, x, weights: list[tuple], first: float) -> float:
+    """Best seconds per call within a budget (TIME_BUDGET_S, or ~30 calls of a fast product), each
+    call on the next of `weights` (`cold_copies`)."""
     budget = min(TIME_BUDGET_S, max(0.005, 30 * first))
-    best, spent = first, 0.0
+    best, spent, i = first, 0.0, 1
     while spent < budget:
+        q, scale = weights[i % len(weights)]
+        i += 1
         t0 = time.perf_counter()
-        fn(*args).block_until_ready()
+        fn(x, q, scale).block_until_ready()
         dt = time.perf_counter() - t0
         best, spent = min(best, dt), spent + dt
     return best
@@ -128,6 +151,7 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     timings: dict[str, float | None] = {}
     errors: dict[str, float] = {}
     best = float("inf")
+    weights = cold_copies(leaf.q, leaf.scale)
     for path in PATHS:  # native first: the likely winner makes the others stop early
         if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n) or (path in STARTUP_SKIP and not full):
             continue
@@ -140,10 +164,11 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
             errors[path] = float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
             if errors[path] > ACCURACY_BOUND:
                 continue
+            q, scale = weights[-1]  # not the one just checked: that is in cache
             t0 = time.perf_counter()
-            fn(x, leaf.q, leaf.scale).block_until_ready()
+            fn(x, q, scale).block_until_ready()
             first = time.perf_counter() - t0
-            t = first if first > EARLY_STOP * best else _time(fn, x, leaf.q, leaf.scale, first=first)
+            t = first if first > EARLY_STOP * best else _time(fn, x, weights, first=first)
         except Exception as e:  # noqa: BLE001 - a path that cannot run here is not chosen
             log.warning("int8 path %s failed on %s×%d: %s", path, prod.key, rows, e)
             timings[path] = None

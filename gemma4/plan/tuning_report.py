@@ -16,7 +16,8 @@ def summary(tuning: dict) -> str:
     by_class: dict[str, dict[str, int]] = {}
     for entry in tuning["products"].values():
         for c in entry["classes"]:
-            label = "M=1" if c["max_rows"] == 1 else "M≤8" if c["max_rows"] == 8 else "prefill"
+            label = ("M=1" if c["max_rows"] == 1 else "prefill" if c["max_rows"] >= 1 << 30
+                     else f"M≤{c['max_rows']}")
             by_class.setdefault(label, {}).setdefault(c["path"], 0)
             by_class[label][c["path"]] += 1
     return "; ".join(f"{label}: " + ", ".join(f"{p} ×{n}" for p, n in sorted(counts.items(), key=lambda kv: -kv[1]))
