@@ -189,3 +189,16 @@ def test_a_row_past_every_compiled_cache_length_waits_alone(eng, chunk):
     finally:
         eng.shapes.usable_only = None
     assert list(stream)[-1].token_ids == solo[0]
+
+
+def test_a_bucket_ruled_out_on_a_busy_moment_is_tried_again():
+    """Chunk costs follow the load: a bucket measured over budget is out only while its measure is
+    fresh (COST_RETRY_S); after that it counts as unmeasured and a lone prompt tries it again."""
+    from gemma4.serve.engine_compile import COST_RETRY_S, fresh_costs
+
+    buckets = (16, 32, 64, 128, 256)
+    costs = {16: 0.2, 128: 0.6, 256: 1.6}  # 256 measured while the machine was busy
+    at = {16: 100.0, 128: 100.0, 256: 100.0}
+    assert chunk_limit(buckets, fresh_costs(costs, at, 100.0 + 1), 1.0, from_above=True) == 128
+    later = fresh_costs(costs, {**at, 16: 140.0, 128: 140.0}, 100.0 + COST_RETRY_S + 1)
+    assert later == {16: 0.2, 128: 0.6} and chunk_limit(buckets, later, 1.0, from_above=True) == 256

@@ -74,8 +74,8 @@ from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
-                                         decode_widths, describe_shape, kv_ladder, merge_spans, next_chunk,
-                                         override_limit)
+                                         decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
+                                         next_chunk, override_limit)
 from gemma4.serve.step_times import StepTimes
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
@@ -433,6 +433,7 @@ class Engine:
         # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
         # by (first chunk?, bucket) and per decode step, running means.
         self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
         self._decode_cost: float | None = None
         self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
@@ -1121,6 +1122,7 @@ class Engine:
         elif kind == "prefill":
             costs = self._chunk_cost[bool(extra)]
             costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
+            self._chunk_cost_at[bool(extra)][size] = time.monotonic()
 
     def chunk_tokens(self, fresh: bool, alone: bool) -> int:
         """The most prompt tokens one prefill chunk takes now: the env override, else the largest
@@ -1129,7 +1131,7 @@ class Engine:
         forced = self.chunk_override[alone]
         if forced is not None:
             return forced
-        costs = self._chunk_cost[fresh]
+        costs = fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic())
         # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
         floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
         return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)

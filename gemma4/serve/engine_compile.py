@@ -29,10 +29,11 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; l
 # chunk's cost is added to every running stream's inter-token gap, and a request that arrives
 # meanwhile waits for the chunk in flight. Beside running streams a chunk may cost
 # INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap), but never less than
-# FLOOR_SLACK × a chunk of the smallest bucket: where one prefill call has a high fixed cost (the
-# bundled model's int8 prefill: ~0.3 s for 16 tokens and for 64 alike, on a 2-core AMD EPYC
-# Zen 4, against 0.05 s a decode step) smaller chunks no longer shorten the gap, they only
-# slow the prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
+# FLOOR_SLACK × a chunk of the smallest bucket: where one prefill call has a high fixed cost
+# (the bundled model's int8 prefill of a 16-token later chunk: ~0.17-0.26 s, most of it attending
+# over the whole cache row, against ~0.04-0.07 s a decode step, on a 2-core AMD EPYC Zen 4 under
+# load 2-4; docs/performance.md) smaller chunks no longer shorten the gap, they only slow the
+# prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
 # at most that much of someone else's prefill). Costs are measured: the engine times every chunk
 # and decode step it runs (seeded at warm-up): beside streams the size grows from the smallest
 # bucket as measures allow, alone it starts at the largest and steps down (`chunk_limit`).
@@ -41,6 +42,9 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; l
 INTERLEAVE_STEPS = 2.0
 FLOOR_SLACK = 2.0
 LONE_CHUNK_S = 1.0
+# A measured cost is trusted this long; then its bucket is tried again (`fresh_costs`): costs
+# follow the machine's load, and a size ruled out on a busy moment would otherwise stay out.
+COST_RETRY_S = 30.0
 
 
 # ------------------------------------------------------------------------------ shape keys
@@ -106,6 +110,15 @@ def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -
     None: not measured yet)."""
     beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, FLOOR_SLACK * floor_s if floor_s else 0.0)
     return max(beside, LONE_CHUNK_S) if alone else beside
+
+
+def fresh_costs(costs: Mapping[int, float], measured_at: Mapping[int, float], now: float,
+                max_age_s: float | None = None) -> dict[int, float]:
+    """The chunk costs measured within `max_age_s` (COST_RETRY_S) of `now`: a bucket whose
+    measure is older counts as unmeasured, so a size ruled out while the machine was busy is
+    tried again (and re-measured) at most once per COST_RETRY_S, instead of never."""
+    age = COST_RETRY_S if max_age_s is None else max_age_s
+    return {b: c for b, c in costs.items() if now - measured_at.get(b, now) <= age}
 
 
 def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: float, *, from_above: bool = False) -> int:
