@@ -259,7 +259,7 @@ def config_has_tower(cfg: ModelConfig | None) -> bool:
 def cast_towers(params: dict, cfg: ModelConfig, dtype: Any) -> dict:
     """`params` with every "tower" leaf (the vision/audio towers' weight matrices and tables)
     in `dtype`; norms, scalars and clip bounds stay float32, the text model is untouched. The
-    encoder dtype is a choice of its own (`gemma4.plan.hardware_checks.choose_encoder_dtype`)."""
+    encoder dtype is a choice of its own (`gemma4.plan.hardware_checks.decide_encoder_dtype`)."""
     specs = param_specs(cfg)
     out = dict(params)
     for key in TOWER_KEYS:

@@ -116,7 +116,7 @@ class Plan:
     int8_matmul: Choice = _INT8_MATMUL_PENDING  # "measured" | "default" | a path of gemma4.ops.int8_matmul
     # The vision/audio towers' dtype (weights and activations; "none" without a tower): their
     # products are compute-bound GEMMs of hundreds of rows, unlike batch-1 decode (see
-    # hardware_checks.choose_encoder_dtype).
+    # hardware_checks.decide_encoder_dtype, before the load).
     encoder_dtype: Choice = _ENCODER_DTYPE_PENDING
 
     def choices(self) -> dict[str, Choice]:
