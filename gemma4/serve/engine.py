@@ -1131,7 +1131,10 @@ class Engine:
         forced = self.chunk_override[alone]
         if forced is not None:
             return forced
-        costs = fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic())
+        # Alone, a size ruled out on a busy moment is retried once its measure is stale (nobody's
+        # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
+        costs = (fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic()) if alone
+                 else self._chunk_cost[fresh])
         # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
         floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
         return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)

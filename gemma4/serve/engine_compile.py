@@ -42,8 +42,9 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; l
 INTERLEAVE_STEPS = 2.0
 FLOOR_SLACK = 2.0
 LONE_CHUNK_S = 1.0
-# A measured cost is trusted this long; then its bucket is tried again (`fresh_costs`): costs
-# follow the machine's load, and a size ruled out on a busy moment would otherwise stay out.
+# Alone, a measured cost is trusted this long; then its bucket is tried again (`fresh_costs`):
+# costs follow the machine's load, and a size ruled out on a busy moment would otherwise stay out
+# (beside running streams it stays out: a retry would give them one over-budget gap).
 COST_RETRY_S = 30.0
 
 
