@@ -216,6 +216,21 @@ def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
                            f"vocabulary (ids 0 to {vocab_size - 1}).")
 
 
+def encode_batches(sizes: Sequence[int], batch: int = ENCODE_BATCH):
+    """(size, indices, padded indices) per tower call: items of one size (an image's patch budget,
+    a clip's frame bucket) go together, at most `batch` at a time, padded to the next width of
+    `decode_widths` by repeating the last one (so few shapes compile)."""
+    groups: dict[int, list[int]] = {}
+    for i, size in enumerate(sizes):
+        groups.setdefault(int(size), []).append(i)
+    widths = decode_widths(batch)
+    for size, idx in groups.items():
+        for at in range(0, len(idx), batch):
+            part = idx[at:at + batch]
+            width = next(w for w in widths if w >= len(part))
+            yield size, part, part + [part[-1]] * (width - len(part))
+
+
 def vision_layout(segments: Sequence[int] | Sequence[Segment]) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
     """(vision_groups [n] int32 or None, spans) of a prompt's segments: each `Embeddings` run
     marked `vision` is one group (its index in order), every other position -1; spans are the
@@ -425,10 +440,10 @@ class Engine:
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
-        self._vision_exe: dict[tuple[int, int], Any] = {}  # the tower compiled per (batch, max_patches)
-        self._vision_lock = threading.Lock()
+        # the towers compiled per (kind, batch, size): ("vision", width, max_patches), ("audio", width, frames)
+        self._tower_exe: dict[tuple[str, int, int], Any] = {}
+        self._tower_lock = threading.Lock()
         self._encode_info = threading.local()  # per calling thread: what its last encode_images/encode_audio did
-        self._audio_exe: dict[tuple[int, int], Any] = {}  # the audio tower compiled per (batch, frames)
         self.audio_buckets = audio_frame_buckets()  # the compiled clip lengths (`audio_bucket`); tests may narrow it
         # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
         # by (first chunk?, bucket) and per decode step, running means.
@@ -804,23 +819,15 @@ class Engine:
         if not ok:
             raise RequestError(f"Images are not available: {why}.")
         out: list[np.ndarray | None] = [None] * len(patches)
-        by_size: dict[int, list[int]] = {}
-        for i, p in enumerate(patches):
-            by_size.setdefault(int(np.shape(p.pixel_values)[0]), []).append(i)
         compiled, t0 = False, time.perf_counter()
-        widths = decode_widths(ENCODE_BATCH)
-        for size, idx in by_size.items():
-            for at in range(0, len(idx), ENCODE_BATCH):
-                part = idx[at:at + ENCODE_BATCH]
-                width = next(w for w in widths if w >= len(part))
-                take = part + [part[-1]] * (width - len(part))
-                pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
-                pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
-                exe, new = self._vision_executable(width, size)
-                compiled |= new
-                rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
-                for j, i in enumerate(part):
-                    out[i] = rows[j, :int(patches[i].num_soft_tokens)]
+        for size, part, take in encode_batches([int(np.shape(p.pixel_values)[0]) for p in patches]):
+            pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
+            pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
+            exe, new = self._tower_executable("vision", len(take), size)
+            compiled |= new
+            rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
+            for j, i in enumerate(part):
+                out[i] = rows[j, :int(patches[i].num_soft_tokens)]
         self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
         return out  # type: ignore[return-value]
 
@@ -829,16 +836,17 @@ class Engine:
         before one): whether it compiled a tower shape, and its seconds (compile included)."""
         return dict(getattr(self._encode_info, "last", {}))
 
-    def _vision_executable(self, width: int, max_patches: int):
-        """(the compiled tower for [width, max_patches] patches, whether this call compiled it)."""
-        key = (width, max_patches)
-        with self._vision_lock:
-            if key in self._vision_exe:
-                return self._vision_exe[key], False
-            # Lowered under the compile threads' lock (`_lower`'s "vision" kind): two traces at once
+    def _tower_executable(self, kind: str, width: int, size: int):
+        """(the compiled tower `kind` ("vision": [width, size] patches; "audio": [width, size]
+        feature frames), whether this call compiled it)."""
+        key = (kind, width, size)
+        with self._tower_lock:
+            if key in self._tower_exe:
+                return self._tower_exe[key], False
+            # Lowered under the compile threads' lock (`_lower`'s tower kinds): two traces at once
             # broke a prefill compile here (a jaxpr KeyError) while an image was encoded.
-            exe = self.shapes.compile(("vision", width, max_patches))
-            self._vision_exe[key] = exe
+            exe = self.shapes.compile(key)
+            self._tower_exe[key] = exe
             return exe, True
 
     # ---------------------------------------------------------------- audio
@@ -874,47 +882,31 @@ class Engine:
         if not ok:
             raise RequestError(f"Audio is not available: {why}.")
         out: list[np.ndarray | None] = [None] * len(features)
-        by_bucket: dict[int, list[int]] = {}
         for i, f in enumerate(features):
             if int(f.num_soft_tokens) < 1:
                 raise RequestError(f"Audio clip {i + 1} is too short to hear (no soft token: under 40 ms of sound); "
                                    "send a longer clip.")
-            by_bucket.setdefault(audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets), []).append(i)
         compiled, t0 = False, time.perf_counter()
-        widths = decode_widths(ENCODE_BATCH)
-        for frames, idx in by_bucket.items():
-            for at in range(0, len(idx), ENCODE_BATCH):
-                part = idx[at:at + ENCODE_BATCH]
-                width = next(w for w in widths if w >= len(part))
-                take = part + [part[-1]] * (width - len(part))
-                feats = np.zeros((width, frames, FEATURE_SIZE), np.float32)
-                mask = np.zeros((width, frames), bool)
-                for j, i in enumerate(take):
-                    n = int(np.shape(features[i].features)[0])
-                    feats[j, :n] = features[i].features
-                    mask[j, :n] = features[i].mask
-                exe, new = self._audio_executable(width, frames)
-                compiled |= new
-                soft, valid = exe(self.params, jnp.asarray(feats), jnp.asarray(mask))
-                soft, valid = np.asarray(soft, np.float32), np.asarray(valid)
-                for j, i in enumerate(part):
-                    n = int(features[i].num_soft_tokens)
-                    if int(valid[j].sum()) != n or not valid[j, :n].all():  # the tower and the front end disagree
-                        raise RuntimeError(f"the audio tower marks {int(valid[j].sum())} valid rows for a clip of "
-                                           f"{n} soft tokens")
-                    out[i] = soft[j, :n]
+        buckets = [audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets) for f in features]
+        for frames, part, take in encode_batches(buckets):
+            feats = np.zeros((len(take), frames, FEATURE_SIZE), np.float32)
+            mask = np.zeros((len(take), frames), bool)
+            for j, i in enumerate(take):
+                n = int(np.shape(features[i].features)[0])
+                feats[j, :n] = features[i].features
+                mask[j, :n] = features[i].mask
+            exe, new = self._tower_executable("audio", len(take), frames)
+            compiled |= new
+            soft, valid = exe(self.params, jnp.asarray(feats), jnp.asarray(mask))
+            soft, valid = np.asarray(soft, np.float32), np.asarray(valid)
+            for j, i in enumerate(part):
+                n = int(features[i].num_soft_tokens)
+                if int(valid[j].sum()) != n or not valid[j, :n].all():  # the tower and the front end disagree
+                    raise RuntimeError(f"the audio tower marks {int(valid[j].sum())} valid rows for a clip of "
+                                       f"{n} soft tokens")
+                out[i] = soft[j, :n]
         self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
         return out  # type: ignore[return-value]
-
-    def _audio_executable(self, width: int, frames: int):
-        """(the compiled audio tower for [width, frames] feature frames, whether this call compiled it)."""
-        key = (width, frames)
-        with self._vision_lock:  # one lock for both towers' compile-on-first-use (see _vision_executable)
-            if key in self._audio_exe:
-                return self._audio_exe[key], False
-            exe = self.shapes.compile(("audio", width, frames))
-            self._audio_exe[key] = exe
-            return exe, True
 
     # ---------------------------------------------------------------- requests
     def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:
