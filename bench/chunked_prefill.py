@@ -119,12 +119,21 @@ def main(argv=None) -> dict:
     short.thread.join(900)
     prefill_end = long.times[0]
     beside_gaps = run.gaps(long.sent, prefill_end)
+    # where the worst gaps fell (seconds after the long prompt was sent), and the chunk sizes run
+    worst = sorted(((b - a, b - long.sent) for a, b in zip(run.times, run.times[1:]) if long.sent <= b <= prefill_end),
+                   reverse=True)[:5]
+    sizes: dict[int, int] = {}
+    for _, length, bucket in long.req.prefill_chunks:
+        sizes[bucket] = sizes.get(bucket, 0) + 1
     run.stop()
     beside = {"worst_gap_s": max(beside_gaps), "median_gap_s": statistics.median(beside_gaps),
               "worst_over_solo": max(beside_gaps) / solo_median, "short_ttft_s": short.ttft,
               "long_ttft_s": long.ttft, "long_chunks": long.final.stats["chunks"],
               "long_interleaved_steps": long.final.stats.get("prefill_interleaved_steps"),
-              "stream_tokens_during_prefill": len(beside_gaps)}
+              "stream_tokens_during_prefill": len(beside_gaps),
+              "p90_gap_s": statistics.quantiles(beside_gaps, n=10)[-1] if len(beside_gaps) > 1 else beside_gaps[0],
+              "worst_gaps_at_s": [(round(g, 3), round(at, 2)) for g, at in worst],
+              "chunk_buckets": {str(b): n for b, n in sorted(sizes.items())}}
 
     # 3. alone: the long prompt by itself, then with the 4-token request 1 s later
     only = Stream(engine, long_ids, greedy(4))
@@ -148,8 +157,10 @@ def main(argv=None) -> dict:
     print(f"solo stream: median gap {1000 * solo_median:.0f} ms, worst {1000 * max(solo_gaps):.0f} ms")
     print(f"beside a {len(long_ids)}-token prefill ({beside['long_chunks']} chunks, TTFT {beside['long_ttft_s']:.2f} s): "
           f"worst gap {1000 * beside['worst_gap_s']:.0f} ms = {beside['worst_over_solo']:.1f}× solo (target ≤ 3×), "
-          f"median {1000 * beside['median_gap_s']:.0f} ms; 4-token request TTFT {beside['short_ttft_s']:.2f} s "
+          f"median {1000 * beside['median_gap_s']:.0f} ms, p90 {1000 * beside['p90_gap_s']:.0f} ms; 4-token request TTFT {beside['short_ttft_s']:.2f} s "
           f"(target ≤ 1 s)")
+    print(f"  worst gaps (s, at s after the long prompt was sent): {beside['worst_gaps_at_s']}; "
+          f"chunks by bucket {beside['chunk_buckets']}")
     print(f"alone: the long prompt's TTFT {alone['long_ttft_s']:.2f} s ({alone['long_chunks']} chunks); with a "
           f"4-token request 1 s later: its TTFT {alone['short_ttft_s']:.2f} s, the long one's "
           f"{alone['long_ttft_with_short_s']:.2f} s")

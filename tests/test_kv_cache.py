@@ -119,6 +119,19 @@ def test_later_chunks_equal_full_recompute():
     assert greedy_cached([prompt], 12, buckets=(8,)) == [greedy_full(prompt, 12)]
 
 
+@pytest.mark.parametrize("bucket", [2, 3, 4])
+def test_later_chunks_written_first_into_the_ring_equal_full_recompute(bucket):
+    """Chunks of up to slack + 1 tokens are written into a sliding layer's ring before they attend
+    (the ring holds window + slack slots, so none of the chunk's queries loses a key); a bigger
+    chunk concatenates. Both continue as the whole prompt recomputed, the ring wrapping many times."""
+    window = CFG.sliding_window
+    ring = kv_cache.init_cache(CFG, 1, MAX_LEN, jnp.float32)[0]
+    assert ring["pos"].shape[1] == window + kv_cache.ring_slack(window) < 30
+    assert kv_cache.ring_writes_first(ring, window, bucket) == (bucket <= kv_cache.ring_slack(window) + 1)
+    prompt = _prompt(13, 30)
+    assert greedy_cached([prompt], 10, buckets=(bucket,)) == [greedy_full(prompt, 10)]
+
+
 def test_long_padding_never_evicts_real_tokens():
     """The field bug: right-padding longer than the ring must not overwrite the real window."""
     prompt = _prompt(11, 6)
@@ -160,5 +173,7 @@ def test_cache_slots_hold_only_real_positions():
     _, cache, _ = M.forward(PARAMS, CFG, jnp.asarray(toks), jnp.asarray(pos), cache)
     for idx, entry in cache.items():
         held = sorted(int(p) for p in np.asarray(entry["pos"][0]) if p >= 0)
-        want = list(range(12, 20)) if CFG.layers[idx].is_sliding else list(range(20))
+        slots = kv_cache.slots_for(CFG.layers[idx], CFG, MAX_LEN)
+        assert slots < 20 or not CFG.layers[idx].is_sliding  # the ring wrapped
+        want = list(range(20 - slots, 20)) if CFG.layers[idx].is_sliding else list(range(20))
         assert held == want, f"layer {idx} holds {held}"

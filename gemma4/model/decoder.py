@@ -255,20 +255,23 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
     return q, k, v
 
 
-def _write_first(spec: LayerSpec, entry: dict, dtype: Any) -> bool:
+def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: Any, tokens: int) -> bool:
     """Whether a chunk of several tokens may be written to the cache before it attends, reading
-    its own keys back from there instead of concatenating the cached row with them (a copy of
-    the whole row per layer: ~50 ms of a later 16-token chunk of the bundled model at context
-    4096, 2-core AMD EPYC Zen 4). Exact only on a full layer (no ring: no slot the chunk needs
-    is overwritten) whose cache stores the compute dtype (no int8 / fp8 rounding of its keys)."""
-    return not spec.is_sliding and "k_scale" not in entry and entry["k"].dtype == jnp.dtype(dtype)
+    its own keys back from there instead of concatenating the cached row with them: reading a
+    cache before writing it in place makes XLA:CPU copy the whole layer cache (twice; see
+    `kv_cache.WRITE_FIRST_TOKENS`), and the concatenation copies the row. Exact where the cache
+    stores the compute dtype (no int8 / fp8 rounding of the chunk's own keys) and, on a sliding
+    layer, where the ring has room for the chunk beside the window (`kv_cache.ring_writes_first`)."""
+    if "k_scale" in entry or entry["k"].dtype != jnp.dtype(dtype):
+        return False
+    return not spec.is_sliding or kv_cache.ring_writes_first(entry, cfg.sliding_window, tokens)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
             cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None,
-            vision_groups: jax.Array | None = None):
+            vision_groups: jax.Array | None = None, head: jax.Array | None = None):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -290,6 +293,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                  token). Where `cfg.bidirectional_vision`, sliding layers let a soft token see every
                  soft token of its image in this call (`vision_mask`); full layers and decode steps
                  (T == 1) stay causal. None (static): the text path, unchanged.
+      head:      None, or a traced bool: where false the LM head is skipped and the logits are zeros
+                 (a prefill chunk that is not its prompt's last needs no logits; the head is a
+                 whole pass over the embedding table: ~5 ms of a bundled-model chunk on 2 cores).
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -320,10 +326,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             keys, values, key_pos = k, v, positions
             if cache is not None:
                 new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        elif T == 1 or _write_first(spec, cache[spec.index], dtype):
-            # Decode: write first, then attend over the cache alone (no concatenated copy). The
-            # ring then holds exactly the window ending at this token. A later prefill chunk on a
-            # full layer too (`_write_first`).
+        elif T == 1 or _write_first(spec, cfg, cache[spec.index], dtype, T):
+            # Decode: write first, then attend over the cache alone (no concatenated copy; the
+            # mask keeps a sliding layer to its window). A later prefill chunk too where that is
+            # exact (`_write_first`).
             new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
             keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype, cache_row, B,
                                                   None if spec.is_sliding else kv_len, options.rows_sharded)
@@ -361,4 +367,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
 
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
-    return lm_head(params, cfg, x), new_cache, hidden
+    if head is None:
+        return lm_head(params, cfg, x), new_cache, hidden
+    shape = jax.eval_shape(lambda h: lm_head(params, cfg, h), x)
+    logits = jax.lax.cond(head, lambda h: lm_head(params, cfg, h), lambda h: jnp.zeros(shape.shape, shape.dtype), x)
+    return logits, new_cache, hidden

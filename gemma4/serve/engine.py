@@ -365,7 +365,8 @@ class TokenStream:
 # ------------------------------------------------------------------------------ compiled steps
 def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
     """Prefill one chunk of one request into cache row `row` (in place); sample a token from its
-    last position.
+    position `last` [1] (last < 0: a chunk that is not the prompt's last, whose token nobody
+    reads: the LM head is skipped and the token is meaningless).
 
     fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
     (skipping a read of the whole empty row); later chunks attend to the cached ones too.
@@ -387,8 +388,9 @@ def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, e
         own = M.embed_tokens(params, cfg, tokens, options.dtype)
         inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
     groups = {} if vision_groups is None else {"vision_groups": vision_groups}
-    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
-                                 attend_cache=not fresh, cache_row=row, inputs_embeds=inputs, **groups)
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options,
+                                 logits_at=jnp.maximum(last, 0), attend_cache=not fresh, cache_row=row,
+                                 inputs_embeds=inputs, head=last[0] >= 0, **groups)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
@@ -451,6 +453,7 @@ class Engine:
         self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
         self._decode_cost: float | None = None
         self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
+        self._ran: set[tuple] = set()  # shapes run at least once (`_first_run_due`); scheduler thread only
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
         self.chunk_override: dict[bool, int | None] = {
@@ -485,15 +488,19 @@ class Engine:
         return self
 
     def wait_compiled(self, timeout: float | None = None) -> "Engine":
-        """wait_ready, then wait until the background compiles are done (benchmarks that must not
-        measure a fallback shape or share the CPU with a compile). Background compiles run only
-        while the engine is idle."""
+        """wait_ready, then wait until the background compiles are done and each shape has run
+        once (benchmarks that must not measure a fallback shape, a first run, or share the CPU
+        with a compile). Background compiles and first runs happen only while the engine is idle."""
         end = None if timeout is None else time.monotonic() + timeout
         self.wait_ready(timeout)
         try:
             self.shapes.wait_all(None if end is None else max(0.0, end - time.monotonic()))
         except TimeoutError:  # the message names the caller's whole timeout
             raise TimeoutError(f"{self.shapes.pending()} shapes still compiling after {timeout} s") from None
+        while self._status["state"] == "ready" and self.link is None and self._never_ran():
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"{len(self._never_ran())} compiled shapes not run once after {timeout} s")
+            time.sleep(0.05)
         return self
 
     def compile_state(self) -> dict:
@@ -744,6 +751,34 @@ class Engine:
                 self.shapes.wait_any(todo, timeout=0.5)
         self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
 
+    def _never_ran(self) -> list[tuple]:
+        """Compiled prefill/decode shapes that have not run yet (the warm-up ran the first ones)."""
+        return [k for k in self.shapes.compiled() if k[0] in ("prefill", "decode") and k not in self._ran]
+
+    def _first_run_due(self) -> tuple | None:
+        """A compiled shape to run once now, on idle inputs: an executable's first run costs far
+        more than the next ones (bundled model: a decode step's 0.3-0.5 s against 0.02 s), and
+        it would otherwise land on a request, as one over-long gap of every running stream (the
+        first 4-row decode step when a third request joins, measured). Only while the engine has
+        been idle for BACKGROUND_IDLE_S (as background compiles), and one shape at a time, so a
+        request that arrives waits for at most one such run."""
+        if not self._idle_for_background():
+            return None
+        todo = self._never_ran()
+        return todo[0] if todo else None
+
+    def _first_run(self, key: tuple) -> None:
+        """Run `key` once on idle inputs, then once more timed (the chunk-size costs' seed, as at
+        warm-up). A failure only logs: a request that needs the shape meets it with its own error."""
+        self._ran.add(key)
+        try:
+            self._run_idle(key)
+            t = time.perf_counter()
+            self._run_idle(key)
+            self._note_cost(key, time.perf_counter() - t)
+        except Exception as e:
+            log.warning("first run of %s failed: %s: %s", describe_shape(key), type(e).__name__, e)
+
     def _run_idle(self, key: tuple) -> None:
         """Run one executable on idle inputs (every position -1: nothing is written or attended)."""
         kind, size, _ = key
@@ -765,11 +800,13 @@ class Engine:
                     embeds=None, embed_mask=None, vision_groups=None) -> tuple[int, bool]:
         """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
         [bucket] (padding: position -1) into cache row `row`; returns (the token sampled at chunk
-        index `last`, whether its logits were non-finite). `embeds` [bucket, hidden] and
+        index `last` (-1: not the prompt's last chunk, no token is sampled worth reading), whether its
+        logits were non-finite). `embeds` [bucket, hidden] and
         `embed_mask` [bucket] go with a ("prefill_embeds", …) key, and `vision_groups` [bucket]
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
+        self._ran.add(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, last, sampling)
         args = [self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.int32(row),
@@ -786,6 +823,7 @@ class Engine:
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
         exe, _ = self.shapes.executable(key)
+        self._ran.add(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, 0, sampling)
         token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
@@ -992,6 +1030,7 @@ class Engine:
         waiting request to a free row, runs one prefill chunk of one prefilling request, and one
         decode step of every row whose prompt is in (see `_schedule_once`)."""
         while True:
+            first_run = None
             with self._lock:
                 while True:
                     if self._stop:
@@ -999,7 +1038,14 @@ class Engine:
                     admit = self._admission_locked()
                     if admit is not None or self._active:
                         break
-                    self._wake.wait()
+                    first_run = self._first_run_due()
+                    if first_run is not None:
+                        break
+                    self._wake.wait(0.25 if self.shapes.pending() or self._never_ran() else None)
+            if first_run is not None:
+                self._first_run(first_run)  # idle: no request was waiting
+                continue
+            with self._lock:
                 self._last_busy = time.monotonic()
             try:
                 if admit is not None:
@@ -1127,9 +1173,7 @@ class Engine:
         # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
         costs = (fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic()) if alone
                  else self._chunk_cost[fresh])
-        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
-        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, alone), from_above=alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,
@@ -1204,8 +1248,9 @@ class Engine:
             groups = np.full(bucket, -1, np.int32)
             if req.vision_groups is not None:
                 groups[:length] = req.vision_groups[chunk]
-        token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1, self._sampling_rows([req]),
-                                      embeds, mask, groups)
+        final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
+        token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1 if final else -1,
+                                      self._sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
         self._note_cost(key, t1 - t0)
         req.prefilled += length

@@ -22,25 +22,27 @@ from gemma4.env import env_int
 
 log = logging.getLogger("gemma4.serve.engine")
 
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512)  # ≤ 50% padding above 16; longer prompts are chunked
+# ≤ 50% padding above 16; longer prompts are chunked. 8 is for chunks beside running streams (a
+# later 8-token chunk of the bundled model costs ~1.7 decode steps, a 16-token one ~2.5 on a 2-core
+# AMD EPYC Zen 4), not for a first compile: the shape compiled before ready is FIRST_BUCKET's.
+PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 384, 512)
+FIRST_BUCKET = 16  # the smallest prompt bucket at least this big is compiled before ready (a chat turn's)
 
 # How big a prefill chunk is (the one place: `chunk_budget_s` and `chunk_limit`). A prompt is
 # prefilled one chunk per scheduler iteration, between decode steps of the running streams, so a
 # chunk's cost is added to every running stream's inter-token gap, and a request that arrives
 # meanwhile waits for the chunk in flight. Beside running streams a chunk may cost
-# INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap), but never less than
-# FLOOR_SLACK × a chunk of the smallest bucket: where one prefill call has a high fixed cost
-# (the bundled model's int8 prefill of a 16-token later chunk: ~0.17-0.26 s, most of it attending
-# over the whole cache row, against ~0.04-0.07 s a decode step, on a 2-core AMD EPYC Zen 4 under
-# load 2-4; docs/performance.md) smaller chunks no longer shorten the gap, they only slow the
-# prefill down. Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
+# INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap); where even the smallest
+# bucket costs more (a prefill call's fixed cost: the bundled model's later 8-token chunk ~45 ms
+# against a ~20 ms decode step on a 2-core AMD EPYC Zen 4, docs/performance.md), the smallest it
+# is: the gap is what the policy protects, the long prompt pays with more, smaller chunks.
+# Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
 # at most that much of someone else's prefill). Costs are measured: the engine times every chunk
 # and decode step it runs (seeded at warm-up): beside streams the size grows from the smallest
 # bucket as measures allow, alone it starts at the largest and steps down (`chunk_limit`).
 # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
 # (tokens, rounded down to a bucket) override the choice.
 INTERLEAVE_STEPS = 2.0
-FLOOR_SLACK = 2.0
 LONE_CHUNK_S = 1.0
 # Alone, a measured cost is trusted this long; then its bucket is tried again (`fresh_costs`):
 # costs follow the machine's load, and a size ruled out on a busy moment would otherwise stay out
@@ -105,11 +107,10 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
-def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -> float:
+def chunk_budget_s(decode_s: float | None, alone: bool) -> float:
     """Seconds one prefill chunk may cost (see INTERLEAVE_STEPS above): `decode_s` a decode step's
-    measured cost, `floor_s` a chunk of the smallest bucket's (the fixed cost of a prefill call;
-    None: not measured yet)."""
-    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, FLOOR_SLACK * floor_s if floor_s else 0.0)
+    measured cost (None: not measured yet, so the smallest bucket beside running streams)."""
+    beside = INTERLEAVE_STEPS * decode_s if decode_s else 0.0
     return max(beside, LONE_CHUNK_S) if alone else beside
 
 
@@ -237,7 +238,7 @@ class CompiledShapes:
 
     def _shape_plan(self) -> tuple[list[tuple], list[tuple]]:
         """(before ready, background) shape keys in compile order. Before ready: the smallest
-        prefill bucket and decode width 1 (a bigger first bucket would serve more prompts at once
+        prefill bucket of at least FIRST_BUCKET tokens and decode width 1 (a bigger first bucket would serve more prompts at once
         but costs every short prompt: bundled model, 7 tokens, TTFT 0.16 s in bucket 16, 0.6 s in
         64). Then the buckets up to 64 (chat turns), the other widths, the later-chunk shapes
         (a prompt longer than one chunk), the longer buckets, and every width at the longer cache
@@ -245,11 +246,12 @@ class CompiledShapes:
         enough none compiles on a request's path (a missing one is compiled when first needed,
         and only the request that needs it waits for it)."""
         n0 = self.kv_lengths[0]
-        first = [("prefill", self.buckets[0], True), ("decode", self.widths[0], n0)]
-        short = [("prefill", b, True) for b in self.buckets[1:] if b <= 64]
+        b0 = next((b for b in self.buckets if b >= FIRST_BUCKET), self.buckets[-1])
+        first = [("prefill", b0, True), ("decode", self.widths[0], n0)]
+        short = [("prefill", b, True) for b in self.buckets if b <= 64 and b != b0]
         later = [("prefill", b, False) for b in self.buckets]
         rest = (short + [("decode", w, n0) for w in self.widths[1:]] + later
-                + [("prefill", b, True) for b in self.buckets[1:] if b > 64]
+                + [("prefill", b, True) for b in self.buckets if b > 64 and b != b0]
                 + [("decode", w, n) for n in self.kv_lengths[1:] for w in self.widths])
         return first, rest
 
@@ -333,6 +335,11 @@ class CompiledShapes:
         """The compiled executable for `key`, or None (not compiled, or hidden by `usable_only`)."""
         with self._cond:
             return self._exe[key] if self._usable_locked(key) else None
+
+    def compiled(self) -> list[tuple]:
+        """The keys compiled so far, in the order they were compiled."""
+        with self._cond:
+            return [k for k in self._exe if self.usable_only is None or k in self.usable_only]
 
     def failure(self, key: tuple) -> str | None:
         """Why compiling `key` failed, or None."""
