@@ -157,7 +157,7 @@ def measure_ours(spec: dict) -> dict:
                 "finish_reason": getattr(final, "finish_reason", None)}
 
     if spec["mode"] == "quality":
-        row["quality"] = ours_quality(engine, spec, greedy)
+        row["quality"] = ours_quality(engine, spec, greedy, conversation)
         row["peak_rss_mib"] = peers.peak_rss_mib()
         return row
 
@@ -211,14 +211,15 @@ def measure_ours(spec: dict) -> dict:
         row[f"agg_b{B}_detail"] = details
 
     if spec.get("quality_prompts"):
-        row["quality"] = ours_quality(engine, spec, greedy)
+        row["quality"] = ours_quality(engine, spec, greedy, conversation)
     row["peak_rss_mib"] = peers.peak_rss_mib()
     row["rss_loaded_mib"] = rss_loaded
     return row
 
 
-def ours_quality(engine, spec: dict, greedy) -> list[dict]:
-    """Greedy continuations of the quality prompts: token ids when `generate` returns them."""
+def ours_quality(engine, spec: dict, greedy, conversation) -> list[dict]:
+    """Greedy continuations of the quality prompts (through the request layer `conversation`,
+    gemma4.serve.conversation): token ids when `generate` returns them."""
     out = []
     for text in spec["quality_prompts"]:
         params = greedy(spec["quality_tokens"])

@@ -47,3 +47,19 @@ def test_rows_from_a_busy_machine_are_flagged():
         "others_cores": 0.95, "steal_cores": 0.0, "load_avg_before": 1.2, "load_avg_after": 2.8}}
     (line,) = compare.busy_warnings([quiet, busy, {"stack": "failed", "weights": "x"}])
     assert "llama.cpp flash-attn off" in line and "0.95 cores" in line and "not comparable" in line
+
+
+def test_our_quality_rows_run_through_the_request_layer():
+    """compare.py's quality section for our engine (it once failed with a NameError, so the whole
+    "ours" row of a run was lost): greedy ids for each prompt, through gemma4.serve.conversation."""
+    from gemma4.serve import conversation
+    from gemma4.serve.engine import SamplingParams
+    from tests.scripted import tiny_gemma4
+
+    compare = _load("compare")
+    engine = tiny_gemma4()
+    spec = {"quality_prompts": ["The sky is", "One, two,"], "quality_tokens": 4}
+    rows = compare.ours_quality(engine, spec, lambda n: SamplingParams(temperature=0.0, max_new_tokens=n),
+                                conversation)
+    assert [r["prompt"] for r in rows] == spec["quality_prompts"]
+    assert all(r["ids"] and 1 <= len(r["ids"]) <= 4 for r in rows), rows
