@@ -16,7 +16,7 @@ import pytest
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.engine import Engine, RequestError
-from gemma4.serve.engine_compile import (INTERLEAVE_STEPS, LONE_CHUNK_S, chunk_budget_s, chunk_limit,
+from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, chunk_budget_s, chunk_limit,
                                          merge_spans, next_chunk, override_limit)
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -59,16 +59,19 @@ def test_chunk_size_is_the_largest_bucket_a_few_decode_steps_pay_for():
     buckets = (16, 32, 64, 128)
     # cheap chunks (floor well below the budget): tokens grow until the predicted cost exceeds it
     costs = {16: 0.010}
-    budget = chunk_budget_s(0.05, alone=False)
+    budget = chunk_budget_s(0.05, costs[16], alone=False)
     assert budget == INTERLEAVE_STEPS * 0.05
     assert chunk_limit(buckets, costs, budget) == 128      # 0.01 × 8 = 0.08 ≤ 0.1
     assert chunk_limit(buckets, {16: 0.010, 64: 0.09}, budget) == 64   # measured: 128 predicted 0.18
-    # a high fixed cost per call (int8 prefill): even the smallest chunk is over, so the smallest it is
-    assert chunk_limit(buckets, {16: 0.33}, chunk_budget_s(0.05, False)) == 16
+    # a high fixed cost per call (int8 prefill): the budget is FLOOR_SLACK × the cheapest chunk
+    costs = {16: 0.33}
+    assert chunk_budget_s(0.05, 0.33, alone=False) == pytest.approx(FLOOR_SLACK * 0.33)
+    assert chunk_limit(buckets, costs, chunk_budget_s(0.05, 0.33, False)) == 32
+    assert chunk_limit(buckets, {16: 0.33, 32: 0.32}, FLOOR_SLACK * 0.32) == 64
     # alone: LONE_CHUNK_S, from the largest bucket down as far as measures say; beside streams,
     # nothing measured: the smallest bucket
-    assert chunk_budget_s(0.05, alone=True) == LONE_CHUNK_S
-    assert chunk_budget_s(None, alone=False) == 0.0  # nothing measured: the smallest bucket
+    assert chunk_budget_s(0.05, 0.01, alone=True) == LONE_CHUNK_S
+    assert chunk_budget_s(None, None, alone=False) == 0.0  # nothing measured: the smallest bucket
     assert chunk_limit(buckets, {}, 1.0, from_above=True) == 128
     assert chunk_limit(buckets, {128: 1.4}, 1.0, from_above=True) == 64
     assert chunk_limit(buckets, {128: 1.4, 64: 0.9, 32: 0.5}, 1.0, from_above=True) == 64

@@ -1173,7 +1173,9 @@ class Engine:
         # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
         costs = (fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic()) if alone
                  else self._chunk_cost[fresh])
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, alone), from_above=alone)
+        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
+        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
+        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,

@@ -32,10 +32,14 @@ FIRST_BUCKET = 16  # the smallest prompt bucket at least this big is compiled be
 # prefilled one chunk per scheduler iteration, between decode steps of the running streams, so a
 # chunk's cost is added to every running stream's inter-token gap, and a request that arrives
 # meanwhile waits for the chunk in flight. Beside running streams a chunk may cost
-# INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap); where even the smallest
-# bucket costs more (a prefill call's fixed cost: the bundled model's later 8-token chunk ~45 ms
-# against a ~20 ms decode step on a 2-core AMD EPYC Zen 4, docs/performance.md), the smallest it
-# is: the gap is what the policy protects, the long prompt pays with more, smaller chunks.
+# INTERLEAVE_STEPS decode steps (their gap stays ≤ 3× their solo gap), but never less than
+# FLOOR_SLACK × a chunk of the smallest bucket: where one prefill call has a fixed cost above two
+# decode steps, smaller chunks shorten the gap little and slow the long prompt down a lot. On a
+# 2-core AMD EPYC Zen 4 (bundled model, int8) a later 8-token chunk costs ~45 ms against a ~20 ms
+# decode step: 8-token chunks gave a worst gap of 92 ms (4.6× solo) but a 3,500-token prompt
+# beside one stream took 28 s, and beside the soak's six streams long prompts waited minutes
+# (client timeouts); the floor's 16-token chunks give ~95 ms median gaps at twice the prefill
+# speed (docs/performance.md). GEMMA4_PREFILL_CHUNK=8 chooses the smaller gap.
 # Alone, a chunk may cost LONE_CHUNK_S (a request that arrives waits for
 # at most that much of someone else's prefill). Costs are measured: the engine times every chunk
 # and decode step it runs (seeded at warm-up): beside streams the size grows from the smallest
@@ -43,6 +47,7 @@ FIRST_BUCKET = 16  # the smallest prompt bucket at least this big is compiled be
 # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE
 # (tokens, rounded down to a bucket) override the choice.
 INTERLEAVE_STEPS = 2.0
+FLOOR_SLACK = 2.0
 LONE_CHUNK_S = 1.0
 # Alone, a measured cost is trusted this long; then its bucket is tried again (`fresh_costs`):
 # costs follow the machine's load, and a size ruled out on a busy moment would otherwise stay out
@@ -107,10 +112,11 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
-def chunk_budget_s(decode_s: float | None, alone: bool) -> float:
+def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -> float:
     """Seconds one prefill chunk may cost (see INTERLEAVE_STEPS above): `decode_s` a decode step's
-    measured cost (None: not measured yet, so the smallest bucket beside running streams)."""
-    beside = INTERLEAVE_STEPS * decode_s if decode_s else 0.0
+    measured cost, `floor_s` a chunk of the smallest bucket's (the fixed cost of a prefill call;
+    None: not measured yet)."""
+    beside = max(INTERLEAVE_STEPS * decode_s if decode_s else 0.0, FLOOR_SLACK * floor_s if floor_s else 0.0)
     return max(beside, LONE_CHUNK_S) if alone else beside
 
 
