@@ -16,8 +16,8 @@ import pytest
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.engine import Engine, RequestError
-from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, chunk_budget_s, chunk_limit,
-                                         merge_spans, next_chunk, override_limit)
+from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S, chunk_budget_s,
+                                         chunk_limit, merge_spans, next_chunk, override_limit, prefill_order)
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 BUCKETS = (16, 32, 64)
@@ -202,3 +202,18 @@ def test_a_bucket_ruled_out_on_a_busy_moment_is_tried_again():
     assert chunk_limit(buckets, fresh_costs(costs, at, 100.0 + 1), 1.0, from_above=True) == 128
     later = fresh_costs(costs, {**at, 16: 140.0, 128: 140.0}, 100.0 + COST_RETRY_S + 1)
     assert later == {16: 0.2, 128: 0.6} and chunk_limit(buckets, later, 1.0, from_above=True) == 256
+
+
+def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():
+    """Shortest remaining first, but a prompt whose last chunk is more than STARVE_S old goes first
+    (the longest waiting first), so steady short traffic cannot hold a long prompt back."""
+    from types import SimpleNamespace as R
+    now = 100.0
+    long = R(prompt_ids=[0] * 3500, prefilled=800, submitted=80.0, last_chunk_at=now - 0.5)
+    short = R(prompt_ids=[0] * 20, prefilled=0, submitted=now - 0.1, last_chunk_at=None)
+    mid = R(prompt_ids=[0] * 300, prefilled=0, submitted=now - 0.2, last_chunk_at=None)
+    assert prefill_order([long, mid, short], now) == [short, mid, long]
+    long.last_chunk_at = now - STARVE_S - 0.1
+    assert prefill_order([long, mid, short], now) == [long, short, mid]
+    mid.submitted = now - STARVE_S - 1.0  # waited longer still, before its first chunk
+    assert prefill_order([long, mid, short], now) == [mid, long, short]

@@ -75,7 +75,7 @@ from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
-                                         next_chunk, override_limit)
+                                         next_chunk, override_limit, prefill_order)
 from gemma4.serve.step_times import StepTimes
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
@@ -167,6 +167,7 @@ class Request:
     prefill_t0: float | None = None
     prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     interleaved_steps: int = 0
+    last_chunk_at: float | None = None  # time.perf_counter() when its last chunk ran (`prefill_order`)
 
     @property
     def prefilling(self) -> bool:
@@ -1183,14 +1184,13 @@ class Engine:
 
         Which request: the one with the fewest prompt tokens left (shortest remaining first), so
         a short prompt admitted during a long prefill has its single chunk run next and its
-        first token within about one chunk; a long prompt still moves whenever no shorter one is
-        pending, and it cannot be starved for long: every request holds one of max_batch rows, so
-        at most max_batch - 1 prompts can pass it, each once."""
+        first token within about one chunk; a long prompt moves whenever no shorter one is
+        pending, and one that has waited STARVE_S for its next chunk goes first
+        (`engine_compile.prefill_order`): new short prompts could otherwise pass it forever."""
         with self._lock:
             rows = list(self._active.values())
             waiting = bool(self._waiting)
-        pending = sorted((r for r in rows if r.prefilling and not r.cancel.is_set()),
-                         key=lambda r: (len(r.prompt_ids) - r.prefilled, r.submitted))
+        pending = prefill_order([r for r in rows if r.prefilling and not r.cancel.is_set()], time.perf_counter())
         alone = len(rows) == 1 and not waiting
         for req in pending:
             fresh = req.prefilled == 0
@@ -1255,6 +1255,7 @@ class Engine:
                                       self._sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
         self._note_cost(key, t1 - t0)
+        req.last_chunk_at = t1
         req.prefilled += length
         req.prefill_chunks.append((start, length, bucket))
         if req.prefilling:

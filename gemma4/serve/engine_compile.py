@@ -112,6 +112,24 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
+# A prompt whose last chunk ran this long ago goes first (`prefill_order`): shortest remaining first
+# lets every new short prompt pass a long one, and under steady traffic that can go on for minutes.
+STARVE_S = 2.0
+
+
+def prefill_order(pending: Sequence[Any], now: float, starve_s: float = STARVE_S) -> list[Any]:
+    """The order prefilling requests get their next chunk: the one with the fewest prompt tokens
+    left first (a short prompt's first token comes after one chunk), except that a request whose
+    last chunk — or, before its first, its submission — is more than `starve_s` old comes before
+    all others (the longest waiting first). Requests need `prompt_ids`, `prefilled`,
+    `submitted` and `last_chunk_at` (None before the first chunk), times on one clock."""
+    def waited(r) -> float:
+        return now - (r.last_chunk_at if r.last_chunk_at is not None else r.submitted)
+
+    return sorted(pending, key=lambda r: (waited(r) <= starve_s, -waited(r) if waited(r) > starve_s else 0.0,
+                                          len(r.prompt_ids) - r.prefilled, r.submitted))
+
+
 def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -> float:
     """Seconds one prefill chunk may cost (see INTERLEAVE_STEPS above): `decode_s` a decode step's
     measured cost, `floor_s` a chunk of the smallest bucket's (the fixed cost of a prefill call;
