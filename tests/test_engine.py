@@ -308,3 +308,16 @@ def test_flatten_segments_lays_runs_out_in_order():
         flatten_segments([Embeddings(np.ones((2, 3)))], pad_id=0, hidden=4)
     with pytest.raises(RequestError, match="2 rows but 1 ple_ids"):
         flatten_segments([Embeddings(rows, ple_ids=[1])], pad_id=0, hidden=4)
+
+
+def test_an_unbounded_compile_cache_gets_the_access_times_a_bounded_one_needs(tmp_path):
+    """The on-disk compile cache is bounded (so jax locks it across processes); entries written
+    while it was not have no access-time file, without which every later write would fail."""
+    from gemma4.serve.engine import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
+    (tmp_path / "jit_f-abc-cache").write_bytes(b"x")
+    (tmp_path / "jit_g-def-cache").write_bytes(b"y")
+    (tmp_path / "jit_g-def-atime").write_bytes((5).to_bytes(8, "little"))
+    backfill_cache_access_times(str(tmp_path))
+    assert (tmp_path / "jit_f-abc-atime").stat().st_size == 8
+    assert int.from_bytes((tmp_path / "jit_g-def-atime").read_bytes(), "little") == 5  # kept
+    assert COMPILE_CACHE_MAX_BYTES > 0

@@ -1363,13 +1363,37 @@ def _make_tokenizer(spec: dict, cfg: ModelConfig):
     raise ValueError(f"unknown tokenizer spec {spec}")
 
 
+# The on-disk compile cache's size bound. Any bound also makes jax take a file lock around every
+# read and write of it (filelock, which huggingface_hub already needs): without one, jax writes an
+# entry in place while another process may read it, and a reader that met a half-written entry
+# crashed (a segmentation fault in jax's compilation_cache.get_executable_and_time, seen with
+# two test runs compiling the same shapes at once).
+COMPILE_CACHE_MAX_BYTES = 8 << 30
+
+
 def _enable_compile_cache() -> None:
-    """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir)."""
+    """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir),
+    bounded and locked across processes (COMPILE_CACHE_MAX_BYTES)."""
     path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
     if path.lower() in ("", "off", "none"):
         return
     os.makedirs(path, exist_ok=True)
+    backfill_cache_access_times(path)
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
     jax.config.update("jax_compilation_cache_dir", path)
+
+
+def backfill_cache_access_times(path: str) -> None:
+    """Give every entry of a cache written while it was unbounded the access-time file a bounded
+    one keeps beside it (jax 0.10's names: KEY-cache, KEY-atime): with one missing, every write
+    to the cache fails (with a warning) and nothing new is cached."""
+    stamp = time.time_ns().to_bytes(8, "little")
+    for name in os.listdir(path):
+        if name.endswith("-cache"):
+            atime = os.path.join(path, name[:-len("-cache")] + "-atime")
+            if not os.path.exists(atime):
+                with open(atime, "wb") as f:
+                    f.write(stamp)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
