@@ -505,8 +505,9 @@ class Engine:
         return self
 
     def compile_state(self) -> dict:
-        """What is compiled, compiling and queued (for the Hardware panel and benchmarks)."""
-        return self.shapes.state()
+        """What is compiled, compiling and queued, and which compiled shapes have not run once yet
+        (`not_run_yet`; for the Hardware panel and benchmarks)."""
+        return dict(self.shapes.state(), not_run_yet=[describe_shape(k) for k in self._never_ran()])
 
     def info(self) -> dict:
         return dict(self._info)
