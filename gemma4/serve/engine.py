@@ -454,7 +454,7 @@ class Engine:
         self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
         self._decode_cost: float | None = None
         self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
-        self._ran: set[tuple] = set()  # shapes run at least once (`_first_run_due`); scheduler thread only
+        self._ran: set[tuple] = set()  # shapes run at least once (`_first_run_due`); written by the scheduler thread
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
         self.chunk_override: dict[bool, int | None] = {
