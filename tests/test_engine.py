@@ -96,8 +96,6 @@ def test_stats_are_reported(engine):
 
 def test_eight_concurrent_requests_match_their_solo_runs(engine):
     engine.wait_compiled(timeout=900)  # width 8 (else they decode 4 at a time until it is compiled)
-    state = engine.compile_state()
-    assert state["compiled"] and state["not_run_yet"] == []  # each ran once while idle, off any request
     prompts = [c["prompt"] for c in REFERENCE["prompts"]] + ["The three laws of motion", "My favourite food is",
                                                              "In 1969, the first"]
     solo = {p: conversation.generate(engine, p, GREEDY)["token_ids"] for p in prompts}

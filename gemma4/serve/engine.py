@@ -454,7 +454,6 @@ class Engine:
         self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
         self._decode_cost: float | None = None
         self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
-        self._ran: set[tuple] = set()  # shapes run at least once (`_first_run_due`); written by the scheduler thread
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
         self.chunk_override: dict[bool, int | None] = {
@@ -489,25 +488,20 @@ class Engine:
         return self
 
     def wait_compiled(self, timeout: float | None = None) -> "Engine":
-        """wait_ready, then wait until the background compiles are done and each shape has run
-        once (benchmarks that must not measure a fallback shape, a first run, or share the CPU
-        with a compile). Background compiles and first runs happen only while the engine is idle."""
+        """wait_ready, then wait until the background compiles are done (benchmarks that must not
+        measure a fallback shape or share the CPU with a compile). Background compiles run only
+        while the engine is idle."""
         end = None if timeout is None else time.monotonic() + timeout
         self.wait_ready(timeout)
         try:
             self.shapes.wait_all(None if end is None else max(0.0, end - time.monotonic()))
         except TimeoutError:  # the message names the caller's whole timeout
             raise TimeoutError(f"{self.shapes.pending()} shapes still compiling after {timeout} s") from None
-        while self._status["state"] == "ready" and self.link is None and self._never_ran():
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"{len(self._never_ran())} compiled shapes not run once after {timeout} s")
-            time.sleep(0.05)
         return self
 
     def compile_state(self) -> dict:
-        """What is compiled, compiling and queued, and which compiled shapes have not run once yet
-        (`not_run_yet`; for the Hardware panel and benchmarks)."""
-        return dict(self.shapes.state(), not_run_yet=[describe_shape(k) for k in self._never_ran()])
+        """What is compiled, compiling and queued (for the Hardware panel and benchmarks)."""
+        return self.shapes.state()
 
     def info(self) -> dict:
         return dict(self._info)
@@ -753,34 +747,6 @@ class Engine:
                 self.shapes.wait_any(todo, timeout=0.5)
         self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
 
-    def _never_ran(self) -> list[tuple]:
-        """Compiled prefill/decode shapes that have not run yet (the warm-up ran the first ones)."""
-        return [k for k in self.shapes.compiled() if k[0] in ("prefill", "decode") and k not in self._ran]
-
-    def _first_run_due(self) -> tuple | None:
-        """A compiled shape to run once now, on idle inputs: an executable's first run costs far
-        more than the next ones (bundled model: a decode step's 0.3-0.5 s against 0.02 s), and
-        it would otherwise land on a request, as one over-long gap of every running stream (the
-        first 4-row decode step when a third request joins, measured). Only while the engine has
-        been idle for BACKGROUND_IDLE_S (as background compiles), and one shape at a time, so a
-        request that arrives waits for at most one such run."""
-        if not self._idle_for_background():
-            return None
-        todo = self._never_ran()
-        return todo[0] if todo else None
-
-    def _first_run(self, key: tuple) -> None:
-        """Run `key` once on idle inputs, then once more timed (the chunk-size costs' seed, as at
-        warm-up). A failure only logs: a request that needs the shape meets it with its own error."""
-        self._ran.add(key)
-        try:
-            self._run_idle(key)
-            t = time.perf_counter()
-            self._run_idle(key)
-            self._note_cost(key, time.perf_counter() - t)
-        except Exception as e:
-            log.warning("first run of %s failed: %s: %s", describe_shape(key), type(e).__name__, e)
-
     def _run_idle(self, key: tuple) -> None:
         """Run one executable on idle inputs (every position -1: nothing is written or attended)."""
         kind, size, _ = key
@@ -808,7 +774,6 @@ class Engine:
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
-        self._ran.add(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, last, sampling)
         args = [self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.int32(row),
@@ -825,7 +790,6 @@ class Engine:
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
         exe, _ = self.shapes.executable(key)
-        self._ran.add(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, 0, sampling)
         token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
@@ -1032,7 +996,6 @@ class Engine:
         waiting request to a free row, runs one prefill chunk of one prefilling request, and one
         decode step of every row whose prompt is in (see `_schedule_once`)."""
         while True:
-            first_run = None
             with self._lock:
                 while True:
                     if self._stop:
@@ -1040,14 +1003,7 @@ class Engine:
                     admit = self._admission_locked()
                     if admit is not None or self._active:
                         break
-                    first_run = self._first_run_due()
-                    if first_run is not None:
-                        break
-                    self._wake.wait(0.25 if self.shapes.pending() or self._never_ran() else None)
-            if first_run is not None:
-                self._first_run(first_run)  # idle: no request was waiting
-                continue
-            with self._lock:
+                    self._wake.wait()
                 self._last_busy = time.monotonic()
             try:
                 if admit is not None:

@@ -360,11 +360,6 @@ class CompiledShapes:
         with self._cond:
             return self._exe[key] if self._usable_locked(key) else None
 
-    def compiled(self) -> list[tuple]:
-        """The keys compiled so far, in the order they were compiled."""
-        with self._cond:
-            return [k for k in self._exe if self.usable_only is None or k in self.usable_only]
-
     def failure(self, key: tuple) -> str | None:
         """Why compiling `key` failed, or None."""
         with self._cond:
