@@ -123,11 +123,12 @@ def prefill_order(pending: Sequence[Any], now: float, starve_s: float = STARVE_S
     last chunk — or, before its first, its submission — is more than `starve_s` old comes before
     all others (the longest waiting first). Requests need `prompt_ids`, `prefilled`,
     `submitted` and `last_chunk_at` (None before the first chunk), times on one clock."""
-    def waited(r) -> float:
-        return now - (r.last_chunk_at if r.last_chunk_at is not None else r.submitted)
+    def key(r) -> tuple:
+        waited = now - (r.last_chunk_at if r.last_chunk_at is not None else r.submitted)
+        starving = waited > starve_s
+        return (not starving, -waited if starving else 0.0, len(r.prompt_ids) - r.prefilled, r.submitted)
 
-    return sorted(pending, key=lambda r: (waited(r) <= starve_s, -waited(r) if waited(r) > starve_s else 0.0,
-                                          len(r.prompt_ids) - r.prefilled, r.submitted))
+    return sorted(pending, key=key)
 
 
 def chunk_budget_s(decode_s: float | None, floor_s: float | None, alone: bool) -> float:
