@@ -5,11 +5,14 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import gc  # noqa: E402
 import importlib  # noqa: E402
 import pkgutil  # noqa: E402
+import sys  # noqa: E402
 
 import anyio  # noqa: E402
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -56,3 +59,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("skips not allowed under CI (tests/conftest.py CI_ALLOWED_SKIPS)")
         for line in _unexpected_skips:
             terminalreporter.line(line)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_engines_after_each_module():
+    """Close every engine a test module started (get_engine's shared ones too) when the module
+    is done, so one test process never holds the executables of all of them: each compiled shape
+    holds ~400 memory mappings, and past vm.max_map_count XLA crashed the process (see
+    gemma4/serve/engine_compile.py's mapping limit)."""
+    yield
+    engine = sys.modules.get("gemma4.serve.engine")
+    if engine is not None:
+        engine.close_all_engines(timeout=120)
+        gc.collect()

@@ -7,6 +7,7 @@ compiles the other bucket (64) and widths (2, 4, 8) in the background while the 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -20,6 +21,7 @@ from gemma4.model import decoder as M
 from gemma4.serve import conversation
 from gemma4.serve import engine as E
 from gemma4.serve.engine import Embeddings, RequestError, check_vocabulary, flatten_segments, get_engine
+from gemma4.serve import engine_compile as EC
 from gemma4.serve.engine_compile import chunk_plan
 from gemma4.model.sampling import SamplingParams
 from tests.scripted import tiny_gemma4
@@ -257,8 +259,26 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
         assert ideal["token_ids"] == sub["token_ids"]
         long = conversation.generate(eng, list(range(10, 80)), greedy)  # 64 + 6: the later chunk's shape is new
         assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
+        held_open = EC.mapping_usage()
+        compiled = len(eng.compile_state()["compiled"])
     finally:
         eng.close(timeout=120)
+    # a closed engine nothing refers to gives its executables' JIT code back: ~400 memory
+    # mappings per compiled shape (tests/conftest.py closes and drops engines between modules)
+    del eng
+    gc.collect()
+    assert compiled >= 5
+    if held_open is not None:
+        assert held_open[0] - EC.mapping_usage()[0] > 100 * compiled, (held_open, EC.mapping_usage(), compiled)
+
+
+def test_a_compile_near_the_mapping_limit_is_refused_with_a_message():
+    """Past vm.max_map_count XLA crashes the process; a compile is refused before that."""
+    EC.check_mapping_headroom("decode 1 row", usage=(1_000, 65_530))
+    with pytest.raises(RuntimeError, match=r"63,000 memory mappings of the kernel's limit of 65,530 \(vm.max_map_count\)"):
+        EC.check_mapping_headroom("decode 1 row", usage=(63_000, 65_530))
+    usage = EC.mapping_usage()
+    assert usage is None or (0 < usage[0] < usage[1])
 
 
 # ---------------------------------------------------------------- the media seam: embedding segments

@@ -1338,6 +1338,8 @@ def _enable_compile_cache() -> None:
     backfill_cache_access_times(path)
     jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
     jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def backfill_cache_access_times(path: str) -> None:
@@ -1351,8 +1353,6 @@ def backfill_cache_access_times(path: str) -> None:
             if not os.path.exists(atime):
                 with open(atime, "wb") as f:
                     f.write(stamp)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 _engines: dict[tuple, Engine] = {}
@@ -1364,7 +1364,18 @@ _all_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 def _close_engines_at_exit() -> None:
     """Let compile threads finish before the interpreter goes away (a daemon thread inside an XLA
     compile at exit aborts the process)."""
-    end = time.monotonic() + 60
+    close_all_engines(timeout=60)
+
+
+def close_all_engines(timeout: float = 60) -> None:
+    """Close every engine of this process (waiting up to `timeout` s in all) and forget the ones
+    `get_engine` kept, so that a later `get_engine` builds a fresh one. Tests do this between
+    modules: each engine's executables hold memory mappings (engine_compile's mapping limit),
+    which go back to the kernel once nothing refers to the engine any more (jax keeps its
+    compiled executables as long as the engine's jitted steps live)."""
+    with _engines_lock:
+        _engines.clear()
+    end = time.monotonic() + timeout
     for eng in list(_all_engines):
         eng.close(timeout=max(0.0, end - time.monotonic()))
 

@@ -204,6 +204,43 @@ def kv_ladder(context_limit: int, first: int = 512) -> tuple[int, ...]:
     return tuple(out)
 
 
+# ------------------------------------------------------------------------------ the mapping limit
+# XLA:CPU loads each compiled kernel of an executable as its own small object: one executable of
+# the bundled model adds ~400 memory mappings (measured: 3 shapes of the tiny model 1,250, 12
+# shapes 4,900). Linux refuses mappings past vm.max_map_count (65,530 by default), and XLA does not
+# survive that: the process died with a segmentation fault or an abort while serializing or
+# loading an executable once a test process held ~160 of them. A compile is refused with this
+# message instead while fewer than MAPPING_HEADROOM mappings are left.
+MAPPINGS_PER_EXECUTABLE = 400
+MAPPING_HEADROOM = 8 * MAPPINGS_PER_EXECUTABLE
+
+
+def mapping_usage() -> tuple[int, int] | None:
+    """(mappings this process holds, the kernel's limit), or None where Linux's /proc says not."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return held, limit
+
+
+def check_mapping_headroom(what: str, usage: tuple[int, int] | None = None) -> None:
+    """Raise a clear error when compiling `what` could take the process past vm.max_map_count."""
+    usage = usage or mapping_usage()
+    if usage is None:
+        return
+    held, limit = usage
+    if limit - held < MAPPING_HEADROOM:
+        raise RuntimeError(
+            f"not compiling {what}: this process holds {held:,} memory mappings of the kernel's limit "
+            f"of {limit:,} (vm.max_map_count) and each compiled shape adds ~{MAPPINGS_PER_EXECUTABLE}; "
+            "close engines this process no longer uses, or raise the limit "
+            "(sysctl vm.max_map_count=262144)")
+
+
 # ------------------------------------------------------------------------------ the compiled shapes
 class CompiledShapes:
     """The executables of one engine by shape key — ("prefill", bucket, first chunk?) or
@@ -339,7 +376,9 @@ class CompiledShapes:
 
     def compile(self, key: tuple):
         """Lower and compile one shape ahead of time (hits the persistent compile cache when
-        warm); the result is returned, not kept (the compile threads keep theirs)."""
+        warm); the result is returned, not kept (the compile threads keep theirs). Refused with
+        a message when the process is near the kernel's limit on memory mappings."""
+        check_mapping_headroom(describe_shape(key))
         with self._lower_lock:
             lowered = self._lower(key)
         return lowered.compile()
