@@ -23,6 +23,15 @@ fi
 # The native int8 CPU matmul kernel (gemma4/ops/kernels/cpu_int8.cc): built once per jaxlib / CPU /
 # compiler into the cache; without a compiler the engine uses the XLA int8 paths and says so.
 .venv/bin/python -m gemma4.ops.kernels.cpu_int8 --setup || true
+# The test process builds many engines one after another; each compiled shape holds ~400 memory
+# mappings of XLA:CPU JIT code, and past vm.max_map_count (65,530 by default) XLA crashes (see
+# docs/engine-api.md). Where we may (root, writable /proc/sys), the test machine gets the limit
+# that databases and search engines commonly ask for; elsewhere the suite runs under the default.
+if [ "$want" = "dev" ] && [ "$(id -u)" = "0" ] && [ -w /proc/sys/vm/max_map_count ] \
+   && [ "$(cat /proc/sys/vm/max_map_count)" -lt 262144 ]; then
+  echo "[setup] raising vm.max_map_count to 262144 for the test process"
+  echo 262144 > /proc/sys/vm/max_map_count || echo "[setup] could not raise vm.max_map_count"
+fi
 if [ "$want" = "dev" ] && ! command -v chromium >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
     echo "[setup] installing Debian chromium for the browser test"
