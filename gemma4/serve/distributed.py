@@ -17,6 +17,11 @@ other process connects to it, and both ends exchange a byte every second. A clos
 or `heartbeat_s` of silence without a goodbye prints which process was lost and exits this
 process with status 3 (the mesh cannot continue without it); the runtime's own heartbeat is set
 to 3 × heartbeat_s so the watchdog speaks first.
+
+Process 0 also hosts the runtime's coordination service, and every other process's runtime aborts
+(a fatal log, status -6) the moment that service goes away. So when process 0 stops over a loss
+it first tells the others why (`L<reason>`) and waits up to RELAY_WAIT_S for them to stop with
+that message; only then does it exit.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from gemma4.serve.distributed_flags import DistributedError, Settings
 log = logging.getLogger("gemma4.serve.distributed")
 
 PING_INTERVAL_S = 1.0
+RELAY_WAIT_S = 3.0  # how long process 0 waits for the others to stop before it stops itself
 LOST_EXIT_CODE = 3
 # The measured CPU int8 path could differ per process (timings differ); the built-in formulation
 # is the same everywhere. A specific path the user forces (GEMMA4_INT8_MATMUL=native, ...) is kept.
@@ -185,6 +191,9 @@ def lost(reason: str) -> None:
                      f"cannot continue without every process, so this one stops too (exit status "
                      f"{LOST_EXIT_CODE}). Restart every process to serve again.\n")
     sys.stderr.flush()
+    watchdog = _state["watchdog"]
+    if watchdog is not None and watchdog.pid == 0:
+        watchdog.relay_loss(reason, RELAY_WAIT_S)
     os._exit(LOST_EXIT_CODE)
 
 
@@ -197,7 +206,10 @@ class Watchdog:
         port = _watchdog_port(int(port))
         self.pid, self.n, self.heartbeat_s = process_id, num_processes, heartbeat_s
         self.closing = threading.Event()
+        self.stopping = threading.Event()  # process 0 is stopping over a loss: peers leaving is expected
         self.peers: dict[int, socket.socket] = {}
+        self.gone: set[int] = set()
+        self._gone_changed = threading.Condition()
         self._send_lock = threading.Lock()
         if process_id == 0:
             self._accept(port, connect_timeout_s)
@@ -254,13 +266,45 @@ class Watchdog:
                 data, why = b"", f"connection error: {e}"
             else:
                 why = "it exited"
+            if data and b"L" in data:  # process 0 stops over a loss and says why (the reason may hold an S)
+                lost(f"process 0 stopped ({self._read_line(sock, data.split(b'L', 1)[1])})")
             if data and b"S" in data:
                 self.closing.set()  # a goodbye: the peer stops on purpose
             if data:
                 continue
-            if self.closing.is_set():
+            with self._gone_changed:
+                self.gone.add(peer)
+                self._gone_changed.notify_all()
+            if self.closing.is_set() or self.stopping.is_set():
                 return
             lost(f"lost contact with process {peer} ({why})")
+
+    @staticmethod
+    def _read_line(sock: socket.socket, start: bytes) -> str:
+        """The rest of a relayed reason, up to its newline (a second at most)."""
+        buf, end = start, time.monotonic() + 1.0
+        sock.settimeout(0.2)
+        while b"\n" not in buf and time.monotonic() < end:
+            try:
+                more = sock.recv(512)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not more:
+                break
+            buf += more
+        return buf.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+    def relay_loss(self, reason: str, wait_s: float) -> None:
+        """Process 0 only: tell every other process why the mesh stops, then wait (at most wait_s)
+        until each has closed its connection, so none outlives the coordination service."""
+        self.stopping.set()
+        self._send(b"L" + reason.replace("\n", " ").encode("utf-8", "replace") + b"\n")
+        end = time.monotonic() + wait_s
+        with self._gone_changed:
+            while len(self.gone) < len(self.peers) and time.monotonic() < end:
+                self._gone_changed.wait(max(0.0, end - time.monotonic()))
 
     def _ping(self) -> None:
         while not self.closing.is_set():
