@@ -371,7 +371,7 @@ class CompiledShapes:
         try:
             return self.compile(key)
         except Exception as e:
-            log.warning("compiling %s failed (%s: %s); trying once more", describe_shape(key), type(e).__name__, e)
+            log.warning("compiling %s failed (%s: %s); trying once more", describe_shape(key), type(e).__name__, e, exc_info=True)
             return self.compile(key)
 
     def compile(self, key: tuple):
