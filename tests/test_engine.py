@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -279,6 +280,33 @@ def test_a_compile_near_the_mapping_limit_is_refused_with_a_message():
         EC.check_mapping_headroom("decode 1 row", usage=(63_000, 65_530))
     usage = EC.mapping_usage()
     assert usage is None or (0 < usage[0] < usage[1])
+
+
+def test_a_failed_lowering_is_retried_once_after_clearing_jax_caches(monkeypatch):
+    """jax 0.10 keeps a malformed trace in its cache; the one retry must re-trace, so it clears
+    jax's caches first (a real shape is lowered and compiled after that). A repeat failure is raised."""
+    step = jax.jit(lambda x: x * 2)
+    calls, cleared = [], []
+    real_clear = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(len(calls)), real_clear()))
+
+    def lower(key):
+        calls.append(key)
+        if len(calls) == 1:
+            raise KeyError("Var(id=1):float32[16]")
+        return step.lower(jax.ShapeDtypeStruct((key[1],), jnp.float32))
+
+    shapes = EC.CompiledShapes(lower, lambda: True)
+    exe = shapes._compile_with_retry(("prefill", 4, True))
+    assert calls == [("prefill", 4, True)] * 2 and cleared == [1]
+    assert np.asarray(exe(np.arange(4, dtype=np.float32))).tolist() == [0, 2, 4, 6]
+
+    def always(key):
+        raise KeyError("Var(id=1):float32[16]")
+
+    with pytest.raises(KeyError):
+        EC.CompiledShapes(always, lambda: True)._compile_with_retry(("prefill", 4, True))
+    assert cleared == [1, 2]
 
 
 # ---------------------------------------------------------------- the media seam: embedding segments
