@@ -498,16 +498,34 @@ def test_with_credentials_ui_and_api_work(guarded):
     assert any("RANDOM WEIGHTS" in n for n in out.model_extra["gemma4"]["notes"])
 
 
-def test_rate_limits_answer_429_and_recover(guarded):
+def test_rate_limits_answer_429_and_recover(guarded, monkeypatch):
+    from tests.scripted import scripted
+
     url, api, engine = guarded
     now = [1000.0]
     api.limiter = RateLimiter(api.limits, clock=lambda: now[0])
     client = openai.OpenAI(base_url=url + "v1", api_key="sk-test-1", max_retries=0)
-    # In flight: one stream per client; a second request waits for it.
-    stream = client.completions.create(model=TINY, prompt="Hello", stream=True, max_tokens=CAP)
-    next(iter(stream))
-    with pytest.raises(openai.RateLimitError) as e:
-        client.completions.create(model=TINY, prompt="Hello", max_tokens=2)
+    # In flight: one stream per client; a second request waits for it. The stream's second token
+    # is held back until then: a random model's reply can end at any token (a stop id), and a
+    # finished stream gives its place back (CI once saw the second request pass).
+    refused = threading.Event()
+
+    def held_emit(req, token, bad, t):
+        if req.generated == 1:
+            refused.wait(30)
+        return emit(req, token, bad, t)
+
+    with scripted(engine, "abcd", then="model"):  # a first token with text: the first chunk comes at once
+        emit = engine.emit
+        monkeypatch.setattr(engine, "emit", held_emit)
+        stream = client.completions.create(model=TINY, prompt="Hello", stream=True, max_tokens=CAP)
+        next(iter(stream))
+        try:
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model=TINY, prompt="Hello", max_tokens=2)
+        finally:
+            refused.set()
+        monkeypatch.undo()
     assert e.value.response.headers["retry-after"] == "1" and "in flight" in str(e.value)
     stream.close()
     assert _wait(lambda: api.limiter.state(next(iter(api.limiter._clients)))["in_flight"] == 0)
