@@ -509,14 +509,14 @@ def test_rate_limits_answer_429_and_recover(guarded, monkeypatch):
     # is held back until then: a random model's reply can end at any token (a stop id), and a
     # finished stream gives its place back (CI once saw the second request pass).
     refused = threading.Event()
-
-    def held_emit(req, token, bad, t):
-        if req.generated == 1:
-            refused.wait(30)
-        return emit(req, token, bad, t)
-
     with scripted(engine, "abcd", then="model"):  # a first token with text: the first chunk comes at once
         emit = engine.emit
+
+        def held_emit(req, token, bad, t):
+            if req.generated == 1:
+                refused.wait(30)
+            return emit(req, token, bad, t)
+
         monkeypatch.setattr(engine, "emit", held_emit)
         stream = client.completions.create(model=TINY, prompt="Hello", stream=True, max_tokens=CAP)
         next(iter(stream))

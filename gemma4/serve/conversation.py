@@ -349,8 +349,7 @@ class _EncodeOnce:
 
     def encode(self, text: str) -> list[int]:
         _check_cancel(self._cancel)
-        now = time.monotonic()
-        if now - self._yielded > YIELD_EVERY_S:
+        if time.monotonic() - self._yielded > YIELD_EVERY_S:
             time.sleep(YIELD_S)
             self._yielded = time.monotonic()
         if text not in self._memo:

@@ -205,10 +205,9 @@ class Watchdog:
         host, port = coordinator.rsplit(":", 1)
         port = _watchdog_port(int(port))
         self.pid, self.n, self.heartbeat_s = process_id, num_processes, heartbeat_s
-        self.closing = threading.Event()
-        self.stopping = threading.Event()  # process 0 is stopping over a loss: peers leaving is expected
+        self.closing = threading.Event()  # set on a goodbye either way, or when process 0 relays a loss
         self.peers: dict[int, socket.socket] = {}
-        self.gone: set[int] = set()
+        self._gone: set[int] = set()  # peers whose connection has ended
         self._gone_changed = threading.Condition()
         self._send_lock = threading.Lock()
         if process_id == 0:
@@ -273,9 +272,9 @@ class Watchdog:
             if data:
                 continue
             with self._gone_changed:
-                self.gone.add(peer)
+                self._gone.add(peer)
                 self._gone_changed.notify_all()
-            if self.closing.is_set() or self.stopping.is_set():
+            if self.closing.is_set():
                 return
             lost(f"lost contact with process {peer} ({why})")
 
@@ -299,11 +298,11 @@ class Watchdog:
     def relay_loss(self, reason: str, wait_s: float) -> None:
         """Process 0 only: tell every other process why the mesh stops, then wait (at most wait_s)
         until each has closed its connection, so none outlives the coordination service."""
-        self.stopping.set()
+        self.closing.set()  # the peers now leave on purpose
         self._send(b"L" + reason.replace("\n", " ").encode("utf-8", "replace") + b"\n")
         end = time.monotonic() + wait_s
         with self._gone_changed:
-            while len(self.gone) < len(self.peers) and time.monotonic() < end:
+            while len(self._gone) < len(self.peers) and time.monotonic() < end:
                 self._gone_changed.wait(max(0.0, end - time.monotonic()))
 
     def _ping(self) -> None:
