@@ -84,9 +84,9 @@ def test_kernel_refuses_bad_shapes_with_a_message():
 def test_every_accurate_path_matches_the_dequantized_product(path, group):
     native_ok = STATUS.ok
     rng = np.random.default_rng(1)
-    w = _leaf(rng, 300, 256, group)
+    w = _leaf(rng, 320, 256, group)
     for m in (1, 4, 24):
-        if not int8_matmul.eligible(path, m, 256, group, native_ok):
+        if not int8_matmul.eligible(path, m, 256, group, native_ok, 320):
             continue
         x = _x(rng, m, 256)
         y = jax.jit(lambda x, q, s: int8_matmul.run(path, x, q, s, group))(x, w.q, w.scale)
@@ -136,6 +136,68 @@ def test_native_runs_a_prefill_chunk_as_8_row_slices():
     assert not int8_matmul.eligible("native", int8_matmul.NATIVE_ROWS_MAX + 1, 640, 32, True)
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ["portable", "avx512", "avx512-vnni"])
+@pytest.mark.parametrize("m", [1, 6, 7, 40])
+def test_gemm_matches_float64_reference(isa, m):
+    # any rows: a partial register tile (1), one whole tile (6), a tile + tail, several tiles;
+    # per-row weights (flushed every 256 inputs), groups 16/32/128, one call for all four
+    if not cpu_int8.isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(10 + m)
+    k = 1024
+    ws = [_leaf(rng, n, k, group) for n, group in ((224, None), (64, 16), (96, 32), (32, 128))]
+    x = _x(rng, m, k)
+    ys = jax.jit(lambda x, ws: cpu_int8.gemm(x, [(w.q, w.scale, w.group_size) for w in ws], isa))(x, ws)
+    for w, y in zip(ws, ys):
+        assert y.shape == (m, w.shape[0])
+        ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), w.group_size)
+        assert _rel(y, ref) < 1e-3, w.group_size
+
+
+@needs_kernel
+def test_gemm_rows_do_not_depend_on_the_other_rows_of_the_call():
+    # batched vs alone: a prompt's products must not change with what shares its call or its tile
+    rng = np.random.default_rng(11)
+    w = _leaf(rng, 96, 640, 32)
+    x = _x(rng, 13, 640)
+    whole = np.asarray(cpu_int8.gemm(jnp.asarray(x), [(w.q, w.scale, 32)])[0])
+    for i in (0, 5, 6, 12):
+        alone = np.asarray(cpu_int8.gemm(jnp.asarray(x[i:i + 1]), [(w.q, w.scale, 32)])[0])
+        np.testing.assert_array_equal(whole[i], alone[0])
+
+
+@needs_kernel
+def test_gemm_refuses_bad_shapes_with_a_message():
+    rng = np.random.default_rng(12)
+    w = _leaf(rng, 40, 64, None)  # 40 output rows: not whole 32-row panels
+    with pytest.raises(Exception, match="multiple of 32"):
+        cpu_int8.gemm(jnp.ones((16, 64)), [(w.q, w.scale, None)])
+    w = _leaf(rng, 32, 48, 16)  # K = 48
+    with pytest.raises(Exception, match="multiple of 32"):
+        cpu_int8.gemm(jnp.ones((16, 48)), [(w.q, w.scale, 16)])
+    assert not cpu_int8.gemm_supported(40, 64, None) and not cpu_int8.gemm_supported(32, 48, 16)
+
+
+@needs_kernel
+def test_linear_many_runs_gemm_leaves_as_one_call():
+    # paths set by hand: on a CPU without AVX-512 the GEMM runs its portable loop (never chosen there)
+    rng = np.random.default_rng(13)
+    table = ((8, "native"), (1 << 30, "native-gemm"))
+    ws = [dataclasses.replace(_leaf(rng, n, 640, g), paths=table) for n, g in ((256, 32), (96, None))]
+    x = jnp.asarray(_x(rng, 24, 640)).reshape(2, 12, 640)
+    fused = jax.jit(lambda x, ws: linear_many(x, ws))(x, ws)
+    for w, y in zip(ws, fused):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(linear)(x, w)))
+        ref = cpu_int8.reference(np.asarray(x).reshape(24, 640), np.asarray(w.q), np.asarray(w.scale), w.group_size)
+        assert _rel(np.asarray(y).reshape(24, -1), ref) < tuning_report.ACCURACY_BOUND
+    text = jax.jit(lambda x, ws: linear_many(x, ws)).lower(x, ws).as_text()
+    assert text.count(cpu_int8.GEMM_TARGET) == 1 and cpu_int8.TARGET + '"' not in text
+    assert int8_matmul.eligible("native-gemm", 9, 640, 32, True, 256) == (STATUS.isa in cpu_int8.GEMM_ISAS)
+    assert not int8_matmul.eligible("native-gemm", 8, 640, 32, True, 256)  # decode rows: the row kernel
+    assert not int8_matmul.eligible("native-gemm", 64, 640, 32, False, 256)  # no kernel loaded
+
+
 def _tiny_int8_params():
     from gemma4.model.config import preset
     from gemma4.weights.random_init import random_params
@@ -179,6 +241,32 @@ def test_model_paths_give_the_reference_tokens(forced):
     ref = _logits(cfg, cpu_tuning.apply(params, None, forced="xla-dequant"))
     got = _logits(cfg, cpu_tuning.apply(params, None, forced=forced, native_ok=STATUS.ok))
     # the same top-1 token at every position, and logits within the path's tolerance
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.max(np.abs(got - ref)) < 1e-2 * np.max(np.abs(ref))
+
+
+@needs_kernel
+def test_prefill_through_the_gemm_gives_the_reference_tokens():
+    # a 40-token prefill with every int8 product the GEMM takes on it (paths set by hand, as above)
+    from gemma4.model.decoder import forward
+
+    cfg, params = _tiny_int8_params()
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (1, 40)), jnp.int32)
+    positions = jnp.arange(40, dtype=jnp.int32)[None]
+    is_int8 = lambda x: isinstance(x, quant.QuantArray)  # noqa: E731
+
+    def with_paths(table, shape_ok):
+        return jax.tree.map(lambda l: dataclasses.replace(l, paths=table) if is_int8(l) and shape_ok(l) else l,
+                            params, is_leaf=is_int8)
+
+    def logits(p):
+        return np.asarray(jax.jit(lambda p: forward(p, cfg, tokens, positions)[0])(p))
+
+    ref = logits(with_paths(((1 << 30, "xla-dequant"),), lambda l: True))
+    gemm = with_paths(((8, "native"), (1 << 30, "native-gemm")),
+                      lambda l: cpu_int8.gemm_shape_ok(*l.shape, l.group_size))
+    assert sum(is_int8(l) and bool(l.paths) for l in jax.tree.leaves(gemm, is_leaf=is_int8)) >= 4
+    got = logits(gemm)
     assert (got.argmax(-1) == ref.argmax(-1)).all()
     assert np.max(np.abs(got - ref)) < 1e-2 * np.max(np.abs(ref))
 

@@ -2,4 +2,4 @@
 they are measured and shown: native first, the likely winner. Without JAX, so the reports that
 list the paths (`gemma4.plan.tuning_report`, the app's Hardware panel) load none."""
 
-PATHS = ("native", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")
+PATHS = ("native", "native-gemm", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")

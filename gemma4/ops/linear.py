@@ -153,7 +153,8 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
 
 
 def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array]:
-    """[linear(x, w) for w in ws], as one native kernel call when every leaf runs natively here.
+    """[linear(x, w) for w in ws], as one native kernel call when every leaf runs on the same native
+    path here (`native` or `native-gemm`).
 
     Products that share an activation (q/k/v, gate/up) cost one kernel launch and one activation
     quantization instead of several; the results are the same as separate `linear` calls.
@@ -163,8 +164,9 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
         return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
-    if len(ws) > 1 and all(isinstance(w, QuantArray) and int8_path(w, m) == "native" for w in ws):
-        ys = int8_matmul.run_many(x.reshape(m, n_in), ws)
+    paths = {int8_path(w, m) if isinstance(w, QuantArray) else None for w in ws}
+    if len(ws) > 1 and len(paths) == 1 and paths <= set(int8_matmul.NATIVE_PATHS):
+        ys = int8_matmul.run_many(x.reshape(m, n_in), [(w.q, w.scale, w.group_size) for w in ws], paths.pop())
         return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
     return [linear(x, w, out_dtype) for w in ws]
 

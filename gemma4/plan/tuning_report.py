@@ -29,14 +29,21 @@ def table_rows(tuning: dict) -> list[dict]:
     rows = []
     for key, entry in tuning["products"].items():
         for c in entry["classes"]:
+            ms = c["timings_ms"].get(c["path"])
+            gflops = 2 * c["rows"] * entry["n"] * entry["k"] / (ms * 1e6) if ms else None
             rows.append({"product": key, "rows": c["rows"], "choice": c["path"], "timings_ms": c["timings_ms"],
-                         "errors": c["errors"]})
+                         "errors": c["errors"], "gflops": gflops})
     return rows
+
+
+def _gflops(r: dict) -> str:
+    return "" if r["gflops"] is None else f"{r['gflops']:.0f}"
 
 
 def format_table(tuning: dict) -> str:
     paths = [p for p in PATHS if any(p in r["errors"] for r in table_rows(tuning))]
-    head = f"  {'product (N×K/group)':<24}{'rows':>5}  {'choice':<12}" + "".join(f"{p:>13}" for p in paths)
+    head = (f"  {'product (N×K/group)':<24}{'rows':>5}  {'choice':<12}{'GFLOP/s':>8}"
+            + "".join(f"{p:>13}" for p in paths))
     lines = [head]
     for r in table_rows(tuning):
         cells = []
@@ -47,23 +54,25 @@ def format_table(tuning: dict) -> str:
             else:
                 cell = "failed" if t is None else f"{t:.3f}" if t != "" else ""
             cells.append(f"{cell:>13}")
-        lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}" + "".join(cells))
-    lines.append(f"  (ms per call, best of repeated runs; 'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
+        lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}{_gflops(r):>8}" + "".join(cells))
+    lines.append(f"  (ms per call, best of repeated runs; GFLOP/s of the choice = 2·rows·N·K / its time; "
+                 f"'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
     return "\n".join(lines)
 
 
 def markdown_table(tuning: dict) -> str:
     """The same table as `format_table`, as Markdown (the app's Hardware panel)."""
     paths = [p for p in PATHS if any(p in r["errors"] for r in table_rows(tuning))]
-    lines = ["| product (N×K/group) | rows | choice | " + " | ".join(paths) + " |",
-             "|---|---|---|" + "---|" * len(paths)]
+    lines = ["| product (N×K/group) | rows | choice | GFLOP/s | " + " | ".join(paths) + " |",
+             "|---|---|---|---|" + "---|" * len(paths)]
     for r in table_rows(tuning):
         cells = []
         for p in paths:
             t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
             cells.append(f"err {err:.0e}" if err is not None and err > ACCURACY_BOUND else
                          "failed" if t is None else f"{t:.3f}" if t != "" else "")
-        lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | {_gflops(r)} | " + " | ".join(cells) + " |")
     how = "read from this machine's cache" if tuning.get("cached") else f"measured in {tuning.get('seconds', 0):.1f} s"
-    lines.append(f"\nms per call ({how}); 'err' = relative error above {ACCURACY_BOUND:.0e}, not timed.")
+    lines.append(f"\nms per call ({how}); GFLOP/s of the choice = 2·rows·N·K / its time; 'err' = relative error "
+                 f"above {ACCURACY_BOUND:.0e}, not timed.")
     return "\n".join(lines)

@@ -323,9 +323,299 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   return ffi::Error::Success();
 }
 
+
+// ================================================================ GEMM: prefill-sized activations
+// The row kernel above streams the weight once per 8 activation rows, so a 512-token prefill would
+// read every weight 64 times. For many rows the weight is packed once per call, a panel of kPanel
+// output rows at a time, into a layout a register tile can use directly: for each input pair
+// (2p, 2p+1), the kPanel rows' two int8 values as two int16 in one int32 lane. A broadcast of one
+// activation row's pair times a panel vector is then one vpdpwssd for 16 outputs, and a tile of
+// kTile activation rows × 32 outputs keeps 12 int32 and 12 float32 accumulators in registers.
+// Activations are int16 per row (as above: ~1e-4 of the row's largest element), so the result is
+// within the same bound as the row kernel; only the order of the sums differs.
+//
+// Loops: per panel (a unit of work), pack it; then per block of kKBlock inputs (the panel's slice
+// stays in L1), per tile of activation rows, accumulate, flushing int32 → float32 at every scale
+// group (or every kFlush inputs), and add the block's sum into y.
+
+constexpr int kPanel = 32;     // output rows per packed panel: two 16-lane vectors
+constexpr int kTile = 6;       // activation rows per register tile
+constexpr int64_t kKBlock = 256;
+
+struct GemmProblem {
+  int64_t m = 0, k = 0;
+  std::vector<int16_t> xq;  // [m, k]
+  std::vector<float> sx;    // [m]
+  std::vector<Weight> weights;
+};
+
+// Inputs per int32 flush: the weight's group, or for per-row weights the largest of 256/128/64/32
+// dividing K (the caller checks K % 32 == 0).
+inline int64_t GemmFlush(const Weight& w, int64_t k) {
+  if (w.group) return w.group;
+  for (int64_t f : {kFlush, int64_t(128), int64_t(64)}) {
+    if (k % f == 0) return f;
+  }
+  return 32;
+}
+
+// Panel o0..o0+kPanel of weight w: wp[p * kPanel + j] = (q[o0+j][2p], q[o0+j][2p+1]) as two int16;
+// sp[f * kPanel + j] = the scale of flush f for row o0+j (a per-row weight's row scale every time).
+void PackPanel(const Weight& w, int64_t k, int64_t o0, int64_t flush, int32_t* wp, float* sp) {
+  const int64_t pairs = k / 2, flushes = k / flush;
+  for (int j = 0; j < kPanel; ++j) {
+    const int8_t* row = w.q + (o0 + j) * k;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint32_t lo = uint16_t(int16_t(row[2 * p])), hi = uint16_t(int16_t(row[2 * p + 1]));
+      wp[p * kPanel + j] = int32_t(lo | (hi << 16));
+    }
+    for (int64_t f = 0; f < flushes; ++f) {
+      sp[f * kPanel + j] = w.group ? w.scale[(o0 + j) * (k / w.group) + f] : w.scale[o0 + j];
+    }
+  }
+}
+
+// One tile: rows m0..m0+MR of y (+)= x[m0.., k0..k1] · panel, scaled. first: store instead of add.
+void GemmTilePortable(const GemmProblem& p, int mr, int64_t m0, int64_t k0, int64_t k1, int64_t flush,
+                      const int32_t* wp, const float* sp, float* y, int64_t ldy, bool first) {
+  for (int mi = 0; mi < mr; ++mi) {
+    const int16_t* xr = p.xq.data() + (m0 + mi) * p.k;
+    for (int j = 0; j < kPanel; ++j) {
+      float acc = 0.f;
+      for (int64_t f0 = k0; f0 < k1; f0 += flush) {
+        int32_t s = 0;
+        for (int64_t i = f0; i < f0 + flush; i += 2) {
+          const int32_t v = wp[(i / 2) * kPanel + j];
+          s += int32_t(xr[i]) * int16_t(v & 0xffff) + int32_t(xr[i + 1]) * int16_t(uint32_t(v) >> 16);
+        }
+        acc += float(s) * sp[(f0 / flush) * kPanel + j];
+      }
+      float* out = y + (m0 + mi) * ldy + j;
+      *out = (first ? 0.f : *out) + acc * p.sx[m0 + mi];
+    }
+  }
+}
+
+#define GEMMA4_DEFINE_AVX512_TILE(NAME, TARGET, DOT)                                               \
+  template <int MR>                                                                                \
+  __attribute__((target(TARGET))) void NAME(const GemmProblem& p, int64_t m0, int64_t k0, int64_t k1, \
+                                            int64_t flush, const int32_t* wp, const float* sp,     \
+                                            float* y, int64_t ldy, bool first) {                   \
+    __m512 f0[MR], f1[MR];                                                                         \
+    for (int i = 0; i < MR; ++i) f0[i] = f1[i] = _mm512_setzero_ps();                              \
+    const int16_t* xr[MR];                                                                         \
+    for (int i = 0; i < MR; ++i) xr[i] = p.xq.data() + (m0 + i) * p.k;                            \
+    for (int64_t a = k0; a < k1; a += flush) {                                                     \
+      __m512i a0[MR], a1[MR];                                                                      \
+      for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm512_setzero_si512();                         \
+      const int32_t* w = wp + (a / 2) * kPanel;                                                    \
+      for (int64_t i2 = a; i2 < a + flush; i2 += 2, w += kPanel) {                                 \
+        const __m512i w0 = _mm512_load_si512(w), w1 = _mm512_load_si512(w + 16);                  \
+        for (int i = 0; i < MR; ++i) {                                                             \
+          int32_t pair;                                                                            \
+          std::memcpy(&pair, xr[i] + i2, sizeof pair);                                             \
+          const __m512i xb = _mm512_set1_epi32(pair);                                              \
+          a0[i] = DOT(a0[i], xb, w0);                                                              \
+          a1[i] = DOT(a1[i], xb, w1);                                                              \
+        }                                                                                          \
+      }                                                                                            \
+      const __m512 s0 = _mm512_loadu_ps(sp + (a / flush) * kPanel);                              \
+      const __m512 s1 = _mm512_loadu_ps(sp + (a / flush) * kPanel + 16);                         \
+      for (int i = 0; i < MR; ++i) {                                                               \
+        f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), s0, f0[i]);                             \
+        f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), s1, f1[i]);                             \
+      }                                                                                            \
+    }                                                                                              \
+    for (int i = 0; i < MR; ++i) {                                                                 \
+      float* out = y + (m0 + i) * ldy;                                                             \
+      const __m512 sx = _mm512_set1_ps(p.sx[m0 + i]);                                              \
+      if (first) {                                                                                 \
+        _mm512_storeu_ps(out, _mm512_mul_ps(f0[i], sx));                                           \
+        _mm512_storeu_ps(out + 16, _mm512_mul_ps(f1[i], sx));                                      \
+      } else {                                                                                     \
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(f0[i], sx, _mm512_loadu_ps(out)));                   \
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(f1[i], sx, _mm512_loadu_ps(out + 16)));         \
+      }                                                                                            \
+    }                                                                                              \
+  }
+
+GEMMA4_DEFINE_AVX512_TILE(GemmTileVnniT, "avx512f,avx512bw,avx512vnni", GEMMA4_DOT_VNNI)
+GEMMA4_DEFINE_AVX512_TILE(GemmTileBwT, "avx512f,avx512bw", GEMMA4_DOT_BW)
+
+using GemmTileFn = void (*)(const GemmProblem&, int64_t, int64_t, int64_t, int64_t, const int32_t*,
+                            const float*, float*, int64_t, bool);
+#define GEMMA4_BY_TILE(F) {&F<1>, &F<2>, &F<3>, &F<4>, &F<5>, &F<6>}
+
+// The packed panel of one thread, reused across units (64-byte aligned for the vector loads).
+struct PanelBuffer {
+  std::vector<int32_t> wp;
+  std::vector<float> sp;
+  int32_t* Aligned(int64_t n) {
+    wp.resize(size_t(n) + 16);
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(wp.data()) + 63) & ~uintptr_t(63);
+    return reinterpret_cast<int32_t*>(a);
+  }
+};
+
+void GemmPanel(const GemmProblem& p, const Weight& w, int64_t o0, int64_t isa) {
+  static thread_local PanelBuffer buf;
+  const int64_t k = p.k, flush = GemmFlush(w, k);
+  int32_t* wp = buf.Aligned(k / 2 * kPanel);
+  buf.sp.resize(size_t(k / flush) * kPanel);
+  PackPanel(w, k, o0, flush, wp, buf.sp.data());
+  static constexpr GemmTileFn vnni[kTile] = GEMMA4_BY_TILE(GemmTileVnniT);
+  static constexpr GemmTileFn bw[kTile] = GEMMA4_BY_TILE(GemmTileBwT);
+  // A block holds whole flushes: kKBlock inputs, or one group when groups are wider.
+  const int64_t kblock = std::max(flush, kKBlock - kKBlock % flush);
+  float* y = w.y + o0;
+  for (int64_t k0 = 0; k0 < k; k0 += kblock) {
+    const int64_t k1 = std::min(k, k0 + kblock);
+    for (int64_t m0 = 0; m0 < p.m; m0 += kTile) {
+      const int mr = int(std::min<int64_t>(kTile, p.m - m0));
+      if (isa == kAvx512Vnni) {
+        vnni[mr - 1](p, m0, k0, k1, flush, wp, buf.sp.data(), y, w.n, k0 == 0);
+      } else if (isa == kAvx512) {
+        bw[mr - 1](p, m0, k0, k1, flush, wp, buf.sp.data(), y, w.n, k0 == 0);
+      } else {
+        GemmTilePortable(p, mr, m0, k0, k1, flush, wp, buf.sp.data(), y, w.n, k0 == 0);
+      }
+    }
+  }
+}
+
+// Rows m0..m1 of x → int16 with one scale per row (as QuantizeRows; the same values: the vector
+// conversion rounds to nearest even, as nearbyint does in the default rounding mode).
+__attribute__((target("avx512f,avx512bw"))) void GemmQuantizeRowsAvx512(const float* x, GemmProblem& p,
+                                                                        int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * p.k;
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < p.k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const float s = amax > 0.f ? amax / 32767.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / s);
+    const __m512i lim = _mm512_set1_epi32(32767), neg = _mm512_set1_epi32(-32767);
+    int16_t* out = p.xq.data() + m * p.k;
+    for (int64_t i = 0; i < p.k; i += 16) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv));
+      v = _mm512_max_epi32(_mm512_min_epi32(v, lim), neg);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(v));
+    }
+    p.sx[m] = s;
+  }
+}
+
+void GemmQuantizeRows(const float* x, GemmProblem& p, int64_t m0, int64_t m1, int64_t isa) {
+  if (isa == kAvx512Vnni || isa == kAvx512) return GemmQuantizeRowsAvx512(x, p, m0, m1);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * p.k;
+    float amax = 0.f;
+    for (int64_t i = 0; i < p.k; ++i) amax = std::max(amax, std::fabs(xr[i]));
+    const float s = amax > 0.f ? amax / 32767.f : 1.f;
+    const float inv = 1.f / s;
+    int16_t* out = p.xq.data() + m * p.k;
+    for (int64_t i = 0; i < p.k; ++i) {
+      const float v = std::nearbyint(xr[i] * inv);
+      out[i] = int16_t(std::min(32767.f, std::max(-32767.f, v)));
+    }
+    p.sx[m] = s;
+  }
+}
+
+// Two phases shared by the caller and pool tasks (as Work): quantize row blocks, then — once every
+// row is done — the panels. Tasks only take what is left, so a late or busy pool never deadlocks.
+struct GemmWork {
+  GemmProblem problem;
+  const float* x = nullptr;
+  int64_t isa = kPortable;
+  int64_t rows_per_block = 64;
+  std::vector<std::pair<int, int64_t>> panels;  // (weight, first output row)
+  std::atomic<int64_t> next_rows{0};
+  std::atomic<int64_t> rows_done{0};
+  std::atomic<size_t> next_panel{0};
+  std::atomic<size_t> panels_done{0};
+
+  void Drain() {
+    const int64_t m = problem.m;
+    for (int64_t r0; (r0 = next_rows.fetch_add(rows_per_block)) < m;) {
+      const int64_t r1 = std::min(m, r0 + rows_per_block);
+      GemmQuantizeRows(x, problem, r0, r1, isa);
+      rows_done.fetch_add(r1 - r0, std::memory_order_release);
+    }
+    while (rows_done.load(std::memory_order_acquire) < m) std::this_thread::yield();
+    for (size_t b; (b = next_panel.fetch_add(1)) < panels.size();) {
+      GemmPanel(problem, problem.weights[panels[b].first], panels[b].second, isa);
+      panels_done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
+  auto work = std::make_shared<GemmWork>();
+  GemmProblem& p = work->problem;
+  p.m = dims[0];
+  p.k = dims[1];
+  if (p.m < 1) return ffi::Error::InvalidArgument("x must have at least one row");
+  if (p.k % 32) return ffi::Error::InvalidArgument("K must be a multiple of 32");
+  const size_t nw = groups.size();
+  if (args.size() != 2 * nw || rets.size() != nw) {
+    return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
+  }
+  if (isa == kAuto) isa = BestIsa();
+  if (isa != kAvx512Vnni && isa != kAvx512) isa = kPortable;  // the GEMM has no AVX2 tile
+  if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
+  for (size_t i = 0; i < nw; ++i) {
+    auto q = args.get<ffi::AnyBuffer>(2 * i);
+    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
+    if (q->element_type() != ffi::S8 || s->element_type() != ffi::F32 || (*y)->element_type() != ffi::F32) {
+      return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
+    }
+    const auto qd = q->dimensions();
+    if (qd.size() != 2 || qd[1] != p.k) return ffi::Error::InvalidArgument("q must be [N, K]");
+    if (qd[0] % kPanel) return ffi::Error::InvalidArgument("N must be a multiple of 32");
+    const int64_t g = groups[i];
+    if (g < 0 || (g && (p.k % g || g > kFlush || g % 16))) {
+      return ffi::Error::InvalidArgument("group must be 0 or a multiple of 16 up to 256 dividing K");
+    }
+    const int64_t expect_scales = g ? qd[0] * (p.k / g) : qd[0];
+    if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
+    p.weights.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()),
+                               static_cast<const float*>(s->untyped_data()), qd[0], g,
+                               static_cast<float*>((*y)->untyped_data())});
+  }
+  p.xq.resize(size_t(p.m) * p.k);
+  p.sx.resize(size_t(p.m));
+  work->x = x.typed_data();
+  work->isa = isa;
+  for (size_t i = 0; i < p.weights.size(); ++i) {
+    for (int64_t r = 0; r < p.weights[i].n; r += kPanel) work->panels.emplace_back(int(i), r);
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  work->rows_per_block = std::max<int64_t>(8, p.m / (threads * 4) + 1);
+  const int64_t helpers = std::min<int64_t>(threads, int64_t(work->panels.size())) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->panels_done.load(std::memory_order_acquire) < work->panels.size()) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("groups")
+                                  .Attr<int64_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Gemm, Int8GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

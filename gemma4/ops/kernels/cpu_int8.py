@@ -5,7 +5,9 @@
 
 It computes y_i = x · W_iᵀ for int8 weights (per-row or grouped float32 scales) and M = 1…8
 activation rows, streaming each weight once; several weights sharing x go in one call (fused
-q/k/v, gate/up). It is used only where `gemma4.plan.hardware` chose it from measurements, and only
+q/k/v, gate/up). `gemm(x2, weights)` is the same product for any number of rows (prefill): each
+weight is packed once per call in panels of 32 output rows and multiplied by register tiles of 6
+activation rows (AVX512-VNNI `vpdpwssd`, or AVX-512BW; a portable loop elsewhere, for tests). It is used only where `gemma4.plan.hardware` chose it from measurements, and only
 after `self_test()` passed. Without a compiler, or with GEMMA4_NATIVE_KERNEL=off, `load()` says why
 and the XLA paths are used.
 
@@ -38,6 +40,9 @@ import numpy as np
 from gemma4.paths import cache_root
 
 TARGET = "gemma4_int8_matmul"
+GEMM_TARGET = "gemma4_int8_gemm"
+GEMM_PANEL = 32  # output rows per packed panel: N must be a multiple (the kernel checks it too)
+GEMM_ISAS = ("avx512-vnni", "avx512")  # where the GEMM has a vector tile (else a portable loop)
 SOURCE = Path(__file__).with_name("cpu_int8.cc")
 MAX_ROWS = 8
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 5, "avx512": 3, "avx512-vnni": 4}
@@ -155,6 +160,7 @@ def _load_uncached() -> KernelStatus:
         global _supported
         _supported = tuple(n for n, c in ISAS.items() if c and lib.gemma4_int8_isa_supported(c))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Gemm), platform="cpu")
     except Exception as e:  # a missing compiler, a failed build, a foreign .so: fall back, say why
         return KernelStatus(False, f"native int8 kernel unavailable: {e}".splitlines()[0][:300])
     return KernelStatus(True, f"native int8 kernel loaded ({isa})", isa, str(path))
@@ -176,6 +182,34 @@ def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
         groups.append(int(group or 0))
     call = jax.ffi.ffi_call(TARGET, shapes)
     return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+
+
+def gemm(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """As `matmul`, for any number of rows ≥ 1 (N a multiple of GEMM_PANEL, K of 32). Call `load()`
+    first. `isa` other than avx512-vnni / avx512 runs the portable loop."""
+    x2 = jnp.asarray(x2, jnp.float32)
+    m, k = x2.shape
+    operands, shapes, groups = [x2], [], []
+    for q, scale, group in weights:
+        operands += [q, scale.astype(jnp.float32)]
+        shapes.append(jax.ShapeDtypeStruct((m, q.shape[0]), jnp.float32))
+        groups.append(int(group or 0))
+    call = jax.ffi.ffi_call(GEMM_TARGET, shapes)
+    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+
+
+def gemm_shape_ok(n: int, k: int, group: int | None) -> bool:
+    """Whether `gemm` takes this weight shape (on any instruction set)."""
+    if n <= 0 or n % GEMM_PANEL or k % 32:
+        return False
+    return group is None or (k % group == 0 and group <= 256 and group % 16 == 0)
+
+
+def gemm_supported(n: int, k: int, group: int | None) -> bool:
+    """Whether `gemm` takes this weight shape and has a vector tile on this CPU (the portable loop
+    is for tests and other CPUs' correctness: never worth measuring as a candidate)."""
+    ok = _status is not None and _status.ok and _status.isa in GEMM_ISAS
+    return ok and gemm_shape_ok(n, k, group)
 
 
 def isa_supported(isa: str) -> bool:
@@ -204,8 +238,8 @@ def reference(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | Non
 
 
 def self_test(isas: Sequence[str] | None = None) -> dict:
-    """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused two weights, against
-    float64; relative error bound 2e-3 (int16 activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
+    """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused three weights, and
+    the GEMM at 1/7/20 rows likewise, against float64; relative error bound 2e-3 (int16 activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
     status = load()
     if not status.ok:
         return {"ok": False, "message": status.message}
@@ -223,6 +257,20 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
                 scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
                 ws.append((q, scale, group))
             ys = jax.jit(lambda x, ws=ws, isa=isa: matmul(x, ws, isa))(x)
+            for (q, scale, group), y in zip(ws, ys):
+                ref = reference(x, q, scale, group)
+                rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+                worst = max(worst, rel)
+                cases += 1
+        for m in (1, 7, 20):  # the GEMM: a partial tile, several tiles + a tail
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[:, 5] *= 60.0
+            ws = []
+            for n, group in ((64, None), (32, 16), (96, 32)):
+                q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+                scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
+                ws.append((q, scale, group))
+            ys = jax.jit(lambda x, ws=ws, isa=isa: gemm(x, ws, isa))(x)
             for (q, scale, group), y in zip(ws, ys):
                 ref = reference(x, q, scale, group)
                 rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
