@@ -224,6 +224,19 @@ def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch)
     assert "product" in tuning_report.format_table(tuning)
 
 
+def test_tuning_tables_give_the_choices_rate():
+    # 2 · 256 rows · 640 · 2048 FLOP in 2.5 ms = 268 GFLOP/s; a failed choice shows none
+    tuning = {"products": {"640x2048/g32": {"n": 640, "k": 2048, "group": 32, "classes": [
+        {"max_rows": 1 << 30, "rows": 256, "path": "native-gemm",
+         "timings_ms": {"native-gemm": 2.5, "xla-dequant": 3.5}, "errors": {"native-gemm": 1e-4, "xla-dequant": 1e-6}},
+        {"max_rows": 1, "rows": 1, "path": "xla-chunked", "timings_ms": {"native": None}, "errors": {}}]}}}
+    rows = tuning_report.table_rows(tuning)
+    assert rows[0]["gflops"] == pytest.approx(268.4, rel=1e-3) and rows[1]["gflops"] is None
+    text, md = tuning_report.format_table(tuning), tuning_report.markdown_table(tuning)
+    assert "GFLOP/s" in text and " 268 " in text
+    assert "| **native-gemm** | 268 |" in md
+
+
 def _logits(cfg, params):
     """Teacher-forced logits at each of 8 positions (M = 8 rows: the forced decode path runs)."""
     from gemma4.model.decoder import forward
