@@ -375,6 +375,46 @@ void PackPanel(const Weight& w, int64_t k, int64_t o0, int64_t flush, int32_t* w
   }
 }
 
+// PackPanel's wp with AVX-512: 16 rows × 16 pairs at a time, each row's 32 int8 sign-extended to
+// 16 int32 lanes of pairs, then a 16 × 16 transpose of 32-bit lanes in registers (unpack 32, unpack
+// 64, two 128-bit lane shuffles), stored as 16 whole vectors. The scalar loop above stores one
+// int32 at a time at a 128-byte stride: with it a 16-row product of a 2048 × 640 weight took
+// 0.37 ms, with this 0.19 ms (2-core AMD EPYC Zen 4; 0.35 ms for the row kernel's 8-row slices).
+__attribute__((target("avx512f,avx512bw"))) void PackPanelAvx512(const Weight& w, int64_t k, int64_t o0,
+                                                                 int64_t flush, int32_t* wp, float* sp) {
+  for (int j0 = 0; j0 < kPanel; j0 += 16) {
+    for (int64_t p0 = 0; p0 < k / 2; p0 += 16) {
+      __m512i r[16], t[16];
+      for (int j = 0; j < 16; ++j) {
+        r[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.q + (o0 + j0 + j) * k + 2 * p0)));
+      }
+      for (int i = 0; i < 4; ++i) {  // rows 4i..4i+3 → t[4i + c] holds column 4L + c of them in lane L
+        const __m512i a = _mm512_unpacklo_epi32(r[4 * i], r[4 * i + 1]), b = _mm512_unpackhi_epi32(r[4 * i], r[4 * i + 1]);
+        const __m512i c = _mm512_unpacklo_epi32(r[4 * i + 2], r[4 * i + 3]), d = _mm512_unpackhi_epi32(r[4 * i + 2], r[4 * i + 3]);
+        t[4 * i] = _mm512_unpacklo_epi64(a, c);
+        t[4 * i + 1] = _mm512_unpackhi_epi64(a, c);
+        t[4 * i + 2] = _mm512_unpacklo_epi64(b, d);
+        t[4 * i + 3] = _mm512_unpackhi_epi64(b, d);
+      }
+      for (int c = 0; c < 4; ++c) {  // lane L of the four row groups → column 4L + c, rows 0..15
+        const __m512i x0 = _mm512_shuffle_i32x4(t[c], t[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(t[8 + c], t[12 + c], 0x44);
+        const __m512i x2 = _mm512_shuffle_i32x4(t[c], t[4 + c], 0xEE), x3 = _mm512_shuffle_i32x4(t[8 + c], t[12 + c], 0xEE);
+        int32_t* out = wp + (p0 + c) * kPanel + j0;
+        _mm512_store_si512(out, _mm512_shuffle_i32x4(x0, x1, 0x88));
+        _mm512_store_si512(out + 4 * kPanel, _mm512_shuffle_i32x4(x0, x1, 0xDD));
+        _mm512_store_si512(out + 8 * kPanel, _mm512_shuffle_i32x4(x2, x3, 0x88));
+        _mm512_store_si512(out + 12 * kPanel, _mm512_shuffle_i32x4(x2, x3, 0xDD));
+      }
+    }
+  }
+  const int64_t flushes = k / flush;
+  for (int j = 0; j < kPanel; ++j) {
+    for (int64_t f = 0; f < flushes; ++f) {
+      sp[f * kPanel + j] = w.group ? w.scale[(o0 + j) * (k / w.group) + f] : w.scale[o0 + j];
+    }
+  }
+}
+
 // One tile: rows m0..m0+MR of y (+)= x[m0.., k0..k1] · panel, scaled. first: store instead of add.
 void GemmTilePortable(const GemmProblem& p, int mr, int64_t m0, int64_t k0, int64_t k1, int64_t flush,
                       const int32_t* wp, const float* sp, float* y, int64_t ldy, bool first) {
@@ -462,7 +502,11 @@ void GemmPanel(const GemmProblem& p, const Weight& w, int64_t o0, int64_t isa) {
   const int64_t k = p.k, flush = GemmFlush(w, k);
   int32_t* wp = buf.Aligned(k / 2 * kPanel);
   buf.sp.resize(size_t(k / flush) * kPanel);
-  PackPanel(w, k, o0, flush, wp, buf.sp.data());
+  if (isa == kAvx512Vnni || isa == kAvx512) {
+    PackPanelAvx512(w, k, o0, flush, wp, buf.sp.data());
+  } else {
+    PackPanel(w, k, o0, flush, wp, buf.sp.data());
+  }
   static constexpr GemmTileFn vnni[kTile] = GEMMA4_BY_TILE(GemmTileVnniT);
   static constexpr GemmTileFn bw[kTile] = GEMMA4_BY_TILE(GemmTileBwT);
   // A block holds whole flushes: kKBlock inputs, or one group when groups are wider.
