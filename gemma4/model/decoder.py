@@ -91,9 +91,31 @@ def vision_mask(q_pos: jax.Array, k_pos: jax.Array, groups: jax.Array, window: i
     return same & (k_pos[:, None, :] >= 0) & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, impl: str) -> jax.Array:
-    """Grouped-query attention. q [B,T,nq,d], k/v [B,S,nkv,d], mask [B,T,S] → [B,T,nq·d]."""
+# A chunk that attends only to itself (a prompt's first chunk) is causal: query block i sees no
+# key past the block's end, so it is computed over those keys only — the same sums without the
+# masked terms (exp(MASK_VALUE − max) is exactly 0), in 62.5% of the score and value products at
+# 512 tokens in 128-token blocks. A padding query (nothing visible) averages fewer values; its row
+# is never read.
+CAUSAL_BLOCK = 128
+
+
+def causal_blocks(tokens: int) -> int:
+    """Query blocks for a self-attending chunk of `tokens` (1: one block, the plain product)."""
+    return tokens // CAUSAL_BLOCK if tokens % CAUSAL_BLOCK == 0 and tokens >= 2 * CAUSAL_BLOCK else 1
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, impl: str,
+           blocks: int = 1) -> jax.Array:
+    """Grouped-query attention. q [B,T,nq,d], k/v [B,S,nkv,d], mask [B,T,S] → [B,T,nq·d].
+
+    blocks > 1: the keys are the queries' own chunk, in order, and the mask is causal (no query
+    sees a later key): query block i is computed over keys [0, its end) only (`CAUSAL_BLOCK`)."""
     B, T, nq, d = q.shape
+    if blocks > 1 and impl == "xla":
+        step = T // blocks
+        parts = [attend(q[:, i * step:(i + 1) * step], k[:, :(i + 1) * step], v[:, :(i + 1) * step],
+                        mask[:, i * step:(i + 1) * step, :(i + 1) * step], scale, impl) for i in range(blocks)]
+        return jnp.concatenate(parts, axis=1)
     nkv = k.shape[2]
     if impl != "xla":
         out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation=impl)
@@ -348,7 +370,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         if groups is not None and spec.is_sliding:
             mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
         impl = options.attention_sliding if spec.is_sliding else options.attention_full
-        attn = attend(q, keys, values, mask, cfg.attention_scale, impl)
+        # causal within the chunk: its own keys (same positions), and no image seeing ahead
+        blocks = causal_blocks(T) if key_pos is positions and (groups is None or not spec.is_sliding) else 1
+        attn = attend(q, keys, values, mask, cfg.attention_scale, impl, blocks)
         x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)
 
         residual = x
