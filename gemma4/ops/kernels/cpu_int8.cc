@@ -227,22 +227,23 @@ RowsFn RowsFor(int64_t isa, int m) {
   }
 }
 
-// Activation rows → int16 with one scale per row (round to nearest).
+// One activation row → int16 with one scale (max |x| / 32767, round to nearest); returns the scale.
+float QuantizeRow(const float* xr, int64_t k, int16_t* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(xr[i]));
+  const float s = amax > 0.f ? amax / 32767.f : 1.f;
+  const float inv = 1.f / s;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = std::nearbyint(xr[i] * inv);
+    out[i] = int16_t(std::min(32767.f, std::max(-32767.f, v)));
+  }
+  return s;
+}
+
+// Activation rows → int16 with one scale per row.
 void QuantizeRows(const float* x, Problem& p) {
   p.xq.resize(size_t(p.m) * p.k);
-  for (int m = 0; m < p.m; ++m) {
-    const float* xr = x + m * p.k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < p.k; ++i) amax = std::max(amax, std::fabs(xr[i]));
-    const float s = amax > 0.f ? amax / 32767.f : 1.f;
-    const float inv = 1.f / s;
-    int16_t* out = p.xq.data() + m * p.k;
-    for (int64_t i = 0; i < p.k; ++i) {
-      float v = std::nearbyint(xr[i] * inv);
-      out[i] = int16_t(std::min(32767.f, std::max(-32767.f, v)));
-    }
-    p.sx[m] = s;
-  }
+  for (int m = 0; m < p.m; ++m) p.sx[m] = QuantizeRow(x + m * p.k, p.k, p.xq.data() + m * p.k);
 }
 
 // Work shared between the caller and pool tasks; held by shared_ptr so a task that starts after
@@ -264,23 +265,14 @@ struct Work {
   }
 };
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
-  const auto dims = x.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
-  p.m = int(dims[0]);
-  p.k = dims[1];
-  if (p.m < 1 || p.m > kMaxRows) return ffi::Error::InvalidArgument("x must have 1..8 rows");
+// The (q, scale) pairs and outputs of a call as Weights (groups already checked): int8 q [N, K] with
+// N a multiple of `rows_multiple`, float32 scales [N] or [N, K / group], float32 outputs.
+ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::Span<const int64_t> groups,
+                       int64_t k, int64_t rows_multiple, std::vector<Weight>& out) {
   const size_t nw = groups.size();
   if (args.size() != 2 * nw || rets.size() != nw) {
     return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
   }
-  const int64_t best = BestIsa();
-  if (isa == kAuto) isa = best;
-  if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
-  const int64_t align = (isa == kAvx512 || isa == kAvx512Vnni) ? 32 : isa == kPortable ? 1 : 16;
   for (size_t i = 0; i < nw; ++i) {
     auto q = args.get<ffi::AnyBuffer>(2 * i);
     auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
@@ -290,18 +282,37 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
       return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
     }
     const auto qd = q->dimensions();
-    if (qd.size() != 2 || qd[1] != p.k) return ffi::Error::InvalidArgument("q must be [N, K]");
+    if (qd.size() != 2 || qd[1] != k) return ffi::Error::InvalidArgument("q must be [N, K]");
+    if (qd[0] % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of 32");
     const int64_t g = groups[i];
+    const int64_t expect_scales = g ? qd[0] * (k / g) : qd[0];
+    if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
+    out.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()), static_cast<const float*>(s->untyped_data()),
+                         qd[0], g, static_cast<float*>((*y)->untyped_data())});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
+  auto work = std::make_shared<Work>();
+  Problem& p = work->problem;
+  p.m = int(dims[0]);
+  p.k = dims[1];
+  if (p.m < 1 || p.m > kMaxRows) return ffi::Error::InvalidArgument("x must have 1..8 rows");
+  const int64_t best = BestIsa();
+  if (isa == kAuto) isa = best;
+  if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
+  const int64_t align = (isa == kAvx512 || isa == kAvx512Vnni) ? 32 : isa == kPortable ? 1 : 16;
+  if (p.k % align) return ffi::Error::InvalidArgument("K must be a multiple of the vector width");
+  for (int64_t g : groups) {
     if (g < 0 || (g && (p.k % g || g > kFlush || g % 16 || (g % 32 && g != 16)))) {
       return ffi::Error::InvalidArgument("group must be 0, 16 or a multiple of 32 up to 256 dividing K");
     }
-    if (p.k % align) return ffi::Error::InvalidArgument("K must be a multiple of the vector width");
-    const int64_t expect_scales = g ? qd[0] * (p.k / g) : qd[0];
-    if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
-    p.weights.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()),
-                               static_cast<const float*>(s->untyped_data()), qd[0], g,
-                               static_cast<float*>((*y)->untyped_data())});
   }
+  if (auto err = ReadWeights(args, rets, groups, p.k, 1, p.weights); err.failure()) return err;
   QuantizeRows(x.typed_data(), p);
   work->rows = RowsFor(isa, p.m);
 
@@ -551,19 +562,7 @@ __attribute__((target("avx512f,avx512bw"))) void GemmQuantizeRowsAvx512(const fl
 
 void GemmQuantizeRows(const float* x, GemmProblem& p, int64_t m0, int64_t m1, int64_t isa) {
   if (isa == kAvx512Vnni || isa == kAvx512) return GemmQuantizeRowsAvx512(x, p, m0, m1);
-  for (int64_t m = m0; m < m1; ++m) {
-    const float* xr = x + m * p.k;
-    float amax = 0.f;
-    for (int64_t i = 0; i < p.k; ++i) amax = std::max(amax, std::fabs(xr[i]));
-    const float s = amax > 0.f ? amax / 32767.f : 1.f;
-    const float inv = 1.f / s;
-    int16_t* out = p.xq.data() + m * p.k;
-    for (int64_t i = 0; i < p.k; ++i) {
-      const float v = std::nearbyint(xr[i] * inv);
-      out[i] = int16_t(std::min(32767.f, std::max(-32767.f, v)));
-    }
-    p.sx[m] = s;
-  }
+  for (int64_t m = m0; m < m1; ++m) p.sx[m] = QuantizeRow(x + m * p.k, p.k, p.xq.data() + m * p.k);
 }
 
 // Two phases shared by the caller and pool tasks (as Work): quantize row blocks, then — once every
@@ -604,34 +603,15 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   p.k = dims[1];
   if (p.m < 1) return ffi::Error::InvalidArgument("x must have at least one row");
   if (p.k % 32) return ffi::Error::InvalidArgument("K must be a multiple of 32");
-  const size_t nw = groups.size();
-  if (args.size() != 2 * nw || rets.size() != nw) {
-    return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
-  }
   if (isa == kAuto) isa = BestIsa();
   if (isa != kAvx512Vnni && isa != kAvx512) isa = kPortable;  // the GEMM has no AVX2 tile
   if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
-  for (size_t i = 0; i < nw; ++i) {
-    auto q = args.get<ffi::AnyBuffer>(2 * i);
-    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
-    if (q->element_type() != ffi::S8 || s->element_type() != ffi::F32 || (*y)->element_type() != ffi::F32) {
-      return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
-    }
-    const auto qd = q->dimensions();
-    if (qd.size() != 2 || qd[1] != p.k) return ffi::Error::InvalidArgument("q must be [N, K]");
-    if (qd[0] % kPanel) return ffi::Error::InvalidArgument("N must be a multiple of 32");
-    const int64_t g = groups[i];
+  for (int64_t g : groups) {
     if (g < 0 || (g && (p.k % g || g > kFlush || g % 16))) {
       return ffi::Error::InvalidArgument("group must be 0 or a multiple of 16 up to 256 dividing K");
     }
-    const int64_t expect_scales = g ? qd[0] * (p.k / g) : qd[0];
-    if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
-    p.weights.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()),
-                               static_cast<const float*>(s->untyped_data()), qd[0], g,
-                               static_cast<float*>((*y)->untyped_data())});
   }
+  if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights); err.failure()) return err;
   p.xq.resize(size_t(p.m) * p.k);
   p.sx.resize(size_t(p.m));
   work->x = x.typed_data();
@@ -650,23 +630,18 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Matmul, Int8MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("isa"));
+// Both handlers take the same operands: x, then (q, scale) per weight; one output per weight.
+#define GEMMA4_INT8_BINDING                                                                        \
+  ffi::Ffi::Bind()                                                                                 \
+      .Ctx<ffi::ThreadPool>()                                                                      \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                                \
+      .RemainingArgs()                                                                             \
+      .RemainingRets()                                                                             \
+      .Attr<ffi::Span<const int64_t>>("groups")                                                    \
+      .Attr<int64_t>("isa")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Gemm, Int8GemmImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<ffi::Span<const int64_t>>("groups")
-                                  .Attr<int64_t>("isa"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Matmul, Int8MatmulImpl, GEMMA4_INT8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Gemm, Int8GemmImpl, GEMMA4_INT8_BINDING);
 
 extern "C" int64_t gemma4_int8_best_isa() { return BestIsa(); }
 extern "C" int64_t gemma4_int8_isa_supported(int64_t isa) { return Supports(isa) ? 1 : 0; }

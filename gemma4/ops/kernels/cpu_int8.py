@@ -172,30 +172,27 @@ def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     x2: [M, K] with 1 ≤ M ≤ 8 (cast to float32). Outputs are float32 [M, N_i]. Call `load()` first.
     """
     x2 = jnp.asarray(x2, jnp.float32)
-    m, k = x2.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"the native int8 kernel takes 1..{MAX_ROWS} rows, got {m}")
+    if not 1 <= x2.shape[0] <= MAX_ROWS:
+        raise ValueError(f"the native int8 kernel takes 1..{MAX_ROWS} rows, got {x2.shape[0]}")
+    return _call(TARGET, x2, weights, isa)
+
+
+def _call(target: str, x2, weights: Sequence[tuple], isa: str) -> list:
+    """One FFI call of `target` on float32 x2 [M, K] and the (q, scale, group) weights."""
+    m = x2.shape[0]
     operands, shapes, groups = [x2], [], []
     for q, scale, group in weights:
         operands += [q, scale.astype(jnp.float32)]
         shapes.append(jax.ShapeDtypeStruct((m, q.shape[0]), jnp.float32))
         groups.append(int(group or 0))
-    call = jax.ffi.ffi_call(TARGET, shapes)
+    call = jax.ffi.ffi_call(target, shapes)
     return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
 
 
 def gemm(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """As `matmul`, for any number of rows ≥ 1 (N a multiple of GEMM_PANEL, K of 32). Call `load()`
     first. `isa` other than avx512-vnni / avx512 runs the portable loop."""
-    x2 = jnp.asarray(x2, jnp.float32)
-    m, k = x2.shape
-    operands, shapes, groups = [x2], [], []
-    for q, scale, group in weights:
-        operands += [q, scale.astype(jnp.float32)]
-        shapes.append(jax.ShapeDtypeStruct((m, q.shape[0]), jnp.float32))
-        groups.append(int(group or 0))
-    call = jax.ffi.ffi_call(GEMM_TARGET, shapes)
-    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+    return _call(GEMM_TARGET, jnp.asarray(x2, jnp.float32), weights, isa)
 
 
 def gemm_shape_ok(n: int, k: int, group: int | None) -> bool:
@@ -247,35 +244,26 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
     rng = np.random.default_rng(7)
     k = 256
     worst, cases = 0.0, 0
+    # (kernel, activation rows, weights as (output rows, group)): the row kernel at 1/3/8 rows; the
+    # GEMM at a partial register tile, several tiles + a tail, with whole 32-row panels
+    plan = ((matmul, (1, 3, 8), ((48, None), (40, 16), (24, 32))),
+            (gemm, (1, 7, 20), ((64, None), (32, 16), (96, 32))))
     for isa in isas:
-        for m in (1, 3, 8):
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            x[:, 5] *= 60.0  # a few large channels, as Gemma's hidden states have
-            ws = []
-            for n, group in ((48, None), (40, 16), (24, 32)):
-                q = rng.integers(-127, 128, (n, k), dtype=np.int8)
-                scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
-                ws.append((q, scale, group))
-            ys = jax.jit(lambda x, ws=ws, isa=isa: matmul(x, ws, isa))(x)
-            for (q, scale, group), y in zip(ws, ys):
-                ref = reference(x, q, scale, group)
-                rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
-                worst = max(worst, rel)
-                cases += 1
-        for m in (1, 7, 20):  # the GEMM: a partial tile, several tiles + a tail
-            x = rng.standard_normal((m, k)).astype(np.float32)
-            x[:, 5] *= 60.0
-            ws = []
-            for n, group in ((64, None), (32, 16), (96, 32)):
-                q = rng.integers(-127, 128, (n, k), dtype=np.int8)
-                scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
-                ws.append((q, scale, group))
-            ys = jax.jit(lambda x, ws=ws, isa=isa: gemm(x, ws, isa))(x)
-            for (q, scale, group), y in zip(ws, ys):
-                ref = reference(x, q, scale, group)
-                rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
-                worst = max(worst, rel)
-                cases += 1
+        for kernel, rows, shapes in plan:
+            for m in rows:
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                x[:, 5] *= 60.0  # a few large channels, as Gemma's hidden states have
+                ws = []
+                for n, group in shapes:
+                    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+                    scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
+                    ws.append((q, scale, group))
+                ys = jax.jit(lambda x, ws=ws, isa=isa, kernel=kernel: kernel(x, ws, isa))(x)
+                for (q, scale, group), y in zip(ws, ys):
+                    ref = reference(x, q, scale, group)
+                    rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+                    worst = max(worst, rel)
+                    cases += 1
     ok = worst < 2e-3
     return {"ok": ok, "max_rel": worst, "cases": cases, "isas": list(isas),
             "message": f"{'passed' if ok else 'FAILED'}: {cases} cases on {', '.join(isas)}, "
