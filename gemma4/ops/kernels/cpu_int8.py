@@ -7,7 +7,8 @@ It computes y_i = x · W_iᵀ for int8 weights (per-row or grouped float32 scale
 activation rows, streaming each weight once; several weights sharing x go in one call (fused
 q/k/v, gate/up). `gemm(x2, weights)` is the same product for any number of rows (prefill): each
 weight is packed once per call in panels of 32 output rows and multiplied by register tiles of 6
-activation rows (AVX512-VNNI `vpdpwssd`, or AVX-512BW; a portable loop elsewhere, for tests). It is used only where `gemma4.plan.hardware` chose it from measurements, and only
+activation rows (AVX512-VNNI `vpdpwssd`, or AVX-512BW; a portable loop elsewhere, for tests).
+Either is used only where `gemma4.plan.hardware` chose it from measurements, and only
 after `self_test()` passed. Without a compiler, or with GEMMA4_NATIVE_KERNEL=off, `load()` says why
 and the XLA paths are used.
 
@@ -236,7 +237,8 @@ def reference(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | Non
 
 def self_test(isas: Sequence[str] | None = None) -> dict:
     """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused three weights, and
-    the GEMM at 1/7/20 rows likewise, against float64; relative error bound 2e-3 (int16 activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
+    the GEMM at 1/7/20 rows likewise, against float64; relative error bound 2e-3 (int16
+    activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
     status = load()
     if not status.ok:
         return {"ok": False, "message": status.message}
