@@ -27,7 +27,8 @@ Shape of the work:
   request does not pay for eight; and for a ladder of full-layer cache lengths (512, 1024, …):
   only slots below the longest active position are read. The background compiles every prefill
   bucket and every width at the shortest length; longer lengths compile when a conversation
-  approaches them. Every executable lands in the persistent compile cache.
+  approaches them. Every executable is kept on disk under a key of what it is made from
+  (gemma4/serve/executable_store.py): a restart loads it without tracing or lowering.
 - Consumers read events from a per-request queue; closing the stream generator sets a cancel
   flag and the scheduler frees the row before its next step.
 - A request is a sequence of *segments* (`Segment`): token ids, and runs of precomputed input
@@ -72,7 +73,7 @@ from gemma4.model.params import count_bytes
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
-from gemma4.serve import step_link
+from gemma4.serve import executable_store, step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
                                          next_chunk, override_limit, prefill_order)
@@ -629,6 +630,10 @@ class Engine:
                         for w in self.widths for n in self.kv_lengths}
         self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.cache)
+        folder = executable_store.default_folder()
+        if folder is not None:
+            self.shapes.store = executable_store.ExecutableStore(folder)
+            self.shapes.identify = functools.partial(executable_store.make_key, *self._program_parts())
         self._info = {
             "model": cfg.name, "source": source.kind, "description": source.description,
             "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
@@ -685,6 +690,13 @@ class Engine:
         served and none has been for BACKGROUND_IDLE_S."""
         return (self._ready.is_set() and not self._active and not self._waiting
                 and time.monotonic() - self._last_busy >= BACKGROUND_IDLE_S)
+
+    def _program_parts(self) -> tuple:
+        """Everything of this engine a compiled step is made from, beside the code and the platform
+        (executable_store.make_key adds those, and the shape key): every argument of the jitted
+        steps' partials and `_lower`'s specs derives from these."""
+        return (repr(self.cfg), repr(self.options), executable_store.tree_signature(self.params),
+                executable_store.tree_signature(self._cache_spec), str(self.encoder_dtype))
 
     def _lower(self, key: tuple):
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 
 from gemma4.env import env_int
+from gemma4.serve.executable_store import ExecutableStore, compile_fresh
 
 log = logging.getLogger("gemma4.serve.engine")
 
@@ -276,6 +277,10 @@ class CompiledShapes:
         self.buckets: tuple[int, ...] = PROMPT_BUCKETS
         self.widths: tuple[int, ...] = (1,)
         self.kv_lengths: tuple[int, ...] = ()
+        # Executables kept on disk (gemma4.serve.executable_store) and a shape's key there; the
+        # engine sets both once its parameters are known (None: every shape is compiled).
+        self.store: ExecutableStore | None = None
+        self.identify: Callable[[tuple], str] | None = None
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, buckets: Sequence[int], widths: Sequence[int], kv_lengths: Sequence[int], *,
@@ -382,13 +387,28 @@ class CompiledShapes:
             return self.compile(key)
 
     def compile(self, key: tuple):
-        """Lower and compile one shape ahead of time (hits the persistent compile cache when
-        warm); the result is returned, not kept (the compile threads keep theirs). Refused with
-        a message when the process is near the kernel's limit on memory mappings."""
+        """One shape's executable: loaded from the executable store when it holds this shape
+        (no tracing or lowering), else lowered and compiled (hitting jax's persistent compile
+        cache when warm) and then stored if XLA compiled it. The result is returned, not kept (the compile threads
+        keep theirs). Refused with a message when the process is near the kernel's limit on
+        memory mappings."""
         check_mapping_headroom(describe_shape(key))
+        stored = self.store is not None and self.identify is not None
+        store_key = self.identify(key) if stored else None
+        if store_key is not None:
+            exe = self.store.load(store_key)
+            if exe is not None:
+                return exe
         with self._lower_lock:
             lowered = self._lower(key)
-        return lowered.compile()
+        if store_key is None:
+            return lowered.compile()
+        exe, fresh = compile_fresh(lowered)
+        if fresh:
+            self.store.save(store_key, exe)
+        else:  # see executable_store: a copy of a persistent-cache hit would lose kernels
+            log.info("not storing %s: jax's persistent compile cache served it", describe_shape(key))
+        return exe
 
     # ---------------------------------------------------------------- queue and state
     def _pending_locked(self) -> int:
@@ -468,6 +488,7 @@ class CompiledShapes:
                     "failed": {describe_shape(k): v for k, v in self._failed.items()},
                     "pending": self._pending_locked(),
                     "compile_s": round(sum(s for _, s, _ in self._log), 2),
+                    "store": self.store.state() if self.store is not None else None,
                     "log": [(describe_shape(k), round(s, 2), why) for k, s, why in self._log]}
 
     # ---------------------------------------------------------------- picking a compiled shape

@@ -1,0 +1,245 @@
+"""Compiled executables kept on disk under our own key, so a restart loads a shape instead of
+tracing, lowering and compiling it again.
+
+jax's persistent compile cache keys an entry by the lowered program, so even a hit pays for
+tracing and lowering the whole unrolled step first: ~1 s per shape of the bundled model on a
+2-core AMD EPYC Zen 4, before the ~0.5 s the executable's load costs. This store keys an
+executable by everything the program is made from instead, known without tracing:
+
+- `code_fingerprint`: the bytes of every source file of the `gemma4` package (.py and the native
+  kernels' .cc): any change to the code that builds a step is a new key;
+- `platform_fingerprint`: jax and jaxlib versions, the devices, the CPU (model and flags), the
+  XLA / JAX / GEMMA4 environment variables and jax's configuration values;
+- the engine's part (`gemma4.serve.engine.Engine`): the model config, the run options, the
+  parameters' and cache's tree structure (whose static fields hold each weight's chosen matmul
+  paths), shapes, dtypes and shardings, and the shape key.
+
+A key the store has not seen is compiled as before and saved, but only when XLA really compiled
+it: an executable that jax's persistent compile cache served (`served_by_jax_cache`) is not
+re-serialized, because on XLA:CPU (jaxlib 0.10.2) such a copy loses kernels — loaded alone in a
+new process its first run failed with "Function bitcast_gather_fusion.1 not found" (measured on
+the bundled and the tiny model; a fresh compile's copy ran and gave the same tokens). Entries are written whole (a temporary file renamed into place) with a
+SHA-256 of the payload that is checked before anything is unpickled; a bad entry is deleted and
+compiled again. Loading an executable runs code from the file, as jax's own cache does: the
+folder must be the user's own (`cache_root()/executables`). GEMMA4_EXECUTABLE_CACHE names
+another folder, or "off"; it is off when jax's compile cache is off (GEMMA4_COMPILE_CACHE=off)
+and in multi-process runs (an executable there spans processes). The folder is kept under
+MAX_BYTES, least recently used entries first.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax import monitoring
+from jax.experimental import serialize_executable
+
+from gemma4.paths import cache_root
+
+log = logging.getLogger("gemma4.serve.executable_store")
+
+FORMAT = b"gemma4-executable-v1\n"
+MAX_BYTES = 2 << 30  # ~1.7 MB per bundled-model shape: about a thousand shapes
+PACKAGE = Path(__file__).resolve().parents[1]  # the gemma4 package
+ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint(root: Path = PACKAGE) -> str:
+    """SHA-256 over the relative path and bytes of every .py and .cc file under `root`."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc") and "__pycache__" not in p.parts):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and feature flags (/proc/cpuinfo), else what `platform` says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        wanted = ("model name", "flags", "cpu family", "model\t")
+        seen = {}
+        for line in lines:
+            for w in wanted:
+                if line.startswith(w) and w not in seen:
+                    seen[w] = line
+        if seen:
+            return "\n".join(seen[w] for w in wanted if w in seen)
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def platform_fingerprint(environ: dict[str, str] | None = None) -> str:
+    """What beside our code decides a compiled program: jax, the devices, the CPU, the
+    environment variables XLA and we read, and jax's configuration (read now: the engine has
+    applied its plan's settings by the time it asks)."""
+    env = os.environ if environ is None else environ
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    parts = [jax.__version__, jaxlib.__version__, repr(devices), _cpu_identity(),
+             repr(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))), repr(config)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def tree_signature(tree: Any) -> str:
+    """A pytree's structure (static fields included) and each leaf's shape, dtype and sharding."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    described = [(tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)),
+                  str(getattr(x, "sharding", None))) for x in leaves]
+    return f"{treedef}\n{described}"
+
+
+# jax records a persistent-cache hit as a monitoring event, synchronously, in the compiling thread.
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _count_jax_cache_hit(event: str, **_: Any) -> None:
+    if event == JAX_CACHE_HIT_EVENT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def jax_cache_hits() -> int:
+    """How many of this thread's compiles jax's persistent compile cache has served (counted from
+    the first call on)."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            monitoring.register_event_listener(_count_jax_cache_hit)
+            _listening = True
+    return getattr(_hits, "count", 0)
+
+
+def compile_fresh(lowered) -> tuple[Any, bool]:
+    """(lowered.compile(), whether XLA compiled it rather than jax's persistent cache serving it)."""
+    before = jax_cache_hits()
+    exe = lowered.compile()
+    return exe, jax_cache_hits() == before
+
+
+def make_key(*parts: Any) -> str:
+    """The store's key for one executable: our code, the platform, and the caller's parts."""
+    h = hashlib.sha256(FORMAT)
+    for part in (code_fingerprint(), platform_fingerprint(), *parts):
+        h.update(repr(part).encode() + b"\0")
+    return h.hexdigest()
+
+
+def default_folder(environ: dict[str, str] | None = None) -> Path | None:
+    """GEMMA4_EXECUTABLE_CACHE, else cache_root()/executables; None when off (that variable or
+    GEMMA4_COMPILE_CACHE is "off"/"none"/empty, or jax runs more than one process)."""
+    env = os.environ if environ is None else environ
+    off = ("", "off", "none")
+    if env.get("GEMMA4_COMPILE_CACHE", "on").strip().lower() in off:
+        return None
+    named = env.get("GEMMA4_EXECUTABLE_CACHE")
+    if named is not None and named.strip().lower() in off:
+        return None
+    if jax.process_count() > 1:
+        return None
+    return Path(named).expanduser() if named else cache_root() / "executables"
+
+
+class ExecutableStore:
+    """Compiled executables in one folder, one file per key (see the module docstring)."""
+
+    def __init__(self, folder: Path | str, max_bytes: int = MAX_BYTES):
+        self.folder = Path(folder)
+        self.max_bytes = int(max_bytes)
+        self.hits = self.misses = self.failures = 0
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.exe"
+
+    def load(self, key: str):
+        """The executable saved under `key` (a jax `Compiled`), or None: absent, or unreadable
+        (then deleted, with a warning)."""
+        path = self._path(key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            self.misses += 1
+            return None
+        try:
+            if not blob.startswith(FORMAT):
+                raise ValueError("not a gemma4 executable file")
+            digest, payload = blob[len(FORMAT):len(FORMAT) + 32], blob[len(FORMAT) + 32:]
+            if hashlib.sha256(payload).digest() != digest:
+                raise ValueError("checksum mismatch (a partial or damaged file)")
+            serialized, in_tree, out_tree = pickle.loads(payload)
+            exe = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        except Exception as e:
+            self.failures += 1
+            log.warning("dropping the stored executable %s: %s: %s", path.name, type(e).__name__, e)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # recently used: kept longest by `trim`
+        self.hits += 1
+        return exe
+
+    def save(self, key: str, compiled) -> bool:
+        """Write `compiled` under `key`; False (logged) where it cannot be serialized or written."""
+        try:
+            serialized, in_tree, out_tree = serialize_executable.serialize(compiled)
+            payload = pickle.dumps((serialized, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # e.g. a program with closed-over constants: it still runs, unstored
+            log.info("not storing an executable: %s: %s", type(e).__name__, e)
+            return False
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.folder, prefix=".tmp-", delete=False) as f:
+                f.write(FORMAT + hashlib.sha256(payload).digest() + payload)
+            os.replace(f.name, self._path(key))  # whole or not at all, for a reader in another process
+        except OSError as e:
+            log.warning("could not store an executable in %s: %s", self.folder, e)
+            return False
+        self.trim()
+        return True
+
+    def entries(self) -> list[tuple[float, int, Path]]:
+        """(last used, bytes, path) of every entry, oldest first."""
+        out = []
+        for p in self.folder.glob("*.exe"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            out.append((st.st_mtime, st.st_size, p))
+        return sorted(out)
+
+    def trim(self) -> None:
+        """Delete the least recently used entries until the folder holds ≤ max_bytes, and
+        temporary files an interrupted writer left more than an hour ago."""
+        for p in self.folder.glob(".tmp-*"):
+            try:
+                if time.time() - p.stat().st_mtime > 3600:
+                    p.unlink()
+            except FileNotFoundError:
+                pass
+        entries = self.entries()
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in entries:
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+
+    def state(self) -> dict:
+        return {"folder": str(self.folder), "hits": self.hits, "misses": self.misses, "failures": self.failures}
+

@@ -1,0 +1,203 @@
+"""Executables kept on disk under our own key (gemma4/serve/executable_store.py): a stored one
+runs like the compiled one, a damaged entry is dropped and compiled again, the folder stays
+bounded, keys follow code, platform and program, and a restarted engine loads its shapes
+(no tracing) and gives the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gemma4.model.sampling import SamplingParams
+from gemma4.serve import conversation
+from gemma4.serve import engine as E
+from gemma4.serve import executable_store as XS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compiled(n: int = 8):
+    """A small jitted step that donates its first argument, as the engine's steps do the cache."""
+    step = jax.jit(lambda cache, x: (cache + x, jnp.sum(x * x)), donate_argnums=(0,))
+    spec = jax.ShapeDtypeStruct((n,), jnp.float32)
+    return step.lower(spec, spec).compile()
+
+
+def _run(exe, n: int = 8):
+    cache, out = exe(jnp.zeros(n, jnp.float32), jnp.arange(n, dtype=jnp.float32))
+    return np.asarray(cache).tolist(), float(out)
+
+
+def test_a_stored_executable_runs_like_the_compiled_one(tmp_path):
+    exe = _compiled()
+    assert XS.ExecutableStore(tmp_path).save("k1", exe)
+    store = XS.ExecutableStore(tmp_path)  # as a restarted process would
+    loaded = store.load("k1")
+    assert loaded is not None and _run(loaded) == _run(exe) == (list(range(8)), 140.0)
+    assert store.load("other") is None
+    assert store.state() == {"folder": str(tmp_path), "hits": 1, "misses": 1, "failures": 0}
+    assert not list(tmp_path.glob(".tmp-*"))  # written whole, then renamed
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_or_foreign_entry_is_dropped_and_compiled_again(tmp_path, damage, caplog):
+    store = XS.ExecutableStore(tmp_path)
+    assert store.save("k", _compiled())
+    path = tmp_path / "k.exe"
+    blob = bytearray(path.read_bytes())
+    if damage == "flip":
+        blob[len(blob) // 2] ^= 0xFF
+    elif damage == "truncate":
+        blob = blob[: len(blob) // 3]
+    else:
+        blob = bytearray(b"not an executable at all")
+    path.write_bytes(bytes(blob))
+    assert store.load("k") is None
+    assert not path.exists() and store.failures == 1
+    assert "dropping the stored executable k.exe" in caplog.text
+    assert ("checksum mismatch" in caplog.text) if damage != "foreign" else ("not a gemma4 executable" in caplog.text)
+
+
+def test_the_folder_stays_under_its_bound_least_recently_used_first(tmp_path):
+    exe = _compiled()
+    store = XS.ExecutableStore(tmp_path)
+    for i, key in enumerate(("a", "b", "c")):
+        assert store.save(key, exe)
+        os.utime(tmp_path / f"{key}.exe", (1000 + i, 1000 + i))  # a, b, c: oldest first
+    size = (tmp_path / "a.exe").stat().st_size
+    assert store.load("a") is not None  # used now: the newest
+    store.max_bytes = 3 * size + size // 2
+    assert store.save("d", exe)  # four entries over a bound of three and a half: b (the oldest) goes
+    assert sorted(p.stem for p in tmp_path.glob("*.exe")) == ["a", "c", "d"]
+    stale = tmp_path / ".tmp-left-behind"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    store.trim()
+    assert not stale.exists()
+
+
+def test_what_cannot_be_serialized_is_not_stored_and_says_so(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gemma4.serve.executable_store")
+    assert XS.ExecutableStore(tmp_path).save("k", object()) is False
+    assert not list(tmp_path.iterdir()) and "not storing an executable" in caplog.text
+
+
+def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "k.cc").write_text("int f();\n")
+    first = XS.code_fingerprint(tmp_path)
+    XS.code_fingerprint.cache_clear()
+    (tmp_path / "k.cc").write_text("int f(int);\n")
+    assert XS.code_fingerprint(tmp_path) != first
+    XS.code_fingerprint.cache_clear()
+    (tmp_path / "notes.txt").write_text("not code")
+    assert XS.code_fingerprint(tmp_path) == XS.code_fingerprint(tmp_path)
+    XS.code_fingerprint.cache_clear()
+
+    env = {"HOME": "/h", "XLA_FLAGS": "", "GEMMA4_INT8_MATMUL": "auto"}
+    base = XS.platform_fingerprint(env)
+    assert XS.platform_fingerprint({**env, "HOME": "/elsewhere"}) == base  # not ours or XLA's
+    assert XS.platform_fingerprint({**env, "XLA_FLAGS": "--xla_cpu_enable_fast_math=true"}) != base
+    assert XS.platform_fingerprint({**env, "GEMMA4_INT8_MATMUL": "xla"}) != base
+
+    assert XS.make_key("cfg", ("decode", 1, 512)) == XS.make_key("cfg", ("decode", 1, 512))
+    assert XS.make_key("cfg", ("decode", 1, 512)) != XS.make_key("cfg", ("decode", 2, 512))
+    assert XS.make_key("cfg", ("decode", 1, 512)) != XS.make_key("cfg2", ("decode", 1, 512))
+    # a weight's chosen matmul paths are static pytree fields: part of the tree signature
+    from gemma4.ops.quant import QuantArray
+
+    def leaf(paths):
+        return {"w": QuantArray(jnp.zeros((4, 4), jnp.int8), jnp.ones(4), paths=paths)}
+
+    assert XS.tree_signature(leaf(((8, "native-row"),))) != XS.tree_signature(leaf(((8, "xla"),)))
+    assert XS.tree_signature(leaf(())) == XS.tree_signature(leaf(()))
+
+
+def test_the_store_is_off_where_asked_and_where_jax_caching_is(monkeypatch, tmp_path):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    assert XS.default_folder({}) == tmp_path / "executables"
+    assert XS.default_folder({"GEMMA4_EXECUTABLE_CACHE": str(tmp_path / "x")}) == tmp_path / "x"
+    assert XS.default_folder({"GEMMA4_EXECUTABLE_CACHE": "off"}) is None
+    assert XS.default_folder({"GEMMA4_COMPILE_CACHE": "off"}) is None
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert XS.default_folder({}) is None
+
+
+ENGINE_SETTINGS = dict(max_batch=2, context_limit=128, buckets=(16,))
+PROMPT = list(range(10, 20))
+ENGINE_RUN = textwrap.dedent("""
+    import json, sys
+    from gemma4.model.sampling import SamplingParams
+    from gemma4.serve import conversation
+    from gemma4.serve import engine as E
+
+    E.BACKGROUND_IDLE_S = 1e9  # only the two start-up shapes
+    if sys.argv[3] == "no-tracing":
+        def refuse(self, key):
+            raise AssertionError(f"traced {key}: the stored executable was not used")
+        E.Engine._lower = refuse
+    eng = E.Engine("random:tiny-gemma3-270m", **json.loads(sys.argv[1]))
+    eng.wait_ready(timeout=600)
+    out = conversation.generate(eng, json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_new_tokens=6))
+    print("RESULT " + json.dumps({"ids": out["token_ids"], "store": eng.compile_state()["store"]}))
+    eng.close(timeout=60)
+""")
+
+
+def _engine_run(tmp_path, store: str, mode: str) -> dict:
+    """The tiny model's start-up and one greedy reply in a process of its own, with its own jax
+    compile cache and executable store under tmp_path."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GEMMA4_COMPILE_CACHE=str(tmp_path / "xla"),
+               GEMMA4_EXECUTABLE_CACHE=str(tmp_path / store))
+    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, json.dumps(ENGINE_SETTINGS), json.dumps(PROMPT), mode],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(line[0][len("RESULT "):])
+
+
+def test_a_restarted_engine_loads_its_shapes_and_gives_the_same_tokens(tmp_path):
+    """A first process compiles its two start-up shapes (empty caches) and stores them; a second
+    one with the same model and settings loads them without tracing (its `_lower` raises) and
+    gives the same greedy tokens: keys are stable across processes."""
+    first = _engine_run(tmp_path, "exe", "trace")
+    assert first["store"]["misses"] == 2 and first["store"]["hits"] == 0, first["store"]
+    assert len(list((tmp_path / "exe").glob("*.exe"))) == 2
+    again = _engine_run(tmp_path, "exe", "no-tracing")
+    assert again["ids"] == first["ids"] and len(again["ids"]) == 6
+    assert again["store"]["hits"] == 2 and again["store"]["misses"] == 0, again["store"]
+
+
+SERVED = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp
+    from gemma4.serve import executable_store as XS
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    lower = lambda: jax.jit(lambda x: jnp.tanh(x) * 3).lower(jax.ShapeDtypeStruct((64,), jnp.float32))
+    _, first = XS.compile_fresh(lower())
+    jax.clear_caches()  # the next lowering goes to the persistent cache
+    exe, second = XS.compile_fresh(lower())
+    print("FRESH", first, second, float(exe(jnp.zeros(64))[0]))
+""")
+
+
+def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
+    """`compile_fresh` says whether XLA compiled a program or jax's persistent cache served it
+    (the store keeps only the former: see executable_store's docstring)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", SERVED, str(tmp_path / "xla")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "FRESH True False 0.0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
