@@ -201,3 +201,30 @@ def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SERVED, str(tmp_path / "xla")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert "FRESH True False 0.0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+LOWERED = textwrap.dedent("""
+    import hashlib
+    from gemma4.serve import engine as E
+    eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
+    eng.wait_ready(timeout=600)
+    text = eng._lower(("prefill", 16, True)).as_text()
+    print("PROGRAM", hashlib.sha256(text.encode()).hexdigest(), len(text))
+    eng.close(timeout=60)
+""")
+
+
+@pytest.mark.parametrize("seeds", [("1", "2")])
+def test_a_step_lowers_to_the_same_program_in_every_process(tmp_path, seeds):
+    """jax's persistent compile cache keys by the lowered program: it must not depend on the
+    process's string-hash seed (the RoPE tables were built in a set's order, and the cache missed
+    at random)."""
+    out = []
+    for seed in seeds:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=seed, GEMMA4_EXECUTABLE_CACHE="off")
+        proc = subprocess.run([sys.executable, "-c", LOWERED], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROGRAM ")]
+        assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-3000:]
+        out.append(line[0])
+    assert out[0] == out[1]

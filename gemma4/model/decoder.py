@@ -328,7 +328,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     per_layer = per_layer_inputs(params, cfg, x, tokens, dtype)
     hidden = [x] if return_hidden else None
     tables = {}
-    for kind in set(cfg.layer_types):
+    for kind in sorted(set(cfg.layer_types)):  # sorted: a set's order follows the string hash, which
+        # differs between processes, and so did the order of these constants in the program: jax's
+        # persistent compile cache then missed at random
         head_dim = cfg.global_head_dim if kind != "sliding_attention" else cfg.head_dim
         inv = np.asarray(cfg.rope_for(kind).inverse_frequencies(head_dim), np.float32)
         tables[kind] = rope_tables(positions, inv, dtype)
