@@ -217,3 +217,45 @@ def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():
     assert prefill_order([long, mid, short], now) == [long, short, mid]
     mid.submitted = now - STARVE_S - 1.0  # waited longer still, before its first chunk
     assert prefill_order([long, mid, short], now) == [mid, long, short]
+
+
+def test_a_chunk_fused_with_the_decode_step_gives_the_solo_tokens(eng):
+    """With no chunk size forced, a prompt that arrives while a stream decodes is prefilled in
+    fused steps (its chunk and the stream's next token in one dispatch: engine_compile.MIXED_ROWS),
+    first chunk included; the stream, the long prompt and a short one sent meanwhile all get their
+    solo tokens, and the short one its first token before the long one."""
+    from gemma4.serve.engine_compile import mixed_chunk
+
+    assert eng.mixed_widths == (2, 4)
+    running, long, short = _prompt(20, 11), _prompt(150, 12), _prompt(4, 13)
+    many = SamplingParams(temperature=0.0, max_new_tokens=80)
+    solo = {"running": conversation.generate(eng, running, many)["token_ids"],
+            "long": conversation.generate(eng, long, GREEDY)["token_ids"],
+            "short": conversation.generate(eng, short, GREEDY)["token_ids"]}
+    before = eng.step_times.snapshot()["steps"]["mixed"]["count"]
+    out, first_at = {}, {}
+
+    def run(name, prompt, params):
+        req = eng.submit(prompt, params)
+        for ev in eng.tokens(req):
+            first_at.setdefault(name, time.perf_counter())
+            out[name] = (list(ev.token_ids), ev.stats)
+
+    t = threading.Thread(target=run, args=("running", running, many))
+    t.start()
+    while "running" not in first_at:
+        time.sleep(0.001)
+    threads = [threading.Thread(target=run, args=("long", long, GREEDY))]
+    threads[0].start()
+    while not out.get("running") or len(out["running"][0]) < 4:
+        time.sleep(0.001)
+    threads.append(threading.Thread(target=run, args=("short", short, GREEDY)))
+    threads[1].start()
+    for th in [t, *threads]:
+        th.join(timeout=300)
+    assert {k: v[0] for k, v in out.items()} == solo
+    long_stats = out["long"][1]
+    assert long_stats["fused_chunks"] == long_stats["chunks"] >= len(long) // mixed_chunk(2), long_stats
+    assert out["short"][1]["fused_chunks"] == 1 and first_at["short"] < first_at["long"]
+    assert eng.step_times.snapshot()["steps"]["mixed"]["count"] - before >= long_stats["fused_chunks"]
+

@@ -72,8 +72,9 @@ def _served_normally(engine) -> None:
 # --------------------------------------------------------------------------- faults
 
 
-def test_a_prefill_fault_fails_that_request_only(engine):
+def test_a_prefill_fault_fails_that_request_only(engine, monkeypatch):
     assert wait_until(lambda: _idle(engine), 30, 0.02)
+    monkeypatch.setattr(engine, "mixed_widths", ())  # its chunk runs apart, not fused with the decode step
     params = SamplingParams(temperature=0.0, max_new_tokens=200)
     with scripted(engine, LONG, then="model"):
         running = conversation.stream_reply(engine, "Hello there", params, mode="completion")
@@ -105,6 +106,29 @@ def test_a_decode_fault_fails_the_rows_of_that_step_and_the_next_request_is_serv
     assert fault.raised == 1
     assert [f.finish_reason for f in finals] == ["error", "error"]
     assert all("injected fault in run_decode" in f.stats["error"] for f in finals)
+    assert wait_until(lambda: _idle(engine), 5, 0.02), engine.queue_state()
+    _served_normally(engine)
+
+
+def test_a_fused_step_fault_fails_its_rows_and_the_engine_serves_on(engine):
+    """A fault in a fused chunk-and-decode step (`Engine._mixed_once`) fails the two requests in
+    it — the prompt whose chunk it ran and the decoding stream — and nothing else; the next
+    request is served."""
+    assert wait_until(lambda: _idle(engine), 30, 0.02)
+    assert engine.mixed_widths, "the tiny engine has fused widths"
+    engine.shapes.executable(("mixed", engine.mixed_widths[0], engine.kv_lengths[0]))  # compiled now, not raced
+    params = SamplingParams(temperature=0.0, max_new_tokens=200)
+    faults_before = engine.step_times.snapshot()["faults"]["mixed"]
+    with scripted(engine, LONG, then="model"):
+        running = conversation.stream_reply(engine, "Hello there", params, mode="completion")
+        next(running)
+        with _Fault(engine, "run_mixed") as fault:
+            final = conversation.complete_reply(engine, "Hi", params, mode="completion")
+        rest = _last(running)
+    assert fault.raised == 1
+    assert final.finish_reason == "error" and any("injected fault in run_mixed" in n for n in final.notes)
+    assert rest.finish_reason == "error" and "injected fault in run_mixed" in rest.stats["error"]
+    assert engine.step_times.snapshot()["faults"]["mixed"] == faults_before + 1
     assert wait_until(lambda: _idle(engine), 5, 0.02), engine.queue_state()
     _served_normally(engine)
 

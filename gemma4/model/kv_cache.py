@@ -140,6 +140,12 @@ def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: ja
     return new
 
 
+def clear_row_if(cache: dict, row: jax.Array | int) -> dict:
+    """`clear_row` where row >= 0, nothing where row < 0 (a traced choice: no branch)."""
+    return {idx: dict(e, pos=jnp.where(jnp.arange(e["pos"].shape[0])[:, None] == row, -1, e["pos"]))
+            for idx, e in cache.items()}
+
+
 def clear_row(cache: dict, row: jax.Array | int) -> dict:
     """Mark every slot of one cache row empty (a new request takes the row)."""
     return {idx: dict(e, pos=jax.lax.dynamic_update_slice_in_dim(

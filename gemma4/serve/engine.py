@@ -76,7 +76,7 @@ from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import executable_store, step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
-                                         next_chunk, override_limit, prefill_order)
+                                         mixed_chunk, mixed_widths, next_chunk, override_limit, prefill_order)
 from gemma4.serve.step_times import StepTimes
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
@@ -168,6 +168,7 @@ class Request:
     prefill_t0: float | None = None
     prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     interleaved_steps: int = 0
+    fused_chunks: int = 0  # chunks run in a fused step with the decoding rows (`Engine._mixed_once`)
     last_chunk_at: float | None = None  # time.perf_counter() when its last chunk ran (`prefill_order`)
 
     @property
@@ -411,6 +412,20 @@ def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, optio
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
+def mixed_step(params, cache, tokens, positions, last, sampling, clear, *, cfg, options, width, kv_len):
+    """One prompt chunk and one decode token per decoding row in one dispatch (see
+    engine_compile.MIXED_ROWS): tokens/positions [width, chunk] for cache rows [0, width) — a
+    decoding row's token at index 0 and padding (position -1) after it, the chunk's row its chunk,
+    an idle row all padding; `last` [width]: the index each row's token is sampled at. `clear`: the
+    row to mark empty first (a prompt's first chunk), or -1. Every row attends to its cached keys
+    and its own; full layers read slots [0, kv_len) only."""
+    cache = kv_cache.clear_row_if(cache, clear)
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
+                                 kv_len=kv_len)
+    token = sample_rows(logits, sampling)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
+
+
 # ------------------------------------------------------------------------------ the engine
 class Engine:
     """One model, its KV cache and its compiled steps; the scheduler that serves requests on them.
@@ -519,7 +534,8 @@ class Engine:
             self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
             self._load()
-            self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup)
+            self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
+                              mixed=self.mixed_widths)
             if self._warmup:
                 self._warm_up()
             self._join_tokenizer()
@@ -628,6 +644,12 @@ class Engine:
         self._decode = {(w, n): jax.jit(functools.partial(decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
                         for w in self.widths for n in self.kv_lengths}
+        # the fused chunk-and-decode step (engine_compile.MIXED_ROWS); not where several processes
+        # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
+        self.mixed_widths = () if self.link is not None else mixed_widths(self.widths)
+        self._mixed = {(w, n): jax.jit(functools.partial(mixed_step, cfg=cfg, options=options, width=w, kv_len=n),
+                                       in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
+                       for w in self.mixed_widths for n in self.kv_lengths}
         self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.cache)
         folder = executable_store.default_folder()
@@ -720,6 +742,10 @@ class Engine:
                 self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
                 jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
                 jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
+        if kind == "mixed":
+            chunk = mixed_chunk(size)
+            return self._mixed[size, extra].lower(self.params, self._cache_spec, i32(size, chunk), i32(size, chunk),
+                                                  i32(size), SamplingRows.spec(size), i32())
         return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
                                                SamplingRows.spec(size), i32())
 
@@ -796,6 +822,15 @@ class Engine:
             args.append(jnp.asarray(vision_groups[None], jnp.int32))
         token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
+
+    def run_mixed(self, key: tuple, tokens, positions, last, sampling: SamplingRows, clear: int):
+        """Run the fused step `key` ("mixed", width, kv_len) (see `mixed_step`): tokens/positions
+        [width, chunk], last [width]; returns (tokens [width], non-finite [width]) as numpy. Never
+        used where several processes replay steps (`mixed_widths` is empty there)."""
+        exe, _ = self.shapes.executable(key)
+        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                                     jnp.asarray(last), sampling.on_device(), jnp.int32(clear))
+        return np.asarray(token), np.asarray(bad)
 
     def run_decode(self, key: tuple, tokens, positions, sampling: SamplingRows, row: int = 0):
         """Run decode shape `key` (compiled first if it is not) for cache rows [row, row + width):
@@ -1108,13 +1143,15 @@ class Engine:
         self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
 
     def _schedule_once(self) -> None:
-        """One scheduler iteration: one prefill chunk (`_prefill_chunk`), then one decode step
-        (`_step`). A chunk costs about a few decode steps (engine_compile.chunk_limit), so a
+        """One scheduler iteration: a fused chunk-and-decode step where one applies (`_mixed_once`),
+        else one prefill chunk (`_prefill_chunk`), then one decode step (`_step`). A chunk costs about a few decode steps (engine_compile.chunk_limit), so a
         running stream's inter-token gap grows by one chunk at most, however long the prompt.
         Nothing here waits for a compile while other work can run: when nothing could (every
         row waits for its own shape), the loop sleeps until a compile lands (or briefly, for new
         requests and cancels)."""
         self._blocked_on = []
+        if self._mixed_once():
+            return
         ran = self._prefill_chunk()
         with self.step_guard("decode"):  # a fault fails this step's rows, the loop goes on
             ran = self._step() or ran
@@ -1199,9 +1236,7 @@ class Engine:
         """Prefill prompt positions [start, start + length) of `req` in shape `key`; after its last
         chunk, its prefill stats and its first token (sampled in the same dispatch)."""
         t0 = time.perf_counter()
-        if req.prefill_t0 is None:
-            req.prefill_t0 = t0
-            req.stats["queue_wait_s"] = t0 - req.submitted
+        self._start_prefill_clock(req, t0)
         bucket = key[1]
         chunk = slice(start, start + length)
         tokens = np.zeros(bucket, np.int32)
@@ -1224,19 +1259,30 @@ class Engine:
                                       self._sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
         self._note_cost(key, t1 - t0)
-        req.last_chunk_at = t1
+        self._chunk_done(req, start, length, bucket, token, bad, t1)
+
+    def _start_prefill_clock(self, req: Request, now: float) -> None:
+        if req.prefill_t0 is None:
+            req.prefill_t0 = now
+            req.stats["queue_wait_s"] = now - req.submitted
+
+    def _chunk_done(self, req: Request, start: int, length: int, bucket: int, token: int, bad: bool,
+                    now: float) -> None:
+        """Prompt positions [start, start + length) of `req` are in (run padded to `bucket`); after
+        its last chunk, its prefill stats and its first token (`token`, sampled in that dispatch)."""
+        req.last_chunk_at = now
         req.prefilled += length
         req.prefill_chunks.append((start, length, bucket))
         if req.prefilling:
             return
         ids, plan = req.prompt_ids, req.prefill_chunks
         req.position = len(ids)
-        wall = t1 - req.prefill_t0
+        wall = now - req.prefill_t0
         req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
                          bucket=plan[-1][2], chunks=len(plan), padding=sum(b - l for _, l, b in plan),
-                         compiled=bool(req.stats.get("compiled")), ttft_s=t1 - req.submitted,
-                         prefill_interleaved_steps=req.interleaved_steps)
-        self.emit(req, token, bad, t1)
+                         compiled=bool(req.stats.get("compiled")), ttft_s=now - req.submitted,
+                         prefill_interleaved_steps=req.interleaved_steps, fused_chunks=req.fused_chunks)
+        self.emit(req, token, bad, now)
 
     def emit(self, req: Request, token: int, bad: bool, now: float) -> None:
         """Hand one sampled token to the request (on the scheduler thread); finish it on a stop id
@@ -1286,6 +1332,12 @@ class Engine:
                 out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
         self._note_cost(plan[0][0], (now - t0) / len(plan))
+        self._decoded(active, decoding, out, bad, now)
+        return True
+
+    def _decoded(self, active: dict[int, Request], decoding: dict[int, Request], out, bad, now: float) -> None:
+        """Rows `decoding` got their next token (out[row], bad[row]) in one step; a prompt still
+        prefilling meanwhile counts one more interleaved step."""
         for req in active.values():
             if req.prefilling and req.prefill_t0 is not None:
                 req.interleaved_steps += 1
@@ -1297,6 +1349,57 @@ class Engine:
                 self._finish(req, "cancelled")
             else:
                 self.emit(req, int(out[row]), bool(bad[row]), now)
+
+    def _mixed_once(self) -> bool:
+        """One fused step (`mixed_step`, engine_compile.MIXED_ROWS) instead of a chunk and a decode
+        step apart, where it applies: some rows decoding, the next prompt in `prefill_order` with a
+        text-only next chunk that fits the fused chunk (none ends inside an atomic span), and the
+        fused shape for these rows and lengths compiled (else it is queued, and this iteration
+        runs the two apart). Not while a chunk size beside streams is forced (GEMMA4_PREFILL_CHUNK).
+        True when it ran."""
+        if not self.mixed_widths or self.chunk_override[False] is not None:  # a chunk size asked for: kept
+            return False
+        with self._lock:
+            active = dict(self._active)
+        decoding = {row: r for row, r in active.items() if not r.prefilling}
+        pending = prefill_order([r for r in active.values() if r.prefilling and not r.cancel.is_set()],
+                                time.perf_counter())
+        if not decoding or not pending:
+            return False
+        req = pending[0]
+        need_w = max(*decoding, req.row) + 1
+        width = next((w for w in self.mixed_widths if w >= need_w), None)
+        if width is None:
+            return False
+        chunk_n = mixed_chunk(width)
+        start, n = req.prefilled, len(req.prompt_ids)
+        length = next_chunk(start, n, chunk_n, req.atomic_spans)
+        chunk = slice(start, start + length)
+        if length > chunk_n or (req.embed_mask is not None and bool(req.embed_mask[chunk].any())):
+            return False
+        need_n = max(max(r.position for r in decoding.values()) + 1, start + length)
+        key = self.shapes.mixed_key(need_w, need_n)
+        if key is None:
+            return False
+        width = key[1]
+        tokens = np.zeros((width, chunk_n), np.int32)
+        positions = np.full((width, chunk_n), -1, np.int32)
+        last = np.zeros(width, np.int32)
+        sampling: list[Request | None] = [None] * width
+        for row, r in decoding.items():
+            tokens[row, 0], positions[row, 0], sampling[row] = r.recent[-1], r.position, r
+        tokens[req.row, :length] = req.prompt_ids[chunk]
+        positions[req.row, :length] = np.arange(start, start + length)
+        last[req.row] = length - 1 if start + length == n else 0
+        sampling[req.row] = req
+        self._start_prefill_clock(req, time.perf_counter())
+        with self.step_guard("mixed", [req, *decoding.values()]):  # a fault fails these rows only
+            out, bad = self.run_mixed(key, tokens, positions, last, self._sampling_rows(sampling),
+                                      req.row if start == 0 else -1)
+            now = time.perf_counter()
+            req.fused_chunks += 1
+            self._decoded(active, decoding, out, bad, now)
+            self._chunk_done(req, start, length, chunk_n, int(out[req.row]), bool(bad[req.row]), now)
         return True
 
     def close(self, timeout: float | None = 0.0) -> None:

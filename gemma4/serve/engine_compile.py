@@ -115,6 +115,32 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
+# A fused step ("mixed"): a prompt's next chunk and one decode token of every decoding row in
+# ONE dispatch of rows [0, width) × `mixed_chunk(width)` tokens (a decoding row's token first, the
+# rest padding; the chunk's row its chunk). Apart, a chunk beside running streams is a second
+# dispatch after their decode step, and each dispatch streams every weight once (on a 2-core
+# AMD EPYC Zen 4 with the bundled model, a later 8-token chunk cost ~40 ms beside a ~20 ms decode
+# step): fused, the streams' gap is one dispatch. Its rows are width × chunk, mostly padding, so
+# the chunk shrinks as the width grows (MIXED_ROWS in all) and wide batches (more than
+# MIXED_MAX_WIDTH rows) keep the two dispatches. GEMMA4_MIXED_STEP=off turns it off.
+MIXED_ROWS = 32
+MIXED_MAX_WIDTH = 4
+
+
+def mixed_chunk(width: int) -> int:
+    """Prompt tokens a fused step of `width` rows takes (MIXED_ROWS in all)."""
+    return MIXED_ROWS // width
+
+
+def mixed_widths(widths: Sequence[int], env: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The decode widths a fused step is compiled for: 2 … MIXED_MAX_WIDTH (a chunk's row and at
+    least one decoding row); none where GEMMA4_MIXED_STEP is off."""
+    env = os.environ if env is None else env
+    if env.get("GEMMA4_MIXED_STEP", "on").strip().lower() in ("off", "0", "false", "no"):
+        return ()
+    return tuple(w for w in widths if 2 <= w <= MIXED_MAX_WIDTH)
+
+
 # A prompt whose last chunk ran this long ago goes first (`prefill_order`): shortest remaining first
 # lets every new short prompt pass a long one, and under steady traffic that can go on for minutes.
 STARVE_S = 2.0
@@ -191,6 +217,8 @@ def describe_shape(key: tuple) -> str:
     """("prefill", 16, True) → "prefill 16 tokens (first chunk)"; ("decode", 2, 512) → "decode 2 rows ≤512";
     ("prefill_embeds", 16, True) → "prefill 16 tokens (first chunk, with embeddings)"."""
     kind, size, extra = key
+    if kind == "mixed":
+        return f"prefill {mixed_chunk(size)} tokens fused with decode of {size} rows (cache ≤{extra})"
     if kind in ("prefill", "prefill_embeds"):
         media = ", with embeddings" if kind == "prefill_embeds" else ""
         return f"prefill {size} tokens ({'first chunk' if extra else 'later chunk'}{media})"
@@ -277,6 +305,7 @@ class CompiledShapes:
         self.buckets: tuple[int, ...] = PROMPT_BUCKETS
         self.widths: tuple[int, ...] = (1,)
         self.kv_lengths: tuple[int, ...] = ()
+        self.mixed: tuple[int, ...] = ()  # widths with a fused step (`mixed_widths`)
         # Executables kept on disk (gemma4.serve.executable_store) and a shape's key there; the
         # engine sets both once its parameters are known (None: every shape is compiled).
         self.store: ExecutableStore | None = None
@@ -284,7 +313,7 @@ class CompiledShapes:
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, buckets: Sequence[int], widths: Sequence[int], kv_lengths: Sequence[int], *,
-              warmup: bool) -> None:
+              warmup: bool, mixed: Sequence[int] = ()) -> None:
         """Queue the shape plan (when `warmup`) and start the compile threads. One (two on 4+
         CPUs) takes the shapes needed now: before ready the first two, then whatever a request
         needs — on 2 CPUs two compiles in parallel were slower than one after the other, warm
@@ -293,6 +322,7 @@ class CompiledShapes:
         (so the first request after ready, and a conversation's next turn, do not share the CPU
         with it)."""
         self.buckets, self.widths, self.kv_lengths = tuple(buckets), tuple(widths), tuple(kv_lengths)
+        self.mixed = tuple(mixed)
         first, rest = self._shape_plan()
         with self._cond:
             if warmup:
@@ -320,8 +350,10 @@ class CompiledShapes:
         short = [("prefill", b, True) for b in self.buckets if b <= 64 and b != b0]
         later = [("prefill", b, False) for b in self.buckets]
         rest = (short + [("decode", w, n0) for w in self.widths[1:]] + later
+                + [("mixed", w, n0) for w in self.mixed]
                 + [("prefill", b, True) for b in self.buckets if b > 64 and b != b0]
-                + [("decode", w, n) for n in self.kv_lengths[1:] for w in self.widths])
+                + [("decode", w, n) for n in self.kv_lengths[1:] for w in self.widths]
+                + [("mixed", w, n) for n in self.kv_lengths[1:] for w in self.mixed])
         return first, rest
 
     def close(self) -> None:
@@ -522,6 +554,21 @@ class CompiledShapes:
             if fits:
                 self._enqueue_locked(ideal)
         return min(fits, key=lambda k: (k[2], k[1])) if fits else ideal
+
+    def mixed_key(self, need_w: int, need_n: int) -> tuple | None:
+        """The fused step for rows [0, need_w) and positions < need_n when it is compiled, else
+        None (and it is queued: compiled beside requests, but nobody waits for it — the chunk
+        and the decode step run apart meanwhile). None too where no fused width covers need_w."""
+        w = next((w for w in self.mixed if w >= need_w), None)
+        n = next((n for n in self.kv_lengths if n >= need_n), None)
+        if w is None or n is None:
+            return None
+        key = ("mixed", w, n)
+        with self._cond:
+            if self._usable_locked(key):
+                return key
+            self._enqueue_locked(key)
+        return None
 
     def want_decode(self, need_w: int, need_n: int) -> None:
         """Compile ahead (needed now, not waited for) the decode shape positions up to need_n will need."""

@@ -15,7 +15,7 @@ import threading
 # Upper bounds (seconds) of the step-time buckets: one decode step of the bundled model on a
 # 2-core CPU takes ~10-40 ms, a 4096-token prefill a few seconds, an on-demand compile longer.
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "decode", "mixed")  # mixed: a chunk fused with a decode step
 
 
 @dataclasses.dataclass
