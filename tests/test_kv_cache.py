@@ -16,8 +16,8 @@ import pytest
 from gemma4.model import kv_cache
 from gemma4.model import decoder as M
 from gemma4.model.config import tiny
-from gemma4.serve.engine import decode_step, prefill_step
-from gemma4.serve.engine_compile import chunk_plan
+from gemma4.serve.engine import decode_step, mixed_step, prefill_step
+from gemma4.serve.engine_compile import MIXED_CHUNK, chunk_plan
 from gemma4.model.sampling import SamplingRows
 from gemma4.weights.random_init import random_params
 
@@ -143,6 +143,44 @@ def test_batched_equals_alone():
     together = greedy_cached(prompts, 14, width=4)
     alone = [greedy_cached([p], 14, width=1)[0] for p in prompts]
     assert together == alone
+
+
+_mixed = jax.jit(functools.partial(mixed_step, cfg=CFG, options=M.RunOptions(), width=1, kv_len=64))
+
+
+@pytest.mark.parametrize("step", [5, MIXED_CHUNK])
+def test_chunks_fused_with_a_decoding_row_equal_full_recompute(step):
+    """Row 0 decodes while row 1's prompt is prefilled in fused steps (`mixed_step`: its chunk and
+    row 0's next token in one call; row 1 holds an earlier prompt's keys), then both decode
+    together: each row's
+    tokens are its prompt's recomputed in full. The window is 8, so chunks concatenate on the
+    sliding layers and the rings wrap; KV sharing and PLE are in the geometry."""
+    a, b = _prompt(21, 9), _prompt(22, 37)
+    cache = kv_cache.init_cache(CFG, 2, MAX_LEN, jnp.float32)
+    tok, cache = prefill(cache, a, 0, (16,))
+    _, cache = prefill(cache, _prompt(23, 40), 1, (16,))  # stale keys in row 1 (the first fused chunk clears the row)
+    out_a, out_b, pos_a = [tok], [], len(a)
+    for start in range(0, len(b), step):
+        length = min(step, len(b) - start)
+        toks = np.zeros(MIXED_CHUNK + 1, np.int32)
+        pos = np.full(MIXED_CHUNK + 1, -1, np.int32)
+        toks[:length], pos[:length] = b[start:start + length], np.arange(start, start + length)
+        toks[MIXED_CHUNK], pos[MIXED_CHUNK] = out_a[-1], pos_a
+        new, _, cache = _mixed(PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), jnp.int32(1),
+                               jnp.int32(1 if start == 0 else -1), jnp.int32(length - 1), _greedy_sampling(2))
+        out_a.append(int(new[0]))
+        pos_a += 1
+        if start + length == len(b):
+            out_b.append(int(new[1]))
+    for _ in range(4):
+        toks = np.asarray([out_a[-1], out_b[-1]], np.int32)
+        pos = np.asarray([pos_a, len(b) + len(out_b) - 1], np.int32)
+        new, _, cache = _decode[2](PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), _greedy_sampling(2))
+        out_a.append(int(new[0]))
+        out_b.append(int(new[1]))
+        pos_a += 1
+    assert out_a == greedy_full(a, len(out_a))
+    assert out_b == greedy_full(b, len(out_b))
 
 
 @pytest.mark.parametrize("variant", ["gemma3-270m", "e2b"])

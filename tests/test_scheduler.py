@@ -221,12 +221,12 @@ def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():
 
 def test_a_chunk_fused_with_the_decode_step_gives_the_solo_tokens(eng):
     """With no chunk size forced, a prompt that arrives while a stream decodes is prefilled in
-    fused steps (its chunk and the stream's next token in one dispatch: engine_compile.MIXED_ROWS),
+    fused steps (its chunk and the stream's next token in one dispatch: engine_compile.MIXED_CHUNK),
     first chunk included; the stream, the long prompt and a short one sent meanwhile all get their
     solo tokens, and the short one its first token before the long one."""
-    from gemma4.serve.engine_compile import mixed_chunk
+    from gemma4.serve.engine_compile import MIXED_CHUNK
 
-    assert eng.mixed_widths == (2, 4)
+    assert eng.mixed_widths == (1, 2, 4)
     running, long, short = _prompt(20, 11), _prompt(150, 12), _prompt(4, 13)
     many = SamplingParams(temperature=0.0, max_new_tokens=80)
     solo = {"running": conversation.generate(eng, running, many)["token_ids"],
@@ -255,7 +255,7 @@ def test_a_chunk_fused_with_the_decode_step_gives_the_solo_tokens(eng):
         th.join(timeout=300)
     assert {k: v[0] for k, v in out.items()} == solo
     long_stats = out["long"][1]
-    assert long_stats["fused_chunks"] == long_stats["chunks"] >= len(long) // mixed_chunk(2), long_stats
+    assert long_stats["fused_chunks"] == long_stats["chunks"] >= len(long) // MIXED_CHUNK, long_stats
     assert out["short"][1]["fused_chunks"] == 1 and first_at["short"] < first_at["long"]
     assert eng.step_times.snapshot()["steps"]["mixed"]["count"] - before >= long_stats["fused_chunks"]
 

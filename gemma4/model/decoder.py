@@ -289,11 +289,70 @@ def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: Any, tok
     return not spec.is_sliding or kv_cache.ring_writes_first(entry, cfg.sliding_window, tokens)
 
 
+def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
+                cache: dict | None, new_cache: dict | None, *, options: RunOptions, attend_cache: bool,
+                cache_row: jax.Array | int, kv_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's K/V [B, T] written to the cache (into `new_cache`), and the (keys, values, key
+    positions) its queries attend to."""
+    B, T = positions.shape
+    dtype = options.dtype
+    if cache is None or not attend_cache:
+        if cache is not None:
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        return k, v, positions
+    if T == 1 or _write_first(spec, cfg, cache[spec.index], dtype, T):
+        # Decode: write first, then attend over the cache alone (no concatenated copy; the
+        # mask keeps a sliding layer to its window). A later prefill chunk too where that is
+        # exact (`_write_first`).
+        new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        return kv_cache.read(new_cache[spec.index], dtype, cache_row, B, None if spec.is_sliding else kv_len,
+                             options.rows_sharded)
+    ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B, None if spec.is_sliding else kv_len,
+                                 options.rows_sharded)
+    new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+    return jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1), jnp.concatenate([cpos, positions], axis=1)
+
+
+def _fused_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
+                cache: dict, new_cache: dict, *, options: RunOptions, chunk: int, cache_row: jax.Array | int,
+                kv_len: int | None) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """`_layer_keys` for a fused call (`forward`'s decode_rows): k/v/positions [1, chunk + D], the
+    chunk for row `cache_row`, then one token for each of rows [0, D). The layer's cache is
+    written by ONE scatter, before anything reads it (a second write after a read made XLA:CPU
+    copy the whole layer cache, twice: measured in the compiled step); then (keys, values, key
+    positions) for the chunk [1, ...] and for the decode rows [D, ...]."""
+    D = positions.shape[1] - chunk
+    dtype = options.dtype
+    entry = cache[spec.index]
+    rows = jnp.concatenate([jnp.full((1, chunk), cache_row, jnp.int32), jnp.arange(D, dtype=jnp.int32)[None]], axis=1)
+    slots = None if spec.is_sliding else kv_len
+    if _write_first(spec, cfg, entry, dtype, chunk):
+        new_cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
+        first = kv_cache.read(new_cache[spec.index], dtype, cache_row, 1, slots, options.rows_sharded)
+    else:  # the chunk's cached keys read before the write, its own concatenated (exact where write-first is not)
+        ck, cv, cpos = kv_cache.read(entry, dtype, cache_row, 1, slots, options.rows_sharded)
+        first = tuple(jnp.concatenate([c, t[:, :chunk]], axis=1) for c, t in ((ck, k), (cv, v), (cpos, positions)))
+        new_cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
+    return [first, kv_cache.read(new_cache[spec.index], dtype, 0, D, slots, options.rows_sharded)]
+
+
+def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, keys: jax.Array, values: jax.Array,
+                 key_pos: jax.Array, positions: jax.Array, options: RunOptions, groups: jax.Array | None) -> jax.Array:
+    """Queries q [B, T] of one layer over (keys, values, key positions): [B, T, heads·d]."""
+    mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
+    if groups is not None and spec.is_sliding:
+        mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
+    impl = options.attention_sliding if spec.is_sliding else options.attention_full
+    # causal within the chunk: its own keys (same positions), and no image seeing ahead
+    blocks = causal_blocks(positions.shape[1]) if key_pos is positions and (groups is None or not spec.is_sliding) else 1
+    return attend(q, keys, values, mask, cfg.attention_scale, impl, blocks)
+
+
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             cache: dict | None = None, *, options: RunOptions = RunOptions(),
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
             cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None,
-            vision_groups: jax.Array | None = None, head: jax.Array | None = None):
+            vision_groups: jax.Array | None = None, head: jax.Array | None = None, decode_rows: int = 0):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -318,6 +377,11 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
       head:      None, or a traced bool: where false the LM head is skipped and the logits are zeros
                  (a prefill chunk that is not its prompt's last needs no logits; the head is a
                  whole pass over the embedding table: ~5 ms of a bundled-model chunk on 2 cores).
+      decode_rows: D > 0 (static; B == 1, a cache given): the last D of the T tokens are one decode
+                 token each for cache rows [0, D) (position -1: an idle row), the first T - D a
+                 chunk for row `cache_row`. The products run on all T tokens at once (one pass
+                 over the weights); each part attends to its own rows. `logits_at` is then [K]
+                 indices into T, and the logits are [K, V].
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -340,41 +404,43 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # producer -> (k, v, key positions)
     groups = vision_groups if (vision_groups is not None and cfg.bidirectional_vision and T > 1) else None
 
+    if decode_rows:
+        if B != 1 or cache is None or not attend_cache or groups is not None:
+            raise ValueError("decode_rows needs one row of tokens, a cache to attend to and no vision groups")
+        C = T - decode_rows
+
+        def split(t: jax.Array) -> tuple[jax.Array, jax.Array]:  # [1, T, ...] → the chunk [1, C, ...], the decode tokens [D, 1, ...]
+            return t[:, :C], t[:, C:].reshape((decode_rows, 1) + t.shape[2:])
+
+        shared_parts: dict[int, list] = {}  # producer -> [(k, v, key positions) of the chunk, of the decode rows]
+
     for spec, lp in zip(cfg.layers, params["layers"]):
         cos, sin = tables[spec.attention]
         a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
-        if spec.is_kv_consumer:
-            keys, values, key_pos = shared[spec.kv_source]
-        elif cache is None or not attend_cache:
-            keys, values, key_pos = k, v, positions
-            if cache is not None:
-                new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        elif T == 1 or _write_first(spec, cfg, cache[spec.index], dtype, T):
-            # Decode: write first, then attend over the cache alone (no concatenated copy; the
-            # mask keeps a sliding layer to its window). A later prefill chunk too where that is
-            # exact (`_write_first`).
-            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-            keys, values, key_pos = kv_cache.read(new_cache[spec.index], dtype, cache_row, B,
-                                                  None if spec.is_sliding else kv_len, options.rows_sharded)
-        else:
-            ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B,
-                                         None if spec.is_sliding else kv_len, options.rows_sharded)
-            keys = jnp.concatenate([ck, k], axis=1)
-            values = jnp.concatenate([cv, v], axis=1)
-            key_pos = jnp.concatenate([cpos, positions], axis=1)
-            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        if options.mesh is not None and not spec.is_kv_consumer:
-            keys, values = _pin(keys, _QKV_AXES["kv"], options.mesh), _pin(values, _QKV_AXES["kv"], options.mesh)
-        if not spec.is_kv_consumer:
-            shared[spec.index] = (keys, values, key_pos)
-        mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
-        if groups is not None and spec.is_sliding:
-            mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
-        impl = options.attention_sliding if spec.is_sliding else options.attention_full
-        # causal within the chunk: its own keys (same positions), and no image seeing ahead
-        blocks = causal_blocks(T) if key_pos is positions and (groups is None or not spec.is_sliding) else 1
-        attn = attend(q, keys, values, mask, cfg.attention_scale, impl, blocks)
+        if not decode_rows:
+            if spec.is_kv_consumer:
+                keys, values, key_pos = shared[spec.kv_source]
+            else:
+                keys, values, key_pos = _layer_keys(spec, cfg, k, v, positions, cache, new_cache, options=options,
+                                                    attend_cache=attend_cache, cache_row=cache_row, kv_len=kv_len)
+                if options.mesh is not None:
+                    keys, values = _pin(keys, _QKV_AXES["kv"], options.mesh), _pin(values, _QKV_AXES["kv"], options.mesh)
+                shared[spec.index] = (keys, values, key_pos)
+            attn = _attend_keys(spec, cfg, q, keys, values, key_pos, positions, options, groups)
+        else:  # the chunk and the decode tokens, each over its own rows
+            if spec.is_kv_consumer:
+                parts = shared_parts[spec.kv_source]
+            else:
+                parts = _fused_keys(spec, cfg, k, v, positions, new_cache, new_cache, options=options, chunk=C,
+                                    cache_row=cache_row, kv_len=kv_len)
+                if options.mesh is not None:
+                    parts = [(_pin(a, _QKV_AXES["kv"], options.mesh), _pin(b, _QKV_AXES["kv"], options.mesh), p)
+                             for a, b, p in parts]
+                shared_parts[spec.index] = parts
+            attn = jnp.concatenate([
+                _attend_keys(spec, cfg, qp, *part, pos, options, None).reshape(1, pos.size, -1)
+                for qp, part, pos in zip(split(q), parts, split(positions))], axis=1)
         x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)
 
         residual = x
@@ -391,7 +457,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         if return_hidden:
             hidden.append(x)
 
-    if logits_at is not None:
+    if logits_at is not None and decode_rows:
+        x = x[0, logits_at]
+    elif logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]
     if head is None:
         return lm_head(params, cfg, x), new_cache, hidden

@@ -114,17 +114,22 @@ def read(entry: dict[str, jax.Array], dtype: Any, row: jax.Array | int = 0, batc
 
 
 def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array,
-          row: jax.Array | int = 0) -> dict[str, jax.Array]:
+          row: jax.Array | int = 0, rows: jax.Array | None = None) -> dict[str, jax.Array]:
     """Scatter new K/V [B, T, n_kv, d] at absolute `positions` [B, T] (-1 = padding, not written)
-    into cache rows [row, row + B). The update is in place when the cache buffer is donated."""
+    into cache rows [row, row + B), or into each token's own cache row `rows` [B, T]. The update
+    is in place when the cache buffer is donated."""
     B, T = positions.shape
     S = entry["pos"].shape[1]
     valid = positions >= 0
-    last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
-    # In a ring only the last S real tokens survive; writing only those keeps indices unique.
+    if rows is None:
+        rows = jnp.broadcast_to(row + jnp.arange(B)[:, None], (B, T))
+        last = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)
+    else:  # each token's row's last position
+        same = (rows[:, :, None] == rows[:, None, :]) & valid[:, None, :]
+        last = jnp.max(jnp.where(same, positions[:, None, :], -1), axis=2)
+    # In a ring only the last S real tokens (of a row) survive; writing only those keeps indices unique.
     keep = valid & (positions > last - S)
     slot = jnp.where(keep, positions % S, S)  # S is out of range: the write is dropped
-    rows = jnp.broadcast_to(row + jnp.arange(B)[:, None], (B, T))
     new = dict(entry)
     new["pos"] = entry["pos"].at[rows, slot].set(positions, mode="drop")
     if "k_scale" in entry:

@@ -76,7 +76,7 @@ from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import executable_store, step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
-                                         mixed_chunk, mixed_widths, next_chunk, override_limit, prefill_order)
+                                         MIXED_CHUNK, mixed_widths, next_chunk, override_limit, prefill_order)
 from gemma4.serve.step_times import StepTimes
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
@@ -412,16 +412,18 @@ def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, optio
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
-def mixed_step(params, cache, tokens, positions, last, sampling, clear, *, cfg, options, width, kv_len):
-    """One prompt chunk and one decode token per decoding row in one dispatch (see
-    engine_compile.MIXED_ROWS): tokens/positions [width, chunk] for cache rows [0, width) — a
-    decoding row's token at index 0 and padding (position -1) after it, the chunk's row its chunk,
-    an idle row all padding; `last` [width]: the index each row's token is sampled at. `clear`: the
-    row to mark empty first (a prompt's first chunk), or -1. Every row attends to its cached keys
-    and its own; full layers read slots [0, kv_len) only."""
+def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, sampling, *, cfg, options, width, kv_len):
+    """A prompt's chunk and one decode token per cache row [0, width) in one dispatch (see
+    engine_compile.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
+    `chunk_row`; padding: position -1), then the decode tokens (an idle row: position -1). `clear`:
+    the row to mark empty first (a prompt's first chunk), or -1. Tokens are sampled for the decode
+    rows (sampling rows [0, width)) and at chunk index `last` (sampling row `width`: meaningful
+    only after a prompt's last chunk). Full layers read slots [0, kv_len) only."""
     cache = kv_cache.clear_row_if(cache, clear)
-    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, logits_at=last,
-                                 kv_len=kv_len)
+    chunk = tokens.shape[0] - width
+    at = jnp.concatenate([chunk + jnp.arange(width, dtype=jnp.int32), jnp.reshape(last, (1,))])
+    logits, cache, _ = M.forward(params, cfg, tokens[None], positions[None], cache, options=options, logits_at=at,
+                                 kv_len=kv_len, cache_row=chunk_row, decode_rows=width)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
@@ -644,11 +646,11 @@ class Engine:
         self._decode = {(w, n): jax.jit(functools.partial(decode_step, cfg=cfg, options=options, width=w, kv_len=n),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
                         for w in self.widths for n in self.kv_lengths}
-        # the fused chunk-and-decode step (engine_compile.MIXED_ROWS); not where several processes
+        # the fused chunk-and-decode step (engine_compile.MIXED_CHUNK); not where several processes
         # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
         self.mixed_widths = () if self.link is not None else mixed_widths(self.widths)
         self._mixed = {(w, n): jax.jit(functools.partial(mixed_step, cfg=cfg, options=options, width=w, kv_len=n),
-                                       in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
+                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                        for w in self.mixed_widths for n in self.kv_lengths}
         self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                         self.cache)
@@ -743,9 +745,8 @@ class Engine:
                 jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
                 jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
         if kind == "mixed":
-            chunk = mixed_chunk(size)
-            return self._mixed[size, extra].lower(self.params, self._cache_spec, i32(size, chunk), i32(size, chunk),
-                                                  i32(size), SamplingRows.spec(size), i32())
+            return self._mixed[size, extra].lower(self.params, self._cache_spec, i32(MIXED_CHUNK + size),
+                                                  i32(MIXED_CHUNK + size), i32(), i32(), i32(), SamplingRows.spec(size + 1))
         return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
                                                SamplingRows.spec(size), i32())
 
@@ -823,13 +824,14 @@ class Engine:
         token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
-    def run_mixed(self, key: tuple, tokens, positions, last, sampling: SamplingRows, clear: int):
+    def run_mixed(self, key: tuple, tokens, positions, chunk_row: int, clear: int, last: int, sampling: SamplingRows):
         """Run the fused step `key` ("mixed", width, kv_len) (see `mixed_step`): tokens/positions
-        [width, chunk], last [width]; returns (tokens [width], non-finite [width]) as numpy. Never
-        used where several processes replay steps (`mixed_widths` is empty there)."""
+        [MIXED_CHUNK + width]; returns (tokens [width + 1]: the decode rows', then the chunk's;
+        non-finite [width + 1]) as numpy. Never used where several processes replay steps
+        (`mixed_widths` is empty there)."""
         exe, _ = self.shapes.executable(key)
         token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                                     jnp.asarray(last), sampling.on_device(), jnp.int32(clear))
+                                     jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 
     def run_decode(self, key: tuple, tokens, positions, sampling: SamplingRows, row: int = 0):
@@ -1351,12 +1353,12 @@ class Engine:
                 self.emit(req, int(out[row]), bool(bad[row]), now)
 
     def _mixed_once(self) -> bool:
-        """One fused step (`mixed_step`, engine_compile.MIXED_ROWS) instead of a chunk and a decode
-        step apart, where it applies: some rows decoding, the next prompt in `prefill_order` with a
-        text-only next chunk that fits the fused chunk (none ends inside an atomic span), and the
-        fused shape for these rows and lengths compiled (else it is queued, and this iteration
-        runs the two apart). Not while a chunk size beside streams is forced (GEMMA4_PREFILL_CHUNK).
-        True when it ran."""
+        """One fused step (`mixed_step`, engine_compile.MIXED_CHUNK) instead of a chunk and a
+        decode step apart, where it applies: some rows decoding, the next prompt in
+        `prefill_order` with a text-only next chunk of at most MIXED_CHUNK tokens (none ends
+        inside an atomic span), and the fused shape for these rows and lengths compiled (else it
+        is queued, and this iteration runs the two apart). Not while a chunk size beside streams
+        is forced (GEMMA4_PREFILL_CHUNK). True when it ran."""
         if not self.mixed_widths or self.chunk_override[False] is not None:  # a chunk size asked for: kept
             return False
         with self._lock:
@@ -1367,39 +1369,32 @@ class Engine:
         if not decoding or not pending:
             return False
         req = pending[0]
-        need_w = max(*decoding, req.row) + 1
-        width = next((w for w in self.mixed_widths if w >= need_w), None)
-        if width is None:
-            return False
-        chunk_n = mixed_chunk(width)
         start, n = req.prefilled, len(req.prompt_ids)
-        length = next_chunk(start, n, chunk_n, req.atomic_spans)
+        length = next_chunk(start, n, MIXED_CHUNK, req.atomic_spans)
         chunk = slice(start, start + length)
-        if length > chunk_n or (req.embed_mask is not None and bool(req.embed_mask[chunk].any())):
+        if length > MIXED_CHUNK or (req.embed_mask is not None and bool(req.embed_mask[chunk].any())):
             return False
         need_n = max(max(r.position for r in decoding.values()) + 1, start + length)
-        key = self.shapes.mixed_key(need_w, need_n)
+        key = self.shapes.mixed_key(max(decoding) + 1, need_n)
         if key is None:
             return False
         width = key[1]
-        tokens = np.zeros((width, chunk_n), np.int32)
-        positions = np.full((width, chunk_n), -1, np.int32)
-        last = np.zeros(width, np.int32)
-        sampling: list[Request | None] = [None] * width
+        tokens = np.zeros(MIXED_CHUNK + width, np.int32)
+        positions = np.full(MIXED_CHUNK + width, -1, np.int32)
+        tokens[:length] = req.prompt_ids[chunk]
+        positions[:length] = np.arange(start, start + length)
+        sampling: list[Request | None] = [None] * width + [req]
         for row, r in decoding.items():
-            tokens[row, 0], positions[row, 0], sampling[row] = r.recent[-1], r.position, r
-        tokens[req.row, :length] = req.prompt_ids[chunk]
-        positions[req.row, :length] = np.arange(start, start + length)
-        last[req.row] = length - 1 if start + length == n else 0
-        sampling[req.row] = req
+            tokens[MIXED_CHUNK + row], positions[MIXED_CHUNK + row], sampling[row] = r.recent[-1], r.position, r
+        final = start + length == n
         self._start_prefill_clock(req, time.perf_counter())
         with self.step_guard("mixed", [req, *decoding.values()]):  # a fault fails these rows only
-            out, bad = self.run_mixed(key, tokens, positions, last, self._sampling_rows(sampling),
-                                      req.row if start == 0 else -1)
+            out, bad = self.run_mixed(key, tokens, positions, req.row, req.row if start == 0 else -1,
+                                      length - 1 if final else 0, self._sampling_rows(sampling))
             now = time.perf_counter()
             req.fused_chunks += 1
             self._decoded(active, decoding, out, bad, now)
-            self._chunk_done(req, start, length, chunk_n, int(out[req.row]), bool(bad[req.row]), now)
+            self._chunk_done(req, start, length, MIXED_CHUNK, int(out[width]), bool(bad[width]), now)
         return True
 
     def close(self, timeout: float | None = 0.0) -> None:

@@ -115,30 +115,23 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
-# A fused step ("mixed"): a prompt's next chunk and one decode token of every decoding row in
-# ONE dispatch of rows [0, width) × `mixed_chunk(width)` tokens (a decoding row's token first, the
-# rest padding; the chunk's row its chunk). Apart, a chunk beside running streams is a second
-# dispatch after their decode step, and each dispatch streams every weight once (on a 2-core
-# AMD EPYC Zen 4 with the bundled model, a later 8-token chunk cost ~40 ms beside a ~20 ms decode
-# step): fused, the streams' gap is one dispatch. Its rows are width × chunk, mostly padding, so
-# the chunk shrinks as the width grows (MIXED_ROWS in all) and wide batches (more than
-# MIXED_MAX_WIDTH rows) keep the two dispatches. GEMMA4_MIXED_STEP=off turns it off.
-MIXED_ROWS = 32
-MIXED_MAX_WIDTH = 4
-
-
-def mixed_chunk(width: int) -> int:
-    """Prompt tokens a fused step of `width` rows takes (MIXED_ROWS in all)."""
-    return MIXED_ROWS // width
+# A fused step ("mixed"): a prompt's next chunk (up to MIXED_CHUNK tokens) and one decode token
+# for each of cache rows [0, width) in ONE dispatch: the products run on the chunk's tokens and
+# the decode tokens together (one pass over the weights), and each part attends to its own rows
+# (`gemma4.model.decoder.forward`'s decode_rows). Apart, a chunk beside running streams is a
+# second dispatch after their decode step, each streaming every weight once: on a 2-core AMD EPYC
+# Zen 4 with the bundled model a later 16-token chunk cost about two decode steps, so the
+# streams' gap was about three. GEMMA4_MIXED_STEP=off turns it off.
+MIXED_CHUNK = 16
 
 
 def mixed_widths(widths: Sequence[int], env: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """The decode widths a fused step is compiled for: 2 … MIXED_MAX_WIDTH (a chunk's row and at
-    least one decoding row); none where GEMMA4_MIXED_STEP is off."""
+    """The decode widths a fused step is compiled for: all of them, or none where
+    GEMMA4_MIXED_STEP is off."""
     env = os.environ if env is None else env
     if env.get("GEMMA4_MIXED_STEP", "on").strip().lower() in ("off", "0", "false", "no"):
         return ()
-    return tuple(w for w in widths if 2 <= w <= MIXED_MAX_WIDTH)
+    return tuple(widths)
 
 
 # A prompt whose last chunk ran this long ago goes first (`prefill_order`): shortest remaining first
@@ -218,7 +211,7 @@ def describe_shape(key: tuple) -> str:
     ("prefill_embeds", 16, True) → "prefill 16 tokens (first chunk, with embeddings)"."""
     kind, size, extra = key
     if kind == "mixed":
-        return f"prefill {mixed_chunk(size)} tokens fused with decode of {size} rows (cache ≤{extra})"
+        return f"prefill ≤{MIXED_CHUNK} tokens fused with decode {size} row{'s' if size > 1 else ''} (cache ≤{extra})"
     if kind in ("prefill", "prefill_embeds"):
         media = ", with embeddings" if kind == "prefill_embeds" else ""
         return f"prefill {size} tokens ({'first chunk' if extra else 'later chunk'}{media})"
