@@ -22,6 +22,8 @@ Shape of the work:
   inter-token gap instead of its whole prefill. Several prompts may be prefilling: the one with
   the fewest tokens left goes first. A chunk's size is measured to cost about a few decode
   steps (engine_compile.chunk_budget_s). The first token is sampled in the last chunk's dispatch.
+  Beside decoding rows, a text chunk of up to 16 tokens and their decode step run as ONE fused
+  dispatch where its shape is compiled (`mixed_step`, `_mixed_once`).
 - Each scheduler iteration decodes one token for every row whose prompt is in. The decode executable is
   compiled for a small ladder of batch widths (1, 2, 4, 8…): rows [0, width) run, so a lone
   request does not pay for eight; and for a ladder of full-layer cache lengths (512, 1024, …):
