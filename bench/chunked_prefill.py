@@ -130,6 +130,8 @@ def main(argv=None) -> dict:
               "worst_over_solo": max(beside_gaps) / solo_median, "short_ttft_s": short.ttft,
               "long_ttft_s": long.ttft, "long_chunks": long.final.stats["chunks"],
               "long_interleaved_steps": long.final.stats.get("prefill_interleaved_steps"),
+              "long_fused_chunks": long.final.stats.get("fused_chunks", 0),
+              "short_fused_chunks": short.final.stats.get("fused_chunks", 0),
               "stream_tokens_during_prefill": len(beside_gaps),
               "p90_gap_s": statistics.quantiles(beside_gaps, n=10)[-1] if len(beside_gaps) > 1 else beside_gaps[0],
               "worst_gaps_at_s": [(round(g, 3), round(at, 2)) for g, at in worst],
@@ -155,7 +157,7 @@ def main(argv=None) -> dict:
           f"{out['load_avg_after']}; later-chunk size now: {out['chunk_tokens']['beside']} tokens beside streams, "
           f"{out['chunk_tokens']['alone']} alone")
     print(f"solo stream: median gap {1000 * solo_median:.0f} ms, worst {1000 * max(solo_gaps):.0f} ms")
-    print(f"beside a {len(long_ids)}-token prefill ({beside['long_chunks']} chunks, TTFT {beside['long_ttft_s']:.2f} s): "
+    print(f"beside a {len(long_ids)}-token prefill ({beside['long_chunks']} chunks, {beside['long_fused_chunks']} fused, TTFT {beside['long_ttft_s']:.2f} s): "
           f"worst gap {1000 * beside['worst_gap_s']:.0f} ms = {beside['worst_over_solo']:.1f}× solo (target ≤ 3×), "
           f"median {1000 * beside['median_gap_s']:.0f} ms, p90 {1000 * beside['p90_gap_s']:.0f} ms; 4-token request TTFT {beside['short_ttft_s']:.2f} s "
           f"(target ≤ 1 s)")

@@ -123,6 +123,11 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
 # Zen 4 with the bundled model a later 16-token chunk cost about two decode steps, so the
 # streams' gap was about three. GEMMA4_MIXED_STEP=off turns it off.
 MIXED_CHUNK = 16
+# Fused shapes are an optimization, never needed: the background plan holds every width at the
+# shortest cache length, and the first widths (a stream or two beside a prompt, the demo's usual
+# case) at the longer ones; another is queued in the background when first wanted. Each compiled
+# shape costs memory and compile time (32 → 48 shapes for the app if all were planned, 42 so).
+MIXED_PLANNED_WIDTHS = 2
 
 
 def mixed_widths(widths: Sequence[int], env: Mapping[str, str] | None = None) -> tuple[int, ...]:
@@ -338,6 +343,7 @@ class CompiledShapes:
         enough none compiles on a request's path (a missing one is compiled when first needed,
         and only the request that needs it waits for it)."""
         n0 = self.kv_lengths[0]
+        planned = self.mixed[:MIXED_PLANNED_WIDTHS]
         b0 = next((b for b in self.buckets if b >= FIRST_BUCKET), self.buckets[-1])
         first = [("prefill", b0, True), ("decode", self.widths[0], n0)]
         short = [("prefill", b, True) for b in self.buckets if b <= 64 and b != b0]
@@ -346,7 +352,7 @@ class CompiledShapes:
                 + [("mixed", w, n0) for w in self.mixed]
                 + [("prefill", b, True) for b in self.buckets if b > 64 and b != b0]
                 + [("decode", w, n) for n in self.kv_lengths[1:] for w in self.widths]
-                + [("mixed", w, n) for n in self.kv_lengths[1:] for w in self.mixed])
+                + [("mixed", w, n) for n in self.kv_lengths[1:] for w in planned])
         return first, rest
 
     def close(self) -> None:
@@ -550,8 +556,9 @@ class CompiledShapes:
 
     def mixed_key(self, need_w: int, need_n: int) -> tuple | None:
         """The fused step for rows [0, need_w) and positions < need_n when it is compiled, else
-        None (and it is queued: compiled beside requests, but nobody waits for it — the chunk
-        and the decode step run apart meanwhile). None too where no fused width covers need_w."""
+        None (and it is queued in the background, compiled once the engine is idle: nobody waits
+        for it, and no compile shares the CPU with requests for it — the chunk and the decode step
+        run apart meanwhile). None too where no fused width covers need_w."""
         w = next((w for w in self.mixed if w >= need_w), None)
         n = next((n for n in self.kv_lengths if n >= need_n), None)
         if w is None or n is None:
@@ -560,7 +567,10 @@ class CompiledShapes:
         with self._cond:
             if self._usable_locked(key):
                 return key
-            self._enqueue_locked(key)
+            if key not in self._background and key not in self._urgent and key not in self._compiling \
+                    and key not in self._exe and key not in self._failed:
+                self._background.append(key)
+                self._cond.notify_all()
         return None
 
     def want_decode(self, need_w: int, need_n: int) -> None:
