@@ -95,15 +95,27 @@ def test_what_cannot_be_serialized_is_not_stored_and_says_so(tmp_path, caplog):
 
 
 def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch):
-    (tmp_path / "a.py").write_text("x = 1\n")
-    (tmp_path / "k.cc").write_text("int f();\n")
-    first = XS.code_fingerprint(tmp_path)
-    XS.code_fingerprint.cache_clear()
-    (tmp_path / "k.cc").write_text("int f(int);\n")
-    assert XS.code_fingerprint(tmp_path) != first
-    XS.code_fingerprint.cache_clear()
-    (tmp_path / "notes.txt").write_text("not code")
-    assert XS.code_fingerprint(tmp_path) == XS.code_fingerprint(tmp_path)
+    parts = ("model", "serve/engine.py")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "model" / "a.py").write_text("x = 1\n")
+    (tmp_path / "model" / "k.cc").write_text("int f();\n")
+    (tmp_path / "serve" / "engine.py").write_text("y = 2\n")
+    (tmp_path / "serve" / "chat.py").write_text("z = 3\n")
+
+    def fingerprint():
+        XS.code_fingerprint.cache_clear()
+        return XS.code_fingerprint(tmp_path, parts)
+
+    first = fingerprint()
+    (tmp_path / "model" / "k.cc").write_text("int f(int);\n")
+    second = fingerprint()
+    (tmp_path / "serve" / "engine.py").write_text("y = 3\n")
+    third = fingerprint()
+    assert len({first, second, third}) == 3
+    (tmp_path / "model" / "notes.txt").write_text("not code")
+    (tmp_path / "serve" / "chat.py").write_text("z = 4\n")  # not a part a program is built from
+    assert fingerprint() == third
     XS.code_fingerprint.cache_clear()
 
     env = {"HOME": "/h", "XLA_FLAGS": "", "GEMMA4_INT8_MATMUL": "auto"}

@@ -633,33 +633,46 @@ class Engine:
         self.cache = self._new_cache()  # born split: no whole cache on one device
         param_sh = sharding.param_shardings(cfg, self.params, self.mesh)
         rep = sharding.replicated(self.mesh)
+        self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.cache)
+        # Executables kept on disk under a key of what they are made from (executable_store). The
+        # steps then carry that key in their names: jax's persistent cache keys by the program, so
+        # a step it already holds would be served from it, and such a copy cannot be stored — a
+        # new key gives new names, which XLA compiles (once) and the store keeps.
+        folder = executable_store.default_folder()
+        tag = ""
+        if folder is not None:
+            parts = self._program_parts()
+            self.shapes.store = executable_store.ExecutableStore(folder)
+            self.shapes.identify = functools.partial(executable_store.make_key, *parts)
+            tag = "_" + executable_store.make_key(*parts)[:12]
+
+        def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
+            p = functools.partial(fn, cfg=cfg, options=options, **kw)
+            p.__name__ = fn.__name__ + tag
+            return p
+
         # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
         # small inputs and outputs (tokens, positions, sampling rows) are replicated.
         step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
-        self._prefill = {fresh: jax.jit(functools.partial(prefill_step, cfg=cfg, options=options, fresh=fresh),
+        self._prefill = {fresh: jax.jit(named(prefill_step, fresh=fresh),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
                          for fresh in (True, False)}
         self.kv_lengths = kv_ladder(self.context_limit)
         # The variant with input embeddings (media segments): compiled only for a request that has one.
         self._prefill_embeds = {
-            fresh: jax.jit(functools.partial(prefill_embeds_step, cfg=cfg, options=options, fresh=fresh),
+            fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
                            in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
             for fresh in (True, False)}
-        self._decode = {(w, n): jax.jit(functools.partial(decode_step, cfg=cfg, options=options, width=w, kv_len=n),
+        self._decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
                                         in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
                         for w in self.widths for n in self.kv_lengths}
         # the fused chunk-and-decode step (engine_compile.MIXED_CHUNK); not where several processes
         # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
         self.mixed_widths = () if self.link is not None else mixed_widths(self.widths)
-        self._mixed = {(w, n): jax.jit(functools.partial(mixed_step, cfg=cfg, options=options, width=w, kv_len=n),
+        self._mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
                                        in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                        for w in self.mixed_widths for n in self.kv_lengths}
-        self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                        self.cache)
-        folder = executable_store.default_folder()
-        if folder is not None:
-            self.shapes.store = executable_store.ExecutableStore(folder)
-            self.shapes.identify = functools.partial(executable_store.make_key, *self._program_parts())
         self._info = {
             "model": cfg.name, "source": source.kind, "description": source.description,
             "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),

@@ -6,8 +6,8 @@ tracing and lowering the whole unrolled step first: ~1 s per shape of the bundle
 2-core AMD EPYC Zen 4, before the ~0.5 s the executable's load costs. This store keys an
 executable by everything the program is made from instead, known without tracing:
 
-- `code_fingerprint`: the bytes of every source file of the `gemma4` package (.py and the native
-  kernels' .cc): any change to the code that builds a step is a new key;
+- `code_fingerprint`: the bytes of every source file a step is built from (`PROGRAM_SOURCES`:
+  the model, the ops and native kernels' .cc, the engine's steps): any change there is a new key;
 - `platform_fingerprint`: jax and jaxlib versions, the devices, the CPU (model and flags), the
   XLA / JAX / GEMMA4 environment variables and jax's configuration values;
 - the engine's part (`gemma4.serve.engine.Engine`): the model config, the run options, the
@@ -15,7 +15,8 @@ executable by everything the program is made from instead, known without tracing
   paths), shapes, dtypes and shardings, and the shape key.
 
 A key the store has not seen is compiled as before and saved, but only when XLA really compiled
-it: an executable that jax's persistent compile cache served (`served_by_jax_cache`) is not
+it (the engine names its steps after the key, so jax's persistent cache has no entry for a new
+key's programs): an executable that jax's persistent compile cache served (`served_by_jax_cache`) is not
 re-serialized, because on XLA:CPU (jaxlib 0.10.2) such a copy loses kernels — loaded alone in a
 new process its first run failed with "Function bitcast_gather_fusion.1 not found" (measured on
 the bundled and the tiny model; a fresh compile's copy ran and gave the same tokens). Entries are written whole (a temporary file renamed into place) with a
@@ -56,11 +57,24 @@ PACKAGE = Path(__file__).resolve().parents[1]  # the gemma4 package
 ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
 
 
-@functools.lru_cache(maxsize=1)
-def code_fingerprint(root: Path = PACKAGE) -> str:
-    """SHA-256 over the relative path and bytes of every .py and .cc file under `root`."""
+# The package's parts a compiled step is built from: the model (forward pass, caches, sampling),
+# the ops and native kernels, the engine's step functions, and this store. Other modules reach a
+# program only through values the key holds (config, options, the parameters' tree, environment
+# variables, jax's configuration), so an edit elsewhere keeps every stored executable.
+PROGRAM_SOURCES = ("model", "ops", "serve/engine.py", "serve/executable_store.py")
+
+
+@functools.lru_cache(maxsize=4)
+def code_fingerprint(root: Path = PACKAGE, parts: tuple[str, ...] = PROGRAM_SOURCES) -> str:
+    """SHA-256 over the relative path and bytes of every .py and .cc file of `parts` (folders or
+    files under `root`)."""
     h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc") and "__pycache__" not in p.parts):
+    files = set()
+    for part in parts:
+        base = root / part
+        found = [base] if base.is_file() else base.rglob("*")
+        files.update(p for p in found if p.suffix in (".py", ".cc") and "__pycache__" not in p.parts)
+    for path in sorted(files):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
