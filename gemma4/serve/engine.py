@@ -456,6 +456,10 @@ class Engine:
         self._active: dict[int, Request] = {}
         # The ahead-of-time compiled executables by shape key (see engine_compile.CompiledShapes).
         self.shapes = CompiledShapes(self._lower, self._idle_for_background)
+        self.shapes.on_compiled = self._wake_scheduler  # an idle engine gives a new shape its first run
+        # One device call at a time: each takes the KV cache and gives back its successor (donated).
+        # The scheduler is the one caller when serving; benchmarks and tests may call run_* too.
+        self._device_lock = threading.Lock()
         self._t_start = time.perf_counter()
         self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
         self._startup: dict[str, float] = {}
@@ -517,6 +521,8 @@ class Engine:
             self.shapes.wait_all(None if end is None else max(0.0, end - time.monotonic()))
         except TimeoutError:  # the message names the caller's whole timeout
             raise TimeoutError(f"{self.shapes.pending()} shapes still compiling after {timeout} s") from None
+        while self.shapes.unrun() and (end is None or time.monotonic() < end):  # their first runs, while idle
+            time.sleep(0.02)
         return self
 
     def compile_state(self) -> dict:
@@ -802,13 +808,17 @@ class Engine:
         self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
 
     def _run_idle(self, key: tuple) -> None:
-        """Run one executable on idle inputs (every position -1: nothing is written or attended)."""
+        """Run one executable on idle inputs (every position -1: nothing is written or attended).
+        Media shapes (the towers, prefill with embeddings) are left to their first use."""
         kind, size, _ = key
         idle = np.full(size, -1, np.int32)
         if kind == "prefill":
             self.run_prefill(key, np.zeros(size, np.int32), idle, 0, 0, SamplingRows.idle(1))
-        else:
+        elif kind == "decode":
             self.run_decode(key, np.zeros(size, np.int32), idle, SamplingRows.idle(size))
+        elif kind == "mixed":
+            n = MIXED_CHUNK + size
+            self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0, SamplingRows.idle(size + 1))
 
     # ---------------------------------------------------------------- device calls
     def _sampling_rows(self, reqs: Sequence[Request | None]) -> SamplingRows:
@@ -828,6 +838,7 @@ class Engine:
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
+        self.shapes.mark_run(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, last, sampling)
         args = [self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.int32(row),
@@ -836,7 +847,9 @@ class Engine:
             args += [jnp.asarray(embeds[None], jnp.float32), jnp.asarray(embed_mask[None])]
         if vision_groups is not None:
             args.append(jnp.asarray(vision_groups[None], jnp.int32))
-        token, bad, self.cache = exe(*args)
+        with self._device_lock:
+            args[1] = self.cache
+            token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
     def run_mixed(self, key: tuple, tokens, positions, chunk_row: int, clear: int, last: int, sampling: SamplingRows):
@@ -845,8 +858,10 @@ class Engine:
         non-finite [width + 1]) as numpy. Never used where several processes replay steps
         (`mixed_widths` is empty there)."""
         exe, _ = self.shapes.executable(key)
-        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                                     jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
+        self.shapes.mark_run(key)
+        with self._device_lock:
+            token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                                         jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 
     def run_decode(self, key: tuple, tokens, positions, sampling: SamplingRows, row: int = 0):
@@ -854,10 +869,12 @@ class Engine:
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
         exe, _ = self.shapes.executable(key)
+        self.shapes.mark_run(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, 0, sampling)
-        token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                                     sampling.on_device(), jnp.int32(row))
+        with self._device_lock:
+            token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                                         sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
     # ---------------------------------------------------------------- vision
@@ -1055,11 +1072,28 @@ class Engine:
             self._wake.notify_all()
 
     # ---------------------------------------------------------------- scheduler
+    def _wake_scheduler(self) -> None:
+        with self._lock:
+            self._wake.notify_all()
+
+    def _first_run(self, key: tuple) -> None:
+        """Run a newly compiled shape once on idle inputs (nothing is written), on the engine
+        thread while no request is served: its slow first run lands here, not on a request."""
+        t = time.perf_counter()
+        try:
+            self._run_idle(key)
+        except Exception as e:  # a request that uses it meets the error itself; the loop goes on
+            log.warning("first run of %s failed: %s: %s", describe_shape(key), type(e).__name__, e)
+        else:
+            log.info("ran %s once in %.2f s (idle)", describe_shape(key), time.perf_counter() - t)
+
     def serve_requests(self) -> None:
         """The scheduler loop (on the engine thread, until `close`): each iteration admits a
         waiting request to a free row, runs one prefill chunk of one prefilling request, and one
-        decode step of every row whose prompt is in (see `_schedule_once`)."""
+        decode step of every row whose prompt is in (see `_schedule_once`). While nothing is to be
+        served it gives each newly compiled shape its first run (`_first_run`), one at a time."""
         while True:
+            first = None
             with self._lock:
                 while True:
                     if self._stop:
@@ -1067,7 +1101,14 @@ class Engine:
                     admit = self._admission_locked()
                     if admit is not None or self._active:
                         break
+                    first = self.shapes.take_unrun()
+                    if first is not None:
+                        break
                     self._wake.wait()
+            if first is not None:
+                self._first_run(first)
+                continue
+            with self._lock:
                 self._last_busy = time.monotonic()
             try:
                 if admit is not None:

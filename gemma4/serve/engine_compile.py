@@ -304,6 +304,11 @@ class CompiledShapes:
         self.widths: tuple[int, ...] = (1,)
         self.kv_lengths: tuple[int, ...] = ()
         self.mixed: tuple[int, ...] = ()  # widths with a fused step (`mixed_widths`)
+        # An executable's first run costs far more than the next (bundled model: a prefill's
+        # 1.0-1.4 s, then 0.3 s; a fused step's first run added ~0.2 s to a stream's gap): the
+        # engine runs each shape compiled after start-up once while it is idle (`take_unrun`).
+        self._unrun: list[tuple] = []
+        self.on_compiled: Callable[[], None] | None = None  # called after each compile lands
         # Executables kept on disk (gemma4.serve.executable_store) and a shape's key there; the
         # engine sets both once its parameters are known (None: every shape is compiled).
         self.store: ExecutableStore | None = None
@@ -394,12 +399,16 @@ class CompiledShapes:
                 self._compiling.discard(key)
                 if exe is not None:
                     self._exe[key] = exe
+                    if key not in self.startup_keys:  # warm-up runs those itself
+                        self._unrun.append(key)
                 else:
                     self._failed[key] = err
                 self._log.append((key, dt, why))
                 pending = self._pending_locked()
                 self._cond.notify_all()
             log.info("compiled %s in %.2f s (%s; %d shapes pending)", describe_shape(key), dt, why, pending)
+            if self.on_compiled is not None:
+                self.on_compiled()
 
     def _compile_with_retry(self, key: tuple):
         """`compile`, tried a second time after a failure: under jax 0.10 a lowering traced while
@@ -523,6 +532,23 @@ class CompiledShapes:
                     "log": [(describe_shape(k), round(s, 2), why) for k, s, why in self._log]}
 
     # ---------------------------------------------------------------- picking a compiled shape
+    def take_unrun(self) -> tuple | None:
+        """A compiled shape that has not run yet, taken off that list (the caller runs it once on
+        idle inputs), or None."""
+        with self._cond:
+            return self._unrun.pop(0) if self._unrun else None
+
+    def mark_run(self, key: tuple) -> None:
+        """`key` ran (on a request): its first run is behind it."""
+        with self._cond:
+            if key in self._unrun:
+                self._unrun.remove(key)
+
+    def unrun(self) -> int:
+        """Compiled shapes that have not run yet."""
+        with self._cond:
+            return len(self._unrun)
+
     def chunk_key(self, kind: str, length: int, fresh: bool) -> tuple | None:
         """The compiled shape to run a `length`-token prefill chunk in: its own bucket's; else the
         smallest larger compiled one (identical tokens: padding invariance) while its own is
