@@ -108,13 +108,10 @@ def test_a_span_longer_than_the_largest_bucket_is_refused_at_submit(eng):
     assert eng.queue_state() == {"active": 0, "waiting": 0, "max_batch": 4}
 
 
-def test_streams_decode_while_a_long_prompt_prefills_with_their_solo_tokens(eng, chunk):
-    """A stream decoding while a 600-token prompt prefills in 16-token chunks keeps decoding
-    between the chunks; both get their solo tokens, and a 4-token prompt sent during the
-    prefill has its first token long before the long prompt does (shortest remaining first)."""
-    chunk(16)
-    running, long, short = _prompt(20, 1), _prompt(600, 2), _prompt(4, 3)
-    many = SamplingParams(temperature=0.0, max_new_tokens=60)
+def _alone_then_together(eng, running, long, short, many, short_after: int = 0):
+    """Each prompt alone (greedy), then together: `running` (max `many` tokens) first, `long` once
+    it streams, and `short` right after (short_after 0) or once the stream has `short_after`
+    tokens. Returns (solo ids by name, {name: (ids, stats)} together, {name: first-token time})."""
     solo = {"running": conversation.generate(eng, running, many)["token_ids"],
             "long": conversation.generate(eng, long, GREEDY)["token_ids"],
             "short": conversation.generate(eng, short, GREEDY)["token_ids"]}
@@ -126,17 +123,29 @@ def test_streams_decode_while_a_long_prompt_prefills_with_their_solo_tokens(eng,
             first_at.setdefault(name, time.perf_counter())
             out[name] = (list(ev.token_ids), ev.stats)
 
-    t = threading.Thread(target=run, args=("running", running, many))
-    t.start()
+    threads = [threading.Thread(target=run, args=("running", running, many))]
+    threads[0].start()
     while "running" not in first_at:
         time.sleep(0.001)
-    threads = [threading.Thread(target=run, args=("long", long, GREEDY)),
-               threading.Thread(target=run, args=("short", short, GREEDY))]
+    threads.append(threading.Thread(target=run, args=("long", long, GREEDY)))
+    threads[-1].start()
+    time.sleep(0.005)
+    while short_after and (not out.get("running") or len(out["running"][0]) < short_after):
+        time.sleep(0.001)
+    threads.append(threading.Thread(target=run, args=("short", short, GREEDY)))
+    threads[-1].start()
     for th in threads:
-        th.start()
-        time.sleep(0.005)
-    for th in [t, *threads]:
         th.join(timeout=300)
+    return solo, out, first_at
+
+
+def test_streams_decode_while_a_long_prompt_prefills_with_their_solo_tokens(eng, chunk):
+    """A stream decoding while a 600-token prompt prefills in 16-token chunks keeps decoding
+    between the chunks; both get their solo tokens, and a 4-token prompt sent during the
+    prefill has its first token long before the long prompt does (shortest remaining first)."""
+    chunk(16)
+    many = SamplingParams(temperature=0.0, max_new_tokens=60)
+    solo, out, first_at = _alone_then_together(eng, _prompt(20, 1), _prompt(600, 2), _prompt(4, 3), many)
     assert {k: v[0] for k, v in out.items()} == solo
     long_stats = out["long"][1]
     assert long_stats["chunks"] == 38 and long_stats["prefill_interleaved_steps"] > 0
@@ -229,30 +238,8 @@ def test_a_chunk_fused_with_the_decode_step_gives_the_solo_tokens(eng):
     assert eng.mixed_widths == (1, 2, 4)
     running, long, short = _prompt(20, 11), _prompt(150, 12), _prompt(4, 13)
     many = SamplingParams(temperature=0.0, max_new_tokens=80)
-    solo = {"running": conversation.generate(eng, running, many)["token_ids"],
-            "long": conversation.generate(eng, long, GREEDY)["token_ids"],
-            "short": conversation.generate(eng, short, GREEDY)["token_ids"]}
     before = eng.step_times.snapshot()["steps"]["mixed"]["count"]
-    out, first_at = {}, {}
-
-    def run(name, prompt, params):
-        req = eng.submit(prompt, params)
-        for ev in eng.tokens(req):
-            first_at.setdefault(name, time.perf_counter())
-            out[name] = (list(ev.token_ids), ev.stats)
-
-    t = threading.Thread(target=run, args=("running", running, many))
-    t.start()
-    while "running" not in first_at:
-        time.sleep(0.001)
-    threads = [threading.Thread(target=run, args=("long", long, GREEDY))]
-    threads[0].start()
-    while not out.get("running") or len(out["running"][0]) < 4:
-        time.sleep(0.001)
-    threads.append(threading.Thread(target=run, args=("short", short, GREEDY)))
-    threads[1].start()
-    for th in [t, *threads]:
-        th.join(timeout=300)
+    solo, out, first_at = _alone_then_together(eng, running, long, short, many, short_after=4)
     assert {k: v[0] for k, v in out.items()} == solo
     long_stats = out["long"][1]
     assert long_stats["fused_chunks"] == long_stats["chunks"] >= len(long) // MIXED_CHUNK, long_stats
