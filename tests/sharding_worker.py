@@ -49,12 +49,20 @@ def all_gathers(hlo: str, pattern=_GATHER) -> list[tuple[tuple[int, ...], int]]:
     return out
 
 
+def _generate(engine: Engine, prompt, params: SamplingParams) -> list[int]:
+    """Greedy ids of one prompt; a failed step raises (it must not read as an empty reply)."""
+    out = conversation.generate(engine, list(prompt), params)
+    if out["finish_reason"] not in ("length", "stop"):
+        raise RuntimeError(f"generation ended with {out['finish_reason']!r}: {out['text']!r}")
+    return out["token_ids"]
+
+
 def _generate_together(engine: Engine, prompts) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
     results: list = [None] * len(prompts)
 
     def run(i):
-        results[i] = conversation.generate(engine, list(prompts[i]), params)["token_ids"]
+        results[i] = _generate(engine, prompts[i], params)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -201,8 +209,8 @@ def main(argv: list[str]) -> int:
                 else:
                     shape = sharding.parse_mesh(mesh)
                     row["tokens"] = _generate_together(engine, prompts)
-                    row["alone"] = conversation.generate(engine, list(prompts[-1]), SamplingParams(
-                        temperature=0.0, max_new_tokens=NEW_TOKENS))["token_ids"]
+                    row["alone"] = _generate(engine, prompts[-1], SamplingParams(
+                        temperature=0.0, max_new_tokens=NEW_TOKENS))
                     row["shares"] = _shares(engine, shape)
                     row["gathers"] = _decode_gathers(engine)
                     row["widths"] = list(engine.widths)

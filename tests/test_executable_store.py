@@ -49,6 +49,38 @@ def test_a_stored_executable_runs_like_the_compiled_one(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))  # written whole, then renamed
 
 
+SEVERAL_DEVICES = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from gemma4.serve import executable_store as XS
+    assert len(jax.devices()) == 4
+    store = XS.ExecutableStore(sys.argv[1])
+    step = jax.jit(lambda x: x * 2 + 1)
+    one = step.lower(jax.ShapeDtypeStruct((8,), jnp.float32)).compile()  # device 0 only
+    mesh = Mesh(np.array(jax.devices()[2:4]), ("x",))
+    split = jax.device_put(jnp.arange(8, dtype=jnp.float32), NamedSharding(mesh, P("x")))
+    two = step.lower(split).compile()  # devices 2 and 3
+    assert store.save("one", one) and store.save("two", two)
+    fresh = XS.ExecutableStore(sys.argv[1])
+    a = fresh.load("one")(jnp.arange(8, dtype=jnp.float32))
+    b = fresh.load("two")(split)
+    print("OUT", np.asarray(a).tolist() == np.asarray(b).tolist() == [2.0 * i + 1 for i in range(8)],
+          sorted(d.id for d in b.devices()), fresh.state()["failures"])
+""")
+
+
+def test_a_stored_executable_runs_on_the_devices_it_was_compiled_for(tmp_path):
+    """With several local devices, a one-device step loads onto its one device and a two-device
+    step onto its two (loaded onto every device, the one-device step wanted a shard per device and
+    every request of a one-device engine beside 8 virtual CPUs failed)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+    proc = subprocess.run([sys.executable, "-c", SEVERAL_DEVICES, str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "OUT True [2, 3] 0" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
 def test_a_damaged_or_foreign_entry_is_dropped_and_compiled_again(tmp_path, damage, caplog):
     store = XS.ExecutableStore(tmp_path)

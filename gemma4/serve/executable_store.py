@@ -51,7 +51,7 @@ from gemma4.paths import cache_root
 
 log = logging.getLogger("gemma4.serve.executable_store")
 
-FORMAT = b"gemma4-executable-v1\n"
+FORMAT = b"gemma4-executable-v2\n"
 MAX_BYTES = 2 << 30  # ~1.7 MB per bundled-model shape: about a thousand shapes
 PACKAGE = Path(__file__).resolve().parents[1]  # the gemma4 package
 ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
@@ -197,8 +197,13 @@ class ExecutableStore:
             digest, payload = blob[len(FORMAT):len(FORMAT) + 32], blob[len(FORMAT) + 32:]
             if hashlib.sha256(payload).digest() != digest:
                 raise ValueError("checksum mismatch (a partial or damaged file)")
-            serialized, in_tree, out_tree = pickle.loads(payload)
-            exe = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            serialized, in_tree, out_tree, device_ids = pickle.loads(payload)
+            # Onto the devices it was compiled for: by default jax loads it for every local device,
+            # and a one-device program then wants a shard per device (8 virtual CPUs, say).
+            by_id = {d.id: d for d in jax.local_devices()}
+            devices = [by_id[i] for i in device_ids]
+            exe = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                            execution_devices=devices)
         except Exception as e:
             self.failures += 1
             log.warning("dropping the stored executable %s: %s: %s", path.name, type(e).__name__, e)
@@ -212,7 +217,8 @@ class ExecutableStore:
         """Write `compiled` under `key`; False (logged) where it cannot be serialized or written."""
         try:
             serialized, in_tree, out_tree = serialize_executable.serialize(compiled)
-            payload = pickle.dumps((serialized, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            payload = pickle.dumps((serialized, in_tree, out_tree, device_ids), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # e.g. a program with closed-over constants: it still runs, unstored
             log.info("not storing an executable: %s: %s", type(e).__name__, e)
             return False
