@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +176,17 @@ def test_hub_unreachable_is_clear(tmp_path):
     # an endpoint nobody listens on: fails at once, as an offline machine would
     out = _run_hub("someone/no-such-model", tmp_path, HF_ENDPOINT="http://127.0.0.1:9")
     assert "could not download someone/no-such-model" in out and "HF_HUB_OFFLINE=1" in out
+
+
+def test_a_hub_host_that_does_not_resolve_fails_at_once(tmp_path):
+    """No name lookup, no internet: the message comes at once, not after huggingface_hub's five
+    retries (~50 s for the config peek and the download together)."""
+    t0 = time.monotonic()
+    out = _run_hub("someone/no-such-model", tmp_path, HF_ENDPOINT="https://no-such-host.invalid")
+    assert "no-such-host.invalid cannot be resolved" in out and "HF_HUB_OFFLINE=1" in out
+    assert time.monotonic() - t0 < 20
+    assert sources.hub_unreachable({"HF_ENDPOINT": "https://no-such-host.invalid"})
+    assert sources.hub_unreachable({"HF_ENDPOINT": "http://localhost:9"}) is None  # resolves: left to the Hub client
 
 
 # ------------------------------------------------------------------------------ random weights

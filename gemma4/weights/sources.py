@@ -26,7 +26,9 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
@@ -237,6 +239,25 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def hub_unreachable(environ: dict | None = None) -> str | None:
+    """Why the Hub cannot be reached, when its host name does not resolve; else None.
+
+    huggingface_hub retries a failed connection five times with back-off (about 25 s a call), so
+    without this check a machine with no network waited ~50 s for the same message. Only a failed
+    name lookup counts as definite: a slow or refusing server is left to huggingface_hub."""
+    env = os.environ if environ is None else environ
+    host = urllib.parse.urlparse(env.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"{host} cannot be resolved ({exc.strerror or exc})"
+    except OSError:
+        return None
+    return None
+
+
 def _snapshot_complete(folder: str) -> bool:
     """config.json and every safetensors shard present (a config-only peek leaves a partial snapshot)."""
     root = Path(folder)
@@ -270,6 +291,10 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
     if _offline():
         raise SourceError(f"{repo_id} is not (completely) in the Hugging Face cache ({_hf_cache_hint()}) and "
                           "HF_HUB_OFFLINE is set: unset it to download, or pass a local folder")
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise SourceError(f"could not download {repo_id}: no internet? {unreachable}. Set HF_HUB_OFFLINE=1 to use "
+                          "the cache, or pass a local folder")
     if progress:
         progress(0.0, f"downloading {repo_id} from the Hugging Face Hub")
     try:
@@ -336,7 +361,7 @@ def _peek_config(source: ModelSource):
                 path = hf_hub_download(source.repo_id, "config.json", local_files_only=True,
                                        token=os.environ.get("HF_TOKEN") or None)
             except Exception:
-                if _offline():
+                if _offline() or hub_unreachable():
                     return None
                 path = hf_hub_download(source.repo_id, "config.json", token=os.environ.get("HF_TOKEN") or None,
                                        etag_timeout=5)

@@ -1,0 +1,139 @@
+"""Where one engine step's time goes: wall-clock per step kind, then XLA's own op timings.
+
+    .venv/bin/python bench/step_profile.py [--model bundled] [--kv 4096] [--widths 1,8] [--repeats 20] [--top 25] [--json PATH]
+
+One engine with the app's settings (max_batch 8, context 4096), warmup off; the shapes measured
+are compiled (or loaded from the executable store) first, then each runs on idle inputs:
+  * decode, `width` rows, reading `kv` cache slots;
+  * the fused chunk-and-decode step ("mixed"), the same width and cache length;
+  * a later 512-token prefill chunk (positions from 1024).
+Each kind is timed `--repeats` times (after one untimed run), then run again under jax's profiler;
+the trace's events are summed by name (XLA fusions, custom calls, copies) so the top entries say
+what a step spends beyond streaming the weights. Wall-clock figures: run it on a quiet machine
+(the load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from bench.chunked_prefill import cpu_name  # noqa: E402
+from gemma4.model.sampling import SamplingRows  # noqa: E402
+from gemma4.serve.engine import Engine  # noqa: E402
+from gemma4.serve.engine_compile import MIXED_CHUNK  # noqa: E402
+
+LATER_START = 1024
+
+
+def step_runners(engine: Engine, kv: int, width: int) -> dict:
+    """name → a function running that step once on idle inputs (every key compiled first)."""
+    pos0 = min(kv, engine.context_limit) - 64  # each active row near the end of the cache read
+
+    def decode():
+        positions = np.full(width, -1, np.int32)
+        positions[:] = pos0
+        engine.run_decode(("decode", width, kv), np.zeros(width, np.int32), positions, SamplingRows.idle(width))
+
+    def mixed():
+        tokens = np.zeros(MIXED_CHUNK + width, np.int32)
+        positions = np.concatenate([np.arange(LATER_START, LATER_START + MIXED_CHUNK, dtype=np.int32),
+                                    np.full(width, pos0, np.int32)])
+        engine.run_mixed(("mixed", width, kv), tokens, positions, width if width < engine.max_batch else 0,
+                         -1, -1, SamplingRows.idle(width + 1))
+
+    def prefill():
+        positions = np.arange(LATER_START, LATER_START + 512, dtype=np.int32)
+        engine.run_prefill(("prefill", 512, False), np.zeros(512, np.int32), positions, 3, -1, SamplingRows.idle(1))
+
+    runners = {f"decode w={width}": (("decode", width, kv), decode),
+               f"mixed w={width} (+{MIXED_CHUNK})": (("mixed", width, kv), mixed)}
+    if width == 1:
+        runners["prefill 512 later"] = (("prefill", 512, False), prefill)
+    for key, _ in runners.values():
+        if engine.shapes.get(key) is None:
+            engine.shapes.compile(key)
+    return {name: fn for name, (_, fn) in runners.items()}
+
+
+def trace_events(fn, repeats: int) -> tuple[dict, float]:
+    """Sum of each trace event's duration (µs) by name over `repeats` runs of fn, and the runs' wall time (s)."""
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(repeats):
+                fn()
+        wall = time.perf_counter() - t0
+        files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        if not files:
+            return {}, wall
+        with gzip.open(files[0]) as f:
+            trace = json.load(f)
+    sums: dict = collections.defaultdict(float)
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") == "X" and "dur" in ev:
+            sums[ev.get("name", "?")] += float(ev["dur"])
+    return sums, wall
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="bundled")
+    ap.add_argument("--kv", type=int, default=4096, help="cache slots the decode and fused steps read")
+    ap.add_argument("--widths", default="1", help="decode widths, comma-separated")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25, help="trace entries printed per step kind")
+    ap.add_argument("--no-trace", action="store_true", help="wall-clock only")
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args(argv)
+
+    load0 = os.getloadavg()
+    engine = Engine(args.model, max_batch=8, context_limit=4096, buckets=(512,), warmup=False)
+    engine.wait_ready(3600)
+    out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {}}
+    for width in (int(w) for w in args.widths.split(",")):
+        for name, fn in step_runners(engine, args.kv, width).items():
+            fn()  # a shape's first run is slow
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            row = {"min_ms": 1000 * min(times), "median_ms": 1000 * statistics.median(times)}
+            print(f"{name:<22} min {row['min_ms']:7.1f} ms   median {row['median_ms']:7.1f} ms", flush=True)
+            if not args.no_trace:
+                sums, wall = trace_events(fn, args.repeats)
+                per = {k: v / args.repeats / 1000.0 for k, v in sums.items()}  # ms per step
+                top = sorted(per.items(), key=lambda kv: -kv[1])[:args.top]
+                row["traced_wall_ms"] = 1000 * wall / args.repeats
+                row["top_ms"] = top
+                for k, v in top:
+                    print(f"    {v:8.2f} ms  {k[:100]}")
+            out["steps"][name] = row
+    out["load_avg_before"] = [round(x, 2) for x in load0]
+    out["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"{out['cpu']}, {args.model} ({out['weights']} weights), load average {out['load_avg_before']} → "
+          f"{out['load_avg_after']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    engine.close()
+    return out
+
+
+if __name__ == "__main__":
+    main()
