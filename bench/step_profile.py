@@ -21,6 +21,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -60,9 +61,14 @@ def step_runners(engine: Engine, kv: int, width: int) -> dict:
         positions = np.arange(LATER_START, LATER_START + 512, dtype=np.int32)
         engine.run_prefill(("prefill", 512, False), np.zeros(512, np.int32), positions, 3, -1, SamplingRows.idle(1))
 
+    def prefill_first():  # a 500-token prompt's one chunk (bench/compare.py's prefill)
+        positions = np.where(np.arange(512) < 500, np.arange(512), -1).astype(np.int32)
+        engine.run_prefill(("prefill", 512, True), np.zeros(512, np.int32), positions, 3, 499, SamplingRows.idle(1))
+
     runners = {f"decode w={width}": (("decode", width, kv), decode),
                f"mixed w={width} (+{MIXED_CHUNK})": (("mixed", width, kv), mixed)}
     if width == 1:
+        runners["prefill 500 first"] = (("prefill", 512, True), prefill_first)
         runners["prefill 512 later"] = (("prefill", 512, False), prefill)
     for key, _ in runners.values():
         if engine.shapes.get(key) is None:
@@ -85,9 +91,22 @@ def trace_events(fn, repeats: int) -> tuple[dict, float]:
             trace = json.load(f)
     sums: dict = collections.defaultdict(float)
     for ev in trace.get("traceEvents", []):
-        if ev.get("ph") == "X" and "dur" in ev:
-            sums[ev.get("name", "?")] += float(ev["dur"])
+        name = ev.get("name", "?")
+        # XLA's own ops only: not the Python frames ("$file:line") nor the runtime's waits
+        if ev.get("ph") == "X" and "dur" in ev and not name.startswith("$") and not any(
+                w in name for w in ("Execute", "PjitFunction", "asarray", "Await", "jax.Array", "ExecuteHelper")):
+            sums[name] += float(ev["dur"])
     return sums, wall
+
+
+def by_kind(per_op: dict) -> dict:
+    """Op timings summed by kind: the name without its ".N" suffix (copy_bitcast_fusion, ffi_call, …)."""
+    kinds: dict = collections.defaultdict(lambda: [0.0, 0])
+    for name, ms in per_op.items():
+        kind = re.sub(r"\.\d+$", "", name)
+        kinds[kind][0] += ms
+        kinds[kind][1] += 1
+    return dict(kinds)
 
 
 def main(argv=None) -> dict:
@@ -98,6 +117,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--top", type=int, default=25, help="trace entries printed per step kind")
     ap.add_argument("--no-trace", action="store_true", help="wall-clock only")
+    ap.add_argument("--only", help="measure only the step kinds whose name contains this")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args(argv)
 
@@ -107,6 +127,8 @@ def main(argv=None) -> dict:
     out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {}}
     for width in (int(w) for w in args.widths.split(",")):
         for name, fn in step_runners(engine, args.kv, width).items():
+            if args.only and args.only not in name:
+                continue
             fn()  # a shape's first run is slow
             times = []
             for _ in range(args.repeats):
@@ -119,8 +141,15 @@ def main(argv=None) -> dict:
                 sums, wall = trace_events(fn, args.repeats)
                 per = {k: v / args.repeats / 1000.0 for k, v in sums.items()}  # ms per step
                 top = sorted(per.items(), key=lambda kv: -kv[1])[:args.top]
+                kinds = sorted(by_kind(per).items(), key=lambda kv: -kv[1][0])
                 row["traced_wall_ms"] = 1000 * wall / args.repeats
+                row["ops_ms"] = sum(per.values())
                 row["top_ms"] = top
+                row["kinds_ms"] = [(k, ms, n) for k, (ms, n) in kinds]
+                print(f"    XLA ops: {row['ops_ms']:.1f} ms a step; by kind (ms, ops):")
+                for k, (ms, n) in kinds[:12]:
+                    print(f"    {ms:8.2f} ms {n:5d}  {k[:90]}")
+                print("    largest ops:")
                 for k, v in top:
                     print(f"    {v:8.2f} ms  {k[:100]}")
             out["steps"][name] = row

@@ -224,6 +224,33 @@ def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch)
     assert "product" in tuning_report.format_table(tuning)
 
 
+def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):
+    """Two paths within CLOSE_CALL of each other are timed again, alternately, and the rematch's
+    best times decide (one timing window each let a burst of other work pick the slower path)."""
+    cfg, params = _tiny_int8_params()
+    prod, leaf = next(iter(cpu_tuning.products(params).items()))
+    rng = np.random.default_rng(0)
+    seen = []
+
+    def rematch(paths, x, weights, group, first):
+        seen.append(list(paths))
+        return {paths[0]: 1000 * first[paths[0]], paths[1]: 1e-3}  # the first pass's runner-up is the faster one
+
+    monkeypatch.setattr(cpu_tuning, "_rematch", rematch)
+    monkeypatch.setattr(cpu_tuning, "CLOSE_CALL", 1e9)  # every pair counts as close
+    out = cpu_tuning.measure(prod, leaf, 16, False, rng)
+    assert seen and out["path"] == seen[0][1] and out["timings_ms"][seen[0][1]] == 1e-3
+    monkeypatch.setattr(cpu_tuning, "CLOSE_CALL", 0.0)  # none is: one pass decides
+    seen.clear()
+    out = cpu_tuning.measure(prod, leaf, 16, False, rng)
+    assert not seen and out["timings_ms"][out["path"]] == min(t for t in out["timings_ms"].values() if t is not None)
+    monkeypatch.undo()
+    best = cpu_tuning._rematch(["xla-chunked", "xla-dequant"], jnp.ones((16, prod.k), jnp.float32),
+                               cpu_tuning.cold_copies(leaf.q, leaf.scale), prod.group,
+                               {"xla-chunked": 1.0, "xla-dequant": 1.0})
+    assert set(best) == {"xla-chunked", "xla-dequant"} and all(0 < t <= 1000.0 for t in best.values())
+
+
 def test_tuning_tables_give_the_choices_rate():
     # 2 · 256 rows · 640 · 2048 FLOP in 2.5 ms = 268 GFLOP/s; a failed choice shows none
     tuning = {"products": {"640x2048/g32": {"n": 640, "k": 2048, "group": 32, "classes": [
