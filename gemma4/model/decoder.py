@@ -289,6 +289,13 @@ def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: Any, tok
     return not spec.is_sliding or kv_cache.ring_writes_first(entry, cfg.sliding_window, tokens)
 
 
+def _pin_kv(keys: jax.Array, values: jax.Array, key_pos: jax.Array, mesh: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(keys, values, key positions), keys and values pinned to the mesh's K/V split (`_pin`)."""
+    if mesh is None:
+        return keys, values, key_pos
+    return _pin(keys, _QKV_AXES["kv"], mesh), _pin(values, _QKV_AXES["kv"], mesh), key_pos
+
+
 def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
                 cache: dict | None, new_cache: dict | None, *, options: RunOptions, attend_cache: bool,
                 cache_row: jax.Array | int, kv_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -314,26 +321,27 @@ def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
 
 
 def _fused_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
-                cache: dict, new_cache: dict, *, options: RunOptions, chunk: int, cache_row: jax.Array | int,
+                cache: dict, *, options: RunOptions, chunk: int, cache_row: jax.Array | int,
                 kv_len: int | None) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
     """`_layer_keys` for a fused call (`forward`'s decode_rows): k/v/positions [1, chunk + D], the
     chunk for row `cache_row`, then one token for each of rows [0, D). The layer's cache is
     written by ONE scatter, before anything reads it (a second write after a read made XLA:CPU
     copy the whole layer cache, twice: measured in the compiled step); then (keys, values, key
-    positions) for the chunk [1, ...] and for the decode rows [D, ...]."""
+    positions) for the chunk [1, ...] and for the decode rows [D, ...]. The layer's entry of
+    `cache` is replaced by the written one."""
     D = positions.shape[1] - chunk
     dtype = options.dtype
     entry = cache[spec.index]
     rows = jnp.concatenate([jnp.full((1, chunk), cache_row, jnp.int32), jnp.arange(D, dtype=jnp.int32)[None]], axis=1)
     slots = None if spec.is_sliding else kv_len
     if _write_first(spec, cfg, entry, dtype, chunk):
-        new_cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
-        first = kv_cache.read(new_cache[spec.index], dtype, cache_row, 1, slots, options.rows_sharded)
+        cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
+        first = kv_cache.read(cache[spec.index], dtype, cache_row, 1, slots, options.rows_sharded)
     else:  # the chunk's cached keys read before the write, its own concatenated (exact where write-first is not)
         ck, cv, cpos = kv_cache.read(entry, dtype, cache_row, 1, slots, options.rows_sharded)
         first = tuple(jnp.concatenate([c, t[:, :chunk]], axis=1) for c, t in ((ck, k), (cv, v), (cpos, positions)))
-        new_cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
-    return [first, kv_cache.read(new_cache[spec.index], dtype, 0, D, slots, options.rows_sharded)]
+        cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
+    return [first, kv_cache.read(cache[spec.index], dtype, 0, D, slots, options.rows_sharded)]
 
 
 def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, keys: jax.Array, values: jax.Array,
@@ -422,21 +430,18 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             if spec.is_kv_consumer:
                 keys, values, key_pos = shared[spec.kv_source]
             else:
-                keys, values, key_pos = _layer_keys(spec, cfg, k, v, positions, cache, new_cache, options=options,
-                                                    attend_cache=attend_cache, cache_row=cache_row, kv_len=kv_len)
-                if options.mesh is not None:
-                    keys, values = _pin(keys, _QKV_AXES["kv"], options.mesh), _pin(values, _QKV_AXES["kv"], options.mesh)
+                keys, values, key_pos = _pin_kv(*_layer_keys(spec, cfg, k, v, positions, cache, new_cache,
+                                                             options=options, attend_cache=attend_cache,
+                                                             cache_row=cache_row, kv_len=kv_len), options.mesh)
                 shared[spec.index] = (keys, values, key_pos)
             attn = _attend_keys(spec, cfg, q, keys, values, key_pos, positions, options, groups)
         else:  # the chunk and the decode tokens, each over its own rows
             if spec.is_kv_consumer:
                 parts = shared_parts[spec.kv_source]
             else:
-                parts = _fused_keys(spec, cfg, k, v, positions, new_cache, new_cache, options=options, chunk=C,
-                                    cache_row=cache_row, kv_len=kv_len)
-                if options.mesh is not None:
-                    parts = [(_pin(a, _QKV_AXES["kv"], options.mesh), _pin(b, _QKV_AXES["kv"], options.mesh), p)
-                             for a, b, p in parts]
+                parts = [_pin_kv(*part, options.mesh) for part in
+                         _fused_keys(spec, cfg, k, v, positions, new_cache, options=options, chunk=C,
+                                     cache_row=cache_row, kv_len=kv_len)]
                 shared_parts[spec.index] = parts
             attn = jnp.concatenate([
                 _attend_keys(spec, cfg, qp, *part, pos, options, None).reshape(1, pos.size, -1)

@@ -648,10 +648,10 @@ class Engine:
         folder = executable_store.default_folder()
         tag = ""
         if folder is not None:
-            parts = self._program_parts()
+            program_key = executable_store.make_key(*self._program_parts())  # code, platform, engine: hashed once
             self.shapes.store = executable_store.ExecutableStore(folder)
-            self.shapes.identify = functools.partial(executable_store.make_key, *parts)
-            tag = "_" + executable_store.make_key(*parts)[:12]
+            self.shapes.identify = functools.partial(executable_store.shape_key, program_key)
+            tag = "_" + program_key[:12]
 
         def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
             p = functools.partial(fn, cfg=cfg, options=options, **kw)
@@ -838,7 +838,6 @@ class Engine:
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
-        self.shapes.mark_run(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, last, sampling)
         args = [self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.int32(row),
@@ -858,7 +857,6 @@ class Engine:
         non-finite [width + 1]) as numpy. Never used where several processes replay steps
         (`mixed_widths` is empty there)."""
         exe, _ = self.shapes.executable(key)
-        self.shapes.mark_run(key)
         with self._device_lock:
             token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                                          jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
@@ -869,7 +867,6 @@ class Engine:
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
         exe, _ = self.shapes.executable(key)
-        self.shapes.mark_run(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, 0, sampling)
         with self._device_lock:

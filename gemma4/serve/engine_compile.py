@@ -433,8 +433,7 @@ class CompiledShapes:
         keep theirs). Refused with a message when the process is near the kernel's limit on
         memory mappings."""
         check_mapping_headroom(describe_shape(key))
-        stored = self.store is not None and self.identify is not None
-        store_key = self.identify(key) if stored else None
+        store_key = self.identify(key) if self.store is not None and self.identify is not None else None
         if store_key is not None:
             exe = self.store.load(store_key)
             if exe is not None:
@@ -533,16 +532,10 @@ class CompiledShapes:
 
     # ---------------------------------------------------------------- picking a compiled shape
     def take_unrun(self) -> tuple | None:
-        """A compiled shape that has not run yet, taken off that list (the caller runs it once on
-        idle inputs), or None."""
+        """A compiled shape not yet given its idle first run, taken off that list (the caller runs
+        it once on idle inputs; one a request ran meanwhile just runs once more), or None."""
         with self._cond:
             return self._unrun.pop(0) if self._unrun else None
-
-    def mark_run(self, key: tuple) -> None:
-        """`key` ran (on a request): its first run is behind it."""
-        with self._cond:
-            if key in self._unrun:
-                self._unrun.remove(key)
 
     def unrun(self) -> int:
         """Compiled shapes that have not run yet."""

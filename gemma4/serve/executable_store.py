@@ -156,6 +156,11 @@ def make_key(*parts: Any) -> str:
     return h.hexdigest()
 
 
+def shape_key(program_key: str, shape: tuple) -> str:
+    """The store's key for one shape of a program whose other parts `make_key` hashed once."""
+    return hashlib.sha256(f"{program_key}\0{shape!r}".encode()).hexdigest()
+
+
 def default_folder(environ: dict[str, str] | None = None) -> Path | None:
     """GEMMA4_EXECUTABLE_CACHE, else cache_root()/executables; None when off (that variable or
     GEMMA4_COMPILE_CACHE is "off"/"none"/empty, or jax runs more than one process)."""
