@@ -838,6 +838,7 @@ class Engine:
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
+        self.shapes.mark_run(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, last, sampling)
         args = [self.params, self.cache, jnp.asarray(tokens[None]), jnp.asarray(positions[None]), jnp.int32(row),
@@ -857,6 +858,7 @@ class Engine:
         non-finite [width + 1]) as numpy. Never used where several processes replay steps
         (`mixed_widths` is empty there)."""
         exe, _ = self.shapes.executable(key)
+        self.shapes.mark_run(key)
         with self._device_lock:
             token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                                          jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
@@ -867,6 +869,7 @@ class Engine:
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
         exe, _ = self.shapes.executable(key)
+        self.shapes.mark_run(key)
         if self.link is not None:
             self.link.announce(key, tokens, positions, row, 0, sampling)
         with self._device_lock:
@@ -1121,6 +1124,13 @@ class Engine:
                 for r in victims:
                     r.events.put(("error", f"{type(e).__name__}: {e}"))
             self._last_busy = time.monotonic()
+
+    @contextlib.contextmanager
+    def holding_device(self) -> Iterator[None]:
+        """No device call runs while this is held: for reading `cache` from another thread (every
+        call donates the cache and replaces it, and an idle first run may start at any moment)."""
+        with self._device_lock:
+            yield
 
     @contextlib.contextmanager
     def step_guard(self, kind: str, requests: Sequence[Request] | None = None) -> Iterator[None]:

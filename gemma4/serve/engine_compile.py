@@ -532,10 +532,18 @@ class CompiledShapes:
 
     # ---------------------------------------------------------------- picking a compiled shape
     def take_unrun(self) -> tuple | None:
-        """A compiled shape not yet given its idle first run, taken off that list (the caller runs
-        it once on idle inputs; one a request ran meanwhile just runs once more), or None."""
+        """A compiled shape that has not run yet, taken off that list (the caller runs it once on
+        idle inputs), or None."""
         with self._cond:
             return self._unrun.pop(0) if self._unrun else None
+
+    def mark_run(self, key: tuple) -> None:
+        """`key` ran (on a request): its first run is behind it. (Without this, every shape a
+        request ran got one more idle run afterwards, donating the cache while a caller outside
+        the engine thread, such as the sharding test reading the cache's shards, could be using it.)"""
+        with self._cond:
+            if key in self._unrun:
+                self._unrun.remove(key)
 
     def unrun(self) -> int:
         """Compiled shapes that have not run yet."""
