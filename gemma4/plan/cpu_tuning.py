@@ -54,7 +54,7 @@ ROW_CLASSES = ((1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (1 << 3
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
-VERSION = 8  # bump when the measurement changes: old cached choices are then ignored
+VERSION = 9  # bump when the measurement changes: old cached choices are then ignored
 
 
 @dataclasses.dataclass(frozen=True)
