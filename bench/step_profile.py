@@ -21,6 +21,7 @@ import glob
 import gzip
 import json
 import os
+import pathlib
 import re
 import statistics
 import sys
@@ -153,14 +154,12 @@ def main(argv=None) -> dict:
                 for k, v in top:
                     print(f"    {v:8.2f} ms  {k[:100]}")
             out["steps"][name] = row
-    out["load_avg_before"] = [round(x, 2) for x in load0]
-    out["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
-    print(f"{out['cpu']}, {args.model} ({out['weights']} weights), load average {out['load_avg_before']} → "
-          f"{out['load_avg_after']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     engine.close()
+    out["load_avg"] = {"before": [round(x, 2) for x in load0], "after": [round(x, 2) for x in os.getloadavg()]}
+    print(f"{out['cpu']}, {args.model} ({out['weights']} weights), load average {out['load_avg']['before']} "
+          f"before and {out['load_avg']['after']} after")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     return out
 
 
