@@ -232,8 +232,9 @@ def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):
     rng = np.random.default_rng(0)
     seen = []
 
-    def rematch(paths, x, weights, group, first):
-        seen.append(list(paths))
+    def rematch(fns, x, weights, first):
+        paths = list(fns)
+        seen.append(paths)
         return {paths[0]: 1000 * first[paths[0]], paths[1]: 1e-3}  # the first pass's runner-up is the faster one
 
     monkeypatch.setattr(cpu_tuning, "_rematch", rematch)
@@ -245,8 +246,8 @@ def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):
     out = cpu_tuning.measure(prod, leaf, 16, False, rng)
     assert not seen and out["timings_ms"][out["path"]] == min(t for t in out["timings_ms"].values() if t is not None)
     monkeypatch.undo()
-    best = cpu_tuning._rematch(["xla-chunked", "xla-dequant"], jnp.ones((16, prod.k), jnp.float32),
-                               cpu_tuning.cold_copies(leaf.q, leaf.scale), prod.group,
+    fns = {p: jax.jit(lambda x, q, s, p=p: int8_matmul.run(p, x, q, s, prod.group)) for p in ("xla-chunked", "xla-dequant")}
+    best = cpu_tuning._rematch(fns, jnp.ones((16, prod.k), jnp.float32), cpu_tuning.cold_copies(leaf.q, leaf.scale),
                                {"xla-chunked": 1.0, "xla-dequant": 1.0})
     assert set(best) == {"xla-chunked", "xla-dequant"} and all(0 < t <= 1000.0 for t in best.values())
 

@@ -101,32 +101,16 @@ def test_bytes_per_device_follow_the_rules():
 
 
 # ------------------------------------------------------------------------------ 8 virtual devices
-# The cases in two workers at once (half the wall time on two cores: each spends it compiling,
-# one thread at a time), each case whole in one of them.
-WORKER_GROUPS = ([0, 2, 5, 6], [1, 3, 4])
-
-
 @pytest.fixture(scope="module")
 def mesh_runs():
-    assert sorted(i for g in WORKER_GROUPS for i in g) == list(range(len(CASES)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", GEMMA4_INT8_MATMUL="default",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharding_worker.py"),
-                               json.dumps([CASES[i] for i in group])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for group in WORKER_GROUPS]
-    rows = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        got = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not got:
-            pytest.fail(f"worker failed (rc {proc.returncode}):\n{out[-3000:]}\n{err[-5000:]}")
-        rows += got
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), json.dumps(CASES)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not rows:
+        pytest.fail(f"worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return {(r.get("model") or f"load:{r['load']}:{r['quantize']}", r["mesh"]): r for r in rows}
 
 

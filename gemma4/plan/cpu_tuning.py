@@ -156,12 +156,13 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     errors: dict[str, float] = {}
     best = float("inf")
     weights = cold_copies(leaf.q, leaf.scale)
+    fns = {}  # the jitted product of each path timed (a close call times them again)
     for path in PATHS:  # native first: the likely winner makes the others stop early
         if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n) or (path in STARTUP_SKIP and not full):
             continue
         if path == "xla-fused" and rows > 16 or path == "xla-dequant" and rows <= 8:
             continue  # known to be hopeless there: the broadcast product / the whole dequantization
-        fn = jax.jit(lambda x, q, s, p=path: int8_matmul.run(p, x, q, s, prod.group))
+        fn = fns[path] = jax.jit(lambda x, q, s, p=path: int8_matmul.run(p, x, q, s, prod.group))
         try:
             # Accuracy first (on the first REF_ROWS outputs): an inaccurate path is not worth timing.
             y = np.asarray(fn(x, leaf.q, leaf.scale))[:, :r]
@@ -182,7 +183,7 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     ok = {p: t for p, t in timings.items() if t is not None}
     ranked = sorted(ok, key=ok.get)
     if len(ranked) > 1 and ok[ranked[1]] < CLOSE_CALL * ok[ranked[0]]:
-        ok.update(_rematch(ranked[:2], x, weights, prod.group, {p: ok[p] / 1e3 for p in ranked[:2]}))
+        ok.update(_rematch({p: fns[p] for p in ranked[:2]}, x, weights, {p: ok[p] / 1e3 for p in ranked[:2]}))
         for p in ranked[:2]:
             timings[p] = round(ok[p], 4)
     winner = min(ok, key=ok.get) if ok else "xla-chunked"
@@ -196,13 +197,13 @@ CLOSE_CALL = 1.3
 REMATCH_ROUNDS = 3
 
 
-def _rematch(paths: list[str], x, weights: list[tuple], group, first: dict) -> dict[str, float]:
-    """{path: best ms} over REMATCH_ROUNDS alternating timing windows of `paths` (and their first timing)."""
-    fns = {p: jax.jit(lambda x, q, s, p=p: int8_matmul.run(p, x, q, s, group)) for p in paths}
+def _rematch(fns: dict, x, weights: list[tuple], first: dict) -> dict[str, float]:
+    """{path: best ms} over REMATCH_ROUNDS alternating timing windows of each path's jitted
+    product in `fns` (and its first timing, seconds, in `first`)."""
     best = dict(first)
     for _ in range(REMATCH_ROUNDS):
-        for p in paths:
-            best[p] = min(best[p], _time(fns[p], x, weights, first=best[p]))
+        for p, fn in fns.items():
+            best[p] = min(best[p], _time(fn, x, weights, first=best[p]))
     return {p: t * 1e3 for p, t in best.items()}
 
 
