@@ -27,10 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _compiled(n: int = 8):
-    """A small jitted step that donates its first argument, as the engine's steps do the cache."""
+    """A small jitted step that donates its first argument, as the engine's steps do the cache,
+    compiled by XLA: with jax's persistent compile cache on (an engine test earlier in the process
+    turns it on) and holding this program from an earlier run, jax would serve it from there, and
+    such a copy re-serialized loses its kernels (CI: "Function wrapped_add not found"). The engine
+    stores only fresh compiles for that reason (`compile_fresh`)."""
     step = jax.jit(lambda cache, x: (cache + x, jnp.sum(x * x)), donate_argnums=(0,))
     spec = jax.ShapeDtypeStruct((n,), jnp.float32)
-    return step.lower(spec, spec).compile()
+    was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        exe, fresh = XS.compile_fresh(step.lower(spec, spec))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was_on)
+    assert fresh
+    return exe
 
 
 def _run(exe, n: int = 8):
