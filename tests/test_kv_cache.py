@@ -49,31 +49,55 @@ def _greedy_sampling(width):
     return SamplingRows.idle(width, window=4).on_device()  # greedy rows, nothing recent
 
 
-_prefill = {fresh: jax.jit(functools.partial(prefill_step, cfg=CFG, options=M.RunOptions(), fresh=fresh))
-            for fresh in (True, False)}
-_decode = {w: jax.jit(functools.partial(decode_step, cfg=CFG, options=M.RunOptions(), width=w, kv_len=64))
-           for w in (1, 2, 4)}
+# The attention over the cache: XLA's, and the native kernel reading the cache in place
+# (gemma4.ops.kernels.cpu_attention; decode steps and chunks of up to 16 tokens).
+OPTIONS = {"xla": M.RunOptions(), "native": M.RunOptions(attention_sliding="native", attention_full="native")}
 
 
-def prefill(cache, prompt, row, buckets):
+@pytest.fixture(params=sorted(OPTIONS))
+def attention(request):
+    if request.param == "native":
+        from gemma4.ops.kernels import cpu_attention
+        if not cpu_attention.available():
+            pytest.skip(f"this CPU has no native kernel: {cpu_int8_message()}")
+    return request.param
+
+
+def cpu_int8_message() -> str:
+    from gemma4.ops.kernels import cpu_int8
+    return cpu_int8.load().message
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill(fresh: bool, attention: str = "xla"):
+    return jax.jit(functools.partial(prefill_step, cfg=CFG, options=OPTIONS[attention], fresh=fresh))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode(width: int, attention: str = "xla"):
+    return jax.jit(functools.partial(decode_step, cfg=CFG, options=OPTIONS[attention], width=width, kv_len=64))
+
+
+def prefill(cache, prompt, row, buckets, attention="xla"):
     token = None
     for n, (start, length, bucket) in enumerate(chunk_plan(len(prompt), buckets)):
         toks = np.zeros(bucket, np.int32)
         toks[:length] = prompt[start:start + length]
         pos = np.full(bucket, -1, np.int32)
         pos[:length] = np.arange(start, start + length)
-        token, _, cache = _prefill[n == 0](PARAMS, cache, jnp.asarray(toks[None]), jnp.asarray(pos[None]),
+        token, _, cache = _prefill(n == 0, attention)(PARAMS, cache, jnp.asarray(toks[None]), jnp.asarray(pos[None]),
                                            jnp.int32(row), jnp.asarray([length - 1], jnp.int32), _greedy_sampling(1))
     return int(token[0]), cache
 
 
-def greedy_cached(prompts: list[list[int]], n: int, buckets=(16, 32), kv_format="native", width=None):
+def greedy_cached(prompts: list[list[int]], n: int, buckets=(16, 32), kv_format="native", width=None,
+                  attention="xla"):
     """Prefill each prompt into its own row, then decode all rows together."""
     width = width or len(prompts)
     cache = kv_cache.init_cache(CFG, width, MAX_LEN, jnp.float32, kv_format)
     outs, last, positions = [], [], []
     for row, p in enumerate(prompts):
-        tok, cache = prefill(cache, p, row, buckets)
+        tok, cache = prefill(cache, p, row, buckets, attention)
         outs.append([tok])
         last.append(tok)
         positions.append(len(p))
@@ -82,7 +106,8 @@ def greedy_cached(prompts: list[list[int]], n: int, buckets=(16, 32), kv_format=
         pos = np.full(width, -1, np.int32)
         toks[:len(prompts)] = last
         pos[:len(prompts)] = positions
-        new, _, cache = _decode[width](PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), _greedy_sampling(width))
+        new, _, cache = _decode(width, attention)(PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos),
+                                                  _greedy_sampling(width))
         new = np.asarray(new)
         for row in range(len(prompts)):
             outs[row].append(int(new[row]))
@@ -97,10 +122,10 @@ def _prompt(seed, n):
 
 
 @pytest.mark.parametrize("length", [5, 8, 30])
-def test_cached_decode_equals_full_recompute(length):
+def test_cached_decode_equals_full_recompute(length, attention):
     """Shorter than, equal to and ~4x the sliding window (ring wraps); KV-shared layers included."""
     prompt = _prompt(length, length)
-    assert greedy_cached([prompt], 24) == [greedy_full(prompt, 24)]
+    assert greedy_cached([prompt], 24, attention=attention) == [greedy_full(prompt, 24)]
 
 
 def test_padding_invariance_across_buckets():
@@ -120,7 +145,7 @@ def test_later_chunks_equal_full_recompute():
 
 
 @pytest.mark.parametrize("bucket", [2, 3, 4])
-def test_later_chunks_written_first_into_the_ring_equal_full_recompute(bucket):
+def test_later_chunks_written_first_into_the_ring_equal_full_recompute(bucket, attention):
     """Chunks of up to slack + 1 tokens are written into a sliding layer's ring before they attend
     (the ring holds window + slack slots, so none of the chunk's queries loses a key); a bigger
     chunk concatenates. Both continue as the whole prompt recomputed, the ring wrapping many times."""
@@ -129,7 +154,7 @@ def test_later_chunks_written_first_into_the_ring_equal_full_recompute(bucket):
     assert ring["pos"].shape[1] == window + kv_cache.ring_slack(window) < 30
     assert kv_cache.ring_writes_first(ring, window, bucket) == (bucket <= kv_cache.ring_slack(window) + 1)
     prompt = _prompt(13, 30)
-    assert greedy_cached([prompt], 10, buckets=(bucket,)) == [greedy_full(prompt, 10)]
+    assert greedy_cached([prompt], 10, buckets=(bucket,), attention=attention) == [greedy_full(prompt, 10)]
 
 
 def test_long_padding_never_evicts_real_tokens():
@@ -138,18 +163,20 @@ def test_long_padding_never_evicts_real_tokens():
     assert greedy_cached([prompt], 10, buckets=(64,)) == [greedy_full(prompt, 10)]
 
 
-def test_batched_equals_alone():
+def test_batched_equals_alone(attention):
     prompts = [_prompt(s, n) for s, n in ((1, 5), (2, 17), (3, 9), (4, 26))]
-    together = greedy_cached(prompts, 14, width=4)
-    alone = [greedy_cached([p], 14, width=1)[0] for p in prompts]
+    together = greedy_cached(prompts, 14, width=4, attention=attention)
+    alone = [greedy_cached([p], 14, width=1, attention=attention)[0] for p in prompts]
     assert together == alone
 
 
-_mixed = jax.jit(functools.partial(mixed_step, cfg=CFG, options=M.RunOptions(), width=1, kv_len=64))
+@functools.lru_cache(maxsize=None)
+def _mixed(attention: str):
+    return jax.jit(functools.partial(mixed_step, cfg=CFG, options=OPTIONS[attention], width=1, kv_len=64))
 
 
 @pytest.mark.parametrize("step", [5, MIXED_CHUNK])
-def test_chunks_fused_with_a_decoding_row_equal_full_recompute(step):
+def test_chunks_fused_with_a_decoding_row_equal_full_recompute(step, attention):
     """Row 0 decodes while row 1's prompt is prefilled in fused steps (`mixed_step`: its chunk and
     row 0's next token in one call; row 1 holds an earlier prompt's keys), then both decode
     together: each row's
@@ -157,8 +184,8 @@ def test_chunks_fused_with_a_decoding_row_equal_full_recompute(step):
     sliding layers and the rings wrap; KV sharing and PLE are in the geometry."""
     a, b = _prompt(21, 9), _prompt(22, 37)
     cache = kv_cache.init_cache(CFG, 2, MAX_LEN, jnp.float32)
-    tok, cache = prefill(cache, a, 0, (16,))
-    _, cache = prefill(cache, _prompt(23, 40), 1, (16,))  # stale keys in row 1 (the first fused chunk clears the row)
+    tok, cache = prefill(cache, a, 0, (16,), attention)
+    _, cache = prefill(cache, _prompt(23, 40), 1, (16,), attention)  # stale keys in row 1 (the first fused chunk clears the row)
     out_a, out_b, pos_a = [tok], [], len(a)
     for start in range(0, len(b), step):
         length = min(step, len(b) - start)
@@ -166,7 +193,7 @@ def test_chunks_fused_with_a_decoding_row_equal_full_recompute(step):
         pos = np.full(MIXED_CHUNK + 1, -1, np.int32)
         toks[:length], pos[:length] = b[start:start + length], np.arange(start, start + length)
         toks[MIXED_CHUNK], pos[MIXED_CHUNK] = out_a[-1], pos_a
-        new, _, cache = _mixed(PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), jnp.int32(1),
+        new, _, cache = _mixed(attention)(PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), jnp.int32(1),
                                jnp.int32(1 if start == 0 else -1), jnp.int32(length - 1), _greedy_sampling(2))
         out_a.append(int(new[0]))
         pos_a += 1
@@ -175,7 +202,7 @@ def test_chunks_fused_with_a_decoding_row_equal_full_recompute(step):
     for _ in range(4):
         toks = np.asarray([out_a[-1], out_b[-1]], np.int32)
         pos = np.asarray([pos_a, len(b) + len(out_b) - 1], np.int32)
-        new, _, cache = _decode[2](PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), _greedy_sampling(2))
+        new, _, cache = _decode(2, attention)(PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), _greedy_sampling(2))
         out_a.append(int(new[0]))
         out_b.append(int(new[1]))
         pos_a += 1

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from gemma4.model import kv_cache
 from gemma4.model.config import LayerSpec, ModelConfig
 from gemma4.model.partitioning import logical_spec
+from gemma4.ops.kernels import cpu_attention
 from gemma4.ops.linear import linear, linear_many, take_rows
 
 MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
@@ -32,7 +33,10 @@ class RunOptions:
     """How to run the model (chosen by gemma4.plan.hardware.policy; static under jit)."""
 
     compute_dtype: str = "float32"
-    attention_sliding: str = "xla"  # "xla" (einsum + softmax) or a jax.nn.dot_product_attention impl
+    # "xla" (einsum + softmax), a jax.nn.dot_product_attention impl, or "native": queries of up to
+    # NATIVE_MAX_TOKENS per row attend over the cache read in place by the native CPU kernel
+    # (gemma4.ops.kernels.cpu_attention); other attention (a chunk over itself) stays XLA's
+    attention_sliding: str = "xla"
     attention_full: str = "xla"
     rows_sharded: bool = False  # cache rows split over a mesh axis (gemma4.plan.sharding): rows read by mask
     mesh: Any = None  # the engine's jax Mesh (gemma4.plan.sharding); an `expert` axis > 1 runs the MoE per shard
@@ -97,6 +101,21 @@ def vision_mask(q_pos: jax.Array, k_pos: jax.Array, groups: jax.Array, window: i
 # 512 tokens in 128-token blocks. A padding query (nothing visible) averages fewer values; its row
 # is never read.
 CAUSAL_BLOCK = 128
+
+# The native cache attention (RunOptions "native") serves a decode step and a fused step's chunk:
+# a few queries per row, where XLA:CPU's copies of the cache slices dominate. A long chunk's scores
+# are a real matrix product, which XLA's dot does better.
+NATIVE_MAX_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheKeys:
+    """A layer's keys and values left in its cache, for the native kernel to read in place: cache
+    rows `rows` [B] (one per query row), slots [0, slots)."""
+
+    entry: dict
+    rows: jax.Array
+    slots: int
 
 
 def causal_blocks(tokens: int) -> int:
@@ -289,18 +308,31 @@ def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: Any, tok
     return not spec.is_sliding or kv_cache.ring_writes_first(entry, cfg.sliding_window, tokens)
 
 
-def _pin_kv(keys: jax.Array, values: jax.Array, key_pos: jax.Array, mesh: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(keys, values, key positions), keys and values pinned to the mesh's K/V split (`_pin`)."""
-    if mesh is None:
-        return keys, values, key_pos
-    return _pin(keys, _QKV_AXES["kv"], mesh), _pin(values, _QKV_AXES["kv"], mesh), key_pos
+def _reads_natively(spec: LayerSpec, cfg: ModelConfig, entry: dict, options: RunOptions, tokens: int) -> bool:
+    """Whether queries of `tokens` per row attend over this layer's cache through the native kernel
+    (`CacheKeys`): chosen ("native"), one device, a float32 cache of the compute dtype written
+    before it is read (`_write_first`), a geometry the kernel takes."""
+    impl = options.attention_sliding if spec.is_sliding else options.attention_full
+    return (impl == "native" and options.mesh is None and not options.rows_sharded and tokens <= NATIVE_MAX_TOKENS
+            and options.dtype == jnp.float32 and _write_first(spec, cfg, entry, options.dtype, tokens)
+            and cpu_attention.shape_ok(entry["k"].shape[3], cfg.num_heads, spec.num_kv_heads)
+            and cpu_attention.available())
+
+
+def _pin_kv(keys: tuple | CacheKeys, mesh: Any) -> tuple | CacheKeys:
+    """(keys, values, key positions), keys and values pinned to the mesh's K/V split (`_pin`);
+    `CacheKeys` (one device only) as they are."""
+    if mesh is None or isinstance(keys, CacheKeys):
+        return keys
+    k, v, key_pos = keys
+    return _pin(k, _QKV_AXES["kv"], mesh), _pin(v, _QKV_AXES["kv"], mesh), key_pos
 
 
 def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
                 cache: dict | None, new_cache: dict | None, *, options: RunOptions, attend_cache: bool,
-                cache_row: jax.Array | int, kv_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                cache_row: jax.Array | int, kv_len: int | None, vision: bool = False) -> tuple[jax.Array, jax.Array, jax.Array] | CacheKeys:
     """One layer's K/V [B, T] written to the cache (into `new_cache`), and the (keys, values, key
-    positions) its queries attend to."""
+    positions) its queries attend to, or the cache itself where the native kernel reads it."""
     B, T = positions.shape
     dtype = options.dtype
     if cache is None or not attend_cache:
@@ -311,9 +343,10 @@ def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
         # Decode: write first, then attend over the cache alone (no concatenated copy; the
         # mask keeps a sliding layer to its window). A later prefill chunk too where that is
         # exact (`_write_first`).
-        new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        return kv_cache.read(new_cache[spec.index], dtype, cache_row, B, None if spec.is_sliding else kv_len,
-                             options.rows_sharded)
+        new_cache[spec.index] = entry = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        if not vision and _reads_natively(spec, cfg, cache[spec.index], options, T):
+            return CacheKeys(entry, cache_row + jnp.arange(B, dtype=jnp.int32), _slots(spec, entry, kv_len))
+        return kv_cache.read(entry, dtype, cache_row, B, None if spec.is_sliding else kv_len, options.rows_sharded)
     ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B, None if spec.is_sliding else kv_len,
                                  options.rows_sharded)
     new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
@@ -322,7 +355,7 @@ def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
 
 def _fused_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
                 cache: dict, *, options: RunOptions, chunk: int, cache_row: jax.Array | int,
-                kv_len: int | None) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+                kv_len: int | None) -> list[tuple[jax.Array, jax.Array, jax.Array] | CacheKeys]:
     """`_layer_keys` for a fused call (`forward`'s decode_rows): k/v/positions [1, chunk + D], the
     chunk for row `cache_row`, then one token for each of rows [0, D). The layer's cache is
     written by ONE scatter, before anything reads it (a second write after a read made XLA:CPU
@@ -334,6 +367,11 @@ def _fused_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
     entry = cache[spec.index]
     rows = jnp.concatenate([jnp.full((1, chunk), cache_row, jnp.int32), jnp.arange(D, dtype=jnp.int32)[None]], axis=1)
     slots = None if spec.is_sliding else kv_len
+    if _reads_natively(spec, cfg, entry, options, chunk):
+        cache[spec.index] = written = kv_cache.write(entry, k, v, positions, rows=rows)
+        n = _slots(spec, written, kv_len)
+        return [CacheKeys(written, jnp.reshape(jnp.asarray(cache_row, jnp.int32), (1,)), n),
+                CacheKeys(written, jnp.arange(D, dtype=jnp.int32), n)]
     if _write_first(spec, cfg, entry, dtype, chunk):
         cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
         first = kv_cache.read(cache[spec.index], dtype, cache_row, 1, slots, options.rows_sharded)
@@ -344,13 +382,28 @@ def _fused_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
     return [first, kv_cache.read(cache[spec.index], dtype, 0, D, slots, options.rows_sharded)]
 
 
-def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, keys: jax.Array, values: jax.Array,
-                 key_pos: jax.Array, positions: jax.Array, options: RunOptions, groups: jax.Array | None) -> jax.Array:
-    """Queries q [B, T] of one layer over (keys, values, key positions): [B, T, heads·d]."""
-    mask = attention_mask(positions, key_pos, cfg.sliding_window if spec.is_sliding else None)
+def _slots(spec: LayerSpec, entry: dict, kv_len: int | None) -> int:
+    """The slots a layer's queries read: a ring whole, a full layer's first kv_len."""
+    S = entry["pos"].shape[1]
+    return S if spec.is_sliding or kv_len is None else min(kv_len, S)
+
+
+def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple | CacheKeys,
+                 positions: jax.Array, options: RunOptions, groups: jax.Array | None) -> jax.Array:
+    """Queries q [B, T] of one layer over (keys, values, key positions), or over a cache the native
+    kernel reads in place (`CacheKeys`): [B, T, heads·d]."""
+    window = cfg.sliding_window if spec.is_sliding else None
+    if isinstance(source, CacheKeys):
+        e = source.entry
+        out = cpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.rows, slots=source.slots,
+                                   window=window, scale=cfg.attention_scale)
+        return out.astype(q.dtype).reshape(q.shape[0], q.shape[1], -1)
+    keys, values, key_pos = source
+    mask = attention_mask(positions, key_pos, window)
     if groups is not None and spec.is_sliding:
         mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
     impl = options.attention_sliding if spec.is_sliding else options.attention_full
+    impl = "xla" if impl == "native" else impl  # the kernel reads caches only (above)
     # causal within the chunk: its own keys (same positions), and no image seeing ahead
     blocks = causal_blocks(positions.shape[1]) if key_pos is positions and (groups is None or not spec.is_sliding) else 1
     return attend(q, keys, values, mask, cfg.attention_scale, impl, blocks)
@@ -409,7 +462,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         if options.mesh is not None:  # whole on every device: q (split) and k/v (maybe not) both read them
             tables[kind] = tuple(_pin(t, ("batch", None, "head_dim"), options.mesh) for t in tables[kind])
     new_cache = dict(cache) if cache is not None else None
-    shared: dict[int, tuple[jax.Array, jax.Array, jax.Array]] = {}  # producer -> (k, v, key positions)
+    shared: dict[int, tuple | CacheKeys] = {}  # producer -> (k, v, key positions) or its cache (`CacheKeys`)
     groups = vision_groups if (vision_groups is not None and cfg.bidirectional_vision and T > 1) else None
 
     if decode_rows:
@@ -427,24 +480,22 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
         if not decode_rows:
-            if spec.is_kv_consumer:
-                keys, values, key_pos = shared[spec.kv_source]
-            else:
-                keys, values, key_pos = _pin_kv(*_layer_keys(spec, cfg, k, v, positions, cache, new_cache,
-                                                             options=options, attend_cache=attend_cache,
-                                                             cache_row=cache_row, kv_len=kv_len), options.mesh)
-                shared[spec.index] = (keys, values, key_pos)
-            attn = _attend_keys(spec, cfg, q, keys, values, key_pos, positions, options, groups)
+            if not spec.is_kv_consumer:
+                shared[spec.index] = _pin_kv(_layer_keys(spec, cfg, k, v, positions, cache, new_cache,
+                                                         options=options, attend_cache=attend_cache,
+                                                         cache_row=cache_row, kv_len=kv_len,
+                                                         vision=groups is not None), options.mesh)
+            attn = _attend_keys(spec, cfg, q, shared[spec.kv_source], positions, options, groups)
         else:  # the chunk and the decode tokens, each over its own rows
             if spec.is_kv_consumer:
                 parts = shared_parts[spec.kv_source]
             else:
-                parts = [_pin_kv(*part, options.mesh) for part in
+                parts = [_pin_kv(part, options.mesh) for part in
                          _fused_keys(spec, cfg, k, v, positions, new_cache, options=options, chunk=C,
                                      cache_row=cache_row, kv_len=kv_len)]
                 shared_parts[spec.index] = parts
             attn = jnp.concatenate([
-                _attend_keys(spec, cfg, qp, *part, pos, options, None).reshape(1, pos.size, -1)
+                _attend_keys(spec, cfg, qp, part, pos, options, None).reshape(1, pos.size, -1)
                 for qp, part, pos in zip(split(q), parts, split(positions))], axis=1)
         x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)
 

@@ -16,7 +16,7 @@ Overrides come from environment variables or a dict / CLI flags with the same na
     GEMMA4_DTYPE             auto | float32 | bfloat16 | float16
     GEMMA4_WEIGHTS           auto | none | int8 | int4
     GEMMA4_KV                auto | native | int8 | fp8
-    GEMMA4_ATTENTION         auto | xla | cudnn
+    GEMMA4_ATTENTION         auto | xla | cudnn | native  (native: the CPU kernel reading the KV cache in place)
     GEMMA4_INT4_KERNEL       auto | pallas | xla
     GEMMA4_MATMUL_PRECISION  auto | none | default | high | highest | bfloat16 | tensorfloat32 | float32
     GEMMA4_INT8_MATMUL       auto | measure | default | native | xla-fused | xla-chunked | xla-i8x2 | xla-i8
@@ -102,7 +102,7 @@ class Plan:
     weight_dtype: Choice  # storage dtype of float weights (= compute dtype, converted once at load)
     weights: Choice  # "none" | "int8" | "int4"
     kv_cache: Choice  # "native" | "int8" | "fp8"
-    attention_sliding: Choice  # "xla" | "cudnn"
+    attention_sliding: Choice  # "xla" | "cudnn" | "native" (CPU: measured at start-up, hardware_checks)
     attention_full: Choice
     int4_kernel: Choice  # "dequant+dot" | "pallas-int4"
     matmul_precision: Choice  # None | "bfloat16" | ...
@@ -161,7 +161,7 @@ ENV_KEYS = {
 _DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                   "bf16": "bfloat16", "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16"}
 _ALLOWED = {
-    "weights": ("none", "int8", "int4"), "embed_weights": ("none", "int8", "int4"), "kv": ("native", "int8", "fp8"), "attention": ("xla", "cudnn"),
+    "weights": ("none", "int8", "int4"), "embed_weights": ("none", "int8", "int4"), "kv": ("native", "int8", "fp8"), "attention": ("xla", "cudnn", "native"),
     "int4_kernel": ("pallas", "xla"),
     "int8_matmul": ("measure", "default", "native", "xla-fused", "xla-chunked", "xla-i8x2", "xla-i8"),
     "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
@@ -423,6 +423,12 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
             return auto_c if want is None else dataclasses.replace(auto_c, source="override")
         if want == "xla":
             return Choice("xla", f"requested via GEMMA4_ATTENTION (auto would be {auto_c.value})", "override")
+        if want == "native":
+            if plat != "cpu":
+                return refuse(f"GEMMA4_ATTENTION=native refused for {kind} layers: the native cache attention is a "
+                              f"CPU kernel (this is {where}); use GEMMA4_ATTENTION=auto", f"attention_{kind}", auto_c.value)
+            return Choice("native", "requested via GEMMA4_ATTENTION: decode steps and short chunks attend over the "
+                                    "cache read in place by the native CPU kernel (checked at start-up)", "override")
         return refuse(f"GEMMA4_ATTENTION=cudnn refused for {kind} layers: {cud_block}; use GEMMA4_ATTENTION=auto "
                       f"(cuDNN where it fits, XLA elsewhere) or xla", f"attention_{kind}", "xla")
 

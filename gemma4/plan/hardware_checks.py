@@ -1,6 +1,7 @@
 """Start-up checks on the live device (the policy itself is `gemma4.plan.hardware`).
 
     plan, report = resolve(model_config)     # probe + policy + a numeric self-test on the device
+                                             # (+ the CPU cache attention, measured: attention_choice)
     params, plan, mm = choose_int8_matmul(plan, params)   # CPU int8 path, once the weights load
     params = apply_encoder_dtype(plan, params, cfg)   # the towers in the dtype resolve() measured
     print(format_report(full_report()))      # what `python -m gemma4 probe` prints
@@ -28,7 +29,7 @@ from gemma4.model.params import cast_towers, config_has_tower, has_tower
 from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
-from gemma4.plan import cpu_tuning, sharding, tuning_report
+from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
 from gemma4.plan.hardware import Choice, Plan, PolicyError, normalize_overrides, policy
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import report_dict
@@ -97,7 +98,7 @@ def self_test(plan: Plan) -> dict:
 
     for kind in ("sliding", "full"):
         choice = getattr(plan, f"attention_{kind}")
-        if choice.value == "xla":
+        if choice.value in ("xla", "native"):  # native: its own self-test (attention_choice)
             continue
         head_dim = plan.head_dims[0 if kind == "sliding" else 1]
 
@@ -162,9 +163,12 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
                 plan = plan.replace(f"attention_{kind}", Choice("xla", f"{choice.value} attention failed the "
                                                                 f"start-up self-test; using XLA", "self-test"),
                                     f"attention_{kind}: {choice.value} failed the self-test, fell back to xla")
+    plan, attention = attention_choice.decide_cache_attention(plan, model_config, overrides, env,
+                                                              simulated=bool(facts.simulated))
     plan, encoder = decide_encoder_dtype(plan, model_config, overrides, env, facts=facts)
     report = report_dict(facts, plan, test)
     report["encoder_dtype"] = encoder
+    report["cache_attention"] = attention
     return plan, report
 
 

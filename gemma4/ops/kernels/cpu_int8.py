@@ -45,6 +45,10 @@ GEMM_TARGET = "gemma4_int8_gemm"
 GEMM_PANEL = 32  # output rows per packed panel: N must be a multiple (the kernel checks it too)
 GEMM_ISAS = ("avx512-vnni", "avx512")  # where the GEMM has a vector tile (else a portable loop)
 SOURCE = Path(__file__).with_name("cpu_int8.cc")
+# The one shared library holds every native CPU kernel: the int8 products (cpu_int8.cc) and the
+# attention over a cache read in place (cpu_attention.cc, called through cpu_attention.py).
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_attention.cc"))
+ATTENTION_TARGET = "gemma4_cache_attention"
 MAX_ROWS = 8
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx-vnni": 5, "avx512": 3, "avx512-vnni": 4}
 ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -94,7 +98,7 @@ def _compiler_version(cxx: str) -> str:
 
 def build_key(cxx: str) -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), _compiler_version(cxx).encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), jaxlib.__version__.encode(), _compiler_version(cxx).encode(),
                  _cpu_signature().encode()):
         h.update(part)
         h.update(b"\0")
@@ -119,7 +123,7 @@ def build(force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
         cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wno-attributes",
-               "-Wno-return-type", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_so)]
+               "-Wno-return-type", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_so)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
@@ -162,6 +166,7 @@ def _load_uncached() -> KernelStatus:
         _supported = tuple(n for n, c in ISAS.items() if c and lib.gemma4_int8_isa_supported(c))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Gemm), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.Gemma4CacheAttention), platform="cpu")
     except Exception as e:  # a missing compiler, a failed build, a foreign .so: fall back, say why
         return KernelStatus(False, f"native int8 kernel unavailable: {e}".splitlines()[0][:300])
     return KernelStatus(True, f"native int8 kernel loaded ({isa})", isa, str(path))

@@ -1,0 +1,294 @@
+// Attention of a few queries over a KV cache, read in place, on x86 CPUs, called from inside
+// `jax.jit` through XLA's FFI (gemma4/ops/kernels/cpu_attention.py).
+//
+// Why: a decode step's attention in XLA:CPU first materializes what it reads. Slicing a cache
+// row's first `slots` slots and transposing K for the score product copied ~2 x 4 MiB per full
+// layer of the bundled model at 4,096 slots: a third of a decode step (8-10 ms of 25-29 ms on a
+// 2-core AMD EPYC Zen 4, bench/step_profile.py). This kernel streams each row's K and V once,
+// straight from the cache buffer.
+//
+//   out[b, t, j, :] = sum_s p[s] v[row_b, s, j / g, :],   p = softmax_s(scale * q[b, t, j] . k[row_b, s, j / g])
+//
+// over the slots s < `slots` whose position kp is visible from the query's position qp:
+// kp >= 0, kp <= qp and (window == 0 or qp - kp < window) — gemma4.model.decoder.attention_mask.
+// A query that sees nothing (padding, qp = -1) gets zeros. Softmax is the running (online) form
+// over blocks of kBlock slots; a row's slots may be split in parts over threads, whose partial
+// (max, sum, weighted values) are combined at the end (split-K, as flash-decoding does), so a
+// single decode row uses every thread XLA's pool lends.
+//
+// The loops are plain C++ over fixed 16-float lanes; each is compiled for AVX-512, AVX2+FMA and a
+// portable baseline and chosen at run time.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 64;      // slots per online-softmax step
+constexpr int64_t kLane = 16;       // floats per inner vector step (one zmm)
+constexpr int64_t kMinPart = 512;   // slots per thread part at least (below, splitting costs more than it saves)
+
+struct Problem {
+  const float* q;       // [B, T, nq, d]
+  const int32_t* qpos;  // [B, T]
+  const float* k;       // [R, S, nkv, d]
+  const float* v;
+  const int32_t* kpos;  // [R, S]
+  const int32_t* rows;  // [B]
+  float* out;           // [B, T, nq, d]
+  int64_t b, t, nq, nkv, d, r, s, slots, window;
+  float scale;
+  int64_t g() const { return nq / nkv; }
+  int64_t queries() const { return t * g(); }  // queries of one (row, kv head)
+};
+
+// One (batch row, kv head, slot part): its queries' running max, sum and weighted values.
+struct Partial {
+  std::vector<float> m, l, o;  // [n], [n], [n, d]
+};
+
+// exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^(x log2 e) split into an
+// integer power and a degree-6 polynomial on [-0.5, 0.5] (relative error ~2e-7); inputs below -87
+// give 0. Inlined into each instruction set's part function, so it is compiled for that set.
+inline __attribute__((always_inline)) void ExpInPlace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = std::max(x[i], -87.0f) * 1.44269504088896341f;
+    const float fi = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+    const float f = t - fi;
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6180300e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    std::memcpy(&bits, &p, 4);
+    bits += static_cast<int32_t>(fi) * (1 << 23);
+    float r;
+    std::memcpy(&r, &bits, 4);
+    x[i] = x[i] < -87.0f ? 0.0f : r;
+  }
+}
+
+inline __attribute__((always_inline)) float Dot(const float* a, const float* b, int64_t d) {
+  float acc[kLane] = {0};
+  for (int64_t c = 0; c < d; c += kLane) {
+    for (int64_t l = 0; l < kLane; ++l) acc[l] += a[c + l] * b[c + l];
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLane; ++l) sum += acc[l];
+  return sum;
+}
+
+inline __attribute__((always_inline)) void Axpy(float w, const float* x, float* y, int64_t d) {
+  for (int64_t c = 0; c < d; c += kLane) {
+    for (int64_t l = 0; l < kLane; ++l) y[c + l] += w * x[c + l];
+  }
+}
+
+inline __attribute__((always_inline)) bool Visible(int32_t kp, int32_t qp, int64_t window) {
+  return kp >= 0 && kp <= qp && (window == 0 || qp - kp < window);
+}
+
+// One part: slots [s0, s1) of the cache row of batch row bi, kv head h, for its n = t * g queries
+// (query i: token i / g, head h * g + i % g), into `part`.
+inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
+                                                Partial& part) {
+  const int64_t g = p.g(), n = p.queries(), d = p.d;
+  const int64_t row = p.rows[bi];
+  const int64_t stride = p.nkv * d;
+  const float* kbase = p.k + row * p.s * stride + h * d;
+  const float* vbase = p.v + row * p.s * stride + h * d;
+  const int32_t* kpos = p.kpos + row * p.s;
+  std::vector<const float*> qs(n);
+  std::vector<int32_t> qp(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tok = i / g, head = h * g + i % g;
+    qs[i] = p.q + ((bi * p.t + tok) * p.nq + head) * d;
+    qp[i] = p.qpos[bi * p.t + tok];
+  }
+  part.m.assign(n, -INFINITY);
+  part.l.assign(n, 0.0f);
+  part.o.assign(n * d, 0.0f);
+  std::vector<float> sc(n * kBlock);
+  for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
+    const int64_t nb = std::min(kBlock, s1 - b0);
+    // scores: query i against slot j, -inf where not visible (an empty slot costs no product)
+    bool any = false;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int32_t kp = kpos[b0 + j];
+      const float* kr = kbase + (b0 + j) * stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const bool vis = Visible(kp, qp[i], p.window);
+        sc[i * kBlock + j] = vis ? Dot(qs[i], kr, d) * p.scale : -INFINITY;
+        any |= vis;
+      }
+    }
+    if (!any) continue;
+    // online softmax: rescale what was summed so far, then add this block's weighted values
+    for (int64_t i = 0; i < n; ++i) {
+      float* si = &sc[i * kBlock];
+      float bm = -INFINITY;
+      for (int64_t j = 0; j < nb; ++j) bm = std::max(bm, si[j]);
+      if (bm == -INFINITY) continue;
+      const float m_new = std::max(part.m[i], bm);
+      float* oi = &part.o[i * d];
+      if (part.m[i] != -INFINITY && part.m[i] != m_new) {
+        float f = part.m[i] - m_new;
+        ExpInPlace(&f, 1);
+        part.l[i] *= f;
+        for (int64_t c = 0; c < d; ++c) oi[c] *= f;
+      }
+      part.m[i] = m_new;
+      for (int64_t j = 0; j < nb; ++j) si[j] = si[j] - m_new;  // -inf stays -inf: exp gives 0
+      ExpInPlace(si, nb);
+      float l = 0.0f;
+      for (int64_t j = 0; j < nb; ++j) l += si[j];
+      part.l[i] += l;
+      for (int64_t j = 0; j < nb; ++j) {
+        if (si[j] != 0.0f) Axpy(si[j], vbase + (b0 + j) * stride, oi, d);
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void PartAvx512(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
+                                                   Partial& part) {
+  Part(p, bi, h, s0, s1, part);
+}
+__attribute__((target("avx2,fma"))) void PartAvx2(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
+                                                  Partial& part) {
+  Part(p, bi, h, s0, s1, part);
+}
+void PartPortable(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1, Partial& part) {
+  Part(p, bi, h, s0, s1, part);
+}
+
+using PartFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, Partial&);
+
+PartFn BestPart() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return PartAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PartAvx2;
+  return PartPortable;
+}
+
+// The units of one call, handed out through an atomic counter to the caller and XLA's pool (a busy
+// pool can delay but never deadlock a call).
+struct Work {
+  Problem p;
+  PartFn fn;
+  int64_t parts, part_slots;
+  std::vector<Partial> partials;  // [b, h, part]
+  std::atomic<int64_t> next{0}, done{0};
+
+  int64_t units() const { return p.b * p.nkv * parts; }
+  void Drain() {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units();) {
+      const int64_t part = u % parts, h = (u / parts) % p.nkv, bi = u / (parts * p.nkv);
+      const int64_t s0 = part * part_slots, s1 = std::min(p.slots, s0 + part_slots);
+      fn(p, bi, h, s0, s1, partials[u]);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Combine the parts of each (row, kv head) into the output: weights exp(m_part - m_max).
+void Combine(Work& w) {
+  const Problem& p = w.p;
+  const int64_t g = p.g(), n = p.queries(), d = p.d;
+  for (int64_t bi = 0; bi < p.b; ++bi) {
+    for (int64_t h = 0; h < p.nkv; ++h) {
+      const Partial* parts = &w.partials[(bi * p.nkv + h) * w.parts];
+      for (int64_t i = 0; i < n; ++i) {
+        float* out = p.out + ((bi * p.t + i / g) * p.nq + h * g + i % g) * d;
+        float m = -INFINITY;
+        for (int64_t k = 0; k < w.parts; ++k) {
+          if (!parts[k].m.empty()) m = std::max(m, parts[k].m[i]);
+        }
+        std::fill(out, out + d, 0.0f);
+        if (m == -INFINITY) continue;  // nothing visible: zeros
+        float l = 0.0f;
+        for (int64_t k = 0; k < w.parts; ++k) {
+          if (parts[k].m.empty() || parts[k].m[i] == -INFINITY) continue;
+          const float f = std::exp(parts[k].m[i] - m);
+          l += f * parts[k].l[i];
+          const float* o = &parts[k].o[i * d];
+          for (int64_t c = 0; c < d; ++c) out[c] += f * o[c];
+        }
+        const float inv = 1.0f / l;
+        for (int64_t c = 0; c < d; ++c) out[c] *= inv;
+      }
+    }
+  }
+}
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> qpos,
+                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kpos,
+                              ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t slots,
+                              int64_t window, float scale, int64_t threads_cap) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be 4-d");
+  auto work = std::make_shared<Work>();
+  Problem& p = work->p;
+  p.b = qd[0], p.t = qd[1], p.nq = qd[2], p.d = qd[3];
+  p.r = kd[0], p.s = kd[1], p.nkv = kd[2];
+  if (kd[3] != p.d || p.nkv < 1 || p.nq % p.nkv || p.d % kLane) {
+    return ffi::Error::InvalidArgument("head dims must match, nq divide by nkv and d by 16");
+  }
+  const auto vd = v.dimensions();
+  const bool v_ok = vd.size() == 4 && std::equal(vd.begin(), vd.end(), kd.begin());
+  if (!v_ok || kpos.dimensions().size() != 2 || kpos.dimensions()[0] != p.r ||
+      kpos.dimensions()[1] != p.s || rows.dimensions().size() != 1 || rows.dimensions()[0] != p.b) {
+    return ffi::Error::InvalidArgument("v, k positions or rows do not match the cache");
+  }
+  if (slots < 1 || slots > p.s) return ffi::Error::InvalidArgument("slots must be 1..S");
+  p.q = q.typed_data(), p.qpos = qpos.typed_data(), p.k = k.typed_data(), p.v = v.typed_data();
+  p.kpos = kpos.typed_data(), p.rows = rows.typed_data(), p.out = out->typed_data();
+  p.slots = slots, p.window = window, p.scale = scale;
+  for (int64_t bi = 0; bi < p.b; ++bi) {
+    if (p.rows[bi] < 0 || p.rows[bi] >= p.r) return ffi::Error::InvalidArgument("a cache row is out of range");
+  }
+  work->fn = BestPart();
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (threads_cap > 0) threads = std::min(threads, threads_cap);
+  // Split a row's slots only where there are fewer (row, head) units than threads.
+  const int64_t items = p.b * p.nkv;
+  work->parts = std::max<int64_t>(1, std::min((threads + items - 1) / items, (slots + kMinPart - 1) / kMinPart));
+  work->part_slots = (slots + work->parts - 1) / work->parts;
+  work->partials.resize(work->units());
+  const int64_t helpers = std::min<int64_t>(threads, work->units()) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->units()) std::this_thread::yield();
+  Combine(*work);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4CacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [B, T, nq, d]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query positions [B, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache [R, S, nkv, d]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache [R, S, nkv, d]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot positions [R, S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cache row of each query row [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // [B, T, nq, d]
+                                  .Attr<int64_t>("slots")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("threads"));
