@@ -5,6 +5,7 @@ bounded, keys follow code, platform and program, and a restarted engine loads it
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -26,20 +27,22 @@ from gemma4.serve import executable_store as XS
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_compiles = itertools.count()
+
+
 def _compiled(n: int = 8):
     """A small jitted step that donates its first argument, as the engine's steps do the cache,
-    compiled by XLA: with jax's persistent compile cache on (an engine test earlier in the process
-    turns it on) and holding this program from an earlier run, jax would serve it from there, and
-    such a copy re-serialized loses its kernels (CI: "Function wrapped_add not found"). The engine
-    stores only fresh compiles for that reason (`compile_fresh`)."""
-    step = jax.jit(lambda cache, x: (cache + x, jnp.sum(x * x)), donate_argnums=(0,))
+    compiled by XLA. With jax's persistent compile cache on (an engine test earlier in the process
+    turns it on, and jax reads that setting once) a program compiled before would be served from
+    there, and such a copy re-serialized loses its kernels (CI: "Function wrapped_add not found");
+    the engine stores only fresh compiles for that reason (`compile_fresh`), and names its steps
+    after their key, as this names each compile, so a new program is never served."""
+    def step(cache, x):
+        return cache + x, jnp.sum(x * x)
+
+    step.__name__ = step.__qualname__ = f"store_test_{os.getpid()}_{time.time_ns()}_{next(_compiles)}"
     spec = jax.ShapeDtypeStruct((n,), jnp.float32)
-    was_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        exe, fresh = XS.compile_fresh(step.lower(spec, spec))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", was_on)
+    exe, fresh = XS.compile_fresh(jax.jit(step, donate_argnums=(0,)).lower(spec, spec))
     assert fresh
     return exe
 
