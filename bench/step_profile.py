@@ -3,7 +3,9 @@
     .venv/bin/python bench/step_profile.py [--model bundled] [--kv 4096] [--widths 1,8] [--repeats 20] [--top 25] [--json PATH]
 
 One engine with the app's settings (max_batch 8, context 4096), warmup off; the shapes measured
-are compiled (or loaded from the executable store) first, then each runs on idle inputs:
+are compiled (or loaded from the executable store) first, every cache slot is marked as holding a
+real position (`fill_cache`: the native cache attention skips empty slots, so an empty cache
+would flatter it), then each runs on idle inputs:
   * decode, `width` rows, reading `kv` cache slots;
   * the fused chunk-and-decode step ("mixed"), the same width and cache length;
   * a later 512-token prefill chunk (positions from 1024).
@@ -40,6 +42,25 @@ from gemma4.serve.engine import Engine  # noqa: E402
 from gemma4.serve.engine_compile import MIXED_CHUNK  # noqa: E402
 
 LATER_START = 1024
+
+
+def fill_cache(engine: Engine, last: int) -> None:
+    """Mark every cache slot of every row as holding a real position at or below `last` (slot i
+    of a layer with S slots holds the latest position ≡ i mod S), as a long conversation leaves it:
+    an empty cache would let the native cache attention skip every slot (it never reads an empty
+    one), and the timings would flatter it. The keys and values stay as they are (their values do
+    not change the work)."""
+    import jax.numpy as jnp
+
+    with engine.holding_device():
+        filled = {}
+        for idx, entry in engine.cache.items():
+            R, S = entry["pos"].shape
+            slots = np.arange(S)
+            pos = last - ((last - slots) % S)
+            filled[idx] = dict(entry, pos=jax.device_put(jnp.asarray(np.broadcast_to(pos, (R, S)), jnp.int32),
+                                                           entry["pos"].sharding))
+        engine.cache = filled
 
 
 def step_runners(engine: Engine, kv: int, width: int) -> dict:
@@ -125,7 +146,12 @@ def main(argv=None) -> dict:
     load0 = os.getloadavg()
     engine = Engine(args.model, max_batch=8, context_limit=4096, buckets=(512,), warmup=False)
     engine.wait_ready(3600)
-    out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {}}
+    fill_cache(engine, min(args.kv, engine.context_limit) - 65)
+    plan = engine.plan
+    out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {},
+           "attention": {"sliding": plan.attention_sliding.value, "full": plan.attention_full.value}}
+    print(f"attention over the cache: sliding {plan.attention_sliding.value}, full {plan.attention_full.value} "
+          f"(GEMMA4_ATTENTION=xla|native to compare)", flush=True)
     for width in (int(w) for w in args.widths.split(",")):
         for name, fn in step_runners(engine, args.kv, width).items():
             if args.only and args.only not in name:
