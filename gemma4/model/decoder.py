@@ -319,6 +319,18 @@ def _reads_natively(spec: LayerSpec, cfg: ModelConfig, entry: dict, options: Run
             and cpu_attention.available())
 
 
+def full_layers_read_natively(cfg: ModelConfig, options: RunOptions, kv_format: str) -> bool:
+    """Whether every full-attention layer's decode (and fused-step) reads go through the native
+    kernel (`_reads_natively`; a full layer always writes before it reads). Then a step's cost does
+    not grow with the full-layer slots it may read — the kernel skips empty and future slots
+    without touching their keys — so the engine needs no ladder of cache lengths."""
+    full = [spec for spec in cfg.layers if not spec.is_sliding and not spec.is_kv_consumer]
+    return (options.attention_full == "native" and options.mesh is None and not options.rows_sharded
+            and options.dtype == jnp.float32 and kv_format == "native"
+            and all(cpu_attention.shape_ok(spec.head_dim, cfg.num_heads, spec.num_kv_heads) for spec in full)
+            and cpu_attention.available())
+
+
 def _pin_kv(keys: tuple | CacheKeys, mesh: Any) -> tuple | CacheKeys:
     """(keys, values, key positions), keys and values pinned to the mesh's K/V split (`_pin`);
     `CacheKeys` (one device only) as they are."""
