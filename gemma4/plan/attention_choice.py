@@ -115,21 +115,7 @@ def measure(geometry: tuple[int, int, int, int], status: cpu_int8.KernelStatus) 
 
 def cached_self_test(status: cpu_int8.KernelStatus) -> dict:
     """`cpu_attention.self_test`, once per built library (a pass is kept beside the .so)."""
-    marker = Path(status.path).with_name("attention-self-test.json") if status.path else None
-    if marker is not None and marker.exists():
-        try:
-            result = json.loads(marker.read_text())
-            if result.get("ok"):
-                return {**result, "message": result["message"] + " (cached)"}
-        except (OSError, ValueError):
-            pass
-    result = cpu_attention.self_test()
-    if marker is not None and result.get("ok"):
-        try:
-            marker.write_text(json.dumps(result))
-        except OSError:
-            pass
-    return result
+    return cpu_int8.cached_result(status, "attention-self-test", cpu_attention.self_test)
 
 
 def decide_cache_attention(plan: Plan, cfg: ModelConfig | None, overrides=None, env=None,

@@ -277,10 +277,11 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
                        f"max relative error {worst:.1e} (bound 2e-3)"}
 
 
-def cached_self_test(status: KernelStatus) -> dict:
-    """`self_test` on the ISA in use, once per built library: a passing result is kept beside the
-    .so (which is itself keyed by source, jaxlib, compiler and CPU), so later starts skip it."""
-    marker = Path(status.path).with_name(f"self-test-{status.isa}.json") if status.path else None
+def cached_result(status: KernelStatus, name: str, run) -> dict:
+    """`run()` (a self-test's {"ok", "message", ...}) once per built library: a passing result is
+    kept beside the .so as `<name>.json` (the .so is itself keyed by source, jaxlib, compiler and
+    CPU), so later starts read it."""
+    marker = Path(status.path).with_name(f"{name}.json") if status.path else None
     if marker is not None and marker.exists():
         try:
             result = json.loads(marker.read_text())
@@ -288,13 +289,18 @@ def cached_self_test(status: KernelStatus) -> dict:
                 return {**result, "message": result["message"] + " (cached)"}
         except (OSError, ValueError):
             pass
-    result = self_test([status.isa])
+    result = run()
     if marker is not None and result.get("ok"):
         try:
             marker.write_text(json.dumps(result))
         except OSError:
             pass
     return result
+
+
+def cached_self_test(status: KernelStatus) -> dict:
+    """`self_test` on the ISA in use, once per built library (`cached_result`)."""
+    return cached_result(status, f"self-test-{status.isa}", lambda: self_test([status.isa]))
 
 
 def main(argv: list[str] | None = None) -> int:
