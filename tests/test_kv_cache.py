@@ -16,6 +16,7 @@ import pytest
 from gemma4.model import kv_cache
 from gemma4.model import decoder as M
 from gemma4.model.config import tiny
+from gemma4.ops.kernels import cpu_attention, cpu_int8
 from gemma4.serve.engine import decode_step, mixed_step, prefill_step
 from gemma4.serve.engine_compile import MIXED_CHUNK, chunk_plan
 from gemma4.model.sampling import SamplingRows
@@ -56,16 +57,9 @@ OPTIONS = {"xla": M.RunOptions(), "native": M.RunOptions(attention_sliding="nati
 
 @pytest.fixture(params=sorted(OPTIONS))
 def attention(request):
-    if request.param == "native":
-        from gemma4.ops.kernels import cpu_attention
-        if not cpu_attention.available():
-            pytest.skip(f"this CPU has no native kernel: {cpu_int8_message()}")
+    if request.param == "native" and not cpu_attention.available():
+        pytest.skip(f"this CPU has no native kernel: {cpu_int8.load().message}")
     return request.param
-
-
-def cpu_int8_message() -> str:
-    from gemma4.ops.kernels import cpu_int8
-    return cpu_int8.load().message
 
 
 @functools.lru_cache(maxsize=None)

@@ -308,27 +308,31 @@ def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: Any, tok
     return not spec.is_sliding or kv_cache.ring_writes_first(entry, cfg.sliding_window, tokens)
 
 
+def _native_layer(spec: LayerSpec, cfg: ModelConfig, options: RunOptions) -> bool:
+    """Whether this layer's cache reads may go through the native kernel at all: chosen ("native")
+    for its layer type, one device, float32 compute, a head geometry the kernel takes, the kernel
+    loaded."""
+    impl = options.attention_sliding if spec.is_sliding else options.attention_full
+    return (impl == "native" and options.mesh is None and not options.rows_sharded and options.dtype == jnp.float32
+            and cpu_attention.shape_ok(spec.head_dim, cfg.num_heads, spec.num_kv_heads) and cpu_attention.available())
+
+
 def _reads_natively(spec: LayerSpec, cfg: ModelConfig, entry: dict, options: RunOptions, tokens: int) -> bool:
     """Whether queries of `tokens` per row attend over this layer's cache through the native kernel
-    (`CacheKeys`): chosen ("native"), one device, a float32 cache of the compute dtype written
-    before it is read (`_write_first`), a geometry the kernel takes."""
-    impl = options.attention_sliding if spec.is_sliding else options.attention_full
-    return (impl == "native" and options.mesh is None and not options.rows_sharded and tokens <= NATIVE_MAX_TOKENS
-            and options.dtype == jnp.float32 and _write_first(spec, cfg, entry, options.dtype, tokens)
-            and cpu_attention.shape_ok(entry["k"].shape[3], cfg.num_heads, spec.num_kv_heads)
-            and cpu_attention.available())
+    (`CacheKeys`): a native layer (`_native_layer`), a few tokens, and a cache of the compute dtype
+    written before it is read (`_write_first`)."""
+    return (tokens <= NATIVE_MAX_TOKENS and _native_layer(spec, cfg, options)
+            and _write_first(spec, cfg, entry, options.dtype, tokens))
 
 
 def full_layers_read_natively(cfg: ModelConfig, options: RunOptions, kv_format: str) -> bool:
     """Whether every full-attention layer's decode (and fused-step) reads go through the native
-    kernel (`_reads_natively`; a full layer always writes before it reads). Then a step's cost does
-    not grow with the full-layer slots it may read — the kernel skips empty and future slots
-    without touching their keys — so the engine needs no ladder of cache lengths."""
-    full = [spec for spec in cfg.layers if not spec.is_sliding and not spec.is_kv_consumer]
-    return (options.attention_full == "native" and options.mesh is None and not options.rows_sharded
-            and options.dtype == jnp.float32 and kv_format == "native"
-            and all(cpu_attention.shape_ok(spec.head_dim, cfg.num_heads, spec.num_kv_heads) for spec in full)
-            and cpu_attention.available())
+    kernel (`_reads_natively`: a full layer with a native-format cache always writes before it
+    reads). Then a step's cost does not grow with the full-layer slots it may read — the kernel
+    skips empty and future slots without touching their keys — so the engine needs no ladder of
+    cache lengths."""
+    return kv_format == "native" and all(_native_layer(spec, cfg, options) for spec in cfg.layers
+                                         if not spec.is_sliding and not spec.is_kv_consumer)
 
 
 def _pin_kv(keys: tuple | CacheKeys, mesh: Any) -> tuple | CacheKeys:

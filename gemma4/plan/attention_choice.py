@@ -123,8 +123,8 @@ def decide_cache_attention(plan: Plan, cfg: ModelConfig | None, overrides=None, 
     """The plan with each layer type's attention set to "native" where the kernel can run, passed its
     self-test and measured faster here; a report {kernel, self_test, measured} or None (off CPU,
     XLA requested, or a simulated device)."""
-    want = normalize_overrides(overrides, env).get("attention")
-    fallback_ok = bool(normalize_overrides(overrides, env).get("allow_fallback", False))
+    ov = normalize_overrides(overrides, env)
+    want, fallback_ok = ov.get("attention"), bool(ov.get("allow_fallback", False))
     if plan.platform != "cpu" or want not in (None, "native") or simulated or cfg is None:
         return plan, None
     blockers = []
