@@ -85,13 +85,20 @@ def test_every_accurate_path_matches_the_dequantized_product(path, group):
     native_ok = STATUS.ok
     rng = np.random.default_rng(1)
     w = _leaf(rng, 320, 256, group)
+    ref_q, ref_s = np.asarray(w.q), np.asarray(w.scale)
+    if path == "native-panels":
+        w = quant.as_panels(w)
+    ran = 0
     for m in (1, 4, 24):
-        if not int8_matmul.eligible(path, m, 256, group, native_ok, 320):
+        if not int8_matmul.eligible(path, m, 256, group, native_ok, 320, w.layout):
             continue
         x = _x(rng, m, 256)
-        y = jax.jit(lambda x, q, s: int8_matmul.run(path, x, q, s, group))(x, w.q, w.scale)
-        ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), group)
-        assert _rel(y, ref) < tuning_report.ACCURACY_BOUND, (path, m)
+        y = jax.jit(lambda x, q, s: int8_matmul.run(path, x, q, s, group, w.layout))(x, w.q, w.scale)
+        assert _rel(y, cpu_int8.reference(x, ref_q, ref_s, group)) < tuning_report.ACCURACY_BOUND, (path, m)
+        ran += 1
+    if not ran and path.startswith("native"):
+        pytest.skip(f"this CPU has no native kernel path {path}: {STATUS.message}")
+    assert ran or not path.startswith("native")
 
 
 def test_per_row_int8_activations_fail_the_bound_on_outlier_channels():
@@ -198,6 +205,158 @@ def test_linear_many_runs_gemm_leaves_as_one_call():
     assert not int8_matmul.eligible("native-gemm", 64, 640, 32, False, 256)  # no kernel loaded
 
 
+needs_panels = pytest.mark.skipif(not cpu_int8.panels_supported(),
+                                  reason=f"this CPU has no avx512-vnni for the panel product ({STATUS.message})")
+
+
+def _panel_weights(rng, shapes, k):
+    leaves = [_leaf(rng, n, k, group) for n, group in shapes]
+    return leaves, [quant.as_panels(w) for w in leaves]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["portable", "avx512-vnni"])
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 20])
+def test_panels_match_float64_reference_and_the_row_kernel(isa, m):
+    # blocks of 8 activation rows + a tail; per-row weights (flushed every 256 inputs), groups 16/32/128
+    if not cpu_int8.isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(20 + m)
+    k = 1024
+    rows, panels = _panel_weights(rng, ((224, None), (64, 16), (96, 32), (32, 128)), k)
+    x = _x(rng, m, k)
+    ys = jax.jit(lambda x, ws: cpu_int8.panels(x, [(w.q, w.scale, w.group_size) for w in ws], isa))(x, panels)
+    for w, p, y in zip(rows, panels, ys):
+        assert y.shape == (m, w.shape[0]) and p.shape == w.shape
+        ref = cpu_int8.reference(x, np.asarray(w.q), np.asarray(w.scale), w.group_size)
+        assert _rel(y, ref) < 1e-3, w.group_size
+        if m <= cpu_int8.MAX_ROWS:  # the same integer sums as the row kernel; only float order differs
+            by_rows = cpu_int8.matmul(x, [(w.q, w.scale, w.group_size)])[0]
+            assert _rel(y, np.asarray(by_rows, np.float64)) < 1e-5
+
+
+@needs_kernel
+def test_panel_rows_do_not_depend_on_the_other_rows_of_the_call():
+    rng = np.random.default_rng(21)
+    _, (w,) = _panel_weights(rng, ((64, 32),), 640)
+    x = _x(rng, 19, 640)
+    whole = np.asarray(cpu_int8.panels(jnp.asarray(x), [(w.q, w.scale, 32)])[0])
+    for i in (0, 7, 8, 18):
+        alone = np.asarray(cpu_int8.panels(jnp.asarray(x[i:i + 1]), [(w.q, w.scale, 32)])[0])
+        np.testing.assert_array_equal(whole[i], alone[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["portable", "avx512-vnni"])
+def test_gemm_on_panels_is_bit_identical_to_gemm_on_rows(isa):
+    if not cpu_int8.isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(22)
+    rows, panels = _panel_weights(rng, ((224, None), (64, 16), (96, 32)), 640)
+    x = jnp.asarray(_x(rng, 40, 640))
+    by_rows = cpu_int8.gemm(x, [(w.q, w.scale, w.group_size) for w in rows], isa)
+    by_panels = cpu_int8.gemm_panels(x, [(w.q, w.scale, w.group_size) for w in panels], isa)
+    for a, b in zip(by_rows, by_panels):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_panel_layout_round_trips_gathers_and_dequantizes():
+    rng = np.random.default_rng(23)
+    for n, k, group in ((64, 640, 32), (32, 96, None), (96, 256, 16)):
+        w = _leaf(rng, n, k, group)
+        p = quant.as_panels(w)
+        assert p.layout == "panels" and p.shape == (n, k) and p.nbytes == w.nbytes
+        assert p.q.shape == (n // 16, k // 2, 32)
+        q, s = p.rows()
+        np.testing.assert_array_equal(np.asarray(q), np.asarray(w.q))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(w.scale))
+        qn, sn = quant.to_panels(np.asarray(w.q), np.asarray(w.scale), group)  # numpy gives the same bytes
+        np.testing.assert_array_equal(qn, np.asarray(p.q))
+        np.testing.assert_array_equal(np.asarray(p.dequantize()), np.asarray(w.dequantize()))
+        ids = jnp.asarray([[0, 17, n - 1], [5, 16, 31]], jnp.int32)
+        from gemma4.ops.linear import take_rows
+        np.testing.assert_array_equal(np.asarray(jax.jit(take_rows, static_argnums=2)(p, ids, jnp.float32)),
+                                      np.asarray(take_rows(w, ids, jnp.float32)))
+    assert not quant.panels_shape_ok(48, 640, 32) and not quant.panels_shape_ok(64, 640, 512)
+    assert quant.panels_shape_ok(64, 640, None) and quant.panels_shape_ok(262144, 640, 32)
+
+
+@needs_kernel
+def test_panels_refuse_bad_shapes_with_a_message():
+    rng = np.random.default_rng(24)
+    _, (w,) = _panel_weights(rng, ((32, None),), 64)
+    with pytest.raises(Exception, match=r"\[N/16, K/2, 32\]"):
+        cpu_int8.panels(jnp.ones((2, 96)), [(w.q, w.scale, None)])
+    with pytest.raises(Exception, match="group"):
+        cpu_int8.panels(jnp.ones((2, 64)), [(w.q, jnp.ones((32, 2)), 32 + 1)])
+    with pytest.raises(ValueError, match="reads rows"):
+        int8_matmul.run("xla-chunked", jnp.ones((2, 64)), w.q, w.scale, None, "panels")
+    with pytest.raises(ValueError, match="stored as panels"):
+        int8_matmul.run_many(jnp.ones((2, 64)), [(w.q, w.scale, None)], "native-panels", "rows")
+
+
+@needs_panels
+def test_linear_on_panels_gives_the_rows_results_for_any_row_count():
+    # decode rows, a fused chunk, a prefill through the GEMM; the built-in choice of a panels leaf
+    # (no tuning) is its panel product; q/k/v-like leaves as one call
+    rng = np.random.default_rng(25)
+    rows, panels = _panel_weights(rng, ((256, 32), (96, None)), 640)
+    tuned = [dataclasses.replace(p, paths=((16, "native-panels"), (1 << 30, "native-gemm"))) for p in panels]
+    for m in (1, 8, 17, 40):
+        x = jnp.asarray(_x(rng, m, 640)).reshape(1, m, 640)
+        for w, p, t in zip(rows, panels, tuned):
+            ref = cpu_int8.reference(np.asarray(x)[0], np.asarray(w.q), np.asarray(w.scale), w.group_size)
+            for leaf in (p, t):
+                assert _rel(np.asarray(jax.jit(linear)(x, leaf))[0], ref) < tuning_report.ACCURACY_BOUND, m
+        fused = jax.jit(lambda x, ws: linear_many(x, ws))(x, tuned)
+        for y, t in zip(fused, tuned):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(linear)(x, t)))
+        text = jax.jit(lambda x, ws: linear_many(x, ws)).lower(x, tuned).as_text()
+        target = cpu_int8.PANELS_TARGET if m <= 16 else cpu_int8.GEMM_PANELS_TARGET
+        assert text.count("@" + target + "(") == 1, m
+
+
+def test_layout_choice_measures_forces_and_falls_back(monkeypatch):
+    _, params = _tiny_int8_params()
+    prods = cpu_tuning.products(params)
+    rng = np.random.default_rng(0)
+    assert cpu_tuning.choose_layout(prods, False, rng)["layout"] == "rows"
+    assert cpu_tuning.choose_layout(prods, True, rng, forced="rows")["reason"].startswith("requested")
+    if not cpu_int8.panels_supported():
+        assert "AVX512-VNNI" in cpu_tuning.choose_layout(prods, True, rng)["reason"]
+        return
+    assert cpu_tuning.choose_layout(prods, True, rng, forced="panels")["layout"] == "panels"
+
+    measured = cpu_tuning.layout_timings(*max(prods.items(), key=lambda kv: kv[0].n * kv[0].k), rng)
+    assert set(measured) == {"rows", "panels"} and all(
+        measured[lay][r] > 0 for lay in measured for r in cpu_tuning.LAYOUT_ROWS)
+
+    def timed(ms_rows, ms_panels):
+        return lambda prod, leaf, rng: {"rows": {r: ms_rows for r in cpu_tuning.LAYOUT_ROWS},
+                                        "panels": {r: ms_panels for r in cpu_tuning.LAYOUT_ROWS}}
+
+    monkeypatch.setattr(cpu_tuning, "layout_timings", timed(2.0, 1.0))
+    faster = cpu_tuning.choose_layout(prods, True, rng)
+    assert faster["layout"] == "panels" and "2.00×" in faster["reason"]
+    monkeypatch.setattr(cpu_tuning, "layout_timings", timed(1.05, 1.0))  # under LAYOUT_MIN_SPEEDUP
+    assert cpu_tuning.choose_layout(prods, True, rng)["layout"] == "rows"
+    monkeypatch.setattr(cpu_tuning, "layout_timings", timed(2.0, None))  # the panel product failed
+    assert "did not run" in cpu_tuning.choose_layout(prods, True, rng)["reason"]
+
+
+@needs_panels
+def test_tuning_as_panels_stores_the_leaves_as_panels_with_panel_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    cfg, params = _tiny_int8_params()
+    tuning = cpu_tuning.tune(params, native_ok=True, layout="panels")
+    assert tuning["layout"]["layout"] == "panels"
+    tuned = cpu_tuning.apply(params, tuning)
+    leaves = [leaf for leaf in jax.tree.leaves(tuned, is_leaf=quant.is_quantized) if isinstance(leaf, quant.QuantArray)]
+    as_panels = [leaf for leaf in leaves if leaf.layout == "panels"]
+    assert as_panels and all(p in int8_matmul.PANEL_PATHS for leaf in as_panels for _, p in leaf.paths)
+    assert all(leaf.layout == "rows" for leaf in leaves if not quant.panels_shape_ok(*leaf.shape, leaf.group_size))
+
+
 def _tiny_int8_params():
     from gemma4.model.config import preset
     from gemma4.weights.random_init import random_params
@@ -274,10 +433,12 @@ def _logits(cfg, params):
     return np.asarray(jax.jit(lambda p: forward(p, cfg, tokens, positions)[0])(params))
 
 
-@pytest.mark.parametrize("forced", ["native", "xla-i8x2", "xla-chunked"])
+@pytest.mark.parametrize("forced", ["native-panels", "native", "xla-i8x2", "xla-chunked"])
 def test_model_paths_give_the_reference_tokens(forced):
-    if forced == "native" and not STATUS.ok:
+    if forced.startswith("native") and not STATUS.ok:
         pytest.skip(STATUS.message)
+    if forced == "native-panels" and not cpu_int8.panels_supported():
+        pytest.skip("this CPU has no avx512-vnni for the panel product")
     cfg, params = _tiny_int8_params()
     ref = _logits(cfg, cpu_tuning.apply(params, None, forced="xla-dequant"))
     got = _logits(cfg, cpu_tuning.apply(params, None, forced=forced, native_ok=STATUS.ok))

@@ -5,13 +5,16 @@ machine (`gemma4.plan.cpu_tuning`, through `gemma4.plan.hardware`) and stored in
 (`QuantArray.paths`). All take x2 [M, K] (float) and the leaf's q int8 [N, K] and scale ([N]
 per-row or [N, K/g] grouped) and return float32 [M, N].
 
+    native-panels the FFI kernel's panel product (`cpu_int8.panels`) on a weight stored as panels
+                 (`QuantArray.layout == "panels"`): 16 output rows per vector, one sign-extension
+                 serving every activation row, any number of rows; AVX512-VNNI only.
     native       the FFI kernel in gemma4/ops/kernels/cpu_int8.cc: int16 activations, streams the
                  int8 weight once per call of ≤ 8 rows (cpu_int8.MAX_ROWS); more rows (a short
                  prefill chunk) run as slices of 8, each streaming the weight again, which still
                  beats dequantizing the whole weight up to a few dozen rows. Several weights
                  sharing x run as one call (`run_many`).
-    native-gemm  the same kernel's GEMM (`cpu_int8.gemm`) for prefill-sized M (> 8 rows): the weight is
-                 packed once per call in 32-row panels and multiplied by register tiles of 6 rows
+    native-gemm  the same kernel's GEMM (`cpu_int8.gemm`, or `gemm_panels` on panels) for prefill-sized
+                 M (> 8 rows): the weight is packed once per call in 32-row panels and multiplied by register tiles of 6 rows
                  (AVX512-VNNI vpdpwssd: twice a float32 FMA's products per instruction), with the
                  same int16 activations, so no float weight is ever written. Fused like `native`.
     xla-fused    convert·multiply + row reduction, which XLA:CPU fuses into one loop (fast on some
@@ -120,8 +123,19 @@ def native_sliced(x2, weights) -> list:
     return [jnp.concatenate(ys, axis=0) for ys in zip(*parts)]
 
 
-def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: int = 0) -> bool:
+# The paths that read a weight stored as panels (every other path reads rows).
+PANEL_PATHS = ("native-panels", "native-gemm")
+
+
+def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: int = 0,
+             layout: str = "rows") -> bool:
     """Whether `path` can run this product at all (not whether it is fast); `n` = output rows."""
+    if layout == "panels":
+        if path == "native-panels":
+            return native_ok and cpu_int8.panels_supported()
+        return path == "native-gemm" and native_ok and m > cpu_int8.MAX_ROWS and cpu_int8.gemm_supported(n, k, group)
+    if path == "native-panels":
+        return False
     whole_float = path == "xla-dequant" or (path == "xla-fused" and group is not None)
     if whole_float and n * k * 4 > FLOAT_TEMP_MAX_BYTES:
         return False
@@ -134,10 +148,12 @@ def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: i
     return path in PATHS
 
 
-def run(path: str, x2, q, scale, group):
-    """y [M, N] float32 by the named formulation."""
+def run(path: str, x2, q, scale, group, layout: str = "rows"):
+    """y [M, N] float32 by the named formulation (q, scale in `layout`)."""
     if path in NATIVE_PATHS:
-        return run_many(x2, [(q, scale, group)], path)[0]
+        return run_many(x2, [(q, scale, group)], path, layout)[0]
+    if layout != "rows":
+        raise ValueError(f"int8 path {path!r} reads rows; this weight is stored as {layout}")
     if path == "xla-fused":
         return fused(x2, q, scale, group)
     if path == "xla-chunked":
@@ -156,12 +172,20 @@ def run(path: str, x2, q, scale, group):
 
 
 # The paths through the native kernel: several weights on one activation run as one call.
-NATIVE_PATHS = ("native", "native-gemm")
+NATIVE_PATHS = ("native-panels", "native", "native-gemm")
 
 
-def run_many(x2, weights: list[tuple], path: str) -> list:
-    """Several int8 weights (q, scale, group) on one activation through one native path: one call
-    (per 8-row slice for `native`), one activation quantization."""
+def run_many(x2, weights: list[tuple], path: str, layout: str = "rows") -> list:
+    """Several int8 weights (q, scale, group), all in `layout`, on one activation through one native
+    path: one call (per 8-row slice for `native`), one activation quantization."""
+    if layout == "panels":
+        if path == "native-gemm":
+            return cpu_int8.gemm_panels(x2, weights)
+        if path != "native-panels":
+            raise ValueError(f"int8 path {path!r} reads rows; these weights are stored as panels")
+        return cpu_int8.panels(x2, weights)
+    if path == "native-panels":
+        raise ValueError("native-panels reads weights stored as panels; these are rows")
     if path == "native-gemm":
         return cpu_int8.gemm(x2, weights)
     return native_sliced(x2, weights)

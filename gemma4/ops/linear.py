@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from gemma4.ops import chunked, int8_matmul
 from gemma4.ops.kernels.int4_matmul import int4_matmul
-from gemma4.ops.quant import Int4Array, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf
+from gemma4.ops.quant import (Int4Array, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf,
+                              take_panel_rows)
 
 
 # For a few activation rows (decode), XLA:CPU runs an elementwise convert·multiply + row reduction
@@ -54,21 +55,22 @@ def _int8_default(x2: jax.Array, w: QuantArray) -> jax.Array:
 
 
 def int8_path(w: QuantArray, m: int) -> str:
-    """The formulation `linear` uses for `m` activation rows of this leaf ("default" = built-in)."""
+    """The formulation `linear` uses for `m` activation rows of this leaf ("default" = built-in;
+    a leaf stored as panels has no built-in XLA path: its panel product then)."""
     for max_rows, path in w.paths:
         if m <= max_rows:
             return path
-    return "default"
+    return "native-panels" if w.layout == "panels" else "default"
 
 
 def _int8_linear(x: jax.Array, w: QuantArray) -> jax.Array:
-    n_out, n_in = w.q.shape
+    n_out, n_in = w.shape
     x2 = x.reshape(-1, n_in)
     path = int8_path(w, x2.shape[0])
     if path == "default":
         y = _int8_default(x2, w)
     else:
-        y = int8_matmul.run(path, x2, w.q, w.scale, w.group_size)
+        y = int8_matmul.run(path, x2, w.q, w.scale, w.group_size, w.layout)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -164,15 +166,18 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
         return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
-    paths = {int8_path(w, m) if isinstance(w, QuantArray) else None for w in ws}
-    if len(ws) > 1 and len(paths) == 1 and paths <= set(int8_matmul.NATIVE_PATHS):
-        ys = int8_matmul.run_many(x.reshape(m, n_in), [(w.q, w.scale, w.group_size) for w in ws], paths.pop())
+    paths = {(int8_path(w, m), w.layout) if isinstance(w, QuantArray) else None for w in ws}
+    if len(ws) > 1 and len(paths) == 1 and next(iter(paths)) and next(iter(paths))[0] in int8_matmul.NATIVE_PATHS:
+        path, layout = paths.pop()
+        ys = int8_matmul.run_many(x.reshape(m, n_in), [(w.q, w.scale, w.group_size) for w in ws], path, layout)
         return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
     return [linear(x, w, out_dtype) for w in ws]
 
 
 def take_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
     """table[ids] as `dtype` (embedding lookup); quantized tables dequantize only the gathered rows."""
+    if isinstance(table, QuantArray) and table.layout == "panels":
+        return dequant_int8(*take_panel_rows(table, ids), table.group_size, dtype)
     if isinstance(table, QuantArray):
         q = jnp.take(table.q, ids, axis=0)
         return dequant_int8(q, jnp.take(table.scale, ids, axis=0), table.group_size, dtype)

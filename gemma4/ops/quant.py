@@ -47,6 +47,9 @@ class QuantArray:
     `paths` is the CPU matmul formulation by activation rows, chosen by `gemma4.plan.hardware` from
     measurements: ((max_rows, path), ...) in increasing max_rows, the first with M ≤ max_rows
     wins; () = the built-in default. See `gemma4.ops.linear` for the paths.
+    `layout` "rows" stores q as [out, in]; "panels" (chosen on CPU by the same measurements) stores
+    the same bytes reordered for the native kernel's panel product, q [out/16, in/2, 32] and grouped
+    scales [out/16, in/g, 16] (`to_panels`); only the native paths and `take_rows` read it.
     """
 
     q: jax.Array  # int8 [out, in]
@@ -60,9 +63,12 @@ class QuantArray:
     # None) of the (out, in) dims; `linear` then runs each device's shard (see ops.linear).
     mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))
     mesh_axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
+    layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.layout == "panels":
+            return (int(self.q.shape[0]) * PANEL_ROWS, int(self.q.shape[1]) * 2)
         return tuple(self.q.shape)
 
     @property
@@ -78,7 +84,68 @@ class QuantArray:
         return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
-        return dequant_int8(self.q, self.scale, self.group_size, dtype)
+        return dequant_int8(*self.rows(), self.group_size, dtype)
+
+    def rows(self) -> tuple[jax.Array, jax.Array]:
+        """(q [out, in], scale [out] or [out, in/g]) whatever the layout."""
+        return from_panels(self.q, self.scale, self.group_size) if self.layout == "panels" else (self.q, self.scale)
+
+
+# ------------------------------------------------------------------------------ int8 panel layout
+# The native CPU kernel's panel product (gemma4/ops/kernels/cpu_int8.cc, "panels") reads 16 output
+# rows × one input pair per 32 bytes, so one sign-extended vector serves 16 outputs of every
+# activation row; the layout is made once, when the plan chooses it (gemma4.plan.cpu_tuning).
+PANEL_ROWS = 16
+
+
+def panels_shape_ok(n: int, k: int, group: int | None) -> bool:
+    """Whether an int8 weight [n, k] with this group can be stored as panels (n a multiple of 32,
+    the native GEMM's panel, so both native paths read it)."""
+    if n <= 0 or n % (2 * PANEL_ROWS) or k <= 0 or k % 2:
+        return False
+    return group is None or (k % group == 0 and group % 2 == 0 and group <= 256)
+
+
+def to_panels(q, scale, group: int | None):
+    """(q [N, K], scale [N] or [N, K/g]) → (q [N/16, K/2, 32] with q[16p + j, 2c + t] at
+    [p, c, 2j + t], grouped scales [N/16, K/g, 16]; per-row scales stay [N]). numpy or jax arrays."""
+    xp = np if isinstance(q, np.ndarray) else jnp
+    n, k = q.shape
+    qp = xp.transpose(q.reshape(n // PANEL_ROWS, PANEL_ROWS, k // 2, 2), (0, 2, 1, 3)).reshape(n // PANEL_ROWS, k // 2, 32)
+    if group:
+        scale = xp.transpose(scale.reshape(n // PANEL_ROWS, PANEL_ROWS, k // group), (0, 2, 1))
+    return qp, scale
+
+
+def from_panels(qp, scale, group: int | None):
+    """The inverse of `to_panels`."""
+    xp = np if isinstance(qp, np.ndarray) else jnp
+    npan, c, _ = qp.shape
+    q = xp.transpose(qp.reshape(npan, c, PANEL_ROWS, 2), (0, 2, 1, 3)).reshape(npan * PANEL_ROWS, c * 2)
+    if group:
+        scale = xp.transpose(scale, (0, 2, 1)).reshape(npan * PANEL_ROWS, -1)
+    return q, scale
+
+
+def as_panels(w: "QuantArray") -> "QuantArray":
+    """The leaf in the panel layout (the same values; `paths` as given)."""
+    if w.layout == "panels":
+        return w
+    qp, sp = to_panels(w.q, w.scale, w.group_size)
+    return dataclasses.replace(w, q=qp, scale=sp, layout="panels")
+
+
+def take_panel_rows(w: "QuantArray", ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q rows [..., K], scales [...] or [..., K/g]) of `ids` from a panels leaf (a gather)."""
+    npan, c, _ = w.q.shape
+    p, j = ids // PANEL_ROWS, ids % PANEL_ROWS
+    q4 = w.q.reshape(npan, c, PANEL_ROWS, 2)
+    q = q4[p[..., None], jnp.arange(c), j[..., None]].reshape(*ids.shape, 2 * c)
+    if w.group_size:
+        scale = w.scale[p[..., None], jnp.arange(w.scale.shape[1]), j[..., None]]
+    else:
+        scale = jnp.take(w.scale, ids, axis=0)
+    return q, scale
 
 
 @jax.tree_util.register_dataclass

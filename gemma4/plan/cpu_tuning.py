@@ -8,7 +8,12 @@ fastest within ACCURACY_BOUND wins. Results are cached on disk per CPU model + f
 version, native-kernel build and the set of shapes, so only the first start on a machine pays.
 
     tuning = tune(params, native_ok=True)    # {(n, k, group): {rows: {"path", "timings_ms"}}}
-    params = apply(params, tuning)           # QuantArray.paths set per leaf
+    params = apply(params, tuning)           # QuantArray.paths (and layout) set per leaf
+
+The storage layout is chosen first, by the same kind of measurement (`choose_layout`): where the
+native kernel's panel product runs (AVX512-VNNI), the largest product is timed at 1 and 8 rows
+both as rows (every path) and as panels (`QuantArray.layout`); panels win where they are
+LAYOUT_MIN_SPEEDUP faster, and then every product is tuned among the paths that read panels.
 
 What it measured is shown by `gemma4.plan.tuning_report` (the accuracy bound, the summary, the
 timings table), which needs no JAX.
@@ -32,7 +37,7 @@ import numpy as np
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.quant import QuantArray, dequant_int8
+from gemma4.ops.quant import QuantArray, as_panels, dequant_int8, panels_shape_ok
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
 from gemma4.plan.tuning_report import ACCURACY_BOUND
@@ -54,7 +59,7 @@ ROW_CLASSES = ((1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (1 << 3
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
-VERSION = 9  # bump when the measurement changes: old cached choices are then ignored
+VERSION = 10  # bump when the measurement changes: old cached choices are then ignored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +94,13 @@ def products(params: Any) -> dict[Product, QuantArray]:
     return found
 
 
-def _cache_file(prods, native_ok: bool) -> Path:
+def _cache_file(prods, native_ok: bool, layout: str | None = None) -> Path:
     facts = probe()
     status = cpu_int8.load() if native_ok else None
     parts = [str(VERSION), facts.cpu_model, " ".join(facts.cpu_flags), str(facts.cpu_cores), facts.jax_version,
              facts.jaxlib_version, status.path or "" if status else "no-native",
              ";".join(sorted(p.key + ("/head" if p.decode_only else "") for p in prods)),
-             os.environ.get("XLA_FLAGS", "")]
+             os.environ.get("XLA_FLAGS", ""), str(layout)]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_root() / "tuning" / f"int8-matmul-{key}.json"
 
@@ -145,11 +150,13 @@ STARTUP_SKIP = ("xla-i8",)
 
 
 def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, full: bool = False) -> dict:
-    """{"path": winner, "timings_ms": {path: ms or None}, "errors": {path: rel}} for one class."""
+    """{"path": winner, "timings_ms": {path: ms or None}, "errors": {path: rel}} for one class, among
+    the paths that read the leaf's layout."""
     x = jnp.asarray(_activations(rows, prod.k, rng))
     r = min(REF_ROWS, prod.n)
-    q_ref = np.asarray(leaf.q[:r])
-    s_ref = np.asarray(leaf.scale[:r])
+    q_rows, s_rows = leaf.rows()
+    q_ref = np.asarray(q_rows[:r])
+    s_ref = np.asarray(s_rows[:r])
     # float32 BLAS on the dequantized slice: its own error (~1e-6) is far below the bound
     ref = np.asarray(x) @ np.asarray(dequant_int8(q_ref, s_ref, prod.group, jnp.float32)).T
     timings: dict[str, float | None] = {}
@@ -158,11 +165,12 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     weights = cold_copies(leaf.q, leaf.scale)
     fns = {}  # the jitted product of each path timed (a close call times them again)
     for path in PATHS:  # native first: the likely winner makes the others stop early
-        if not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n) or (path in STARTUP_SKIP and not full):
+        if (not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n, leaf.layout)
+                or (path in STARTUP_SKIP and not full)):
             continue
         if path == "xla-fused" and rows > 16 or path == "xla-dequant" and rows <= 8:
             continue  # known to be hopeless there: the broadcast product / the whole dequantization
-        fn = fns[path] = jax.jit(lambda x, q, s, p=path: int8_matmul.run(p, x, q, s, prod.group))
+        fn = fns[path] = jax.jit(lambda x, q, s, p=path: int8_matmul.run(p, x, q, s, prod.group, leaf.layout))
         try:
             # Accuracy first (on the first REF_ROWS outputs): an inaccurate path is not worth timing.
             y = np.asarray(fn(x, leaf.q, leaf.scale))[:, :r]
@@ -186,7 +194,7 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
         ok.update(_rematch({p: fns[p] for p in ranked[:2]}, x, weights, {p: ok[p] / 1e3 for p in ranked[:2]}))
         for p in ranked[:2]:
             timings[p] = round(ok[p], 4)
-    winner = min(ok, key=ok.get) if ok else "xla-chunked"
+    winner = min(ok, key=ok.get) if ok else ("native-panels" if leaf.layout == "panels" else "xla-chunked")
     return {"path": winner, "timings_ms": timings, "errors": {p: float(f"{e:.2e}") for p, e in errors.items()}}
 
 
@@ -207,14 +215,75 @@ def _rematch(fns: dict, x, weights: list[tuple], first: dict) -> dict[str, float
     return {p: t * 1e3 for p, t in best.items()}
 
 
-def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, full: bool = False) -> dict:
-    """Measure (or read from the cache) the winner per product and row class.
+# Panels are chosen where the largest product's decode rows (1 and 8, summed) run at least this
+# much faster from them than by the best path reading rows: the layout rules out every XLA path.
+LAYOUT_MIN_SPEEDUP = 1.1
+LAYOUT_ROWS = (1, 8)
 
-    Returns {"products": {key: {"n", "k", "group", "classes": [{"max_rows", "rows", ...measure()}]}},
-    "seconds": float, "cached": bool, "cache_file": str}.
+
+def layout_timings(prod: Product, leaf: QuantArray, rng) -> dict:
+    """{"rows" | "panels": {rows: best ms or None}}: for each of LAYOUT_ROWS, the best accurate path
+    on each layout (`measure`), then the two winners timed again in REMATCH_ROUNDS alternating
+    windows (one window each let a burst of other work decide: the LM head's panels at 8 rows
+    timed 10.7 ms in one run and over 20 in the next, on a 2-core AMD EPYC Zen 4)."""
+    leaves = {"rows": leaf, "panels": as_panels(leaf)}
+    out: dict = {"rows": {}, "panels": {}}
+    for rows in LAYOUT_ROWS:
+        x = jnp.asarray(_activations(rows, prod.k, rng))
+        contenders = {}
+        for layout, w in leaves.items():
+            result = measure(prod, w, rows, True, rng)
+            ms = result["timings_ms"].get(result["path"])
+            out[layout][rows] = ms
+            if ms is not None:
+                fn = jax.jit(lambda x, q, s, p=result["path"], lay=layout: int8_matmul.run(p, x, q, s, prod.group, lay))
+                contenders[layout] = (fn, cold_copies(w.q, w.scale), ms / 1e3)
+        for _ in range(REMATCH_ROUNDS if len(contenders) == 2 else 0):
+            for layout, (fn, weights, best) in contenders.items():
+                best = min(best, _time(fn, x, weights, first=best))
+                contenders[layout] = (fn, weights, best)
+                out[layout][rows] = round(best * 1e3, 4)
+    return out
+
+
+def choose_layout(prods: dict, native_ok: bool, rng, forced: str | None = None) -> dict:
+    """{"layout": "rows" | "panels", "reason", "timings_ms"}: how int8 weights are stored."""
+    if forced == "rows":
+        return {"layout": "rows", "reason": "requested via GEMMA4_INT8_LAYOUT", "timings_ms": {}}
+    if not native_ok:
+        return {"layout": "rows", "reason": "the native kernel is not in use", "timings_ms": {}}
+    if not cpu_int8.panels_supported():
+        return {"layout": "rows", "reason": "the panel product needs AVX512-VNNI, which this CPU lacks",
+                "timings_ms": {}}
+    fit = [p for p in prods if panels_shape_ok(p.n, p.k, p.group)]
+    if not fit:
+        return {"layout": "rows", "reason": "no int8 weight has a panel shape (rows a multiple of 32)",
+                "timings_ms": {}}
+    if forced == "panels":
+        return {"layout": "panels", "reason": "requested via GEMMA4_INT8_LAYOUT", "timings_ms": {}}
+    prod = max(fit, key=lambda p: p.n * p.k)
+    timings = layout_timings(prod, prods[prod], rng)
+    if any(t is None for per in timings.values() for t in per.values()):
+        return {"layout": "rows", "reason": "the panel product did not run or failed its accuracy check",
+                "timings_ms": timings}
+    t_rows, t_panels = (sum(timings[lay].values()) for lay in ("rows", "panels"))
+    speedup = t_rows / t_panels
+    layout = "panels" if speedup >= LAYOUT_MIN_SPEEDUP else "rows"
+    reason = (f"{prod.key} at {' and '.join(map(str, LAYOUT_ROWS))} rows: {t_panels:.2f} ms as panels vs "
+              f"{t_rows:.2f} ms by the best path on rows ({speedup:.2f}×; panels from {LAYOUT_MIN_SPEEDUP}×)")
+    return {"layout": layout, "reason": reason, "timings_ms": timings}
+
+
+def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, full: bool = False,
+         layout: str | None = None) -> dict:
+    """Measure (or read from the cache) the storage layout, then the winner per product and row class.
+
+    `layout` "rows" / "panels" forces the layout (GEMMA4_INT8_LAYOUT); None measures it.
+    Returns {"layout": choose_layout(), "products": {key: {"n", "k", "group", "layout", "classes":
+    [{"max_rows", "rows", ...measure()}]}}, "seconds": float, "cached": bool, "cache_file": str}.
     """
     prods = products(params)
-    cache = _cache_file(prods, native_ok)
+    cache = _cache_file(prods, native_ok, layout)
     if use_cache and not full and cache.exists():
         try:
             data = json.loads(cache.read_text())
@@ -225,20 +294,26 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
     t0 = time.perf_counter()
     load_before = _load_average()
     rng = np.random.default_rng(0)
+    if progress:
+        progress(0.0, "measuring how int8 weights are best stored (rows or panels)")
+    chosen = choose_layout(prods, native_ok, rng, layout)
     out = {}
     for i, (prod, leaf) in enumerate(sorted(prods.items(), key=lambda kv: -kv[0].n * kv[0].k)):
         if progress:
             progress(i / len(prods), f"measuring int8 matmul paths for {prod.key} ({i + 1}/{len(prods)})")
+        as_layout = "panels" if chosen["layout"] == "panels" and panels_shape_ok(prod.n, prod.k, prod.group) else "rows"
+        if as_layout == "panels":
+            leaf = as_panels(leaf)
         classes = []
         for max_rows, rows in ROW_CLASSES:
             if prod.decode_only and rows > 8:
                 continue
             classes.append({"max_rows": max_rows, "rows": rows, **measure(prod, leaf, rows, native_ok, rng, full)})
         log.info("int8 matmul tuning: %s done after %.1f s", prod.key, time.perf_counter() - t0)
-        out[prod.key] = {"n": prod.n, "k": prod.k, "group": prod.group, "classes": classes}
+        out[prod.key] = {"n": prod.n, "k": prod.k, "group": prod.group, "layout": as_layout, "classes": classes}
     # The load average around the measurement: timings taken beside other work are noisier (kept
     # with the choices, so a doubtful table can be told apart and its file deleted to re-measure).
-    data = {"products": out, "seconds": round(time.perf_counter() - t0, 2), "native": native_ok,
+    data = {"layout": chosen, "products": out, "seconds": round(time.perf_counter() - t0, 2), "native": native_ok,
             "load_average": [load_before, _load_average()]}
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -262,16 +337,25 @@ def paths_table(entry: dict) -> tuple[tuple[int, str], ...]:
 
 
 def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False) -> Any:
-    """Set `paths` on every int8 leaf: from the tuning, or `forced` for decode rows (≤ 8) where that
-    path can run the leaf (others keep the built-in path)."""
+    """Set `paths` (and the layout) on every int8 leaf: from the tuning, or `forced` for decode rows
+    (≤ 8) where that path can run the leaf (others keep the built-in path; `native-panels` stores
+    the leaves it can run as panels, for every row count)."""
     def set_paths(leaf):
         if not isinstance(leaf, QuantArray):
             return leaf
+        n, k = leaf.shape
+        if forced == "native-panels":
+            can = panels_shape_ok(n, k, leaf.group_size) and int8_matmul.eligible(
+                forced, 8, k, leaf.group_size, native_ok, n, "panels")
+            return dataclasses.replace(as_panels(leaf), paths=()) if can else leaf
         if forced is not None:
-            n, k = leaf.shape
             can = forced != "default" and int8_matmul.eligible(forced, 8, k, leaf.group_size, native_ok, n)
             return dataclasses.replace(leaf, paths=((8, forced),) if can else ())
-        entry = (tuning or {}).get("products", {}).get(Product(*leaf.shape, leaf.group_size, False).key)
-        return dataclasses.replace(leaf, paths=paths_table(entry)) if entry else leaf
+        entry = (tuning or {}).get("products", {}).get(Product(n, k, leaf.group_size, False).key)
+        if not entry:
+            return leaf
+        if entry.get("layout") == "panels":
+            leaf = as_panels(leaf)
+        return dataclasses.replace(leaf, paths=paths_table(entry))
 
     return jax.tree.map(set_paths, params, is_leaf=lambda x: isinstance(x, QuantArray))

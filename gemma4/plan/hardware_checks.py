@@ -188,7 +188,9 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
     Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
     """
     if sharding.any_sharded(params):
-        tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), overrides, env, progress)
+        # Panels are a layout of a whole leaf on one device: shards keep rows.
+        rows_only = {**(overrides or {}), "int8_layout": "rows"}
+        tuned, plan, report = choose_int8_matmul(plan, sharding.local_view(params), rows_only, env, progress)
         c = plan.int8_matmul
         why = ("each device runs its own shard inside shard_map (XLA cannot partition the native kernel's custom "
                "call and would gather the whole weight every step), measured on the shard shapes; ")
@@ -223,11 +225,13 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
             raise PolicyError(msg + "; use GEMMA4_INT8_MATMUL=auto")
         want, warning = "measure", msg
     if want == "measure":
-        tuning = cpu_tuning.tune(params, native_ok, progress=progress)
+        tuning = cpu_tuning.tune(params, native_ok, progress=progress, layout=ov.get("int8_layout"))
         params = cpu_tuning.apply(params, tuning)
         report["tuning"] = tuning
         how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
-        choice = Choice("measured", f"fastest path within {tuning_report.ACCURACY_BOUND:.0e} of float64 per product and "
+        layout = tuning["layout"]
+        choice = Choice("measured", f"int8 weights stored as {layout['layout']} ({layout['reason']}); fastest path "
+                                    f"within {tuning_report.ACCURACY_BOUND:.0e} of float64 per product and "
                                     f"row count ({how}): {tuning_report.summary(tuning)}; {note}",
                         "fallback" if warning else "auto")
     else:

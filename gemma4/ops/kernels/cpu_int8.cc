@@ -23,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -64,6 +65,7 @@ struct Weight {
   int64_t n;      // output rows
   int64_t group;  // 0 = per-row scale
   float* y;       // [M, n]
+  bool panels = false;  // q and grouped scales stored as panels (see "panels" below; GEMM only)
 };
 
 struct Problem {
@@ -268,7 +270,7 @@ struct Work {
 // The (q, scale) pairs and outputs of a call as Weights (groups already checked): int8 q [N, K] with
 // N a multiple of `rows_multiple`, float32 scales [N] or [N, K / group], float32 outputs.
 ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::Span<const int64_t> groups,
-                       int64_t k, int64_t rows_multiple, std::vector<Weight>& out) {
+                       int64_t k, int64_t rows_multiple, std::vector<Weight>& out, bool panels = false) {
   const size_t nw = groups.size();
   if (args.size() != 2 * nw || rets.size() != nw) {
     return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
@@ -282,13 +284,19 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
       return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
     }
     const auto qd = q->dimensions();
-    if (qd.size() != 2 || qd[1] != k) return ffi::Error::InvalidArgument("q must be [N, K]");
-    if (qd[0] % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of 32");
+    int64_t n = qd.size() ? qd[0] : 0;
+    if (panels) {  // [N/16, K/2, 32]
+      if (qd.size() != 3 || qd[1] != k / 2 || qd[2] != 32) return ffi::Error::InvalidArgument("q must be [N/16, K/2, 32]");
+      n = qd[0] * 16;
+    } else if (qd.size() != 2 || qd[1] != k) {
+      return ffi::Error::InvalidArgument("q must be [N, K]");
+    }
+    if (n % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of 32");
     const int64_t g = groups[i];
-    const int64_t expect_scales = g ? qd[0] * (k / g) : qd[0];
+    const int64_t expect_scales = g ? n * (k / g) : n;
     if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
     out.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()), static_cast<const float*>(s->untyped_data()),
-                         qd[0], g, static_cast<float*>((*y)->untyped_data())});
+                         n, g, static_cast<float*>((*y)->untyped_data()), panels});
   }
   return ffi::Error::Success();
 }
@@ -371,6 +379,16 @@ inline int64_t GemmFlush(const Weight& w, int64_t k) {
 
 // Panel o0..o0+kPanel of weight w: wp[p * kPanel + j] = (q[o0+j][2p], q[o0+j][2p+1]) as two int16.
 void PackPairs(const Weight& w, int64_t k, int64_t o0, int32_t* wp) {
+  if (w.panels) {  // row o0 + j's pair p: bytes 2j', 2j' + 1 of 16-row panel (o0 + j) / 16, pair p
+    for (int j = 0; j < kPanel; ++j) {
+      const int8_t* panel = w.q + ((o0 + j) / 16) * (k / 2) * 32 + 2 * ((o0 + j) % 16);
+      for (int64_t p = 0; p < k / 2; ++p) {
+        const uint32_t lo = uint16_t(int16_t(panel[p * 32])), hi = uint16_t(int16_t(panel[p * 32 + 1]));
+        wp[p * kPanel + j] = int32_t(lo | (hi << 16));
+      }
+    }
+    return;
+  }
   for (int j = 0; j < kPanel; ++j) {
     const int8_t* row = w.q + (o0 + j) * k;
     for (int64_t p = 0; p < k / 2; ++p) {
@@ -384,7 +402,14 @@ void PackPairs(const Weight& w, int64_t k, int64_t o0, int32_t* wp) {
 void PackScales(const Weight& w, int64_t k, int64_t o0, int64_t flush, float* sp) {
   for (int j = 0; j < kPanel; ++j) {
     for (int64_t f = 0; f < k / flush; ++f) {
-      sp[f * kPanel + j] = w.group ? w.scale[(o0 + j) * (k / w.group) + f] : w.scale[o0 + j];
+      const int64_t r = o0 + j, groups = w.group ? k / w.group : 0;
+      if (!w.group) {
+        sp[f * kPanel + j] = w.scale[r];
+      } else if (w.panels) {  // [N/16, K/g, 16]
+        sp[f * kPanel + j] = w.scale[((r / 16) * groups + f) * 16 + r % 16];
+      } else {
+        sp[f * kPanel + j] = w.scale[r * groups + f];
+      }
     }
   }
 }
@@ -396,6 +421,15 @@ void PackScales(const Weight& w, int64_t k, int64_t o0, int64_t flush, float* sp
 // 0.37 ms, with this 0.19 ms (2-core AMD EPYC Zen 4; 0.35 ms for the row kernel's 8-row slices).
 __attribute__((target("avx512f,avx512bw"))) void PackPairsAvx512(const Weight& w, int64_t k, int64_t o0,
                                                                  int32_t* wp) {
+  if (w.panels) {  // already pair-major: sign-extend the two 16-row panels' 32 bytes per pair
+    const int8_t* a = w.q + (o0 / 16) * (k / 2) * 32;
+    const int8_t* b = a + (k / 2) * 32;
+    for (int64_t p = 0; p < k / 2; ++p) {
+      _mm512_store_si512(wp + p * kPanel, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + p * 32))));
+      _mm512_store_si512(wp + p * kPanel + 16, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * 32))));
+    }
+    return;
+  }
   for (int j0 = 0; j0 < kPanel; j0 += 16) {
     for (int64_t p0 = 0; p0 < k / 2; p0 += 16) {
       __m512i r[16], t[16];
@@ -592,7 +626,7 @@ struct GemmWork {
 };
 
 ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                        ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+                        ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa, bool panels) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
   auto work = std::make_shared<GemmWork>();
@@ -609,7 +643,7 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
       return ffi::Error::InvalidArgument("group must be 0 or a multiple of 16 up to 256 dividing K");
     }
   }
-  if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights); err.failure()) return err;
+  if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights, panels); err.failure()) return err;
   p.xq.resize(size_t(p.m) * p.k);
   p.sx.resize(size_t(p.m));
   work->x = x.typed_data();
@@ -626,6 +660,242 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   return ffi::Error::Success();
 }
 
+// ================================================================ panels: weights stored for VNNI
+// The layouts above keep a weight's rows as stored ([N, K]), so the row kernel ends every output
+// with a horizontal sum and flushes every activation row at every scale group (32 inputs for a GGUF
+// Q8_0 table): at 8 rows the LM head took 23 ms where one row took 9 (2-core AMD EPYC Zen 4), and
+// the GEMM repacks each weight on every call. Here a weight is stored once, at load, as panels of
+// 16 output rows: qp[p, c, 2j + t] = q[16p + j, 2c + t] (32 bytes per input pair). One vector of
+// a panel, sign-extended to int16 once, serves every activation row: one vpdpwssd with the row's
+// broadcast input pair gives 16 outputs, and a flush (int32 → float32, × the scales) serves 16
+// outputs. The activation is int16 per row as above (max |x| / 32767), stored pair-major
+// (xt[c, m] = row m's pair c) so a block of rows reads its pairs at constant offsets. The integer
+// sums per flush equal the row kernel's; only the float additions of the flushes differ in order.
+constexpr int kPanelRows = 16;
+constexpr int kPanelMaxRows = 8;  // activation rows per register block (one int32 + one float32 each)
+
+struct PanelWeight {
+  const int8_t* q;      // [n / 16, k / 2, 32]
+  const float* scale;   // [n / 16, k / group, 16] or [n / 16 · 16] per row
+  int64_t n;
+  int64_t group;        // 0 = per-row scale
+  float* y;             // [m, n]
+};
+
+struct PanelProblem {
+  int64_t m = 0, k = 0;
+  std::vector<int32_t> xt;  // [k / 2, m]: row m's int16 pair c as one int32
+  std::vector<float> sx;    // [m]
+  std::vector<PanelWeight> weights;
+};
+
+// Inputs per int32 flush: the group, or for per-row scales the largest power of two ≤ 256
+// dividing K (a lane sums ≤ 256 products of |x| ≤ 32767 and |q| ≤ 127: < 2^31).
+inline int64_t PanelFlush(const PanelWeight& w, int64_t k) {
+  if (w.group) return w.group;
+  for (int64_t f = kFlush; f > 2; f /= 2) {
+    if (k % f == 0) return f;
+  }
+  return 2;
+}
+
+// Activation rows m0..m1 → int16 (QuantizeRow) → pair-major xt.
+void PanelQuantizeRows(const float* x, PanelProblem& p, int64_t m0, int64_t m1) {
+  std::vector<int16_t> row(size_t(p.k));
+  for (int64_t m = m0; m < m1; ++m) {
+    p.sx[m] = QuantizeRow(x + m * p.k, p.k, row.data());
+    for (int64_t c = 0; c < p.k / 2; ++c) {
+      int32_t pair;
+      std::memcpy(&pair, row.data() + 2 * c, sizeof pair);
+      p.xt[c * p.m + m] = pair;
+    }
+  }
+}
+
+// Rows m0..m0+mr of y for one panel, portable: the same integer sums per flush, in scalar code.
+void PanelBlockPortable(const PanelProblem& p, const PanelWeight& w, int64_t panel, int64_t m0, int mr) {
+  const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0;
+  const int8_t* qp = w.q + panel * (k / 2) * 32;
+  for (int mi = 0; mi < mr; ++mi) {
+    const int64_t m = m0 + mi;
+    for (int j = 0; j < kPanelRows; ++j) {
+      float acc = 0.f;
+      for (int64_t f0 = 0; f0 < k; f0 += flush) {
+        int32_t sum = 0;
+        for (int64_t c = f0 / 2; c < (f0 + flush) / 2; ++c) {
+          const uint32_t pair = uint32_t(p.xt[c * p.m + m]);
+          sum += int32_t(int16_t(pair & 0xffff)) * qp[c * 32 + 2 * j] + int32_t(int16_t(pair >> 16)) * qp[c * 32 + 2 * j + 1];
+        }
+        const float sc = w.group ? w.scale[(panel * groups + f0 / w.group) * kPanelRows + j] : 1.f;
+        acc += float(sum) * sc;
+      }
+      const float row_scale = w.group ? 1.f : w.scale[panel * kPanelRows + j];
+      w.y[m * w.n + panel * kPanelRows + j] = acc * p.sx[m] * row_scale;
+    }
+  }
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const PanelProblem& p, const PanelWeight& w,
+                                                                           int64_t panel, int64_t m0) {
+  const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0, m = p.m;
+  const int8_t* qp = w.q + panel * (k / 2) * 32;
+  const float* sp = w.group ? w.scale + panel * groups * kPanelRows : nullptr;
+  const int32_t* xt = p.xt.data() + m0;
+  __m512 facc[MR];
+  for (int i = 0; i < MR; ++i) facc[i] = _mm512_setzero_ps();
+  // Few rows: U = 2 accumulator chains per row (even / odd pairs), so a decode row is not bound by
+  // vpdpwssd's latency; many rows are bound by its throughput and have chains enough.
+  constexpr int U = MR <= 4 ? 2 : 1;
+  for (int64_t f0 = 0; f0 < k; f0 += flush) {
+    __m512i acc[U][MR];
+    for (int u = 0; u < U; ++u)
+      for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_setzero_si512();
+    int64_t c = f0 / 2;
+    const int64_t c1 = (f0 + flush) / 2;
+    for (; c + U <= c1; c += U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + (c + u) * 32)));
+        const int32_t* xc = xt + (c + u) * m;
+        for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_dpwssd_epi32(acc[u][i], _mm512_set1_epi32(xc[i]), wv);
+      }
+    }
+    for (; c < c1; ++c) {
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + c * 32)));
+      const int32_t* xc = xt + c * m;
+      for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], _mm512_set1_epi32(xc[i]), wv);
+    }
+    for (int u = 1; u < U; ++u)
+      for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[u][i]);
+    const __m512 sc = sp ? _mm512_loadu_ps(sp + (f0 / w.group) * kPanelRows) : _mm512_set1_ps(1.f);
+    for (int i = 0; i < MR; ++i) facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][i]), sc, facc[i]);
+  }
+  const __m512 row_scale = w.group ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(w.scale + panel * kPanelRows);
+  for (int i = 0; i < MR; ++i) {
+    const __m512 out = _mm512_mul_ps(_mm512_mul_ps(facc[i], _mm512_set1_ps(p.sx[m0 + i])), row_scale);
+    _mm512_storeu_ps(w.y + (m0 + i) * w.n + panel * kPanelRows, out);
+  }
+}
+
+using PanelBlockFn = void (*)(const PanelProblem&, const PanelWeight&, int64_t, int64_t);
+#define GEMMA4_BY_PANEL_ROWS(F) {&F<1>, &F<2>, &F<3>, &F<4>, &F<5>, &F<6>, &F<7>, &F<8>}
+
+// Panels p0..p1 of one weight for every activation row: blocks of 8 rows in the outer loop, so the
+// panels' weights (sized to stay in L2 by the caller) are reread from cache, not memory, per block.
+void PanelRange(const PanelProblem& p, const PanelWeight& w, int64_t p0, int64_t p1, bool vnni) {
+  static constexpr PanelBlockFn fns[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni);
+  for (int64_t m0 = 0; m0 < p.m; m0 += kPanelMaxRows) {
+    const int mr = int(std::min<int64_t>(kPanelMaxRows, p.m - m0));
+    for (int64_t panel = p0; panel < p1; ++panel) {
+      if (vnni) {
+        fns[mr - 1](p, w, panel, m0);
+      } else {
+        PanelBlockPortable(p, w, panel, m0, mr);
+      }
+    }
+  }
+}
+
+// As GemmWork: quantize row blocks, then — once every row is done — the panel ranges.
+struct PanelWork {
+  PanelProblem problem;
+  const float* x = nullptr;
+  bool vnni = false;
+  int64_t rows_per_block = 64;
+  std::vector<std::tuple<int, int64_t, int64_t>> units;  // (weight, first panel, end panel)
+  std::atomic<int64_t> next_rows{0};
+  std::atomic<int64_t> rows_done{0};
+  std::atomic<size_t> next_unit{0};
+  std::atomic<size_t> units_done{0};
+
+  void Drain() {
+    const int64_t m = problem.m;
+    for (int64_t r0; (r0 = next_rows.fetch_add(rows_per_block)) < m;) {
+      const int64_t r1 = std::min(m, r0 + rows_per_block);
+      PanelQuantizeRows(x, problem, r0, r1);
+      rows_done.fetch_add(r1 - r0, std::memory_order_release);
+    }
+    while (rows_done.load(std::memory_order_acquire) < m) std::this_thread::yield();
+    for (size_t u; (u = next_unit.fetch_add(1)) < units.size();) {
+      const auto [wi, p0, p1] = units[u];
+      PanelRange(problem, problem.weights[wi], p0, p1, vnni);
+      units_done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Int8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
+  auto work = std::make_shared<PanelWork>();
+  PanelProblem& p = work->problem;
+  p.m = dims[0];
+  p.k = dims[1];
+  if (p.m < 1) return ffi::Error::InvalidArgument("x must have at least one row");
+  if (p.k % 2) return ffi::Error::InvalidArgument("K must be even");
+  if (isa == kAuto) isa = BestIsa();
+  if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
+  if (isa != kAvx512Vnni) isa = kPortable;  // the panel product has one vector loop (as the GEMM)
+  const size_t nw = groups.size();
+  if (args.size() != 2 * nw || rets.size() != nw) {
+    return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
+  }
+  for (size_t i = 0; i < nw; ++i) {
+    auto q = args.get<ffi::AnyBuffer>(2 * i);
+    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
+    if (q->element_type() != ffi::S8 || s->element_type() != ffi::F32 || (*y)->element_type() != ffi::F32) {
+      return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
+    }
+    const auto qd = q->dimensions();
+    if (qd.size() != 3 || qd[1] != p.k / 2 || qd[2] != 32) return ffi::Error::InvalidArgument("q must be [N/16, K/2, 32]");
+    const int64_t g = groups[i];
+    if (g < 0 || (g && (p.k % g || g % 2 || g > kFlush))) {
+      return ffi::Error::InvalidArgument("group must be 0 or an even number up to 256 dividing K");
+    }
+    const int64_t n = qd[0] * kPanelRows;
+    if (int64_t(s->element_count()) != (g ? n * (p.k / g) : n)) return ffi::Error::InvalidArgument("scale has the wrong size");
+    p.weights.push_back(PanelWeight{static_cast<const int8_t*>(q->untyped_data()),
+                                    static_cast<const float*>(s->untyped_data()), n, g,
+                                    static_cast<float*>((*y)->untyped_data())});
+  }
+  p.xt.resize(size_t(p.m) * (p.k / 2));
+  p.sx.resize(size_t(p.m));
+  work->x = x.typed_data();
+  work->vnni = isa == kAvx512Vnni;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Units: panel ranges of at most ~256 KB of weights (they stay in L2 across the row blocks), and
+  // at least ~8 units per thread over all weights for balance.
+  int64_t panels_total = 0;
+  for (const auto& w : p.weights) panels_total += w.n / kPanelRows;
+  const int64_t by_cache = std::max<int64_t>(1, (256 << 10) / (kPanelRows * p.k));
+  const int64_t by_balance = std::max<int64_t>(1, panels_total / (threads * 8));
+  const int64_t per_unit = std::min(by_cache, by_balance);
+  for (size_t i = 0; i < p.weights.size(); ++i) {
+    const int64_t np = p.weights[i].n / kPanelRows;
+    for (int64_t p0 = 0; p0 < np; p0 += per_unit) work->units.emplace_back(int(i), p0, std::min(np, p0 + per_unit));
+  }
+  work->rows_per_block = std::max<int64_t>(1, p.m / (threads * 4) + 1);
+  const int64_t helpers = std::min<int64_t>(threads, int64_t(work->units.size())) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->units_done.load(std::memory_order_acquire) < work->units.size()) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8GemmRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  return Int8GemmImpl(pool, x, args, rets, groups, isa, false);
+}
+
+// The GEMM on weights stored as panels: its packing only sign-extends (the panels are pair-major).
+ffi::Error Int8GemmPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  return Int8GemmImpl(pool, x, args, rets, groups, isa, true);
+}
+
 }  // namespace
 
 // Both handlers take the same operands: x, then (q, scale) per weight; one output per weight.
@@ -639,7 +909,9 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
       .Attr<int64_t>("isa")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Matmul, Int8MatmulImpl, GEMMA4_INT8_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Gemm, Int8GemmImpl, GEMMA4_INT8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Gemm, Int8GemmRowsImpl, GEMMA4_INT8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8GemmPanels, Int8GemmPanelsImpl, GEMMA4_INT8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Panels, Int8PanelsImpl, GEMMA4_INT8_BINDING);
 
 extern "C" int64_t gemma4_int8_best_isa() { return BestIsa(); }
 extern "C" int64_t gemma4_int8_isa_supported(int64_t isa) { return Supports(isa) ? 1 : 0; }

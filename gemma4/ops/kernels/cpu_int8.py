@@ -38,10 +38,15 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from gemma4.ops import quant
 from gemma4.paths import cache_root
 
 TARGET = "gemma4_int8_matmul"
 GEMM_TARGET = "gemma4_int8_gemm"
+PANELS_TARGET = "gemma4_int8_panels"
+GEMM_PANELS_TARGET = "gemma4_int8_gemm_panels"
+PANEL_ROWS = 16  # output rows per stored panel (`to_panels`): N must be a multiple
+PANELS_MAX_GROUP = 256
 GEMM_PANEL = 32  # output rows per packed panel: N must be a multiple (the kernel checks it too)
 GEMM_ISAS = ("avx512-vnni", "avx512")  # where the GEMM has a vector tile (else a portable loop)
 SOURCE = Path(__file__).with_name("cpu_int8.cc")
@@ -166,6 +171,8 @@ def _load_uncached() -> KernelStatus:
         _supported = tuple(n for n, c in ISAS.items() if c and lib.gemma4_int8_isa_supported(c))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Matmul), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Gemm), platform="cpu")
+        jax.ffi.register_ffi_target(PANELS_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Panels), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_PANELS_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8GemmPanels), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.Gemma4CacheAttention), platform="cpu")
     except Exception as e:  # a missing compiler, a failed build, a foreign .so: fall back, say why
         return KernelStatus(False, f"native int8 kernel unavailable: {e}".splitlines()[0][:300])
@@ -199,6 +206,40 @@ def gemm(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """As `matmul`, for any number of rows ≥ 1 (N a multiple of GEMM_PANEL, K of 32). Call `load()`
     first. `isa` other than avx512-vnni / avx512 runs the portable loop."""
     return _call(GEMM_TARGET, jnp.asarray(x2, jnp.float32), weights, isa)
+
+
+def _panel_outputs(m: int, weights: Sequence[tuple]) -> list:
+    return [jax.ShapeDtypeStruct((m, qp.shape[0] * quant.PANEL_ROWS), jnp.float32) for qp, _, _ in weights]
+
+
+def gemm_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`gemm` for weights stored as panels ((qp, scale, group) as `quant.to_panels` gives; N a multiple of
+    GEMM_PANEL): the per-call packing only sign-extends. Same results as `gemm` on the rows."""
+    x2 = jnp.asarray(x2, jnp.float32)
+    operands, groups = [x2], []
+    for qp, scale, group in weights:
+        operands += [qp, scale.astype(jnp.float32)]
+        groups.append(int(group or 0))
+    call = jax.ffi.ffi_call(GEMM_PANELS_TARGET, _panel_outputs(x2.shape[0], weights))
+    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+
+
+def panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32], scale as `quant.to_panels` gives,
+    group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
+    kernel's integer sums); any other `isa` runs a portable loop (tests). Call `load()` first."""
+    x2 = jnp.asarray(x2, jnp.float32)
+    operands, groups = [x2], []
+    for qp, scale, group in weights:
+        operands += [qp, scale.astype(jnp.float32)]
+        groups.append(int(group or 0))
+    call = jax.ffi.ffi_call(PANELS_TARGET, _panel_outputs(x2.shape[0], weights))
+    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+
+
+def panels_supported() -> bool:
+    """Whether the loaded kernel runs the panel product with its vector loop on this CPU."""
+    return _status is not None and _status.ok and "avx512-vnni" in _supported
 
 
 def gemm_shape_ok(n: int, k: int, group: int | None) -> bool:
@@ -240,9 +281,14 @@ def reference(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | Non
     return np.asarray(x2, np.float64) @ w.T
 
 
+def _panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`panels` on row-layout (q, scale, group) weights, reordered first (for the self-test)."""
+    return panels(x2, [(*quant.to_panels(q, s, g), g) for q, s, g in weights], isa)
+
+
 def self_test(isas: Sequence[str] | None = None) -> dict:
     """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused three weights, and
-    the GEMM at 1/7/20 rows likewise, against float64; relative error bound 2e-3 (int16
+    the GEMM at 1/7/20 rows and the panel product at 1/9/20 rows likewise, against float64; relative error bound 2e-3 (int16
     activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
     status = load()
     if not status.ok:
@@ -254,7 +300,8 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
     # (kernel, activation rows, weights as (output rows, group)): the row kernel at 1/3/8 rows; the
     # GEMM at a partial register tile, several tiles + a tail, with whole 32-row panels
     plan = ((matmul, (1, 3, 8), ((48, None), (40, 16), (24, 32))),
-            (gemm, (1, 7, 20), ((64, None), (32, 16), (96, 32))))
+            (gemm, (1, 7, 20), ((64, None), (32, 16), (96, 32))),
+            (_panels_from_rows, (1, 9, 20), ((32, None), (64, 16), (96, 32))))
     for isa in isas:
         for kernel, rows, shapes in plan:
             for m in rows:
