@@ -355,6 +355,16 @@ def test_tuning_as_panels_stores_the_leaves_as_panels_with_panel_paths(tmp_path,
     as_panels = [leaf for leaf in leaves if leaf.layout == "panels"]
     assert as_panels and all(p in int8_matmul.PANEL_PATHS for leaf in as_panels for _, p in leaf.paths)
     assert all(leaf.layout == "rows" for leaf in leaves if not quant.panels_shape_ok(*leaf.shape, leaf.group_size))
+    # the engine's load frees each leaf's rows once its panels exist (one leaf of extra memory at a time)
+    _, fresh = _tiny_int8_params()
+    before = {id(leaf): leaf for leaf in jax.tree.leaves(fresh, is_leaf=quant.is_quantized)}
+    released = cpu_tuning.apply(fresh, tuning, release=True)
+    after = [leaf for leaf in jax.tree.leaves(released, is_leaf=quant.is_quantized) if isinstance(leaf, quant.QuantArray)]
+    freed = [leaf for leaf in before.values() if isinstance(leaf, quant.QuantArray) and leaf.q.is_deleted()]
+    assert len(freed) == sum(leaf.layout == "panels" for leaf in after) > 0
+    assert not any(leaf.q.is_deleted() or leaf.scale.is_deleted() for leaf in after)
+    for a, b in zip(after, leaves):
+        np.testing.assert_array_equal(np.asarray(a.q), np.asarray(b.q))
 
 
 def _tiny_int8_params():

@@ -336,10 +336,25 @@ def paths_table(entry: dict) -> tuple[tuple[int, str], ...]:
     return tuple((c["max_rows"], c["path"]) for c in entry["classes"])
 
 
-def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False) -> Any:
+def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False,
+          release: bool = False) -> Any:
     """Set `paths` (and the layout) on every int8 leaf: from the tuning, or `forced` for decode rows
     (≤ 8) where that path can run the leaf (others keep the built-in path; `native-panels` stores
-    the leaves it can run as panels, for every row count)."""
+    the leaves it can run as panels, for every row count).
+
+    `release`: free each leaf's rows as soon as its panels exist, so reordering costs one leaf of
+    memory at a time instead of a second copy of the int8 weights (the LM head alone: +189 MB of
+    peak RSS measured on the bundled model). The tree passed in must not be used afterwards.
+    """
+    def as_panels_freeing(leaf):
+        out = as_panels(leaf)
+        if release:
+            jax.block_until_ready((out.q, out.scale))
+            for old, new in ((leaf.q, out.q), (leaf.scale, out.scale)):
+                if old is not new:  # per-row scales are shared, not copied
+                    old.delete()
+        return out
+
     def set_paths(leaf):
         if not isinstance(leaf, QuantArray):
             return leaf
@@ -347,7 +362,7 @@ def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok
         if forced == "native-panels":
             can = panels_shape_ok(n, k, leaf.group_size) and int8_matmul.eligible(
                 forced, 8, k, leaf.group_size, native_ok, n, "panels")
-            return dataclasses.replace(as_panels(leaf), paths=()) if can else leaf
+            return dataclasses.replace(as_panels_freeing(leaf), paths=()) if can else leaf
         if forced is not None:
             can = forced != "default" and int8_matmul.eligible(forced, 8, k, leaf.group_size, native_ok, n)
             return dataclasses.replace(leaf, paths=((8, forced),) if can else ())
@@ -355,7 +370,7 @@ def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok
         if not entry:
             return leaf
         if entry.get("layout") == "panels":
-            leaf = as_panels(leaf)
+            leaf = as_panels_freeing(leaf)
         return dataclasses.replace(leaf, paths=paths_table(entry))
 
     return jax.tree.map(set_paths, params, is_leaf=lambda x: isinstance(x, QuantArray))

@@ -173,7 +173,8 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
 
 
 def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
-                       env: Mapping[str, str] | None = None, progress=None) -> tuple[Any, Plan, dict | None]:
+                       env: Mapping[str, str] | None = None, progress=None,
+                       release: bool = False) -> tuple[Any, Plan, dict | None]:
     """How each int8 product runs on CPU, decided once the weights are loaded.
 
     auto / GEMMA4_INT8_MATMUL=measure: build/load the native kernel and self-test it, then time
@@ -185,6 +186,8 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
     device's own shard inside `shard_map` (see `gemma4.ops.linear`: XLA cannot partition the kernel's
     custom call, and would gather the whole weight per step), so the paths are measured on the
     shard shapes a device multiplies (`sharding.local_view`).
+    `release` (the engine's load): weights reordered as panels free their rows at once
+    (`cpu_tuning.apply`); the tree passed in must not be used afterwards.
     Returns (params with paths set, the plan with its int8_matmul choice, a report or None).
     """
     if sharding.any_sharded(params):
@@ -226,7 +229,7 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
         want, warning = "measure", msg
     if want == "measure":
         tuning = cpu_tuning.tune(params, native_ok, progress=progress, layout=ov.get("int8_layout"))
-        params = cpu_tuning.apply(params, tuning)
+        params = cpu_tuning.apply(params, tuning, release=release)
         report["tuning"] = tuning
         how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
         layout = tuning["layout"]
@@ -235,7 +238,7 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
                                     f"row count ({how}): {tuning_report.summary(tuning)}; {note}",
                         "fallback" if warning else "auto")
     else:
-        params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok)
+        params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok, release=release)
         choice = Choice(want, f"requested via GEMMA4_INT8_MATMUL for decode rows (≤ 8) where it can run; "
                               f"others keep the built-in path; {note}", "override")
     return params, plan.replace("int8_matmul", choice, warning), report

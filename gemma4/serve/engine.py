@@ -609,7 +609,7 @@ class Engine:
         t_mm = time.perf_counter()
         params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
             plan, params, self.overrides,
-            progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg))
+            progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg), release=True)
         self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
         # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
         params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
