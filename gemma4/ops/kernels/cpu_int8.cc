@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -268,7 +269,8 @@ struct Work {
 };
 
 // The (q, scale) pairs and outputs of a call as Weights (groups already checked): int8 q [N, K] with
-// N a multiple of `rows_multiple`, float32 scales [N] or [N, K / group], float32 outputs.
+// N a multiple of `rows_multiple`, float32 scales [N] or [N, K / group], float32 outputs; with
+// `panels`, q [N/16, K/2, 32] and grouped scales [N/16, K/g, 16] (the panel layout).
 ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::Span<const int64_t> groups,
                        int64_t k, int64_t rows_multiple, std::vector<Weight>& out, bool panels = false) {
   const size_t nw = groups.size();
@@ -291,7 +293,7 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     } else if (qd.size() != 2 || qd[1] != k) {
       return ffi::Error::InvalidArgument("q must be [N, K]");
     }
-    if (n % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of 32");
+    if (n % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of " + std::to_string(rows_multiple));
     const int64_t g = groups[i];
     const int64_t expect_scales = g ? n * (k / g) : n;
     if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
@@ -674,24 +676,16 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
 constexpr int kPanelRows = 16;
 constexpr int kPanelMaxRows = 8;  // activation rows per register block (one int32 + one float32 each)
 
-struct PanelWeight {
-  const int8_t* q;      // [n / 16, k / 2, 32]
-  const float* scale;   // [n / 16, k / group, 16] or [n / 16 · 16] per row
-  int64_t n;
-  int64_t group;        // 0 = per-row scale
-  float* y;             // [m, n]
-};
-
 struct PanelProblem {
   int64_t m = 0, k = 0;
   std::vector<int32_t> xt;  // [k / 2, m]: row m's int16 pair c as one int32
   std::vector<float> sx;    // [m]
-  std::vector<PanelWeight> weights;
+  std::vector<Weight> weights;  // stored as panels: q [n / 16, k / 2, 32], grouped scales [n / 16, k / g, 16]
 };
 
 // Inputs per int32 flush: the group, or for per-row scales the largest power of two ≤ 256
 // dividing K (a lane sums ≤ 256 products of |x| ≤ 32767 and |q| ≤ 127: < 2^31).
-inline int64_t PanelFlush(const PanelWeight& w, int64_t k) {
+inline int64_t PanelFlush(const Weight& w, int64_t k) {
   if (w.group) return w.group;
   for (int64_t f = kFlush; f > 2; f /= 2) {
     if (k % f == 0) return f;
@@ -713,7 +707,7 @@ void PanelQuantizeRows(const float* x, PanelProblem& p, int64_t m0, int64_t m1) 
 }
 
 // Rows m0..m0+mr of y for one panel, portable: the same integer sums per flush, in scalar code.
-void PanelBlockPortable(const PanelProblem& p, const PanelWeight& w, int64_t panel, int64_t m0, int mr) {
+void PanelBlockPortable(const PanelProblem& p, const Weight& w, int64_t panel, int64_t m0, int mr) {
   const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0;
   const int8_t* qp = w.q + panel * (k / 2) * 32;
   for (int mi = 0; mi < mr; ++mi) {
@@ -736,7 +730,7 @@ void PanelBlockPortable(const PanelProblem& p, const PanelWeight& w, int64_t pan
 }
 
 template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const PanelProblem& p, const PanelWeight& w,
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const PanelProblem& p, const Weight& w,
                                                                            int64_t panel, int64_t m0) {
   const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0, m = p.m;
   const int8_t* qp = w.q + panel * (k / 2) * 32;
@@ -777,12 +771,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
   }
 }
 
-using PanelBlockFn = void (*)(const PanelProblem&, const PanelWeight&, int64_t, int64_t);
+using PanelBlockFn = void (*)(const PanelProblem&, const Weight&, int64_t, int64_t);
 #define GEMMA4_BY_PANEL_ROWS(F) {&F<1>, &F<2>, &F<3>, &F<4>, &F<5>, &F<6>, &F<7>, &F<8>}
 
 // Panels p0..p1 of one weight for every activation row: blocks of 8 rows in the outer loop, so the
 // panels' weights (sized to stay in L2 by the caller) are reread from cache, not memory, per block.
-void PanelRange(const PanelProblem& p, const PanelWeight& w, int64_t p0, int64_t p1, bool vnni) {
+void PanelRange(const PanelProblem& p, const Weight& w, int64_t p0, int64_t p1, bool vnni) {
   static constexpr PanelBlockFn fns[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni);
   for (int64_t m0 = 0; m0 < p.m; m0 += kPanelMaxRows) {
     const int mr = int(std::min<int64_t>(kPanelMaxRows, p.m - m0));
@@ -837,30 +831,12 @@ ffi::Error Int8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   if (isa == kAuto) isa = BestIsa();
   if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
   if (isa != kAvx512Vnni) isa = kPortable;  // the panel product has one vector loop (as the GEMM)
-  const size_t nw = groups.size();
-  if (args.size() != 2 * nw || rets.size() != nw) {
-    return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
-  }
-  for (size_t i = 0; i < nw; ++i) {
-    auto q = args.get<ffi::AnyBuffer>(2 * i);
-    auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
-    auto y = rets.get<ffi::AnyBuffer>(i);
-    if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
-    if (q->element_type() != ffi::S8 || s->element_type() != ffi::F32 || (*y)->element_type() != ffi::F32) {
-      return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
-    }
-    const auto qd = q->dimensions();
-    if (qd.size() != 3 || qd[1] != p.k / 2 || qd[2] != 32) return ffi::Error::InvalidArgument("q must be [N/16, K/2, 32]");
-    const int64_t g = groups[i];
+  for (int64_t g : groups) {
     if (g < 0 || (g && (p.k % g || g % 2 || g > kFlush))) {
       return ffi::Error::InvalidArgument("group must be 0 or an even number up to 256 dividing K");
     }
-    const int64_t n = qd[0] * kPanelRows;
-    if (int64_t(s->element_count()) != (g ? n * (p.k / g) : n)) return ffi::Error::InvalidArgument("scale has the wrong size");
-    p.weights.push_back(PanelWeight{static_cast<const int8_t*>(q->untyped_data()),
-                                    static_cast<const float*>(s->untyped_data()), n, g,
-                                    static_cast<float*>((*y)->untyped_data())});
   }
+  if (auto err = ReadWeights(args, rets, groups, p.k, kPanelRows, p.weights, true); err.failure()) return err;
   p.xt.resize(size_t(p.m) * (p.k / 2));
   p.sx.resize(size_t(p.m));
   work->x = x.typed_data();

@@ -190,13 +190,15 @@ def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     return _call(TARGET, x2, weights, isa)
 
 
-def _call(target: str, x2, weights: Sequence[tuple], isa: str) -> list:
-    """One FFI call of `target` on float32 x2 [M, K] and the (q, scale, group) weights."""
+def _call(target: str, x2, weights: Sequence[tuple], isa: str, panels: bool = False) -> list:
+    """One FFI call of `target` on float32 x2 [M, K] and the (q, scale, group) weights (q stored as
+    panels [N/16, K/2, 32] where `panels`)."""
     m = x2.shape[0]
+    rows_per_q = quant.PANEL_ROWS if panels else 1
     operands, shapes, groups = [x2], [], []
     for q, scale, group in weights:
         operands += [q, scale.astype(jnp.float32)]
-        shapes.append(jax.ShapeDtypeStruct((m, q.shape[0]), jnp.float32))
+        shapes.append(jax.ShapeDtypeStruct((m, q.shape[0] * rows_per_q), jnp.float32))
         groups.append(int(group or 0))
     call = jax.ffi.ffi_call(target, shapes)
     return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
@@ -208,33 +210,17 @@ def gemm(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     return _call(GEMM_TARGET, jnp.asarray(x2, jnp.float32), weights, isa)
 
 
-def _panel_outputs(m: int, weights: Sequence[tuple]) -> list:
-    return [jax.ShapeDtypeStruct((m, qp.shape[0] * quant.PANEL_ROWS), jnp.float32) for qp, _, _ in weights]
-
-
 def gemm_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """`gemm` for weights stored as panels ((qp, scale, group) as `quant.to_panels` gives; N a multiple of
     GEMM_PANEL): the per-call packing only sign-extends. Same results as `gemm` on the rows."""
-    x2 = jnp.asarray(x2, jnp.float32)
-    operands, groups = [x2], []
-    for qp, scale, group in weights:
-        operands += [qp, scale.astype(jnp.float32)]
-        groups.append(int(group or 0))
-    call = jax.ffi.ffi_call(GEMM_PANELS_TARGET, _panel_outputs(x2.shape[0], weights))
-    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+    return _call(GEMM_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
 
 
 def panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32], scale as `quant.to_panels` gives,
     group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
     kernel's integer sums); any other `isa` runs a portable loop (tests). Call `load()` first."""
-    x2 = jnp.asarray(x2, jnp.float32)
-    operands, groups = [x2], []
-    for qp, scale, group in weights:
-        operands += [qp, scale.astype(jnp.float32)]
-        groups.append(int(group or 0))
-    call = jax.ffi.ffi_call(PANELS_TARGET, _panel_outputs(x2.shape[0], weights))
-    return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
+    return _call(PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
 
 
 def panels_supported() -> bool:
