@@ -3,7 +3,8 @@
 Which one runs for a given weight and number of activation rows is chosen by measurement on the
 machine (`gemma4.plan.cpu_tuning`, through `gemma4.plan.hardware`) and stored in the leaf
 (`QuantArray.paths`). All take x2 [M, K] (float) and the leaf's q int8 [N, K] and scale ([N]
-per-row or [N, K/g] grouped) and return float32 [M, N].
+per-row or [N, K/g] grouped) — or, for the two native paths on a leaf stored as panels, its panel
+layout (`gemma4.ops.quant.to_panels`) — and return float32 [M, N].
 
     native-panels the FFI kernel's panel product (`cpu_int8.panels`) on a weight stored as panels
                  (`QuantArray.layout == "panels"`): 16 output rows per vector, one sign-extension
@@ -13,8 +14,9 @@ per-row or [N, K/g] grouped) and return float32 [M, N].
                  prefill chunk) run as slices of 8, each streaming the weight again, which still
                  beats dequantizing the whole weight up to a few dozen rows. Several weights
                  sharing x run as one call (`run_many`).
-    native-gemm  the same kernel's GEMM (`cpu_int8.gemm`, or `gemm_panels` on panels) for prefill-sized
-                 M (> 8 rows): the weight is packed once per call in 32-row panels and multiplied by register tiles of 6 rows
+    native-gemm  the same kernel's GEMM (`cpu_int8.gemm`; `gemm_panels` on panels) for prefill-sized
+                 M (> 8 rows): the weight is packed once per call in 32-row panels and multiplied
+                 by register tiles of 6 rows
                  (AVX512-VNNI vpdpwssd: twice a float32 FMA's products per instruction), with the
                  same int16 activations, so no float weight is ever written. Fused like `native`.
     xla-fused    convert·multiply + row reduction, which XLA:CPU fuses into one loop (fast on some

@@ -166,9 +166,10 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
         return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
-    paths = {(int8_path(w, m), w.layout) if isinstance(w, QuantArray) else None for w in ws}
-    if len(ws) > 1 and len(paths) == 1 and next(iter(paths)) and next(iter(paths))[0] in int8_matmul.NATIVE_PATHS:
-        path, layout = paths.pop()
+    ways = {(int8_path(w, m), w.layout) if isinstance(w, QuantArray) else None for w in ws}
+    (way,) = ways if len(ways) == 1 else (None,)  # (path, layout) shared by every leaf, or None
+    if len(ws) > 1 and way is not None and way[0] in int8_matmul.NATIVE_PATHS:
+        path, layout = way
         ys = int8_matmul.run_many(x.reshape(m, n_in), [(w.q, w.scale, w.group_size) for w in ws], path, layout)
         return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
     return [linear(x, w, out_dtype) for w in ws]
