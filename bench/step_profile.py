@@ -9,6 +9,7 @@ would flatter it), then each runs on idle inputs:
   * decode, `width` rows, reading `kv` cache slots;
   * the fused chunk-and-decode step ("mixed"), the same width and cache length;
   * a later 512-token prefill chunk (positions from 1024).
+Native kernel calls are also summed by kernel (the step's program names each call's target).
 Each kind is timed `--repeats` times (after one untimed run), then run again under jax's profiler;
 the trace's events are summed by name (XLA fusions, custom calls, copies) so the top entries say
 what a step spends beyond streaming the weights. Wall-clock figures: run it on a quiet machine
@@ -98,6 +99,31 @@ def step_runners(engine: Engine, kv: int, width: int) -> dict:
     return {name: fn for name, (_, fn) in runners.items()}
 
 
+def step_keys(kv: int, width: int) -> dict:
+    """name → the engine's shape key of each step `step_runners` times (for its executable)."""
+    keys = {f"decode w={width}": ("decode", width, kv), f"mixed w={width} (+{MIXED_CHUNK})": ("mixed", width, kv)}
+    if width == 1:
+        keys.update({"prefill 500 first": ("prefill", 512, True), "prefill 512 later": ("prefill", 512, False)})
+    return keys
+
+
+def native_targets(engine: Engine, key: tuple) -> dict:
+    """op name → custom-call target (our native kernels) in the step's compiled program: the
+    trace names every native call "ffi_call.N", the program says which kernel each one is."""
+    text = engine.shapes.executable(key)[0].as_text()
+    return {m.group(1): m.group(2) for m in re.finditer(r"%?([\w.\-]+) = [^\n]*custom_call_target=\"(\w+)\"", text)}
+
+
+def by_target(per_op: dict, targets: dict) -> dict:
+    """The native calls' ms summed by kernel (target): {target: [ms, calls]}."""
+    out: dict = collections.defaultdict(lambda: [0.0, 0])
+    for name, ms in per_op.items():
+        if name in targets:
+            out[targets[name]][0] += ms
+            out[targets[name]][1] += 1
+    return dict(out)
+
+
 def trace_events(fn, repeats: int) -> tuple[dict, float]:
     """Sum of each trace event's duration (µs) by name over `repeats` runs of fn, and the runs' wall time (s)."""
     with tempfile.TemporaryDirectory() as d:
@@ -153,6 +179,7 @@ def main(argv=None) -> dict:
     print(f"attention over the cache: sliding {plan.attention_sliding.value}, full {plan.attention_full.value} "
           f"(GEMMA4_ATTENTION=xla|native to compare)", flush=True)
     for width in (int(w) for w in args.widths.split(",")):
+        keys = step_keys(args.kv, width)
         for name, fn in step_runners(engine, args.kv, width).items():
             if args.only and args.only not in name:
                 continue
@@ -176,6 +203,9 @@ def main(argv=None) -> dict:
                 print(f"    XLA ops: {row['ops_ms']:.1f} ms a step; by kind (ms, ops):")
                 for k, (ms, n) in kinds[:12]:
                     print(f"    {ms:8.2f} ms {n:5d}  {k[:90]}")
+                kernels = sorted(by_target(per, native_targets(engine, keys[name])).items(), key=lambda kv: -kv[1][0])
+                row["native_ms"] = [(k, ms, n) for k, (ms, n) in kernels]
+                print("    native kernels (ms, calls): " + ", ".join(f"{k} {ms:.2f} ({n})" for k, (ms, n) in kernels))
                 print("    largest ops:")
                 for k, v in top:
                     print(f"    {v:8.2f} ms  {k[:100]}")
