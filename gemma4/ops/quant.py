@@ -86,9 +86,16 @@ class QuantArray:
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         return dequant_int8(*self.rows(), self.group_size, dtype)
 
-    def rows(self) -> tuple[jax.Array, jax.Array]:
-        """(q [out, in], scale [out] or [out, in/g]) whatever the layout."""
-        return from_panels(self.q, self.scale, self.group_size) if self.layout == "panels" else (self.q, self.scale)
+    def rows(self, count: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """(q [out, in], scale [out] or [out, in/g]) whatever the layout; the first `count` rows
+        only when given (of panels, only the panels holding them are reordered)."""
+        q, scale = self.q, self.scale
+        if self.layout == "panels":
+            if count is not None:
+                panels = -(-count // PANEL_ROWS)
+                q, scale = q[:panels], scale[:panels] if self.group_size else scale[:panels * PANEL_ROWS]
+            q, scale = from_panels(q, scale, self.group_size)
+        return (q, scale) if count is None else (q[:count], scale[:count])
 
 
 # ------------------------------------------------------------------------------ int8 panel layout

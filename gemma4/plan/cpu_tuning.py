@@ -154,9 +154,9 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     the paths that read the leaf's layout."""
     x = jnp.asarray(_activations(rows, prod.k, rng))
     r = min(REF_ROWS, prod.n)
-    q_rows, s_rows = leaf.rows()
-    q_ref = np.asarray(q_rows[:r])
-    s_ref = np.asarray(s_rows[:r])
+    q_rows, s_rows = leaf.rows(r)  # only the rows checked: not a reorder of the whole weight
+    q_ref = np.asarray(q_rows)
+    s_ref = np.asarray(s_rows)
     # float32 BLAS on the dequantized slice: its own error (~1e-6) is far below the bound
     ref = np.asarray(x) @ np.asarray(dequant_int8(q_ref, s_ref, prod.group, jnp.float32)).T
     timings: dict[str, float | None] = {}
@@ -205,13 +205,15 @@ CLOSE_CALL = 1.3
 REMATCH_ROUNDS = 3
 
 
-def _rematch(fns: dict, x, weights: list[tuple], first: dict) -> dict[str, float]:
-    """{path: best ms} over REMATCH_ROUNDS alternating timing windows of each path's jitted
-    product in `fns` (and its first timing, seconds, in `first`)."""
+def _rematch(fns: dict, x, weights: list[tuple] | dict, first: dict) -> dict[str, float]:
+    """{name: best ms} over REMATCH_ROUNDS alternating timing windows of each jitted product in
+    `fns` (and its first timing, seconds, in `first`), on `weights` (`cold_copies`; or a dict of
+    them by name, where the contenders read different layouts)."""
+    by_name = weights if isinstance(weights, dict) else dict.fromkeys(fns, weights)
     best = dict(first)
     for _ in range(REMATCH_ROUNDS):
         for p, fn in fns.items():
-            best[p] = min(best[p], _time(fn, x, weights, first=best[p]))
+            best[p] = min(best[p], _time(fn, x, by_name[p], first=best[p]))
     return {p: t * 1e3 for p, t in best.items()}
 
 
@@ -230,19 +232,19 @@ def layout_timings(prod: Product, leaf: QuantArray, rng) -> dict:
     out: dict = {"rows": {}, "panels": {}}
     for rows in LAYOUT_ROWS:
         x = jnp.asarray(_activations(rows, prod.k, rng))
-        contenders = {}
+        fns, weights, first = {}, {}, {}
         for layout, w in leaves.items():
             result = measure(prod, w, rows, True, rng)
             ms = result["timings_ms"].get(result["path"])
             out[layout][rows] = ms
             if ms is not None:
-                fn = jax.jit(lambda x, q, s, p=result["path"], lay=layout: int8_matmul.run(p, x, q, s, prod.group, lay))
-                contenders[layout] = (fn, cold_copies(w.q, w.scale), ms / 1e3)
-        for _ in range(REMATCH_ROUNDS if len(contenders) == 2 else 0):
-            for layout, (fn, weights, best) in contenders.items():
-                best = min(best, _time(fn, x, weights, first=best))
-                contenders[layout] = (fn, weights, best)
-                out[layout][rows] = round(best * 1e3, 4)
+                fns[layout] = jax.jit(lambda x, q, s, p=result["path"], lay=layout:
+                                      int8_matmul.run(p, x, q, s, prod.group, lay))
+                weights[layout], first[layout] = cold_copies(w.q, w.scale), ms / 1e3
+        if len(fns) == 2:
+            out_rows = _rematch(fns, x, weights, first)
+            for layout, ms in out_rows.items():
+                out[layout][rows] = round(ms, 4)
     return out
 
 

@@ -600,39 +600,58 @@ void GemmQuantizeRows(const float* x, GemmProblem& p, int64_t m0, int64_t m1, in
 }
 
 // Two phases shared by the caller and pool tasks (as Work): quantize row blocks, then — once every
-// row is done — the panels. Tasks only take what is left, so a late or busy pool never deadlocks.
-struct GemmWork {
-  GemmProblem problem;
-  const float* x = nullptr;
-  int64_t isa = kPortable;
+// row is done — the units of work. Tasks only take what is left, so a late or busy pool never
+// deadlocks. `Task` (GemmTask, PanelTask) holds the problem and says how to quantize rows
+// [r0, r1) and run unit u of `units`. Used by the GEMM and the panel product.
+template <class Task>
+struct RowsThenUnits {
+  Task task;
   int64_t rows_per_block = 64;
-  std::vector<std::pair<int, int64_t>> panels;  // (weight, first output row)
   std::atomic<int64_t> next_rows{0};
   std::atomic<int64_t> rows_done{0};
-  std::atomic<size_t> next_panel{0};
-  std::atomic<size_t> panels_done{0};
+  std::atomic<size_t> next_unit{0};
+  std::atomic<size_t> units_done{0};
 
   void Drain() {
-    const int64_t m = problem.m;
+    const int64_t m = task.problem.m;
     for (int64_t r0; (r0 = next_rows.fetch_add(rows_per_block)) < m;) {
       const int64_t r1 = std::min(m, r0 + rows_per_block);
-      GemmQuantizeRows(x, problem, r0, r1, isa);
+      task.Quantize(r0, r1);
       rows_done.fetch_add(r1 - r0, std::memory_order_release);
     }
     while (rows_done.load(std::memory_order_acquire) < m) std::this_thread::yield();
-    for (size_t b; (b = next_panel.fetch_add(1)) < panels.size();) {
-      GemmPanel(problem, problem.weights[panels[b].first], panels[b].second, isa);
-      panels_done.fetch_add(1, std::memory_order_release);
+    for (size_t u; (u = next_unit.fetch_add(1)) < task.units.size();) {
+      task.Run(u);
+      units_done.fetch_add(1, std::memory_order_release);
     }
   }
+};
+
+// Runs `work` on the caller and up to threads - 1 pool tasks; returns once every unit is done.
+template <class Task>
+void RunOnPool(const std::shared_ptr<RowsThenUnits<Task>>& work, ffi::ThreadPool& pool, int64_t threads) {
+  const int64_t helpers = std::min<int64_t>(threads, int64_t(work->task.units.size())) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->units_done.load(std::memory_order_acquire) < work->task.units.size()) std::this_thread::yield();
+}
+
+struct GemmTask {
+  GemmProblem problem;
+  const float* x = nullptr;
+  int64_t isa = kPortable;
+  std::vector<std::pair<int, int64_t>> units;  // (weight, first output row of a 32-row panel)
+
+  void Quantize(int64_t r0, int64_t r1) { GemmQuantizeRows(x, problem, r0, r1, isa); }
+  void Run(size_t u) { GemmPanel(problem, problem.weights[units[u].first], units[u].second, isa); }
 };
 
 ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                         ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa, bool panels) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
-  auto work = std::make_shared<GemmWork>();
-  GemmProblem& p = work->problem;
+  auto work = std::make_shared<RowsThenUnits<GemmTask>>();
+  GemmProblem& p = work->task.problem;
   p.m = dims[0];
   p.k = dims[1];
   if (p.m < 1) return ffi::Error::InvalidArgument("x must have at least one row");
@@ -648,17 +667,14 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights, panels); err.failure()) return err;
   p.xq.resize(size_t(p.m) * p.k);
   p.sx.resize(size_t(p.m));
-  work->x = x.typed_data();
-  work->isa = isa;
+  work->task.x = x.typed_data();
+  work->task.isa = isa;
   for (size_t i = 0; i < p.weights.size(); ++i) {
-    for (int64_t r = 0; r < p.weights[i].n; r += kPanel) work->panels.emplace_back(int(i), r);
+    for (int64_t r = 0; r < p.weights[i].n; r += kPanel) work->task.units.emplace_back(int(i), r);
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   work->rows_per_block = std::max<int64_t>(8, p.m / (threads * 4) + 1);
-  const int64_t helpers = std::min<int64_t>(threads, int64_t(work->panels.size())) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->panels_done.load(std::memory_order_acquire) < work->panels.size()) std::this_thread::yield();
+  RunOnPool(work, pool, threads);
   return ffi::Error::Success();
 }
 
@@ -790,31 +806,17 @@ void PanelRange(const PanelProblem& p, const Weight& w, int64_t p0, int64_t p1, 
   }
 }
 
-// As GemmWork: quantize row blocks, then — once every row is done — the panel ranges.
-struct PanelWork {
+// The panel product's work for RowsThenUnits: units are panel ranges of one weight.
+struct PanelTask {
   PanelProblem problem;
   const float* x = nullptr;
   bool vnni = false;
-  int64_t rows_per_block = 64;
   std::vector<std::tuple<int, int64_t, int64_t>> units;  // (weight, first panel, end panel)
-  std::atomic<int64_t> next_rows{0};
-  std::atomic<int64_t> rows_done{0};
-  std::atomic<size_t> next_unit{0};
-  std::atomic<size_t> units_done{0};
 
-  void Drain() {
-    const int64_t m = problem.m;
-    for (int64_t r0; (r0 = next_rows.fetch_add(rows_per_block)) < m;) {
-      const int64_t r1 = std::min(m, r0 + rows_per_block);
-      PanelQuantizeRows(x, problem, r0, r1);
-      rows_done.fetch_add(r1 - r0, std::memory_order_release);
-    }
-    while (rows_done.load(std::memory_order_acquire) < m) std::this_thread::yield();
-    for (size_t u; (u = next_unit.fetch_add(1)) < units.size();) {
-      const auto [wi, p0, p1] = units[u];
-      PanelRange(problem, problem.weights[wi], p0, p1, vnni);
-      units_done.fetch_add(1, std::memory_order_release);
-    }
+  void Quantize(int64_t r0, int64_t r1) { PanelQuantizeRows(x, problem, r0, r1); }
+  void Run(size_t u) {
+    const auto [wi, p0, p1] = units[u];
+    PanelRange(problem, problem.weights[wi], p0, p1, vnni);
   }
 };
 
@@ -822,8 +824,8 @@ ffi::Error Int8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
                           ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
-  auto work = std::make_shared<PanelWork>();
-  PanelProblem& p = work->problem;
+  auto work = std::make_shared<RowsThenUnits<PanelTask>>();
+  PanelProblem& p = work->task.problem;
   p.m = dims[0];
   p.k = dims[1];
   if (p.m < 1) return ffi::Error::InvalidArgument("x must have at least one row");
@@ -839,8 +841,8 @@ ffi::Error Int8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   if (auto err = ReadWeights(args, rets, groups, p.k, kPanelRows, p.weights, true); err.failure()) return err;
   p.xt.resize(size_t(p.m) * (p.k / 2));
   p.sx.resize(size_t(p.m));
-  work->x = x.typed_data();
-  work->vnni = isa == kAvx512Vnni;
+  work->task.x = x.typed_data();
+  work->task.vnni = isa == kAvx512Vnni;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Units: panel ranges of at most ~256 KB of weights (they stay in L2 across the row blocks), and
   // at least ~8 units per thread over all weights for balance.
@@ -851,13 +853,10 @@ ffi::Error Int8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   const int64_t per_unit = std::min(by_cache, by_balance);
   for (size_t i = 0; i < p.weights.size(); ++i) {
     const int64_t np = p.weights[i].n / kPanelRows;
-    for (int64_t p0 = 0; p0 < np; p0 += per_unit) work->units.emplace_back(int(i), p0, std::min(np, p0 + per_unit));
+    for (int64_t p0 = 0; p0 < np; p0 += per_unit) work->task.units.emplace_back(int(i), p0, std::min(np, p0 + per_unit));
   }
   work->rows_per_block = std::max<int64_t>(1, p.m / (threads * 4) + 1);
-  const int64_t helpers = std::min<int64_t>(threads, int64_t(work->units.size())) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  while (work->units_done.load(std::memory_order_acquire) < work->units.size()) std::this_thread::yield();
+  RunOnPool(work, pool, threads);
   return ffi::Error::Success();
 }
 
