@@ -64,6 +64,61 @@ def test_a_row_split_over_threads_gives_what_one_thread_gives():
     np.testing.assert_allclose(split, whole, atol=1e-6 * np.abs(whole).max(), rtol=0)
 
 
+def _filled(seed, B, T, nq, nkv, d, S):
+    """A cache every query sees whole (slot i holds position i), queries after it: the blocks the
+    AVX-512 register tiles serve."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, T, nq, d)).astype(np.float32) * 3
+    k = rng.standard_normal((B, S, nkv, d)).astype(np.float32)
+    v = rng.standard_normal((B, S, nkv, d)).astype(np.float32)
+    k_pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
+    q_pos = np.full((B, T), S + 2, np.int32)
+    return q, q_pos, k, v, k_pos, np.arange(B, dtype=np.int32)
+
+
+def _has_avx512f() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " avx512f" in f.read()
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,nq,nkv,d,S", [(1, 16, 4, 1, 256, 4096),  # a bundled-model chunk over a full cache
+                                             (1, 1, 8, 1, 512, 700),   # a decode row, Gemma 4's global head
+                                             (2, 3, 2, 1, 80, 200),    # 6 queries (not in fours), 64 + 16 outputs
+                                             (1, 2, 4, 2, 48, 202)])   # a last block of 10 slots (no tile)
+def test_register_tiles_match_the_reference_and_the_plain_loops(B, T, nq, nkv, d, S):
+    args = list(_filled(B * 5 + d, B, T, nq, nkv, d, S))
+    if T > 1:
+        args[1][-1, -1] = -1  # a padding query beside the others: it sees no block, the rest see all
+    kw = dict(slots=S, window=None, scale=d ** -0.5)
+    tiles = np.asarray(jax.jit(lambda *a: cpu_attention.attend(*a, **kw))(*args))
+    plain = np.asarray(jax.jit(lambda *a: cpu_attention.attend(*a, **kw, tiles=False))(*args))
+    want = cpu_attention.reference(*args, **kw)
+    np.testing.assert_allclose(tiles, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    np.testing.assert_allclose(plain, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+    if T > 1:
+        assert np.all(tiles[-1, -1] == 0)
+    if _has_avx512f():  # the tiles sum in another order: their float32 results differ in the last bits
+        assert not np.array_equal(tiles, plain)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tiles", [True, False])
+def test_slots_never_seen_cannot_leak_into_the_output(tiles):
+    """Slots a query cannot see (empty, or in its future) may hold anything, NaN included (a cache row
+    reused after a failed request): their weight is exactly 0 and they are never multiplied in."""
+    q, q_pos, k, v, k_pos, rows = _filled(9, 1, 4, 4, 1, 64, 512)
+    q_pos[:] = 300
+    k_pos[0, 400:] = -1  # empty
+    k[0, 301:], v[0, 301:] = np.nan, np.inf  # the future and the empty slots
+    kw = dict(slots=512, window=None, scale=0.125)
+    got = np.asarray(jax.jit(lambda *a: cpu_attention.attend(*a, **kw, tiles=tiles))(q, q_pos, k, v, k_pos, rows))
+    clean = [np.where(np.isfinite(a), a, 0).astype(np.float32) for a in (k, v)]
+    want = cpu_attention.reference(q, q_pos, clean[0], clean[1], k_pos, rows, **kw)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
+
+
 @needs_kernel
 def test_padding_queries_get_zeros_and_bad_operands_are_refused():
     q, q_pos, k, v, k_pos, rows = _case(5, 2, 3, 2, 1, 16, 2, 40)

@@ -122,7 +122,12 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
 # second dispatch after their decode step, each streaming every weight once: on a 2-core AMD EPYC
 # Zen 4 with the bundled model a later 16-token chunk cost about two decode steps, so the
 # streams' gap was about three. GEMMA4_MIXED_STEP=off turns it off.
-MIXED_CHUNK = 16
+# 8 tokens, not 16: the chunk's products and attention are compute (its products at the CPU's
+# vpdpwssd peak), so a fused step's cost grows with the chunk. Beside a 3,500-token prefill on a
+# 2-core AMD EPYC Zen 4 a stream's worst gap was 44 ms = 2.8x its solo 16 ms with 8 tokens, and
+# 61 ms = 4.3x with 16 (the long prompt's TTFT 14.5 s against 12.6 s): the gap is what every
+# other user feels, the prompt's own wait grows by a sixth.
+MIXED_CHUNK = 8
 # Fused shapes are an optimization, never needed: the background plan holds every width at the
 # shortest cache length, and the first widths (a stream or two beside a prompt, the demo's usual
 # case) at the longer ones; another is queued in the background when first wanted. Each compiled

@@ -17,7 +17,13 @@
 // single decode row uses every thread XLA's pool lends.
 //
 // The loops are plain C++ over fixed 16-float lanes; each is compiled for AVX-512, AVX2+FMA and a
-// portable baseline and chosen at run time.
+// portable baseline and chosen at run time. With AVX-512, a block of slots that every query sees
+// (the usual case: a conversation's filled cache) runs as register tiles instead: scores 4 queries
+// x 4 slots (each key read once for 4 queries, the 16 dots summed across lanes together), values
+// 4 queries x 64 outputs kept in registers over the block. On a 2-core AMD EPYC Zen 4, one thread:
+// a 16-token chunk over 4,096 slots 15.6-16.0 ms → 7.9-9.8 ms, a decode row 0.76-0.83 → 0.41-0.57 ms.
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -101,8 +107,83 @@ inline __attribute__((always_inline)) bool Visible(int32_t kp, int32_t qp, int64
   return kp >= 0 && kp <= qp && (window == 0 || qp - kp < window);
 }
 
+// A tile of scores: QT queries x 4 slots, each a dot product of d floats. The 16 accumulators
+// are summed across their lanes together (a transpose-and-add tree, 15 adds for 16 dots) rather
+// than one horizontal sum per dot, and each slot's keys serve the tile's QT queries.
+constexpr int kQt = 4;  // queries per score / value tile
+constexpr int kSt = 4;  // slots per score tile
+
+__attribute__((target("avx512f"))) inline __m512 SumLanes16(const __m512 (&a)[16]) {
+  __m512 r[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i) {  // lanes per 128-bit part: [a0+a2, b0+b2, a1+a3, b1+b3]
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit part: the part's sums of four vectors
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44), _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 2; ++i) {  // across the 128-bit parts, two steps: lane 4m + j = vector 4m + j's sum
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+}
+
+// Scores of queries qs[0..4) against slots k[0..4) (rows `stride` floats apart) into sc (row i at
+// sc + i * ld), times scale.
+__attribute__((target("avx512f"))) inline void ScoreTile(const float* const* qs, const float* k, int64_t stride,
+                                                       int64_t d, float scale, float* sc, int64_t ld) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += kLane) {
+    __m512 kv[kSt];
+    for (int s = 0; s < kSt; ++s) kv[s] = _mm512_loadu_ps(k + s * stride + c);
+    for (int i = 0; i < kQt; ++i) {
+      const __m512 qv = _mm512_loadu_ps(qs[i] + c);
+      for (int s = 0; s < kSt; ++s) acc[i * kSt + s] = _mm512_fmadd_ps(qv, kv[s], acc[i * kSt + s]);
+    }
+  }
+  const __m512 sums = _mm512_mul_ps(SumLanes16(acc), _mm512_set1_ps(scale));
+  alignas(64) float out[16];
+  _mm512_store_ps(out, sums);
+  for (int i = 0; i < kQt; ++i) std::memcpy(sc + i * ld, out + i * kSt, kSt * sizeof(float));
+}
+
+// o[i][c0..c0 + 16 W) += sum_j p[i * ld + j] v[j][c0..] for 4 queries over nb slots (all weights
+// finite, so an invisible slot's weight 0 adds exactly 0): 4 x W accumulators in registers for
+// the whole pass over the block's values.
+template <int W>
+__attribute__((target("avx512f"))) inline void ValueChunk(const float* p, int64_t ld, const float* v, int64_t stride,
+                                                        int64_t nb, int64_t c0, float* const* o) {
+  __m512 acc[kQt][W];
+  for (int i = 0; i < kQt; ++i)
+    for (int t = 0; t < W; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nb; ++j) {
+    __m512 vv[W];
+    for (int t = 0; t < W; ++t) vv[t] = _mm512_loadu_ps(v + j * stride + c0 + t * kLane);
+    for (int i = 0; i < kQt; ++i) {
+      const __m512 pb = _mm512_set1_ps(p[i * ld + j]);
+      for (int t = 0; t < W; ++t) acc[i][t] = _mm512_fmadd_ps(pb, vv[t], acc[i][t]);
+    }
+  }
+  for (int i = 0; i < kQt; ++i) {
+    for (int t = 0; t < W; ++t) {
+      float* oi = o[i] + c0 + t * kLane;
+      _mm512_storeu_ps(oi, _mm512_add_ps(_mm512_loadu_ps(oi), acc[i][t]));
+    }
+  }
+}
+
+// The weighted values of 4 queries, d outputs each: 64 at a time, then 16.
+__attribute__((target("avx512f"))) inline void ValueTile(const float* p, int64_t ld, const float* v, int64_t stride,
+                                                       int64_t nb, int64_t d, float* const* o) {
+  int64_t c0 = 0;
+  for (; c0 + 4 * kLane <= d; c0 += 4 * kLane) ValueChunk<4>(p, ld, v, stride, nb, c0, o);
+  for (; c0 < d; c0 += kLane) ValueChunk<1>(p, ld, v, stride, nb, c0, o);
+}
+
 // One part: slots [s0, s1) of the cache row of batch row bi, kv head h, for its n = t * g queries
-// (query i: token i / g, head h * g + i % g), into `part`.
+// (query i: token i / g, head h * g + i % g), into `part`. `tiles`: the AVX-512 score and value
+// tiles above serve every block where all of them apply (else the per-dot loops below).
+template <bool kTiles>
 inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
                                                 Partial& part) {
   const int64_t g = p.g(), n = p.queries(), d = p.d;
@@ -111,37 +192,61 @@ inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, in
   const float* kbase = p.k + row * p.s * stride + h * d;
   const float* vbase = p.v + row * p.s * stride + h * d;
   const int32_t* kpos = p.kpos + row * p.s;
-  std::vector<const float*> qs(n);
+  const int64_t n4 = (n + kQt - 1) / kQt * kQt;  // queries padded to whole tiles (the last repeated)
+  std::vector<const float*> qs(n4);
   std::vector<int32_t> qp(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t tok = i / g, head = h * g + i % g;
     qs[i] = p.q + ((bi * p.t + tok) * p.nq + head) * d;
     qp[i] = p.qpos[bi * p.t + tok];
   }
+  for (int64_t i = n; i < n4; ++i) qs[i] = qs[n - 1];
   part.m.assign(n, -INFINITY);
   part.l.assign(n, 0.0f);
-  part.o.assign(n * d, 0.0f);
-  std::vector<float> sc(n * kBlock);
+  part.o.assign(n4 * d, 0.0f);
+  std::vector<float> sc(n4 * kBlock);
+  std::vector<uint8_t> vis(n * kBlock), blind(n);
   for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
     const int64_t nb = std::min(kBlock, s1 - b0);
-    // scores: query i against slot j, -inf where not visible (an empty slot costs no product)
-    bool any = false;
-    for (int64_t j = 0; j < nb; ++j) {
-      const int32_t kp = kpos[b0 + j];
-      const float* kr = kbase + (b0 + j) * stride;
-      for (int64_t i = 0; i < n; ++i) {
-        const bool vis = Visible(kp, qp[i], p.window);
-        sc[i * kBlock + j] = vis ? Dot(qs[i], kr, d) * p.scale : -INFINITY;
-        any |= vis;
-      }
+    // which (query, slot) pairs are visible: none (an empty or future block costs no product), or
+    // for each query all of the block or none of it (the tiles), or some
+    bool any = false, whole = nb % kSt == 0;
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t seen = 0;
+      for (int64_t j = 0; j < nb; ++j) seen += vis[i * kBlock + j] = Visible(kpos[b0 + j], qp[i], p.window);
+      blind[i] = seen == 0;
+      any |= seen > 0;
+      whole &= seen == 0 || seen == nb;
     }
     if (!any) continue;
-    // online softmax: rescale what was summed so far, then add this block's weighted values
+    const bool tiled = kTiles && whole;
+    if constexpr (kTiles) {
+      if (tiled) {
+        for (int64_t j = 0; j < nb; j += kSt) {
+          for (int64_t i = 0; i < n4; i += kQt) {
+            ScoreTile(&qs[i], kbase + (b0 + j) * stride, stride, d, p.scale, &sc[i * kBlock + j], kBlock);
+          }
+        }
+        for (int64_t i = 0; i < n; ++i) {  // a query that sees none of the block (padding, a later chunk's)
+          if (blind[i]) std::fill(&sc[i * kBlock], &sc[i * kBlock] + nb, -INFINITY);
+        }
+      }
+    }
+    if (!tiled) {  // scores: query i against slot j, -inf where not visible (an empty slot costs no product)
+      for (int64_t j = 0; j < nb; ++j) {
+        const float* kr = kbase + (b0 + j) * stride;
+        for (int64_t i = 0; i < n; ++i) sc[i * kBlock + j] = vis[i * kBlock + j] ? Dot(qs[i], kr, d) * p.scale : -INFINITY;
+      }
+    }
+    // online softmax: rescale what was summed so far; the weights exp(score - max) in sc
     for (int64_t i = 0; i < n; ++i) {
       float* si = &sc[i * kBlock];
       float bm = -INFINITY;
       for (int64_t j = 0; j < nb; ++j) bm = std::max(bm, si[j]);
-      if (bm == -INFINITY) continue;
+      if (bm == -INFINITY) {
+        std::fill(si, si + nb, 0.0f);
+        continue;
+      }
       const float m_new = std::max(part.m[i], bm);
       float* oi = &part.o[i * d];
       if (part.m[i] != -INFINITY && part.m[i] != m_new) {
@@ -156,8 +261,26 @@ inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, in
       float l = 0.0f;
       for (int64_t j = 0; j < nb; ++j) l += si[j];
       part.l[i] += l;
-      for (int64_t j = 0; j < nb; ++j) {
-        if (si[j] != 0.0f) Axpy(si[j], vbase + (b0 + j) * stride, oi, d);
+    }
+    // the weighted values: every weight of a tiled block is a visible slot's; elsewhere a weight
+    // of 0 is skipped, so a slot never written (whatever it holds) adds nothing
+    if constexpr (kTiles) {
+      if (tiled) {
+        for (int64_t i = n; i < n4; ++i) std::fill(&sc[i * kBlock], &sc[i * kBlock] + nb, 0.0f);
+        for (int64_t i = 0; i < n4; i += kQt) {
+          float* os[kQt];
+          for (int t = 0; t < kQt; ++t) os[t] = &part.o[(i + t) * d];
+          ValueTile(&sc[i * kBlock], kBlock, vbase + b0 * stride, stride, nb, d, os);
+        }
+      }
+    }
+    if (!tiled) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float* si = &sc[i * kBlock];
+        float* oi = &part.o[i * d];
+        for (int64_t j = 0; j < nb; ++j) {
+          if (si[j] != 0.0f) Axpy(si[j], vbase + (b0 + j) * stride, oi, d);
+        }
       }
     }
   }
@@ -165,21 +288,25 @@ inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, in
 
 __attribute__((target("avx512f"))) void PartAvx512(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
                                                    Partial& part) {
-  Part(p, bi, h, s0, s1, part);
+  Part<true>(p, bi, h, s0, s1, part);
+}
+__attribute__((target("avx512f"))) void PartAvx512Plain(const Problem& p, int64_t bi, int64_t h, int64_t s0,
+                                                        int64_t s1, Partial& part) {
+  Part<false>(p, bi, h, s0, s1, part);
 }
 __attribute__((target("avx2,fma"))) void PartAvx2(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
                                                   Partial& part) {
-  Part(p, bi, h, s0, s1, part);
+  Part<false>(p, bi, h, s0, s1, part);
 }
 void PartPortable(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1, Partial& part) {
-  Part(p, bi, h, s0, s1, part);
+  Part<false>(p, bi, h, s0, s1, part);
 }
 
 using PartFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t, Partial&);
 
-PartFn BestPart() {
+PartFn BestPart(bool tiles) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return PartAvx512;
+  if (__builtin_cpu_supports("avx512f")) return tiles ? PartAvx512 : PartAvx512Plain;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PartAvx2;
   return PartPortable;
 }
@@ -237,7 +364,7 @@ void Combine(Work& w) {
 ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> qpos,
                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kpos,
                               ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t slots,
-                              int64_t window, float scale, int64_t threads_cap) {
+                              int64_t window, float scale, int64_t threads_cap, int64_t tiles) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be 4-d");
   auto work = std::make_shared<Work>();
@@ -260,7 +387,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   for (int64_t bi = 0; bi < p.b; ++bi) {
     if (p.rows[bi] < 0 || p.rows[bi] >= p.r) return ffi::Error::InvalidArgument("a cache row is out of range");
   }
-  work->fn = BestPart();
+  work->fn = BestPart(tiles != 0);
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (threads_cap > 0) threads = std::min(threads, threads_cap);
   // Split a row's slots only where there are fewer (row, head) units than threads.
@@ -291,4 +418,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4CacheAttention, CacheAttentionImpl,
                                   .Attr<int64_t>("slots")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("tiles"));  // 0: the plain per-dot loops only (tests)

@@ -31,14 +31,16 @@ def shape_ok(head_dim: int, q_heads: int, kv_heads: int) -> bool:
     return head_dim % 16 == 0 and kv_heads >= 1 and q_heads % kv_heads == 0
 
 
-def attend(q, q_pos, k, v, k_pos, rows, *, slots: int, window: int | None, scale: float, threads: int = 0):
+def attend(q, q_pos, k, v, k_pos, rows, *, slots: int, window: int | None, scale: float, threads: int = 0,
+           tiles: bool = True):
     """[B, T, nq, d] float32 attention of each query row over its cache row's first `slots` slots.
-    Call `available()` first. threads > 0 caps the threads used (0: all XLA lends)."""
+    Call `available()` first. threads > 0 caps the threads used (0: all XLA lends). tiles=False
+    runs the plain per-dot loops only (the AVX-512 tiles serve wholly visible blocks otherwise)."""
     B, T, nq, d = q.shape
     call = jax.ffi.ffi_call(cpu_int8.ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, nq, d), jnp.float32))
     return call(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos, jnp.int32), k, v, jnp.asarray(k_pos, jnp.int32),
                 jnp.asarray(rows, jnp.int32), slots=np.int64(slots), window=np.int64(window or 0),
-                scale=np.float32(scale), threads=np.int64(threads))
+                scale=np.float32(scale), threads=np.int64(threads), tiles=np.int64(bool(tiles)))
 
 
 def reference(q, q_pos, k, v, k_pos, rows, *, slots: int, window: int | None, scale: float) -> np.ndarray:
@@ -68,6 +70,7 @@ SELF_TEST_CASES = (
     (3, 1, 8, 2, 64, 4, 300, 257, 40),  # several rows, GQA, a sliding window, a partial last block
     (1, 16, 4, 1, 128, 2, 700, 700, None),  # a prefill chunk of 16 tokens over its row
     (2, 3, 2, 2, 32, 3, 96, 96, 8),  # padding queries (nothing visible: zeros)
+    (1, 5, 4, 1, 80, 1, 256, 256, "full"),  # every slot visible (the register tiles), queries not in fours
 )
 
 
@@ -85,6 +88,8 @@ def self_test() -> dict:
         k_pos = np.where(rng.random((R, S)) < 0.1, -1, rng.permutation(R * S).reshape(R, S) % (S + 50)).astype(np.int32)
         rows = rng.permutation(R)[:B].astype(np.int32)
         q_pos = rng.integers(0, S + 50, (B, T)).astype(np.int32)
+        if window == "full":  # a filled cache every query sees whole
+            window, k_pos, q_pos = None, np.tile(np.arange(S, dtype=np.int32), (R, 1)), np.full((B, T), S, np.int32)
         q_pos[-1, -1] = -1  # padding
         args = (q, q_pos, k, v, k_pos, rows)
         kw = dict(slots=slots, window=window, scale=d ** -0.5)

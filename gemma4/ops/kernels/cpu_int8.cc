@@ -36,6 +36,23 @@ namespace {
 constexpr int64_t kFlush = 256;  // inputs per int32 accumulation at most (overflow bound)
 constexpr int kMaxRows = 8;      // activation rows one call accepts
 
+// vpdpwssd (acc += pairwise int16 products) written as inline assembly with an in-place
+// accumulator. GCC 12's intrinsic made the register allocator copy every accumulator to a fresh
+// register and back around each instruction in these loops: 32 zmm moves for the 8 vpdpwssd of the
+// panel product's 8-row block, 46 for the GEMM tile's 12 (read in the built library). The
+// broadcast form takes the activation's int16 pair straight from memory ({1to16}), one instruction
+// instead of a broadcast and a product.
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i Dpwssd(__m512i acc, __m512i x,
+                                                                                  __m512i w) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i DpwssdPair(__m512i acc, __m512i w,
+                                                                                      const int32_t* pair) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*pair));
+  return acc;
+}
+
 enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4, kAvxVnni = 5 };
 
 bool Supports(int64_t isa) {
@@ -206,7 +223,7 @@ GEMMA4_DEFINE_AVX2_ROWS(RowsAvxVnniT, "avx2,fma,avxvnni", GEMMA4_DOT2_VNNI)
     for (; r < r1; ++r) NAME##Block<M, 1>(p, w, r);                                               \
   }
 
-#define GEMMA4_DOT_VNNI(acc, x, w) _mm512_dpwssd_epi32(acc, x, w)
+#define GEMMA4_DOT_VNNI(acc, x, w) Dpwssd(acc, x, w)
 #define GEMMA4_DOT_BW(acc, x, w) _mm512_add_epi32(acc, _mm512_madd_epi16(x, w))
 GEMMA4_DEFINE_AVX512_ROWS(RowsAvx512VnniT, "avx512f,avx512bw,avx512vnni", GEMMA4_DOT_VNNI)
 GEMMA4_DEFINE_AVX512_ROWS(RowsAvx512BwT, "avx512f,avx512bw", GEMMA4_DOT_BW)
@@ -489,7 +506,8 @@ void GemmTilePortable(const GemmProblem& p, int mr, int64_t m0, int64_t k0, int6
     for (int i = 0; i < MR; ++i) f0[i] = f1[i] = _mm512_setzero_ps();                              \
     const int16_t* xr[MR];                                                                         \
     for (int i = 0; i < MR; ++i) xr[i] = p.xq.data() + (m0 + i) * p.k;                            \
-    for (int64_t a = k0; a < k1; a += flush) {                                                     \
+    const float* sa = sp + (k0 / flush) * kPanel; /* this flush's scales, advanced per flush */  \
+    for (int64_t a = k0; a < k1; a += flush, sa += kPanel) {                                       \
       __m512i a0[MR], a1[MR];                                                                      \
       for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm512_setzero_si512();                         \
       const int32_t* w = wp + (a / 2) * kPanel;                                                    \
@@ -503,8 +521,8 @@ void GemmTilePortable(const GemmProblem& p, int mr, int64_t m0, int64_t k0, int6
           a1[i] = DOT(a1[i], xb, w1);                                                              \
         }                                                                                          \
       }                                                                                            \
-      const __m512 s0 = _mm512_loadu_ps(sp + (a / flush) * kPanel);                              \
-      const __m512 s1 = _mm512_loadu_ps(sp + (a / flush) * kPanel + 16);                         \
+      const __m512 s0 = _mm512_loadu_ps(sa);                                                       \
+      const __m512 s1 = _mm512_loadu_ps(sa + 16);                                                  \
       for (int i = 0; i < MR; ++i) {                                                               \
         f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), s0, f0[i]);                             \
         f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), s1, f1[i]);                             \
@@ -757,7 +775,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
   // Few rows: U = 2 accumulator chains per row (even / odd pairs), so a decode row is not bound by
   // vpdpwssd's latency; many rows are bound by its throughput and have chains enough.
   constexpr int U = MR <= 4 ? 2 : 1;
-  for (int64_t f0 = 0; f0 < k; f0 += flush) {
+  for (int64_t f0 = 0, fi = 0; f0 < k; f0 += flush, ++fi) {  // fi: the flush's index (its group where grouped)
     __m512i acc[U][MR];
     for (int u = 0; u < U; ++u)
       for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_setzero_si512();
@@ -767,17 +785,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
       for (int u = 0; u < U; ++u) {
         const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + (c + u) * 32)));
         const int32_t* xc = xt + (c + u) * m;
-        for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_dpwssd_epi32(acc[u][i], _mm512_set1_epi32(xc[i]), wv);
+        for (int i = 0; i < MR; ++i) acc[u][i] = DpwssdPair(acc[u][i], wv, xc + i);
       }
     }
     for (; c < c1; ++c) {
       const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + c * 32)));
       const int32_t* xc = xt + c * m;
-      for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], _mm512_set1_epi32(xc[i]), wv);
+      for (int i = 0; i < MR; ++i) acc[0][i] = DpwssdPair(acc[0][i], wv, xc + i);
     }
     for (int u = 1; u < U; ++u)
       for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[u][i]);
-    const __m512 sc = sp ? _mm512_loadu_ps(sp + (f0 / w.group) * kPanelRows) : _mm512_set1_ps(1.f);
+    const __m512 sc = sp ? _mm512_loadu_ps(sp + fi * kPanelRows) : _mm512_set1_ps(1.f);
     for (int i = 0; i < MR; ++i) facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][i]), sc, facc[i]);
   }
   const __m512 row_scale = w.group ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(w.scale + panel * kPanelRows);
