@@ -107,9 +107,9 @@ inline __attribute__((always_inline)) bool Visible(int32_t kp, int32_t qp, int64
   return kp >= 0 && kp <= qp && (window == 0 || qp - kp < window);
 }
 
-// A tile of scores: QT queries x 4 slots, each a dot product of d floats. The 16 accumulators
-// are summed across their lanes together (a transpose-and-add tree, 15 adds for 16 dots) rather
-// than one horizontal sum per dot, and each slot's keys serve the tile's QT queries.
+// A tile of scores: kQt = 4 queries x kSt = 4 slots, each a dot product of d floats. The 16
+// accumulators are summed across their lanes together (a transpose-and-add tree, 15 adds for 16
+// dots) rather than one horizontal sum per dot, and each slot's keys serve the tile's 4 queries.
 constexpr int kQt = 4;  // queries per score / value tile
 constexpr int kSt = 4;  // slots per score tile
 
@@ -147,9 +147,9 @@ __attribute__((target("avx512f"))) inline void ScoreTile(const float* const* qs,
   for (int i = 0; i < kQt; ++i) std::memcpy(sc + i * ld, out + i * kSt, kSt * sizeof(float));
 }
 
-// o[i][c0..c0 + 16 W) += sum_j p[i * ld + j] v[j][c0..] for 4 queries over nb slots (all weights
-// finite, so an invisible slot's weight 0 adds exactly 0): 4 x W accumulators in registers for
-// the whole pass over the block's values.
+// o[i][c0..c0 + 16 W) += sum_j p[i * ld + j] v[j][c0..] for 4 queries over nb slots, 4 x W
+// accumulators in registers for the whole pass over the block's values. Only for blocks whose
+// every slot some query sees (written, so finite): a weight of 0 then adds exactly 0.
 template <int W>
 __attribute__((target("avx512f"))) inline void ValueChunk(const float* p, int64_t ld, const float* v, int64_t stride,
                                                         int64_t nb, int64_t c0, float* const* o) {
@@ -181,8 +181,8 @@ __attribute__((target("avx512f"))) inline void ValueTile(const float* p, int64_t
 }
 
 // One part: slots [s0, s1) of the cache row of batch row bi, kv head h, for its n = t * g queries
-// (query i: token i / g, head h * g + i % g), into `part`. `tiles`: the AVX-512 score and value
-// tiles above serve every block where all of them apply (else the per-dot loops below).
+// (query i: token i / g, head h * g + i % g), into `part`. kTiles: the AVX-512 score and value
+// tiles above serve each block that every query sees whole or not at all (else the per-dot loops).
 template <bool kTiles>
 inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
                                                 Partial& part) {
