@@ -8,7 +8,6 @@ their solo tokens. A tiny random Gemma 3 (its own engine, two cache lengths) kee
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -26,19 +25,7 @@ BUCKETS = (16, 32, 64)
 
 @pytest.fixture(scope="module")
 def eng():
-    # XLA's attention: these tests hide shapes of the cache-length ladder (512, 1024), which exists
-    # only there; where the native attention is measured faster (it is chosen at start-up, and the
-    # AVX-512 tiles made it so for this tiny model), the engine compiles one length and a test
-    # waiting on a hidden 512 shape would wait forever.
-    previous = os.environ.get("GEMMA4_ATTENTION")
-    os.environ["GEMMA4_ATTENTION"] = "xla"
-    try:
-        e = Engine("random:tiny-gemma3-270m", max_batch=4, context_limit=1024, buckets=BUCKETS)
-    finally:
-        if previous is None:
-            os.environ.pop("GEMMA4_ATTENTION")
-        else:
-            os.environ["GEMMA4_ATTENTION"] = previous
+    e = Engine("random:tiny-gemma3-270m", max_batch=4, context_limit=1024, buckets=BUCKETS)
     e.wait_compiled(timeout=900)
     yield e
     e.close(timeout=120)
