@@ -82,7 +82,8 @@ def main(argv=None) -> int:
 
     import openai
 
-    import app
+    from gemma4.ui import layout
+    from gemma4.web import access as web_access
     from gemma4.web import server
     from gemma4.serve import conversation
     from gemma4.serve.conversation import stream_reply
@@ -96,8 +97,8 @@ def main(argv=None) -> int:
                         context_limit=settings.context, buckets=(16, 64),
                         max_new_tokens_cap=settings.max_new_tokens_cap)
     engine.wait_compiled()
-    access = server.Access(limits=Limits(in_flight=0, per_minute=0))
-    demo = app.build_demo(engine, settings)
+    access = web_access.Access(limits=Limits(in_flight=0, per_minute=0))
+    demo = layout.build_demo(engine, settings)
     fast = server.build_app(demo, engine, model=settings.model,
                             max_new_tokens_cap=settings.max_new_tokens_cap, access=access)
     running = server.start(fast, "127.0.0.1", _free_port())

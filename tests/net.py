@@ -30,13 +30,13 @@ def wait_until(pred, timeout: float, every: float) -> bool:
 def serve_demo(engine, model: str, access: Any, max_new_tokens_cap: int = 200) -> Iterator[tuple[str, Any]]:
     """The chat demo and its /v1 API for `engine` on a free local port, as app.main builds them:
     yields (url, the FastAPI app); the server is closed after."""
-    import app  # gradio: loaded only by the tests that serve
+    from gemma4.ui import layout  # gradio: loaded only by the tests that serve
     from gemma4.web import server
     from gemma4.web.settings import Settings
 
     settings = Settings(model=model, max_users=engine.max_batch, max_new_tokens_cap=max_new_tokens_cap,
                         context=engine.context_limit, access=access)
-    fastapi_app = server.build_app(app.build_demo(engine, settings), engine, model=model,
+    fastapi_app = server.build_app(layout.build_demo(engine, settings), engine, model=model,
                                    max_new_tokens_cap=max_new_tokens_cap, access=access)
     running = server.start(fastapi_app, "127.0.0.1", free_port())
     try:

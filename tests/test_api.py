@@ -14,9 +14,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-import app
+from gemma4.ui import layout
 from gemma4.web.settings import Settings, parse_settings
 from gemma4.serve import conversation
+from gemma4.web import access as web_access
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits, RateLimiter
 from tests.net import free_port as _free_port, wait_until
@@ -28,7 +29,7 @@ BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
 TINY = "random:tiny-e2b"
 TINY_ENGINE = dict(max_batch=2, context_limit=512, buckets=(64, 256))
 CAP = 200  # the servers' max_new_tokens cap
-OPEN = server.Access(limits=Limits(in_flight=0, per_minute=0))
+OPEN = web_access.Access(limits=Limits(in_flight=0, per_minute=0))
 GREEDY = dict(temperature=0.0, max_tokens=6)
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -41,10 +42,10 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 
-def _serve(engine, model: str, access: server.Access):
+def _serve(engine, model: str, access: web_access.Access):
     settings = Settings(model=model, max_users=engine.max_batch, max_new_tokens_cap=CAP,
                         context=engine.context_limit, access=access)
-    demo = app.build_demo(engine, settings)
+    demo = layout.build_demo(engine, settings)
     fastapi_app = server.build_app(demo, engine, model=model, max_new_tokens_cap=CAP,
                                    access=access)
     running = server.start(fastapi_app, "127.0.0.1", _free_port())
@@ -449,7 +450,7 @@ def test_tool_calls_are_parsed_into_tool_calls(tiny):
 @pytest.fixture(scope="module")
 def guarded(tiny):
     _, _, engine = tiny
-    access = server.Access(logins=(("ann", "s3cret"),), api_keys=("sk-test-1",),
+    access = web_access.Access(logins=(("ann", "s3cret"),), api_keys=("sk-test-1",),
                            limits=Limits(in_flight=1, per_minute=6))
     running, fastapi_app = _serve(engine, TINY, access)
     try:
@@ -564,15 +565,15 @@ def test_ui_messages_count_against_the_per_minute_limit(guarded):
 
 
 def test_login_parsing_and_flags(tmp_path):
-    assert server.parse_logins("ann:pw, bob:a:b:c") == (("ann", "pw"), ("bob", "a:b:c"))
+    assert web_access.parse_logins("ann:pw, bob:a:b:c") == (("ann", "pw"), ("bob", "a:b:c"))
     with pytest.raises(ValueError, match="user:password"):
-        server.parse_logins("ann")
+        web_access.parse_logins("ann")
     f = tmp_path / "logins"
     f.write_text("# who may log in\nann:pw\n\ncarl:x,y\n")
-    assert server.read_login_file(str(f)) == (("ann", "pw"), ("carl", "x,y"))
+    assert web_access.read_login_file(str(f)) == (("ann", "pw"), ("carl", "x,y"))
     f.write_text("ann:\n")
     with pytest.raises(ValueError, match="line 1"):
-        server.read_login_file(str(f))
+        web_access.read_login_file(str(f))
     env = {"GEMMA4_AUTH": "ann:pw", "GEMMA4_API_KEY": "k1, k2", "GEMMA4_RATE_IN_FLIGHT": "2",
            "GEMMA4_RATE_PER_MINUTE": "30"}
     s = parse_settings([], environ=env)
@@ -587,15 +588,15 @@ def test_login_parsing_and_flags(tmp_path):
 
 
 def test_access_policy_and_warnings():
-    login = server.Access(logins=(("a", "b"),))
-    assert "GEMMA4_API_KEY" in server.api_closed_reason(login)
-    assert server.api_closed_reason(server.Access()) is None
-    assert server.api_closed_reason(server.Access(logins=(("a", "b"),), api_keys=("k",))) is None
-    (w,) = server.exposure_warnings(share=True, host="127.0.0.1", access=server.Access())
+    login = web_access.Access(logins=(("a", "b"),))
+    assert "GEMMA4_API_KEY" in web_access.api_closed_reason(login)
+    assert web_access.api_closed_reason(web_access.Access()) is None
+    assert web_access.api_closed_reason(web_access.Access(logins=(("a", "b"),), api_keys=("k",))) is None
+    (w,) = web_access.exposure_warnings(share=True, host="127.0.0.1", access=web_access.Access())
     assert "PUBLIC" in w and "GEMMA4_AUTH" in w and "/v1" in w
-    assert server.exposure_warnings(share=True, host="127.0.0.1", access=login) == []
-    assert server.exposure_warnings(share=False, host="127.0.0.1", access=server.Access()) == []
-    (w,) = server.exposure_warnings(share=False, host="0.0.0.0", access=server.Access())
+    assert web_access.exposure_warnings(share=True, host="127.0.0.1", access=login) == []
+    assert web_access.exposure_warnings(share=False, host="127.0.0.1", access=web_access.Access()) == []
+    (w,) = web_access.exposure_warnings(share=False, host="0.0.0.0", access=web_access.Access())
     assert "0.0.0.0" in w
 
 

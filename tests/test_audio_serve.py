@@ -430,11 +430,12 @@ def test_generate_with_audio_on_a_tiny_gemma4(tmp_path):
 def served(eng):
     """The demo and its /v1 API around the shared tiny engine, with an openai client."""
     openai = pytest.importorskip("openai")
+    from gemma4.web import access as web_access
     from gemma4.web import server
     from gemma4.web.ratelimit import Limits
     from tests.net import serve_demo
 
-    with serve_demo(eng, "random:tiny-e2b", server.Access(limits=Limits(in_flight=0, per_minute=0))) as (url, _):
+    with serve_demo(eng, "random:tiny-e2b", web_access.Access(limits=Limits(in_flight=0, per_minute=0))) as (url, _):
         yield url, openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=300)
 
 

@@ -57,7 +57,7 @@ def _non_blank(png: pathlib.Path) -> float:
 
 @pytest.fixture(scope="module")
 def served():
-    import app
+    from gemma4.ui import layout
     from gemma4.web.settings import Settings
     from gemma4.serve.engine import get_engine
 
@@ -66,8 +66,8 @@ def served():
     settings = Settings(model=MODEL, max_users=kw["max_batch"],
                         max_new_tokens_cap=kw["max_new_tokens_cap"], context=kw["context_limit"])
     engine = get_engine(model=MODEL, **kw)  # loads in the background; the page is served at once
-    demo = app.build_demo(engine, settings)
-    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=app.CSS,
+    demo = layout.build_demo(engine, settings)
+    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=layout.CSS,
                             server_port=_free_port())
     try:
         yield url, engine
@@ -211,15 +211,15 @@ SCRIPT = f"<|channel>thought\n{THOUGHT}<channel|>The capital of France is Paris.
 
 @pytest.fixture(scope="module")
 def served_gemma4():
-    import app
+    from gemma4.ui import layout
     from gemma4.web.settings import Settings
     from tests.scripted import TINY_GEMMA4, tiny_gemma4
 
     engine = tiny_gemma4()
     settings = Settings(model="random:tiny-e2b", max_users=TINY_GEMMA4["max_batch"],
                         context=TINY_GEMMA4["context_limit"], max_new_tokens_cap=128)
-    demo = app.build_demo(engine, settings)
-    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=app.CSS,
+    demo = layout.build_demo(engine, settings)
+    _, url, _ = demo.launch(prevent_thread_lock=True, quiet=True, css=layout.CSS,
                             server_port=_free_port())
     try:
         yield url, engine

@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Function-local imports that stay, each with why deferring it matters (measured; see the line).
 # (file, imported module) → reason. Everything else imports at the top of its module.
 DEFERRED_IMPORTS: dict[tuple[str, str], str] = {
-    # `import app` loads no jax and no engine (tests/test_app.py::test_import_loads_nothing):
-    # the page's layout is built before an engine exists; jax costs ~1.5 s.
-    ("app.py", "gemma4.ui.demo"): "the handlers run on an engine and import jax",
+    # `import app` loads no jax, no engine and no gradio (tests/test_app.py::test_import_loads_nothing);
+    # `app.main` starts the engine loading, then imports gradio (3–4 s) while it loads.
     ("app.py", "gemma4.serve"): "distributed's runtime imports jax",
     ("app.py", "gemma4.serve.engine"): "get_engine: jax",
+    ("app.py", "gemma4.ui.layout"): "gradio, imported while the engine loads",
+    ("app.py", "gemma4.web"): "server: gradio, as the layout",
     ("gemma4/web/server.py", "gemma4.web.api"): "the API routes run on the engine (jax)",
     ("gemma4/web/settings.py", "gemma4.plan"): "mesh parsing lives beside the jax mesh code",
     # The command line's quick paths (--help, usage errors, probe --simulate) stay jax-free:

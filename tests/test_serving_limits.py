@@ -161,11 +161,11 @@ def test_a_fault_that_loses_the_kv_cache_reallocates_it_and_says_so(engine):
 @pytest.fixture(scope="module")
 def served(engine):
     """The tiny engine behind an open server: (url, OpenAIApi, engine)."""
-    from gemma4.web import server
+    from gemma4.web import access as web_access
     from gemma4.web.ratelimit import Limits
     from tests.net import serve_demo
 
-    access = server.Access(limits=Limits(in_flight=0, per_minute=0))
+    access = web_access.Access(limits=Limits(in_flight=0, per_minute=0))
     with serve_demo(engine, "tiny", access) as (url, fastapi_app):
         yield url, fastapi_app.state.openai_api, engine
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("gradio_client")
 
-from gemma4.web import server
+from gemma4.web import access as web_access
 from gemma4.web.ratelimit import Limits
 from tests.net import serve_demo
 
@@ -44,7 +44,7 @@ def soak_server():
     from gemma4.serve.engine import get_engine
 
     engine = get_engine("bundled", **BUNDLED).wait_ready(timeout=1200)
-    access = server.Access(api_keys=tuple(KEYS), limits=Limits(in_flight=0, per_minute=0))
+    access = web_access.Access(api_keys=tuple(KEYS), limits=Limits(in_flight=0, per_minute=0))
     with serve_demo(engine, "bundled", access) as (url, _):
         yield url, engine
 

@@ -1,6 +1,6 @@
 """The demo's whole set of Gradio handlers: the chat's (`ChatHandlers`), the panels refreshed on a
 timer (status, model banner, queue, the model's defaults once it is ready; the Hardware tab), and
-the API for programs (`/generate`, `/engine_status`). `app.build_demo` wires them to the layout.
+the API for programs (`/generate`, `/engine_status`). `gemma4.ui.layout.build_demo` wires them to the page.
 """
 
 from __future__ import annotations

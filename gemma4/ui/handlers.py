@@ -4,8 +4,7 @@ the meters refreshed after each reply.
 `ChatHandlers` holds the engine and the app's settings and no per-user state (that lives in
 the Chatbot history and a `gr.State`). `gemma4.ui.demo.DemoApp` adds the timers and the API on
 top. They run on an engine, so this module imports the request layer (and with it jax) at the top;
-what the layout needs before an engine exists is `gemma4.ui.chat_controls`, so `import app` stays
-free of model work (`app.build_demo` imports `gemma4.ui.demo` once it has an engine).
+the page (`gemma4.ui.layout`) is built once an engine exists (`app.main` starts it loading first).
 """
 
 from __future__ import annotations

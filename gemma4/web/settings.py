@@ -21,7 +21,7 @@ from typing import Any
 
 from gemma4.env import EnvError, env_bool, env_int
 from gemma4.serve import distributed_flags
-from gemma4.web.server import Access, access_from_args, add_access_flags
+from gemma4.web.access import Access, access_from_args, add_access_flags
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
