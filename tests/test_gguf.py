@@ -320,6 +320,30 @@ def test_int4_plan_quantizes_each_tensor_as_quantize_params(tiny_file):
         np.testing.assert_array_equal(np.asarray(quant.dequantize(a)), np.asarray(quant.dequantize(b)))
 
 
+def test_the_header_is_parsed_once_per_file_and_again_when_it_changes(tmp_path):
+    """read_gguf keeps each file's parsed header (the config, the pre-flight and the loader all
+    read it at start-up): a second read parses nothing, a file rewritten in place is read anew."""
+    import os
+
+    cfg = _tiny_cfg()
+    path = _write_gguf(tmp_path / "once.gguf", cfg, _tiny_tensors(cfg))
+    gguf_file.read_header.cache_clear()
+    first = gguf_file.read_gguf(path)
+    second = gguf_file.read_gguf(path)
+    info = gguf_file.read_header.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    assert second.metadata == first.metadata and second.metadata is not first.metadata
+    assert list(second.tensors) == list(first.tensors)
+    np.testing.assert_array_equal(second.tensors["token_embd.weight"].data, first.tensors["token_embd.weight"].data)
+    bigger = _tiny_tensors(cfg)
+    bigger["token_embd.weight"] = bigger["token_embd.weight"] + 1.0
+    _write_gguf(path, cfg, bigger, q8=("token_embd.weight",))  # rewritten in place: new size and time
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1))
+    third = gguf_file.read_gguf(path)
+    assert gguf_file.read_header.cache_info().misses == 2
+    assert third.tensors["token_embd.weight"].type_name == "Q8_0" != first.tensors["token_embd.weight"].type_name
+
+
 def test_missing_tensor_names_tensor_and_file(tmp_path):
     cfg = _tiny_cfg()
     tensors = _tiny_tensors(cfg)
