@@ -124,6 +124,12 @@ def to_panels(q, scale, group: int | None):
     return qp, scale
 
 
+# One compiled program per leaf shape, not one per reshape and transpose in it (at a load: 47
+# programs → 7 for the bundled model; its int8 leaves reordered in 0.33 s instead of 1.0–1.1 s on a
+# 2-core Intel Xeon).
+_to_panels_jit = jax.jit(to_panels, static_argnums=2)
+
+
 def from_panels(qp, scale, group: int | None):
     """The inverse of `to_panels`."""
     xp = np if isinstance(qp, np.ndarray) else jnp
@@ -138,7 +144,8 @@ def as_panels(w: "QuantArray") -> "QuantArray":
     """The leaf in the panel layout (the same values; `paths` as given)."""
     if w.layout == "panels":
         return w
-    qp, sp = to_panels(w.q, w.scale, w.group_size)
+    reorder = to_panels if isinstance(w.q, np.ndarray) else _to_panels_jit
+    qp, sp = reorder(w.q, w.scale, w.group_size)
     return dataclasses.replace(w, q=qp, scale=sp, layout="panels")
 
 
