@@ -551,3 +551,39 @@ def test_greedy_reproduces_reference(bundled):
         lengths += 1
     for b, r in enumerate(ref):
         assert out[b] == r["greedy_ids"][:steps], r["prompt"]
+
+
+def test_npy_headers_are_read_without_the_ast_module(tmp_path, monkeypatch):
+    """The weight cache's .npy headers are read with regular expressions, never `ast` (numpy's
+    reader uses ast.literal_eval; on CPython 3.11 two threads in `ast` at once — the app imports
+    gradio while the engine reads the cache — failed with "AST constructor recursion depth
+    mismatch"). Same shape, order and dtype as numpy's reader, v1 and v3 headers."""
+    import ast
+
+    from gemma4.weights import gguf as G
+
+    arrays = [np.arange(12, dtype=np.int8).reshape(3, 4), np.zeros((640, 2048), np.float32)[:2],
+              np.float32(3.5) * np.ones(()), np.ones((5,), np.uint16)]
+    paths = []
+    for i, a in enumerate(arrays):
+        p = tmp_path / f"a{i}.npy"
+        np.save(p, a)
+        paths.append(p)
+    p3 = tmp_path / "v3.npy"
+    with open(p3, "wb") as f:
+        np.lib.format.write_array(f, arrays[0], version=(3, 0))
+    want = {p: np.load(p) for p in paths + [p3]}
+
+    def no_ast(*a, **k):
+        raise AssertionError("the ast module was used")
+
+    monkeypatch.setattr(ast, "literal_eval", no_ast)
+    monkeypatch.setattr(ast, "parse", no_ast)
+    for p, a in want.items():
+        got = G.read_npy(p)
+        assert got.dtype == a.dtype and got.shape == a.shape
+        np.testing.assert_array_equal(got, a)
+    bad = tmp_path / "bad.npy"
+    bad.write_bytes(b"\x93NUMPY\x01\x00" + (20).to_bytes(2, "little") + b"{'descr': [1]}      ")
+    with pytest.raises(ValueError, match="unreadable .npy header"):
+        G.read_npy(bad)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -226,13 +227,33 @@ def _read_manifest(folder: Path, wanted: dict[str, str]) -> dict | None:
     return manifest
 
 
-def _read_npy(path: Path) -> np.ndarray:
+_NPY_DESCR = re.compile(r"'descr':\s*'([^']+)'")
+_NPY_FORTRAN = re.compile(r"'fortran_order':\s*(True|False)")
+_NPY_SHAPE = re.compile(r"'shape':\s*\(([0-9,\s]*)\)")
+
+
+def npy_header(f, path: Path) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) of the .npy file open at its start, read with regular
+    expressions. Not numpy's reader: that one parses the header with `ast.literal_eval`, and on
+    CPython 3.11 (up to 3.11.7 at least) two threads in the `ast` module at once can fail with
+    "SystemError: AST constructor recursion depth mismatch" — the app imports gradio (whose
+    components call `ast.parse` as they are defined) while the engine reads these files."""
+    magic = f.read(8)
+    if magic[:6] != b"\x93NUMPY" or magic[6] not in (1, 2, 3):
+        raise ValueError(f"{path}: not a .npy file")
+    size = int.from_bytes(f.read(2 if magic[6] == 1 else 4), "little")
+    header = f.read(size).decode("latin1" if magic[6] < 3 else "utf8")
+    descr, fortran, shape = _NPY_DESCR.search(header), _NPY_FORTRAN.search(header), _NPY_SHAPE.search(header)
+    if not (descr and fortran and shape):
+        raise ValueError(f"{path}: unreadable .npy header {header.strip()!r}")
+    dims = tuple(int(d) for d in shape.group(1).split(",") if d.strip())
+    return dims, fortran.group(1) == "True", np.dtype(descr.group(1))
+
+
+def read_npy(path: Path) -> np.ndarray:
     """A .npy file read into a 64-byte-aligned buffer (which jax then adopts without a copy)."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, fortran, dtype = read_header(f)
+        shape, fortran, dtype = npy_header(f, path)
         if fortran or dtype.hasobject:
             raise ValueError(f"{path}: not a plain C-ordered array")
         out = host_empty(shape, dtype)
@@ -379,7 +400,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
                 if cached:
                     entry = manifest["tensors"][name]
                     qf, sf = _int8_files(name)
-                    q, scale = _read_npy(folder / qf), _read_npy(folder / sf)
+                    q, scale = read_npy(folder / qf), read_npy(folder / sf)
                     group, exact = entry.get("group_size"), bool(entry.get("exact"))
                     want_scale = (spec.shape[0],) if group is None else (spec.shape[0], spec.shape[1] // group)
                     if tuple(q.shape) != spec.shape or q.dtype != np.int8 or tuple(scale.shape) != want_scale:
@@ -392,7 +413,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
                 entries[name] = {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
                 del q, scale
             else:
-                arr = _read_npy(folder / _cache_file(name)) if cached else dequantize_tensor(tensor)
+                arr = read_npy(folder / _cache_file(name)) if cached else dequantize_tensor(tensor)
                 if tuple(arr.shape) != spec.shape or arr.dtype != np.float32:  # a foreign cache entry
                     raise _foreign(name, arr, spec.shape, folder)
                 if writer is not None:
