@@ -172,6 +172,10 @@ def main(argv=None) -> dict:
     load0 = os.getloadavg()
     engine = Engine(args.model, max_batch=8, context_limit=4096, buckets=(512,), warmup=False)
     engine.wait_ready(3600)
+    if args.kv not in engine.kv_lengths:  # the engine compiles steps for these cache lengths only
+        sys.exit(f"--kv {args.kv}: this engine's cache lengths are {', '.join(map(str, engine.kv_lengths))} "
+                 f"(one length where the native cache attention reads every full layer; "
+                 f"GEMMA4_ATTENTION=xla gives the 512..4096 ladder)")
     fill_cache(engine, min(args.kv, engine.context_limit) - 65)
     plan = engine.plan
     out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {},

@@ -75,7 +75,7 @@ from gemma4.model.params import count_bytes
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
-from gemma4.serve import executable_store, step_link
+from gemma4.serve import executable_store, heap, step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
                                          MIXED_CHUNK, mixed_widths, next_chunk, override_limit, prefill_order)
@@ -611,6 +611,7 @@ class Engine:
             plan, params, self.overrides,
             progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg), release=True)
         self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
+        heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
         # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
         params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
         self.encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")

@@ -1,0 +1,71 @@
+"""gemma4.serve.heap: freed memory goes back to the system, on request and after each compile."""
+
+from __future__ import annotations
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4.serve import engine_compile as EC
+from gemma4.serve import heap
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_release_returns_freed_heap_memory_to_the_system():
+    """Chunks below glibc's mmap threshold live in the heap; freed, they stay resident until
+    malloc_trim. The test platform (Linux, glibc) must have it: no skip."""
+    assert platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert heap._malloc_trim() is not None
+    heap.release()
+    # 2,000 × 64 KiB, each below the mmap threshold, then all but the last freed (the last keeps
+    # the heap's top in use, so only malloc_trim's page-wise release can hand the rest back).
+    blocks = [bytearray(64 << 10) for _ in range(2000)]
+    for b in blocks:
+        b[::4096] = b"\1" * len(b[::4096])  # touch every page
+    keep = blocks.pop()
+    before = _rss_mib()
+    del blocks
+    after_free = _rss_mib()
+    assert heap.release()
+    after_release = _rss_mib()
+    assert before - after_release > 60, (before, after_free, after_release)
+    assert after_free - after_release > 30, (before, after_free, after_release)
+    del keep
+
+
+def test_release_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("GEMMA4_MALLOC_TRIM", "off")
+    assert not heap.enabled() and heap.release() is False
+    monkeypatch.setenv("GEMMA4_MALLOC_TRIM", "on")
+    assert heap.enabled()
+    assert heap.enabled({}) and not heap.enabled({"GEMMA4_MALLOC_TRIM": "0"})
+
+
+def test_every_compile_releases_after_it(monkeypatch):
+    """A shape's compile (or store load) releases the temporaries it freed, also when it fails."""
+    released = []
+    monkeypatch.setattr(heap, "release", lambda: released.append(1) or True)
+    step = jax.jit(lambda x: x + 1)
+    shapes = EC.CompiledShapes(lambda key: step.lower(jax.ShapeDtypeStruct((key[1],), jnp.float32)), lambda: True)
+    exe = shapes.compile(("prefill", 3, True))
+    assert np.asarray(exe(np.zeros(3, np.float32))).tolist() == [1, 1, 1] and released == [1]
+
+    def broken(key):
+        raise RuntimeError("no lowering")
+
+    try:
+        EC.CompiledShapes(broken, lambda: True).compile(("prefill", 3, True))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("a failed lowering must raise")
+    assert released == [1, 1]
