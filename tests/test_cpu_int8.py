@@ -67,6 +67,41 @@ def test_native_matches_float64_reference(isa, m):
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["portable", "avx512-vnni"])
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+def test_int8_activation_gemm_is_exact_on_its_quantized_activations(isa, layout):
+    """The integer sums are exact: against float64 on the same int8 activations (one scale per 32
+    inputs) the only error is float rounding, for every group kind, tile tails (rows 1..13) and
+    fused weights; against the unquantized activations it is the quantization's (~1e-2)."""
+    if not cpu_int8.isa_supported(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    rng = np.random.default_rng(5)
+    k = 640
+    ws = [_leaf(rng, n, k, group) for n, group in ((64, None), (96, 16), (32, 32), (64, 64), (32, 128))]
+    call = cpu_int8.gemm_i8_panels if layout == "panels" else cpu_int8.gemm_i8
+    stored = [quant.as_panels(w) if layout == "panels" else w for w in ws]
+    for m in (1, 5, 13):
+        x = _x(rng, m, k)
+        ys = jax.jit(lambda x, ws: call(x, [(w.q, w.scale, w.group_size) for w in ws], isa))(x, stored)
+        for w, y in zip(ws, ys):
+            q, scale = np.asarray(w.q), np.asarray(w.scale)
+            assert _rel(y, cpu_int8.reference_i8(x, q, scale, w.group_size)) < 1e-5, (m, w.group_size)
+            assert 1e-4 < _rel(y, cpu_int8.reference(x, q, scale, w.group_size)) < tuning_report.INT8_ACTIVATION_BOUND
+
+
+@needs_kernel
+def test_int8_activation_gemm_refuses_bad_shapes():
+    rng = np.random.default_rng(0)
+    w = _leaf(rng, 32, 48, None)  # K = 48: not whole blocks of 32
+    with pytest.raises(Exception, match="multiple of 32"):
+        cpu_int8.gemm_i8(jnp.ones((9, 48)), [(w.q, w.scale, None)])
+    w = _leaf(rng, 32, 64, 8)  # a group of 8 inputs: narrower than a flush
+    with pytest.raises(Exception, match="group"):
+        cpu_int8.gemm_i8(jnp.ones((9, 64)), [(w.q, w.scale, 8)])
+    assert not cpu_int8.gemm_i8_shape_ok(24, 64, None) and cpu_int8.gemm_i8_shape_ok(32, 64, 16)
+
+
+@needs_kernel
 def test_kernel_refuses_bad_shapes_with_a_message():
     rng = np.random.default_rng(0)
     vector_isas = [isa for isa in ("avx512-vnni", "avx512", "avx-vnni", "avx2") if cpu_int8.isa_supported(isa)]
@@ -88,13 +123,15 @@ def test_every_accurate_path_matches_the_dequantized_product(path, group):
     ref_q, ref_s = np.asarray(w.q), np.asarray(w.scale)
     if path == "native-panels":
         w = quant.as_panels(w)
+    # The int8-activation GEMM is exact up to float rounding against its own quantized activations.
+    reference = cpu_int8.reference_i8 if path in tuning_report.INT8_ACTIVATION_PATHS else cpu_int8.reference
     ran = 0
     for m in (1, 4, 24):
         if not int8_matmul.eligible(path, m, 256, group, native_ok, 320, w.layout):
             continue
         x = _x(rng, m, 256)
         y = jax.jit(lambda x, q, s: int8_matmul.run(path, x, q, s, group, w.layout))(x, w.q, w.scale)
-        assert _rel(y, cpu_int8.reference(x, ref_q, ref_s, group)) < tuning_report.ACCURACY_BOUND, (path, m)
+        assert _rel(y, reference(x, ref_q, ref_s, group)) < tuning_report.ACCURACY_BOUND, (path, m)
         ran += 1
     if not ran and path.startswith("native"):
         pytest.skip(f"this CPU has no native kernel path {path}: {STATUS.message}")
@@ -385,6 +422,36 @@ def test_tuning_chooses_accurate_paths_caches_and_applies(tmp_path, monkeypatch)
     assert all(leaf.paths for leaf in jax.tree.leaves(tuned, is_leaf=quant.is_quantized)
                if isinstance(leaf, quant.QuantArray))
     assert "product" in tuning_report.format_table(tuning)
+
+
+def test_int8_activations_are_a_candidate_only_where_allowed_and_the_input_is_normalized():
+    """products() marks the shapes every leaf of which reads an RMSNorm's output (q/k/v/gate/up);
+    the int8-activation GEMM is measured only for those, and only with activations="int8"."""
+    cfg, params = _tiny_int8_params()
+    prods = cpu_tuning.products(params)
+    roles = {}
+    for path, leaf in cpu_tuning._leaves_with_paths(params):
+        if path[0] == "layers":
+            roles.setdefault((*leaf.shape, leaf.group_size), set()).add(path[-1])
+    assert roles, "the tiny model has decoder layers"
+    for prod in prods:
+        names = roles.get((prod.n, prod.k, prod.group))
+        if names:
+            assert prod.int8_input == (names <= set(cpu_tuning.INT8_INPUT_LEAVES)), (prod, names)
+    assert any(p.int8_input for p in prods) and any(not p.int8_input and not p.decode_only for p in prods)
+    rng = np.random.default_rng(0)
+    w = _leaf(rng, 64, 256, 32)
+    for int8_input in (True, False):
+        prod = cpu_tuning.Product(64, 256, 32, False, int8_input=int8_input)
+        for activations in ("int16", "int8"):
+            result = cpu_tuning.measure(prod, w, 64, STATUS.ok, rng, activations=activations)
+            timed = "native-gemm-i8" in result["timings_ms"]
+            assert timed == (int8_input and activations == "int8" and cpu_int8.gemm_i8_supported(64, 256, 32))
+            if timed:
+                assert result["errors"]["native-gemm-i8"] < tuning_report.INT8_ACTIVATION_BOUND
+    with pytest.raises(ValueError, match="activations"):
+        cpu_tuning.tune(params, native_ok=STATUS.ok, activations="int4")
+    assert hardware.normalize_overrides({}, {"GEMMA4_INT8_ACTIVATIONS": "int8"})["int8_activations"] == "int8"
 
 
 def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):

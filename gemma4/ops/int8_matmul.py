@@ -19,6 +19,12 @@ layout (`gemma4.ops.quant.to_panels`) — and return float32 [M, N].
                  by register tiles of 6 rows
                  (AVX512-VNNI vpdpwssd: twice a float32 FMA's products per instruction), with the
                  same int16 activations, so no float weight is ever written. Fused like `native`.
+    native-gemm-i8  the GEMM with int8 activations (`cpu_int8.gemm_i8`, `gemm_i8_panels`): one
+                 scale per 32 inputs of each row, AVX512-VNNI `vpdpbusd` (four products per
+                 lane where vpdpwssd sums two). Its error is the activations' rounding (~1e-2 of a
+                 product's largest output with Gemma-like outlier channels, against ~1e-4 for
+                 int16), so it is a candidate only where the plan allows int8 activations
+                 (`gemma4.plan.cpu_tuning`, GEMMA4_INT8_ACTIVATIONS); either layout. Fused like `native`.
     xla-fused    convert·multiply + row reduction, which XLA:CPU fuses into one loop (fast on some
                  AMD CPUs, 40× slower than a float32 dot on some Intel ones).
     xla-chunked  dequantize a few hundred output rows at a time inside a lax.map, dot each chunk.
@@ -126,12 +132,14 @@ def native_sliced(x2, weights) -> list:
 
 
 # The paths that read a weight stored as panels (every other path reads rows).
-PANEL_PATHS = ("native-panels", "native-gemm")
+PANEL_PATHS = ("native-panels", "native-gemm", "native-gemm-i8")
 
 
 def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: int = 0,
              layout: str = "rows") -> bool:
     """Whether `path` can run this product at all (not whether it is fast); `n` = output rows."""
+    if path == "native-gemm-i8":  # reads either layout
+        return native_ok and m > cpu_int8.MAX_ROWS and cpu_int8.gemm_i8_supported(n, k, group)
     if layout == "panels":
         if path == "native-panels":
             return native_ok and cpu_int8.panels_supported()
@@ -174,12 +182,14 @@ def run(path: str, x2, q, scale, group, layout: str = "rows"):
 
 
 # The paths through the native kernel: several weights on one activation run as one call.
-NATIVE_PATHS = ("native-panels", "native", "native-gemm")
+NATIVE_PATHS = ("native-panels", "native", "native-gemm", "native-gemm-i8")
 
 
 def run_many(x2, weights: list[tuple], path: str, layout: str = "rows") -> list:
     """Several int8 weights (q, scale, group), all in `layout`, on one activation through one native
     path: one call (per 8-row slice for `native`), one activation quantization."""
+    if path == "native-gemm-i8":
+        return (cpu_int8.gemm_i8_panels if layout == "panels" else cpu_int8.gemm_i8)(x2, weights)
     if layout == "panels":
         if path == "native-gemm":
             return cpu_int8.gemm_panels(x2, weights)

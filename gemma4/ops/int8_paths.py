@@ -3,4 +3,4 @@ they are measured and shown: native first, the likely winner. `native-panels` an
 are the two that run a weight stored as panels (`QuantArray.layout`); the others read rows. Without JAX, so the reports that
 list the paths (`gemma4.plan.tuning_report`, the app's Hardware panel) load none."""
 
-PATHS = ("native-panels", "native", "native-gemm", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")
+PATHS = ("native-panels", "native", "native-gemm", "native-gemm-i8", "xla-fused", "xla-chunked", "xla-dequant", "xla-i8x2", "xla-i8")

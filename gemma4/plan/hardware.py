@@ -21,6 +21,7 @@ Overrides come from environment variables or a dict / CLI flags with the same na
     GEMMA4_MATMUL_PRECISION  auto | none | default | high | highest | bfloat16 | tensorfloat32 | float32
     GEMMA4_INT8_MATMUL       auto | measure | default | native-panels | native | xla-fused | xla-chunked | xla-i8x2 | xla-i8
     GEMMA4_INT8_LAYOUT       auto | rows | panels  (panels: int8 weights stored for the native panel product)
+    GEMMA4_INT8_ACTIVATIONS  auto | int16 | int8  (int8: prefill GEMMs may quantize activations to int8 per 32 inputs)
     GEMMA4_NATIVE_KERNEL     auto | off     (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
     GEMMA4_ALLOW_FALLBACK    0 | 1
 
@@ -156,7 +157,8 @@ ENV_KEYS = {
     "dtype": "GEMMA4_DTYPE", "weights": "GEMMA4_WEIGHTS", "kv": "GEMMA4_KV", "attention": "GEMMA4_ATTENTION",
     "int4_kernel": "GEMMA4_INT4_KERNEL", "matmul_precision": "GEMMA4_MATMUL_PRECISION",
     "embed_weights": "GEMMA4_EMBED_WEIGHTS", "int8_matmul": "GEMMA4_INT8_MATMUL",
-    "int8_layout": "GEMMA4_INT8_LAYOUT", "encoder_dtype": "GEMMA4_ENCODER_DTYPE",
+    "int8_layout": "GEMMA4_INT8_LAYOUT", "int8_activations": "GEMMA4_INT8_ACTIVATIONS",
+    "encoder_dtype": "GEMMA4_ENCODER_DTYPE",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
 _DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
@@ -166,6 +168,7 @@ _ALLOWED = {
     "int4_kernel": ("pallas", "xla"),
     "int8_matmul": ("measure", "default", "native-panels", "native", "xla-fused", "xla-chunked", "xla-i8x2", "xla-i8"),
     "int8_layout": ("rows", "panels"),
+    "int8_activations": ("int16", "int8"),
     "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
 }
 

@@ -172,6 +172,13 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
     return plan, report
 
 
+# Activations of the prefill GEMMs unless GEMMA4_INT8_ACTIVATIONS says otherwise: int16 (every
+# product within 3e-3 of float64). int8 per 32 inputs (the native int8-activation GEMM) is
+# opt-in: its products are ~1e-2 off, and whether the model's answers stay the same is measured
+# on its tokens (bench/compare.py's agreement; docs/hardware-policy.md), not per product.
+DEFAULT_INT8_ACTIVATIONS = "int16"
+
+
 def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
                        env: Mapping[str, str] | None = None, progress=None,
                        release: bool = False) -> tuple[Any, Plan, dict | None]:
@@ -228,14 +235,19 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
             raise PolicyError(msg + "; use GEMMA4_INT8_MATMUL=auto")
         want, warning = "measure", msg
     if want == "measure":
-        tuning = cpu_tuning.tune(params, native_ok, progress=progress, layout=ov.get("int8_layout"))
+        activations = ov.get("int8_activations", DEFAULT_INT8_ACTIVATIONS)
+        tuning = cpu_tuning.tune(params, native_ok, progress=progress, layout=ov.get("int8_layout"),
+                                 activations=activations)
         params = cpu_tuning.apply(params, tuning, release=release)
         report["tuning"] = tuning
         how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
         layout = tuning["layout"]
+        acts = ("int8 per 32 inputs allowed for prefill products (GEMMA4_INT8_ACTIVATIONS=int8; their check: within "
+                f"{tuning_report.INT8_ACTIVATION_BOUND:.0e})" if activations == "int8" else
+                "int16 (GEMMA4_INT8_ACTIVATIONS=int8 would let prefill products use int8)")
         choice = Choice("measured", f"int8 weights stored as {layout['layout']} ({layout['reason']}); fastest path "
                                     f"within {tuning_report.ACCURACY_BOUND:.0e} of float64 per product and "
-                                    f"row count ({how}): {tuning_report.summary(tuning)}; {note}",
+                                    f"row count ({how}): {tuning_report.summary(tuning)}; activations {acts}; {note}",
                         "fallback" if warning else "auto")
     else:
         params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok, release=release)

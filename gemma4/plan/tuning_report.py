@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from gemma4.ops.int8_paths import PATHS
 
-ACCURACY_BOUND = 3e-3  # max |y − ref| / max |ref|; int8 activations (~1e-2 … 6e-2) fail it
+ACCURACY_BOUND = 3e-3  # max |y − ref| / max |ref|; per-row int8 activations (~1e-2 … 6e-2) fail it
+# The int8-activation GEMM (one scale per 32 inputs) is ~1-2e-2 off on the same test data: its
+# rounding is the activations' own. It runs only where the plan allows int8 activations, and
+# its bound is a sanity check (a broken kernel is off by O(1)); whether the model still answers
+# the same is measured on the model's tokens (bench/compare.py's agreement).
+INT8_ACTIVATION_PATHS = ("native-gemm-i8",)
+INT8_ACTIVATION_BOUND = 4e-2
+
+
+def accuracy_bound(path: str) -> float:
+    """The relative error a path may show in the tuning's check and still be timed."""
+    return INT8_ACTIVATION_BOUND if path in INT8_ACTIVATION_PATHS else ACCURACY_BOUND
 
 
 def summary(tuning: dict) -> str:
@@ -49,14 +60,15 @@ def format_table(tuning: dict) -> str:
         cells = []
         for p in paths:
             t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
-            if err is not None and err > ACCURACY_BOUND:
+            if err is not None and err > accuracy_bound(p):
                 cell = f"err {err:.0e}"
             else:
                 cell = "failed" if t is None else f"{t:.3f}" if t != "" else ""
             cells.append(f"{cell:>13}")
         lines.append(f"  {r['product']:<24}{r['rows']:>5}  {r['choice']:<12}{_gflops(r):>8}" + "".join(cells))
     lines.append(f"  (ms per call, best of repeated runs; GFLOP/s of the choice = 2·rows·N·K / its time; "
-                 f"'err' = relative error above {ACCURACY_BOUND:.0e}: not timed)")
+                 f"'err' = relative error above {ACCURACY_BOUND:.0e} "
+                 f"({INT8_ACTIVATION_BOUND:.0e} for int8 activations): not timed)")
     return "\n".join(lines)
 
 
@@ -69,10 +81,10 @@ def markdown_table(tuning: dict) -> str:
         cells = []
         for p in paths:
             t, err = r["timings_ms"].get(p, ""), r["errors"].get(p)
-            cells.append(f"err {err:.0e}" if err is not None and err > ACCURACY_BOUND else
+            cells.append(f"err {err:.0e}" if err is not None and err > accuracy_bound(p) else
                          "failed" if t is None else f"{t:.3f}" if t != "" else "")
         lines.append(f"| {r['product']} | {r['rows']} | **{r['choice']}** | {_gflops(r)} | " + " | ".join(cells) + " |")
     how = "read from this machine's cache" if tuning.get("cached") else f"measured in {tuning.get('seconds', 0):.1f} s"
     lines.append(f"\nms per call ({how}); GFLOP/s of the choice = 2·rows·N·K / its time; 'err' = relative error "
-                 f"above {ACCURACY_BOUND:.0e}, not timed.")
+                 f"above {ACCURACY_BOUND:.0e} ({INT8_ACTIVATION_BOUND:.0e} for int8 activations), not timed.")
     return "\n".join(lines)

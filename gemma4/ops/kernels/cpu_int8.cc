@@ -889,6 +889,276 @@ ffi::Error Int8GemmPanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   return Int8GemmImpl(pool, x, args, rets, groups, isa, true);
 }
 
+
+// ================================================================ GEMM with int8 activations
+// For prefill-sized products where the plan allows it (GEMMA4_INT8_ACTIVATIONS=int8; see
+// gemma4.plan.cpu_tuning): the activations are quantized to int8 with one scale per block of 32
+// inputs (as llama.cpp's Q8_0 activations; per-row int8 was 2e-2 … 2e-1 off with Gemma's outlier
+// channels, a scale per 32 inputs keeps an outlier's coarseness to its own block), and each
+// vpdpbusd sums four products per int32 lane where vpdpwssd sums two. vpdpbusd multiplies
+// unsigned by signed bytes: the weights are packed as q + 128 (unsigned) and each accumulation
+// starts at -128 · (sum of the block's quantized activations), which takes the offset out again,
+// so the integer sums are exactly sum(q · xq). Flushes: every 32 inputs (16 for a weight with
+// 16-input groups), scaled by the weight's scale times the activation block's.
+constexpr int64_t kI8Block = 32;  // activation inputs per int8 scale
+// Activation rows per register tile: 4 rows × 32 outputs keep 8 int32 and 8 float32 accumulators,
+// the two weight vectors and the scales in registers; with 6 rows GCC 12 kept the float
+// accumulators on the stack (measured: no faster than the int16 GEMM on a 2-core Intel Xeon).
+constexpr int kI8Tile = 4;
+
+struct GemmI8Problem {
+  int64_t m = 0, k = 0;
+  std::vector<int8_t> xq;     // [m, k]
+  std::vector<float> sx;      // [m, k / 32]
+  std::vector<int32_t> c16;   // [m, k / 16]: -128 · sum of xq over each 16 inputs
+  std::vector<int32_t> c32;   // [m, k / 32]: the same over each 32
+  std::vector<Weight> weights;
+};
+
+inline int64_t GemmI8Flush(const Weight& w) { return w.group == 16 ? 16 : kI8Block; }
+
+// One row → int8 per block of 32 (scale max |x| / 127, round to nearest even) and the offsets.
+void QuantizeRowI8(const float* xr, int64_t k, int8_t* out, float* s, int32_t* c16, int32_t* c32) {
+  for (int64_t b = 0; b < k / kI8Block; ++b) {
+    const float* xb = xr + b * kI8Block;
+    float amax = 0.f;
+    for (int i = 0; i < kI8Block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    const float inv = 1.f / sc;
+    int32_t half[2] = {0, 0};
+    for (int i = 0; i < kI8Block; ++i) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inv)));
+      out[b * kI8Block + i] = int8_t(v);
+      half[i / 16] += int32_t(v);
+    }
+    s[b] = sc;
+    c16[2 * b] = -128 * half[0];
+    c16[2 * b + 1] = -128 * half[1];
+    c32[b] = c16[2 * b] + c16[2 * b + 1];
+  }
+}
+
+// The same values with AVX-512 (cvtps rounds to nearest even, as nearbyint does by default).
+__attribute__((target("avx512f,avx512bw"))) void QuantizeRowI8Avx512(const float* xr, int64_t k, int8_t* out,
+                                                                     float* s, int32_t* c16, int32_t* c32) {
+  const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+  for (int64_t b = 0; b < k / kI8Block; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(xr + b * kI8Block), x1 = _mm512_loadu_ps(xr + b * kI8Block + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / sc);
+    const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), lim), neg);
+    const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv)), lim), neg);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kI8Block), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + b * kI8Block + 16), _mm512_cvtepi32_epi8(q1));
+    s[b] = sc;
+    c16[2 * b] = -128 * _mm512_reduce_add_epi32(q0);
+    c16[2 * b + 1] = -128 * _mm512_reduce_add_epi32(q1);
+    c32[b] = c16[2 * b] + c16[2 * b + 1];
+  }
+}
+
+void GemmI8QuantizeRows(const float* x, GemmI8Problem& p, int64_t m0, int64_t m1, bool avx512) {
+  const int64_t nb = p.k / kI8Block;
+  for (int64_t m = m0; m < m1; ++m) {
+    auto* fn = avx512 ? &QuantizeRowI8Avx512 : &QuantizeRowI8;
+    fn(x + m * p.k, p.k, p.xq.data() + m * p.k, p.sx.data() + m * nb, p.c16.data() + m * 2 * nb, p.c32.data() + m * nb);
+  }
+}
+
+// Panel o0..o0+kPanel of weight w as quads: wq[p * kPanel + j] = the bytes q[o0+j][4p..4p+3] + 128.
+void PackQuads(const Weight& w, int64_t k, int64_t o0, uint32_t* wq) {
+  for (int j = 0; j < kPanel; ++j) {
+    const int64_t r = o0 + j;
+    for (int64_t p = 0; p < k / 4; ++p) {
+      uint32_t v;
+      if (w.panels) {  // pairs 2p and 2p + 1 of row r: bytes 2(r % 16), +1 of its 16-row panel
+        const int8_t* panel = w.q + (r / 16) * (k / 2) * 32 + 2 * (r % 16);
+        uint16_t a, b;
+        std::memcpy(&a, panel + (2 * p) * 32, 2);
+        std::memcpy(&b, panel + (2 * p + 1) * 32, 2);
+        v = uint32_t(a) | (uint32_t(b) << 16);
+      } else {
+        std::memcpy(&v, w.q + r * k + 4 * p, 4);
+      }
+      wq[p * kPanel + j] = v ^ 0x80808080u;  // int8 + 128 as unsigned bytes
+    }
+  }
+}
+
+// sp[f * kPanel + j] = the weight scale of flush f (of `flush` inputs) for row o0 + j.
+void PackI8Scales(const Weight& w, int64_t k, int64_t o0, int64_t flush, float* sp) {
+  const int64_t groups = w.group ? k / w.group : 0;
+  for (int j = 0; j < kPanel; ++j) {
+    const int64_t r = o0 + j;
+    for (int64_t f = 0; f < k / flush; ++f) {
+      const int64_t g = w.group ? f * flush / w.group : 0;
+      if (!w.group) {
+        sp[f * kPanel + j] = w.scale[r];
+      } else if (w.panels) {
+        sp[f * kPanel + j] = w.scale[((r / 16) * groups + g) * 16 + r % 16];
+      } else {
+        sp[f * kPanel + j] = w.scale[r * groups + g];
+      }
+    }
+  }
+}
+
+// vpdpbusd (acc += four u8 × s8 products per lane) with the activation quad broadcast from memory.
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i Dpbusd(__m512i acc, __m512i w,
+                                                                                  __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
+
+// Rows m0..m0+mr of y (+)= x[.., k0..k1] · panel, portable: the same integer sums per flush.
+void GemmI8TilePortable(const GemmI8Problem& p, int mr, int64_t m0, int64_t k0, int64_t k1, int64_t flush,
+                        const uint32_t* wq, const float* sp, float* y, int64_t ldy, bool first) {
+  const int64_t nb = p.k / kI8Block;
+  for (int mi = 0; mi < mr; ++mi) {
+    const int64_t m = m0 + mi;
+    const int8_t* xr = p.xq.data() + m * p.k;
+    for (int j = 0; j < kPanel; ++j) {
+      float acc = 0.f;
+      for (int64_t a = k0; a < k1; a += flush) {
+        int32_t s = flush == 16 ? p.c16[m * 2 * nb + a / 16] : p.c32[m * nb + a / 32];
+        for (int64_t i = a; i < a + flush; ++i) {
+          const uint8_t wu = uint8_t(wq[(i / 4) * kPanel + j] >> (8 * (i % 4)));
+          s += int32_t(wu) * int32_t(xr[i]);
+        }
+        acc += float(s) * (sp[(a / flush) * kPanel + j] * p.sx[m * nb + a / kI8Block]);
+      }
+      float* out = y + m * ldy + j;
+      *out = (first ? 0.f : *out) + acc;
+    }
+  }
+}
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void GemmI8TileVnni(
+    const GemmI8Problem& p, int64_t m0, int64_t k0, int64_t k1, int64_t flush, const uint32_t* wq,
+    const float* sp, float* y, int64_t ldy, bool first) {
+  const int64_t nb = p.k / kI8Block;
+  __m512 f0[MR], f1[MR];
+  for (int i = 0; i < MR; ++i) f0[i] = f1[i] = _mm512_setzero_ps();
+  const int8_t* xr[MR];
+  for (int i = 0; i < MR; ++i) xr[i] = p.xq.data() + (m0 + i) * p.k;
+  for (int64_t a = k0; a < k1; a += flush) {
+    __m512i a0[MR], a1[MR];
+    for (int i = 0; i < MR; ++i) {  // the offset of the u8 weights, taken out up front
+      const int64_t m = m0 + i;
+      a0[i] = a1[i] = _mm512_set1_epi32(flush == 16 ? p.c16[m * 2 * nb + a / 16] : p.c32[m * nb + a / 32]);
+    }
+    const uint32_t* w = wq + (a / 4) * kPanel;
+    for (int64_t i4 = a; i4 < a + flush; i4 += 4, w += kPanel) {
+      const __m512i w0 = _mm512_load_si512(w), w1 = _mm512_load_si512(w + 16);
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xr[i] + i4, sizeof quad);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        a0[i] = Dpbusd(a0[i], w0, xb);
+        a1[i] = Dpbusd(a1[i], w1, xb);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(sp + (a / flush) * kPanel), s1 = _mm512_loadu_ps(sp + (a / flush) * kPanel + 16);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sx = _mm512_set1_ps(p.sx[(m0 + i) * nb + a / kI8Block]);
+      f0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), _mm512_mul_ps(s0, sx), f0[i]);
+      f1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), _mm512_mul_ps(s1, sx), f1[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float* out = y + (m0 + i) * ldy;
+    if (first) {
+      _mm512_storeu_ps(out, f0[i]);
+      _mm512_storeu_ps(out + 16, f1[i]);
+    } else {
+      _mm512_storeu_ps(out, _mm512_add_ps(f0[i], _mm512_loadu_ps(out)));
+      _mm512_storeu_ps(out + 16, _mm512_add_ps(f1[i], _mm512_loadu_ps(out + 16)));
+    }
+  }
+}
+
+using GemmI8TileFn = void (*)(const GemmI8Problem&, int64_t, int64_t, int64_t, int64_t, const uint32_t*,
+                              const float*, float*, int64_t, bool);
+
+void GemmI8Panel(const GemmI8Problem& p, const Weight& w, int64_t o0, bool vnni) {
+  static thread_local PanelBuffer buf;
+  const int64_t k = p.k, flush = GemmI8Flush(w);
+  uint32_t* wq = reinterpret_cast<uint32_t*>(buf.Aligned(k / 4 * kPanel));
+  buf.sp.resize(size_t(k / flush) * kPanel);
+  PackQuads(w, k, o0, wq);
+  PackI8Scales(w, k, o0, flush, buf.sp.data());
+  static constexpr GemmI8TileFn tiles[kI8Tile] = {&GemmI8TileVnni<1>, &GemmI8TileVnni<2>, &GemmI8TileVnni<3>,
+                                                    &GemmI8TileVnni<4>};
+  // A tile runs the whole of K: the packed panel (K · 32 bytes, 20 KB for K = 640) is read from L1
+  // or L2 by every tile, and a tile's accumulators are set up and stored once.
+  float* y = w.y + o0;
+  for (int64_t m0 = 0; m0 < p.m; m0 += kI8Tile) {
+    const int mr = int(std::min<int64_t>(kI8Tile, p.m - m0));
+    if (vnni) {
+      tiles[mr - 1](p, m0, 0, k, flush, wq, buf.sp.data(), y, w.n, true);
+    } else {
+      GemmI8TilePortable(p, mr, m0, 0, k, flush, wq, buf.sp.data(), y, w.n, true);
+    }
+  }
+}
+
+struct GemmI8Task {
+  GemmI8Problem problem;
+  const float* x = nullptr;
+  bool vnni = false, avx512 = false;
+  std::vector<std::pair<int, int64_t>> units;  // (weight, first output row of a 32-row panel)
+
+  void Quantize(int64_t r0, int64_t r1) { GemmI8QuantizeRows(x, problem, r0, r1, avx512); }
+  void Run(size_t u) { GemmI8Panel(problem, problem.weights[units[u].first], units[u].second, vnni); }
+};
+
+ffi::Error Int8GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa, bool panels) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("x must be [M, K]");
+  auto work = std::make_shared<RowsThenUnits<GemmI8Task>>();
+  GemmI8Problem& p = work->task.problem;
+  p.m = dims[0];
+  p.k = dims[1];
+  if (p.m < 1) return ffi::Error::InvalidArgument("x must have at least one row");
+  if (p.k % kI8Block) return ffi::Error::InvalidArgument("K must be a multiple of 32");
+  if (isa == kAuto) isa = BestIsa();
+  if (!Supports(isa)) return ffi::Error::InvalidArgument("requested instruction set not supported by this CPU");
+  for (int64_t g : groups) {
+    if (g < 0 || (g && (p.k % g || g > kFlush || (g != 16 && g % kI8Block)))) {
+      return ffi::Error::InvalidArgument("group must be 0, 16 or a multiple of 32 up to 256 dividing K");
+    }
+  }
+  if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights, panels); err.failure()) return err;
+  const int64_t nb = p.k / kI8Block;
+  p.xq.resize(size_t(p.m) * p.k);
+  p.sx.resize(size_t(p.m) * nb);
+  p.c16.resize(size_t(p.m) * nb * 2);
+  p.c32.resize(size_t(p.m) * nb);
+  work->task.x = x.typed_data();
+  work->task.vnni = isa == kAvx512Vnni;
+  work->task.avx512 = isa == kAvx512Vnni || isa == kAvx512;
+  for (size_t i = 0; i < p.weights.size(); ++i) {
+    for (int64_t r = 0; r < p.weights[i].n; r += kPanel) work->task.units.emplace_back(int(i), r);
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  work->rows_per_block = std::max<int64_t>(1, p.m / (threads * 4) + 1);
+  RunOnPool(work, pool, threads);
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8GemmI8RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  return Int8GemmI8Impl(pool, x, args, rets, groups, isa, false);
+}
+
+ffi::Error Int8GemmI8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                                ffi::RemainingRets rets, ffi::Span<const int64_t> groups, int64_t isa) {
+  return Int8GemmI8Impl(pool, x, args, rets, groups, isa, true);
+}
+
 }  // namespace
 
 // Both handlers take the same operands: x, then (q, scale) per weight; one output per weight.
@@ -905,6 +1175,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Matmul, Int8MatmulImpl, GEMMA4_INT8_BIND
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Gemm, Int8GemmRowsImpl, GEMMA4_INT8_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8GemmPanels, Int8GemmPanelsImpl, GEMMA4_INT8_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8Panels, Int8PanelsImpl, GEMMA4_INT8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8GemmI8, Int8GemmI8RowsImpl, GEMMA4_INT8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4Int8GemmI8Panels, Int8GemmI8PanelsImpl, GEMMA4_INT8_BINDING);
 
 extern "C" int64_t gemma4_int8_best_isa() { return BestIsa(); }
 extern "C" int64_t gemma4_int8_isa_supported(int64_t isa) { return Supports(isa) ? 1 : 0; }

@@ -45,6 +45,9 @@ TARGET = "gemma4_int8_matmul"
 GEMM_TARGET = "gemma4_int8_gemm"
 PANELS_TARGET = "gemma4_int8_panels"
 GEMM_PANELS_TARGET = "gemma4_int8_gemm_panels"
+GEMM_I8_TARGET = "gemma4_int8_gemm_i8"
+GEMM_I8_PANELS_TARGET = "gemma4_int8_gemm_i8_panels"
+I8_BLOCK = 32  # activation inputs per int8 scale in the int8-activation GEMM
 PANEL_ROWS = 16  # output rows per stored panel (`to_panels`): N must be a multiple
 PANELS_MAX_GROUP = 256
 GEMM_PANEL = 32  # output rows per packed panel: N must be a multiple (the kernel checks it too)
@@ -173,6 +176,8 @@ def _load_uncached() -> KernelStatus:
         jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Gemm), platform="cpu")
         jax.ffi.register_ffi_target(PANELS_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8Panels), platform="cpu")
         jax.ffi.register_ffi_target(GEMM_PANELS_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8GemmPanels), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_I8_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8GemmI8), platform="cpu")
+        jax.ffi.register_ffi_target(GEMM_I8_PANELS_TARGET, jax.ffi.pycapsule(lib.Gemma4Int8GemmI8Panels), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.Gemma4CacheAttention), platform="cpu")
     except Exception as e:  # a missing compiler, a failed build, a foreign .so: fall back, say why
         return KernelStatus(False, f"native int8 kernel unavailable: {e}".splitlines()[0][:300])
@@ -216,6 +221,20 @@ def gemm_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     return _call(GEMM_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
 
 
+def gemm_i8(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`gemm` with int8 activations: each row quantized with one scale per I8_BLOCK inputs, and
+    AVX512-VNNI `vpdpbusd` (four products per lane, twice vpdpwssd's) on the weights packed as
+    unsigned bytes; any other `isa` runs a portable loop with the same integer sums (tests). The
+    error is the activations' quantization (`reference_i8` is exact up to float rounding); N a
+    multiple of GEMM_PANEL, K of 32, group 0, 16 or a multiple of 32. Call `load()` first."""
+    return _call(GEMM_I8_TARGET, jnp.asarray(x2, jnp.float32), weights, isa)
+
+
+def gemm_i8_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`gemm_i8` for weights stored as panels (`quant.to_panels`); the same results."""
+    return _call(GEMM_I8_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
+
+
 def panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32], scale as `quant.to_panels` gives,
     group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
@@ -240,6 +259,19 @@ def gemm_supported(n: int, k: int, group: int | None) -> bool:
     is for tests and other CPUs' correctness: never worth measuring as a candidate)."""
     ok = _status is not None and _status.ok and _status.isa in GEMM_ISAS
     return ok and gemm_shape_ok(n, k, group)
+
+
+def gemm_i8_shape_ok(n: int, k: int, group: int | None) -> bool:
+    """Whether `gemm_i8` takes this weight shape (on any instruction set)."""
+    if n <= 0 or n % GEMM_PANEL or k % I8_BLOCK:
+        return False
+    return not group or (k % group == 0 and group <= 256 and (group == 16 or group % I8_BLOCK == 0))
+
+
+def gemm_i8_supported(n: int, k: int, group: int | None) -> bool:
+    """Whether `gemm_i8` takes this shape with its vector tile here (AVX512-VNNI; elsewhere only
+    the portable loop, which is never worth measuring)."""
+    return panels_supported() and gemm_i8_shape_ok(n, k, group)
 
 
 def isa_supported(isa: str) -> bool:
@@ -267,15 +299,37 @@ def reference(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | Non
     return np.asarray(x2, np.float64) @ w.T
 
 
+def quantize_i8(x2: np.ndarray) -> np.ndarray:
+    """The activations `gemm_i8` multiplies, dequantized: int8 per I8_BLOCK inputs of each row
+    (scale max |x| / 127, round half to even), as float64."""
+    x = np.asarray(x2, np.float32)
+    blocks = x.reshape(x.shape[0], -1, I8_BLOCK)
+    amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(blocks * (np.float32(1) / scale)), -127, 127)
+    return (q.astype(np.float64) * scale).reshape(x.shape)
+
+
+def reference_i8(x2: np.ndarray, q: np.ndarray, scale: np.ndarray, group: int | None) -> np.ndarray:
+    """float64 product of `gemm_i8`'s quantized activations and the dequantized weight."""
+    return reference(quantize_i8(x2), q, scale, group)
+
+
 def _panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """`panels` on row-layout (q, scale, group) weights, reordered first (for the self-test)."""
     return panels(x2, [(*quant.to_panels(q, s, g), g) for q, s, g in weights], isa)
 
 
+def _gemm_i8_panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`gemm_i8_panels` on row-layout weights, reordered first (for the self-test)."""
+    return gemm_i8_panels(x2, [(*quant.to_panels(q, s, g), g) for q, s, g in weights], isa)
+
+
 def self_test(isas: Sequence[str] | None = None) -> dict:
     """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused three weights, and
     the GEMM at 1/7/20 rows and the panel product at 1/9/20 rows likewise, against float64; relative error bound 2e-3 (int16
-    activations: ~1e-4 expected). {"ok", "max_rel", "cases"}."""
+    activations: ~1e-4 expected); the int8-activation GEMM against its own quantized activations'
+    product (float rounding only). {"ok", "max_rel", "cases"}."""
     status = load()
     if not status.ok:
         return {"ok": False, "message": status.message}
@@ -285,11 +339,15 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
     worst, cases = 0.0, 0
     # (kernel, activation rows, weights as (output rows, group)): the row kernel at 1/3/8 rows; the
     # GEMM at a partial register tile, several tiles + a tail, with whole 32-row panels
-    plan = ((matmul, (1, 3, 8), ((48, None), (40, 16), (24, 32))),
-            (gemm, (1, 7, 20), ((64, None), (32, 16), (96, 32))),
-            (_panels_from_rows, (1, 9, 20), ((32, None), (64, 16), (96, 32))))
+    # (kernel, activation rows, weights, reference): the int8-activation GEMM against the product of
+    # its own quantized activations (its integer sums are exact), also with groups wider than a flush
+    plan = ((matmul, (1, 3, 8), ((48, None), (40, 16), (24, 32)), reference),
+            (gemm, (1, 7, 20), ((64, None), (32, 16), (96, 32)), reference),
+            (_panels_from_rows, (1, 9, 20), ((32, None), (64, 16), (96, 32)), reference),
+            (gemm_i8, (1, 7, 20), ((64, None), (32, 16), (96, 32), (32, 64)), reference_i8),
+            (_gemm_i8_panels_from_rows, (9,), ((32, 16), (64, 32)), reference_i8))
     for isa in isas:
-        for kernel, rows, shapes in plan:
+        for kernel, rows, shapes, ref_fn in plan:
             for m in rows:
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 x[:, 5] *= 60.0  # a few large channels, as Gemma's hidden states have
@@ -300,7 +358,7 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
                     ws.append((q, scale, group))
                 ys = jax.jit(lambda x, ws=ws, isa=isa, kernel=kernel: kernel(x, ws, isa))(x)
                 for (q, scale, group), y in zip(ws, ys):
-                    ref = reference(x, q, scale, group)
+                    ref = ref_fn(x, q, scale, group)
                     rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
                     worst = max(worst, rel)
                     cases += 1
