@@ -654,6 +654,19 @@ void RunOnPool(const std::shared_ptr<RowsThenUnits<Task>>& work, ffi::ThreadPool
   while (work->units_done.load(std::memory_order_acquire) < work->task.units.size()) std::this_thread::yield();
 }
 
+// The GEMMs' units, 32 output rows of each weight, run on the caller and the pool after the rows
+// are quantized in blocks of at least `min_rows_per_block`.
+template <class Task>
+void RunByPanels(const std::shared_ptr<RowsThenUnits<Task>>& work, ffi::ThreadPool& pool, int64_t min_rows_per_block) {
+  const auto& weights = work->task.problem.weights;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    for (int64_t r = 0; r < weights[i].n; r += kPanel) work->task.units.emplace_back(int(i), r);
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  work->rows_per_block = std::max<int64_t>(min_rows_per_block, work->task.problem.m / (threads * 4) + 1);
+  RunOnPool(work, pool, threads);
+}
+
 struct GemmTask {
   GemmProblem problem;
   const float* x = nullptr;
@@ -687,12 +700,7 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   p.sx.resize(size_t(p.m));
   work->task.x = x.typed_data();
   work->task.isa = isa;
-  for (size_t i = 0; i < p.weights.size(); ++i) {
-    for (int64_t r = 0; r < p.weights[i].n; r += kPanel) work->task.units.emplace_back(int(i), r);
-  }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->rows_per_block = std::max<int64_t>(8, p.m / (threads * 4) + 1);
-  RunOnPool(work, pool, threads);
+  RunByPanels(work, pool, 8);
   return ffi::Error::Success();
 }
 
@@ -1140,12 +1148,7 @@ ffi::Error Int8GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   work->task.x = x.typed_data();
   work->task.vnni = isa == kAvx512Vnni;
   work->task.avx512 = isa == kAvx512Vnni || isa == kAvx512;
-  for (size_t i = 0; i < p.weights.size(); ++i) {
-    for (int64_t r = 0; r < p.weights[i].n; r += kPanel) work->task.units.emplace_back(int(i), r);
-  }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->rows_per_block = std::max<int64_t>(1, p.m / (threads * 4) + 1);
-  RunOnPool(work, pool, threads);
+  RunByPanels(work, pool, 1);
   return ffi::Error::Success();
 }
 
