@@ -90,24 +90,22 @@ def _leaves_with_paths(params: Any) -> list[tuple[tuple, QuantArray]]:
 # gate/up). Their inputs quantize well to int8 per 32 inputs; o's (the attention's output) and
 # down's (the gated MLP activation) do not: measured on the bundled model, 16 prompts of ~250
 # tokens, 32 greedy tokens, mean leading tokens identical to float32 weights: 29.1 with int16
-# activations, 27.7 with int8 for q/k/v/gate/up, 21.2 with int8 for every prefill product
-# (2-core Intel Xeon, Ice Lake).
+# activations, 26.1 and 27.7 (two tunings) with int8 for q/k/v/gate/up, 21.2 with int8 for every
+# prefill product (2-core Intel Xeon, Ice Lake).
 INT8_INPUT_LEAVES = ("q", "k", "v", "gate", "up")
 
 
 def products(params: Any) -> dict[Product, QuantArray]:
     """One representative leaf per distinct int8 product the forward pass runs through `linear`."""
-    found: dict[tuple, tuple[Product, QuantArray]] = {}
+    leaves: dict[tuple, QuantArray] = {}
+    normed: dict[tuple, bool] = {}  # every leaf of the shape reads a normalized hidden state
     for path, leaf in _leaves_with_paths(params):
         if path[:2] == ("ple", "embed"):
             continue  # gathered from, never multiplied
-        n, k = leaf.shape
-        shape = (n, k, leaf.group_size, path == ("embed",))
-        normed = path[0] == "layers" and path[-1] in INT8_INPUT_LEAVES
-        prev = found.get(shape)
-        prod = Product(*shape, int8_input=normed and (prev is None or prev[0].int8_input))
-        found[shape] = (prod, prev[1] if prev else leaf)
-    return dict(found.values())
+        shape = (*leaf.shape, leaf.group_size, path == ("embed",))
+        leaves.setdefault(shape, leaf)
+        normed[shape] = normed.get(shape, True) and path[0] == "layers" and path[-1] in INT8_INPUT_LEAVES
+    return {Product(*shape, int8_input=normed[shape]): leaf for shape, leaf in leaves.items()}
 
 
 def _cache_file(prods, native_ok: bool, layout: str | None = None, activations: str = "int16") -> Path:
@@ -117,7 +115,7 @@ def _cache_file(prods, native_ok: bool, layout: str | None = None, activations: 
              facts.jaxlib_version, status.path or "" if status else "no-native",
              ";".join(sorted(p.key + ("/head" if p.decode_only else "") + ("/normed" if p.int8_input else "")
                              for p in prods)),
-             os.environ.get("XLA_FLAGS", ""), str(layout)] + ([activations] if activations != "int16" else [])
+             os.environ.get("XLA_FLAGS", ""), str(layout), activations]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_root() / "tuning" / f"int8-matmul-{key}.json"
 

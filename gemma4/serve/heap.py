@@ -5,8 +5,8 @@ resident size after a burst of temporaries stays at the burst's peak. The engine
 weights' load (the int8 panels' reordering) and every executable it loads or compiles: measured
 on a 2-core Intel Xeon (Ice Lake), loading one stored step of the bundled model raised the resident
 size by 73–139 MiB, of which 31–63 MiB stayed in use and the rest was free memory glibc kept;
-`malloc_trim(0)` returned it. Over a one-request `python -m gemma4 generate`, trimming at ready
-alone took the peak from 965–1,076 MiB to 940–948 MiB.
+`malloc_trim(0)` returned it. A one-request `python -m gemma4 generate`'s peak went from
+961–1,087 MiB to 921–925 MiB, the app's engine with its 24 shapes from 2,129 to 1,942 MiB.
 
 `release()` runs `malloc_trim(0)` where the C library has it (glibc; elsewhere it does nothing).
 It walks the heap once (milliseconds), so it is called after work that takes far longer: the
