@@ -236,29 +236,37 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
     """A fresh engine (tiny random model) with the idle-time compile queue frozen: it is ready with
     two shapes; a prompt whose bucket is missing runs in the compiled bigger one without waiting,
     and the missing bucket is compiled anyway (as a busy engine's would be) — same tokens; a prompt
-    no compiled shape can serve waits for its compile and says so."""
+    no compiled shape can serve waits for its compile and says so; a short prompt served by the
+    next bucket up leaves its own bucket to the idle-time queue (nothing compiles beside it)."""
     monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)
-    eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=128, buckets=(16, 32, 64))
+    eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=256, buckets=(8, 16, 32, 128))
     try:
         eng.wait_ready(timeout=600)
-        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤128)", "prefill 16 tokens (first chunk)"]
+        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤256)", "prefill 16 tokens (first chunk)"]
         assert eng.status()["compiles_pending"] > 0 and "background" in eng.status()["message"]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
         assert conversation.generate(eng, list(range(10, 20)), greedy)["stats"]["compiled"] is False
-        first = conversation.generate(eng, list(range(10, 60)), greedy)  # no compiled bucket holds 50 tokens: wait
-        assert (first["stats"]["bucket"], first["stats"]["compiled"]) == (64, True)
-        prompt = list(range(30, 50))  # bucket 32 is not compiled: bucket 64 serves it at once
+        first = conversation.generate(eng, list(range(10, 110)), greedy)  # no compiled bucket holds 100 tokens: wait
+        assert (first["stats"]["bucket"], first["stats"]["compiled"]) == (128, True)
+        prompt = list(range(30, 50))  # bucket 32 is not compiled: bucket 128 serves it at once
         sub = conversation.generate(eng, prompt, greedy)
-        assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (64, 1, False)
+        assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (128, 1, False)
         deadline = time.time() + 300
         while "prefill 32 tokens (first chunk)" not in eng.compile_state()["compiled"] and time.time() < deadline:
             time.sleep(0.1)
         log = {shape: why for shape, _, why in eng.compile_state()["log"]}
-        assert log["prefill 32 tokens (first chunk)"] == log["prefill 64 tokens (first chunk)"] == "needed now"
+        assert log["prefill 32 tokens (first chunk)"] == log["prefill 128 tokens (first chunk)"] == "needed now"
         ideal = conversation.generate(eng, prompt, greedy)
         assert (ideal["stats"]["bucket"], ideal["stats"]["compiled"]) == (32, False)
         assert ideal["token_ids"] == sub["token_ids"]
-        long = conversation.generate(eng, list(range(10, 80)), greedy)  # 64 + 6: the later chunk's shape is new
+        short = list(range(40, 45))  # bucket 8 is not compiled: bucket 16 (next up, short) stands in
+        alone = conversation.generate(eng, short, greedy)
+        assert (alone["stats"]["bucket"], alone["stats"]["compiled"]) == (16, False)
+        time.sleep(1.0)  # a compile thread that took bucket 8 would have it by now (the tiny model)
+        state = eng.compile_state()
+        assert "prefill 8 tokens (first chunk)" in state["queued"], state
+        assert "prefill 8 tokens (first chunk)" not in state["compiled"] + state["compiling"], state
+        long = conversation.generate(eng, list(range(10, 144)), greedy)  # 128 + 6: the later chunk's shape is new
         assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
         held_open = EC.mapping_usage()
         compiled = len(eng.compile_state()["compiled"])

@@ -31,6 +31,9 @@ log = logging.getLogger("gemma4.serve.engine")
 # AMD EPYC Zen 4), not for a first compile: the shape compiled before ready is FIRST_BUCKET's.
 PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 384, 512)
 FIRST_BUCKET = 16  # the smallest prompt bucket at least this big is compiled before ready (a chat turn's)
+# A prompt chunk served by the next bucket up, no longer than this, leaves its own bucket's compile
+# to the idle-time queue (CompiledShapes.chunk_key): the stand-in costs tens of milliseconds more.
+SMALL_STAND_IN = 64
 
 # How big a prefill chunk is (the one place: `chunk_budget_s` and `chunk_limit`). A prompt is
 # prefilled one chunk per scheduler iteration, between decode steps of the running streams, so a
@@ -496,6 +499,14 @@ class CompiledShapes:
         self._urgent.insert(0, key) if now else self._urgent.append(key)
         self._cond.notify_all()
 
+    def _background_locked(self, key: tuple) -> None:
+        """Queue `key` for the background (compiled once the engine is idle), unless it is queued,
+        compiling, compiled or failed already."""
+        if key not in self._background and key not in self._urgent and key not in self._compiling \
+                and key not in self._exe and key not in self._failed:
+            self._background.append(key)
+            self._cond.notify_all()
+
     def request(self, key: tuple, now: bool = False) -> None:
         """Ask for `key` to be compiled even while requests run (now: before any other)."""
         with self._cond:
@@ -569,6 +580,13 @@ class CompiledShapes:
         compiled (not waited for); else None, and its own is compiled first in line (the request
         that needs it waits for it; nobody else does).
 
+        A short stand-in (the next bucket up, at most SMALL_STAND_IN tokens) costs tens of
+        milliseconds more than the chunk's own shape; compiling (or loading) the chunk's own shape
+        while the request runs costs it far more where the compile shares a few cores with it
+        (bundled model, 2-core Intel Xeon: a 0.5 s store load took the request's decode from 43 to
+        27 tok/s). So then its own shape stays in the background queue (compiled once the engine
+        is idle); behind a larger stand-in it is compiled at once.
+
         Not through several smaller chunks: each later chunk is a dispatch with the fixed cost of
         one (and, on a fresh engine, a later-chunk shape of its own to compile), so a prompt
         waiting for one compile gets its first token sooner."""
@@ -577,7 +595,10 @@ class CompiledShapes:
             if self._usable_locked(ideal):
                 return ideal
             bigger = [b for b in self.buckets if b >= length and self._usable_locked((kind, b, fresh))]
-            self._enqueue_locked(ideal, now=not bigger)
+            if bigger and bigger[0] <= min(2 * ideal[1], SMALL_STAND_IN):
+                self._background_locked(ideal)
+            else:
+                self._enqueue_locked(ideal, now=not bigger)
             return (kind, bigger[0], fresh) if bigger else None
 
     def decode_key(self, need_w: int, need_n: int) -> tuple:
@@ -607,10 +628,7 @@ class CompiledShapes:
         with self._cond:
             if self._usable_locked(key):
                 return key
-            if key not in self._background and key not in self._urgent and key not in self._compiling \
-                    and key not in self._exe and key not in self._failed:
-                self._background.append(key)
-                self._cond.notify_all()
+            self._background_locked(key)
         return None
 
     def want_decode(self, need_w: int, need_n: int) -> None:
