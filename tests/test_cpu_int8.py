@@ -604,3 +604,32 @@ def test_hardware_panel_shows_the_kernel_and_the_table(tmp_path, monkeypatch):
     md = hardware_panel.hardware_markdown({"plan": plan.to_dict(), "int8_matmul": report})
     assert "native kernel" in md and "| product (N×K/group) | rows | choice |" in md
     assert "measured" in md
+
+
+def test_build_compiles_each_source_and_links_a_loadable_library(tmp_path, monkeypatch):
+    """A fresh build (empty cache) gives a library that exports the kernels; a second call reuses it."""
+    import ctypes
+
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    path = cpu_int8.build()
+    assert path.is_file() and str(path).startswith(str(tmp_path))
+    lib = ctypes.CDLL(str(path))
+    assert lib.gemma4_int8_best_isa and lib.Gemma4Int8GemmI8 and lib.Gemma4CacheAttention
+    stamp = path.stat().st_mtime_ns
+    assert cpu_int8.build() == path and path.stat().st_mtime_ns == stamp
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # objects and temporaries are gone
+
+
+def test_a_failing_compiler_or_none_says_why(tmp_path, monkeypatch):
+    fake = tmp_path / "broken-c++"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *--version*) echo broken 1.0; exit 0;; esac\n"
+                    "echo 'error: this compiler is broken' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(RuntimeError, match=r"building the native int8 kernel failed .*\n.*this compiler is broken"):
+        cpu_int8.build()
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"):
+        cpu_int8.build()
