@@ -7,6 +7,7 @@ CPU are held to the same bar.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -43,11 +44,38 @@ def _agreement(cfg, params) -> float:
     return hits / total
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8"])
+def _int8_activations(params):
+    """The products GEMMA4_INT8_ACTIVATIONS=int8 may serve (cpu_tuning.INT8_INPUT_LEAVES) set to the
+    int8-activation GEMM for prefill rows (> 8), the row kernel below: what that setting runs."""
+    from gemma4.ops import quant
+    from gemma4.ops.kernels import cpu_int8
+    from gemma4.plan.cpu_tuning import INT8_INPUT_LEAVES
+
+    def set_path(path, leaf):
+        name = getattr(path[-1], "key", None)
+        if (isinstance(leaf, quant.QuantArray) and name in INT8_INPUT_LEAVES
+                and cpu_int8.gemm_i8_shape_ok(*leaf.shape, leaf.group_size)):
+            return dataclasses.replace(leaf, paths=((8, "native"), (1 << 30, "native-gemm-i8")))
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(set_path, params, is_leaf=lambda x: isinstance(x, quant.QuantArray))
+    changed = sum(a is not b for a, b in zip(jax.tree.leaves(out, is_leaf=lambda x: isinstance(x, quant.QuantArray)),
+                                             jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quant.QuantArray))))
+    assert changed >= 5 * 18  # q, k, v, gate and up of every layer
+    return out
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8", "int8-activations"])
 def test_top1_agreement_with_llamacpp(bundled, weights):
     cfg, params = bundled
-    if weights == "int8":
+    if weights.startswith("int8"):
         params = quantize_params(params, cfg, "int8")
+    if weights == "int8-activations":
+        from gemma4.ops.kernels import cpu_int8
+
+        if not (cpu_int8.load().ok and cpu_int8.panels_supported()):
+            pytest.skip("this CPU has no avx512-vnni for the int8-activation GEMM")
+        params = _int8_activations(params)
     rate = _agreement(cfg, params)
     print(f"{weights}: top-1 agreement with llama.cpp {rate:.1%}")
     assert rate >= 0.90

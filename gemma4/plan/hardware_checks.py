@@ -174,8 +174,9 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
 
 # Activations of the prefill GEMMs unless GEMMA4_INT8_ACTIVATIONS says otherwise: int16 (every
 # product within 3e-3 of float64). int8 per 32 inputs (the native int8-activation GEMM) is
-# opt-in: its products are ~1e-2 off, and whether the model's answers stay the same is measured
-# on its tokens (bench/compare.py's agreement; docs/hardware-policy.md), not per product.
+# opt-in: its products are ~1e-2 off, and it serves prefill-sized calls only, so a row's numbers
+# would depend on the call it lands in (bucket, chunk, decode step) and the engine's token
+# invariances would hold only up to near-ties (docs/hardware-policy.md, "Prefill activations").
 DEFAULT_INT8_ACTIVATIONS = "int16"
 
 
@@ -243,7 +244,8 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
         how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
         layout = tuning["layout"]
         acts = ("int8 per 32 inputs allowed for prefill products (GEMMA4_INT8_ACTIVATIONS=int8; their check: within "
-                f"{tuning_report.INT8_ACTIVATION_BOUND:.0e})" if activations == "int8" else
+                f"{tuning_report.INT8_ACTIVATION_BOUND:.0e}; decode rows stay int16, so a near-tied token may "
+                "differ between a prompt's bucket, chunk or batch)" if activations == "int8" else
                 "int16 (GEMMA4_INT8_ACTIVATIONS=int8 would let prefill products use int8)")
         choice = Choice("measured", f"int8 weights stored as {layout['layout']} ({layout['reason']}); fastest path "
                                     f"within {tuning_report.ACCURACY_BOUND:.0e} of float64 per product and "
