@@ -101,10 +101,16 @@ def tiny_file(tmp_path, monkeypatch):
     return path, cfg, tensors
 
 
-def test_parser_matches_gguf_reader(tiny_file):
+@pytest.mark.parametrize("lazy", [False, True])
+def test_parser_matches_gguf_reader(tiny_file, monkeypatch, lazy):
+    """Every value as GGUFReader reads it; `lazy`: string arrays longer than LAZY_STRINGS (a
+    vocabulary) come back as StringArrays read on first use, with the same contents."""
     import gguf
 
     path, _, _ = tiny_file
+    if lazy:
+        monkeypatch.setattr(gguf_file, "LAZY_STRINGS", 2)
+    gguf_file.read_header.cache_clear()
     ours = gguf_file.read_gguf(path)
     ref = gguf.GGUFReader(path)
     assert list(ours.metadata) == [k for k in ref.fields if not k.startswith("GGUF.")]
@@ -116,6 +122,8 @@ def test_parser_matches_gguf_reader(tiny_file):
             np.testing.assert_array_equal(got, np.asarray(want, dtype=got.dtype), err_msg=key)
         else:
             assert got == want, key
+    tokens = ours.metadata["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, gguf_file.StringArray) == lazy and tokens[3] == "héllo ▁" and len(tokens) == 5
     assert [t.name for t in ref.tensors] == list(ours.tensors)
     for t in ref.tensors:
         mine = ours.tensors[t.name]
@@ -342,6 +350,20 @@ def test_the_header_is_parsed_once_per_file_and_again_when_it_changes(tmp_path):
     third = gguf_file.read_gguf(path)
     assert gguf_file.read_header.cache_info().misses == 2
     assert third.tensors["token_embd.weight"].type_name == "Q8_0" != first.tensors["token_embd.weight"].type_name
+
+
+def test_a_lazy_string_array_refuses_a_file_changed_since_its_header(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(gguf_file, "LAZY_STRINGS", 2)
+    gguf_file.read_header.cache_clear()
+    cfg = _tiny_cfg()
+    path = _write_gguf(tmp_path / "lazy.gguf", cfg, _tiny_tensors(cfg), extra_meta=True)
+    tokens = gguf_file.read_gguf(path).metadata["tokenizer.ggml.tokens"]
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1))
+    with pytest.raises(gguf_file.GGUFError, match="changed on disk"):
+        tokens[0]
+    gguf_file.read_header.cache_clear()
 
 
 def test_missing_tensor_names_tensor_and_file(tmp_path):
