@@ -221,6 +221,30 @@ def test_self_test_passes_on_cpu():
     assert "16777216" in ones["detail"] and ones["seconds"] >= 0
 
 
+def test_self_test_is_kept_per_machine_and_plan_and_a_failure_is_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    facts = hardware_probe.probe()
+    plan = policy(facts, env={})
+    runs = []
+    real = hardware_checks.self_test
+    monkeypatch.setattr(hardware_checks, "self_test", lambda p: runs.append(p) or real(p))
+    first = hardware_checks.cached_self_test(plan, facts)
+    second = hardware_checks.cached_self_test(plan, facts)
+    assert len(runs) == 1 and first["ok"] and (first["cached"], second["cached"]) == (False, True)
+    assert second["checks"] == first["checks"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")  # other flags: tested again
+    assert hardware_checks.cached_self_test(plan, facts)["cached"] is False and len(runs) == 2
+    monkeypatch.delenv("XLA_FLAGS")
+    int4 = policy(facts, env={"GEMMA4_WEIGHTS": "int4"})  # another plan: tested again
+    assert hardware_checks.self_test_file(int4, facts) != hardware_checks.self_test_file(plan, facts)
+    failing = {"ok": False, "seconds": 0.0, "device": plan.device, "checks": []}
+    monkeypatch.setattr(hardware_checks, "self_test", lambda p: runs.append(p) or failing)
+    hardware_checks.self_test_file(plan, facts).unlink()
+    for _ in range(2):  # a failure is reported, never kept
+        assert hardware_checks.cached_self_test(plan, facts)["ok"] is False
+    assert len(runs) == 4
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in hardware.ENV_KEYS.values():

@@ -16,6 +16,9 @@ that prints it (and can load a model through the engine) is `gemma4.serve.probe`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 import time
 from typing import Any, Mapping
 
@@ -33,6 +36,7 @@ from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
 from gemma4.plan.hardware import Choice, Plan, PolicyError, normalize_overrides, policy
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import report_dict
+from gemma4.paths import cache_root
 
 
 # ------------------------------------------------------------------------------ self-test
@@ -126,6 +130,44 @@ def self_test(plan: Plan) -> dict:
             "device": plan.device, "checks": checks}
 
 
+# Bump when self_test's checks change: results kept under the old number are not read.
+SELF_TEST_VERSION = 1
+
+
+def self_test_file(plan: Plan, facts: HardwareFacts):
+    """Where a passing self-test of this plan on this machine is kept: keyed by everything its
+    result depends on (jax and jaxlib, XLA_FLAGS, the CPU or device, the plan's dtypes and paths)."""
+    parts = [SELF_TEST_VERSION, facts.jax_version, facts.jaxlib_version, facts.backend_version,
+             os.environ.get("XLA_FLAGS", ""), facts.platform, facts.device_kind, facts.cpu_model,
+             sorted(facts.cpu_flags), plan.device, plan.compute_dtype.value, plan.matmul_precision.value,
+             plan.weights.value, plan.int4_kernel.value, plan.int4_group_size, plan.int4_block,
+             plan.attention_sliding.value, plan.attention_full.value, plan.head_dims, plan.kv_cache.value]
+    key = hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+    return cache_root() / "self-test" / f"{key}.json"
+
+
+def cached_self_test(plan: Plan, facts: HardwareFacts) -> dict:
+    """`self_test` once per machine and plan (`self_test_file`): a passing result is kept and read
+    by later starts (~0.25 s of tracing and compiling saved per start on a 2-core Intel Xeon); a
+    failing one is never kept, so it runs again."""
+    path = self_test_file(plan, facts)
+    try:
+        kept = json.loads(path.read_text())
+        if kept.get("ok"):
+            return {**kept, "cached": True}
+    except (OSError, ValueError):
+        pass
+    result = self_test(plan)
+    if result["ok"]:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(result))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache: the test simply runs every start
+    return {**result, "cached": False}
+
 
 # ------------------------------------------------------------------------------ start-up entry points
 def run_options(plan: Plan) -> RunOptions:
@@ -149,7 +191,7 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
     """
     facts = facts or probe()
     plan = policy(facts, model_config, overrides, env)
-    test = self_test(plan) if run_self_test and not facts.simulated else None
+    test = cached_self_test(plan, facts) if run_self_test and not facts.simulated else None
     if test:
         failed = {c["name"] for c in test["checks"] if not c["ok"]}
         if "int4_kernel_pallas" in failed:
