@@ -37,7 +37,7 @@ import numpy as np
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.quant import QuantArray, as_panels, dequant_int8, panels_shape_ok
+from gemma4.ops.quant import QuantArray, as_panels, panels_shape_ok
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
 from gemma4.plan.tuning_report import INT8_ACTIVATION_PATHS, accuracy_bound
@@ -170,21 +170,38 @@ STARTUP_SKIP = ("xla-i8",)
 ACTIVATIONS = ("int16", "int8")
 
 
+@dataclasses.dataclass
+class Prepared:
+    """What every row class of one product is measured against, made once per product: the
+    dequantized first REF_ROWS rows (the accuracy reference's weight) and the cold copies. (Made
+    per class, the copies alone took ~3 s of a fresh tuning on a 2-core Intel Xeon.)"""
+    w_ref: np.ndarray  # float32 [min(REF_ROWS, n), k]
+    cold: list[tuple]  # cold_copies of the leaf
+
+
+def prepare(prod: Product, leaf: QuantArray) -> Prepared:
+    q_rows, s_rows = leaf.rows(min(REF_ROWS, prod.n))  # only the rows checked: not a reorder of the whole weight
+    q, scale = np.asarray(q_rows, np.float32), np.asarray(s_rows, np.float32)
+    # in numpy: no XLA compile per shape, and independent of the paths it checks
+    w_ref = (q * scale[:, None] if prod.group is None else
+             (q.reshape(q.shape[0], -1, prod.group) * scale[..., None]).reshape(q.shape))
+    return Prepared(w_ref, cold_copies(leaf.q, leaf.scale))
+
+
 def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, full: bool = False,
-            activations: str = "int16") -> dict:
+            activations: str = "int16", prepared: Prepared | None = None) -> dict:
     """{"path": winner, "timings_ms": {path: ms or None}, "errors": {path: rel}} for one class, among
-    the paths that read the leaf's layout (and the int8-activation ones where `activations` is int8)."""
+    the paths that read the leaf's layout (and the int8-activation ones where `activations` is int8).
+    `prepared`: `prepare(prod, leaf)`, shared by the product's classes (made here when None)."""
     x = jnp.asarray(_activations(rows, prod.k, rng))
-    r = min(REF_ROWS, prod.n)
-    q_rows, s_rows = leaf.rows(r)  # only the rows checked: not a reorder of the whole weight
-    q_ref = np.asarray(q_rows)
-    s_ref = np.asarray(s_rows)
+    prepared = prepared or prepare(prod, leaf)
+    r = prepared.w_ref.shape[0]
     # float32 BLAS on the dequantized slice: its own error (~1e-6) is far below the bound
-    ref = np.asarray(x) @ np.asarray(dequant_int8(q_ref, s_ref, prod.group, jnp.float32)).T
+    ref = np.asarray(x) @ prepared.w_ref.T
     timings: dict[str, float | None] = {}
     errors: dict[str, float] = {}
     best = float("inf")
-    weights = cold_copies(leaf.q, leaf.scale)
+    weights = prepared.cold
     fns = {}  # the jitted product of each path timed (a close call times them again)
     for path in PATHS:  # native first: the likely winner makes the others stop early
         if (not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n, leaf.layout)
@@ -252,18 +269,19 @@ def layout_timings(prod: Product, leaf: QuantArray, rng) -> dict:
     windows (one window each let a burst of other work decide: the LM head's panels at 8 rows
     timed 10.7 ms in one run and over 20 in the next, on a 2-core AMD EPYC Zen 4)."""
     leaves = {"rows": leaf, "panels": as_panels(leaf)}
+    prepared = {layout: prepare(prod, w) for layout, w in leaves.items()}
     out: dict = {"rows": {}, "panels": {}}
     for rows in LAYOUT_ROWS:
         x = jnp.asarray(_activations(rows, prod.k, rng))
         fns, weights, first = {}, {}, {}
         for layout, w in leaves.items():
-            result = measure(prod, w, rows, True, rng)
+            result = measure(prod, w, rows, True, rng, prepared=prepared[layout])
             ms = result["timings_ms"].get(result["path"])
             out[layout][rows] = ms
             if ms is not None:
                 fns[layout] = jax.jit(lambda x, q, s, p=result["path"], lay=layout:
                                       int8_matmul.run(p, x, q, s, prod.group, lay))
-                weights[layout], first[layout] = cold_copies(w.q, w.scale), ms / 1e3
+                weights[layout], first[layout] = prepared[layout].cold, ms / 1e3
         if len(fns) == 2:
             out_rows = _rematch(fns, x, weights, first)
             for layout, ms in out_rows.items():
@@ -333,11 +351,13 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
         if as_layout == "panels":
             leaf = as_panels(leaf)
         classes = []
+        prepared = prepare(prod, leaf)
         for max_rows, rows in ROW_CLASSES:
             if prod.decode_only and rows > 8:
                 continue
             classes.append({"max_rows": max_rows, "rows": rows,
-                            **measure(prod, leaf, rows, native_ok, rng, full, activations)})
+                            **measure(prod, leaf, rows, native_ok, rng, full, activations, prepared)})
+        del prepared  # the copies: up to COLD_BYTES
         log.info("int8 matmul tuning: %s done after %.1f s", prod.key, time.perf_counter() - t0)
         out[prod.key] = {"n": prod.n, "k": prod.k, "group": prod.group, "layout": as_layout, "classes": classes}
     # The load average around the measurement: timings taken beside other work are noisier (kept
