@@ -6,7 +6,7 @@
   flash attention on and off.
 
 Every peer runs in a fresh `python bench/peers.py --worker KIND` process so that its peak resident
-memory (`ru_maxrss`) is its own, pinned to the same number of CPUs and threads as the others.
+memory (VmHWM, `peak_rss_mib`) is its own, pinned to the same number of CPUs and threads as the others.
 A worker warms up first (one untimed run of every measured shape), then times `runs` runs and
 reports the median of each figure. All decoding is greedy.
 
@@ -170,7 +170,17 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident set size (Linux reports KiB)."""
+    """This process's peak resident set size: VmHWM from /proc/self/status (KiB). Not `ru_maxrss`:
+    Linux carries that across fork and exec, so a worker started by a process holding 980 MiB
+    reported 980 MiB however little it used itself (measured: a trivial child of a 900 MB parent
+    reports 913 MiB there and 13 MiB in VmHWM). Elsewhere ru_maxrss is all there is."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

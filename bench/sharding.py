@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+sys.path.insert(0, str(ROOT / "bench"))  # its sibling peers (peak memory)
+import peers  # noqa: E402
+
 MESHES = {1: "none", 2: "tensor=2", 4: "tensor=4", 8: "data=2,tensor=4"}
 
 
@@ -153,15 +155,15 @@ def _load_worker(folder: str, mesh: str, process: str) -> None:
     from gemma4.model.params import count_bytes
 
     cfg = load_hf_config(folder)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peers.peak_rss_mib()  # VmHWM: ru_maxrss would carry the parent's size across fork
     shape = sharding.parse_mesh(mesh)
     m = sharding.make_mesh(shape) if shape else None
     t0 = time.perf_counter()
     params = load_safetensors_params(folder, cfg, jnp.float32, quantize={"mode": "int8"}, mesh=m)
     held = sum(sharding.device_bytes(params).values()) if m is not None else count_bytes(params)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peers.peak_rss_mib()
     print("LOAD " + json.dumps({"mesh": mesh, "process": process, "seconds": round(time.perf_counter() - t0, 1),
-                                "rss_before_MiB": round(base / 1024), "peak_rss_MiB": round(peak / 1024),
+                                "rss_before_MiB": round(base), "peak_rss_MiB": round(peak),
                                 "held_here_MiB": round(held / 2**20)}), flush=True)
     if process != "-":
         jax.distributed.shutdown()

@@ -63,3 +63,17 @@ def test_our_quality_rows_run_through_the_request_layer():
                                 conversation)
     assert [r["prompt"] for r in rows] == spec["quality_prompts"]
     assert all(r["ids"] and 1 <= len(r["ids"]) <= 4 for r in rows), rows
+
+
+def test_a_workers_peak_memory_is_its_own_not_its_parents():
+    """ru_maxrss survives fork and exec: a worker of a big parent would report the parent's size
+    (compare.py's llama.cpp rows once said 980 MiB, the parent's). peak_rss_mib reads VmHWM."""
+    big = bytearray(300 << 20)
+    big[::4096] = b"\1" * len(big[::4096])  # resident, in this (the parent) process
+    code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); import peers, resource; "
+            "print(peers.peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    own, inherited = map(float, out.stdout.split())
+    del big
+    assert inherited > 300 and own < 200, (own, inherited)
