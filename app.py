@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> Any:
         return None
     from gemma4.ui import gradio_import
 
-    gradio_import.install()  # gradio without rewriting its type stubs: half its import time
+    gradio_import.install()  # gradio without its editor-only work (stubs, docstrings): half its import
     from gemma4.ui.layout import CSS, build_demo  # deferred: gradio (2 s) imports while the engine loads
     from gemma4.web import server  # deferred: as gradio
 

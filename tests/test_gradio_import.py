@@ -1,4 +1,4 @@
-"""gradio imported without rewriting its type stubs (gemma4.ui.gradio_import), in fresh interpreters."""
+"""gradio imported without its editor-only work (gemma4.ui.gradio_import), in fresh interpreters."""
 
 import os
 import subprocess
@@ -14,7 +14,8 @@ import gradio.component_meta as cm
 with gr.Blocks() as demo:  # components still build and wire up
     box = gr.Textbox()
     box.submit(lambda s: s, box, box)
-print(installed, cm.create_or_modify_pyi.__name__, gradio_import.pending(), gradio_import.install())
+print(installed, cm.create_or_modify_pyi.__name__, gradio_import.pending(), gradio_import.install(),
+      gr.events.EventListener.set_doc.__name__, "{{" in (gr.Textbox.submit.__doc__ or ""))
 """
 
 
@@ -26,10 +27,11 @@ def _probe(**env) -> list[str]:
 
 
 def test_stub_writer_is_skipped_and_the_hook_removes_itself():
-    installed, writer, hook_left, again = _probe(GEMMA4_GRADIO_STUBS="")
-    assert (installed, writer, hook_left, again) == ("True", "_leave_stubs_alone", "False", "False")
+    installed, writer, hook_left, again, doc, raw_doc = _probe(GEMMA4_GRADIO_STUBS="")
+    assert (installed, writer, hook_left, again) == ("True", "_nothing", "False", "False")
+    assert (doc, raw_doc) == ("_nothing", "True")  # listeners' docstrings left as templates
 
 
 def test_gradio_stubs_on_keeps_gradios_own_behaviour():
-    installed, writer, hook_left, _ = _probe(GEMMA4_GRADIO_STUBS="on")
-    assert (installed, writer, hook_left) == ("False", "create_or_modify_pyi", "False")
+    installed, writer, hook_left, _, doc, raw_doc = _probe(GEMMA4_GRADIO_STUBS="on")
+    assert (installed, writer, hook_left, doc, raw_doc) == ("False", "create_or_modify_pyi", "False", "set_doc", "False")
