@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gemma4.serve import distributed_flags
+from gemma4.ui import gradio_import  # stdlib only: gradio itself is imported later
 from gemma4.web.settings import parse_settings
 
 log = logging.getLogger("gemma4.app")
@@ -50,8 +51,6 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> Any:
         log.info("following process 0's schedule (it serves the UI and the API)")
         distributed.finish(engine)
         return None
-    from gemma4.ui import gradio_import
-
     gradio_import.install()  # gradio without its editor-only work (stubs, docstrings): half its import
     from gemma4.ui.layout import CSS, build_demo  # deferred: gradio (2 s) imports while the engine loads
     from gemma4.web import server  # deferred: as gradio
