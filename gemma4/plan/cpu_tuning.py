@@ -179,13 +179,19 @@ class Prepared:
     cold: list[tuple]  # cold_copies of the leaf
 
 
-def prepare(prod: Product, leaf: QuantArray) -> Prepared:
+def reference_weight(prod: Product, leaf: QuantArray) -> np.ndarray:
+    """The first REF_ROWS rows of the weight, dequantized in numpy (no XLA compile per shape, and
+    independent of the paths it checks). Read it off the leaf before it becomes panels: the same
+    values, without converting panels back to rows."""
     q_rows, s_rows = leaf.rows(min(REF_ROWS, prod.n))  # only the rows checked: not a reorder of the whole weight
     q, scale = np.asarray(q_rows, np.float32), np.asarray(s_rows, np.float32)
-    # in numpy: no XLA compile per shape, and independent of the paths it checks
-    w_ref = (q * scale[:, None] if prod.group is None else
-             (q.reshape(q.shape[0], -1, prod.group) * scale[..., None]).reshape(q.shape))
-    return Prepared(w_ref, cold_copies(leaf.q, leaf.scale))
+    return (q * scale[:, None] if prod.group is None else
+            (q.reshape(q.shape[0], -1, prod.group) * scale[..., None]).reshape(q.shape))
+
+
+def prepare(prod: Product, leaf: QuantArray, w_ref: np.ndarray | None = None) -> Prepared:
+    """`leaf`'s cold copies and its reference weight (`w_ref` when the caller has it already)."""
+    return Prepared(reference_weight(prod, leaf) if w_ref is None else w_ref, cold_copies(leaf.q, leaf.scale))
 
 
 def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, full: bool = False,
@@ -269,7 +275,8 @@ def layout_timings(prod: Product, leaf: QuantArray, rng) -> dict:
     windows (one window each let a burst of other work decide: the LM head's panels at 8 rows
     timed 10.7 ms in one run and over 20 in the next, on a 2-core AMD EPYC Zen 4)."""
     leaves = {"rows": leaf, "panels": as_panels(leaf)}
-    prepared = {layout: prepare(prod, w) for layout, w in leaves.items()}
+    w_ref = reference_weight(prod, leaf)  # one reference for both layouts: the same values
+    prepared = {layout: prepare(prod, w, w_ref) for layout, w in leaves.items()}
     out: dict = {"rows": {}, "panels": {}}
     for rows in LAYOUT_ROWS:
         x = jnp.asarray(_activations(rows, prod.k, rng))
@@ -348,10 +355,11 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
         if progress:
             progress(i / len(prods), f"measuring int8 matmul paths for {prod.key} ({i + 1}/{len(prods)})")
         as_layout = "panels" if chosen["layout"] == "panels" and panels_shape_ok(prod.n, prod.k, prod.group) else "rows"
+        w_ref = reference_weight(prod, leaf)  # from the rows, before the leaf becomes panels
         if as_layout == "panels":
             leaf = as_panels(leaf)
         classes = []
-        prepared = prepare(prod, leaf)
+        prepared = prepare(prod, leaf, w_ref)
         for max_rows, rows in ROW_CLASSES:
             if prod.decode_only and rows > 8:
                 continue
