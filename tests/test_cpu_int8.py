@@ -303,6 +303,12 @@ def test_panel_layout_round_trips_gathers_and_dequantizes():
         np.testing.assert_array_equal(np.asarray(s), np.asarray(w.scale))
         qn, sn = quant.to_panels(np.asarray(w.q), np.asarray(w.scale), group)  # numpy gives the same bytes
         np.testing.assert_array_equal(qn, np.asarray(p.q))
+        qj, sj = quant.to_panels(jnp.asarray(w.q), jnp.asarray(w.scale), group)  # as the traced reorder
+        np.testing.assert_array_equal(qn, np.asarray(qj))
+        np.testing.assert_array_equal(sn, np.asarray(sj))
+        pp, cc, jj, tt = np.meshgrid(*map(np.arange, (n // 16, k // 2, 16, 2)), indexing="ij")  # the definition
+        np.testing.assert_array_equal(qn[pp, cc, 2 * jj + tt], np.asarray(w.q)[16 * pp + jj, 2 * cc + tt])
+        assert qn.ctypes.data % quant.HOST_ALIGN == 0  # jax adopts the reordered buffer without a copy
         np.testing.assert_array_equal(np.asarray(p.dequantize()), np.asarray(w.dequantize()))
         ids = jnp.asarray([[0, 17, n - 1], [5, 16, 31]], jnp.int32)
         from gemma4.ops.linear import take_rows

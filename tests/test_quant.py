@@ -17,7 +17,7 @@ from gemma4.ops.chunked import auto_chunk_rows
 from gemma4.ops.kernels.int4_matmul import choose_blocks, int4_matmul, reference
 from gemma4.ops.linear import linear, take_rows
 from gemma4.weights import quant_host
-from gemma4.weights.quant_host import HOST_ALIGN, host_empty, host_put, quantize_host
+from gemma4.weights.quant_host import host_put, quantize_host
 from gemma4.weights.random_init import random_params
 
 RNG = np.random.default_rng(0)
@@ -266,8 +266,8 @@ def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
     finally:
         tracemalloc.stop()
     assert peak < 1.25 * n_out * n_in, peak
-    assert leaf.q.unsafe_buffer_pointer() % HOST_ALIGN == 0
-    host = host_empty((1024, 512), np.int8)
+    assert leaf.q.unsafe_buffer_pointer() % quant.HOST_ALIGN == 0
+    host = quant.host_empty((1024, 512), np.int8)
     host[...] = 3
     if jax.default_backend() == "cpu":
         assert host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied

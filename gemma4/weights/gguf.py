@@ -46,12 +46,12 @@ import numpy as np
 
 from gemma4.model.config import ModelConfig, from_hf_config
 from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
-from gemma4.ops.quant import QuantArray
+from gemma4.ops.quant import QuantArray, host_empty
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
 from gemma4.weights.leaf_format import LeafFormat
-from gemma4.weights.quant_host import host_empty, host_put
+from gemma4.weights.quant_host import host_put
 
 log = logging.getLogger(__name__)
 

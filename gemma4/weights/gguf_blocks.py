@@ -17,9 +17,9 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize
 
-from gemma4.ops.quant import SMALL_ELEMENTS
+from gemma4.ops.quant import SMALL_ELEMENTS, host_empty
 from gemma4.weights.gguf_file import GGUFError, GGUFTensor, read_gguf
-from gemma4.weights.quant_host import host_empty, int8_block_np
+from gemma4.weights.quant_host import int8_block_np
 
 Q8_0_BLOCK = 32  # values per Q8_0 block: one float16 scale + 32 int8
 _Q8_0_BYTES = 2 + Q8_0_BLOCK

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.ops.quant import INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, Int4Array, QuantArray, int4_compatible
+from gemma4.ops.quant import (INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, Int4Array, QuantArray, host_empty,
+                              int4_compatible)
 
 
 # ------------------------------------------------------------------------------ host-side quantizers (loaders)
@@ -28,19 +29,11 @@ from gemma4.ops.quant import INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, Int
 # buffers: on CPU `jax.device_put` adopts such a buffer without copying (jax 0.10.2, measured: an
 # unaligned one is copied), so a finished leaf costs its own bytes only. The arithmetic is the jax
 # quantizers' (float32, round half to even), so a streamed leaf equals `quantize_params`' bit for bit.
-HOST_ALIGN = 64
+# (`host_empty` and HOST_ALIGN live with the leaf types in gemma4.ops.quant: its panel reorder
+# fills such buffers too.)
 HOST_CHUNK_ELEMENTS = 1 << 22  # float32 rows per step: 16 MiB, plus a few temporaries of that size
 
 RowSource = Any  # callable rows(start, stop) → float32 [stop - start, in], or an array-like to slice
-
-
-def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous numpy array whose data start is HOST_ALIGN-byte aligned."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
-    start = (-raw.ctypes.data) % HOST_ALIGN
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def host_put(arr: np.ndarray) -> jax.Array:
