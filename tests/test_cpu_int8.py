@@ -639,3 +639,85 @@ def test_a_failing_compiler_or_none_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found"):
         cpu_int8.build()
+
+
+def _half_valued(leaf):
+    """The leaf with its scales rounded to float16 values (as a GGUF Q8_0 table's are), kept float32."""
+    s = np.asarray(leaf.scale).astype(np.float16).astype(np.float32)
+    return dataclasses.replace(leaf, scale=jnp.asarray(s))
+
+
+@needs_panels
+@pytest.mark.parametrize("isa", ["portable", "avx512-vnni"])
+def test_float16_scales_give_the_float32_scales_results_bit_for_bit(isa):
+    """The panel kernels read float16 grouped scales (half the scale bytes) and give exactly what the
+    same values as float32 give: the panel product, the GEMM and the int8-activation GEMM, with
+    subnormal, tiny and large halves among the scales."""
+    rng = np.random.default_rng(31)
+    k = 640
+    leaves = [_half_valued(_leaf(rng, n, k, group)) for n, group in ((64, 32), (96, 16), (32, 64))]
+    s0 = np.asarray(leaves[0].scale).copy()
+    s0[0, :4] = [2.0 ** -20, 2.0 ** -15, 6.0e4, 1.0]  # a subnormal half, the smallest normal range, near the top
+    leaves[0] = dataclasses.replace(leaves[0], scale=jnp.asarray(s0))
+    f32 = [quant.as_panels(w) for w in leaves]
+    f16 = [quant.with_half_scales(w) for w in f32]
+    assert all(w.scale.dtype == jnp.float16 for w in f16)
+    for m in (1, 5, 9, 20):
+        x = _x(rng, m, k)
+        calls = [cpu_int8.panels] + ([cpu_int8.gemm_panels, cpu_int8.gemm_i8_panels] if m > 8 else [])
+        for call in calls:
+            run = jax.jit(lambda x, ws, call=call: call(x, [(w.q, w.scale, w.group_size) for w in ws], isa))
+            for a, b in zip(run(x, f16), run(x, f32)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x, (w,) = _x(rng, 2, k), leaves[:1]  # the row kernels read float32: the call converts float16 for them
+    np.testing.assert_array_equal(np.asarray(cpu_int8.matmul(x, [(w.q, w.scale.astype(jnp.float16), 32)], isa)[0]),
+                                  np.asarray(cpu_int8.matmul(x, [(w.q, w.scale, 32)], isa)[0]))
+
+
+def test_with_half_scales_keeps_float32_unless_every_scale_is_a_float16_value():
+    rng = np.random.default_rng(32)
+    exact = quant.as_panels(_half_valued(_leaf(rng, 64, 640, 32)))
+    half = quant.with_half_scales(exact)
+    assert half.scale.dtype == jnp.float16 and half.nbytes == exact.nbytes - exact.scale.size * 2
+    np.testing.assert_array_equal(np.asarray(half.dequantize()), np.asarray(exact.dequantize()))
+    np.testing.assert_array_equal(np.asarray(half.rows()[1], np.float32), np.asarray(exact.rows()[1]))
+    inexact = quant.as_panels(_leaf(rng, 64, 640, 32))  # float32 scales off the float16 grid
+    assert quant.with_half_scales(inexact) is inexact
+    huge = dataclasses.replace(exact, scale=exact.scale.at[0, 0, 0].set(1e6))  # beyond float16's range
+    assert quant.with_half_scales(huge).scale.dtype == jnp.float32
+    rows = _half_valued(_leaf(rng, 64, 640, 32))  # rows layout: the row kernels read float32 only
+    per_row = quant.as_panels(_half_valued(_leaf(rng, 64, 640, None)))
+    assert quant.with_half_scales(rows) is rows and quant.with_half_scales(per_row) is per_row
+
+
+@needs_panels
+def test_panels_with_half_scales_give_the_same_logits_and_the_override_keeps_float32(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
+    cfg, params = _tiny_int8_params()
+    is_int8 = lambda x: isinstance(x, quant.QuantArray)  # noqa: E731
+
+    def grouped(leaf):  # per-row scales → one per 32 inputs (as a GGUF Q8_0 table), float16 values
+        n, k = leaf.shape
+        scale = np.repeat(np.asarray(leaf.scale)[:, None], k // 32, axis=1)
+        return _half_valued(dataclasses.replace(leaf, scale=jnp.asarray(scale), group_size=32))
+
+    params = jax.tree.map(lambda l: grouped(l) if is_int8(l) and l.shape[1] % 32 == 0 else l, params, is_leaf=is_int8)
+    half = cpu_tuning.apply(params, None, forced="native-panels", native_ok=True)
+    full = cpu_tuning.apply(params, None, forced="native-panels", native_ok=True, half_scales=False)
+    count, saved = cpu_tuning.half_scale_bytes(half)
+    assert count > 0 and saved > 0 and cpu_tuning.half_scale_bytes(full) == (0, 0)
+    # Every product gives the same bits (each leaf checked); the two programs differ in their input
+    # dtypes, so XLA may order the other float sums differently: rounding-level differences only.
+    rng = np.random.default_rng(33)
+    flat = lambda t: [l for l in jax.tree.leaves(t, is_leaf=is_int8) if is_int8(l)]  # noqa: E731
+    for a, b in zip(flat(half), flat(full)):
+        x = jnp.asarray(rng.standard_normal((3, a.shape[1])), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, a)), np.asarray(jax.jit(linear)(x, b)))
+    got, ref = _logits(cfg, half), _logits(cfg, full)
+    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    assert np.max(np.abs(got - ref)) < 1e-4 * np.max(np.abs(ref))
+    _, plan, report = hardware_checks.choose_int8_matmul(_cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "native-panels"})
+    assert report["half_scales"]["leaves"] == count and "float16" in plan.int8_matmul.reason
+    _, plan, report = hardware_checks.choose_int8_matmul(
+        _cpu_plan(), params, env={"GEMMA4_INT8_MATMUL": "native-panels", "GEMMA4_INT8_SCALES": "float32"})
+    assert report["half_scales"]["leaves"] == 0 and "float16 values" not in plan.int8_matmul.reason

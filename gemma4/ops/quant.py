@@ -53,7 +53,7 @@ class QuantArray:
     """
 
     q: jax.Array  # int8 [out, in]
-    scale: jax.Array  # float32 [out] or [out, in / group_size]
+    scale: jax.Array  # float32 [out] or [out, in / group_size] (float16 for some panels leaves: `with_half_scales`)
     # rows dequantized per step in `linear`: None = auto (chunked on CPU, see ops.chunked.auto_chunk_rows),
     # 0 = dequantize the whole weight then one dot
     chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -187,6 +187,22 @@ def as_panels(w: "QuantArray") -> "QuantArray":
     return dataclasses.replace(w, q=qp, scale=sp, layout="panels")
 
 
+def with_half_scales(w: "QuantArray") -> "QuantArray":
+    """A panels leaf on one CPU whose grouped scales are all float16 values — a GGUF Q8_0, Q4_0 or
+    Q5_0 table's own scales are — with them stored as float16: the same values in half the bytes
+    (the native panel kernels convert them as they read). Any other leaf is returned as it is."""
+    if (w.layout != "panels" or not w.group_size or w.scale.dtype != jnp.float32
+            or not (isinstance(w.scale, np.ndarray) or _on_one_cpu(w.scale))):
+        return w
+    s = np.asarray(w.scale)
+    half = host_empty(s.shape, np.float16)
+    with np.errstate(over="ignore"):  # an out-of-range scale becomes inf, and the check below keeps float32
+        np.copyto(half, s, casting="unsafe")
+    if not np.array_equal(half.astype(np.float32), s):
+        return w
+    return dataclasses.replace(w, scale=half if isinstance(w.scale, np.ndarray) else jax.device_put(half, w.scale.sharding))
+
+
 def take_panel_rows(w: "QuantArray", ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q rows [..., K], scales [...] or [..., K/g]) of `ids` from a panels leaf (a gather)."""
     npan, c, _ = w.q.shape
@@ -269,7 +285,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 def dequant_int8(q: jax.Array, scale: jax.Array, group_size: int | None, dtype: Any) -> jax.Array:
     """int8 [..., in] with per-row scale [...] or grouped scale [..., in / group_size] → dtype."""
-    qf = q.astype(jnp.float32)
+    qf, scale = q.astype(jnp.float32), scale.astype(jnp.float32)  # (float16 scales: exact in float32)
     if group_size is None:
         return (qf * scale[..., None]).astype(dtype)
     *lead, n_in = q.shape

@@ -37,7 +37,7 @@ import numpy as np
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.quant import QuantArray, as_panels, panels_shape_ok
+from gemma4.ops.quant import QuantArray, as_panels, panels_shape_ok, with_half_scales
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
 from gemma4.plan.tuning_report import INT8_ACTIVATION_PATHS, accuracy_bound
@@ -394,11 +394,20 @@ def paths_table(entry: dict) -> tuple[tuple[int, str], ...]:
     return tuple((c["max_rows"], c["path"]) for c in entry["classes"])
 
 
+def half_scale_bytes(params: Any) -> tuple[int, int]:
+    """(int8 leaves whose scales are float16, scale bytes that saves against float32)."""
+    halves = [leaf for _, leaf in _leaves_with_paths(params) if leaf.scale.dtype == jnp.float16]
+    return len(halves), sum(int(leaf.scale.size) * 2 for leaf in halves)
+
+
 def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False,
-          release: bool = False) -> Any:
+          release: bool = False, half_scales: bool = True) -> Any:
     """Set `paths` (and the layout) on every int8 leaf: from the tuning, or `forced` for decode rows
     (≤ 8) where that path can run the leaf (others keep the built-in path; `native-panels` stores
     the leaves it can run as panels, for every row count).
+
+    `half_scales`: a leaf stored as panels keeps its grouped scales as float16 where they all are
+    float16 values (`quant.with_half_scales`: a GGUF Q8_0 table's own scales; the same values).
 
     `release`: free each leaf's rows as soon as its panels exist, so reordering costs one leaf of
     memory at a time instead of a second copy of the int8 weights (the LM head alone: +189 MB of
@@ -406,6 +415,8 @@ def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok
     """
     def as_panels_freeing(leaf):
         out = as_panels(leaf)
+        if half_scales:
+            out = with_half_scales(out)
         if release:
             jax.block_until_ready((out.q, out.scale))
             for old, new in ((leaf.q, out.q), (leaf.scale, out.scale)):

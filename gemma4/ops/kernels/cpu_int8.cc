@@ -79,12 +79,39 @@ int64_t BestIsa() {
 
 struct Weight {
   const int8_t* q;
-  const float* scale;
+  const float* scale;  // null where the scales are float16 (scale_h)
   int64_t n;      // output rows
   int64_t group;  // 0 = per-row scale
   float* y;       // [M, n]
   bool panels = false;  // q and grouped scales stored as panels (see "panels" below; GEMM only)
+  // Grouped scales of a panels weight may be float16 (a GGUF Q8_0 table's own scales, exact): half
+  // the scale bytes a decode step reads (the bundled model's LM head: 10.5 of 189 MB).
+  const uint16_t* scale_h = nullptr;
 };
+
+// IEEE half → float, exact for every half (normals, subnormals, infinities, NaN).
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man) {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while (!(m & 0x400));
+    bits = sign | (uint32_t(112 - e) << 23) | ((m & 0x3ff) << 13);
+  } else {
+    bits = sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Grouped scale `i` of a weight, float32 or float16 as stored.
+inline float GroupScale(const Weight& w, int64_t i) { return w.scale_h ? HalfToFloat(w.scale_h[i]) : w.scale[i]; }
 
 struct Problem {
   int m = 0;
@@ -299,8 +326,12 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     auto s = args.get<ffi::AnyBuffer>(2 * i + 1);
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
-    if (q->element_type() != ffi::S8 || s->element_type() != ffi::F32 || (*y)->element_type() != ffi::F32) {
-      return ffi::Error::InvalidArgument("expected int8 q, float32 scale and float32 output");
+    const bool half = s->element_type() == ffi::F16;
+    if (q->element_type() != ffi::S8 || (s->element_type() != ffi::F32 && !half) || (*y)->element_type() != ffi::F32) {
+      return ffi::Error::InvalidArgument("expected int8 q, float32 (or float16) scale and float32 output");
+    }
+    if (half && !(panels && groups[i])) {
+      return ffi::Error::InvalidArgument("float16 scales are read only for grouped weights stored as panels");
     }
     const auto qd = q->dimensions();
     int64_t n = qd.size() ? qd[0] : 0;
@@ -314,8 +345,10 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     const int64_t g = groups[i];
     const int64_t expect_scales = g ? n * (k / g) : n;
     if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
-    out.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()), static_cast<const float*>(s->untyped_data()),
-                         n, g, static_cast<float*>((*y)->untyped_data()), panels});
+    out.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()),
+                         half ? nullptr : static_cast<const float*>(s->untyped_data()), n, g,
+                         static_cast<float*>((*y)->untyped_data()), panels,
+                         half ? static_cast<const uint16_t*>(s->untyped_data()) : nullptr});
   }
   return ffi::Error::Success();
 }
@@ -425,7 +458,7 @@ void PackScales(const Weight& w, int64_t k, int64_t o0, int64_t flush, float* sp
       if (!w.group) {
         sp[f * kPanel + j] = w.scale[r];
       } else if (w.panels) {  // [N/16, K/g, 16]
-        sp[f * kPanel + j] = w.scale[((r / 16) * groups + f) * 16 + r % 16];
+        sp[f * kPanel + j] = GroupScale(w, ((r / 16) * groups + f) * 16 + r % 16);
       } else {
         sp[f * kPanel + j] = w.scale[r * groups + f];
       }
@@ -762,7 +795,7 @@ void PanelBlockPortable(const PanelProblem& p, const Weight& w, int64_t panel, i
           const uint32_t pair = uint32_t(p.xt[c * p.m + m]);
           sum += int32_t(int16_t(pair & 0xffff)) * qp[c * 32 + 2 * j] + int32_t(int16_t(pair >> 16)) * qp[c * 32 + 2 * j + 1];
         }
-        const float sc = w.group ? w.scale[(panel * groups + f0 / w.group) * kPanelRows + j] : 1.f;
+        const float sc = w.group ? GroupScale(w, (panel * groups + f0 / w.group) * kPanelRows + j) : 1.f;
         acc += float(sum) * sc;
       }
       const float row_scale = w.group ? 1.f : w.scale[panel * kPanelRows + j];
@@ -776,7 +809,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
                                                                            int64_t panel, int64_t m0) {
   const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0, m = p.m;
   const int8_t* qp = w.q + panel * (k / 2) * 32;
-  const float* sp = w.group ? w.scale + panel * groups * kPanelRows : nullptr;
+  const float* sp = w.group && w.scale ? w.scale + panel * groups * kPanelRows : nullptr;
+  const uint16_t* sph = w.group && w.scale_h ? w.scale_h + panel * groups * kPanelRows : nullptr;
   const int32_t* xt = p.xt.data() + m0;
   __m512 facc[MR];
   for (int i = 0; i < MR; ++i) facc[i] = _mm512_setzero_ps();
@@ -803,7 +837,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
     }
     for (int u = 1; u < U; ++u)
       for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[u][i]);
-    const __m512 sc = sp ? _mm512_loadu_ps(sp + fi * kPanelRows) : _mm512_set1_ps(1.f);
+    const __m512 sc = sp    ? _mm512_loadu_ps(sp + fi * kPanelRows)
+                      : sph ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sph + fi * kPanelRows)))
+                            : _mm512_set1_ps(1.f);
     for (int i = 0; i < MR; ++i) facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][i]), sc, facc[i]);
   }
   const __m512 row_scale = w.group ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(w.scale + panel * kPanelRows);
@@ -1004,7 +1040,7 @@ void PackI8Scales(const Weight& w, int64_t k, int64_t o0, int64_t flush, float* 
       if (!w.group) {
         sp[f * kPanel + j] = w.scale[r];
       } else if (w.panels) {
-        sp[f * kPanel + j] = w.scale[((r / 16) * groups + g) * 16 + r % 16];
+        sp[f * kPanel + j] = GroupScale(w, ((r / 16) * groups + g) * 16 + r % 16);
       } else {
         sp[f * kPanel + j] = w.scale[r * groups + g];
       }

@@ -222,7 +222,9 @@ def _call(target: str, x2, weights: Sequence[tuple], isa: str, panels: bool = Fa
     rows_per_q = quant.PANEL_ROWS if panels else 1
     operands, shapes, groups = [x2], [], []
     for q, scale, group in weights:
-        operands += [q, scale.astype(jnp.float32)]
+        # float16 grouped scales of a panels weight are read as they are (the kernel converts them)
+        keep = panels and group and scale.dtype == jnp.float16
+        operands += [q, scale if keep else scale.astype(jnp.float32)]
         shapes.append(jax.ShapeDtypeStruct((m, q.shape[0] * rows_per_q), jnp.float32))
         groups.append(int(group or 0))
     call = jax.ffi.ffi_call(target, shapes)
