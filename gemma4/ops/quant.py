@@ -156,7 +156,10 @@ _to_panels_jit = jax.jit(to_panels, static_argnums=2)
 
 
 def _on_one_cpu(a) -> bool:
-    devices = a.devices() if hasattr(a, "devices") else set()
+    """A concrete array on one CPU device (its buffer can be viewed from numpy without a copy)."""
+    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        return False
+    devices = a.devices()
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
