@@ -1326,10 +1326,12 @@ class Engine:
             if req.vision_groups is not None:
                 groups[:length] = req.vision_groups[chunk]
         final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
+        ran_before = self.shapes.has_run(key)
         token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1 if final else -1,
                                       self._sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
-        self._note_cost(key, t1 - t0)
+        if ran_before:  # a first run's one-time costs would rule its bucket out for a lone prompt
+            self._note_cost(key, t1 - t0)
         self._chunk_done(req, start, length, bucket, token, bad, t1)
 
     def _start_prefill_clock(self, req: Request, now: float) -> None:
@@ -1389,6 +1391,7 @@ class Engine:
         if not plan:
             return False
         t0 = time.perf_counter()
+        ran_before = all(self.shapes.has_run(key) for key, _, _ in plan)
         out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
         for key, first, rows in plan:
             width = key[1]
@@ -1402,7 +1405,8 @@ class Engine:
             for row in rows:
                 out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
-        self._note_cost(plan[0][0], (now - t0) / len(plan))
+        if ran_before:
+            self._note_cost(plan[0][0], (now - t0) / len(plan))
         self._decoded(active, decoding, out, bad, now)
         return True
 
