@@ -165,12 +165,19 @@ def ceiling_rows(cfg: ModelConfig, gbps: float, gguf_path: str | None = None,
                      "note": fmt.note})
     if gguf_path:
         g = gguf_bytes_per_token(gguf_path)
-        b = g["bytes_per_token"]
-        rows.append({"format": "gguf as stored", "bits_per_weight": round(g["bits_per_weight"], 3),
-                     "mb_per_token": b / 1e6, "ceiling_tok_s": decode_ceiling(b, gbps),
-                     "ceiling_with_kv_tok_s": decode_ceiling(b + kv, gbps) if context else None,
-                     "note": "the bundled file's own block mix (Q8_0 head, Q4_K/Q5_0/Q6_K layers)"})
+        rows.append(bytes_ceiling_row(cfg, "gguf as stored", g["bytes_per_token"], gbps, context,
+                                      "the bundled file's own block mix (Q8_0 head, Q4_K/Q5_0/Q6_K layers)"))
     return rows
+
+
+def bytes_ceiling_row(cfg: ModelConfig, name: str, bytes_per_token: float, gbps: float, context: int = 0,
+                      note: str = "") -> dict:
+    """A ceiling row for weights of a known size read whole per token (a file as stored, or an
+    engine's loaded weights: int8 with its scales as they are kept)."""
+    kv = kv_read_bytes(cfg, context, 4.0) if context else 0.0
+    return {"format": name, "bits_per_weight": round(8.0 * bytes_per_token / approx_param_count(cfg), 3),
+            "mb_per_token": bytes_per_token / 1e6, "ceiling_tok_s": decode_ceiling(bytes_per_token, gbps),
+            "ceiling_with_kv_tok_s": decode_ceiling(bytes_per_token + kv, gbps) if context else None, "note": note}
 
 
 def format_ceilings(bw: dict, rows: list[dict], cfg: ModelConfig, context: int = 0) -> str:

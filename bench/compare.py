@@ -362,7 +362,14 @@ def _fmt(v: Any, spec: str = ".1f", none: str = "—") -> str:
         return str(v)
 
 
-def _ceiling_for(weights: str, ceilings: list[dict]) -> float | None:
+OURS_LOADED = "ours as loaded"
+
+
+def _ceiling_for(weights: str, ceilings: list[dict], stack: str = "") -> float | None:
+    if stack.startswith("ours"):  # our engine's own bytes, where its worker reported them
+        own = next((c for c in ceilings if c["format"] == OURS_LOADED), None)
+        if own is not None:
+            return own["ceiling_tok_s"]
     w = (weights or "").lower()
     key = ("gguf as stored" if "gguf" in w or "q4" in w else
            "int8" if "int8" in w else
@@ -386,7 +393,7 @@ def render_table(rows: list[dict], ceilings: list[dict], batches: list[int]) -> 
             msg = str(r["skipped"]).splitlines()[0][:160]
             lines.append(f"| {r['stack']} | {r.get('weights', '')} | skipped: {msg} |" + " |" * (len(head) - 3))
             continue
-        ceil = _ceiling_for(r.get("weights", ""), ceilings)
+        ceil = _ceiling_for(r.get("weights", ""), ceilings, r["stack"])
         pct = 100.0 * r["decode_tok_s"] / ceil if ceil and r.get("decode_tok_s") else None
         if r["stack"].startswith("ours"):
             load = f"cold {_fmt(r.get('load_cold_s'))} / warm {_fmt(r.get('load_warm_s'))}"
@@ -541,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers != "none":
         rows += run_peers(args, prompts, gguf_path)
 
+    loaded = next((r for r in rows if r["stack"].startswith("ours") and not r.get("skipped")), None)
+    weights_bytes = ((loaded or {}).get("info") or {}).get("memory", {}).get("weights_bytes")
+    if weights_bytes:  # what our engine really reads per token (its int8 scales as kept: float16 or float32)
+        ceilings.append(bandwidth.bytes_ceiling_row(cfg, OURS_LOADED, float(weights_bytes), bw["gbps"],
+                                                    args.prompt_tokens + args.new_tokens,
+                                                    "our engine's weights as loaded (the worker's weights_bytes)"))
     table = render_table(rows, ceilings, args.batches)
     ceil_text = bandwidth.format_ceilings(bw, ceilings, cfg, context=args.prompt_tokens + args.new_tokens)
     q = [] if args.skip_quality else quality_rows(rows, extra, args.quality_tokens)

@@ -77,3 +77,23 @@ def test_a_workers_peak_memory_is_its_own_not_its_parents():
     own, inherited = map(float, out.stdout.split())
     del big
     assert inherited > 300 and own < 200, (own, inherited)
+
+
+def test_our_share_of_the_ceiling_counts_the_bytes_our_engine_holds():
+    """`% of ceiling` for our row is against the weights our worker reports it holds (int8 with its
+    scales as kept), not the nominal int8 line; the peers keep their format's line."""
+    compare, bandwidth = _load("compare"), _load("bandwidth")
+    cfg = bandwidth.preset("gemma3-270m")
+    ceilings = bandwidth.ceiling_rows(cfg, 20.0)
+    own = bandwidth.bytes_ceiling_row(cfg, compare.OURS_LOADED, 400e6, 20.0, 628)
+    assert own["ceiling_tok_s"] == 50.0 and own["mb_per_token"] == 400.0 and own["ceiling_with_kv_tok_s"] < 50.0
+    ours = {"stack": "ours (JAX)", "weights": "int8 (float32 compute)", "decode_tok_s": 40.0, "prefill_tok_s": 1000.0}
+    peer = {"stack": "transformers", "weights": "float32", "decode_tok_s": 10.0, "prefill_tok_s": 500.0}
+    nominal = compare._ceiling_for("int8", ceilings)
+    assert nominal and abs(nominal - 20e9 / bandwidth.weight_bytes_per_token(cfg, 8 + 32 / 640)) < 1e-6
+    table = compare.render_table([ours, peer], ceilings + [own], [4])
+    ours_line, peer_line = table.splitlines()[2:4]
+    assert "| 80% |" in ours_line  # 40 of the 50 tok/s its own 400 MB allow
+    float32 = next(c for c in ceilings if c["format"] == "float32")["ceiling_tok_s"]
+    assert f"| {100 * 10.0 / float32:.0f}% |" in peer_line
+    assert "| 80% |" not in compare.render_table([ours], ceilings, [4]).splitlines()[2]  # no report: the int8 line
