@@ -163,6 +163,11 @@ def _on_one_cpu(a) -> bool:
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
+def _placed_like(host: np.ndarray, like):
+    """`host` where `like` lives: as it is beside a numpy leaf, else put on `like`'s device."""
+    return host if isinstance(like, np.ndarray) else jax.device_put(host, like.sharding)
+
+
 def from_panels(qp, scale, group: int | None):
     """The inverse of `to_panels`."""
     xp = np if isinstance(qp, np.ndarray) else jnp
@@ -183,8 +188,7 @@ def as_panels(w: "QuantArray") -> "QuantArray":
         qp, sp = to_panels(w.q, w.scale, w.group_size)
     elif _on_one_cpu(w.q):
         qp, sp = to_panels(np.asarray(w.q), np.asarray(w.scale), w.group_size)
-        qp = jax.device_put(qp, w.q.sharding)
-        sp = jax.device_put(sp, w.scale.sharding) if w.group_size else w.scale
+        qp, sp = _placed_like(qp, w.q), _placed_like(sp, w.scale) if w.group_size else w.scale
     else:
         qp, sp = _to_panels_jit(w.q, w.scale, w.group_size)
     return dataclasses.replace(w, q=qp, scale=sp, layout="panels")
@@ -203,7 +207,7 @@ def with_half_scales(w: "QuantArray") -> "QuantArray":
         np.copyto(half, s, casting="unsafe")
     if not np.array_equal(half.astype(np.float32), s):
         return w
-    return dataclasses.replace(w, scale=half if isinstance(w.scale, np.ndarray) else jax.device_put(half, w.scale.sharding))
+    return dataclasses.replace(w, scale=_placed_like(half, w.scale))
 
 
 def take_panel_rows(w: "QuantArray", ids: jax.Array) -> tuple[jax.Array, jax.Array]:

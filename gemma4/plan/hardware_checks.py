@@ -277,12 +277,12 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
         if not fallback_ok:
             raise PolicyError(msg + "; use GEMMA4_INT8_MATMUL=auto")
         want, warning = "measure", msg
-    half = ov.get("int8_scales", "float16") == "float16"
+    scales = ov.get("int8_scales", "float16")
     if want == "measure":
         activations = ov.get("int8_activations", DEFAULT_INT8_ACTIVATIONS)
         tuning = cpu_tuning.tune(params, native_ok, progress=progress, layout=ov.get("int8_layout"),
                                  activations=activations)
-        params = cpu_tuning.apply(params, tuning, release=release, half_scales=half)
+        params = cpu_tuning.apply(params, tuning, release=release, half_scales=scales == "float16")
         report["tuning"] = tuning
         how = "read from this machine's cache" if tuning["cached"] else f"measured here in {tuning['seconds']:.1f} s"
         layout = tuning["layout"]
@@ -295,11 +295,12 @@ def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | N
                                     f"row count ({how}): {tuning_report.summary(tuning)}; activations {acts}; {note}",
                         "fallback" if warning else "auto")
     else:
-        params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok, release=release, half_scales=half)
+        params = cpu_tuning.apply(params, None, forced=want, native_ok=native_ok, release=release,
+                                  half_scales=scales == "float16")
         choice = Choice(want, f"requested via GEMMA4_INT8_MATMUL for decode rows (≤ 8) where it can run; "
                               f"others keep the built-in path; {note}", "override")
     count, saved = cpu_tuning.half_scale_bytes(params)
-    report["half_scales"] = {"leaves": count, "bytes_saved": saved, "requested": ov.get("int8_scales", "float16")}
+    report["half_scales"] = {"leaves": count, "bytes_saved": saved, "requested": scales}
     if count:
         choice = dataclasses.replace(choice, reason=choice.reason + (
             f"; the grouped scales of {count} panels leaves are float16 values (a GGUF Q8_0 table's own) and are "

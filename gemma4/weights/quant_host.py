@@ -1,10 +1,10 @@
 """Host-side (numpy) quantizers the loaders use: each leaf built in its final form, in row chunks.
 
-    out = host_empty(shape, dtype)            # a 64-byte-aligned numpy buffer
     leaf = quantize_host(rows, shape, "int8") # an [out, in] weight read in row chunks → QuantArray
     leaf = host_cast(rows, shape, "float32")  # a float leaf, same streaming
 
-Holds the aligned host buffers (`host_empty`, `host_put`), the row chunking (`host_row_chunks`,
+Holds `host_put` (a numpy buffer as a jax array; the aligned buffers themselves, `host_empty`,
+live with the leaf types in `gemma4.ops.quant`), the row chunking (`host_row_chunks`,
 `row_reader`, `_fill_rows`), the numpy block quantizers (`int8_block_np`, `int4_block_np`) and
 the streamed entry points (`host_cast`, `quantize_host`). The leaf types and the jax quantizers
 they match bit for bit live in `gemma4.ops.quant`.
