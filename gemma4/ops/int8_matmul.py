@@ -8,7 +8,8 @@ layout (`gemma4.ops.quant.to_panels`) — and return float32 [M, N].
 
     native-panels the FFI kernel's panel product (`cpu_int8.panels`) on a weight stored as panels
                  (`QuantArray.layout == "panels"`): 16 output rows per vector, one sign-extension
-                 serving every activation row, any number of rows; AVX512-VNNI only.
+                 serving every activation row, any number of rows; AVX512-VNNI only. Reads 5-bit
+                 panels too (`quant.with_5bit_panels`), as both native GEMMs do (unpacked per panel).
     native       the FFI kernel in gemma4/ops/kernels/cpu_int8.cc: int16 activations, streams the
                  int8 weight once per call of ≤ 8 rows (cpu_int8.MAX_ROWS); more rows (a short
                  prefill chunk) run as slices of 8, each streaming the weight again, which still

@@ -68,8 +68,13 @@ class QuantArray:
     @property
     def shape(self) -> tuple[int, ...]:
         if self.layout == "panels":
-            return (int(self.q.shape[0]) * PANEL_ROWS, int(self.q.shape[1]) * 2)
+            return (int(self.q.shape[0]) * PANEL_ROWS, int(self.q.shape[1]) * (4 if self.panel_bits == 5 else 2))
         return tuple(self.q.shape)
+
+    @property
+    def panel_bits(self) -> int:
+        """Bits per stored value: 5 for 5-bit panels (q uint8, `with_5bit_panels`), else 8."""
+        return 5 if self.layout == "panels" and self.q.dtype == jnp.uint8 else 8
 
     @property
     def dtype(self):
@@ -94,6 +99,8 @@ class QuantArray:
             if count is not None:
                 panels = -(-count // PANEL_ROWS)
                 q, scale = q[:panels], scale[:panels] if self.group_size else scale[:panels * PANEL_ROWS]
+            if self.panel_bits == 5:
+                q = unpack_panels5(q)
             q, scale = from_panels(q, scale, self.group_size)
         return (q, scale) if count is None else (q[:count], scale[:count])
 
@@ -210,12 +217,71 @@ def with_half_scales(w: "QuantArray") -> "QuantArray":
     return dataclasses.replace(w, scale=_placed_like(half, w.scale))
 
 
+# ------------------------------------------------------------------------------ 5-bit panels
+# Values in [-16, 15] (a GGUF Q5_0 table's, read exactly as int8) need 5 bits: a panels leaf whose
+# values all lie there may store pairs 2b and 2b + 1 of each panel in one 40-byte block (uint8 q
+# [N/16, K/4, 40]): byte i holds value i (= 2j + t, as in the int8 panel's 32 bytes) of pair 2b in its
+# low nibble and of pair 2b + 1 in its high nibble, as q & 15; bytes 32..39 are a little-endian
+# 64-bit mask, bit i set where value i of pair 2b is negative (bit 32 + i: pair 2b + 1), so
+# q = nibble − 16 · bit. 20 bytes per pair instead of 32; the native kernel's integer sums (and so
+# its results) are the int8 panels' exactly (gemma4/ops/kernels/cpu_int8.cc, "5-bit panels").
+PANEL5_BLOCK = 40
+PANEL5_RANGE = (-16, 15)
+
+
+def pack_panels5(qp: np.ndarray) -> np.ndarray:
+    """int8 panels [P, C, 32] (C even, values in PANEL5_RANGE) → uint8 5-bit panels [P, C/2, 40],
+    a fresh HOST_ALIGN-aligned buffer."""
+    npan, c, _ = qp.shape
+    u = qp.view(np.uint8)
+    out = host_empty((npan, c // 2, PANEL5_BLOCK), np.uint8)
+    np.bitwise_or(u[:, 0::2] & 15, (u[:, 1::2] & 15) << 4, out=out[..., :32])
+    negative = np.concatenate([qp[:, 0::2] < 0, qp[:, 1::2] < 0], axis=-1)  # [P, C/2, 64]
+    out[..., 32:] = np.packbits(negative, axis=-1, bitorder="little")
+    return out
+
+
+def unpack_panels5(q5):
+    """The inverse of `pack_panels5` (numpy or jax; any leading shape): int8 [..., C, 32]."""
+    xp = np if isinstance(q5, np.ndarray) else jnp
+    nib, mask = q5[..., :32], q5[..., 32:]
+    negative = xp.unpackbits(mask, axis=-1, bitorder="little").astype(xp.int8)  # [..., C/2, 64]
+    lo = (nib & 15).astype(xp.int8) - 16 * negative[..., :32]
+    hi = (nib >> 4).astype(xp.int8) - 16 * negative[..., 32:]
+    return xp.stack([lo, hi], axis=-2).reshape(*q5.shape[:-2], 2 * q5.shape[-2], 32)
+
+
+def panels5_ok(w: "QuantArray") -> bool:
+    """Whether a leaf could be stored as 5-bit panels by shape (the values decide the rest)."""
+    n, k = w.shape
+    return w.layout == "panels" and w.panel_bits == 8 and k % 4 == 0 and (w.group_size or 4) % 4 == 0
+
+
+def with_5bit_panels(w: "QuantArray") -> "QuantArray":
+    """An int8 panels leaf on one CPU whose values all lie in PANEL5_RANGE — a GGUF Q5_0 (or Q4_0)
+    table's do — stored as 5-bit panels: the same values in 20 of 32 bytes per pair. Any other leaf
+    is returned as it is."""
+    if not panels5_ok(w) or not (isinstance(w.q, np.ndarray) or _on_one_cpu(w.q)):
+        return w
+    qp = np.asarray(w.q)
+    if qp.min() < PANEL5_RANGE[0] or qp.max() > PANEL5_RANGE[1]:
+        return w
+    return dataclasses.replace(w, q=_placed_like(pack_panels5(qp), w.q))
+
+
 def take_panel_rows(w: "QuantArray", ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(q rows [..., K], scales [...] or [..., K/g]) of `ids` from a panels leaf (a gather)."""
-    npan, c, _ = w.q.shape
+    """(q rows [..., K], scales [...] or [..., K/g]) of `ids` from a panels leaf (a gather; of 5-bit
+    panels, each gathered row's whole panel is unpacked)."""
     p, j = ids // PANEL_ROWS, ids % PANEL_ROWS
-    q4 = w.q.reshape(npan, c, PANEL_ROWS, 2)
-    q = q4[p[..., None], jnp.arange(c), j[..., None]].reshape(*ids.shape, 2 * c)
+    if w.panel_bits == 5:
+        panels = unpack_panels5(w.q[p])  # [..., K/2, 32]
+        c = panels.shape[-2]
+        pairs = panels.reshape(*ids.shape, c, PANEL_ROWS, 2)
+        q = jnp.take_along_axis(pairs, j[..., None, None, None], axis=-2)[..., 0, :].reshape(*ids.shape, 2 * c)
+    else:
+        npan, c, _ = w.q.shape
+        q4 = w.q.reshape(npan, c, PANEL_ROWS, 2)
+        q = q4[p[..., None], jnp.arange(c), j[..., None]].reshape(*ids.shape, 2 * c)
     if w.group_size:
         scale = w.scale[p[..., None], jnp.arange(w.scale.shape[1]), j[..., None]]
     else:

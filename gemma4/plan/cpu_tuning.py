@@ -14,6 +14,8 @@ The storage layout is chosen first, by the same kind of measurement (`choose_lay
 native kernel's panel product runs (AVX512-VNNI), the largest product is timed at 1 and 8 rows
 both as rows (every path) and as panels (`QuantArray.layout`); panels win where they are
 LAYOUT_MIN_SPEEDUP faster, and then every product is tuned among the paths that read panels.
+Panels whose values need only 5 bits (a GGUF Q5_0 table's) are then timed both ways
+(`choose_panel_bits`): 5-bit panels read 20 of 32 bytes per input pair for the same results.
 
 What it measured is shown by `gemma4.plan.tuning_report` (the accuracy bound, the summary, the
 timings table), which needs no JAX.
@@ -37,7 +39,7 @@ import numpy as np
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.quant import QuantArray, as_panels, panels_shape_ok, with_half_scales
+from gemma4.ops.quant import QuantArray, as_panels, panels_shape_ok, with_5bit_panels, with_half_scales
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
 from gemma4.plan.tuning_report import INT8_ACTIVATION_PATHS, accuracy_bound
@@ -59,7 +61,7 @@ ROW_CLASSES = ((1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (1 << 3
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
-VERSION = 10  # bump when the measurement changes: old cached choices are then ignored
+VERSION = 11  # bump when the measurement changes: old cached choices are then ignored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +110,15 @@ def products(params: Any) -> dict[Product, QuantArray]:
     return {Product(*shape, int8_input=normed[shape]): leaf for shape, leaf in leaves.items()}
 
 
-def _cache_file(prods, native_ok: bool, layout: str | None = None, activations: str = "int16") -> Path:
+def _cache_file(prods, native_ok: bool, layout: str | None = None, activations: str = "int16",
+                panel_bits: str | None = None) -> Path:
     facts = probe()
     status = cpu_int8.load() if native_ok else None
     parts = [str(VERSION), facts.cpu_model, " ".join(facts.cpu_flags), str(facts.cpu_cores), facts.jax_version,
              facts.jaxlib_version, status.path or "" if status else "no-native",
              ";".join(sorted(p.key + ("/head" if p.decode_only else "") + ("/normed" if p.int8_input else "")
                              for p in prods)),
-             os.environ.get("XLA_FLAGS", ""), str(layout), activations]
+             os.environ.get("XLA_FLAGS", ""), str(layout), activations, str(panel_bits)]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_root() / "tuning" / f"int8-matmul-{key}.json"
 
@@ -324,19 +327,59 @@ def choose_layout(prods: dict, native_ok: bool, rng, forced: str | None = None) 
     return {"layout": layout, "reason": reason, "timings_ms": timings}
 
 
+# 5-bit panels are chosen where they are not slower than int8 panels at the decode rows (the same
+# results in 5/8 of the bytes: the model's other weights and the KV cache keep the caches' room).
+PANEL5_MIN_SPEEDUP = 1.0
+
+
+def choose_panel_bits(prods: dict, rng, forced: str | None = None) -> dict:
+    """{"bits": 5 | 8, "reason", "timings_ms"}: whether panels leaves whose values fit 5 bits are
+    stored so. The largest product whose leaf fits is timed at LAYOUT_ROWS both ways."""
+    fit = {p: leaf for p, leaf in prods.items() if panels_shape_ok(p.n, p.k, p.group)}
+    five = {p: w5 for p, w5 in ((p, with_5bit_panels(as_panels(leaf))) for p, leaf in fit.items())
+            if w5.panel_bits == 5}
+    if forced in ("5", "8"):
+        return {"bits": int(forced), "reason": "requested via GEMMA4_INT8_PANEL_BITS", "timings_ms": {}}
+    if not five:
+        return {"bits": 8, "reason": "no panels leaf has all its values in [-16, 15]", "timings_ms": {}}
+    prod = max(five, key=lambda p: p.n * p.k)
+    leaves = {8: as_panels(fit[prod]), 5: five[prod]}
+    timings: dict = {8: {}, 5: {}}
+    for rows in LAYOUT_ROWS:
+        x = jnp.asarray(_activations(rows, prod.k, rng))
+        fns = {bits: jax.jit(lambda x, q, s: int8_matmul.run("native-panels", x, q, s, prod.group, "panels"))
+               for bits in leaves}
+        weights = {bits: cold_copies(w.q, w.scale) for bits, w in leaves.items()}
+        first = {}
+        for bits, fn in fns.items():
+            q, scale = weights[bits][-1]
+            fn(x, q, scale).block_until_ready()  # compile
+            t0 = time.perf_counter()
+            fn(x, q, scale).block_until_ready()
+            first[bits] = time.perf_counter() - t0
+        for bits, ms in _rematch(fns, x, weights, first).items():
+            timings[bits][rows] = round(ms, 4)
+    t8, t5 = (sum(timings[b].values()) for b in (8, 5))
+    bits = 5 if t8 >= PANEL5_MIN_SPEEDUP * t5 else 8
+    reason = (f"{prod.key} at {' and '.join(map(str, LAYOUT_ROWS))} rows: {t5:.3f} ms in 5 bits vs {t8:.3f} ms "
+              f"in 8 ({t8 / t5:.2f}×)")
+    return {"bits": bits, "reason": reason, "timings_ms": {str(b): t for b, t in timings.items()}}
+
+
 def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, full: bool = False,
-         layout: str | None = None, activations: str = "int16") -> dict:
+         layout: str | None = None, activations: str = "int16", panel_bits: str | None = None) -> dict:
     """Measure (or read from the cache) the storage layout, then the winner per product and row class.
 
     `layout` "rows" / "panels" forces the layout (GEMMA4_INT8_LAYOUT); None measures it.
     `activations` "int8" lets prefill products use int8 activations (ACTIVATIONS; GEMMA4_INT8_ACTIVATIONS).
-    Returns {"layout": choose_layout(), "products": {key: {"n", "k", "group", "layout", "classes":
+    `panel_bits` "5" / "8" forces how panels whose values fit 5 bits are stored (GEMMA4_INT8_PANEL_BITS).
+    Returns {"layout": choose_layout(), "panel_bits": choose_panel_bits(), "products": {key: {"n", "k", "group", "layout", "classes":
     [{"max_rows", "rows", ...measure()}]}}, "seconds": float, "cached": bool, "cache_file": str}.
     """
     prods = products(params)
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations {activations!r} not in {ACTIVATIONS}")
-    cache = _cache_file(prods, native_ok, layout, activations)
+    cache = _cache_file(prods, native_ok, layout, activations, panel_bits)
     if use_cache and not full and cache.exists():
         try:
             data = json.loads(cache.read_text())
@@ -350,6 +393,8 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
     if progress:
         progress(0.0, "measuring how int8 weights are best stored (rows or panels)")
     chosen = choose_layout(prods, native_ok, rng, layout)
+    bits = (choose_panel_bits(prods, rng, panel_bits) if chosen["layout"] == "panels" else
+            {"bits": 8, "reason": "int8 weights are stored as rows", "timings_ms": {}})
     out = {}
     for i, (prod, leaf) in enumerate(sorted(prods.items(), key=lambda kv: -kv[0].n * kv[0].k)):
         if progress:
@@ -358,6 +403,8 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
         w_ref = reference_weight(prod, leaf)  # from the rows, before the leaf becomes panels
         if as_layout == "panels":
             leaf = as_panels(leaf)
+            if bits["bits"] == 5:  # measured as it will be stored (where its values fit)
+                leaf = with_5bit_panels(leaf)
         classes = []
         prepared = prepare(prod, leaf, w_ref)
         for max_rows, rows in ROW_CLASSES:
@@ -370,7 +417,7 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
         out[prod.key] = {"n": prod.n, "k": prod.k, "group": prod.group, "layout": as_layout, "classes": classes}
     # The load average around the measurement: timings taken beside other work are noisier (kept
     # with the choices, so a doubtful table can be told apart and its file deleted to re-measure).
-    data = {"layout": chosen, "products": out, "seconds": round(time.perf_counter() - t0, 2), "native": native_ok,
+    data = {"layout": chosen, "panel_bits": bits, "products": out, "seconds": round(time.perf_counter() - t0, 2), "native": native_ok,
             "activations": activations,
             "load_average": [load_before, _load_average()]}
     try:
@@ -394,6 +441,12 @@ def paths_table(entry: dict) -> tuple[tuple[int, str], ...]:
     return tuple((c["max_rows"], c["path"]) for c in entry["classes"])
 
 
+def panel5_bytes(params: Any) -> tuple[int, int]:
+    """(leaves stored as 5-bit panels, bytes that saves against int8 panels)."""
+    fives = [leaf for _, leaf in _leaves_with_paths(params) if leaf.panel_bits == 5]
+    return len(fives), sum(int(leaf.q.size) * 32 // 20 - int(leaf.q.size) for leaf in fives)
+
+
 def half_scale_bytes(params: Any) -> tuple[int, int]:
     """(int8 leaves whose scales are float16, scale bytes that saves against float32)."""
     halves = [leaf for _, leaf in _leaves_with_paths(params) if leaf.scale.dtype == jnp.float16]
@@ -401,7 +454,7 @@ def half_scale_bytes(params: Any) -> tuple[int, int]:
 
 
 def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False,
-          release: bool = False, half_scales: bool = True) -> Any:
+          release: bool = False, half_scales: bool = True, panel_bits: int | None = None) -> Any:
     """Set `paths` (and the layout) on every int8 leaf: from the tuning, or `forced` for decode rows
     (≤ 8) where that path can run the leaf (others keep the built-in path; `native-panels` stores
     the leaves it can run as panels, for every row count).
@@ -409,14 +462,21 @@ def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok
     `half_scales`: a leaf stored as panels keeps its grouped scales as float16 where they all are
     float16 values (`quant.with_half_scales`: a GGUF Q8_0 table's own scales; the same values).
 
+    `panel_bits`: 5 stores panels leaves whose values all lie in [-16, 15] as 5-bit panels
+    (`quant.with_5bit_panels`; the same values), 8 keeps int8; None = as the tuning chose (8 without one).
+
     `release`: free each leaf's rows as soon as its panels exist, so reordering costs one leaf of
     memory at a time instead of a second copy of the int8 weights (the LM head alone: +189 MB of
     peak RSS measured on the bundled model). The tree passed in must not be used afterwards.
     """
+    bits = panel_bits or int((tuning or {}).get("panel_bits", {}).get("bits", 8))
+
     def as_panels_freeing(leaf):
         out = as_panels(leaf)
         if half_scales:
             out = with_half_scales(out)
+        if bits == 5:
+            out = with_5bit_panels(out)
         if release:
             jax.block_until_ready((out.q, out.scale))
             for old, new in ((leaf.q, out.q), (leaf.scale, out.scale)):

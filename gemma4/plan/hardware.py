@@ -24,6 +24,8 @@ Overrides come from environment variables or a dict / CLI flags with the same na
     GEMMA4_INT8_ACTIVATIONS  auto | int16 | int8  (int8: prefill GEMMs may quantize activations to int8 per 32 inputs)
     GEMMA4_INT8_SCALES       auto | float16 | float32  (float16: panels leaves keep grouped scales that are float16
                              values, a GGUF Q8_0 table's own, in half the bytes; float32 keeps every scale float32)
+    GEMMA4_INT8_PANEL_BITS   auto | 5 | 8  (5: panels leaves whose values all lie in [-16, 15], a GGUF Q5_0 table's,
+                             are stored in 5 bits, the same values; auto measures whether that is faster here)
     GEMMA4_NATIVE_KERNEL     auto | off     (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
     GEMMA4_ALLOW_FALLBACK    0 | 1
 
@@ -160,7 +162,7 @@ ENV_KEYS = {
     "int4_kernel": "GEMMA4_INT4_KERNEL", "matmul_precision": "GEMMA4_MATMUL_PRECISION",
     "embed_weights": "GEMMA4_EMBED_WEIGHTS", "int8_matmul": "GEMMA4_INT8_MATMUL",
     "int8_layout": "GEMMA4_INT8_LAYOUT", "int8_activations": "GEMMA4_INT8_ACTIVATIONS",
-    "int8_scales": "GEMMA4_INT8_SCALES",
+    "int8_scales": "GEMMA4_INT8_SCALES", "int8_panel_bits": "GEMMA4_INT8_PANEL_BITS",
     "encoder_dtype": "GEMMA4_ENCODER_DTYPE",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
@@ -173,6 +175,7 @@ _ALLOWED = {
     "int8_layout": ("rows", "panels"),
     "int8_activations": ("int16", "int8"),
     "int8_scales": ("float16", "float32"),
+    "int8_panel_bits": ("5", "8"),
     "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
 }
 

@@ -87,6 +87,9 @@ struct Weight {
   // Grouped scales of a panels weight may be float16 (a GGUF Q8_0 table's own scales, exact): half
   // the scale bytes a decode step reads (the bundled model's LM head: 10.5 of 189 MB).
   const uint16_t* scale_h = nullptr;
+  // A panels weight whose values all lie in [-16, 15] (a GGUF Q5_0 table's) may be stored in 5 bits
+  // ("panels5" below): q is then uint8 [N/16, K/4, 40], 20 of int8's 32 bytes per input pair.
+  int bits = 8;
 };
 
 // IEEE half → float, exact for every half (normals, subnormals, infinities, NaN).
@@ -112,6 +115,55 @@ inline float HalfToFloat(uint16_t h) {
 
 // Grouped scale `i` of a weight, float32 or float16 as stored.
 inline float GroupScale(const Weight& w, int64_t i) { return w.scale_h ? HalfToFloat(w.scale_h[i]) : w.scale[i]; }
+
+// ---------------------------------------------------------------- 5-bit panels
+// A panels weight (see "panels" below) whose values all lie in [-16, 15] may store two input pairs
+// of a 16-row panel in one 40-byte block: byte i (i = 2j + t, as in an int8 panel's 32 bytes) holds
+// value i of pair 2b in its low nibble and value i of pair 2b + 1 in its high nibble, each as
+// q & 15; bytes 32..39 are a 64-bit mask with bit i set where value i of pair 2b is negative (bit
+// 32 + i: of pair 2b + 1), so q = nibble - 16 * bit. A GGUF Q5_0 table's values in 20 bytes per pair
+// instead of 32; the integer sums, and so the results, are the int8 panels' exactly.
+constexpr int64_t kPanel5Block = 40;
+
+// `blocks` 5-bit blocks → int8 pairs (64 bytes each) with AVX-512: the same values as the loop below.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void Unpack5Avx512(const uint8_t* src, int64_t blocks,
+                                                                        int8_t* out) {
+  const __m256i nibble = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = src + b * kPanel5Block;
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+    uint64_t neg;
+    std::memcpy(&neg, blk + 32, sizeof neg);
+    const __m256i lo = _mm256_and_si256(t, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), nibble);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 64), _mm256_mask_sub_epi8(lo, __mmask32(neg), lo, sixteen));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 64 + 32),
+                        _mm256_mask_sub_epi8(hi, __mmask32(neg >> 32), hi, sixteen));
+  }
+}
+
+// Panels p0..p0+count of a panels weight as int8 panels ([count, K/2, 32]): where they lie, or
+// unpacked into `tmp` from 5 bits (with AVX-512 where `avx512`).
+const int8_t* Int8Panels(const Weight& w, int64_t k, int64_t p0, int64_t count, std::vector<int8_t>& tmp,
+                         bool avx512 = false) {
+  if (w.bits == 8) return w.q + p0 * (k / 2) * 32;
+  tmp.resize(size_t(count * (k / 2) * 32));
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(w.q) + p0 * (k / 4) * kPanel5Block;
+  if (avx512) {
+    Unpack5Avx512(src, count * (k / 4), tmp.data());
+    return tmp.data();
+  }
+  for (int64_t b = 0; b < count * (k / 4); ++b) {
+    const uint8_t* blk = src + b * kPanel5Block;
+    uint64_t neg;
+    std::memcpy(&neg, blk + 32, sizeof neg);
+    int8_t* out = tmp.data() + b * 64;
+    for (int i = 0; i < 32; ++i) {
+      out[i] = int8_t((blk[i] & 15) - 16 * int((neg >> i) & 1));
+      out[32 + i] = int8_t((blk[i] >> 4) - 16 * int((neg >> (32 + i)) & 1));
+    }
+  }
+  return tmp.data();
+}
 
 struct Problem {
   int m = 0;
@@ -327,15 +379,23 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
     const bool half = s->element_type() == ffi::F16;
-    if (q->element_type() != ffi::S8 || (s->element_type() != ffi::F32 && !half) || (*y)->element_type() != ffi::F32) {
-      return ffi::Error::InvalidArgument("expected int8 q, float32 (or float16) scale and float32 output");
+    const bool five = panels && q->element_type() == ffi::U8;  // 5-bit panels (see "panels5")
+    if ((q->element_type() != ffi::S8 && !five) || (s->element_type() != ffi::F32 && !half) ||
+        (*y)->element_type() != ffi::F32) {
+      return ffi::Error::InvalidArgument("expected int8 q (uint8 for 5-bit panels), float32 (or float16) scale and float32 output");
     }
     if (half && !(panels && groups[i])) {
       return ffi::Error::InvalidArgument("float16 scales are read only for grouped weights stored as panels");
     }
     const auto qd = q->dimensions();
     int64_t n = qd.size() ? qd[0] : 0;
-    if (panels) {  // [N/16, K/2, 32]
+    if (five) {  // [N/16, K/4, 40]
+      if (k % 4 || qd.size() != 3 || qd[1] != k / 4 || qd[2] != 40) {
+        return ffi::Error::InvalidArgument("5-bit panels q must be [N/16, K/4, 40] with K a multiple of 4");
+      }
+      if (groups[i] % 4) return ffi::Error::InvalidArgument("5-bit panels need a group that is a multiple of 4");
+      n = qd[0] * 16;
+    } else if (panels) {  // [N/16, K/2, 32]
       if (qd.size() != 3 || qd[1] != k / 2 || qd[2] != 32) return ffi::Error::InvalidArgument("q must be [N/16, K/2, 32]");
       n = qd[0] * 16;
     } else if (qd.size() != 2 || qd[1] != k) {
@@ -348,7 +408,7 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     out.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()),
                          half ? nullptr : static_cast<const float*>(s->untyped_data()), n, g,
                          static_cast<float*>((*y)->untyped_data()), panels,
-                         half ? static_cast<const uint16_t*>(s->untyped_data()) : nullptr});
+                         half ? static_cast<const uint16_t*>(s->untyped_data()) : nullptr, five ? 5 : 8});
   }
   return ffi::Error::Success();
 }
@@ -430,10 +490,11 @@ inline int64_t GemmFlush(const Weight& w, int64_t k) {
 }
 
 // Panel o0..o0+kPanel of weight w: wp[p * kPanel + j] = (q[o0+j][2p], q[o0+j][2p+1]) as two int16.
-void PackPairs(const Weight& w, int64_t k, int64_t o0, int32_t* wp) {
-  if (w.panels) {  // row o0 + j's pair p: bytes 2j', 2j' + 1 of 16-row panel (o0 + j) / 16, pair p
+// A panels weight's two 16-row panels are read from `pq` (`Int8Panels`).
+void PackPairs(const Weight& w, int64_t k, int64_t o0, const int8_t* pq, int32_t* wp) {
+  if (w.panels) {  // row o0 + j's pair p: bytes 2j', 2j' + 1 of 16-row panel j / 16, pair p (o0 % 32 == 0)
     for (int j = 0; j < kPanel; ++j) {
-      const int8_t* panel = w.q + ((o0 + j) / 16) * (k / 2) * 32 + 2 * ((o0 + j) % 16);
+      const int8_t* panel = pq + (j / 16) * (k / 2) * 32 + 2 * (j % 16);
       for (int64_t p = 0; p < k / 2; ++p) {
         const uint32_t lo = uint16_t(int16_t(panel[p * 32])), hi = uint16_t(int16_t(panel[p * 32 + 1]));
         wp[p * kPanel + j] = int32_t(lo | (hi << 16));
@@ -472,9 +533,9 @@ void PackScales(const Weight& w, int64_t k, int64_t o0, int64_t flush, float* sp
 // int32 at a time at a 128-byte stride: with it a 16-row product of a 2048 × 640 weight took
 // 0.37 ms, with this 0.19 ms (2-core AMD EPYC Zen 4; 0.35 ms for the row kernel's 8-row slices).
 __attribute__((target("avx512f,avx512bw"))) void PackPairsAvx512(const Weight& w, int64_t k, int64_t o0,
-                                                                 int32_t* wp) {
+                                                                 const int8_t* pq, int32_t* wp) {
   if (w.panels) {  // already pair-major: sign-extend the two 16-row panels' 32 bytes per pair
-    const int8_t* a = w.q + (o0 / 16) * (k / 2) * 32;
+    const int8_t* a = pq;
     const int8_t* b = a + (k / 2) * 32;
     for (int64_t p = 0; p < k / 2; ++p) {
       _mm512_store_si512(wp + p * kPanel, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + p * 32))));
@@ -597,10 +658,12 @@ void GemmPanel(const GemmProblem& p, const Weight& w, int64_t o0, int64_t isa) {
   const int64_t k = p.k, flush = GemmFlush(w, k);
   int32_t* wp = buf.Aligned(k / 2 * kPanel);
   buf.sp.resize(size_t(k / flush) * kPanel);
+  static thread_local std::vector<int8_t> unpacked;
+  const int8_t* pq = w.panels ? Int8Panels(w, k, o0 / 16, 2, unpacked, isa == kAvx512Vnni || isa == kAvx512) : nullptr;
   if (isa == kAvx512Vnni || isa == kAvx512) {
-    PackPairsAvx512(w, k, o0, wp);
+    PackPairsAvx512(w, k, o0, pq, wp);
   } else {
-    PackPairs(w, k, o0, wp);
+    PackPairs(w, k, o0, pq, wp);
   }
   PackScales(w, k, o0, flush, buf.sp.data());
   static constexpr GemmTileFn vnni[kTile] = GEMMA4_BY_TILE(GemmTileVnniT);
@@ -784,7 +847,8 @@ void PanelQuantizeRows(const float* x, PanelProblem& p, int64_t m0, int64_t m1) 
 // Rows m0..m0+mr of y for one panel, portable: the same integer sums per flush, in scalar code.
 void PanelBlockPortable(const PanelProblem& p, const Weight& w, int64_t panel, int64_t m0, int mr) {
   const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0;
-  const int8_t* qp = w.q + panel * (k / 2) * 32;
+  static thread_local std::vector<int8_t> unpacked;
+  const int8_t* qp = Int8Panels(w, k, panel, 1, unpacked);
   for (int mi = 0; mi < mr; ++mi) {
     const int64_t m = m0 + mi;
     for (int j = 0; j < kPanelRows; ++j) {
@@ -804,11 +868,14 @@ void PanelBlockPortable(const PanelProblem& p, const Weight& w, int64_t panel, i
   }
 }
 
-template <int MR>
+// BITS 8: int8 panels; BITS 5: 5-bit panels, each 40-byte block unpacked to two int16 vectors
+// (nibbles zero-extended, 16 taken off where the mask says negative) for the same vpdpwssd.
+template <int MR, int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const PanelProblem& p, const Weight& w,
                                                                            int64_t panel, int64_t m0) {
   const int64_t k = p.k, flush = PanelFlush(w, k), groups = w.group ? k / w.group : 0, m = p.m;
   const int8_t* qp = w.q + panel * (k / 2) * 32;
+  const uint8_t* q5 = reinterpret_cast<const uint8_t*>(w.q) + panel * (k / 4) * kPanel5Block;
   const float* sp = w.group && w.scale ? w.scale + panel * groups * kPanelRows : nullptr;
   const uint16_t* sph = w.group && w.scale_h ? w.scale_h + panel * groups * kPanelRows : nullptr;
   const int32_t* xt = p.xt.data() + m0;
@@ -823,17 +890,33 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
       for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_setzero_si512();
     int64_t c = f0 / 2;
     const int64_t c1 = (f0 + flush) / 2;
-    for (; c + U <= c1; c += U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + (c + u) * 32)));
-        const int32_t* xc = xt + (c + u) * m;
-        for (int i = 0; i < MR; ++i) acc[u][i] = DpwssdPair(acc[u][i], wv, xc + i);
+    if constexpr (BITS == 5) {  // pairs 2b, 2b + 1 per block; a flush holds whole blocks (K, groups % 4 == 0)
+      const __m512i nibble = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
+      for (int64_t b = f0 / 4; b < (f0 + flush) / 4; ++b) {
+        const uint8_t* blk = q5 + b * kPanel5Block;
+        const __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        uint64_t neg;
+        std::memcpy(&neg, blk + 32, sizeof neg);
+        const __m512i lo = _mm512_and_si512(t, nibble), hi = _mm512_srli_epi16(t, 4);
+        const __m512i w0 = _mm512_mask_sub_epi16(lo, __mmask32(neg), lo, sixteen);
+        const __m512i w1 = _mm512_mask_sub_epi16(hi, __mmask32(neg >> 32), hi, sixteen);
+        const int32_t* x0 = xt + 2 * b * m;
+        for (int i = 0; i < MR; ++i) acc[0][i] = DpwssdPair(acc[0][i], w0, x0 + i);
+        for (int i = 0; i < MR; ++i) acc[U - 1][i] = DpwssdPair(acc[U - 1][i], w1, x0 + m + i);
       }
-    }
-    for (; c < c1; ++c) {
-      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + c * 32)));
-      const int32_t* xc = xt + c * m;
-      for (int i = 0; i < MR; ++i) acc[0][i] = DpwssdPair(acc[0][i], wv, xc + i);
+    } else {
+      for (; c + U <= c1; c += U) {
+        for (int u = 0; u < U; ++u) {
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + (c + u) * 32)));
+          const int32_t* xc = xt + (c + u) * m;
+          for (int i = 0; i < MR; ++i) acc[u][i] = DpwssdPair(acc[u][i], wv, xc + i);
+        }
+      }
+      for (; c < c1; ++c) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + c * 32)));
+        const int32_t* xc = xt + c * m;
+        for (int i = 0; i < MR; ++i) acc[0][i] = DpwssdPair(acc[0][i], wv, xc + i);
+      }
     }
     for (int u = 1; u < U; ++u)
       for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[u][i]);
@@ -850,12 +933,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
 }
 
 using PanelBlockFn = void (*)(const PanelProblem&, const Weight&, int64_t, int64_t);
-#define GEMMA4_BY_PANEL_ROWS(F) {&F<1>, &F<2>, &F<3>, &F<4>, &F<5>, &F<6>, &F<7>, &F<8>}
+#define GEMMA4_BY_PANEL_ROWS(F, B) {&F<1, B>, &F<2, B>, &F<3, B>, &F<4, B>, &F<5, B>, &F<6, B>, &F<7, B>, &F<8, B>}
 
 // Panels p0..p1 of one weight for every activation row: blocks of 8 rows in the outer loop, so the
 // panels' weights (sized to stay in L2 by the caller) are reread from cache, not memory, per block.
 void PanelRange(const PanelProblem& p, const Weight& w, int64_t p0, int64_t p1, bool vnni) {
-  static constexpr PanelBlockFn fns[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni);
+  static constexpr PanelBlockFn fns8[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni, 8);
+  static constexpr PanelBlockFn fns5[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni, 5);
+  const PanelBlockFn* fns = w.bits == 5 ? fns5 : fns8;
   for (int64_t m0 = 0; m0 < p.m; m0 += kPanelMaxRows) {
     const int mr = int(std::min<int64_t>(kPanelMaxRows, p.m - m0));
     for (int64_t panel = p0; panel < p1; ++panel) {
@@ -1011,13 +1096,14 @@ void GemmI8QuantizeRows(const float* x, GemmI8Problem& p, int64_t m0, int64_t m1
 }
 
 // Panel o0..o0+kPanel of weight w as quads: wq[p * kPanel + j] = the bytes q[o0+j][4p..4p+3] + 128.
-void PackQuads(const Weight& w, int64_t k, int64_t o0, uint32_t* wq) {
+// A panels weight's two 16-row panels are read from `pq` (`Int8Panels`).
+void PackQuads(const Weight& w, int64_t k, int64_t o0, const int8_t* pq, uint32_t* wq) {
   for (int j = 0; j < kPanel; ++j) {
     const int64_t r = o0 + j;
     for (int64_t p = 0; p < k / 4; ++p) {
       uint32_t v;
-      if (w.panels) {  // pairs 2p and 2p + 1 of row r: bytes 2(r % 16), +1 of its 16-row panel
-        const int8_t* panel = w.q + (r / 16) * (k / 2) * 32 + 2 * (r % 16);
+      if (w.panels) {  // pairs 2p and 2p + 1 of row r: bytes 2(r % 16), +1 of its 16-row panel (o0 % 32 == 0)
+        const int8_t* panel = pq + (j / 16) * (k / 2) * 32 + 2 * (r % 16);
         uint16_t a, b;
         std::memcpy(&a, panel + (2 * p) * 32, 2);
         std::memcpy(&b, panel + (2 * p + 1) * 32, 2);
@@ -1131,7 +1217,8 @@ void GemmI8Panel(const GemmI8Problem& p, const Weight& w, int64_t o0, bool vnni)
   const int64_t k = p.k, flush = GemmI8Flush(w);
   uint32_t* wq = reinterpret_cast<uint32_t*>(buf.Aligned(k / 4 * kPanel));
   buf.sp.resize(size_t(k / flush) * kPanel);
-  PackQuads(w, k, o0, wq);
+  static thread_local std::vector<int8_t> unpacked;
+  PackQuads(w, k, o0, w.panels ? Int8Panels(w, k, o0 / 16, 2, unpacked, vnni) : nullptr, wq);
   PackI8Scales(w, k, o0, flush, buf.sp.data());
   static constexpr GemmI8TileFn tiles[kI8Tile] = {&GemmI8TileVnni<1>, &GemmI8TileVnni<2>, &GemmI8TileVnni<3>,
                                                     &GemmI8TileVnni<4>};

@@ -258,8 +258,8 @@ def gemm_i8_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
 
 
 def panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
-    """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32], scale as `quant.to_panels` gives,
-    group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
+    """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32] — or uint8 [N/16, K/4, 40], 5-bit
+    panels, `quant.pack_panels5` —, scale as `quant.to_panels` gives, group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
     kernel's integer sums); any other `isa` runs a portable loop (tests). Call `load()` first."""
     return _call(PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
 
@@ -342,6 +342,20 @@ def _panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     return panels(x2, [(*quant.to_panels(q, s, g), g) for q, s, g in weights], isa)
 
 
+def _panels5_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`panels` on row-layout weights with values in [-16, 15], stored as 5-bit panels (self-test)."""
+    packed = [(quant.pack_panels5(qp), sp, g) for qp, sp, g in
+              ((*quant.to_panels(np.asarray(q), np.asarray(s), g), g) for q, s, g in weights)]
+    return panels(x2, packed, isa)
+
+
+def _gemm_panels5_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+    """`gemm_panels` on row-layout weights stored as 5-bit panels (self-test)."""
+    packed = [(quant.pack_panels5(qp), sp, g) for qp, sp, g in
+              ((*quant.to_panels(np.asarray(q), np.asarray(s), g), g) for q, s, g in weights)]
+    return gemm_panels(x2, packed, isa)
+
+
 def _gemm_i8_panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     """`gemm_i8_panels` on row-layout weights, reordered first (for the self-test)."""
     return gemm_i8_panels(x2, [(*quant.to_panels(q, s, g), g) for q, s, g in weights], isa)
@@ -349,7 +363,7 @@ def _gemm_i8_panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -
 
 def self_test(isas: Sequence[str] | None = None) -> dict:
     """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused three weights, and
-    the GEMM at 1/7/20 rows and the panel product at 1/9/20 rows likewise, against float64; relative error bound 2e-3 (int16
+    the GEMM at 1/7/20 rows and the panel product at 1/9/20 rows likewise (and both on 5-bit panels), against float64; relative error bound 2e-3 (int16
     activations: ~1e-4 expected); the int8-activation GEMM against its own quantized activations'
     product (float rounding only). {"ok", "max_rel", "cases"}."""
     status = load()
@@ -367,7 +381,10 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
             (gemm, (1, 7, 20), ((64, None), (32, 16), (96, 32)), reference),
             (_panels_from_rows, (1, 9, 20), ((32, None), (64, 16), (96, 32)), reference),
             (gemm_i8, (1, 7, 20), ((64, None), (32, 16), (96, 32), (32, 64)), reference_i8),
-            (_gemm_i8_panels_from_rows, (9,), ((32, 16), (64, 32)), reference_i8))
+            (_gemm_i8_panels_from_rows, (9,), ((32, 16), (64, 32)), reference_i8),
+            (_panels5_from_rows, (1, 9), ((32, None), (64, 32)), reference),
+            (_gemm_panels5_from_rows, (20,), ((64, 16), (32, 32)), reference))
+    five_bit = (_panels5_from_rows, _gemm_panels5_from_rows)  # their weights' values lie in [-16, 15]
     for isa in isas:
         for kernel, rows, shapes, ref_fn in plan:
             for m in rows:
@@ -375,7 +392,7 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
                 x[:, 5] *= 60.0  # a few large channels, as Gemma's hidden states have
                 ws = []
                 for n, group in shapes:
-                    q = rng.integers(-127, 128, (n, k), dtype=np.int8)
+                    q = rng.integers(*((-16, 16) if kernel in five_bit else (-127, 128)), (n, k), dtype=np.int8)
                     scale = rng.uniform(0.5, 2.0, (n,) if group is None else (n, k // group)).astype(np.float32)
                     ws.append((q, scale, group))
                 ys = jax.jit(lambda x, ws=ws, isa=isa, kernel=kernel: kernel(x, ws, isa))(x)
