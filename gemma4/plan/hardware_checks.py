@@ -222,6 +222,13 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
 DEFAULT_INT8_ACTIVATIONS = "int16"
 
 
+def native_kernel_ready() -> bool:
+    """The native int8 kernel loaded here and its self-test passed (cached per build): what a
+    parameter tree whose leaves chose a native path (panels above all) needs to run."""
+    status = cpu_int8.load()
+    return bool(status.ok and cpu_int8.cached_self_test(status)["ok"])
+
+
 def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
                        env: Mapping[str, str] | None = None, progress=None,
                        release: bool = False) -> tuple[Any, Plan, dict | None]:

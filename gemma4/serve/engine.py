@@ -75,7 +75,7 @@ from gemma4.model.params import count_bytes
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
-from gemma4.serve import executable_store, heap, step_link
+from gemma4.serve import executable_store, heap, prepared_store, step_link
 from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
                                          MIXED_CHUNK, mixed_widths, next_chunk, override_limit, prefill_order)
@@ -555,6 +555,7 @@ class Engine:
                      ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
             self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
             self._set_status("ready", 1.0, f"ready: {self._info['description']}")
+            self._keep_prepared()
         except Exception as e:  # shown to the user instead of a stack trace
             log.error("engine failed to start: %s: %s", type(e).__name__, e)
             log.debug("engine start-up traceback", exc_info=True)
@@ -594,24 +595,40 @@ class Engine:
         def progress(frac: float, msg: str) -> None:
             self._set_status("loading", 0.05 + 0.6 * frac, msg)
 
-        # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
-        # float32 tree is ever held: peak host memory stays near the final weights' size.
-        cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
-                                             quantize=plan.quantize_kwargs(), mesh=mesh)
+        # A single-file model on one device whose weights an earlier start prepared for this plan:
+        # mapped from disk (gemma4.serve.prepared_store), no reading, reordering or measuring.
+        store = (prepared_store.default_folder() if source.kind in ("bundled", "gguf") and mesh is not None
+                 and mesh.size == 1 else None)
+        prepared = self._read_prepared(store, source, plan, progress) if store is not None else None
+        if prepared is not None:
+            cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
+            self.mesh = mesh
+            params = sharding.shard_params(cfg, params, self.mesh)  # one device: the same buffers
+            self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
+            self._startup["int8_matmul_s"] = 0.0
+        else:
+            # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
+            # float32 tree is ever held: peak host memory stays near the final weights' size.
+            plan_before = plan
+            cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
+                                                 quantize=plan.quantize_kwargs(), mesh=mesh)
+            sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
+            self.mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
+            # Each device keeps only its shards: already so where the loader split them (then this moves
+            # nothing); a GGUF, or a source whose config was not known before loading, is split here.
+            params = sharding.shard_params(cfg, params, self.mesh)
+            self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
+            # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
+            t_mm = time.perf_counter()
+            params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
+                plan, params, self.overrides,
+                progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg), release=True)
+            self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
+            heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
+            if store is not None and prepared_store.worth_keeping(params):  # written once ready (`_keep_prepared`)
+                self._prepared_pending = (store, self._prepared_key(tok_spec["path"], plan_before), params,
+                                          self._prepared_meta(plan, report["int8_matmul"]))
         mode = plan.weights.value
-        sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
-        self.mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
-        # Each device keeps only its shards: already so where the loader split them (then this moves
-        # nothing); a GGUF, or a source whose config was not known before loading, is split here.
-        params = sharding.shard_params(cfg, params, self.mesh)
-        self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
-        # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
-        t_mm = time.perf_counter()
-        params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
-            plan, params, self.overrides,
-            progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg), release=True)
-        self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
-        heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
         # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
         params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
         self.encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
@@ -712,6 +729,67 @@ class Engine:
         return out
 
     # ---------------------------------------------------------------- compiling
+    # ---------------------------------------------------------------- prepared weights on disk
+    def _prepared_key(self, model_file: str, plan: hardware.Plan) -> str:
+        """The prepared-weights entry for this model file under the plan made before the weights
+        load (the int8 choice is made after: it is the entry's content, not its key)."""
+        # The choices' values, not their reasons: a reason quotes timings, measured afresh or read
+        # from a cache, which would make a new key for the same weights.
+        choices = {k: [v["value"], v["source"]] if isinstance(v, dict) and "reason" in v else v
+                   for k, v in plan.to_dict().items() if k != "warnings"}
+        return prepared_store.make_key(model_file, choices, hardware.normalize_overrides(self.overrides),
+                                       extra={"quantize": plan.quantize_kwargs()})
+
+    @staticmethod
+    def _prepared_meta(plan: hardware.Plan, int8_report: dict | None) -> dict:
+        """What a later start restores beside the arrays: the int8 choice and its report, and the
+        tuning file the choice was read from (its deletion retires the entry)."""
+        tuning_file = ((int8_report or {}).get("tuning") or {}).get("cache_file")
+        stamp = os.stat(tuning_file).st_mtime_ns if tuning_file and os.path.exists(tuning_file) else None
+        warned = [w for w in plan.warnings if w in plan.int8_matmul.reason]
+        return {"int8_matmul": plan.int8_matmul.to_dict(), "int8_report": int8_report,
+                "warning": warned[0] if warned else None, "tuning_file": tuning_file, "tuning_mtime_ns": stamp}
+
+    def _read_prepared(self, store, source, plan: hardware.Plan, progress) -> tuple | None:
+        """(cfg, params, tok_spec, plan, int8 report) from the store, or None (then the weights load
+        and are prepared as usual, and kept once the engine is ready)."""
+        cfg, tok_spec = sources.describe_file(source, progress)
+        key = self._prepared_key(tok_spec["path"], plan)
+        hit = prepared_store.load(store, key)
+        if hit is None:
+            return None
+        params, meta = hit
+        if prepared_store.worth_keeping(params) and not hardware_checks.native_kernel_ready():
+            log.info("prepared weights %s need the native kernel, which is not usable now; preparing them again", key[:12])
+            return None
+        tuning_file = meta.get("tuning_file")
+        if tuning_file and (not os.path.exists(tuning_file) or os.stat(tuning_file).st_mtime_ns != meta["tuning_mtime_ns"]):
+            log.info("prepared weights %s: their tuning was deleted or measured again; preparing them again", key[:12])
+            prepared_store.discard(store, key)
+            return None
+        c = meta["int8_matmul"]
+        choice = hardware.Choice(c["value"], c["reason"] + "; weights as an earlier start prepared them, mapped "
+                                 "from disk (GEMMA4_PREPARED_CACHE=off prepares them at every start)", c["source"])
+        plan = plan.replace("int8_matmul", choice, meta.get("warning"))
+        self._set_status("loading", 0.7, "weights mapped from the prepared-weights cache")
+        return cfg, params, tok_spec, plan, meta["int8_report"]
+
+    def _keep_prepared(self) -> None:
+        """Write the prepared weights of a start that made them, in the background (~0.3 s of disk
+        writes for the bundled model; after ready, so no request waits for it)."""
+        pending, self._prepared_pending = getattr(self, "_prepared_pending", None), None
+        if pending is None:
+            return
+        folder, key, params, meta = pending
+
+        def write() -> None:
+            t = time.perf_counter()
+            if prepared_store.save(folder, key, params, meta) is not None:
+                log.info("prepared weights kept for the next start in %.2f s (%s)", time.perf_counter() - t, key[:12])
+
+        self._prepared_thread = threading.Thread(target=write, name="gemma4-prepared-weights", daemon=True)
+        self._prepared_thread.start()
+
     def _start_tokenizer(self, tok_spec: dict, cfg: ModelConfig) -> None:
         box: dict = {}
 

@@ -395,12 +395,9 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
     qkw = {} if quantize is None else {"quantize": quantize}
     mkw = {} if mesh is None else {"mesh": mesh}
     if source.kind in ("bundled", "gguf"):
-        path = bundled_gguf_path(report) if source.kind == "bundled" else source.path
-        if not os.path.isfile(path):
-            raise SourceError(f"GGUF file not found: {path}")
-        cfg = dataclasses.replace(gguf_config(path), name=source.name)
-        params = load_gguf_params(path, cfg, dtype, progress=report, **qkw)
-        return cfg, params, {"kind": "gguf", "path": path}
+        cfg, tok_spec = describe_file(source, report)
+        params = load_gguf_params(tok_spec["path"], cfg, dtype, progress=report, **qkw)
+        return cfg, params, tok_spec
     if source.kind in ("folder", "hub"):
         folder = download(source.repo_id, report) if source.kind == "hub" else source.path
         return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw}, load_vision, load_audio)
@@ -411,6 +408,17 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         report(1.0, "random weights ready")
         return cfg, params, {"kind": "none"}
     raise SourceError(f"unknown source kind {source.kind!r}")
+
+
+def describe_file(source: ModelSource, progress: Progress | None = None) -> tuple[Any, dict]:
+    """(cfg, tokenizer_spec) of a single-file source (bundled, gguf) without reading its weights —
+    what `load` returns beside them; the spec's "path" is the model file."""
+    if source.kind not in ("bundled", "gguf"):
+        raise SourceError(f"{source.kind!r} is not a single-file source")
+    path = bundled_gguf_path(progress) if source.kind == "bundled" else source.path
+    if not os.path.isfile(path):
+        raise SourceError(f"GGUF file not found: {path}")
+    return dataclasses.replace(gguf_config(path), name=source.name), {"kind": "gguf", "path": path}
 
 
 def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict,
