@@ -154,10 +154,7 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
     try:
         ids = conversation.generate(first, prompt, greedy)["token_ids"]
         kept = ps.worth_keeping(first.params)
-        thread = getattr(first, "_prepared_thread", None)
-        assert (thread is not None) == kept
-        if thread is not None:
-            thread.join(timeout=120)
+        assert first.wait_prepared_written(timeout=120) == kept
         reason = first.plan.int8_matmul.reason
         tuning_file = (first.info()["hardware"]["int8_matmul"]["tuning"] or {}).get("cache_file")
     finally:
@@ -171,7 +168,7 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
         assert second.info()["startup"]["int8_matmul_s"] == 0.0
         assert second.plan.int8_matmul.reason.startswith(reason) and "mapped from disk" in second.plan.int8_matmul.reason
         assert conversation.generate(second, prompt, greedy)["token_ids"] == ids
-        assert getattr(second, "_prepared_thread", None) is None  # nothing new to write
+        assert not second.wait_prepared_written()  # nothing new to write
     finally:
         second.close(timeout=60)
     os.utime(tuning_file)  # measured again (a new modification time): the entry is retired

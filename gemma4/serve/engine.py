@@ -463,6 +463,8 @@ class Engine:
         self._t_start = time.perf_counter()
         self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
         self._startup: dict[str, float] = {}
+        self._prepared_pending: tuple | None = None  # (folder, key, params, meta) to keep once ready
+        self._prepared_thread: threading.Thread | None = None
         self._seed_counter = itertools.count(int(time.time()) & 0x7FFFFFFF)
         self._info: dict = {}
         self._stop = False
@@ -728,7 +730,6 @@ class Engine:
             out["host_rss_bytes"] = psutil.Process().memory_info().rss
         return out
 
-    # ---------------------------------------------------------------- compiling
     # ---------------------------------------------------------------- prepared weights on disk
     def _prepared_key(self, model_file: str, plan: hardware.Plan) -> str:
         """The prepared-weights entry for this model file under the plan made before the weights
@@ -777,7 +778,7 @@ class Engine:
     def _keep_prepared(self) -> None:
         """Write the prepared weights of a start that made them, in the background (~0.3 s of disk
         writes for the bundled model; after ready, so no request waits for it)."""
-        pending, self._prepared_pending = getattr(self, "_prepared_pending", None), None
+        pending, self._prepared_pending = self._prepared_pending, None
         if pending is None:
             return
         folder, key, params, meta = pending
@@ -790,6 +791,15 @@ class Engine:
         self._prepared_thread = threading.Thread(target=write, name="gemma4-prepared-weights", daemon=True)
         self._prepared_thread.start()
 
+    def wait_prepared_written(self, timeout: float | None = None) -> bool:
+        """Wait for this start's background write of its prepared weights; False when it wrote
+        none (they came from the store, or are not kept: `prepared_store.worth_keeping`)."""
+        if self._prepared_thread is None:
+            return False
+        self._prepared_thread.join(timeout)
+        return True
+
+    # ---------------------------------------------------------------- compiling
     def _start_tokenizer(self, tok_spec: dict, cfg: ModelConfig) -> None:
         box: dict = {}
 

@@ -168,9 +168,11 @@ def save(folder: Path, key: str, params: Any, meta: dict) -> Path | None:
         (tmp / "manifest.json").write_text(json.dumps(manifest, default=str))
         os.replace(tmp, final)
     except (OSError, TypeError, ValueError) as e:
-        log.warning("could not keep the prepared weights: %s", e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if (final / "manifest.json").is_file():  # another engine of this process or another wrote it first
+            return final
+        log.warning("could not keep the prepared weights: %s", e)
         return None
     _trim(folder, keep=final)
     return final
