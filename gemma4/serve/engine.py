@@ -598,7 +598,7 @@ class Engine:
             self._set_status("loading", 0.05 + 0.6 * frac, msg)
 
         # A single-file model on one device whose weights an earlier start prepared for this plan:
-        # mapped from disk (gemma4.serve.prepared_store), no reading, reordering or measuring.
+        # read back from disk (gemma4.serve.prepared_store): no conversion, reordering or measuring.
         store = (prepared_store.default_folder() if source.kind in ("bundled", "gguf") and mesh is not None
                  and mesh.size == 1 else None)
         prepared = self._read_prepared(store, source, plan, progress) if store is not None else None
@@ -769,10 +769,10 @@ class Engine:
             prepared_store.discard(store, key)
             return None
         c = meta["int8_matmul"]
-        choice = hardware.Choice(c["value"], c["reason"] + "; weights as an earlier start prepared them, mapped "
+        choice = hardware.Choice(c["value"], c["reason"] + "; weights as an earlier start prepared them, read back "
                                  "from disk (GEMMA4_PREPARED_CACHE=off prepares them at every start)", c["source"])
         plan = plan.replace("int8_matmul", choice, meta.get("warning"))
-        self._set_status("loading", 0.7, "weights mapped from the prepared-weights cache")
+        self._set_status("loading", 0.7, "weights read from the prepared-weights cache")
         return cfg, params, tok_spec, plan, meta["int8_report"]
 
     def _keep_prepared(self) -> None:

@@ -1,11 +1,10 @@
-"""Weights as the plan left them, kept on disk, so a restart maps them instead of preparing them again.
+"""Weights as the plan left them, kept on disk, so a restart reads them instead of preparing them again.
 
 A warm start of the bundled model spent ~2.4 s of its ~4.5 s on its weights: reading the int8
 form from the loader's cache (0.55 s), then reordering 127 leaves into the native kernel's panels,
 float16 scales and 5-bit panels (1.0 s of numpy work), around the cached measurement (2-core Intel
-Xeon, Ice Lake). Each array of the prepared tree is stored here as raw bytes; the next start maps
-the files read-only and jax adopts each mapping without a copy, so the weights cost what their
-first reads from the page cache cost, spread over the first steps.
+Xeon, Ice Lake). Each array of the prepared tree is stored here as raw bytes; the next start reads
+them into aligned buffers that jax adopts without a copy (0.3 s for the bundled model).
 
 An entry is keyed by everything the prepared tree is made from: the model file (real path, size,
 modification time), the plan (every choice and its reason), the overrides, our code (the weights,
@@ -13,7 +12,7 @@ ops, plan and model packages and this module) and the platform (jax, the devices
 XLA / JAX / GEMMA4 environment). The tuning the int8 choice came from is recorded too (its file
 and modification time): deleting it to measure again also retires the entry. Entries are written
 whole — a temporary folder renamed into place, after the engine is ready — and their files'
-sizes are checked before mapping. Only single-file models (the bundled model, a GGUF file) on one
+sizes are checked before reading. Only single-file models (the bundled model, a GGUF file) on one
 device whose int8 weights were reordered into panels are kept (`worth_keeping`: float or row-layout
 weights are what the loader's own cache gives back already); the folder (`cache_root()/prepared`, or GEMMA4_PREPARED_CACHE; "off" disables it)
 is kept under MAX_BYTES, least recently used entries first, the newest always kept.
@@ -35,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.ops.quant import QuantArray, is_quantized
+from gemma4.ops.quant import QuantArray, host_empty, is_quantized
 from gemma4.paths import cache_root
 from gemma4.serve import executable_store
 
@@ -129,15 +128,19 @@ def _write_array(folder: Path, name: str, a: Any) -> dict:
     return {"file": name, "shape": list(host.shape), "dtype": jnp.dtype(host.dtype).name, "bytes": int(host.nbytes)}
 
 
-def _map_array(folder: Path, spec: dict) -> jax.Array:
+def _read_array(folder: Path, spec: dict) -> jax.Array:
     dtype, shape = jnp.dtype(spec["dtype"]), tuple(spec["shape"])
     path = folder / spec["file"]
     if os.path.getsize(path) != spec["bytes"]:
         raise ValueError(f"{path.name}: {os.path.getsize(path)} bytes, expected {spec['bytes']}")
-    if spec["bytes"] == 0:
-        return jnp.zeros(shape, dtype)
-    # Read-only and page-aligned: jax on CPU adopts the mapping without a copy (measured, jax 0.10.2).
-    return jax.device_put(np.memmap(path, dtype=dtype, mode="r", shape=shape))
+    # Read into an aligned numpy buffer, which jax adopts without a copy. Not a mapping of the file:
+    # its 4 KiB pages slowed the 500-token prefill 0.50 -> 0.59-0.61 s (numpy asks for huge pages
+    # for its large buffers, the page cache gives none; 2-core Intel Xeon, Ice Lake).
+    host = host_empty(shape, dtype)
+    with open(path, "rb") as f:
+        if f.readinto(memoryview(host.reshape(-1).view(np.uint8))) != spec["bytes"]:
+            raise ValueError(f"{path.name}: short read")
+    return jax.device_put(host)
 
 
 def save(folder: Path, key: str, params: Any, meta: dict) -> Path | None:
@@ -179,7 +182,7 @@ def save(folder: Path, key: str, params: Any, meta: dict) -> Path | None:
 
 
 def load(folder: Path, key: str) -> tuple[Any, dict] | None:
-    """(params, meta) of entry `key`, its arrays mapped from disk; None when there is none or it is
+    """(params, meta) of entry `key`, its arrays read from disk; None when there is none or it is
     unreadable (then it is deleted and the caller prepares the weights again)."""
     entry = folder / key
     manifest_path = entry / "manifest.json"
@@ -192,12 +195,12 @@ def load(folder: Path, key: str) -> tuple[Any, dict] | None:
         leaves = []
         for spec in manifest["leaves"]:
             if spec["kind"] == "int8":
-                leaves.append(QuantArray(_map_array(entry, spec["q"]), _map_array(entry, spec["scale"]),
+                leaves.append(QuantArray(_read_array(entry, spec["q"]), _read_array(entry, spec["scale"]),
                                          chunk_rows=spec["chunk_rows"], group_size=spec["group_size"],
                                          paths=tuple((int(r), str(p)) for r, p in spec["paths"]),
                                          layout=spec["layout"]))
             else:
-                leaves.append(_map_array(entry, spec["array"]))
+                leaves.append(_read_array(entry, spec["array"]))
         params = _rebuild(manifest["tree"], leaves)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("prepared weights %s unreadable (%s): preparing them again", key[:12], e)
