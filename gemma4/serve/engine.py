@@ -1566,7 +1566,8 @@ class Engine:
             self._wake.notify_all()
         self.shapes.close()
         end = None if timeout is None else time.monotonic() + timeout
-        for t in [*self.shapes.threads, self._thread]:
+        writer = [self._prepared_thread] if self._prepared_thread is not None else []  # a write stops whole
+        for t in [*self.shapes.threads, self._thread, *writer]:
             left = None if end is None else end - time.monotonic()
             if t is not threading.current_thread() and (left is None or left > 0):
                 t.join(left)
