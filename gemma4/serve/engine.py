@@ -629,7 +629,7 @@ class Engine:
             heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
             if store is not None and prepared_store.worth_keeping(params):  # written once ready (`_keep_prepared`)
                 self._prepared_pending = (store, self._prepared_key(tok_spec["path"], plan_before), params,
-                                          self._prepared_meta(plan, report["int8_matmul"]))
+                                          self._prepared_meta(plan_before, plan, report["int8_matmul"]))
         mode = plan.weights.value
         # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
         params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
@@ -742,14 +742,15 @@ class Engine:
                                        extra={"quantize": plan.quantize_kwargs()})
 
     @staticmethod
-    def _prepared_meta(plan: hardware.Plan, int8_report: dict | None) -> dict:
-        """What a later start restores beside the arrays: the int8 choice and its report, and the
-        tuning file the choice was read from (its deletion retires the entry)."""
+    def _prepared_meta(before: hardware.Plan, plan: hardware.Plan, int8_report: dict | None) -> dict:
+        """What a later start restores beside the arrays: the int8 choice, the warning its choice
+        added to the plan (`before` is the plan it was made on), its report, and the tuning file the
+        choice was read from (its deletion retires the entry)."""
         tuning_file = ((int8_report or {}).get("tuning") or {}).get("cache_file")
         stamp = os.stat(tuning_file).st_mtime_ns if tuning_file and os.path.exists(tuning_file) else None
-        warned = [w for w in plan.warnings if w in plan.int8_matmul.reason]
+        added = plan.warnings[len(before.warnings):]
         return {"int8_matmul": plan.int8_matmul.to_dict(), "int8_report": int8_report,
-                "warning": warned[0] if warned else None, "tuning_file": tuning_file, "tuning_mtime_ns": stamp}
+                "warning": added[0] if added else None, "tuning_file": tuning_file, "tuning_mtime_ns": stamp}
 
     def _read_prepared(self, store, source, plan: hardware.Plan, progress) -> tuple | None:
         """(cfg, params, tok_spec, plan, int8 report) from the store, or None (then the weights load

@@ -342,18 +342,20 @@ def _panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     return panels(x2, [(*quant.to_panels(q, s, g), g) for q, s, g in weights], isa)
 
 
+def _as_panels5(weights: Sequence[tuple]) -> list:
+    """Row-layout (q, scale, group) weights with values in [-16, 15] as 5-bit panels (self-test)."""
+    return [(quant.pack_panels5(qp), sp, g) for qp, sp, g in
+            ((*quant.to_panels(np.asarray(q), np.asarray(s), g), g) for q, s, g in weights)]
+
+
 def _panels5_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
-    """`panels` on row-layout weights with values in [-16, 15], stored as 5-bit panels (self-test)."""
-    packed = [(quant.pack_panels5(qp), sp, g) for qp, sp, g in
-              ((*quant.to_panels(np.asarray(q), np.asarray(s), g), g) for q, s, g in weights)]
-    return panels(x2, packed, isa)
+    """`panels` on row-layout weights stored as 5-bit panels first (self-test)."""
+    return panels(x2, _as_panels5(weights), isa)
 
 
 def _gemm_panels5_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
-    """`gemm_panels` on row-layout weights stored as 5-bit panels (self-test)."""
-    packed = [(quant.pack_panels5(qp), sp, g) for qp, sp, g in
-              ((*quant.to_panels(np.asarray(q), np.asarray(s), g), g) for q, s, g in weights)]
-    return gemm_panels(x2, packed, isa)
+    """`gemm_panels` on row-layout weights stored as 5-bit panels first (self-test)."""
+    return gemm_panels(x2, _as_panels5(weights), isa)
 
 
 def _gemm_i8_panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
