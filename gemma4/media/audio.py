@@ -31,7 +31,6 @@ import io
 import math
 from dataclasses import dataclass, field
 
-import av
 import numpy as np
 import soxr
 
@@ -126,6 +125,8 @@ def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = No
     """The first audio stream of `data` as a 16 kHz mono clip, cut to its first 30 s (a note
     says so). No audio stream, undecodable or damaged data and a clip longer than
     `limits.audio_seconds` raise `MediaError` naming the clip."""
+    import av  # deferred: PyAV's import (50 ms) is not on every start-up's path, only an audio clip's
+
     limits = MediaLimits.from_env() if limits is None else limits
     label = describe(name, "audio")
     try:

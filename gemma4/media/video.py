@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -73,6 +72,8 @@ def sample_indices(total_frames: int, num_frames: int = DEFAULT_NUM_FRAMES) -> l
 
 
 def _open(data: bytes, label: str):
+    import av  # deferred: PyAV's import (50 ms) is not on every start-up's path, only a video's
+
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, OSError, ValueError) as e:
@@ -103,6 +104,8 @@ def _frame_rate(stream) -> float:
 
 def _decoded(container, stream, label: str):
     """The stream's frames in decoding order; a decoder error is the file's fault."""
+    import av  # deferred, as in `_open` (already imported by then)
+
     try:
         yield from container.decode(stream)
     except (av.FFmpegError, OSError, ValueError) as e:
@@ -180,6 +183,8 @@ def _sample(data: bytes, num_frames: int, name: str, limits: MediaLimits | None,
     limits = MediaLimits.from_env() if limits is None else limits
     label = describe(name, "video")
     container, stream = _open(data, label)
+    import av  # deferred, as in `_open` (already imported by then)
+
     with container:
         fps, total = _frame_rate(stream), int(stream.frames or 0)
         width, height = stream.codec_context.width, stream.codec_context.height

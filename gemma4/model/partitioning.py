@@ -5,7 +5,8 @@ Every array the model has names its dimensions by LOGICAL axes (the parameters i
 one of the mesh axes `MESH_AXES` (or none: replicated), and `logical_spec` turns an array's axes and
 shape into a `PartitionSpec` through flax's `flax.linen.logical_to_mesh_axes`. After flax, a
 dimension the mesh axis does not divide is replicated (`fit_spec`): that is how KV heads fewer
-than the tensor size are handled (see KV_HEADS_POLICY). Choosing and checking a mesh, and placing
+than the tensor size are handled (see KV_HEADS_POLICY). A mesh of one device splits nothing, so
+flax is imported only for a real mesh (`mesh_spec`). Choosing and checking a mesh, and placing
 a tree on it, is `gemma4.plan.sharding`; building a loaded leaf on its shards is
 `gemma4.weights.leaf_format`.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import flax.linen as nn
 from jax.sharding import Mesh, PartitionSpec as P
 
 from gemma4.ops.quant import Int4Array
@@ -57,6 +57,8 @@ ACTIVATION_AXES = {"hidden": ("batch", None, "embed"), "logits": ("batch", "voca
 
 def flax_spec(axes: tuple, rules: Sequence[tuple[str, str | None]] = RULES) -> tuple:
     """The mesh axis (or None) of each logical axis in `axes` under `rules`, as flax maps them."""
+    import flax.linen as nn  # deferred: 0.2 s of every start-up's critical path, and one device never asks (`mesh_spec`)
+
     spec = nn.logical_to_mesh_axes(axes, rules)
     return tuple(spec) + (None,) * (len(axes) - len(spec))
 
@@ -70,9 +72,17 @@ def fit_spec(shape: Sequence[int], spec: tuple, sizes: dict[str, int]) -> tuple:
     return tuple(out)
 
 
+def mesh_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> tuple:
+    """The mesh axis (or None) of each dimension of an array with these logical axes and shape on
+    a mesh of `sizes`. A mesh of one device splits nothing, whatever the rules say."""
+    if all(k <= 1 for k in sizes.values()):
+        return tuple(None for _ in zip(shape, axes))
+    return fit_spec(shape, flax_spec(axes), sizes)
+
+
 def logical_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> P:
     """The PartitionSpec of an array with these logical axes and shape on a mesh of `sizes`."""
-    return P(*fit_spec(shape, flax_spec(axes), sizes))
+    return P(*mesh_spec(axes, shape, sizes))
 
 
 def mesh_sizes(mesh: Mesh | dict) -> dict[str, int]:
@@ -87,7 +97,7 @@ def leaf_axes(spec: Any, leaf: Any, sizes: dict[str, int]) -> tuple[str | None, 
     int8 grouped scales split with their columns only when whole groups land on each device;
     int4's "halves" packing puts columns j and j + in/2 in one byte, so its input dim stays whole
     (o/down in int4 are then split by nothing: replicated over `tensor`)."""
-    out_ax, in_ax = fit_spec(spec.shape, flax_spec(spec.axes), sizes)
+    out_ax, in_ax = mesh_spec(spec.axes, spec.shape, sizes)
     if isinstance(leaf, Int4Array):
         in_ax = None
     elif in_ax is not None and leaf.group_size and (spec.shape[1] // leaf.group_size) % sizes[in_ax]:

@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from huggingface_hub import hf_hub_download, snapshot_download
-from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
 from gemma4.env import audio_enabled, vision_enabled
 from gemma4.paths import cache_root
@@ -281,6 +279,10 @@ def _first_line(exc: BaseException) -> str:
 def download(repo_id: str, progress: Progress | None = None) -> str:
     """The local snapshot folder of `repo_id`: from the HF cache when complete (no network
     round trip, so a cached model starts offline and fast), else downloaded."""
+    # deferred: huggingface_hub's import (0.1 s of every start-up) only for a Hub model
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
     kw = dict(repo_id=repo_id, allow_patterns=HUB_PATTERNS, token=os.environ.get("HF_TOKEN") or None)
     try:
         folder = snapshot_download(local_files_only=True, **kw)
@@ -357,6 +359,8 @@ def _peek_config(source: ModelSource):
         if source.kind == "folder":
             return dataclasses.replace(load_hf_config(source.path), name=source.name)
         if source.kind == "hub":
+            from huggingface_hub import hf_hub_download  # deferred: 0.1 s of every start-up, for a Hub model only
+
             try:
                 path = hf_hub_download(source.repo_id, "config.json", local_files_only=True,
                                        token=os.environ.get("HF_TOKEN") or None)

@@ -27,8 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
 from gemma4.ops.quant import dequant_int4
 
@@ -99,6 +97,8 @@ def choose_blocks(M: int, N: int, K: int, group_size: int, block_m: int | None =
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, K: int, group: int, half_step: int):
+    from jax.experimental import pallas as pl  # deferred: as in `int4_matmul`
+
     half = K // 2
     groups_per_step = half_step // group
     groups_per_half = half // group
@@ -138,6 +138,10 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
     platform: the backend to lower for ("gpu" | "tpu"); default the default backend. On GPU the
     kernel is pinned to the Triton lowering (jax 0.10 otherwise picks Mosaic GPU for pallas_call).
     """
+    # deferred: pallas (and its Triton lowering) cost every start-up 40 ms; only int4 weights use them
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pl_triton
+
     M, K = x.shape
     N, half = w_int4.shape
     if 2 * half != K:
