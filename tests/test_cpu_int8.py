@@ -488,6 +488,44 @@ def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):
     assert set(best) == {"xla-chunked", "xla-dequant"} and all(0 < t <= 1000.0 for t in best.values())
 
 
+def test_a_path_its_smaller_class_says_should_win_is_timed_again(monkeypatch):
+    """A path slower than the winner although its own time at the previous (smaller) row class,
+    scaled by the rows, is below the winner's was timed in a bad window: it is timed again beside
+    the winner, and the rematch decides (a noisy tuning once made the 500-token prefill 60% slower)."""
+    previous = {"rows": 16, "timings_ms": {"gemm": 1.0, "gemv": 0.4, "dot": None}}
+    assert cpu_tuning.suspects({"gemv": 2.0, "gemm": 10.0}, 64, previous) == []  # 1.0 · 4 = 4.0: it may lose
+    assert cpu_tuning.suspects({"gemv": 5.0, "gemm": 10.0}, 64, previous) == ["gemm"]  # 4.0 < 5.0
+    assert cpu_tuning.suspects({"gemm": 2.0, "gemv": 10.0}, 64, previous) == ["gemv"]  # 0.4 · 4 = 1.6 < 2.0
+    assert cpu_tuning.suspects({"gemm": 1.5, "gemv": 10.0}, 64, previous) == []  # 1.6 > 1.5: it may lose
+    assert cpu_tuning.suspects({"gemm": 2.0, "dot": 10.0}, 64, previous) == []  # no earlier time to scale
+    assert cpu_tuning.suspects({"gemm": 2.0, "gemv": 10.0}, 16, previous) == []  # not a larger class
+    assert cpu_tuning.suspects({"gemm": 2.0, "gemv": 10.0}, 64, None) == []
+
+    cfg, params = _tiny_int8_params()
+    prod, leaf = next(iter(cpu_tuning.products(params).items()))
+    rng = np.random.default_rng(0)
+    seen = []
+
+    def rematch(fns, x, weights, first):
+        paths = list(fns)
+        seen.append(paths)
+        return {p: (1e-3 if p == paths[-1] else 1000 * first[p]) for p in paths}  # the suspect is really fastest
+
+    monkeypatch.setattr(cpu_tuning, "_rematch", rematch)
+    monkeypatch.setattr(cpu_tuning, "CLOSE_CALL", 0.0)  # no close call: only a suspect is timed again
+    out = cpu_tuning.measure(prod, leaf, 16, False, rng)
+    assert not seen
+    timed = [p for p, t in out["timings_ms"].items() if t is not None]
+    assert len(timed) >= 2, out  # the XLA paths at 16 rows: a winner and at least one loser
+    everyone_fast = {"rows": 1, "timings_ms": dict.fromkeys(timed, 1e-9)}
+    out = cpu_tuning.measure(prod, leaf, 16, False, rng, previous=everyone_fast)
+    assert len(seen) == 1 and set(seen[0]) == set(timed), (seen, timed)  # the winner and every suspect
+    assert out["path"] == seen[0][-1] and out["timings_ms"][seen[0][-1]] == 1e-3
+    seen.clear()
+    cpu_tuning.measure(prod, leaf, 16, False, rng, previous={"rows": 1, "timings_ms": dict.fromkeys(timed, 1e3)})
+    assert not seen  # nothing predicted to win: one pass decides
+
+
 def test_tuning_tables_give_the_choices_rate():
     # 2 · 256 rows · 640 · 2048 FLOP in 2.5 ms = 268 GFLOP/s; a failed choice shows none
     tuning = {"products": {"640x2048/g32": {"n": 640, "k": 2048, "group": 32, "classes": [

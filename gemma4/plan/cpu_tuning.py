@@ -61,7 +61,7 @@ ROW_CLASSES = ((1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128), (1 << 3
 REF_ROWS = 2048  # output rows checked against float64 (a slice keeps the reference cheap)
 TIME_BUDGET_S = 0.05  # per candidate
 EARLY_STOP = 2.0  # a candidate whose first timed call is this much slower than the best is not repeated
-VERSION = 11  # bump when the measurement changes: old cached choices are then ignored
+VERSION = 12  # bump when the measurement changes: old cached choices are then ignored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,10 +198,12 @@ def prepare(prod: Product, leaf: QuantArray, w_ref: np.ndarray | None = None) ->
 
 
 def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, full: bool = False,
-            activations: str = "int16", prepared: Prepared | None = None) -> dict:
+            activations: str = "int16", prepared: Prepared | None = None, previous: dict | None = None) -> dict:
     """{"path": winner, "timings_ms": {path: ms or None}, "errors": {path: rel}} for one class, among
     the paths that read the leaf's layout (and the int8-activation ones where `activations` is int8).
-    `prepared`: `prepare(prod, leaf)`, shared by the product's classes (made here when None)."""
+    `prepared`: `prepare(prod, leaf)`, shared by the product's classes (made here when None).
+    `previous`: the product's class with fewer rows, measured just before ({"rows", "timings_ms"}):
+    a path it predicts would win here but that timed slower is timed again (`suspects`)."""
     x = jnp.asarray(_activations(rows, prod.k, rng))
     prepared = prepared or prepare(prod, leaf)
     r = prepared.w_ref.shape[0]
@@ -239,10 +241,17 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
         best = min(best, t)
     ok = {p: t for p, t in timings.items() if t is not None}
     ranked = sorted(ok, key=ok.get)
-    if len(ranked) > 1 and ok[ranked[1]] < CLOSE_CALL * ok[ranked[0]]:
-        ok.update(_rematch({p: fns[p] for p in ranked[:2]}, x, weights, {p: ok[p] / 1e3 for p in ranked[:2]}))
-        for p in ranked[:2]:
+    again = ranked[:2] if len(ranked) > 1 and ok[ranked[1]] < CLOSE_CALL * ok[ranked[0]] else ranked[:1]
+    doubtful = [p for p in suspects(ok, rows, previous) if p not in again]
+    again += doubtful
+    if len(again) > 1:
+        ok.update(_rematch({p: fns[p] for p in again}, x, weights, {p: ok[p] / 1e3 for p in again}))
+        for p in again:
             timings[p] = round(ok[p], 4)
+        if doubtful:
+            log.info("int8 matmul tuning: %s at %d rows timed %s again beside %s (their %d-row times predicted a "
+                     "win): now %s", prod.key, rows, ", ".join(doubtful), ranked[0], previous["rows"],
+                     ", ".join(f"{p} {ok[p]:.3g} ms" for p in again))
     winner = min(ok, key=ok.get) if ok else ("native-panels" if leaf.layout == "panels" else "xla-chunked")
     return {"path": winner, "timings_ms": timings, "errors": {p: float(f"{e:.2e}") for p, e in errors.items()}}
 
@@ -252,6 +261,23 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
 # rows: native GEMM 2.2 ms on a quiet machine, 4.5 ms in a busy window, and the chunked dot chosen).
 CLOSE_CALL = 1.3
 REMATCH_ROUNDS = 3
+
+
+# A product's time grows at most in proportion to its rows (a row's outputs cost the same at any
+# row count, and more rows share the weight's reading): a path that timed slower than the winner,
+# where its own time at the previous row class scaled up by the rows says it should have won, was
+# timed in a bad window. One such window made the bundled model's 2048×640 product at 512 rows
+# take the panel GEMV (15.9 ms) over the GEMM (timed 36.6 ms, really 3.2): the 500-token prefill
+# then ran 60% slower until the cached tuning was deleted (2-core Intel Xeon, Ice Lake).
+def suspects(ms: dict[str, float], rows: int, previous: dict | None) -> list[str]:
+    """The paths of `ms` (this class's ms per path) slower than its fastest although `previous`
+    (the class with fewer rows: {"rows", "timings_ms"}) scaled by rows predicts them faster."""
+    if not ms or not previous or not previous.get("rows") or previous["rows"] >= rows:
+        return []
+    best = min(ms.values())
+    scale = rows / previous["rows"]
+    before = previous.get("timings_ms") or {}
+    return [p for p, t in ms.items() if t > best and before.get(p) is not None and before[p] * scale < best]
 
 
 def _rematch(fns: dict, x, weights: list[tuple] | dict, first: dict) -> dict[str, float]:
@@ -413,7 +439,8 @@ def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, fu
             if prod.decode_only and rows > 8:
                 continue
             classes.append({"max_rows": max_rows, "rows": rows,
-                            **measure(prod, leaf, rows, native_ok, rng, full, activations, prepared)})
+                            **measure(prod, leaf, rows, native_ok, rng, full, activations, prepared,
+                                      previous=classes[-1] if classes else None)})
         del prepared  # the copies: up to COLD_BYTES
         log.info("int8 matmul tuning: %s done after %.1f s", prod.key, time.perf_counter() - t0)
         out[prod.key] = {"n": prod.n, "k": prod.k, "group": prod.group, "layout": as_layout, "classes": classes}
