@@ -104,7 +104,7 @@ def _frame_rate(stream) -> float:
 
 def _decoded(container, stream, label: str):
     """The stream's frames in decoding order; a decoder error is the file's fault."""
-    import av  # deferred, as in `_open` (already imported by then)
+    import av  # deferred: as in `_open` (imported by then)
 
     try:
         yield from container.decode(stream)
@@ -183,7 +183,7 @@ def _sample(data: bytes, num_frames: int, name: str, limits: MediaLimits | None,
     limits = MediaLimits.from_env() if limits is None else limits
     label = describe(name, "video")
     container, stream = _open(data, label)
-    import av  # deferred, as in `_open` (already imported by then)
+    import av  # deferred: as in `_open` (imported by then)
 
     with container:
         fps, total = _frame_rate(stream), int(stream.frames or 0)

@@ -279,9 +279,9 @@ def _first_line(exc: BaseException) -> str:
 def download(repo_id: str, progress: Progress | None = None) -> str:
     """The local snapshot folder of `repo_id`: from the HF cache when complete (no network
     round trip, so a cached model starts offline and fast), else downloaded."""
-    # deferred: huggingface_hub's import (0.1 s of every start-up) only for a Hub model
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub import snapshot_download  # deferred: 0.1 s of every start-up, for a Hub model only
+    from huggingface_hub.errors import (  # deferred: as huggingface_hub
+        GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError)
 
     kw = dict(repo_id=repo_id, allow_patterns=HUB_PATTERNS, token=os.environ.get("HF_TOKEN") or None)
     try:

@@ -138,9 +138,8 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
     platform: the backend to lower for ("gpu" | "tpu"); default the default backend. On GPU the
     kernel is pinned to the Triton lowering (jax 0.10 otherwise picks Mosaic GPU for pallas_call).
     """
-    # deferred: pallas (and its Triton lowering) cost every start-up 40 ms; only int4 weights use them
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pl_triton
+    from jax.experimental import pallas as pl  # deferred: 40 ms of every start-up; only int4 weights use it
+    from jax.experimental.pallas import triton as pl_triton  # deferred: as pallas
 
     M, K = x.shape
     N, half = w_int4.shape
