@@ -460,20 +460,27 @@ def test_int8_activations_are_a_candidate_only_where_allowed_and_the_input_is_no
     assert hardware.normalize_overrides({}, {"GEMMA4_INT8_ACTIVATIONS": "int8"})["int8_activations"] == "int8"
 
 
-def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):
-    """Two paths within CLOSE_CALL of each other are timed again, alternately, and the rematch's
-    best times decide (one timing window each let a burst of other work pick the slower path)."""
+def _recorded_rematch(monkeypatch, fastest):
+    """The tiny model's first int8 product, with the tuning's `_rematch` replaced by one that records
+    the paths it is given (into `seen`) and makes `fastest(paths)` take 1e-3 ms, the others 1000×
+    their first time. Returns (prod, leaf, rng, seen)."""
     cfg, params = _tiny_int8_params()
     prod, leaf = next(iter(cpu_tuning.products(params).items()))
-    rng = np.random.default_rng(0)
     seen = []
 
     def rematch(fns, x, weights, first):
         paths = list(fns)
         seen.append(paths)
-        return {paths[0]: 1000 * first[paths[0]], paths[1]: 1e-3}  # the first pass's runner-up is the faster one
+        return {p: (1e-3 if p == fastest(paths) else 1000 * first[p]) for p in paths}
 
     monkeypatch.setattr(cpu_tuning, "_rematch", rematch)
+    return prod, leaf, np.random.default_rng(0), seen
+
+
+def test_a_close_call_is_timed_again_and_the_rematch_decides(monkeypatch):
+    """Two paths within CLOSE_CALL of each other are timed again, alternately, and the rematch's
+    best times decide (one timing window each let a burst of other work pick the slower path)."""
+    prod, leaf, rng, seen = _recorded_rematch(monkeypatch, lambda paths: paths[1])  # the runner-up is faster
     monkeypatch.setattr(cpu_tuning, "CLOSE_CALL", 1e9)  # every pair counts as close
     out = cpu_tuning.measure(prod, leaf, 16, False, rng)
     assert seen and out["path"] == seen[0][1] and out["timings_ms"][seen[0][1]] == 1e-3
@@ -501,17 +508,7 @@ def test_a_path_its_smaller_class_says_should_win_is_timed_again(monkeypatch):
     assert cpu_tuning.suspects({"gemm": 2.0, "gemv": 10.0}, 16, previous) == []  # not a larger class
     assert cpu_tuning.suspects({"gemm": 2.0, "gemv": 10.0}, 64, None) == []
 
-    cfg, params = _tiny_int8_params()
-    prod, leaf = next(iter(cpu_tuning.products(params).items()))
-    rng = np.random.default_rng(0)
-    seen = []
-
-    def rematch(fns, x, weights, first):
-        paths = list(fns)
-        seen.append(paths)
-        return {p: (1e-3 if p == paths[-1] else 1000 * first[p]) for p in paths}  # the suspect is really fastest
-
-    monkeypatch.setattr(cpu_tuning, "_rematch", rematch)
+    prod, leaf, rng, seen = _recorded_rematch(monkeypatch, lambda paths: paths[-1])  # a suspect is really fastest
     monkeypatch.setattr(cpu_tuning, "CLOSE_CALL", 0.0)  # no close call: only a suspect is timed again
     out = cpu_tuning.measure(prod, leaf, 16, False, rng)
     assert not seen
