@@ -120,6 +120,16 @@ def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def read_aligned(f: Any, shape: tuple[int, ...], dtype: Any, name: str) -> np.ndarray:
+    """The next bytes of the open binary file `f` as a `host_empty` array of `shape` and `dtype`
+    (read straight into it, no copy); ValueError naming `name` when the file ends first."""
+    out = host_empty(shape, dtype)
+    got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+    if got != out.nbytes:
+        raise ValueError(f"{name}: truncated ({got} of {out.nbytes} bytes)")
+    return out
+
+
 # ------------------------------------------------------------------------------ int8 panel layout
 # The native CPU kernel's panel product (gemma4/ops/kernels/cpu_int8.cc, "panels") reads 16 output
 # rows × one input pair per 32 bytes, so one sign-extended vector serves 16 outputs of every

@@ -46,7 +46,7 @@ import numpy as np
 
 from gemma4.model.config import ModelConfig, from_hf_config
 from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
-from gemma4.ops.quant import QuantArray, host_empty
+from gemma4.ops.quant import QuantArray, read_aligned
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
@@ -256,10 +256,7 @@ def read_npy(path: Path) -> np.ndarray:
         shape, fortran, dtype = npy_header(f, path)
         if fortran or dtype.hasobject:
             raise ValueError(f"{path}: not a plain C-ordered array")
-        out = host_empty(shape, dtype)
-        if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
-            raise ValueError(f"{path}: truncated")
-    return out
+        return read_aligned(f, shape, dtype, str(path))
 
 
 class _CacheWriter:
