@@ -484,7 +484,13 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
             block = plan_block
 
     # ---------------------------------------------------------------- matmul precision
-    if plat == "tpu":
+    if plat == "tpu" and dtype == "float32":
+        # float32 is the exact mode: the MXU's default single bf16 pass would round every product's
+        # inputs to 8 bits of mantissa (the self-test measured 2.2e-3 against float64), so float32
+        # runs at `highest` (six passes, float32-exact products) and gives the CPU's float32 ids
+        prec = Choice("highest", "TPU, float32 compute: jax_default_matmul_precision=highest (float32-exact "
+                                 "products; the default one bf16 pass is off by ~1e-3)")
+    elif plat == "tpu":
         prec = Choice("bfloat16", "TPU: jax_default_matmul_precision=bfloat16 (one MXU pass)")
     else:
         prec = Choice(None, f"{plat.upper()}: JAX default matmul precision (the bfloat16 setting is for TPUs only)")

@@ -1,0 +1,433 @@
+"""The project on an accelerator (TPU first): exactness against the CPU, then the figures of
+docs/tpu.md's table, in one command, with a JSON report.
+
+    python bench/tpu.py                        # every part (what scripts/tpu.sh runs on the chip)
+    python bench/tpu.py --parts exact,decode   # some parts
+    python bench/tpu.py --quick                # fewer tokens and models (a smoke run)
+
+The driver imports no JAX: each part runs in a worker process of its own (`--worker PART`), one
+at a time, because one program at a time can hold a TPU chip, and so that a part that crashes
+or hangs costs only itself (each has a time limit). The CPU reference of the `exact` part runs
+with JAX_PLATFORMS=cpu beside no chip program. Workers print one line `RESULT <json>`.
+
+Parts:
+  env      jax, the devices, their memory.
+  exact    float32 greedy ids on the accelerator == the CPU float32 path's, per tiny model of
+           every Gemma 4 variant and a Gemma 3 geometry (the exact mode); bf16's agreement with
+           float32 (tokens equal before the first difference) reported beside it.
+  decode   batch-1 decode of E2B (bf16, int8) and E4B: the engine's own tok/s (a reply streamed
+           end to end), the device's step time alone (steps queued back to back), the bytes a
+           token reads, the fraction of the HBM roofline; a profile of the step's top ops.
+  engine   an engine with the app's settings (8 rows, context 4096): seconds to ready with an
+           empty compile cache, then again with it filled (a second process).
+  ttft     time to first token of a 128-token prompt, warm (median of 5).
+  batch    aggregate decode of 64 concurrent short requests.
+  app      the Gradio handlers driven in-process (no sockets on the chip machine): a chat reply
+           and an image reply end to end.
+
+Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_PARTS = ("env", "exact", "decode", "engine", "ttft", "batch", "app")
+# Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
+EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
+                "random:tiny-gemma3-1b", "random:gemma3-270m")
+PART_LIMIT_S = {"env": 120, "exact": 420, "decode": 540, "engine": 540, "ttft": 300, "batch": 420, "app": 300}
+HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
+TARGETS = {
+    "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
+    "engine_ready_cold_s": 60, "engine_ready_warm_s": 10, "batch64_tok_s": 2000, "ttft_128_ms": 20,
+}
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """A fixed prompt of n token ids (BOS first) drawn from the ordinary part of the vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    hi = max(min(vocab, 250_000) - 1, 11)
+    return [2] + [rng.randrange(10, hi) for _ in range(n - 1)]
+
+
+# ------------------------------------------------------------------------------ workers
+def _engine(model: str, *, max_batch: int = 1, context: int = 1024, buckets=(128,), overrides=None, warmup=True):
+    from gemma4.serve.engine import Engine
+
+    return Engine(model, max_batch=max_batch, context_limit=context, buckets=buckets,
+                  overrides=dict(overrides or {}), warmup=warmup, mesh="none")
+
+
+def _greedy(engine, ids: list[int], n: int) -> tuple[list[int], dict]:
+    from gemma4.model.sampling import SamplingParams
+
+    req = engine.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=n))
+    last = None
+    for last in engine.tokens(req):
+        pass
+    return list(last.token_ids), last.stats
+
+
+def worker_env(args) -> dict:
+    import jax
+
+    devs = jax.devices()
+    out = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in devs],
+           "device_kind": devs[0].device_kind, "count": len(devs)}
+    try:
+        stats = devs[0].memory_stats() or {}
+        out["hbm_bytes"] = stats.get("bytes_limit")
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["memory_stats_error"] = str(e)
+    return out
+
+
+def worker_exact(args) -> dict:
+    """Greedy ids per model: float32 (and, off the CPU, bf16)."""
+    import jax
+
+    dtypes = ["float32"] if jax.default_backend() == "cpu" else ["float32", "bfloat16"]
+    out = {"backend": jax.default_backend(), "models": {}}
+    for model in args.models:
+        row = {}
+        for dt in dtypes:
+            t0 = time.perf_counter()
+            eng = _engine(model, context=256, buckets=(32,),
+                          overrides={"GEMMA4_DTYPE": dt, "GEMMA4_WEIGHTS": "none", "GEMMA4_EMBED_WEIGHTS": "none"})
+            try:
+                eng.wait_ready()
+                ids, _ = _greedy(eng, prompt_ids(24, eng.cfg.vocab_size, seed=1), args.new_tokens)
+                row[dt] = {"ids": ids, "plan": {k: eng.info()["hardware"]["plan"][k]["value"]
+                                                for k in ("compute_dtype", "matmul_precision")},
+                           "seconds": round(time.perf_counter() - t0, 1)}
+            except Exception as e:  # noqa: BLE001 - one model's failure is a result
+                row[dt] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                eng.close()
+        out["models"][model] = row
+    return out
+
+
+def _weights_read_per_token(engine) -> int:
+    """Bytes a batch-1 decode step reads from the weights: every leaf of the text model except
+    the per-layer-embedding table, of which a row per token is gathered (the tied embedding is
+    read whole: it is the LM head)."""
+    from gemma4.model.params import count_bytes
+
+    text = {k: v for k, v in engine.params.items() if k not in ("vision", "audio")}
+    total = count_bytes(text)
+    ple = text.get("ple")
+    if ple is not None:
+        total -= count_bytes(ple["embed"])
+    return int(total)
+
+
+def _device_steps(engine, steps: int) -> float:
+    """Seconds per decode step with the host out of the way: the width-1 executable called on its
+    own outputs, `steps` times, synchronised once at the end."""
+    import jax
+    import jax.numpy as jnp
+    from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows
+
+    key = engine.shapes.decode_key(1, engine.kv_lengths[0])
+    exe, _ = engine.shapes.executable(key)
+    sampling = SamplingRows.idle(1, REPETITION_WINDOW).on_device()
+    token = jnp.asarray([5], jnp.int32)
+    pos0 = 200
+
+    def run(n: int, cache):
+        nonlocal token
+        for i in range(n):
+            token, _, cache = exe(engine.params, cache, token, jnp.asarray([pos0 + i], jnp.int32), sampling,
+                                  jnp.int32(0))
+        jax.block_until_ready(token)
+        return cache
+
+    with engine.holding_device():  # the loop owns (and donates) the cache meanwhile
+        cache = run(4, engine.cache)
+        t = time.perf_counter()
+        cache = run(steps, cache)
+        dt = (time.perf_counter() - t) / steps
+        engine.cache = cache
+    return dt
+
+
+def _profile_steps(engine, folder: str, steps: int = 8) -> list[dict]:
+    """The decode step's device time by op (a jax.profiler trace of `steps` steps): the top ops."""
+    import glob
+
+    import jax
+    from jax.profiler import ProfileData
+
+    with jax.profiler.trace(folder):
+        _device_steps(engine, steps)
+    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return [{"error": "no trace written"}]
+    data = ProfileData.from_file(files[0])
+    totals: dict[str, list] = {}
+    for plane in data.planes:
+        if "TPU:0" not in plane.name and "GPU:0" not in plane.name:
+            continue
+        for line in plane.lines:
+            if line.name not in ("XLA Ops", "Ops"):
+                continue
+            for ev in line.events:
+                name = ev.name
+                rec = totals.setdefault(name, [0.0, 0, ""])
+                rec[0] += ev.duration_ns / 1e3
+                rec[1] += 1
+                if not rec[2]:
+                    try:
+                        st = dict(ev.stats)
+                        rec[2] = str(st.get("long_name") or st.get("tf_op") or st.get("hlo_category") or "")[:240]
+                    except Exception:  # noqa: BLE001 - stats are a nicety
+                        pass
+    total = sum(v[0] for v in totals.values()) or 1.0
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:40]
+    return [{"op": k, "us_per_step": round(v[0] / steps, 1), "share": round(v[0] / total, 3), "count": v[1],
+             "what": v[2]} for k, v in top] + [{"op": "TOTAL", "us_per_step": round(total / steps, 1)}]
+
+
+def worker_decode(args) -> dict:
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    gbps = HBM_GBPS.get(kind)
+    out = {"device_kind": kind, "hbm_gbps": gbps, "configs": []}
+    for spec in args.configs:
+        model, dt, weights = spec.split(",")
+        row = {"model": model, "dtype": dt, "weights": weights}
+        t0 = time.perf_counter()
+        eng = _engine(model, context=args.context, buckets=(128,), overrides={
+            "GEMMA4_DTYPE": dt, "GEMMA4_WEIGHTS": weights, "GEMMA4_EMBED_WEIGHTS": weights})
+        try:
+            eng.wait_ready(timeout=args.limit)  # the other shapes compile meanwhile; this needs two
+            row["ready_s"] = round(time.perf_counter() - t0, 1)
+            row["plan"] = {k: v.get("value") for k, v in eng.info()["hardware"]["plan"].items() if isinstance(v, dict)}
+            ids = prompt_ids(128, eng.cfg.vocab_size)
+            _greedy(eng, ids, 8)  # warm
+            _, stats = _greedy(eng, ids, args.new_tokens)
+            row["engine_tok_s"] = round(stats["decode_tok_s"], 1)
+            row["ttft_ms"] = round(1e3 * stats.get("ttft_s", float("nan")), 1)
+            step = _device_steps(eng, 64)
+            row["device_step_ms"] = round(1e3 * step, 3)
+            row["device_tok_s"] = round(1 / step, 1)
+            row["weights_read_bytes"] = _weights_read_per_token(eng)
+            if gbps:
+                roof = gbps * 1e9 / row["weights_read_bytes"]
+                row["roofline_tok_s"] = round(roof, 1)
+                row["engine_roofline_frac"] = round(row["engine_tok_s"] / roof, 3)
+                row["device_roofline_frac"] = round(row["device_tok_s"] / roof, 3)
+            if args.profile:
+                with tempfile.TemporaryDirectory() as d:
+                    row["profile"] = _profile_steps(eng, d)
+                if args.hlo_dir:
+                    key = eng.shapes.decode_key(1, eng.kv_lengths[0])
+                    exe, _ = eng.shapes.executable(key)
+                    name = f"{model.split(':')[-1]}-{dt}-{weights}-decode.hlo.txt"
+                    Path(args.hlo_dir, name).write_text(exe.as_text())
+        except Exception as e:  # noqa: BLE001 - one config's failure is a result
+            row["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            eng.close()
+        out["configs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), file=sys.stderr, flush=True)
+    return out
+
+
+def worker_engine(args) -> dict:
+    """Seconds until an engine with the app's settings is ready (and until its background
+    compiles are done), in this process."""
+    t0 = time.perf_counter()
+    eng = _engine(args.model, max_batch=8, context=args.context, buckets=_app_buckets())
+    out = {"model": args.model, "max_batch": 8, "context": args.context}
+    try:
+        eng.wait_ready(timeout=args.limit)
+        out["ready_s"] = round(time.perf_counter() - t0, 1)
+        out["startup"] = eng.info().get("startup")
+        ids = prompt_ids(20, eng.cfg.vocab_size)
+        t1 = time.perf_counter()
+        _greedy(eng, ids, 16)
+        out["first_reply_s"] = round(time.perf_counter() - t1, 2)
+        eng.wait_compiled(timeout=max(1.0, args.limit - (time.perf_counter() - t0)))
+        out["all_compiled_s"] = round(time.perf_counter() - t0, 1)
+        out["shapes"] = eng.compile_state()
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["status"] = eng.status()
+    finally:
+        eng.close()
+    return out
+
+
+def _app_buckets():
+    from gemma4.serve.engine_compile import PROMPT_BUCKETS
+
+    return PROMPT_BUCKETS
+
+
+WORKERS = {"env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine}
+
+
+def worker_main(part: str, raw: str) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    if os.environ.get("TPU_BENCH_VERBOSE"):  # the engine's start-up, step by step, with times
+        logging.getLogger("gemma4").setLevel(logging.INFO)
+    args = argparse.Namespace(**json.loads(raw))
+    try:
+        result = WORKERS[part](args)
+    except Exception as e:  # noqa: BLE001 - the driver reports it
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {e}"}
+    print("RESULT " + json.dumps(result, default=str), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------ driver
+def run_worker(part: str, wargs: dict, *, env: dict | None = None, limit: int | None = None) -> dict:
+    limit = limit or max(PART_LIMIT_S.get(part, 300), int(wargs.get("limit") or 0) + 60)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", part, "--worker-args", json.dumps(wargs)]
+    t = time.perf_counter()
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=full_env, cwd=str(ROOT))
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        return {"error": f"timed out after {limit} s", "stderr_tail": tail.decode() if isinstance(tail, bytes) else tail}
+    result = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    if result is None:
+        result = {"error": f"worker exited {proc.returncode} without a result"}
+    result["wall_s"] = round(time.perf_counter() - t, 1)
+    if "error" in result or proc.returncode:
+        result["stderr_tail"] = proc.stderr[-3000:]
+    sys.stderr.write(proc.stderr[-(20000 if os.environ.get("TPU_BENCH_VERBOSE") else 1500):] if proc.stderr else "")
+    return result
+
+
+def compare_exact(acc: dict, cpu: dict) -> list[dict]:
+    rows = []
+    for model, r in acc.get("models", {}).items():
+        ref = cpu.get("models", {}).get(model, {}).get("float32", {})
+        f32 = r.get("float32", {})
+        bf = r.get("bfloat16", {})
+        row = {"model": model, "float32_equal": None, "bf16_agree_tokens": None}
+        if "ids" in f32 and "ids" in ref:
+            row["float32_equal"] = f32["ids"] == ref["ids"]
+            row["first_diff"] = next((i for i, (a, b) in enumerate(zip(f32["ids"], ref["ids"])) if a != b), None)
+            row["precision"] = f32["plan"]["matmul_precision"]
+        else:
+            row["error"] = f32.get("error") or ref.get("error") or "missing ids"
+        if "ids" in bf and "ids" in f32:
+            row["bf16_agree_tokens"] = next((i for i, (a, b) in enumerate(zip(bf["ids"], f32["ids"])) if a != b),
+                                            len(f32["ids"]))
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default=",".join(ALL_PARTS))
+    ap.add_argument("--quick", action="store_true", help="fewer models and tokens (a smoke run)")
+    ap.add_argument("--out", default=None, help="folder for the JSON report (default bench/results)")
+    ap.add_argument("--profile", action="store_true", help="profile the decode step (top ops in the report)")
+    ap.add_argument("--decode-configs", default=None,
+                    help="model,dtype,weights;... (default: E2B bf16 and int8, E4B bf16 and int8)")
+    ap.add_argument("--engine-limit", type=int, default=240, help="seconds an engine start may take (engine part)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-args", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.worker_args)
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in ALL_PARTS]
+    if unknown:
+        ap.error(f"unknown parts {unknown}; known: {', '.join(ALL_PARTS)}")
+    out_dir = Path(args.out or ROOT / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
+    report = {"date": stamp, "parts": {}}
+    hlo_dir = os.environ.get("OUT") or str(out_dir)
+
+    def save() -> Path:
+        path = out_dir / f"tpu-{stamp}.json"
+        path.write_text(json.dumps(report, indent=1, default=str))
+        return path
+
+    for part in parts:
+        t = time.perf_counter()
+        print(f"[tpu] {part} ...", file=sys.stderr, flush=True)
+        if part == "env":
+            report["parts"]["env"] = run_worker("env", {})
+        elif part == "exact":
+            models = list(EXACT_MODELS[:2] if args.quick else EXACT_MODELS)
+            n = 12 if args.quick else 32
+            acc = run_worker("exact", {"models": models, "new_tokens": n})
+            cpu = run_worker("exact", {"models": models, "new_tokens": n}, env={"JAX_PLATFORMS": "cpu"})
+            report["parts"]["exact"] = {"rows": compare_exact(acc, cpu), "accelerator": acc, "cpu": cpu}
+        elif part == "decode":
+            configs = (args.decode_configs.split(";") if args.decode_configs else
+                       ["random:e2b,bfloat16,none", "random:e2b,bfloat16,int8"] if args.quick else
+                       ["random:e2b,bfloat16,none", "random:e2b,bfloat16,int8", "random:e4b,bfloat16,none",
+                        "random:e4b,bfloat16,int8"])
+            report["parts"]["decode"] = run_worker("decode", {
+                "configs": configs, "context": 1024, "new_tokens": 64 if args.quick else 128,
+                "profile": args.profile, "hlo_dir": hlo_dir if args.profile else None, "limit": 400})
+        elif part == "engine":
+            with tempfile.TemporaryDirectory() as cache:
+                env = {"GEMMA4_JAX_CACHE": cache}
+                wargs = {"model": "random:e2b", "context": 4096, "limit": args.engine_limit}
+                cold = run_worker("engine", wargs, env=env)
+                warm = run_worker("engine", wargs, env=env) if "error" not in cold else {"skipped": "cold failed"}
+            report["parts"]["engine"] = {"cold": cold, "warm": warm}
+        else:
+            report["parts"][part] = {"error": "not built yet"}
+        report["parts"][part]["part_s"] = round(time.perf_counter() - t, 1)
+        path = save()
+        print(f"[tpu] {part} done in {time.perf_counter() - t:.0f} s -> {path}", file=sys.stderr, flush=True)
+    print(json.dumps(summary(report), indent=1))
+    return 0
+
+
+def summary(report: dict) -> dict:
+    """The headline figures beside their targets."""
+    parts = report["parts"]
+    s: dict = {}
+    if "exact" in parts:
+        s["exact"] = [{k: r.get(k) for k in ("model", "float32_equal", "first_diff", "bf16_agree_tokens", "error")}
+                      for r in parts["exact"].get("rows", [])]
+    for row in parts.get("decode", {}).get("configs", []):
+        s[f"decode {row['model']} {row['dtype']} {row['weights']}"] = {
+            k: row.get(k) for k in ("engine_tok_s", "device_tok_s", "roofline_tok_s", "device_roofline_frac",
+                                    "ready_s", "error")}
+    if "engine" in parts:
+        s["engine"] = {w: {k: parts["engine"][w].get(k) for k in ("ready_s", "all_compiled_s", "first_reply_s", "error")}
+                       for w in ("cold", "warm") if isinstance(parts["engine"].get(w), dict)}
+    s["targets"] = TARGETS
+    return s
+
+
+if __name__ == "__main__":
+    sys.exit(main())
