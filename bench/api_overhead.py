@@ -4,7 +4,7 @@
 
 One engine (the app's defaults: bundled model, int8 weights, 8 decode slots; a 512-token window and
 two prompt buckets so that fewer shapes compile), every shape compiled first; then, for 1 and 8 concurrent clients, greedy completions of `--new-tokens` tokens:
-  direct: threads iterating `conversation.stream(engine, ...)`;
+  direct: threads iterating the engine's token stream (`engine.tokens(conversation.submit(...))`);
   layer:  threads iterating `gemma4.serve.conversation.stream_reply(...)` (the request layer the API and
           the chat share);
   api:    threads streaming `/v1/completions` through the official `openai` client from the real
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
 
     def direct(prompt):
-        def items():
-            for ev in conversation.stream(engine, prompt, params, mode="completion"):
+        def items():  # the engine's token stream: no text, no reply split
+            for ev in engine.tokens(conversation.submit(engine, prompt, params, mode="completion")):
                 yield ev.stats["new_tokens"] if ev.done else True
         return _timed(items())
 

@@ -142,12 +142,12 @@ def measure_ours(spec: dict) -> dict:
         stamps: list[tuple[float, int]] = []
         final = None
         t_start = time.perf_counter()
-        for ev in conversation.stream(engine, text, greedy(n), mode="completion"):
+        for ev in conversation.stream_reply(engine, text, greedy(n), mode="completion"):
             now = time.perf_counter()
             stats = ev.stats or {}
             k = stats.get("new_tokens")
             if k is None:  # no live count: one token per event that carries text
-                k = (stamps[-1][1] if stamps else 0) + (1 if ev.delta else 0)
+                k = (stamps[-1][1] if stamps else 0) + (1 if ev.answer_delta else 0)
             if k > 0 and (not stamps or k > stamps[-1][1]):
                 stamps.append((now, int(k)))
             if ev.done:
@@ -219,20 +219,11 @@ def measure_ours(spec: dict) -> dict:
 
 def ours_quality(engine, spec: dict, greedy, conversation) -> list[dict]:
     """Greedy continuations of the quality prompts (through the request layer `conversation`,
-    gemma4.serve.conversation): token ids when `generate` returns them."""
+    gemma4.serve.conversation): their token ids and text."""
     out = []
     for text in spec["quality_prompts"]:
-        params = greedy(spec["quality_tokens"])
-        try:
-            res = conversation.generate(engine, text, params, mode="completion")
-            ids = res.get("token_ids")
-            out.append({"prompt": text, "ids": [int(i) for i in ids] if ids is not None else None,
-                        "text": res.get("text")})
-        except TypeError:  # no mode= on generate: stream the text instead
-            final = None
-            for ev in conversation.stream(engine, text, params, mode="completion"):
-                final = ev
-            out.append({"prompt": text, "ids": None, "text": final.text if final else ""})
+        res = conversation.generate(engine, text, greedy(spec["quality_tokens"]), mode="completion")
+        out.append({"prompt": text, "ids": [int(i) for i in res["token_ids"]], "text": res["text"]})
     return out
 
 

@@ -2,8 +2,8 @@
 streaming/parsing path, as if the model had sampled them.
 
 Random weights cannot be made to think or call a tool, but every path after sampling (the
-engine's stop ids and limits, `gemma4.serve.conversation.stream` and `stream_reply`, the API and
-the UI) must be tested with such replies. `scripted` patches one engine instance (never the
+engine's stop ids and limits, `gemma4.serve.conversation.stream_reply`, the API, the UI and the
+CLI) must be tested with such replies. `scripted` patches one engine instance (never the
 class, never gemma4 code) at the point where the scheduler hands a sampled token to a request,
 `Engine.emit`, and replaces the token with the script's next one. Everything downstream is the
 production code: the scripted id is fed back to the model as its next input, a stop id ends the

@@ -79,3 +79,26 @@ def test_generate_with_an_image_on_a_tiny_gemma4(tmp_path):
     bad.write_bytes(b"")
     empty = _run(*common, "--prompt", "<|image|>", "--image", str(bad), timeout=300)
     assert empty.returncode == 2 and "empty" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def test_chat_prints_the_answer_and_keeps_only_it(monkeypatch, capsys):
+    """`chat` consumes the one reply stream: the answer streams to the terminal with the stop
+    string cut (never its first letters), a thought is neither printed nor sent back, and the next
+    turn's prompt holds the answer as it was shown."""
+    import types
+
+    from gemma4.cli import run
+    from gemma4.model.sampling import SamplingParams
+    from tests.scripted import scripted, tiny_gemma4
+
+    eng = tiny_gemma4()
+    lines = iter(["Hi", "And then?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    args = types.SimpleNamespace(params=SamplingParams(max_new_tokens=40, stop_strings=("END",)), system=None)
+    with scripted(eng, "<|channel>thought\nSECRET<channel|>Hello there END more<turn|>", "Fine.<turn|>") as handle:
+        assert run._chat(eng, args) == 0
+    out = capsys.readouterr().out
+    assert "model> Hello there \n" in out and "model> Fine.\n" in out
+    assert "SECRET" not in out and "END" not in out and "more" not in out
+    second = eng.tokenizer.decode(handle.requests[1].prompt_ids)
+    assert "Hello there" in second and "SECRET" not in second and "more" not in second

@@ -240,16 +240,25 @@ def test_gemma3_refuses_thinking_and_tools(eng):
         prompt_ids(g3, "Hi", tools=TOOLS)
 
 
-def test_engine_stream_withholds_a_stop_string_spanning_tokens(eng):
-    # conversation.stream (no thought split): the stop's first characters are never shown, and a
-    # reply that ends otherwise keeps its held-back tail.
+def test_stream_withholds_a_stop_string_spanning_tokens(eng):
+    # Without a thought: the stop's first characters are never shown, a reply that ends otherwise
+    # keeps its held-back tail, and the ids (`generate`'s and the CLI's token_ids) end at the stop.
     for script, want, reason in (("abc END def<turn|>", "abc ", "stop"), ("abc EN<turn|>", "abc EN", "stop"),
                                  ("long text here", "long text ", "length")):
+        params = SamplingParams(max_new_tokens=10, stop_strings=("END",))
         with scripted(eng, script):
-            events = list(conversation.stream(eng, "Hi", SamplingParams(max_new_tokens=10, stop_strings=("END",)), mode="chat"))
-        assert (events[-1].text, events[-1].finish_reason) == (want, reason)
-        assert "".join(e.delta for e in events) == want
-        assert not any(e.text.endswith(("E", "EN")) for e in events[:-1])  # held back until decided
+            events = list(stream_reply(eng, "Hi", params))
+        assert (events[-1].answer, events[-1].finish_reason) == (want, reason)
+        assert "".join(e.answer_delta for e in events) == want
+        assert not any(e.answer.endswith(("E", "EN")) for e in events[:-1])  # held back until decided
+        ids = events[-1].token_ids
+        assert eng.tokenizer.decode(ids).startswith(want) and len(ids) == events[-1].stats["new_tokens"]
+        if reason == "stop" and want == "abc ":
+            assert eng.tokenizer.decode(ids).rstrip().endswith("END")  # nothing after the stop's token
+        with scripted(eng, script):
+            out = conversation.generate(eng, "Hi", params, mode="chat")  # the same stream's last event, as a dict
+        assert (out["text"], out["token_ids"], out["finish_reason"], out["flags"]) == (want, ids, reason,
+                                                                                       events[-1].flags)
 
 
 def _old_exchange(messages):

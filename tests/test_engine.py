@@ -120,7 +120,8 @@ def test_eight_concurrent_requests_match_their_solo_runs(engine):
 
 
 def test_cancel_mid_stream_frees_the_slot(engine):
-    stream = conversation.stream(engine, "Once upon a time", SamplingParams(temperature=0.0, max_new_tokens=200))
+    stream = conversation.stream_reply(engine, "Once upon a time", SamplingParams(temperature=0.0, max_new_tokens=200),
+                                       mode="completion")
     for i, ev in enumerate(stream):
         if i == 3:
             break

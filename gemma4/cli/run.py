@@ -122,18 +122,14 @@ def _generate(engine, args) -> int:
     if info.get("random_weights"):
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
-        events = conversation.stream(engine, args.prompt, args.params, mode=args.mode,
-                                     media=getattr(args, "media_parts", ()))
-        last = None
-        for last in events:
-            if not args.json:
-                print(last.delta, end="", flush=True)
+        last = _stream_answer(conversation.stream_reply(engine, args.prompt, args.params, mode=args.mode,
+                                                        media=getattr(args, "media_parts", ())),
+                              show=not args.json)
     except (RequestError, MediaError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"text": last.text, "token_ids": last.token_ids, "finish_reason": last.finish_reason,
-                          "stats": last.stats, "flags": last.flags, "model": info.get("description")}))
+        print(json.dumps({**last.result(), "model": info.get("description")}))
     else:
         print()
         s = last.stats
@@ -142,6 +138,20 @@ def _generate(engine, args) -> int:
               f"flags: {'ok' if last.flags.get('ok') else ', '.join(last.flags.get('fired', []))}]",
               file=sys.stderr)
     return 0
+
+
+def _stream_answer(reply, show: bool = True):
+    """Consume one `conversation.stream_reply` (the reply stream the chat UI and the API consume
+    too), printing the answer as it comes when `show`; its last event. Leaving early (Ctrl-C)
+    closes the stream, which cancels the request and frees its slot; notes go to stderr."""
+    last = None
+    with reply:
+        for last in reply:
+            if show:
+                print(last.answer_delta, end="", flush=True)
+    for note in last.notes if show else ():
+        print(f"\nnote: {note}", file=sys.stderr)
+    return last
 
 
 def _media_parts(args) -> list[dict]:
@@ -179,9 +189,8 @@ def _chat(engine, args) -> int:
         messages.append({"role": "user", "content": line})
         print("model> ", end="", flush=True)
         try:
-            last = None
-            for last in conversation.stream(engine, messages, args.params, mode="chat", system=args.system):
-                print(last.delta, end="", flush=True)
+            last = _stream_answer(conversation.stream_reply(engine, messages, args.params, mode="chat",
+                                                            system=args.system))
         except RequestError as e:
             print(f"\nerror: {e}")
             messages.pop()
@@ -191,7 +200,7 @@ def _chat(engine, args) -> int:
             messages.pop()
             continue
         print(f"\n  [{last.stats['decode_tok_s']:.1f} tok/s, {last.finish_reason}]")
-        messages.append({"role": "assistant", "content": last.text})
+        messages.append({"role": "assistant", "content": last.answer})
     return 0
 
 

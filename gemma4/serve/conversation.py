@@ -1,8 +1,10 @@
 """The request layer: what the chat UI, the HTTP API and the CLI send the engine, and what they get
 back. Messages or text → prompt ids (the chat template, the context rule, the thinking/tools
-check: `render_chat`, `prompt_ids`, `submit`); the engine's token stream → text with stop strings
-and degeneracy flags (`stream`, `generate`), or a reply split into thought, answer and tool calls
-(`stream_reply`, `complete_reply`). The engine below knows only token ids and embeddings.
+check: `render_chat`, `prompt_ids`, `submit`); the engine's token stream → one reply stream
+(`stream_reply` → `ReplyStream`): the reply split into thought, answer and tool calls, stop strings
+held back and applied, cancel on close, degeneracy flags and stats on the last event. The chat UI,
+the HTTP API and the CLI all consume it; `complete_reply` is its last event and `generate` that
+event as a plain dict. The engine below knows only token ids and embeddings.
 
 A Gemma 4 reply is split **on token ids**, never on decoded text: `<|channel>` … `<channel|>` is
 the thought (its channel name "thought\\n" removed), `<|tool_call>` … `<tool_call|>` is a tool call
@@ -31,7 +33,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from gemma4.model.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
 from gemma4.serve import chat, chat_tools
-from gemma4.serve.engine import Embeddings, Request, RequestError, Segment, TokenStream, flatten_segments
+from gemma4.serve.engine import Embeddings, Request, RequestError, Segment, flatten_segments
 from gemma4.serve.media_prompt import MediaPlan, parts_from_marked_text
 from gemma4.serve.quality import RULES, degeneracy_flags
 from gemma4.weights.tokenizer import IncrementalDecoder
@@ -69,6 +71,13 @@ class ReplyEvent:
     stats: dict  # the engine's stats + thought_tokens, answer_tokens, tool_call_tokens, prompt_tokens
     flags: dict  # degeneracy flags (final event; {} before)
     notes: list[str]  # user-facing notes (settings clamped, turns dropped, cut-off thought, bad calls)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the reply's ids so far (to a stop string's)
+
+    def result(self) -> dict:
+        """The reply as a plain dict (what `generate` returns and the CLI's --json prints):
+        {"text": the answer, "token_ids", "stats", "flags", "finish_reason"}."""
+        return {"text": self.answer, "token_ids": self.token_ids, "stats": self.stats, "flags": self.flags,
+                "finish_reason": self.finish_reason}
 
 
 # ------------------------------------------------------------------------------ support checks
@@ -452,83 +461,6 @@ def _check_media_fits(engine, ids: Sequence[int], plan: MediaPlan) -> None:
                        "or start a new conversation.")
 
 
-# ------------------------------------------------------------------------------ text out: stop strings, flags
-@dataclasses.dataclass
-class StreamEvent:
-    delta: str
-    text: str
-    stats: dict
-    flags: dict
-    done: bool = False
-    finish_reason: str | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-
-
-def stream(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-           system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
-           media: Sequence[Mapping] = ()) -> Iterator[StreamEvent]:
-    """Stream a reply as text: every generated token decoded, control tokens dropped, cut before
-    the first stop string (a tail that may start one is withheld until decided), degeneracy
-    flags on the last event. Closing the generator cancels the request and frees its slot. For a
-    thinking/tool reply split into its parts, use `stream_reply`."""
-    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media)
-    return _text_events(engine, req, engine.tokens(req))
-
-
-def _text_events(engine, req: Request, tokens: TokenStream) -> Iterator[StreamEvent]:
-    decoder = IncrementalDecoder(engine.tokenizer)
-    full, text = "", ""  # full: all decoded text; text: what was handed out
-    ids = tokens.ids  # the ids so far (the token stream's list)
-    cut_by_stop_string = False
-    reason = None
-    stops = tuple(s for s in req.params.stop_strings if s)
-    try:
-        for ev in tokens:
-            if ev.done:
-                reason = ev.finish_reason
-                break
-            full += decoder.push(ids[-1])
-            if stops:
-                cut, hit = apply_stop_strings(full, stops)
-                if hit:
-                    delta, text = cut[len(text):], cut
-                    req.cancel.set()
-                    reason, cut_by_stop_string = "stop", True
-                    yield StreamEvent(delta, text, ev.stats, {}, token_ids=list(ids))
-                    break
-            # Withhold a tail that may be the start of a stop string, so a stop that spans
-            # tokens never shows its first characters.
-            visible = len(full) - stop_string_holdback(full, stops) if stops else len(full)
-            delta = full[len(text):max(visible, len(text))]
-            text += delta
-            yield StreamEvent(delta, text, ev.stats, {}, token_ids=list(ids))
-        tail = ""
-        if not cut_by_stop_string:  # a stop id, the limit, a cancel: everything decoded is the reply
-            full += decoder.flush()
-            tail, text = full[len(text):], full
-        tok = engine.tokenizer
-        flags = degeneracy_flags(text, ids, prompt_text=tok.decode(req.prompt_ids),
-                                 control_ids=getattr(tok, "control_ids", frozenset()),
-                                 nonfinite_logits=tokens.nonfinite)
-        stats = tokens.stats()
-        stats["finish_reason"] = reason
-        yield StreamEvent(tail, text, stats, flags, True, reason, list(ids))
-    finally:
-        tokens.close()  # no-op when finished; frees the row within one step otherwise
-
-
-def generate(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-             system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
-             media: Sequence[Mapping] = ()) -> dict:
-    """The whole reply of `stream`: {"text", "token_ids", "stats", "flags", "finish_reason"}."""
-    last = None
-    for last in stream(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools,
-                       media=media):
-        pass
-    return {"text": last.text, "token_ids": last.token_ids, "stats": last.stats, "flags": last.flags,
-            "finish_reason": last.finish_reason}
-
-
 # ------------------------------------------------------------------------------ splitting a reply
 def _optional_id(tokenizer, piece: str) -> int | None:
     return tokenizer.special_id(piece) if tokenizer.has_token(piece) else None
@@ -806,7 +738,8 @@ class ReplyStream:
             thought_s = (t_thought[1] if t_thought[1] is not None else time.perf_counter()) - t_thought[0]
         return ReplyEvent(thought_delta=thought_delta, answer_delta=answer_delta, thought=sp.thought,
                           answer=answer, tool_calls=list(sp.tool_calls), in_thought=sp.mode == "thought", thought_s=thought_s,
-                          done=False, finish_reason=reason, stats=stats, flags=flags, notes=notes)
+                          done=False, finish_reason=reason, stats=stats, flags=flags, notes=notes,
+                          token_ids=list(ev.token_ids[:seen]))
 
 
 def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
@@ -847,3 +780,10 @@ def complete_reply(engine, prompt: Any, params: SamplingParams | None = None, **
         for final in stream:
             pass
     return final
+
+
+def generate(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+             **kwargs: Any) -> dict:
+    """`complete_reply` (a completion unless `mode` says otherwise) as a plain dict
+    (`ReplyEvent.result`)."""
+    return complete_reply(engine, prompt, params, mode=mode, **kwargs).result()
