@@ -194,6 +194,22 @@ class SamplingRows:
         return jax.tree.map(jnp.asarray, self)
 
 
+def advance_rows(rows: SamplingRows, token: jax.Array) -> SamplingRows:
+    """The rows as the host would set them for the next step after each row sampled `token` [B]
+    (inside a compiled block of steps): one more step, and the token in the repetition window of
+    a row whose penalty is on — appended while the window has room (it fills from the left, as
+    `set_row` leaves it), else the oldest id dropped."""
+    recent = rows.recent
+    W = recent.shape[1]
+    filled = jnp.sum(recent >= 0, axis=1)
+    full = (filled >= W)[:, None]
+    shifted = jnp.concatenate([recent[:, 1:], token[:, None].astype(recent.dtype)], axis=1)
+    appended = jnp.where(jnp.arange(W)[None, :] == filled[:, None], token[:, None].astype(recent.dtype), recent)
+    moved = jnp.where(full, shifted, appended)
+    recent = jnp.where((rows.penalty != 1.0)[:, None], moved, recent)
+    return dataclasses.replace(rows, steps=rows.steps + 1, recent=recent)
+
+
 def sample_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     """One token per row of logits [B, V] with each row's own settings (inside a compiled step).
     The repetition penalty covers the ids in `rows.recent` through the sampler's token counts."""

@@ -72,7 +72,7 @@ from gemma4.model import kv_cache
 from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes
-from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, sample_rows
+from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, advance_rows, sample_rows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import executable_store, heap, prepared_store, step_link
@@ -414,6 +414,42 @@ def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, optio
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
+def decode_block_step(params, cache, tokens, positions, sampling, row, steps, *, cfg, options, width, kv_len, block):
+    """`steps` (≤ block, a run-time value) decode steps in one dispatch, each row's sampled token fed
+    back on the device (hardware.DECODE_BLOCK): the same tokens as `steps` calls of `decode_step`
+    (the sampling rows advance as the host would set them: `advance_rows`). Returns (tokens and
+    non-finite flags [block, width], of which the first `steps` rows are meaningful; then the state
+    a next block starts from: the last tokens [width], the next positions [width], the sampling
+    rows) and the cache. An idle row (position -1) stays idle."""
+    def one(i, carry):
+        tok, pos, rows, cache, out, bad = carry
+        logits, cache, _ = M.forward(params, cfg, tok[:, None], pos[:, None], cache, options=options,
+                                     logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
+        new = sample_rows(logits, rows)
+        out = out.at[i].set(new)
+        bad = bad.at[i].set(~jnp.all(jnp.isfinite(logits), axis=-1))
+        return new, jnp.where(pos >= 0, pos + 1, pos), advance_rows(rows, new), cache, out, bad
+
+    init = (tokens, positions, sampling, cache, jnp.zeros((block, width), jnp.int32),
+            jnp.zeros((block, width), jnp.bool_))
+    tok, pos, rows, cache, out, bad = jax.lax.fori_loop(0, steps, one, init)
+    return out, bad, tok, pos, rows, cache
+
+
+@dataclasses.dataclass
+class DecodeBlock:
+    """A dispatched block of decode steps (`decode_block_step`), not yet read: device arrays."""
+
+    steps: int
+    out: Any
+    bad: Any
+    state: tuple  # (last tokens, next positions, sampling rows): where a chained block starts
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, non-finite) [steps, width] as numpy (waits for the device)."""
+        return np.asarray(self.out)[:self.steps], np.asarray(self.bad)[:self.steps]
+
+
 def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, sampling, *, cfg, options, width, kv_len):
     """A prompt's chunk and one decode token per cache row [0, width) in one dispatch (see
     engine_compile.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
@@ -643,6 +679,7 @@ class Engine:
         limit = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
         self.context_limit = int(min(limit, cfg.max_position_embeddings))
         self.kv_format = plan.kv_cache.value
+        self.decode_block = int(plan.decode_block.value)  # decode steps per dispatch (hardware.DECODE_BLOCK)
         if self.mesh.size > 1:
             options = dataclasses.replace(options, mesh=self.mesh)  # per-shard parts (the MoE bank)
             self.options = options
@@ -695,9 +732,16 @@ class Engine:
             fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
                            in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
             for fresh in (True, False)}
-        self._decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
-                                        in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
-                        for w in self.widths for n in self.kv_lengths}
+        # decode steps per dispatch (hardware.DECODE_BLOCK): one, or a block of up to that many
+        if self.decode_block == 1:
+            self._decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
+                                            in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
+                            for w in self.widths for n in self.kv_lengths}
+        else:
+            self._decode = {(w, n): jax.jit(named(decode_block_step, width=w, kv_len=n, block=self.decode_block),
+                                            in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
+                                            out_shardings=(rep,) * 5 + (cache_sh,))
+                            for w in self.widths for n in self.kv_lengths}
         # the fused chunk-and-decode step (engine_compile.MIXED_CHUNK); not where several processes
         # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
         self.mixed_widths = () if self.link is not None else mixed_widths(self.widths)
@@ -836,7 +880,7 @@ class Engine:
         (executable_store.make_key adds those, and the shape key): every argument of the jitted
         steps' partials and `_lower`'s specs derives from these."""
         return (repr(self.cfg), repr(self.options), executable_store.tree_signature(self.params),
-                executable_store.tree_signature(self._cache_spec), str(self.encoder_dtype))
+                executable_store.tree_signature(self._cache_spec), str(self.encoder_dtype), self.decode_block)
 
     def _lower(self, key: tuple):
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
@@ -863,8 +907,9 @@ class Engine:
         if kind == "mixed":
             return self._mixed[size, extra].lower(self.params, self._cache_spec, i32(MIXED_CHUNK + size),
                                                   i32(MIXED_CHUNK + size), i32(), i32(), i32(), SamplingRows.spec(size + 1))
+        block = (i32(),) if self.decode_block > 1 else ()  # the steps a block runs
         return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
-                                               SamplingRows.spec(size), i32())
+                                               SamplingRows.spec(size), i32(), *block)
 
     def _warm_up(self) -> None:
         """Wait for the shapes needed before ready (compiled by the compile threads), and run each
@@ -963,6 +1008,9 @@ class Engine:
         """Run decode shape `key` (compiled first if it is not) for cache rows [row, row + width):
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
+        if self.decode_block > 1:  # a block of one step
+            out, bad = self.dispatch_decode(key, tokens, positions, sampling, row, 1).read()
+            return out[0], bad[0]
         exe, _ = self.shapes.executable(key)
         self.shapes.mark_run(key)
         if self.link is not None:
@@ -971,6 +1019,23 @@ class Engine:
             token, bad, self.cache = exe(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                                          sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
+
+    def dispatch_decode(self, key: tuple, tokens, positions, sampling: SamplingRows | None, row: int, steps: int,
+                        after: DecodeBlock | None = None) -> DecodeBlock:
+        """Dispatch `steps` decode steps of shape `key` in one call (engines with decode_block > 1),
+        without waiting for them: from host tokens/positions/sampling rows, or, with `after`, from
+        where that block (dispatched earlier, maybe still running) leaves its rows — so the device
+        runs the next block while the host reads the last."""
+        exe, _ = self.shapes.executable(key)
+        self.shapes.mark_run(key)
+        if after is not None:
+            tokens, positions, rows = after.state
+        else:
+            tokens, positions, rows = jnp.asarray(tokens), jnp.asarray(positions), sampling.on_device()
+        with self._device_lock:
+            out, bad, *state, self.cache = exe(self.params, self.cache, tokens, positions, rows, jnp.int32(row),
+                                               jnp.int32(steps))
+        return DecodeBlock(steps, out, bad, tuple(state))
 
     # ---------------------------------------------------------------- vision
     def supports_vision(self) -> tuple[bool, str]:
@@ -1479,6 +1544,8 @@ class Engine:
             self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
         if not plan:
             return False
+        if self.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0 and self.link is None:
+            return self._decode_blocks(plan[0][0], active, decoding)
         t0 = time.perf_counter()
         ran_before = all(self.shapes.has_run(key) for key, _, _ in plan)
         out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
@@ -1497,6 +1564,56 @@ class Engine:
         if ran_before:
             self._note_cost(plan[0][0], (now - t0) / len(plan))
         self._decoded(active, decoding, out, bad, now)
+        return True
+
+    def _block_steps(self, decoding: dict[int, Request], ahead: int, kv_len: int) -> int:
+        """How many steps the next decode block of `decoding` may run, `ahead` steps already
+        dispatched and unread: one while another request waits for its prompt (it is served between
+        blocks), else up to decode_block, no further than the rows still need, the context window
+        and the compiled cache length allow. 0: nothing more to dispatch."""
+        with self._lock:
+            busy = bool(self._waiting) or any(r.prefilling for r in self._active.values())
+        if any(r.cancel.is_set() for r in decoding.values()):
+            return 0 if ahead else 1
+        furthest = max(r.position for r in decoding.values()) + ahead  # the next position written
+        need = max(r.params.max_new_tokens - r.generated for r in decoding.values()) - ahead
+        room = min(self.context_limit, kv_len) - furthest
+        steps = min(self.decode_block, need, room, 1 if busy else self.decode_block)
+        if ahead and (busy or steps < 1):
+            return 0
+        return max(1, steps)
+
+    def _decode_blocks(self, key: tuple, active: dict[int, Request], decoding: dict[int, Request]) -> bool:
+        """Decode `decoding` (rows [0, width) of shape `key`) in blocks of steps (decode_block > 1):
+        each block is dispatched before the last one is read, so the device never waits for the
+        host; the chain ends when a row finishes or is cancelled, another request waits, or the
+        rows' needs or the cache length end it. Tokens past a row's end are dropped (the cache slots
+        they wrote are past its last position: a new request's first chunk clears the row)."""
+        width = key[1]
+        tokens, positions = np.zeros(width, np.int32), np.full(width, -1, np.int32)
+        sampling: list[Request | None] = [None] * width
+        for row, req in decoding.items():
+            tokens[row], positions[row], sampling[row] = req.recent[-1], req.position, req
+        t = time.perf_counter()
+        block = self.dispatch_decode(key, tokens, positions, self._sampling_rows(sampling), 0,
+                                     self._block_steps(decoding, 0, key[2]))
+        rows = len(decoding)
+        while block is not None:
+            # a row that ended stops the chain: what is in flight is read, nothing more dispatched
+            steps = self._block_steps(decoding, block.steps, key[2]) if len(decoding) == rows else 0
+            following = self.dispatch_decode(key, None, None, None, 0, steps, after=block) if steps else None
+            out, bad = block.read()
+            now = time.perf_counter()
+            if self.shapes.has_run(key):
+                self._note_cost(key, (now - t) / block.steps)
+            t = now
+            for i in range(block.steps):
+                if not decoding:
+                    break
+                self._decoded(active, decoding, out[i], bad[i], now)
+                with self._lock:  # a row that finished takes no more tokens (the rest of its block is dropped)
+                    decoding = {row: r for row, r in decoding.items() if self._active.get(row) is r}
+            block = following
         return True
 
     def _decoded(self, active: dict[int, Request], decoding: dict[int, Request], out, bad, now: float) -> None:
