@@ -253,7 +253,7 @@ def worker_engine(args) -> dict:
     """Seconds until an engine with the app's settings is ready (and until its background
     compiles are done), in this process."""
     t0 = time.perf_counter()
-    eng = _engine(args.model, max_batch=8, context=args.context, buckets=_app_buckets())
+    eng = _engine(args.model, max_batch=8, context=args.context, buckets=None)  # the engine's own ladder
     out = {"model": args.model, "max_batch": 8, "context": args.context}
     try:
         eng.wait_ready(timeout=args.limit)
@@ -272,12 +272,6 @@ def worker_engine(args) -> dict:
     finally:
         eng.close()
     return out
-
-
-def _app_buckets():
-    from gemma4.serve.engine_compile import PROMPT_BUCKETS
-
-    return PROMPT_BUCKETS
 
 
 WORKERS = {"env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine}

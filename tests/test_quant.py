@@ -271,3 +271,23 @@ def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
     host[...] = 3
     if jax.default_backend() == "cpu":
         assert host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied
+
+
+def test_byte_tables_gathered_by_slab_off_the_cpu_give_the_rows():
+    """Off the CPU an 8-bit table is gathered by 32-row slabs (ops.linear.SLAB_ROWS: a TPU re-laid
+    whole int8 tables out for single-row gathers); the rows must be exactly table[ids]."""
+    from unittest import mock
+
+    from gemma4.ops import linear
+
+    rng = np.random.default_rng(0)
+    for dt in (np.int8, np.uint8):
+        info = np.iinfo(dt)
+        table = jnp.asarray(rng.integers(info.min, info.max + 1, (256, 40)).astype(dt))
+        ids = jnp.asarray(rng.integers(0, 256, (3, 5)))
+        with mock.patch.object(jax, "default_backend", lambda: "tpu"):
+            jaxpr = str(jax.make_jaxpr(linear._take_byte_rows)(table, ids))
+            got = jax.jit(linear._take_byte_rows)(table, ids)
+        assert "32" in jaxpr and "reduce_max" in jaxpr  # the slab path ran, not the plain gather
+        assert got.dtype == table.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(table)[np.asarray(ids)])

@@ -76,7 +76,8 @@ from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRow
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import executable_store, heap, prepared_store, step_link
-from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
+from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, CompiledShapes, accelerator_kv_ladder,
+                                         accelerator_widths, bucket_for, chunk_budget_s, chunk_limit,
                                          decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
                                          MIXED_CHUNK, mixed_widths, next_chunk, override_limit, prefill_order)
 from gemma4.serve.step_times import StepTimes
@@ -473,14 +474,16 @@ class Engine:
 
     def __init__(self, model: str = "bundled", *, max_batch: int = 8, context_limit: int | None = None,
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
-                 buckets: Sequence[int] = PROMPT_BUCKETS, mesh: str | dict | None = "auto"):
+                 buckets: Sequence[int] | None = None, mesh: str | dict | None = "auto"):
         self.model_name = model
         self.mesh_request = "auto" if mesh is None else mesh  # see preflight.engine_mesh
         self.max_batch = int(max_batch)
         self.requested_context = context_limit
         self.overrides = dict(overrides or {})
         self.max_new_tokens_cap = int(max_new_tokens_cap)
-        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        # None: the ladder for the device found (PROMPT_BUCKETS; ACCELERATOR_BUCKETS on a TPU or GPU)
+        self.buckets_asked = None if buckets is None else tuple(sorted({int(b) for b in buckets}))
+        self.buckets = self.buckets_asked or PROMPT_BUCKETS
         self.widths = decode_widths(self.max_batch)
         self._warmup = warmup
         self._status = {"state": "loading", "progress": 0.0, "message": "starting", "error": None,
@@ -582,8 +585,10 @@ class Engine:
             self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
             self._load()
+            # an accelerator's compiles run on the host's cores while the chip idles: several at once
+            accelerated = self.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
             self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
-                              mixed=self.mixed_widths)
+                              mixed=self.mixed_widths, background=3 if accelerated else 1)
             if self._warmup:
                 self._warm_up()
             self._join_tokenizer()
@@ -680,6 +685,11 @@ class Engine:
         self.context_limit = int(min(limit, cfg.max_position_embeddings))
         self.kv_format = plan.kv_cache.value
         self.decode_block = int(plan.decode_block.value)  # decode steps per dispatch (hardware.DECODE_BLOCK)
+        if plan.platform != "cpu":  # few shapes on an accelerator (engine_compile.ACCELERATOR_BUCKETS)
+            self.widths = accelerator_widths(self.max_batch)
+            if self.buckets_asked is None:
+                self.buckets = ACCELERATOR_BUCKETS
+                self.chunk_override = {alone: override_limit(os.environ, alone, self.buckets) for alone in (False, True)}
         if self.mesh.size > 1:
             options = dataclasses.replace(options, mesh=self.mesh)  # per-shard parts (the MoE bank)
             self.options = options
@@ -726,7 +736,8 @@ class Engine:
         # costs the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
         # bundled model, 2-core AMD EPYC Zen 4), and one length means a quarter of those shapes.
         self.kv_lengths = ((self.context_limit,) if M.full_layers_read_natively(cfg, options, self.kv_format)
-                           else kv_ladder(self.context_limit))
+                           else kv_ladder(self.context_limit) if plan.platform == "cpu"
+                           else accelerator_kv_ladder(self.context_limit))
         # The variant with input embeddings (media segments): compiled only for a request that has one.
         self._prefill_embeds = {
             fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
@@ -744,7 +755,7 @@ class Engine:
                             for w in self.widths for n in self.kv_lengths}
         # the fused chunk-and-decode step (engine_compile.MIXED_CHUNK); not where several processes
         # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
-        self.mixed_widths = () if self.link is not None else mixed_widths(self.widths)
+        self.mixed_widths = () if self.link is not None or plan.platform != "cpu" else mixed_widths(self.widths)
         self._mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
                                        in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                        for w in self.mixed_widths for n in self.kv_lengths}

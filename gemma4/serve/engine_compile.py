@@ -73,6 +73,30 @@ def decode_widths(max_batch: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# On an accelerator (TPU, GPU) a step streams the weights whatever its rows and, up to a few hundred,
+# its tokens (E2B on a TPU v5e: a 128-token chunk and a one-token step both ~6-9 ms), while every
+# shape costs 20-35 s of XLA compile (measured on a v5e). So an accelerator engine compiles few
+# shapes: two prompt buckets, the decode rows padded to one or two widths, a cache-length ladder
+# by factors of four, and no fused chunk-and-decode step (a CPU economy).
+ACCELERATOR_BUCKETS = (128, 512)
+ACCELERATOR_FIRST_KV = 1024
+
+
+def accelerator_widths(max_batch: int) -> tuple[int, ...]:
+    """Decode widths on an accelerator: max_batch rows, and 8 below it (idle rows are padding)."""
+    return tuple(sorted({min(8, max_batch), max_batch}))
+
+
+def accelerator_kv_ladder(context_limit: int) -> tuple[int, ...]:
+    """Full-layer cache lengths on an accelerator: ×4 from ACCELERATOR_FIRST_KV, then the limit."""
+    out, n = [], ACCELERATOR_FIRST_KV
+    while n < context_limit:
+        out.append(n)
+        n *= 4
+    out.append(context_limit)
+    return tuple(out)
+
+
 def bucket_for(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
     for b in buckets:
         if n <= b:
@@ -325,7 +349,7 @@ class CompiledShapes:
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, buckets: Sequence[int], widths: Sequence[int], kv_lengths: Sequence[int], *,
-              warmup: bool, mixed: Sequence[int] = ()) -> None:
+              warmup: bool, mixed: Sequence[int] = (), background: int = 1) -> None:
         """Queue the shape plan (when `warmup`) and start the compile threads. One (two on 4+
         CPUs) takes the shapes needed now: before ready the first two, then whatever a request
         needs — on 2 CPUs two compiles in parallel were slower than one after the other, warm
@@ -341,7 +365,7 @@ class CompiledShapes:
                 self.startup_keys = tuple(first)
                 self._urgent = list(first)
                 self._background = list(rest)
-        kinds = ["now"] * (2 if (os.cpu_count() or 1) >= 4 else 1) + ["background"]
+        kinds = ["now"] * (2 if (os.cpu_count() or 1) >= 4 else 1) + ["background"] * background
         for i, kind in enumerate(kinds):
             t = threading.Thread(target=self._worker, args=(kind,), name=f"gemma4-compile-{i}", daemon=True)
             t.start()
