@@ -16,10 +16,25 @@ WHEELS=.whl-tpu
 # GGUF reading) and the app's UI (gradio and what it needs that the machine's index lacks).
 ENGINE_PKGS="soxr==1.1.0 pillow==12.3.0 gguf==0.19.0 sentencepiece==0.2.3 pyyaml==6.0.4 protobuf==7.36.2
 tokenizers==0.23.3 psutil==7.2.2 filelock==4.3.2"
+# The app's UI: gradio (requirements.txt's version) and the wheels it needs that the machine's
+# package index lacks (31.5 MB, almost all of it gradio's built front end).
+APP_PKGS="gradio==6.31.0 gradio_client==2.7.2 hf-gradio==0.4.1 safehttpx==0.1.7 groovy==0.1.2"
+# The rest of gradio's requirements (and the app's: gemma4.web, pandas for the charts), installed
+# from the machine's own index (file:///opt/pypi/simple, no internet) with --no-deps. Pinned where
+# the index holds a pair that must match (pydantic / pydantic-core). numpy is left out: the
+# machine's own stays the one imported. tomlkit (only gradio's custom-component CLI imports it)
+# and brotli (its HTTP compression) are older or newer than gradio's bounds there; neither runs
+# without a server.
+APP_INDEX_PKGS="fastapi starlette uvicorn pydantic==2.13.5 pydantic-core==2.46.5 annotated-types
+typing-inspection typing-extensions annotated-doc opentelemetry-api anyio idna certifi h11 httpcore
+httpx httpx2 httpcore2 truststore huggingface-hub hf-xet fsspec tqdm packaging jinja2 markupsafe
+orjson pandas python-dateutil six pytz tzdata typer click rich shellingham markdown-it-py mdurl
+pygments python-multipart semantic-version tomlkit brotli pydub prometheus-client"
+INDEX_URL=file:///opt/pypi/simple
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   mkdir -p "$WHEELS"
-  for p in $ENGINE_PKGS ${TPU_EXTRA_WHEELS:-}; do
+  for p in $ENGINE_PKGS $APP_PKGS ${TPU_EXTRA_WHEELS:-}; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
@@ -32,6 +47,21 @@ fi
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/tpu-site "$WHEELS"/*.whl
+  # the app's other requirements from the machine's own index: all at once, else one by one so
+  # that one missing name costs only itself (the engine's parts do not need them)
+  index_install() {
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --no-deps \
+      --no-compile --no-cache-dir --index-url "$INDEX_URL" --target /tmp/tpu-site "$@" 2>&1 |
+      grep -v "already exists" >&2
+    return "${PIPESTATUS[0]}"
+  }
+  if [ ! -d "${INDEX_URL#file://}" ]; then
+    echo "[tpu] no package index at $INDEX_URL: the app's requirements beside gradio are not installed" >&2
+  elif ! index_install $APP_INDEX_PKGS; then
+    failed=""
+    for p in $APP_INDEX_PKGS; do index_install "$p" || failed="$failed $p"; done
+    [ -z "$failed" ] || echo "[tpu] not installed from $INDEX_URL:$failed (the app may not import)" >&2
+  fi
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/tpu-site"
 else
   echo "[tpu] no wheels in $WHEELS: using what the machine has (bash scripts/tpu.sh --fetch-wheels here first)" >&2
