@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_PARTS = ("env", "exact", "decode", "engine", "ttft", "batch", "app")
+ALL_PARTS = ("env", "exact", "decode", "engine", "ttft", "batch", "app")  # ttft reads the engine part's warm engine
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b", "random:gemma3-270m")
@@ -263,6 +263,10 @@ def worker_engine(args) -> dict:
         t1 = time.perf_counter()
         _greedy(eng, ids, 16)
         out["first_reply_s"] = round(time.perf_counter() - t1, 2)
+        if args.ttft:  # time to first token of a 128-token prompt, the engine warm
+            times = _ttft(eng, 128, 6)[1:]
+            out["ttft_128_ms"] = round(1e3 * statistics.median(times), 1)
+            out["ttft_128_all_ms"] = [round(1e3 * x, 1) for x in times]
         eng.wait_compiled(timeout=max(1.0, args.limit - (time.perf_counter() - t0)))
         out["all_compiled_s"] = round(time.perf_counter() - t0, 1)
         out["shapes"] = eng.compile_state()
@@ -274,7 +278,83 @@ def worker_engine(args) -> dict:
     return out
 
 
-WORKERS = {"env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine}
+def _ttft(engine, n_prompt: int, repeats: int) -> list[float]:
+    """Seconds from submit to the first token of `repeats` different n_prompt-token prompts."""
+    from gemma4.model.sampling import SamplingParams
+
+    out = []
+    for i in range(repeats):
+        ids = prompt_ids(n_prompt, engine.cfg.vocab_size, seed=100 + i)
+        t = time.perf_counter()
+        stream = engine.tokens(engine.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=2)))
+        next(stream)
+        out.append(time.perf_counter() - t)
+        for _ in stream:
+            pass
+    return out
+
+
+def worker_batch(args) -> dict:
+    """Aggregate decode of `rows` concurrent requests (prompt `prompt` tokens, `new` tokens each):
+    tokens decoded per second while every row decodes, and the whole wall time."""
+    import threading
+
+    from gemma4.model.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    eng = _engine(args.model, max_batch=args.rows, context=args.context, buckets=(args.prompt,))
+    out = {"model": args.model, "rows": args.rows, "context": args.context, "prompt": args.prompt, "new": args.new}
+    try:
+        eng.wait_ready(timeout=args.limit)
+        # the shape of all rows decoding together (a fresh engine compiles it on first need)
+        key = eng.shapes.decode_key(args.rows, args.prompt + args.new)
+        eng.shapes.request(key, now=True)
+        eng.shapes.wait_any([key], timeout=args.limit)
+        out["ready_s"] = round(time.perf_counter() - t0, 1)
+        stamps: list[list[float]] = [[] for _ in range(args.rows)]
+
+        def consume(i: int) -> None:
+            ids = prompt_ids(args.prompt, eng.cfg.vocab_size, seed=1000 + i)
+            req = eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=args.new))
+            for _ in eng.tokens(req):
+                stamps[i].append(time.perf_counter())
+
+        for rnd in ("warm", "measured"):
+            stamps = [[] for _ in range(args.rows)]
+            t = time.perf_counter()
+            threads = [threading.Thread(target=consume, args=(i,)) for i in range(args.rows)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(args.limit)
+            wall = time.perf_counter() - t
+        firsts = sorted(s[0] for s in stamps if s)
+        lasts = sorted(s[-1] for s in stamps if s)
+        total = sum(len(s) for s in stamps)
+        # while every row decodes: from the last row's first token to the first row's last
+        both = [(s[0], s[-1], len(s)) for s in stamps if len(s) > 1]
+        start, end = firsts[-1], lasts[0]
+        during = sum(sum(1 for x in s if start < x <= end) for s in stamps)
+        out.update(tokens=total, wall_s=round(wall, 2), aggregate_tok_s=round(total / wall, 1),
+                   steady_tok_s=round(during / (end - start), 1) if end > start else None,
+                   rows_done=len(both), decode_block=eng.decode_block)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        eng.close()
+    return out
+
+
+def worker_app(args) -> dict:
+    """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from tpu_app import run_app_check
+
+    return run_app_check(args.model, timeout=args.limit)
+
+
+WORKERS = {"app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine,
+           "batch": worker_batch}
 
 
 def worker_main(part: str, raw: str) -> int:
@@ -348,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile the decode step (top ops in the report)")
     ap.add_argument("--decode-configs", default=None,
                     help="model,dtype,weights;... (default: E2B bf16 and int8, E4B bf16 and int8)")
+    ap.add_argument("--model", default="random:e2b", help="the model of the engine, batch and app parts")
     ap.add_argument("--engine-limit", type=int, default=240, help="seconds an engine start may take (engine part)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-args", help=argparse.SUPPRESS)
@@ -392,10 +473,21 @@ def main(argv=None) -> int:
         elif part == "engine":
             with tempfile.TemporaryDirectory() as cache:
                 env = {"GEMMA4_JAX_CACHE": cache}
-                wargs = {"model": "random:e2b", "context": 4096, "limit": args.engine_limit}
+                wargs = {"model": args.model, "context": 4096, "limit": args.engine_limit, "ttft": False}
                 cold = run_worker("engine", wargs, env=env)
-                warm = run_worker("engine", wargs, env=env) if "error" not in cold else {"skipped": "cold failed"}
+                warm = (run_worker("engine", dict(wargs, ttft=True), env=env) if "error" not in cold
+                        else {"skipped": "cold failed"})
             report["parts"]["engine"] = {"cold": cold, "warm": warm}
+        elif part == "batch":
+            report["parts"]["batch"] = run_worker("batch", {
+                "model": args.model, "rows": 64, "context": 1024, "prompt": 128,
+                "new": 64 if args.quick else 128, "limit": 300})
+        elif part == "app":
+            report["parts"]["app"] = run_worker("app", {"model": args.model, "limit": 240})
+        elif part == "ttft":  # measured in the warm engine of the engine part
+            warm = report["parts"].get("engine", {}).get("warm", {})
+            report["parts"]["ttft"] = {k: warm.get(k) for k in ("ttft_128_ms", "ttft_128_all_ms")} if warm else {
+                "error": "runs with the engine part (its warm engine)"}
         else:
             report["parts"][part] = {"error": "not built yet"}
         report["parts"][part]["part_s"] = round(time.perf_counter() - t, 1)
@@ -419,6 +511,12 @@ def summary(report: dict) -> dict:
     if "engine" in parts:
         s["engine"] = {w: {k: parts["engine"][w].get(k) for k in ("ready_s", "all_compiled_s", "first_reply_s", "error")}
                        for w in ("cold", "warm") if isinstance(parts["engine"].get(w), dict)}
+    if "batch" in parts:
+        s["batch"] = {k: parts["batch"].get(k) for k in ("aggregate_tok_s", "steady_tok_s", "rows", "error")}
+    if "ttft" in parts:
+        s["ttft"] = parts["ttft"]
+    if "app" in parts:
+        s["app"] = {k: parts["app"].get(k) for k in ("ok", "checks", "error")}
     s["targets"] = TARGETS
     return s
 
