@@ -99,7 +99,8 @@ def test_float32_is_exact_for_image_and_audio_prompts_on_a_bf16_capable_plan(tmp
     audio clip, on a CPU plan that measures bf16 towers faster (forced: tests/bf16_capable.py): the
     explicit dtype pins the towers to float32 too, and the generated ids are transformers' float32
     `generate`'s for the same prompt ids, pixels (its image processor) and features (its audio
-    loader and feature extractor). Without --dtype the same plan puts the towers in bf16 (probe)."""
+    loader and feature extractor). Without --dtype the same plan puts the towers in bf16 (probe);
+    with the towers in bf16 the image's ids leave transformers' at the fifth token (measured)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from PIL import Image
