@@ -16,7 +16,7 @@ from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.config import load_hf_config, tiny
 from gemma4.weights.checkpoint import load_safetensors_params
-from tests.reference import build_hf_multimodal
+from tests.reference import build_hf_multimodal, varied
 
 N_NEW = 8
 BUCKET = 160  # every prompt (or prefill chunk) is padded to this length: one compiled shape per variant
@@ -28,7 +28,7 @@ _cache: dict[str, tuple] = {}
 
 def _built(variant: str, tmp_path_factory) -> tuple:
     if variant not in _cache:
-        hf_model = build_hf_multimodal(tiny(variant), seed=1)
+        hf_model = build_hf_multimodal(varied(tiny(variant), seed=1), seed=1)
         folder = str(tmp_path_factory.mktemp(f"multimodal-{variant}"))
         hf_model.save_pretrained(folder)
         cfg = load_hf_config(folder)
@@ -38,7 +38,7 @@ def _built(variant: str, tmp_path_factory) -> tuple:
 
 def setup(variant: str, tmp_path_factory):
     """(cfg read back from the saved config.json, our params read from the safetensors, HF model)
-    of `tiny(variant)` with its towers (vision, and audio where the variant has it)."""
+    of `varied(tiny(variant), seed=1)` with its towers (vision, and audio where the variant has it)."""
     return _built(variant, tmp_path_factory)[:3]
 
 

@@ -6,6 +6,7 @@ and the access rules (UI login, API key, rate limits). Pure helpers are tested o
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -690,3 +691,67 @@ def test_bad_images_get_clear_400s(tiny, monkeypatch):
     ok = client.chat.completions.create(model=TINY, messages=_image_message(good), max_tokens=2,
                                         extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+# --------------------------------------------------------------------------- fuzz
+
+FUZZ_SEED, FUZZ_BODIES = 35, 1500
+
+
+class _ErrorLog(logging.Handler):
+    """Collects the records at ERROR and above (a traceback in the server log is one)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_fuzzed_bodies_get_a_4xx_naming_the_problem_never_a_5xx_or_a_traceback(tiny):
+    """A seeded fuzz of request bodies (tests/api_fuzz.py: nesting to 100,000 levels, sizes past
+    the limits, every JSON type in every field, numbers out of range, hostile unicode, cut and
+    corrupted bodies) against the running app, streamed and not: every answer is a 200 (a body
+    that happens to be valid) or a 4xx in OpenAI's error shape with a message; no 5xx, no error
+    event in a stream, no error in the server's log, and no slot left busy."""
+    from collections import Counter
+
+    from tests import api_fuzz
+
+    url, _, engine = tiny
+    deep = [b'{"model": "%s", "messages": %s}' % (TINY.encode(), b"[" * 10_000 + b"]" * 10_000),
+            b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": %s}'
+            % (TINY.encode(), b'{"a":' * 10_000 + b"1" + b"}" * 10_000)]
+    for body in deep:  # the two 500s of issue 35's report
+        r = httpx.post(url + "v1/chat/completions", content=body, timeout=60)
+        assert r.status_code == 400 and "recursion limit" in r.json()["error"]["message"], r.text
+    log = _ErrorLog()
+    loggers = [logging.getLogger(name) for name in ("", "gemma4", "uvicorn", "uvicorn.error", "uvicorn.access")]
+    for lg in loggers:
+        lg.addHandler(log)
+    statuses, failures, t0 = Counter(), [], time.perf_counter()
+    try:
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for path, body, what in api_fuzz.bodies(FUZZ_SEED, FUZZ_BODIES, TINY):
+                r = http.post(path, content=body, headers={"content-type": "application/json"})
+                statuses[r.status_code] += 1
+                case = f"{path} {what}: {body[:120]!r} -> {r.status_code} {r.text[:300]}"
+                if r.status_code >= 500 or "server_error" in r.text:
+                    failures.append(case)
+                elif r.status_code >= 400:
+                    err = r.json().get("error") or {}
+                    if set(err) != {"message", "type", "param", "code"} or len(err["message"]) < 10:
+                        failures.append("not OpenAI's error shape: " + case)
+                elif what == "valid" and r.status_code != 200:
+                    failures.append("a valid body refused: " + case)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(log)
+    took = time.perf_counter() - t0
+    print(f"\nfuzz: {sum(statuses.values())} bodies in {took:.1f} s, statuses {dict(sorted(statuses.items()))}")
+    assert not failures, "\n".join(failures[:20])
+    assert sum(statuses.values()) == FUZZ_BODIES and statuses[200] >= len(api_fuzz.base_bodies(TINY))
+    assert sum(n for s, n in statuses.items() if 400 <= s < 500) > FUZZ_BODIES // 2  # the hostile ones were seen
+    assert not log.records, [f"{r.name}: {r.getMessage()}" for r in log.records[:5]]
+    assert _wait(lambda: _idle(engine), timeout=30)

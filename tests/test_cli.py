@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,3 +103,85 @@ def test_chat_prints_the_answer_and_keeps_only_it(monkeypatch, capsys):
     assert "SECRET" not in out and "END" not in out and "more" not in out
     second = eng.tokenizer.decode(handle.requests[1].prompt_ids)
     assert "Hello there" in second and "SECRET" not in second and "more" not in second
+
+
+def _bf16_capable(*commands: list[str], timeout=900):
+    """`python -m tests.bf16_capable` (the CLI on a CPU plan whose measured tower dtype is bf16)
+    running `commands` one after the other in one process."""
+    argv = [a for c in commands for a in [":::", *c]][1:]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("GEMMA4_ENCODER_DTYPE", None)
+    env.pop("GEMMA4_DTYPE", None)
+    return subprocess.run([sys.executable, "-m", "tests.bf16_capable", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_float32_is_exact_for_image_and_audio_prompts_on_a_bf16_capable_plan(tmp_path, tmp_path_factory):
+    """`generate --dtype float32 --weights none --embed-weights none` with an image, then with an
+    audio clip, on a CPU plan that measures bf16 towers faster (forced: tests/bf16_capable.py): the
+    explicit dtype pins the towers to float32 too, and the generated ids are transformers' float32
+    `generate`'s for the same prompt ids, pixels (its image processor) and features (its audio
+    loader and feature extractor). Without --dtype the same plan puts the towers in bf16 (probe);
+    with the towers in bf16 the image's ids leave transformers' at the fifth token (measured)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from PIL import Image
+    from transformers.audio_utils import load_audio
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from gemma4.weights.sources import synthetic_tokenizer_proto
+    from tests.multimodal import checkpoint_folder, media_ids, setup
+    from tests.test_audio_serve import wav
+    from tests.test_vision_serve import png
+
+    cfg, _, hf_model = setup("e2b", tmp_path_factory)
+    model = tmp_path / "model"  # the saved checkpoint with a tokenizer beside it
+    model.mkdir()
+    for f in os.listdir(checkpoint_folder("e2b", tmp_path_factory)):
+        (model / f).symlink_to(os.path.join(checkpoint_folder("e2b", tmp_path_factory), f))
+    (model / "tokenizer.model").write_bytes(synthetic_tokenizer_proto(cfg.vocab_size))
+    picture, clip = tmp_path / "pic.png", tmp_path / "clip.wav"
+    picture.write_bytes(png(48, 36, seed=5))
+    clip.write_bytes(wav(0.8, seed=4))
+    n_new = 6
+    common = ["generate", "--model", str(model), "--dtype", "float32", "--weights", "none", "--embed-weights", "none",
+              "--temperature", "0", "--max-new-tokens", str(n_new), "--buckets", "16,64,256", "--context", "512",
+              "--max-soft-tokens", "70", "--json"]
+    out = _bf16_capable(common + ["--prompt", "Look: <|image|> It is", "--image", str(picture)],
+                        common + ["--prompt", "Hear <|audio|> it says", "--audio", str(clip)],
+                        ["probe", "--json", "--no-self-test", "--model", "random:tiny-e2b"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    image_run, audio_run = json.loads(lines[0]), json.loads(lines[1])
+    probe = json.loads("\n".join(lines[2:]))
+    auto = probe["plan"]["encoder_dtype"]
+    assert auto["value"] == "bfloat16" and "2.00×" in auto["reason"], auto  # the forced measurement
+    for run in (image_run, audio_run):
+        assert run["encoder_dtype"]["value"] == "float32" and "explicit" in run["encoder_dtype"]["reason"]
+        assert run["stats"]["new_tokens"] == n_new
+
+    def reference(run, **media) -> list[int]:
+        ids = np.asarray(run["prompt_token_ids"], np.int64)
+        mm = np.where(ids == cfg.image_token_id, 1, np.where(ids == cfg.audio_token_id, 3, 0))
+        with torch.no_grad():
+            gen = hf_model.generate(input_ids=torch.as_tensor(ids[None]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    mm_token_type_ids=torch.as_tensor(mm[None]), max_new_tokens=n_new,
+                                    min_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=cfg.pad_id,
+                                    **media)
+        want = gen[0, len(ids):].tolist()
+        # a random model may pick a media id, which transformers feeds back as a placeholder: the
+        # comparison would then say nothing past it (a new seed would be needed, loudly)
+        assert not set(want) & set(media_ids(cfg)), want
+        return want
+
+    px = Gemma4ImageProcessorPil(max_soft_tokens=70)(images=[Image.open(picture).convert("RGB")], return_tensors="pt")
+    assert image_run["prompt_token_ids"].count(cfg.image_token_id) == int(px["num_soft_tokens_per_image"][0])
+    assert image_run["token_ids"] == reference(image_run, pixel_values=px["pixel_values"],
+                                               image_position_ids=px["image_position_ids"])
+    feats = Gemma4AudioFeatureExtractor()([load_audio(str(clip), sampling_rate=16_000, backend="soundfile")],
+                                          return_tensors="pt")
+    assert audio_run["prompt_token_ids"].count(cfg.audio_token_id) > 0
+    assert audio_run["token_ids"] == reference(audio_run, input_features=feats["input_features"],
+                                               input_features_mask=feats["input_features_mask"])

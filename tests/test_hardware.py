@@ -11,6 +11,7 @@ from gemma4.ops.kernels.int4_matmul import int4_block_bytes
 from gemma4.plan import hardware, hardware_checks, hardware_probe
 from gemma4.plan.hardware import PolicyError, policy
 from gemma4.plan.hardware_probe import simulated_facts
+from gemma4.plan.hardware_report import simulated_report
 from gemma4.serve import probe
 
 E2B = preset("e2b")
@@ -323,6 +324,15 @@ def test_encoder_dtype_is_measured_on_cpu_and_overridable():
     assert gpu.value == "bfloat16" and "compute dtype" in gpu.reason
     forced = decide("cpu-avx512bf16", 2.0, env={"GEMMA4_ENCODER_DTYPE": "f32"})[0].encoder_dtype
     assert (forced.value, forced.source) == ("float32", "override")
+    seen.clear()  # an explicit dtype pins the towers too (no measuring), unless the encoder's is named
+    pinned = decide("cpu-avx512bf16", 2.0, env={"GEMMA4_DTYPE": "float32"})[0].encoder_dtype
+    assert (pinned.value, pinned.source) == ("float32", "override") and "explicit" in pinned.reason and not seen
+    both = decide("cpu-avx512bf16", 2.0, env={"GEMMA4_DTYPE": "fp32", "GEMMA4_ENCODER_DTYPE": "bf16"})[0]
+    assert (both.compute_dtype.value, both.encoder_dtype.value) == ("float32", "bfloat16")
+    gpu_pinned = decide("h100", env={"GEMMA4_DTYPE": "float32"})[0]
+    assert gpu_pinned.encoder_dtype.value == "float32"  # (decide() leaves the policy its defaults)
+    simulated = simulated_report(simulated_facts("cpu-amx"), cfg, {"dtype": "float32"})[0].encoder_dtype
+    assert simulated.value == "float32" and "explicit" in simulated.reason  # what `probe --simulate` shows
     with pytest.raises(PolicyError, match="GEMMA4_ENCODER_DTYPE"):
         decide("cpu-avx512bf16", env={"GEMMA4_ENCODER_DTYPE": "int8"})
     assert decide("cpu-avx512bf16", model=text_only(cfg))[0].encoder_dtype.value == "none"

@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 from gemma4.model import decoder as M  # noqa: E402
 from gemma4.weights.checkpoint import load_safetensors_params  # noqa: E402
 from gemma4.model.config import load_hf_config, tiny  # noqa: E402
-from tests.reference import build_hf_model, hf_forward, hf_greedy, save_as_multimodal_shards  # noqa: E402
+from tests.reference import build_hf_model, hf_forward, hf_greedy, save_as_multimodal_shards, varied  # noqa: E402
 
 VARIANTS = ["e2b", "e4b", "31b", "26b-a4b", "gemma3-270m", "gemma3-4b"]
 SEQ = 40  # 5x the tiny sliding window (8)
@@ -41,7 +41,7 @@ def _setup(variant: str, tmp_path_factory):
     """(cfg loaded back from disk, our params, the HF model) — built once per variant."""
     if variant in _cache:
         return _cache[variant]
-    cfg = tiny(variant)
+    cfg = varied(tiny(variant), seed=1)  # every float setting away from its default
     hf_model = build_hf_model(cfg, seed=1)
     folder = str(tmp_path_factory.mktemp(variant))
     if cfg.family == "gemma4":
@@ -72,7 +72,7 @@ def _ours(params, cfg):
 def test_config_round_trip(variant, tmp_path_factory):
     """The config read back from the saved config.json has the tiny preset's geometry."""
     cfg, _, _ = _setup(variant, tmp_path_factory)
-    want = tiny(variant)
+    want = varied(tiny(variant), seed=1)
     assert cfg.layers == want.layers
     for field in ("hidden_size", "num_heads", "sliding_window", "rope_sliding", "rope_full", "norm_offset",
                   "query_pre_attn_scalar", "final_logit_softcap", "hidden_size_per_layer_input",

@@ -20,7 +20,12 @@ from gemma4.serve.probe import main as hardware_main
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bundled",
                    help="bundled (Gemma 3 270M, offline) | a local HF folder | an HF repo id | random:<preset>")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="override the compute dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="override the compute dtype of every float computation, the vision/audio towers included "
+                        "(GEMMA4_DTYPE)")
+    p.add_argument("--encoder-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the vision/audio towers' dtype alone (GEMMA4_ENCODER_DTYPE; default: --dtype when given, "
+                        "else chosen for this device, see `probe`)")
     p.add_argument("--weights", choices=["none", "int8", "int4"], help="override weight quantization")
     p.add_argument("--embed-weights", choices=["none", "int8", "int4"],
                    help="override quantization of the tied embedding / LM head alone")
@@ -56,7 +61,7 @@ def _preflight_flags(argv: list[str]) -> argparse.Namespace | None:
     ap.add_argument("--context", type=int)
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--json", action="store_true")
-    for flag in ("--dtype", "--weights", "--embed-weights", "--kv"):
+    for flag in ("--dtype", "--encoder-dtype", "--weights", "--embed-weights", "--kv"):
         ap.add_argument(flag)
     mine, _ = ap.parse_known_args(argv)
     if "-h" in argv or "--help" in argv or not (mine.model or mine.mesh or mine.devices):

@@ -30,8 +30,8 @@ from gemma4.weights import sources
 
 def _overrides(args) -> dict:
     out = {}
-    for key, env in (("dtype", "GEMMA4_DTYPE"), ("weights", "GEMMA4_WEIGHTS"), ("embed_weights", "GEMMA4_EMBED_WEIGHTS"),
-                     ("kv", "GEMMA4_KV")):
+    for key, env in (("dtype", "GEMMA4_DTYPE"), ("encoder_dtype", "GEMMA4_ENCODER_DTYPE"), ("weights", "GEMMA4_WEIGHTS"),
+                     ("embed_weights", "GEMMA4_EMBED_WEIGHTS"), ("kv", "GEMMA4_KV")):
         if getattr(args, key, None):
             out[env] = getattr(args, key)
     return out
@@ -129,7 +129,12 @@ def _generate(engine, args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**last.result(), "model": info.get("description")}))
+        # The prompt as transformers' input_ids (a soft token is its placeholder id), so that a run
+        # can be reproduced with another stack token for token.
+        prompt_ids = conversation.prompt_ids(engine, args.prompt, mode=args.mode, media=getattr(args, "media_parts", ()))
+        print(json.dumps({**last.result(), "prompt_token_ids": prompt_ids, "model": info.get("description"),
+                          # the towers' dtype and why (`probe` and the hardware panel say the same)
+                          "encoder_dtype": ((info.get("hardware") or {}).get("plan") or {}).get("encoder_dtype")}))
     else:
         print()
         s = last.stats
@@ -218,7 +223,8 @@ def cmd_probe(argv: list[str], mine: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(buf) if mine.json else contextlib.nullcontext():
         rc = hardware_main(passthrough)
 
-    overrides = {k: getattr(mine, k) for k in ("dtype", "weights", "embed_weights", "kv") if getattr(mine, k)}
+    overrides = {k: getattr(mine, k) for k in ("dtype", "encoder_dtype", "weights", "embed_weights", "kv")
+                 if getattr(mine, k)}
     try:
         report = preflight.probe_report(mine.model or "bundled", mine.mesh or "auto", mine.context,
                                         mine.max_batch, overrides, mine.devices)

@@ -709,6 +709,11 @@ def _tiny_audio(cfg: ModelConfig) -> dict:
     return dict(audio=tower, **TINY_AUDIO_TOKEN_IDS)
 
 
+def config_has_tower(cfg: ModelConfig | None) -> bool:
+    """Whether `cfg` (as it will be loaded) has a vision or audio tower."""
+    return cfg is not None and (cfg.vision is not None or getattr(cfg, "audio", None) is not None)
+
+
 def text_only(cfg: ModelConfig) -> ModelConfig:
     """`cfg` without its towers, vision and audio (a text-only load: their weights are neither read nor held)."""
     if cfg.vision is None and cfg.audio is None:

@@ -251,11 +251,6 @@ def has_tower(params: dict) -> bool:
     return any(key in params for key in TOWER_KEYS)
 
 
-def config_has_tower(cfg: ModelConfig | None) -> bool:
-    """Whether `cfg` (as it will be loaded) has a vision or audio tower."""
-    return cfg is not None and (cfg.vision is not None or getattr(cfg, "audio", None) is not None)
-
-
 def cast_towers(params: dict, cfg: ModelConfig, dtype: Any) -> dict:
     """`params` with every "tower" leaf (the vision/audio towers' weight matrices and tables)
     in `dtype`; norms, scalars and clip bounds stay float32, the text model is untouched. The

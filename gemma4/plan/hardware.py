@@ -28,6 +28,8 @@ Overrides come from environment variables or a dict / CLI flags with the same na
                              are stored in 5 bits, the same values; auto measures whether that is faster here)
     GEMMA4_NATIVE_KERNEL     auto | off     (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
     GEMMA4_DECODE_BLOCK      auto | 1..64   (decode steps per dispatch; see DECODE_BLOCK)
+    GEMMA4_ENCODER_DTYPE     auto | float32 | bfloat16 | float16  (the vision/audio towers alone; an explicit
+                             GEMMA4_DTYPE covers them too unless this names another: `encoder_dtype_rule`)
     GEMMA4_ALLOW_FALLBACK    0 | 1
 
 An override that cannot work on this device (fp8 KV without an fp8 datapath, cuDNN attention where
@@ -44,7 +46,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from gemma4.model.config import approx_param_count, preset
+from gemma4.model.config import approx_param_count, config_has_tower, preset
 from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
 # ------------------------------------------------------------------------------ device tables
@@ -534,3 +536,42 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                 matmul_precision=prec, device=where, platform=plat, int4_block=block,
                 int4_group_size=INT4_GROUP_SIZE,
                 head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(warnings))
+
+
+# ------------------------------------------------------------------------------ encoder dtype
+def encoder_dtype_rule(plan: Plan, model_config=None, overrides: Mapping[str, Any] | None = None,
+                       env: Mapping[str, str] | None = None, facts: HardwareFacts | None = None) -> Choice | None:
+    """The vision/audio towers' dtype (weights, activations and the projections into the text
+    model) wherever the request or the device decides it; None where it must be measured on this
+    machine (a real CPU with bf16 units: `hardware_checks.decide_encoder_dtype` times a
+    tower-shaped product in both dtypes). `facts` is needed on a CPU plan.
+
+    In order: no tower → "none"; GEMMA4_ENCODER_DTYPE / --encoder-dtype → that; an explicit
+    GEMMA4_DTYPE / --dtype → the same dtype, because an explicit dtype pins every float
+    computation (bf16 towers move the soft tokens by ~1%, enough to change the first generated
+    token against transformers' float32 on a checkpoint whose every parameter is non-default, so
+    `--dtype float32` would not be exact); GPU/TPU → the compute dtype; a CPU without bf16 units
+    → float32 (bf16 would be emulated); a simulated CPU with them → bf16 (nothing to measure).
+    `model_config` None plans for the gemma-4-E2B geometry, as `policy` does."""
+    cfg = preset("e2b") if model_config is None else model_config
+    if not config_has_tower(cfg):
+        return Choice("none", "no vision or audio tower loaded")
+    ov = normalize_overrides(overrides, env)
+    compute = plan.compute_dtype.value
+    if "encoder_dtype" in ov:
+        return Choice(ov["encoder_dtype"], f"requested via GEMMA4_ENCODER_DTYPE / --encoder-dtype (the text model "
+                                           f"computes in {compute})", "override")
+    if "dtype" in ov:
+        return Choice(ov["dtype"], f"follows the explicit GEMMA4_DTYPE / --dtype {ov['dtype']}: an explicit dtype "
+                                   "pins every float computation, the towers and their projections included "
+                                   "(GEMMA4_ENCODER_DTYPE / --encoder-dtype sets the towers apart)", "override")
+    if plan.platform != "cpu":
+        return Choice(compute, f"{plan.platform.upper()}: the towers run in the compute dtype")
+    if facts is None:
+        raise ValueError("encoder_dtype_rule needs the hardware facts on a CPU plan")
+    if not (facts.cpu_native_bf16 or facts.cpu_amx):
+        return Choice("float32", "CPU has no bf16 arithmetic (no AVX512_BF16/AMX): bf16 would be emulated")
+    if facts.simulated:
+        return Choice("bfloat16", "simulated CPU with bf16 units (not measured; the real machine measures a "
+                                  "tower-shaped product in both dtypes)")
+    return None

@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.model.config import ModelConfig
+from gemma4.model.config import ModelConfig, config_has_tower, preset
 from gemma4.model.decoder import RunOptions
-from gemma4.model.params import cast_towers, config_has_tower, has_tower
+from gemma4.model.params import cast_towers, has_tower
 from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
 from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
-from gemma4.plan.hardware import Choice, Plan, PolicyError, normalize_overrides, policy
+from gemma4.plan.hardware import Choice, Plan, PolicyError, encoder_dtype_rule, normalize_overrides, policy
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import report_dict
 from gemma4.paths import cache_root
@@ -366,52 +366,41 @@ def time_tower_product(width: int, dtype: Any, rounds: int = 3) -> float:
 
 
 def decide_encoder_dtype(plan: Plan, cfg: ModelConfig | None, overrides: Mapping[str, Any] | None = None,
-                         env: Mapping[str, str] | None = None, timer=time_tower_product,
+                         env: Mapping[str, str] | None = None, timer=None,
                          facts: HardwareFacts | None = None) -> tuple[Plan, dict | None]:
     """The dtype the vision/audio towers run in (weights and activations), decided before the
     weights load (so the pre-flight counts the towers' bytes as they will be held).
 
-    The towers' products are compute-bound GEMMs (hundreds of rows per call), where a bf16 dot
-    product with float32 accumulation runs on AVX512_BF16/AMX at up to twice float32's rate
-    (measured 357 against 185 GFLOP/s on a 2-core AMD EPYC Zen 4 at a 750×1024×4096 product),
-    while batch-1 decode — what the text model's float32 choice is made for — does not gain. So:
-    GPU/TPU: the compute dtype; CPU with bf16 units: bf16 when a tower-shaped product measured
-    here is at least ENCODER_BF16_MIN_SPEEDUP× faster, else float32; CPU without: float32 (bf16
-    would be emulated); a simulated CPU is not measured (bf16 where it has the units).
-    GEMMA4_ENCODER_DTYPE overrides. bf16 moves a tower's soft tokens by ~1% (against ~1e-6 in
-    float32); parity tests pin float32. Returns (the plan with its choice, a report or None).
-    """
-    if not config_has_tower(cfg):
-        return plan.replace("encoder_dtype", Choice("none", "no vision or audio tower loaded")), None
-    ov = normalize_overrides(overrides, env)
-    compute = plan.compute_dtype.value
-    report = None
-    if "encoder_dtype" in ov:
-        choice = Choice(ov["encoder_dtype"], f"requested via GEMMA4_ENCODER_DTYPE (the text model computes in "
-                                             f"{compute})", "override")
-    elif plan.platform != "cpu":
-        choice = Choice(compute, f"{plan.platform.upper()}: the towers run in the compute dtype")
-    else:
+    `hardware.encoder_dtype_rule` decides wherever the request or the device does (an explicit
+    encoder dtype, or an explicit GEMMA4_DTYPE, which pins the towers too; no tower; GPU/TPU; a CPU
+    without bf16 units). What is left is a CPU with bf16 units, measured here: the towers'
+    products are compute-bound GEMMs (hundreds of rows per call), where a bf16 dot product with
+    float32 accumulation runs on AVX512_BF16/AMX at up to twice float32's rate (measured 357
+    against 185 GFLOP/s on a 2-core AMD EPYC Zen 4 at a 750×1024×4096 product), while batch-1
+    decode — what the text model's float32 choice is made for — does not gain. So bf16 when a
+    tower-shaped product measured here (`timer`, default `time_tower_product`) is at least
+    ENCODER_BF16_MIN_SPEEDUP× faster, else float32. bf16 moves a tower's soft tokens by ~1%
+    (against ~1e-6 in float32). Returns (the plan with its choice, a report or None)."""
+    if plan.platform == "cpu" and config_has_tower(cfg if cfg is not None else preset("e2b")):
         facts = facts or probe()
-        if not (facts.cpu_native_bf16 or facts.cpu_amx):
-            choice = Choice("float32", "CPU has no bf16 arithmetic (no AVX512_BF16/AMX): bf16 would be emulated")
-        elif facts.simulated:
-            choice = Choice("bfloat16", "simulated CPU with bf16 units (not measured; the real machine measures "
-                                        "a tower-shaped product in both dtypes)")
-        else:
-            width = tower_width(cfg)
-            f32, bf16 = timer(width, jnp.float32), timer(width, jnp.bfloat16)
-            speedup = f32 / bf16
-            report = {"rows": ENCODER_PROBE_ROWS, "width": width, "float32_ms": round(f32 * 1e3, 3),
-                      "bfloat16_ms": round(bf16 * 1e3, 3), "speedup": round(speedup, 2)}
-            gflop = 2 * ENCODER_PROBE_ROWS * width * 4 * width / 1e9
-            measured = (f"a {ENCODER_PROBE_ROWS}×{width}×{4 * width} product measured here: float32 "
-                        f"{gflop / f32:.0f} GFLOP/s, bf16 {gflop / bf16:.0f} GFLOP/s ({speedup:.2f}×)")
-            if speedup >= ENCODER_BF16_MIN_SPEEDUP:
-                choice = Choice("bfloat16", f"compute-bound tower products in bf16 (float32 accumulation): {measured}; "
-                                            "soft tokens within ~1% of float32; GEMMA4_ENCODER_DTYPE=float32 keeps float32")
-            else:
-                choice = Choice("float32", f"bf16 not faster enough (needs {ENCODER_BF16_MIN_SPEEDUP}×): {measured}")
+    choice = encoder_dtype_rule(plan, cfg, overrides, env, facts)
+    if choice is not None:
+        return plan.replace("encoder_dtype", choice), None
+    width = tower_width(cfg if cfg is not None else preset("e2b"))
+    timer = timer or time_tower_product
+    f32, bf16 = timer(width, jnp.float32), timer(width, jnp.bfloat16)
+    speedup = f32 / bf16
+    report = {"rows": ENCODER_PROBE_ROWS, "width": width, "float32_ms": round(f32 * 1e3, 3),
+              "bfloat16_ms": round(bf16 * 1e3, 3), "speedup": round(speedup, 2)}
+    gflop = 2 * ENCODER_PROBE_ROWS * width * 4 * width / 1e9
+    measured = (f"a {ENCODER_PROBE_ROWS}×{width}×{4 * width} product measured here: float32 "
+                f"{gflop / f32:.0f} GFLOP/s, bf16 {gflop / bf16:.0f} GFLOP/s ({speedup:.2f}×)")
+    if speedup >= ENCODER_BF16_MIN_SPEEDUP:
+        choice = Choice("bfloat16", f"compute-bound tower products in bf16 (float32 accumulation): {measured}; "
+                                    "soft tokens within ~1% of float32; --dtype float32 or "
+                                    "GEMMA4_ENCODER_DTYPE=float32 keeps float32")
+    else:
+        choice = Choice("float32", f"bf16 not faster enough (needs {ENCODER_BF16_MIN_SPEEDUP}×): {measured}")
     return plan.replace("encoder_dtype", choice), report
 
 

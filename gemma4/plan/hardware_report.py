@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from gemma4.plan import tuning_report
-from gemma4.plan.hardware import CHOICE_NAMES, Plan, policy
+from gemma4.plan.hardware import CHOICE_NAMES, Plan, encoder_dtype_rule, policy
 from gemma4.plan.hardware_probe import GiB, HardwareFacts
 
 
@@ -30,6 +30,8 @@ def simulated_report(facts: HardwareFacts, model_config=None, overrides: Mapping
     Raises PolicyError for a refused override, as `hardware_checks.resolve` does.
     """
     plan = policy(facts, model_config, overrides, env)
+    encoder = encoder_dtype_rule(plan, model_config, overrides, env, facts)  # None only where measured
+    plan = plan if encoder is None else plan.replace("encoder_dtype", encoder)
     return plan, report_dict(facts, plan, None)
 
 

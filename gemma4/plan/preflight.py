@@ -551,6 +551,8 @@ def probe_report(model: str, mesh: str = "auto", context: int | None = None, bat
     else:
         facts, devs = hardware.probe(), local_device_set()
     plan = hardware.policy(facts, cfg, overrides)
+    encoder = hardware.encoder_dtype_rule(plan, cfg, overrides, facts=facts)  # None: measured at load (float32 counted)
+    plan = plan if encoder is None else plan.replace("encoder_dtype", encoder)
     ctx = int(context or min(cfg.max_position_embeddings, 4096))
     report = check(cfg, plan, devs, mesh, ctx, batch)
     report.update(model=cfg.name, context=ctx, batch=batch, weights=_format_name(plan))

@@ -119,6 +119,8 @@ def _upper_type(t: Any) -> list:
 
 
 def _string_list(items: Iterable[Any]) -> list:
+    if not isinstance(items, (list, tuple)):  # a schema's "required": names, as a list
+        raise ValueError(f"'required' must be a list of parameter names, not {type(items).__name__}")
     out: list = []
     for n, item in enumerate(items):
         out += ([","] if n else []) + [QUOTE, str(item), QUOTE]
@@ -212,8 +214,9 @@ def call_arguments(arguments: Any, name: str = "?") -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the arguments of tool call {name!r} are not valid JSON: {e}") from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            why = e if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(f"the arguments of tool call {name!r} are not valid JSON: {why}") from None
     if not isinstance(arguments, Mapping):
         raise ValueError(f"the arguments of tool call {name!r} must be a JSON object, "
                          f"not {type(arguments).__name__}")

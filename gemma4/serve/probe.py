@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m gemma4 probe [--json] [--dtype ...] ...`: print the facts, the plan and the self-test."""
     ap = argparse.ArgumentParser(prog="gemma4 probe", description="Probe the hardware and show the run plan.")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--dtype", help="auto|float32|bfloat16|float16 (GEMMA4_DTYPE)")
+    ap.add_argument("--dtype", help="auto|float32|bfloat16|float16 (GEMMA4_DTYPE; the towers follow it)")
+    ap.add_argument("--encoder-dtype", help="auto|float32|bfloat16|float16: the vision/audio towers alone "
+                                            "(GEMMA4_ENCODER_DTYPE)")
     ap.add_argument("--weights", help="auto|none|int8|int4 (GEMMA4_WEIGHTS)")
     ap.add_argument("--embed-weights", help="auto|none|int8|int4: the tied embedding / LM head (GEMMA4_EMBED_WEIGHTS)")
     ap.add_argument("--kv", help="auto|native|int8|fp8 (GEMMA4_KV)")
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--simulate", choices=sorted(SIMULATED), help="plan for a simulated device (no self-test)")
     ap.add_argument("--no-self-test", action="store_true")
     args = ap.parse_args(argv)
-    overrides = {k: getattr(args, k) for k in ("dtype", "weights", "embed_weights", "kv", "attention",
+    overrides = {k: getattr(args, k) for k in ("dtype", "encoder_dtype", "weights", "embed_weights", "kv", "attention",
                                                "int4_kernel", "matmul_precision", "int8_matmul") if getattr(args, k)}
     if args.allow_fallback:
         overrides["allow_fallback"] = True

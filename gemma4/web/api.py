@@ -269,6 +269,9 @@ class OpenAIApi:
                 return response
             except ApiError as e:
                 return _error(e)
+            except RecursionError:  # only a client's nesting goes this deep: its fault, said without a trace
+                return _error(ApiError(400, "The request is nested too deeply to be read (a value inside a value "
+                                            "... thousands of levels down)."))
             except Exception as e:  # a bug must answer in OpenAI's shape, not with a trace
                 log.exception("API request failed")
                 return _error(ApiError(500, f"Internal error: {type(e).__name__}: {e}",
@@ -423,7 +426,7 @@ class OpenAIApi:
             return
         try:
             msgs = json.loads(body).get("messages")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # RecursionError: nested past Python's parser
             return  # S.parse says what is wrong with it
         if isinstance(msgs, list):
             try:

@@ -388,8 +388,17 @@ def max_soft_tokens(req: ChatRequest) -> int | None:
 
 
 def _has_media_parts(content: Any) -> bool:
-    return isinstance(content, list) and any(isinstance(p, dict) and (p.get("type") in MEDIA_PARTS
-                                                                       or p.get("type") == INPUT_AUDIO) for p in content)
+    return isinstance(content, list) and any(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                             and p["type"] in (*MEDIA_PARTS, INPUT_AUDIO) for p in content)
+
+
+def _part_type(part: dict, here: str) -> str | None:
+    """A content part's "type" (None when missing); a 400 naming it when it is not a string."""
+    kind = part.get("type")
+    if kind is not None and not isinstance(kind, str):
+        raise ApiError(400, f"{here}.type must be a string (\"text\", \"image_url\", ...), got {_short(kind)}.",
+                       param=f"{here}.type")
+    return kind
 
 
 def media_parts(content: list[dict], where: str, budget: int | None) -> list[dict]:
@@ -401,8 +410,8 @@ def media_parts(content: list[dict], where: str, budget: int | None) -> list[dic
     are. `budget` (mm_processor_kwargs.max_soft_tokens) goes on each image and video part."""
     out: list[dict] = []
     for j, part in enumerate(content):
-        kind = part.get("type")
         here = f"{where}.{j}"
+        kind = _part_type(part, here)
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise ApiError(400, f"{here}: a text part needs a string \"text\" field, got {_short(part)}.",
@@ -464,7 +473,7 @@ def _text(content: str | list[dict] | None, where: str) -> str | None:
         return content
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type")
+        kind = _part_type(part, f"{where}.{j}")
         if kind == "text" and not isinstance(part.get("text"), str):
             raise ApiError(400, f"{where}.{j}: a text part needs a string \"text\" field ("
                                 f"{{\"type\": \"text\", \"text\": ...}}), got {_short(part)}.",
@@ -480,8 +489,9 @@ def _text(content: str | list[dict] | None, where: str) -> str | None:
 def _tool_call(call: ToolCallIn, where: str) -> dict:
     try:
         args = json.loads(call.function.arguments or "{}")
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"{where}.function.arguments is not valid JSON: {e}.",
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = e if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        raise ApiError(400, f"{where}.function.arguments is not valid JSON: {why}.",
                        param=f"{where}.function.arguments") from None
     if not isinstance(args, dict):
         raise ApiError(400, f"{where}.function.arguments must be a JSON object.",

@@ -452,7 +452,9 @@ def fallback_tokenizer(cfg):
     return synthetic_tokenizer(cfg.vocab_size, cfg.family)
 
 
-def synthetic_tokenizer(vocab_size: int, family: str = "gemma4"):
+def synthetic_tokenizer_proto(vocab_size: int, family: str = "gemma4") -> bytes:
+    """The synthetic vocabulary of `synthetic_tokenizer` as a SentencePiece model file's bytes (what a
+    folder's `tokenizer.model` holds: a test can give a saved random checkpoint its tokenizer)."""
     normal, control, unknown, unused, byte = 1, 3, 2, 5, 6
     specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>"}
     if family == "gemma4":
@@ -484,10 +486,15 @@ def synthetic_tokenizer(vocab_size: int, family: str = "gemma4"):
             "tokenizer.ggml.token_type": np.asarray(types, np.int32),
             "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.bos_token_id": 2,
             "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.padding_token_id": 0}
+    return gguf_to_spm_proto(meta)
+
+
+def synthetic_tokenizer(vocab_size: int, family: str = "gemma4"):
+    proto = synthetic_tokenizer_proto(vocab_size, family)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, f"synthetic-{family}-{vocab_size}.model")
         with open(path, "wb") as f:
-            f.write(gguf_to_spm_proto(meta))
+            f.write(proto)
         tok = Tokenizer.from_spm_file(path)
     tok.source = f"synthetic byte vocabulary ({vocab_size} ids, for random weights)"
     return tok
