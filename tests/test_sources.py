@@ -242,6 +242,87 @@ def test_random_params_quantized_while_drawn_equal_quantize_params(kw, monkeypat
                       else jax.Array)
 
 
+def _sequential_random_params(cfg, seed, weight_dtype, quantize):
+    """The straightforward draw random_params must equal: one leaf after another, each whole from its
+    own stream Generator(SFC64([seed, index in tree order]))."""
+    from gemma4.model.params import iter_specs, leaf_name, param_specs, tree_from_leaves
+    from gemma4.weights.leaf_format import LeafFormat
+
+    fmt, f32 = LeafFormat(weight_dtype, quantize), np.float32
+    specs, leaves = param_specs(cfg), {}
+    for index, (path, spec) in enumerate(iter_specs(specs)):
+        rng, name = np.random.Generator(np.random.SFC64([seed, index])), leaf_name(path)
+        if spec.kind == "clip":
+            value = np.full(spec.shape or (1,), -np.inf if name.endswith("_min") else np.inf, f32)
+        elif spec.kind == "scalar":
+            value = f32(0.5) + f32(0.5) * rng.random(spec.shape, dtype=f32)
+        elif spec.kind == "norm":
+            value = f32(0.1) * rng.standard_normal(spec.shape, dtype=f32) + f32(1.0)
+            if not cfg.norm_offset and name in ("q_norm", "k_norm"):
+                value = value * f32(0.5)
+        else:
+            value = rng.standard_normal(spec.shape, dtype=f32) * f32(0.02)
+        leaves[path] = fmt.build(name, spec, value)
+    return tree_from_leaves(specs, leaves)
+
+
+@pytest.mark.parametrize("weight_dtype,quantize", [(jnp.float32, None), (jnp.bfloat16, None),
+                                                   (jnp.bfloat16, {"mode": "int8"})])
+def test_random_params_equal_the_sequential_draw(weight_dtype, quantize, monkeypatch):
+    """Leaves built on threads, big ones from segments of their stream drawn on threads: every value
+    is still the one-stream-at-a-time draw's, in each weight format."""
+    from gemma4.weights import quant_host, random_init
+
+    monkeypatch.setattr(random_init, "SEGMENT_STEPS", 256)  # leaves of 1024 or more normals are cut
+    monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 3000)  # rows read across segment ends
+    monkeypatch.setattr(random_init.os, "cpu_count", lambda: 4)
+    cfg = preset("tiny-e2b")
+    want = _sequential_random_params(cfg, 5, weight_dtype, quantize)
+    got = random_init.random_params(cfg, seed=5, weight_dtype=weight_dtype, quantize=quantize)
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    assert all(_same(x, y) for x, y in zip(_leaves(want), _leaves(got)))
+
+
+def test_random_streams_are_drawn_in_parallel_and_resynchronised(monkeypatch):
+    """With several CPUs, leaves are built on several threads and segments drawn on several others;
+    a segment that starts inside a multi-word normal (skip > 0) is met and glued exactly."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from gemma4.weights import random_init
+
+    monkeypatch.setattr(random_init, "SEGMENT_STEPS", 256)
+    monkeypatch.setattr(random_init.os, "cpu_count", lambda: 4)
+    seen, skips = set(), []
+    segment, leaf = random_init._segment, random_init._leaf
+
+    def recording_segment(*args):
+        values, skip = segment(*args)
+        seen.add(threading.current_thread().name)
+        skips.append(skip)
+        return values, skip
+
+    def recording_leaf(*args):
+        seen.add(threading.current_thread().name)
+        return leaf(*args)
+
+    monkeypatch.setattr(random_init, "_segment", recording_segment)
+    monkeypatch.setattr(random_init, "_leaf", recording_leaf)
+    random_init.random_params(preset("tiny-e2b"), seed=2)
+    assert len({t for t in seen if t.startswith("random-leaf")}) > 1
+    assert len({t for t in seen if t.startswith("random-draw")}) > 1
+    # one stream read in pieces of every size, against its sequential draw
+    monkeypatch.setattr(random_init, "SEGMENT_STEPS", 64)
+    skips.clear()
+    with ThreadPoolExecutor(3) as pool:
+        for n in (1, 127, 128, 300, 200_000):
+            normals = random_init._Normals(9, 4, n, 0.02, pool, 3)
+            got = np.concatenate([normals.take(k) for k in (min(n, 7), n - min(n, 7)) if k])
+            normals.close()
+            want = np.random.Generator(np.random.SFC64([9, 4])).standard_normal(n, dtype=np.float32)
+            np.testing.assert_array_equal(got, want * np.float32(0.02))
+    assert len(skips) > 1000 and any(s > 0 for s in skips)  # the resynchronisation was exercised
+
+
 def test_load_random_with_plan_quantizes_at_load():
     from gemma4.ops import quant
 
