@@ -42,11 +42,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_PARTS = ("env", "exact", "decode", "engine", "ttft", "batch", "app")  # ttft reads the engine part's warm engine
+ALL_PARTS = ("env", "decode", "app", "engine", "exact")  # in this order: the headline figures first
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
-                "random:tiny-gemma3-1b", "random:gemma3-270m")
-PART_LIMIT_S = {"env": 120, "exact": 420, "decode": 540, "engine": 540, "ttft": 300, "batch": 420, "app": 300}
+                "random:tiny-gemma3-1b")
+PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
@@ -119,20 +119,6 @@ def worker_exact(args) -> dict:
                 eng.close()
         out["models"][model] = row
     return out
-
-
-def _weights_read_per_token(engine) -> int:
-    """Bytes a batch-1 decode step reads from the weights: every leaf of the text model except
-    the per-layer-embedding table, of which a row per token is gathered (the tied embedding is
-    read whole: it is the LM head)."""
-    from gemma4.model.params import count_bytes
-
-    text = {k: v for k, v in engine.params.items() if k not in ("vision", "audio")}
-    total = count_bytes(text)
-    ple = text.get("ple")
-    if ple is not None:
-        total -= count_bytes(ple["embed"])
-    return int(total)
 
 
 def _device_steps(engine, steps: int) -> float:
@@ -209,16 +195,20 @@ def _profile_steps(engine, folder: str, steps: int = 8) -> list[dict]:
 
 
 def worker_decode(args) -> dict:
+    """One decode config (model,dtype,weights[,batch]): batch-1 figures, and with `batch` the
+    aggregate of 64 concurrent requests on the same engine (64 rows; one request alone decodes
+    in the 8-row shape, whose extra rows are idle padding)."""
     import jax
 
     kind = jax.devices()[0].device_kind
     gbps = HBM_GBPS.get(kind)
     out = {"device_kind": kind, "hbm_gbps": gbps, "configs": []}
     for spec in args.configs:
-        model, dt, weights = spec.split(",")
-        row = {"model": model, "dtype": dt, "weights": weights}
+        model, dt, weights, *extra = spec.split(",")
+        rows = 64 if "batch" in extra else 1
+        row = {"model": model, "dtype": dt, "weights": weights, "max_batch": rows}
         t0 = time.perf_counter()
-        eng = _engine(model, context=args.context, buckets=(128,), overrides={
+        eng = _engine(model, max_batch=rows, context=args.context, buckets=(128,), overrides={
             "GEMMA4_DTYPE": dt, "GEMMA4_WEIGHTS": weights, "GEMMA4_EMBED_WEIGHTS": weights})
         try:
             eng.wait_ready(timeout=args.limit)  # the other shapes compile meanwhile; this needs two
@@ -232,7 +222,7 @@ def worker_decode(args) -> dict:
             step = _device_steps(eng, 64)
             row["device_step_ms"] = round(1e3 * step, 3)
             row["device_tok_s"] = round(1 / step, 1)
-            row["weights_read_bytes"] = _weights_read_per_token(eng)
+            row["weights_read_bytes"] = eng.decode_bytes
             if gbps:
                 roof = gbps * 1e9 / row["weights_read_bytes"]
                 row["roofline_tok_s"] = round(roof, 1)
@@ -246,6 +236,8 @@ def worker_decode(args) -> dict:
                     exe, _ = eng.shapes.executable(key)
                     name = f"{model.split(':')[-1]}-{dt}-{weights}-decode.hlo.txt"
                     Path(args.hlo_dir, name).write_text(exe.as_text())
+            if rows > 1:
+                row["batch"] = _aggregate(eng, rows, 128, args.batch_new, args.limit)
         except Exception as e:  # noqa: BLE001 - one config's failure is a result
             row["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -300,54 +292,39 @@ def _ttft(engine, n_prompt: int, repeats: int) -> list[float]:
     return out
 
 
-def worker_batch(args) -> dict:
-    """Aggregate decode of `rows` concurrent requests (prompt `prompt` tokens, `new` tokens each):
-    tokens decoded per second while every row decodes, and the whole wall time."""
+def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
+    """`rows` concurrent requests (a `prompt`-token prompt, `new` greedy tokens each) on a ready
+    engine, twice (the first warms): tokens per second over the whole run (prefills included),
+    and while every row decodes (from the last row's first token to the first row's last)."""
     import threading
 
     from gemma4.model.sampling import SamplingParams
 
-    t0 = time.perf_counter()
-    eng = _engine(args.model, max_batch=args.rows, context=args.context, buckets=(args.prompt,))
-    out = {"model": args.model, "rows": args.rows, "context": args.context, "prompt": args.prompt, "new": args.new}
-    try:
-        eng.wait_ready(timeout=args.limit)
-        # the shape of all rows decoding together (a fresh engine compiles it on first need)
-        key = eng.shapes.decode_key(args.rows, args.prompt + args.new)
-        eng.shapes.request(key, now=True)
-        eng.shapes.wait_any([key], timeout=args.limit)
-        out["ready_s"] = round(time.perf_counter() - t0, 1)
-        stamps: list[list[float]] = [[] for _ in range(args.rows)]
+    key = eng.shapes.decode_key(rows, prompt + new)  # all rows decoding together: compiled first
+    eng.shapes.request(key, now=True)
+    eng.shapes.wait_any([key], timeout=limit)
+    out: dict = {"rows": rows, "prompt": prompt, "new": new}
+    for _ in ("warm", "measured"):
+        stamps: list[list[float]] = [[] for _ in range(rows)]
 
         def consume(i: int) -> None:
-            ids = prompt_ids(args.prompt, eng.cfg.vocab_size, seed=1000 + i)
-            req = eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=args.new))
-            for _ in eng.tokens(req):
+            ids = prompt_ids(prompt, eng.cfg.vocab_size, seed=1000 + i)
+            for _ in eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=new))):
                 stamps[i].append(time.perf_counter())
 
-        for rnd in ("warm", "measured"):
-            stamps = [[] for _ in range(args.rows)]
-            t = time.perf_counter()
-            threads = [threading.Thread(target=consume, args=(i,)) for i in range(args.rows)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join(args.limit)
-            wall = time.perf_counter() - t
-        firsts = sorted(s[0] for s in stamps if s)
-        lasts = sorted(s[-1] for s in stamps if s)
-        total = sum(len(s) for s in stamps)
-        # while every row decodes: from the last row's first token to the first row's last
-        both = [(s[0], s[-1], len(s)) for s in stamps if len(s) > 1]
-        start, end = firsts[-1], lasts[0]
-        during = sum(sum(1 for x in s if start < x <= end) for s in stamps)
-        out.update(tokens=total, wall_s=round(wall, 2), aggregate_tok_s=round(total / wall, 1),
-                   steady_tok_s=round(during / (end - start), 1) if end > start else None,
-                   rows_done=len(both), decode_block=eng.decode_block)
-    except Exception as e:  # noqa: BLE001
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        eng.close()
+        t = time.perf_counter()
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(rows)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(limit)
+        wall = time.perf_counter() - t
+    done = [s for s in stamps if s]
+    total = sum(len(s) for s in done)
+    start, end = max(s[0] for s in done), min(s[-1] for s in done)
+    during = sum(sum(1 for x in s if start < x <= end) for s in done)
+    out.update(tokens=total, wall_s=round(wall, 2), aggregate_tok_s=round(total / wall, 1),
+               steady_tok_s=round(during / (end - start), 1) if end > start else None, rows_done=len(done))
     return out
 
 
@@ -359,8 +336,7 @@ def worker_app(args) -> dict:
     return run_app_check(args.model, timeout=args.limit)
 
 
-WORKERS = {"app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine,
-           "batch": worker_batch}
+WORKERS = {"app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine}
 
 
 def worker_main(part: str, raw: str) -> int:
@@ -426,6 +402,25 @@ def compare_exact(acc: dict, cpu: dict) -> list[dict]:
     return rows
 
 
+def _cpu_reference(models: list[str], n: int) -> subprocess.Popen:
+    """The exact part's CPU float32 ids, computed beside the chip's work (a CPU-only process)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "exact", "--worker-args",
+           json.dumps({"models": models, "new_tokens": n})]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(ROOT))
+
+
+def _collect(proc: subprocess.Popen, limit: float) -> dict:
+    try:
+        stdout, _ = proc.communicate(timeout=max(1.0, limit))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"error": f"the CPU reference took over {limit:.0f} s"}
+    found = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(found[-1][len("RESULT "):]) if found else {"error": f"CPU reference exited {proc.returncode}"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(ALL_PARTS))
@@ -433,15 +428,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for the JSON report (default bench/results)")
     ap.add_argument("--profile", action="store_true", help="profile the decode step (top ops in the report)")
     ap.add_argument("--decode-configs", default=None,
-                    help="model,dtype,weights;... (default: E2B bf16 and int8, E4B bf16 and int8)")
-    ap.add_argument("--model", default="random:e2b", help="the model of the engine, batch and app parts")
-    ap.add_argument("--engine-limit", type=int, default=240, help="seconds an engine start may take (engine part)")
+                    help="model,dtype,weights[,batch];... (default: E2B bf16 with the 64-row aggregate, E2B int8, "
+                         "E4B int8)")
+    ap.add_argument("--model", default="random:e2b", help="the model of the app and engine parts")
+    ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
+                                                                "(0: none); the report says what was skipped")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-args", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.worker_args)
 
+    t_start = time.perf_counter()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in ALL_PARTS]
     if unknown:
@@ -451,6 +449,16 @@ def main(argv=None) -> int:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
     report = {"date": stamp, "parts": {}}
     hlo_dir = os.environ.get("OUT") or str(out_dir)
+    models = list(EXACT_MODELS[:2] if args.quick else EXACT_MODELS)
+    n_exact = 12 if args.quick else 24
+    cpu_ref = _cpu_reference(models, n_exact) if "exact" in parts else None
+    app_cache = tempfile.mkdtemp(prefix="gemma4-app-cache-")  # the app part starts cold, the engine part warm
+
+    def left() -> float:
+        return args.deadline_s - (time.perf_counter() - t_start) if args.deadline_s else 1e9
+
+    def limit(part: str) -> int:
+        return int(max(20, min(PART_LIMIT_S[part], left() - 10)))
 
     def save() -> Path:
         path = out_dir / f"tpu-{stamp}.json"
@@ -459,71 +467,75 @@ def main(argv=None) -> int:
 
     for part in parts:
         t = time.perf_counter()
+        if left() < 40:
+            report["parts"][part] = {"skipped": f"not started: {left():.0f} s of the deadline left"}
+            save()
+            continue
         print(f"[tpu] {part} ...", file=sys.stderr, flush=True)
         if part == "env":
             report["parts"]["env"] = run_worker("env", {})
         elif part == "exact":
-            models = list(EXACT_MODELS[:2] if args.quick else EXACT_MODELS)
-            n = 12 if args.quick else 32
-            acc = run_worker("exact", {"models": models, "new_tokens": n})
-            cpu = run_worker("exact", {"models": models, "new_tokens": n}, env={"JAX_PLATFORMS": "cpu"})
+            acc = run_worker("exact", {"models": models, "new_tokens": n_exact}, limit=limit("exact"))
+            cpu = _collect(cpu_ref, left() - 5)
             report["parts"]["exact"] = {"rows": compare_exact(acc, cpu), "accelerator": acc, "cpu": cpu}
         elif part == "decode":
             configs = (args.decode_configs.split(";") if args.decode_configs else
-                       ["random:e2b,bfloat16,none", "random:e2b,bfloat16,int8"] if args.quick else
-                       ["random:e2b,bfloat16,none", "random:e2b,bfloat16,int8", "random:e4b,bfloat16,none",
-                        "random:e4b,bfloat16,int8"])
-            report["parts"]["decode"] = run_worker("decode", {
-                "configs": configs, "context": 1024, "new_tokens": 64 if args.quick else 128,
-                "profile": args.profile, "hlo_dir": hlo_dir if args.profile else None, "limit": 400})
-        elif part == "engine":
-            with tempfile.TemporaryDirectory() as cache:
-                env = {"GEMMA4_JAX_CACHE": cache}
-                wargs = {"model": args.model, "context": 4096, "limit": args.engine_limit, "ttft": False}
-                cold = run_worker("engine", wargs, env=env)
-                warm = (run_worker("engine", dict(wargs, ttft=True), env=env) if "error" not in cold
-                        else {"skipped": "cold failed"})
-            report["parts"]["engine"] = {"cold": cold, "warm": warm}
-        elif part == "batch":
-            report["parts"]["batch"] = run_worker("batch", {
-                "model": args.model, "rows": 64, "context": 1024, "prompt": 128,
-                "new": 64 if args.quick else 128, "limit": 300})
-        elif part == "app":
-            report["parts"]["app"] = run_worker("app", {"model": args.model, "limit": 240})
-        elif part == "ttft":  # measured in the warm engine of the engine part
-            warm = report["parts"].get("engine", {}).get("warm", {})
-            report["parts"]["ttft"] = {k: warm.get(k) for k in ("ttft_128_ms", "ttft_128_all_ms")} if warm else {
-                "error": "runs with the engine part (its warm engine)"}
-        else:
-            report["parts"][part] = {"error": "not built yet"}
+                       ["random:e2b,bfloat16,none,batch", "random:e2b,bfloat16,int8"] if args.quick else
+                       ["random:e2b,bfloat16,none,batch", "random:e2b,bfloat16,int8", "random:e4b,bfloat16,int8"])
+            rows = []
+            for spec in configs:  # each in a process of its own: a model's HBM is freed with it
+                if left() < 60:
+                    rows.append({"config": spec, "skipped": f"{left():.0f} s of the deadline left"})
+                    continue
+                r = run_worker("decode", {"configs": [spec], "context": 1024, "new_tokens": 64 if args.quick else 128,
+                                          "batch_new": 64 if args.quick else 256, "profile": args.profile,
+                                          "hlo_dir": hlo_dir if args.profile else None, "limit": limit("decode") - 30},
+                               limit=limit("decode"))
+                rows += r.get("configs") or [{"config": spec, **r}]
+            report["parts"]["decode"] = {"configs": rows}
+        elif part == "app":  # the app's settings, an empty compile cache: its engine_ready_s is the cold start
+            report["parts"]["app"] = run_worker("app", {"model": args.model, "limit": limit("app") - 30},
+                                                env={"GEMMA4_JAX_CACHE": app_cache}, limit=limit("app"))
+        elif part == "engine":  # the same settings again, the cache the app part filled: the warm start
+            report["parts"]["engine"] = {"warm": run_worker(
+                "engine", {"model": args.model, "context": 4096, "limit": limit("engine") - 30, "ttft": True},
+                env={"GEMMA4_JAX_CACHE": app_cache}, limit=limit("engine"))}
         report["parts"][part]["part_s"] = round(time.perf_counter() - t, 1)
         path = save()
         print(f"[tpu] {part} done in {time.perf_counter() - t:.0f} s -> {path}", file=sys.stderr, flush=True)
+    if cpu_ref is not None and cpu_ref.poll() is None:
+        cpu_ref.kill()
+    report["total_s"] = round(time.perf_counter() - t_start, 1)
+    save()
     print(json.dumps(summary(report), indent=1))
     return 0
 
 
 def summary(report: dict) -> dict:
-    """The headline figures beside their targets."""
+    """The headline figures beside their targets (docs/tpu.md's table)."""
     parts = report["parts"]
     s: dict = {}
     if "exact" in parts:
         s["exact"] = [{k: r.get(k) for k in ("model", "float32_equal", "first_diff", "bf16_agree_tokens", "error")}
                       for r in parts["exact"].get("rows", [])]
     for row in parts.get("decode", {}).get("configs", []):
-        s[f"decode {row['model']} {row['dtype']} {row['weights']}"] = {
-            k: row.get(k) for k in ("engine_tok_s", "device_tok_s", "roofline_tok_s", "device_roofline_frac",
-                                    "ready_s", "error")}
-    if "engine" in parts:
-        s["engine"] = {w: {k: parts["engine"][w].get(k) for k in ("ready_s", "all_compiled_s", "first_reply_s", "error")}
-                       for w in ("cold", "warm") if isinstance(parts["engine"].get(w), dict)}
-    if "batch" in parts:
-        s["batch"] = {k: parts["batch"].get(k) for k in ("aggregate_tok_s", "steady_tok_s", "rows", "error")}
-    if "ttft" in parts:
-        s["ttft"] = parts["ttft"]
-    if "app" in parts:
-        s["app"] = {k: parts["app"].get(k) for k in ("ok", "checks", "error")}
+        name = row.get("config") or f"{row.get('model')} {row.get('dtype')} {row.get('weights')}"
+        s[f"decode {name}"] = {k: row.get(k) for k in ("engine_tok_s", "device_tok_s", "roofline_tok_s",
+                                                       "engine_roofline_frac", "ready_s", "error", "skipped")}
+        if "batch" in row:
+            s["batch64"] = {k: row["batch"].get(k) for k in ("aggregate_tok_s", "steady_tok_s", "rows_done")}
+    app = parts.get("app") or {}
+    if app:
+        s["app"] = {k: app.get(k) for k in ("ok", "checks", "engine_ready_s", "error", "skipped")}
+        s["engine_ready_cold_s"] = app.get("engine_ready_s")
+    warm = (parts.get("engine") or {}).get("warm") or {}
+    if warm:
+        s["engine_ready_warm_s"] = warm.get("ready_s")
+        s["ttft_128_ms"] = warm.get("ttft_128_ms")
+        if warm.get("error"):
+            s["engine_error"] = warm["error"]
     s["targets"] = TARGETS
+    s["total_s"] = report.get("total_s")
     return s
 
 

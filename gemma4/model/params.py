@@ -246,6 +246,17 @@ def count_bytes(params: Any) -> int:
 TOWER_KEYS = ("vision", "audio")  # the top-level subtrees that hold a vision or audio tower
 
 
+def decode_bytes_per_token(params: dict) -> int:
+    """The weight bytes one batch-1 decode step reads: the text model's leaves, less the
+    per-layer-embedding table, of which one row a token is gathered (the tied embedding is read
+    whole: it is the LM head). The KV cache read comes on top (small at short contexts)."""
+    text = {k: v for k, v in params.items() if k not in TOWER_KEYS}
+    total = count_bytes(text)
+    if isinstance(text.get("ple"), dict) and "embed" in text["ple"]:
+        total -= count_bytes(text["ple"]["embed"])
+    return int(total)
+
+
 def has_tower(params: dict) -> bool:
     """Whether a vision or audio tower is loaded in `params`."""
     return any(key in params for key in TOWER_KEYS)

@@ -92,6 +92,23 @@ INT4_GROUP_SIZE = 64
 DECODE_BLOCK = 4
 
 
+# Memory bandwidth per chip, GB/s (vendors' specifications): what a batch-1 decode step, which
+# streams every weight once, is bounded by. The panels and bench/tpu.py put tok/s beside it.
+TPU_HBM_GBPS = {"v4": 1228.0, "v5e": 819.0, "v5p": 2765.0, "v6e": 1640.0}
+GPU_HBM_GBPS = {"T4": 320.0, "L4": 300.0, "A10G": 600.0, "A100-SXM4-40GB": 1555.0, "A100-SXM4-80GB": 2039.0,
+                "A100 80GB PCIe": 1935.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
+
+
+def memory_bandwidth_gbps(facts: HardwareFacts) -> float | None:
+    """The device's memory bandwidth (GB/s) from the tables above; None where not known (a CPU's
+    depends on its memory: bench/bandwidth.py measures it)."""
+    if facts.platform == "tpu":
+        return TPU_HBM_GBPS.get(facts.tpu_generation or "")
+    if facts.platform == "gpu":
+        return next((v for k, v in GPU_HBM_GBPS.items() if k.lower() in facts.device_kind.lower()), None)
+    return None
+
+
 # ------------------------------------------------------------------------------ plan
 class PolicyError(ValueError):
     """An explicit request this device cannot honour; the message names the alternative."""

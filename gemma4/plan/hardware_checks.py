@@ -33,7 +33,8 @@ from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
 from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
-from gemma4.plan.hardware import Choice, Plan, PolicyError, encoder_dtype_rule, normalize_overrides, policy
+from gemma4.plan.hardware import (Choice, Plan, PolicyError, encoder_dtype_rule, memory_bandwidth_gbps,
+                                   normalize_overrides, policy)
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import report_dict
 from gemma4.paths import cache_root
@@ -216,6 +217,7 @@ def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: 
                                                               simulated=bool(facts.simulated))
     plan, encoder = decide_encoder_dtype(plan, model_config, overrides, env, facts=facts)
     report = report_dict(facts, plan, test)
+    report["memory_bandwidth_gbps"] = memory_bandwidth_gbps(facts)  # None where unknown (a CPU)
     report["encoder_dtype"] = encoder
     report["cache_attention"] = attention
     return plan, report

@@ -71,7 +71,7 @@ from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import count_bytes
+from gemma4.model.params import count_bytes, decode_bytes_per_token
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, advance_rows, sample_rows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
@@ -339,6 +339,8 @@ class TokenStream:
         s["elapsed_s"] = time.perf_counter() - req.submitted
         s["batch_occupancy"] = (req.occupancy_sum / req.occupancy_steps if req.occupancy_steps
                                 else 1.0 / self.engine.max_batch)
+        bound = getattr(self.engine, "roofline_tok_s", None)
+        s["roofline_frac"] = s["decode_tok_s"] / bound if bound and s["decode_tok_s"] else None
         return s
 
     def _run(self) -> Iterator[TokenEvent]:
@@ -676,6 +678,17 @@ class Engine:
         params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
         self.encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
         report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
+        # The batch-1 decode bound: the weights a step reads over the memory's bandwidth; each
+        # reply's decode speed is shown as a fraction of it (TokenStream.stats: roofline_frac).
+        self.decode_bytes = decode_bytes_per_token(params)
+        gbps = report.get("memory_bandwidth_gbps")
+        self.roofline_tok_s = gbps * 1e9 / self.decode_bytes if gbps and self.decode_bytes else None
+        report["roofline"] = {
+            "weights_read_per_token": f"{self.decode_bytes / 1e9:.2f} GB",
+            "memory_bandwidth": f"{gbps:.0f} GB/s" if gbps else "not known for this device",
+            "batch1_decode_bound": f"{self.roofline_tok_s:.0f} tok/s" if self.roofline_tok_s else "—",
+            "why": "a decode step streams every weight once (the per-layer-embedding table only a row a "
+                   "token); a reply's tok/s over this bound is the fraction of the roofline it reached"}
         self._start_tokenizer(tok_spec, cfg)  # in parallel with the first compiles
         self.cfg: ModelConfig = cfg
         self.params = params

@@ -222,6 +222,14 @@ def _decode_rate(stats: Mapping[str, Any]) -> str:
     return fmt_num(stats.get("decode_tok_s"))
 
 
+def _roofline(stats: Mapping[str, Any]) -> str:
+    """ " · N% of the roofline" where the device's memory bandwidth is known (Hardware tab: roofline)."""
+    frac = as_number(stats.get("roofline_frac"))
+    if frac is None or (as_number(stats.get("new_tokens")) or 0) < 2:
+        return ""
+    return f" · {100 * frac:.0f}% of the batch-1 roofline (weights read per token ÷ memory bandwidth)"
+
+
 def stats_title(
     stats: Mapping[str, Any] | None,
     *,
@@ -429,7 +437,7 @@ def reply_panel_html(
         ),
         ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)" + _chunks(stats)),
         *([("Media", media_html(stats["media"]))] if stats.get("media") else []),
-        ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>"),
+        ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>" + _roofline(stats)),
         ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),
         ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
         ("Batch occupancy", _occupancy(stats)),
