@@ -16,6 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,9 +49,13 @@ def random_params(cfg: ModelConfig, seed: int = 0, weight_dtype: Any = jnp.float
     todo = list(enumerate(iter_specs(specs)))
     todo.sort(key=lambda item: -int(np.prod(item[1][1].shape or (1,), dtype=np.int64)))  # longest streams first
     workers = os.cpu_count() or 1
+    # Leaves placed on a mesh that spans processes go through collectives (device_put checks that
+    # every process passes the same value), which every process must issue in the same order: there
+    # leaves are built one after another (their segments are still drawn in parallel).
+    builders = 1 if mesh is not None and jax.process_count() > 1 else workers
     # Two pools: a leaf's builder waits for its segments, so segments must not queue behind builders.
     with ThreadPoolExecutor(workers, thread_name_prefix="random-draw") as draw, \
-            ThreadPoolExecutor(workers, thread_name_prefix="random-leaf") as build:
+            ThreadPoolExecutor(builders, thread_name_prefix="random-leaf") as build:
         futures = {path: build.submit(_leaf, fmt, cfg, seed, index, path, spec, scale, draw, workers)
                    for index, (path, spec) in todo}
         leaves = {path: f.result() for path, f in futures.items()}
