@@ -63,12 +63,13 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(autouse=True, scope="module")
 def _close_engines_after_each_module():
-    """Close every engine a test module started (get_engine's shared ones too) when the module
-    is done, so one test process never holds the executables of all of them: each compiled shape
-    holds ~400 memory mappings, and past vm.max_map_count XLA crashed the process (see
-    gemma4/serve/engine_compile.py's mapping limit)."""
+    """Close every engine a test module started when the module is done (but the few that
+    tests/engines.py shares between modules), so one test process never holds the executables
+    of all of them: each compiled shape holds ~400 memory mappings, and past vm.max_map_count
+    XLA crashed the process (see gemma4/serve/engine_compile.py's mapping limit)."""
     yield
     engine = sys.modules.get("gemma4.serve.engine")
     if engine is not None:
-        engine.close_all_engines(timeout=120)
+        engines = sys.modules.get("tests.engines")  # the few engines modules share stay open
+        engine.close_all_engines(timeout=120, keep=engines.shared_engines() if engines else ())
         gc.collect()

@@ -18,11 +18,9 @@ pytest.importorskip("gradio_client")
 
 from gemma4.web import access as web_access
 from gemma4.web.ratelimit import Limits
+from tests.engines import bundled_f32
 from tests.net import serve_demo
 
-# The engine of tests/test_api.py and tests/test_engine.py (one pytest run loads it once).
-BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
-               overrides={"weights": "none", "dtype": "float32", "kv": "native"})
 KEYS = ["sk-soak-1", "sk-soak-2", "sk-soak-3"]
 DURATION_S = float(os.environ.get("GEMMA4_SOAK_S", "90"))
 # RSS creeps for the first ~45 s of traffic while allocators and caches settle (the clients'
@@ -44,9 +42,7 @@ def _load_soak():
 
 @pytest.fixture(scope="module")
 def soak_server():
-    from gemma4.serve.engine import get_engine
-
-    engine = get_engine("bundled", **BUNDLED).wait_ready(timeout=1200)
+    engine = bundled_f32()  # the engine of tests/test_api.py and test_engine.py (tests/engines.py)
     access = web_access.Access(api_keys=tuple(KEYS), limits=Limits(in_flight=0, per_minute=0))
     with serve_demo(engine, "bundled", access) as (url, _):
         yield url, engine
