@@ -49,7 +49,24 @@ def pytest_runtest_logreport(report):
             _unexpected_skips.append(f"{report.nodeid}: {reason}")
 
 
+_background_workers: list = []  # the test modules whose worker process was started in the background
+
+
+def pytest_collection_finish(session):
+    """Start the sharding test's worker process now, so that it runs beside the other modules
+    (tests/test_sharding.py `start_mesh_worker`; minutes of compiles, mostly on the other core)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if "mesh_runs" in getattr(item, "fixturenames", ()):
+            _background_workers.append(item.module)
+            item.module.start_mesh_worker()
+            break
+
+
 def pytest_sessionfinish(session, exitstatus):
+    for module in _background_workers:
+        module.stop_mesh_worker()
     if _unexpected_skips:
         session.exitstatus = 1
 
