@@ -49,7 +49,24 @@ def pytest_runtest_logreport(report):
             _unexpected_skips.append(f"{report.nodeid}: {reason}")
 
 
+_background_workers: list = []  # the test modules whose worker process was started in the background
+
+
+def pytest_collection_finish(session):
+    """Start the sharding test's worker process now, so that it runs beside the other modules
+    (tests/test_sharding.py `start_mesh_worker`; minutes of compiles, mostly on the other core)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if "mesh_runs" in getattr(item, "fixturenames", ()):
+            _background_workers.append(item.module)
+            item.module.start_mesh_worker()
+            break
+
+
 def pytest_sessionfinish(session, exitstatus):
+    for module in _background_workers:
+        module.stop_mesh_worker()
     if _unexpected_skips:
         session.exitstatus = 1
 
@@ -63,12 +80,21 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(autouse=True, scope="module")
 def _close_engines_after_each_module():
-    """Close every engine a test module started (get_engine's shared ones too) when the module
-    is done, so one test process never holds the executables of all of them: each compiled shape
-    holds ~400 memory mappings, and past vm.max_map_count XLA crashed the process (see
-    gemma4/serve/engine_compile.py's mapping limit)."""
+    """Close every engine a test module started when the module is done (but the few that
+    tests/engines.py shares between modules), so one test process never holds the executables
+    of all of them: each compiled shape holds ~400 memory mappings, and past vm.max_map_count
+    XLA crashed the process (see gemma4/serve/engine_compile.py's mapping limit); and drop jax's
+    caches of compiled functions."""
     yield
     engine = sys.modules.get("gemma4.serve.engine")
     if engine is not None:
-        engine.close_all_engines(timeout=120)
-        gc.collect()
+        engines = sys.modules.get("tests.engines")  # the few engines modules share stay open
+        engine.close_all_engines(timeout=120, keep=engines.shared_engines() if engines else ())
+    # The module's jitted functions' executables (jax keeps them for the process: measured, ~1 GB
+    # after test_kv_cache and test_cpu_attention, and the process grew to 13.7 GB over the suite),
+    # and the memory glibc keeps once freed. The shared engines' compiled shapes are their own.
+    jax.clear_caches()
+    gc.collect()
+    heap = sys.modules.get("gemma4.serve.heap")
+    if heap is not None:
+        heap.release()

@@ -37,11 +37,11 @@ import contextlib
 import threading
 from typing import Callable, Iterator, Sequence
 
-from gemma4.serve.engine import get_engine
+from tests.engines import shared
 
 
-# The tiny random Gemma 4 every scripted test shares (get_engine keeps one per settings, so the
-# modules that use it pay its load and compiles once per test run).
+# The tiny random Gemma 4 every scripted test shares (tests/engines.py: kept open across
+# modules, so the modules that use it pay its load and compiles once per test run).
 # The towers pinned to float32 (auto picks bf16 where it measures faster): tests compare the
 # engine's soft tokens with a float32 encode through the model directly.
 TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256), overrides={"encoder_dtype": "float32"})
@@ -49,7 +49,7 @@ TINY_GEMMA4 = dict(max_batch=2, context_limit=512, buckets=(16, 64, 256), overri
 
 def tiny_gemma4():
     """The shared `random:tiny-e2b` engine (Gemma 4 geometry, synthetic byte vocabulary), ready."""
-    return get_engine("random:tiny-e2b", **TINY_GEMMA4).wait_ready(timeout=900)
+    return shared("random:tiny-e2b", **TINY_GEMMA4).wait_ready(timeout=900)
 
 
 def script_ids(engine, script: str | Sequence[int]) -> list[int]:

@@ -21,14 +21,14 @@ from gemma4.serve import conversation
 from gemma4.web import access as web_access
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits, RateLimiter
+from tests.engines import bundled_f32
 from tests.net import free_port as _free_port, wait_until
+from tests.scripted import tiny_gemma4
 
-# The same engine as tests/test_engine.py (float32, so batched rows equal solo ones bit for bit):
-# one pytest run loads it once.
-BUNDLED = dict(max_batch=8, context_limit=256, buckets=(16, 64),
-               overrides={"weights": "none", "dtype": "float32", "kv": "native"})
+# The engines are tests/engines.py's, shared with other modules (one pytest run loads each once):
+# the bundled model in float32 (batched rows equal solo ones bit for bit), and the tiny random
+# Gemma 4 the scripted tests use.
 TINY = "random:tiny-e2b"
-TINY_ENGINE = dict(max_batch=2, context_limit=512, buckets=(64, 256))
 CAP = 200  # the servers' max_new_tokens cap
 OPEN = web_access.Access(limits=Limits(in_flight=0, per_minute=0))
 GREEDY = dict(temperature=0.0, max_tokens=6)
@@ -57,11 +57,8 @@ def _wait(pred, timeout=10.0, every=0.01) -> bool:
     return wait_until(pred, timeout, every)
 
 
-def _served(model: str, engine_kwargs: dict, timeout: float):
-    """The engine for `model` behind an open server, with an openai client for it."""
-    from gemma4.serve.engine import get_engine
-
-    engine = get_engine(model, **engine_kwargs).wait_ready(timeout=timeout)
+def _served(model: str, engine):
+    """`engine` (serving `model`) behind an open server, with an openai client for it."""
     running, _ = _serve(engine, model, OPEN)
     client = openai.OpenAI(base_url=running.url + "v1", api_key="unused", max_retries=0,
                            timeout=300)
@@ -73,12 +70,12 @@ def _served(model: str, engine_kwargs: dict, timeout: float):
 
 @pytest.fixture(scope="module")
 def bundled():
-    yield from _served("bundled", BUNDLED, timeout=1200)
+    yield from _served("bundled", bundled_f32())
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    yield from _served(TINY, TINY_ENGINE, timeout=900)
+    yield from _served(TINY, tiny_gemma4())
 
 
 def _idle(engine) -> bool:

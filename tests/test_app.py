@@ -54,8 +54,9 @@ from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_MODEL = os.environ.get("GEMMA4_TEST_TINY_MODEL", "random:tiny-gemma3-270m")
-# The same engine settings as tests/test_browser.py, so one pytest run shares one warmed engine.
-TINY_ENGINE = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096)
+# Two prompt buckets (not the app's eight): each bucket is two more shapes compiled while the
+# module's tests run, and these tests need none of the others (a longer prompt is chunked).
+TINY_ENGINE = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096, buckets=(16, 64))
 LONG = 4000  # max_new_tokens for replies that must still be running when they are cancelled
 # Random weights stop wherever they sample an end-of-turn id; greedy decoding of this prompt
 # runs the full LONG tokens with the tiny random model, so a cancel lands mid-reply.
@@ -768,8 +769,9 @@ def test_message_sent_while_loading_waits_and_says_so():
     The chat handler is driven directly so the send surely lands during loading."""
     from gemma4.serve.engine import get_engine
 
-    # A fresh engine (other settings than the shared one): it loads and warms up meanwhile.
-    engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128)
+    # A fresh engine (other settings than the shared one): it loads and warms up meanwhile (one
+    # prompt bucket: the shapes it compiles are what the test waits for).
+    engine = get_engine(model=TINY_MODEL, max_batch=1, context_limit=128, buckets=(16,))
     try:
         assert engine.status()["state"] in ("loading", "warming")
         handler = DemoApp(engine, Settings(model=TINY_MODEL, max_users=1, context=128))

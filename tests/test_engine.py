@@ -21,10 +21,11 @@ import pytest
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
 from gemma4.serve import engine as E
-from gemma4.serve.engine import Embeddings, RequestError, check_vocabulary, flatten_segments, get_engine
+from gemma4.serve.engine import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.serve import engine_compile as EC
 from gemma4.serve.engine_compile import chunk_plan
 from gemma4.model.sampling import SamplingParams
+from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference_ids.json")))
@@ -33,9 +34,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=20)
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = get_engine("bundled", max_batch=8, context_limit=256, buckets=(16, 64),
-                     overrides={"weights": "none", "dtype": "float32", "kv": "native"})
-    return eng.wait_ready(timeout=1200)
+    return bundled_f32()  # tests/engines.py: shared with test_api, test_soak and test_vision_serve
 
 
 def _wait_idle(engine, timeout=10.0):

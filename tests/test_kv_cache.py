@@ -211,14 +211,15 @@ def test_int8_kv_close_to_native(variant):
     cfg = tiny(variant)
     params = random_params(cfg, seed=2, scale=0.05)
     prompt = _prompt(5, 30)
+    forward = jax.jit(lambda p, t, pos, c: M.forward(p, cfg, t, pos, c)[:2])  # one compile, not op by op
     out = {}
     for fmt in ("native", "int8"):
         cache = kv_cache.init_cache(cfg, 1, MAX_LEN, jnp.float32, fmt)
         toks = np.zeros((1, 32), np.int32)
         toks[0, :30] = prompt
         pos = np.where(np.arange(32) < 30, np.arange(32), -1)[None].astype(np.int32)
-        _, cache, _ = M.forward(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache)
-        out[fmt] = np.asarray(M.forward(params, cfg, jnp.asarray([[prompt[-1]]]), jnp.asarray([[30]]), cache)[0])
+        _, cache = forward(params, jnp.asarray(toks), jnp.asarray(pos), cache)
+        out[fmt] = np.asarray(forward(params, jnp.asarray([[prompt[-1]]]), jnp.asarray([[30]]), cache)[0])
     rel = np.max(np.abs(out["int8"] - out["native"])) / np.max(np.abs(out["native"]))
     assert rel < 0.05, f"int8 KV moved logits by {rel:.3%} of their range"
     assert np.argmax(out["int8"]) == np.argmax(out["native"])
@@ -229,7 +230,7 @@ def test_cache_slots_hold_only_real_positions():
     toks = np.zeros((1, 64), np.int32)
     pos = np.full((1, 64), -1, np.int32)
     pos[0, :20] = np.arange(20)
-    _, cache, _ = M.forward(PARAMS, CFG, jnp.asarray(toks), jnp.asarray(pos), cache)
+    cache = jax.jit(lambda p, t, q, c: M.forward(p, CFG, t, q, c)[1])(PARAMS, jnp.asarray(toks), jnp.asarray(pos), cache)
     for idx, entry in cache.items():
         held = sorted(int(p) for p in np.asarray(entry["pos"][0]) if p >= 0)
         slots = kv_cache.slots_for(CFG.layers[idx], CFG, MAX_LEN)

@@ -171,7 +171,9 @@ def test_named_bugs_are_caught(variant, bug, tmp_path_factory, monkeypatch):
     if bug == "wrong_kv_producer":
         assert any(s.is_kv_consumer for s in bad_cfg.layers)
     pos = np.arange(SEQ)[None].astype(np.int32)
-    logits = M.forward(bad_params, bad_cfg, jnp.asarray(ids, jnp.int32), jnp.asarray(pos))[0]
+    # one compile, not op by op (traced here: the patched apply_rope is the one it sees)
+    logits = jax.jit(lambda p, t, q: M.forward(p, bad_cfg, t, q)[0])(bad_params, jnp.asarray(ids, jnp.int32),
+                                                                      jnp.asarray(pos))
     err = _rel_err(logits, ref_logits)
     assert err > 100 * TOL, f"planted bug {bug} went unnoticed (rel err {err:.2e})"
 

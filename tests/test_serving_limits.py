@@ -30,6 +30,14 @@ def _idle(engine) -> bool:
     return q["active"] == 0 and q["waiting"] == 0
 
 
+def _settled(engine) -> None:
+    """Idle, every shape compiled and given its first run: an idle engine runs a newly compiled
+    shape once by itself (engine_compile), and an injected fault must meet the request's call,
+    not that one (it did once: the stream then ended without its error event)."""
+    engine.wait_compiled(timeout=300)
+    assert wait_until(lambda: _idle(engine), 10, 0.05)
+
+
 class _Fault:
     """Replaces one engine method on the instance: the next `times` calls raise (after `before`
     ran, e.g. to delete the cache as a failed donated call would), then it calls through."""
@@ -73,7 +81,7 @@ def _served_normally(engine) -> None:
 
 
 def test_a_prefill_fault_fails_that_request_only(engine, monkeypatch):
-    assert wait_until(lambda: _idle(engine), 30, 0.02)
+    _settled(engine)
     monkeypatch.setattr(engine, "mixed_widths", ())  # its chunk runs apart, not fused with the decode step
     params = SamplingParams(temperature=0.0, max_new_tokens=200)
     with scripted(engine, LONG, then="model"):
@@ -95,7 +103,7 @@ def test_a_prefill_fault_fails_that_request_only(engine, monkeypatch):
 
 
 def test_a_decode_fault_fails_the_rows_of_that_step_and_the_next_request_is_served(engine):
-    assert wait_until(lambda: _idle(engine), 30, 0.02)
+    _settled(engine)
     params = SamplingParams(temperature=0.0, max_new_tokens=50)
     with scripted(engine, LONG, LONG, then="model"):
         streams = [conversation.stream_reply(engine, p, params, mode="completion") for p in ("A b", "C d")]
@@ -114,7 +122,7 @@ def test_a_fused_step_fault_fails_its_rows_and_the_engine_serves_on(engine):
     """A fault in a fused chunk-and-decode step (`Engine._mixed_once`) fails the two requests in
     it — the prompt whose chunk it ran and the decoding stream — and nothing else; the next
     request is served."""
-    assert wait_until(lambda: _idle(engine), 30, 0.02)
+    _settled(engine)
     assert engine.mixed_widths, "the tiny engine has fused widths"
     engine.shapes.executable(("mixed", engine.mixed_widths[0], engine.kv_lengths[0]))  # compiled now, not raced
     params = SamplingParams(temperature=0.0, max_new_tokens=200)
@@ -136,7 +144,7 @@ def test_a_fused_step_fault_fails_its_rows_and_the_engine_serves_on(engine):
 def test_a_fault_that_loses_the_kv_cache_reallocates_it_and_says_so(engine):
     import jax
 
-    assert wait_until(lambda: _idle(engine), 30, 0.02)
+    _settled(engine)
     resets = engine.step_times.snapshot()["cache_resets"]
 
     def lose_cache():  # what a donated call that fails midway leaves behind
@@ -335,7 +343,7 @@ def test_metrics_follow_the_api_access_rules():
 
 def test_a_fault_ends_a_stream_with_an_error_event_and_a_whole_reply_with_a_500(served):
     url, _, engine = served
-    assert wait_until(lambda: _idle(engine), 10, 0.05)
+    _settled(engine)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "temperature": 0.0}
     with _Fault(engine, "run_decode", times=1):
         r = httpx.post(url + "v1/completions", json=body, timeout=60)
@@ -360,7 +368,7 @@ def test_a_fault_reaches_the_chat_apps_api_as_an_error_with_its_message(served):
     from gradio_client import Client
 
     url, _, engine = served
-    assert wait_until(lambda: _idle(engine), 10, 0.05)
+    _settled(engine)
     ui = Client(url, verbose=False)
     try:
         with _Fault(engine, "run_decode", times=1):

@@ -23,6 +23,7 @@ from gemma4.model.sampling import SamplingParams
 from gemma4.serve import chat, conversation, engine as E, media_prompt
 from gemma4.serve.engine import RequestError
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
+from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -318,8 +319,7 @@ def test_bad_media_requests(eng, monkeypatch):
 def test_media_for_a_model_without_a_tower_is_refused():
     """The bundled Gemma 3 270M has no tower: a clear refusal naming a model that has one (the
     engine of tests/test_engine.py and test_api.py: one load per test run)."""
-    eng = E.get_engine("bundled", max_batch=8, context_limit=256, buckets=(16, 64),
-                       overrides={"weights": "none", "dtype": "float32", "kv": "native"}).wait_ready(1200)
+    eng = bundled_f32()
     ok, why = conversation.supports_vision(eng)
     assert not ok and "no vision tower" in why and "google/gemma-4-E2B-it" in why
     with pytest.raises(RequestError, match="Images and video are not available: .*no vision tower"):

@@ -1781,17 +1781,21 @@ def _close_engines_at_exit() -> None:
     close_all_engines(timeout=60)
 
 
-def close_all_engines(timeout: float = 60) -> None:
-    """Close every engine of this process (waiting up to `timeout` s in all) and forget the ones
-    `get_engine` kept, so that a later `get_engine` builds a fresh one. Tests do this between
-    modules: each engine's executables hold memory mappings (engine_compile's mapping limit),
-    which go back to the kernel once nothing refers to the engine any more (jax keeps its
-    compiled executables as long as the engine's jitted steps live)."""
+def close_all_engines(timeout: float = 60, keep: Sequence[Engine] = ()) -> None:
+    """Close every engine of this process but those in `keep` (waiting up to `timeout` s in all)
+    and forget the ones `get_engine` kept, so that a later `get_engine` builds a fresh one. Tests
+    do this between modules, keeping the few engines several modules share: each engine's
+    executables hold memory mappings (engine_compile's mapping limit), which go back to the
+    kernel once nothing refers to the engine any more (jax keeps its compiled executables as
+    long as the engine's jitted steps live)."""
+    kept = {id(eng) for eng in keep}
     with _engines_lock:
-        _engines.clear()
+        for key in [k for k, eng in _engines.items() if id(eng) not in kept]:
+            del _engines[key]
     end = time.monotonic() + timeout
     for eng in list(_all_engines):
-        eng.close(timeout=max(0.0, end - time.monotonic()))
+        if id(eng) not in kept:
+            eng.close(timeout=max(0.0, end - time.monotonic()))
 
 
 def get_engine(model: str | None = None, **kwargs) -> Engine:

@@ -1,0 +1,37 @@
+"""The engines several test modules share, built once per test run.
+
+tests/conftest.py closes every engine when a module ends (each compiled shape holds memory
+mappings: gemma4/serve/engine_compile.py's mapping limit) except the ones `shared` handed out:
+loading and compiling them again in every module that uses them cost the suite minutes. A
+module that uses one leaves it as it found it (idle, no patch left on it, overrides put back).
+"""
+
+from __future__ import annotations
+
+from gemma4.serve.engine import Engine, get_engine
+
+# The bundled Gemma 3 270M in float32 (weights and compute, native KV cache): batched rows equal
+# solo ones bit for bit and greedy ids equal transformers' float32 ids. tests/test_engine.py,
+# test_api.py, test_soak.py and test_vision_serve.py use it.
+BUNDLED_F32 = dict(max_batch=8, context_limit=256, buckets=(16, 64),
+                   overrides={"weights": "none", "dtype": "float32", "kv": "native"})
+
+_shared: list[Engine] = []
+
+
+def shared(model: str, **settings) -> Engine:
+    """get_engine's engine for (model, settings), kept open across test modules."""
+    eng = get_engine(model, **settings)
+    if all(e is not eng for e in _shared):
+        _shared.append(eng)
+    return eng
+
+
+def shared_engines() -> list[Engine]:
+    """The engines `shared` handed out (conftest leaves them open between modules)."""
+    return list(_shared)
+
+
+def bundled_f32(timeout: float = 1200) -> Engine:
+    """The shared float32 bundled engine, ready."""
+    return shared("bundled", **BUNDLED_F32).wait_ready(timeout=timeout)
