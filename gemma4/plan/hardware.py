@@ -386,7 +386,9 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                                "batch 1 and 81 ms at batch 8, vs 52 / 121 ms with float32 weights); prefill "
                                "dequantizes in cache-sized chunks for the dot")
     else:
-        auto_w, why = "none", f"{plat.upper()} runs {dtype} weights at full speed; quantize only when asked"
+        auto_w, why = "none", (f"{dtype} weights keep the checkpoint's numbers; int8 (GEMMA4_WEIGHTS=int8) halves "
+                               f"the bytes a decode step reads and decodes ~1.9x faster where bandwidth bounds it "
+                               f"(E2B on a TPU v5e: 286 vs 148 tok/s) at the cost of exactness")
     order = ("none", "int8", "int4")
     if budget and need(auto_w) > budget and auto_w != "int4":
         smaller = order[order.index(auto_w) + 1:]
