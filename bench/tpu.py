@@ -478,7 +478,7 @@ def main(argv=None) -> int:
             report["parts"]["env"] = run_worker("env", {})
         elif part == "exact":
             acc = run_worker("exact", {"models": models, "new_tokens": n_exact}, limit=limit("exact"))
-            cpu = _collect(cpu_ref, left() - 5)
+            cpu = _collect(cpu_ref, min(left() - 5, PART_LIMIT_S["exact"]))
             report["parts"]["exact"] = {"rows": compare_exact(acc, cpu), "accelerator": acc, "cpu": cpu}
         elif part in ("decode", "e4b"):
             configs = (["random:e4b,bfloat16,int8"] if part == "e4b" else args.decode_configs.split(";")
