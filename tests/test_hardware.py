@@ -179,6 +179,22 @@ def test_weights_escalate_when_the_model_does_not_fit():
     assert t4.weights.value == "int4" and any("does not fit" in w for w in t4.warnings)
 
 
+def test_tables_quantize_first_where_the_layers_fit_in_bf16():
+    """E4B in bf16 (13.9 GiB, 3.5 B of its 8 B parameters in the embedding tables) leaves a 15.7 GiB
+    TPU v5e too little for the KV cache: the plan keeps the layers bf16 with int8 tables; E2B fits as
+    it is; an explicit weights choice is kept as asked."""
+    e4b = plan_for("tpu-v5e", cfg=preset("e4b"))
+    assert (e4b.weights.value, e4b.embed_weights.value) == ("none", "int8")
+    assert "int8 embedding tables" in e4b.weights.reason and e4b.warnings == ()
+    assert e4b.embed_weights.source == "auto" and "fit" in e4b.embed_weights.reason
+    e2b = plan_for("tpu-v5e")
+    assert (e2b.weights.value, e2b.embed_weights.value) == ("none", "none")
+    asked = plan_for("tpu-v5e", {"weights": "none"}, cfg=preset("e4b"))
+    assert (asked.weights.value, asked.embed_weights.value) == ("none", "none")
+    roomy = plan_for("a100", cfg=preset("e4b"))  # 40 GB: nothing to quantize
+    assert (roomy.weights.value, roomy.embed_weights.value) == ("none", "none")
+
+
 def test_plan_serialises_and_reports():
     plan = plan_for("l4", {"weights": "int4"})
     d = json.loads(json.dumps(plan.to_dict()))

@@ -827,6 +827,15 @@ def kv_bytes_per_token(cfg: ModelConfig, bytes_per_value: float) -> float:
     return sum(2 * s.num_kv_heads * s.head_dim * bytes_per_value for s in cfg.layers if not s.is_kv_consumer)
 
 
+def table_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the embedding tables (the tied embedding / LM head and the per-layer-input
+    table): a decode step reads one row of each, besides the whole LM head."""
+    n = cfg.vocab_size * cfg.hidden_size
+    if cfg.hidden_size_per_layer_input:
+        n += cfg.vocab_size_per_layer_input * cfg.num_layers * cfg.hidden_size_per_layer_input
+    return int(n)
+
+
 def approx_param_count(cfg: ModelConfig) -> int:
     """Parameters of the text decoder (for memory estimates)."""
     H = cfg.hidden_size

@@ -46,7 +46,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from gemma4.model.config import approx_param_count, config_has_tower, preset
+from gemma4.model.config import approx_param_count, config_has_tower, preset, table_param_count
 from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
 # ------------------------------------------------------------------------------ device tables
@@ -90,6 +90,10 @@ INT4_GROUP_SIZE = 64
 # next block before it reads the last. Every token is the one a step at a time gives; a row that
 # finishes inside a block wastes the rest of it, and a new request waits at most two blocks.
 DECODE_BLOCK = 4
+# The share of a device's memory the weights may take when the plan picks their format (the rest:
+# KV cache, workspace, towers; the pre-flight then checks the whole footprint).
+WEIGHTS_SHARE_CPU = 0.9
+WEIGHTS_SHARE_ACCELERATOR = 0.8
 
 
 # Memory bandwidth per chip, GB/s (vendors' specifications): what a batch-1 decode step, which
@@ -375,10 +379,17 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     n_params = approx_param_count(model_config)
     mem = facts.memory_total_bytes if plat != "cpu" else (facts.host_memory_available_bytes
                                                           or facts.memory_total_bytes)
-    budget = 0.9 * mem if mem else None
+    # An accelerator's memory also holds the KV cache, the workspace and the towers: weights may take
+    # WEIGHTS_SHARE_ACCELERATOR of it (E4B in bf16, 13.9 GiB of a 15.7 GiB TPU v5e, left too little and
+    # the pre-flight refused it). On CPU the budget is the RAM available now.
+    budget = (WEIGHTS_SHARE_CPU if plat == "cpu" else WEIGHTS_SHARE_ACCELERATOR) * mem if mem else None
 
-    def need(mode: str) -> float:
-        return n_params * _bytes_per_param(mode, dtype)
+    n_tables = table_param_count(model_config)
+
+    def need(mode: str, tables: str | None = None) -> float:
+        if tables is None:
+            return n_params * _bytes_per_param(mode, dtype)
+        return (n_params - n_tables) * _bytes_per_param(mode, dtype) + n_tables * _bytes_per_param(tables, dtype)
 
     if plat == "cpu":
         auto_w, why = "int8", ("int8 weights need 1/4 of float32's RAM and bandwidth; decode runs them as a "
@@ -390,10 +401,20 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                                f"the bytes a decode step reads and decodes ~1.9x faster where bandwidth bounds it "
                                f"(E2B on a TPU v5e: 286 vs 148 tok/s) at the cost of exactness")
     order = ("none", "int8", "int4")
-    if budget and need(auto_w) > budget and auto_w != "int4":
+    auto_embed = None  # the embedding tables' format where it differs from the other weights'
+    if (budget and auto_w == "none" and "weights" not in ov and need("none") > budget
+            and need("none", "int8") <= budget):
+        # The tables are a large share of a Gemma 4 "E" model (E4B: 3.5 B of 8 B parameters, the
+        # per-layer-input table alone 5.6 GB in bf16) but a decode step reads one row of each besides
+        # the LM head: int8 tables fit the model with its layers kept in the compute dtype.
+        auto_embed = "int8"
+        why = (f"{model_config.name} needs {need('none') / GiB:.1f} GiB as {dtype} > {budget / mem:.0%} of {mem / GiB:.1f} GiB; "
+               f"with int8 embedding tables ({n_tables / 1e9:.1f} B parameters) {need('none', 'int8') / GiB:.1f} GiB: "
+               f"the layers stay {dtype}")
+    elif budget and need(auto_w) > budget and auto_w != "int4":
         smaller = order[order.index(auto_w) + 1:]
         chosen = next((m for m in smaller if need(m) <= budget), "int4")
-        why = (f"{model_config.name} needs {need(auto_w) / GiB:.1f} GiB as {auto_w} > 90% of "
+        why = (f"{model_config.name} needs {need(auto_w) / GiB:.1f} GiB as {auto_w} > {budget / mem:.0%} of "
                f"{mem / GiB:.1f} GiB; {chosen} needs {need(chosen) / GiB:.1f} GiB")
         if need(chosen) > budget:
             warnings.append(f"weights: {model_config.name} does not fit even as int4 "
@@ -416,9 +437,12 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     # everywhere keeps 19.6 leading tokens on average (4/8 prompts >= 20); int8 layers with a float
     # head keep 27.1 (7/8), at ~7% of batch-1 decode speed and +0.5 GB. The head quantizes like the
     # rest by default (it is most of the bytes); GEMMA4_EMBED_WEIGHTS=none buys the quality back.
-    embed = Choice(weights.value, "the tied embedding / LM head is quantized like the other weights (it is most "
-                   "of the bytes read per token); GEMMA4_EMBED_WEIGHTS=none keeps it exact for better agreement "
-                   "with the unquantized model" if weights.value != "none" else "weights not quantized")
+    if auto_embed:  # (not when the user named the weights: every table follows them)
+        embed = Choice(auto_embed, "int8 tables let the model fit with its layers unquantized (see weights)")
+    else:
+        embed = Choice(weights.value, "the tied embedding / LM head is quantized like the other weights (it is most "
+                       "of the bytes read per token); GEMMA4_EMBED_WEIGHTS=none keeps it exact for better agreement "
+                       "with the unquantized model" if weights.value != "none" else "weights not quantized")
     if "embed_weights" in ov and ov["embed_weights"] != embed.value:
         embed = Choice(ov["embed_weights"], f"requested via GEMMA4_EMBED_WEIGHTS (auto would be {embed.value})",
                        "override")
