@@ -52,7 +52,10 @@ def _replies(block: int, calls: list | None = None) -> list[tuple[list[int], str
         eng.close()
 
 
-def test_blocks_give_the_tokens_of_single_steps():
+def test_blocks_give_the_tokens_of_single_steps(monkeypatch):
+    # no fused prefill+decode step, as on an accelerator (engine_compile's ladder there): 5 shapes
+    # to compile per engine instead of 8
+    monkeypatch.setenv("GEMMA4_MIXED_STEP", "off")
     calls: list = []
     one, blocks = _replies(1), _replies(4, calls)
     assert blocks == one
