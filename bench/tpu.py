@@ -24,7 +24,7 @@ Parts:
            4096) started with an empty compile cache: its seconds to ready are the cold start.
   engine   the same engine again in a new process, the cache filled: the warm start, and the
            time to first token of 128-token prompts (median of 5).
-  e4b      batch-1 decode of E4B with int8 weights.
+  e4b      batch-1 decode of E4B: the plan's own weight formats (bf16 layers, int8 tables), and int8 weights.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -48,7 +48,7 @@ ALL_PARTS = ("env", "exact", "decode", "app", "engine", "e4b")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
-PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "e4b": 300}
+PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "e4b": 360}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
@@ -86,15 +86,76 @@ def _greedy(engine, ids: list[int], n: int) -> tuple[list[int], dict]:
 def worker_env(args) -> dict:
     import jax
 
+    t = time.perf_counter()
     devs = jax.devices()
     out = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in devs],
-           "device_kind": devs[0].device_kind, "count": len(devs)}
+           "device_kind": devs[0].device_kind, "count": len(devs), "runtime_start_s": round(time.perf_counter() - t, 2)}
     try:
         stats = devs[0].memory_stats() or {}
         out["hbm_bytes"] = stats.get("bytes_limit")
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out["memory_stats_error"] = str(e)
+    if getattr(args, "transfers", False):
+        out["transfers"] = _transfer_rates()
     return out
+
+
+def _transfer_rates(gib: float = 1.0) -> dict:
+    """What a start-up's weights cost at best: host→device GB/s of one big bf16 array (the second of
+    two copies), and how fast the device itself draws bf16 normals (jax.random, the second call)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n = int(gib * 2**30) // 2
+    host = np.ones(n, dtype=jnp.bfloat16)
+    out = {}
+    for i in range(2):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(host))
+        out["h2d_gbps"] = round(n * 2 / (time.perf_counter() - t) / 1e9, 2)
+    draw = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.bfloat16))
+    for i in range(2):
+        t = time.perf_counter()
+        jax.block_until_ready(draw(jax.random.key(i)))
+        out["device_draw_gparams_s" if i else "device_draw_first_call_s"] = (
+            round(n / (time.perf_counter() - t) / 1e9, 1) if i else round(time.perf_counter() - t, 2))
+    return out
+
+
+class StackSampler:
+    """Where the engine's start-up threads spend their time: each thread named gemma4-* sampled
+    every `every` s (its innermost frames in gemma4/ and in jax), seconds per place."""
+
+    def __init__(self, every: float = 0.05):
+        import threading
+
+        self.every, self.counts, self.stop = every, {}, threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import threading
+        import traceback
+
+        while not self.stop.wait(self.every):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, "")
+                if not name.startswith("gemma4"):
+                    continue
+                frames = traceback.extract_stack(frame)
+                ours = [f for f in frames if "/gemma4/" in f.filename]
+                where = " < ".join(f"{Path(f.filename).stem}.{f.name}:{f.lineno}" for f in reversed(ours[-3:]))
+                inner = frames[-1]
+                key = f"{name} | {where} | {Path(inner.filename).stem}.{inner.name}"
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+    def report(self, top: int = 30) -> list:
+        self.stop.set()
+        self.thread.join(1)
+        rows = sorted(self.counts.items(), key=lambda kv: -kv[1])[:top]
+        return [[round(c * self.every, 2), k] for k, c in rows]
 
 
 def worker_exact(args) -> dict:
@@ -210,8 +271,11 @@ def worker_decode(args) -> dict:
         rows = 64 if "batch" in extra else 1
         row = {"model": model, "dtype": dt, "weights": weights, "max_batch": rows}
         t0 = time.perf_counter()
-        eng = _engine(model, max_batch=rows, context=args.context, buckets=(128,), overrides={
-            "GEMMA4_DTYPE": dt, "GEMMA4_WEIGHTS": weights, "GEMMA4_EMBED_WEIGHTS": weights})
+        # weights "plan": the hardware plan's own choice of weight and table formats (E4B: bf16 layers,
+        # int8 tables where bf16 would not fit the chip)
+        chosen = {} if weights == "plan" else {"GEMMA4_WEIGHTS": weights, "GEMMA4_EMBED_WEIGHTS": weights}
+        eng = _engine(model, max_batch=rows, context=args.context, buckets=(128,),
+                      overrides={"GEMMA4_DTYPE": dt, **chosen})
         try:
             eng.wait_ready(timeout=args.limit)  # the other shapes compile meanwhile; this needs two
             row["ready_s"] = round(time.perf_counter() - t0, 1)
@@ -253,12 +317,14 @@ def worker_engine(args) -> dict:
     """Seconds until an engine with the app's settings is ready (and until its background
     compiles are done), in this process."""
     t0 = time.perf_counter()
+    sampler = StackSampler()  # where the start-up's seconds go, beside the engine's own phase times
     eng = _engine(args.model, max_batch=8, context=args.context, buckets=None)  # the engine's own ladder
     out = {"model": args.model, "max_batch": 8, "context": args.context}
     try:
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
         out["startup"] = eng.info().get("startup")
+        out["startup_samples"] = sampler.report()
         ids = prompt_ids(20, eng.cfg.vocab_size)
         t1 = time.perf_counter()
         _greedy(eng, ids, 16)
@@ -274,6 +340,7 @@ def worker_engine(args) -> dict:
         out["error"] = f"{type(e).__name__}: {e}"
         out["status"] = eng.status()
     finally:
+        out.setdefault("startup_samples", sampler.report())
         eng.close()
     return out
 
@@ -475,13 +542,14 @@ def main(argv=None) -> int:
             continue
         print(f"[tpu] {part} ...", file=sys.stderr, flush=True)
         if part == "env":
-            report["parts"]["env"] = run_worker("env", {})
+            report["parts"]["env"] = run_worker("env", {"transfers": not args.quick})
         elif part == "exact":
             acc = run_worker("exact", {"models": models, "new_tokens": n_exact}, limit=limit("exact"))
             cpu = _collect(cpu_ref, min(left() - 5, PART_LIMIT_S["exact"]))
             report["parts"]["exact"] = {"rows": compare_exact(acc, cpu), "accelerator": acc, "cpu": cpu}
         elif part in ("decode", "e4b"):
-            configs = (["random:e4b,bfloat16,int8"] if part == "e4b" else args.decode_configs.split(";")
+            configs = (["random:e4b,bfloat16,plan", "random:e4b,bfloat16,int8"] if part == "e4b"
+                       else args.decode_configs.split(";")
                        if args.decode_configs else ["random:e2b,bfloat16,none,batch", "random:e2b,bfloat16,int8"])
             rows = []
             for spec in configs:  # each in a process of its own: a model's HBM is freed with it
