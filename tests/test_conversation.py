@@ -13,7 +13,7 @@ import pytest
 from gemma4.serve.conversation import (ReplyEvent, complete_reply, prompt_ids, stream_reply, supports_thinking,
                                  supports_tools)
 from gemma4.serve import conversation
-from gemma4.serve.engine import RequestError
+from gemma4.serve.requests import RequestError
 from gemma4.model.sampling import SamplingParams
 from tests.scripted import script_ids, scripted, tiny_gemma4
 

@@ -21,9 +21,9 @@ import pytest
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
 from gemma4.serve import engine as E
-from gemma4.serve.engine import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.serve import engine_compile as EC
 from gemma4.serve.engine_compile import chunk_plan
+from gemma4.serve.requests import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.model.sampling import SamplingParams
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4

@@ -15,9 +15,10 @@ import pytest
 
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import conversation
-from gemma4.serve.engine import Engine, RequestError
+from gemma4.serve.engine import Engine
 from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S, chunk_budget_s,
                                          chunk_limit, merge_spans, next_chunk, override_limit, prefill_order)
+from gemma4.serve.requests import RequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 BUCKETS = (16, 32, 64)

@@ -21,8 +21,8 @@ from gemma4.model import decoder as M
 from gemma4.model import vision as V
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import chat, conversation, engine as E, media_prompt
-from gemma4.serve.engine import RequestError
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
+from gemma4.serve.requests import Embeddings, RequestError, vision_layout
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
 
@@ -390,9 +390,9 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
 
 def test_vision_layout_groups_each_run():
     rows = np.zeros((3, 4), np.float32)
-    groups, spans = E.vision_layout([[1, 2], E.Embeddings(rows, vision=True), [5], E.Embeddings(rows[:2], vision=True)])
+    groups, spans = vision_layout([[1, 2], Embeddings(rows, vision=True), [5], Embeddings(rows[:2], vision=True)])
     assert groups.tolist() == [-1, -1, 0, 0, 0, -1, 1, 1] and spans == [(2, 5), (6, 8)]
-    assert E.vision_layout([[1, 2], E.Embeddings(rows)]) == (None, [])
+    assert vision_layout([[1, 2], Embeddings(rows)]) == (None, [])
 
 
 def test_chat_render_places_media_parts_like_the_template(eng):

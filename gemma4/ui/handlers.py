@@ -20,7 +20,7 @@ import gradio as gr
 from gemma4.media.files import MediaError, describe, media_from_path
 from gemma4.model import sampling
 from gemma4.serve import conversation
-from gemma4.serve.engine import RequestError
+from gemma4.serve.requests import RequestError
 from gemma4.ui.chat_controls import (
     IMAGE_TOKEN_CHOICES,
     PENALTY_RANGE,
