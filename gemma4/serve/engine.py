@@ -72,7 +72,7 @@ from gemma4.model import kv_cache
 from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes, decode_bytes_per_token
-from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, advance_rows, sample_rows
+from gemma4.model.sampling import SamplingParams, SamplingRows
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import executable_store, heap, prepared_store, step_link
@@ -83,6 +83,8 @@ from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, Co
 from gemma4.serve.requests import (Request, RequestError, Segment, TokenStream, check_vocabulary, flatten_segments,
                                    vision_layout)
 from gemma4.serve.step_times import StepTimes
+from gemma4.serve.steps import (DecodeBlock, decode_block_step, decode_step, mixed_step, prefill_embeds_step,
+                                prefill_step, sampling_rows)
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -147,105 +149,6 @@ NO_AUDIO_TOWER_REASON = "{model} has no audio tower; audio needs Gemma 4 E2B or 
 
 NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
                    "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
-
-
-# ------------------------------------------------------------------------------ compiled steps
-def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
-    """Prefill one chunk of one request into cache row `row` (in place); sample a token from its
-    position `last` [1] (last < 0: a chunk that is not the prompt's last, whose token nobody
-    reads: the LM head is skipped and the token is meaningless).
-
-    fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
-    (skipping a read of the whole empty row); later chunks attend to the cached ones too.
-    """
-    return prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, None, None, cfg=cfg,
-                                options=options, fresh=fresh)
-
-
-def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, vision_groups=None,
-                         *, cfg, options, fresh):
-    """`prefill_step` where the positions in embed_mask [1, T] take rows of embeds [1, T, H]
-    instead of their ids' embedding (the ids still give those positions' per-layer inputs).
-    vision_groups [1, T] (models bidirectional over vision only): each position's image index,
-    -1 for text and padding (see `decoder.forward`)."""
-    if fresh:
-        cache = kv_cache.clear_row(cache, row)
-    inputs = None
-    if embeds is not None:
-        own = M.embed_tokens(params, cfg, tokens, options.dtype)
-        inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
-    groups = {} if vision_groups is None else {"vision_groups": vision_groups}
-    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options,
-                                 logits_at=jnp.maximum(last, 0), attend_cache=not fresh, cache_row=row,
-                                 inputs_embeds=inputs, head=last[0] >= 0, **groups)
-    token = sample_rows(logits, sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
-
-
-def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
-    """One token for cache rows [row, row + width): tokens/positions [width]; position -1 = idle
-    row. (row is 0 but for a narrow shape standing in for a wider one not compiled yet.)
-
-    Only slots [0, kv_len) of the full-attention caches are read (every active position is below
-    kv_len), so a short conversation does not pay for the whole context window each step; the
-    cache is updated in place (donated), never copied.
-    """
-    logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
-                                 logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
-    token = sample_rows(logits, sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
-
-
-def decode_block_step(params, cache, tokens, positions, sampling, row, steps, *, cfg, options, width, kv_len, block):
-    """`steps` (≤ block, a run-time value) decode steps in one dispatch, each row's sampled token fed
-    back on the device (hardware.DECODE_BLOCK): the same tokens as `steps` calls of `decode_step`
-    (the sampling rows advance as the host would set them: `advance_rows`). Returns (tokens and
-    non-finite flags [block, width], of which the first `steps` rows are meaningful; then the state
-    a next block starts from: the last tokens [width], the next positions [width], the sampling
-    rows) and the cache. An idle row (position -1) stays idle."""
-    def one(i, carry):
-        tok, pos, rows, cache, out, bad = carry
-        logits, cache, _ = M.forward(params, cfg, tok[:, None], pos[:, None], cache, options=options,
-                                     logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
-        new = sample_rows(logits, rows)
-        out = out.at[i].set(new)
-        bad = bad.at[i].set(~jnp.all(jnp.isfinite(logits), axis=-1))
-        return new, jnp.where(pos >= 0, pos + 1, pos), advance_rows(rows, new), cache, out, bad
-
-    init = (tokens, positions, sampling, cache, jnp.zeros((block, width), jnp.int32),
-            jnp.zeros((block, width), jnp.bool_))
-    tok, pos, rows, cache, out, bad = jax.lax.fori_loop(0, steps, one, init)
-    return out, bad, tok, pos, rows, cache
-
-
-@dataclasses.dataclass
-class DecodeBlock:
-    """A dispatched block of decode steps (`decode_block_step`), not yet read: device arrays."""
-
-    steps: int
-    out: Any
-    bad: Any
-    state: tuple  # (last tokens, next positions, sampling rows): where a chained block starts
-
-    def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, non-finite) [steps, width] as numpy (waits for the device)."""
-        return np.asarray(self.out)[:self.steps], np.asarray(self.bad)[:self.steps]
-
-
-def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, sampling, *, cfg, options, width, kv_len):
-    """A prompt's chunk and one decode token per cache row [0, width) in one dispatch (see
-    engine_compile.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
-    `chunk_row`; padding: position -1), then the decode tokens (an idle row: position -1). `clear`:
-    the row to mark empty first (a prompt's first chunk), or -1. Tokens are sampled for the decode
-    rows (sampling rows [0, width)) and at chunk index `last` (sampling row `width`: meaningful
-    only after a prompt's last chunk). Full layers read slots [0, kv_len) only."""
-    cache = kv_cache.clear_row_if(cache, clear)
-    chunk = tokens.shape[0] - width
-    at = jnp.concatenate([chunk + jnp.arange(width, dtype=jnp.int32), jnp.reshape(last, (1,))])
-    logits, cache, _ = M.forward(params, cfg, tokens[None], positions[None], cache, options=options, logits_at=at,
-                                 kv_len=kv_len, cache_row=chunk_row, decode_rows=width)
-    token = sample_rows(logits, sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -764,13 +667,6 @@ class Engine:
             self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0, SamplingRows.idle(size + 1))
 
     # ---------------------------------------------------------------- device calls
-    def _sampling_rows(self, reqs: Sequence[Request | None]) -> SamplingRows:
-        rows = SamplingRows.idle(len(reqs), REPETITION_WINDOW)
-        for i, r in enumerate(reqs):
-            if r is not None:
-                rows.set_row(i, r.params, r.seed, r.generated, r.prompt_ids[-REPETITION_WINDOW:] + r.recent)
-        return rows
-
     def run_prefill(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows,
                     embeds=None, embed_mask=None, vision_groups=None) -> tuple[int, bool]:
         """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
@@ -1285,7 +1181,7 @@ class Engine:
         final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
         ran_before = self.shapes.has_run(key)
         token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1 if final else -1,
-                                      self._sampling_rows([req]), embeds, mask, groups)
+                                      sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
         if ran_before:  # a first run's one-time costs would rule its bucket out for a lone prompt
             self._note_cost(key, t1 - t0)
@@ -1360,7 +1256,7 @@ class Engine:
             for row in rows:
                 req = decoding[row]
                 tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
-            o, b = self.run_decode(key, tokens, positions, self._sampling_rows(sampling), row=first)
+            o, b = self.run_decode(key, tokens, positions, sampling_rows(sampling), row=first)
             for row in rows:
                 out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
@@ -1398,7 +1294,7 @@ class Engine:
         for row, req in decoding.items():
             tokens[row], positions[row], sampling[row] = req.recent[-1], req.position, req
         t = time.perf_counter()
-        block = self.dispatch_decode(key, tokens, positions, self._sampling_rows(sampling), 0,
+        block = self.dispatch_decode(key, tokens, positions, sampling_rows(sampling), 0,
                                      self._block_steps(decoding, 0, key[2]))
         rows = len(decoding)
         while block is not None:
@@ -1472,7 +1368,7 @@ class Engine:
         self._start_prefill_clock(req, time.perf_counter())
         with self.step_guard("mixed", [req, *decoding.values()]):  # a fault fails these rows only
             out, bad = self.run_mixed(key, tokens, positions, req.row, req.row if start == 0 else -1,
-                                      length - 1 if final else 0, self._sampling_rows(sampling))
+                                      length - 1 if final else 0, sampling_rows(sampling))
             now = time.perf_counter()
             req.fused_chunks += 1
             self._decoded(active, decoding, out, bad, now)
