@@ -194,7 +194,7 @@ def _device_steps(engine, steps: int) -> float:
 
     key = engine.shapes.decode_key(1, engine.kv_lengths[0])
     exe, _ = engine.shapes.executable(key)
-    width, block = key[1], engine.decode_block
+    width, block = key.width, engine.decode_block
     positions = jnp.asarray([200] + [-1] * (width - 1), jnp.int32)  # one row decoding, the rest idle
     start = (jnp.full((width,), 5, jnp.int32), positions, SamplingRows.idle(width, REPETITION_WINDOW).on_device())
 

@@ -28,6 +28,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from gemma4.plan import preflight, sharding  # noqa: E402
 from gemma4.serve import conversation  # noqa: E402
 from gemma4.serve.engine import Engine, SamplingParams  # noqa: E402
+from gemma4.serve.shape_keys import DecodeKey  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
 NEW_TOKENS = 4
@@ -87,7 +88,7 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
 
 def _decode_gathers(engine: Engine) -> dict:
     """All-gathers in the compiled widest decode step, and the full sizes of the split arrays."""
-    key = ("decode", engine.widths[-1], engine.kv_lengths[0])
+    key = DecodeKey(engine.widths[-1], engine.kv_lengths[0])
     hlo = (engine.shapes.get(key) or engine.shapes.compile(key)).as_text()
     split = set()
     for leaf in jax.tree.leaves((engine.params, engine.cache)):

@@ -264,9 +264,10 @@ def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
 LOWERED = textwrap.dedent("""
     import hashlib
     from gemma4.serve import engine as E
+    from gemma4.serve.shape_keys import PrefillKey
     eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
     eng.wait_ready(timeout=600)
-    text = eng._lower(("prefill", 16, True)).as_text()
+    text = eng._lower(PrefillKey(16, True)).as_text()
     print("PROGRAM", hashlib.sha256(text.encode()).hexdigest(), len(text))
     eng.close(timeout=60)
 """)

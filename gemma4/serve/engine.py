@@ -78,10 +78,11 @@ from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import executable_store, heap, prepared_store, step_link
 from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, CompiledShapes, accelerator_kv_ladder,
                                          accelerator_widths, bucket_for, chunk_budget_s, chunk_limit,
-                                         decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
-                                         MIXED_CHUNK, mixed_widths, next_chunk, override_limit, prefill_order)
+                                         decode_widths, fresh_costs, kv_ladder, merge_spans, mixed_widths,
+                                         next_chunk, override_limit, prefill_order)
 from gemma4.serve.requests import (Request, RequestError, Segment, TokenStream, check_vocabulary, flatten_segments,
                                    vision_layout)
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey, TowerKey
 from gemma4.serve.step_times import StepTimes
 from gemma4.serve.steps import (DecodeBlock, decode_block_step, decode_step, mixed_step, prefill_embeds_step,
                                 prefill_step, sampling_rows)
@@ -192,8 +193,7 @@ class Engine:
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
-        # the towers compiled per (kind, batch, size): ("vision", width, max_patches), ("audio", width, frames)
-        self._tower_exe: dict[tuple[str, int, int], Any] = {}
+        self._tower_exe: dict[TowerKey, Any] = {}  # the towers compiled (`_tower_executable`)
         self._tower_lock = threading.Lock()
         self._encode_info = threading.local()  # per calling thread: what its last encode_images/encode_audio did
         self.audio_buckets = audio_frame_buckets()  # the compiled clip lengths (`audio_bucket`); tests may narrow it
@@ -202,7 +202,7 @@ class Engine:
         self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
         self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
         self._decode_cost: float | None = None
-        self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
+        self._blocked_on: list[ShapeKey] = []  # the shapes this iteration's waiting rows need
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
         self.chunk_override: dict[bool, int | None] = {
@@ -448,7 +448,7 @@ class Engine:
                                             in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
                                             out_shardings=(rep,) * 5 + (cache_sh,))
                             for w in self.widths for n in self.kv_lengths}
-        # the fused chunk-and-decode step (engine_compile.MIXED_CHUNK); not where several processes
+        # the fused chunk-and-decode step (shape_keys.MIXED_CHUNK); not where several processes
         # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
         self.mixed_widths = () if self.link is not None or plan.platform != "cpu" else mixed_widths(self.widths)
         self._mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
@@ -588,34 +588,36 @@ class Engine:
         return (repr(self.cfg), repr(self.options), executable_store.tree_signature(self.params),
                 executable_store.tree_signature(self._cache_spec), str(self.encoder_dtype), self.decode_block)
 
-    def _lower(self, key: tuple):
+    def _lower(self, key: ShapeKey):
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
-        kind, size, extra = key
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        if kind == "vision":  # the tower for `size` images of `extra` patches (`encode_images`)
-            cfg, dtype = self.cfg, self.encoder_dtype
+        if isinstance(key, TowerKey) and key.tower == "vision":  # `width` images of `length` patches (`encode_images`)
+            cfg, dtype, n, size = self.cfg, self.encoder_dtype, key.width, key.length
             step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
-            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, cfg.vision.patch_dim), jnp.float32),
-                              i32(size, extra, 2))
-        if kind == "audio":  # the audio tower for `size` clips of `extra` feature frames (`encode_audio`)
-            cfg, dtype = self.cfg, self.encoder_dtype
+            return step.lower(self.params, jax.ShapeDtypeStruct((n, size, cfg.vision.patch_dim), jnp.float32),
+                              i32(n, size, 2))
+        if isinstance(key, TowerKey):  # the audio tower for `width` clips of `length` feature frames (`encode_audio`)
+            cfg, dtype, n, size = self.cfg, self.encoder_dtype, key.width, key.length
             step = jax.jit(lambda params, feats, mask: AU.encode_audio(params, cfg, feats, mask, dtype=dtype))
-            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, FEATURE_SIZE), jnp.float32),
-                              jax.ShapeDtypeStruct((size, extra), jnp.bool_))
-        if kind == "prefill":
-            return self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
-                                              i32(1), SamplingRows.spec(1))
-        if kind == "prefill_embeds":
-            return self._prefill_embeds[extra].lower(
+            return step.lower(self.params, jax.ShapeDtypeStruct((n, size, FEATURE_SIZE), jnp.float32),
+                              jax.ShapeDtypeStruct((n, size), jnp.bool_))
+        if isinstance(key, PrefillKey) and not key.embeds:
+            size = key.bucket
+            return self._prefill[key.fresh].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
+                                                  i32(1), SamplingRows.spec(1))
+        if isinstance(key, PrefillKey):
+            size = key.bucket
+            return self._prefill_embeds[key.fresh].lower(
                 self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
                 jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
                 jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
-        if kind == "mixed":
-            return self._mixed[size, extra].lower(self.params, self._cache_spec, i32(MIXED_CHUNK + size),
-                                                  i32(MIXED_CHUNK + size), i32(), i32(), i32(), SamplingRows.spec(size + 1))
+        w = key.width
+        if isinstance(key, MixedKey):
+            return self._mixed[w, key.kv_len].lower(self.params, self._cache_spec, i32(MIXED_CHUNK + w),
+                                                    i32(MIXED_CHUNK + w), i32(), i32(), i32(), SamplingRows.spec(w + 1))
         block = (i32(),) if self.decode_block > 1 else ()  # the steps a block runs
-        return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
-                                               SamplingRows.spec(size), i32(), *block)
+        return self._decode[w, key.kv_len].lower(self.params, self._cache_spec, i32(w), i32(w),
+                                                 SamplingRows.spec(w), i32(), *block)
 
     def _warm_up(self) -> None:
         """Wait for the shapes needed before ready (compiled by the compile threads), and run each
@@ -630,7 +632,7 @@ class Engine:
                 raise RuntimeError("the engine was closed during start-up")
             failed = [k for k in keys if self.shapes.failure(k)]
             if failed:
-                raise RuntimeError(f"compiling {describe_shape(failed[0])} failed: {self.shapes.failure(failed[0])}")
+                raise RuntimeError(f"compiling {failed[0].describe()} failed: {self.shapes.failure(failed[0])}")
             todo = [k for k in keys if self.shapes.get(k) is None]
             fresh = [k for k in keys if k not in todo and k not in ran]
             for key in fresh:
@@ -647,33 +649,34 @@ class Engine:
                 shown = len(todo)
                 done = len(keys) - len(todo)
                 self._set_status("warming", 0.8 + 0.18 * done / len(keys),
-                                 f"compiling {' and '.join(describe_shape(k) for k in todo) or 'done'} "
+                                 f"compiling {' and '.join(k.describe() for k in todo) or 'done'} "
                                  f"({done}/{len(keys)} done; the other shapes compile after the model is ready)")
             elif todo and not fresh:
                 self.shapes.wait_any(todo, timeout=0.5)
         self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
 
-    def _run_idle(self, key: tuple) -> None:
+    def _run_idle(self, key: ShapeKey) -> None:
         """Run one executable on idle inputs (every position -1: nothing is written or attended).
         Media shapes (the towers, prefill with embeddings) are left to their first use."""
-        kind, size, _ = key
-        idle = np.full(size, -1, np.int32)
-        if kind == "prefill":
-            self.run_prefill(key, np.zeros(size, np.int32), idle, 0, 0, SamplingRows.idle(1))
-        elif kind == "decode":
-            self.run_decode(key, np.zeros(size, np.int32), idle, SamplingRows.idle(size))
-        elif kind == "mixed":
-            n = MIXED_CHUNK + size
-            self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0, SamplingRows.idle(size + 1))
+        if isinstance(key, PrefillKey) and not key.embeds:
+            n = key.bucket
+            self.run_prefill(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, 0, SamplingRows.idle(1))
+        elif isinstance(key, DecodeKey):
+            n = key.width
+            self.run_decode(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), SamplingRows.idle(n))
+        elif isinstance(key, MixedKey):
+            n = MIXED_CHUNK + key.width
+            self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0,
+                           SamplingRows.idle(key.width + 1))
 
     # ---------------------------------------------------------------- device calls
-    def run_prefill(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows,
+    def run_prefill(self, key: PrefillKey, tokens, positions, row: int, last: int, sampling: SamplingRows,
                     embeds=None, embed_mask=None, vision_groups=None) -> tuple[int, bool]:
         """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
         [bucket] (padding: position -1) into cache row `row`; returns (the token sampled at chunk
         index `last` (-1: not the prompt's last chunk, no token is sampled worth reading), whether its
         logits were non-finite). `embeds` [bucket, hidden] and
-        `embed_mask` [bucket] go with a ("prefill_embeds", …) key, and `vision_groups` [bucket]
+        `embed_mask` [bucket] go with a key of `embeds=True`, and `vision_groups` [bucket]
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
@@ -691,8 +694,8 @@ class Engine:
             token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
-    def run_mixed(self, key: tuple, tokens, positions, chunk_row: int, clear: int, last: int, sampling: SamplingRows):
-        """Run the fused step `key` ("mixed", width, kv_len) (see `mixed_step`): tokens/positions
+    def run_mixed(self, key: MixedKey, tokens, positions, chunk_row: int, clear: int, last: int, sampling: SamplingRows):
+        """Run the fused step `key` (see `mixed_step`): tokens/positions
         [MIXED_CHUNK + width]; returns (tokens [width + 1]: the decode rows', then the chunk's;
         non-finite [width + 1]) as numpy. Never used where several processes replay steps
         (`mixed_widths` is empty there)."""
@@ -703,7 +706,7 @@ class Engine:
                                          jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 
-    def run_decode(self, key: tuple, tokens, positions, sampling: SamplingRows, row: int = 0):
+    def run_decode(self, key: DecodeKey, tokens, positions, sampling: SamplingRows, row: int = 0):
         """Run decode shape `key` (compiled first if it is not) for cache rows [row, row + width):
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
@@ -719,7 +722,7 @@ class Engine:
                                          sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
-    def dispatch_decode(self, key: tuple, tokens, positions, sampling: SamplingRows | None, row: int, steps: int,
+    def dispatch_decode(self, key: DecodeKey, tokens, positions, sampling: SamplingRows | None, row: int, steps: int,
                         after: DecodeBlock | None = None) -> DecodeBlock:
         """Dispatch `steps` decode steps of shape `key` in one call (engines with decode_block > 1),
         without waiting for them: from host tokens/positions/sampling rows, or, with `after`, from
@@ -767,7 +770,7 @@ class Engine:
         for size, part, take in encode_batches([int(np.shape(p.pixel_values)[0]) for p in patches]):
             pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
             pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
-            exe, new = self._tower_executable("vision", len(take), size)
+            exe, new = self._tower_executable(TowerKey("vision", len(take), size))
             compiled |= new
             rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
             for j, i in enumerate(part):
@@ -780,10 +783,8 @@ class Engine:
         before one): whether it compiled a tower shape, and its seconds (compile included)."""
         return dict(getattr(self._encode_info, "last", {}))
 
-    def _tower_executable(self, kind: str, width: int, size: int):
-        """(the compiled tower `kind` ("vision": [width, size] patches; "audio": [width, size]
-        feature frames), whether this call compiled it)."""
-        key = (kind, width, size)
+    def _tower_executable(self, key: TowerKey):
+        """(the compiled tower of `key`, whether this call compiled it)."""
         with self._tower_lock:
             if key in self._tower_exe:
                 return self._tower_exe[key], False
@@ -839,7 +840,7 @@ class Engine:
                 n = int(np.shape(features[i].features)[0])
                 feats[j, :n] = features[i].features
                 mask[j, :n] = features[i].mask
-            exe, new = self._tower_executable("audio", len(take), frames)
+            exe, new = self._tower_executable(TowerKey("audio", len(take), frames))
             compiled |= new
             soft, valid = exe(self.params, jnp.asarray(feats), jnp.asarray(mask))
             soft, valid = np.asarray(soft, np.float32), np.asarray(valid)
@@ -935,16 +936,16 @@ class Engine:
         with self._lock:
             self._wake.notify_all()
 
-    def _first_run(self, key: tuple) -> None:
+    def _first_run(self, key: ShapeKey) -> None:
         """Run a newly compiled shape once on idle inputs (nothing is written), on the engine
         thread while no request is served: its slow first run lands here, not on a request."""
         t = time.perf_counter()
         try:
             self._run_idle(key)
         except Exception as e:  # a request that uses it meets the error itself; the loop goes on
-            log.warning("first run of %s failed: %s: %s", describe_shape(key), type(e).__name__, e)
+            log.warning("first run of %s failed: %s: %s", key.describe(), type(e).__name__, e)
         else:
-            log.info("ran %s once in %.2f s (idle)", describe_shape(key), time.perf_counter() - t)
+            log.info("ran %s once in %.2f s (idle)", key.describe(), time.perf_counter() - t)
 
     def serve_requests(self) -> None:
         """The scheduler loop (on the engine thread, until `close`): each iteration admits a
@@ -1082,16 +1083,15 @@ class Engine:
         if not ran:
             self.shapes.wait_any(self._blocked_on, timeout=0.1)
 
-    def _note_cost(self, key: tuple, seconds: float) -> None:
+    def _note_cost(self, key: ShapeKey, seconds: float) -> None:
         """Fold one measured dispatch into the chunk-size costs (a running mean that follows the
         machine's load: a new measure weighs 0.3)."""
-        kind, size, extra = key
-        if kind == "decode":
+        if isinstance(key, DecodeKey):
             self._decode_cost = seconds if self._decode_cost is None else 0.7 * self._decode_cost + 0.3 * seconds
-        elif kind == "prefill":
-            costs = self._chunk_cost[bool(extra)]
+        elif isinstance(key, PrefillKey) and not key.embeds:
+            costs, size = self._chunk_cost[key.fresh], key.bucket
             costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
-            self._chunk_cost_at[bool(extra)][size] = time.monotonic()
+            self._chunk_cost_at[key.fresh][size] = time.monotonic()
 
     def chunk_tokens(self, fresh: bool, alone: bool) -> int:
         """The most prompt tokens one prefill chunk takes now: the env override, else the largest
@@ -1128,22 +1128,21 @@ class Engine:
             length = next_chunk(start, n, self.chunk_tokens(fresh, alone), req.atomic_spans)
             chunk = slice(start, start + length)
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
-            key = self.shapes.chunk_key("prefill_embeds" if with_embeds else "prefill", length, fresh)
+            key = self.shapes.chunk_key(length, fresh, with_embeds)
             if key is None:  # its shape compiles first in line; this request waits for it, nobody else
-                need = ("prefill_embeds" if with_embeds else "prefill", bucket_for(length, self.buckets), fresh)
-                self._wait_or_fail(req, need)
+                self._wait_or_fail(req, PrefillKey(bucket_for(length, self.buckets), fresh, with_embeds))
                 continue
-            if key[1] < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
-                length = next_chunk(start, n, key[1], req.atomic_spans)
-                if length > key[1]:  # a span needs the larger shape: wait for it
-                    self._blocked_on.append((key[0], bucket_for(length, self.buckets), fresh))
+            if key.bucket < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
+                length = next_chunk(start, n, key.bucket, req.atomic_spans)
+                if length > key.bucket:  # a span needs the larger shape: wait for it
+                    self._blocked_on.append(PrefillKey(bucket_for(length, self.buckets), fresh, with_embeds))
                     continue
             with self.step_guard("prefill", [req]):  # a fault fails this request only
-                self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
+                self._run_chunk(req, key, start, length)
             return True
         return False
 
-    def _wait_or_fail(self, req: Request, key: tuple) -> None:
+    def _wait_or_fail(self, req: Request, key: ShapeKey) -> None:
         """`req` cannot run this iteration: it waits for shape `key` (its stats say it waited for a
         compile), or, when compiling `key` failed, it ends with that error (the others go on)."""
         failed = self.shapes.failure(key)
@@ -1154,14 +1153,14 @@ class Engine:
         with self._lock:
             if self._active.get(req.row) is req:
                 del self._active[req.row]
-        req.events.put(("error", f"compiling {describe_shape(key)} failed: {failed}"))
+        req.events.put(("error", f"compiling {key.describe()} failed: {failed}"))
 
-    def _run_chunk(self, req: Request, key: tuple, start: int, length: int, with_embeds: bool) -> None:
+    def _run_chunk(self, req: Request, key: PrefillKey, start: int, length: int) -> None:
         """Prefill prompt positions [start, start + length) of `req` in shape `key`; after its last
         chunk, its prefill stats and its first token (sampled in the same dispatch)."""
         t0 = time.perf_counter()
         self._start_prefill_clock(req, t0)
-        bucket = key[1]
+        bucket, with_embeds = key.bucket, key.embeds
         chunk = slice(start, start + length)
         tokens = np.zeros(bucket, np.int32)
         tokens[:length] = req.prompt_ids[chunk]
@@ -1235,7 +1234,7 @@ class Engine:
         if not decoding:
             return False
         need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
-        kv_len = self.shapes.decode_key(need_w, need_n)[2]
+        kv_len = self.shapes.decode_key(need_w, need_n).kv_len
         if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
             self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
         plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
@@ -1249,7 +1248,7 @@ class Engine:
         ran_before = all(self.shapes.has_run(key) for key, _, _ in plan)
         out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
         for key, first, rows in plan:
-            width = key[1]
+            width = key.width
             tokens = np.zeros(width, np.int32)
             positions = np.full(width, -1, np.int32)
             sampling: list[Request | None] = [None] * width
@@ -1282,24 +1281,24 @@ class Engine:
             return 0
         return max(1, steps)
 
-    def _decode_blocks(self, key: tuple, active: dict[int, Request], decoding: dict[int, Request]) -> bool:
+    def _decode_blocks(self, key: DecodeKey, active: dict[int, Request], decoding: dict[int, Request]) -> bool:
         """Decode `decoding` (rows [0, width) of shape `key`) in blocks of steps (decode_block > 1):
         each block is dispatched before the last one is read, so the device never waits for the
         host; the chain ends when a row finishes or is cancelled, another request waits, or the
         rows' needs or the cache length end it. Tokens past a row's end are dropped (the cache slots
         they wrote are past its last position: a new request's first chunk clears the row)."""
-        width = key[1]
+        width = key.width
         tokens, positions = np.zeros(width, np.int32), np.full(width, -1, np.int32)
         sampling: list[Request | None] = [None] * width
         for row, req in decoding.items():
             tokens[row], positions[row], sampling[row] = req.recent[-1], req.position, req
         t = time.perf_counter()
         block = self.dispatch_decode(key, tokens, positions, sampling_rows(sampling), 0,
-                                     self._block_steps(decoding, 0, key[2]))
+                                     self._block_steps(decoding, 0, key.kv_len))
         rows = len(decoding)
         while block is not None:
             # a row that ended stops the chain: what is in flight is read, nothing more dispatched
-            steps = self._block_steps(decoding, block.steps, key[2]) if len(decoding) == rows else 0
+            steps = self._block_steps(decoding, block.steps, key.kv_len) if len(decoding) == rows else 0
             following = self.dispatch_decode(key, None, None, None, 0, steps, after=block) if steps else None
             out, bad = block.read()
             now = time.perf_counter()
@@ -1331,7 +1330,7 @@ class Engine:
                 self.emit(req, int(out[row]), bool(bad[row]), now)
 
     def _mixed_once(self) -> bool:
-        """One fused step (`mixed_step`, engine_compile.MIXED_CHUNK) instead of a chunk and a
+        """One fused step (`mixed_step`, shape_keys.MIXED_CHUNK) instead of a chunk and a
         decode step apart, where it applies: some rows decoding, the next prompt in
         `prefill_order` with a text-only next chunk of at most MIXED_CHUNK tokens (none ends
         inside an atomic span), and the fused shape for these rows and lengths compiled (else it
@@ -1356,7 +1355,7 @@ class Engine:
         key = self.shapes.mixed_key(max(decoding) + 1, need_n)
         if key is None:
             return False
-        width = key[1]
+        width = key.width
         tokens = np.zeros(MIXED_CHUNK + width, np.int32)
         positions = np.full(MIXED_CHUNK + width, -1, np.int32)
         tokens[:length] = req.prompt_ids[chunk]

@@ -2,9 +2,9 @@
 parameters they take from requests, and a dispatched decode block not yet read.
 
 Each step takes the parameters and the KV cache and gives back the cache (donated: updated in
-place); the engine jits them per shape (gemma4.serve.engine) and the shapes' keys are
-engine_compile's. Pure functions of their inputs: these files' bytes are part of a stored
-executable's key (executable_store.PROGRAM_SOURCES).
+place); the engine jits them per shape (gemma4.serve.engine; the shapes' keys are
+gemma4/serve/shape_keys.py's). Pure functions of their inputs: this file's bytes are part of a
+stored executable's key (executable_store.PROGRAM_SOURCES).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class DecodeBlock:
 
 def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, sampling, *, cfg, options, width, kv_len):
     """A prompt's chunk and one decode token per cache row [0, width) in one dispatch (see
-    engine_compile.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
+    shape_keys.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
     `chunk_row`; padding: position -1), then the decode tokens (an idle row: position -1). `clear`:
     the row to mark empty first (a prompt's first chunk), or -1. Tokens are sampled for the decode
     rows (sampling rows [0, width)) and at chunk index `last` (sampling row `width`: meaningful
