@@ -335,13 +335,13 @@ def test_encode_images_batches_and_pads(eng):
     cfg = eng.cfg
     pats = [preprocess_image(decode_image(png(w, h, seed=w)), max_soft_tokens=70, patch_size=cfg.vision.patch_size,
                              pooling_kernel_size=cfg.vision.pooling_kernel_size) for w, h in ((48, 96), (96, 48), (64, 64))]
-    rows = eng.encode_images(pats)
+    rows = eng.towers.encode_images(pats)
     assert [r.shape for r in rows] == [(p.num_soft_tokens, cfg.hidden_size) for p in pats]
-    assert eng.last_encode()["encode_s"] > 0
+    assert eng.towers.last_encode()["encode_s"] > 0
     for p, r in zip(pats, rows):
-        alone = eng.encode_images([p])[0]
+        alone = eng.towers.encode_images([p])[0]
         np.testing.assert_allclose(alone, r, rtol=0, atol=1e-5)
-        assert np.array_equal(eng.encode_images([p])[0], alone)
+        assert np.array_equal(eng.towers.encode_images([p])[0], alone)
 
 
 def test_embedding_cache_is_bounded_lru_and_read_only():

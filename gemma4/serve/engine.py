@@ -53,23 +53,18 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import os
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.env import audio_bucket_seconds
-from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
-from gemma4.model import audio as AU
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
-from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes, decode_bytes_per_token
 from gemma4.model.sampling import SamplingParams, SamplingRows
@@ -86,6 +81,7 @@ from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
 from gemma4.serve.step_times import StepTimes
 from gemma4.serve.steps import (DecodeBlock, decode_block_step, decode_step, mixed_step, prefill_embeds_step,
                                 prefill_step, sampling_rows)
+from gemma4.serve.towers import Towers
 from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -98,58 +94,10 @@ log = logging.getLogger("gemma4.serve.engine")
 
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
 DEFAULT_CONTEXT = 4096
-ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's frames come in batches)
-# The audio tower's compiled lengths, in feature frames (100 a second; 3,000 = the 30 s the model
-# hears): a clip is padded with masked frames up to the next one (its valid rows do not change),
-# so at most five shapes compile per batch width, and a clip pays at most about twice its length.
-# GEMMA4_AUDIO_BUCKETS (seconds) overrides (`audio_frame_buckets`).
-AUDIO_FRAME_BUCKETS = (200, 400, 800, 1600, 3000)
-
-
-def encode_batches(sizes: Sequence[int], batch: int = ENCODE_BATCH):
-    """(size, indices, padded indices) per tower call: items of one size (an image's patch budget,
-    a clip's frame bucket) go together, at most `batch` at a time, padded to the next width of
-    `decode_widths` by repeating the last one (so few shapes compile)."""
-    groups: dict[int, list[int]] = {}
-    for i, size in enumerate(sizes):
-        groups.setdefault(int(size), []).append(i)
-    widths = decode_widths(batch)
-    for size, idx in groups.items():
-        for at in range(0, len(idx), batch):
-            part = idx[at:at + batch]
-            width = next(w for w in widths if w >= len(part))
-            yield size, part, part + [part[-1]] * (width - len(part))
-
-
 def bidirectional_vision(cfg: ModelConfig) -> bool:
     """Whether this model's sliding layers let an image's tokens see the whole image
     (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs)."""
     return bool(cfg.bidirectional_vision)
-
-
-def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS) -> int:
-    """The compiled length (feature frames) a clip of `frames` frames is padded to: the smallest
-    bucket that holds it (RequestError past the largest: more than the 30 s the model hears)."""
-    for b in sorted(buckets):
-        if frames <= b:
-            return int(b)
-    raise RequestError(f"An audio clip of {frames} feature frames is longer than the {max(buckets)} frames "
-                       f"({max(buckets) / 100:g} s) the audio tower is compiled for; cut it to its first 30 s.")
-
-
-def audio_frame_buckets(env=os.environ) -> tuple[int, ...]:
-    """The audio buckets in feature frames (100 a second) from GEMMA4_AUDIO_BUCKETS' seconds
-    (`gemma4.env.audio_bucket_seconds`; default `AUDIO_FRAME_BUCKETS`): none past 30 s, and 30 s
-    always the top one, so every clip the front end gives has a bucket."""
-    top = AUDIO_FRAME_BUCKETS[-1]
-    frames = {min(top, math.ceil(s * 100)) for s in audio_bucket_seconds(env)}
-    return tuple(sorted(frames | {top}))
-
-
-NO_AUDIO_TOWER_REASON = "{model} has no audio tower; audio needs Gemma 4 E2B or E4B (e.g. --model google/gemma-4-E2B-it)"
-
-NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
-                   "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -193,10 +141,7 @@ class Engine:
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
-        self._tower_exe: dict[TowerKey, Any] = {}  # the towers compiled (`_tower_executable`)
-        self._tower_lock = threading.Lock()
-        self._encode_info = threading.local()  # per calling thread: what its last encode_images/encode_audio did
-        self.audio_buckets = audio_frame_buckets()  # the compiled clip lengths (`audio_bucket`); tests may narrow it
+        self.towers: Towers | None = None  # the vision and audio towers, once the model is loaded
         # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
         # by (first chunk?, bucket) and per decode step, running means.
         self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
@@ -269,6 +214,8 @@ class Engine:
             self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
             self._load()
+            self.towers = Towers(self.cfg, self.params, self.encoder_dtype, self.shapes.compile,
+                                 multi_process=self.link is not None)
             # an accelerator's compiles run on the host's cores while the chip idles: several at once
             accelerated = self.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
             self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
@@ -591,16 +538,8 @@ class Engine:
     def _lower(self, key: ShapeKey):
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        if isinstance(key, TowerKey) and key.tower == "vision":  # `width` images of `length` patches (`encode_images`)
-            cfg, dtype, n, size = self.cfg, self.encoder_dtype, key.width, key.length
-            step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
-            return step.lower(self.params, jax.ShapeDtypeStruct((n, size, cfg.vision.patch_dim), jnp.float32),
-                              i32(n, size, 2))
-        if isinstance(key, TowerKey):  # the audio tower for `width` clips of `length` feature frames (`encode_audio`)
-            cfg, dtype, n, size = self.cfg, self.encoder_dtype, key.width, key.length
-            step = jax.jit(lambda params, feats, mask: AU.encode_audio(params, cfg, feats, mask, dtype=dtype))
-            return step.lower(self.params, jax.ShapeDtypeStruct((n, size, FEATURE_SIZE), jnp.float32),
-                              jax.ShapeDtypeStruct((n, size), jnp.bool_))
+        if isinstance(key, TowerKey):
+            return self.towers.lower(key)
         if isinstance(key, PrefillKey) and not key.embeds:
             size = key.bucket
             return self._prefill[key.fresh].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
@@ -739,119 +678,20 @@ class Engine:
                                                jnp.int32(steps))
         return DecodeBlock(steps, out, bad, tuple(state))
 
-    # ---------------------------------------------------------------- vision
+    # ---------------------------------------------------------------- media
     def supports_vision(self) -> tuple[bool, str]:
-        """(ok, reason when not): the model has a vision tower, loaded, on one process."""
+        """(ok, reason when not): the model is ready and has a vision tower, loaded, on one process
+        (`Towers.supports_vision`); images are encoded by `towers.encode_images`."""
         if self._status["state"] != "ready":
             return False, "the model is still loading (images can be sent once it is ready)"
-        cfg = self.cfg
-        name = self._info.get("model", self.model_name)
-        if cfg.vision is None or cfg.image_token_id is None or cfg.boi_token_id is None or cfg.eoi_token_id is None:
-            return False, NO_TOWER_REASON.format(model=name)
-        if "vision" not in self.params:
-            return False, f"{name} was loaded without its vision tower (text-only serving); reload it with the tower"
-        if self.link is not None:
-            return False, "images are not supported across several processes yet"
-        return True, ""
+        return self.towers.supports_vision()
 
-    def encode_images(self, patches: Sequence[Any]) -> list[np.ndarray]:
-        """Soft-token rows [n_i, hidden] float32 of preprocessed images (`gemma4.media.image.VisionPatches`,
-        or video frames' patches), in order: each image's first `num_soft_tokens` rows of the tower
-        and projector (`gemma4.model.vision.encode_images`), which go into the decoder as they are.
-
-        Images with the same patch budget run together, in a batch padded to the next width of
-        `decode_widths` by repeating the last image (so few shapes compile); one executable per
-        (width, max_patches), compiled on first use (`last_encode()` says whether this call did)."""
-        ok, why = self.supports_vision()
-        if not ok:
-            raise RequestError(f"Images are not available: {why}.")
-        out: list[np.ndarray | None] = [None] * len(patches)
-        compiled, t0 = False, time.perf_counter()
-        for size, part, take in encode_batches([int(np.shape(p.pixel_values)[0]) for p in patches]):
-            pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
-            pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
-            exe, new = self._tower_executable(TowerKey("vision", len(take), size))
-            compiled |= new
-            rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
-            for j, i in enumerate(part):
-                out[i] = rows[j, :int(patches[i].num_soft_tokens)]
-        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
-        return out  # type: ignore[return-value]
-
-    def last_encode(self) -> dict:
-        """{"compiled", "encode_s"} of this thread's last `encode_images` or `encode_audio` call ({}
-        before one): whether it compiled a tower shape, and its seconds (compile included)."""
-        return dict(getattr(self._encode_info, "last", {}))
-
-    def _tower_executable(self, key: TowerKey):
-        """(the compiled tower of `key`, whether this call compiled it)."""
-        with self._tower_lock:
-            if key in self._tower_exe:
-                return self._tower_exe[key], False
-            # Lowered under the compile threads' lock (`_lower`'s tower kinds): two traces at once
-            # broke a prefill compile here (a jaxpr KeyError) while an image was encoded.
-            exe = self.shapes.compile(key)
-            self._tower_exe[key] = exe
-            return exe, True
-
-    # ---------------------------------------------------------------- audio
     def supports_audio(self) -> tuple[bool, str]:
-        """(ok, reason when not): the model has an audio tower (Gemma 4 E2B / E4B), loaded, on one process."""
+        """(ok, reason when not): the model is ready and has an audio tower (Gemma 4 E2B / E4B),
+        loaded, on one process (`Towers.supports_audio`); clips are encoded by `towers.encode_audio`."""
         if self._status["state"] != "ready":
             return False, "the model is still loading (audio can be sent once it is ready)"
-        cfg = self.cfg
-        name = self._info.get("model", self.model_name)
-        if cfg.family != "gemma4":
-            return False, f"{name} is a Gemma 3 model: it has no audio tower; audio needs Gemma 4 E2B or E4B"
-        if cfg.audio is None and cfg.audio_token_id is not None:  # the checkpoint has one; it was not loaded
-            return False, f"{name} was loaded without its audio tower (GEMMA4_AUDIO=off); reload it with the tower"
-        if cfg.audio is None or cfg.audio_token_id is None or cfg.boa_token_id is None or cfg.eoa_token_id is None:
-            return False, NO_AUDIO_TOWER_REASON.format(model=name)
-        if "audio" not in self.params:
-            return False, f"{name} was loaded without its audio tower (text-only serving); reload it with the tower"
-        if self.link is not None:
-            return False, "audio is not supported across several processes yet"
-        return True, ""
-
-    def encode_audio(self, features: Sequence[AudioFeatures]) -> list[np.ndarray]:
-        """Soft-token rows [n_i, hidden] float32 of audio clips' features (`gemma4.media.audio.AudioFeatures`),
-        in order: each clip's first `num_soft_tokens` rows of the tower and projector
-        (`gemma4.model.audio.encode_audio`, in the plan's encoder dtype, `Engine.encoder_dtype`, as
-        `encode_images`), which go into the decoder as they are.
-
-        A clip is padded with masked frames to its bucket (`audio_bucket`: 2, 4, 8, 16 or 30 s);
-        clips of one bucket run together, in a batch padded to the next width of `decode_widths` by
-        repeating the last clip. One executable per (width, frames), compiled on first use
-        (`last_encode()` says whether this call did). RequestError for a clip without a soft token."""
-        ok, why = self.supports_audio()
-        if not ok:
-            raise RequestError(f"Audio is not available: {why}.")
-        out: list[np.ndarray | None] = [None] * len(features)
-        for i, f in enumerate(features):
-            if int(f.num_soft_tokens) < 1:
-                raise RequestError(f"Audio clip {i + 1} is too short to hear (no soft token: under 40 ms of sound); "
-                                   "send a longer clip.")
-        compiled, t0 = False, time.perf_counter()
-        buckets = [audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets) for f in features]
-        for frames, part, take in encode_batches(buckets):
-            feats = np.zeros((len(take), frames, FEATURE_SIZE), np.float32)
-            mask = np.zeros((len(take), frames), bool)
-            for j, i in enumerate(take):
-                n = int(np.shape(features[i].features)[0])
-                feats[j, :n] = features[i].features
-                mask[j, :n] = features[i].mask
-            exe, new = self._tower_executable(TowerKey("audio", len(take), frames))
-            compiled |= new
-            soft, valid = exe(self.params, jnp.asarray(feats), jnp.asarray(mask))
-            soft, valid = np.asarray(soft, np.float32), np.asarray(valid)
-            for j, i in enumerate(part):
-                n = int(features[i].num_soft_tokens)
-                if int(valid[j].sum()) != n or not valid[j, :n].all():  # the tower and the front end disagree
-                    raise RuntimeError(f"the audio tower marks {int(valid[j].sum())} valid rows for a clip of "
-                                       f"{n} soft tokens")
-                out[i] = soft[j, :n]
-        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
-        return out  # type: ignore[return-value]
+        return self.towers.supports_audio()
 
     # ---------------------------------------------------------------- requests
     def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:

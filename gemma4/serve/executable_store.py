@@ -59,12 +59,12 @@ ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
 
 # The package's parts a compiled step is built from: the model (forward pass, caches, sampling),
 # the ops and native kernels, the engine's step functions (steps.py) and how it jits and lowers
-# them (engine.py), its shape sizes (engine_compile: buckets; shape_keys: the fused chunk), and
-# this store. Other modules reach a program only through values the key holds (config, options,
-# the parameters' tree, environment variables, jax's configuration), so an edit elsewhere keeps
-# every stored executable.
+# them (engine.py; the towers': towers.py), its shape sizes (engine_compile: buckets;
+# shape_keys: the fused chunk), and this store. Other modules reach a program only through
+# values the key holds (config, options, the parameters' tree, environment variables, jax's
+# configuration), so an edit elsewhere keeps every stored executable.
 PROGRAM_SOURCES = ("model", "ops", "serve/engine.py", "serve/engine_compile.py", "serve/steps.py",
-                   "serve/shape_keys.py", "serve/executable_store.py")
+                   "serve/shape_keys.py", "serve/towers.py", "serve/executable_store.py")
 
 
 @functools.lru_cache(maxsize=4)

@@ -378,11 +378,11 @@ class MediaPlan:
                 continue
             t = time.perf_counter()
             if prep.kind == "audio":
-                rows = self.engine.encode_audio([prep.features])
+                rows = self.engine.towers.encode_audio([prep.features])
                 prep.features = None  # the features are not needed any more
             else:
-                rows = self.engine.encode_images(prep.patches)
-            info = self.engine.last_encode()
+                rows = self.engine.towers.encode_images(prep.patches)
+            info = self.engine.towers.last_encode()
             prep.encode_s = time.perf_counter() - t
             prep.compiled = bool(info.get("compiled"))
             prep.rows = cache.put(prep.key, np.concatenate(rows, axis=0))
