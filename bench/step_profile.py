@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
                  f"(one length where the native cache attention reads every full layer; "
                  f"GEMMA4_ATTENTION=xla gives the 512..4096 ladder)")
     fill_cache(engine, min(args.kv, engine.context_limit) - 65)
-    plan = engine.plan
+    plan = engine.loaded.plan
     out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {},
            "attention": {"sliding": plan.attention_sliding.value, "full": plan.attention_full.value}}
     print(f"attention over the cache: sliding {plan.attention_sliding.value}, full {plan.attention_full.value} "

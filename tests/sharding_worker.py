@@ -77,11 +77,11 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
     """Per-device bytes held, and the rule table's arithmetic for the same mesh."""
     held = sharding.device_bytes(engine.params)
     cache = sharding.device_bytes(engine.cache)
-    plan = engine.plan
+    plan = engine.loaded.plan
     expect = sharding.shard_bytes_per_device(
         engine.cfg, mesh_shape, weight_dtype=plan.weight_dtype.value, quantize=plan.quantize_kwargs(),
-        batch=engine.max_batch, context=engine.context_limit, kv_dtype=engine.options.compute_dtype,
-        kv_format=engine.kv_format, tower_dtype=preflight.tower_dtype(plan))
+        batch=engine.max_batch, context=engine.context_limit, kv_dtype=engine.loaded.options.compute_dtype,
+        kv_format=engine.loaded.kv_format, tower_dtype=preflight.tower_dtype(plan))
     return {"weights": sorted(set(held.values())), "kv_cache": sorted(set(cache.values())),
             "devices": len(held), "expect": expect}
 

@@ -146,7 +146,7 @@ def test_audio_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     x = np.zeros((1, frames, 128), np.float32)
     mask = np.zeros((1, frames), bool)
     x[0, :len(feats.mask)], mask[0, :len(feats.mask)] = feats.features, feats.mask
-    tower = jax.jit(lambda params, x, mask: AU.encode_audio(params, cfg, x, mask, dtype=eng.encoder_dtype))
+    tower = jax.jit(lambda params, x, mask: AU.encode_audio(params, cfg, x, mask, dtype=eng.loaded.encoder_dtype))
     soft, valid = tower(eng.params, jnp.asarray(x), jnp.asarray(mask))
     rows = np.asarray(soft, np.float32)[0, :n]
     assert np.asarray(valid)[0].sum() == n

@@ -321,7 +321,7 @@ def test_a_failed_lowering_is_retried_once_after_clearing_jax_caches(monkeypatch
 # ---------------------------------------------------------------- the media seam: embedding segments
 def _embedding_rows(eng, ids):
     """The decoder's own input rows for `ids` (what an image/audio encoder would hand over)."""
-    rows = M.embed_tokens(eng.params, eng.cfg, jnp.asarray([ids], jnp.int32), eng.options.dtype)[0]
+    rows = M.embed_tokens(eng.params, eng.cfg, jnp.asarray([ids], jnp.int32), eng.loaded.options.dtype)[0]
     return np.asarray(rows.astype(jnp.float32))
 
 
@@ -370,7 +370,7 @@ def test_flatten_segments_lays_runs_out_in_order():
 def test_an_unbounded_compile_cache_gets_the_access_times_a_bounded_one_needs(tmp_path):
     """The on-disk compile cache is bounded (so jax locks it across processes); entries written
     while it was not have no access-time file, without which every later write would fail."""
-    from gemma4.serve.engine import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
+    from gemma4.serve.engine_load import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
     (tmp_path / "jit_f-abc-cache").write_bytes(b"x")
     (tmp_path / "jit_g-def-cache").write_bytes(b"y")
     (tmp_path / "jit_g-def-atime").write_bytes((5).to_bytes(8, "little"))

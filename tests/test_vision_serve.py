@@ -77,7 +77,7 @@ def direct_greedy(eng, ids: list[int], rows_at: dict[int, np.ndarray], n: int, g
     engine): the ids' embeddings, the rows at their positions (their per-layer ids: pad). One
     compile: the sequence is right-padded to its final length (padding: position -1). `groups`:
     the prompt's vision groups, for a model bidirectional over vision (generated tokens: -1)."""
-    cfg, params, opts = eng.cfg, eng.params, eng.options
+    cfg, params, opts = eng.cfg, eng.params, eng.loaded.options
     total = len(ids) + n
 
     extra = {}
@@ -145,7 +145,7 @@ def test_image_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     patches = preprocess_image(decode_image(data), patch_size=cfg.vision.patch_size,
                                pooling_kernel_size=cfg.vision.pooling_kernel_size)
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
-                                      jnp.asarray(patches.position_ids[None]), dtype=eng.encoder_dtype))[0, :n]
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.loaded.encoder_dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     assert first["token_ids"] == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens)
     assert first["stats"]["prefill_tokens"] == len(ids)
@@ -382,7 +382,7 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
     patches = preprocess_image(decode_image(data), max_soft_tokens=70, patch_size=cfg.vision.patch_size,
                                pooling_kernel_size=cfg.vision.pooling_kernel_size)
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
-                                      jnp.asarray(patches.position_ids[None]), dtype=eng.encoder_dtype))[0, :n]
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.loaded.encoder_dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     groups = [0 if start <= k < start + n else -1 for k in range(len(ids))]
     assert list(got.token_ids) == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens, groups)

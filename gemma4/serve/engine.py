@@ -39,8 +39,13 @@ Shape of the work:
   are the request layer's (gemma4.serve.conversation), above it. These types are
   gemma4/serve/requests.py's.
 
-The compiled shapes (shape keys, ahead-of-time compiles, the compile threads, choosing a compiled
-shape) are a `CompiledShapes` (gemma4/serve/engine_compile.py) the engine owns as `shapes`.
+The engine's parts, each its own module: loading a model (engine_load.py: a frozen `LoadedModel`,
+the engine's `loaded`); the device steps and their jitted forms (steps.py: `StepPrograms`, the
+engine's `programs`); the compiled shapes (engine_compile.py: `CompiledShapes`, the engine's
+`shapes`: ahead-of-time compiles, the compile threads, choosing a compiled shape), keyed by
+shape_keys.py's `PrefillKey`, `DecodeKey`, `MixedKey`, `TowerKey`; the vision and audio towers
+(towers.py: `Towers`, the engine's `towers`); requests and token streams (requests.py). This
+module is the engine itself: start-up, the device calls, intake and the scheduler.
 
 See docs/engine-api.md for the public surface.
 """
@@ -63,26 +68,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import count_bytes, decode_bytes_per_token
+from gemma4.model.params import count_bytes
 from gemma4.model.sampling import SamplingParams, SamplingRows
-from gemma4.paths import cache_root
-from gemma4.plan import hardware, hardware_checks, preflight, sharding
-from gemma4.serve import executable_store, heap, prepared_store, step_link
-from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, CompiledShapes, accelerator_kv_ladder,
-                                         accelerator_widths, bucket_for, chunk_budget_s, chunk_limit,
-                                         decode_widths, fresh_costs, kv_ladder, merge_spans, mixed_widths,
-                                         next_chunk, override_limit, prefill_order)
+from gemma4.serve import executable_store, step_link
+from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
+                                         decode_widths, fresh_costs, merge_spans, next_chunk, override_limit,
+                                         prefill_order)
+from gemma4.serve.engine_load import LoadedModel, PreparedWrite, keep_prepared, load_model, model_info
 from gemma4.serve.requests import (Request, RequestError, Segment, TokenStream, check_vocabulary, flatten_segments,
                                    vision_layout)
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey, TowerKey
 from gemma4.serve.step_times import StepTimes
-from gemma4.serve.steps import (DecodeBlock, decode_block_step, decode_step, mixed_step, prefill_embeds_step,
-                                prefill_step, sampling_rows)
+from gemma4.serve.steps import DecodeBlock, StepPrograms, bidirectional_vision, program_parts, sampling_rows
 from gemma4.serve.towers import Towers
-from gemma4.weights import sources
 from gemma4.weights.tokenizer import Tokenizer
 
 try:  # optional: the host's resident memory in `memory()`
@@ -93,11 +93,6 @@ except ImportError:
 log = logging.getLogger("gemma4.serve.engine")
 
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
-DEFAULT_CONTEXT = 4096
-def bidirectional_vision(cfg: ModelConfig) -> bool:
-    """Whether this model's sliding layers let an image's tokens see the whole image
-    (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs)."""
-    return bool(cfg.bidirectional_vision)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -116,9 +111,21 @@ class Engine:
         self.max_new_tokens_cap = int(max_new_tokens_cap)
         # None: the ladder for the device found (PROMPT_BUCKETS; ACCELERATOR_BUCKETS on a TPU or GPU)
         self.buckets_asked = None if buckets is None else tuple(sorted({int(b) for b in buckets}))
+        self._warmup = warmup
+        # Set once the model is loaded (on the engine thread, `_run`): what was loaded, its KV cache
+        # (every device call donates it and gives back its successor), the jitted steps, the towers
+        # and the tokenizer.
+        self.loaded: LoadedModel | None = None
+        self.cache = None
+        self.programs: StepPrograms | None = None
+        self.towers: Towers | None = None
+        self.tokenizer: Tokenizer | None = None
+        # The serving geometry (from the load; tests and benchmarks may narrow it): prompt buckets,
+        # decode widths, full-layer cache lengths, the widths with a fused step.
         self.buckets = self.buckets_asked or PROMPT_BUCKETS
         self.widths = decode_widths(self.max_batch)
-        self._warmup = warmup
+        self.kv_lengths: tuple[int, ...] = ()
+        self.mixed_widths: tuple[int, ...] = ()
         self._status = {"state": "loading", "progress": 0.0, "message": "starting", "error": None,
                         "compiles_pending": 0}
         self._ready = threading.Event()
@@ -135,13 +142,11 @@ class Engine:
         self._t_start = time.perf_counter()
         self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
         self._startup: dict[str, float] = {}
-        self._prepared_pending: tuple | None = None  # (folder, key, params, meta) to keep once ready
-        self._prepared_thread: threading.Thread | None = None
+        self._prepared_thread: threading.Thread | None = None  # writing this start's prepared weights
         self._seed_counter = itertools.count(int(time.time()) & 0x7FFFFFFF)
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
-        self.towers: Towers | None = None  # the vision and audio towers, once the model is loaded
         # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
         # by (first chunk?, bucket) and per decode step, running means.
         self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
@@ -213,23 +218,7 @@ class Engine:
         if self.link is not None and not self.link.leader:
             self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
-            self._load()
-            self.towers = Towers(self.cfg, self.params, self.encoder_dtype, self.shapes.compile,
-                                 multi_process=self.link is not None)
-            # an accelerator's compiles run on the host's cores while the chip idles: several at once
-            accelerated = self.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
-            self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
-                              mixed=self.mixed_widths, background=3 if accelerated else 1)
-            if self._warmup:
-                self._warm_up()
-            self._join_tokenizer()
-            self._startup["ready_s"] = time.perf_counter() - self._t_start
-            self._info["startup"] = {k: round(v, 2) for k, v in self._startup.items()}
-            log.info("start-up: %s; %d more shapes compile in the background",
-                     ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
-            self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
-            self._set_status("ready", 1.0, f"ready: {self._info['description']}")
-            self._keep_prepared()
+            self._start_up()
         except Exception as e:  # shown to the user instead of a stack trace
             log.error("engine failed to start: %s: %s", type(e).__name__, e)
             log.debug("engine start-up traceback", exc_info=True)
@@ -245,175 +234,74 @@ class Engine:
             self._set_status("ready", 1.0, f"following process 0's schedule ({self._info.get('description', '')})")
             self.link.follow(self)
 
-    def _load(self) -> None:
-        _enable_compile_cache()
+    def _start_up(self) -> None:
+        """Load the model, start the compile threads, warm up the shapes a first request needs,
+        and report ready; then write the weights this start prepared (their arrays are let go
+        when the write ends: nothing here keeps them)."""
+        prepared = self._load()
+        # an accelerator's compiles run on the host's cores while the chip idles: several at once
+        accelerated = self.loaded.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
+        self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
+                          mixed=self.mixed_widths, background=3 if accelerated else 1)
+        if self._warmup:
+            self._warm_up()
+        self._join_tokenizer()
+        self._startup["ready_s"] = time.perf_counter() - self._t_start
+        self._info["startup"] = {k: round(v, 2) for k, v in self._startup.items()}
+        log.info("start-up: %s; %d more shapes compile in the background",
+                 ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
+        self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
+        self._set_status("ready", 1.0, f"ready: {self._info['description']}")
+        if prepared is not None:  # after ready: no request waits for the disk
+            self._prepared_thread = keep_prepared(prepared)
+
+    def _load(self) -> PreparedWrite | None:
+        """Load the model (gemma4.serve.engine_load) and set up what serves it: the KV cache, the
+        serving geometry, the jitted steps (named after the executable store's key), the towers
+        and `info()`. Returns the prepared weights to keep on disk once ready (or None)."""
         t0 = time.perf_counter()
-        source = sources.resolve(self.model_name)
-        self._set_status("loading", 0.02, f"resolving {source.description}")
-        # The plan depends on the geometry (head dims → attention path): peek at the config first.
-        plan, report = hardware_checks.resolve(sources.peek_config(source), self.overrides)
-        if report.get("self_test") and not report["self_test"]["ok"]:
-            raise RuntimeError(f"device self-test failed: {report['self_test']}")
-        log.info("hardware plan:\n%s", plan.report())
-        hardware_checks.apply_jax_config(plan)
-        options = hardware_checks.run_options(plan)
-        peeked = sources.peek_config(source)
-        context = self.requested_context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
-        mesh_shape = preflight.engine_mesh(self.mesh_request, peeked, plan, context, self.max_batch)
-        mesh = None
-        if peeked is not None:  # refused before any weight is read; the weights are born split
-            sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
-            mesh = sharding.make_mesh(mesh_shape)
-        self._startup["plan_s"] = time.perf_counter() - t0
+        model, self.cache, prepared = load_model(
+            self.model_name, max_batch=self.max_batch, overrides=self.overrides, context=self.requested_context,
+            mesh_request=self.mesh_request, buckets=self.buckets_asked, multi_process=self.link is not None,
+            status=lambda progress, message: self._set_status("loading", progress, message))
+        self.loaded = model
+        self._startup.update(model.timings)
+        if model.buckets != self.buckets:  # an accelerator's ladder: the chunk-size overrides round to it
+            self.chunk_override = {alone: override_limit(os.environ, alone, model.buckets) for alone in (False, True)}
+        self.buckets, self.widths, self.kv_lengths, self.mixed_widths = (model.buckets, model.widths,
+                                                                         model.kv_lengths, model.mixed_widths)
+        self.programs = StepPrograms(model, self._open_executable_store())
+        self.towers = Towers(model.cfg, model.params, model.encoder_dtype, self.shapes.compile,
+                             multi_process=self.link is not None)
+        self._info = model_info(model, self.cache, self.memory(), time.perf_counter() - t0)
+        return prepared
 
-        def progress(frac: float, msg: str) -> None:
-            self._set_status("loading", 0.05 + 0.6 * frac, msg)
-
-        # A single-file model on one device whose weights an earlier start prepared for this plan:
-        # read back from disk (gemma4.serve.prepared_store): no conversion, reordering or measuring.
-        store = (prepared_store.default_folder() if source.kind in ("bundled", "gguf") and mesh is not None
-                 and mesh.size == 1 else None)
-        prepared = self._read_prepared(store, source, plan, progress) if store is not None else None
-        if prepared is not None:
-            cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
-            self.mesh = mesh
-            params = sharding.shard_params(cfg, params, self.mesh)  # one device: the same buffers
-            self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
-            self._startup["int8_matmul_s"] = 0.0
-        else:
-            # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
-            # float32 tree is ever held: peak host memory stays near the final weights' size.
-            plan_before = plan
-            cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
-                                                 quantize=plan.quantize_kwargs(), mesh=mesh)
-            sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
-            self.mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
-            # Each device keeps only its shards: already so where the loader split them (then this moves
-            # nothing); a GGUF, or a source whose config was not known before loading, is split here.
-            params = sharding.shard_params(cfg, params, self.mesh)
-            self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
-            # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
-            t_mm = time.perf_counter()
-            params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
-                plan, params, self.overrides,
-                progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg), release=True)
-            self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
-            heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
-            if store is not None and prepared_store.worth_keeping(params):  # written once ready (`_keep_prepared`)
-                self._prepared_pending = (store, self._prepared_key(tok_spec["path"], plan_before), params,
-                                          self._prepared_meta(plan_before, plan, report["int8_matmul"]))
-        mode = plan.weights.value
-        # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
-        params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
-        self.encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
-        report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
-        # The batch-1 decode bound: the weights a step reads over the memory's bandwidth; each
-        # reply's decode speed is shown as a fraction of it (TokenStream.stats: roofline_frac).
-        self.decode_bytes = decode_bytes_per_token(params)
-        gbps = report.get("memory_bandwidth_gbps")
-        self.roofline_tok_s = gbps * 1e9 / self.decode_bytes if gbps and self.decode_bytes else None
-        report["roofline"] = {
-            "weights_read_per_token": f"{self.decode_bytes / 1e9:.2f} GB",
-            "memory_bandwidth": f"{gbps:.0f} GB/s" if gbps else "not known for this device",
-            "batch1_decode_bound": f"{self.roofline_tok_s:.0f} tok/s" if self.roofline_tok_s else "—",
-            "why": "a decode step streams every weight once (the per-layer-embedding table only a row a "
-                   "token); a reply's tok/s over this bound is the fraction of the roofline it reached"}
-        self._start_tokenizer(tok_spec, cfg)  # in parallel with the first compiles
-        self.cfg: ModelConfig = cfg
-        self.params = params
-        self.options = options
-        self.plan = plan
-        limit = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
-        self.context_limit = int(min(limit, cfg.max_position_embeddings))
-        self.kv_format = plan.kv_cache.value
-        self.decode_block = int(plan.decode_block.value)  # decode steps per dispatch (hardware.DECODE_BLOCK)
-        if plan.platform != "cpu":  # few shapes on an accelerator (engine_compile.ACCELERATOR_BUCKETS)
-            self.widths = accelerator_widths(self.max_batch)
-            if self.buckets_asked is None:
-                self.buckets = ACCELERATOR_BUCKETS
-                self.chunk_override = {alone: override_limit(os.environ, alone, self.buckets) for alone in (False, True)}
-        if self.mesh.size > 1:
-            options = dataclasses.replace(options, mesh=self.mesh)  # per-shard parts (the MoE bank)
-            self.options = options
-        if self.mesh.shape["data"] > 1:
-            # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
-            # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.
-            self.widths = (self.max_batch,)
-            options = dataclasses.replace(options, rows_sharded=True)
-            self.options = options
-        shape_cache = functools.partial(kv_cache.init_cache, cfg, self.max_batch, self.context_limit, options.dtype,
-                                        self.kv_format)
-        cache_sh = sharding.cache_shardings(cfg, jax.eval_shape(shape_cache), self.mesh)
-        self._new_cache = jax.jit(shape_cache, out_shardings=cache_sh)  # also re-allocates after a fault
-        self.cache = self._new_cache()  # born split: no whole cache on one device
-        param_sh = sharding.param_shardings(cfg, self.params, self.mesh)
-        rep = sharding.replicated(self.mesh)
-        self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                        self.cache)
-        # Executables kept on disk under a key of what they are made from (executable_store). The
-        # steps then carry that key in their names: jax's persistent cache keys by the program, so
-        # a step it already holds would be served from it, and such a copy cannot be stored — a
-        # new key gives new names, which XLA compiles (once) and the store keeps.
+    def _open_executable_store(self) -> str:
+        """Executables kept on disk under a key of what they are made from (executable_store):
+        the compiled shapes look each one up there first. Returns the tag the steps then carry in
+        their names ("" without a store): jax's persistent cache keys by the program, so a step it
+        already holds would be served from it, and such a copy cannot be stored — a new key gives
+        new names, which XLA compiles (once) and the store keeps."""
         folder = executable_store.default_folder()
-        tag = ""
-        if folder is not None:
-            program_key = executable_store.make_key(*self._program_parts())  # code, platform, engine: hashed once
-            self.shapes.store = executable_store.ExecutableStore(folder)
-            self.shapes.identify = functools.partial(executable_store.shape_key, program_key)
-            tag = "_" + program_key[:12]
+        if folder is None:
+            return ""
+        program_key = executable_store.make_key(*program_parts(self.loaded))  # code, platform, engine: hashed once
+        self.shapes.store = executable_store.ExecutableStore(folder)
+        self.shapes.identify = functools.partial(executable_store.shape_key, program_key)
+        return "_" + program_key[:12]
 
-        def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
-            p = functools.partial(fn, cfg=cfg, options=options, **kw)
-            p.__name__ = fn.__name__ + tag
-            return p
+    # The loaded model's facts every caller reads (the rest: `loaded`).
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.loaded.cfg
 
-        # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
-        # small inputs and outputs (tokens, positions, sampling rows) are replicated.
-        step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
-        self._prefill = {fresh: jax.jit(named(prefill_step, fresh=fresh),
-                                        in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
-                         for fresh in (True, False)}
-        # Decode and fused steps read full-layer slots [0, n) for n on a ladder, so a short
-        # conversation skips XLA's copies of the rest; with the native cache attention a step
-        # costs the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
-        # bundled model, 2-core AMD EPYC Zen 4), and one length means a quarter of those shapes.
-        self.kv_lengths = ((self.context_limit,) if M.full_layers_read_natively(cfg, options, self.kv_format)
-                           else kv_ladder(self.context_limit) if plan.platform == "cpu"
-                           else accelerator_kv_ladder(self.context_limit))
-        # The variant with input embeddings (media segments): compiled only for a request that has one.
-        self._prefill_embeds = {
-            fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
-                           in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
-            for fresh in (True, False)}
-        # decode steps per dispatch (hardware.DECODE_BLOCK): one, or a block of up to that many
-        if self.decode_block == 1:
-            self._decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
-                                            in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
-                            for w in self.widths for n in self.kv_lengths}
-        else:
-            self._decode = {(w, n): jax.jit(named(decode_block_step, width=w, kv_len=n, block=self.decode_block),
-                                            in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
-                                            out_shardings=(rep,) * 5 + (cache_sh,))
-                            for w in self.widths for n in self.kv_lengths}
-        # the fused chunk-and-decode step (shape_keys.MIXED_CHUNK); not where several processes
-        # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
-        self.mixed_widths = () if self.link is not None or plan.platform != "cpu" else mixed_widths(self.widths)
-        self._mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
-                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
-                       for w in self.mixed_widths for n in self.kv_lengths}
-        self._info = {
-            "model": cfg.name, "source": source.kind, "description": source.description,
-            "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
-            "family": cfg.family, "chat_format": cfg.family, "context_limit": self.context_limit,
-            "max_batch": self.max_batch, "hardware": report, "kv_format": self.kv_format,
-            "weights": mode, "embed_weights": plan.embed_weights.value, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
-            "decode_widths": list(self.widths), "kv_lengths": list(self.kv_lengths), "load_s": round(time.perf_counter() - t0, 2),
-            "memory": self.memory(), "sharding": sharding.placement_info(
-                self.mesh, mesh_shape, self.params, self.cache, self.widths),
-            "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
-                                 if cfg.family == "gemma4" else
-                                 dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)),
-        }
+    @property
+    def params(self) -> dict:
+        return self.loaded.params
+
+    @property
+    def context_limit(self) -> int:
+        return self.loaded.context_limit
 
     def memory(self) -> dict:
         out = {"weights_bytes": count_bytes(self.params), "kv_cache_bytes": kv_cache.cache_bytes(self.cache)}
@@ -427,68 +315,6 @@ class Engine:
             out["host_rss_bytes"] = psutil.Process().memory_info().rss
         return out
 
-    # ---------------------------------------------------------------- prepared weights on disk
-    def _prepared_key(self, model_file: str, plan: hardware.Plan) -> str:
-        """The prepared-weights entry for this model file under the plan made before the weights
-        load (the int8 choice is made after: it is the entry's content, not its key)."""
-        # The choices' values, not their reasons: a reason quotes timings, measured afresh or read
-        # from a cache, which would make a new key for the same weights.
-        choices = {k: [v["value"], v["source"]] if isinstance(v, dict) and "reason" in v else v
-                   for k, v in plan.to_dict().items() if k != "warnings"}
-        return prepared_store.make_key(model_file, choices, hardware.normalize_overrides(self.overrides),
-                                       extra={"quantize": plan.quantize_kwargs()})
-
-    @staticmethod
-    def _prepared_meta(before: hardware.Plan, plan: hardware.Plan, int8_report: dict | None) -> dict:
-        """What a later start restores beside the arrays: the int8 choice, the warning its choice
-        added to the plan (`before` is the plan it was made on), its report, and the tuning file the
-        choice was read from (its deletion retires the entry)."""
-        tuning_file = ((int8_report or {}).get("tuning") or {}).get("cache_file")
-        stamp = os.stat(tuning_file).st_mtime_ns if tuning_file and os.path.exists(tuning_file) else None
-        added = plan.warnings[len(before.warnings):]
-        return {"int8_matmul": plan.int8_matmul.to_dict(), "int8_report": int8_report,
-                "warning": added[0] if added else None, "tuning_file": tuning_file, "tuning_mtime_ns": stamp}
-
-    def _read_prepared(self, store, source, plan: hardware.Plan, progress) -> tuple | None:
-        """(cfg, params, tok_spec, plan, int8 report) from the store, or None (then the weights load
-        and are prepared as usual, and kept once the engine is ready)."""
-        cfg, tok_spec = sources.describe_file(source, progress)
-        key = self._prepared_key(tok_spec["path"], plan)
-        hit = prepared_store.load(store, key)
-        if hit is None:
-            return None
-        params, meta = hit
-        if prepared_store.worth_keeping(params) and not hardware_checks.native_kernel_ready():
-            log.info("prepared weights %s need the native kernel, which is not usable now; preparing them again", key[:12])
-            return None
-        tuning_file = meta.get("tuning_file")
-        if tuning_file and (not os.path.exists(tuning_file) or os.stat(tuning_file).st_mtime_ns != meta["tuning_mtime_ns"]):
-            log.info("prepared weights %s: their tuning was deleted or measured again; preparing them again", key[:12])
-            prepared_store.discard(store, key)
-            return None
-        c = meta["int8_matmul"]
-        choice = hardware.Choice(c["value"], c["reason"] + "; weights as an earlier start prepared them, read back "
-                                 "from disk (GEMMA4_PREPARED_CACHE=off prepares them at every start)", c["source"])
-        plan = plan.replace("int8_matmul", choice, meta.get("warning"))
-        self._set_status("loading", 0.7, "weights read from the prepared-weights cache")
-        return cfg, params, tok_spec, plan, meta["int8_report"]
-
-    def _keep_prepared(self) -> None:
-        """Write the prepared weights of a start that made them, in the background (~0.3 s of disk
-        writes for the bundled model; after ready, so no request waits for it)."""
-        pending, self._prepared_pending = self._prepared_pending, None
-        if pending is None:
-            return
-        folder, key, params, meta = pending
-
-        def write() -> None:
-            t = time.perf_counter()
-            if prepared_store.save(folder, key, params, meta) is not None:
-                log.info("prepared weights kept for the next start in %.2f s (%s)", time.perf_counter() - t, key[:12])
-
-        self._prepared_thread = threading.Thread(target=write, name="gemma4-prepared-weights", daemon=True)
-        self._prepared_thread.start()
-
     def wait_prepared_written(self, timeout: float | None = None) -> bool:
         """Wait for this start's background write of its prepared weights; False when it wrote
         none (they came from the store, or are not kept: `prepared_store.worth_keeping`)."""
@@ -498,29 +324,12 @@ class Engine:
         return True
 
     # ---------------------------------------------------------------- compiling
-    def _start_tokenizer(self, tok_spec: dict, cfg: ModelConfig) -> None:
-        box: dict = {}
-
-        def build() -> None:
-            t = time.perf_counter()
-            try:
-                box["tokenizer"] = _make_tokenizer(tok_spec, cfg)
-            except Exception as e:  # re-raised by _join_tokenizer on the engine thread
-                box["error"] = e
-            box["s"] = time.perf_counter() - t
-
-        self._tokenizer_box = box
-        self._tokenizer_thread = threading.Thread(target=build, name="gemma4-tokenizer", daemon=True)
-        self._tokenizer_thread.start()
-
     def _join_tokenizer(self) -> None:
-        if self._tokenizer_thread.is_alive():
+        build = self.loaded.tokenizer
+        if not build.done():
             self._set_status("warming", 0.98, "loading tokenizer")
-            self._tokenizer_thread.join()
-        if "error" in self._tokenizer_box:
-            raise self._tokenizer_box["error"]
-        self.tokenizer = self._tokenizer_box["tokenizer"]
-        self._startup["tokenizer_s"] = self._tokenizer_box["s"]
+        self.tokenizer = build.result()
+        self._startup["tokenizer_s"] = build.seconds
 
     def _idle_for_background(self) -> bool:
         """May the background compile queue move? Only once ready, while no request is being
@@ -528,35 +337,9 @@ class Engine:
         return (self._ready.is_set() and not self._active and not self._waiting
                 and time.monotonic() - self._last_busy >= BACKGROUND_IDLE_S)
 
-    def _program_parts(self) -> tuple:
-        """Everything of this engine a compiled step is made from, beside the code and the platform
-        (executable_store.make_key adds those, and the shape key): every argument of the jitted
-        steps' partials and `_lower`'s specs derives from these."""
-        return (repr(self.cfg), repr(self.options), executable_store.tree_signature(self.params),
-                executable_store.tree_signature(self._cache_spec), str(self.encoder_dtype), self.decode_block)
-
     def _lower(self, key: ShapeKey):
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        if isinstance(key, TowerKey):
-            return self.towers.lower(key)
-        if isinstance(key, PrefillKey) and not key.embeds:
-            size = key.bucket
-            return self._prefill[key.fresh].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
-                                                  i32(1), SamplingRows.spec(1))
-        if isinstance(key, PrefillKey):
-            size = key.bucket
-            return self._prefill_embeds[key.fresh].lower(
-                self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
-                jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
-                jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
-        w = key.width
-        if isinstance(key, MixedKey):
-            return self._mixed[w, key.kv_len].lower(self.params, self._cache_spec, i32(MIXED_CHUNK + w),
-                                                    i32(MIXED_CHUNK + w), i32(), i32(), i32(), SamplingRows.spec(w + 1))
-        block = (i32(),) if self.decode_block > 1 else ()  # the steps a block runs
-        return self._decode[w, key.kv_len].lower(self.params, self._cache_spec, i32(w), i32(w),
-                                                 SamplingRows.spec(w), i32(), *block)
+        return self.towers.lower(key) if isinstance(key, TowerKey) else self.programs.lower(key)
 
     def _warm_up(self) -> None:
         """Wait for the shapes needed before ready (compiled by the compile threads), and run each
@@ -649,7 +432,7 @@ class Engine:
         """Run decode shape `key` (compiled first if it is not) for cache rows [row, row + width):
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
-        if self.decode_block > 1:  # a block of one step
+        if self.loaded.decode_block > 1:  # a block of one step
             out, bad = self.dispatch_decode(key, tokens, positions, sampling, row, 1).read()
             return out[0], bad[0]
         exe, _ = self.shapes.executable(key)
@@ -761,7 +544,7 @@ class Engine:
 
     def tokens(self, req: Request) -> TokenStream:
         """The submitted request's tokens as they are sampled (see `TokenStream`)."""
-        return TokenStream(req, self.cancel, self.max_batch, self.roofline_tok_s)
+        return TokenStream(req, self.cancel, self.max_batch, self.loaded.roofline_tok_s)
 
     def cancel(self, req: Request) -> None:
         """Cancel a submitted request: it leaves the queue now, or frees its slot within one step."""
@@ -851,7 +634,7 @@ class Engine:
             log.exception("scheduler %s step failed", kind)
             lost = self._cache_lost()
             if lost:
-                self.cache = self._new_cache()
+                self.cache = self.loaded.new_cache()
                 log.error("the KV cache was lost in the failed step: re-allocated; every active "
                           "request failed, the engine keeps serving")
             with self._lock:
@@ -1082,7 +865,7 @@ class Engine:
             self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
         if not plan:
             return False
-        if self.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0 and self.link is None:
+        if self.loaded.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0 and self.link is None:
             return self._decode_blocks(plan[0][0], active, decoding)
         t0 = time.perf_counter()
         ran_before = all(self.shapes.has_run(key) for key, _, _ in plan)
@@ -1116,7 +899,7 @@ class Engine:
         furthest = max(r.position for r in decoding.values()) + ahead  # the next position written
         need = max(r.params.max_new_tokens - r.generated for r in decoding.values()) - ahead
         room = min(self.context_limit, kv_len) - furthest
-        steps = min(self.decode_block, need, room, 1 if busy else self.decode_block)
+        steps = min(self.loaded.decode_block, need, room, 1 if busy else self.loaded.decode_block)
         if ahead and (busy or steps < 1):
             return 0
         return max(1, steps)
@@ -1234,53 +1017,6 @@ class Engine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         return not self._thread.is_alive()
-
-
-def _make_tokenizer(spec: dict, cfg: ModelConfig):
-    kind = spec.get("kind")
-    if kind == "gguf":
-        return Tokenizer.from_gguf(spec["path"])
-    if kind == "folder":
-        return Tokenizer.from_folder(spec["path"])
-    if kind == "none":
-        # random weights carry no tokenizer: use the bundled vocabulary when it matches in size
-        return sources.fallback_tokenizer(cfg)
-    raise ValueError(f"unknown tokenizer spec {spec}")
-
-
-# The on-disk compile cache's size bound. Any bound also makes jax take a file lock around every
-# read and write of it (filelock, which huggingface_hub already needs): without one, jax writes an
-# entry in place while another process may read it, and a reader that met a half-written entry
-# crashed (a segmentation fault in jax's compilation_cache.get_executable_and_time, seen with
-# two test runs compiling the same shapes at once).
-COMPILE_CACHE_MAX_BYTES = 8 << 30
-
-
-def _enable_compile_cache() -> None:
-    """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir),
-    bounded and locked across processes (COMPILE_CACHE_MAX_BYTES)."""
-    path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
-    if path.lower() in ("", "off", "none"):
-        return
-    os.makedirs(path, exist_ok=True)
-    backfill_cache_access_times(path)
-    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def backfill_cache_access_times(path: str) -> None:
-    """Give every entry of a cache written while it was unbounded the access-time file a bounded
-    one keeps beside it (jax 0.10's names: KEY-cache, KEY-atime): with one missing, every write
-    to the cache fails (with a warning) and nothing new is cached."""
-    stamp = time.time_ns().to_bytes(8, "little")
-    for name in os.listdir(path):
-        if name.endswith("-cache"):
-            atime = os.path.join(path, name[:-len("-cache")] + "-atime")
-            if not os.path.exists(atime):
-                with open(atime, "wb") as f:
-                    f.write(stamp)
 
 
 _engines: dict[tuple, Engine] = {}

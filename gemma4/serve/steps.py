@@ -1,15 +1,17 @@
-"""The device steps: the functions the engine's compiled shapes run, the rows of sampling
-parameters they take from requests, and a dispatched decode block not yet read.
+"""The device steps: the functions the engine's compiled shapes run, their jitted forms for one
+loaded model (`StepPrograms`), the rows of sampling parameters they take from requests, and a
+dispatched decode block not yet read.
 
 Each step takes the parameters and the KV cache and gives back the cache (donated: updated in
-place); the engine jits them per shape (gemma4.serve.engine; the shapes' keys are
-gemma4/serve/shape_keys.py's). Pure functions of their inputs: this file's bytes are part of a
-stored executable's key (executable_store.PROGRAM_SOURCES).
+place). `StepPrograms` jits each step per shape with the model's shardings pinned and lowers a
+shape key (gemma4/serve/shape_keys.py) for the engine's compile threads. This file's bytes are
+part of a stored executable's key (executable_store.PROGRAM_SOURCES).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -19,7 +21,11 @@ import numpy as np
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows, sample_rows
+from gemma4.plan import sharding
+from gemma4.serve import executable_store
+from gemma4.serve.engine_load import LoadedModel
 from gemma4.serve.requests import Request
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
 
 
 def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
@@ -128,3 +134,82 @@ def sampling_rows(reqs: Sequence[Request | None]) -> SamplingRows:
         if r is not None:
             rows.set_row(i, r.params, r.seed, r.generated, r.prompt_ids[-REPETITION_WINDOW:] + r.recent)
     return rows
+
+
+def bidirectional_vision(cfg) -> bool:
+    """Whether this model's sliding layers let an image's tokens see the whole image
+    (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs); its prefill with
+    embeddings then takes each position's image index (`prefill_embeds_step`'s vision_groups)."""
+    return bool(cfg.bidirectional_vision)
+
+
+def program_parts(model: LoadedModel) -> tuple:
+    """Everything of a loaded model a compiled step is made from, beside the code and the platform
+    (executable_store.make_key adds those, and the shape key): every argument of the jitted
+    steps' partials and of the lowerings (the towers' too) derives from these."""
+    return (repr(model.cfg), repr(model.options), executable_store.tree_signature(model.params),
+            executable_store.tree_signature(model.cache_spec), str(model.encoder_dtype), model.decode_block)
+
+
+class StepPrograms:
+    """The jitted steps of one loaded model, per shape, and how a shape key lowers for its
+    parameters and cache (the engine's `CompiledShapes` compiles what `lower` gives).
+
+    tag: appended to every step's name (executable_store: a key of what the steps are made from,
+    so jax's persistent cache holds no program of that name, and a fresh compile can be stored)."""
+
+    def __init__(self, model: LoadedModel, tag: str = ""):
+        self.model = model
+        cfg, options, block = model.cfg, model.options, model.decode_block
+        param_sh, cache_sh = sharding.param_shardings(cfg, model.params, model.mesh), model.cache_shardings
+        rep = sharding.replicated(model.mesh)
+
+        def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
+            p = functools.partial(fn, cfg=cfg, options=options, **kw)
+            p.__name__ = fn.__name__ + tag
+            return p
+
+        # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
+        # small inputs and outputs (tokens, positions, sampling rows) are replicated.
+        step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
+        self.prefill = {fresh: jax.jit(named(prefill_step, fresh=fresh),
+                                       in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
+                        for fresh in (True, False)}
+        # The variant with input embeddings (media segments): compiled only for a request that has one.
+        self.prefill_embeds = {
+            fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
+                           in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
+            for fresh in (True, False)}
+        # decode steps per dispatch (hardware.DECODE_BLOCK): one, or a block of up to that many
+        if block == 1:
+            self.decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
+                                           in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
+                           for w in model.widths for n in model.kv_lengths}
+        else:
+            self.decode = {(w, n): jax.jit(named(decode_block_step, width=w, kv_len=n, block=block),
+                                           in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
+                                           out_shardings=(rep,) * 5 + (cache_sh,))
+                           for w in model.widths for n in model.kv_lengths}
+        self.mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
+                                      in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
+                      for w in model.mixed_widths for n in model.kv_lengths}
+
+    def lower(self, key: PrefillKey | DecodeKey | MixedKey):
+        """A shape key's step, lowered for the model's parameters and cache."""
+        params, cache, cfg = self.model.params, self.model.cache_spec, self.model.cfg
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        if isinstance(key, PrefillKey) and not key.embeds:
+            n = key.bucket
+            return self.prefill[key.fresh].lower(params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1))
+        if isinstance(key, PrefillKey):
+            n = key.bucket
+            return self.prefill_embeds[key.fresh].lower(
+                params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1),
+                jax.ShapeDtypeStruct((1, n, cfg.hidden_size), jnp.float32),
+                jax.ShapeDtypeStruct((1, n), jnp.bool_), *([i32(1, n)] if bidirectional_vision(cfg) else []))
+        w = key.width
+        if isinstance(key, MixedKey):
+            return self.mixed[w, key.kv_len].lower(params, cache, i32(MIXED_CHUNK + w), i32(MIXED_CHUNK + w), i32(),
+                                                   i32(), i32(), SamplingRows.spec(w + 1))
+        block = (i32(),) if self.model.decode_block > 1 else ()  # the steps a block runs
+        return self.decode[w, key.kv_len].lower(params, cache, i32(w), i32(w), SamplingRows.spec(w), i32(), *block)
