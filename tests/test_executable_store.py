@@ -140,6 +140,18 @@ def test_what_cannot_be_serialized_is_not_stored_and_says_so(tmp_path, caplog):
     assert not list(tmp_path.iterdir()) and "not storing an executable" in caplog.text
 
 
+def test_the_files_steps_are_built_from_are_part_of_the_key():
+    """An edit to a step function, to how the steps are jitted and lowered (the towers' too) or to
+    the fused chunk's size must change every stored executable's key (PROGRAM_SOURCES)."""
+    import inspect
+
+    from gemma4.serve import shape_keys, steps, towers
+
+    for obj in (steps.prefill_step, steps.StepPrograms, towers.Towers, shape_keys):
+        rel = Path(inspect.getsourcefile(obj)).resolve().relative_to(XS.PACKAGE).as_posix()
+        assert any(rel == p or rel.startswith(p + "/") for p in XS.PROGRAM_SOURCES), rel
+
+
 def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch):
     parts = ("model", "serve/engine.py")
     (tmp_path / "model").mkdir()
