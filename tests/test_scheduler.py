@@ -237,11 +237,11 @@ def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(eng, chunk, monkeypa
         return real(k)
 
     monkeypatch.setattr(eng.shapes, "has_run", has_run)
-    eng._chunk_cost[True].pop(32, None)
+    eng.costs.chunk[True].pop(32, None)
     conversation.generate(eng, _prompt(30, 8), GREEDY)
-    assert first and 32 not in eng._chunk_cost[True]
+    assert first and 32 not in eng.costs.chunk[True]
     conversation.generate(eng, _prompt(30, 9), GREEDY)
-    assert 32 in eng._chunk_cost[True]
+    assert 32 in eng.costs.chunk[True]
 
 
 def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():

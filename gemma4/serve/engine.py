@@ -73,9 +73,8 @@ from gemma4.model.config import ModelConfig
 from gemma4.model.params import count_bytes
 from gemma4.model.sampling import SamplingParams, SamplingRows
 from gemma4.serve import executable_store, step_link
-from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, bucket_for, chunk_budget_s, chunk_limit,
-                                         decode_widths, fresh_costs, merge_spans, next_chunk, override_limit,
-                                         prefill_order)
+from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, StepCosts, bucket_for, decode_widths,
+                                         merge_spans, next_chunk, override_limit, prefill_order)
 from gemma4.serve.engine_load import LoadedModel, PreparedWrite, keep_prepared, load_model, model_info
 from gemma4.serve.requests import (Request, RequestError, Segment, TokenStream, check_vocabulary, flatten_segments,
                                    vision_layout)
@@ -147,11 +146,7 @@ class Engine:
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
-        # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
-        # by (first chunk?, bucket) and per decode step, running means.
-        self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
-        self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
-        self._decode_cost: float | None = None
+        self.costs = StepCosts()  # measured step costs, for the prefill chunk size (`chunk_tokens`)
         self._blocked_on: list[ShapeKey] = []  # the shapes this iteration's waiting rows need
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
@@ -364,7 +359,7 @@ class Engine:
                 self._startup["first_runs_s"] = self._startup.get("first_runs_s", 0.0) + time.perf_counter() - t
                 t = time.perf_counter()  # a second run costs what a request's will: the chunk size's first measure
                 self._run_idle(key)
-                self._note_cost(key, time.perf_counter() - t)
+                self.costs.note(key, time.perf_counter() - t)
             if not todo and len(ran) == len(keys):
                 break
             if len(todo) != shown:
@@ -706,30 +701,11 @@ class Engine:
         if not ran:
             self.shapes.wait_any(self._blocked_on, timeout=0.1)
 
-    def _note_cost(self, key: ShapeKey, seconds: float) -> None:
-        """Fold one measured dispatch into the chunk-size costs (a running mean that follows the
-        machine's load: a new measure weighs 0.3)."""
-        if isinstance(key, DecodeKey):
-            self._decode_cost = seconds if self._decode_cost is None else 0.7 * self._decode_cost + 0.3 * seconds
-        elif isinstance(key, PrefillKey) and not key.embeds:
-            costs, size = self._chunk_cost[key.fresh], key.bucket
-            costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
-            self._chunk_cost_at[key.fresh][size] = time.monotonic()
-
     def chunk_tokens(self, fresh: bool, alone: bool) -> int:
         """The most prompt tokens one prefill chunk takes now: the env override, else the largest
-        bucket whose measured cost fits the budget (engine_compile.chunk_budget_s: a few decode
-        steps beside running streams, LONE_CHUNK_S alone)."""
+        bucket whose measured cost fits the budget (`StepCosts.chunk_tokens`)."""
         forced = self.chunk_override[alone]
-        if forced is not None:
-            return forced
-        # Alone, a size ruled out on a busy moment is retried once its measure is stale (nobody's
-        # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
-        costs = (fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic()) if alone
-                 else self._chunk_cost[fresh])
-        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
-        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
+        return forced if forced is not None else self.costs.chunk_tokens(self.buckets, fresh, alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,
@@ -806,7 +782,7 @@ class Engine:
                                       sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
         if ran_before:  # a first run's one-time costs would rule its bucket out for a lone prompt
-            self._note_cost(key, t1 - t0)
+            self.costs.note(key, t1 - t0)
         self._chunk_done(req, start, length, bucket, token, bad, t1)
 
     def _start_prefill_clock(self, req: Request, now: float) -> None:
@@ -883,7 +859,7 @@ class Engine:
                 out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
         if ran_before:
-            self._note_cost(plan[0][0], (now - t0) / len(plan))
+            self.costs.note(plan[0][0], (now - t0) / len(plan))
         self._decoded(active, decoding, out, bad, now)
         return True
 
@@ -926,7 +902,7 @@ class Engine:
             out, bad = block.read()
             now = time.perf_counter()
             if self.shapes.has_run(key):
-                self._note_cost(key, (now - t) / block.steps)
+                self.costs.note(key, (now - t) / block.steps)
             t = now
             for i in range(block.steps):
                 if not decoding:

@@ -5,7 +5,7 @@ The shapes' sizes — prompt buckets and chunk plans (`bucket_for`, `chunk_plan`
 gemma4/serve/shape_keys.py's — and `CompiledShapes`, the object a `gemma4.serve.engine.Engine` owns: its queues (needed now, and the
 idle-time background), its compile threads (lower → compile), and the choice of a compiled shape
 for each prefill chunk and decode step (`chunk_key`, `decode_key`, `decode_plan`), and how big a
-prefill chunk is (`chunk_budget_s`, `chunk_limit`: the policy's one place). What a
+prefill chunk is (`chunk_budget_s`, `chunk_limit`, `StepCosts`: the policy's one place). What a
 shape compiles to (the jitted steps) and when the background queue may move are the engine's:
 it passes them in (`lower`, `may_background`).
 """
@@ -231,6 +231,40 @@ def override_limit(env: Mapping[str, str], alone: bool, buckets: Sequence[int]) 
     if tokens is None:
         return None
     return max([b for b in buckets if b <= tokens] or [buckets[0]])
+
+
+class StepCosts:
+    """The measured seconds of the steps an engine runs, which size its prefill chunks: per chunk
+    by (first chunk?, bucket) and per decode step, running means that follow the machine's load
+    (a new measure weighs 0.3). The engine notes every dispatch whose shape ran before (a first
+    run's one-time costs would rule its bucket out) and seeds them at warm-up."""
+
+    def __init__(self) -> None:
+        self.chunk: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self.chunk_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
+        self.decode: float | None = None
+
+    def note(self, key: ShapeKey, seconds: float) -> None:
+        """Fold one measured dispatch of shape `key` in (prefill chunks without embeddings and
+        decode steps; other shapes are not chunk-size evidence)."""
+        if isinstance(key, DecodeKey):
+            self.decode = seconds if self.decode is None else 0.7 * self.decode + 0.3 * seconds
+        elif isinstance(key, PrefillKey) and not key.embeds:
+            costs, size = self.chunk[key.fresh], key.bucket
+            costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
+            self.chunk_at[key.fresh][size] = time.monotonic()
+
+    def chunk_tokens(self, buckets: Sequence[int], fresh: bool, alone: bool) -> int:
+        """The most prompt tokens one prefill chunk takes now: the largest bucket whose measured
+        cost fits the budget (`chunk_budget_s`: a few decode steps beside running streams,
+        LONE_CHUNK_S alone)."""
+        # Alone, a size ruled out on a busy moment is retried once its measure is stale (nobody's
+        # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
+        costs = (fresh_costs(self.chunk[fresh], self.chunk_at[fresh], time.monotonic()) if alone
+                 else self.chunk[fresh])
+        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
+        floor = costs.get(buckets[0], self.chunk[True].get(buckets[0]))
+        return chunk_limit(buckets, costs, chunk_budget_s(self.decode, floor, alone), from_above=alone)
 
 
 def kv_ladder(context_limit: int, first: int = 512) -> tuple[int, ...]:
