@@ -112,6 +112,13 @@ class LoadedModel:
     tokenizer: TokenizerBuild
     timings: dict[str, float]  # plan_s, weights_s, int8_matmul_s
 
+    @property
+    def default_sampling(self) -> dict:
+        """The sampling a reply gets unless asked otherwise: Gemma 4's settings, or Gemma 3's."""
+        if self.cfg.family == "gemma4":
+            return dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
+        return dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)
+
 
 @dataclasses.dataclass(frozen=True)
 class PreparedWrite:
@@ -255,9 +262,7 @@ def model_info(model: LoadedModel, cache: Any, memory: dict, load_s: float) -> d
         "decode_widths": list(model.widths), "kv_lengths": list(model.kv_lengths), "load_s": round(load_s, 2),
         "memory": memory, "sharding": sharding.placement_info(model.mesh, model.mesh_shape, model.params, cache,
                                                               model.widths),
-        "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
-                             if cfg.family == "gemma4" else
-                             dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)),
+        "default_sampling": model.default_sampling,
     }
 
 

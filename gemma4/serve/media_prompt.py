@@ -41,6 +41,7 @@ from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decod
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
+from gemma4.serve.engine import Engine
 from gemma4.serve.media_cache import shared_cache
 from gemma4.serve.requests import Embeddings, RequestError
 
@@ -166,7 +167,7 @@ class PreparedMedia:
 class MediaPlan:
     """The media of one request (see the module docstring)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.items: list[PreparedMedia] = []
         self.parts: list[Mapping[str, Any]] = []  # a completion prompt's media parts, one per marker
@@ -306,7 +307,7 @@ class MediaPlan:
         if prep.kind == "image":
             return [cfg.boi_token_id] + [cfg.image_token_id] * prep.soft_tokens + [cfg.eoi_token_id]
         if cfg.video_token_id is None:
-            raise RequestError(f"{self.engine.info().get('model', 'this model')} has no video token; send frames as images.")
+            raise RequestError(f"{cfg.name} has no video token; send frames as images.")
         out: list[int | str] = []
         for k, (stamp, n) in enumerate(prep.frames):
             out += [(" " if k else "") + f"{stamp} ", cfg.boi_token_id] + [cfg.video_token_id] * n + [cfg.eoi_token_id]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gemma4.model.config import preset
 from gemma4.plan import preflight, preflight_devices
 
-if TYPE_CHECKING:  # the probe command formats reports without loading jax
+if TYPE_CHECKING:  # the type only: formatting a report needs no engine (nor jax)
     from gemma4.serve.engine import Engine
 
 _GiB = 1 << 30
