@@ -111,7 +111,7 @@ class Engine:
         # None: the ladder for the device found (PROMPT_BUCKETS; ACCELERATOR_BUCKETS on a TPU or GPU)
         self.buckets_asked = None if buckets is None else tuple(sorted({int(b) for b in buckets}))
         self._warmup = warmup
-        # Set once the model is loaded (on the engine thread, `_run`): what was loaded, its KV cache
+        # Set once the model is loaded (on the engine thread, `_load`): what was loaded, its KV cache
         # (every device call donates it and gives back its successor), the jitted steps, the towers
         # and the tokenizer.
         self.loaded: LoadedModel | None = None
@@ -226,7 +226,7 @@ class Engine:
         elif self.link.leader:
             self.link.lead(self)
         else:
-            self._set_status("ready", 1.0, f"following process 0's schedule ({self._info.get('description', '')})")
+            self._set_status("ready", 1.0, f"following process 0's schedule ({self.loaded.source.description})")
             self.link.follow(self)
 
     def _start_up(self) -> None:
@@ -246,7 +246,7 @@ class Engine:
         log.info("start-up: %s; %d more shapes compile in the background",
                  ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
         self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
-        self._set_status("ready", 1.0, f"ready: {self._info['description']}")
+        self._set_status("ready", 1.0, f"ready: {self.loaded.source.description}")
         if prepared is not None:  # after ready: no request waits for the disk
             self._prepared_thread = keep_prepared(prepared)
 
@@ -285,6 +285,14 @@ class Engine:
         self.shapes.identify = functools.partial(executable_store.shape_key, program_key)
         return "_" + program_key[:12]
 
+    def _join_tokenizer(self) -> None:
+        """The tokenizer, built meanwhile on its own thread (engine_load.TokenizerBuild)."""
+        build = self.loaded.tokenizer
+        if not build.done():
+            self._set_status("warming", 0.98, "loading tokenizer")
+        self.tokenizer = build.result()
+        self._startup["tokenizer_s"] = build.seconds
+
     # The loaded model's facts every caller reads (the rest: `loaded`).
     @property
     def cfg(self) -> ModelConfig:
@@ -319,13 +327,6 @@ class Engine:
         return True
 
     # ---------------------------------------------------------------- compiling
-    def _join_tokenizer(self) -> None:
-        build = self.loaded.tokenizer
-        if not build.done():
-            self._set_status("warming", 0.98, "loading tokenizer")
-        self.tokenizer = build.result()
-        self._startup["tokenizer_s"] = build.seconds
-
     def _idle_for_background(self) -> bool:
         """May the background compile queue move? Only once ready, while no request is being
         served and none has been for BACKGROUND_IDLE_S."""
