@@ -20,6 +20,7 @@ import numpy as np
 
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
+from gemma4.model.config import ModelConfig
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows, sample_rows
 from gemma4.plan import sharding
 from gemma4.serve import executable_store
@@ -136,7 +137,7 @@ def sampling_rows(reqs: Sequence[Request | None]) -> SamplingRows:
     return rows
 
 
-def bidirectional_vision(cfg) -> bool:
+def bidirectional_vision(cfg: ModelConfig) -> bool:
     """Whether this model's sliding layers let an image's tokens see the whole image
     (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs); its prefill with
     embeddings then takes each position's image index (`prefill_embeds_step`'s vision_groups)."""
