@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.chunked_prefill import cpu_name  # noqa: E402
 from gemma4.model.sampling import SamplingRows  # noqa: E402
 from gemma4.serve.engine import Engine  # noqa: E402
+from gemma4.serve.shape_keys import PrefillKey  # noqa: E402
 
 LATER_START = 1024  # a later chunk's first position
 
@@ -48,12 +49,12 @@ def main(argv=None) -> dict:
         tokens = rng.integers(100, 1000, bucket).astype(np.int32)
         positions = np.arange(start, start + bucket, dtype=np.int32)
         t0 = time.perf_counter()
-        engine.run_prefill(("prefill", bucket, fresh), tokens, positions, 3, bucket - 1, SamplingRows.idle(1))
+        engine.run_prefill(PrefillKey(bucket, fresh), tokens, positions, 3, bucket - 1, SamplingRows.idle(1))
         return time.perf_counter() - t0
 
     def decode_s() -> float:
         key = engine.shapes.decode_key(1, LATER_START + 64)
-        width = key[1]
+        width = key.width
         positions = np.full(width, -1, np.int32)
         positions[0] = LATER_START + 32
         t0 = time.perf_counter()

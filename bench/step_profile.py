@@ -40,7 +40,7 @@ import jax  # noqa: E402
 from bench.chunked_prefill import cpu_name  # noqa: E402
 from gemma4.model.sampling import SamplingRows  # noqa: E402
 from gemma4.serve.engine import Engine  # noqa: E402
-from gemma4.serve.engine_compile import MIXED_CHUNK  # noqa: E402
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey  # noqa: E402
 
 LATER_START = 1024
 
@@ -71,28 +71,28 @@ def step_runners(engine: Engine, kv: int, width: int) -> dict:
     def decode():
         positions = np.full(width, -1, np.int32)
         positions[:] = pos0
-        engine.run_decode(("decode", width, kv), np.zeros(width, np.int32), positions, SamplingRows.idle(width))
+        engine.run_decode(DecodeKey(width, kv), np.zeros(width, np.int32), positions, SamplingRows.idle(width))
 
     def mixed():
         tokens = np.zeros(MIXED_CHUNK + width, np.int32)
         positions = np.concatenate([np.arange(LATER_START, LATER_START + MIXED_CHUNK, dtype=np.int32),
                                     np.full(width, pos0, np.int32)])
-        engine.run_mixed(("mixed", width, kv), tokens, positions, width if width < engine.max_batch else 0,
+        engine.run_mixed(MixedKey(width, kv), tokens, positions, width if width < engine.max_batch else 0,
                          -1, -1, SamplingRows.idle(width + 1))
 
     def prefill():
         positions = np.arange(LATER_START, LATER_START + 512, dtype=np.int32)
-        engine.run_prefill(("prefill", 512, False), np.zeros(512, np.int32), positions, 3, -1, SamplingRows.idle(1))
+        engine.run_prefill(PrefillKey(512, False), np.zeros(512, np.int32), positions, 3, -1, SamplingRows.idle(1))
 
     def prefill_first():  # a 500-token prompt's one chunk (bench/compare.py's prefill)
         positions = np.where(np.arange(512) < 500, np.arange(512), -1).astype(np.int32)
-        engine.run_prefill(("prefill", 512, True), np.zeros(512, np.int32), positions, 3, 499, SamplingRows.idle(1))
+        engine.run_prefill(PrefillKey(512, True), np.zeros(512, np.int32), positions, 3, 499, SamplingRows.idle(1))
 
-    runners = {f"decode w={width}": (("decode", width, kv), decode),
-               f"mixed w={width} (+{MIXED_CHUNK})": (("mixed", width, kv), mixed)}
+    runners = {f"decode w={width}": (DecodeKey(width, kv), decode),
+               f"mixed w={width} (+{MIXED_CHUNK})": (MixedKey(width, kv), mixed)}
     if width == 1:
-        runners["prefill 500 first"] = (("prefill", 512, True), prefill_first)
-        runners["prefill 512 later"] = (("prefill", 512, False), prefill)
+        runners["prefill 500 first"] = (PrefillKey(512, True), prefill_first)
+        runners["prefill 512 later"] = (PrefillKey(512, False), prefill)
     for key, _ in runners.values():
         if engine.shapes.get(key) is None:
             engine.shapes.compile(key)
@@ -101,13 +101,13 @@ def step_runners(engine: Engine, kv: int, width: int) -> dict:
 
 def step_keys(kv: int, width: int) -> dict:
     """name → the engine's shape key of each step `step_runners` times (for its executable)."""
-    keys = {f"decode w={width}": ("decode", width, kv), f"mixed w={width} (+{MIXED_CHUNK})": ("mixed", width, kv)}
+    keys = {f"decode w={width}": DecodeKey(width, kv), f"mixed w={width} (+{MIXED_CHUNK})": MixedKey(width, kv)}
     if width == 1:
-        keys.update({"prefill 500 first": ("prefill", 512, True), "prefill 512 later": ("prefill", 512, False)})
+        keys.update({"prefill 500 first": PrefillKey(512, True), "prefill 512 later": PrefillKey(512, False)})
     return keys
 
 
-def native_targets(engine: Engine, key: tuple) -> dict:
+def native_targets(engine: Engine, key: ShapeKey) -> dict:
     """op name → custom-call target (our native kernels) in the step's compiled program: the
     trace names every native call "ffi_call.N", the program says which kernel each one is."""
     text = engine.shapes.executable(key)[0].as_text()
@@ -177,7 +177,7 @@ def main(argv=None) -> dict:
                  f"(one length where the native cache attention reads every full layer; "
                  f"GEMMA4_ATTENTION=xla gives the 512..4096 ladder)")
     fill_cache(engine, min(args.kv, engine.context_limit) - 65)
-    plan = engine.plan
+    plan = engine.loaded.plan
     out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {},
            "attention": {"sliding": plan.attention_sliding.value, "full": plan.attention_full.value}}
     print(f"attention over the cache: sliding {plan.attention_sliding.value}, full {plan.attention_full.value} "

@@ -194,7 +194,7 @@ def _device_steps(engine, steps: int) -> float:
 
     key = engine.shapes.decode_key(1, engine.kv_lengths[0])
     exe, _ = engine.shapes.executable(key)
-    width, block = key[1], engine.decode_block
+    width, block = key.width, engine.loaded.decode_block
     positions = jnp.asarray([200] + [-1] * (width - 1), jnp.int32)  # one row decoding, the rest idle
     start = (jnp.full((width,), 5, jnp.int32), positions, SamplingRows.idle(width, REPETITION_WINDOW).on_device())
 
@@ -288,7 +288,7 @@ def worker_decode(args) -> dict:
             step = _device_steps(eng, 64)
             row["device_step_ms"] = round(1e3 * step, 3)
             row["device_tok_s"] = round(1 / step, 1)
-            row["weights_read_bytes"] = eng.decode_bytes
+            row["weights_read_bytes"] = eng.loaded.decode_bytes
             if gbps:
                 roof = gbps * 1e9 / row["weights_read_bytes"]
                 row["roofline_tok_s"] = round(roof, 1)

@@ -80,8 +80,8 @@ def _held_and_planned(engine) -> dict:
     """What this process's devices hold, and what the pre-flight planned per device."""
     from gemma4.plan import preflight
 
-    shape = {a: int(n) for a, n in engine.mesh.shape.items()}
-    fp = preflight.footprint(engine.cfg, engine.plan, shape, engine.context_limit, engine.max_batch)
+    shape = {a: int(n) for a, n in engine.loaded.mesh.shape.items()}
+    fp = preflight.footprint(engine.cfg, engine.loaded.plan, shape, engine.context_limit, engine.max_batch)
     return {"held": engine.info().get("sharding", {}).get("per_device", []),
             "planned": {"weights_bytes": int(fp.weights), "kv_cache_bytes": int(fp.kv)}}
 

@@ -28,6 +28,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from gemma4.plan import preflight, sharding  # noqa: E402
 from gemma4.serve import conversation  # noqa: E402
 from gemma4.serve.engine import Engine, SamplingParams  # noqa: E402
+from gemma4.serve.shape_keys import DecodeKey  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
 NEW_TOKENS = 4
@@ -76,18 +77,18 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
     """Per-device bytes held, and the rule table's arithmetic for the same mesh."""
     held = sharding.device_bytes(engine.params)
     cache = sharding.device_bytes(engine.cache)
-    plan = engine.plan
+    plan = engine.loaded.plan
     expect = sharding.shard_bytes_per_device(
         engine.cfg, mesh_shape, weight_dtype=plan.weight_dtype.value, quantize=plan.quantize_kwargs(),
-        batch=engine.max_batch, context=engine.context_limit, kv_dtype=engine.options.compute_dtype,
-        kv_format=engine.kv_format, tower_dtype=preflight.tower_dtype(plan))
+        batch=engine.max_batch, context=engine.context_limit, kv_dtype=engine.loaded.options.compute_dtype,
+        kv_format=engine.loaded.kv_format, tower_dtype=preflight.tower_dtype(plan))
     return {"weights": sorted(set(held.values())), "kv_cache": sorted(set(cache.values())),
             "devices": len(held), "expect": expect}
 
 
 def _decode_gathers(engine: Engine) -> dict:
     """All-gathers in the compiled widest decode step, and the full sizes of the split arrays."""
-    key = ("decode", engine.widths[-1], engine.kv_lengths[0])
+    key = DecodeKey(engine.widths[-1], engine.kv_lengths[0])
     hlo = (engine.shapes.get(key) or engine.shapes.compile(key)).as_text()
     split = set()
     for leaf in jax.tree.leaves((engine.params, engine.cache)):

@@ -29,8 +29,9 @@ from gemma4.media.files import MediaError, media_from_bytes
 from gemma4.model import audio as AU
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import chat, conversation, engine as E, media_prompt
-from gemma4.serve.engine import RequestError
 from gemma4.serve.media_cache import shared_cache
+from gemma4.serve.requests import RequestError
+from gemma4.serve.towers import AUDIO_FRAME_BUCKETS, audio_bucket, audio_frame_buckets
 from tests.scripted import TINY_GEMMA4, tiny_gemma4
 from tests.test_vision_serve import direct_greedy, png
 
@@ -141,11 +142,11 @@ def test_audio_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     ids = conversation.prompt_ids(eng, hear(data))
     start = ids.index(cfg.audio_token_id)
     feats = audio_features(decode_audio(data).samples)
-    frames = E.audio_bucket(len(feats.mask), eng.audio_buckets)  # the engine's padded length
+    frames = audio_bucket(len(feats.mask), eng.towers.audio_buckets)  # the engine's padded length
     x = np.zeros((1, frames, 128), np.float32)
     mask = np.zeros((1, frames), bool)
     x[0, :len(feats.mask)], mask[0, :len(feats.mask)] = feats.features, feats.mask
-    tower = jax.jit(lambda params, x, mask: AU.encode_audio(params, cfg, x, mask, dtype=eng.encoder_dtype))
+    tower = jax.jit(lambda params, x, mask: AU.encode_audio(params, cfg, x, mask, dtype=eng.loaded.encoder_dtype))
     soft, valid = tower(eng.params, jnp.asarray(x), jnp.asarray(mask))
     rows = np.asarray(soft, np.float32)[0, :n]
     assert np.asarray(valid)[0].sum() == n
@@ -186,27 +187,27 @@ def test_encode_audio_buckets_lengths_and_a_clip_does_not_depend_on_its_neighbou
     """Engine.encode_audio: clips are padded to their length bucket (2, 4, 8, 16, 30 s), one
     executable per (width, frames); each clip's rows are its first num_soft_tokens, the same
     (within float32 rounding) beside a longer clip or padded to a longer bucket."""
-    assert [E.audio_bucket(f) for f in (1, 200, 201, 1600, 3000)] == [200, 200, 400, 1600, 3000]
-    assert E.audio_frame_buckets({}) == E.AUDIO_FRAME_BUCKETS == eng.audio_buckets
-    assert E.audio_frame_buckets({"GEMMA4_AUDIO_BUCKETS": "1, 5,60"}) == (100, 500, 3000)  # 30 s always the top
+    assert [audio_bucket(f) for f in (1, 200, 201, 1600, 3000)] == [200, 200, 400, 1600, 3000]
+    assert audio_frame_buckets({}) == AUDIO_FRAME_BUCKETS == eng.towers.audio_buckets
+    assert audio_frame_buckets({"GEMMA4_AUDIO_BUCKETS": "1, 5,60"}) == (100, 500, 3000)  # 30 s always the top
     for bad in ("fast", "2,-1", "2,,4"):
         with pytest.raises(EnvError, match="GEMMA4_AUDIO_BUCKETS"):
-            E.audio_frame_buckets({"GEMMA4_AUDIO_BUCKETS": bad})
+            audio_frame_buckets({"GEMMA4_AUDIO_BUCKETS": bad})
     with pytest.raises(RequestError, match="longer than the 3000 frames"):
-        E.audio_bucket(3001)
+        audio_bucket(3001)
     short, long_ = (audio_features(decode_audio(wav(s, seed=4)).samples) for s in (0.5, 2.5))
-    both = eng.encode_audio([short, long_])
+    both = eng.towers.encode_audio([short, long_])
     assert [r.shape for r in both] == [(short.num_soft_tokens, eng.cfg.hidden_size), (long_.num_soft_tokens, eng.cfg.hidden_size)]
-    assert eng.last_encode()["encode_s"] > 0
-    alone = eng.encode_audio([short])[0]
+    assert eng.towers.last_encode()["encode_s"] > 0
+    alone = eng.towers.encode_audio([short])[0]
     np.testing.assert_allclose(both[0], alone, rtol=0, atol=1e-5)
-    assert np.array_equal(eng.encode_audio([short])[0], alone)  # the same shape: every bit
-    buckets = eng.audio_buckets
+    assert np.array_equal(eng.towers.encode_audio([short])[0], alone)  # the same shape: every bit
+    buckets = eng.towers.audio_buckets
     try:
-        eng.audio_buckets = (800,)  # the 0.5 s clip padded to 8 s instead of 2 s
-        np.testing.assert_allclose(eng.encode_audio([short])[0], alone, rtol=0, atol=1e-5)
+        eng.towers.audio_buckets = (800,)  # the 0.5 s clip padded to 8 s instead of 2 s
+        np.testing.assert_allclose(eng.towers.encode_audio([short])[0], alone, rtol=0, atol=1e-5)
     finally:
-        eng.audio_buckets = buckets
+        eng.towers.audio_buckets = buckets
 
 
 def test_clips_and_images_in_one_completion_prompt_go_in_marker_order(eng):
@@ -325,7 +326,7 @@ def test_bad_audio_requests(eng):
         conversation.generate(eng, [{"role": "user", "content": [{"type": "audio", "media": media_from_bytes(png(8, 8))}]}],
                               GREEDY, mode="chat")
     with pytest.raises(RequestError, match="too short to hear"):
-        eng.encode_audio([audio_features(np.zeros(100, np.float32))])
+        eng.towers.encode_audio([audio_features(np.zeros(100, np.float32))])
     assert conversation.generate(eng, hear(data), GREEDY, mode="chat")["finish_reason"] in ("stop", "length")
 
 

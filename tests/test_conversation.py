@@ -13,7 +13,7 @@ import pytest
 from gemma4.serve.conversation import (ReplyEvent, complete_reply, prompt_ids, stream_reply, supports_thinking,
                                  supports_tools)
 from gemma4.serve import conversation
-from gemma4.serve.engine import RequestError
+from gemma4.serve.requests import RequestError
 from gemma4.model.sampling import SamplingParams
 from tests.scripted import script_ids, scripted, tiny_gemma4
 
@@ -231,7 +231,7 @@ def test_context_rule_keeps_system_and_tools(eng):
 
 def test_gemma3_refuses_thinking_and_tools(eng):
     assert supports_thinking(eng) == (True, "") and supports_tools(eng)[0]
-    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3"), info=lambda: {"model": "bundled"})
+    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3", name="bundled"))
     ok, why = supports_thinking(g3)
     assert not ok and "Gemma 3" in why and "thinking" in why
     with pytest.raises(RequestError, match="Thinking is not available: bundled is a Gemma 3 model"):

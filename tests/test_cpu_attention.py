@@ -203,7 +203,7 @@ def test_an_engine_with_the_kernel_gives_xla_s_tokens(monkeypatch):
         eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
         try:
             eng.wait_ready(timeout=600)
-            assert eng.plan.attention_full.value == attention
+            assert eng.loaded.plan.attention_full.value == attention
             params = SamplingParams(temperature=0.0, max_new_tokens=12)
             outs[attention] = [conversation.generate(eng, [2] + list(range(10 + i, 30 + i)), params)["token_ids"]
                                for i in range(2)]

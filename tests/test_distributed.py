@@ -22,6 +22,7 @@ from gemma4.model.sampling import SamplingRows
 from gemma4.serve import distributed as D
 from gemma4.serve import distributed_flags as F
 from gemma4.serve import step_link as L
+from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
@@ -108,20 +109,20 @@ def test_step_descriptor_round_trip():
                             np.array([0.7, 0.0], np.float32), np.array([64, 1], np.int32),
                             np.array([0.95, 1.0], np.float32), np.arange(16, dtype=np.int32).reshape(2, 8) - 1,
                             np.array([1.1, 1.0], np.float32))
-    step = L.Step(L.OP_DECODE, ("decode", 2, 512), np.array([5, 6]), np.array([10, -1]), 1, 0, sampling)
+    step = L.Step(L.OP_DECODE, DecodeKey(2, 512), np.array([5, 6]), np.array([10, -1]), 1, 0, sampling)
     vec = codec.encode(step)
     assert vec.shape == (codec.size,) and vec.dtype == np.int32
     back = codec.decode(vec)
-    assert back.key == ("decode", 2, 512) and back.row == 1
+    assert back.key == DecodeKey(2, 512) and back.row == 1
     assert back.tokens.tolist() == [5, 6] and back.positions.tolist() == [10, -1]
     for a, b in zip(jax.tree.leaves(back.sampling), jax.tree.leaves(sampling)):
         assert a.dtype == b.dtype and np.array_equal(a, b)
-    pre = L.Step(L.OP_PREFILL, ("prefill", 16, True), np.arange(16), np.arange(16), 0, 6,
+    pre = L.Step(L.OP_PREFILL, PrefillKey(16, True), np.arange(16), np.arange(16), 0, 6,
                  jax.tree.map(lambda x: x[:1], sampling))
-    assert codec.decode(codec.encode(pre)).key == ("prefill", 16, True)
+    assert codec.decode(codec.encode(pre)).key == PrefillKey(16, True)
     assert codec.decode(codec.encode(L.Step(L.OP_STOP))).op == L.OP_STOP
     with pytest.raises(ValueError, match="does not fit"):
-        codec.encode(L.Step(L.OP_PREFILL, ("prefill", 32, True), np.arange(32), np.arange(32), 0, 0,
+        codec.encode(L.Step(L.OP_PREFILL, PrefillKey(32, True), np.arange(32), np.arange(32), 0, 0,
                             jax.tree.map(lambda x: x[:1], sampling)))
 
 

@@ -21,9 +21,10 @@ import pytest
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
 from gemma4.serve import engine as E
-from gemma4.serve.engine import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.serve import engine_compile as EC
 from gemma4.serve.engine_compile import chunk_plan
+from gemma4.serve.requests import Embeddings, RequestError, check_vocabulary, flatten_segments
+from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 from gemma4.model.sampling import SamplingParams
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
@@ -201,7 +202,7 @@ def test_prompt_in_a_larger_compiled_bucket_gives_identical_tokens(engine):
     engine.wait_compiled(timeout=900)
     ideal = conversation.generate(engine, "Water boils at", GREEDY)
     assert ideal["stats"]["bucket"] == 16 and not ideal["stats"]["compiled"]
-    engine.shapes.usable_only = {("prefill", 64, True), ("decode", 1, 256)}
+    engine.shapes.usable_only = {PrefillKey(64, True), DecodeKey(1, 256)}
     try:
         sub = conversation.generate(engine, "Water boils at", GREEDY)
     finally:
@@ -216,7 +217,7 @@ def test_rows_decode_one_by_one_while_no_width_covers_them(engine):
     at its row offset (nobody waits for the width-2 compile); both get their solo tokens."""
     prompts = ["Water boils at", "The three laws of motion"]
     solo = [conversation.generate(engine, p, GREEDY)["token_ids"] for p in prompts]
-    engine.shapes.usable_only = {("prefill", 16, True), ("prefill", 64, True), ("decode", 1, 256)}
+    engine.shapes.usable_only = {PrefillKey(16, True), PrefillKey(64, True), DecodeKey(1, 256)}
     out: dict[int, dict] = {}
     try:
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, conversation.generate(engine, prompts[i], GREEDY)))
@@ -302,25 +303,25 @@ def test_a_failed_lowering_is_retried_once_after_clearing_jax_caches(monkeypatch
         calls.append(key)
         if len(calls) == 1:
             raise KeyError("Var(id=1):float32[16]")
-        return step.lower(jax.ShapeDtypeStruct((key[1],), jnp.float32))
+        return step.lower(jax.ShapeDtypeStruct((key.bucket,), jnp.float32))
 
     shapes = EC.CompiledShapes(lower, lambda: True)
-    exe = shapes._compile_with_retry(("prefill", 4, True))
-    assert calls == [("prefill", 4, True)] * 2 and cleared == [1]
+    exe = shapes._compile_with_retry(PrefillKey(4, True))
+    assert calls == [PrefillKey(4, True)] * 2 and cleared == [1]
     assert np.asarray(exe(np.arange(4, dtype=np.float32))).tolist() == [0, 2, 4, 6]
 
     def always(key):
         raise KeyError("Var(id=1):float32[16]")
 
     with pytest.raises(KeyError):
-        EC.CompiledShapes(always, lambda: True)._compile_with_retry(("prefill", 4, True))
+        EC.CompiledShapes(always, lambda: True)._compile_with_retry(PrefillKey(4, True))
     assert cleared == [1, 2]
 
 
 # ---------------------------------------------------------------- the media seam: embedding segments
 def _embedding_rows(eng, ids):
     """The decoder's own input rows for `ids` (what an image/audio encoder would hand over)."""
-    rows = M.embed_tokens(eng.params, eng.cfg, jnp.asarray([ids], jnp.int32), eng.options.dtype)[0]
+    rows = M.embed_tokens(eng.params, eng.cfg, jnp.asarray([ids], jnp.int32), eng.loaded.options.dtype)[0]
     return np.asarray(rows.astype(jnp.float32))
 
 
@@ -369,7 +370,7 @@ def test_flatten_segments_lays_runs_out_in_order():
 def test_an_unbounded_compile_cache_gets_the_access_times_a_bounded_one_needs(tmp_path):
     """The on-disk compile cache is bounded (so jax locks it across processes); entries written
     while it was not have no access-time file, without which every later write would fail."""
-    from gemma4.serve.engine import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
+    from gemma4.serve.engine_load import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
     (tmp_path / "jit_f-abc-cache").write_bytes(b"x")
     (tmp_path / "jit_g-def-cache").write_bytes(b"y")
     (tmp_path / "jit_g-def-atime").write_bytes((5).to_bytes(8, "little"))

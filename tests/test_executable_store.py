@@ -140,6 +140,18 @@ def test_what_cannot_be_serialized_is_not_stored_and_says_so(tmp_path, caplog):
     assert not list(tmp_path.iterdir()) and "not storing an executable" in caplog.text
 
 
+def test_the_files_steps_are_built_from_are_part_of_the_key():
+    """An edit to a step function, to how the steps are jitted and lowered (the towers' too) or to
+    the fused chunk's size must change every stored executable's key (PROGRAM_SOURCES)."""
+    import inspect
+
+    from gemma4.serve import shape_keys, steps, towers
+
+    for obj in (steps.prefill_step, steps.StepPrograms, towers.Towers, shape_keys):
+        rel = Path(inspect.getsourcefile(obj)).resolve().relative_to(XS.PACKAGE).as_posix()
+        assert any(rel == p or rel.startswith(p + "/") for p in XS.PROGRAM_SOURCES), rel
+
+
 def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch):
     parts = ("model", "serve/engine.py")
     (tmp_path / "model").mkdir()
@@ -264,9 +276,10 @@ def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
 LOWERED = textwrap.dedent("""
     import hashlib
     from gemma4.serve import engine as E
+    from gemma4.serve.shape_keys import PrefillKey
     eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
     eng.wait_ready(timeout=600)
-    text = eng._lower(("prefill", 16, True)).as_text()
+    text = eng._lower(PrefillKey(16, True)).as_text()
     print("PROGRAM", hashlib.sha256(text.encode()).hexdigest(), len(text))
     eng.close(timeout=60)
 """)

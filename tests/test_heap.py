@@ -10,6 +10,7 @@ import numpy as np
 
 from gemma4.serve import engine_compile as EC
 from gemma4.serve import heap
+from gemma4.serve.shape_keys import PrefillKey
 
 
 def _rss_mib() -> float:
@@ -55,15 +56,15 @@ def test_every_compile_releases_after_it(monkeypatch):
     released = []
     monkeypatch.setattr(heap, "release", lambda: released.append(1) or True)
     step = jax.jit(lambda x: x + 1)
-    shapes = EC.CompiledShapes(lambda key: step.lower(jax.ShapeDtypeStruct((key[1],), jnp.float32)), lambda: True)
-    exe = shapes.compile(("prefill", 3, True))
+    shapes = EC.CompiledShapes(lambda key: step.lower(jax.ShapeDtypeStruct((key.bucket,), jnp.float32)), lambda: True)
+    exe = shapes.compile(PrefillKey(3, True))
     assert np.asarray(exe(np.zeros(3, np.float32))).tolist() == [1, 1, 1] and released == [1]
 
     def broken(key):
         raise RuntimeError("no lowering")
 
     try:
-        EC.CompiledShapes(broken, lambda: True).compile(("prefill", 3, True))
+        EC.CompiledShapes(broken, lambda: True).compile(PrefillKey(3, True))
     except RuntimeError:
         pass
     else:

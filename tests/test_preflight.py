@@ -250,13 +250,14 @@ def test_hardware_panel_block_for_a_loaded_engine():
     from types import SimpleNamespace
 
     cfg = preset("e2b")
-    engine = SimpleNamespace(cfg=cfg, plan=_plan("int8", "cpu", dtype="float32"), mesh=SimpleNamespace(
-        shape={"data": 1, "tensor": 1, "expert": 1}), context_limit=4096, max_batch=4)
+    loaded = SimpleNamespace(cfg=cfg, plan=_plan("int8", "cpu", dtype="float32"), mesh=SimpleNamespace(
+        shape={"data": 1, "tensor": 1, "expert": 1}), context_limit=4096)
+    engine = SimpleNamespace(loaded=loaded, max_batch=4)
     md = mesh_panel.panel_markdown(engine, {"sharding": {"per_device": [
         {"device": "TFRT_CPU_0", "weights_bytes": 4 * _GiB, "kv_cache_bytes": _GiB // 8}]}})
     assert md.startswith("**Memory pre-flight** (fits): gemma-4-E2B int8:")
     assert "| one device ← this engine | 1 |" in md and "| TFRT_CPU_0 | 4.00 GiB | 0.12 GiB |" in md
-    assert mesh_panel.panel_markdown(SimpleNamespace(cfg=None, plan=None)) == ""
+    assert mesh_panel.panel_markdown(SimpleNamespace(loaded=None)) == ""
 
 
 def test_resolve_mesh_checks_explicit_meshes_too(monkeypatch):

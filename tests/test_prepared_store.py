@@ -159,7 +159,7 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
         ids = conversation.generate(first, prompt, greedy)["token_ids"]
         kept = ps.worth_keeping(first.params)
         assert first.wait_prepared_written(timeout=120) == kept
-        reason = first.plan.int8_matmul.reason
+        reason = first.loaded.plan.int8_matmul.reason
         tuning_file = (first.info()["hardware"]["int8_matmul"]["tuning"] or {}).get("cache_file")
     finally:
         first.close(timeout=60)
@@ -170,7 +170,7 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
     second = start()
     try:
         assert second.info()["startup"]["int8_matmul_s"] == 0.0
-        assert second.plan.int8_matmul.reason.startswith(reason) and "read back from disk" in second.plan.int8_matmul.reason
+        assert second.loaded.plan.int8_matmul.reason.startswith(reason) and "read back from disk" in second.loaded.plan.int8_matmul.reason
         assert conversation.generate(second, prompt, greedy)["token_ids"] == ids
         assert not second.wait_prepared_written()  # nothing new to write
     finally:
@@ -179,6 +179,6 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
     third = start()
     try:
         assert third.info()["startup"]["int8_matmul_s"] > 0.0
-        assert "read back from disk" not in third.plan.int8_matmul.reason
+        assert "read back from disk" not in third.loaded.plan.int8_matmul.reason
     finally:
         third.close(timeout=60)

@@ -15,9 +15,11 @@ import pytest
 
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import conversation
-from gemma4.serve.engine import Engine, RequestError
+from gemma4.serve.engine import Engine
 from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S, chunk_budget_s,
                                          chunk_limit, merge_spans, next_chunk, override_limit, prefill_order)
+from gemma4.serve.requests import RequestError
+from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 BUCKETS = (16, 32, 64)
@@ -168,7 +170,7 @@ def test_nobody_waits_for_a_shape_another_request_needs(eng, chunk):
     long, short = _prompt(700, 4), _prompt(10, 5)
     solo_long = conversation.generate(eng, long, GREEDY)["token_ids"]
     solo_short = conversation.generate(eng, short, GREEDY)["token_ids"]
-    eng.shapes.usable_only = {("prefill", b, True) for b in BUCKETS} | {("decode", w, 512) for w in (1, 2, 4)}
+    eng.shapes.usable_only = {PrefillKey(b, True) for b in BUCKETS} | {DecodeKey(w, 512) for w in (1, 2, 4)}
     try:
         req_long = eng.submit(long, GREEDY)
         deadline = time.time() + 30
@@ -190,8 +192,8 @@ def test_a_row_past_every_compiled_cache_length_waits_alone(eng, chunk):
     long, short = _prompt(520, 6), _prompt(10, 7)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     solo = [conversation.generate(eng, p, params)["token_ids"] for p in (long, short)]
-    eng.shapes.usable_only = ({("prefill", b, f) for b in BUCKETS for f in (True, False)}
-                              | {("decode", w, 512) for w in (1, 2, 4)})
+    eng.shapes.usable_only = ({PrefillKey(b, f) for b in BUCKETS for f in (True, False)}
+                              | {DecodeKey(w, 512) for w in (1, 2, 4)})
     try:
         req_long = eng.submit(long, params)
         stream = eng.tokens(req_long)
@@ -224,8 +226,8 @@ def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(eng, chunk, monkeypa
     Intel Xeon (first run 1.3 s, then 0.68 s, against LONE_CHUNK_S), and a 500-token prompt was
     prefilled in two chunks. Only runs after the first are measured."""
     chunk(32)
-    key = ("prefill", 32, True)
-    assert eng.shapes.has_run(key) and not eng.shapes.has_run(("prefill", 4096, True))  # never compiled
+    key = PrefillKey(32, True)
+    assert eng.shapes.has_run(key) and not eng.shapes.has_run(PrefillKey(4096, True))  # never compiled
     real, first = eng.shapes.has_run, []
 
     def has_run(k):  # the next chunk in `key` is its first run
@@ -235,11 +237,11 @@ def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(eng, chunk, monkeypa
         return real(k)
 
     monkeypatch.setattr(eng.shapes, "has_run", has_run)
-    eng._chunk_cost[True].pop(32, None)
+    eng.costs.chunk[True].pop(32, None)
     conversation.generate(eng, _prompt(30, 8), GREEDY)
-    assert first and 32 not in eng._chunk_cost[True]
+    assert first and 32 not in eng.costs.chunk[True]
     conversation.generate(eng, _prompt(30, 9), GREEDY)
-    assert 32 in eng._chunk_cost[True]
+    assert 32 in eng.costs.chunk[True]
 
 
 def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():
@@ -259,10 +261,10 @@ def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():
 
 def test_a_chunk_fused_with_the_decode_step_gives_the_solo_tokens(eng):
     """With no chunk size forced, a prompt that arrives while a stream decodes is prefilled in
-    fused steps (its chunk and the stream's next token in one dispatch: engine_compile.MIXED_CHUNK),
+    fused steps (its chunk and the stream's next token in one dispatch: shape_keys.MIXED_CHUNK),
     first chunk included; the stream, the long prompt and a short one sent meanwhile all get their
     solo tokens, and the short one its first token before the long one."""
-    from gemma4.serve.engine_compile import MIXED_CHUNK
+    from gemma4.serve.shape_keys import MIXED_CHUNK
 
     assert eng.mixed_widths == (1, 2, 4)
     running, long, short = _prompt(20, 11), _prompt(150, 12), _prompt(4, 13)

@@ -14,6 +14,7 @@ import pytest
 
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import conversation
+from gemma4.serve.shape_keys import MixedKey
 from tests.net import wait_until
 from tests.scripted import scripted, tiny_gemma4
 
@@ -124,7 +125,7 @@ def test_a_fused_step_fault_fails_its_rows_and_the_engine_serves_on(engine):
     request is served."""
     _settled(engine)
     assert engine.mixed_widths, "the tiny engine has fused widths"
-    engine.shapes.executable(("mixed", engine.mixed_widths[0], engine.kv_lengths[0]))  # compiled now, not raced
+    engine.shapes.executable(MixedKey(engine.mixed_widths[0], engine.kv_lengths[0]))  # compiled now, not raced
     params = SamplingParams(temperature=0.0, max_new_tokens=200)
     faults_before = engine.step_times.snapshot()["faults"]["mixed"]
     with scripted(engine, LONG, then="model"):

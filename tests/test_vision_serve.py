@@ -21,8 +21,8 @@ from gemma4.model import decoder as M
 from gemma4.model import vision as V
 from gemma4.model.sampling import SamplingParams
 from gemma4.serve import chat, conversation, engine as E, media_prompt
-from gemma4.serve.engine import RequestError
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
+from gemma4.serve.requests import Embeddings, RequestError, vision_layout
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
 
@@ -77,7 +77,7 @@ def direct_greedy(eng, ids: list[int], rows_at: dict[int, np.ndarray], n: int, g
     engine): the ids' embeddings, the rows at their positions (their per-layer ids: pad). One
     compile: the sequence is right-padded to its final length (padding: position -1). `groups`:
     the prompt's vision groups, for a model bidirectional over vision (generated tokens: -1)."""
-    cfg, params, opts = eng.cfg, eng.params, eng.options
+    cfg, params, opts = eng.cfg, eng.params, eng.loaded.options
     total = len(ids) + n
 
     extra = {}
@@ -145,7 +145,7 @@ def test_image_tokens_equal_a_direct_forward_and_the_second_ask_is_cached(eng):
     patches = preprocess_image(decode_image(data), patch_size=cfg.vision.patch_size,
                                pooling_kernel_size=cfg.vision.pooling_kernel_size)
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
-                                      jnp.asarray(patches.position_ids[None]), dtype=eng.encoder_dtype))[0, :n]
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.loaded.encoder_dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     assert first["token_ids"] == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens)
     assert first["stats"]["prefill_tokens"] == len(ids)
@@ -335,13 +335,13 @@ def test_encode_images_batches_and_pads(eng):
     cfg = eng.cfg
     pats = [preprocess_image(decode_image(png(w, h, seed=w)), max_soft_tokens=70, patch_size=cfg.vision.patch_size,
                              pooling_kernel_size=cfg.vision.pooling_kernel_size) for w, h in ((48, 96), (96, 48), (64, 64))]
-    rows = eng.encode_images(pats)
+    rows = eng.towers.encode_images(pats)
     assert [r.shape for r in rows] == [(p.num_soft_tokens, cfg.hidden_size) for p in pats]
-    assert eng.last_encode()["encode_s"] > 0
+    assert eng.towers.last_encode()["encode_s"] > 0
     for p, r in zip(pats, rows):
-        alone = eng.encode_images([p])[0]
+        alone = eng.towers.encode_images([p])[0]
         np.testing.assert_allclose(alone, r, rtol=0, atol=1e-5)
-        assert np.array_equal(eng.encode_images([p])[0], alone)
+        assert np.array_equal(eng.towers.encode_images([p])[0], alone)
 
 
 def test_embedding_cache_is_bounded_lru_and_read_only():
@@ -382,7 +382,7 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
     patches = preprocess_image(decode_image(data), max_soft_tokens=70, patch_size=cfg.vision.patch_size,
                                pooling_kernel_size=cfg.vision.pooling_kernel_size)
     rows = np.asarray(V.encode_images(eng.params, cfg, jnp.asarray(patches.pixel_values[None]),
-                                      jnp.asarray(patches.position_ids[None]), dtype=eng.encoder_dtype))[0, :n]
+                                      jnp.asarray(patches.position_ids[None]), dtype=eng.loaded.encoder_dtype))[0, :n]
     direct_ids = [cfg.pad_id if t == cfg.image_token_id else t for t in ids]
     groups = [0 if start <= k < start + n else -1 for k in range(len(ids))]
     assert list(got.token_ids) == direct_greedy(eng, direct_ids, {start: rows}, GREEDY.max_new_tokens, groups)
@@ -390,9 +390,9 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
 
 def test_vision_layout_groups_each_run():
     rows = np.zeros((3, 4), np.float32)
-    groups, spans = E.vision_layout([[1, 2], E.Embeddings(rows, vision=True), [5], E.Embeddings(rows[:2], vision=True)])
+    groups, spans = vision_layout([[1, 2], Embeddings(rows, vision=True), [5], Embeddings(rows[:2], vision=True)])
     assert groups.tolist() == [-1, -1, 0, 0, 0, -1, 1, 1] and spans == [(2, 5), (6, 8)]
-    assert E.vision_layout([[1, 2], E.Embeddings(rows)]) == (None, [])
+    assert vision_layout([[1, 2], Embeddings(rows)]) == (None, [])
 
 
 def test_chat_render_places_media_parts_like_the_template(eng):

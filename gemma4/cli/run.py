@@ -21,9 +21,10 @@ from gemma4.model.sampling import SamplingParams
 from gemma4.media.files import MediaError, media_from_path
 from gemma4.plan import preflight, preflight_devices, sharding
 from gemma4.serve import conversation, distributed, distributed_flags
-from gemma4.serve.engine import RequestError, get_engine
+from gemma4.serve.engine import Engine, get_engine
 from gemma4.serve.media_prompt import parts_in_marker_order
 from gemma4.serve.probe import main as hardware_main
+from gemma4.serve.requests import RequestError
 from gemma4.ui import mesh_panel
 from gemma4.weights import sources
 
@@ -37,7 +38,7 @@ def _overrides(args) -> dict:
     return out
 
 
-def _engine(args):
+def _engine(args) -> Engine:
     try:  # before anything touches a JAX backend; a bad mesh spec is refused before any loading
         distributed.initialize(distributed_flags.from_args(args))
         if args.mesh.strip().lower() != "auto":
@@ -88,7 +89,7 @@ def sampling_params(args):
     return params
 
 
-def _followed(engine) -> bool:
+def _followed(engine: Engine) -> bool:
     """More than one process: the others replay process 0's steps until it stops (True then)."""
     if distributed.is_leader():
         return False
@@ -117,9 +118,9 @@ def cmd_generate(args) -> int:
     return _run_on_engine(args, _generate)
 
 
-def _generate(engine, args) -> int:
-    info = engine.info()
-    if info.get("random_weights"):
+def _generate(engine: Engine, args) -> int:
+    model = engine.loaded
+    if model.source.random_weights:
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
         last = _stream_answer(conversation.stream_reply(engine, args.prompt, args.params, mode=args.mode,
@@ -132,9 +133,9 @@ def _generate(engine, args) -> int:
         # The prompt as transformers' input_ids (a soft token is its placeholder id), so that a run
         # can be reproduced with another stack token for token.
         prompt_ids = conversation.prompt_ids(engine, args.prompt, mode=args.mode, media=getattr(args, "media_parts", ()))
-        print(json.dumps({**last.result(), "prompt_token_ids": prompt_ids, "model": info.get("description"),
+        print(json.dumps({**last.result(), "prompt_token_ids": prompt_ids, "model": model.source.description,
                           # the towers' dtype and why (`probe` and the hardware panel say the same)
-                          "encoder_dtype": ((info.get("hardware") or {}).get("plan") or {}).get("encoder_dtype")}))
+                          "encoder_dtype": model.plan.encoder_dtype.to_dict()}))
     else:
         print()
         s = last.stats
@@ -174,11 +175,11 @@ def cmd_chat(args) -> int:
     return _run_on_engine(args, _chat)
 
 
-def _chat(engine, args) -> int:
-    info = engine.info()
-    print(f"{info['description']} — context {info['context_limit']} tokens. Empty line or Ctrl-D quits; "
+def _chat(engine: Engine, args) -> int:
+    source = engine.loaded.source
+    print(f"{source.description} — context {engine.context_limit} tokens. Empty line or Ctrl-D quits; "
           f"/reset clears the conversation.")
-    if info.get("is_base_model"):
+    if source.is_base_model:
         print("note: this is a base model; it continues text rather than following instructions.")
     messages: list[dict] = []
     while True:

@@ -33,9 +33,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from gemma4.model.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
 from gemma4.serve import chat, chat_tools
-from gemma4.serve.engine import Embeddings, Request, RequestError, Segment, flatten_segments
+from gemma4.serve.engine import Engine
 from gemma4.serve.media_prompt import MediaPlan, parts_from_marked_text
 from gemma4.serve.quality import RULES, degeneracy_flags
+from gemma4.serve.requests import Embeddings, Request, RequestError, Segment, flatten_segments
 from gemma4.weights.tokenizer import IncrementalDecoder
 
 CHANNEL_NAME = "thought\n"  # what follows <|channel> in a thought block
@@ -81,30 +82,30 @@ class ReplyEvent:
 
 
 # ------------------------------------------------------------------------------ support checks
-def supports_thinking(engine) -> tuple[bool, str]:
+def supports_thinking(engine: Engine) -> tuple[bool, str]:
     """(ok, reason): Gemma 4 models have a thinking channel, Gemma 3 ones do not."""
     family = engine.cfg.family
     if family == "gemma4":
         return True, ""
-    return False, (f"{engine.info().get('model', 'this model')} is a Gemma 3 model: it has no thinking channel "
+    return False, (f"{engine.cfg.name} is a Gemma 3 model: it has no thinking channel "
                    "(thinking is a Gemma 4 feature)")
 
 
-def supports_tools(engine) -> tuple[bool, str]:
+def supports_tools(engine: Engine) -> tuple[bool, str]:
     """(ok, reason): Gemma 4 has tool-call tokens, Gemma 3 does not."""
     if engine.cfg.family == "gemma4":
         return True, ""
-    return False, (f"{engine.info().get('model', 'this model')} is a Gemma 3 model: it has no tool-call tokens "
+    return False, (f"{engine.cfg.name} is a Gemma 3 model: it has no tool-call tokens "
                    "(tool calls are a Gemma 4 feature)")
 
 
-def supports_vision(engine) -> tuple[bool, str]:
+def supports_vision(engine: Engine) -> tuple[bool, str]:
     """(ok, reason): the model reads images and video (it has a vision tower; see
     `Engine.supports_vision`)."""
     return engine.supports_vision()
 
 
-def supports_audio(engine) -> tuple[bool, str]:
+def supports_audio(engine: Engine) -> tuple[bool, str]:
     """(ok, reason): the model hears audio (it has an audio tower: Gemma 4 E2B / E4B; see
     `Engine.supports_audio`)."""
     return engine.supports_audio()
@@ -114,7 +115,7 @@ def _is_messages(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
 
 
-def check_request(engine, prompt: Any, mode: str, thinking: bool, tools: Any) -> None:
+def check_request(engine: Engine, prompt: Any, mode: str, thinking: bool, tools: Any) -> None:
     """The one check of thinking, tools and mode for a request (RequestError, meant for the user):
     thinking and tools need a Gemma 4 model, a chat request, and messages or text (not ids)."""
     if thinking:
@@ -231,7 +232,7 @@ def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[in
 
 
 # ------------------------------------------------------------------------------ prompts → ids
-def render_chat(engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
+def render_chat(engine: Engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
                 tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of a chat in the engine's model format (Gemma 4: thinking flag, tool
     declarations, the 31B/26B empty thought block when thinking is off; see `gemma4.serve.chat.render`)."""
@@ -239,12 +240,12 @@ def render_chat(engine, messages: list[dict], system: str | None = None, *, thin
                        tools=tools, large_model_template=chat.uses_large_template(engine.cfg))
 
 
-def count_tokens(engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
+def count_tokens(engine: Engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
                  tools: list[dict] | None = None) -> int:
     return len(render_chat(engine, messages, system, thinking=thinking, tools=tools))
 
 
-def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[str], *,
+def _segments(engine: Engine, prompt: Any, mode: str, system: str | None, notes: list[str], *,
               thinking: bool = False, tools: list[dict] | None = None, plan: MediaPlan | None = None,
               caps: tuple[int, int] | None = None, cancel: Any = None) -> list[int] | list[Segment]:
     """The ids (or segments) of a checked prompt: messages → the chat template (context rule
@@ -279,7 +280,7 @@ def _segments(engine, prompt: Any, mode: str, system: str | None, notes: list[st
         raise RequestError(str(e)) from None
 
 
-def _chat_ids(engine, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
+def _chat_ids(engine: Engine, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
               tools: list[dict] | None, plan: MediaPlan | None = None, caps: tuple[int, int] | None = None,
               cancel: Any = None) -> list[int]:
     last = messages[-1]
@@ -383,7 +384,7 @@ def _exchange_ends(messages: Sequence[dict]) -> tuple[int, list[int]]:
     return convo[0], ends
 
 
-def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
+def prompt_ids(engine: Engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
                thinking: bool = False, mode: str = "chat", notes: list[str] | None = None,
                media: Sequence[Mapping] = (), caps: InputCaps | None = None) -> list[int]:
     """The prompt ids a request with these arguments would be given (no queueing); `notes`
@@ -400,7 +401,7 @@ def prompt_ids(engine, messages: Any, *, system: str | None = None, tools: Seque
     return out
 
 
-def submit(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+def submit(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
            system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
            media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> Request:
     """Check, shape and queue a request (see `stream_reply` for the arguments); RequestError
@@ -424,7 +425,7 @@ def submit(engine, prompt: Any, params: SamplingParams | None = None, *, mode: s
     return req
 
 
-def _media_plan(engine, prompt: Any, mode: str, media: Sequence[Mapping]) -> tuple[Any, MediaPlan | None]:
+def _media_plan(engine: Engine, prompt: Any, mode: str, media: Sequence[Mapping]) -> tuple[Any, MediaPlan | None]:
     """(prompt, plan): a MediaPlan when the prompt's messages hold image/video parts or `media`
     parts come with a text prompt (its <|image|>/<|video|> markers say where: the parts of a
     chat message in chat mode, expanded in place in completion mode); (prompt, None) otherwise."""
@@ -448,7 +449,7 @@ def _media_plan(engine, prompt: Any, mode: str, media: Sequence[Mapping]) -> tup
     return prompt, plan
 
 
-def _check_media_fits(engine, ids: Sequence[int], plan: MediaPlan) -> None:
+def _check_media_fits(engine: Engine, ids: Sequence[int], plan: MediaPlan) -> None:
     """RequestError when a prompt with media does not fit the context window, saying why."""
     if len(ids) < engine.context_limit:
         return
@@ -617,7 +618,7 @@ class ReplyStream:
     block, or closing a generator that iterates it) cancels the request and frees its slot
     within one engine step, even before the first event."""
 
-    def __init__(self, engine, req, stops: Sequence[str]):
+    def __init__(self, engine: Engine, req: Request, stops: Sequence[str]):
         self.engine, self.request = engine, req
         self._stops = tuple(stops)
         self._gen = self._run()
@@ -742,7 +743,7 @@ class ReplyStream:
                           token_ids=list(ev.token_ids[:seen]))
 
 
-def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
+def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
                  system: str | None = None, tools: Sequence | None = None, thinking: bool = False,
                  media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> ReplyStream:
     """Submit a request and stream its reply as `ReplyEvent`s.
@@ -772,7 +773,7 @@ def stream_reply(engine, prompt: Any, params: SamplingParams | None = None, *, m
     return ReplyStream(engine, req, req.params.stop_strings)
 
 
-def complete_reply(engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
+def complete_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
     """The final `ReplyEvent` of `stream_reply(engine, prompt, params, **kwargs)` (a non-streaming
     reply: whole thought, answer, tool calls, stats, flags and notes)."""
     final = None
@@ -782,7 +783,7 @@ def complete_reply(engine, prompt: Any, params: SamplingParams | None = None, **
     return final
 
 
-def generate(engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+def generate(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
              **kwargs: Any) -> dict:
     """`complete_reply` (a completion unless `mode` says otherwise) as a plain dict
     (`ReplyEvent.result`)."""

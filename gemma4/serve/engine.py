@@ -36,10 +36,16 @@ Shape of the work:
 - A request is a sequence of *segments* (`Segment`): token ids, and runs of precomputed input
   embeddings (`Embeddings`: images, audio). The engine streams a request's tokens (`TokenStream`:
   ids, timing, finish reason); text, stop strings, the thought/answer split and degeneracy flags
-  are the request layer's (gemma4.serve.conversation), above it.
+  are the request layer's (gemma4.serve.conversation), above it. These types are
+  gemma4/serve/requests.py's.
 
-The compiled shapes (shape keys, ahead-of-time compiles, the compile threads, choosing a compiled
-shape) are a `CompiledShapes` (gemma4/serve/engine_compile.py) the engine owns as `shapes`.
+The engine's parts, each its own module: loading a model (engine_load.py: a frozen `LoadedModel`,
+the engine's `loaded`); the device steps and their jitted forms (steps.py: `StepPrograms`, the
+engine's `programs`); the compiled shapes (engine_compile.py: `CompiledShapes`, the engine's
+`shapes`: ahead-of-time compiles, the compile threads, choosing a compiled shape), keyed by
+shape_keys.py's `PrefillKey`, `DecodeKey`, `MixedKey`, `TowerKey`; the vision and audio towers
+(towers.py: `Towers`, the engine's `towers`); requests and token streams (requests.py). This
+module is the engine itself: start-up, the device calls, intake and the scheduler.
 
 See docs/engine-api.md for the public surface.
 """
@@ -52,36 +58,30 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 import os
-import queue
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence, Union
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.env import audio_bucket_seconds
-from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
-from gemma4.model import audio as AU
-from gemma4.model import decoder as M
 from gemma4.model import kv_cache
-from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import count_bytes, decode_bytes_per_token
-from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, advance_rows, sample_rows
-from gemma4.paths import cache_root
-from gemma4.plan import hardware, hardware_checks, preflight, sharding
-from gemma4.serve import executable_store, heap, prepared_store, step_link
-from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, CompiledShapes, accelerator_kv_ladder,
-                                         accelerator_widths, bucket_for, chunk_budget_s, chunk_limit,
-                                         decode_widths, describe_shape, fresh_costs, kv_ladder, merge_spans,
-                                         MIXED_CHUNK, mixed_widths, next_chunk, override_limit, prefill_order)
+from gemma4.model.params import count_bytes
+from gemma4.model.sampling import SamplingParams, SamplingRows
+from gemma4.serve import executable_store, step_link
+from gemma4.serve.engine_compile import (PROMPT_BUCKETS, CompiledShapes, StepCosts, bucket_for, decode_widths,
+                                         merge_spans, next_chunk, override_limit, prefill_order)
+from gemma4.serve.engine_load import LoadedModel, PreparedWrite, keep_prepared, load_model, model_info
+from gemma4.serve.requests import (Request, RequestError, Segment, TokenStream, check_vocabulary, flatten_segments,
+                                   vision_layout)
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey, TowerKey
 from gemma4.serve.step_times import StepTimes
-from gemma4.weights import sources
+from gemma4.serve.steps import DecodeBlock, StepPrograms, bidirectional_vision, program_parts, sampling_rows
+from gemma4.serve.towers import Towers
 from gemma4.weights.tokenizer import Tokenizer
 
 try:  # optional: the host's resident memory in `memory()`
@@ -92,381 +92,6 @@ except ImportError:
 log = logging.getLogger("gemma4.serve.engine")
 
 BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has been idle this long
-DEFAULT_CONTEXT = 4096
-ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's frames come in batches)
-# The audio tower's compiled lengths, in feature frames (100 a second; 3,000 = the 30 s the model
-# hears): a clip is padded with masked frames up to the next one (its valid rows do not change),
-# so at most five shapes compile per batch width, and a clip pays at most about twice its length.
-# GEMMA4_AUDIO_BUCKETS (seconds) overrides (`audio_frame_buckets`).
-AUDIO_FRAME_BUCKETS = (200, 400, 800, 1600, 3000)
-
-
-# ------------------------------------------------------------------------------ requests
-class RequestError(ValueError):
-    """A request the engine refuses, with a message meant for the user."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Embeddings:
-    """A run of precomputed input embeddings in a request (an image's or an audio clip's soft
-    tokens, from an encoder outside the decoder).
-
-    rows: float [n, hidden_size], already in the model's input scale: what the decoder's own
-      token embedding gives (`gemma4.model.decoder.embed_tokens`, √hidden included), so a text
-      position and an embedding position enter the first layer alike.
-    ple_ids: for models with per-layer embeddings (Gemma 4 E2B/E4B), the n ids whose per-layer
-      embedding each position gets (the per-layer input's token part; its context part comes
-      from the rows). Default: the pad id at every position, as transformers does for image and
-      audio soft tokens. These ids also stand for the run in `Request.prompt_ids`.
-    """
-
-    rows: Any
-    ple_ids: Sequence[int] | None = None
-    # The soft tokens of one image or video frame: under bidirectional vision attention
-    # (`ModelConfig.bidirectional_vision`) its positions see each other in sliding layers, and a
-    # prefill chunk never ends inside it (`Request.vision_groups`, `Request.atomic_spans`).
-    vision: bool = False
-
-    def __len__(self) -> int:
-        return int(np.shape(self.rows)[0])
-
-
-# A request's prompt is a sequence of segments, laid out one after the other from position 0: a
-# run of token ids (a list or tuple of ints), or an `Embeddings` run. A plain list of ids is a
-# one-segment prompt.
-Segment = Union[Sequence[int], Embeddings]
-
-
-@dataclasses.dataclass
-class Request:
-    """One queued or running request. `prompt_ids`: the prompt's ids (an embedding run's ple ids
-    stand for it); `embeds`/`embed_mask`: the embedding rows [n, hidden] and which positions take
-    them (None for a text-only prompt)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    embeds: np.ndarray | None = None
-    embed_mask: np.ndarray | None = None
-    # int32 [n_prompt]: the image (or frame) index of each prompt position, -1 elsewhere; given to
-    # `forward(vision_groups=...)` by prefill when the model is bidirectional over vision.
-    vision_groups: np.ndarray | None = None
-    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
-    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    row: int = -1
-    position: int = 0  # next absolute position to write
-    generated: int = 0
-    recent: list[int] = dataclasses.field(default_factory=list)
-    stats: dict = dataclasses.field(default_factory=dict)
-    occupancy_sum: float = 0.0  # Σ over the decode steps it took part in of (active rows / max_batch)
-    occupancy_steps: int = 0
-    # [start, end) prompt position ranges no prefill chunk may end inside (an image under
-    # bidirectional vision attention); merged and checked against the largest bucket at submit.
-    atomic_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # Prefill, one chunk per scheduler iteration: positions already in the cache, when the first
-    # chunk started, the (start, length, bucket) of each chunk run, and the other streams' decode
-    # steps run between its first and its last chunk.
-    prefilled: int = 0
-    prefill_t0: float | None = None
-    prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    interleaved_steps: int = 0
-    fused_chunks: int = 0  # chunks run in a fused step with the decoding rows (`Engine._mixed_once`)
-    last_chunk_at: float | None = None  # time.perf_counter() when its last chunk ran (`prefill_order`)
-
-    @property
-    def prefilling(self) -> bool:
-        """Its prompt is not all in the cache yet (its row is idle in decode steps meanwhile)."""
-        return self.prefilled < len(self.prompt_ids)
-
-
-def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, hidden: int
-                     ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
-    """(ids, embeds [n, hidden] float32 or None, embed_mask [n] bool or None) of a prompt given
-    as token ids or as segments (see `Segment`)."""
-    if not any(isinstance(s, Embeddings) for s in segments):
-        if all(isinstance(s, (int, np.integer)) for s in segments):
-            return [int(t) for t in segments], None, None
-        return [int(t) for seg in segments for t in seg], None, None
-    ids: list[int] = []
-    runs: list[tuple[int, np.ndarray]] = []
-    for seg in segments:
-        if isinstance(seg, Embeddings):
-            rows = np.asarray(seg.rows, np.float32)
-            if rows.ndim != 2 or rows.shape[1] != hidden:
-                raise RequestError(f"an embedding segment must be [n, {hidden}] (the model's hidden size), "
-                                   f"not {list(rows.shape)}")
-            ple = [pad_id] * len(rows) if seg.ple_ids is None else [int(t) for t in seg.ple_ids]
-            if len(ple) != len(rows):
-                raise RequestError(f"an embedding segment has {len(rows)} rows but {len(ple)} ple_ids")
-            runs.append((len(ids), rows))
-            ids += ple
-        else:
-            ids += [int(t) for t in seg]
-    embeds = np.zeros((len(ids), hidden), np.float32)
-    mask = np.zeros(len(ids), bool)
-    for start, rows in runs:
-        embeds[start:start + len(rows)] = rows
-        mask[start:start + len(rows)] = True
-    return ids, embeds, mask
-
-
-def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
-    """RequestError naming the first id outside [0, vocab_size) and its index in the prompt.
-
-    Checked before any work: XLA clamps an out-of-range gather index silently, so without this
-    a bad id would run a whole generation on the wrong embedding and fail only in the tokenizer."""
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"Token id {ids[bad]} at index {bad} of the prompt is outside this model's "
-                           f"vocabulary (ids 0 to {vocab_size - 1}).")
-
-
-def encode_batches(sizes: Sequence[int], batch: int = ENCODE_BATCH):
-    """(size, indices, padded indices) per tower call: items of one size (an image's patch budget,
-    a clip's frame bucket) go together, at most `batch` at a time, padded to the next width of
-    `decode_widths` by repeating the last one (so few shapes compile)."""
-    groups: dict[int, list[int]] = {}
-    for i, size in enumerate(sizes):
-        groups.setdefault(int(size), []).append(i)
-    widths = decode_widths(batch)
-    for size, idx in groups.items():
-        for at in range(0, len(idx), batch):
-            part = idx[at:at + batch]
-            width = next(w for w in widths if w >= len(part))
-            yield size, part, part + [part[-1]] * (width - len(part))
-
-
-def vision_layout(segments: Sequence[int] | Sequence[Segment]) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
-    """(vision_groups [n] int32 or None, spans) of a prompt's segments: each `Embeddings` run
-    marked `vision` is one group (its index in order), every other position -1; spans are the
-    groups' [start, end) ranges. (None, []) when no run is marked."""
-    if not any(isinstance(s, Embeddings) and s.vision for s in segments):
-        return None, []
-    groups: list[int] = []
-    spans: list[tuple[int, int]] = []
-    for seg in segments:
-        if isinstance(seg, Embeddings) and seg.vision:
-            spans.append((len(groups), len(groups) + len(seg)))
-            groups += [len(spans) - 1] * len(seg)
-        elif isinstance(seg, Embeddings):
-            groups += [-1] * len(seg)
-        elif isinstance(seg, (int, np.integer)):
-            groups.append(-1)
-        else:
-            groups += [-1] * len(seg)
-    return np.asarray(groups, np.int32), spans
-
-
-def bidirectional_vision(cfg: ModelConfig) -> bool:
-    """Whether this model's sliding layers let an image's tokens see the whole image
-    (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs)."""
-    return bool(cfg.bidirectional_vision)
-
-
-def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS) -> int:
-    """The compiled length (feature frames) a clip of `frames` frames is padded to: the smallest
-    bucket that holds it (RequestError past the largest: more than the 30 s the model hears)."""
-    for b in sorted(buckets):
-        if frames <= b:
-            return int(b)
-    raise RequestError(f"An audio clip of {frames} feature frames is longer than the {max(buckets)} frames "
-                       f"({max(buckets) / 100:g} s) the audio tower is compiled for; cut it to its first 30 s.")
-
-
-def audio_frame_buckets(env=os.environ) -> tuple[int, ...]:
-    """The audio buckets in feature frames (100 a second) from GEMMA4_AUDIO_BUCKETS' seconds
-    (`gemma4.env.audio_bucket_seconds`; default `AUDIO_FRAME_BUCKETS`): none past 30 s, and 30 s
-    always the top one, so every clip the front end gives has a bucket."""
-    top = AUDIO_FRAME_BUCKETS[-1]
-    frames = {min(top, math.ceil(s * 100)) for s in audio_bucket_seconds(env)}
-    return tuple(sorted(frames | {top}))
-
-
-NO_AUDIO_TOWER_REASON = "{model} has no audio tower; audio needs Gemma 4 E2B or E4B (e.g. --model google/gemma-4-E2B-it)"
-
-NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
-                   "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
-
-
-@dataclasses.dataclass
-class TokenEvent:
-    """One step of a request's token stream: every id so far, the stats now, and on the last
-    event `done` and the finish reason ("stop" | "length" | "context" | "cancelled" | "error").
-
-    `token_ids` is the stream's own growing list (not copied per token, which would cost O(n)
-    a token): read it as the event arrives, copy it to keep it."""
-
-    token_ids: list[int]
-    stats: dict
-    done: bool = False
-    finish_reason: str | None = None
-    nonfinite: bool = False  # some step of this reply had non-finite logits
-
-
-class TokenStream:
-    """The tokens of one submitted request as `TokenEvent`s, as the scheduler samples them.
-    `close()` (or closing a generator that iterates it) cancels the request and frees its slot
-    within one step. `stats()`: the reply's stats at this moment."""
-
-    def __init__(self, engine: "Engine", req: Request):
-        self.engine, self.request = engine, req
-        self.ids: list[int] = []
-        self.first_t = self.last_t = None
-        self.nonfinite = False
-        self._gen = self._run()
-
-    def __iter__(self) -> "TokenStream":
-        return self
-
-    def __next__(self) -> TokenEvent:
-        return next(self._gen)
-
-    def close(self) -> None:
-        self.engine.cancel(self.request)
-        self._gen.close()
-
-    def stats(self) -> dict:
-        """The request's stats (queueing, prefill, compile) plus new_tokens, decode_tok_s,
-        elapsed_s and batch_occupancy so far."""
-        req = self.request
-        s = dict(req.stats)
-        n = len(self.ids)
-        s["new_tokens"] = n
-        decode_n = max(n - 1, 0)
-        span = (self.last_t - self.first_t) if (self.first_t and self.last_t) else 0.0
-        s["decode_tok_s"] = decode_n / span if span > 0 else 0.0
-        s["elapsed_s"] = time.perf_counter() - req.submitted
-        s["batch_occupancy"] = (req.occupancy_sum / req.occupancy_steps if req.occupancy_steps
-                                else 1.0 / self.engine.max_batch)
-        bound = getattr(self.engine, "roofline_tok_s", None)
-        s["roofline_frac"] = s["decode_tok_s"] / bound if bound and s["decode_tok_s"] else None
-        return s
-
-    def _run(self) -> Iterator[TokenEvent]:
-        req = self.request
-        try:
-            while True:
-                item = req.events.get()
-                kind = item[0]
-                if kind == "token":
-                    _, token, t, bad = item
-                    self.ids.append(token)
-                    self.nonfinite |= bad
-                    self.first_t = self.first_t or t
-                    self.last_t = t
-                    yield TokenEvent(self.ids, self.stats(), nonfinite=self.nonfinite)
-                    continue
-                if kind == "done":
-                    reason = item[1]
-                else:  # error
-                    reason = "error"
-                    req.stats["error"] = item[1]
-                stats = self.stats()
-                stats["finish_reason"] = reason
-                yield TokenEvent(self.ids, stats, True, reason, self.nonfinite)
-                return
-        finally:
-            self.engine.cancel(req)  # no-op when finished; frees the row within one step otherwise
-
-
-# ------------------------------------------------------------------------------ compiled steps
-def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
-    """Prefill one chunk of one request into cache row `row` (in place); sample a token from its
-    position `last` [1] (last < 0: a chunk that is not the prompt's last, whose token nobody
-    reads: the LM head is skipped and the token is meaningless).
-
-    fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
-    (skipping a read of the whole empty row); later chunks attend to the cached ones too.
-    """
-    return prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, None, None, cfg=cfg,
-                                options=options, fresh=fresh)
-
-
-def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, vision_groups=None,
-                         *, cfg, options, fresh):
-    """`prefill_step` where the positions in embed_mask [1, T] take rows of embeds [1, T, H]
-    instead of their ids' embedding (the ids still give those positions' per-layer inputs).
-    vision_groups [1, T] (models bidirectional over vision only): each position's image index,
-    -1 for text and padding (see `decoder.forward`)."""
-    if fresh:
-        cache = kv_cache.clear_row(cache, row)
-    inputs = None
-    if embeds is not None:
-        own = M.embed_tokens(params, cfg, tokens, options.dtype)
-        inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
-    groups = {} if vision_groups is None else {"vision_groups": vision_groups}
-    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options,
-                                 logits_at=jnp.maximum(last, 0), attend_cache=not fresh, cache_row=row,
-                                 inputs_embeds=inputs, head=last[0] >= 0, **groups)
-    token = sample_rows(logits, sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
-
-
-def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
-    """One token for cache rows [row, row + width): tokens/positions [width]; position -1 = idle
-    row. (row is 0 but for a narrow shape standing in for a wider one not compiled yet.)
-
-    Only slots [0, kv_len) of the full-attention caches are read (every active position is below
-    kv_len), so a short conversation does not pay for the whole context window each step; the
-    cache is updated in place (donated), never copied.
-    """
-    logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
-                                 logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
-    token = sample_rows(logits, sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
-
-
-def decode_block_step(params, cache, tokens, positions, sampling, row, steps, *, cfg, options, width, kv_len, block):
-    """`steps` (≤ block, a run-time value) decode steps in one dispatch, each row's sampled token fed
-    back on the device (hardware.DECODE_BLOCK): the same tokens as `steps` calls of `decode_step`
-    (the sampling rows advance as the host would set them: `advance_rows`). Returns (tokens and
-    non-finite flags [block, width], of which the first `steps` rows are meaningful; then the state
-    a next block starts from: the last tokens [width], the next positions [width], the sampling
-    rows) and the cache. An idle row (position -1) stays idle."""
-    def one(i, carry):
-        tok, pos, rows, cache, out, bad = carry
-        logits, cache, _ = M.forward(params, cfg, tok[:, None], pos[:, None], cache, options=options,
-                                     logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
-        new = sample_rows(logits, rows)
-        out = out.at[i].set(new)
-        bad = bad.at[i].set(~jnp.all(jnp.isfinite(logits), axis=-1))
-        return new, jnp.where(pos >= 0, pos + 1, pos), advance_rows(rows, new), cache, out, bad
-
-    init = (tokens, positions, sampling, cache, jnp.zeros((block, width), jnp.int32),
-            jnp.zeros((block, width), jnp.bool_))
-    tok, pos, rows, cache, out, bad = jax.lax.fori_loop(0, steps, one, init)
-    return out, bad, tok, pos, rows, cache
-
-
-@dataclasses.dataclass
-class DecodeBlock:
-    """A dispatched block of decode steps (`decode_block_step`), not yet read: device arrays."""
-
-    steps: int
-    out: Any
-    bad: Any
-    state: tuple  # (last tokens, next positions, sampling rows): where a chained block starts
-
-    def read(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, non-finite) [steps, width] as numpy (waits for the device)."""
-        return np.asarray(self.out)[:self.steps], np.asarray(self.bad)[:self.steps]
-
-
-def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, sampling, *, cfg, options, width, kv_len):
-    """A prompt's chunk and one decode token per cache row [0, width) in one dispatch (see
-    engine_compile.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
-    `chunk_row`; padding: position -1), then the decode tokens (an idle row: position -1). `clear`:
-    the row to mark empty first (a prompt's first chunk), or -1. Tokens are sampled for the decode
-    rows (sampling rows [0, width)) and at chunk index `last` (sampling row `width`: meaningful
-    only after a prompt's last chunk). Full layers read slots [0, kv_len) only."""
-    cache = kv_cache.clear_row_if(cache, clear)
-    chunk = tokens.shape[0] - width
-    at = jnp.concatenate([chunk + jnp.arange(width, dtype=jnp.int32), jnp.reshape(last, (1,))])
-    logits, cache, _ = M.forward(params, cfg, tokens[None], positions[None], cache, options=options, logits_at=at,
-                                 kv_len=kv_len, cache_row=chunk_row, decode_rows=width)
-    token = sample_rows(logits, sampling)
-    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -485,9 +110,21 @@ class Engine:
         self.max_new_tokens_cap = int(max_new_tokens_cap)
         # None: the ladder for the device found (PROMPT_BUCKETS; ACCELERATOR_BUCKETS on a TPU or GPU)
         self.buckets_asked = None if buckets is None else tuple(sorted({int(b) for b in buckets}))
+        self._warmup = warmup
+        # Set once the model is loaded (on the engine thread, `_load`): what was loaded, its KV cache
+        # (every device call donates it and gives back its successor), the jitted steps, the towers
+        # and the tokenizer.
+        self.loaded: LoadedModel | None = None
+        self.cache = None
+        self.programs: StepPrograms | None = None
+        self.towers: Towers | None = None
+        self.tokenizer: Tokenizer | None = None
+        # The serving geometry (from the load; tests and benchmarks may narrow it): prompt buckets,
+        # decode widths, full-layer cache lengths, the widths with a fused step.
         self.buckets = self.buckets_asked or PROMPT_BUCKETS
         self.widths = decode_widths(self.max_batch)
-        self._warmup = warmup
+        self.kv_lengths: tuple[int, ...] = ()
+        self.mixed_widths: tuple[int, ...] = ()
         self._status = {"state": "loading", "progress": 0.0, "message": "starting", "error": None,
                         "compiles_pending": 0}
         self._ready = threading.Event()
@@ -504,23 +141,13 @@ class Engine:
         self._t_start = time.perf_counter()
         self._last_busy = 0.0  # time.monotonic() when a request was last submitted or served
         self._startup: dict[str, float] = {}
-        self._prepared_pending: tuple | None = None  # (folder, key, params, meta) to keep once ready
-        self._prepared_thread: threading.Thread | None = None
+        self._prepared_thread: threading.Thread | None = None  # writing this start's prepared weights
         self._seed_counter = itertools.count(int(time.time()) & 0x7FFFFFFF)
         self._info: dict = {}
         self._stop = False
         self.link: step_link.EngineLink | None = None  # more than one process (gemma4.serve.step_link)
-        # the towers compiled per (kind, batch, size): ("vision", width, max_patches), ("audio", width, frames)
-        self._tower_exe: dict[tuple[str, int, int], Any] = {}
-        self._tower_lock = threading.Lock()
-        self._encode_info = threading.local()  # per calling thread: what its last encode_images/encode_audio did
-        self.audio_buckets = audio_frame_buckets()  # the compiled clip lengths (`audio_bucket`); tests may narrow it
-        # Measured costs for the prefill chunk size (engine_compile.chunk_limit): seconds per chunk
-        # by (first chunk?, bucket) and per decode step, running means.
-        self._chunk_cost: dict[bool, dict[int, float]] = {True: {}, False: {}}
-        self._chunk_cost_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
-        self._decode_cost: float | None = None
-        self._blocked_on: list[tuple] = []  # the shapes this iteration's waiting rows need
+        self.costs = StepCosts()  # measured step costs, for the prefill chunk size (`chunk_tokens`)
+        self._blocked_on: list[ShapeKey] = []  # the shapes this iteration's waiting rows need
         # Tokens per prefill chunk by alone? (None: measured, see chunk_tokens): from
         # GEMMA4_PREFILL_CHUNK / GEMMA4_PREFILL_CHUNK_ALONE; tests and benchmarks may set it.
         self.chunk_override: dict[bool, int | None] = {
@@ -586,21 +213,7 @@ class Engine:
         if self.link is not None and not self.link.leader:
             self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
-            self._load()
-            # an accelerator's compiles run on the host's cores while the chip idles: several at once
-            accelerated = self.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
-            self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
-                              mixed=self.mixed_widths, background=3 if accelerated else 1)
-            if self._warmup:
-                self._warm_up()
-            self._join_tokenizer()
-            self._startup["ready_s"] = time.perf_counter() - self._t_start
-            self._info["startup"] = {k: round(v, 2) for k, v in self._startup.items()}
-            log.info("start-up: %s; %d more shapes compile in the background",
-                     ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
-            self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
-            self._set_status("ready", 1.0, f"ready: {self._info['description']}")
-            self._keep_prepared()
+            self._start_up()
         except Exception as e:  # shown to the user instead of a stack trace
             log.error("engine failed to start: %s: %s", type(e).__name__, e)
             log.debug("engine start-up traceback", exc_info=True)
@@ -613,178 +226,85 @@ class Engine:
         elif self.link.leader:
             self.link.lead(self)
         else:
-            self._set_status("ready", 1.0, f"following process 0's schedule ({self._info.get('description', '')})")
+            self._set_status("ready", 1.0, f"following process 0's schedule ({self.loaded.source.description})")
             self.link.follow(self)
 
-    def _load(self) -> None:
-        _enable_compile_cache()
+    def _start_up(self) -> None:
+        """Load the model, start the compile threads, warm up the shapes a first request needs,
+        and report ready; then write the weights this start prepared (their arrays are let go
+        when the write ends: nothing here keeps them)."""
+        prepared = self._load()
+        # an accelerator's compiles run on the host's cores while the chip idles: several at once
+        accelerated = self.loaded.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
+        self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
+                          mixed=self.mixed_widths, background=3 if accelerated else 1)
+        if self._warmup:
+            self._warm_up()
+        self._join_tokenizer()
+        self._startup["ready_s"] = time.perf_counter() - self._t_start
+        self._info["startup"] = {k: round(v, 2) for k, v in self._startup.items()}
+        log.info("start-up: %s; %d more shapes compile in the background",
+                 ", ".join(f"{k} {v:.1f}" for k, v in self._info["startup"].items()), self.status()["compiles_pending"])
+        self._last_busy = time.monotonic()  # the background waits BACKGROUND_IDLE_S past ready too
+        self._set_status("ready", 1.0, f"ready: {self.loaded.source.description}")
+        if prepared is not None:  # after ready: no request waits for the disk
+            self._prepared_thread = keep_prepared(prepared)
+
+    def _load(self) -> PreparedWrite | None:
+        """Load the model (gemma4.serve.engine_load) and set up what serves it: the KV cache, the
+        serving geometry, the jitted steps (named after the executable store's key), the towers
+        and `info()`. Returns the prepared weights to keep on disk once ready (or None)."""
         t0 = time.perf_counter()
-        source = sources.resolve(self.model_name)
-        self._set_status("loading", 0.02, f"resolving {source.description}")
-        # The plan depends on the geometry (head dims → attention path): peek at the config first.
-        plan, report = hardware_checks.resolve(sources.peek_config(source), self.overrides)
-        if report.get("self_test") and not report["self_test"]["ok"]:
-            raise RuntimeError(f"device self-test failed: {report['self_test']}")
-        log.info("hardware plan:\n%s", plan.report())
-        hardware_checks.apply_jax_config(plan)
-        options = hardware_checks.run_options(plan)
-        peeked = sources.peek_config(source)
-        context = self.requested_context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
-        mesh_shape = preflight.engine_mesh(self.mesh_request, peeked, plan, context, self.max_batch)
-        mesh = None
-        if peeked is not None:  # refused before any weight is read; the weights are born split
-            sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
-            mesh = sharding.make_mesh(mesh_shape)
-        self._startup["plan_s"] = time.perf_counter() - t0
+        model, self.cache, prepared = load_model(
+            self.model_name, max_batch=self.max_batch, overrides=self.overrides, context=self.requested_context,
+            mesh_request=self.mesh_request, buckets=self.buckets_asked, multi_process=self.link is not None,
+            status=lambda progress, message: self._set_status("loading", progress, message))
+        self.loaded = model
+        self._startup.update(model.timings)
+        if model.buckets != self.buckets:  # an accelerator's ladder: the chunk-size overrides round to it
+            self.chunk_override = {alone: override_limit(os.environ, alone, model.buckets) for alone in (False, True)}
+        self.buckets, self.widths, self.kv_lengths, self.mixed_widths = (model.buckets, model.widths,
+                                                                         model.kv_lengths, model.mixed_widths)
+        self.programs = StepPrograms(model, self._open_executable_store())
+        self.towers = Towers(model.cfg, model.params, model.encoder_dtype, self.shapes.compile,
+                             multi_process=self.link is not None)
+        self._info = model_info(model, self.cache, self.memory(), time.perf_counter() - t0)
+        return prepared
 
-        def progress(frac: float, msg: str) -> None:
-            self._set_status("loading", 0.05 + 0.6 * frac, msg)
-
-        # A single-file model on one device whose weights an earlier start prepared for this plan:
-        # read back from disk (gemma4.serve.prepared_store): no conversion, reordering or measuring.
-        store = (prepared_store.default_folder() if source.kind in ("bundled", "gguf") and mesh is not None
-                 and mesh.size == 1 else None)
-        prepared = self._read_prepared(store, source, plan, progress) if store is not None else None
-        if prepared is not None:
-            cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
-            self.mesh = mesh
-            params = sharding.shard_params(cfg, params, self.mesh)  # one device: the same buffers
-            self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
-            self._startup["int8_matmul_s"] = 0.0
-        else:
-            # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
-            # float32 tree is ever held: peak host memory stays near the final weights' size.
-            plan_before = plan
-            cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
-                                                 quantize=plan.quantize_kwargs(), mesh=mesh)
-            sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=self.max_batch, devices=jax.devices())
-            self.mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
-            # Each device keeps only its shards: already so where the loader split them (then this moves
-            # nothing); a GGUF, or a source whose config was not known before loading, is split here.
-            params = sharding.shard_params(cfg, params, self.mesh)
-            self._startup["weights_s"] = time.perf_counter() - t0 - self._startup["plan_s"]
-            # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
-            t_mm = time.perf_counter()
-            params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
-                plan, params, self.overrides,
-                progress=lambda frac, msg: self._set_status("loading", 0.7 + 0.05 * frac, msg), release=True)
-            self._startup["int8_matmul_s"] = time.perf_counter() - t_mm
-            heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
-            if store is not None and prepared_store.worth_keeping(params):  # written once ready (`_keep_prepared`)
-                self._prepared_pending = (store, self._prepared_key(tok_spec["path"], plan_before), params,
-                                          self._prepared_meta(plan_before, plan, report["int8_matmul"]))
-        mode = plan.weights.value
-        # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
-        params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
-        self.encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
-        report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
-        # The batch-1 decode bound: the weights a step reads over the memory's bandwidth; each
-        # reply's decode speed is shown as a fraction of it (TokenStream.stats: roofline_frac).
-        self.decode_bytes = decode_bytes_per_token(params)
-        gbps = report.get("memory_bandwidth_gbps")
-        self.roofline_tok_s = gbps * 1e9 / self.decode_bytes if gbps and self.decode_bytes else None
-        report["roofline"] = {
-            "weights_read_per_token": f"{self.decode_bytes / 1e9:.2f} GB",
-            "memory_bandwidth": f"{gbps:.0f} GB/s" if gbps else "not known for this device",
-            "batch1_decode_bound": f"{self.roofline_tok_s:.0f} tok/s" if self.roofline_tok_s else "—",
-            "why": "a decode step streams every weight once (the per-layer-embedding table only a row a "
-                   "token); a reply's tok/s over this bound is the fraction of the roofline it reached"}
-        self._start_tokenizer(tok_spec, cfg)  # in parallel with the first compiles
-        self.cfg: ModelConfig = cfg
-        self.params = params
-        self.options = options
-        self.plan = plan
-        limit = self.requested_context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
-        self.context_limit = int(min(limit, cfg.max_position_embeddings))
-        self.kv_format = plan.kv_cache.value
-        self.decode_block = int(plan.decode_block.value)  # decode steps per dispatch (hardware.DECODE_BLOCK)
-        if plan.platform != "cpu":  # few shapes on an accelerator (engine_compile.ACCELERATOR_BUCKETS)
-            self.widths = accelerator_widths(self.max_batch)
-            if self.buckets_asked is None:
-                self.buckets = ACCELERATOR_BUCKETS
-                self.chunk_override = {alone: override_limit(os.environ, alone, self.buckets) for alone in (False, True)}
-        if self.mesh.size > 1:
-            options = dataclasses.replace(options, mesh=self.mesh)  # per-shard parts (the MoE bank)
-            self.options = options
-        if self.mesh.shape["data"] > 1:
-            # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
-            # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.
-            self.widths = (self.max_batch,)
-            options = dataclasses.replace(options, rows_sharded=True)
-            self.options = options
-        shape_cache = functools.partial(kv_cache.init_cache, cfg, self.max_batch, self.context_limit, options.dtype,
-                                        self.kv_format)
-        cache_sh = sharding.cache_shardings(cfg, jax.eval_shape(shape_cache), self.mesh)
-        self._new_cache = jax.jit(shape_cache, out_shardings=cache_sh)  # also re-allocates after a fault
-        self.cache = self._new_cache()  # born split: no whole cache on one device
-        param_sh = sharding.param_shardings(cfg, self.params, self.mesh)
-        rep = sharding.replicated(self.mesh)
-        self._cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                        self.cache)
-        # Executables kept on disk under a key of what they are made from (executable_store). The
-        # steps then carry that key in their names: jax's persistent cache keys by the program, so
-        # a step it already holds would be served from it, and such a copy cannot be stored — a
-        # new key gives new names, which XLA compiles (once) and the store keeps.
+    def _open_executable_store(self) -> str:
+        """Executables kept on disk under a key of what they are made from (executable_store):
+        the compiled shapes look each one up there first. Returns the tag the steps then carry in
+        their names ("" without a store): jax's persistent cache keys by the program, so a step it
+        already holds would be served from it, and such a copy cannot be stored — a new key gives
+        new names, which XLA compiles (once) and the store keeps."""
         folder = executable_store.default_folder()
-        tag = ""
-        if folder is not None:
-            program_key = executable_store.make_key(*self._program_parts())  # code, platform, engine: hashed once
-            self.shapes.store = executable_store.ExecutableStore(folder)
-            self.shapes.identify = functools.partial(executable_store.shape_key, program_key)
-            tag = "_" + program_key[:12]
+        if folder is None:
+            return ""
+        program_key = executable_store.make_key(*program_parts(self.loaded))  # code, platform, engine: hashed once
+        self.shapes.store = executable_store.ExecutableStore(folder)
+        self.shapes.identify = functools.partial(executable_store.shape_key, program_key)
+        return "_" + program_key[:12]
 
-        def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
-            p = functools.partial(fn, cfg=cfg, options=options, **kw)
-            p.__name__ = fn.__name__ + tag
-            return p
+    def _join_tokenizer(self) -> None:
+        """The tokenizer, built meanwhile on its own thread (engine_load.TokenizerBuild)."""
+        build = self.loaded.tokenizer
+        if not build.done():
+            self._set_status("warming", 0.98, "loading tokenizer")
+        self.tokenizer = build.result()
+        self._startup["tokenizer_s"] = build.seconds
 
-        # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
-        # small inputs and outputs (tokens, positions, sampling rows) are replicated.
-        step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
-        self._prefill = {fresh: jax.jit(named(prefill_step, fresh=fresh),
-                                        in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
-                         for fresh in (True, False)}
-        # Decode and fused steps read full-layer slots [0, n) for n on a ladder, so a short
-        # conversation skips XLA's copies of the rest; with the native cache attention a step
-        # costs the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
-        # bundled model, 2-core AMD EPYC Zen 4), and one length means a quarter of those shapes.
-        self.kv_lengths = ((self.context_limit,) if M.full_layers_read_natively(cfg, options, self.kv_format)
-                           else kv_ladder(self.context_limit) if plan.platform == "cpu"
-                           else accelerator_kv_ladder(self.context_limit))
-        # The variant with input embeddings (media segments): compiled only for a request that has one.
-        self._prefill_embeds = {
-            fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
-                           in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
-            for fresh in (True, False)}
-        # decode steps per dispatch (hardware.DECODE_BLOCK): one, or a block of up to that many
-        if self.decode_block == 1:
-            self._decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
-                                            in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
-                            for w in self.widths for n in self.kv_lengths}
-        else:
-            self._decode = {(w, n): jax.jit(named(decode_block_step, width=w, kv_len=n, block=self.decode_block),
-                                            in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
-                                            out_shardings=(rep,) * 5 + (cache_sh,))
-                            for w in self.widths for n in self.kv_lengths}
-        # the fused chunk-and-decode step (engine_compile.MIXED_CHUNK); not where several processes
-        # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
-        self.mixed_widths = () if self.link is not None or plan.platform != "cpu" else mixed_widths(self.widths)
-        self._mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
-                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
-                       for w in self.mixed_widths for n in self.kv_lengths}
-        self._info = {
-            "model": cfg.name, "source": source.kind, "description": source.description,
-            "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
-            "family": cfg.family, "chat_format": cfg.family, "context_limit": self.context_limit,
-            "max_batch": self.max_batch, "hardware": report, "kv_format": self.kv_format,
-            "weights": mode, "embed_weights": plan.embed_weights.value, "compute_dtype": options.compute_dtype, "buckets": list(self.buckets),
-            "decode_widths": list(self.widths), "kv_lengths": list(self.kv_lengths), "load_s": round(time.perf_counter() - t0, 2),
-            "memory": self.memory(), "sharding": sharding.placement_info(
-                self.mesh, mesh_shape, self.params, self.cache, self.widths),
-            "default_sampling": (dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
-                                 if cfg.family == "gemma4" else
-                                 dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)),
-        }
+    # The loaded model's facts every caller reads (the rest: `loaded`).
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.loaded.cfg
+
+    @property
+    def params(self) -> dict:
+        return self.loaded.params
+
+    @property
+    def context_limit(self) -> int:
+        return self.loaded.context_limit
 
     def memory(self) -> dict:
         out = {"weights_bytes": count_bytes(self.params), "kv_cache_bytes": kv_cache.cache_bytes(self.cache)}
@@ -798,68 +318,6 @@ class Engine:
             out["host_rss_bytes"] = psutil.Process().memory_info().rss
         return out
 
-    # ---------------------------------------------------------------- prepared weights on disk
-    def _prepared_key(self, model_file: str, plan: hardware.Plan) -> str:
-        """The prepared-weights entry for this model file under the plan made before the weights
-        load (the int8 choice is made after: it is the entry's content, not its key)."""
-        # The choices' values, not their reasons: a reason quotes timings, measured afresh or read
-        # from a cache, which would make a new key for the same weights.
-        choices = {k: [v["value"], v["source"]] if isinstance(v, dict) and "reason" in v else v
-                   for k, v in plan.to_dict().items() if k != "warnings"}
-        return prepared_store.make_key(model_file, choices, hardware.normalize_overrides(self.overrides),
-                                       extra={"quantize": plan.quantize_kwargs()})
-
-    @staticmethod
-    def _prepared_meta(before: hardware.Plan, plan: hardware.Plan, int8_report: dict | None) -> dict:
-        """What a later start restores beside the arrays: the int8 choice, the warning its choice
-        added to the plan (`before` is the plan it was made on), its report, and the tuning file the
-        choice was read from (its deletion retires the entry)."""
-        tuning_file = ((int8_report or {}).get("tuning") or {}).get("cache_file")
-        stamp = os.stat(tuning_file).st_mtime_ns if tuning_file and os.path.exists(tuning_file) else None
-        added = plan.warnings[len(before.warnings):]
-        return {"int8_matmul": plan.int8_matmul.to_dict(), "int8_report": int8_report,
-                "warning": added[0] if added else None, "tuning_file": tuning_file, "tuning_mtime_ns": stamp}
-
-    def _read_prepared(self, store, source, plan: hardware.Plan, progress) -> tuple | None:
-        """(cfg, params, tok_spec, plan, int8 report) from the store, or None (then the weights load
-        and are prepared as usual, and kept once the engine is ready)."""
-        cfg, tok_spec = sources.describe_file(source, progress)
-        key = self._prepared_key(tok_spec["path"], plan)
-        hit = prepared_store.load(store, key)
-        if hit is None:
-            return None
-        params, meta = hit
-        if prepared_store.worth_keeping(params) and not hardware_checks.native_kernel_ready():
-            log.info("prepared weights %s need the native kernel, which is not usable now; preparing them again", key[:12])
-            return None
-        tuning_file = meta.get("tuning_file")
-        if tuning_file and (not os.path.exists(tuning_file) or os.stat(tuning_file).st_mtime_ns != meta["tuning_mtime_ns"]):
-            log.info("prepared weights %s: their tuning was deleted or measured again; preparing them again", key[:12])
-            prepared_store.discard(store, key)
-            return None
-        c = meta["int8_matmul"]
-        choice = hardware.Choice(c["value"], c["reason"] + "; weights as an earlier start prepared them, read back "
-                                 "from disk (GEMMA4_PREPARED_CACHE=off prepares them at every start)", c["source"])
-        plan = plan.replace("int8_matmul", choice, meta.get("warning"))
-        self._set_status("loading", 0.7, "weights read from the prepared-weights cache")
-        return cfg, params, tok_spec, plan, meta["int8_report"]
-
-    def _keep_prepared(self) -> None:
-        """Write the prepared weights of a start that made them, in the background (~0.3 s of disk
-        writes for the bundled model; after ready, so no request waits for it)."""
-        pending, self._prepared_pending = self._prepared_pending, None
-        if pending is None:
-            return
-        folder, key, params, meta = pending
-
-        def write() -> None:
-            t = time.perf_counter()
-            if prepared_store.save(folder, key, params, meta) is not None:
-                log.info("prepared weights kept for the next start in %.2f s (%s)", time.perf_counter() - t, key[:12])
-
-        self._prepared_thread = threading.Thread(target=write, name="gemma4-prepared-weights", daemon=True)
-        self._prepared_thread.start()
-
     def wait_prepared_written(self, timeout: float | None = None) -> bool:
         """Wait for this start's background write of its prepared weights; False when it wrote
         none (they came from the store, or are not kept: `prepared_store.worth_keeping`)."""
@@ -869,71 +327,15 @@ class Engine:
         return True
 
     # ---------------------------------------------------------------- compiling
-    def _start_tokenizer(self, tok_spec: dict, cfg: ModelConfig) -> None:
-        box: dict = {}
-
-        def build() -> None:
-            t = time.perf_counter()
-            try:
-                box["tokenizer"] = _make_tokenizer(tok_spec, cfg)
-            except Exception as e:  # re-raised by _join_tokenizer on the engine thread
-                box["error"] = e
-            box["s"] = time.perf_counter() - t
-
-        self._tokenizer_box = box
-        self._tokenizer_thread = threading.Thread(target=build, name="gemma4-tokenizer", daemon=True)
-        self._tokenizer_thread.start()
-
-    def _join_tokenizer(self) -> None:
-        if self._tokenizer_thread.is_alive():
-            self._set_status("warming", 0.98, "loading tokenizer")
-            self._tokenizer_thread.join()
-        if "error" in self._tokenizer_box:
-            raise self._tokenizer_box["error"]
-        self.tokenizer = self._tokenizer_box["tokenizer"]
-        self._startup["tokenizer_s"] = self._tokenizer_box["s"]
-
     def _idle_for_background(self) -> bool:
         """May the background compile queue move? Only once ready, while no request is being
         served and none has been for BACKGROUND_IDLE_S."""
         return (self._ready.is_set() and not self._active and not self._waiting
                 and time.monotonic() - self._last_busy >= BACKGROUND_IDLE_S)
 
-    def _program_parts(self) -> tuple:
-        """Everything of this engine a compiled step is made from, beside the code and the platform
-        (executable_store.make_key adds those, and the shape key): every argument of the jitted
-        steps' partials and `_lower`'s specs derives from these."""
-        return (repr(self.cfg), repr(self.options), executable_store.tree_signature(self.params),
-                executable_store.tree_signature(self._cache_spec), str(self.encoder_dtype), self.decode_block)
-
-    def _lower(self, key: tuple):
+    def _lower(self, key: ShapeKey):
         """A shape key's step, lowered for this engine's params and cache (CompiledShapes compiles it)."""
-        kind, size, extra = key
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        if kind == "vision":  # the tower for `size` images of `extra` patches (`encode_images`)
-            cfg, dtype = self.cfg, self.encoder_dtype
-            step = jax.jit(lambda params, pixels, pos: V.encode_images(params, cfg, pixels, pos, dtype=dtype))
-            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, cfg.vision.patch_dim), jnp.float32),
-                              i32(size, extra, 2))
-        if kind == "audio":  # the audio tower for `size` clips of `extra` feature frames (`encode_audio`)
-            cfg, dtype = self.cfg, self.encoder_dtype
-            step = jax.jit(lambda params, feats, mask: AU.encode_audio(params, cfg, feats, mask, dtype=dtype))
-            return step.lower(self.params, jax.ShapeDtypeStruct((size, extra, FEATURE_SIZE), jnp.float32),
-                              jax.ShapeDtypeStruct((size, extra), jnp.bool_))
-        if kind == "prefill":
-            return self._prefill[extra].lower(self.params, self._cache_spec, i32(1, size), i32(1, size), i32(),
-                                              i32(1), SamplingRows.spec(1))
-        if kind == "prefill_embeds":
-            return self._prefill_embeds[extra].lower(
-                self.params, self._cache_spec, i32(1, size), i32(1, size), i32(), i32(1), SamplingRows.spec(1),
-                jax.ShapeDtypeStruct((1, size, self.cfg.hidden_size), jnp.float32),
-                jax.ShapeDtypeStruct((1, size), jnp.bool_), *([i32(1, size)] if bidirectional_vision(self.cfg) else []))
-        if kind == "mixed":
-            return self._mixed[size, extra].lower(self.params, self._cache_spec, i32(MIXED_CHUNK + size),
-                                                  i32(MIXED_CHUNK + size), i32(), i32(), i32(), SamplingRows.spec(size + 1))
-        block = (i32(),) if self.decode_block > 1 else ()  # the steps a block runs
-        return self._decode[size, extra].lower(self.params, self._cache_spec, i32(size), i32(size),
-                                               SamplingRows.spec(size), i32(), *block)
+        return self.towers.lower(key) if isinstance(key, TowerKey) else self.programs.lower(key)
 
     def _warm_up(self) -> None:
         """Wait for the shapes needed before ready (compiled by the compile threads), and run each
@@ -948,7 +350,7 @@ class Engine:
                 raise RuntimeError("the engine was closed during start-up")
             failed = [k for k in keys if self.shapes.failure(k)]
             if failed:
-                raise RuntimeError(f"compiling {describe_shape(failed[0])} failed: {self.shapes.failure(failed[0])}")
+                raise RuntimeError(f"compiling {failed[0].describe()} failed: {self.shapes.failure(failed[0])}")
             todo = [k for k in keys if self.shapes.get(k) is None]
             fresh = [k for k in keys if k not in todo and k not in ran]
             for key in fresh:
@@ -958,47 +360,41 @@ class Engine:
                 self._startup["first_runs_s"] = self._startup.get("first_runs_s", 0.0) + time.perf_counter() - t
                 t = time.perf_counter()  # a second run costs what a request's will: the chunk size's first measure
                 self._run_idle(key)
-                self._note_cost(key, time.perf_counter() - t)
+                self.costs.note(key, time.perf_counter() - t)
             if not todo and len(ran) == len(keys):
                 break
             if len(todo) != shown:
                 shown = len(todo)
                 done = len(keys) - len(todo)
                 self._set_status("warming", 0.8 + 0.18 * done / len(keys),
-                                 f"compiling {' and '.join(describe_shape(k) for k in todo) or 'done'} "
+                                 f"compiling {' and '.join(k.describe() for k in todo) or 'done'} "
                                  f"({done}/{len(keys)} done; the other shapes compile after the model is ready)")
             elif todo and not fresh:
                 self.shapes.wait_any(todo, timeout=0.5)
         self._startup["compile_s"] = time.perf_counter() - t0  # including the first runs
 
-    def _run_idle(self, key: tuple) -> None:
+    def _run_idle(self, key: ShapeKey) -> None:
         """Run one executable on idle inputs (every position -1: nothing is written or attended).
         Media shapes (the towers, prefill with embeddings) are left to their first use."""
-        kind, size, _ = key
-        idle = np.full(size, -1, np.int32)
-        if kind == "prefill":
-            self.run_prefill(key, np.zeros(size, np.int32), idle, 0, 0, SamplingRows.idle(1))
-        elif kind == "decode":
-            self.run_decode(key, np.zeros(size, np.int32), idle, SamplingRows.idle(size))
-        elif kind == "mixed":
-            n = MIXED_CHUNK + size
-            self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0, SamplingRows.idle(size + 1))
+        if isinstance(key, PrefillKey) and not key.embeds:
+            n = key.bucket
+            self.run_prefill(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, 0, SamplingRows.idle(1))
+        elif isinstance(key, DecodeKey):
+            n = key.width
+            self.run_decode(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), SamplingRows.idle(n))
+        elif isinstance(key, MixedKey):
+            n = MIXED_CHUNK + key.width
+            self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0,
+                           SamplingRows.idle(key.width + 1))
 
     # ---------------------------------------------------------------- device calls
-    def _sampling_rows(self, reqs: Sequence[Request | None]) -> SamplingRows:
-        rows = SamplingRows.idle(len(reqs), REPETITION_WINDOW)
-        for i, r in enumerate(reqs):
-            if r is not None:
-                rows.set_row(i, r.params, r.seed, r.generated, r.prompt_ids[-REPETITION_WINDOW:] + r.recent)
-        return rows
-
-    def run_prefill(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows,
+    def run_prefill(self, key: PrefillKey, tokens, positions, row: int, last: int, sampling: SamplingRows,
                     embeds=None, embed_mask=None, vision_groups=None) -> tuple[int, bool]:
         """Run prefill shape `key` (compiled first if it is not) on one chunk: tokens/positions
         [bucket] (padding: position -1) into cache row `row`; returns (the token sampled at chunk
         index `last` (-1: not the prompt's last chunk, no token is sampled worth reading), whether its
         logits were non-finite). `embeds` [bucket, hidden] and
-        `embed_mask` [bucket] go with a ("prefill_embeds", …) key, and `vision_groups` [bucket]
+        `embed_mask` [bucket] go with a key of `embeds=True`, and `vision_groups` [bucket]
         too when the model is bidirectional over vision (`bidirectional_vision`). Every process of a multi-host
         run must run the same steps: process 0 announces it first (gemma4.serve.step_link)."""
         exe, _ = self.shapes.executable(key)
@@ -1016,8 +412,8 @@ class Engine:
             token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
-    def run_mixed(self, key: tuple, tokens, positions, chunk_row: int, clear: int, last: int, sampling: SamplingRows):
-        """Run the fused step `key` ("mixed", width, kv_len) (see `mixed_step`): tokens/positions
+    def run_mixed(self, key: MixedKey, tokens, positions, chunk_row: int, clear: int, last: int, sampling: SamplingRows):
+        """Run the fused step `key` (see `mixed_step`): tokens/positions
         [MIXED_CHUNK + width]; returns (tokens [width + 1]: the decode rows', then the chunk's;
         non-finite [width + 1]) as numpy. Never used where several processes replay steps
         (`mixed_widths` is empty there)."""
@@ -1028,11 +424,11 @@ class Engine:
                                          jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 
-    def run_decode(self, key: tuple, tokens, positions, sampling: SamplingRows, row: int = 0):
+    def run_decode(self, key: DecodeKey, tokens, positions, sampling: SamplingRows, row: int = 0):
         """Run decode shape `key` (compiled first if it is not) for cache rows [row, row + width):
         tokens/positions [width] (idle rows: position -1); returns (tokens [width], non-finite
         [width]) as numpy. Announced to the other processes first, as `run_prefill`."""
-        if self.decode_block > 1:  # a block of one step
+        if self.loaded.decode_block > 1:  # a block of one step
             out, bad = self.dispatch_decode(key, tokens, positions, sampling, row, 1).read()
             return out[0], bad[0]
         exe, _ = self.shapes.executable(key)
@@ -1044,7 +440,7 @@ class Engine:
                                          sampling.on_device(), jnp.int32(row))
         return np.asarray(token), np.asarray(bad)
 
-    def dispatch_decode(self, key: tuple, tokens, positions, sampling: SamplingRows | None, row: int, steps: int,
+    def dispatch_decode(self, key: DecodeKey, tokens, positions, sampling: SamplingRows | None, row: int, steps: int,
                         after: DecodeBlock | None = None) -> DecodeBlock:
         """Dispatch `steps` decode steps of shape `key` in one call (engines with decode_block > 1),
         without waiting for them: from host tokens/positions/sampling rows, or, with `after`, from
@@ -1061,121 +457,20 @@ class Engine:
                                                jnp.int32(steps))
         return DecodeBlock(steps, out, bad, tuple(state))
 
-    # ---------------------------------------------------------------- vision
+    # ---------------------------------------------------------------- media
     def supports_vision(self) -> tuple[bool, str]:
-        """(ok, reason when not): the model has a vision tower, loaded, on one process."""
+        """(ok, reason when not): the model is ready and has a vision tower, loaded, on one process
+        (`Towers.supports_vision`); images are encoded by `towers.encode_images`."""
         if self._status["state"] != "ready":
             return False, "the model is still loading (images can be sent once it is ready)"
-        cfg = self.cfg
-        name = self._info.get("model", self.model_name)
-        if cfg.vision is None or cfg.image_token_id is None or cfg.boi_token_id is None or cfg.eoi_token_id is None:
-            return False, NO_TOWER_REASON.format(model=name)
-        if "vision" not in self.params:
-            return False, f"{name} was loaded without its vision tower (text-only serving); reload it with the tower"
-        if self.link is not None:
-            return False, "images are not supported across several processes yet"
-        return True, ""
+        return self.towers.supports_vision()
 
-    def encode_images(self, patches: Sequence[Any]) -> list[np.ndarray]:
-        """Soft-token rows [n_i, hidden] float32 of preprocessed images (`gemma4.media.image.VisionPatches`,
-        or video frames' patches), in order: each image's first `num_soft_tokens` rows of the tower
-        and projector (`gemma4.model.vision.encode_images`), which go into the decoder as they are.
-
-        Images with the same patch budget run together, in a batch padded to the next width of
-        `decode_widths` by repeating the last image (so few shapes compile); one executable per
-        (width, max_patches), compiled on first use (`last_encode()` says whether this call did)."""
-        ok, why = self.supports_vision()
-        if not ok:
-            raise RequestError(f"Images are not available: {why}.")
-        out: list[np.ndarray | None] = [None] * len(patches)
-        compiled, t0 = False, time.perf_counter()
-        for size, part, take in encode_batches([int(np.shape(p.pixel_values)[0]) for p in patches]):
-            pixels = np.stack([np.asarray(patches[i].pixel_values, np.float32) for i in take])
-            pos = np.stack([np.asarray(patches[i].position_ids, np.int32) for i in take])
-            exe, new = self._tower_executable("vision", len(take), size)
-            compiled |= new
-            rows = np.asarray(exe(self.params, jnp.asarray(pixels), jnp.asarray(pos)), np.float32)
-            for j, i in enumerate(part):
-                out[i] = rows[j, :int(patches[i].num_soft_tokens)]
-        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
-        return out  # type: ignore[return-value]
-
-    def last_encode(self) -> dict:
-        """{"compiled", "encode_s"} of this thread's last `encode_images` or `encode_audio` call ({}
-        before one): whether it compiled a tower shape, and its seconds (compile included)."""
-        return dict(getattr(self._encode_info, "last", {}))
-
-    def _tower_executable(self, kind: str, width: int, size: int):
-        """(the compiled tower `kind` ("vision": [width, size] patches; "audio": [width, size]
-        feature frames), whether this call compiled it)."""
-        key = (kind, width, size)
-        with self._tower_lock:
-            if key in self._tower_exe:
-                return self._tower_exe[key], False
-            # Lowered under the compile threads' lock (`_lower`'s tower kinds): two traces at once
-            # broke a prefill compile here (a jaxpr KeyError) while an image was encoded.
-            exe = self.shapes.compile(key)
-            self._tower_exe[key] = exe
-            return exe, True
-
-    # ---------------------------------------------------------------- audio
     def supports_audio(self) -> tuple[bool, str]:
-        """(ok, reason when not): the model has an audio tower (Gemma 4 E2B / E4B), loaded, on one process."""
+        """(ok, reason when not): the model is ready and has an audio tower (Gemma 4 E2B / E4B),
+        loaded, on one process (`Towers.supports_audio`); clips are encoded by `towers.encode_audio`."""
         if self._status["state"] != "ready":
             return False, "the model is still loading (audio can be sent once it is ready)"
-        cfg = self.cfg
-        name = self._info.get("model", self.model_name)
-        if cfg.family != "gemma4":
-            return False, f"{name} is a Gemma 3 model: it has no audio tower; audio needs Gemma 4 E2B or E4B"
-        if cfg.audio is None and cfg.audio_token_id is not None:  # the checkpoint has one; it was not loaded
-            return False, f"{name} was loaded without its audio tower (GEMMA4_AUDIO=off); reload it with the tower"
-        if cfg.audio is None or cfg.audio_token_id is None or cfg.boa_token_id is None or cfg.eoa_token_id is None:
-            return False, NO_AUDIO_TOWER_REASON.format(model=name)
-        if "audio" not in self.params:
-            return False, f"{name} was loaded without its audio tower (text-only serving); reload it with the tower"
-        if self.link is not None:
-            return False, "audio is not supported across several processes yet"
-        return True, ""
-
-    def encode_audio(self, features: Sequence[AudioFeatures]) -> list[np.ndarray]:
-        """Soft-token rows [n_i, hidden] float32 of audio clips' features (`gemma4.media.audio.AudioFeatures`),
-        in order: each clip's first `num_soft_tokens` rows of the tower and projector
-        (`gemma4.model.audio.encode_audio`, in the plan's encoder dtype, `Engine.encoder_dtype`, as
-        `encode_images`), which go into the decoder as they are.
-
-        A clip is padded with masked frames to its bucket (`audio_bucket`: 2, 4, 8, 16 or 30 s);
-        clips of one bucket run together, in a batch padded to the next width of `decode_widths` by
-        repeating the last clip. One executable per (width, frames), compiled on first use
-        (`last_encode()` says whether this call did). RequestError for a clip without a soft token."""
-        ok, why = self.supports_audio()
-        if not ok:
-            raise RequestError(f"Audio is not available: {why}.")
-        out: list[np.ndarray | None] = [None] * len(features)
-        for i, f in enumerate(features):
-            if int(f.num_soft_tokens) < 1:
-                raise RequestError(f"Audio clip {i + 1} is too short to hear (no soft token: under 40 ms of sound); "
-                                   "send a longer clip.")
-        compiled, t0 = False, time.perf_counter()
-        buckets = [audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets) for f in features]
-        for frames, part, take in encode_batches(buckets):
-            feats = np.zeros((len(take), frames, FEATURE_SIZE), np.float32)
-            mask = np.zeros((len(take), frames), bool)
-            for j, i in enumerate(take):
-                n = int(np.shape(features[i].features)[0])
-                feats[j, :n] = features[i].features
-                mask[j, :n] = features[i].mask
-            exe, new = self._tower_executable("audio", len(take), frames)
-            compiled |= new
-            soft, valid = exe(self.params, jnp.asarray(feats), jnp.asarray(mask))
-            soft, valid = np.asarray(soft, np.float32), np.asarray(valid)
-            for j, i in enumerate(part):
-                n = int(features[i].num_soft_tokens)
-                if int(valid[j].sum()) != n or not valid[j, :n].all():  # the tower and the front end disagree
-                    raise RuntimeError(f"the audio tower marks {int(valid[j].sum())} valid rows for a clip of "
-                                       f"{n} soft tokens")
-                out[i] = soft[j, :n]
-        self._encode_info.last = {"compiled": compiled, "encode_s": time.perf_counter() - t0}
-        return out  # type: ignore[return-value]
+        return self.towers.supports_audio()
 
     # ---------------------------------------------------------------- requests
     def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:
@@ -1245,7 +540,7 @@ class Engine:
 
     def tokens(self, req: Request) -> TokenStream:
         """The submitted request's tokens as they are sampled (see `TokenStream`)."""
-        return TokenStream(self, req)
+        return TokenStream(req, self.cancel, self.max_batch, self.loaded.roofline_tok_s)
 
     def cancel(self, req: Request) -> None:
         """Cancel a submitted request: it leaves the queue now, or frees its slot within one step."""
@@ -1260,16 +555,16 @@ class Engine:
         with self._lock:
             self._wake.notify_all()
 
-    def _first_run(self, key: tuple) -> None:
+    def _first_run(self, key: ShapeKey) -> None:
         """Run a newly compiled shape once on idle inputs (nothing is written), on the engine
         thread while no request is served: its slow first run lands here, not on a request."""
         t = time.perf_counter()
         try:
             self._run_idle(key)
         except Exception as e:  # a request that uses it meets the error itself; the loop goes on
-            log.warning("first run of %s failed: %s: %s", describe_shape(key), type(e).__name__, e)
+            log.warning("first run of %s failed: %s: %s", key.describe(), type(e).__name__, e)
         else:
-            log.info("ran %s once in %.2f s (idle)", describe_shape(key), time.perf_counter() - t)
+            log.info("ran %s once in %.2f s (idle)", key.describe(), time.perf_counter() - t)
 
     def serve_requests(self) -> None:
         """The scheduler loop (on the engine thread, until `close`): each iteration admits a
@@ -1335,7 +630,7 @@ class Engine:
             log.exception("scheduler %s step failed", kind)
             lost = self._cache_lost()
             if lost:
-                self.cache = self._new_cache()
+                self.cache = self.loaded.new_cache()
                 log.error("the KV cache was lost in the failed step: re-allocated; every active "
                           "request failed, the engine keeps serving")
             with self._lock:
@@ -1407,31 +702,11 @@ class Engine:
         if not ran:
             self.shapes.wait_any(self._blocked_on, timeout=0.1)
 
-    def _note_cost(self, key: tuple, seconds: float) -> None:
-        """Fold one measured dispatch into the chunk-size costs (a running mean that follows the
-        machine's load: a new measure weighs 0.3)."""
-        kind, size, extra = key
-        if kind == "decode":
-            self._decode_cost = seconds if self._decode_cost is None else 0.7 * self._decode_cost + 0.3 * seconds
-        elif kind == "prefill":
-            costs = self._chunk_cost[bool(extra)]
-            costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
-            self._chunk_cost_at[bool(extra)][size] = time.monotonic()
-
     def chunk_tokens(self, fresh: bool, alone: bool) -> int:
         """The most prompt tokens one prefill chunk takes now: the env override, else the largest
-        bucket whose measured cost fits the budget (engine_compile.chunk_budget_s: a few decode
-        steps beside running streams, LONE_CHUNK_S alone)."""
+        bucket whose measured cost fits the budget (`StepCosts.chunk_tokens`)."""
         forced = self.chunk_override[alone]
-        if forced is not None:
-            return forced
-        # Alone, a size ruled out on a busy moment is retried once its measure is stale (nobody's
-        # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
-        costs = (fresh_costs(self._chunk_cost[fresh], self._chunk_cost_at[fresh], time.monotonic()) if alone
-                 else self._chunk_cost[fresh])
-        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
-        floor = costs.get(self.buckets[0], self._chunk_cost[True].get(self.buckets[0]))
-        return chunk_limit(self.buckets, costs, chunk_budget_s(self._decode_cost, floor, alone), from_above=alone)
+        return forced if forced is not None else self.costs.chunk_tokens(self.buckets, fresh, alone)
 
     def _prefill_chunk(self) -> bool:
         """Run one chunk of one prefilling request (True), or nothing (False: none is prefilling,
@@ -1453,22 +728,21 @@ class Engine:
             length = next_chunk(start, n, self.chunk_tokens(fresh, alone), req.atomic_spans)
             chunk = slice(start, start + length)
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[chunk].any())
-            key = self.shapes.chunk_key("prefill_embeds" if with_embeds else "prefill", length, fresh)
+            key = self.shapes.chunk_key(length, fresh, with_embeds)
             if key is None:  # its shape compiles first in line; this request waits for it, nobody else
-                need = ("prefill_embeds" if with_embeds else "prefill", bucket_for(length, self.buckets), fresh)
-                self._wait_or_fail(req, need)
+                self._wait_or_fail(req, PrefillKey(bucket_for(length, self.buckets), fresh, with_embeds))
                 continue
-            if key[1] < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
-                length = next_chunk(start, n, key[1], req.atomic_spans)
-                if length > key[1]:  # a span needs the larger shape: wait for it
-                    self._blocked_on.append((key[0], bucket_for(length, self.buckets), fresh))
+            if key.bucket < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
+                length = next_chunk(start, n, key.bucket, req.atomic_spans)
+                if length > key.bucket:  # a span needs the larger shape: wait for it
+                    self._blocked_on.append(PrefillKey(bucket_for(length, self.buckets), fresh, with_embeds))
                     continue
             with self.step_guard("prefill", [req]):  # a fault fails this request only
-                self._run_chunk(req, key, start, length, key[0] == "prefill_embeds")
+                self._run_chunk(req, key, start, length)
             return True
         return False
 
-    def _wait_or_fail(self, req: Request, key: tuple) -> None:
+    def _wait_or_fail(self, req: Request, key: ShapeKey) -> None:
         """`req` cannot run this iteration: it waits for shape `key` (its stats say it waited for a
         compile), or, when compiling `key` failed, it ends with that error (the others go on)."""
         failed = self.shapes.failure(key)
@@ -1479,14 +753,14 @@ class Engine:
         with self._lock:
             if self._active.get(req.row) is req:
                 del self._active[req.row]
-        req.events.put(("error", f"compiling {describe_shape(key)} failed: {failed}"))
+        req.events.put(("error", f"compiling {key.describe()} failed: {failed}"))
 
-    def _run_chunk(self, req: Request, key: tuple, start: int, length: int, with_embeds: bool) -> None:
+    def _run_chunk(self, req: Request, key: PrefillKey, start: int, length: int) -> None:
         """Prefill prompt positions [start, start + length) of `req` in shape `key`; after its last
         chunk, its prefill stats and its first token (sampled in the same dispatch)."""
         t0 = time.perf_counter()
         self._start_prefill_clock(req, t0)
-        bucket = key[1]
+        bucket, with_embeds = key.bucket, key.embeds
         chunk = slice(start, start + length)
         tokens = np.zeros(bucket, np.int32)
         tokens[:length] = req.prompt_ids[chunk]
@@ -1506,10 +780,10 @@ class Engine:
         final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
         ran_before = self.shapes.has_run(key)
         token, bad = self.run_prefill(key, tokens, positions, req.row, length - 1 if final else -1,
-                                      self._sampling_rows([req]), embeds, mask, groups)
+                                      sampling_rows([req]), embeds, mask, groups)
         t1 = time.perf_counter()
         if ran_before:  # a first run's one-time costs would rule its bucket out for a lone prompt
-            self._note_cost(key, t1 - t0)
+            self.costs.note(key, t1 - t0)
         self._chunk_done(req, start, length, bucket, token, bad, t1)
 
     def _start_prefill_clock(self, req: Request, now: float) -> None:
@@ -1560,7 +834,7 @@ class Engine:
         if not decoding:
             return False
         need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
-        kv_len = self.shapes.decode_key(need_w, need_n)[2]
+        kv_len = self.shapes.decode_key(need_w, need_n).kv_len
         if kv_len < self.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
             self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
         plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
@@ -1568,25 +842,25 @@ class Engine:
             self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
         if not plan:
             return False
-        if self.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0 and self.link is None:
+        if self.loaded.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0 and self.link is None:
             return self._decode_blocks(plan[0][0], active, decoding)
         t0 = time.perf_counter()
         ran_before = all(self.shapes.has_run(key) for key, _, _ in plan)
         out, bad = np.zeros(self.max_batch, np.int32), np.zeros(self.max_batch, bool)
         for key, first, rows in plan:
-            width = key[1]
+            width = key.width
             tokens = np.zeros(width, np.int32)
             positions = np.full(width, -1, np.int32)
             sampling: list[Request | None] = [None] * width
             for row in rows:
                 req = decoding[row]
                 tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
-            o, b = self.run_decode(key, tokens, positions, self._sampling_rows(sampling), row=first)
+            o, b = self.run_decode(key, tokens, positions, sampling_rows(sampling), row=first)
             for row in rows:
                 out[row], bad[row] = o[row - first], b[row - first]
         now = time.perf_counter()
         if ran_before:
-            self._note_cost(plan[0][0], (now - t0) / len(plan))
+            self.costs.note(plan[0][0], (now - t0) / len(plan))
         self._decoded(active, decoding, out, bad, now)
         return True
 
@@ -1602,34 +876,34 @@ class Engine:
         furthest = max(r.position for r in decoding.values()) + ahead  # the next position written
         need = max(r.params.max_new_tokens - r.generated for r in decoding.values()) - ahead
         room = min(self.context_limit, kv_len) - furthest
-        steps = min(self.decode_block, need, room, 1 if busy else self.decode_block)
+        steps = min(self.loaded.decode_block, need, room, 1 if busy else self.loaded.decode_block)
         if ahead and (busy or steps < 1):
             return 0
         return max(1, steps)
 
-    def _decode_blocks(self, key: tuple, active: dict[int, Request], decoding: dict[int, Request]) -> bool:
+    def _decode_blocks(self, key: DecodeKey, active: dict[int, Request], decoding: dict[int, Request]) -> bool:
         """Decode `decoding` (rows [0, width) of shape `key`) in blocks of steps (decode_block > 1):
         each block is dispatched before the last one is read, so the device never waits for the
         host; the chain ends when a row finishes or is cancelled, another request waits, or the
         rows' needs or the cache length end it. Tokens past a row's end are dropped (the cache slots
         they wrote are past its last position: a new request's first chunk clears the row)."""
-        width = key[1]
+        width = key.width
         tokens, positions = np.zeros(width, np.int32), np.full(width, -1, np.int32)
         sampling: list[Request | None] = [None] * width
         for row, req in decoding.items():
             tokens[row], positions[row], sampling[row] = req.recent[-1], req.position, req
         t = time.perf_counter()
-        block = self.dispatch_decode(key, tokens, positions, self._sampling_rows(sampling), 0,
-                                     self._block_steps(decoding, 0, key[2]))
+        block = self.dispatch_decode(key, tokens, positions, sampling_rows(sampling), 0,
+                                     self._block_steps(decoding, 0, key.kv_len))
         rows = len(decoding)
         while block is not None:
             # a row that ended stops the chain: what is in flight is read, nothing more dispatched
-            steps = self._block_steps(decoding, block.steps, key[2]) if len(decoding) == rows else 0
+            steps = self._block_steps(decoding, block.steps, key.kv_len) if len(decoding) == rows else 0
             following = self.dispatch_decode(key, None, None, None, 0, steps, after=block) if steps else None
             out, bad = block.read()
             now = time.perf_counter()
             if self.shapes.has_run(key):
-                self._note_cost(key, (now - t) / block.steps)
+                self.costs.note(key, (now - t) / block.steps)
             t = now
             for i in range(block.steps):
                 if not decoding:
@@ -1656,7 +930,7 @@ class Engine:
                 self.emit(req, int(out[row]), bool(bad[row]), now)
 
     def _mixed_once(self) -> bool:
-        """One fused step (`mixed_step`, engine_compile.MIXED_CHUNK) instead of a chunk and a
+        """One fused step (`mixed_step`, shape_keys.MIXED_CHUNK) instead of a chunk and a
         decode step apart, where it applies: some rows decoding, the next prompt in
         `prefill_order` with a text-only next chunk of at most MIXED_CHUNK tokens (none ends
         inside an atomic span), and the fused shape for these rows and lengths compiled (else it
@@ -1681,7 +955,7 @@ class Engine:
         key = self.shapes.mixed_key(max(decoding) + 1, need_n)
         if key is None:
             return False
-        width = key[1]
+        width = key.width
         tokens = np.zeros(MIXED_CHUNK + width, np.int32)
         positions = np.full(MIXED_CHUNK + width, -1, np.int32)
         tokens[:length] = req.prompt_ids[chunk]
@@ -1693,7 +967,7 @@ class Engine:
         self._start_prefill_clock(req, time.perf_counter())
         with self.step_guard("mixed", [req, *decoding.values()]):  # a fault fails these rows only
             out, bad = self.run_mixed(key, tokens, positions, req.row, req.row if start == 0 else -1,
-                                      length - 1 if final else 0, self._sampling_rows(sampling))
+                                      length - 1 if final else 0, sampling_rows(sampling))
             now = time.perf_counter()
             req.fused_chunks += 1
             self._decoded(active, decoding, out, bad, now)
@@ -1720,53 +994,6 @@ class Engine:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         return not self._thread.is_alive()
-
-
-def _make_tokenizer(spec: dict, cfg: ModelConfig):
-    kind = spec.get("kind")
-    if kind == "gguf":
-        return Tokenizer.from_gguf(spec["path"])
-    if kind == "folder":
-        return Tokenizer.from_folder(spec["path"])
-    if kind == "none":
-        # random weights carry no tokenizer: use the bundled vocabulary when it matches in size
-        return sources.fallback_tokenizer(cfg)
-    raise ValueError(f"unknown tokenizer spec {spec}")
-
-
-# The on-disk compile cache's size bound. Any bound also makes jax take a file lock around every
-# read and write of it (filelock, which huggingface_hub already needs): without one, jax writes an
-# entry in place while another process may read it, and a reader that met a half-written entry
-# crashed (a segmentation fault in jax's compilation_cache.get_executable_and_time, seen with
-# two test runs compiling the same shapes at once).
-COMPILE_CACHE_MAX_BYTES = 8 << 30
-
-
-def _enable_compile_cache() -> None:
-    """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir),
-    bounded and locked across processes (COMPILE_CACHE_MAX_BYTES)."""
-    path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
-    if path.lower() in ("", "off", "none"):
-        return
-    os.makedirs(path, exist_ok=True)
-    backfill_cache_access_times(path)
-    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def backfill_cache_access_times(path: str) -> None:
-    """Give every entry of a cache written while it was unbounded the access-time file a bounded
-    one keeps beside it (jax 0.10's names: KEY-cache, KEY-atime): with one missing, every write
-    to the cache fails (with a warning) and nothing new is cached."""
-    stamp = time.time_ns().to_bytes(8, "little")
-    for name in os.listdir(path):
-        if name.endswith("-cache"):
-            atime = os.path.join(path, name[:-len("-cache")] + "-atime")
-            if not os.path.exists(atime):
-                with open(atime, "wb") as f:
-                    f.write(stamp)
 
 
 _engines: dict[tuple, Engine] = {}

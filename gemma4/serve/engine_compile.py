@@ -1,11 +1,11 @@
 """The engine's compiled shapes: which executables exist, compiled ahead of time in threads.
 
-Shape keys — prompt buckets and chunk plans (`bucket_for`, `chunk_plan`), decode widths
-(`decode_widths`), the full-layer cache-length ladder (`kv_ladder`), `describe_shape` — and
-`CompiledShapes`, the object a `gemma4.serve.engine.Engine` owns: its queues (needed now, and the
+The shapes' sizes — prompt buckets and chunk plans (`bucket_for`, `chunk_plan`), decode widths
+(`decode_widths`), the full-layer cache-length ladder (`kv_ladder`); the keys themselves are
+gemma4/serve/shape_keys.py's — and `CompiledShapes`, the object a `gemma4.serve.engine.Engine` owns: its queues (needed now, and the
 idle-time background), its compile threads (lower → compile), and the choice of a compiled shape
 for each prefill chunk and decode step (`chunk_key`, `decode_key`, `decode_plan`), and how big a
-prefill chunk is (`chunk_budget_s`, `chunk_limit`: the policy's one place). What a
+prefill chunk is (`chunk_budget_s`, `chunk_limit`, `StepCosts`: the policy's one place). What a
 shape compiles to (the jitted steps) and when the background queue may move are the engine's:
 it passes them in (`lower`, `may_background`).
 """
@@ -23,6 +23,7 @@ import jax
 from gemma4.env import env_int
 from gemma4.serve import heap
 from gemma4.serve.executable_store import ExecutableStore, compile_fresh
+from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 log = logging.getLogger("gemma4.serve.engine")
 
@@ -143,23 +144,11 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
     return end - start
 
 
-# A fused step ("mixed"): a prompt's next chunk (up to MIXED_CHUNK tokens) and one decode token
-# for each of cache rows [0, width) in ONE dispatch: the products run on the chunk's tokens and
-# the decode tokens together (one pass over the weights), and each part attends to its own rows
-# (`gemma4.model.decoder.forward`'s decode_rows). Apart, a chunk beside running streams is a
-# second dispatch after their decode step, each streaming every weight once: on a 2-core AMD EPYC
-# Zen 4 with the bundled model a later 16-token chunk cost about two decode steps, so the
-# streams' gap was about three. GEMMA4_MIXED_STEP=off turns it off.
-# 8 tokens, not 16: the chunk's products and attention are compute (its products at the CPU's
-# vpdpwssd peak), so a fused step's cost grows with the chunk. Beside a 3,500-token prefill on a
-# 2-core AMD EPYC Zen 4 a stream's worst gap was 44 ms = 2.8x its solo 16 ms with 8 tokens, and
-# 61 ms = 4.3x with 16 (the long prompt's TTFT 14.5 s against 12.6 s): the gap is what every
-# other user feels, the prompt's own wait grows by a sixth.
-MIXED_CHUNK = 8
-# Fused shapes are an optimization, never needed: the background plan holds every width at the
-# shortest cache length, and the first widths (a stream or two beside a prompt, the demo's usual
-# case) at the longer ones; another is queued in the background when first wanted. Each compiled
-# shape costs memory and compile time (32 → 48 shapes for the app if all were planned, 42 so).
+# Fused shapes (a prompt chunk and a decode step in one dispatch: shape_keys.MIXED_CHUNK) are an
+# optimization, never needed: the background plan holds every width at the shortest cache length,
+# and the first widths (a stream or two beside a prompt, the demo's usual case) at the longer
+# ones; another is queued in the background when first wanted. Each compiled shape costs memory
+# and compile time (32 → 48 shapes for the app if all were planned, 42 so).
 MIXED_PLANNED_WIDTHS = 2
 
 
@@ -244,16 +233,38 @@ def override_limit(env: Mapping[str, str], alone: bool, buckets: Sequence[int]) 
     return max([b for b in buckets if b <= tokens] or [buckets[0]])
 
 
-def describe_shape(key: tuple) -> str:
-    """("prefill", 16, True) → "prefill 16 tokens (first chunk)"; ("decode", 2, 512) → "decode 2 rows ≤512";
-    ("prefill_embeds", 16, True) → "prefill 16 tokens (first chunk, with embeddings)"."""
-    kind, size, extra = key
-    if kind == "mixed":
-        return f"prefill ≤{MIXED_CHUNK} tokens fused with decode {size} row{'s' if size > 1 else ''} (cache ≤{extra})"
-    if kind in ("prefill", "prefill_embeds"):
-        media = ", with embeddings" if kind == "prefill_embeds" else ""
-        return f"prefill {size} tokens ({'first chunk' if extra else 'later chunk'}{media})"
-    return f"decode {size} row{'s' if size > 1 else ''} (cache ≤{extra})"
+class StepCosts:
+    """The measured seconds of the steps an engine runs, which size its prefill chunks: per chunk
+    by (first chunk?, bucket) and per decode step, running means that follow the machine's load
+    (a new measure weighs 0.3). The engine notes every dispatch whose shape ran before (a first
+    run's one-time costs would rule its bucket out) and seeds them at warm-up."""
+
+    def __init__(self) -> None:
+        self.chunk: dict[bool, dict[int, float]] = {True: {}, False: {}}
+        self.chunk_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
+        self.decode: float | None = None
+
+    def note(self, key: ShapeKey, seconds: float) -> None:
+        """Fold one measured dispatch of shape `key` in (prefill chunks without embeddings and
+        decode steps; other shapes are not chunk-size evidence)."""
+        if isinstance(key, DecodeKey):
+            self.decode = seconds if self.decode is None else 0.7 * self.decode + 0.3 * seconds
+        elif isinstance(key, PrefillKey) and not key.embeds:
+            costs, size = self.chunk[key.fresh], key.bucket
+            costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
+            self.chunk_at[key.fresh][size] = time.monotonic()
+
+    def chunk_tokens(self, buckets: Sequence[int], fresh: bool, alone: bool) -> int:
+        """The most prompt tokens one prefill chunk takes now: the largest bucket whose measured
+        cost fits the budget (`chunk_budget_s`: a few decode steps beside running streams,
+        LONE_CHUNK_S alone)."""
+        # Alone, a size ruled out on a busy moment is retried once its measure is stale (nobody's
+        # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
+        costs = (fresh_costs(self.chunk[fresh], self.chunk_at[fresh], time.monotonic()) if alone
+                 else self.chunk[fresh])
+        # the fixed cost: the smallest bucket's chunk of this kind, else its first chunk (warm-up)
+        floor = costs.get(buckets[0], self.chunk[True].get(buckets[0]))
+        return chunk_limit(buckets, costs, chunk_budget_s(self.decode, floor, alone), from_above=alone)
 
 
 def kv_ladder(context_limit: int, first: int = 512) -> tuple[int, ...]:
@@ -304,9 +315,14 @@ def check_mapping_headroom(what: str, usage: tuple[int, int] | None = None) -> N
 
 
 # ------------------------------------------------------------------------------ the compiled shapes
+def _cheapest(key: DecodeKey) -> tuple[int, int]:
+    """Order of decode shapes by cost: the shortest cache read first, then the fewest rows."""
+    return key.kv_len, key.width
+
+
 class CompiledShapes:
-    """The executables of one engine by shape key — ("prefill", bucket, first chunk?) or
-    ("decode", width, cache length) — compiled ahead of time in compile threads.
+    """The executables of one engine by shape key (gemma4.serve.shape_keys: `PrefillKey`,
+    `DecodeKey`, `MixedKey`, `TowerKey`), compiled ahead of time in compile threads.
 
     Two queues: *needed now* (`request`; compiled even while requests run) and the *background*
     (the rest of the plan; compiled only while `may_background()` says the engine is idle).
@@ -317,22 +333,22 @@ class CompiledShapes:
     (the GIL), so lowering runs one thread at a time and XLA's compiles pipeline behind it.
     """
 
-    def __init__(self, lower: Callable[[tuple], Any], may_background: Callable[[], bool]):
+    def __init__(self, lower: Callable[[ShapeKey], Any], may_background: Callable[[], bool]):
         self._lower = lower
         self._may_background = may_background
         self._cond = threading.Condition()
-        self._exe: dict[tuple, Any] = {}
-        self._urgent: list[tuple] = []
-        self._background: list[tuple] = []
-        self._compiling: set[tuple] = set()
-        self._failed: dict[tuple, str] = {}
-        self._log: list[tuple[tuple, float, str]] = []  # (key, seconds, why)
+        self._exe: dict[ShapeKey, Any] = {}
+        self._urgent: list[ShapeKey] = []
+        self._background: list[ShapeKey] = []
+        self._compiling: set[ShapeKey] = set()
+        self._failed: dict[ShapeKey, str] = {}
+        self._log: list[tuple[ShapeKey, float, str]] = []  # (key, seconds, why)
         self._lower_lock = threading.Lock()
         self._stop = False
-        self.startup_keys: tuple[tuple, ...] = ()  # the shapes needed before ready
+        self.startup_keys: tuple[ShapeKey, ...] = ()  # the shapes needed before ready
         self.threads: list[threading.Thread] = []
         # Tests: pretend only these shapes are compiled (None: every compiled shape is usable).
-        self.usable_only: set[tuple] | None = None
+        self.usable_only: set[ShapeKey] | None = None
         self.buckets: tuple[int, ...] = PROMPT_BUCKETS
         self.widths: tuple[int, ...] = (1,)
         self.kv_lengths: tuple[int, ...] = ()
@@ -340,12 +356,12 @@ class CompiledShapes:
         # An executable's first run costs far more than the next (bundled model: a prefill's
         # 1.0-1.4 s, then 0.3 s; a fused step's first run added ~0.2 s to a stream's gap): the
         # engine runs each shape compiled after start-up once while it is idle (`take_unrun`).
-        self._unrun: list[tuple] = []
+        self._unrun: list[ShapeKey] = []
         self.on_compiled: Callable[[], None] | None = None  # called after each compile lands
         # Executables kept on disk (gemma4.serve.executable_store) and a shape's key there; the
         # engine sets both once its parameters are known (None: every shape is compiled).
         self.store: ExecutableStore | None = None
-        self.identify: Callable[[tuple], str] | None = None
+        self.identify: Callable[[ShapeKey], str] | None = None
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, buckets: Sequence[int], widths: Sequence[int], kv_lengths: Sequence[int], *,
@@ -371,7 +387,7 @@ class CompiledShapes:
             t.start()
             self.threads.append(t)
 
-    def _shape_plan(self) -> tuple[list[tuple], list[tuple]]:
+    def _shape_plan(self) -> tuple[list[ShapeKey], list[ShapeKey]]:
         """(before ready, background) shape keys in compile order. Before ready: the smallest
         prefill bucket of at least FIRST_BUCKET tokens and decode width 1 (a bigger first bucket would serve more prompts at once
         but costs every short prompt: bundled model, 7 tokens, TTFT 0.16 s in bucket 16, 0.6 s in
@@ -383,14 +399,14 @@ class CompiledShapes:
         n0 = self.kv_lengths[0]
         planned = self.mixed[:MIXED_PLANNED_WIDTHS]
         b0 = next((b for b in self.buckets if b >= FIRST_BUCKET), self.buckets[-1])
-        first = [("prefill", b0, True), ("decode", self.widths[0], n0)]
-        short = [("prefill", b, True) for b in self.buckets if b <= 64 and b != b0]
-        later = [("prefill", b, False) for b in self.buckets]
-        rest = (short + [("decode", w, n0) for w in self.widths[1:]] + later
-                + [("mixed", w, n0) for w in self.mixed]
-                + [("prefill", b, True) for b in self.buckets if b > 64 and b != b0]
-                + [("decode", w, n) for n in self.kv_lengths[1:] for w in self.widths]
-                + [("mixed", w, n) for n in self.kv_lengths[1:] for w in planned])
+        first: list[ShapeKey] = [PrefillKey(b0, True), DecodeKey(self.widths[0], n0)]
+        short = [PrefillKey(b, True) for b in self.buckets if b <= 64 and b != b0]
+        later = [PrefillKey(b, False) for b in self.buckets]
+        rest = (short + [DecodeKey(w, n0) for w in self.widths[1:]] + later
+                + [MixedKey(w, n0) for w in self.mixed]
+                + [PrefillKey(b, True) for b in self.buckets if b > 64 and b != b0]
+                + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
+                + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in planned])
         return first, rest
 
     def close(self) -> None:
@@ -399,7 +415,7 @@ class CompiledShapes:
             self._stop = True
             self._cond.notify_all()
 
-    def _next(self, kind: str) -> tuple[tuple, str] | None:
+    def _next(self, kind: str) -> tuple[ShapeKey, str] | None:
         if kind == "now":
             if not self._urgent:
                 return None
@@ -426,7 +442,7 @@ class CompiledShapes:
                 exe, err = self._compile_with_retry(key), None
             except Exception as e:  # a request that needs it gets the message
                 exe, err = None, f"{type(e).__name__}: {e}"
-                log.error("compiling %s failed: %s", describe_shape(key), err)
+                log.error("compiling %s failed: %s", key.describe(), err)
             dt = time.perf_counter() - t
             with self._cond:
                 self._compiling.discard(key)
@@ -439,11 +455,11 @@ class CompiledShapes:
                 self._log.append((key, dt, why))
                 pending = self._pending_locked()
                 self._cond.notify_all()
-            log.info("compiled %s in %.2f s (%s; %d shapes pending)", describe_shape(key), dt, why, pending)
+            log.info("compiled %s in %.2f s (%s; %d shapes pending)", key.describe(), dt, why, pending)
             if self.on_compiled is not None:
                 self.on_compiled()
 
-    def _compile_with_retry(self, key: tuple):
+    def _compile_with_retry(self, key: ShapeKey):
         """`compile`, tried a second time after a failure: under jax 0.10 a lowering traced while
         other Python threads run (the engine's own, a busy request thread) sometimes comes out
         malformed: `KeyError: Var(...)` (the rope tables' frequency constants missing from the
@@ -455,11 +471,11 @@ class CompiledShapes:
             return self.compile(key)
         except Exception as e:
             log.warning("compiling %s failed (%s: %s); clearing jax's trace caches and trying once more",
-                        describe_shape(key), type(e).__name__, e, exc_info=True)
+                        key.describe(), type(e).__name__, e, exc_info=True)
             jax.clear_caches()
             return self.compile(key)
 
-    def compile(self, key: tuple):
+    def compile(self, key: ShapeKey):
         """One shape's executable: loaded from the executable store when it holds this shape
         (no tracing or lowering), else lowered and compiled (hitting jax's persistent compile
         cache when warm) and then stored if XLA compiled it. The result is returned, not kept (the compile threads
@@ -471,8 +487,8 @@ class CompiledShapes:
         finally:
             heap.release()
 
-    def _load_or_compile(self, key: tuple):
-        check_mapping_headroom(describe_shape(key))
+    def _load_or_compile(self, key: ShapeKey):
+        check_mapping_headroom(key.describe())
         store_key = self.identify(key) if self.store is not None and self.identify is not None else None
         if store_key is not None:
             exe = self.store.load(store_key)
@@ -486,7 +502,7 @@ class CompiledShapes:
         if fresh:
             self.store.save(store_key, exe)
         else:  # see executable_store: a copy of a persistent-cache hit would lose kernels
-            log.info("not storing %s: jax's persistent compile cache served it", describe_shape(key))
+            log.info("not storing %s: jax's persistent compile cache served it", key.describe())
         return exe
 
     # ---------------------------------------------------------------- queue and state
@@ -498,20 +514,20 @@ class CompiledShapes:
         with self._cond:
             return self._pending_locked()
 
-    def _usable_locked(self, key: tuple) -> bool:
+    def _usable_locked(self, key: ShapeKey) -> bool:
         return key in self._exe and (self.usable_only is None or key in self.usable_only)
 
-    def get(self, key: tuple):
+    def get(self, key: ShapeKey):
         """The compiled executable for `key`, or None (not compiled, or hidden by `usable_only`)."""
         with self._cond:
             return self._exe[key] if self._usable_locked(key) else None
 
-    def failure(self, key: tuple) -> str | None:
+    def failure(self, key: ShapeKey) -> str | None:
         """Why compiling `key` failed, or None."""
         with self._cond:
             return self._failed.get(key)
 
-    def _enqueue_locked(self, key: tuple, now: bool = False) -> None:
+    def _enqueue_locked(self, key: ShapeKey, now: bool = False) -> None:
         if key in self._exe or key in self._compiling or key in self._failed:
             return
         if key in self._background:
@@ -523,7 +539,7 @@ class CompiledShapes:
         self._urgent.insert(0, key) if now else self._urgent.append(key)
         self._cond.notify_all()
 
-    def _background_locked(self, key: tuple) -> None:
+    def _background_locked(self, key: ShapeKey) -> None:
         """Queue `key` for the background (compiled once the engine is idle), unless it is queued,
         compiling, compiled or failed already."""
         if key not in self._background and key not in self._urgent and key not in self._compiling \
@@ -531,12 +547,12 @@ class CompiledShapes:
             self._background.append(key)
             self._cond.notify_all()
 
-    def request(self, key: tuple, now: bool = False) -> None:
+    def request(self, key: ShapeKey, now: bool = False) -> None:
         """Ask for `key` to be compiled even while requests run (now: before any other)."""
         with self._cond:
             self._enqueue_locked(key, now)
 
-    def executable(self, key: tuple):
+    def executable(self, key: ShapeKey):
         """(executable, waited): compiled already, or asked for first in line and waited for."""
         with self._cond:
             if key in self._exe:
@@ -544,13 +560,13 @@ class CompiledShapes:
             self._enqueue_locked(key, now=True)
             while key not in self._exe:
                 if key in self._failed:
-                    raise RuntimeError(f"compiling {describe_shape(key)} failed: {self._failed[key]}")
+                    raise RuntimeError(f"compiling {key.describe()} failed: {self._failed[key]}")
                 if self._stop:
                     raise RuntimeError("the engine was closed")
                 self._cond.wait()
             return self._exe[key], True
 
-    def wait_any(self, keys: Sequence[tuple], timeout: float | None = None) -> None:
+    def wait_any(self, keys: Sequence[ShapeKey], timeout: float | None = None) -> None:
         """Return once one of `keys` is usable or has failed (or after `timeout`, or on close)."""
         with self._cond:
             self._cond.wait_for(lambda: self._stop or any(self._usable_locked(k) or k in self._failed for k in keys),
@@ -569,23 +585,23 @@ class CompiledShapes:
     def state(self) -> dict:
         """What is compiled, compiling and queued (for the Hardware panel and benchmarks)."""
         with self._cond:
-            return {"compiled": [describe_shape(k) for k in self._exe],
-                    "compiling": [describe_shape(k) for k in self._compiling],
-                    "queued": [describe_shape(k) for k in self._urgent + self._background],
-                    "failed": {describe_shape(k): v for k, v in self._failed.items()},
+            return {"compiled": [k.describe() for k in self._exe],
+                    "compiling": [k.describe() for k in self._compiling],
+                    "queued": [k.describe() for k in self._urgent + self._background],
+                    "failed": {k.describe(): v for k, v in self._failed.items()},
                     "pending": self._pending_locked(),
                     "compile_s": round(sum(s for _, s, _ in self._log), 2),
                     "store": self.store.state() if self.store is not None else None,
-                    "log": [(describe_shape(k), round(s, 2), why) for k, s, why in self._log]}
+                    "log": [(k.describe(), round(s, 2), why) for k, s, why in self._log]}
 
     # ---------------------------------------------------------------- picking a compiled shape
-    def take_unrun(self) -> tuple | None:
+    def take_unrun(self) -> ShapeKey | None:
         """A compiled shape that has not run yet, taken off that list (the caller runs it once on
         idle inputs), or None."""
         with self._cond:
             return self._unrun.pop(0) if self._unrun else None
 
-    def mark_run(self, key: tuple) -> None:
+    def mark_run(self, key: ShapeKey) -> None:
         """`key` ran (on a request): its first run is behind it. (Without this, every shape a
         request ran got one more idle run afterwards, donating the cache while a caller outside
         the engine thread, such as the sharding test reading the cache's shards, could be using it.)"""
@@ -593,7 +609,7 @@ class CompiledShapes:
             if key in self._unrun:
                 self._unrun.remove(key)
 
-    def has_run(self, key: tuple) -> bool:
+    def has_run(self, key: ShapeKey) -> bool:
         """Whether `key` ran already (a compiled shape's first run costs more than the next ones:
         the bundled model's 512-token first chunk 1.3 s, then 0.68 s, on a 2-core Intel Xeon)."""
         with self._cond:
@@ -604,8 +620,9 @@ class CompiledShapes:
         with self._cond:
             return len(self._unrun)
 
-    def chunk_key(self, kind: str, length: int, fresh: bool) -> tuple | None:
-        """The compiled shape to run a `length`-token prefill chunk in: its own bucket's; else the
+    def chunk_key(self, length: int, fresh: bool, embeds: bool = False) -> PrefillKey | None:
+        """The compiled shape to run a `length`-token prefill chunk in (`embeds`: one that holds
+        input embeddings; `fresh`: a prompt's first chunk): its own bucket's; else the
         smallest larger compiled one (identical tokens: padding invariance) while its own is
         compiled (not waited for); else None, and its own is compiled first in line (the request
         that needs it waits for it; nobody else does).
@@ -620,32 +637,35 @@ class CompiledShapes:
         Not through several smaller chunks: each later chunk is a dispatch with the fixed cost of
         one (and, on a fresh engine, a later-chunk shape of its own to compile), so a prompt
         waiting for one compile gets its first token sooner."""
-        ideal = (kind, bucket_for(length, self.buckets), fresh)
+        ideal = PrefillKey(bucket_for(length, self.buckets), fresh, embeds)
         with self._cond:
             if self._usable_locked(ideal):
                 return ideal
-            bigger = [b for b in self.buckets if b >= length and self._usable_locked((kind, b, fresh))]
-            if bigger and bigger[0] <= min(2 * ideal[1], SMALL_STAND_IN):
+            bigger = [b for b in self.buckets if b >= length and self._usable_locked(PrefillKey(b, fresh, embeds))]
+            if bigger and bigger[0] <= min(2 * ideal.bucket, SMALL_STAND_IN):
                 self._background_locked(ideal)
             else:
                 self._enqueue_locked(ideal, now=not bigger)
-            return (kind, bigger[0], fresh) if bigger else None
+            return PrefillKey(bigger[0], fresh, embeds) if bigger else None
 
-    def decode_key(self, need_w: int, need_n: int) -> tuple:
+    def decode_key(self, need_w: int, need_n: int) -> DecodeKey:
         """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal
         one, else the cheapest compiled cover (and the ideal one is compiled at once, not waited
         for), else the ideal one (to be compiled and waited for)."""
-        ideal = ("decode", next(w for w in self.widths if w >= need_w), next(n for n in self.kv_lengths if n >= need_n))
+        ideal = DecodeKey(next(w for w in self.widths if w >= need_w), next(n for n in self.kv_lengths if n >= need_n))
         with self._cond:
             if self._usable_locked(ideal):
                 return ideal
-            fits = [k for k in self._exe if k[0] == "decode" and k[1] >= need_w and k[2] >= need_n
-                    and self._usable_locked(k)]
+            fits = [k for k in self._decode_keys_locked() if k.width >= need_w and k.kv_len >= need_n]
             if fits:
                 self._enqueue_locked(ideal)
-        return min(fits, key=lambda k: (k[2], k[1])) if fits else ideal
+        return min(fits, key=_cheapest) if fits else ideal
 
-    def mixed_key(self, need_w: int, need_n: int) -> tuple | None:
+    def _decode_keys_locked(self) -> list[DecodeKey]:
+        """The usable compiled decode shapes."""
+        return [k for k in self._exe if isinstance(k, DecodeKey) and self._usable_locked(k)]
+
+    def mixed_key(self, need_w: int, need_n: int) -> MixedKey | None:
         """The fused step for rows [0, need_w) and positions < need_n when it is compiled, else
         None (and it is queued in the background, compiled once the engine is idle: nobody waits
         for it, and no compile shares the CPU with requests for it — the chunk and the decode step
@@ -654,7 +674,7 @@ class CompiledShapes:
         n = next((n for n in self.kv_lengths if n >= need_n), None)
         if w is None or n is None:
             return None
-        key = ("mixed", w, n)
+        key = MixedKey(w, n)
         with self._cond:
             if self._usable_locked(key):
                 return key
@@ -666,7 +686,7 @@ class CompiledShapes:
         key = self.decode_key(need_w, min(need_n, self.kv_lengths[-1]))
         self.request(key)
 
-    def decode_plan(self, need: Mapping[int, int]) -> tuple[list[tuple[tuple, int, list[int]]], list[int]]:
+    def decode_plan(self, need: Mapping[int, int]) -> tuple[list[tuple[DecodeKey, int, list[int]]], list[int]]:
         """How to decode one token for cache rows `need` (row → positions it needs: its position
         + 1) with compiled shapes only: ([(key, first row, rows)], rows that wait).
 
@@ -682,18 +702,19 @@ class CompiledShapes:
             if self._usable_locked(key):
                 return [(key, 0, rows)], []
             self._enqueue_locked(key, now=True)
-            compiled = [k for k in self._exe if k[0] == "decode" and self._usable_locked(k)]
-            longest = max((k[2] for k in compiled), default=0)
+            compiled = self._decode_keys_locked()
+            longest = max((k.kv_len for k in compiled), default=0)
             fit = [r for r in rows if need[r] <= longest]
             wait = [r for r in rows if need[r] > longest]
             if not fit:
                 return [], wait
-            covers = [k for k in compiled if k[1] >= fit[-1] + 1 and k[2] >= max(need[r] for r in fit)]
+            covers = [k for k in compiled if k.width >= fit[-1] + 1 and k.kv_len >= max(need[r] for r in fit)]
             if covers:
-                return [(min(covers, key=lambda k: (k[2], k[1])), 0, fit)], wait
+                return [(min(covers, key=_cheapest), 0, fit)], wait
             plan = []
             for r in fit:
-                alone = min((k for k in compiled if k[1] == 1 and k[2] >= need[r]), default=None, key=lambda k: k[2])
+                alone = min((k for k in compiled if k.width == 1 and k.kv_len >= need[r]), default=None,
+                            key=lambda k: k.kv_len)
                 if alone is None:
                     wait.append(r)
                 else:

@@ -10,7 +10,7 @@ executable by everything the program is made from instead, known without tracing
   the model, the ops and native kernels' .cc, the engine's steps): any change there is a new key;
 - `platform_fingerprint`: jax and jaxlib versions, the devices, the CPU (model and flags), the
   XLA / JAX / GEMMA4 environment variables and jax's configuration values;
-- the engine's part (`gemma4.serve.engine.Engine`): the model config, the run options, the
+- the engine's part (`gemma4.serve.steps.program_parts`): the model config, the run options, the
   parameters' and cache's tree structure (whose static fields hold each weight's chosen matmul
   paths), shapes, dtypes and shardings, and the shape key.
 
@@ -58,11 +58,13 @@ ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
 
 
 # The package's parts a compiled step is built from: the model (forward pass, caches, sampling),
-# the ops and native kernels, the engine's step functions and its shape sizes (engine_compile:
-# buckets, the fused chunk), and this store. Other modules reach a program only through values
-# the key holds (config, options, the parameters' tree, environment variables, jax's
-# configuration), so an edit elsewhere keeps every stored executable.
-PROGRAM_SOURCES = ("model", "ops", "serve/engine.py", "serve/engine_compile.py", "serve/executable_store.py")
+# the ops and native kernels, the engine's step functions and how they are jitted and lowered
+# (steps.py; the towers': towers.py), the fused chunk's size (shape_keys.py), the engine that
+# picks and feeds them (engine.py, engine_compile.py), and this store. Other modules reach a
+# program only through values the key holds (config, options, the parameters' tree, environment
+# variables, jax's configuration), so an edit elsewhere keeps every stored executable.
+PROGRAM_SOURCES = ("model", "ops", "serve/engine.py", "serve/engine_compile.py", "serve/steps.py",
+                   "serve/shape_keys.py", "serve/towers.py", "serve/executable_store.py")
 
 
 @functools.lru_cache(maxsize=4)
@@ -156,8 +158,9 @@ def make_key(*parts: Any) -> str:
     return h.hexdigest()
 
 
-def shape_key(program_key: str, shape: tuple) -> str:
-    """The store's key for one shape of a program whose other parts `make_key` hashed once."""
+def shape_key(program_key: str, shape: object) -> str:
+    """The store's key for one shape (a gemma4.serve.shape_keys key, by its repr) of a program
+    whose other parts `make_key` hashed once."""
     return hashlib.sha256(f"{program_key}\0{shape!r}".encode()).hexdigest()
 
 

@@ -41,8 +41,9 @@ from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decod
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
-from gemma4.serve.engine import Embeddings, RequestError
+from gemma4.serve.engine import Engine
 from gemma4.serve.media_cache import shared_cache
+from gemma4.serve.requests import Embeddings, RequestError
 
 MAX_MEDIA_ENV = "GEMMA4_MAX_MEDIA"
 DEFAULT_MAX_MEDIA = 8  # images + videos + audio clips in one request: each costs an encode and up to 1,120 tokens
@@ -166,7 +167,7 @@ class PreparedMedia:
 class MediaPlan:
     """The media of one request (see the module docstring)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.items: list[PreparedMedia] = []
         self.parts: list[Mapping[str, Any]] = []  # a completion prompt's media parts, one per marker
@@ -306,7 +307,7 @@ class MediaPlan:
         if prep.kind == "image":
             return [cfg.boi_token_id] + [cfg.image_token_id] * prep.soft_tokens + [cfg.eoi_token_id]
         if cfg.video_token_id is None:
-            raise RequestError(f"{self.engine.info().get('model', 'this model')} has no video token; send frames as images.")
+            raise RequestError(f"{cfg.name} has no video token; send frames as images.")
         out: list[int | str] = []
         for k, (stamp, n) in enumerate(prep.frames):
             out += [(" " if k else "") + f"{stamp} ", cfg.boi_token_id] + [cfg.video_token_id] * n + [cfg.eoi_token_id]
@@ -378,11 +379,11 @@ class MediaPlan:
                 continue
             t = time.perf_counter()
             if prep.kind == "audio":
-                rows = self.engine.encode_audio([prep.features])
+                rows = self.engine.towers.encode_audio([prep.features])
                 prep.features = None  # the features are not needed any more
             else:
-                rows = self.engine.encode_images(prep.patches)
-            info = self.engine.last_encode()
+                rows = self.engine.towers.encode_images(prep.patches)
+            info = self.engine.towers.last_encode()
             prep.encode_s = time.perf_counter() - t
             prep.compiled = bool(info.get("compiled"))
             prep.rows = cache.put(prep.key, np.concatenate(rows, axis=0))

@@ -30,7 +30,7 @@ def _measured_report(model: str, overrides: dict) -> dict:
         status = engine.status()
         if status["state"] == "error":
             raise PolicyError(status["error"] or status["message"])
-        return engine.info()["hardware"]
+        return engine.loaded.report
     finally:
         engine.close(timeout=60)  # let its threads finish before the interpreter tears down
 

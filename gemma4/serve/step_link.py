@@ -25,13 +25,14 @@ from jax.experimental import multihost_utils
 
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows
 from gemma4.serve import distributed
+from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 
 log = logging.getLogger("gemma4.serve.distributed")
 
 
 # ------------------------------------------------------------------------------ the step descriptor
 OP_STOP, OP_PREFILL, OP_DECODE = 1, 2, 3
-_HEADER = 8  # op, size, extra, row, last, n tokens, n sampling rows, spare
+_HEADER = 8  # op, size (bucket | width), fresh | kv_len, row, last, n tokens, n sampling rows, spare
 # The SamplingRows fields sent as one int32 column each (floats by bit pattern); `recent`, the
 # repetition window [rows, window], follows them.
 _SAMPLING_COLUMNS = tuple(f.name for f in dataclasses.fields(SamplingRows) if f.name != "recent")
@@ -42,7 +43,7 @@ class Step:
     """One dispatch: which executable (key) and its host inputs."""
 
     op: int
-    key: tuple = ()
+    key: PrefillKey | DecodeKey | None = None
     tokens: np.ndarray | None = None
     positions: np.ndarray | None = None
     row: int = 0
@@ -66,7 +67,8 @@ class StepCodec:
         if step.op == OP_STOP:
             out[0] = OP_STOP
             return out
-        kind, size, extra = step.key
+        size, extra = ((step.key.bucket, step.key.fresh) if isinstance(step.key, PrefillKey)
+                       else (step.key.width, step.key.kv_len))
         tokens, positions = np.asarray(step.tokens, np.int32).ravel(), np.asarray(step.positions, np.int32).ravel()
         recent = np.asarray(step.sampling.recent)
         n, rows = tokens.size, recent.shape[0]
@@ -100,7 +102,7 @@ class StepCodec:
         r = s + len(_SAMPLING_COLUMNS) * self.max_rows
         recent = vec[r:r + rows * self.window].reshape(rows, self.window).copy()
         sampling = SamplingRows(recent=recent, **cols)
-        key = ("prefill", size, bool(extra)) if op == OP_PREFILL else ("decode", size, extra)
+        key = PrefillKey(size, bool(extra)) if op == OP_PREFILL else DecodeKey(size, extra)
         return Step(op, key, tokens, positions, row, last, sampling)
 
 
@@ -127,13 +129,15 @@ class EngineLink:
         self.stopped = False
 
     # process 0 --------------------------------------------------------------
-    def announce(self, key: tuple, tokens, positions, row: int, last: int, sampling: SamplingRows) -> None:
+    def announce(self, key: PrefillKey | DecodeKey, tokens, positions, row: int, last: int,
+                 sampling: SamplingRows) -> None:
         """Before process 0 runs a step (the engine calls this): send it to the other processes."""
         if not self.leader:
             return  # a follower replays: the step came from process 0
-        if key[0] not in ("prefill", "decode"):  # the descriptor carries ids only (no embedding rows)
+        # the descriptor carries ids only (no embedding rows)
+        if not isinstance(key, (PrefillKey, DecodeKey)) or (isinstance(key, PrefillKey) and key.embeds):
             raise ValueError(f"step {key} cannot be sent to the other processes")
-        op = OP_DECODE if key[0] == "decode" else OP_PREFILL
+        op = OP_DECODE if isinstance(key, DecodeKey) else OP_PREFILL
         host = SamplingRows(**{f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingRows)})
         _broadcast(self.codec.encode(Step(op, key, tokens, positions, int(row), int(last), host)))
 

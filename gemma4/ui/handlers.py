@@ -20,7 +20,9 @@ import gradio as gr
 from gemma4.media.files import MediaError, describe, media_from_path
 from gemma4.model import sampling
 from gemma4.serve import conversation
-from gemma4.serve.engine import RequestError
+from gemma4.serve.engine import Engine
+from gemma4.serve.engine_load import LoadedModel
+from gemma4.serve.requests import RequestError
 from gemma4.ui.chat_controls import (
     IMAGE_TOKEN_CHOICES,
     PENALTY_RANGE,
@@ -74,7 +76,7 @@ class ChatHandlers:
     `settings` is `gemma4.web.settings.Settings` (read here: `model`, `max_new_tokens_cap`).
     """
 
-    def __init__(self, engine: Any, settings: Any):
+    def __init__(self, engine: Engine, settings: Any):
         self.engine = engine
         self.settings = settings
         self.RequestError = RequestError
@@ -85,28 +87,32 @@ class ChatHandlers:
 
     # ------------------------------------------------------------------ engine facts
 
-
     def input_caps(self) -> conversation.InputCaps:
         """The caps on one chat request's input (messages, tokens): the server's flags
         (--max-messages / --max-input-tokens, shared with /v1), else the context window's defaults."""
         limits = getattr(getattr(self.settings, "access", None), "limits", None)
         return conversation.InputCaps(max_messages=getattr(limits, "max_messages", None),
                                       max_input_tokens=getattr(limits, "max_input_tokens", None))
+
     def info(self) -> dict[str, Any] | None:
-        """engine.info() once the model is ready, else None."""
+        """engine.info() once the model is ready, else None (for display)."""
         if self.engine.status().get("state") != "ready":
             return None
         return self.engine.info()
 
+    def loaded(self) -> LoadedModel | None:
+        """The engine's loaded model once it is ready, else None."""
+        return self.engine.loaded if self.engine.status().get("state") == "ready" else None
+
     def is_base(self) -> bool:
-        info = self.info()
-        return bool(info["is_base_model"]) if info else guess_is_base(self.settings.model)
+        model = self.loaded()
+        return bool(model.source.is_base_model) if model else guess_is_base(self.settings.model)
 
     def default_sampling(self) -> dict[str, Any]:
         d = dataclasses.asdict(self.SamplingParams())
-        info = self.info()
-        if info:
-            d.update(info.get("default_sampling") or {})
+        model = self.loaded()
+        if model:
+            d.update(model.default_sampling)
         d["max_new_tokens"] = min(int(d.get("max_new_tokens") or 256),
                                   self.settings.max_new_tokens_cap)
         return d
@@ -359,10 +365,10 @@ class ChatHandlers:
                 frame, frame, session_summary_md(replies))
 
     def context_meter(self, history, system, mode, session, image_tokens=None) -> str:
-        info = self.info()
-        if not info:
+        model = self.loaded()
+        if not model:
             return context_meter_html(None, None, "(model still loading)")
-        limit = info.get("context_limit")
+        limit = model.context_limit
         if mode == "completion":
             replies = (session or {}).get("replies", [])
             last = (replies[-1].get("stats") or {}) if replies else {}

@@ -13,6 +13,7 @@ from typing import Any
 
 import gradio as gr
 
+from gemma4.serve.engine import Engine
 from gemma4.ui.chat_controls import (
     AUDIO_EXAMPLE_TEXT,
     EXAMPLE_IMAGE,
@@ -57,7 +58,7 @@ CSS = """
 # --------------------------------------------------------------------------- layout
 
 
-def build_demo(engine: Any, settings: Any) -> gr.Blocks:
+def build_demo(engine: Engine, settings: Any) -> gr.Blocks:
     """The Blocks UI around `engine`, queued with the settings' concurrency; not launched.
     `settings` is the app's `gemma4.web.settings.Settings` (read: model, max_users,
     max_new_tokens_cap, queue_size, access)."""

@@ -8,10 +8,13 @@ each device really holds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gemma4.model.config import preset
 from gemma4.plan import preflight, preflight_devices
+
+if TYPE_CHECKING:  # the type only: formatting a report needs no engine (nor jax)
+    from gemma4.serve.engine import Engine
 
 _GiB = 1 << 30
 
@@ -71,27 +74,26 @@ def markdown(report: Mapping[str, Any] | None, actual: list[Mapping[str, Any]] |
 _cache: dict[int, tuple[tuple, dict]] = {}
 
 
-def engine_report(engine: Any) -> dict | None:
+def engine_report(engine: Engine) -> dict | None:
     """The pre-flight of a loaded engine's own mesh, context and batch (None before it loads)."""
-    cfg, plan = getattr(engine, "cfg", None), getattr(engine, "plan", None)
-    mesh = getattr(engine, "mesh", None)
-    if cfg is None or plan is None:
+    model = engine.loaded
+    if model is None:
         return None
-    shape = {a: int(n) for a, n in dict(getattr(mesh, "shape", {}) or {}).items()}
-    key = (id(cfg), tuple(sorted(shape.items())), engine.context_limit, engine.max_batch)
+    shape = {a: int(n) for a, n in dict(model.mesh.shape).items()}
+    key = (id(model.cfg), tuple(sorted(shape.items())), model.context_limit, engine.max_batch)
     hit = _cache.get(id(engine))
     if hit and hit[0] == key:
         return hit[1]
     try:
-        report = preflight.check(cfg, plan, preflight_devices.local_device_set(), shape, engine.context_limit,
-                                 engine.max_batch)
+        report = preflight.check(model.cfg, model.plan, preflight_devices.local_device_set(), shape,
+                                 model.context_limit, engine.max_batch)
     except Exception as e:  # noqa: BLE001 - the panel shows the reason instead of failing
         report = {"error": f"{type(e).__name__}: {e}"}
     _cache[id(engine)] = (key, report)
     return report
 
 
-def panel_markdown(engine: Any, info: Mapping[str, Any] | None = None) -> str:
+def panel_markdown(engine: Engine, info: Mapping[str, Any] | None = None) -> str:
     """What DemoApp.hardware_panel adds: the pre-flight block for this engine."""
     actual = ((info or {}).get("sharding") or {}).get("per_device")
     return markdown(engine_report(engine), actual)

@@ -31,8 +31,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gemma4.serve import conversation
-from gemma4.serve.engine import RequestError
+from gemma4.serve.engine import Engine
+from gemma4.serve.engine_load import LoadedModel
 from gemma4.serve.media_prompt import MAX_MEDIA_ENV, max_media
+from gemma4.serve.requests import RequestError
 from gemma4.web import api_schema as S
 from gemma4.web import media_fetch
 from gemma4.web.api_schema import ApiError
@@ -162,7 +164,7 @@ class OpenAIApi:
     the loaded model's own name (e.g. gemma3-270m) is accepted too. `api_keys`: bearer keys,
     empty = open; `closed_reason`: set when /v1 must refuse everyone (a UI login, no API key)."""
 
-    def __init__(self, engine: Any, *, model: str, max_new_tokens_cap: int,
+    def __init__(self, engine: Engine, *, model: str, max_new_tokens_cap: int,
                  limits: Limits = Limits(), api_keys: tuple[str, ...] = (),
                  trust_proxy: bool = False, closed_reason: str | None = None):
         self.engine = engine
@@ -326,7 +328,7 @@ class OpenAIApi:
         """The names a request may use: the served name, then the loaded model's own."""
         ids = [self.model]
         if self.engine.status().get("state") == "ready":
-            own = str(self.engine.info().get("model") or "")
+            own = self.engine.cfg.name
             if own and own != self.model:
                 ids.append(own)
         return ids
@@ -339,7 +341,7 @@ class OpenAIApi:
                            code="model_not_found")
         return name  # the reply names the model as the client did (the served name or an alias)
 
-    def _check_ready(self) -> dict:
+    def _check_ready(self) -> LoadedModel:
         status = self.engine.status()
         if status.get("state") == "error":
             raise ApiError(503, f"The model failed to load: {status.get('error')}",
@@ -348,7 +350,7 @@ class OpenAIApi:
             raise ApiError(503, f"The model is still loading ({status.get('message')}); try "
                                 "again shortly.", type="server_error", code="model_loading",
                            headers={"Retry-After": str(self.limits.loading_retry_s)})
-        return self.engine.info()
+        return self.engine.loaded
 
     # ------------------------------------------------------------------ handlers
 
@@ -376,15 +378,15 @@ class OpenAIApi:
         self._precheck_messages(body)
         req = S.parse(S.ChatRequest, body)
         model = self._check_model(req.model)
-        info = self._check_ready()
+        loaded = self._check_ready()
         msgs = await self._with_media(S.messages(req))
         think = S.thinking(req)
         tools = S.tools(req)
-        samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
+        samp = S.sampling(req, loaded.default_sampling, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, msgs, samp.params,
                                  mode="chat", tools=tools, thinking=think, caps=self.caps)
         return await self._serve(request, release, make, _ChatShape(model), req,
-                                 list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
+                                 list(samp.notes) + S.accepted_notes(req) + _model_notes(loaded))
 
     async def _with_media(self, msgs: list[dict]) -> list[dict]:
         """The messages with each image/video/audio part's file resolved (`media_fetch.resolve`
@@ -437,13 +439,13 @@ class OpenAIApi:
     async def completions(self, request: Request, release):
         req = S.parse(S.CompletionRequest, await self._body(request))
         model = self._check_model(req.model)
-        info = self._check_ready()
+        loaded = self._check_ready()
         prompt = S.completion_prompt(req)
-        samp = S.sampling(req, info.get("default_sampling") or {}, self.cap, self.limits.max_stop)
+        samp = S.sampling(req, loaded.default_sampling, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, prompt, samp.params,
                                  mode="completion", caps=self.caps)
         return await self._serve(request, release, make, _CompletionShape(model), req,
-                                 list(samp.notes) + S.accepted_notes(req) + _model_notes(info))
+                                 list(samp.notes) + S.accepted_notes(req) + _model_notes(loaded))
 
     async def _serve(self, request, release, make, shape, req, notes):
         stop = threading.Event()  # set by the pump when the client leaves: preparation stops too
@@ -640,8 +642,8 @@ def refusal(e: Exception) -> ApiError:
     return ApiError(400, message)
 
 
-def _model_notes(info: dict) -> list[str]:
-    if info.get("random_weights"):
+def _model_notes(loaded: LoadedModel) -> list[str]:
+    if loaded.source.random_weights:
         return ["RANDOM WEIGHTS: this model's output is meaningless (for speed measurements only)"]
     return []
 

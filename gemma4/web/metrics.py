@@ -33,6 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from gemma4.serve.engine import Engine
+
 # Bucket bounds (seconds). TTFT: a short prompt on a 2-core CPU is ~0.1-0.3 s, a 3,500-token one
 # ~10 s; inter-token: one decode step is ~10-40 ms, a gap behind a long prefill seconds.
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -42,7 +44,7 @@ GAP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 class ServerMetrics:
     """The counters of one server; `render()` is the /metrics body."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("gemma4_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
@@ -118,7 +120,7 @@ class ReplyMeter:
 class EngineCollector:
     """The engine's state, read at each scrape: queue, slots, readiness, step times, faults."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         self.engine = engine
 
     def describe(self):

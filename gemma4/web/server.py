@@ -15,7 +15,7 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gradio as gr
 import uvicorn
@@ -26,6 +26,9 @@ from starlette.responses import JSONResponse
 
 from gemma4.web.access import Access, api_closed_reason, exposure_warnings
 from gemma4.web.ratelimit import client_ip
+
+if TYPE_CHECKING:  # the type only: this module imports no jax (see above)
+    from gemma4.serve.engine import Engine
 
 log = logging.getLogger("gemma4.web.server")
 
@@ -42,7 +45,7 @@ def _loud(lines: list[str]) -> None:
 # --------------------------------------------------------------------------- the app
 
 
-def build_app(demo: Any, engine: Any, *, model: str, max_new_tokens_cap: int,
+def build_app(demo: Any, engine: Engine, *, model: str, max_new_tokens_cap: int,
               access: Access = Access(), css: str | None = None,
               footer_links: list | None = None):
     """The FastAPI app: /v1 (router first, so the UI's catch-all mount does not shadow it),
@@ -138,7 +141,7 @@ def open_share_link(port: int) -> str:
     return url.replace("http://", "https://", 1)
 
 
-def serve(demo: Any, engine: Any, *, model: str, host: str, port: int, share: bool,
+def serve(demo: Any, engine: Engine, *, model: str, host: str, port: int, share: bool,
           max_new_tokens_cap: int, access: Access = Access(), css: str | None = None,
           block: bool = True) -> Running:
     """Build the app, warn about exposure, listen, open the share link if asked, print where."""

@@ -1,0 +1,370 @@
+"""Loading a model for serving: source → hardware plan → mesh → weights → what the engine serves with.
+
+`load_model` is an engine's start-up before anything compiles: it resolves the model source,
+makes the hardware plan (and applies its jax settings), checks and makes the device mesh, reads
+the weights into their final form (or reads back the weights an earlier start prepared for this
+plan: gemma4.serve.prepared_store), allocates the KV cache, and fixes the serving geometry for
+this device (prompt buckets, decode widths, cache lengths). Its result is a `LoadedModel`: frozen,
+set once, never changed. The tokenizer is built meanwhile on its own thread (`TokenizerBuild`), in
+parallel with the first compiles; weights this start prepared are written once the engine is
+ready (`keep_prepared`), so no request waits for the disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from gemma4.model import decoder as M
+from gemma4.model import kv_cache
+from gemma4.model.config import ModelConfig
+from gemma4.model.params import decode_bytes_per_token
+from gemma4.paths import cache_root
+from gemma4.plan import hardware, hardware_checks, preflight, sharding
+from gemma4.serve import heap, prepared_store
+from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, accelerator_kv_ladder,
+                                         accelerator_widths, decode_widths, kv_ladder, mixed_widths)
+from gemma4.weights import sources
+from gemma4.weights.tokenizer import Tokenizer
+
+log = logging.getLogger("gemma4.serve.engine")
+
+DEFAULT_CONTEXT = 4096
+
+# The on-disk compile cache's size bound. Any bound also makes jax take a file lock around every
+# read and write of it (filelock, which huggingface_hub already needs): without one, jax writes an
+# entry in place while another process may read it, and a reader that met a half-written entry
+# crashed (a segmentation fault in jax's compilation_cache.get_executable_and_time, seen with
+# two test runs compiling the same shapes at once).
+COMPILE_CACHE_MAX_BYTES = 8 << 30
+
+Status = Callable[[float, str], None]  # (progress 0-1, message) while loading
+
+
+class TokenizerBuild:
+    """The tokenizer, built on its own thread from the moment the weights are in (the first
+    compiles run meanwhile). `result()` waits for it and re-raises its error, if any."""
+
+    def __init__(self, spec: dict, cfg: ModelConfig):
+        self.seconds = 0.0
+        self._tokenizer: Tokenizer | None = None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._build, args=(spec, cfg), name="gemma4-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _build(self, spec: dict, cfg: ModelConfig) -> None:
+        t = time.perf_counter()
+        try:
+            self._tokenizer = make_tokenizer(spec, cfg)
+        except Exception as e:  # re-raised by result() on the engine thread
+            self._error = e
+        self.seconds = time.perf_counter() - t
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Tokenizer:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model loaded for serving on this machine (see the module docstring): its weights and
+    config, the plan's choices, the mesh, and the serving geometry the engine compiles for."""
+
+    source: sources.ModelSource
+    cfg: ModelConfig
+    params: dict
+    options: M.RunOptions  # the plan's run options, with the mesh's parts (MoE per shard, rows split over `data`)
+    plan: hardware.Plan
+    report: dict  # the hardware report: the plan, checks, the int8 choice, the roofline
+    mesh: Any  # the jax Mesh the weights and the cache are split over
+    mesh_shape: dict
+    max_batch: int  # the KV cache's rows
+    context_limit: int
+    kv_format: str
+    decode_block: int  # decode steps per dispatch (hardware.DECODE_BLOCK)
+    encoder_dtype: Any  # the towers' dtype
+    # The batch-1 decode bound: the weights a step reads over the memory's bandwidth; each
+    # reply's decode speed is shown as a fraction of it (TokenStream.stats: roofline_frac).
+    decode_bytes: int
+    roofline_tok_s: float | None
+    # The serving geometry: prompt buckets, decode widths, full-layer cache lengths, fused widths.
+    buckets: tuple[int, ...]
+    widths: tuple[int, ...]
+    kv_lengths: tuple[int, ...]
+    mixed_widths: tuple[int, ...]
+    new_cache: Callable[[], Any]  # allocates the KV cache, born split (also re-allocates it after a fault)
+    cache_spec: Any  # the cache's shapes, dtypes and shardings (what steps are lowered for)
+    cache_shardings: Any
+    tokenizer: TokenizerBuild
+    timings: dict[str, float]  # plan_s, weights_s, int8_matmul_s
+
+    @property
+    def default_sampling(self) -> dict:
+        """The sampling a reply gets unless asked otherwise: Gemma 4's settings, or Gemma 3's."""
+        if self.cfg.family == "gemma4":
+            return dict(temperature=1.0, top_k=64, top_p=0.95, max_new_tokens=256)
+        return dict(temperature=0.7, top_k=64, top_p=0.95, max_new_tokens=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedWrite:
+    """Weights this start prepared, to keep on disk once the engine is ready (`keep_prepared`)."""
+
+    folder: Path
+    key: str
+    params: dict
+    meta: dict
+
+
+def load_model(name: str, *, max_batch: int, overrides: dict, context: int | None = None,
+               mesh_request: str | dict = "auto", buckets: tuple[int, ...] | None = None,
+               multi_process: bool = False, status: Status = lambda progress, message: None,
+               ) -> tuple[LoadedModel, Any, PreparedWrite | None]:
+    """(the model, its KV cache (allocated: the engine owns it from here), the prepared weights to
+    keep once ready or None). `context`: the context limit asked for (None: the model's, at most
+    DEFAULT_CONTEXT); `buckets`: the prompt buckets asked for (None: the device's ladder);
+    `multi_process`: several processes replay process 0's steps (no fused step there)."""
+    enable_compile_cache()
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    source = sources.resolve(name)
+    status(0.02, f"resolving {source.description}")
+    # The plan depends on the geometry (head dims → attention path): peek at the config first.
+    plan, report = hardware_checks.resolve(sources.peek_config(source), overrides)
+    if report.get("self_test") and not report["self_test"]["ok"]:
+        raise RuntimeError(f"device self-test failed: {report['self_test']}")
+    log.info("hardware plan:\n%s", plan.report())
+    hardware_checks.apply_jax_config(plan)
+    options = hardware_checks.run_options(plan)
+    peeked = sources.peek_config(source)
+    asked = context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
+    mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch)
+    mesh = None
+    if peeked is not None:  # refused before any weight is read; the weights are born split
+        sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=max_batch, devices=jax.devices())
+        mesh = sharding.make_mesh(mesh_shape)
+    timings["plan_s"] = time.perf_counter() - t0
+
+    def progress(frac: float, msg: str) -> None:
+        status(0.05 + 0.6 * frac, msg)
+
+    # A single-file model on one device whose weights an earlier start prepared for this plan:
+    # read back from disk (gemma4.serve.prepared_store): no conversion, reordering or measuring.
+    store = (prepared_store.default_folder() if source.kind in ("bundled", "gguf") and mesh is not None
+             and mesh.size == 1 else None)
+    prepared = read_prepared(store, source, plan, overrides, progress, status) if store is not None else None
+    pending = None
+    if prepared is not None:
+        cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
+        params = sharding.shard_params(cfg, params, mesh)  # one device: the same buffers
+        timings["weights_s"] = time.perf_counter() - t0 - timings["plan_s"]
+        timings["int8_matmul_s"] = 0.0
+    else:
+        # Each tensor goes into its final leaf (quantized as the plan says) as it is read, so no
+        # float32 tree is ever held: peak host memory stays near the final weights' size.
+        plan_before = plan
+        cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
+                                             quantize=plan.quantize_kwargs(), mesh=mesh)
+        sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=max_batch, devices=jax.devices())
+        mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
+        # Each device keeps only its shards: already so where the loader split them (then this moves
+        # nothing); a GGUF, or a source whose config was not known before loading, is split here.
+        params = sharding.shard_params(cfg, params, mesh)
+        timings["weights_s"] = time.perf_counter() - t0 - timings["plan_s"]
+        # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
+        t_mm = time.perf_counter()
+        params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
+            plan, params, overrides, progress=lambda frac, msg: status(0.7 + 0.05 * frac, msg), release=True)
+        timings["int8_matmul_s"] = time.perf_counter() - t_mm
+        heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
+        if store is not None and prepared_store.worth_keeping(params):  # written once ready (`keep_prepared`)
+            pending = PreparedWrite(store, prepared_key(tok_spec["path"], plan_before, overrides), params,
+                                    prepared_meta(plan_before, plan, report["int8_matmul"]))
+    # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
+    params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
+    encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
+    report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
+    decode_bytes = decode_bytes_per_token(params)
+    gbps = report.get("memory_bandwidth_gbps")
+    roofline_tok_s = gbps * 1e9 / decode_bytes if gbps and decode_bytes else None
+    report["roofline"] = {
+        "weights_read_per_token": f"{decode_bytes / 1e9:.2f} GB",
+        "memory_bandwidth": f"{gbps:.0f} GB/s" if gbps else "not known for this device",
+        "batch1_decode_bound": f"{roofline_tok_s:.0f} tok/s" if roofline_tok_s else "—",
+        "why": "a decode step streams every weight once (the per-layer-embedding table only a row a "
+               "token); a reply's tok/s over this bound is the fraction of the roofline it reached"}
+    tokenizer = TokenizerBuild(tok_spec, cfg)  # in parallel with the first compiles
+    limit = context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
+    context_limit = int(min(limit, cfg.max_position_embeddings))
+    kv_format = plan.kv_cache.value
+    widths, ladder = decode_widths(max_batch), buckets or PROMPT_BUCKETS
+    if plan.platform != "cpu":  # few shapes on an accelerator (engine_compile.ACCELERATOR_BUCKETS)
+        widths = accelerator_widths(max_batch)
+        if buckets is None:
+            ladder = ACCELERATOR_BUCKETS
+    if mesh.size > 1:
+        options = dataclasses.replace(options, mesh=mesh)  # per-shard parts (the MoE bank)
+    if mesh.shape["data"] > 1:
+        # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
+        # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.
+        widths = (max_batch,)
+        options = dataclasses.replace(options, rows_sharded=True)
+    shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, context_limit, options.dtype, kv_format)
+    cache_sh = sharding.cache_shardings(cfg, jax.eval_shape(shape_cache), mesh)
+    new_cache = jax.jit(shape_cache, out_shardings=cache_sh)
+    cache = new_cache()  # born split: no whole cache on one device
+    cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), cache)
+    # Decode and fused steps read full-layer slots [0, n) for n on a ladder, so a short
+    # conversation skips XLA's copies of the rest; with the native cache attention a step
+    # costs the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
+    # bundled model, 2-core AMD EPYC Zen 4), and one length means a quarter of those shapes.
+    kv_lengths = ((context_limit,) if M.full_layers_read_natively(cfg, options, kv_format)
+                  else kv_ladder(context_limit) if plan.platform == "cpu"
+                  else accelerator_kv_ladder(context_limit))
+    # the fused chunk-and-decode step (shape_keys.MIXED_CHUNK); not where several processes
+    # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
+    fused = () if multi_process or plan.platform != "cpu" else mixed_widths(widths)
+    model = LoadedModel(
+        source=source, cfg=cfg, params=params, options=options, plan=plan, report=report, mesh=mesh,
+        mesh_shape=mesh_shape, max_batch=max_batch, context_limit=context_limit, kv_format=kv_format,
+        decode_block=int(plan.decode_block.value), encoder_dtype=encoder_dtype, decode_bytes=decode_bytes,
+        roofline_tok_s=roofline_tok_s, buckets=tuple(ladder), widths=tuple(widths), kv_lengths=kv_lengths,
+        mixed_widths=fused, new_cache=new_cache, cache_spec=cache_spec, cache_shardings=cache_sh,
+        tokenizer=tokenizer, timings=timings)
+    return model, cache, pending
+
+
+def model_info(model: LoadedModel, cache: Any, memory: dict, load_s: float) -> dict:
+    """The engine's `info()`: what was loaded and how it runs (for display and the API), with
+    the memory held now and the cache's placement."""
+    cfg, source, plan = model.cfg, model.source, model.plan
+    return {
+        "model": cfg.name, "source": source.kind, "description": source.description,
+        "is_base_model": bool(source.is_base_model), "random_weights": bool(source.random_weights),
+        "family": cfg.family, "chat_format": cfg.family, "context_limit": model.context_limit,
+        "max_batch": model.max_batch, "hardware": model.report, "kv_format": model.kv_format,
+        "weights": plan.weights.value, "embed_weights": plan.embed_weights.value,
+        "compute_dtype": model.options.compute_dtype, "buckets": list(model.buckets),
+        "decode_widths": list(model.widths), "kv_lengths": list(model.kv_lengths), "load_s": round(load_s, 2),
+        "memory": memory, "sharding": sharding.placement_info(model.mesh, model.mesh_shape, model.params, cache,
+                                                              model.widths),
+        "default_sampling": model.default_sampling,
+    }
+
+
+def make_tokenizer(spec: dict, cfg: ModelConfig) -> Tokenizer:
+    kind = spec.get("kind")
+    if kind == "gguf":
+        return Tokenizer.from_gguf(spec["path"])
+    if kind == "folder":
+        return Tokenizer.from_folder(spec["path"])
+    if kind == "none":
+        # random weights carry no tokenizer: use the bundled vocabulary when it matches in size
+        return sources.fallback_tokenizer(cfg)
+    raise ValueError(f"unknown tokenizer spec {spec}")
+
+
+# ------------------------------------------------------------------------------ prepared weights on disk
+def prepared_key(model_file: str, plan: hardware.Plan, overrides: dict) -> str:
+    """The prepared-weights entry for this model file under the plan made before the weights
+    load (the int8 choice is made after: it is the entry's content, not its key)."""
+    # The choices' values, not their reasons: a reason quotes timings, measured afresh or read
+    # from a cache, which would make a new key for the same weights.
+    choices = {k: [v["value"], v["source"]] if isinstance(v, dict) and "reason" in v else v
+               for k, v in plan.to_dict().items() if k != "warnings"}
+    return prepared_store.make_key(model_file, choices, hardware.normalize_overrides(overrides),
+                                   extra={"quantize": plan.quantize_kwargs()})
+
+
+def prepared_meta(before: hardware.Plan, plan: hardware.Plan, int8_report: dict | None) -> dict:
+    """What a later start restores beside the arrays: the int8 choice, the warning its choice
+    added to the plan (`before` is the plan it was made on), its report, and the tuning file the
+    choice was read from (its deletion retires the entry)."""
+    tuning_file = ((int8_report or {}).get("tuning") or {}).get("cache_file")
+    stamp = os.stat(tuning_file).st_mtime_ns if tuning_file and os.path.exists(tuning_file) else None
+    added = plan.warnings[len(before.warnings):]
+    return {"int8_matmul": plan.int8_matmul.to_dict(), "int8_report": int8_report,
+            "warning": added[0] if added else None, "tuning_file": tuning_file, "tuning_mtime_ns": stamp}
+
+
+def read_prepared(store: Path, source: sources.ModelSource, plan: hardware.Plan, overrides: dict,
+                  progress: Status, status: Status) -> tuple | None:
+    """(cfg, params, tok_spec, plan, int8 report) from the store, or None (then the weights load
+    and are prepared as usual, and kept once the engine is ready)."""
+    cfg, tok_spec = sources.describe_file(source, progress)
+    key = prepared_key(tok_spec["path"], plan, overrides)
+    hit = prepared_store.load(store, key)
+    if hit is None:
+        return None
+    params, meta = hit
+    if prepared_store.worth_keeping(params) and not hardware_checks.native_kernel_ready():
+        log.info("prepared weights %s need the native kernel, which is not usable now; preparing them again", key[:12])
+        return None
+    tuning_file = meta.get("tuning_file")
+    if tuning_file and (not os.path.exists(tuning_file) or os.stat(tuning_file).st_mtime_ns != meta["tuning_mtime_ns"]):
+        log.info("prepared weights %s: their tuning was deleted or measured again; preparing them again", key[:12])
+        prepared_store.discard(store, key)
+        return None
+    c = meta["int8_matmul"]
+    choice = hardware.Choice(c["value"], c["reason"] + "; weights as an earlier start prepared them, read back "
+                             "from disk (GEMMA4_PREPARED_CACHE=off prepares them at every start)", c["source"])
+    plan = plan.replace("int8_matmul", choice, meta.get("warning"))
+    status(0.7, "weights read from the prepared-weights cache")
+    return cfg, params, tok_spec, plan, meta["int8_report"]
+
+
+def keep_prepared(pending: PreparedWrite) -> threading.Thread:
+    """Write the prepared weights of a start that made them, in the background (~0.3 s of disk
+    writes for the bundled model; the engine starts it once ready, so no request waits for it)."""
+
+    def write() -> None:
+        t = time.perf_counter()
+        if prepared_store.save(pending.folder, pending.key, pending.params, pending.meta) is not None:
+            log.info("prepared weights kept for the next start in %.2f s (%s)", time.perf_counter() - t,
+                     pending.key[:12])
+
+    thread = threading.Thread(target=write, name="gemma4-prepared-weights", daemon=True)
+    thread.start()
+    return thread
+
+
+# ------------------------------------------------------------------------------ the compile cache
+def enable_compile_cache() -> None:
+    """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir),
+    bounded and locked across processes (COMPILE_CACHE_MAX_BYTES)."""
+    path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
+    if path.lower() in ("", "off", "none"):
+        return
+    os.makedirs(path, exist_ok=True)
+    backfill_cache_access_times(path)
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def backfill_cache_access_times(path: str) -> None:
+    """Give every entry of a cache written while it was unbounded the access-time file a bounded
+    one keeps beside it (jax 0.10's names: KEY-cache, KEY-atime): with one missing, every write
+    to the cache fails (with a warning) and nothing new is cached."""
+    stamp = time.time_ns().to_bytes(8, "little")
+    for name in os.listdir(path):
+        if name.endswith("-cache"):
+            atime = os.path.join(path, name[:-len("-cache")] + "-atime")
+            if not os.path.exists(atime):
+                with open(atime, "wb") as f:
+                    f.write(stamp)

@@ -1,0 +1,247 @@
+"""Requests and their token streams: what a caller hands the engine and what it gets back.
+
+A request is a prompt of *segments* (`Segment`: token ids, and runs of precomputed input
+embeddings, `Embeddings`: images, audio) with its sampling parameters; the engine queues it as a
+`Request` and streams its tokens back as `TokenEvent`s (`TokenStream`). `RequestError` is the
+engine's refusal, with a message for the user. Pure data and its checks: nothing here runs the
+model (gemma4.serve.engine does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import numpy as np
+
+from gemma4.model.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses, with a message meant for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Embeddings:
+    """A run of precomputed input embeddings in a request (an image's or an audio clip's soft
+    tokens, from an encoder outside the decoder).
+
+    rows: float [n, hidden_size], already in the model's input scale: what the decoder's own
+      token embedding gives (`gemma4.model.decoder.embed_tokens`, √hidden included), so a text
+      position and an embedding position enter the first layer alike.
+    ple_ids: for models with per-layer embeddings (Gemma 4 E2B/E4B), the n ids whose per-layer
+      embedding each position gets (the per-layer input's token part; its context part comes
+      from the rows). Default: the pad id at every position, as transformers does for image and
+      audio soft tokens. These ids also stand for the run in `Request.prompt_ids`.
+    """
+
+    rows: Any
+    ple_ids: Sequence[int] | None = None
+    # The soft tokens of one image or video frame: under bidirectional vision attention
+    # (`ModelConfig.bidirectional_vision`) its positions see each other in sliding layers, and a
+    # prefill chunk never ends inside it (`Request.vision_groups`, `Request.atomic_spans`).
+    vision: bool = False
+
+    def __len__(self) -> int:
+        return int(np.shape(self.rows)[0])
+
+
+# A request's prompt is a sequence of segments, laid out one after the other from position 0: a
+# run of token ids (a list or tuple of ints), or an `Embeddings` run. A plain list of ids is a
+# one-segment prompt.
+Segment = Union[Sequence[int], Embeddings]
+
+
+@dataclasses.dataclass
+class Request:
+    """One queued or running request. `prompt_ids`: the prompt's ids (an embedding run's ple ids
+    stand for it); `embeds`/`embed_mask`: the embedding rows [n, hidden] and which positions take
+    them (None for a text-only prompt)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    embeds: np.ndarray | None = None
+    embed_mask: np.ndarray | None = None
+    # int32 [n_prompt]: the image (or frame) index of each prompt position, -1 elsewhere; given to
+    # `forward(vision_groups=...)` by prefill when the model is bidirectional over vision.
+    vision_groups: np.ndarray | None = None
+    events: "queue.Queue[tuple]" = dataclasses.field(default_factory=queue.Queue)
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    row: int = -1
+    position: int = 0  # next absolute position to write
+    generated: int = 0
+    recent: list[int] = dataclasses.field(default_factory=list)
+    stats: dict = dataclasses.field(default_factory=dict)
+    occupancy_sum: float = 0.0  # Σ over the decode steps it took part in of (active rows / max_batch)
+    occupancy_steps: int = 0
+    # [start, end) prompt position ranges no prefill chunk may end inside (an image under
+    # bidirectional vision attention); merged and checked against the largest bucket at submit.
+    atomic_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Prefill, one chunk per scheduler iteration: positions already in the cache, when the first
+    # chunk started, the (start, length, bucket) of each chunk run, and the other streams' decode
+    # steps run between its first and its last chunk.
+    prefilled: int = 0
+    prefill_t0: float | None = None
+    prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    interleaved_steps: int = 0
+    fused_chunks: int = 0  # chunks run in a fused step with the decoding rows (`Engine._mixed_once`)
+    last_chunk_at: float | None = None  # time.perf_counter() when its last chunk ran (`prefill_order`)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not all in the cache yet (its row is idle in decode steps meanwhile)."""
+        return self.prefilled < len(self.prompt_ids)
+
+
+def flatten_segments(segments: Sequence[int] | Sequence[Segment], pad_id: int, hidden: int
+                     ) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+    """(ids, embeds [n, hidden] float32 or None, embed_mask [n] bool or None) of a prompt given
+    as token ids or as segments (see `Segment`)."""
+    if not any(isinstance(s, Embeddings) for s in segments):
+        if all(isinstance(s, (int, np.integer)) for s in segments):
+            return [int(t) for t in segments], None, None
+        return [int(t) for seg in segments for t in seg], None, None
+    ids: list[int] = []
+    runs: list[tuple[int, np.ndarray]] = []
+    for seg in segments:
+        if isinstance(seg, Embeddings):
+            rows = np.asarray(seg.rows, np.float32)
+            if rows.ndim != 2 or rows.shape[1] != hidden:
+                raise RequestError(f"an embedding segment must be [n, {hidden}] (the model's hidden size), "
+                                   f"not {list(rows.shape)}")
+            ple = [pad_id] * len(rows) if seg.ple_ids is None else [int(t) for t in seg.ple_ids]
+            if len(ple) != len(rows):
+                raise RequestError(f"an embedding segment has {len(rows)} rows but {len(ple)} ple_ids")
+            runs.append((len(ids), rows))
+            ids += ple
+        else:
+            ids += [int(t) for t in seg]
+    embeds = np.zeros((len(ids), hidden), np.float32)
+    mask = np.zeros(len(ids), bool)
+    for start, rows in runs:
+        embeds[start:start + len(rows)] = rows
+        mask[start:start + len(rows)] = True
+    return ids, embeds, mask
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int) -> None:
+    """RequestError naming the first id outside [0, vocab_size) and its index in the prompt.
+
+    Checked before any work: XLA clamps an out-of-range gather index silently, so without this
+    a bad id would run a whole generation on the wrong embedding and fail only in the tokenizer."""
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"Token id {ids[bad]} at index {bad} of the prompt is outside this model's "
+                           f"vocabulary (ids 0 to {vocab_size - 1}).")
+
+
+def vision_layout(segments: Sequence[int] | Sequence[Segment]) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """(vision_groups [n] int32 or None, spans) of a prompt's segments: each `Embeddings` run
+    marked `vision` is one group (its index in order), every other position -1; spans are the
+    groups' [start, end) ranges. (None, []) when no run is marked."""
+    if not any(isinstance(s, Embeddings) and s.vision for s in segments):
+        return None, []
+    groups: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for seg in segments:
+        if isinstance(seg, Embeddings) and seg.vision:
+            spans.append((len(groups), len(groups) + len(seg)))
+            groups += [len(spans) - 1] * len(seg)
+        elif isinstance(seg, Embeddings):
+            groups += [-1] * len(seg)
+        elif isinstance(seg, (int, np.integer)):
+            groups.append(-1)
+        else:
+            groups += [-1] * len(seg)
+    return np.asarray(groups, np.int32), spans
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One step of a request's token stream: every id so far, the stats now, and on the last
+    event `done` and the finish reason ("stop" | "length" | "context" | "cancelled" | "error").
+
+    `token_ids` is the stream's own growing list (not copied per token, which would cost O(n)
+    a token): read it as the event arrives, copy it to keep it."""
+
+    token_ids: list[int]
+    stats: dict
+    done: bool = False
+    finish_reason: str | None = None
+    nonfinite: bool = False  # some step of this reply had non-finite logits
+
+
+class TokenStream:
+    """The tokens of one submitted request as `TokenEvent`s, as the scheduler samples them.
+    `close()` (or closing a generator that iterates it) cancels the request and frees its slot
+    within one step. `stats()`: the reply's stats at this moment.
+
+    cancel: the engine's `cancel`; max_batch and roofline_tok_s: the engine's, for the stats'
+    batch occupancy and fraction of the decode bound."""
+
+    def __init__(self, req: Request, cancel: Callable[[Request], None], max_batch: int,
+                 roofline_tok_s: float | None):
+        self.request = req
+        self._cancel, self._max_batch, self._roofline_tok_s = cancel, max_batch, roofline_tok_s
+        self.ids: list[int] = []
+        self.first_t = self.last_t = None
+        self.nonfinite = False
+        self._gen = self._run()
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._cancel(self.request)
+        self._gen.close()
+
+    def stats(self) -> dict:
+        """The request's stats (queueing, prefill, compile) plus new_tokens, decode_tok_s,
+        elapsed_s and batch_occupancy so far."""
+        req = self.request
+        s = dict(req.stats)
+        n = len(self.ids)
+        s["new_tokens"] = n
+        decode_n = max(n - 1, 0)
+        span = (self.last_t - self.first_t) if (self.first_t and self.last_t) else 0.0
+        s["decode_tok_s"] = decode_n / span if span > 0 else 0.0
+        s["elapsed_s"] = time.perf_counter() - req.submitted
+        s["batch_occupancy"] = (req.occupancy_sum / req.occupancy_steps if req.occupancy_steps
+                                else 1.0 / self._max_batch)
+        bound = self._roofline_tok_s
+        s["roofline_frac"] = s["decode_tok_s"] / bound if bound and s["decode_tok_s"] else None
+        return s
+
+    def _run(self) -> Iterator[TokenEvent]:
+        req = self.request
+        try:
+            while True:
+                item = req.events.get()
+                kind = item[0]
+                if kind == "token":
+                    _, token, t, bad = item
+                    self.ids.append(token)
+                    self.nonfinite |= bad
+                    self.first_t = self.first_t or t
+                    self.last_t = t
+                    yield TokenEvent(self.ids, self.stats(), nonfinite=self.nonfinite)
+                    continue
+                if kind == "done":
+                    reason = item[1]
+                else:  # error
+                    reason = "error"
+                    req.stats["error"] = item[1]
+                stats = self.stats()
+                stats["finish_reason"] = reason
+                yield TokenEvent(self.ids, stats, True, reason, self.nonfinite)
+                return
+        finally:
+            self._cancel(req)  # no-op when finished; frees the row within one step otherwise

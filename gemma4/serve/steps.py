@@ -1,0 +1,216 @@
+"""The device steps: the functions the engine's compiled shapes run, their jitted forms for one
+loaded model (`StepPrograms`), the rows of sampling parameters they take from requests, and a
+dispatched decode block not yet read.
+
+Each step takes the parameters and the KV cache and gives back the cache (donated: updated in
+place). `StepPrograms` jits each step per shape with the model's shardings pinned and lowers a
+shape key (gemma4/serve/shape_keys.py) for the engine's compile threads. This file's bytes are
+part of a stored executable's key (executable_store.PROGRAM_SOURCES).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma4.model import decoder as M
+from gemma4.model import kv_cache
+from gemma4.model.config import ModelConfig
+from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows, sample_rows
+from gemma4.plan import sharding
+from gemma4.serve import executable_store
+from gemma4.serve.engine_load import LoadedModel
+from gemma4.serve.requests import Request
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
+
+
+def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
+    """Prefill one chunk of one request into cache row `row` (in place); sample a token from its
+    position `last` [1] (last < 0: a chunk that is not the prompt's last, whose token nobody
+    reads: the LM head is skipped and the token is meaningless).
+
+    fresh: the request's first chunk — the row is cleared and the chunk attends only to itself
+    (skipping a read of the whole empty row); later chunks attend to the cached ones too.
+    """
+    return prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, None, None, cfg=cfg,
+                                options=options, fresh=fresh)
+
+
+def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, embeds, embed_mask, vision_groups=None,
+                         *, cfg, options, fresh):
+    """`prefill_step` where the positions in embed_mask [1, T] take rows of embeds [1, T, H]
+    instead of their ids' embedding (the ids still give those positions' per-layer inputs).
+    vision_groups [1, T] (models bidirectional over vision only): each position's image index,
+    -1 for text and padding (see `decoder.forward`)."""
+    if fresh:
+        cache = kv_cache.clear_row(cache, row)
+    inputs = None
+    if embeds is not None:
+        own = M.embed_tokens(params, cfg, tokens, options.dtype)
+        inputs = jnp.where(embed_mask[..., None], embeds.astype(own.dtype), own)
+    groups = {} if vision_groups is None else {"vision_groups": vision_groups}
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options,
+                                 logits_at=jnp.maximum(last, 0), attend_cache=not fresh, cache_row=row,
+                                 inputs_embeds=inputs, head=last[0] >= 0, **groups)
+    token = sample_rows(logits, sampling)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
+
+
+def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
+    """One token for cache rows [row, row + width): tokens/positions [width]; position -1 = idle
+    row. (row is 0 but for a narrow shape standing in for a wider one not compiled yet.)
+
+    Only slots [0, kv_len) of the full-attention caches are read (every active position is below
+    kv_len), so a short conversation does not pay for the whole context window each step; the
+    cache is updated in place (donated), never copied.
+    """
+    logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
+                                 logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
+    token = sample_rows(logits, sampling)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
+
+
+def decode_block_step(params, cache, tokens, positions, sampling, row, steps, *, cfg, options, width, kv_len, block):
+    """`steps` (≤ block, a run-time value) decode steps in one dispatch, each row's sampled token fed
+    back on the device (hardware.DECODE_BLOCK): the same tokens as `steps` calls of `decode_step`
+    (the sampling rows advance as the host would set them: `advance_rows`). Returns (tokens and
+    non-finite flags [block, width], of which the first `steps` rows are meaningful; then the state
+    a next block starts from: the last tokens [width], the next positions [width], the sampling
+    rows) and the cache. An idle row (position -1) stays idle."""
+    def one(i, carry):
+        tok, pos, rows, cache, out, bad = carry
+        logits, cache, _ = M.forward(params, cfg, tok[:, None], pos[:, None], cache, options=options,
+                                     logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
+        new = sample_rows(logits, rows)
+        out = out.at[i].set(new)
+        bad = bad.at[i].set(~jnp.all(jnp.isfinite(logits), axis=-1))
+        return new, jnp.where(pos >= 0, pos + 1, pos), advance_rows(rows, new), cache, out, bad
+
+    init = (tokens, positions, sampling, cache, jnp.zeros((block, width), jnp.int32),
+            jnp.zeros((block, width), jnp.bool_))
+    tok, pos, rows, cache, out, bad = jax.lax.fori_loop(0, steps, one, init)
+    return out, bad, tok, pos, rows, cache
+
+
+@dataclasses.dataclass
+class DecodeBlock:
+    """A dispatched block of decode steps (`decode_block_step`), not yet read: device arrays."""
+
+    steps: int
+    out: Any
+    bad: Any
+    state: tuple  # (last tokens, next positions, sampling rows): where a chained block starts
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, non-finite) [steps, width] as numpy (waits for the device)."""
+        return np.asarray(self.out)[:self.steps], np.asarray(self.bad)[:self.steps]
+
+
+def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, sampling, *, cfg, options, width, kv_len):
+    """A prompt's chunk and one decode token per cache row [0, width) in one dispatch (see
+    shape_keys.MIXED_CHUNK): tokens/positions [MIXED_CHUNK + width], the chunk first (for row
+    `chunk_row`; padding: position -1), then the decode tokens (an idle row: position -1). `clear`:
+    the row to mark empty first (a prompt's first chunk), or -1. Tokens are sampled for the decode
+    rows (sampling rows [0, width)) and at chunk index `last` (sampling row `width`: meaningful
+    only after a prompt's last chunk). Full layers read slots [0, kv_len) only."""
+    cache = kv_cache.clear_row_if(cache, clear)
+    chunk = tokens.shape[0] - width
+    at = jnp.concatenate([chunk + jnp.arange(width, dtype=jnp.int32), jnp.reshape(last, (1,))])
+    logits, cache, _ = M.forward(params, cfg, tokens[None], positions[None], cache, options=options, logits_at=at,
+                                 kv_len=kv_len, cache_row=chunk_row, decode_rows=width)
+    token = sample_rows(logits, sampling)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
+
+
+def sampling_rows(reqs: Sequence[Request | None]) -> SamplingRows:
+    """The sampling rows of a step's rows: each request's parameters, seed, step and recent ids
+    (its repetition window); None: an idle row."""
+    rows = SamplingRows.idle(len(reqs), REPETITION_WINDOW)
+    for i, r in enumerate(reqs):
+        if r is not None:
+            rows.set_row(i, r.params, r.seed, r.generated, r.prompt_ids[-REPETITION_WINDOW:] + r.recent)
+    return rows
+
+
+def bidirectional_vision(cfg: ModelConfig) -> bool:
+    """Whether this model's sliding layers let an image's tokens see the whole image
+    (`ModelConfig.bidirectional_vision`: the 31B / 26B-A4B text configs); its prefill with
+    embeddings then takes each position's image index (`prefill_embeds_step`'s vision_groups)."""
+    return bool(cfg.bidirectional_vision)
+
+
+def program_parts(model: LoadedModel) -> tuple:
+    """Everything of a loaded model a compiled step is made from, beside the code and the platform
+    (executable_store.make_key adds those, and the shape key): every argument of the jitted
+    steps' partials and of the lowerings (the towers' too) derives from these."""
+    return (repr(model.cfg), repr(model.options), executable_store.tree_signature(model.params),
+            executable_store.tree_signature(model.cache_spec), str(model.encoder_dtype), model.decode_block)
+
+
+class StepPrograms:
+    """The jitted steps of one loaded model, per shape, and how a shape key lowers for its
+    parameters and cache (the engine's `CompiledShapes` compiles what `lower` gives).
+
+    tag: appended to every step's name (executable_store: a key of what the steps are made from,
+    so jax's persistent cache holds no program of that name, and a fresh compile can be stored)."""
+
+    def __init__(self, model: LoadedModel, tag: str = ""):
+        self.model = model
+        cfg, options, block = model.cfg, model.options, model.decode_block
+        param_sh, cache_sh = sharding.param_shardings(cfg, model.params, model.mesh), model.cache_shardings
+        rep = sharding.replicated(model.mesh)
+
+        def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
+            p = functools.partial(fn, cfg=cfg, options=options, **kw)
+            p.__name__ = fn.__name__ + tag
+            return p
+
+        # In/out shardings pinned: the cache stays split as it is (donated, updated in place), the
+        # small inputs and outputs (tokens, positions, sampling rows) are replicated.
+        step = dict(donate_argnums=(1,), out_shardings=(rep, rep, cache_sh))
+        self.prefill = {fresh: jax.jit(named(prefill_step, fresh=fresh),
+                                       in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
+                        for fresh in (True, False)}
+        # The variant with input embeddings (media segments): compiled only for a request that has one.
+        self.prefill_embeds = {
+            fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
+                           in_shardings=(param_sh, cache_sh) + (rep,) * (8 if bidirectional_vision(cfg) else 7), **step)
+            for fresh in (True, False)}
+        # decode steps per dispatch (hardware.DECODE_BLOCK): one, or a block of up to that many
+        if block == 1:
+            self.decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
+                                           in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
+                           for w in model.widths for n in model.kv_lengths}
+        else:
+            self.decode = {(w, n): jax.jit(named(decode_block_step, width=w, kv_len=n, block=block),
+                                           in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
+                                           out_shardings=(rep,) * 5 + (cache_sh,))
+                           for w in model.widths for n in model.kv_lengths}
+        self.mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
+                                      in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
+                      for w in model.mixed_widths for n in model.kv_lengths}
+
+    def lower(self, key: PrefillKey | DecodeKey | MixedKey):
+        """A shape key's step, lowered for the model's parameters and cache."""
+        params, cache, cfg = self.model.params, self.model.cache_spec, self.model.cfg
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        if isinstance(key, PrefillKey) and not key.embeds:
+            n = key.bucket
+            return self.prefill[key.fresh].lower(params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1))
+        if isinstance(key, PrefillKey):
+            n = key.bucket
+            return self.prefill_embeds[key.fresh].lower(
+                params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1),
+                jax.ShapeDtypeStruct((1, n, cfg.hidden_size), jnp.float32),
+                jax.ShapeDtypeStruct((1, n), jnp.bool_), *([i32(1, n)] if bidirectional_vision(cfg) else []))
+        w = key.width
+        if isinstance(key, MixedKey):
+            return self.mixed[w, key.kv_len].lower(params, cache, i32(MIXED_CHUNK + w), i32(MIXED_CHUNK + w), i32(),
+                                                   i32(), i32(), SamplingRows.spec(w + 1))
+        block = (i32(),) if self.model.decode_block > 1 else ()  # the steps a block runs
+        return self.decode[w, key.kv_len].lower(params, cache, i32(w), i32(w), SamplingRows.spec(w), i32(), *block)
