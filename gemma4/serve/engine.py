@@ -209,7 +209,10 @@ class Engine:
     # ---------------------------------------------------------------- loading
     def _run(self) -> None:
         # More than one process: process 0 leads, the others replay its steps (gemma4.serve.step_link).
+        t = time.perf_counter()
         self.link = step_link.link(self)
+        # the devices' first use: where a TPU runtime starts (3-6 s on a v5e; docs/tpu.md)
+        self._startup["runtime_s"] = time.perf_counter() - t
         if self.link is not None and not self.link.leader:
             self._warmup = False  # a follower runs process 0's warm-up steps as it sends them
         try:
@@ -269,6 +272,8 @@ class Engine:
         self.towers = Towers(model.cfg, model.params, model.encoder_dtype, self.shapes.compile,
                              multi_process=self.link is not None)
         self._info = model_info(model, self.cache, self.memory(), time.perf_counter() - t0)
+        # the rest of loading: the KV cache, the steps, the towers (an accelerator's start: docs/tpu.md)
+        self._startup["setup_s"] = time.perf_counter() - t0 - sum(model.timings.values())
         return prepared
 
     def _open_executable_store(self) -> str:
