@@ -144,13 +144,13 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     source = sources.resolve(name)
     status(0.02, f"resolving {source.description}")
     # The plan depends on the geometry (head dims → attention path): peek at the config first.
-    plan, report = hardware_checks.resolve(sources.peek_config(source), overrides)
+    peeked = sources.peek_config(source)
+    plan, report = hardware_checks.resolve(peeked, overrides)
     if report.get("self_test") and not report["self_test"]["ok"]:
         raise RuntimeError(f"device self-test failed: {report['self_test']}")
     log.info("hardware plan:\n%s", plan.report())
     hardware_checks.apply_jax_config(plan)
     options = hardware_checks.run_options(plan)
-    peeked = sources.peek_config(source)
     asked = context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
     mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch)
     mesh = None
