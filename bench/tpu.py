@@ -24,6 +24,9 @@ Parts:
            4096) started with an empty compile cache: its seconds to ready are the cold start.
   engine   the same engine again in a new process, the cache filled: the warm start, and the
            time to first token of 128-token prompts (median of 5).
+  loads    what loading a stored executable costs, in a new process after the engine part: each
+           entry of the executable stores (the app's and the tiny models'), its size and seconds to
+           load alone (wall and CPU), and the two largest loaded at once.
   e4b      batch-1 decode of E4B: the plan's own weight formats (bf16 layers, int8 tables), and int8 weights.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
@@ -44,11 +47,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
-ALL_PARTS = ("env", "exact", "decode", "app", "engine", "e4b")
+ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
-PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "e4b": 360}
+PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "loads": 200, "e4b": 360}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
@@ -345,6 +348,68 @@ def worker_engine(args) -> dict:
     return out
 
 
+def worker_loads(args) -> dict:
+    """Each stored executable's size and load time, alone and two at once, after the runtime's start."""
+    import pickle
+    import threading
+
+    import jax
+    from jax.experimental import serialize_executable
+
+    from gemma4.serve import executable_store
+
+    t = time.perf_counter()
+    devices = jax.local_devices()
+    out: dict = {"runtime_start_s": round(time.perf_counter() - t, 2), "entries": []}
+    by_id = {d.id: d for d in devices}
+
+    def load(path: Path) -> dict:
+        row = {"file": path.name[:12], "folder": path.parent.parent.name, "bytes": path.stat().st_size}
+        t0, c0 = time.perf_counter(), time.process_time()
+        blob = path.read_bytes()
+        payload = blob[len(executable_store.FORMAT) + 32:]
+        serialized, in_tree, out_tree, ids = pickle.loads(payload)
+        t1 = time.perf_counter()
+        exe = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                        execution_devices=[by_id[i] for i in ids])
+        t2, c2 = time.perf_counter(), time.process_time()
+        row.update(read_s=round(t1 - t0, 3), deserialize_s=round(t2 - t1, 3), cpu_s=round(c2 - c0, 2),
+                   inner_bytes=len(serialized))
+        try:
+            row["name"] = exe.as_text().split("\n", 1)[0][:80]
+            row["hlo_chars"] = len(exe.as_text())
+        except Exception as e:  # noqa: BLE001
+            row["name"] = f"as_text failed: {e}"
+        return row
+
+    files = []
+    for folder in args.folders:
+        files += sorted(Path(folder, "executables").glob("*.exe"), key=lambda p: -p.stat().st_size)
+    for path in files[: args.max_entries]:
+        try:
+            out["entries"].append(load(path))
+        except Exception as e:  # noqa: BLE001
+            out["entries"].append({"file": path.name[:12], "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(out["entries"][-1]), file=sys.stderr, flush=True)
+    big = files[:2]
+    if len(big) == 2:
+        rows: list = []
+        t = time.perf_counter()
+        def load_into(p: Path) -> None:
+            try:
+                rows.append(load(p))
+            except Exception as e:  # noqa: BLE001
+                rows.append({"file": p.name[:12], "error": f"{type(e).__name__}: {e}"})
+
+        threads = [threading.Thread(target=load_into, args=(p,)) for p in big]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        out["two_at_once"] = {"wall_s": round(time.perf_counter() - t, 2), "rows": rows}
+    return out
+
+
 def _ttft(engine, n_prompt: int, repeats: int) -> list[float]:
     """Seconds from submit to the first token of `repeats` different n_prompt-token prompts."""
     from gemma4.model.sampling import SamplingParams
@@ -405,7 +470,8 @@ def worker_app(args) -> dict:
     return run_app_check(args.model, timeout=args.limit)
 
 
-WORKERS = {"app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode, "engine": worker_engine}
+WORKERS = {"app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
+           "engine": worker_engine, "loads": worker_loads}
 
 
 def worker_main(part: str, raw: str) -> int:
@@ -569,6 +635,9 @@ def main(argv=None) -> int:
             report["parts"]["engine"] = {"warm": run_worker(
                 "engine", {"model": args.model, "context": 4096, "limit": limit("engine") - 30, "ttft": True},
                 env={"GEMMA4_JAX_CACHE": app_cache}, limit=limit("engine"))}
+        elif part == "loads":  # the stores the app, engine and exact parts filled
+            folders = [app_cache, os.environ.get("GEMMA4_JAX_CACHE") or str(Path.home() / ".cache" / "gemma4-jax")]
+            report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
         report["parts"][part]["part_s"] = round(time.perf_counter() - t, 1)
         path = save()
         print(f"[tpu] {part} done in {time.perf_counter() - t:.0f} s -> {path}", file=sys.stderr, flush=True)
