@@ -221,7 +221,8 @@ ENGINE_RUN = textwrap.dedent("""
     eng = E.Engine("random:tiny-gemma3-270m", **json.loads(sys.argv[1]))
     eng.wait_ready(timeout=600)
     out = conversation.generate(eng, json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_new_tokens=6))
-    print("RESULT " + json.dumps({"ids": out["token_ids"], "store": eng.compile_state()["store"]}))
+    print("RESULT " + json.dumps({"ids": out["token_ids"], "store": eng.compile_state()["store"],
+                                  "startup": eng.info()["startup"]}))
     eng.close(timeout=60)
 """)
 
@@ -239,15 +240,63 @@ def _engine_run(tmp_path, store: str, mode: str) -> dict:
 
 
 def test_a_restarted_engine_loads_its_shapes_and_gives_the_same_tokens(tmp_path):
-    """A first process compiles its two start-up shapes (empty caches) and stores them; a second
-    one with the same model and settings loads them without tracing (its `_lower` raises) and
-    gives the same greedy tokens: keys are stable across processes."""
+    """A first process compiles its two start-up shapes (empty caches), stores them and records
+    that a start with these settings needs them; a second one with the same model and settings
+    loads them ahead, while its weights load (`loaded_ahead_s`), without tracing (its `_lower`
+    raises), and gives the same greedy tokens: keys are stable across processes."""
     first = _engine_run(tmp_path, "exe", "trace")
     assert first["store"]["misses"] == 2 and first["store"]["hits"] == 0, first["store"]
     assert len(list((tmp_path / "exe").glob("*.exe"))) == 2
+    assert "loaded_ahead_s" not in first["startup"]
+    records = list((tmp_path / "exe" / "starts").glob("*.json"))
+    assert len(records) == 1 and len(json.loads(records[0].read_text())["store_keys"]) == 2
     again = _engine_run(tmp_path, "exe", "no-tracing")
     assert again["ids"] == first["ids"] and len(again["ids"]) == 6
     assert again["store"]["hits"] == 2 and again["store"]["misses"] == 0, again["store"]
+    assert again["startup"]["loaded_ahead_s"] > 0, again["startup"]
+
+
+def test_a_start_record_is_read_back_and_anything_else_reads_as_none(tmp_path):
+    ident = XS.start_identity("model", 8)
+    assert XS.read_start(tmp_path, ident) == []
+    keys = ["a" * 64, "b" * 64]
+    XS.write_start(tmp_path, ident, keys)
+    assert XS.read_start(tmp_path, ident) == keys
+    assert XS.read_start(tmp_path, XS.start_identity("model", 4)) == []  # other settings: another record
+    (tmp_path / "starts" / f"{ident}.json").write_text('{"store_keys": ["../../etc/passwd", 3, "' + "c" * 64 + '"]}')
+    assert XS.read_start(tmp_path, ident) == ["c" * 64]  # only what can name an entry
+    (tmp_path / "starts" / f"{ident}.json").write_text("not json")
+    assert XS.read_start(tmp_path, ident) == []
+
+
+def test_a_start_identity_follows_the_settings_and_the_environment():
+    base = XS.start_identity("random:e2b", 8, environ={})
+    assert base == XS.start_identity("random:e2b", 8, environ={"HOME": "/elsewhere"})
+    assert base != XS.start_identity("random:e2b", 4, environ={})
+    assert base != XS.start_identity("random:e2b", 8, environ={"GEMMA4_DTYPE": "float32"})
+
+
+def test_executables_loaded_ahead_are_handed_over_once_and_only_for_their_key(tmp_path, caplog):
+    store = XS.ExecutableStore(tmp_path)
+    assert store.save("k1", _compiled())
+    (tmp_path / "bad.exe").write_bytes(b"not an executable")
+    ahead = XS.Prefetch(XS.ExecutableStore(tmp_path), ["k1", "bad", "absent"])
+    assert ahead.take("other") is None  # not loaded ahead: the caller loads it itself
+    exe = ahead.take("k1")
+    assert exe is not None and _run(exe) == (list(range(8)), 140.0)
+    assert ahead.take("k1") is None  # handed over once
+    assert ahead.take("bad") is None and ahead.take("absent") is None
+    assert (tmp_path / "bad.exe").exists()  # loading ahead drops nothing: the normal load decides
+    assert store.load("bad") is None and not (tmp_path / "bad.exe").exists()
+
+
+def test_executables_loaded_ahead_and_not_taken_are_let_go(tmp_path):
+    store = XS.ExecutableStore(tmp_path)
+    assert store.save("k1", _compiled()) and store.save("k2", _compiled())
+    ahead = XS.Prefetch(XS.ExecutableStore(tmp_path), ["k1", "k2"])
+    assert ahead.take("k1") is not None
+    assert ahead.drop_rest() == 1  # k2 (loaded or loading): another program's
+    assert ahead.take("k2") is None
 
 
 SERVED = textwrap.dedent("""

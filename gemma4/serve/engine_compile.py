@@ -22,7 +22,7 @@ import jax
 
 from gemma4.env import env_int
 from gemma4.serve import heap
-from gemma4.serve.executable_store import ExecutableStore, compile_fresh
+from gemma4.serve.executable_store import ExecutableStore, Prefetch, compile_fresh
 from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 log = logging.getLogger("gemma4.serve.engine")
@@ -362,6 +362,9 @@ class CompiledShapes:
         # engine sets both once its parameters are known (None: every shape is compiled).
         self.store: ExecutableStore | None = None
         self.identify: Callable[[ShapeKey], str] | None = None
+        # Executables the engine had loaded from the store ahead, while its weights loaded
+        # (executable_store.Prefetch): a shape takes its own from there first.
+        self.prefetch: Prefetch | None = None
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, buckets: Sequence[int], widths: Sequence[int], kv_lengths: Sequence[int], *,
@@ -491,7 +494,9 @@ class CompiledShapes:
         check_mapping_headroom(key.describe())
         store_key = self.identify(key) if self.store is not None and self.identify is not None else None
         if store_key is not None:
-            exe = self.store.load(store_key)
+            exe = self.prefetch.take(store_key) if self.prefetch is not None else None
+            if exe is None:
+                exe = self.store.load(store_key)
             if exe is not None:
                 return exe
         with self._lower_lock:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -190,9 +191,9 @@ class ExecutableStore:
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.exe"
 
-    def load(self, key: str):
+    def load(self, key: str, drop_bad: bool = True):
         """The executable saved under `key` (a jax `Compiled`), or None: absent, or unreadable
-        (then deleted, with a warning)."""
+        (then deleted, with a warning, unless not `drop_bad`)."""
         path = self._path(key)
         try:
             blob = path.read_bytes()
@@ -214,6 +215,9 @@ class ExecutableStore:
                                                             execution_devices=devices)
         except Exception as e:
             self.failures += 1
+            if not drop_bad:
+                log.info("could not load the stored executable %s ahead: %s: %s", path.name, type(e).__name__, e)
+                return None
             log.warning("dropping the stored executable %s: %s: %s", path.name, type(e).__name__, e)
             path.unlink(missing_ok=True)
             return None
@@ -272,3 +276,97 @@ class ExecutableStore:
     def state(self) -> dict:
         return {"folder": str(self.folder), "hits": self.hits, "misses": self.misses, "failures": self.failures}
 
+
+
+# ------------------------------------------------------------------------------ loading a start's executables ahead
+# A warm start used to load the executables it needs before ready only once its weights were on
+# the devices, because their keys hash the parameters' shapes, dtypes and shardings. Yet a start
+# with the same settings needs the same ones: each start records the store keys it needed under a
+# key of its settings (known before any weight is read), and the next start with those settings
+# loads them on threads while its weights load. Nothing is trusted: an executable loaded ahead is
+# used only for the very store key the real key gives (a different model, plan or code gives
+# different store keys, and what was loaded ahead is dropped unused).
+
+def start_identity(*parts: Any, environ: dict[str, str] | None = None) -> str:
+    """A start's key, known before its weights: our code, jax, the devices, the XLA / JAX /
+    GEMMA4 environment, and the caller's parts (the engine's settings)."""
+    env = os.environ if environ is None else environ
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    h = hashlib.sha256(FORMAT + b"start\n")
+    for part in (code_fingerprint(), jax.__version__, jaxlib.__version__, repr(devices),
+                 repr(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))), *parts):
+        h.update(repr(part).encode() + b"\0")
+    return h.hexdigest()
+
+
+def read_start(folder: Path | str, identity: str) -> list[str]:
+    """The store keys the last start with this identity needed before ready ([] if none known)."""
+    try:
+        keys = json.loads((Path(folder) / "starts" / f"{identity}.json").read_text())["store_keys"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [k for k in keys if isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)]
+
+
+def write_start(folder: Path | str, identity: str, store_keys: list[str]) -> None:
+    """Record the store keys a start needed before ready (whole or not at all; an unwritable
+    folder is logged, not raised)."""
+    starts = Path(folder) / "starts"
+    if read_start(folder, identity) == list(store_keys):
+        return
+    try:
+        starts.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=starts, prefix=".tmp-", delete=False) as f:
+            json.dump({"store_keys": list(store_keys), "written": time.time()}, f)
+        os.replace(f.name, starts / f"{identity}.json")
+    except OSError as e:
+        log.info("could not record this start's executables in %s: %s", starts, e)
+
+
+class Prefetch:
+    """Executables of `store` loaded ahead on threads of their own (one per key, so the loads
+    overlap each other and whatever the caller does meanwhile). `take(key)` waits for that
+    key's load if it is one of them and hands the executable over once; any other key gets None."""
+
+    def __init__(self, store: ExecutableStore, keys: list[str]):
+        self.store = store
+        self._lock = threading.Lock()
+        self._loaded: dict[str, Any] = {}
+        self._unwanted: set[str] = set()
+        self._taken: set[str] = set()
+        self._threads = {key: threading.Thread(target=self._load, args=(key,), name="gemma4-prefetch",
+                                               daemon=True) for key in dict.fromkeys(keys)}
+        self.seconds: dict[str, float] = {}
+        for t in self._threads.values():
+            t.start()
+
+    def _load(self, key: str) -> None:
+        t = time.perf_counter()
+        exe = self.store.load(key, drop_bad=False)  # the normal path loads (or drops) it again if this fails
+        with self._lock:
+            self.seconds[key] = time.perf_counter() - t
+            if key not in self._unwanted:
+                self._loaded[key] = exe
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self._threads)
+
+    def take(self, key: str):
+        """The executable loaded ahead for `key` (after waiting for its load), else None."""
+        thread = self._threads.get(key)
+        if thread is None:
+            return None
+        thread.join()
+        with self._lock:
+            self._taken.add(key)
+            return self._loaded.pop(key, None)
+
+    def drop_rest(self) -> int:
+        """Let go of every executable not taken, loaded or still loading (another program's: the
+        start's settings were the same, its model, plan or code not); how many keys were not taken."""
+        with self._lock:
+            untaken = [k for k in self._threads if k not in self._taken]
+            self._unwanted.update(self._threads)
+            self._loaded.clear()
+        return len(untaken)
