@@ -364,3 +364,41 @@ def test_the_bundled_file_is_hashed_once_and_again_only_when_it_changed(tmp_path
     assert fresh_process_path() == str(target) and len(calls) == 2
     monkeypatch.setattr(pkg, "EXPECTED_SHA256", "0" * 64)  # a new package version: verified again
     assert fresh_process_path() == str(target) and len(calls) == 3
+
+
+def test_where_random_weights_are_drawn_is_one_overridable_choice():
+    from gemma4.weights.random_init import DEVICE_DRAW_MIN_PARAMS, draw_where
+
+    big, small = 5 * DEVICE_DRAW_MIN_PARAMS, DEVICE_DRAW_MIN_PARAMS // 100
+    assert draw_where(big, "cpu", {})[0] == "host"
+    assert draw_where(small, "tpu", {})[0] == "host"  # a tiny model: the CPU's values, on any device
+    where, why = draw_where(big, "tpu", {})
+    assert where == "device" and "tpu" in why
+    assert draw_where(big, "tpu", {"GEMMA4_RANDOM_DRAW": "host"}) == ("host", "GEMMA4_RANDOM_DRAW=host")
+    assert draw_where(small, "cpu", {"GEMMA4_RANDOM_DRAW": "device"})[0] == "device"
+    with pytest.raises(ValueError, match="GEMMA4_RANDOM_DRAW='chip'"):
+        draw_where(big, "tpu", {"GEMMA4_RANDOM_DRAW": "chip"})
+
+
+def test_random_params_drawn_on_the_device_have_the_host_draw_s_form(monkeypatch):
+    """Drawn on the device (forced here on the CPU, in row blocks for the bigger leaves): the same
+    tree, shapes and dtypes as the host's draw, reproducible, normals of the asked scale; norms,
+    scalars and quantized leaves are the host's own values."""
+    from gemma4.weights import random_init
+
+    monkeypatch.setattr(random_init, "DEVICE_BLOCK_ELEMENTS", 1 << 12)  # the tables drawn in blocks
+    cfg = preset("tiny-e2b")
+    kw = {"mode": "none", "embed_mode": "int8"}
+    host = random_init.random_params(cfg, seed=2, weight_dtype=jnp.bfloat16, quantize=kw, where="host")
+    dev = random_init.random_params(cfg, seed=2, weight_dtype=jnp.bfloat16, quantize=kw, where="device")
+    assert jax.tree.structure(host) == jax.tree.structure(dev)
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(dev)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    assert random_init._block_rows(dev["layers"][0]["gate"].shape) < dev["layers"][0]["gate"].shape[0]
+    again = random_init.random_params(cfg, seed=2, weight_dtype=jnp.bfloat16, quantize=kw, where="device")
+    assert all(_same(x, y) for x, y in zip(_leaves(dev), _leaves(again)))
+    gate = np.asarray(dev["layers"][0]["gate"], np.float32)
+    assert abs(gate.std() - 0.02) < 0.002 and abs(gate.mean()) < 0.002
+    assert not np.array_equal(gate, np.asarray(host["layers"][0]["gate"], np.float32))  # jax.random's values
+    assert _same(host["layers"][0]["attn_norm"], dev["layers"][0]["attn_norm"])  # norms: the host's
+    assert _same(host["embed"], dev["embed"])  # an int8 table: drawn and quantized on the host

