@@ -325,7 +325,8 @@ def worker_engine(args) -> dict:
     # the app's engine (web.settings' defaults: mesh auto, the engine's own ladder), so that it finds
     # the record of the app part's start (executable_store.read_start) as a restarted app would
     eng = _engine(args.model, max_batch=8, context=args.context, buckets=None, mesh="auto")
-    out = {"model": args.model, "max_batch": 8, "context": args.context}
+    out = {"model": args.model, "max_batch": 8, "context": args.context,
+           "load_ahead_off": os.environ.get("GEMMA4_LOAD_AHEAD") == "off"}
     try:
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
@@ -635,15 +636,20 @@ def main(argv=None) -> int:
             report["parts"]["app"] = run_worker("app", {"model": args.model, "limit": limit("app") - 30},
                                                 env={"GEMMA4_JAX_CACHE": app_cache}, limit=limit("app"))
         elif part == "engine":  # the same settings again, the cache the app part filled: the warm start
-            runs = report["parts"].get("engine", {}).get("warm_runs", [])  # "engine" named twice: two warm starts
+            # "engine" named twice: two warm starts, the first without loading executables ahead
+            # (GEMMA4_LOAD_AHEAD=off: they load after the weights), the second as the app starts
+            runs = report["parts"].get("engine", {}).get("warm_runs", [])
+            ahead = {"GEMMA4_LOAD_AHEAD": "off"} if not runs and parts.count("engine") > 1 else {}
             report["parts"]["engine"] = {"warm_runs": runs, "warm": run_worker(
                 "engine", {"model": args.model, "context": 4096, "limit": limit("engine") - 30, "ttft": True},
-                env={"GEMMA4_JAX_CACHE": app_cache}, limit=limit("engine"))}
+                env={"GEMMA4_JAX_CACHE": app_cache, **ahead}, limit=limit("engine"))}
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, os.environ.get("GEMMA4_JAX_CACHE") or str(Path.home() / ".cache" / "gemma4-jax")]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
         if part == "engine":
-            report["parts"]["engine"]["warm_runs"].append(report["parts"]["engine"]["warm"].get("ready_s"))
+            warm = report["parts"]["engine"]["warm"]
+            report["parts"]["engine"]["warm_runs"].append(
+                {"ready_s": warm.get("ready_s"), "load_ahead": not warm.get("load_ahead_off"), "startup": warm.get("startup")})
         report["parts"][part]["part_s"] = round(time.perf_counter() - t, 1)
         path = save()
         print(f"[tpu] {part} done in {time.perf_counter() - t:.0f} s -> {path}", file=sys.stderr, flush=True)

@@ -293,7 +293,8 @@ class Engine:
         on a TPU v5e: two ~0.5-8 s loads that used to follow the weights). What is loaded is used
         only for the store keys this start's own program gives (executable_store)."""
         folder = executable_store.default_folder()
-        if folder is None or not self._warmup:
+        off = os.environ.get("GEMMA4_LOAD_AHEAD", "on").strip().lower() in ("0", "off", "none", "false")
+        if folder is None or not self._warmup or off:  # GEMMA4_LOAD_AHEAD=off: after the weights, as before
             return None
         keys = executable_store.read_start(folder, self._start_identity())
         if not keys:
