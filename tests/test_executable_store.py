@@ -181,6 +181,8 @@ def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch
     assert XS.platform_fingerprint({**env, "HOME": "/elsewhere"}) == base  # not ours or XLA's
     assert XS.platform_fingerprint({**env, "XLA_FLAGS": "--xla_cpu_enable_fast_math=true"}) != base
     assert XS.platform_fingerprint({**env, "GEMMA4_INT8_MATMUL": "xla"}) != base
+    # ours that say when or where, not what: a run with them set finds the same executables
+    assert XS.platform_fingerprint({**env, "GEMMA4_LOAD_AHEAD": "off", "GEMMA4_RANDOM_DRAW": "device"}) == base
 
     assert XS.make_key("cfg", ("decode", 1, 512)) == XS.make_key("cfg", ("decode", 1, 512))
     assert XS.make_key("cfg", ("decode", 1, 512)) != XS.make_key("cfg", ("decode", 2, 512))
@@ -227,11 +229,11 @@ ENGINE_RUN = textwrap.dedent("""
 """)
 
 
-def _engine_run(tmp_path, store: str, mode: str) -> dict:
+def _engine_run(tmp_path, store: str, mode: str, **extra_env: str) -> dict:
     """The tiny model's start-up and one greedy reply in a process of its own, with its own jax
     compile cache and executable store under tmp_path."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), GEMMA4_COMPILE_CACHE=str(tmp_path / "xla"),
-               GEMMA4_EXECUTABLE_CACHE=str(tmp_path / store))
+               GEMMA4_EXECUTABLE_CACHE=str(tmp_path / store), **extra_env)
     proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, json.dumps(ENGINE_SETTINGS), json.dumps(PROMPT), mode],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -254,6 +256,9 @@ def test_a_restarted_engine_loads_its_shapes_and_gives_the_same_tokens(tmp_path)
     assert again["ids"] == first["ids"] and len(again["ids"]) == 6
     assert again["store"]["hits"] == 2 and again["store"]["misses"] == 0, again["store"]
     assert again["startup"]["loaded_ahead_s"] > 0, again["startup"]
+    after = _engine_run(tmp_path, "exe", "no-tracing", GEMMA4_LOAD_AHEAD="off")  # loaded after the weights
+    assert after["ids"] == first["ids"] and after["store"]["hits"] == 2, after["store"]
+    assert "loaded_ahead_s" not in after["startup"]
 
 
 def test_a_start_record_is_read_back_and_anything_else_reads_as_none(tmp_path):
@@ -274,6 +279,7 @@ def test_a_start_identity_follows_the_settings_and_the_environment():
     assert base == XS.start_identity("random:e2b", 8, environ={"HOME": "/elsewhere"})
     assert base != XS.start_identity("random:e2b", 4, environ={})
     assert base != XS.start_identity("random:e2b", 8, environ={"GEMMA4_DTYPE": "float32"})
+    assert base == XS.start_identity("random:e2b", 8, environ={"GEMMA4_LOAD_AHEAD": "off"})
 
 
 def test_executables_loaded_ahead_are_handed_over_once_and_only_for_their_key(tmp_path, caplog):

@@ -56,6 +56,13 @@ FORMAT = b"gemma4-executable-v2\n"
 MAX_BYTES = 2 << 30  # ~1.7 MB per bundled-model shape: about a thousand shapes
 PACKAGE = Path(__file__).resolve().parents[1]  # the gemma4 package
 ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
+# ours that decide when or where something happens, never what a program is: not in any key
+# (a benchmark that turned one off found every stored executable missing)
+NOT_IN_KEY = ("GEMMA4_LOAD_AHEAD", "GEMMA4_RANDOM_DRAW")
+
+
+def _key_environment(env: dict[str, str]) -> str:
+    return repr(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES) and k not in NOT_IN_KEY))
 
 
 # The package's parts a compiled step is built from: the model (forward pass, caches, sampling),
@@ -109,7 +116,7 @@ def platform_fingerprint(environ: dict[str, str] | None = None) -> str:
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     config = sorted((k, repr(v)) for k, v in jax.config.values.items())
     parts = [jax.__version__, jaxlib.__version__, repr(devices), _cpu_identity(),
-             repr(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))), repr(config)]
+             _key_environment(env), repr(config)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -294,7 +301,7 @@ def start_identity(*parts: Any, environ: dict[str, str] | None = None) -> str:
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     h = hashlib.sha256(FORMAT + b"start\n")
     for part in (code_fingerprint(), jax.__version__, jaxlib.__version__, repr(devices),
-                 repr(sorted((k, v) for k, v in env.items() if k.startswith(ENV_PREFIXES))), *parts):
+                 _key_environment(env), *parts):
         h.update(repr(part).encode() + b"\0")
     return h.hexdigest()
 

@@ -7,11 +7,11 @@ Drawing is parallel and the values do not depend on it (see `_Normals`): leaves 
 of threads, and a big leaf's one stream is cut into segments drawn on a second pool.
 
 Where the big float leaves are drawn is one choice (`draw_where`, GEMMA4_RANDOM_DRAW=host|device|auto):
-on the host (numpy's SFC64 streams: the same values on every machine), or, for a model of a billion
-parameters or more on an accelerator, on the device itself (jax.random: E2B's host draw took ~11 s of
-a TPU v5e machine's warm start on its 13 cores, while the chip draws ~30 G parameters/s). The device's
-values are other numbers (random either way): a tiny model is always drawn on the host, so that an
-accelerator's float32 tokens can be compared with the CPU's.
+on the host (numpy's SFC64 streams: the same values on every machine; the default), or on the
+device itself (jax.random: other values, random either way). Measured on a TPU v5e machine (E2B,
+13 host cores, docs/tpu.md): the device draw made the warm start's weights 8.6 s instead of 11.4 s
+(its ~30 small programs load from the compile cache) but the app's cold start 66-68 s instead of
+60-64 s (they compile, while the app imports gradio beside them), so the host stays the default.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from gemma4.weights.leaf_format import LeafFormat
 SEGMENT_STEPS = 1 << 21
 HEAD = 32  # normals drawn one at a time after each checkpoint, where each starts noted
 F32 = np.float32
-DEVICE_DRAW_MIN_PARAMS = 1_000_000_000  # auto: a model this big is drawn on an accelerator
 DEVICE_BLOCK_ELEMENTS = 1 << 28  # a leaf drawn on the device in row blocks of at most this many values
 DRAW_CHOICES = ("auto", "host", "device")
 
@@ -53,11 +52,8 @@ def draw_where(n_params: int, platform: str | None = None, environ: dict[str, st
     platform = platform or jax.default_backend()
     if platform == "cpu":
         return "host", "on a CPU the host is the device"
-    if n_params < DEVICE_DRAW_MIN_PARAMS:
-        return "host", (f"{n_params / 1e6:.0f} M parameters draw quickly on the host, with the values the CPU "
-                        f"draws (float32 tokens compare across devices)")
-    return "device", (f"{n_params / 1e9:.1f} B parameters: the {platform} draws them in about a second, the host "
-                      f"takes ~2 s per billion on 13 cores")
+    return "host", (f"the same values as on a CPU; drawing {n_params / 1e9:.2f} B parameters on the {platform} "
+                    f"made a warm start faster but a cold one slower (GEMMA4_RANDOM_DRAW=device)")
 
 
 def n_parameters(cfg: ModelConfig) -> int:
