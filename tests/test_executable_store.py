@@ -274,6 +274,15 @@ def test_a_start_record_is_read_back_and_anything_else_reads_as_none(tmp_path):
     assert XS.read_start(tmp_path, ident) == []
 
 
+def test_start_records_stay_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(XS, "MAX_START_RECORDS", 3)
+    for i in range(5):
+        XS.write_start(tmp_path, XS.start_identity("model", i), ["a" * 64])
+        os.utime(tmp_path / "starts" / f"{XS.start_identity('model', i)}.json", (i, i))
+    kept = {p.stem for p in (tmp_path / "starts").glob("*.json")}
+    assert kept == {XS.start_identity("model", i) for i in (2, 3, 4)}  # the least recently written went
+
+
 def test_a_start_identity_follows_the_settings_and_the_environment():
     base = XS.start_identity("random:e2b", 8, environ={})
     assert base == XS.start_identity("random:e2b", 8, environ={"HOME": "/elsewhere"})

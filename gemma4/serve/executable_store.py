@@ -315,6 +315,9 @@ def read_start(folder: Path | str, identity: str) -> list[str]:
     return [k for k in keys if isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)]
 
 
+MAX_START_RECORDS = 256  # records of distinct settings kept (~300 bytes each)
+
+
 def write_start(folder: Path | str, identity: str, store_keys: list[str]) -> None:
     """Record the store keys a start needed before ready (whole or not at all; an unwritable
     folder is logged, not raised)."""
@@ -326,6 +329,9 @@ def write_start(folder: Path | str, identity: str, store_keys: list[str]) -> Non
         with tempfile.NamedTemporaryFile("w", dir=starts, prefix=".tmp-", delete=False) as f:
             json.dump({"store_keys": list(store_keys), "written": time.time()}, f)
         os.replace(f.name, starts / f"{identity}.json")
+        records = sorted(starts.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for old in records[:-MAX_START_RECORDS]:  # the settings least recently started go first
+            old.unlink(missing_ok=True)
     except OSError as e:
         log.info("could not record this start's executables in %s: %s", starts, e)
 
