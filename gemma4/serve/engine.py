@@ -331,9 +331,9 @@ class Engine:
         steps, jitted for the parameters' planned shapes, start compiling now, so that the
         shapes needed before ready compile (or load from the store) while the weights load."""
         programs = StepPrograms(sketch, self._open_executable_store(sketch))
-        self._ahead = (program_parts(sketch), programs)
         self.programs = programs
         self._start_shapes(sketch)
+        self._ahead = (program_parts(sketch), programs)  # set last: a failure above leaves the normal start
 
     def _programs_for(self, model: LoadedModel) -> StepPrograms:
         """The steps for the loaded model: those compiling since before the weights when the

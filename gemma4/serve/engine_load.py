@@ -4,7 +4,9 @@
 makes the hardware plan (and applies its jax settings), checks and makes the device mesh, reads
 the weights into their final form (or reads back the weights an earlier start prepared for this
 plan: gemma4.serve.prepared_store), allocates the KV cache, and fixes the serving geometry for
-this device (prompt buckets, decode widths, cache lengths). Its result is a `LoadedModel`: frozen,
+this device (prompt buckets, decode widths, cache lengths). Where the plan allows, the caller is
+handed the model-to-be before the weights load, its parameters as shapes only (`sketch_params`),
+to start compiling for it. Its result is a `LoadedModel`: frozen,
 set once, never changed. The tokenizer is built meanwhile on its own thread (`TokenizerBuild`), in
 parallel with the first compiles; weights this start prepared are written once the engine is
 ready (`keep_prepared`), so no request waits for the disk.
@@ -167,16 +169,13 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     if planned is not None and peeked is not None and mesh is not None:
         ahead, why = compile_ahead_choice(plan, mesh, multi_process)
         log.info("compiling ahead of the weights: %s (%s)", "yes" if ahead else "no", why)
-        sketch = None
         if ahead:
             try:
-                sketch = serving_model(source, peeked, sketch_params(peeked, plan, mesh), plan, dict(report), options,
-                                       mesh, mesh_shape, max_batch=max_batch, context=context, buckets=buckets,
-                                       multi_process=multi_process, timings=timings, tok_spec=None)
+                planned(serving_model(source, peeked, sketch_params(peeked, plan, mesh), plan, dict(report), options,
+                                      mesh, mesh_shape, max_batch=max_batch, context=context, buckets=buckets,
+                                      multi_process=multi_process, timings=timings, tok_spec=None))
             except Exception as e:  # the weights' own tree is compiled for after they load, as before
-                log.warning("could not plan the parameters' shapes ahead of the weights: %s: %s", type(e).__name__, e)
-        if sketch is not None:
-            planned(sketch)
+                log.warning("could not compile ahead of the weights: %s: %s", type(e).__name__, e)
 
     def progress(frac: float, msg: str) -> None:
         status(0.05 + 0.6 * frac, msg)
