@@ -331,6 +331,7 @@ def worker_engine(args) -> dict:
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
         out["startup"] = eng.info().get("startup")
+        out["compiled_ahead"] = eng.info().get("compiled_ahead")
         out["startup_samples"] = sampler.report()
         ids = prompt_ids(20, eng.cfg.vocab_size)
         t1 = time.perf_counter()

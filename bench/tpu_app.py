@@ -177,7 +177,8 @@ class _Check:
             out["engine_state"] = status.get("state")
         info = engine.info()
         out["engine"] = {k: info.get(k) for k in ("model", "family", "random_weights",
-                                                  "is_base_model", "context_limit", "max_batch", "startup")}
+                                                  "is_base_model", "context_limit", "max_batch", "startup",
+                                                  "compiled_ahead")}
         import jax
 
         out["jax"] = {"version": jax.__version__, "backend": jax.default_backend(),

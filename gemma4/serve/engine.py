@@ -134,8 +134,11 @@ class Engine:
         self._waiting: list[Request] = []
         self._active: dict[int, Request] = {}
         # The ahead-of-time compiled executables by shape key (see engine_compile.CompiledShapes).
-        self.shapes = CompiledShapes(self._lower, self._idle_for_background)
-        self.shapes.on_compiled = self._wake_scheduler  # an idle engine gives a new shape its first run
+        self.shapes = self._new_shapes()
+        # (the program parts, the steps) when compiling started from the planned shapes (`_compile_ahead`)
+        self._ahead: tuple[tuple, StepPrograms] | None = None
+        self.compiled_ahead = False  # whether the loaded model's steps started compiling before its weights
+        self._retired_threads: list[threading.Thread] = []  # compile threads of shapes planned and dropped
         # One device call at a time: each takes the KV cache and gives back its successor (donated).
         # The scheduler is the one caller when serving; benchmarks and tests may call run_* too.
         self._device_lock = threading.Lock()
@@ -240,10 +243,8 @@ class Engine:
         when the write ends: nothing here keeps them)."""
         self._prefetch = self._load_ahead()
         prepared = self._load()
-        # an accelerator's compiles run on the host's cores while the chip idles: several at once
-        accelerated = self.loaded.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
-        self.shapes.start(self.buckets, self.widths, self.kv_lengths, warmup=self._warmup,
-                          mixed=self.mixed_widths, background=3 if accelerated else 1)
+        if not self.shapes.started:  # else they started from the planned shapes (`_compile_ahead`)
+            self._start_shapes(self.loaded)
         if self._warmup:
             self._warm_up()
             self._remember_start()
@@ -265,17 +266,19 @@ class Engine:
         model, self.cache, prepared = load_model(
             self.model_name, max_batch=self.max_batch, overrides=self.overrides, context=self.requested_context,
             mesh_request=self.mesh_request, buckets=self.buckets_asked, multi_process=self.link is not None,
-            status=lambda progress, message: self._set_status("loading", progress, message))
+            status=lambda progress, message: self._set_status("loading", progress, message),
+            planned=self._compile_ahead)
         self.loaded = model
         self._startup.update(model.timings)
         if model.buckets != self.buckets:  # an accelerator's ladder: the chunk-size overrides round to it
             self.chunk_override = {alone: override_limit(os.environ, alone, model.buckets) for alone in (False, True)}
         self.buckets, self.widths, self.kv_lengths, self.mixed_widths = (model.buckets, model.widths,
                                                                          model.kv_lengths, model.mixed_widths)
-        self.programs = StepPrograms(model, self._open_executable_store())
+        self.programs = self._programs_for(model)
         self.towers = Towers(model.cfg, model.params, model.encoder_dtype, self.shapes.compile,
                              multi_process=self.link is not None)
         self._info = model_info(model, self.cache, self.memory(), time.perf_counter() - t0)
+        self._info["compiled_ahead"] = self.compiled_ahead
         # the rest of loading: the KV cache, the steps, the towers (an accelerator's start: docs/tpu.md)
         self._startup["setup_s"] = time.perf_counter() - t0 - sum(model.timings.values())
         return prepared
@@ -316,7 +319,45 @@ class Engine:
             executable_store.write_start(self.shapes.store.folder, self._start_identity(),
                                          [self.shapes.identify(k) for k in self.shapes.startup_keys])
 
-    def _open_executable_store(self) -> str:
+    def _start_shapes(self, model: LoadedModel) -> None:
+        """Start the compile threads on `model`'s shape plan (engine_compile.CompiledShapes)."""
+        # an accelerator's compiles run on the host's cores while the chip idles: several at once
+        accelerated = model.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
+        self.shapes.start(model.buckets, model.widths, model.kv_lengths, warmup=self._warmup,
+                          mixed=model.mixed_widths, background=3 if accelerated else 1)
+
+    def _compile_ahead(self, sketch: LoadedModel) -> None:
+        """Called by load_model before the weights load (engine_load.compile_ahead_choice): the
+        steps, jitted for the parameters' planned shapes, start compiling now, so that the
+        shapes needed before ready compile (or load from the store) while the weights load."""
+        programs = StepPrograms(sketch, self._open_executable_store(sketch))
+        self.programs = programs
+        self._start_shapes(sketch)
+        self._ahead = (program_parts(sketch), programs)  # set last: a failure above leaves the normal start
+
+    def _programs_for(self, model: LoadedModel) -> StepPrograms:
+        """The steps for the loaded model: those compiling since before the weights when the
+        loaded tree is the one planned (the same program parts: the same programs), else new ones
+        (the shapes compiled for the plan are dropped and the compile threads start again)."""
+        if self._ahead is not None:
+            parts, programs = self._ahead
+            self._ahead = None
+            if parts == program_parts(model):
+                self.compiled_ahead = True
+                return programs
+            log.warning("the loaded parameters differ from the shapes planned before loading them: "
+                        "compiling for the loaded ones")
+            self.shapes.close()
+            self._retired_threads += self.shapes.threads  # a compile in flight finishes first: joined by close()
+            self.shapes = self._new_shapes()
+        return StepPrograms(model, self._open_executable_store(model))
+
+    def _new_shapes(self) -> CompiledShapes:
+        shapes = CompiledShapes(self._lower, self._idle_for_background)
+        shapes.on_compiled = self._wake_scheduler  # an idle engine gives a new shape its first run
+        return shapes
+
+    def _open_executable_store(self, model: LoadedModel) -> str:
         """Executables kept on disk under a key of what they are made from (executable_store):
         the compiled shapes look each one up there first. Returns the tag the steps then carry in
         their names ("" without a store): jax's persistent cache keys by the program, so a step it
@@ -325,7 +366,7 @@ class Engine:
         folder = executable_store.default_folder()
         if folder is None:
             return ""
-        program_key = executable_store.make_key(*program_parts(self.loaded))  # code, platform, engine: hashed once
+        program_key = executable_store.make_key(*program_parts(model))  # code, platform, engine: hashed once
         ahead = self._prefetch if self._prefetch is not None and self._prefetch.store.folder == folder else None
         self.shapes.store = ahead.store if ahead is not None else executable_store.ExecutableStore(folder)
         self.shapes.prefetch = ahead
@@ -1030,7 +1071,7 @@ class Engine:
         self.shapes.close()
         end = None if timeout is None else time.monotonic() + timeout
         writer = [self._prepared_thread] if self._prepared_thread is not None else []  # a write stops whole
-        for t in [*self.shapes.threads, self._thread, *writer]:
+        for t in [*self.shapes.threads, *self._retired_threads, self._thread, *writer]:
             left = None if end is None else end - time.monotonic()
             if t is not threading.current_thread() and (left is None or left > 0):
                 t.join(left)

@@ -390,6 +390,11 @@ class CompiledShapes:
             t.start()
             self.threads.append(t)
 
+    @property
+    def started(self) -> bool:
+        """Whether `start` ran (its compile threads are running)."""
+        return bool(self.threads)
+
     def _shape_plan(self) -> tuple[list[ShapeKey], list[ShapeKey]]:
         """(before ready, background) shape keys in compile order. Before ready: the smallest
         prefill bucket of at least FIRST_BUCKET tokens and decode width 1 (a bigger first bucket would serve more prompts at once

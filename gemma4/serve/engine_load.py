@@ -4,7 +4,9 @@
 makes the hardware plan (and applies its jax settings), checks and makes the device mesh, reads
 the weights into their final form (or reads back the weights an earlier start prepared for this
 plan: gemma4.serve.prepared_store), allocates the KV cache, and fixes the serving geometry for
-this device (prompt buckets, decode widths, cache lengths). Its result is a `LoadedModel`: frozen,
+this device (prompt buckets, decode widths, cache lengths). Where the plan allows, the caller is
+handed the model-to-be before the weights load, its parameters as shapes only (`sketch_params`),
+to start compiling for it. Its result is a `LoadedModel`: frozen,
 set once, never changed. The tokenizer is built meanwhile on its own thread (`TokenizerBuild`), in
 parallel with the first compiles; weights this start prepared are written once the engine is
 ready (`keep_prepared`), so no request waits for the disk.
@@ -27,13 +29,15 @@ import jax.numpy as jnp
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import decode_bytes_per_token
+from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower, iter_specs, leaf_name, param_specs,
+                                 tree_from_leaves)
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import heap, prepared_store
 from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, accelerator_kv_ladder,
                                          accelerator_widths, decode_widths, kv_ladder, mixed_widths)
 from gemma4.weights import sources
+from gemma4.weights.leaf_format import LeafFormat
 from gemma4.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("gemma4.serve.engine")
@@ -109,7 +113,7 @@ class LoadedModel:
     new_cache: Callable[[], Any]  # allocates the KV cache, born split (also re-allocates it after a fault)
     cache_spec: Any  # the cache's shapes, dtypes and shardings (what steps are lowered for)
     cache_shardings: Any
-    tokenizer: TokenizerBuild
+    tokenizer: TokenizerBuild | None  # None in a sketch (`sketch_params`)
     timings: dict[str, float]  # plan_s, weights_s, int8_matmul_s
 
     @property
@@ -133,11 +137,15 @@ class PreparedWrite:
 def load_model(name: str, *, max_batch: int, overrides: dict, context: int | None = None,
                mesh_request: str | dict = "auto", buckets: tuple[int, ...] | None = None,
                multi_process: bool = False, status: Status = lambda progress, message: None,
+               planned: Callable[[LoadedModel], None] | None = None,
                ) -> tuple[LoadedModel, Any, PreparedWrite | None]:
     """(the model, its KV cache (allocated: the engine owns it from here), the prepared weights to
     keep once ready or None). `context`: the context limit asked for (None: the model's, at most
     DEFAULT_CONTEXT); `buckets`: the prompt buckets asked for (None: the device's ladder);
-    `multi_process`: several processes replay process 0's steps (no fused step there)."""
+    `multi_process`: several processes replay process 0's steps (no fused step there).
+    `planned`: called before the weights load with the model they will make, its parameters as
+    shapes only (`sketch_params`), where `compile_ahead_choice` says so: the caller may start
+    compiling for it. The model returned is the loaded one; the caller compares the two."""
     enable_compile_cache()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -158,6 +166,16 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=max_batch, devices=jax.devices())
         mesh = sharding.make_mesh(mesh_shape)
     timings["plan_s"] = time.perf_counter() - t0
+    if planned is not None and peeked is not None and mesh is not None:
+        ahead, why = compile_ahead_choice(plan, mesh, multi_process)
+        log.info("compiling ahead of the weights: %s (%s)", "yes" if ahead else "no", why)
+        if ahead:
+            try:
+                planned(serving_model(source, peeked, sketch_params(peeked, plan, mesh), plan, dict(report), options,
+                                      mesh, mesh_shape, max_batch=max_batch, context=context, buckets=buckets,
+                                      multi_process=multi_process, timings=timings, tok_spec=None))
+            except Exception as e:  # the weights' own tree is compiled for after they load, as before
+                log.warning("could not compile ahead of the weights: %s: %s", type(e).__name__, e)
 
     def progress(frac: float, msg: str) -> None:
         status(0.05 + 0.6 * frac, msg)
@@ -196,6 +214,20 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
+    model = serving_model(source, cfg, params, plan, report, options, mesh, mesh_shape, max_batch=max_batch,
+                          context=context, buckets=buckets, multi_process=multi_process, timings=timings,
+                          tok_spec=tok_spec)
+    cache = model.new_cache()  # born split: no whole cache on one device
+    return model, cache, pending
+
+
+def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, plan: hardware.Plan, report: dict,
+                  options: M.RunOptions, mesh: Any, mesh_shape: dict, *, max_batch: int, context: int | None,
+                  buckets: tuple[int, ...] | None, multi_process: bool, timings: dict,
+                  tok_spec: dict | None) -> LoadedModel:
+    """What the engine serves `params` with (loaded weights, or `sketch_params`' shapes): the
+    roofline, the serving geometry, the KV cache's shape and placement (allocated by the caller:
+    `new_cache()`), and the tokenizer, started on its own thread (none without `tok_spec`)."""
     encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
     report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
     decode_bytes = decode_bytes_per_token(params)
@@ -207,7 +239,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         "batch1_decode_bound": f"{roofline_tok_s:.0f} tok/s" if roofline_tok_s else "—",
         "why": "a decode step streams every weight once (the per-layer-embedding table only a row a "
                "token); a reply's tok/s over this bound is the fraction of the roofline it reached"}
-    tokenizer = TokenizerBuild(tok_spec, cfg)  # in parallel with the first compiles
+    tokenizer = TokenizerBuild(tok_spec, cfg) if tok_spec is not None else None  # beside the first compiles
     limit = context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
     context_limit = int(min(limit, cfg.max_position_embeddings))
     kv_format = plan.kv_cache.value
@@ -224,10 +256,10 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         widths = (max_batch,)
         options = dataclasses.replace(options, rows_sharded=True)
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, context_limit, options.dtype, kv_format)
-    cache_sh = sharding.cache_shardings(cfg, jax.eval_shape(shape_cache), mesh)
+    cache_shapes = jax.eval_shape(shape_cache)
+    cache_sh = sharding.cache_shardings(cfg, cache_shapes, mesh)
     new_cache = jax.jit(shape_cache, out_shardings=cache_sh)
-    cache = new_cache()  # born split: no whole cache on one device
-    cache_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), cache)
+    cache_spec = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache_shapes, cache_sh)
     # Decode and fused steps read full-layer slots [0, n) for n on a ladder, so a short
     # conversation skips XLA's copies of the rest; with the native cache attention a step
     # costs the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
@@ -238,14 +270,50 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     # the fused chunk-and-decode step (shape_keys.MIXED_CHUNK); not where several processes
     # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
     fused = () if multi_process or plan.platform != "cpu" else mixed_widths(widths)
-    model = LoadedModel(
+    return LoadedModel(
         source=source, cfg=cfg, params=params, options=options, plan=plan, report=report, mesh=mesh,
         mesh_shape=mesh_shape, max_batch=max_batch, context_limit=context_limit, kv_format=kv_format,
         decode_block=int(plan.decode_block.value), encoder_dtype=encoder_dtype, decode_bytes=decode_bytes,
         roofline_tok_s=roofline_tok_s, buckets=tuple(ladder), widths=tuple(widths), kv_lengths=kv_lengths,
         mixed_widths=fused, new_cache=new_cache, cache_spec=cache_spec, cache_shardings=cache_sh,
         tokenizer=tokenizer, timings=timings)
-    return model, cache, pending
+
+
+# ------------------------------------------------------------------------------ compiling ahead of the weights
+def compile_ahead_choice(plan: hardware.Plan, mesh: Any, multi_process: bool,
+                         environ: dict[str, str] | None = None) -> tuple[bool, str]:
+    """(whether the engine compiles from the parameters' planned shapes while the weights load,
+    why). GEMMA4_COMPILE_AHEAD=on|off overrides; auto: on an accelerator with one device, where
+    a start waited for the weights (~12 s of E2B on a TPU v5e machine) before compiling its first
+    two steps (~40 s). Not on a CPU: the int8 products' layout is measured after the weights load
+    (the tree changes), and its cores are busy loading them."""
+    env = os.environ if environ is None else environ
+    asked = env.get("GEMMA4_COMPILE_AHEAD", "auto").strip().lower() or "auto"
+    if asked not in ("auto", "on", "off"):
+        raise ValueError(f"GEMMA4_COMPILE_AHEAD={asked!r}: expected auto, on or off")
+    if asked != "auto":
+        return asked == "on", f"GEMMA4_COMPILE_AHEAD={asked}"
+    if multi_process:
+        return False, "several processes replay process 0's steps"
+    if mesh.size != 1:
+        return False, "the weights are split over a mesh as they load"
+    if plan.platform == "cpu":
+        return False, "on a CPU the int8 products' layout is chosen after the weights load"
+    return True, f"the {plan.platform} host compiles while the weights load"
+
+
+def sketch_params(cfg: ModelConfig, plan: hardware.Plan, mesh: Any) -> Any:
+    """The parameter tree the weights will load into under `plan` on `mesh`, as shapes, dtypes and
+    shardings only: each leaf's final form (`LeafFormat.abstract`), the mesh's annotations, the
+    towers' dtype (what `load_model` does to the loaded tree; the cast traced by jax.eval_shape)."""
+    fmt = LeafFormat(jnp.dtype(plan.weight_dtype.value), plan.quantize_kwargs())
+    specs = param_specs(cfg)
+    tree = tree_from_leaves(specs, {path: fmt.abstract(leaf_name(path), spec) for path, spec in iter_specs(specs)})
+    tree = sharding.annotate_params(cfg, tree, mesh)
+    if plan.encoder_dtype.value != "none" and has_tower(tree):
+        tree = jax.eval_shape(functools.partial(cast_towers, cfg=cfg, dtype=jnp.dtype(plan.encoder_dtype.value)), tree)
+    shardings = sharding.param_shardings(cfg, tree, mesh)
+    return jax.tree.map(lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh), tree, shardings)
 
 
 def model_info(model: LoadedModel, cache: Any, memory: dict, load_s: float) -> dict:

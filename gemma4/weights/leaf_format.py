@@ -72,6 +72,22 @@ class LeafFormat:
             return quantize_host(src, spec.shape, "int4", kw["group_size"], kw["int4_kernel"], kw["int4_block"])
         return quantize_host(src, spec.shape, "int8")
 
+    def abstract(self, name: str | None, spec: LeafSpec) -> Any:
+        """What `build` makes of this leaf (on one device), as shapes and dtypes only: the parts of a
+        quantized leaf as jax.ShapeDtypeStructs in the same leaf type and static fields."""
+        target = self.target(name, spec)
+        shape = tuple(spec.shape)
+        if target == "none":
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(leaf_dtype(spec, self.weight_dtype)))
+        n_out, n_in = shape
+        if target == "int8":  # per output row, as quantize_host(..., "int8")
+            return QuantArray(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct((n_out,), jnp.float32))
+        kw = self.quantize_settings()
+        group = kw["group_size"]
+        return Int4Array(jax.ShapeDtypeStruct((n_out, n_in // 2), jnp.uint8),
+                         jax.ShapeDtypeStruct((n_out, n_in // group), jnp.float32), group, kw["int4_kernel"],
+                         kw["int4_block"])
+
 
 # ------------------------------------------------------------------------------ loading straight to the shards
 class _Cursor:
