@@ -267,14 +267,17 @@ def _sequential_random_params(cfg, seed, weight_dtype, quantize):
 
 
 @pytest.mark.parametrize("weight_dtype,quantize", [(jnp.float32, None), (jnp.bfloat16, None),
-                                                   (jnp.bfloat16, {"mode": "int8"})])
+                                                   (jnp.bfloat16, {"mode": "int8"}),
+                                                   (jnp.bfloat16, {"mode": "int4", "group_size": 32})])
 def test_random_params_equal_the_sequential_draw(weight_dtype, quantize, monkeypatch):
-    """Leaves built on threads, big ones from segments of their stream drawn on threads: every value
-    is still the one-stream-at-a-time draw's, in each weight format."""
+    """Leaves built on threads, big ones from segments of their stream drawn on threads and their
+    row chunks converted on several threads: every value is still the one-stream-at-a-time draw's,
+    in each weight format."""
     from gemma4.weights import quant_host, random_init
 
     monkeypatch.setattr(random_init, "SEGMENT_STEPS", 256)  # leaves of 1024 or more normals are cut
     monkeypatch.setattr(quant_host, "HOST_CHUNK_ELEMENTS", 3000)  # rows read across segment ends
+    monkeypatch.setattr(quant_host, "FILL_HELPERS", 3)  # a leaf's chunks converted on 3 threads
     monkeypatch.setattr(random_init.os, "cpu_count", lambda: 4)
     cfg = preset("tiny-e2b")
     want = _sequential_random_params(cfg, 5, weight_dtype, quantize)

@@ -12,6 +12,7 @@ they match bit for bit live in `gemma4.ops.quant`.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,11 @@ from gemma4.ops.quant import (INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, In
 # (`host_empty` and HOST_ALIGN live with the leaf types in gemma4.ops.quant: its panel reorder
 # fills such buffers too.)
 HOST_CHUNK_ELEMENTS = 1 << 22  # float32 rows per step: 16 MiB, plus a few temporaries of that size
+# Threads converting one leaf's chunks (its reading stays on one thread: a source may be sequential).
+# One leaf can be most of a model (E2B's per-layer-embedding table: 2.35 B of its 5.1 B parameters),
+# and its conversion on one thread was the longest part of a load on a 13-core TPU host: a quarter
+# of the cores share it, one on a 2-core machine (where the leaves' reading keeps the other busy).
+FILL_HELPERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 RowSource = Any  # callable rows(start, stop) → float32 [stop - start, in], or an array-like to slice
 
@@ -88,20 +94,23 @@ def int4_block_np(wf: np.ndarray, group_size: int, as_xla: bool = False) -> tupl
     return lo | (hi << np.uint8(4)), scale
 
 
-def _fill_rows(rows, n_rows: int, n_cols: int, work) -> None:
+def _fill_rows(rows, n_rows: int, n_cols: int, work, helpers: int | None = None) -> None:
     """For each row chunk in order: wf = rows(a, b) on this thread (sources may be sequential, e.g.
-    a random stream), then work(a, b, wf) on a helper thread (numpy releases the GIL), so reading
-    the next chunk overlaps with converting this one. At most two chunks are in flight."""
+    a random stream), then work(a, b, wf) on one of `helpers` threads (FILL_HELPERS; numpy releases
+    the GIL), so reading the next chunk overlaps with converting the last ones. `work` writes rows
+    [a, b) of its output only, so the chunks may finish in any order. At most helpers + 1 chunks
+    are in flight."""
     chunks = host_row_chunks(n_rows, n_cols)
     if len(chunks) == 1:
         a, b = chunks[0]
         work(a, b, rows(a, b))
         return
+    helpers = max(1, helpers or FILL_HELPERS)
     pending = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantize") as pool:
+    with ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="quantize") as pool:
         for a, b in chunks:
             wf = rows(a, b)
-            if len(pending) == 2:
+            if len(pending) > helpers:
                 pending.pop(0).result()
             pending.append(pool.submit(work, a, b, wf))
         for p in pending:
