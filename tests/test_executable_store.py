@@ -182,7 +182,8 @@ def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch
     assert XS.platform_fingerprint({**env, "XLA_FLAGS": "--xla_cpu_enable_fast_math=true"}) != base
     assert XS.platform_fingerprint({**env, "GEMMA4_INT8_MATMUL": "xla"}) != base
     # ours that say when or where, not what: a run with them set finds the same executables
-    assert XS.platform_fingerprint({**env, "GEMMA4_LOAD_AHEAD": "off", "GEMMA4_RANDOM_DRAW": "device"}) == base
+    assert XS.platform_fingerprint({**env, "GEMMA4_LOAD_AHEAD": "off", "GEMMA4_RANDOM_DRAW": "device",
+                                    "GEMMA4_COMPILE_AHEAD": "on"}) == base
 
     assert XS.make_key("cfg", ("decode", 1, 512)) == XS.make_key("cfg", ("decode", 1, 512))
     assert XS.make_key("cfg", ("decode", 1, 512)) != XS.make_key("cfg", ("decode", 2, 512))

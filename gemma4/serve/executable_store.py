@@ -58,7 +58,7 @@ PACKAGE = Path(__file__).resolve().parents[1]  # the gemma4 package
 ENV_PREFIXES = ("XLA_", "JAX_", "GEMMA4_", "TF_CPP_")
 # ours that decide when or where something happens, never what a program is: not in any key
 # (a benchmark that turned one off found every stored executable missing)
-NOT_IN_KEY = ("GEMMA4_LOAD_AHEAD", "GEMMA4_RANDOM_DRAW")
+NOT_IN_KEY = ("GEMMA4_LOAD_AHEAD", "GEMMA4_COMPILE_AHEAD", "GEMMA4_RANDOM_DRAW")
 
 
 def _key_environment(env: dict[str, str]) -> str:
