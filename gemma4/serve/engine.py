@@ -367,7 +367,8 @@ class Engine:
         if folder is None:
             return ""
         program_key = executable_store.make_key(*program_parts(model))  # code, platform, engine: hashed once
-        ahead = self._prefetch if self._prefetch is not None and self._prefetch.store.folder == folder else None
+        # the loads ahead read the same folder (default_folder): their store counts this start's hits
+        ahead = self._prefetch
         self.shapes.store = ahead.store if ahead is not None else executable_store.ExecutableStore(folder)
         self.shapes.prefetch = ahead
         self.shapes.identify = functools.partial(executable_store.shape_key, program_key)

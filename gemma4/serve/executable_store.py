@@ -345,7 +345,7 @@ class Prefetch:
         self.store = store
         self._lock = threading.Lock()
         self._loaded: dict[str, Any] = {}
-        self._unwanted: set[str] = set()
+        self._dropped = False  # drop_rest ran: a load that ends after it keeps nothing
         self._taken: set[str] = set()
         self._threads = {key: threading.Thread(target=self._load, args=(key,), name="gemma4-prefetch",
                                                daemon=True) for key in dict.fromkeys(keys)}
@@ -358,12 +358,8 @@ class Prefetch:
         exe = self.store.load(key, drop_bad=False)  # the normal path loads (or drops) it again if this fails
         with self._lock:
             self.seconds[key] = time.perf_counter() - t
-            if key not in self._unwanted:
+            if not self._dropped:
                 self._loaded[key] = exe
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(self._threads)
 
     def take(self, key: str):
         """The executable loaded ahead for `key` (after waiting for its load), else None."""
@@ -379,7 +375,6 @@ class Prefetch:
         """Let go of every executable not taken, loaded or still loading (another program's: the
         start's settings were the same, its model, plan or code not); how many keys were not taken."""
         with self._lock:
-            untaken = [k for k in self._threads if k not in self._taken]
-            self._unwanted.update(self._threads)
+            self._dropped = True
             self._loaded.clear()
-        return len(untaken)
+            return sum(1 for k in self._threads if k not in self._taken)
