@@ -101,7 +101,28 @@ def worker_env(args) -> dict:
         out["memory_stats_error"] = str(e)
     if getattr(args, "transfers", False):
         out["transfers"] = _transfer_rates()
+        out["random_e2b_weights"] = _random_weights_copy()
     return out
+
+
+def _random_weights_copy() -> dict:
+    """What the engine's weights phase hides: E2B's random bf16 weights drawn on the host (the
+    default draw), the seconds until random_params returns, then until every leaf is on the chip
+    (device_put is asynchronous: what is left of the copy lands on the first step's run)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemma4.model.config import preset
+    from gemma4.weights.random_init import random_params
+
+    t = time.perf_counter()
+    params = random_params(preset("e2b"), weight_dtype=jnp.bfloat16, where="host")
+    drawn = time.perf_counter() - t
+    jax.block_until_ready(params)
+    on_device = time.perf_counter() - t
+    n_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    return {"gb": round(n_bytes / 1e9, 2), "drawn_s": round(drawn, 2), "on_device_s": round(on_device, 2),
+            "copy_after_draw_s": round(on_device - drawn, 2)}
 
 
 def _transfer_rates(gib: float = 1.0) -> dict:

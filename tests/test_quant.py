@@ -273,6 +273,50 @@ def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
         assert host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied
 
 
+def test_copy_piece_rows_splits_only_big_arrays_bound_for_an_accelerator():
+    """A TPU v5e copied one array of 4 GiB or more at ~0.24 GB/s: such arrays go in pieces of at
+    most COPY_PIECE_BYTES, never on a CPU (which adopts the buffer) nor a row wider than a piece."""
+    ple_bf16 = (35 * 256, 262144)  # E2B's per-layer-embedding table: 4.7 GB
+    rows = quant.copy_piece_rows(ple_bf16, 2, "tpu")
+    assert rows is not None and 0 < rows * ple_bf16[1] * 2 <= quant.COPY_PIECE_BYTES
+    assert quant.copy_piece_rows(ple_bf16, 2, "cpu") is None
+    assert quant.copy_piece_rows((262144, 1536), 2, "tpu") is None  # 0.8 GB: one copy
+    assert quant.copy_piece_rows((3, (1 << 30) + 64), 1, "gpu") is None  # a row above a piece: one copy
+    assert quant.copy_piece_rows((3, 1 << 30), 1, "gpu") == 1
+    assert quant.copy_piece_rows((), 4, "tpu") is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.int8, np.float32])
+def test_copy_in_pieces_gives_the_array_whatever_the_piece(dtype):
+    """Pieces that do not divide the rows (the last one shorter), 1-D and 3-D arrays: the device
+    array equals the host one, in its dtype."""
+    rng = np.random.default_rng(0)
+    for shape, rows in (((7, 5), 3), ((8, 4), 4), ((10,), 4), ((5, 3, 2), 2), ((4, 6), 9)):
+        host = (rng.standard_normal(shape) * 20).astype(dtype)
+        out = quant.copy_in_pieces(host, rows)
+        assert out.shape == host.shape and out.dtype == host.dtype
+        np.testing.assert_array_equal(np.asarray(out), host)
+        device = jax.devices()[-1]
+        placed = quant.copy_in_pieces(host, rows, device)
+        assert placed.devices() == {device}
+        np.testing.assert_array_equal(np.asarray(placed), host)
+
+
+def test_loaders_copy_through_to_device(monkeypatch):
+    """The loaders' copy (host_put) asks copy_piece_rows about the device it copies to, and copies
+    in its pieces when told to."""
+    asked = []
+
+    def two_rows(shape, itemsize, platform):
+        asked.append((shape, platform))
+        return 2
+
+    monkeypatch.setattr(quant, "copy_piece_rows", two_rows)
+    host = np.arange(15, dtype=np.float32).reshape(5, 3)
+    np.testing.assert_array_equal(np.asarray(host_put(host)), host)
+    assert asked == [((5, 3), jax.devices()[0].platform)]
+
+
 def test_byte_tables_gathered_by_slab_off_the_cpu_give_the_rows():
     """Off the CPU an 8-bit table is gathered by 32-row slabs (ops.linear.SLAB_ROWS: a TPU re-laid
     whole int8 tables out for single-row gathers); the rows must be exactly table[ids]."""

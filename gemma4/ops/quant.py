@@ -19,6 +19,9 @@ nibble and column j + in/2 in its high nibble, each stored as q + 8 (q in [-8, 7
 then two elementwise ops and one concatenation — no interleaving reshape — and the fused kernel
 reads matching column ranges of x for both nibbles. Groups never straddle the two halves, which
 requires (in / 2) % group_size == 0.
+
+The aligned host buffers the loaders fill (`host_empty`) and their copy to a device (`to_device`:
+in pieces where one big copy is slow) live here too.
 """
 
 from __future__ import annotations
@@ -118,6 +121,51 @@ def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     raw = np.empty(nbytes + HOST_ALIGN, np.uint8)
     start = (-raw.ctypes.data) % HOST_ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+# ------------------------------------------------------------------------------ host → device copies
+# One host-to-device copy of 4 GiB or more crawls on a TPU v5e (JAX 0.10.2, 2026-12-06: 3.9 GiB in
+# 1.6 s, 4.1 GiB in 18.4 s, 4.7 GB in 19.4 s; 1 GiB in 0.15 s), and E2B's per-layer-embedding
+# table in bf16 is 4.7 GB: its copy went on ~12 s after the weights were drawn, and the first step's
+# run waited for it. So an array of more than two pieces bound for an accelerator is copied in row
+# pieces of at most COPY_PIECE_BYTES, each written into the device array in place (the 4.7 GB table
+# in 1.7-3.6 s, measured the same day). On a CPU jax adopts the host buffer itself: never split.
+COPY_PIECE_BYTES = 1 << 30
+
+
+def copy_piece_rows(shape: tuple[int, ...], itemsize: int, platform: str,
+                    piece_bytes: int = COPY_PIECE_BYTES) -> int | None:
+    """Rows per piece of a host array of `shape` copied to a `platform` device (None: one copy)."""
+    if platform == "cpu" or len(shape) == 0 or shape[0] < 2:
+        return None
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    if row_bytes * shape[0] <= 2 * piece_bytes or row_bytes > piece_bytes:
+        return None
+    return piece_bytes // row_bytes
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_rows(out, rows, start):
+    return jax.lax.dynamic_update_slice_in_dim(out, rows, start, axis=0)
+
+
+def copy_in_pieces(host: np.ndarray, rows: int, device: Any = None) -> jax.Array:
+    """`host` on `device` (None: the default device), copied `rows` rows at a time into one
+    device array (its buffer updated in place). One piece is in flight at a time, so the copy
+    needs one piece of device memory beside the array."""
+    out = jnp.zeros(host.shape, host.dtype, device=device)
+    for start in range(0, host.shape[0], rows):
+        piece = jax.device_put(host[start:start + rows], device)
+        out = _write_rows(out, piece, start)
+        piece.block_until_ready()
+    return out
+
+
+def to_device(host: np.ndarray, device: Any = None) -> jax.Array:
+    """`jax.device_put(host, device)`, in row pieces where one copy would be slow (COPY_PIECE_BYTES)."""
+    target = device if device is not None else jax.devices()[0]
+    rows = copy_piece_rows(host.shape, host.dtype.itemsize, target.platform)
+    return jax.device_put(host, device) if rows is None else copy_in_pieces(host, rows, device)
 
 
 def read_aligned(f: Any, shape: tuple[int, ...], dtype: Any, name: str) -> np.ndarray:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.ops.quant import QuantArray, is_quantized, read_aligned
+from gemma4.ops.quant import QuantArray, is_quantized, read_aligned, to_device
 from gemma4.paths import cache_root
 from gemma4.serve import executable_store
 
@@ -137,7 +137,7 @@ def _read_array(folder: Path, spec: dict) -> jax.Array:
     # its 4 KiB pages slowed the 500-token prefill 0.50 -> 0.59-0.61 s (numpy asks for huge pages
     # for its large buffers, the page cache gives none; 2-core Intel Xeon, Ice Lake).
     with open(path, "rb") as f:
-        return jax.device_put(read_aligned(f, shape, dtype, path.name))
+        return to_device(read_aligned(f, shape, dtype, path.name))
 
 
 def save(folder: Path, key: str, params: Any, meta: dict) -> Path | None:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gemma4.model.params import LeafSpec, leaf_dtype
 from gemma4.model.partitioning import leaf_axes, logical_spec, mesh_sizes
 from gemma4.model.quantize import check_modes, leaf_target
-from gemma4.ops.quant import SMALL_ELEMENTS, Int4Array, QuantArray
+from gemma4.ops.quant import SMALL_ELEMENTS, Int4Array, QuantArray, to_device
 from gemma4.weights.quant_host import host_cast, host_row_chunks, quantize_host
 
 
@@ -120,7 +120,7 @@ def _put_block(a: int, host: np.ndarray, shape: tuple, sharding: NamedSharding, 
     (rows [a, a + len(host)) of the global array, all columns)."""
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         if (index[0].start or 0) == a:
-            out[device] = jax.device_put(np.ascontiguousarray(host[(slice(None),) + tuple(index[1:])]), device)
+            out[device] = to_device(np.ascontiguousarray(host[(slice(None),) + tuple(index[1:])]), device)
 
 
 def _global(shape: tuple, sharding: NamedSharding, out: dict) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.ops.quant import (INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, Int4Array, QuantArray, host_empty,
-                              int4_compatible)
+                              int4_compatible, to_device)
 
 
 # ------------------------------------------------------------------------------ host-side quantizers (loaders)
@@ -43,8 +43,9 @@ RowSource = Any  # callable rows(start, stop) → float32 [stop - start, in], or
 
 
 def host_put(arr: np.ndarray) -> jax.Array:
-    """A numpy array as a jax.Array: adopted without a copy on CPU when it came from host_empty."""
-    return jax.device_put(arr)
+    """A numpy array as a jax.Array: adopted without a copy on CPU when it came from host_empty
+    (an accelerator gets a big one in pieces: `to_device`)."""
+    return to_device(arr)
 
 
 def host_row_chunks(n_rows: int, n_cols: int, elements: int | None = None) -> list[tuple[int, int]]:
