@@ -27,7 +27,7 @@ def _replies(block: int, calls: list | None = None) -> list[tuple[list[int], str
                  overrides={"GEMMA4_DECODE_BLOCK": str(block)}, mesh="none")
     try:
         eng.wait_compiled(timeout=600)  # every width: rows decode together, not each alone at its offset
-        assert (eng.widths, eng.mixed_widths) == ((4,), ()), "not the TPU plan's geometry (_as_tpu)"
+        assert (eng.widths, eng.mixed_widths) == ((1, 4), ()), "not the TPU plan's geometry (_as_tpu)"
         # as on the chip, the steps started compiling from the planned shapes while the weights loaded
         assert eng.compiled_ahead, "the TPU plan's engine did not compile ahead of its weights"
         if calls is not None:  # record every block dispatched: (steps, chained?)
