@@ -145,7 +145,8 @@ def copy_piece_rows(shape: tuple[int, ...], itemsize: int, platform: str,
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_rows(out, rows, start):
+def write_rows(out, rows, start):
+    """`out` with rows [start, start + len(rows)) replaced by `rows`, in place (out is donated)."""
     return jax.lax.dynamic_update_slice_in_dim(out, rows, start, axis=0)
 
 
@@ -156,7 +157,7 @@ def copy_in_pieces(host: np.ndarray, rows: int, device: Any = None) -> jax.Array
     out = jnp.zeros(host.shape, host.dtype, device=device)
     for start in range(0, host.shape[0], rows):
         piece = jax.device_put(host[start:start + rows], device)
-        out = _write_rows(out, piece, start)
+        out = write_rows(out, piece, start)
         piece.block_until_ready()
     return out
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, leaf_dtype, leaf_name, param_specs, tree_from_leaves
+from gemma4.ops.quant import write_rows
 from gemma4.weights.leaf_format import LeafFormat
 
 # A big leaf's stream is cut at a checkpoint every SEGMENT_STEPS 64-bit steps of SFC64 (~4 M float32
@@ -118,11 +119,6 @@ def _device_normals(seed, index, block, scale, *, shape: tuple, dtype: Any):
     return jax.random.normal(key, shape, dtype) * scale.astype(dtype)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _put_rows(out, rows, start):
-    return jax.lax.dynamic_update_slice_in_dim(out, rows, start, axis=0)
-
-
 def _block_rows(shape: tuple) -> int:
     """Rows per device block: the most that divides the leaf's rows and keeps a block at most
     DEVICE_BLOCK_ELEMENTS values (the whole leaf when it is that small)."""
@@ -141,7 +137,7 @@ def _device_leaf(seed: int, index: int, shape: tuple, dtype: Any, scale: float) 
     out = jnp.zeros(shape, dtype)
     for block in range(shape[0] // rows):  # one block's draw in memory beside the leaf
         part = _device_normals(seed, index, block, scale32, shape=(rows,) + tuple(shape[1:]), dtype=dtype)
-        out = _put_rows(out, part, block * rows)
+        out = write_rows(out, part, block * rows)
     return out
 
 
