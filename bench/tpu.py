@@ -285,7 +285,7 @@ def _profile_steps(engine, folder: str, steps: int = 8) -> list[dict]:
 def worker_decode(args) -> dict:
     """One decode config (model,dtype,weights[,batch]): batch-1 figures, and with `batch` the
     aggregate of 64 concurrent requests on the same engine (64 rows; one request alone decodes
-    in the 8-row shape, whose extra rows are idle padding)."""
+    in the 1-row shape, as in the app: an accelerator's widths are 1, 8 and the engine's rows)."""
     import jax
 
     kind = jax.devices()[0].device_kind
