@@ -23,7 +23,7 @@ Parts:
            and an image reply end to end, on an engine with the app's settings (8 rows, context
            4096) started with an empty compile cache: its seconds to ready are the cold start.
   engine   the same engine again in a new process, the cache filled: the warm start, and the
-           time to first token of 128-token prompts (median of 5).
+           time to first token of 128-token prompts (median of 5), and one 128-token reply alone.
   loads    what loading a stored executable costs, in a new process after the engine part: each
            entry of the executable stores (the app's and the tiny models'), its size and seconds to
            load alone (wall and CPU), and the two largest loaded at once.
@@ -362,6 +362,10 @@ def worker_engine(args) -> dict:
             times = _ttft(eng, 128, 6)[1:]
             out["ttft_128_ms"] = round(1e3 * statistics.median(times), 1)
             out["ttft_128_all_ms"] = [round(1e3 * x, 1) for x in times]
+            # one request alone in the app's engine (its decode width: the smallest compiled)
+            _, stats = _greedy(eng, prompt_ids(128, eng.cfg.vocab_size), 128)
+            out["alone_decode_tok_s"] = round(stats["decode_tok_s"], 1)
+            out["alone_decode_width"] = eng.widths[0]
         eng.wait_compiled(timeout=max(1.0, args.limit - (time.perf_counter() - t0)))
         out["all_compiled_s"] = round(time.perf_counter() - t0, 1)
         out["shapes"] = eng.compile_state()
@@ -704,6 +708,8 @@ def summary(report: dict) -> dict:
     if warm:
         s["engine_ready_warm_s"] = warm.get("ready_s")
         s["ttft_128_ms"] = warm.get("ttft_128_ms")
+        s["app_engine_alone_tok_s"] = warm.get("alone_decode_tok_s")
+        s["app_engine_warm_startup"] = warm.get("startup")
         if warm.get("error"):
             s["engine_error"] = warm["error"]
     s["targets"] = TARGETS
