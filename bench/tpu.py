@@ -380,7 +380,6 @@ def worker_engine(args) -> dict:
 
 def worker_loads(args) -> dict:
     """Each stored executable's size and load time, alone and two at once, after the runtime's start."""
-    import pickle
     import threading
 
     import jax
@@ -396,9 +395,7 @@ def worker_loads(args) -> dict:
     def load(path: Path) -> dict:
         row = {"file": path.name[:12], "folder": path.parent.parent.name, "bytes": path.stat().st_size}
         t0, c0 = time.perf_counter(), time.process_time()
-        blob = path.read_bytes()
-        payload = blob[len(executable_store.FORMAT) + 32:]
-        serialized, in_tree, out_tree, ids = pickle.loads(payload)
+        serialized, in_tree, out_tree, ids = executable_store.unpack(path.read_bytes())
         t1 = time.perf_counter()
         exe = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
                                                         execution_devices=[by_id[i] for i in ids])

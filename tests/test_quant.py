@@ -17,7 +17,7 @@ from gemma4.ops.chunked import auto_chunk_rows
 from gemma4.ops.kernels.int4_matmul import choose_blocks, int4_matmul, reference
 from gemma4.ops.linear import linear, take_rows
 from gemma4.weights import quant_host
-from gemma4.weights.quant_host import host_put, quantize_host
+from gemma4.weights.quant_host import quantize_host
 from gemma4.weights.random_init import random_params
 
 RNG = np.random.default_rng(0)
@@ -270,7 +270,7 @@ def test_quantize_host_streams_rows_into_an_adopted_buffer(monkeypatch):
     host = quant.host_empty((1024, 512), np.int8)
     host[...] = 3
     if jax.default_backend() == "cpu":
-        assert host_put(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied
+        assert quant.to_device(host).unsafe_buffer_pointer() == host.ctypes.data  # adopted, not copied
 
 
 def test_copy_piece_rows_splits_only_big_arrays_bound_for_an_accelerator():
@@ -303,7 +303,7 @@ def test_copy_in_pieces_gives_the_array_whatever_the_piece(dtype):
 
 
 def test_loaders_copy_through_to_device(monkeypatch):
-    """The loaders' copy (host_put) asks copy_piece_rows about the device it copies to, and copies
+    """The loaders' copy (to_device) asks copy_piece_rows about the device it copies to, and copies
     in its pieces when told to."""
     asked = []
 
@@ -313,7 +313,7 @@ def test_loaders_copy_through_to_device(monkeypatch):
 
     monkeypatch.setattr(quant, "copy_piece_rows", two_rows)
     host = np.arange(15, dtype=np.float32).reshape(5, 3)
-    np.testing.assert_array_equal(np.asarray(host_put(host)), host)
+    np.testing.assert_array_equal(np.asarray(quant.to_device(host)), host)
     assert asked == [((5, 3), jax.devices()[0].platform)]
 
 

@@ -187,6 +187,17 @@ def default_folder(environ: dict[str, str] | None = None) -> Path | None:
     return Path(named).expanduser() if named else cache_root() / "executables"
 
 
+def unpack(blob: bytes) -> tuple[bytes, Any, Any, list[int]]:
+    """(the serialized executable, its input and output trees, the ids of the devices it was
+    compiled for) from a stored file's bytes; ValueError when they are not one whole entry."""
+    if not blob.startswith(FORMAT):
+        raise ValueError("not a gemma4 executable file")
+    digest, payload = blob[len(FORMAT):len(FORMAT) + 32], blob[len(FORMAT) + 32:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("checksum mismatch (a partial or damaged file)")
+    return pickle.loads(payload)
+
+
 class ExecutableStore:
     """Compiled executables in one folder, one file per key (see the module docstring)."""
 
@@ -208,12 +219,7 @@ class ExecutableStore:
             self.misses += 1
             return None
         try:
-            if not blob.startswith(FORMAT):
-                raise ValueError("not a gemma4 executable file")
-            digest, payload = blob[len(FORMAT):len(FORMAT) + 32], blob[len(FORMAT) + 32:]
-            if hashlib.sha256(payload).digest() != digest:
-                raise ValueError("checksum mismatch (a partial or damaged file)")
-            serialized, in_tree, out_tree, device_ids = pickle.loads(payload)
+            serialized, in_tree, out_tree, device_ids = unpack(blob)
             # Onto the devices it was compiled for: by default jax loads it for every local device,
             # and a one-device program then wants a shard per device (8 virtual CPUs, say).
             by_id = {d.id: d for d in jax.local_devices()}

@@ -46,12 +46,11 @@ import numpy as np
 
 from gemma4.model.config import ModelConfig, from_hf_config
 from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
-from gemma4.ops.quant import QuantArray, read_aligned
+from gemma4.ops.quant import QuantArray, read_aligned, to_device
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
 from gemma4.weights.leaf_format import LeafFormat
-from gemma4.weights.quant_host import host_put
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +405,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
                     q, scale, group, exact = int8_form(tensor)
                     if writer is not None:
                         writer.add(*zip(_int8_files(name), (q, scale)))
-                leaves[tree_path] = QuantArray(host_put(q), host_put(scale), group_size=group)
+                leaves[tree_path] = QuantArray(to_device(q), to_device(scale), group_size=group)
                 entries[name] = {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
                 del q, scale
             else:
@@ -416,7 +415,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
                 if writer is not None:
                     writer.add((_cache_file(name), arr))
                 if targets[name] == "none" and jnp.dtype(leaf_dtype(spec, dtype)) == jnp.float32:
-                    leaves[tree_path] = host_put(arr)  # adopts the aligned buffer: no copy
+                    leaves[tree_path] = to_device(arr)  # adopts the aligned buffer: no copy
                 else:
                     leaves[tree_path] = fmt.build(leaf_name(tree_path), spec, arr)
                 entries[name] = {"kind": "float32", "type": tensor.type_name}

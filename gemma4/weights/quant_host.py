@@ -3,11 +3,11 @@
     leaf = quantize_host(rows, shape, "int8") # an [out, in] weight read in row chunks → QuantArray
     leaf = host_cast(rows, shape, "float32")  # a float leaf, same streaming
 
-Holds `host_put` (a numpy buffer as a jax array; the aligned buffers themselves, `host_empty`,
-live with the leaf types in `gemma4.ops.quant`), the row chunking (`host_row_chunks`,
+Holds the row chunking (`host_row_chunks`,
 `row_reader`, `_fill_rows`), the numpy block quantizers (`int8_block_np`, `int4_block_np`) and
 the streamed entry points (`host_cast`, `quantize_host`). The leaf types and the jax quantizers
-they match bit for bit live in `gemma4.ops.quant`.
+they match bit for bit live in `gemma4.ops.quant`, as do the aligned buffers the leaves are
+built in (`host_empty`) and their copy to the device (`to_device`).
 """
 
 from __future__ import annotations
@@ -40,12 +40,6 @@ HOST_CHUNK_ELEMENTS = 1 << 22  # float32 rows per step: 16 MiB, plus a few tempo
 FILL_HELPERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 RowSource = Any  # callable rows(start, stop) → float32 [stop - start, in], or an array-like to slice
-
-
-def host_put(arr: np.ndarray) -> jax.Array:
-    """A numpy array as a jax.Array: adopted without a copy on CPU when it came from host_empty
-    (an accelerator gets a big one in pieces: `to_device`)."""
-    return to_device(arr)
 
 
 def host_row_chunks(n_rows: int, n_cols: int, elements: int | None = None) -> list[tuple[int, int]]:
@@ -95,23 +89,22 @@ def int4_block_np(wf: np.ndarray, group_size: int, as_xla: bool = False) -> tupl
     return lo | (hi << np.uint8(4)), scale
 
 
-def _fill_rows(rows, n_rows: int, n_cols: int, work, helpers: int | None = None) -> None:
+def _fill_rows(rows, n_rows: int, n_cols: int, work) -> None:
     """For each row chunk in order: wf = rows(a, b) on this thread (sources may be sequential, e.g.
-    a random stream), then work(a, b, wf) on one of `helpers` threads (FILL_HELPERS; numpy releases
+    a random stream), then work(a, b, wf) on one of FILL_HELPERS threads (numpy releases
     the GIL), so reading the next chunk overlaps with converting the last ones. `work` writes rows
-    [a, b) of its output only, so the chunks may finish in any order. At most helpers + 1 chunks
+    [a, b) of its output only, so the chunks may finish in any order. At most FILL_HELPERS + 1 chunks
     are in flight."""
     chunks = host_row_chunks(n_rows, n_cols)
     if len(chunks) == 1:
         a, b = chunks[0]
         work(a, b, rows(a, b))
         return
-    helpers = max(1, helpers or FILL_HELPERS)
     pending = []
-    with ThreadPoolExecutor(max_workers=helpers, thread_name_prefix="quantize") as pool:
+    with ThreadPoolExecutor(max_workers=FILL_HELPERS, thread_name_prefix="quantize") as pool:
         for a, b in chunks:
             wf = rows(a, b)
-            if len(pending) > helpers:
+            if len(pending) > FILL_HELPERS:
                 pending.pop(0).result()
             pending.append(pool.submit(work, a, b, wf))
         for p in pending:
@@ -130,7 +123,7 @@ def host_cast(src: RowSource, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         out[a:b] = np.asarray(wf, dtype=np.float32).reshape(b - a, cols).astype(dtype, copy=False)
 
     _fill_rows(rows, lead, cols, work)
-    return host_put(out.reshape(shape))
+    return to_device(out.reshape(shape))
 
 
 def quantize_host(src: RowSource, shape: tuple[int, int], mode: str, group_size: int | None = None,
@@ -155,7 +148,7 @@ def quantize_host(src: RowSource, shape: tuple[int, int], mode: str, group_size:
             q[a:b], scale[a:b] = int8_block_np(wf, group_size, as_xla)
 
         _fill_rows(rows, n_out, n_in, work)
-        return QuantArray(host_put(q), host_put(scale), group_size=group_size)
+        return QuantArray(to_device(q), to_device(scale), group_size=group_size)
     if mode == "int4":
         if group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"group_size {group_size} not in {INT4_GROUP_SIZES}")
@@ -170,5 +163,5 @@ def quantize_host(src: RowSource, shape: tuple[int, int], mode: str, group_size:
             packed[a:b], scale[a:b] = int4_block_np(wf, group_size, as_xla)
 
         _fill_rows(rows, n_out, n_in, work)
-        return Int4Array(host_put(packed), host_put(scale), group_size, kernel, block)
+        return Int4Array(to_device(packed), to_device(scale), group_size, kernel, block)
     raise ValueError(f"quantize_host mode {mode!r} not in ('int8', 'int4')")
