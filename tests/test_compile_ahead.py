@@ -6,6 +6,7 @@ is dropped and the loaded tree compiled instead."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import types
 
@@ -60,11 +61,28 @@ def _reply(monkeypatch, ahead: str, overrides: dict, lowered: list | None = None
     monkeypatch.setenv("GEMMA4_COMPILE_AHEAD", ahead)
     monkeypatch.setenv("GEMMA4_EXECUTABLE_CACHE", "off")  # compiled in each engine, not loaded
     if lowered is not None:
+        first_lowering = threading.Event()
         lower = StepPrograms.lower
-        monkeypatch.setattr(StepPrograms, "lower", lambda self, key: lowered.append(time.perf_counter()) or lower(self, key))
+
+        def lower_and_note(self, key):
+            lowered.append(time.perf_counter())
+            first_lowering.set()
+            return lower(self, key)
+
+        monkeypatch.setattr(StepPrograms, "lower", lower_and_note)
     if loaded is not None:
         load = sources.load
-        monkeypatch.setattr(sources, "load", lambda *a, **k: (load(*a, **k), loaded.append(time.perf_counter()))[0])
+
+        def load_after_a_lowering(*a, **k):
+            # A tiny model loads faster than a thread starts lowering: the load's end waits (up to
+            # a minute) for a lowering, which comes only if steps are lowered without the weights.
+            out = load(*a, **k)
+            if lowered is not None:
+                first_lowering.wait(timeout=60)
+            loaded.append(time.perf_counter())
+            return out
+
+        monkeypatch.setattr(sources, "load", load_after_a_lowering)
     eng = E.Engine("random:tiny-e2b", max_batch=2, context_limit=128, buckets=(16,), overrides=overrides)
     try:
         eng.wait_ready(timeout=600)
