@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> Any:
     shapes, its first runs) before gradio is imported, so those 3–4 s of imports overlap the load
     instead of preceding it."""
     from gemma4.serve import distributed  # deferred: its runtime imports jax (+1.5 s on `import app`, measured)
-    from gemma4.serve.engine import get_engine  # deferred: jax, as above
+    from gemma4.serve.engine.engine import get_engine  # deferred: jax, as above
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     settings = parse_settings(argv)

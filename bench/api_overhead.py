@@ -87,10 +87,10 @@ def main(argv=None) -> int:
     from gemma4.web import server
     from gemma4.serve import conversation
     from gemma4.serve.conversation import stream_reply
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
     from gemma4.web.ratelimit import Limits
     from gemma4.web.settings import Settings
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
 
     settings = Settings(context=args.context)
     engine = get_engine(model=settings.model, max_batch=settings.max_users,

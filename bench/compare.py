@@ -83,7 +83,8 @@ def measure_ours(spec: dict) -> dict:
     t0 = time.perf_counter()
     try:
         from gemma4.serve import conversation
-        from gemma4.serve.engine import SamplingParams, get_engine
+        from gemma4.model.sampling_params import SamplingParams
+        from gemma4.serve.engine.engine import get_engine
     except ImportError as e:
         return {"skipped": f"gemma4.serve.engine is not importable ({e})"}
     import_s = time.perf_counter() - t0

@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="bundled")
     args = ap.parse_args(argv)
     from gemma4.serve import conversation
-    from gemma4.serve.engine import get_engine
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.serve.engine.engine import get_engine
+    from gemma4.model.sampling_params import SamplingParams
 
     rows = []
     for overrides in CONFIGS:

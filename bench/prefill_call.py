@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.chunked_prefill import cpu_name  # noqa: E402
 from gemma4.model.sampling import SamplingRows  # noqa: E402
-from gemma4.serve.engine import Engine  # noqa: E402
+from gemma4.serve.engine.engine import Engine  # noqa: E402
 from gemma4.serve.shape_keys import PrefillKey  # noqa: E402
 
 LATER_START = 1024  # a later chunk's first position

@@ -41,7 +41,8 @@ def _decode_worker(models: list[str], tokens: int) -> None:
     import jax
 
     from gemma4.serve import conversation
-    from gemma4.serve.engine import Engine, SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
+    from gemma4.serve.engine.engine import Engine
 
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
     for model in models:

@@ -39,7 +39,7 @@ import jax  # noqa: E402
 
 from bench.chunked_prefill import cpu_name  # noqa: E402
 from gemma4.model.sampling import SamplingRows  # noqa: E402
-from gemma4.serve.engine import Engine  # noqa: E402
+from gemma4.serve.engine.engine import Engine  # noqa: E402
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey  # noqa: E402
 
 LATER_START = 1024

@@ -71,14 +71,14 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
 # ------------------------------------------------------------------------------ workers
 def _engine(model: str, *, max_batch: int = 1, context: int = 1024, buckets=(128,), overrides=None, warmup=True,
             mesh: str = "none"):
-    from gemma4.serve.engine import Engine
+    from gemma4.serve.engine.engine import Engine
 
     return Engine(model, max_batch=max_batch, context_limit=context, buckets=buckets,
                   overrides=dict(overrides or {}), warmup=warmup, mesh=mesh)
 
 
 def _greedy(engine, ids: list[int], n: int) -> tuple[list[int], dict]:
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
 
     req = engine.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=n))
     last = None
@@ -458,7 +458,7 @@ def worker_loads(args) -> dict:
 
 def _ttft(engine, n_prompt: int, repeats: int) -> list[float]:
     """Seconds from submit to the first token of `repeats` different n_prompt-token prompts."""
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
 
     out = []
     for i in range(repeats):
@@ -478,7 +478,7 @@ def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
     and while every row decodes (from the last row's first token to the first row's last)."""
     import threading
 
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
 
     key = eng.shapes.decode_key(rows, prompt + new)  # all rows decoding together: compiled first
     eng.shapes.request(key, now=True)

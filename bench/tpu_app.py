@@ -140,7 +140,7 @@ class _Check:
         # 1. The engine starts loading before gradio is imported, as in app.main.
         self.step("engine start")
         t = time.perf_counter()
-        from gemma4.serve.engine import get_engine
+        from gemma4.serve.engine.engine import get_engine
 
         engine = self.engine = get_engine(model=settings.model, max_batch=settings.max_users,
                                           context_limit=settings.context, mesh=settings.mesh,

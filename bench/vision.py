@@ -115,7 +115,7 @@ def encode_bench(repeats: int, dtype=jnp.float32) -> dict:
 def ttft_bench(model: str, repeats: int) -> dict:
     """An image question end to end on `model` (fresh images: no cache hit)."""
     from gemma4.serve import conversation
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
 
     t = time.perf_counter()
     eng = get_engine(model, max_batch=1, context_limit=1024).wait_ready(3600)

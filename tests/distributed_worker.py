@@ -41,7 +41,8 @@ def main() -> int:
         return 2
 
     from gemma4.serve import conversation
-    from gemma4.serve.engine import Engine, SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
+    from gemma4.serve.engine.engine import Engine
 
     engine = Engine(MODEL, max_batch=args.max_batch, context_limit=64, buckets=(16,), mesh=args.mesh,
                     overrides={"weights": args.weights, "dtype": "float32", "kv": "native"})

@@ -8,7 +8,7 @@ module that uses one leaves it as it found it (idle, no patch left on it, overri
 
 from __future__ import annotations
 
-from gemma4.serve.engine import Engine, get_engine
+from gemma4.serve.engine.engine import Engine, get_engine
 
 # The bundled Gemma 3 270M in float32 (weights and compute, native KV cache): batched rows equal
 # solo ones bit for bit and greedy ids equal transformers' float32 ids. tests/test_engine.py,

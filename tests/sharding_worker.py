@@ -27,7 +27,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from gemma4.plan import preflight, sharding  # noqa: E402
 from gemma4.serve import conversation  # noqa: E402
-from gemma4.serve.engine import Engine, SamplingParams  # noqa: E402
+from gemma4.model.sampling_params import SamplingParams
+from gemma4.serve.engine.engine import Engine  # noqa: E402
 from gemma4.serve.shape_keys import DecodeKey  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))

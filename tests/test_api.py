@@ -101,7 +101,7 @@ def test_models_lists_the_served_model(bundled):
 
 def test_chat_non_stream_equals_the_request_layer(bundled):
     from gemma4.serve.conversation import stream_reply
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
 
     _, client, engine = bundled
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -155,7 +155,7 @@ def test_completions_stream_and_not(bundled):
 
 
 def _greedy(n):
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_new_tokens=n)
 
@@ -634,7 +634,7 @@ def test_an_image_through_the_openai_client(tiny):
     reply is the request layer's for the same message, and usage counts the soft tokens as
     prompt tokens; the image's row is in the gemma4 stats."""
     from gemma4.media.files import media_from_bytes
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
     from tests.test_vision_serve import png
 
     _, client, engine = tiny

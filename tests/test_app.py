@@ -476,7 +476,7 @@ def test_import_loads_nothing():
 
 @pytest.fixture(scope="module")
 def engine():
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
 
     eng = get_engine(model=TINY_MODEL, **TINY_ENGINE)
     eng.wait_ready(timeout=900)
@@ -767,7 +767,7 @@ def test_message_sent_while_loading_waits_and_says_so():
     """get_engine returns at once; a message sent before the model is ready shows
     "loading model… N%" (or "compiling… N%") in the chat and is answered once it is ready.
     The chat handler is driven directly so the send surely lands during loading."""
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
 
     # A fresh engine (other settings than the shared one): it loads and warms up meanwhile (one
     # prompt bucket: the shapes it compiles are what the test waits for).
@@ -793,7 +793,7 @@ def test_load_failure_is_shown_not_traced(tmp_path):
     from gradio_client import Client
     from gradio_client.exceptions import AppError
 
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
 
     missing = str(tmp_path / "no-such-model")
     engine = get_engine(model=missing, max_batch=1, context_limit=256)

@@ -276,7 +276,7 @@ def test_gemma3_think_switch_disabled_with_reason(every_event):
     and a request that still asks for thinking is answered without it, with a note."""
     from gemma4.ui.demo import DemoApp
     from gemma4.web.settings import Settings
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
     from tests.test_app import TINY_ENGINE, TINY_MODEL
 
     engine = get_engine(model=TINY_MODEL, **TINY_ENGINE)  # the engine tests/test_app.py uses

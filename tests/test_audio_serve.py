@@ -27,11 +27,11 @@ from gemma4.media import layout
 from gemma4.media.audio import audio_features, decode_audio
 from gemma4.media.files import MediaError, media_from_bytes
 from gemma4.model import audio as AU
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import chat, conversation, engine as E, media_prompt
 from gemma4.serve.media_cache import shared_cache
 from gemma4.serve.requests import RequestError
-from gemma4.serve.towers import AUDIO_FRAME_BUCKETS, audio_bucket, audio_frame_buckets
+from gemma4.serve.engine.towers import AUDIO_FRAME_BUCKETS, audio_bucket, audio_frame_buckets
 from tests.scripted import TINY_GEMMA4, tiny_gemma4
 from tests.test_vision_serve import direct_greedy, png
 

@@ -53,7 +53,7 @@ def test_our_quality_rows_run_through_the_request_layer():
     """compare.py's quality section for our engine (it once failed with a NameError, so the whole
     "ours" row of a run was lost): greedy ids for each prompt, through gemma4.serve.conversation."""
     from gemma4.serve import conversation
-    from gemma4.serve.engine import SamplingParams
+    from gemma4.serve.engine.engine import SamplingParams
     from tests.scripted import tiny_gemma4
 
     compare = _load("compare")

@@ -59,7 +59,7 @@ def _non_blank(png: pathlib.Path) -> float:
 def served():
     from gemma4.ui import layout
     from gemma4.web.settings import Settings
-    from gemma4.serve.engine import get_engine
+    from gemma4.serve.engine.engine import get_engine
 
     # The same engine settings as tests/test_app.py: one pytest run shares one warmed engine.
     kw = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096)

@@ -65,7 +65,7 @@ def test_generate_with_an_image_on_a_tiny_gemma4(tmp_path):
     assert (media["kind"], media["name"], media["cached"]) == ("image", "pic.png", False) and media["soft_tokens"] > 0
 
     from gemma4.media.files import media_from_path
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
     from gemma4.serve import conversation
     from tests.scripted import tiny_gemma4
 
@@ -89,7 +89,7 @@ def test_chat_prints_the_answer_and_keeps_only_it(monkeypatch, capsys):
     import types
 
     from gemma4.cli import run
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
     from tests.scripted import scripted, tiny_gemma4
 
     eng = tiny_gemma4()

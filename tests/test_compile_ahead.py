@@ -12,12 +12,13 @@ import types
 
 import pytest
 
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.plan import hardware_checks, preflight, sharding
-from gemma4.serve import conversation, engine_load
-from gemma4.serve import engine as E
+from gemma4.serve import conversation
+from gemma4.serve.engine import load as engine_load
+from gemma4.serve.engine import engine as E
 from gemma4.serve.executable_store import tree_signature
-from gemma4.serve.steps import StepPrograms
+from gemma4.serve.engine.steps import StepPrograms
 from gemma4.weights import sources
 
 PROMPT = list(range(10, 20))

@@ -14,7 +14,7 @@ from gemma4.serve.conversation import (ReplyEvent, complete_reply, prompt_ids, s
                                  supports_tools)
 from gemma4.serve import conversation
 from gemma4.serve.requests import RequestError
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from tests.scripted import script_ids, scripted, tiny_gemma4
 
 CHANNEL, END_CHANNEL, TURN, END_TURN = 100, 101, 105, 106

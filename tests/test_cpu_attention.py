@@ -193,9 +193,9 @@ def test_measured_once_then_read_back(tmp_path, monkeypatch):
 @needs_kernel
 def test_an_engine_with_the_kernel_gives_xla_s_tokens(monkeypatch):
     """The bundled-geometry tiny model served end to end with each attention: the same tokens."""
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
     from gemma4.serve import conversation
-    from gemma4.serve import engine as E
+    from gemma4.serve.engine import engine as E
 
     outs = {}
     for attention in ("xla", "native"):

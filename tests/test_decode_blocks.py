@@ -11,9 +11,11 @@ import threading
 import numpy as np
 import pytest
 
-from gemma4.model.sampling import REPETITION_WINDOW, SamplingParams, SamplingRows, advance_rows
+from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows
+
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.plan import hardware_checks
-from gemma4.serve.engine import Engine
+from gemma4.serve.engine.engine import Engine
 
 PROMPTS = [[2] + list(range(10, 10 + n)) for n in (5, 12, 20, 7)]
 SETTINGS = [SamplingParams(temperature=0, max_new_tokens=23),

@@ -21,7 +21,7 @@ import pytest
 from gemma4.model.sampling import SamplingRows
 from gemma4.serve import distributed as D
 from gemma4.serve import distributed_flags as F
-from gemma4.serve import step_link as L
+from gemma4.serve.engine import link as L
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

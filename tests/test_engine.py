@@ -20,12 +20,12 @@ import pytest
 
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
-from gemma4.serve import engine as E
+from gemma4.serve.engine import engine as E
 from gemma4.serve import engine_compile as EC
 from gemma4.serve.engine_compile import chunk_plan
 from gemma4.serve.requests import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
 
@@ -370,7 +370,7 @@ def test_flatten_segments_lays_runs_out_in_order():
 def test_an_unbounded_compile_cache_gets_the_access_times_a_bounded_one_needs(tmp_path):
     """The on-disk compile cache is bounded (so jax locks it across processes); entries written
     while it was not have no access-time file, without which every later write would fail."""
-    from gemma4.serve.engine_load import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
+    from gemma4.serve.engine.load import COMPILE_CACHE_MAX_BYTES, backfill_cache_access_times
     (tmp_path / "jit_f-abc-cache").write_bytes(b"x")
     (tmp_path / "jit_g-def-cache").write_bytes(b"y")
     (tmp_path / "jit_g-def-atime").write_bytes((5).to_bytes(8, "little"))

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
-from gemma4.serve import engine as E
+from gemma4.serve.engine import engine as E
 from gemma4.serve import executable_store as XS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,9 +212,9 @@ ENGINE_SETTINGS = dict(max_batch=2, context_limit=128, buckets=(16,))
 PROMPT = list(range(10, 20))
 ENGINE_RUN = textwrap.dedent("""
     import json, sys
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
     from gemma4.serve import conversation
-    from gemma4.serve import engine as E
+    from gemma4.serve.engine import engine as E
 
     E.BACKGROUND_IDLE_S = 1e9  # only the two start-up shapes
     if sys.argv[3] == "no-tracing":
@@ -340,7 +340,7 @@ def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
 
 LOWERED = textwrap.dedent("""
     import hashlib
-    from gemma4.serve import engine as E
+    from gemma4.serve.engine import engine as E
     from gemma4.serve.shape_keys import PrefillKey
     eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
     eng.wait_ready(timeout=600)

@@ -142,9 +142,9 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
     """The bundled model (int8, panels on an AVX512-VNNI CPU, rows elsewhere): a first start prepares
     and keeps the weights; a second maps them — the same int8 choice, the same greedy tokens, no
     time spent preparing; a tuning measured again retires the entry."""
-    from gemma4.model.sampling import SamplingParams
+    from gemma4.model.sampling_params import SamplingParams
     from gemma4.serve import conversation
-    from gemma4.serve import engine as E
+    from gemma4.serve.engine import engine as E
 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     prompt = "The history of the city of Rome"

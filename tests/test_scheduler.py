@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
-from gemma4.serve.engine import Engine
+from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S, chunk_budget_s,
                                          chunk_limit, merge_spans, next_chunk, override_limit, prefill_order)
 from gemma4.serve.requests import RequestError

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.shape_keys import MixedKey
 from tests.net import wait_until

@@ -19,7 +19,7 @@ from gemma4.media.files import media_from_bytes
 from gemma4.media.image import decode_image, preprocess_image
 from gemma4.model import decoder as M
 from gemma4.model import vision as V
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import chat, conversation, engine as E, media_prompt
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
 from gemma4.serve.requests import Embeddings, RequestError, vision_layout

@@ -17,11 +17,11 @@ import json
 import sys
 
 from gemma4.model.config import PRESETS
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 from gemma4.media.files import MediaError, media_from_path
 from gemma4.plan import preflight, preflight_devices, sharding
 from gemma4.serve import conversation, distributed, distributed_flags
-from gemma4.serve.engine import Engine, get_engine
+from gemma4.serve.engine.engine import Engine, get_engine
 from gemma4.serve.media_prompt import parts_in_marker_order
 from gemma4.serve.probe import main as hardware_main
 from gemma4.serve.requests import RequestError

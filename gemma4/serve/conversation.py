@@ -31,9 +31,9 @@ import json
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
-from gemma4.model.sampling import SamplingParams, apply_stop_strings, stop_string_holdback
+from gemma4.model.sampling_params import SamplingParams, apply_stop_strings, stop_string_holdback
 from gemma4.serve import chat, chat_tools
-from gemma4.serve.engine import Engine
+from gemma4.serve.engine.engine import Engine
 from gemma4.serve.media_prompt import MediaPlan, parts_from_marked_text
 from gemma4.serve.quality import RULES, degeneracy_flags
 from gemma4.serve.requests import Embeddings, Request, RequestError, Segment, flatten_segments

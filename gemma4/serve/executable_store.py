@@ -67,12 +67,13 @@ def _key_environment(env: dict[str, str]) -> str:
 
 # The package's parts a compiled step is built from: the model (forward pass, caches, sampling),
 # the ops and native kernels, the engine's step functions and how they are jitted and lowered
-# (steps.py; the towers': towers.py), the fused chunk's size (shape_keys.py), the engine that
-# picks and feeds them (engine.py, engine_compile.py), and this store. Other modules reach a
-# program only through values the key holds (config, options, the parameters' tree, environment
-# variables, jax's configuration), so an edit elsewhere keeps every stored executable.
-PROGRAM_SOURCES = ("model", "ops", "serve/engine.py", "serve/engine_compile.py", "serve/steps.py",
-                   "serve/shape_keys.py", "serve/towers.py", "serve/executable_store.py")
+# (engine/steps.py; the towers': engine/towers.py), how a lowering is compiled (engine/compiled.py),
+# the fused chunk's size (shape_keys.py), and this store. Other modules reach a program only
+# through values the key holds (config, options, the parameters' and the cache's trees,
+# environment variables, jax's configuration), so an edit elsewhere — the scheduler, the runner,
+# the start-up — keeps every stored executable.
+PROGRAM_SOURCES = ("model", "ops", "serve/engine/steps.py", "serve/engine/towers.py", "serve/engine/compiled.py",
+                   "serve/shape_keys.py", "serve/executable_store.py")
 
 
 @functools.lru_cache(maxsize=4)

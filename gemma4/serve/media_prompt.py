@@ -41,7 +41,7 @@ from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decod
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
-from gemma4.serve.engine import Engine
+from gemma4.serve.engine.engine import Engine
 from gemma4.serve.media_cache import shared_cache
 from gemma4.serve.requests import Embeddings, RequestError
 

@@ -22,7 +22,7 @@ from gemma4.plan.hardware_probe import SIMULATED, simulated_facts
 
 def _measured_report(model: str, overrides: dict) -> dict:
     """The engine's own hardware report after loading `model` (no warm-up compiles)."""
-    from gemma4.serve.engine import Engine  # deferred: only --measure needs it (probe --simulate: 0.2 s vs 4-5 s, measured)
+    from gemma4.serve.engine.engine import Engine  # deferred: only --measure needs it (probe --simulate: 0.2 s vs 4-5 s, measured)
 
     engine = Engine(model, overrides=overrides, warmup=False)
     try:

@@ -2,9 +2,9 @@
 
 A request is a prompt of *segments* (`Segment`: token ids, and runs of precomputed input
 embeddings, `Embeddings`: images, audio) with its sampling parameters; the engine queues it as a
-`Request` and streams its tokens back as `TokenEvent`s (`TokenStream`). `RequestError` is the
-engine's refusal, with a message for the user. Pure data and its checks: nothing here runs the
-model (gemma4.serve.engine does).
+`Request` and streams its tokens back as `TokenEvent`s (`TokenStream`). `RequestRules` is what an engine accepts (its
+checks at intake), `RequestError` its refusal, with a message for the user. Pure data and its
+checks, no jax: nothing here runs the model (gemma4/serve/engine/ does).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 
-from gemma4.model.sampling import SamplingParams
+from gemma4.model.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):
@@ -89,7 +89,7 @@ class Request:
     prefill_t0: float | None = None
     prefill_chunks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     interleaved_steps: int = 0
-    fused_chunks: int = 0  # chunks run in a fused step with the decoding rows (`Engine._mixed_once`)
+    fused_chunks: int = 0  # chunks run in a fused step with the decoding rows (step_plans.MixedStep)
     last_chunk_at: float | None = None  # time.perf_counter() when its last chunk ran (`prefill_order`)
 
     @property
@@ -159,6 +159,86 @@ def vision_layout(segments: Sequence[int] | Sequence[Segment]) -> tuple[np.ndarr
         else:
             groups += [-1] * len(seg)
     return np.asarray(groups, np.int32), spans
+
+
+def merge_spans(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Atomic spans [start, end) sorted, empty ones dropped, overlapping or touching ones merged
+    (a chunk may end where one span ends and the next begins only if they were given apart:
+    touching spans are kept apart, overlapping ones merged)."""
+    out: list[list[int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in spans if int(b) > int(a)):
+        if out and a < out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def checked_spans(spans: Sequence[tuple[int, int]], n: int, largest_chunk: int) -> list[tuple[int, int]]:
+    """Atomic spans merged (`merge_spans`); RequestError for one outside the n-token prompt, or
+    longer than the largest prefill chunk (it could never be prefilled whole)."""
+    merged = merge_spans(spans)
+    for a, b in merged:
+        if a < 0 or b > n:
+            raise RequestError(f"An atomic span [{a}, {b}) lies outside the {n}-token prompt.")
+        if b - a > largest_chunk:
+            raise RequestError(
+                f"An atomic span of {b - a} positions ([{a}, {b}): e.g. an image's soft tokens, which attend to "
+                f"each other) is longer than the largest prefill chunk ({largest_chunk} tokens), so it cannot "
+                f"be prefilled in one chunk. Use a smaller image budget (fewer soft tokens), or start the engine "
+                f"with a larger bucket.")
+    return merged
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRules:
+    """What one engine accepts, checked at intake before any row is taken (`request`).
+
+    pad_id, hidden_size: the model's (an embedding run's default ids and width); vocab_size: the
+    ids every part knows (the embedding table and the tokenizer that decodes the reply);
+    context_limit: tokens a prompt and its reply share; largest_chunk: the largest prefill bucket
+    (an atomic span must fit it); bidirectional_vision: an image's soft tokens attend to each other
+    (`ModelConfig.bidirectional_vision`: each image is an atomic span); embeddings: whether
+    embedding segments can be served (not across several processes yet)."""
+
+    pad_id: int
+    hidden_size: int
+    vocab_size: int
+    context_limit: int
+    largest_chunk: int
+    bidirectional_vision: bool = False
+    embeddings: bool = True
+
+    def request(self, prompt: Sequence[int] | Sequence[Segment], params: SamplingParams, *, seed: int,
+                notes: Sequence[str] = (), atomic_spans: Sequence[tuple[int, int]] = ()) -> Request:
+        """A `Request` of `prompt` (token ids or segments) with validated `params`; max_new_tokens
+        is lowered to what the context window leaves (with a note). RequestError for an id outside
+        the vocabulary, an empty prompt, one that does not fit the context window, embedding
+        segments where none can be served, or a span outside the prompt or longer than the
+        largest prefill chunk."""
+        ids, embeds, mask = flatten_segments(prompt, self.pad_id, self.hidden_size)
+        check_vocabulary(ids, self.vocab_size)
+        if len(ids) <= 1:
+            raise RequestError("The prompt is empty — type something first.")
+        room = self.context_limit - len(ids)
+        if room < 1:
+            raise RequestError(f"The prompt is {len(ids)} tokens but the context window is {self.context_limit} "
+                               f"tokens. Shorten it (or start a new conversation).")
+        if embeds is not None and not self.embeddings:
+            raise RequestError("Embedding segments are not supported across several processes yet.")
+        notes = list(notes)
+        if params.max_new_tokens > room:
+            notes.append(f"max_new_tokens lowered from {params.max_new_tokens} to {room} to fit the context window")
+            params = dataclasses.replace(params, max_new_tokens=room)
+        groups, image_spans = None, []
+        if self.bidirectional_vision:  # every position's image, or -1: the prefill with embeddings takes them
+            groups, image_spans = vision_layout(prompt)
+            groups = np.full(len(ids), -1, np.int32) if groups is None else groups
+        req = Request(prompt_ids=ids, params=params, seed=int(seed), embeds=embeds, embed_mask=mask,
+                      vision_groups=groups,
+                      atomic_spans=checked_spans(list(atomic_spans) + image_spans, len(ids), self.largest_chunk))
+        req.stats["notes"] = notes
+        return req
 
 
 @dataclasses.dataclass

@@ -20,8 +20,8 @@ import gradio as gr
 from gemma4.media.files import MediaError, describe, media_from_path
 from gemma4.model import sampling
 from gemma4.serve import conversation
-from gemma4.serve.engine import Engine
-from gemma4.serve.engine_load import LoadedModel
+from gemma4.serve.engine.engine import Engine
+from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.requests import RequestError
 from gemma4.ui.chat_controls import (
     IMAGE_TOKEN_CHOICES,

@@ -13,7 +13,7 @@ from typing import Any
 
 import gradio as gr
 
-from gemma4.serve.engine import Engine
+from gemma4.serve.engine.engine import Engine
 from gemma4.ui.chat_controls import (
     AUDIO_EXAMPLE_TEXT,
     EXAMPLE_IMAGE,

@@ -14,7 +14,7 @@ from gemma4.model.config import preset
 from gemma4.plan import preflight, preflight_devices
 
 if TYPE_CHECKING:  # the type only: formatting a report needs no engine (nor jax)
-    from gemma4.serve.engine import Engine
+    from gemma4.serve.engine.engine import Engine
 
 _GiB = 1 << 30
 

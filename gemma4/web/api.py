@@ -31,8 +31,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gemma4.serve import conversation
-from gemma4.serve.engine import Engine
-from gemma4.serve.engine_load import LoadedModel
+from gemma4.serve.engine.engine import Engine
+from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.media_prompt import MAX_MEDIA_ENV, max_media
 from gemma4.serve.requests import RequestError
 from gemma4.web import api_schema as S

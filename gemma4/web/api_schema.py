@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gemma4.model.sampling import TEMPERATURE_MAX, SamplingParams
+from gemma4.model.sampling_params import TEMPERATURE_MAX, SamplingParams
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # what vLLM and OpenAI accept
 TEMPLATE_KWARGS = ("enable_thinking",)  # the chat_template_kwargs keys Gemma's template reads

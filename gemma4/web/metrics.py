@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from gemma4.serve.engine import Engine
+from gemma4.serve.engine.engine import Engine
 
 # Bucket bounds (seconds). TTFT: a short prompt on a 2-core CPU is ~0.1-0.3 s, a 3,500-token one
 # ~10 s; inter-token: one decode step is ~10-40 ms, a gap behind a long prefill seconds.

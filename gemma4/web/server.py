@@ -28,7 +28,7 @@ from gemma4.web.access import Access, api_closed_reason, exposure_warnings
 from gemma4.web.ratelimit import client_ip
 
 if TYPE_CHECKING:  # the type only: this module imports no jax (see above)
-    from gemma4.serve.engine import Engine
+    from gemma4.serve.engine.engine import Engine
 
 log = logging.getLogger("gemma4.web.server")
 

@@ -24,7 +24,7 @@ from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
 from gemma4.model import audio as AU
 from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
-from gemma4.serve.engine_compile import decode_widths
+from gemma4.serve.engine.geometry import decode_widths
 from gemma4.serve.requests import RequestError
 from gemma4.serve.shape_keys import TowerKey
 

@@ -24,7 +24,7 @@ from gemma4.model.config import ModelConfig
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows, sample_rows
 from gemma4.plan import sharding
 from gemma4.serve import executable_store
-from gemma4.serve.engine_load import LoadedModel
+from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
 
@@ -98,7 +98,7 @@ def decode_block_step(params, cache, tokens, positions, sampling, row, steps, *,
 
 
 @dataclasses.dataclass
-class DecodeBlock:
+class DispatchedBlock:
     """A dispatched block of decode steps (`decode_block_step`), not yet read: device arrays."""
 
     steps: int
@@ -154,7 +154,7 @@ def program_parts(model: LoadedModel) -> tuple:
 
 class StepPrograms:
     """The jitted steps of one loaded model, per shape, and how a shape key lowers for its
-    parameters and cache (the engine's `CompiledShapes` compiles what `lower` gives).
+    parameters and cache (the engine's `CompiledShapes` (engine/compiled.py) compiles what `lower` gives).
 
     tag: appended to every step's name (executable_store: a key of what the steps are made from,
     so jax's persistent cache holds no program of that name, and a fresh compile can be stored)."""
@@ -185,15 +185,15 @@ class StepPrograms:
         if block == 1:
             self.decode = {(w, n): jax.jit(named(decode_step, width=w, kv_len=n),
                                            in_shardings=(param_sh, cache_sh, rep, rep, rep, rep), **step)
-                           for w in model.widths for n in model.kv_lengths}
+                           for w in model.geometry.widths for n in model.geometry.kv_lengths}
         else:
             self.decode = {(w, n): jax.jit(named(decode_block_step, width=w, kv_len=n, block=block),
                                            in_shardings=(param_sh, cache_sh) + (rep,) * 5, donate_argnums=(1,),
                                            out_shardings=(rep,) * 5 + (cache_sh,))
-                           for w in model.widths for n in model.kv_lengths}
+                           for w in model.geometry.widths for n in model.geometry.kv_lengths}
         self.mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
-                      for w in model.mixed_widths for n in model.kv_lengths}
+                      for w in model.geometry.mixed_widths for n in model.geometry.kv_lengths}
 
     def lower(self, key: PrefillKey | DecodeKey | MixedKey):
         """A shape key's step, lowered for the model's parameters and cache."""

@@ -34,15 +34,13 @@ from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower,
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import heap, prepared_store
-from gemma4.serve.engine_compile import (ACCELERATOR_BUCKETS, PROMPT_BUCKETS, accelerator_kv_ladder,
-                                         accelerator_widths, decode_widths, kv_ladder, mixed_widths)
+from gemma4.env import env_switch
+from gemma4.serve.engine.geometry import ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
 from gemma4.weights.leaf_format import LeafFormat
 from gemma4.weights.tokenizer import Tokenizer
 
 log = logging.getLogger("gemma4.serve.engine")
-
-DEFAULT_CONTEXT = 4096
 
 # The on-disk compile cache's size bound. Any bound also makes jax take a file lock around every
 # read and write of it (filelock, which huggingface_hub already needs): without one, jax writes an
@@ -96,25 +94,30 @@ class LoadedModel:
     report: dict  # the hardware report: the plan, checks, the int8 choice, the roofline
     mesh: Any  # the jax Mesh the weights and the cache are split over
     mesh_shape: dict
-    max_batch: int  # the KV cache's rows
-    context_limit: int
     kv_format: str
-    decode_block: int  # decode steps per dispatch (hardware.DECODE_BLOCK)
     encoder_dtype: Any  # the towers' dtype
     # The batch-1 decode bound: the weights a step reads over the memory's bandwidth; each
     # reply's decode speed is shown as a fraction of it (TokenStream.stats: roofline_frac).
     decode_bytes: int
     roofline_tok_s: float | None
-    # The serving geometry: prompt buckets, decode widths, full-layer cache lengths, fused widths.
-    buckets: tuple[int, ...]
-    widths: tuple[int, ...]
-    kv_lengths: tuple[int, ...]
-    mixed_widths: tuple[int, ...]
+    geometry: ServingGeometry  # the shapes it is served with (engine/geometry.py)
     new_cache: Callable[[], Any]  # allocates the KV cache, born split (also re-allocates it after a fault)
     cache_spec: Any  # the cache's shapes, dtypes and shardings (what steps are lowered for)
     cache_shardings: Any
     tokenizer: TokenizerBuild | None  # None in a sketch (`sketch_params`)
     timings: dict[str, float]  # plan_s, weights_s, int8_matmul_s
+
+    @property
+    def context_limit(self) -> int:
+        return self.geometry.context_limit
+
+    @property
+    def max_batch(self) -> int:
+        return self.geometry.max_batch
+
+    @property
+    def decode_block(self) -> int:
+        return self.geometry.decode_block
 
     @property
     def default_sampling(self) -> dict:
@@ -136,13 +139,13 @@ class PreparedWrite:
 
 def load_model(name: str, *, max_batch: int, overrides: dict, context: int | None = None,
                mesh_request: str | dict = "auto", buckets: tuple[int, ...] | None = None,
-               multi_process: bool = False, status: Status = lambda progress, message: None,
+               processes: int = 1, status: Status = lambda progress, message: None,
                planned: Callable[[LoadedModel], None] | None = None,
                ) -> tuple[LoadedModel, Any, PreparedWrite | None]:
     """(the model, its KV cache (allocated: the engine owns it from here), the prepared weights to
     keep once ready or None). `context`: the context limit asked for (None: the model's, at most
-    DEFAULT_CONTEXT); `buckets`: the prompt buckets asked for (None: the device's ladder);
-    `multi_process`: several processes replay process 0's steps (no fused step there).
+    geometry.DEFAULT_CONTEXT); `buckets`: the prompt buckets asked for (None: the device's ladder);
+    `processes`: the processes serving the model (more than one replay process 0's steps).
     `planned`: called before the weights load with the model they will make, its parameters as
     shapes only (`sketch_params`), where `compile_ahead_choice` says so: the caller may start
     compiling for it. The model returned is the loaded one; the caller compares the two."""
@@ -159,7 +162,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     log.info("hardware plan:\n%s", plan.report())
     hardware_checks.apply_jax_config(plan)
     options = hardware_checks.run_options(plan)
-    asked = context or (min(peeked.max_position_embeddings, DEFAULT_CONTEXT) if peeked else 0)
+    asked = context_window(context, peeked.max_position_embeddings) if peeked else (context or 0)
     mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch)
     mesh = None
     if peeked is not None:  # refused before any weight is read; the weights are born split
@@ -167,13 +170,13 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         mesh = sharding.make_mesh(mesh_shape)
     timings["plan_s"] = time.perf_counter() - t0
     if planned is not None and peeked is not None and mesh is not None:
-        ahead, why = compile_ahead_choice(plan, mesh, multi_process)
+        ahead, why = compile_ahead_choice(plan, mesh, processes > 1)
         log.info("compiling ahead of the weights: %s (%s)", "yes" if ahead else "no", why)
         if ahead:
             try:
                 planned(serving_model(source, peeked, sketch_params(peeked, plan, mesh), plan, dict(report), options,
                                       mesh, mesh_shape, max_batch=max_batch, context=context, buckets=buckets,
-                                      multi_process=multi_process, timings=timings, tok_spec=None))
+                                      processes=processes, timings=timings, tok_spec=None))
             except Exception as e:  # the weights' own tree is compiled for after they load, as before
                 log.warning("could not compile ahead of the weights: %s: %s", type(e).__name__, e)
 
@@ -217,7 +220,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
     model = serving_model(source, cfg, params, plan, report, options, mesh, mesh_shape, max_batch=max_batch,
-                          context=context, buckets=buckets, multi_process=multi_process, timings=timings,
+                          context=context, buckets=buckets, processes=processes, timings=timings,
                           tok_spec=tok_spec)
     cache = model.new_cache()  # born split: no whole cache on one device
     return model, cache, pending
@@ -225,7 +228,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
 
 def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, plan: hardware.Plan, report: dict,
                   options: M.RunOptions, mesh: Any, mesh_shape: dict, *, max_batch: int, context: int | None,
-                  buckets: tuple[int, ...] | None, multi_process: bool, timings: dict,
+                  buckets: tuple[int, ...] | None, processes: int, timings: dict,
                   tok_spec: dict | None) -> LoadedModel:
     """What the engine serves `params` with (loaded weights, or `sketch_params`' shapes): the
     roofline, the serving geometry, the KV cache's shape and placement (allocated by the caller:
@@ -242,42 +245,27 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         "why": "a decode step streams every weight once (the per-layer-embedding table only a row a "
                "token); a reply's tok/s over this bound is the fraction of the roofline it reached"}
     tokenizer = TokenizerBuild(tok_spec, cfg) if tok_spec is not None else None  # beside the first compiles
-    limit = context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
-    context_limit = int(min(limit, cfg.max_position_embeddings))
-    kv_format = plan.kv_cache.value
-    widths, ladder = decode_widths(max_batch), buckets or PROMPT_BUCKETS
-    if plan.platform != "cpu":  # few shapes on an accelerator (engine_compile.ACCELERATOR_BUCKETS)
-        widths = accelerator_widths(max_batch)
-        if buckets is None:
-            ladder = ACCELERATOR_BUCKETS
     if mesh.size > 1:
         options = dataclasses.replace(options, mesh=mesh)  # per-shard parts (the MoE bank)
-    if mesh.shape["data"] > 1:
-        # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
-        # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.
-        widths = (max_batch,)
+    if mesh.shape["data"] > 1:  # a row is read by mask, not sliced (every decode step runs all rows)
         options = dataclasses.replace(options, rows_sharded=True)
-    shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, context_limit, options.dtype, kv_format)
+    geometry = serving_geometry(
+        platform=plan.platform, decode_block=int(plan.decode_block.value), mesh_data=int(mesh.shape["data"]),
+        processes=processes, max_batch=max_batch, context=context,
+        model_context=cfg.max_position_embeddings, buckets=buckets,
+        full_layers_native=M.full_layers_read_natively(cfg, options, plan.kv_cache.value),
+        mixed_step=env_switch(os.environ, "GEMMA4_MIXED_STEP", True))
+    kv_format = plan.kv_cache.value
+    shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,
+                                    kv_format)
     cache_shapes = jax.eval_shape(shape_cache)
     cache_sh = sharding.cache_shardings(cfg, cache_shapes, mesh)
     new_cache = jax.jit(shape_cache, out_shardings=cache_sh)
     cache_spec = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache_shapes, cache_sh)
-    # Decode and fused steps read full-layer slots [0, n) for n on a ladder, so a short
-    # conversation skips XLA's copies of the rest; with the native cache attention a step
-    # costs the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
-    # bundled model, 2-core AMD EPYC Zen 4), and one length means a quarter of those shapes.
-    kv_lengths = ((context_limit,) if M.full_layers_read_natively(cfg, options, kv_format)
-                  else kv_ladder(context_limit) if plan.platform == "cpu"
-                  else accelerator_kv_ladder(context_limit))
-    # the fused chunk-and-decode step (shape_keys.MIXED_CHUNK); not where several processes
-    # replay process 0's steps (gemma4.serve.step_link announces prefill and decode steps only)
-    fused = () if multi_process or plan.platform != "cpu" else mixed_widths(widths)
     return LoadedModel(
         source=source, cfg=cfg, params=params, options=options, plan=plan, report=report, mesh=mesh,
-        mesh_shape=mesh_shape, max_batch=max_batch, context_limit=context_limit, kv_format=kv_format,
-        decode_block=int(plan.decode_block.value), encoder_dtype=encoder_dtype, decode_bytes=decode_bytes,
-        roofline_tok_s=roofline_tok_s, buckets=tuple(ladder), widths=tuple(widths), kv_lengths=kv_lengths,
-        mixed_widths=fused, new_cache=new_cache, cache_spec=cache_spec, cache_shardings=cache_sh,
+        mesh_shape=mesh_shape, kv_format=kv_format, encoder_dtype=encoder_dtype, decode_bytes=decode_bytes,
+        roofline_tok_s=roofline_tok_s, geometry=geometry, new_cache=new_cache, cache_spec=cache_spec, cache_shardings=cache_sh,
         tokenizer=tokenizer, timings=timings)
 
 
@@ -328,10 +316,10 @@ def model_info(model: LoadedModel, cache: Any, memory: dict, load_s: float) -> d
         "family": cfg.family, "chat_format": cfg.family, "context_limit": model.context_limit,
         "max_batch": model.max_batch, "hardware": model.report, "kv_format": model.kv_format,
         "weights": plan.weights.value, "embed_weights": plan.embed_weights.value,
-        "compute_dtype": model.options.compute_dtype, "buckets": list(model.buckets),
-        "decode_widths": list(model.widths), "kv_lengths": list(model.kv_lengths), "load_s": round(load_s, 2),
+        "compute_dtype": model.options.compute_dtype, "buckets": list(model.geometry.buckets),
+        "decode_widths": list(model.geometry.widths), "kv_lengths": list(model.geometry.kv_lengths), "load_s": round(load_s, 2),
         "memory": memory, "sharding": sharding.placement_info(model.mesh, model.mesh_shape, model.params, cache,
-                                                              model.widths),
+                                                              model.geometry.widths),
         "default_sampling": model.default_sampling,
     }
 

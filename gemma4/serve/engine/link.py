@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from jax.experimental import multihost_utils
@@ -117,21 +117,24 @@ def _broadcast(vec: np.ndarray) -> np.ndarray:
         raise  # not reached: lost() exits
 
 
-# ------------------------------------------------------------------------------ the engine's side
+# ------------------------------------------------------------------------------ the runner's side
 class EngineLink:
-    """Process 0 announces every dispatch; the others replay them (see the module doc). Uses
-    only the engine's public surface: `run_prefill` / `run_decode` (which call `announce`),
-    `serve_requests`, and its shape settings."""
+    """Process 0 announces every dispatch; the others replay them (see the module doc). The
+    engine's runner owns it: `announce` is called by the runner before each of process 0's
+    device calls, `follow` replays process 0's steps through the runner's own calls.
 
-    def __init__(self, engine: Any):
+    max_tokens: the most tokens one step carries (the largest prompt bucket, or the rows);
+    max_rows: the cache's rows."""
+
+    def __init__(self, max_tokens: int, max_rows: int):
         self.leader = distributed.is_leader()
-        self.codec = StepCodec(max(max(engine.buckets), engine.max_batch), engine.max_batch, REPETITION_WINDOW)
+        self.codec = StepCodec(max_tokens, max_rows, REPETITION_WINDOW)
         self.stopped = False
 
     # process 0 --------------------------------------------------------------
     def announce(self, key: PrefillKey | DecodeKey, tokens, positions, row: int, last: int,
                  sampling: SamplingRows) -> None:
-        """Before process 0 runs a step (the engine calls this): send it to the other processes."""
+        """Before process 0 runs a step (the runner calls this): send it to the other processes."""
         if not self.leader:
             return  # a follower replays: the step came from process 0
         # the descriptor carries ids only (no embedding rows)
@@ -141,10 +144,10 @@ class EngineLink:
         host = SamplingRows(**{f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingRows)})
         _broadcast(self.codec.encode(Step(op, key, tokens, positions, int(row), int(last), host)))
 
-    def lead(self, engine: Any) -> None:
-        """Process 0: run the engine's scheduler, then tell the others to stop."""
+    def lead(self, serve: Callable[[], None]) -> None:
+        """Process 0: run the scheduler loop `serve`, then tell the others to stop."""
         try:
-            engine.serve_requests()
+            serve()
         finally:
             self.stop_followers()
 
@@ -155,8 +158,8 @@ class EngineLink:
             _broadcast(self.codec.encode(Step(OP_STOP)))  # the followers' loops end
 
     # the other processes ------------------------------------------------------
-    def follow(self, engine: Any) -> None:
-        """The other processes: replay process 0's steps until it says STOP."""
+    def follow(self, runner: Any) -> None:
+        """The other processes: replay process 0's steps through `runner` until it says STOP."""
         while True:
             step = self.codec.decode(_broadcast(np.zeros(self.codec.size, np.int32)))
             if step.op == OP_STOP:
@@ -165,17 +168,8 @@ class EngineLink:
                 return
             try:
                 if step.op == OP_PREFILL:
-                    engine.run_prefill(step.key, step.tokens, step.positions, step.row, step.last, step.sampling)
+                    runner.run_prefill(step.key, step.tokens, step.positions, step.row, step.last, step.sampling)
                 else:
-                    engine.run_decode(step.key, step.tokens, step.positions, step.sampling, row=step.row)
+                    runner.run_decode(step.key, step.tokens, step.positions, step.sampling, row=step.row)
             except Exception as e:  # noqa: BLE001 - process 0 would wait forever on this process
                 distributed.lost(f"replaying process 0's step {step.key} failed ({type(e).__name__}: {str(e)[:300]})")
-
-
-def link(engine: Any) -> EngineLink | None:
-    """The engine's multi-host link (None in a single process); the engine's hardware overrides
-    get the per-process measured choices fixed (`engine_overrides`)."""
-    if distributed.process_count() == 1:
-        return None
-    engine.overrides = distributed.engine_overrides(engine.overrides)
-    return EngineLink(engine)

@@ -1,0 +1,181 @@
+"""The serving geometry: every shape an engine compiles for, decided in one place.
+
+`ServingGeometry` is frozen and made once, by `serving_geometry`, from the plan's platform and
+decode block, the mesh, the process count, the cache's rows and the context asked for. Every
+ladder lives here and nowhere else: the prompt buckets a prefill chunk is padded to, the decode
+widths (rows [0, width) decode together), the full-layer cache lengths a decode step may read,
+the widths with a fused chunk-and-decode step, and the order the shapes compile in
+(`startup_shapes`, `background_shapes`). The scheduler reads it to plan steps, the compiled
+shapes to know what to compile, the runner to know what it runs. Pure data: no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
+
+DEFAULT_CONTEXT = 4096  # the context window unless one is asked for (at most the model's own)
+
+# ≤ 50% padding above 16; longer prompts are chunked. 8 is for chunks beside running streams (a
+# later 8-token chunk of the bundled model costs ~1.7 decode steps, a 16-token one ~2.5 on a 2-core
+# AMD EPYC Zen 4), not for a first compile: the shape compiled before ready is FIRST_BUCKET's.
+PROMPT_BUCKETS = (8, 16, 32, 64, 128, 256, 384, 512)
+FIRST_BUCKET = 16  # the smallest prompt bucket at least this big is compiled before ready (a chat turn's)
+CHAT_BUCKET_MAX = 64  # buckets up to this size (chat turns) compile early in the background
+
+# On an accelerator (TPU, GPU) a step streams the weights whatever its rows and, up to a few hundred,
+# its tokens (E2B on a TPU v5e: a 128-token chunk and a one-token step both ~6-9 ms), while every
+# shape costs 20-35 s of XLA compile (measured on a v5e). So an accelerator engine compiles few
+# shapes: two prompt buckets, the decode rows padded to at most three widths, a cache-length ladder
+# by factors of four, and no fused chunk-and-decode step (a CPU economy).
+ACCELERATOR_BUCKETS = (128, 512)
+ACCELERATOR_FIRST_KV = 1024
+CPU_FIRST_KV = 512
+
+# Fused shapes (a prompt chunk and a decode step in one dispatch: shape_keys.MIXED_CHUNK) are an
+# optimization, never needed: the background plan holds every width at the shortest cache length,
+# and the first widths (a stream or two beside a prompt, the demo's usual case) at the longer
+# ones; another is queued in the background when first wanted. Each compiled shape costs memory
+# and compile time (32 → 48 shapes for the app if all were planned, 42 so).
+MIXED_PLANNED_WIDTHS = 2
+
+
+def decode_widths(max_batch: int) -> tuple[int, ...]:
+    """The CPU's decode batch widths: 1, 2, 4, … below max_batch, then max_batch."""
+    out, w = [], 1
+    while w < max_batch:
+        out.append(w)
+        w *= 2
+    out.append(max_batch)
+    return tuple(out)
+
+
+def accelerator_widths(max_batch: int) -> tuple[int, ...]:
+    """Decode widths on an accelerator: one row (the demo's usual case), 8, and max_batch (idle
+    rows are padding). One row is not free in a wider step: E2B bf16 on a TPU v5e decoded 158.2
+    tok/s alone in a 1-row engine and 148.1 at width 8 (2026-12-05/06)."""
+    return tuple(sorted({1, min(8, max_batch), max_batch}))
+
+
+def kv_ladder(context_limit: int, first: int = CPU_FIRST_KV, factor: int = 2) -> tuple[int, ...]:
+    """Full-layer cache lengths a decode step may be compiled for: `first`, times `factor` while
+    below the limit, then the limit (×2 on a CPU, ×4 on an accelerator)."""
+    out, n = [], first
+    while n < context_limit:
+        out.append(n)
+        n *= factor
+    out.append(context_limit)
+    return tuple(out)
+
+
+def context_window(asked: int | None, model_context: int) -> int:
+    """The context window: the one asked for (None: the model's, at most DEFAULT_CONTEXT), never
+    past the model's own maximum."""
+    return int(min(asked or min(model_context, DEFAULT_CONTEXT), model_context))
+
+
+def bucket_for(n: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
+    """The smallest bucket that holds n tokens (the largest when none does)."""
+    return next((b for b in buckets if n <= b), buckets[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingGeometry:
+    """The shapes one engine serves with (see the module docstring)."""
+
+    max_batch: int  # the KV cache's rows
+    context_limit: int  # tokens a request's prompt and reply may take together
+    buckets: tuple[int, ...]  # prompt chunk lengths a prefill is padded to
+    widths: tuple[int, ...]  # decode batch widths: rows [0, width) run
+    kv_lengths: tuple[int, ...]  # full-layer cache slots a decode step may read
+    mixed_widths: tuple[int, ...]  # decode widths with a fused chunk-and-decode step
+    decode_block: int  # decode steps per dispatch (hardware.DECODE_BLOCK)
+    processes: int = 1  # processes serving the model (more than one replay process 0's steps)
+
+    def bucket_for(self, n: int) -> int:
+        return bucket_for(n, self.buckets)
+
+    @property
+    def first_bucket(self) -> int:
+        """The prompt bucket compiled before ready: the smallest of at least FIRST_BUCKET tokens
+        (a bigger one would serve more prompts at once but costs every short prompt: bundled
+        model, 7 tokens, TTFT 0.16 s in bucket 16, 0.6 s in 64)."""
+        return next((b for b in self.buckets if b >= FIRST_BUCKET), self.buckets[-1])
+
+    def decode_key(self, need_w: int, need_n: int) -> DecodeKey:
+        """The ideal decode shape for rows [0, need_w) and positions < need_n (both clamped to
+        what the geometry holds)."""
+        width = next((w for w in self.widths if w >= need_w), self.widths[-1])
+        return DecodeKey(width, next((n for n in self.kv_lengths if n >= need_n), self.kv_lengths[-1]))
+
+    def mixed_key(self, need_w: int, need_n: int) -> MixedKey | None:
+        """The fused shape for rows [0, need_w) and positions < need_n, or None where no fused
+        width covers the rows or no cache length the positions."""
+        w = next((w for w in self.mixed_widths if w >= need_w), None)
+        n = next((n for n in self.kv_lengths if n >= need_n), None)
+        return None if w is None or n is None else MixedKey(w, n)
+
+    def startup_shapes(self) -> tuple[ShapeKey, ...]:
+        """The shapes compiled (and run once) before the engine says ready: a short request's
+        first chunk and its decode steps."""
+        return PrefillKey(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])
+
+    def background_shapes(self) -> tuple[ShapeKey, ...]:
+        """Every other shape a request can reach, in compile order: the chat-turn buckets, the
+        other widths, the later-chunk shapes (a prompt longer than one chunk), the fused steps,
+        the longer buckets, and every width at the longer cache lengths — so that on an engine
+        idle long enough none compiles on a request's path."""
+        b0, n0 = self.first_bucket, self.kv_lengths[0]
+        short = [PrefillKey(b, True) for b in self.buckets if b <= CHAT_BUCKET_MAX and b != b0]
+        long = [PrefillKey(b, True) for b in self.buckets if b > CHAT_BUCKET_MAX and b != b0]
+        return tuple(short + [DecodeKey(w, n0) for w in self.widths[1:]]
+                     + [PrefillKey(b, False) for b in self.buckets]
+                     + [MixedKey(w, n0) for w in self.mixed_widths]
+                     + long
+                     + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
+                     + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]])
+
+    def narrowed(self, **fields) -> "ServingGeometry":
+        """A copy with some ladders replaced (benchmarks and tests that serve fewer shapes)."""
+        return dataclasses.replace(self, **fields)
+
+
+def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, processes: int, max_batch: int,
+                     context: int | None, model_context: int, buckets: Sequence[int] | None,
+                     full_layers_native: bool, mixed_step: bool) -> ServingGeometry:
+    """The one function that makes a `ServingGeometry`.
+
+    platform, decode_block: the hardware plan's; mesh_data: the devices the cache's rows are split
+    over; processes: the processes serving the model (more than one replay process 0's steps);
+    max_batch: the cache's rows; context: the context asked for (None: the model's, at most
+    DEFAULT_CONTEXT); model_context: the model's own maximum; buckets: the prompt buckets asked
+    for (None: the device's ladder); full_layers_native: every full layer's decode read goes
+    through the native cache attention (its cost does not grow with the slots it may read);
+    mixed_step: the GEMMA4_MIXED_STEP setting."""
+    context_limit = context_window(context, model_context)
+    accelerator = platform != "cpu"
+    ladder = tuple(sorted({int(b) for b in buckets})) if buckets else (
+        ACCELERATOR_BUCKETS if accelerator else PROMPT_BUCKETS)
+    widths = accelerator_widths(max_batch) if accelerator else decode_widths(max_batch)
+    if mesh_data > 1:
+        # Rows [0, w) of a cache split over `data` live on some devices only: every decode step
+        # runs all rows (idle ones carry position -1), and a row is read by mask, not sliced.
+        widths = (max_batch,)
+    # Decode and fused steps read full-layer slots [0, n) for n on a ladder, so a short
+    # conversation skips XLA's copies of the rest; with the native cache attention a step costs
+    # the same at any n (measured: 15.9–17.7 ms at 512 and 4,096 slots for one row of the
+    # bundled model, 2-core AMD EPYC Zen 4), and one length means a quarter of those shapes.
+    if full_layers_native:
+        kv_lengths = (context_limit,)
+    elif accelerator:
+        kv_lengths = kv_ladder(context_limit, ACCELERATOR_FIRST_KV, 4)
+    else:
+        kv_lengths = kv_ladder(context_limit)
+    # Several processes replay process 0's prefill and decode steps one by one (engine/link.py):
+    # neither a fused step nor a block of decode steps is announced to them.
+    fused = widths if mixed_step and not accelerator and processes == 1 else ()
+    return ServingGeometry(max_batch=int(max_batch), context_limit=context_limit, buckets=ladder,
+                           widths=tuple(widths), kv_lengths=kv_lengths, mixed_widths=tuple(fused),
+                           decode_block=int(decode_block) if processes == 1 else 1, processes=int(processes))

@@ -1,0 +1,444 @@
+"""The scheduler: who runs next, how many tokens, which rows — plain Python over plain data.
+
+It holds the queue and the cache rows, admits requests, sizes prefill chunks, plans decode
+steps, decode blocks and fused steps, and finishes or cancels requests. It emits step plans
+(engine/step_plans.py) and applies the runner's outputs to them; it never touches the device,
+and imports no jax (an import contract in pyproject.toml says so), so it is tested with a fake
+runner in milliseconds (tests/test_scheduling.py).
+
+How it serves (each step is one `next_step` → the runner → `apply`):
+- A request takes the lowest free row; its prompt is prefilled in bucketed chunks (right-padded,
+  padding at position -1 is never cached or attended), ONE chunk per iteration, between the
+  decode steps of the running streams (its row is idle in them meanwhile), so a long prompt adds
+  about one chunk to everyone's inter-token gap instead of its whole prefill. Several prompts may
+  be prefilling: the one with the fewest tokens left goes first, unless one has starved
+  (engine/chunking.py `prefill_order`). A chunk's size is measured to cost about a few decode
+  steps (`chunking.StepCosts`). The first token is sampled in the last chunk's dispatch.
+- Beside decoding rows, a text chunk of up to shape_keys.MIXED_CHUNK tokens and their decode step
+  run as ONE fused step where its shape is compiled (`MixedStep`).
+- Each iteration decodes one token for every row whose prompt is in, in the narrowest compiled
+  width and shortest cache length that covers them (engine/shape_choice.py); with decode blocks
+  (an accelerator's), several steps per dispatch, the next block planned (`chain_block`) and
+  dispatched before the last is read.
+- Only compiled shapes are used: a request that no compiled shape can serve waits for its own
+  (its stats say `compiled`), the others go on; `blocked_on` names the shapes waited for.
+- A stop id, the token limit or the context window ends a request; a cancelled one leaves its
+  row before the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from gemma4.serve.engine.chunking import StepCosts, next_chunk, prefill_order
+from gemma4.serve.engine.geometry import ServingGeometry
+from gemma4.serve.engine.shape_choice import ShapeChoice
+from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeDispatch, DecodeStep, MixedStep, Observer,
+                                            PrefillChunk, StepPlan)
+from gemma4.serve.requests import Request
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, PrefillKey, ShapeKey
+
+STOP = object()  # `wait_for_work`: the scheduler was stopped
+
+
+class Scheduler:
+    """The queue, the rows and the plans of one engine (see the module docstring).
+
+    geometry: the shapes; shapes: the choice among the compiled ones; stop_ids: the ids that end
+    a reply; observers: the engine's (their `token` hook sees every token handed out);
+    chunk_override: tokens per prefill chunk {alone?: tokens or None (measured)} (GEMMA4_PREFILL_CHUNK*;
+    tests and benchmarks may set it); clock: seconds (time.perf_counter; tests give a fake)."""
+
+    def __init__(self, geometry: ServingGeometry, shapes: ShapeChoice, stop_ids: Sequence[int], *,
+                 observers: Sequence[Observer] = (), chunk_override: dict[bool, int | None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.geometry = geometry
+        self.shapes = shapes
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.observers = observers
+        self.chunk_override = dict(chunk_override or {False: None, True: None})
+        self.costs = StepCosts()
+        self.clock = clock
+        self.blocked_on: list[ShapeKey] = []  # the shapes the last planning's waiting rows need
+        self.last_busy = 0.0  # time.monotonic() when a step was last planned or applied
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: list[Request] = []
+        self._active: dict[int, Request] = {}
+        self._stopped = False
+        self._chunk_turn = True  # an iteration is [a fused step] or [a chunk, then a decode step]
+
+    # ---------------------------------------------------------------- intake (any thread)
+    def submit(self, req: Request) -> None:
+        with self._lock:
+            self._waiting.append(req)
+            req.stats["queue_position"] = len(self._waiting)
+            self._wake.notify_all()
+
+    def cancel(self, req: Request) -> None:
+        """It leaves the queue now, or its row before the next step."""
+        req.cancel.set()
+        with self._lock:
+            if req in self._waiting:
+                self._waiting.remove(req)
+            self._wake.notify_all()
+
+    def wake(self) -> None:
+        with self._lock:
+            self._wake.notify_all()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._wake.notify_all()
+
+    def queue_state(self) -> dict:
+        with self._lock:
+            return {"active": len(self._active), "waiting": len(self._waiting), "max_batch": self.geometry.max_batch}
+
+    def idle(self) -> bool:
+        """No request is queued or being served."""
+        with self._lock:
+            return not self._active and not self._waiting
+
+    def wait_for_work(self, idle_work: Callable[[], object | None] = lambda: None):
+        """Block until there is something to do: True (requests to serve), an item of
+        `idle_work()` (called only while no request is queued or served: the engine gives a new
+        shape its first run), or STOP."""
+        with self._lock:
+            while True:
+                if self._stopped:
+                    return STOP
+                if self._waiting and len(self._active) < self.geometry.max_batch or self._active:
+                    return True
+                item = idle_work()
+                if item is not None:
+                    return item
+                self._wake.wait()
+
+    # ---------------------------------------------------------------- planning
+    def next_step(self) -> StepPlan | None:
+        """The next step to run, or None when nothing can run now (every row waits for a shape of
+        its own: `blocked_on`). An iteration is a fused step, or a prefill chunk then a decode
+        step; each begins by admitting a waiting request and dropping cancelled ones."""
+        self.last_busy = time.monotonic()
+        self.blocked_on = []
+        for _ in range(2):
+            chunk_turn, self._chunk_turn = self._chunk_turn, not self._chunk_turn
+            if chunk_turn:
+                self._admit_one()
+                self._reap_cancelled()
+                plan = self._plan_mixed() or self._plan_chunk()
+                if isinstance(plan, MixedStep):
+                    self._chunk_turn = True  # a fused step is a whole iteration
+            else:
+                plan = self._plan_decode()
+            if plan is not None:
+                return plan
+        return None
+
+    def _admit_one(self) -> None:
+        """The first waiting request takes the lowest free row; its prefill starts at the next
+        chunk planned, and the shape of its first decode step is asked for now (compiled
+        meanwhile if new)."""
+        with self._lock:
+            free = [r for r in range(self.geometry.max_batch) if r not in self._active]
+            if not self._waiting or not free:
+                return
+            req = self._waiting.pop(0)
+            req.row = free[0]
+            self._active[req.row] = req
+            need_w = max(self._active) + 1
+        if req.cancel.is_set():
+            self._finish(req, "cancelled")
+            return
+        req.prefilled = 0
+        self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
+
+    def _reap_cancelled(self) -> None:
+        with self._lock:
+            cancelled = [r for r in self._active.values() if r.cancel.is_set()]
+        for req in cancelled:
+            self._finish(req, "cancelled")
+
+    def _rows(self) -> tuple[dict[int, Request], dict[int, Request]]:
+        """(every active row, the decoding ones: prompt in)."""
+        with self._lock:
+            active = dict(self._active)
+        return active, {row: r for row, r in active.items() if not r.prefilling}
+
+    def chunk_tokens(self, fresh: bool, alone: bool) -> int:
+        """The most prompt tokens one prefill chunk takes now: the override, else the largest
+        bucket whose measured cost fits the budget (`StepCosts.chunk_tokens`)."""
+        forced = self.chunk_override[alone]
+        return forced if forced is not None else self.costs.chunk_tokens(self.geometry.buckets, fresh, alone)
+
+    def _plan_chunk(self) -> PrefillChunk | None:
+        """The next chunk of the first prefilling request in `prefill_order` that a compiled shape
+        can serve (the others wait for theirs, compiled first in line)."""
+        with self._lock:
+            rows, waiting = list(self._active.values()), bool(self._waiting)
+        pending = prefill_order([r for r in rows if r.prefilling and not r.cancel.is_set()], self.clock())
+        alone = len(rows) == 1 and not waiting
+        for req in pending:
+            fresh = req.prefilled == 0
+            start, n = req.prefilled, len(req.prompt_ids)
+            length = next_chunk(start, n, self.chunk_tokens(fresh, alone), req.atomic_spans)
+            with_embeds = req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())
+            key = self.shapes.chunk_key(length, fresh, with_embeds)
+            if key is None:  # its shape compiles first in line; this request waits for it, nobody else
+                self._wait_or_fail(req, PrefillKey(self.geometry.bucket_for(length), fresh, with_embeds))
+                continue
+            if key.bucket < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
+                length = next_chunk(start, n, key.bucket, req.atomic_spans)
+                if length > key.bucket:  # a span needs the larger shape: wait for it
+                    self.blocked_on.append(PrefillKey(self.geometry.bucket_for(length), fresh, with_embeds))
+                    continue
+            return self._chunk(req, key, start, length)
+        return None
+
+    def _chunk(self, req: Request, key: PrefillKey, start: int, length: int) -> PrefillChunk:
+        self._start_prefill_clock(req)
+        bucket, chunk = key.bucket, slice(start, start + length)
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:length] = req.prompt_ids[chunk]
+        positions = np.full(bucket, -1, np.int32)
+        positions[:length] = np.arange(start, start + length)
+        embeds = mask = groups = None
+        if key.embeds:
+            embeds = np.zeros((bucket, req.embeds.shape[1]), np.float32)
+            embeds[:length] = req.embeds[chunk]
+            mask = np.zeros(bucket, bool)
+            mask[:length] = req.embed_mask[chunk]
+            if req.vision_groups is not None:  # an image's soft tokens see each other
+                groups = np.full(bucket, -1, np.int32)
+                groups[:length] = req.vision_groups[chunk]
+        final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
+        return PrefillChunk(key, req, start, length, tokens, positions, length - 1 if final else -1, embeds, mask,
+                            groups, measured=self.shapes.book.has_run(key))
+
+    def _wait_or_fail(self, req: Request, key: ShapeKey) -> None:
+        """`req` cannot run now: it waits for shape `key` (its stats say it waited for a compile),
+        or, when compiling `key` failed, it ends with that error (the others go on)."""
+        failed = self.shapes.book.failure(key)
+        if failed is None:
+            req.stats["compiled"] = True
+            self.blocked_on.append(key)
+            return
+        self._end(req, ("error", f"compiling {key.describe()} failed: {failed}"))
+
+    def _plan_decode(self) -> DecodeStep | DecodeBlock | None:
+        """One token for every decoding row, with compiled shapes only (`ShapeChoice.decode_plan`:
+        a row whose shape is not compiled yet waits for it alone)."""
+        active, decoding = self._rows()
+        if not decoding:
+            return None
+        need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
+        kv_len = self.shapes.decode_key(need_w, need_n).kv_len
+        if kv_len < self.geometry.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
+            self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
+        plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
+        for row in wait:  # its own shape compiles first in line (decode_plan); nobody else waits
+            self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
+        if not plan:
+            return None
+        if self.geometry.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0:
+            return self._first_block(plan[0][0], active, decoding)
+        dispatches = []
+        for key, first, rows in plan:
+            tokens, positions = np.zeros(key.width, np.int32), np.full(key.width, -1, np.int32)
+            sampling: list[Request | None] = [None] * key.width
+            for row in rows:
+                req = decoding[row]
+                tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
+            dispatches.append(DecodeDispatch(key, first, tokens, positions, tuple(sampling)))
+        measured = all(self.shapes.book.has_run(d.key) for d in dispatches)
+        return DecodeStep(tuple(dispatches), decoding, active, measured)
+
+    def _first_block(self, key: DecodeKey, active: dict[int, Request], decoding: dict[int, Request]) -> DecodeBlock:
+        tokens, positions = np.zeros(key.width, np.int32), np.full(key.width, -1, np.int32)
+        sampling: list[Request | None] = [None] * key.width
+        for row, req in decoding.items():
+            tokens[row], positions[row], sampling[row] = req.recent[-1], req.position, req
+        return DecodeBlock(key, self._block_steps(decoding, 0, key.kv_len), False, decoding, len(decoding), active,
+                           tokens, positions, tuple(sampling), measured=self.shapes.book.has_run(key))
+
+    def chain_block(self, block: DecodeBlock) -> DecodeBlock | None:
+        """The block to dispatch behind `block` (dispatched, not yet read) so that the device never
+        waits for the host; None ends the chain: a row ended or was cancelled, another request
+        waits, or the rows' needs, the context window or the cache length end it."""
+        decoding = self._still_active(block.rows)
+        if len(decoding) != block.started_with:
+            return None
+        steps = self._block_steps(decoding, block.steps, block.key.kv_len)
+        if not steps:
+            return None
+        return DecodeBlock(block.key, steps, True, decoding, block.started_with, block.active, measured=True)
+
+    def _block_steps(self, decoding: dict[int, Request], ahead: int, kv_len: int) -> int:
+        """How many steps the next block of `decoding` may run, `ahead` steps dispatched and
+        unread: one while another request waits for its prompt (it is served between blocks),
+        else up to decode_block, no further than the rows still need, the context window and the
+        compiled cache length allow. 0: nothing more to dispatch."""
+        with self._lock:
+            busy = bool(self._waiting) or any(r.prefilling for r in self._active.values())
+        if any(r.cancel.is_set() for r in decoding.values()):
+            return 0 if ahead else 1
+        block = self.geometry.decode_block
+        furthest = max(r.position for r in decoding.values()) + ahead  # the next position written
+        need = max(r.params.max_new_tokens - r.generated for r in decoding.values()) - ahead
+        room = min(self.geometry.context_limit, kv_len) - furthest
+        steps = min(block, need, room, 1 if busy else block)
+        if ahead and (busy or steps < 1):
+            return 0
+        return max(1, steps)
+
+    def _plan_mixed(self) -> MixedStep | None:
+        """A fused step where it applies: some rows decoding, the next prompt in `prefill_order`
+        with a text-only next chunk of at most MIXED_CHUNK tokens (none ends inside an atomic
+        span), and the fused shape for these rows and lengths compiled (else it is queued, and
+        the chunk and the decode step run apart). Not while a chunk size beside streams is forced."""
+        if not self.geometry.mixed_widths or self.chunk_override[False] is not None:
+            return None
+        active, decoding = self._rows()
+        pending = prefill_order([r for r in active.values() if r.prefilling and not r.cancel.is_set()], self.clock())
+        if not decoding or not pending:
+            return None
+        req = pending[0]
+        start, n = req.prefilled, len(req.prompt_ids)
+        length = next_chunk(start, n, MIXED_CHUNK, req.atomic_spans)
+        if length > MIXED_CHUNK or (req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())):
+            return None
+        key = self.shapes.mixed_key(max(decoding) + 1, max(max(r.position for r in decoding.values()) + 1, start + length))
+        if key is None:
+            return None
+        tokens = np.zeros(MIXED_CHUNK + key.width, np.int32)
+        positions = np.full(MIXED_CHUNK + key.width, -1, np.int32)
+        tokens[:length] = req.prompt_ids[start:start + length]
+        positions[:length] = np.arange(start, start + length)
+        sampling: list[Request | None] = [None] * key.width + [req]
+        for row, r in decoding.items():
+            tokens[MIXED_CHUNK + row], positions[MIXED_CHUNK + row], sampling[row] = r.recent[-1], r.position, r
+        self._start_prefill_clock(req)
+        last = length - 1 if start + length == n else 0
+        return MixedStep(key, req, start, length, tokens, positions, req.row if start == 0 else -1, last,
+                         tuple(sampling), decoding, active)
+
+    def _start_prefill_clock(self, req: Request) -> None:
+        if req.prefill_t0 is None:
+            req.prefill_t0 = self.clock()
+            req.stats["queue_wait_s"] = req.prefill_t0 - req.submitted
+
+    # ---------------------------------------------------------------- applying outputs
+    def apply(self, plan: StepPlan, tokens: np.ndarray, nonfinite: np.ndarray, seconds: float) -> None:
+        """The runner ran `plan` in `seconds`: its sampled `tokens` and `nonfinite` flags (indexed
+        as the plan's type says) go to the requests; a measured cost sizes later chunks."""
+        now = self.clock()
+        self.last_busy = time.monotonic()
+        if isinstance(plan, PrefillChunk):
+            if plan.measured:  # a first run's one-time costs would rule its bucket out for a lone prompt
+                self.costs.note(plan.key, seconds)
+            self._chunk_done(plan.request, plan.start, plan.length, plan.key.bucket, int(tokens[0]),
+                             bool(nonfinite[0]), now)
+        elif isinstance(plan, DecodeStep):
+            if plan.measured:
+                self.costs.note(plan.dispatches[0].key, seconds / len(plan.dispatches))
+            self._decoded(plan.active, plan.rows, tokens, nonfinite, now)
+        elif isinstance(plan, DecodeBlock):
+            if plan.measured:
+                self.costs.note(plan.key, seconds / plan.steps)
+            for i in range(plan.steps):  # a row that finished takes no more tokens (the rest of its block is dropped)
+                decoding = self._still_active(plan.rows)
+                if not decoding:
+                    break
+                self._decoded(plan.active, decoding, tokens[i], nonfinite[i], now)
+        else:
+            width = plan.key.width
+            plan.request.fused_chunks += 1
+            self._decoded(plan.active, plan.rows, tokens, nonfinite, now)
+            self._chunk_done(plan.request, plan.start, plan.length, MIXED_CHUNK, int(tokens[width]),
+                             bool(nonfinite[width]), now)
+
+    def _still_active(self, rows: dict[int, Request]) -> dict[int, Request]:
+        with self._lock:
+            return {row: r for row, r in rows.items() if self._active.get(row) is r}
+
+    def _chunk_done(self, req: Request, start: int, length: int, bucket: int, token: int, bad: bool,
+                    now: float) -> None:
+        """Prompt positions [start, start + length) of `req` are in (run padded to `bucket`); after
+        its last chunk, its prefill stats and its first token (sampled in that dispatch)."""
+        req.last_chunk_at = now
+        req.prefilled += length
+        req.prefill_chunks.append((start, length, bucket))
+        if req.prefilling:
+            return
+        ids, chunks = req.prompt_ids, req.prefill_chunks
+        req.position = len(ids)
+        wall = now - req.prefill_t0
+        req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
+                         bucket=chunks[-1][2], chunks=len(chunks), padding=sum(b - n for _, n, b in chunks),
+                         compiled=bool(req.stats.get("compiled")), ttft_s=now - req.submitted,
+                         prefill_interleaved_steps=req.interleaved_steps, fused_chunks=req.fused_chunks)
+        self._emit(req, token, bad, now)
+
+    def _decoded(self, active: dict[int, Request], decoding: dict[int, Request], out, bad, now: float) -> None:
+        """Rows `decoding` got their next token (out[row], bad[row]) in one step; a prompt still
+        prefilling meanwhile counts one more interleaved step."""
+        for req in active.values():
+            if req.prefilling and req.prefill_t0 is not None:
+                req.interleaved_steps += 1
+        for row, req in decoding.items():
+            req.position += 1
+            req.occupancy_sum += len(decoding) / self.geometry.max_batch
+            req.occupancy_steps += 1
+            if req.cancel.is_set():
+                self._finish(req, "cancelled")
+            else:
+                self._emit(req, int(out[row]), bool(bad[row]), now)
+
+    def _emit(self, req: Request, token: int, bad: bool, now: float) -> None:
+        """Hand one sampled token to the request; finish it on a stop id or at a limit."""
+        for observer in self.observers:
+            token = observer.token(req, token)
+        req.generated += 1
+        if token in self.stop_ids:
+            self._finish(req, "stop")
+            return
+        req.recent.append(token)
+        req.events.put(("token", token, now, bad))
+        if req.generated >= req.params.max_new_tokens:
+            self._finish(req, "length")
+        elif req.position >= self.geometry.context_limit:
+            self._finish(req, "context")
+
+    def _end(self, req: Request, event: tuple) -> None:
+        with self._lock:
+            if self._active.get(req.row) is req:
+                del self._active[req.row]
+        req.events.put(event)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._end(req, ("done", reason))
+
+    # ---------------------------------------------------------------- faults
+    def fail(self, plan: StepPlan | None, message: str, everyone: bool = False) -> list[Request]:
+        """A step failed: its requests end with an "error" event carrying `message` — `plan`'s
+        (a decode step or block: every decoding row, which it runs all of), or every active one
+        (`everyone`: the KV cache was lost; `plan` None: a fault outside any step). The others
+        keep their rows and go on. Returns the requests failed."""
+        with self._lock:
+            if everyone or plan is None:
+                victims = list(self._active.values())
+            elif isinstance(plan, (DecodeStep, DecodeBlock)):
+                victims = [r for r in self._active.values() if not r.prefilling]
+            else:
+                victims = [r for r in plan.requests if self._active.get(r.row) is r]
+            for r in victims:
+                del self._active[r.row]
+        for r in victims:
+            r.events.put(("error", message))
+        return victims

@@ -1,0 +1,156 @@
+"""Step plans: what the scheduler asks the runner to run, as plain data, and what may watch it.
+
+The scheduler decides and the runner runs; they meet at these objects. A plan names the compiled
+shape (a shape key), the host inputs (token ids and positions, padding at position -1), the
+requests whose sampling settings its rows take, and the requests it serves, so that the
+scheduler can apply the runner's outputs (sampled ids and non-finite flags, indexed as each plan
+says) without keeping any state about the step in flight. `Observer` is the one way to watch
+(or, in tests, fault or script) the steps: no method of the engine is ever replaced. Pure: no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import numpy as np
+
+from gemma4.serve.requests import Request
+from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefillChunk:
+    """Prompt positions [start, start + length) of `request` into its cache row, padded to
+    key.bucket. Outputs: tokens and non-finite flags [1], meaningful when `last` >= 0 (the
+    prompt's last chunk: the token sampled at chunk index `last` is the reply's first)."""
+
+    key: PrefillKey
+    request: Request
+    start: int
+    length: int
+    tokens: np.ndarray  # int32 [bucket]
+    positions: np.ndarray  # int32 [bucket]; padding -1
+    last: int
+    embeds: np.ndarray | None = None  # float32 [bucket, hidden] with key.embeds
+    embed_mask: np.ndarray | None = None  # bool [bucket]
+    vision_groups: np.ndarray | None = None  # int32 [bucket]: bidirectional vision only
+    measured: bool = False  # its shape ran before: its cost is chunk-size evidence
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return (self.request,)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeDispatch:
+    """One decode call of a `DecodeStep`: cache rows [first_row, first_row + key.width)."""
+
+    key: DecodeKey
+    first_row: int
+    tokens: np.ndarray  # int32 [width]
+    positions: np.ndarray  # int32 [width]; an idle row -1
+    sampling: tuple[Request | None, ...]  # [width]: whose settings each row samples with
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeStep:
+    """One token for every decoding row, in one dispatch or several (rows decoded alone at their
+    offset while no compiled width covers them all). Outputs: [max_batch] by cache row."""
+
+    dispatches: tuple[DecodeDispatch, ...]
+    rows: dict[int, Request]  # the decoding rows
+    active: dict[int, Request]  # every row taken when it was planned (a prefilling row counts the step)
+    measured: bool = False
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return tuple(self.rows.values())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeBlock:
+    """`steps` decode steps of rows [0, key.width) in one dispatch, each row's sampled token fed
+    back on the device. A chained block starts where the block dispatched before it leaves its
+    rows (no host inputs: it was planned before that one was read). Outputs: [steps, width]."""
+
+    key: DecodeKey
+    steps: int
+    chained: bool
+    rows: dict[int, Request]  # the rows still decoding when it was planned
+    started_with: int  # rows the chain began with (a row that ends stops the chain)
+    active: dict[int, Request]
+    tokens: np.ndarray | None = None  # int32 [width] (not chained)
+    positions: np.ndarray | None = None
+    sampling: tuple[Request | None, ...] | None = None
+    measured: bool = False
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return tuple(self.rows.values())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MixedStep:
+    """A prompt chunk of `request` (up to shape_keys.MIXED_CHUNK tokens) and one decode token per
+    row [0, key.width) in one dispatch. Inputs: the chunk first, then the decode rows; `clear`:
+    the row to mark empty first (a prompt's first chunk) or -1; `last`: the chunk index sampled.
+    Outputs: [width + 1]: the decode rows' by row, then the chunk's."""
+
+    key: MixedKey
+    request: Request
+    start: int
+    length: int
+    tokens: np.ndarray  # int32 [MIXED_CHUNK + width]
+    positions: np.ndarray
+    clear: int
+    last: int
+    sampling: tuple[Request | None, ...]  # [width + 1]
+    rows: dict[int, Request]
+    active: dict[int, Request]
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return (self.request, *self.rows.values())
+
+
+StepPlan = Union[PrefillChunk, DecodeStep, DecodeBlock, MixedStep]
+
+
+def step_kind(plan: StepPlan) -> str:
+    """"prefill" | "decode" | "mixed": the step-time histogram a plan counts in (step_times)."""
+    return "prefill" if isinstance(plan, PrefillChunk) else "mixed" if isinstance(plan, MixedStep) else "decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCall:
+    """One call of a compiled step on the device, as an `Observer` sees it: its shape, the first
+    cache row it runs at, the decode steps it runs (blocks: several), whether it was chained
+    behind an unread block, and whether it was an idle run (warm-up or a new shape's first run:
+    no request's tokens)."""
+
+    key: ShapeKey
+    row: int = 0
+    steps: int = 1
+    chained: bool = False
+    idle: bool = False
+
+
+class Observer:
+    """Watches an engine's steps (`Engine.observing`). Subclass and override what you need; every
+    method runs on the thread that dispatches steps, so keep it short.
+
+    before_call: before a device call (on every process of a multi-host run; raising fails the
+      step as a device fault would — tests inject faults this way).
+    after_call: after it returned (a block's outputs may still be computing).
+    token: the token a request is handed; return it, or another id (tests script a model's
+      output this way: the returned id is fed back as the next input like a sampled one)."""
+
+    def before_call(self, call: DeviceCall) -> None:
+        pass
+
+    def after_call(self, call: DeviceCall, seconds: float) -> None:
+        pass
+
+    def token(self, request: Request, token: int) -> int:
+        return token
