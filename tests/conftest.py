@@ -83,10 +83,10 @@ def _close_engines_after_each_module():
     """Close every engine a test module started when the module is done (but the few that
     tests/engines.py shares between modules), so one test process never holds the executables
     of all of them: each compiled shape holds ~400 memory mappings, and past vm.max_map_count
-    XLA crashed the process (see gemma4/serve/engine_compile.py's mapping limit); and drop jax's
+    XLA crashed the process (see gemma4/serve/engine/compiled.py's mapping limit); and drop jax's
     caches of compiled functions."""
     yield
-    engine = sys.modules.get("gemma4.serve.engine")
+    engine = sys.modules.get("gemma4.serve.engine.engine")
     if engine is not None:
         engines = sys.modules.get("tests.engines")  # the few engines modules share stay open
         engine.close_all_engines(timeout=120, keep=engines.shared_engines() if engines else ())

@@ -1,0 +1,379 @@
+"""The scheduler on a fake runner: no model, no compile, each test well under a second.
+
+The real engine facade and scheduler run (their thread, queue, rows, token streams, cancel,
+faults) over tests/fake_engine.py's runner, whose "model" samples from the token it is fed and
+that token's position: a request's tokens must not depend on how it was chunked or batched, and
+the tests know which tokens each request must get (`expected`). What runs is read from the
+runner's record of plans, not from timing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gemma4.model.sampling_params import SamplingParams
+from gemma4.serve.engine.chunking import STARVE_S
+from gemma4.serve.engine.scheduler import Scheduler
+from gemma4.serve.engine.shape_choice import ShapeChoice
+from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk
+from gemma4.serve.requests import RequestError, RequestRules
+from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
+from tests.fake_engine import (STOP_ID, FakeShapes, all_shapes, expected, fake_engine, geometry, next_token)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [2] + [(7 * i + 13 * seed) % 200 + 10 for i in range(n - 1)]
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def _reply(eng, req):
+    last = None
+    for last in eng.tokens(req):
+        pass
+    return list(last.token_ids), last.finish_reason, last.stats
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(fake_engine(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.close(timeout=5)
+
+
+def _started(eng, *reqs, timeout: float = 5.0):
+    """Wait until every request has its first token (or has finished)."""
+    end = time.monotonic() + timeout
+    while any(r.generated == 0 and r.events.empty() for r in reqs) and time.monotonic() < end:
+        time.sleep(0.001)
+
+
+# ---------------------------------------------------------------- tokens
+def test_a_request_gets_the_models_tokens_and_its_stats(engines):
+    eng = engines()
+    t0 = time.perf_counter()
+    prompt = _prompt(20)
+    ids, reason, stats = _reply(eng, eng.submit(prompt, _params(12)))
+    assert ids == expected(prompt, 12) and reason == "length"
+    assert stats["prefill_tokens"] == 20 and stats["chunks"] >= 1 and stats["compiled"] is False
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_chunking_and_batching_change_no_token(engines):
+    """Prompts of several lengths together, chunked at 8 tokens, get the tokens each gets alone."""
+    eng = engines()
+    eng.scheduler.chunk_override = {False: 8, True: 8}
+    prompts = [_prompt(n, seed) for seed, n in enumerate((3, 17, 40, 9))]
+    reqs = [eng.submit(p, _params(15)) for p in prompts]
+    for p, r in zip(prompts, reqs):
+        ids, reason, stats = _reply(eng, r)
+        assert ids == expected(p, 15) and reason == "length"
+        assert stats["chunks"] == -(-len(p) // 8)
+    assert max(r.stats["batch_occupancy"] if "batch_occupancy" in r.stats else 0 for r in reqs) >= 0
+    decodes = [p for p in eng.runner.plans if isinstance(p, DecodeStep)]
+    assert any(len(p.rows) > 1 for p in decodes)  # they did decode together
+
+
+def test_a_stop_id_a_length_and_the_context_window_end_a_reply(engines):
+    eng = engines(geometry(context_limit=40, kv_lengths=(40,)))
+
+    class StopAfter(Observer):
+        def token(self, request, token):
+            return STOP_ID if request.generated == 4 else token
+
+    with eng.observing(StopAfter()):
+        ids, reason, _ = _reply(eng, eng.submit(_prompt(10), _params(30)))
+    assert reason == "stop" and ids == expected(_prompt(10), 4)
+    ids, reason, _ = _reply(eng, eng.submit(_prompt(10), _params(5)))
+    assert reason == "length" and len(ids) == 5
+    req = eng.submit(_prompt(30), _params(30))
+    ids, reason, stats = _reply(eng, req)
+    assert req.params.max_new_tokens == 10 and "lowered from 30 to 10" in stats["notes"][0]
+    assert reason == "length" and len(ids) == 10
+
+
+def test_bad_prompts_are_refused_before_a_row_is_taken(engines):
+    eng = engines()
+    with pytest.raises(RequestError, match="empty"):
+        eng.submit([2], _params(4))
+    with pytest.raises(RequestError, match="outside this model's vocabulary"):
+        eng.submit([2, 5000], _params(4))
+    with pytest.raises(RequestError, match="context window is 256"):
+        eng.submit(_prompt(256), _params(4))
+    with pytest.raises(RequestError, match="largest prefill chunk"):
+        eng.submit(_prompt(100), _params(4), atomic_spans=[(10, 50)])
+    assert eng.queue_state() == {"active": 0, "waiting": 0, "max_batch": 4}
+
+
+# ---------------------------------------------------------------- order and fairness
+def test_a_short_prompt_passes_a_long_one_and_streams_keep_decoding(engines):
+    """While a 150-token prompt prefills in 8-token chunks beside a running stream, the stream
+    decodes between its chunks (one chunk per iteration), and a short prompt sent meanwhile gets
+    its first token long before the long one does (shortest remaining first)."""
+    eng = engines(geometry(context_limit=4096, kv_lengths=(4096,)), pause_s=2e-4)
+    eng.scheduler.chunk_override = {False: 8, True: 8}
+    running = eng.submit(_prompt(5, 1), _params(4000))
+    _started(eng, running)
+    long = eng.submit(_prompt(150, 2), _params(3))
+    short = eng.submit(_prompt(6, 3), _params(3))
+    for r, p in ((long, _prompt(150, 2)), (short, _prompt(6, 3))):
+        assert _reply(eng, r)[0] == expected(p, 3)
+    eng.cancel(running)
+    plans = eng.runner.plans
+    first = {id(r): next(i for i, p in enumerate(plans) if isinstance(p, PrefillChunk) and p.request is r)
+             for r in (long, short)}
+    done = {id(r): max(i for i, p in enumerate(plans) if isinstance(p, PrefillChunk) and p.request is r)
+            for r in (long, short)}
+    assert done[id(short)] < done[id(long)]
+    between = plans[first[id(long)]:done[id(long)] + 1]
+    chunks = [p for p in between if isinstance(p, PrefillChunk) and p.request is long]
+    decodes = [p for p in between if isinstance(p, DecodeStep)]
+    assert len(chunks) == 19 and len(decodes) >= len(chunks) - 1  # a decode step between chunks
+    assert long.stats["prefill_interleaved_steps"] >= 18
+
+
+def test_a_long_prompt_is_not_starved_by_steady_short_ones():
+    """On the scheduler alone with a fake clock: short prompts keep arriving; the long prompt's
+    next chunk waits for them only until it has waited STARVE_S, then it goes first."""
+    g = geometry(max_batch=8)
+    now = [100.0]
+    sched = Scheduler(g, ShapeChoice(g, FakeShapes(all_shapes(g))), [STOP_ID], clock=lambda: now[0],
+                      chunk_override={False: 8, True: 8})
+    rules = RequestRules(0, 4, 1001, 256, 32)
+    long = rules.request(_prompt(100), _params(1), seed=0)
+    long.submitted = now[0]
+    sched.submit(long)
+    for _ in range(2):  # admitted, first chunk
+        plan = sched.next_step()
+    assert isinstance(plan, PrefillChunk) and plan.request is long
+    sched.apply(plan, np.zeros(1, np.int32), np.zeros(1, bool), 0.01)
+    order = []
+    for k in range(6):
+        now[0] += 0.5
+        short = rules.request(_prompt(6, k + 1), _params(1), seed=k)
+        short.submitted = now[0]
+        sched.submit(short)
+        plan = None
+        while not isinstance(plan, PrefillChunk):
+            plan = sched.next_step()
+            if isinstance(plan, DecodeStep):
+                sched.apply(plan, np.zeros(8, np.int32), np.zeros(8, bool), 0.01)
+        order.append("long" if plan.request is long else "short")
+        sched.apply(plan, np.zeros(1, np.int32), np.zeros(1, bool), 0.01)
+    waited_out = int(STARVE_S / 0.5)  # the long prompt's last chunk is older than STARVE_S from then on
+    assert order[:waited_out - 1] == ["short"] * (waited_out - 1) and "long" in order[waited_out - 1:], order
+
+
+def test_requests_beyond_the_rows_wait_and_take_the_lowest_free_row(engines):
+    """Admission: at most max_batch rows are taken; a waiting request takes the lowest row freed."""
+    eng = engines(geometry(max_batch=2, widths=(1, 2), context_limit=4096, kv_lengths=(4096,)), pause_s=2e-4)
+    a = eng.submit(_prompt(5, 1), _params(4000))
+    b = eng.submit(_prompt(5, 2), _params(4000))
+    c = eng.submit(_prompt(5, 3), _params(5))
+    _started(eng, a, b)
+    assert eng.queue_state()["active"] == 2 and eng.queue_state()["waiting"] == 1 and c.row == -1
+    eng.cancel(a)
+    assert _reply(eng, c)[0] == expected(_prompt(5, 3), 5)
+    assert c.row == a.row == 0
+    eng.cancel(b)
+
+
+# ---------------------------------------------------------------- compiles off the request path
+def test_a_chunk_without_its_shape_runs_in_a_larger_compiled_one(engines):
+    g = geometry()
+    compiled = all_shapes(g) - {PrefillKey(8, True)}
+    eng = engines(g, compiled)
+    prompt = _prompt(6)
+    ids, _, stats = _reply(eng, eng.submit(prompt, _params(3)))
+    assert ids == expected(prompt, 3) and stats["bucket"] == 16 and not stats["compiled"]
+    assert (PrefillKey(8, True), "background") in eng.shapes.requests  # a small stand-in: its own waits for idle
+
+
+def test_a_request_waits_for_its_own_shape_while_others_are_served(engines):
+    """The later-chunk shapes are not compiled: a long prompt runs its first chunk, then waits for
+    them (saying so) while a short request is served start to end. A failed compile ends only
+    the request that needs it; once the compile lands, a long prompt finishes with its tokens."""
+    g = geometry()
+    later = {k for k in all_shapes(g) if isinstance(k, PrefillKey) and not k.fresh}
+    eng = engines(g, all_shapes(g) - later)
+    eng.scheduler.chunk_override = {False: 32, True: 32}
+
+    def waiting_long(seed):
+        req = eng.submit(_prompt(70, seed), _params(4))
+        end = time.monotonic() + 5
+        while not req.stats.get("compiled") and time.monotonic() < end:
+            time.sleep(0.001)
+        return req
+
+    long = waiting_long(1)
+    assert long.prefilled == 32 and (PrefillKey(32, False), True) in eng.shapes.requests
+    ids, _, stats = _reply(eng, eng.submit(_prompt(7, 2), _params(4)))
+    assert ids == expected(_prompt(7, 2), 4) and stats["compiled"] is False and long.prefilled == 32
+    eng.shapes.fail(PrefillKey(32, False), "RuntimeError: planted")
+    ids, reason, stats = _reply(eng, long)
+    assert reason == "error" and stats["error"] == "compiling prefill 32 tokens (later chunk) failed: RuntimeError: planted"
+    eng.shapes.failed.clear()
+    long = waiting_long(3)
+    eng.shapes.compile(PrefillKey(32, False))
+    assert _reply(eng, long)[0] == expected(_prompt(70, 3), 4)
+
+
+def test_rows_decode_alone_at_their_offset_while_no_width_covers_them(engines):
+    g = geometry()
+    compiled = {k for k in all_shapes(g) if not (isinstance(k, DecodeKey) and k.width > 1)}
+    eng = engines(g, compiled)
+    eng.scheduler.chunk_override = {False: 32, True: 32}
+    prompts = [_prompt(5, s) for s in range(3)]
+    reqs = [eng.submit(p, _params(6)) for p in prompts]
+    assert [_reply(eng, r)[0] for r in reqs] == [expected(p, 6) for p in prompts]
+    split = [p for p in eng.runner.plans if isinstance(p, DecodeStep) and len(p.dispatches) > 1]
+    assert split and all(d.key.width == 1 and d.first_row in p.rows for p in split for d in p.dispatches)
+
+
+def test_a_row_past_every_compiled_cache_length_waits_alone(engines):
+    g = geometry()
+    eng = engines(g, {k for k in all_shapes(g) if not (isinstance(k, DecodeKey) and k.kv_len > 128)})
+    eng.scheduler.chunk_override = {False: 32, True: 32}
+    short = eng.submit(_prompt(5, 1), _params(40))
+    _started(eng, short)
+    long = eng.submit(_prompt(130, 2), _params(3))
+    end = time.monotonic() + 5
+    while long.generated < 1 and time.monotonic() < end:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert long.generated == 1 and long.stats["compiled"] is True  # its first token came with its prefill
+    assert _reply(eng, short)[0] == expected(_prompt(5, 1), 40)  # the short stream went on meanwhile
+    eng.shapes.compile(DecodeKey(1, 256))
+    eng.shapes.compile(DecodeKey(2, 256))
+    assert _reply(eng, long)[0] == expected(_prompt(130, 2), 3)
+
+
+# ---------------------------------------------------------------- decode blocks
+class Calls(Observer):
+    def __init__(self):
+        self.calls: list[DeviceCall] = []
+
+    def before_call(self, call):
+        self.calls.append(call)
+
+
+def test_blocks_give_the_tokens_of_single_steps_and_end_inside_a_block(engines):
+    """Blocks of 4 steps, chained (dispatched before the last is read): every row gets the tokens
+    it gets a step at a time, rows whose limits are no multiple of 4 end on the right token, and
+    a cancelled row leaves the chain."""
+    prompts = [_prompt(n, s) for s, n in enumerate((5, 12, 20, 7))]
+    limits = (23, 31, 9, 60)
+    eng = engines(geometry(decode_block=4, widths=(1, 4), kv_lengths=(256,)))
+    with eng.observing(Calls()) as seen:
+        reqs = [eng.submit(p, _params(n)) for p, n in zip(prompts, limits)]
+        replies = [_reply(eng, r) for r in reqs]
+    assert [r[0] for r in replies] == [expected(p, n) for p, n in zip(prompts, limits)]
+    assert [r[1] for r in replies] == ["length"] * 4
+    blocks = [c for c in seen.calls if isinstance(c.key, DecodeKey)]
+    assert any(c.steps == 4 for c in blocks) and any(c.chained for c in blocks)
+    assert {c.key.width for c in blocks} == {1, 4}
+    lone = eng.submit(_prompt(9, 9), _params(17))
+    with eng.observing(Calls()) as seen:
+        assert _reply(eng, lone)[0] == expected(_prompt(9, 9), 17)
+    assert {c.key.width for c in seen.calls if isinstance(c.key, DecodeKey)} == {1}  # alone: one row wide
+
+
+def test_a_cancelled_request_leaves_within_one_step(engines):
+    eng = engines(geometry(context_limit=4096, kv_lengths=(4096,)), pause_s=2e-4)
+    a = eng.submit(_prompt(5, 1), _params(4000))
+    b = eng.submit(_prompt(5, 2), _params(100))
+    stream = eng.tokens(a)
+    for _ in range(3):
+        next(stream)
+    n_plans = len(eng.runner.plans)
+    eng.cancel(a)
+    ids, reason, _ = _reply(eng, a)
+    assert reason == "cancelled"
+    after = [p for p in eng.runner.plans[n_plans:] if a in p.requests]
+    assert len(after) <= 1  # the step in flight at most
+    assert _reply(eng, b)[0] == expected(_prompt(5, 2), 100)
+
+
+# ---------------------------------------------------------------- fused steps
+def test_a_prompt_beside_streams_is_prefilled_in_fused_steps(engines):
+    g = geometry(mixed_widths=(1, 2, 4))
+    eng = engines(g)
+    running = eng.submit(_prompt(5, 1), _params(200))
+    _started(eng, running)
+    prompt = _prompt(30, 2)
+    ids, _, stats = _reply(eng, eng.submit(prompt, _params(4)))
+    assert ids == expected(prompt, 4)
+    assert stats["fused_chunks"] == stats["chunks"] == -(-30 // MIXED_CHUNK)
+    fused = [p for p in eng.runner.plans if isinstance(p, MixedStep)]
+    assert fused and all(p.length <= MIXED_CHUNK and running in p.rows.values() for p in fused)
+    eng.cancel(running)
+    assert (MixedKey(1, 128) in eng.shapes.compiled)
+
+
+# ---------------------------------------------------------------- faults
+class FailOnce(Observer):
+    def __init__(self, kind):
+        self.kind, self.fired = kind, False
+
+    def before_call(self, call):
+        if isinstance(call.key, self.kind) and not self.fired:
+            self.fired = True
+            raise RuntimeError("planted device fault")
+
+
+def test_a_faulting_step_fails_only_its_requests(engines):
+    eng = engines()
+    running = eng.submit(_prompt(5, 1), _params(300))
+    _started(eng, running)
+    with eng.observing(FailOnce(PrefillKey)):
+        ids, reason, stats = _reply(eng, eng.submit(_prompt(9, 2), _params(3)))
+    assert reason == "error" and "planted device fault" in stats["error"]
+    assert eng.step_times.snapshot()["faults"]["prefill"] == 1
+    with eng.observing(FailOnce(DecodeKey)):
+        ids, reason, stats = _reply(eng, running)
+    assert reason == "error" and eng.step_times.snapshot()["faults"]["decode"] == 1
+    assert _reply(eng, eng.submit(_prompt(5, 3), _params(5)))[0] == expected(_prompt(5, 3), 5)
+
+
+def test_a_lost_cache_fails_every_active_request_and_serving_goes_on(engines):
+    eng = engines()
+    a = eng.submit(_prompt(5, 1), _params(300))
+    _started(eng, a)
+    eng.runner.lose_cache = True
+    with eng.observing(FailOnce(PrefillKey)):
+        _, reason_b, _ = _reply(eng, eng.submit(_prompt(9, 2), _params(3)))
+    assert reason_b == "error" and _reply(eng, a)[1] == "error"
+    assert eng.step_times.snapshot()["cache_resets"] == 1
+    assert _reply(eng, eng.submit(_prompt(5, 3), _params(5)))[0] == expected(_prompt(5, 3), 5)
+
+
+# ---------------------------------------------------------------- chunk sizes from measured costs
+def test_chunks_grow_as_measured_costs_allow():
+    """Beside a stream, the chunk size is the largest bucket a few decode steps pay for, from
+    the costs the scheduler measured (costs given here)."""
+    g = geometry(buckets=(8, 16, 32))
+    sched = Scheduler(g, ShapeChoice(g, FakeShapes(all_shapes(g))), [STOP_ID])
+    assert sched.chunk_tokens(fresh=False, alone=False) == 8  # nothing measured: the smallest
+    sched.costs.note(DecodeKey(1, 128), 0.010)
+    sched.costs.note(PrefillKey(8, False), 0.004)
+    assert sched.chunk_tokens(fresh=False, alone=False) == 32  # 0.004 × 4 ≤ 2 decode steps
+    sched.costs.note(PrefillKey(32, False), 0.05)
+    sched.costs.note(PrefillKey(32, False), 0.05)
+    assert sched.chunk_tokens(fresh=False, alone=False) == 16
+    assert sched.chunk_tokens(fresh=True, alone=True) == 32  # alone: from the largest down
+
+
+def test_next_token_is_what_expected_assumes():
+    assert expected([2, 5, 9], 2) == [next_token(9, 2), next_token(next_token(9, 2), 3)]
