@@ -3,9 +3,9 @@ streaming/parsing path, as if the model had sampled them.
 
 Random weights cannot be made to think or call a tool, but every path after sampling (the
 engine's stop ids and limits, `gemma4.serve.conversation.stream_reply`, the API, the UI and the
-CLI) must be tested with such replies. `scripted` patches one engine instance (never the
-class, never gemma4 code) at the point where the scheduler hands a sampled token to a request,
-`Engine.emit`, and replaces the token with the script's next one. Everything downstream is the
+CLI) must be tested with such replies. `scripted` watches one engine through its one hook for
+that (`Engine.observing`, an `Observer` whose `token` sees every token the scheduler hands a
+request) and replaces the token with the script's next one. Everything downstream is the
 production code: the scripted id is fed back to the model as its next input, a stop id ends the
 reply with "stop", `max_new_tokens` cuts it with "length", cancelling frees the slot.
 
@@ -26,7 +26,7 @@ Usage (a module-scoped tiny random Gemma 4 engine keeps it fast)::
   (a predicate on the engine request) narrows which requests take a script.
 - When a script ends without a stop id, `then="stop"` ends the reply with a stop id (finish
   reason "stop"); `then="model"` lets the model's own samples continue.
-- Works when the engine runs inside an in-process server: the patch lives on the engine object,
+- Works when the engine runs inside an in-process server: the observer lives on the engine object,
   tokens are replaced on the engine's scheduler thread, and the block may be entered from any
   thread before the request is sent. Leave the block only after the scripted replies are done.
 """
@@ -37,6 +37,7 @@ import contextlib
 import threading
 from typing import Callable, Iterator, Sequence
 
+from gemma4.serve.engine.step_plans import Observer
 from tests.engines import shared
 
 
@@ -78,31 +79,32 @@ def scripted(engine, *scripts: str | Sequence[int], then: str = "stop",
     """Replace the sampled tokens of the next requests with `scripts` (see the module docstring)."""
     if then not in ("stop", "model"):
         raise ValueError(f"then must be 'stop' or 'model', not {then!r}")
-    if "emit" in vars(engine):
+    if any(isinstance(o, _Script) for o in engine.observers):
         raise RuntimeError("this engine is already scripted (nested scripted blocks are not supported)")
     engine.wait_ready()
     handle = ScriptHandle([script_ids(engine, s) for s in scripts])
     stops = tuple(engine.cfg.stop_ids)
-    end_id = 106 if 106 in stops else stops[0]  # <turn|> / <end_of_turn>
-    original = engine.emit
-    active: dict[int, tuple[object, list[int]]] = {}  # id(request) -> (request, remaining ids)
-
-    def emit(req, token, bad, now):
-        with handle.lock:
-            entry = active.get(id(req))
-            if entry is None and req.generated == 0 and handle.pending and (match is None or match(req)):
-                entry = active[id(req)] = (req, list(handle.pending.pop(0)))
-                handle.requests.append(req)
-        if entry is not None:
-            remaining = entry[1]
-            if remaining:
-                token = remaining.pop(0)
-            elif then == "stop":
-                token = end_id
-        return original(req, token, bad, now)
-
-    engine.emit = emit
-    try:
+    with engine.observing(_Script(handle, 106 if 106 in stops else stops[0], then, match)):  # <turn|> / <end_of_turn>
         yield handle
-    finally:
-        del engine.emit
+
+
+class _Script(Observer):
+    """The token hook of a `scripted` block: the next requests' tokens become the scripts' ids."""
+
+    def __init__(self, handle: ScriptHandle, end_id: int, then: str, match):
+        self.handle, self.end_id, self.then, self.match = handle, end_id, then, match
+        self.active: dict[int, tuple[object, list[int]]] = {}  # id(request) -> (request, remaining ids)
+
+    def token(self, req, token: int) -> int:
+        handle = self.handle
+        with handle.lock:
+            entry = self.active.get(id(req))
+            if entry is None and req.generated == 0 and handle.pending and (self.match is None or self.match(req)):
+                entry = self.active[id(req)] = (req, list(handle.pending.pop(0)))
+                handle.requests.append(req)
+        if entry is None:
+            return token
+        remaining = entry[1]
+        if remaining:
+            return remaining.pop(0)
+        return self.end_id if self.then == "stop" else token

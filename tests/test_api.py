@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 from gemma4.ui import layout
 from gemma4.web.settings import Settings, parse_settings
 from gemma4.serve import conversation
+from gemma4.serve.engine.step_plans import Observer
 from gemma4.web import access as web_access
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits, RateLimiter
@@ -497,7 +498,19 @@ def test_with_credentials_ui_and_api_work(guarded):
     assert any("RANDOM WEIGHTS" in n for n in out.model_extra["gemma4"]["notes"])
 
 
-def test_rate_limits_answer_429_and_recover(guarded, monkeypatch):
+class _HoldSecond(Observer):
+    """Holds a request's second token back until `release` is set (the engine thread waits)."""
+
+    def __init__(self, release: threading.Event):
+        self.release = release
+
+    def token(self, req, token):
+        if req.generated == 1:
+            self.release.wait(30)
+        return token
+
+
+def test_rate_limits_answer_429_and_recover(guarded):
     from tests.scripted import scripted
 
     url, api, engine = guarded
@@ -508,15 +521,8 @@ def test_rate_limits_answer_429_and_recover(guarded, monkeypatch):
     # is held back until then: a random model's reply can end at any token (a stop id), and a
     # finished stream gives its place back (CI once saw the second request pass).
     refused = threading.Event()
-    with scripted(engine, "abcd", then="model"):  # a first token with text: the first chunk comes at once
-        emit = engine.emit
-
-        def held_emit(req, token, bad, t):
-            if req.generated == 1:
-                refused.wait(30)
-            return emit(req, token, bad, t)
-
-        monkeypatch.setattr(engine, "emit", held_emit)
+    with scripted(engine, "abcd", then="model"), engine.observing(_HoldSecond(refused)):
+        # a first token with text: the first chunk comes at once
         stream = client.completions.create(model=TINY, prompt="Hello", stream=True, max_tokens=CAP)
         next(iter(stream))
         try:
@@ -524,7 +530,6 @@ def test_rate_limits_answer_429_and_recover(guarded, monkeypatch):
                 client.completions.create(model=TINY, prompt="Hello", max_tokens=2)
         finally:
             refused.set()
-        monkeypatch.undo()
     assert e.value.response.headers["retry-after"] == "1" and "in flight" in str(e.value)
     stream.close()
     assert _wait(lambda: api.limiter.state(next(iter(api.limiter._clients)))["in_flight"] == 0)

@@ -5,6 +5,7 @@ must land on the same token."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -12,10 +13,11 @@ import numpy as np
 import pytest
 
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows
-
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.plan import hardware_checks
 from gemma4.serve.engine.engine import Engine
+from gemma4.serve.engine.step_plans import Observer
+from gemma4.serve.shape_keys import DecodeKey
 
 PROMPTS = [[2] + list(range(10, 10 + n)) for n in (5, 12, 20, 7)]
 SETTINGS = [SamplingParams(temperature=0, max_new_tokens=23),
@@ -24,46 +26,57 @@ SETTINGS = [SamplingParams(temperature=0, max_new_tokens=23),
             SamplingParams(temperature=0, max_new_tokens=200)]  # runs into the context window (96) or a stop id
 
 
+class _Blocks(Observer):
+    """Records every decode block dispatched: (steps, chained?, width)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def before_call(self, call):
+        if isinstance(call.key, DecodeKey) and not call.idle:
+            self.calls.append((call.steps, call.chained, call.key.width))
+
+
 def _replies(block: int, calls: list | None = None) -> list[tuple[list[int], str]]:
     eng = Engine("random:tiny-e2b", max_batch=4, context_limit=96, buckets=(32,),
                  overrides={"GEMMA4_DECODE_BLOCK": str(block)}, mesh="none")
     try:
         eng.wait_compiled(timeout=600)  # every width: rows decode together, not each alone at its offset
-        assert (eng.widths, eng.mixed_widths) == ((1, 4), ()), "not the TPU plan's geometry (_as_tpu)"
+        g = eng.started.geometry
+        assert (g.widths, g.mixed_widths) == ((1, 4), ()), "not the TPU plan's geometry (_as_tpu)"
         # as on the chip, the steps started compiling from the planned shapes while the weights loaded
-        assert eng.compiled_ahead, "the TPU plan's engine did not compile ahead of its weights"
-        if calls is not None:  # record every block dispatched: (steps, chained?)
-            dispatch = eng.dispatch_decode
-
-            def recorded(key, tokens, positions, sampling, row, steps, after=None):
-                calls.append((steps, after is not None, key.width))
-                return dispatch(key, tokens, positions, sampling, row, steps, after=after)
-
-            eng.dispatch_decode = recorded
-            # a lone request decodes one row wide, not padded to the engine's rows (the demo's usual
-            # case; a TPU v5e decoded E2B 158.2 tok/s in one row and 148.1 padded to 8)
-            alone = eng.submit(PROMPTS[0], SETTINGS[0])
-            for _ in eng.tokens(alone):
-                pass
-            assert calls and {width for *_, width in calls} == {1}, calls
-            calls.clear()
-        reqs = [eng.submit(p, s) for p, s in zip(PROMPTS, SETTINGS)]
-        out: list = [None] * len(reqs)
-
-        def consume(i: int) -> None:
-            last = None
-            for last in eng.tokens(reqs[i]):
-                pass
-            out[i] = (list(last.token_ids), last.finish_reason)
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(reqs))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        return out
+        assert eng.info()["compiled_ahead"], "the TPU plan's engine did not compile ahead of its weights"
+        with contextlib.ExitStack() as stack:
+            if calls is not None:  # record every block dispatched: (steps, chained?, width)
+                stack.enter_context(eng.observing(_Blocks(calls)))
+                # a lone request decodes one row wide, not padded to the engine's rows (the demo's usual
+                # case; a TPU v5e decoded E2B 158.2 tok/s in one row and 148.1 padded to 8)
+                alone = eng.submit(PROMPTS[0], SETTINGS[0])
+                for _ in eng.tokens(alone):
+                    pass
+                assert calls and {width for *_, width in calls} == {1}, calls
+                calls.clear()
+            return _together(eng)
     finally:
         eng.close()
+
+
+def _together(eng) -> list[tuple[list[int], str]]:
+    reqs = [eng.submit(p, s) for p, s in zip(PROMPTS, SETTINGS)]
+    out: list = [None] * len(reqs)
+
+    def consume(i: int) -> None:
+        last = None
+        for last in eng.tokens(reqs[i]):
+            pass
+        out[i] = (list(last.token_ids), last.finish_reason)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
 
 
 def _as_tpu(monkeypatch) -> None:

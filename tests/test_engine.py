@@ -21,8 +21,8 @@ import pytest
 from gemma4.model import decoder as M
 from gemma4.serve import conversation
 from gemma4.serve.engine import engine as E
-from gemma4.serve import engine_compile as EC
-from gemma4.serve.engine_compile import chunk_plan
+from gemma4.serve.engine import compiled as EC
+from gemma4.serve.engine.chunking import chunk_plan
 from gemma4.serve.requests import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 from gemma4.model.sampling_params import SamplingParams

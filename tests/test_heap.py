@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.serve import engine_compile as EC
+from gemma4.serve.engine import compiled as EC
 from gemma4.serve import heap
 from gemma4.serve.shape_keys import PrefillKey
 

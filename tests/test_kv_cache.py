@@ -17,7 +17,7 @@ from gemma4.model import kv_cache
 from gemma4.model import decoder as M
 from gemma4.model.config import tiny
 from gemma4.ops.kernels import cpu_attention, cpu_int8
-from gemma4.serve.engine_compile import chunk_plan
+from gemma4.serve.engine.chunking import chunk_plan
 from gemma4.serve.shape_keys import MIXED_CHUNK
 from gemma4.serve.engine.steps import decode_step, mixed_step, prefill_step
 from gemma4.model.sampling import SamplingRows

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from gemma4.model.sampling import SamplingRows, sample, sample_rows
-
 from gemma4.model.sampling_params import K_MAX, SamplingParams, apply_stop_strings
                                    stop_string_holdback)
 

@@ -15,10 +15,11 @@ import pytest
 
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
+from gemma4.serve.engine.chunking import (COST_RETRY_S, FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S,
+                                          chunk_budget_s, chunk_limit, fresh_costs, next_chunk, override_limit,
+                                          prefill_order)
 from gemma4.serve.engine.engine import Engine
-from gemma4.serve.engine_compile import (FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S, chunk_budget_s,
-                                         chunk_limit, merge_spans, next_chunk, override_limit, prefill_order)
-from gemma4.serve.requests import RequestError
+from gemma4.serve.requests import RequestError, merge_spans
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -33,7 +34,7 @@ def eng():
     e = Engine("random:tiny-gemma3-270m", max_batch=4, context_limit=1024, buckets=BUCKETS,
                overrides={"attention": "xla"})
     e.wait_compiled(timeout=900)
-    assert e.kv_lengths == (512, 1024)
+    assert e.started.geometry.kv_lengths == (512, 1024)
     yield e
     e.close(timeout=120)
 
@@ -42,9 +43,9 @@ def eng():
 def chunk(eng):
     """Set the chunk size (tokens, beside others and alone) for one test."""
     def set_chunk(tokens):
-        eng.chunk_override = {False: tokens, True: tokens}
+        eng.scheduler.chunk_override = {False: tokens, True: tokens}
     yield set_chunk
-    eng.chunk_override = {False: None, True: None}
+    eng.scheduler.chunk_override = {False: None, True: None}
 
 
 def _prompt(n, seed=0):
@@ -210,38 +211,12 @@ def test_a_row_past_every_compiled_cache_length_waits_alone(eng, chunk):
 def test_a_bucket_ruled_out_on_a_busy_moment_is_tried_again():
     """Chunk costs follow the load: a bucket measured over budget is out only while its measure is
     fresh (COST_RETRY_S); after that it counts as unmeasured and a lone prompt tries it again."""
-    from gemma4.serve.engine_compile import COST_RETRY_S, fresh_costs
-
     buckets = (16, 32, 64, 128, 256)
     costs = {16: 0.2, 128: 0.6, 256: 1.6}  # 256 measured while the machine was busy
     at = {16: 100.0, 128: 100.0, 256: 100.0}
     assert chunk_limit(buckets, fresh_costs(costs, at, 100.0 + 1), 1.0, from_above=True) == 128
     later = fresh_costs(costs, {**at, 16: 140.0, 128: 140.0}, 100.0 + COST_RETRY_S + 1)
     assert later == {16: 0.2, 128: 0.6} and chunk_limit(buckets, later, 1.0, from_above=True) == 256
-
-
-def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(eng, chunk, monkeypatch):
-    """A compiled shape's first run costs more than the next ones (one-time set-up): taken as a
-    chunk's cost it ruled the bundled model's 512-token bucket out for lone prompts on a 2-core
-    Intel Xeon (first run 1.3 s, then 0.68 s, against LONE_CHUNK_S), and a 500-token prompt was
-    prefilled in two chunks. Only runs after the first are measured."""
-    chunk(32)
-    key = PrefillKey(32, True)
-    assert eng.shapes.has_run(key) and not eng.shapes.has_run(PrefillKey(4096, True))  # never compiled
-    real, first = eng.shapes.has_run, []
-
-    def has_run(k):  # the next chunk in `key` is its first run
-        if k == key and not first:
-            first.append(k)
-            return False
-        return real(k)
-
-    monkeypatch.setattr(eng.shapes, "has_run", has_run)
-    eng.costs.chunk[True].pop(32, None)
-    conversation.generate(eng, _prompt(30, 8), GREEDY)
-    assert first and 32 not in eng.costs.chunk[True]
-    conversation.generate(eng, _prompt(30, 9), GREEDY)
-    assert 32 in eng.costs.chunk[True]
 
 
 def test_a_long_prompt_is_not_passed_forever_by_new_short_ones():
@@ -266,7 +241,7 @@ def test_a_chunk_fused_with_the_decode_step_gives_the_solo_tokens(eng):
     solo tokens, and the short one its first token before the long one."""
     from gemma4.serve.shape_keys import MIXED_CHUNK
 
-    assert eng.mixed_widths == (1, 2, 4)
+    assert eng.started.geometry.mixed_widths == (1, 2, 4)
     running, long, short = _prompt(20, 11), _prompt(150, 12), _prompt(4, 13)
     many = SamplingParams(temperature=0.0, max_new_tokens=80)
     before = eng.step_times.snapshot()["steps"]["mixed"]["count"]

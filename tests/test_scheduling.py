@@ -308,9 +308,9 @@ def test_a_cancelled_request_leaves_within_one_step(engines):
 
 # ---------------------------------------------------------------- fused steps
 def test_a_prompt_beside_streams_is_prefilled_in_fused_steps(engines):
-    g = geometry(mixed_widths=(1, 2, 4))
-    eng = engines(g)
-    running = eng.submit(_prompt(5, 1), _params(200))
+    g = geometry(mixed_widths=(1, 2, 4), context_limit=4096, kv_lengths=(4096,))
+    eng = engines(g, pause_s=2e-4)
+    running = eng.submit(_prompt(5, 1), _params(3000))
     _started(eng, running)
     prompt = _prompt(30, 2)
     ids, _, stats = _reply(eng, eng.submit(prompt, _params(4)))
@@ -319,7 +319,6 @@ def test_a_prompt_beside_streams_is_prefilled_in_fused_steps(engines):
     fused = [p for p in eng.runner.plans if isinstance(p, MixedStep)]
     assert fused and all(p.length <= MIXED_CHUNK and running in p.rows.values() for p in fused)
     eng.cancel(running)
-    assert (MixedKey(1, 128) in eng.shapes.compiled)
 
 
 # ---------------------------------------------------------------- faults
@@ -334,8 +333,8 @@ class FailOnce(Observer):
 
 
 def test_a_faulting_step_fails_only_its_requests(engines):
-    eng = engines()
-    running = eng.submit(_prompt(5, 1), _params(300))
+    eng = engines(geometry(context_limit=4096, kv_lengths=(4096,)), pause_s=2e-4)
+    running = eng.submit(_prompt(5, 1), _params(3000))
     _started(eng, running)
     with eng.observing(FailOnce(PrefillKey)):
         ids, reason, stats = _reply(eng, eng.submit(_prompt(9, 2), _params(3)))
@@ -347,9 +346,21 @@ def test_a_faulting_step_fails_only_its_requests(engines):
     assert _reply(eng, eng.submit(_prompt(5, 3), _params(5)))[0] == expected(_prompt(5, 3), 5)
 
 
+def test_a_fused_step_fault_fails_its_prompt_and_its_rows_only(engines):
+    eng = engines(geometry(mixed_widths=(1, 2, 4), context_limit=4096, kv_lengths=(4096,)), pause_s=2e-4)
+    running = eng.submit(_prompt(5, 1), _params(3000))
+    _started(eng, running)
+    with eng.observing(FailOnce(MixedKey)):
+        _, reason, stats = _reply(eng, eng.submit(_prompt(20, 2), _params(3)))
+    assert reason == "error" and _reply(eng, running)[1] == "error"
+    assert eng.step_times.snapshot()["faults"]["mixed"] == 1
+    assert eng.queue_state()["active"] == 0
+    assert _reply(eng, eng.submit(_prompt(5, 3), _params(5)))[0] == expected(_prompt(5, 3), 5)
+
+
 def test_a_lost_cache_fails_every_active_request_and_serving_goes_on(engines):
-    eng = engines()
-    a = eng.submit(_prompt(5, 1), _params(300))
+    eng = engines(geometry(context_limit=4096, kv_lengths=(4096,)), pause_s=2e-4)
+    a = eng.submit(_prompt(5, 1), _params(3000))
     _started(eng, a)
     eng.runner.lose_cache = True
     with eng.observing(FailOnce(PrefillKey)):
@@ -373,6 +384,20 @@ def test_chunks_grow_as_measured_costs_allow():
     sched.costs.note(PrefillKey(32, False), 0.05)
     assert sched.chunk_tokens(fresh=False, alone=False) == 16
     assert sched.chunk_tokens(fresh=True, alone=True) == 32  # alone: from the largest down
+
+
+def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(engines):
+    """A compiled shape's first run costs more than the next ones (one-time set-up): taken as a
+    chunk's cost it ruled the bundled model's 512-token bucket out for lone prompts on a 2-core
+    Intel Xeon (first run 1.3 s, then 0.68 s, against LONE_CHUNK_S). Only runs after the first
+    are measured."""
+    eng = engines()
+    eng.scheduler.chunk_override = {False: 32, True: 32}
+    eng.shapes.ran.discard(PrefillKey(32, True))  # compiled, never run
+    _reply(eng, eng.submit(_prompt(30, 1), _params(2)))
+    assert 32 not in eng.scheduler.costs.chunk[True]
+    _reply(eng, eng.submit(_prompt(30, 2), _params(2)))
+    assert 32 in eng.scheduler.costs.chunk[True]
 
 
 def test_next_token_is_what_expected_assumes():

@@ -1,5 +1,6 @@
-"""Serving under abuse (issue 18 items 2, 3, 5): a fault inside an engine step fails only the
-requests of that step and the engine keeps serving (no slot leaked, no client left hanging); the
+"""Serving under abuse (issue 18 items 2, 3, 5): a fault that loses the KV cache fails the requests
+in it and the engine re-allocates it and keeps serving (which requests any step's fault fails:
+tests/test_scheduling.py, on a fake runner); the
 caps on messages and input tokens answer a clear 400 before any heavy work; a request whose
 client leaves stops its preprocessing; GET /metrics in the Prometheus format moves with the
 traffic. The tiny random Gemma 4 (tests/scripted.py) for the engine and the HTTP paths."""
@@ -14,11 +15,11 @@ import pytest
 
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
-from gemma4.serve.shape_keys import MixedKey
+from gemma4.serve.engine.step_plans import Observer
+from gemma4.serve.shape_keys import DecodeKey
 from tests.net import wait_until
 from tests.scripted import scripted, tiny_gemma4
 
-LONG = "x" * 300  # a scripted reply that runs until max_new_tokens (no stop id)
 
 
 @pytest.fixture(scope="module")
@@ -33,36 +34,25 @@ def _idle(engine) -> bool:
 
 def _settled(engine) -> None:
     """Idle, every shape compiled and given its first run: an idle engine runs a newly compiled
-    shape once by itself (engine_compile), and an injected fault must meet the request's call,
+    shape once by itself (engine/compiled.py), and an injected fault must meet the request's call,
     not that one (it did once: the stream then ended without its error event)."""
     engine.wait_compiled(timeout=300)
     assert wait_until(lambda: _idle(engine), 10, 0.05)
 
 
-class _Fault:
-    """Replaces one engine method on the instance: the next `times` calls raise (after `before`
-    ran, e.g. to delete the cache as a failed donated call would), then it calls through."""
+class _Fault(Observer):
+    """The next device call of a request's step with a key of `kind` raises (after `before` ran,
+    e.g. to delete the cache as a failed donated call would)."""
 
-    def __init__(self, engine, name: str, times: int = 1, before=None):
-        self.engine, self.name, self.left, self.before = engine, name, times, before
-        self.original = getattr(engine, name)
-        self.raised = 0
+    def __init__(self, kind, before=None):
+        self.kind, self.before, self.raised = kind, before, 0
 
-    def __call__(self, *args, **kwargs):
-        if self.left > 0:
-            self.left -= 1
+    def before_call(self, call):
+        if isinstance(call.key, self.kind) and not call.idle and not self.raised:
             self.raised += 1
             if self.before is not None:
                 self.before()
-            raise RuntimeError(f"injected fault in {self.name}")
-        return self.original(*args, **kwargs)
-
-    def __enter__(self):
-        setattr(self.engine, self.name, self)
-        return self
-
-    def __exit__(self, *exc):
-        delattr(self.engine, self.name)
+            raise RuntimeError(f"injected fault in {call.key.describe()}")
 
 
 def _last(events):
@@ -81,67 +71,6 @@ def _served_normally(engine) -> None:
 # --------------------------------------------------------------------------- faults
 
 
-def test_a_prefill_fault_fails_that_request_only(engine, monkeypatch):
-    _settled(engine)
-    monkeypatch.setattr(engine, "mixed_widths", ())  # its chunk runs apart, not fused with the decode step
-    params = SamplingParams(temperature=0.0, max_new_tokens=200)
-    with scripted(engine, LONG, then="model"):
-        running = conversation.stream_reply(engine, "Hello there", params, mode="completion")
-        first = next(running)  # decoding now: its row is in the cache
-        faults_before = engine.step_times.snapshot()["faults"]["prefill"]
-        with _Fault(engine, "run_prefill") as fault:
-            final = conversation.complete_reply(engine, "Hi", params, mode="completion")
-        assert fault.raised == 1
-        assert final.done and final.finish_reason == "error"
-        assert any("injected fault in run_prefill" in n for n in final.notes), final.notes
-        rest = _last(running)  # the other request was not touched
-    assert first.answer_delta == "x" and rest.finish_reason == "length"
-    assert rest.answer == "x" * 200 and rest.stats["new_tokens"] == 200
-    snap = engine.step_times.snapshot()
-    assert snap["faults"]["prefill"] == faults_before + 1 and "injected" in snap["last_fault"]
-    assert wait_until(lambda: _idle(engine), 5, 0.02), engine.queue_state()
-    _served_normally(engine)
-
-
-def test_a_decode_fault_fails_the_rows_of_that_step_and_the_next_request_is_served(engine):
-    _settled(engine)
-    params = SamplingParams(temperature=0.0, max_new_tokens=50)
-    with scripted(engine, LONG, LONG, then="model"):
-        streams = [conversation.stream_reply(engine, p, params, mode="completion") for p in ("A b", "C d")]
-        for s in streams:
-            next(s)
-        with _Fault(engine, "run_decode") as fault:
-            finals = [_last(s) for s in streams]
-    assert fault.raised == 1
-    assert [f.finish_reason for f in finals] == ["error", "error"]
-    assert all("injected fault in run_decode" in f.stats["error"] for f in finals)
-    assert wait_until(lambda: _idle(engine), 5, 0.02), engine.queue_state()
-    _served_normally(engine)
-
-
-def test_a_fused_step_fault_fails_its_rows_and_the_engine_serves_on(engine):
-    """A fault in a fused chunk-and-decode step (`Engine._mixed_once`) fails the two requests in
-    it — the prompt whose chunk it ran and the decoding stream — and nothing else; the next
-    request is served."""
-    _settled(engine)
-    assert engine.mixed_widths, "the tiny engine has fused widths"
-    engine.shapes.executable(MixedKey(engine.mixed_widths[0], engine.kv_lengths[0]))  # compiled now, not raced
-    params = SamplingParams(temperature=0.0, max_new_tokens=200)
-    faults_before = engine.step_times.snapshot()["faults"]["mixed"]
-    with scripted(engine, LONG, then="model"):
-        running = conversation.stream_reply(engine, "Hello there", params, mode="completion")
-        next(running)
-        with _Fault(engine, "run_mixed") as fault:
-            final = conversation.complete_reply(engine, "Hi", params, mode="completion")
-        rest = _last(running)
-    assert fault.raised == 1
-    assert final.finish_reason == "error" and any("injected fault in run_mixed" in n for n in final.notes)
-    assert rest.finish_reason == "error" and "injected fault in run_mixed" in rest.stats["error"]
-    assert engine.step_times.snapshot()["faults"]["mixed"] == faults_before + 1
-    assert wait_until(lambda: _idle(engine), 5, 0.02), engine.queue_state()
-    _served_normally(engine)
-
-
 def test_a_fault_that_loses_the_kv_cache_reallocates_it_and_says_so(engine):
     import jax
 
@@ -149,16 +78,17 @@ def test_a_fault_that_loses_the_kv_cache_reallocates_it_and_says_so(engine):
     resets = engine.step_times.snapshot()["cache_resets"]
 
     def lose_cache():  # what a donated call that fails midway leaves behind
-        for leaf in jax.tree.leaves(engine.cache):
+        for leaf in jax.tree.leaves(engine.runner.cache):
             leaf.delete()
 
     params = SamplingParams(temperature=0.0, max_new_tokens=30)
     before = conversation.generate(engine, "Hello", params, mode="completion")["token_ids"]
-    with _Fault(engine, "run_decode", before=lose_cache):
+    with engine.observing(_Fault(DecodeKey, before=lose_cache)) as fault:
         final = conversation.complete_reply(engine, "Hello", params, mode="completion")
+    assert fault.raised == 1
     assert final.finish_reason == "error"
     assert engine.step_times.snapshot()["cache_resets"] == resets + 1
-    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.cache))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.runner.cache))
     assert wait_until(lambda: _idle(engine), 5, 0.02), engine.queue_state()
     # The re-allocated cache serves as the first did: the same greedy ids as before the fault.
     assert conversation.generate(engine, "Hello", params, mode="completion")["token_ids"] == before

@@ -302,8 +302,8 @@ class Engine:
             message = f"{type(e).__name__}: {e}"
             log.exception("scheduler %s step failed", kind)
             lost = self.runner.recover()
+            self.step_times.fault(kind, message, cache_reset=lost)  # counted before a client hears of it
             self.scheduler.fail(plan, message, everyone=lost)
-            self.step_times.fault(kind, message, cache_reset=lost)
         else:
             self.step_times.record(kind, time.perf_counter() - t0)
 
