@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     engine.wait_compiled(timeout=3600)
     setup_s = time.perf_counter() - t
     if args.chunk or args.chunk_alone:
-        engine.chunk_override = {False: args.chunk, True: args.chunk_alone}
+        engine.scheduler.chunk_override = {False: args.chunk, True: args.chunk_alone}
     tok = engine.tokenizer
     bos = [engine.cfg.bos_id]
     story = tok.encode(STORY)

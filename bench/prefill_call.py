@@ -49,16 +49,16 @@ def main(argv=None) -> dict:
         tokens = rng.integers(100, 1000, bucket).astype(np.int32)
         positions = np.arange(start, start + bucket, dtype=np.int32)
         t0 = time.perf_counter()
-        engine.run_prefill(PrefillKey(bucket, fresh), tokens, positions, 3, bucket - 1, SamplingRows.idle(1))
+        engine.runner.run_prefill(PrefillKey(bucket, fresh), tokens, positions, 3, bucket - 1, SamplingRows.idle(1))
         return time.perf_counter() - t0
 
     def decode_s() -> float:
-        key = engine.shapes.decode_key(1, LATER_START + 64)
+        key = engine.started.geometry.decode_key(1, LATER_START + 64)
         width = key.width
         positions = np.full(width, -1, np.int32)
         positions[0] = LATER_START + 32
         t0 = time.perf_counter()
-        engine.run_decode(key, np.zeros(width, np.int32), positions, SamplingRows.idle(width))
+        engine.runner.run_decode(key, np.zeros(width, np.int32), positions, SamplingRows.idle(width))
         return time.perf_counter() - t0
 
     rows = {}

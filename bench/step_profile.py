@@ -53,15 +53,15 @@ def fill_cache(engine: Engine, last: int) -> None:
     not change the work)."""
     import jax.numpy as jnp
 
-    with engine.holding_device():
+    with engine.runner.holding_device():
         filled = {}
-        for idx, entry in engine.cache.items():
+        for idx, entry in engine.runner.cache.items():
             R, S = entry["pos"].shape
             slots = np.arange(S)
             pos = last - ((last - slots) % S)
             filled[idx] = dict(entry, pos=jax.device_put(jnp.asarray(np.broadcast_to(pos, (R, S)), jnp.int32),
                                                            entry["pos"].sharding))
-        engine.cache = filled
+        engine.runner.cache = filled
 
 
 def step_runners(engine: Engine, kv: int, width: int) -> dict:
@@ -71,22 +71,22 @@ def step_runners(engine: Engine, kv: int, width: int) -> dict:
     def decode():
         positions = np.full(width, -1, np.int32)
         positions[:] = pos0
-        engine.run_decode(DecodeKey(width, kv), np.zeros(width, np.int32), positions, SamplingRows.idle(width))
+        engine.runner.run_decode(DecodeKey(width, kv), np.zeros(width, np.int32), positions, SamplingRows.idle(width))
 
     def mixed():
         tokens = np.zeros(MIXED_CHUNK + width, np.int32)
         positions = np.concatenate([np.arange(LATER_START, LATER_START + MIXED_CHUNK, dtype=np.int32),
                                     np.full(width, pos0, np.int32)])
-        engine.run_mixed(MixedKey(width, kv), tokens, positions, width if width < engine.max_batch else 0,
+        engine.runner.run_mixed(MixedKey(width, kv), tokens, positions, width if width < engine.max_batch else 0,
                          -1, -1, SamplingRows.idle(width + 1))
 
     def prefill():
         positions = np.arange(LATER_START, LATER_START + 512, dtype=np.int32)
-        engine.run_prefill(PrefillKey(512, False), np.zeros(512, np.int32), positions, 3, -1, SamplingRows.idle(1))
+        engine.runner.run_prefill(PrefillKey(512, False), np.zeros(512, np.int32), positions, 3, -1, SamplingRows.idle(1))
 
     def prefill_first():  # a 500-token prompt's one chunk (bench/compare.py's prefill)
         positions = np.where(np.arange(512) < 500, np.arange(512), -1).astype(np.int32)
-        engine.run_prefill(PrefillKey(512, True), np.zeros(512, np.int32), positions, 3, 499, SamplingRows.idle(1))
+        engine.runner.run_prefill(PrefillKey(512, True), np.zeros(512, np.int32), positions, 3, 499, SamplingRows.idle(1))
 
     runners = {f"decode w={width}": (DecodeKey(width, kv), decode),
                f"mixed w={width} (+{MIXED_CHUNK})": (MixedKey(width, kv), mixed)}
@@ -172,8 +172,8 @@ def main(argv=None) -> dict:
     load0 = os.getloadavg()
     engine = Engine(args.model, max_batch=8, context_limit=4096, buckets=(512,), warmup=False)
     engine.wait_ready(3600)
-    if args.kv not in engine.kv_lengths:  # the engine compiles steps for these cache lengths only
-        sys.exit(f"--kv {args.kv}: this engine's cache lengths are {', '.join(map(str, engine.kv_lengths))} "
+    if args.kv not in engine.started.geometry.kv_lengths:  # the engine compiles steps for these cache lengths only
+        sys.exit(f"--kv {args.kv}: this engine's cache lengths are {', '.join(map(str, engine.started.geometry.kv_lengths))} "
                  f"(one length where the native cache attention reads every full layer; "
                  f"GEMMA4_ATTENTION=xla gives the 512..4096 ladder)")
     fill_cache(engine, min(args.kv, engine.context_limit) - 65)

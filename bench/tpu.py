@@ -89,20 +89,19 @@ def _greedy(engine, ids: list[int], n: int) -> tuple[list[int], dict]:
 
 def _decode_widths_run(engine, run) -> tuple[list[int], object]:
     """(the decode widths `engine` ran at during `run()`, what run() returned): every decode step
-    or block goes through run_decode or dispatch_decode, whose key names its width."""
+    or block is a device call an observer sees, whose key names its width."""
+    from gemma4.serve.engine.step_plans import Observer
+    from gemma4.serve.shape_keys import DecodeKey
+
     seen: set[int] = set()
-    wrapped = {name: getattr(engine, name) for name in ("run_decode", "dispatch_decode")}
 
-    def recording(fn):
-        return lambda key, *a, **k: (seen.add(key.width), fn(key, *a, **k))[1]
+    class Widths(Observer):
+        def before_call(self, call):
+            if isinstance(call.key, DecodeKey) and not call.idle:
+                seen.add(call.key.width)
 
-    for name, fn in wrapped.items():
-        setattr(engine, name, recording(fn))
-    try:
+    with engine.observing(Widths()):
         return_value = run()
-    finally:
-        for name in wrapped:
-            delattr(engine, name)  # the class's methods again
     return sorted(seen), return_value
 
 
@@ -236,7 +235,7 @@ def _device_steps(engine, steps: int) -> float:
     import jax.numpy as jnp
     from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows
 
-    key = engine.shapes.decode_key(1, engine.kv_lengths[0])
+    key = engine.started.geometry.decode_key(1, 1)  # compiled before ready
     exe, _ = engine.shapes.executable(key)
     width, block = key.width, engine.loaded.decode_block
     positions = jnp.asarray([200] + [-1] * (width - 1), jnp.int32)  # one row decoding, the rest idle
@@ -255,12 +254,12 @@ def _device_steps(engine, steps: int) -> float:
         jax.block_until_ready(out)
         return cache
 
-    with engine.holding_device():  # the loop owns (and donates) the cache meanwhile
-        cache = run(block, engine.cache)
+    with engine.runner.holding_device():  # the loop owns (and donates) the cache meanwhile
+        cache = run(block, engine.runner.cache)
         t = time.perf_counter()
         cache = run(steps, cache)
         dt = (time.perf_counter() - t) / (max(1, steps // block) * block)
-        engine.cache = cache
+        engine.runner.cache = cache
     return dt
 
 
@@ -342,7 +341,7 @@ def worker_decode(args) -> dict:
                 with tempfile.TemporaryDirectory() as d:
                     row["profile"] = _profile_steps(eng, d)
                 if args.hlo_dir:
-                    key = eng.shapes.decode_key(1, eng.kv_lengths[0])
+                    key = eng.started.geometry.decode_key(1, 1)
                     exe, _ = eng.shapes.executable(key)
                     name = f"{model.split(':')[-1]}-{dt}-{weights}-decode.hlo.txt"
                     Path(args.hlo_dir, name).write_text(exe.as_text())
@@ -480,7 +479,7 @@ def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
 
     from gemma4.model.sampling_params import SamplingParams
 
-    key = eng.shapes.decode_key(rows, prompt + new)  # all rows decoding together: compiled first
+    key = eng.started.geometry.decode_key(rows, prompt + new)  # all rows decoding together: compiled first
     eng.shapes.request(key, now=True)
     eng.shapes.wait_any([key], timeout=limit)
     out: dict = {"rows": rows, "prompt": prompt, "new": new}

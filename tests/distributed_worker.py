@@ -89,19 +89,19 @@ def _held_and_planned(engine) -> dict:
 
 def _die_at(engine, n: int) -> None:
     """Kill this process (no clean-up, no goodbye) when it is about to dispatch its n-th step."""
-    count = {"steps": 0}
-    for name in ("run_prefill", "run_decode"):
-        real = getattr(engine, name)
+    from gemma4.serve.engine.step_plans import Observer
 
-        def wrapped(*a, real=real, **k):
-            count["steps"] += 1
-            if count["steps"] >= n:
-                sys.stderr.write(f"worker: dying at step {count['steps']}\n")
+    class DieAt(Observer):
+        steps = 0
+
+        def before_call(self, call):
+            self.steps += 1
+            if self.steps >= n:
+                sys.stderr.write(f"worker: dying at step {self.steps}\n")
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(*a, **k)
 
-        setattr(engine, name, wrapped)
+    engine.observers.append(DieAt())
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def _generate_together(engine: Engine, prompts) -> list[list[int]]:
 def _shares(engine: Engine, mesh_shape: dict) -> dict:
     """Per-device bytes held, and the rule table's arithmetic for the same mesh."""
     held = sharding.device_bytes(engine.params)
-    cache = sharding.device_bytes(engine.cache)
+    cache = sharding.device_bytes(engine.runner.cache)
     plan = engine.loaded.plan
     expect = sharding.shard_bytes_per_device(
         engine.cfg, mesh_shape, weight_dtype=plan.weight_dtype.value, quantize=plan.quantize_kwargs(),
@@ -89,10 +89,10 @@ def _shares(engine: Engine, mesh_shape: dict) -> dict:
 
 def _decode_gathers(engine: Engine) -> dict:
     """All-gathers in the compiled widest decode step, and the full sizes of the split arrays."""
-    key = DecodeKey(engine.widths[-1], engine.kv_lengths[0])
+    key = DecodeKey(engine.started.geometry.widths[-1], engine.started.geometry.kv_lengths[0])
     hlo = (engine.shapes.get(key) or engine.shapes.compile(key)).as_text()
     split = set()
-    for leaf in jax.tree.leaves((engine.params, engine.cache)):
+    for leaf in jax.tree.leaves((engine.params, engine.runner.cache)):
         if any(s is not None for s in leaf.sharding.spec):
             split.add(tuple(leaf.shape))
     gathers = all_gathers(hlo)
@@ -100,7 +100,7 @@ def _decode_gathers(engine: Engine) -> dict:
     return {"gathered_split_shapes": sorted({str(s) for s, _ in gathers if s in split}),
             "max_gather_bytes": max((b for _, b in gathers), default=0), "n_gathers": len(gathers),
             "max_reduce_bytes": max((b for _, b in reduces), default=0), "n_reduces": len(reduces),
-            "logits_bytes": engine.widths[-1] * engine.cfg.vocab_size * 4}
+            "logits_bytes": engine.started.geometry.widths[-1] * engine.cfg.vocab_size * 4}
 
 
 def _write_checkpoint(cfg, folder: str) -> None:
@@ -213,10 +213,10 @@ def main(argv: list[str]) -> int:
                     row["tokens"] = _generate_together(engine, prompts)
                     row["alone"] = _generate(engine, prompts[-1], SamplingParams(
                         temperature=0.0, max_new_tokens=NEW_TOKENS))
-                    with engine.holding_device():  # the engine may give a new shape its idle first run
+                    with engine.runner.holding_device():  # the engine may give a new shape its idle first run
                         row["shares"] = _shares(engine, shape)
                     row["gathers"] = _decode_gathers(engine)
-                    row["widths"] = list(engine.widths)
+                    row["widths"] = list(engine.started.geometry.widths)
             except Exception as e:  # reported to the test, which fails with the message
                 row["error"] = f"{type(e).__name__}: {e}"
             finally:

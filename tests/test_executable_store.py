@@ -145,9 +145,10 @@ def test_the_files_steps_are_built_from_are_part_of_the_key():
     the fused chunk's size must change every stored executable's key (PROGRAM_SOURCES)."""
     import inspect
 
-    from gemma4.serve import shape_keys, steps, towers
+    from gemma4.serve import shape_keys
+    from gemma4.serve.engine import compiled, steps, towers
 
-    for obj in (steps.prefill_step, steps.StepPrograms, towers.Towers, shape_keys):
+    for obj in (steps.prefill_step, steps.StepPrograms, towers.Towers, shape_keys, compiled.CompiledShapes):
         rel = Path(inspect.getsourcefile(obj)).resolve().relative_to(XS.PACKAGE).as_posix()
         assert any(rel == p or rel.startswith(p + "/") for p in XS.PROGRAM_SOURCES), rel
 
@@ -217,10 +218,6 @@ ENGINE_RUN = textwrap.dedent("""
     from gemma4.serve.engine import engine as E
 
     E.BACKGROUND_IDLE_S = 1e9  # only the two start-up shapes
-    if sys.argv[3] == "no-tracing":
-        def refuse(self, key):
-            raise AssertionError(f"traced {key}: the stored executable was not used")
-        E.Engine._lower = refuse
     eng = E.Engine("random:tiny-gemma3-270m", **json.loads(sys.argv[1]))
     eng.wait_ready(timeout=600)
     out = conversation.generate(eng, json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_new_tokens=6))
@@ -230,12 +227,12 @@ ENGINE_RUN = textwrap.dedent("""
 """)
 
 
-def _engine_run(tmp_path, store: str, mode: str, **extra_env: str) -> dict:
+def _engine_run(tmp_path, store: str, **extra_env: str) -> dict:
     """The tiny model's start-up and one greedy reply in a process of its own, with its own jax
     compile cache and executable store under tmp_path."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), GEMMA4_COMPILE_CACHE=str(tmp_path / "xla"),
                GEMMA4_EXECUTABLE_CACHE=str(tmp_path / store), **extra_env)
-    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, json.dumps(ENGINE_SETTINGS), json.dumps(PROMPT), mode],
+    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, json.dumps(ENGINE_SETTINGS), json.dumps(PROMPT)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -245,20 +242,21 @@ def _engine_run(tmp_path, store: str, mode: str, **extra_env: str) -> dict:
 def test_a_restarted_engine_loads_its_shapes_and_gives_the_same_tokens(tmp_path):
     """A first process compiles its two start-up shapes (empty caches), stores them and records
     that a start with these settings needs them; a second one with the same model and settings
-    loads them ahead, while its weights load (`loaded_ahead_s`), without tracing (its `_lower`
-    raises), and gives the same greedy tokens: keys are stable across processes."""
-    first = _engine_run(tmp_path, "exe", "trace")
+    loads them ahead, while its weights load (`loaded_ahead_s`), without tracing (no store miss:
+    a shape is lowered only on a miss), and gives the same greedy tokens: keys are stable across
+    processes."""
+    first = _engine_run(tmp_path, "exe")
     assert first["store"]["misses"] == 2 and first["store"]["hits"] == 0, first["store"]
     assert len(list((tmp_path / "exe").glob("*.exe"))) == 2
     assert "loaded_ahead_s" not in first["startup"]
     records = list((tmp_path / "exe" / "starts").glob("*.json"))
     assert len(records) == 1 and len(json.loads(records[0].read_text())["store_keys"]) == 2
-    again = _engine_run(tmp_path, "exe", "no-tracing")
+    again = _engine_run(tmp_path, "exe")
     assert again["ids"] == first["ids"] and len(again["ids"]) == 6
     assert again["store"]["hits"] == 2 and again["store"]["misses"] == 0, again["store"]
     assert again["startup"]["loaded_ahead_s"] > 0, again["startup"]
-    after = _engine_run(tmp_path, "exe", "no-tracing", GEMMA4_LOAD_AHEAD="off")  # loaded after the weights
-    assert after["ids"] == first["ids"] and after["store"]["hits"] == 2, after["store"]
+    after = _engine_run(tmp_path, "exe", GEMMA4_LOAD_AHEAD="off")  # loaded after the weights
+    assert after["ids"] == first["ids"] and after["store"]["hits"] == 2 and after["store"]["misses"] == 0, after["store"]
     assert "loaded_ahead_s" not in after["startup"]
 
 
@@ -341,10 +339,11 @@ def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
 LOWERED = textwrap.dedent("""
     import hashlib
     from gemma4.serve.engine import engine as E
+    from gemma4.serve.engine.steps import StepPrograms
     from gemma4.serve.shape_keys import PrefillKey
     eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
     eng.wait_ready(timeout=600)
-    text = eng._lower(PrefillKey(16, True)).as_text()
+    text = StepPrograms(eng.loaded).lower(PrefillKey(16, True)).as_text()
     print("PROGRAM", hashlib.sha256(text.encode()).hexdigest(), len(text))
     eng.close(timeout=60)
 """)

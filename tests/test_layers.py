@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Function-local imports that stay, each with why deferring it matters (measured; see the line).
@@ -22,7 +24,7 @@ DEFERRED_IMPORTS: dict[tuple[str, str], str] = {
     # `import app` loads no jax, no engine and no gradio (tests/test_app.py::test_import_loads_nothing);
     # `app.main` starts the engine loading, then imports gradio (3–4 s) while it loads.
     ("app.py", "gemma4.serve"): "distributed's runtime imports jax",
-    ("app.py", "gemma4.serve.engine"): "get_engine: jax",
+    ("app.py", "gemma4.serve.engine.engine"): "get_engine: jax",
     ("app.py", "gemma4.ui.layout"): "gradio, imported while the engine loads",
     ("app.py", "gemma4.web"): "server: gradio, as the layout",
     ("gemma4/web/server.py", "gemma4.web.api"): "the API routes run on the engine (jax)",
@@ -30,7 +32,7 @@ DEFERRED_IMPORTS: dict[tuple[str, str], str] = {
     # The command line's quick paths (--help, usage errors, probe --simulate) stay jax-free:
     # 0.1-0.2 s instead of 2-5 s.
     ("gemma4/cli/commands.py", "gemma4.cli"): "the one hand-over to the jax-using commands",
-    ("gemma4/serve/probe.py", "gemma4.serve.engine"): "only probe --measure runs an engine",
+    ("gemma4/serve/probe.py", "gemma4.serve.engine.engine"): "only probe --measure runs an engine",
     ("gemma4/serve/probe.py", "gemma4.plan"): "hardware_checks: only the live device needs jax",
     ("gemma4/plan/hardware.py", "gemma4.ops.kernels.int4_matmul"): "int4 block arithmetic (jax)",
     ("gemma4/plan/hardware_probe.py", "jax"): "the live probe; simulated facts need no jax",
@@ -79,7 +81,7 @@ def _rel(path: Path) -> str:
 def test_import_contract_holds():
     result = _lint(ROOT)
     out = result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken." in out, out
+    assert "Contracts: 3 kept, 0 broken." in out, out
 
 
 def _copy_package(tmp_path: Path) -> Path:
@@ -99,6 +101,18 @@ def test_a_planted_back_edge_breaks_the_contract(tmp_path):
     assert result.returncode != 0, out
     assert "gemma4.model is not allowed to import gemma4.serve" in out, out
     assert "gemma4.model.config -> gemma4.serve.engine" in out, out
+
+
+@pytest.mark.parametrize("planted", ["import jax\n", "from gemma4.model import sampling\n"])
+def test_jax_in_the_scheduler_breaks_the_contract(tmp_path, planted):
+    """The scheduler is plain Python: jax, even through a module that imports it, breaks the contract."""
+    root = _copy_package(tmp_path)
+    target = root / "gemma4/serve/engine/scheduler.py"
+    target.write_text(target.read_text() + "\n\n" + planted)
+    result = _lint(root)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "gemma4.serve.engine.scheduler is not allowed to import jax" in out, out
 
 
 def test_a_planted_cycle_between_siblings_breaks_the_contract(tmp_path):

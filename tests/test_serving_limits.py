@@ -16,7 +16,7 @@ import pytest
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.engine.step_plans import Observer
-from gemma4.serve.shape_keys import DecodeKey
+from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 from tests.net import wait_until
 from tests.scripted import scripted, tiny_gemma4
 
@@ -276,17 +276,17 @@ def test_a_fault_ends_a_stream_with_an_error_event_and_a_whole_reply_with_a_500(
     url, _, engine = served
     _settled(engine)
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 20, "temperature": 0.0}
-    with _Fault(engine, "run_decode", times=1):
+    with engine.observing(_Fault(DecodeKey)):
         r = httpx.post(url + "v1/completions", json=body, timeout=60)
     assert r.status_code == 500, r.text
-    assert "injected fault in run_decode" in r.json()["error"]["message"]
-    with _Fault(engine, "run_prefill", times=1):
+    assert "injected fault in decode" in r.json()["error"]["message"]
+    with engine.observing(_Fault(PrefillKey)):
         with httpx.stream("POST", url + "v1/chat/completions", timeout=60, json={
                 "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "stream": True,
                 "max_tokens": 20}) as s:
             lines = [line for line in s.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    assert "injected fault in run_prefill" in lines[-2] and '"error"' in lines[-2], lines[-3:]
+    assert "injected fault in prefill" in lines[-2] and '"error"' in lines[-2], lines[-3:]
     m = _metrics(url)
     assert _value(m, "gemma4_busy_slots") == 0
     assert _value(m, "gemma4_engine_faults_total", kind="decode") >= 1
@@ -302,10 +302,10 @@ def test_a_fault_reaches_the_chat_apps_api_as_an_error_with_its_message(served):
     _settled(engine)
     ui = Client(url, verbose=False)
     try:
-        with _Fault(engine, "run_decode", times=1):
+        with engine.observing(_Fault(DecodeKey)):
             out = ui.predict("Hello", 20, api_name="/generate")
         assert out["done"] and out["finish_reason"] == "error", out
-        assert any("injected fault in run_decode" in n for n in out["notes"]), out["notes"]
+        assert any("injected fault in decode" in n for n in out["notes"]), out["notes"]
         again = ui.predict("Hello", 3, api_name="/generate")
         assert again["done"] and again["finish_reason"] in ("stop", "length")
     finally:

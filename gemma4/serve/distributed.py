@@ -4,7 +4,7 @@
     initialize(settings)                # before anything touches a JAX backend
     # then get_engine(...) as usual: on process 0 it serves; on the others it follows
 
-How the schedule reaches the other processes: gemma4.serve.step_link (process 0 broadcasts each
+How the schedule reaches the other processes: gemma4/serve/engine/link.py (process 0 broadcasts each
 step it dispatches; the others replay it).
 
 Choices that could differ per process are fixed instead of measured: the CPU int8 matmul path
@@ -334,14 +334,11 @@ def finish(engine: Any, timeout: float = 120.0) -> None:
     the others wait for that. Then this process leaves without being reported as lost."""
     if process_count() == 1:
         return
-    lk = engine.link
-    if is_leader():
+    if is_leader():  # its engine's link tells the others to stop (also when its start failed)
         engine.close(timeout=timeout)
         if not engine.wait_stopped(0):
             log.warning("the engine did not stop within %.0f s; the other processes are not told", timeout)
             return  # no goodbye: they will report this process as lost when it exits
-        if lk is not None:
-            lk.stop_followers()  # the engine failed before its scheduler ran: say stop from here
     else:
         engine.wait_stopped()  # until process 0 says stop (or the watchdog reports it lost)
     goodbye()

@@ -43,18 +43,17 @@ class Runner:
     """Runs step plans for one loaded model (see the module docstring).
 
     model: the loaded model; cache: its KV cache (the runner owns it from here); shapes: the
-    compiled shapes; observers: the engine's (they see every device call); processes: more than
-    one makes the link (process 0 leads, the others follow)."""
+    compiled shapes; observers: the engine's (they see every device call); link: where several
+    processes serve the model (process 0 leads, the others follow), else None."""
 
     def __init__(self, model: LoadedModel, cache: Any, shapes: CompiledShapes, *,
-                 observers: Sequence[Observer] = (), processes: int = 1):
+                 observers: Sequence[Observer] = (), link: EngineLink | None = None):
         self.model = model
         self.cache = cache
         self.shapes = shapes
         self.observers = observers
+        self.link = link
         self._device_lock = threading.Lock()
-        g = model.geometry
-        self.link = EngineLink(max(max(g.buckets), g.max_batch), g.max_batch) if processes > 1 else None
 
     @property
     def leads(self) -> bool:

@@ -27,7 +27,8 @@ from gemma4.model.config import ModelConfig
 from gemma4.ops.kernels import cpu_int8
 from gemma4.serve import distributed, executable_store
 from gemma4.serve.engine.compiled import CompiledShapes
-from gemma4.serve.engine.geometry import ServingGeometry
+from gemma4.serve.engine.link import EngineLink
+from gemma4.serve.engine.geometry import ACCELERATOR_BUCKETS, PROMPT_BUCKETS, ServingGeometry
 from gemma4.serve.engine.load import LoadedModel, PreparedWrite, keep_prepared, load_model, model_info
 from gemma4.serve.engine.runner import Runner
 from gemma4.serve.engine.step_plans import Observer
@@ -111,9 +112,21 @@ class StartUp:
         # the devices' first use: where a TPU runtime starts (3-6 s on a v5e; docs/tpu.md)
         self.processes = distributed.process_count()
         self.timings["runtime_s"] = time.perf_counter() - t0
-        if self.processes > 1:  # process 0 schedules; the others replay its steps, warm-up included
-            self._overrides = distributed.engine_overrides(self._overrides)
-            self._warmup = self._warmup and distributed.is_leader()
+        if self.processes == 1:
+            return self._start(t0, None)
+        # Process 0 schedules; the others replay its steps, warm-up included (engine/link.py). The
+        # link's descriptor size is fixed before loading, by settings every process shares.
+        self._overrides = distributed.engine_overrides(self._overrides)
+        self._warmup = self._warmup and distributed.is_leader()
+        s = self.settings
+        link = EngineLink(max(max(s.buckets or PROMPT_BUCKETS + ACCELERATOR_BUCKETS), s.max_batch), s.max_batch)
+        try:
+            return self._start(t0, link)
+        except Exception:
+            link.stop_followers()  # process 0 failed before serving: the others must not wait for it
+            raise
+
+    def _start(self, t0: float, link: EngineLink | None) -> Started:
         self._prefetch = self._load_ahead()
         t_load = time.perf_counter()
         s = self.settings
@@ -125,7 +138,7 @@ class StartUp:
         self.programs = self._programs_for(model)
         self.towers = Towers(model.cfg, model.params, model.encoder_dtype, self.shapes.compile,
                              multi_process=self.processes > 1)
-        runner = Runner(model, cache, self.shapes, observers=self._observers, processes=self.processes)
+        runner = Runner(model, cache, self.shapes, observers=self._observers, link=link)
         info = model_info(model, cache, runner.memory(), time.perf_counter() - t_load)
         info["compiled_ahead"] = self.compiled_ahead
         # the rest of loading: the KV cache, the steps, the towers (an accelerator's start: docs/tpu.md)
