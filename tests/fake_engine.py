@@ -242,6 +242,9 @@ class FakeRunner:
     def run_idle(self, key: ShapeKey) -> None:
         pass
 
+    def first_run(self, key: ShapeKey) -> None:
+        pass
+
     def recover(self) -> bool:
         lost, self.lose_cache = self.lose_cache, False
         return lost

@@ -177,15 +177,16 @@ class Engine:
 
     def supports_vision(self) -> tuple[bool, str]:
         """(ok, reason when not): ready, with a vision tower loaded on one process (`Towers`)."""
-        if self._status["state"] != "ready":
-            return False, "the model is still loading (images can be sent once it is ready)"
-        return self.towers.supports_vision()
+        return self._tower("images", lambda: self.towers.supports_vision())
 
     def supports_audio(self) -> tuple[bool, str]:
         """(ok, reason when not): ready, with an audio tower (Gemma 4 E2B / E4B) loaded on one process."""
+        return self._tower("audio", lambda: self.towers.supports_audio())
+
+    def _tower(self, what: str, ask: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
         if self._status["state"] != "ready":
-            return False, "the model is still loading (audio can be sent once it is ready)"
-        return self.towers.supports_audio()
+            return False, f"the model is still loading ({what} can be sent once it is ready)"
+        return ask()
 
     # ---------------------------------------------------------------- requests
     def validate(self, params: SamplingParams | None) -> tuple[SamplingParams, list[str]]:
@@ -275,8 +276,8 @@ class Engine:
             work = sched.wait_for_work(runner.shapes.take_unrun)
             if work is STOP:
                 return
-            if work is not True:
-                self._first_run(work)
+            if work is not True:  # a new shape's first run, while idle
+                runner.first_run(work)
                 continue
             try:
                 plan = sched.next_step()
@@ -319,16 +320,6 @@ class Engine:
             now = time.perf_counter()
             self.scheduler.apply(plan, tokens, bad, now - t)
             plan, handle, t = following, after, now
-
-    def _first_run(self, key) -> None:
-        """A newly compiled shape's first run on idle inputs, while no request is served."""
-        t = time.perf_counter()
-        try:
-            self.runner.run_idle(key)
-        except Exception as e:  # a request that uses it meets the error itself; the loop goes on
-            log.warning("first run of %s failed: %s: %s", key.describe(), type(e).__name__, e)
-        else:
-            log.info("ran %s once in %.2f s (idle)", key.describe(), time.perf_counter() - t)
 
     def close(self, timeout: float | None = 0.0) -> None:
         """Stop the scheduler and the compile threads; wait up to `timeout` s for them (None: no

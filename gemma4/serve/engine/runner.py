@@ -185,6 +185,17 @@ class Runner:
             self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0,
                            SamplingRows.idle(key.width + 1), idle=True)
 
+    def first_run(self, key: ShapeKey) -> None:
+        """A newly compiled shape's first run on idle inputs, while no request is served; a
+        failure is logged (a request that uses the shape meets the error itself)."""
+        t = time.perf_counter()
+        try:
+            self.run_idle(key)
+        except Exception as e:
+            log.warning("first run of %s failed: %s: %s", key.describe(), type(e).__name__, e)
+        else:
+            log.info("ran %s once in %.2f s (idle)", key.describe(), time.perf_counter() - t)
+
     # ---------------------------------------------------------------- the cache
     def recover(self) -> bool:
         """After a failed call: whether the KV cache was lost (a donated buffer consumed by the
