@@ -16,6 +16,7 @@ import pathlib
 import gradio as gr
 import pytest
 
+from gemma4.env import setting
 from gemma4.ui import layout
 from gemma4.media.files import MediaError
 from gemma4.ui.demo import DemoApp
@@ -53,7 +54,7 @@ from tests.audio_files import tone_wav
 from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY_MODEL = os.environ.get("GEMMA4_TEST_TINY_MODEL", "random:tiny-gemma3-270m")
+TINY_MODEL = setting("GEMMA4_TEST_TINY_MODEL")
 # Two prompt buckets (not the app's eight): each bucket is two more shapes compiled while the
 # module's tests run, and these tests need none of the others (a longer prompt is chunked).
 TINY_ENGINE = dict(max_batch=4, context_limit=4096, max_new_tokens_cap=4096, buckets=(16, 64))

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from gemma4.env import setting
 from tests.net import free_port as _free_port
 
 pytestmark = pytest.mark.browser
@@ -33,8 +34,8 @@ CHROMIUM_ARGS = [
     "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
 ]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODEL = os.environ.get("GEMMA4_TEST_BROWSER_MODEL", "bundled")  # real text: a random model may emit pieces that decode to nothing
-SAVE = os.environ.get("GEMMA4_SAVE_SCREENSHOTS") == "1"
+MODEL = setting("GEMMA4_TEST_BROWSER_MODEL")  # real text: a random model may emit pieces that decode to nothing
+SAVE = setting("GEMMA4_SAVE_SCREENSHOTS")
 # A page's first paint on a busy machine (the engines' background compiles, other jobs): the
 # default 5 s of Playwright's expect was seen to fall short with a load average of 12 on 2 cores.
 PAGE_LOAD_MS = 120_000

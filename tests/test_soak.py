@@ -9,7 +9,6 @@ tests/test_soak.py` (the suite's check until issue 36 moved it out) or bench/soa
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,13 +18,14 @@ import pytest
 pytest.importorskip("openai")
 pytest.importorskip("gradio_client")
 
+from gemma4.env import setting
 from gemma4.web import access as web_access
 from gemma4.web.ratelimit import Limits
 from tests.engines import bundled_f32
 from tests.net import serve_demo
 
 KEYS = ["sk-soak-1", "sk-soak-2", "sk-soak-3"]
-DURATION_S = float(os.environ.get("GEMMA4_SOAK_S", "24"))
+DURATION_S = setting("GEMMA4_SOAK_S")
 # RSS creeps for the first ~45 s of traffic while allocators and caches settle (the clients'
 # memory included: they run in this process): with the slope taken after 20 s of a 60 s run it
 # measured 5-86 MB/min at the same code (2-core Intel Xeon; the suite failed once at 67.6), after

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-from gemma4.env import EnvError
+from gemma4.env import EnvError, default_of, setting, warn_unknown
 from gemma4.serve import distributed_flags
 from gemma4.serve.probe import main as hardware_main
 
@@ -34,7 +33,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=1, help="decode slots (concurrent requests)")
     p.add_argument("--buckets", default=None,
                    help="comma-separated prompt buckets to compile (default: the engine's ladder)")
-    p.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or "auto",
+    p.add_argument("--mesh", default=setting("GEMMA4_MESH"),
                    help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
                         "(env GEMMA4_MESH)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
@@ -56,7 +55,8 @@ def _preflight_flags(argv: list[str]) -> argparse.Namespace | None:
     --devices): `probe` is then the hardware report alone (gemma4.serve.probe)."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model")
-    ap.add_argument("--mesh", default=os.environ.get("GEMMA4_MESH") or None)
+    mesh = setting("GEMMA4_MESH")  # a mesh other than the default asks for the pre-flight, as --mesh does
+    ap.add_argument("--mesh", default=None if mesh == default_of("GEMMA4_MESH") else mesh)
     ap.add_argument("--devices", help="a simulated device set for the pre-flight: [N x]NAME, e.g. 4xl4, v5e-8")
     ap.add_argument("--context", type=int)
     ap.add_argument("--max-batch", type=int, default=1)
@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    warn_unknown()  # a mistyped GEMMA4_* name would otherwise be ignored without a word
     if argv and argv[0] == "probe":
         mine = _preflight_flags(argv[1:])
         if mine is None:
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             parser = _parser()
-        except EnvError as e:  # a GEMMA4_* variable that is not a number
+        except EnvError as e:  # a GEMMA4_* variable with a value its setting does not allow
             print(f"error: {e}", file=sys.stderr)
             return 2
         args = parser.parse_args(argv)

@@ -3,8 +3,8 @@
 The kind and format come from the file's first bytes (its magic numbers), never from its name or
 a declared MIME type: a `.png` that holds a JPEG is a JPEG, and a text file called `a.png` is
 refused here with a message naming the file, instead of failing deep inside a decoder. Each kind
-has a byte limit (`MediaLimits`, the one place these limits live; `GEMMA4_MAX_*` variables
-override them), checked before a file is read whole or a data URI decoded.
+has a byte limit (`MediaLimits`; its defaults and the `GEMMA4_MAX_*` variables that override them
+are declared in `gemma4.env`), checked before a file is read whole or a data URI decoded.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from PIL import Image
-
-from gemma4.env import env_float, env_int
+from gemma4.env import default_of, setting
 
 KINDS = ("image", "video", "audio")
 
@@ -34,8 +32,8 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True)
 class MediaLimits:
-    """What one media item may be. The defaults are the policy; each `GEMMA4_*` variable in
-    `from_env` overrides one.
+    """What one media item may be. The defaults are the policy (declared with their variables in
+    `gemma4.env`); each `GEMMA4_*` variable in `from_env` overrides one.
 
     - Bytes per item: 20 MB an image and 25 MB an audio clip (the OpenAI API's own limits for
       image inputs and audio uploads), 100 MB a video (minutes of ordinary phone video).
@@ -50,27 +48,25 @@ class MediaLimits:
       no more), so 10 minutes at most; a 2-hour recording is refused, not decoded.
     """
 
-    image_bytes: int = 20 * MB
-    video_bytes: int = 100 * MB
-    audio_bytes: int = 25 * MB
-    image_pixels: int = Image.MAX_IMAGE_PIXELS or 89_478_485
-    video_seconds: float = 600.0
-    video_frames: int = 36_000
-    audio_seconds: float = 600.0
+    image_bytes: int = default_of("GEMMA4_MAX_IMAGE_BYTES")  # 20 MB
+    video_bytes: int = default_of("GEMMA4_MAX_VIDEO_BYTES")  # 100 MB
+    audio_bytes: int = default_of("GEMMA4_MAX_AUDIO_BYTES")  # 25 MB
+    image_pixels: int = default_of("GEMMA4_MAX_IMAGE_PIXELS")  # Image.MAX_IMAGE_PIXELS (tested)
+    video_seconds: float = default_of("GEMMA4_MAX_VIDEO_SECONDS")  # 600 s
+    video_frames: int = default_of("GEMMA4_MAX_VIDEO_FRAMES")  # 36,000
+    audio_seconds: float = default_of("GEMMA4_MAX_AUDIO_SECONDS")  # 600 s
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MediaLimits:
         """The limits, each overridable by its variable (a bad value raises `EnvError`)."""
-        env = os.environ if env is None else env
-        d = cls()
         return cls(
-            image_bytes=env_int(env, "GEMMA4_MAX_IMAGE_BYTES", d.image_bytes),
-            video_bytes=env_int(env, "GEMMA4_MAX_VIDEO_BYTES", d.video_bytes),
-            audio_bytes=env_int(env, "GEMMA4_MAX_AUDIO_BYTES", d.audio_bytes),
-            image_pixels=env_int(env, "GEMMA4_MAX_IMAGE_PIXELS", d.image_pixels),
-            video_seconds=env_float(env, "GEMMA4_MAX_VIDEO_SECONDS", d.video_seconds),
-            video_frames=env_int(env, "GEMMA4_MAX_VIDEO_FRAMES", d.video_frames),
-            audio_seconds=env_float(env, "GEMMA4_MAX_AUDIO_SECONDS", d.audio_seconds),
+            image_bytes=setting("GEMMA4_MAX_IMAGE_BYTES", env),
+            video_bytes=setting("GEMMA4_MAX_VIDEO_BYTES", env),
+            audio_bytes=setting("GEMMA4_MAX_AUDIO_BYTES", env),
+            image_pixels=setting("GEMMA4_MAX_IMAGE_PIXELS", env),
+            video_seconds=setting("GEMMA4_MAX_VIDEO_SECONDS", env),
+            video_frames=setting("GEMMA4_MAX_VIDEO_FRAMES", env),
+            audio_seconds=setting("GEMMA4_MAX_AUDIO_SECONDS", env),
         )
 
     def bytes_for(self, kind: str) -> int:

@@ -11,7 +11,8 @@ the text report and the plan for a simulated device are `gemma4.plan.hardware_re
 Only this module decides dtypes, weight quantization, KV format, attention path, the quantized
 matmul path and the matmul precision; everything else takes the decision as an argument.
 
-Overrides come from environment variables or a dict / CLI flags with the same names:
+Overrides come from environment variables or a dict / CLI flags with the same names (each declared,
+with the values it takes, in `gemma4.env`; the table: docs/settings.md):
 
     GEMMA4_DTYPE             auto | float32 | bfloat16 | float16
     GEMMA4_WEIGHTS           auto | none | int8 | int4
@@ -26,15 +27,15 @@ Overrides come from environment variables or a dict / CLI flags with the same na
                              values, a GGUF Q8_0 table's own, in half the bytes; float32 keeps every scale float32)
     GEMMA4_INT8_PANEL_BITS   auto | 5 | 8  (5: panels leaves whose values all lie in [-16, 15], a GGUF Q5_0 table's,
                              are stored in 5 bits, the same values; auto measures whether that is faster here)
-    GEMMA4_NATIVE_KERNEL     auto | off     (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
+    GEMMA4_NATIVE_KERNEL     on (auto) | off  (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
     GEMMA4_DECODE_BLOCK      auto | 1..64   (decode steps per dispatch; see DECODE_BLOCK)
     GEMMA4_ENCODER_DTYPE     auto | float32 | bfloat16 | float16  (the vision/audio towers alone; an explicit
                              GEMMA4_DTYPE covers them too unless this names another: `encoder_dtype_rule`)
-    GEMMA4_ALLOW_FALLBACK    0 | 1
+    GEMMA4_ALLOW_FALLBACK    off | on
 
 An override that cannot work on this device (fp8 KV without an fp8 datapath, cuDNN attention where
 cuDNN cannot run it, the fused int4 kernel where its block does not fit on chip) raises
-`PolicyError` with the reason and the alternative — unless GEMMA4_ALLOW_FALLBACK=1, in which case the
+`PolicyError` with the reason and the alternative — unless GEMMA4_ALLOW_FALLBACK=on, in which case the
 safe choice is taken and the refusal is kept, visibly, in the choice's reason (source "fallback")
 and in `plan.warnings`. An override that works but is slow or imprecise here (bf16 on a chip
 without bf16 units) is accepted with a "warning: ..." in its reason and in `plan.warnings`.
@@ -43,9 +44,9 @@ without bf16 units) is accepted with a "warning: ..." in its reason and in `plan
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping
 
+from gemma4.env import EnvError, default_of, parse_setting, setting
 from gemma4.model.config import approx_param_count, config_has_tower, preset, table_param_count
 from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
@@ -199,55 +200,31 @@ ENV_KEYS = {
     "encoder_dtype": "GEMMA4_ENCODER_DTYPE", "decode_block": "GEMMA4_DECODE_BLOCK",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
-_DTYPE_ALIASES = {"float32": "float32", "f32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
-                  "bf16": "bfloat16", "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16"}
-_ALLOWED = {
-    "weights": ("none", "int8", "int4"), "embed_weights": ("none", "int8", "int4"), "kv": ("native", "int8", "fp8"), "attention": ("xla", "cudnn", "native"),
-    "int4_kernel": ("pallas", "xla"),
-    "int8_matmul": ("measure", "default", "native-panels", "native", "xla-fused", "xla-chunked", "xla-i8x2", "xla-i8"),
-    "int8_layout": ("rows", "panels"),
-    "int8_activations": ("int16", "int8"),
-    "int8_scales": ("float16", "float32"),
-    "int8_panel_bits": ("5", "8"),
-    "matmul_precision": ("none", "default", "high", "highest", "bfloat16", "tensorfloat32", "float32"),
-}
+_BY_ENV = {name: key for key, name in ENV_KEYS.items()}
 
 
 def normalize_overrides(overrides: Mapping[str, Any] | None = None,
                         env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Merge env vars (GEMMA4_*) and an explicit dict (keys "dtype" or "GEMMA4_DTYPE" alike; the dict
-    wins). "auto", "" and None mean "no override". Raises PolicyError on an unknown key or value."""
-    env = os.environ if env is None else env
-    by_env = {v: k for k, v in ENV_KEYS.items()}
-    merged: dict[str, Any] = {}
-    for source in (env, overrides or {}):
-        for key, value in source.items():
-            short = by_env.get(key) or (key if key in ENV_KEYS else None)
-            if short is None:
-                if source is env:
-                    continue  # unrelated environment variable
-                raise PolicyError(f"unknown override {key!r}; known: {', '.join(ENV_KEYS)}")
-            merged[short] = value
+    wins), each value read as its setting reads it (`gemma4.env`). "auto", "" and None mean "no
+    override", and so does any setting's default. Raises PolicyError on an unknown key or value."""
+    given: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        short = _BY_ENV.get(key) or (key if key in ENV_KEYS else None)
+        if short is None:
+            raise PolicyError(f"unknown override {key!r}; known: {', '.join(ENV_KEYS)}")
+        given[short] = value
     out: dict[str, Any] = {}
-    for key, value in merged.items():
-        if key == "allow_fallback":
-            out[key] = value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
-            continue
-        if value is None or str(value).strip().lower() in ("", "auto"):
-            continue
-        v = str(value).strip().lower()
-        if key == "decode_block":
-            if not v.isdigit() or not 1 <= int(v) <= 64:
-                raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto or a number of steps from 1 to 64")
-            out[key] = int(v)
-            continue
-        if key in ("dtype", "encoder_dtype"):
-            if v not in _DTYPE_ALIASES:
-                raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto, float32, bfloat16 or float16")
-            v = _DTYPE_ALIASES[v]
-        elif v not in _ALLOWED[key]:
-            raise PolicyError(f"{ENV_KEYS[key]}={value!r}: expected auto or one of {', '.join(_ALLOWED[key])}")
-        out[key] = v
+    for short, name in ENV_KEYS.items():
+        try:
+            if short in given:
+                value = parse_setting(name, None if given[short] is None else str(given[short]))
+            else:
+                value = setting(name, env)
+        except EnvError as e:  # the same refusal for a flag, a dict and a variable
+            raise PolicyError(str(e)) from None
+        if value != default_of(name):
+            out[short] = value
     return out
 
 

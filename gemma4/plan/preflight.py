@@ -28,13 +28,13 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from gemma4.env import EnvError, setting
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, param_specs
 from gemma4.model.partitioning import MESH_AXES, logical_spec
@@ -61,8 +61,8 @@ RESERVE_BYTES = {"cpu": 768 * _MiB, "gpu": 384 * _MiB, "tpu": 256 * _MiB}
 CPU_RESERVE_PER_WEIGHT_BYTE = 0.35
 # The longest prefill chunk the engine runs (its largest default prompt bucket, engine_compile).
 PREFILL_CHUNK = 512
-# `GEMMA4_PREFLIGHT=warn` starts anyway (the refusal becomes a warning), `off` skips the check.
-PREFLIGHT_MODES = ("on", "warn", "off")
+# `GEMMA4_PREFLIGHT=warn` starts anyway (the refusal becomes a warning), `off` skips the check
+# (`preflight_mode`).
 
 # ------------------------------------------------------------------------------ the arithmetic
 def _formats(plan: Any) -> dict:
@@ -381,11 +381,11 @@ def engine_mesh(request: str | dict | None, cfg, plan, context: int, batch: int)
 
 
 def preflight_mode(env: Mapping[str, str] | None = None) -> str:
-    env = os.environ if env is None else env
-    mode = (env.get("GEMMA4_PREFLIGHT") or "on").strip().lower()
-    if mode not in PREFLIGHT_MODES:
-        raise PreflightError(f"GEMMA4_PREFLIGHT={mode!r}: expected one of {', '.join(PREFLIGHT_MODES)}")
-    return mode
+    """GEMMA4_PREFLIGHT: "on", "warn" or "off" (PreflightError for another value)."""
+    try:
+        return setting("GEMMA4_PREFLIGHT", env)
+    except EnvError as e:
+        raise PreflightError(str(e)) from None
 
 
 def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mapping[str, int] | None,

@@ -15,14 +15,15 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
+from gemma4.env import EnvError, default_of, setting
 from gemma4.plan.hardware_probe import host_memory
 
 _GiB = 1 << 30
 _MiB = 1 << 20
 
 # Fraction of a device's memory limit the model may plan to use; the rest absorbs allocator
-# fragmentation and buffers XLA adds that no formula here sees. Override: GEMMA4_MEMORY_FRACTION.
-USABLE_FRACTION = 0.92
+# fragmentation and buffers XLA adds that no formula here sees (0.92). Override: GEMMA4_MEMORY_FRACTION.
+USABLE_FRACTION = default_of("GEMMA4_MEMORY_FRACTION")
 # On GPU the JAX client itself takes only XLA_PYTHON_CLIENT_MEM_FRACTION of the card (0.75 unless
 # set, per JAX's GPU memory allocation docs); a real device's bytes_limit already includes it, a
 # simulated one applies it here.
@@ -78,17 +79,10 @@ _SIM_ALIASES = {"a100": "a100-40", "tpu-v5e": "v5e", "tpu-v6e": "v6e", "v5litepo
 
 
 def _usable_fraction(env: Mapping[str, str] | None = None) -> float:
-    env = os.environ if env is None else env
-    raw = env.get("GEMMA4_MEMORY_FRACTION", "").strip()
-    if not raw:
-        return USABLE_FRACTION
     try:
-        value = float(raw)
-    except ValueError:
-        raise PreflightError(f"GEMMA4_MEMORY_FRACTION={raw!r}: expected a number in (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise PreflightError(f"GEMMA4_MEMORY_FRACTION={raw!r}: expected a number in (0, 1]")
-    return value
+        return setting("GEMMA4_MEMORY_FRACTION", env)
+    except EnvError as e:  # a pre-flight refusal, as the callers expect
+        raise PreflightError(str(e)) from None
 
 
 def gpu_client_fraction(env: Mapping[str, str] | None = None) -> float:

@@ -42,6 +42,7 @@ try:  # the auto-detected coordinator address lives only in this private module
 except ImportError:  # another jax: the address is then unknown (None), as before
     jax_distributed_state = None
 
+from gemma4.env import setting
 from gemma4.serve.distributed_flags import DistributedError, Settings
 
 log = logging.getLogger("gemma4.serve.distributed")
@@ -103,7 +104,7 @@ def initialize(settings: Settings) -> dict:
 
 
 def _watchdog_port(coordinator_port: int) -> int:
-    return int(os.environ.get("GEMMA4_WATCHDOG_PORT") or coordinator_port + 1)
+    return setting("GEMMA4_WATCHDOG_PORT") or coordinator_port + 1
 
 
 def _check_coordinator(settings: Settings) -> None:
@@ -176,9 +177,10 @@ def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, 
     out = dict(overrides or {})
     if process_count() == 1:
         return out
-    env = os.environ if environ is None else environ
-    asked = out.get("int8_matmul", out.get("GEMMA4_INT8_MATMUL", env.get("GEMMA4_INT8_MATMUL", "")))
-    if str(asked or "").strip().lower() in ("", "auto", "measure"):
+    asked = out.get("int8_matmul", out.get("GEMMA4_INT8_MATMUL"))
+    if asked is None:
+        asked = setting("GEMMA4_INT8_MATMUL", environ)
+    if str(asked).strip().lower() in ("", "auto", "measure"):
         out.pop("GEMMA4_INT8_MATMUL", None)
         out["int8_matmul"] = MULTIHOST_INT8_MATMUL
     return out

@@ -13,9 +13,9 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from gemma4.env import env_float, env_int
+from gemma4.env import default_of, setting
 
-DEFAULT_HEARTBEAT_S = 10.0  # a silent peer is declared lost after this long
+DEFAULT_HEARTBEAT_S = default_of("GEMMA4_HEARTBEAT_S")  # a silent peer is declared lost after this long
 DEFAULT_INIT_TIMEOUT_S = 300  # JAX's own default for reaching the coordinator
 
 
@@ -41,16 +41,16 @@ def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None 
     """The multi-host flags (defaults from GEMMA4_* environment variables)."""
     env = os.environ if environ is None else environ
     g = p.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--distributed", choices=["off", "auto"], default=env.get("GEMMA4_DISTRIBUTED") or None,
+    g.add_argument("--distributed", choices=["off", "auto"], default=setting("GEMMA4_DISTRIBUTED", env),
                    help="auto: let JAX detect the cluster (TPU pod slice, SLURM, ...); off: one process. "
                         "Giving --coordinator implies manual start-up (env GEMMA4_DISTRIBUTED)")
-    g.add_argument("--coordinator", default=env.get("GEMMA4_COORDINATOR") or None, metavar="HOST:PORT",
+    g.add_argument("--coordinator", default=setting("GEMMA4_COORDINATOR", env), metavar="HOST:PORT",
                    help="address of process 0, the same on every process (env GEMMA4_COORDINATOR)")
-    g.add_argument("--num-processes", type=int, default=env_int(env, "GEMMA4_NUM_PROCESSES"),
+    g.add_argument("--num-processes", type=int, default=setting("GEMMA4_NUM_PROCESSES", env),
                    help="how many processes join (env GEMMA4_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=env_int(env, "GEMMA4_PROCESS_ID"),
+    g.add_argument("--process-id", type=int, default=setting("GEMMA4_PROCESS_ID", env),
                    help="this process's index, 0 serves the UI/API (env GEMMA4_PROCESS_ID)")
-    g.add_argument("--heartbeat-s", type=float, default=env_float(env, "GEMMA4_HEARTBEAT_S", DEFAULT_HEARTBEAT_S),
+    g.add_argument("--heartbeat-s", type=float, default=setting("GEMMA4_HEARTBEAT_S", env),
                    help="seconds of silence after which a peer counts as lost (env GEMMA4_HEARTBEAT_S)")
 
 

@@ -48,6 +48,7 @@ import jaxlib
 from jax import monitoring
 from jax.experimental import serialize_executable
 
+from gemma4.env import FOLDER_OFF, setting
 from gemma4.paths import cache_root
 
 log = logging.getLogger("gemma4.serve.executable_store")
@@ -175,15 +176,9 @@ def shape_key(program_key: str, shape: object) -> str:
 
 def default_folder(environ: dict[str, str] | None = None) -> Path | None:
     """GEMMA4_EXECUTABLE_CACHE, else cache_root()/executables; None when off (that variable or
-    GEMMA4_COMPILE_CACHE is "off"/"none"/empty, or jax runs more than one process)."""
-    env = os.environ if environ is None else environ
-    off = ("", "off", "none")
-    if env.get("GEMMA4_COMPILE_CACHE", "on").strip().lower() in off:
-        return None
-    named = env.get("GEMMA4_EXECUTABLE_CACHE")
-    if named is not None and named.strip().lower() in off:
-        return None
-    if jax.process_count() > 1:
+    GEMMA4_COMPILE_CACHE is off or none, or jax runs more than one process)."""
+    named = setting("GEMMA4_EXECUTABLE_CACHE", environ)
+    if FOLDER_OFF in (setting("GEMMA4_COMPILE_CACHE", environ), named) or jax.process_count() > 1:
         return None
     return Path(named).expanduser() if named else cache_root() / "executables"
 

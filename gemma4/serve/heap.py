@@ -19,17 +19,15 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
+
+from gemma4.env import setting
 
 log = logging.getLogger(__name__)
-
-OFF_VALUES = ("0", "off", "no", "false", "none")
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
     """Whether `release` trims (GEMMA4_MALLOC_TRIM, default on)."""
-    env = os.environ if environ is None else environ
-    return env.get("GEMMA4_MALLOC_TRIM", "on").strip().lower() not in OFF_VALUES
+    return setting("GEMMA4_MALLOC_TRIM", environ)
 
 
 @functools.lru_cache(maxsize=1)

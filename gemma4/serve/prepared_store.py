@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.ops.quant import QuantArray, is_quantized, read_aligned, to_device
+from gemma4.env import FOLDER_OFF, setting
 from gemma4.paths import cache_root
 from gemma4.serve import executable_store
 
@@ -48,13 +49,10 @@ SOURCES = ("weights", "ops", "plan", "model/params.py", "model/quantize.py", "se
 
 
 def default_folder(environ: dict[str, str] | None = None) -> Path | None:
-    """GEMMA4_PREPARED_CACHE, else cache_root()/prepared; None when that variable is off/none/empty
+    """GEMMA4_PREPARED_CACHE, else cache_root()/prepared; None when that variable is off or none
     or jax runs more than one process."""
-    env = os.environ if environ is None else environ
-    named = env.get("GEMMA4_PREPARED_CACHE")
-    if named is not None and named.strip().lower() in ("", "off", "none"):
-        return None
-    if jax.process_count() > 1:
+    named = setting("GEMMA4_PREPARED_CACHE", environ)
+    if named == FOLDER_OFF or jax.process_count() > 1:
         return None
     return Path(named).expanduser() if named else cache_root() / "prepared"
 

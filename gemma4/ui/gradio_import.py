@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 from types import ModuleType
+
+from gemma4.env import setting
 
 
 def _nothing(*_args, **_kwargs) -> None:
@@ -80,7 +81,8 @@ _hook = _Hook()
 
 
 def wanted() -> bool:
-    return os.environ.get("GEMMA4_GRADIO_STUBS", "").strip().lower() not in ("1", "on", "true", "yes")
+    """Whether to skip gradio's editor-only work (GEMMA4_GRADIO_STUBS off, the default)."""
+    return not setting("GEMMA4_GRADIO_STUBS")
 
 
 def install() -> bool:

@@ -17,7 +17,7 @@ import dataclasses
 import pathlib
 from collections.abc import Mapping
 
-from gemma4.env import env_bool, env_int
+from gemma4.env import setting
 from gemma4.web.ratelimit import Limits
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -61,39 +61,35 @@ def _pair(item: str, where: str) -> tuple[str, str]:
 
 def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """The access flags of `python app.py`, each falling back to its GEMMA4_* variable (a bad
-    number there raises `gemma4.env.EnvError`)."""
+    value there raises `gemma4.env.EnvError`)."""
     d = Limits()
     g = p.add_argument_group("access (UI login, API keys, rate limits)")
-    g.add_argument("--auth", default=env.get("GEMMA4_AUTH") or None, metavar="USER:PW[,...]",
+    g.add_argument("--auth", default=setting("GEMMA4_AUTH", env), metavar="USER:PW[,...]",
                    help="require a login for the UI (env GEMMA4_AUTH; prefer the variable or "
                         "--auth-file: flags show in the process list)")
-    g.add_argument("--auth-file", default=env.get("GEMMA4_AUTH_FILE") or None, metavar="PATH",
+    g.add_argument("--auth-file", default=setting("GEMMA4_AUTH_FILE", env), metavar="PATH",
                    help="file with one user:password per line (env GEMMA4_AUTH_FILE)")
-    g.add_argument("--api-key", default=env.get("GEMMA4_API_KEY") or None, metavar="KEY[,...]",
+    g.add_argument("--api-key", default=setting("GEMMA4_API_KEY", env), metavar="KEY[,...]",
                    help="bearer key(s) required by /v1 (env GEMMA4_API_KEY)")
-    g.add_argument("--rate-in-flight", type=int, metavar="N",
-                   default=env_int(env, "GEMMA4_RATE_IN_FLIGHT", d.in_flight),
+    g.add_argument("--rate-in-flight", type=int, metavar="N", default=setting("GEMMA4_RATE_IN_FLIGHT", env),
                    help=f"generation requests in flight per API client, 0 = no limit "
                         f"(env GEMMA4_RATE_IN_FLIGHT, default {d.in_flight})")
-    g.add_argument("--rate-per-minute", type=int, metavar="N",
-                   default=env_int(env, "GEMMA4_RATE_PER_MINUTE", d.per_minute),
+    g.add_argument("--rate-per-minute", type=int, metavar="N", default=setting("GEMMA4_RATE_PER_MINUTE", env),
                    help=f"API requests (and UI messages) per minute per client, 0 = no limit "
                         f"(env GEMMA4_RATE_PER_MINUTE, default {d.per_minute})")
-    g.add_argument("--max-body-bytes", type=int, metavar="BYTES",
-                   default=env_int(env, "GEMMA4_MAX_BODY_BYTES", d.max_body_bytes),
+    g.add_argument("--max-body-bytes", type=int, metavar="BYTES", default=setting("GEMMA4_MAX_BODY_BYTES", env),
                    help=f"largest API request body (env GEMMA4_MAX_BODY_BYTES, default "
                         f"{d.max_body_bytes})")
-    g.add_argument("--max-messages", type=int, metavar="N",
-                   default=env_int(env, "GEMMA4_MAX_MESSAGES", d.max_messages),
+    g.add_argument("--max-messages", type=int, metavar="N", default=setting("GEMMA4_MAX_MESSAGES", env),
                    help="messages per API chat request, refused (400) above it; 0 = no cap "
                         "(env GEMMA4_MAX_MESSAGES, default half the context window)")
-    g.add_argument("--max-input-tokens", type=int, metavar="N",
-                   default=env_int(env, "GEMMA4_MAX_INPUT_TOKENS", d.max_input_tokens),
+    g.add_argument("--max-input-tokens", type=int, metavar="N", default=setting("GEMMA4_MAX_INPUT_TOKENS", env),
                    help="tokens in an API chat request's messages before old turns are dropped, "
                         "refused (400) above it; 0 = no cap (env GEMMA4_MAX_INPUT_TOKENS, default "
                         "4 context windows)")
+    trust_proxy = setting("GEMMA4_TRUST_PROXY", env)
     g.add_argument("--trust-proxy", action=argparse.BooleanOptionalAction,
-                   default=env_bool(env.get("GEMMA4_TRUST_PROXY"), default=bool(env.get("SPACE_ID"))),
+                   default=bool(env.get("SPACE_ID")) if trust_proxy is None else trust_proxy,
                    help="key rate limits by X-Forwarded-For (env GEMMA4_TRUST_PROXY; on by "
                         "default on Hugging Face Spaces, whose proxy sets it)")
 

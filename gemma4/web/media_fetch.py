@@ -22,7 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from gemma4.env import env_bool, env_float
+from gemma4.env import default_of, setting
 from gemma4.media.files import (MediaError, MediaItem, MediaLimits, media_from_base64, media_from_bytes,
                                 media_from_data_uri)
 from gemma4.web.api_schema import ApiError
@@ -36,15 +36,14 @@ class FetchPolicy:
     """enabled: fetch http(s) URLs at all (GEMMA4_FETCH_URLS); timeout_s: the whole fetch,
     connection and body (10 s, GEMMA4_FETCH_TIMEOUT_S); limits: the byte limit per media kind."""
 
-    enabled: bool = True
-    timeout_s: float = 10.0
+    enabled: bool = default_of(FETCH_ENV)
+    timeout_s: float = default_of(FETCH_TIMEOUT_ENV)
     limits: MediaLimits = dataclasses.field(default_factory=MediaLimits)
 
     @classmethod
-    def from_env(cls, env=os.environ) -> "FetchPolicy":
-        d = cls()
-        return cls(enabled=env_bool(env.get(FETCH_ENV), d.enabled),
-                   timeout_s=float(env_float(env, FETCH_TIMEOUT_ENV, d.timeout_s)),
+    def from_env(cls, env=None) -> "FetchPolicy":
+        """The policy from the environment (default: os.environ, read now; EnvError for a bad value)."""
+        return cls(enabled=setting(FETCH_ENV, env), timeout_s=setting(FETCH_TIMEOUT_ENV, env),
                    limits=MediaLimits.from_env(env))
 
 

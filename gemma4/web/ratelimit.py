@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gemma4.env import default_of
+
 WINDOW_S = 60.0  # "per minute"
 MAX_TRACKED_CLIENTS = 10_000  # idle clients are forgotten past this many (memory stays bounded)
 
@@ -43,9 +45,9 @@ class Limits:
       GEMMA4_MAX_INPUT_TOKENS).
     """
 
-    in_flight: int = 4
-    per_minute: int = 120
-    max_body_bytes: int = 1_000_000
+    in_flight: int = default_of("GEMMA4_RATE_IN_FLIGHT")
+    per_minute: int = default_of("GEMMA4_RATE_PER_MINUTE")
+    max_body_bytes: int = default_of("GEMMA4_MAX_BODY_BYTES")
     max_stop: int = 16
     loading_retry_s: int = 5
     max_messages: int | None = None

@@ -8,7 +8,8 @@ Every flag has an environment variable (GEMMA4_MODEL, GEMMA4_HOST, GEMMA4_PORT, 
 GEMMA4_MAX_USERS, GEMMA4_MAX_NEW_TOKENS, GEMMA4_CONTEXT, GEMMA4_MESH; access: GEMMA4_AUTH,
 GEMMA4_AUTH_FILE, GEMMA4_API_KEY, GEMMA4_RATE_IN_FLIGHT, GEMMA4_RATE_PER_MINUTE,
 GEMMA4_MAX_BODY_BYTES, GEMMA4_MAX_MESSAGES, GEMMA4_MAX_INPUT_TOKENS; multi-host:
-`gemma4.serve.distributed_flags`).
+`gemma4.serve.distributed_flags`), declared with its default in `gemma4.env` (docs/settings.md).
+A GEMMA4_* variable that no setting declares is logged as a warning here, before anything loads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gemma4.env import EnvError, env_bool, env_int
+from gemma4.env import EnvError, default_of, env_int, setting, warn_unknown
 from gemma4.serve import distributed_flags
 from gemma4.web.access import Access, access_from_args, add_access_flags
 
@@ -27,45 +28,45 @@ from gemma4.web.access import Access, access_from_args, add_access_flags
 class Settings:
     """What the app is started with (flags override environment variables)."""
 
-    model: str = "bundled"
-    host: str = "127.0.0.1"
+    model: str = default_of("GEMMA4_MODEL")
+    host: str = "127.0.0.1"  # (GEMMA4_HOST and GEMMA4_PORT fall back to Spaces' variables, then these)
     port: int = 7860
-    share: bool = False
-    max_users: int = 8  # requests decoded together; also Gradio's concurrency limit
-    max_new_tokens_cap: int = 1024
-    context: int = 4096
+    share: bool = default_of("GEMMA4_SHARE")
+    max_users: int = default_of("GEMMA4_MAX_USERS")  # requests decoded together; also Gradio's concurrency limit
+    max_new_tokens_cap: int = default_of("GEMMA4_MAX_NEW_TOKENS")
+    context: int = default_of("GEMMA4_CONTEXT")
     queue_size: int = 64  # requests waiting in Gradio's queue before "queue is full"
     # UI login, /v1 keys, per-client rate limits (gemma4.web.server); secrets stay out of repr()
     access: Access = dataclasses.field(default_factory=Access)
-    mesh: str = "auto"  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
+    mesh: str = default_of("GEMMA4_MESH")  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
     distributed: Any = None  # gemma4.serve.distributed_flags.Settings: more than one process (None: one)
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The app's flags, each defaulting to its environment variable (EnvError for a bad one)."""
     # Spaces set GRADIO_SERVER_NAME/PORT; honour them when our own variables are unset.
-    host = env.get("GEMMA4_HOST") or env.get("GRADIO_SERVER_NAME") or Settings.host
-    port = env_int(env, "GEMMA4_PORT", env_int(env, "GRADIO_SERVER_PORT", Settings.port))
+    host = setting("GEMMA4_HOST", env) or env.get("GRADIO_SERVER_NAME") or Settings.host
+    port = setting("GEMMA4_PORT", env) or env_int(env, "GRADIO_SERVER_PORT", Settings.port)
     p = argparse.ArgumentParser(description="Gemma 4 / Gemma 3 chat demo (pure JAX).")
-    p.add_argument("--model", default=env.get("GEMMA4_MODEL") or Settings.model,
+    p.add_argument("--model", default=setting("GEMMA4_MODEL", env),
                    help="'bundled' (Gemma 3 270M base, offline), a Hub repo id, a local folder, "
                         "or 'random:<preset>' (env GEMMA4_MODEL)")
     p.add_argument("--host", default=host, help="interface to listen on (env GEMMA4_HOST)")
     p.add_argument("--port", type=int, default=port, help="port (env GEMMA4_PORT)")
     p.add_argument("--share", action=argparse.BooleanOptionalAction,
-                   default=env_bool(env.get("GEMMA4_SHARE")),
+                   default=setting("GEMMA4_SHARE", env),
                    help="open a public Gradio share link (env GEMMA4_SHARE)")
     p.add_argument("--max-users", type=int,
-                   default=env_int(env, "GEMMA4_MAX_USERS", Settings.max_users),
+                   default=setting("GEMMA4_MAX_USERS", env),
                    help="requests decoded together (env GEMMA4_MAX_USERS)")
     p.add_argument("--max-new-tokens-cap", type=int,
-                   default=env_int(env, "GEMMA4_MAX_NEW_TOKENS", Settings.max_new_tokens_cap),
+                   default=setting("GEMMA4_MAX_NEW_TOKENS", env),
                    help="upper bound of the max-new-tokens control (env GEMMA4_MAX_NEW_TOKENS)")
-    p.add_argument("--context", type=int, default=env_int(env, "GEMMA4_CONTEXT", Settings.context),
+    p.add_argument("--context", type=int, default=setting("GEMMA4_CONTEXT", env),
                    help="context window in tokens (env GEMMA4_CONTEXT)")
     p.add_argument("--queue-size", type=int, default=Settings.queue_size,
                    help="requests that may wait in the queue before new ones are refused")
-    p.add_argument("--mesh", default=env.get("GEMMA4_MESH") or Settings.mesh,
+    p.add_argument("--mesh", default=setting("GEMMA4_MESH", env),
                    help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
     add_access_flags(p, env)
     distributed_flags.add_arguments(p, env)
@@ -76,6 +77,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
     """Settings from command-line flags, falling back to GEMMA4_* environment variables; a bad
     value in either stops start-up with a message (SystemExit)."""
     env = os.environ if environ is None else environ
+    warn_unknown(env)
     try:
         p = _parser(env)
     except EnvError as e:

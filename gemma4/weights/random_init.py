@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.env import setting
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, leaf_dtype, leaf_name, param_specs, tree_from_leaves
 from gemma4.ops.quant import write_rows
@@ -39,15 +40,11 @@ SEGMENT_STEPS = 1 << 21
 HEAD = 32  # normals drawn one at a time after each checkpoint, where each starts noted
 F32 = np.float32
 DEVICE_BLOCK_ELEMENTS = 1 << 28  # a leaf drawn on the device in row blocks of at most this many values
-DRAW_CHOICES = ("auto", "host", "device")
 
 
 def draw_where(n_params: int, platform: str | None = None, environ: dict[str, str] | None = None) -> tuple[str, str]:
     """("host" | "device", why): where the big float leaves of a random model are drawn."""
-    env = os.environ if environ is None else environ
-    asked = env.get("GEMMA4_RANDOM_DRAW", "auto").strip().lower() or "auto"
-    if asked not in DRAW_CHOICES:
-        raise ValueError(f"GEMMA4_RANDOM_DRAW={asked!r}: expected one of {', '.join(DRAW_CHOICES)}")
+    asked = setting("GEMMA4_RANDOM_DRAW", environ)
     if asked != "auto":
         return asked, f"GEMMA4_RANDOM_DRAW={asked}"
     platform = platform or jax.default_backend()

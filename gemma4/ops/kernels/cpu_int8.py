@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from gemma4.env import EnvError, setting
 from gemma4.ops import quant
 from gemma4.paths import cache_root
 
@@ -161,10 +162,13 @@ def _wait_for(cxx: str, jobs: list[subprocess.Popen], timeout: float = 300) -> N
 
 
 def disabled_reason() -> str | None:
-    v = os.environ.get("GEMMA4_NATIVE_KERNEL", "auto").strip().lower()
-    if v in ("0", "off", "no", "false", "none"):
-        return "disabled by GEMMA4_NATIVE_KERNEL=off"
-    return None
+    """Why the kernel is not to be loaded (GEMMA4_NATIVE_KERNEL off, or a bad value there: `load`
+    never raises, so the Hardware panel shows it), or None."""
+    try:
+        wanted = setting("GEMMA4_NATIVE_KERNEL")
+    except EnvError as e:
+        return f"disabled: {e}"
+    return None if wanted else "disabled by GEMMA4_NATIVE_KERNEL=off"
 
 
 def load() -> KernelStatus:
