@@ -420,11 +420,6 @@ def audio_enabled(env: Mapping[str, str]) -> bool:
     return setting("GEMMA4_AUDIO", env)
 
 
-def audio_bucket_seconds(env: Mapping[str, str]) -> tuple[float, ...]:
-    """`GEMMA4_AUDIO_BUCKETS`: the clip lengths in seconds the audio tower is compiled for."""
-    return setting("GEMMA4_AUDIO_BUCKETS", env)
-
-
 # ------------------------------------------------------------------------------ variables not ours
 def env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
     """The integer in `env[name]`, or `default` when it is unset or blank: for variables that are

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
-from gemma4.env import env_int
+from gemma4.env import setting
 from gemma4.serve.engine.geometry import PROMPT_BUCKETS, bucket_for
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey, ShapeKey
 
@@ -127,7 +127,7 @@ def override_limit(env: Mapping[str, str], alone: bool, buckets: Sequence[int]) 
     """GEMMA4_PREFILL_CHUNK (beside running streams) or GEMMA4_PREFILL_CHUNK_ALONE, in tokens,
     rounded down to a bucket (at least the smallest); None when unset."""
     name = "GEMMA4_PREFILL_CHUNK_ALONE" if alone else "GEMMA4_PREFILL_CHUNK"
-    tokens = env_int(env, name)
+    tokens = setting(name, env)
     if tokens is None:
         return None
     return max([b for b in buckets if b <= tokens] or [buckets[0]])

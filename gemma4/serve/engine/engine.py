@@ -22,12 +22,12 @@ import atexit
 import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
 from typing import Callable, Iterator, Sequence
 
+from gemma4.env import setting
 from gemma4.model.config import ModelConfig
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve.engine.chunking import override_limit
@@ -246,7 +246,7 @@ class Engine:
         self._rules = RequestRules(cfg.pad_id, cfg.hidden_size, min(cfg.vocab_size, started.tokenizer.vocab_size),
                                    g.context_limit, g.buckets[-1], bool(cfg.bidirectional_vision), g.processes == 1)
         self.scheduler = Scheduler(g, ShapeChoice(g, self.shapes), cfg.stop_ids, observers=self.observers,
-                                   chunk_override={alone: override_limit(os.environ, alone, g.buckets)
+                                   chunk_override={alone: override_limit(None, alone, g.buckets)
                                                    for alone in (False, True)})
         for key, seconds in started.warm_costs:
             self.scheduler.costs.note(key, seconds)
@@ -377,7 +377,7 @@ def close_all_engines(timeout: float = 60, keep: Sequence[Engine] = ()) -> None:
 
 def get_engine(model: str | None = None, **kwargs) -> Engine:
     """The process-wide engine for (model, settings): created (and loaded in the background) once."""
-    model = model or os.environ.get("GEMMA4_MODEL", "bundled")
+    model = model or setting("GEMMA4_MODEL")
     key = (model, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     with _engines_lock:
         if key not in _engines:

@@ -34,7 +34,7 @@ from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower,
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, sharding
 from gemma4.serve import heap, prepared_store
-from gemma4.env import env_switch
+from gemma4.env import FOLDER_OFF, setting
 from gemma4.serve.engine.geometry import ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
 from gemma4.weights.leaf_format import LeafFormat
@@ -254,7 +254,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         processes=processes, max_batch=max_batch, context=context,
         model_context=cfg.max_position_embeddings, buckets=buckets,
         full_layers_native=M.full_layers_read_natively(cfg, options, plan.kv_cache.value),
-        mixed_step=env_switch(os.environ, "GEMMA4_MIXED_STEP", True))
+        mixed_step=setting("GEMMA4_MIXED_STEP"))
     kv_format = plan.kv_cache.value
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,
                                     kv_format)
@@ -277,12 +277,9 @@ def compile_ahead_choice(plan: hardware.Plan, mesh: Any, multi_process: bool,
     a start waited for the weights (~12 s of E2B on a TPU v5e machine) before compiling its first
     two steps (~40 s). Not on a CPU: the int8 products' layout is measured after the weights load
     (the tree changes), and its cores are busy loading them."""
-    env = os.environ if environ is None else environ
-    asked = env.get("GEMMA4_COMPILE_AHEAD", "auto").strip().lower() or "auto"
-    if asked not in ("auto", "on", "off"):
-        raise ValueError(f"GEMMA4_COMPILE_AHEAD={asked!r}: expected auto, on or off")
-    if asked != "auto":
-        return asked == "on", f"GEMMA4_COMPILE_AHEAD={asked}"
+    asked = setting("GEMMA4_COMPILE_AHEAD", environ)  # None: auto
+    if asked is not None:
+        return asked, f"GEMMA4_COMPILE_AHEAD={'on' if asked else 'off'}"
     if multi_process:
         return False, "several processes replay process 0's steps"
     if mesh.size != 1:
@@ -404,9 +401,10 @@ def keep_prepared(pending: PreparedWrite) -> threading.Thread:
 def enable_compile_cache() -> None:
     """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir),
     bounded and locked across processes (COMPILE_CACHE_MAX_BYTES)."""
-    path = os.environ.get("GEMMA4_COMPILE_CACHE", str(cache_root() / "xla"))
-    if path.lower() in ("", "off", "none"):
+    named = setting("GEMMA4_COMPILE_CACHE")
+    if named == FOLDER_OFF:
         return
+    path = named or str(cache_root() / "xla")
     os.makedirs(path, exist_ok=True)
     backfill_cache_access_times(path)
     jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from gemma4.env import setting
 from gemma4.model.config import ModelConfig
 from gemma4.ops.kernels import cpu_int8
 from gemma4.serve import distributed, executable_store
@@ -242,8 +243,7 @@ class StartUp:
         on a TPU v5e: two ~0.5-8 s loads that used to follow the weights). What is loaded is used
         only for the store keys this start's own program gives (executable_store)."""
         folder = executable_store.default_folder()
-        off = os.environ.get("GEMMA4_LOAD_AHEAD", "on").strip().lower() in ("0", "off", "none", "false")
-        if folder is None or not self._warmup or off:  # GEMMA4_LOAD_AHEAD=off: after the weights, as before
+        if folder is None or not self._warmup or not setting("GEMMA4_LOAD_AHEAD"):  # off: after the weights
             return None
         keys = executable_store.read_start(folder, self._start_identity())
         if not keys:

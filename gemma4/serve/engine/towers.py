@@ -10,7 +10,6 @@ engine's compile threads. The engine owns one as `engine.towers` once the model 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.env import audio_bucket_seconds
+from gemma4.env import setting
 from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
 from gemma4.model import audio as AU
 from gemma4.model import vision as V
@@ -61,12 +60,12 @@ def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS) -> i
                        f"({max(buckets) / 100:g} s) the audio tower is compiled for; cut it to its first 30 s.")
 
 
-def audio_frame_buckets(env=os.environ) -> tuple[int, ...]:
+def audio_frame_buckets(env=None) -> tuple[int, ...]:
     """The audio buckets in feature frames (100 a second) from GEMMA4_AUDIO_BUCKETS' seconds
-    (`gemma4.env.audio_bucket_seconds`; default `AUDIO_FRAME_BUCKETS`): none past 30 s, and 30 s
+    (default `AUDIO_FRAME_BUCKETS`): none past 30 s, and 30 s
     always the top one, so every clip the front end gives has a bucket."""
     top = AUDIO_FRAME_BUCKETS[-1]
-    frames = {min(top, math.ceil(s * 100)) for s in audio_bucket_seconds(env)}
+    frames = {min(top, math.ceil(s * 100)) for s in setting("GEMMA4_AUDIO_BUCKETS", env)}
     return tuple(sorted(frames | {top}))
 
 
