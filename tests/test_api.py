@@ -223,14 +223,29 @@ def test_client_closing_its_stream_frees_the_slot(bundled):
     assert after.choices[0].finish_reason in ("stop", "length")
 
 
+class _Slow(Observer):
+    """Each token takes 20 ms and none ends the reply: a reply of CAP tokens outlasts the client."""
+
+    def __init__(self, stop_ids):
+        self.stop_ids, self.requests = set(stop_ids), []
+
+    def token(self, req, token):
+        if req not in self.requests:
+            self.requests.append(req)
+        time.sleep(0.02)
+        return token if token not in self.stop_ids else 236761  # a plain token instead of a stop id
+
+
 def test_client_leaving_a_non_stream_request_frees_the_slot(bundled):
     url, _, engine = bundled
     assert _wait(lambda: _idle(engine))
     body = {"model": "bundled", "prompt": "1, 2, 3, 4,", "temperature": 0.0, "max_tokens": CAP}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
-    assert engine.queue_state()["active"] == 1  # still generating when the client left
-    assert _wait(lambda: _idle(engine), timeout=5), engine.queue_state()
+    with engine.observing(_Slow(engine.cfg.stop_ids)) as slow:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+        assert _wait(lambda: _idle(engine), timeout=5), engine.queue_state()
+    (req,) = slow.requests
+    assert 0 < req.generated < CAP  # it was cut short: cancelled when its client left, not finished
 
 
 BAD_BODIES = [  # (body, status, words the message must contain, param)

@@ -64,7 +64,7 @@ class Scheduler:
         self.costs = StepCosts()
         self.clock = clock
         self.blocked_on: list[ShapeKey] = []  # the shapes the last planning's waiting rows need
-        self.last_busy = 0.0  # time.monotonic() when a step was last planned or applied
+        self.last_busy = time.monotonic()  # when a step was last planned or applied (or the scheduler began)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._waiting: list[Request] = []
