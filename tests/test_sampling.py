@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from gemma4.model.sampling import SamplingRows, sample, sample_rows
-from gemma4.model.sampling_params import K_MAX, SamplingParams, apply_stop_strings
-                                   stop_string_holdback)
+from gemma4.model.sampling_params import K_MAX, SamplingParams, apply_stop_strings, stop_string_holdback
 
 
 def row_arrays(params):
