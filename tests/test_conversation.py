@@ -231,7 +231,8 @@ def test_context_rule_keeps_system_and_tools(eng):
 
 def test_gemma3_refuses_thinking_and_tools(eng):
     assert supports_thinking(eng) == (True, "") and supports_tools(eng)[0]
-    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3", name="bundled"))
+    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3", name="bundled"),
+                               status=lambda: {"state": "ready"})  # refused before anything else is asked
     ok, why = supports_thinking(g3)
     assert not ok and "Gemma 3" in why and "thinking" in why
     with pytest.raises(RequestError, match="Thinking is not available: bundled is a Gemma 3 model"):

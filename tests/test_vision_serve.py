@@ -248,10 +248,10 @@ def test_completion_markers_place_the_files_in_order(eng):
     ids = conversation.prompt_ids(eng, "First<|image|>then<|image|>end", mode="completion", media=parts)
     runs = [k for k, t in enumerate(ids) if t == cfg.boi_token_id]
     assert len(runs) == 2 and ids[:1 + len(tok.encode("First"))] == [tok.bos_id] + tok.encode("First")
-    out = conversation.generate(eng, "First<|image|>then<|image|>end", GREEDY, media=parts)
+    out = conversation.generate(eng, "First<|image|>then<|image|>end", GREEDY, mode="completion", media=parts)
     assert [m["name"] for m in out["stats"]["media"]] == ["a.png", "b.png"]
     with pytest.raises(RequestError, match=r"1 <\|image\|> and 0 <\|video\|> markers but 2 image"):
-        conversation.generate(eng, "only one <|image|>", GREEDY, media=parts)
+        conversation.generate(eng, "only one <|image|>", GREEDY, mode="completion", media=parts)
     chat_ids = conversation.prompt_ids(eng, "Look<|image|>", mode="chat", media=parts[:1])
     assert chat_ids.count(cfg.boi_token_id) == 1 and tok.special_id("<|turn>") in chat_ids
 
@@ -399,9 +399,13 @@ def test_chat_render_places_media_parts_like_the_template(eng):
     tok = eng.tokenizer
     part = {"type": "image"}
     msgs = [{"role": "user", "content": [{"type": "text", "text": " Look: "}, part, {"type": "text", "text": "ok "}]}]
-    ids = chat.render(msgs, "gemma4", tok, media=lambda p: [7, 8])
+    ids = chat.render(msgs, "gemma4", tok, media=[[7, 8]])  # the table of expansions: data, no callback
     turn, end = tok.special_id("<|turn>"), tok.special_id("<turn|>")
     assert ids == [tok.bos_id, turn] + tok.encode("user\nLook:\n\n") + [7, 8] + tok.encode("\n\nok") + [end] \
         + tok.encode("\n") + [turn] + tok.encode("model\n")
     with pytest.raises(ValueError, match="not text"):
         chat.render(msgs, "gemma4", tok)
+    with pytest.raises(ValueError, match="more media parts than the expansions"):
+        chat.render(msgs, "gemma4", tok, media=[])
+    with pytest.raises(ValueError, match="more expansions were given"):
+        chat.render(msgs, "gemma4", tok, media=[[7], [8]])
