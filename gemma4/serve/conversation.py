@@ -241,11 +241,6 @@ def count_tokens(engine: Engine, messages: list[dict], system: str | None = None
     return len(render_chat(engine, messages, system, thinking=thinking, tools=tools))
 
 
-# The context rule keeps a chat's prompt within this share of the window, leaving the rest (at
-# least 1/8) for the reply.
-HISTORY_SHARE = (7, 8)
-
-
 @dataclasses.dataclass
 class RenderedPrompt:
     """A typed prompt rendered: `ids` (a soft token as its placeholder id), or a `TokenPrompt`'s
@@ -274,18 +269,16 @@ def render_prompt(engine: Engine, prompt: Prompt, *, caps: tuple[int, int] | Non
         if isinstance(prompt, TokenPrompt):
             return RenderedPrompt(list(prompt.segments), prompt.positions, [], [])
         if isinstance(prompt, CompletionPrompt):
-            table = _media_table(engine, [(f"media {k}", p) for k, p in enumerate(prompt.media)], cancel)
-            ids = chat.render_completion(prompt.text, engine.tokenizer, media=table.expansions if table else None)
-            return RenderedPrompt(ids, len(ids), list(table.items) if table else [], list(table.notes) if table else [])
+            table = prepare_media(engine, [(f"media {k}", p) for k, p in enumerate(prompt.media)], cancel=cancel)
+            ids = chat.render_completion(prompt.text, engine.tokenizer, media=table.expansions if prompt.media else None)
+            return RenderedPrompt(ids, len(ids), table.items, table.notes)
         tokenizer = _EncodeOnce(engine.tokenizer, cancel)
         if caps is not None:
             _check_size(prompt.messages, tokenizer, caps, engine.context_limit)
         owned = prompt.media_parts()
-        table = _media_table(engine, [(f"message {i}", part) for i, part in owned], cancel)
+        table = prepare_media(engine, [(f"message {i}", part) for i, part in owned], cancel=cancel)
         notes: list[str] = []
         ids, kept = _chat_ids(engine, prompt, tokenizer, table, [i for i, _ in owned], notes)
-        if table is None:
-            return RenderedPrompt(ids, len(ids), [], notes)
         used = [prep for (i, _), prep in zip(owned, table.items) if i in kept]
         return RenderedPrompt(ids, len(ids), used, notes + table.notes)
     except RequestError:
@@ -294,12 +287,7 @@ def render_prompt(engine: Engine, prompt: Prompt, *, caps: tuple[int, int] | Non
         raise RequestError(str(e)) from None
 
 
-def _media_table(engine: Engine, parts: list[tuple[str, Mapping]], cancel: Any) -> MediaTable | None:
-    """The prompt's media prepared (None without media: the text-only renderer)."""
-    return prepare_media(engine, parts, cancel=cancel) if parts else None
-
-
-def _chat_ids(engine: Engine, prompt: ChatPrompt, tokenizer: _EncodeOnce, table: MediaTable | None,
+def _chat_ids(engine: Engine, prompt: ChatPrompt, tokenizer: _EncodeOnce, table: MediaTable,
               owners: list[int], notes: list[str]) -> tuple[list[int], set[int]]:
     """(ids, the indices of the messages kept) of a chat under the context rule; `owners[k]` is
     the message of the k-th media part, whose expansion is table.expansions[k]."""
@@ -307,8 +295,8 @@ def _chat_ids(engine: Engine, prompt: ChatPrompt, tokenizer: _EncodeOnce, table:
     tools = list(prompt.tools) if prompt.tools else None
 
     def render(kept: list[int]) -> list[int]:
-        media = None
-        if table is not None:
+        media = None  # a chat without media: the text-only renderer, which refuses media parts
+        if table.items:
             keep = set(kept)
             media = [table.expansions[k] for k, i in enumerate(owners) if i in keep]
         return chat.render([messages[i] for i in kept], engine.cfg.family, tokenizer, system=prompt.system,
@@ -320,7 +308,7 @@ def _chat_ids(engine: Engine, prompt: ChatPrompt, tokenizer: _EncodeOnce, table:
     # message) until the prompt fits, keeping room for a reply of at least 1/8 of the window.
     # The fewest exchanges that make it fit are found by bisection (a prompt only shrinks as
     # more is dropped), so a long chat is rendered O(log n) times, each text encoded once.
-    limit = engine.context_limit * HISTORY_SHARE[0] // HISTORY_SHARE[1]
+    limit = engine.context_limit * 7 // 8
     everything = list(range(len(messages)))
     ids = render(everything)
     if len(ids) <= limit:

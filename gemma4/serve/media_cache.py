@@ -1,9 +1,10 @@
 """The embedding cache of media: an image's (or a video frame's) soft-token rows by content.
 
 A follow-up question about the same picture must not run the vision tower again: the request
-layer (gemma4/serve/conversation.py) looks the rows up here by a key of what determines them —
-the file's content digest (`MediaItem.digest`), the soft-token budget and the model — and stores
-what it encodes. The cache is bounded in bytes (the rows' own size), least recently used first
+layer's media preparation (gemma4/serve/media_prompt.py `prepare_media`) looks the rows up here
+by a key of what determines them — the file's content digest (`MediaItem.digest`), the
+soft-token budget and the model — and its encoding step (`media_segments`) stores what it
+encodes. The cache is bounded in bytes (the rows' own size), least recently used first
 out, and thread-safe (the UI, the API and the CLI share one process-wide cache).
 
 The bound is GEMMA4_MEDIA_CACHE_MB (default 256 MB; 0 turns the cache off). One 280-token image

@@ -132,9 +132,11 @@ def prepare_media(engine: Engine, parts: Sequence[tuple[str, Mapping[str, Any]]]
                   ) -> MediaTable:
     """Check and preprocess every media part of a prompt, given in prompt order as (where, part):
     `where` labels the part in an error ("message 2", "media 0") when it has no "param" of its
-    own. RequestCancelled when `cancel` is set between two parts."""
-    check_media_parts(engine, [part for _, part in parts])
+    own. RequestCancelled when `cancel` is set between two parts. No parts: an empty table."""
     table = MediaTable()
+    if not parts:
+        return table
+    check_media_parts(engine, [part for _, part in parts])
     for where, part in parts:
         check_cancel(cancel)
         prep = _prepare(engine, part, where, len(table.items) + 1, table.notes)
