@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gemma4.model.sampling import SamplingParams  # noqa: E402
+from gemma4.model.sampling_params import SamplingParams  # noqa: E402
 from gemma4.serve.engine.engine import get_engine  # noqa: E402
 
 STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "

@@ -42,7 +42,7 @@ from gemma4.media.image import decode_image, preprocess_image  # noqa: E402
 from gemma4.model import vision as V  # noqa: E402
 from gemma4.model.config import SMALL_TOWER, preset  # noqa: E402
 from gemma4.model.params import cast_towers  # noqa: E402
-from gemma4.model.sampling import SamplingParams  # noqa: E402
+from gemma4.model.sampling_params import SamplingParams  # noqa: E402
 from gemma4.weights.random_init import random_params  # noqa: E402
 
 

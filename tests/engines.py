@@ -1,7 +1,7 @@
 """The engines several test modules share, built once per test run.
 
 tests/conftest.py closes every engine when a module ends (each compiled shape holds memory
-mappings: gemma4/serve/engine_compile.py's mapping limit) except the ones `shared` handed out:
+mappings: gemma4/serve/engine/compiled.py's mapping limit) except the ones `shared` handed out:
 loading and compiling them again in every module that uses them cost the suite minutes. A
 module that uses one leaves it as it found it (idle, no patch left on it, overrides put back).
 """

@@ -935,3 +935,21 @@ def test_reply_panel_says_how_a_long_prompt_was_chunked():
     assert "· in 7 chunks<" in alone and "beside" not in alone
     one = reply_panel_html(dict(base, chunks=1), {}, done=True)
     assert "chunks" not in one
+
+
+def test_the_chat_default_mode_is_the_request_layers():
+    """The mode selector's default is the request layer's one rule (`prompts.default_mode`):
+    completion for a base model, chat otherwise; the same rule the API and the library apply."""
+    import types
+
+    from gemma4.serve import prompts
+
+    class LoadedEngine:
+        def __init__(self, base):
+            self.loaded = types.SimpleNamespace(source=types.SimpleNamespace(is_base_model=base))
+
+        def status(self):
+            return {"state": "ready"}
+
+    for base in (True, False):
+        assert ChatHandlers(LoadedEngine(base), Settings()).default_mode() == prompts.default_mode(base)

@@ -28,7 +28,8 @@ from gemma4.media.audio import audio_features, decode_audio
 from gemma4.media.files import MediaError, media_from_bytes
 from gemma4.model import audio as AU
 from gemma4.model.sampling_params import SamplingParams
-from gemma4.serve import chat, conversation, engine as E, media_prompt
+from gemma4.serve import chat, conversation, media_prompt, prompts
+from gemma4.serve.engine import engine as E
 from gemma4.serve.media_cache import shared_cache
 from gemma4.serve.requests import RequestError
 from gemma4.serve.engine.towers import AUDIO_FRAME_BUCKETS, audio_bucket, audio_frame_buckets
@@ -218,23 +219,23 @@ def test_clips_and_images_in_one_completion_prompt_go_in_marker_order(eng):
     pic = media_from_bytes(png(40, 40, seed=5), name="p.png")
     clips = [media_from_bytes(a, name="a.wav"), media_from_bytes(b, name="b.wav")]
     prompt = "Hear<|audio|>see<|image|>and<|audio|>:"
-    parts = media_prompt.parts_in_marker_order(prompt, [pic], [], 70, audio=clips)
+    parts = prompts.parts_in_marker_order(prompt, [pic], [], 70, audio=clips)
     assert [(p["type"], p["media"].name, p.get("max_soft_tokens")) for p in parts] == [
         ("audio", "a.wav", None), ("image", "p.png", 70), ("audio", "b.wav", None)]
     ids = conversation.prompt_ids(eng, prompt, mode="completion", media=parts)
     assert ids[:1 + len(tok.encode("Hear"))] == [tok.bos_id] + tok.encode("Hear")
     assert ids[1 + len(tok.encode("Hear"))] == cfg.boa_token_id
     assert ids.count(cfg.audio_token_id) == soft_tokens_of(a) + soft_tokens_of(b) and ids.count(cfg.boi_token_id) == 1
-    out = conversation.generate(eng, prompt, GREEDY, media=parts)
+    out = conversation.generate(eng, prompt, GREEDY, mode="completion", media=parts)
     assert [(m["kind"], m["name"]) for m in out["stats"]["media"]] == [("audio", "a.wav"), ("image", "p.png"), ("audio", "b.wav")]
     with pytest.raises(RequestError, match=r"2 <\|image\|>, 0 <\|video\|> and 1 <\|audio\|> markers but 1 image\(s\), "
                                            r"0 video\(s\) and 2 audio clip\(s\)"):
-        media_prompt.parts_in_marker_order("<|image|><|image|><|audio|>", [pic], [], audio=clips)
+        prompts.parts_in_marker_order("<|image|><|image|><|audio|>", [pic], [], audio=clips)
     with pytest.raises(RequestError, match="Marker 1 is <\\|audio\\|> but file 1 is a image"):
-        conversation.generate(eng, "<|audio|> then <|image|>", GREEDY, media=[parts[1], parts[0]])
+        conversation.generate(eng, "<|audio|> then <|image|>", GREEDY, mode="completion", media=[parts[1], parts[0]])
     # without audio the message reads as before issue 17
     with pytest.raises(RequestError, match=r"The prompt has 1 <\|image\|> and 0 <\|video\|> markers but 0 image\(s\) and"):
-        media_prompt.parts_in_marker_order("<|image|>", [], [])
+        prompts.parts_in_marker_order("<|image|>", [], [])
     chat_ids = conversation.prompt_ids(eng, "Listen<|audio|>", mode="chat", media=parts[:1])
     assert chat_ids.count(cfg.boa_token_id) == 1 and tok.special_id("<|turn>") in chat_ids
 
@@ -243,11 +244,12 @@ def test_a_long_clip_is_cut_to_30_s_with_a_note_and_a_too_long_prompt_is_refused
     """A 31 s clip: the model hears its first 30 s (750 soft tokens; the reply's notes and the
     clip's stats say so); 750 soft tokens do not fit the 512-token window: a clear refusal."""
     data = wav(31.0, seed=7)
-    plan = media_prompt.MediaPlan(eng)
-    prep = plan.prepare(audio_part(data, "talk.wav"), where="message 0")
+    table = media_prompt.prepare_media(eng, [("message 0", audio_part(data, "talk.wav"))])
+    (prep,) = table.items
     assert prep.soft_tokens == 750 and prep.seconds == 30.0
+    assert table.expansions == [[eng.cfg.boa_token_id] + [eng.cfg.audio_token_id] * 750 + [eng.cfg.eoa_token_id]]
     note = "'talk.wav' is 31.0 s long; the model hears the first 30 s"
-    assert prep.clip_notes == [note] and plan.notes == [note]
+    assert prep.clip_notes == [note] and table.notes == [note]
     with pytest.raises(RequestError, match=r"The prompt with its media is \d+ tokens \(750 of them soft tokens\) but "
                                            "the context window is 512"):
         conversation.generate(eng, hear(data, name="talk.wav"), GREEDY, mode="chat")
@@ -370,7 +372,7 @@ def test_chat_render_places_audio_bare_and_images_between_blank_lines(eng):
     tok = eng.tokenizer
     msgs = [{"role": "user", "content": [{"type": "text", "text": " Hear: "}, {"type": "audio"},
                                          {"type": "text", "text": " and "}, {"type": "image"}, {"type": "text", "text": "ok "}]}]
-    ids = chat.render(msgs, "gemma4", tok, media=lambda p: [7] if p["type"] == "audio" else [8])
+    ids = chat.render(msgs, "gemma4", tok, media=[[7], [8]])  # the parts' expansions, in order
     turn, end = tok.special_id("<|turn>"), tok.special_id("<turn|>")
     assert ids == [tok.bos_id, turn] + tok.encode("user\nHear:") + [7] + tok.encode("and\n\n") + [8] \
         + tok.encode("\n\nok") + [end] + tok.encode("\n") + [turn] + tok.encode("model\n")
@@ -412,8 +414,9 @@ def test_generate_with_audio_on_a_tiny_gemma4(tmp_path):
 
     from gemma4.media.files import media_from_path
 
-    parts = media_prompt.parts_in_marker_order(prompt, [media_from_path(pic)], [], 70, audio=[media_from_path(clip)])
-    same = conversation.generate(tiny_gemma4(), prompt, SamplingParams(temperature=0.0, max_new_tokens=4), media=parts)
+    parts = prompts.parts_in_marker_order(prompt, [media_from_path(pic)], [], 70, audio=[media_from_path(clip)])
+    same = conversation.generate(tiny_gemma4(), prompt, SamplingParams(temperature=0.0, max_new_tokens=4),
+                                 mode="completion", media=parts)  # the CLI's --mode default
     assert result["token_ids"] == same["token_ids"] and len(result["token_ids"]) == result["stats"]["new_tokens"]
 
     missing = _run(*common, "--prompt", "<|audio|> and <|audio|>", "--audio", str(clip), timeout=300)

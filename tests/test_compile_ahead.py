@@ -1,4 +1,4 @@
-"""Compiling from the parameters' planned shapes while the weights load (engine_load.sketch_params,
+"""Compiling from the parameters' planned shapes while the weights load (engine/load.py sketch_params,
 Engine._compile_ahead): the sketch has the loaded tree's exact signature in every weight format;
 an engine that compiled ahead gives the tokens of one that did not; a sketch that turns out wrong
 is dropped and the loaded tree compiled instead."""

@@ -231,7 +231,8 @@ def test_context_rule_keeps_system_and_tools(eng):
 
 def test_gemma3_refuses_thinking_and_tools(eng):
     assert supports_thinking(eng) == (True, "") and supports_tools(eng)[0]
-    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3", name="bundled"))
+    g3 = types.SimpleNamespace(cfg=types.SimpleNamespace(family="gemma3", name="bundled"),
+                               status=lambda: {"state": "ready"})  # refused before anything else is asked
     ok, why = supports_thinking(g3)
     assert not ok and "Gemma 3" in why and "thinking" in why
     with pytest.raises(RequestError, match="Thinking is not available: bundled is a Gemma 3 model"):
@@ -329,3 +330,55 @@ def test_context_rule_is_quick_on_a_huge_chat(eng):
     ids = prompt_ids(eng, msgs, notes=notes)
     assert time.perf_counter() - t < 10  # generous for a loaded 2-core CI machine
     assert len(ids) <= eng.context_limit * 7 // 8 and notes and "dropped" in notes[0]
+
+
+def test_one_default_mode_for_every_entry_point(eng):
+    """No mode: a text is a chat turn for this instruction-tuned model (random weights count as
+    one), continued as is for a base model; prompt_ids, submit, stream_reply and generate agree."""
+    chat_ids = prompt_ids(eng, "Hi", mode="chat")
+    assert prompt_ids(eng, "Hi") == prompt_ids(eng, "Hi", mode="auto") == chat_ids
+    req = conversation.submit(eng, "Hi", P)
+    req.cancel.set()
+    assert req.prompt_ids == chat_ids
+    with scripted(eng, "ok<turn|>"):
+        stream = stream_reply(eng, "Hi", P)
+        assert stream.prompt_ids == chat_ids and [e.done for e in stream][-1]
+    with scripted(eng, "ok<turn|>"):
+        assert conversation.generate(eng, "Hi", P)["stats"]["prompt_tokens"] == len(chat_ids)
+    base = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, context_limit=eng.context_limit,
+                                 info=lambda: {**eng.info(), "is_base_model": True})
+    assert prompt_ids(base, "Hi") == prompt_ids(eng, "Hi", mode="completion") == eng.tokenizer.encode("Hi", add_bos=True)
+    assert prompt_ids(base, [{"role": "user", "content": "Hi"}]) == chat_ids  # messages: always a chat
+    assert wait_idle(eng)
+
+
+def test_the_one_length_rule_says_the_same_for_every_prompt(eng):
+    """A prompt that does not fit is refused by the request layer before the engine, with the
+    words of `requests.check_prompt_length`, the rule the engine checks too."""
+    from gemma4.serve.requests import check_prompt_length
+
+    too_long = [2] + [300] * eng.context_limit
+    with pytest.raises(RequestError) as ours:
+        conversation.submit(eng, too_long, P)
+    with pytest.raises(RequestError) as rule:
+        check_prompt_length(len(too_long), eng.context_limit)
+    with pytest.raises(RequestError) as engine_says:
+        eng.submit(too_long, P)
+    assert str(ours.value) == str(rule.value) == str(engine_says.value)
+    text = "word " * eng.context_limit
+    with pytest.raises(RequestError, match=r"The prompt is \d+ tokens but the context window is 512 tokens"):
+        conversation.submit(eng, text, P, mode="completion")
+    with pytest.raises(RequestError, match="The prompt is empty"):
+        conversation.submit(eng, [2], P)
+    assert wait_idle(eng)
+
+
+def test_a_prompt_is_classified_once_at_the_entry(eng, monkeypatch):
+    """`prompts.classify` runs once per request (the typed value flows on), whatever the entry."""
+    calls = []
+    real = conversation.classify
+    monkeypatch.setattr(conversation, "classify", lambda *a, **k: calls.append(a) or real(*a, **k))
+    with scripted(eng, "ok<turn|>"):
+        conversation.generate(eng, [{"role": "user", "content": "Hi"}], P, tools=TOOLS)
+    prompt_ids(eng, "Hi")
+    assert len(calls) == 2

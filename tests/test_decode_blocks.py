@@ -81,7 +81,7 @@ def _together(eng) -> list[tuple[list[int], str]]:
 
 def _as_tpu(monkeypatch) -> None:
     """The plan says TPU (as on the chip) while the model runs on this CPU: the engine takes an
-    accelerator's geometry (engine_load: padded decode widths, the accelerator's KV ladder, no
+    accelerator's geometry (engine/geometry.py: padded decode widths, the accelerator's KV ladder, no
     fused step), so that branch runs in the suite, which has no TPU."""
     resolve = hardware_checks.resolve
 
@@ -93,7 +93,7 @@ def _as_tpu(monkeypatch) -> None:
 
 
 def test_blocks_give_the_tokens_of_single_steps(monkeypatch):
-    # no fused prefill+decode step, as on an accelerator (engine_compile's ladder there): 5 shapes
+    # no fused prefill+decode step, as on an accelerator (the geometry's ladder there): 5 shapes
     # to compile per engine instead of 8
     monkeypatch.setenv("GEMMA4_MIXED_STEP", "off")
     # Blocks run where an accelerator runs them, so both engines take its geometry. (Beside the

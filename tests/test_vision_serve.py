@@ -20,7 +20,8 @@ from gemma4.media.image import decode_image, preprocess_image
 from gemma4.model import decoder as M
 from gemma4.model import vision as V
 from gemma4.model.sampling_params import SamplingParams
-from gemma4.serve import chat, conversation, engine as E, media_prompt
+from gemma4.serve import chat, conversation, media_prompt, prompts
+from gemma4.serve.engine import engine as E
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
 from gemma4.serve.requests import Embeddings, RequestError, vision_layout
 from tests.engines import bundled_f32
@@ -223,6 +224,58 @@ def test_a_video_is_its_frames_with_timestamps_as_the_processor_writes_them(eng)
     assert again["stats"]["media"][0]["cached"] and again["token_ids"] == out["token_ids"]
 
 
+def test_media_are_prepared_into_a_table_before_rendering(eng):
+    """A prompt's media are prepared first, into a table in prompt order (message by message):
+    each part's expansion (an image: <|image> n × <|image|> <image|>; a video: its frames with
+    their stamps) and nothing encoded yet. The renderer takes the table as data: its ids are the
+    request layer's, and the table's order decides which part goes where."""
+    shared_cache().clear()
+    cfg, tok = eng.cfg, eng.tokenizer
+    video = {"type": "video", "media": media_from_bytes(mp4(frames=2), name="v.mp4")}
+    msgs = [{"role": "user", "content": [image_part(png(40, 40, seed=41), "a.png", max_soft_tokens=70),
+                                         {"type": "text", "text": "This?"}]},
+            {"role": "assistant", "content": "A picture."},
+            {"role": "user", "content": [{"type": "text", "text": "And"}, video,
+                                         image_part(png(80, 40, seed=42), "b.png", max_soft_tokens=70)]}]
+    typed = prompts.classify(msgs)
+    assert [(i, p["type"]) for i, p in typed.media_parts()] == [(0, "image"), (2, "video"), (2, "image")]
+    table = media_prompt.prepare_media(eng, [(f"message {i}", p) for i, p in typed.media_parts()])
+    a, v, b = table.items
+    assert [p.name for p in table.items] == ["a.png", "v.mp4", "b.png"] and table.notes == []
+    assert all(p.rows is None and not p.cached for p in table.items)  # prepared, not encoded
+    assert table.expansions[0] == [cfg.boi_token_id] + [cfg.image_token_id] * a.soft_tokens + [cfg.eoi_token_id]
+    assert table.expansions[2] == [cfg.boi_token_id] + [cfg.image_token_id] * b.soft_tokens + [cfg.eoi_token_id]
+    stamps = [piece for piece in table.expansions[1] if isinstance(piece, str)]
+    assert stamps == [f"{'' if k == 0 else ' '}{stamp} " for k, (stamp, _) in enumerate(v.frames)]
+    assert table.expansions[1].count(cfg.video_token_id) == v.soft_tokens
+    ids = chat.render(msgs, "gemma4", tok, media=table.expansions)
+    assert len(ids) <= eng.context_limit * 7 // 8 and ids == conversation.prompt_ids(eng, msgs)  # (nothing dropped)
+    swapped = chat.render(msgs, "gemma4", tok, media=[table.expansions[2], table.expansions[1], table.expansions[0]])
+    assert swapped != ids and sorted(swapped) == sorted(ids)  # the table's order places the parts
+
+
+def test_a_client_that_leaves_stops_the_media_preparation(eng):
+    """The preparation looks at the request's cancel flag before each part (a long video or
+    many images): the client leaving stops it with RequestCancelled, a RequestError."""
+
+    class SetAfter:  # a threading.Event set once `n` looks have passed
+        def __init__(self, n):
+            self.n = n
+
+        def is_set(self):
+            self.n -= 1
+            return self.n < 0
+
+    parts = [("message 0", image_part(png(24, 24, seed=43))), ("message 0", image_part(png(24, 24, seed=44)))]
+    with pytest.raises(prompts.RequestCancelled):
+        media_prompt.prepare_media(eng, parts, cancel=SetAfter(1))
+    assert len(media_prompt.prepare_media(eng, parts, cancel=SetAfter(2)).items) == 2
+    gone = threading.Event()
+    gone.set()
+    with pytest.raises(RequestError, match="cancelled while its prompt was being prepared"):
+        conversation.submit(eng, ask(png(24, 24, seed=43)), GREEDY, cancel=gone)
+
+
 def test_an_animated_image_says_its_first_frame_is_seen(eng):
     frames = [Image.fromarray(np.full((24, 24, 3), 60 * k, np.uint8)) for k in range(3)]
     buf = io.BytesIO()
@@ -248,10 +301,10 @@ def test_completion_markers_place_the_files_in_order(eng):
     ids = conversation.prompt_ids(eng, "First<|image|>then<|image|>end", mode="completion", media=parts)
     runs = [k for k, t in enumerate(ids) if t == cfg.boi_token_id]
     assert len(runs) == 2 and ids[:1 + len(tok.encode("First"))] == [tok.bos_id] + tok.encode("First")
-    out = conversation.generate(eng, "First<|image|>then<|image|>end", GREEDY, media=parts)
+    out = conversation.generate(eng, "First<|image|>then<|image|>end", GREEDY, mode="completion", media=parts)
     assert [m["name"] for m in out["stats"]["media"]] == ["a.png", "b.png"]
     with pytest.raises(RequestError, match=r"1 <\|image\|> and 0 <\|video\|> markers but 2 image"):
-        conversation.generate(eng, "only one <|image|>", GREEDY, media=parts)
+        conversation.generate(eng, "only one <|image|>", GREEDY, mode="completion", media=parts)
     chat_ids = conversation.prompt_ids(eng, "Look<|image|>", mode="chat", media=parts[:1])
     assert chat_ids.count(cfg.boi_token_id) == 1 and tok.special_id("<|turn>") in chat_ids
 
@@ -307,7 +360,7 @@ def test_bad_media_requests(eng, monkeypatch):
     with pytest.raises(RequestError, match="sent as an video but its bytes are 'image'"):
         conversation.generate(eng, [{"role": "user", "content": [{"type": "video", "media": media_from_bytes(data)}]}],
                               GREEDY, mode="chat")
-    monkeypatch.setenv(media_prompt.MAX_MEDIA_ENV, "2")
+    monkeypatch.setenv("GEMMA4_MAX_MEDIA", "2")
     three = [{"role": "user", "content": [image_part(data)] * 3}]
     with pytest.raises(RequestError, match="has 3 images/videos; at most 2"):
         conversation.generate(eng, three, GREEDY, mode="chat")
@@ -399,9 +452,13 @@ def test_chat_render_places_media_parts_like_the_template(eng):
     tok = eng.tokenizer
     part = {"type": "image"}
     msgs = [{"role": "user", "content": [{"type": "text", "text": " Look: "}, part, {"type": "text", "text": "ok "}]}]
-    ids = chat.render(msgs, "gemma4", tok, media=lambda p: [7, 8])
+    ids = chat.render(msgs, "gemma4", tok, media=[[7, 8]])  # the table of expansions: data, no callback
     turn, end = tok.special_id("<|turn>"), tok.special_id("<turn|>")
     assert ids == [tok.bos_id, turn] + tok.encode("user\nLook:\n\n") + [7, 8] + tok.encode("\n\nok") + [end] \
         + tok.encode("\n") + [turn] + tok.encode("model\n")
     with pytest.raises(ValueError, match="not text"):
         chat.render(msgs, "gemma4", tok)
+    with pytest.raises(ValueError, match="more media parts than the expansions"):
+        chat.render(msgs, "gemma4", tok, media=[])
+    with pytest.raises(ValueError, match="more expansions were given"):
+        chat.render(msgs, "gemma4", tok, media=[[7], [8]])

@@ -80,8 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _sampling_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--mode", choices=["completion", "chat"], default="completion",
-                   help="completion: raw text after BOS; chat: wrap in the model's chat template")
+    g.add_argument("--mode", choices=["auto", "completion", "chat"], default="auto",
+                   help="auto (default): chat for an instruction-tuned model, completion for a base model "
+                        "(the rule every entry point shares); completion: raw text after BOS; chat: the "
+                        "model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats, flags)")
     g.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the next <|image|> in --prompt (repeatable, in order; a Gemma 4 model)")

@@ -22,8 +22,8 @@ from gemma4.media.files import MediaError, media_from_path
 from gemma4.plan import preflight, preflight_devices, sharding
 from gemma4.serve import conversation, distributed, distributed_flags
 from gemma4.serve.engine.engine import Engine, get_engine
-from gemma4.serve.media_prompt import parts_in_marker_order
 from gemma4.serve.probe import main as hardware_main
+from gemma4.serve.prompts import parts_in_marker_order
 from gemma4.serve.requests import RequestError
 from gemma4.ui import mesh_panel
 from gemma4.weights import sources
@@ -123,17 +123,16 @@ def _generate(engine: Engine, args) -> int:
     if model.source.random_weights:
         print("WARNING: random weights — the output is meaningless", file=sys.stderr)
     try:
-        last = _stream_answer(conversation.stream_reply(engine, args.prompt, args.params, mode=args.mode,
-                                                        media=getattr(args, "media_parts", ())),
-                              show=not args.json)
+        reply = conversation.stream_reply(engine, args.prompt, args.params, mode=args.mode,
+                                          media=getattr(args, "media_parts", ()))
+        last = _stream_answer(reply, show=not args.json)
     except (RequestError, MediaError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         # The prompt as transformers' input_ids (a soft token is its placeholder id), so that a run
         # can be reproduced with another stack token for token.
-        prompt_ids = conversation.prompt_ids(engine, args.prompt, mode=args.mode, media=getattr(args, "media_parts", ()))
-        print(json.dumps({**last.result(), "prompt_token_ids": prompt_ids, "model": model.source.description,
+        print(json.dumps({**last.result(), "prompt_token_ids": reply.prompt_ids, "model": model.source.description,
                           # the towers' dtype and why (`probe` and the hardware panel say the same)
                           "encoder_dtype": model.plan.encoder_dtype.to_dict()}))
     else:
@@ -195,8 +194,7 @@ def _chat(engine: Engine, args) -> int:
         messages.append({"role": "user", "content": line})
         print("model> ", end="", flush=True)
         try:
-            last = _stream_answer(conversation.stream_reply(engine, messages, args.params, mode="chat",
-                                                            system=args.system))
+            last = _stream_answer(conversation.stream_reply(engine, messages, args.params, system=args.system))
         except RequestError as e:
             print(f"\nerror: {e}")
             messages.pop()

@@ -59,7 +59,7 @@ RESERVE_BYTES = {"cpu": 768 * _MiB, "gpu": 384 * _MiB, "tpu": 256 * _MiB}
 # the model. 0.35 × the weights reproduces both measured peaks of docs/loading-and-memory.md
 # (bundled 1.26 GB, random:e2b 7.46 GB) with the fixed reserve above.
 CPU_RESERVE_PER_WEIGHT_BYTE = 0.35
-# The longest prefill chunk the engine runs (its largest default prompt bucket, engine_compile).
+# The longest prefill chunk the engine runs (its largest default prompt bucket, serve/engine/geometry.py).
 PREFILL_CHUNK = 512
 # `GEMMA4_PREFLIGHT=warn` starts anyway (the refusal becomes a warning), `off` skips the check
 # (`preflight_mode`).

@@ -28,14 +28,20 @@ Gemma 4 (the checkpoints' chat_template.jinja)::
 Gemma 3 (no system role; system text is prepended to the first turn)::
 
     <bos><start_of_turn>user\\n{system}\\n\\n{text}<end_of_turn>\\n<start_of_turn>model\\n...
+
+Images, video and audio (Gemma 4): rendering takes their expansions as data, a table prepared
+before it (`render(media=...)`, `render_completion(media=...)`; gemma4/serve/media_prompt.py
+makes it): the k-th media part (or completion marker) becomes the k-th expansion, placed as the
+template places the part. The renderer never calls back into the media code.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from gemma4.env import setting
+from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve import chat_tools
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -96,9 +102,17 @@ MEDIA_TYPES = ("image", "video", "audio")  # the content parts a Gemma 4 tower r
 # Where the checkpoints' chat_template.jinja puts a media part inside a turn: an image or video
 # placeholder between blank lines ('\n\n<|image|>\n\n', '\n\n<|video|>\n\n'), an audio one bare
 # ('<|audio|>', right against the trimmed text around it); Gemma4Processor then expands the
-# placeholder (`render`'s `media` callback does it here).
+# placeholder (here: the part's entry in `render`'s table of expansions).
 MEDIA_SEPARATOR = "\n\n"
 MEDIA_SEPARATORS = {"image": MEDIA_SEPARATOR, "video": MEDIA_SEPARATOR, "audio": ""}
+
+# The markers of a completion prompt (and the CLI's --prompt): where the next file goes, in order.
+COMPLETION_MARKERS = {marker: kind for kind, marker in PLACEHOLDERS.items()}
+MARKER_PATTERN = re.compile("|".join(re.escape(m) for m in COMPLETION_MARKERS))
+
+# What the renderer puts where a media part goes: control ids (int) and text (str), e.g.
+# [<|image>, <|image|> × n, <image|>] (gemma4/serve/media_prompt.py makes them).
+Expansion = Sequence[Any]
 
 
 def is_media_part(part: Any) -> bool:
@@ -148,12 +162,6 @@ def _encode_segments(segments: Iterable[int | str], tokenizer: Tokenizer) -> lis
     if pending:
         ids += tokenizer.encode("".join(pending))
     return ids
-
-
-def encode_segments(segments: Iterable[int | str], tokenizer: Tokenizer) -> list[int]:
-    """Ids of control ids (int) and plain text (str) in order, adjacent texts encoded in one call
-    (what `render` does with a template's pieces; a completion prompt with media uses it too)."""
-    return _encode_segments(segments, tokenizer)
 
 
 def _split_system(messages: Sequence[Mapping[str, Any]], system: str | None, media: bool = False
@@ -210,7 +218,7 @@ def _tool_segments(parts: list, quote_id: int) -> list[int | str]:
 
 def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Tokenizer, tools: Sequence | None,
                      thinking: bool, add_generation_prompt: bool, large_model_template: bool,
-                     media: Any = None) -> list[int | str]:
+                     media: Iterator[Expansion]) -> list[int | str]:
     """The Gemma 4 chat template, segment by segment (see the module docstring)."""
     sid = tokenizer.special_id
     turn_open, turn_close = sid("<|turn>"), sid("<turn|>")
@@ -275,24 +283,27 @@ def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Toke
     return segs
 
 
-def _media_turn_segments(turn: dict, media: Any) -> list[int | str]:
+def _media_turn_segments(turn: dict, media: Iterator[Expansion]) -> list[int | str]:
     """A turn's content with media, part by part as the template writes it: text trimmed (a
-    model turn's thoughts stripped), each media part media(part) between its kind's separators
-    (`MEDIA_SEPARATORS`: "\n\n" for an image or video, none for audio)."""
+    model turn's thoughts stripped), each media part's expansion (the next of `media`) between
+    its kind's separators (`MEDIA_SEPARATORS`: "\n\n" for an image or video, none for audio)."""
     segs: list[int | str] = []
     for part in turn["parts"]:
         if isinstance(part, str):
             segs.append(strip_thinking(part).strip() if turn["role"] == "model" else part.strip())
         else:
             sep = MEDIA_SEPARATORS[part["type"]]
-            segs += [sep, *media(part), sep]
+            expansion = next(media, None)
+            if expansion is None:
+                raise ValueError("the messages hold more media parts than the expansions given for them")
+            segs += [sep, *expansion, sep]
     return segs
 
 
 def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokenizer,
            system: str | None = None, add_generation_prompt: bool = True, thinking: bool = False,
            large_model_template: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
-           media: Any = None) -> list[int]:
+           media: Sequence[Expansion] | None = None) -> list[int]:
     """Token ids of a chat, BOS included.
 
     Args:
@@ -311,10 +322,11 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
         also carries an empty thought block "<|channel>thought\\n<channel|>" (see
         `uses_large_template`).
       tools: Gemma 4 only: OpenAI-style tool declarations, rendered into the system turn.
-      media: Gemma 4 only: a callable taking an image, video or audio content part ({"type":
-        "image" | "video" | "audio", ...}) and returning its expansion as control ids (int) and
-        text (str), placed where the template puts the part (see `MEDIA_SEPARATORS`). None: media parts raise
-        ValueError (a text-only request).
+      media: Gemma 4 only: the table of expansions of the messages' image, video and audio
+        content parts ({"type": "image" | "video" | "audio", ...}): the k-th part met, message by
+        message, is replaced by media[k] (control ids and text), placed where the template puts
+        the part (see `MEDIA_SEPARATORS`). Its length must be the number of parts. None: media
+        parts raise ValueError (a text-only request).
 
     Returns:
       list[int], starting with BOS.
@@ -326,8 +338,11 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
     bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.special_id("<bos>")
 
     if family == "gemma4":
+        expansions = iter(media or ())
         segs = _gemma4_segments(system_text, turns, tokenizer, tools, thinking, add_generation_prompt,
-                                large_model_template, media)
+                                large_model_template, expansions)
+        if next(expansions, None) is not None:
+            raise ValueError("more expansions were given than the messages hold media parts")
         return _encode_segments([bos] + segs, tokenizer)
 
     # Gemma 3: roles must alternate user/model; consecutive same-role messages are merged.
@@ -359,7 +374,6 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
 # 26B-A4B templates do, the E2B/E4B ones do not (their chat_template.jinja); the configs
 # tell them apart by the per-layer embeddings only the E models have. Override with
 # GEMMA4_EMPTY_THOUGHT=on|off (e.g. for a checkpoint whose own template says otherwise).
-EMPTY_THOUGHT_ENV = "GEMMA4_EMPTY_THOUGHT"
 
 
 def uses_large_template(cfg: Any) -> bool:
@@ -367,18 +381,31 @@ def uses_large_template(cfg: Any) -> bool:
     off: Gemma 4 without per-layer embeddings (31B, 26B-A4B), unless GEMMA4_EMPTY_THOUGHT says."""
     if getattr(cfg, "family", None) != "gemma4":
         return False
-    forced = os.environ.get(EMPTY_THOUGHT_ENV, "auto").strip().lower()
-    if forced in ("on", "1", "true", "yes"):
-        return True
-    if forced in ("off", "0", "false", "no"):
-        return False
+    forced = setting("GEMMA4_EMPTY_THOUGHT")  # None: auto
+    if forced is not None:
+        return forced
     return not getattr(cfg, "hidden_size_per_layer_input", 0)
 
 
-def render_completion(text: str, tokenizer: Tokenizer) -> list[int]:
+def render_completion(text: str, tokenizer: Tokenizer, media: Sequence[Expansion] | None = None) -> list[int]:
     """[BOS] + plain ids of `text`: the prompt for a base (pretrained) model such as the bundled
-    Gemma 3 270M, which continues text rather than answering turns."""
-    return tokenizer.encode(text, add_bos=True)
+    Gemma 3 270M, which continues text rather than answering turns.
+
+    With `media` (one expansion per marker, in order: see `COMPLETION_MARKERS`), the k-th
+    <|image|> / <|video|> / <|audio|> marker is replaced by media[k] and the text around the
+    markers stays plain text. Without, a marker is plain text like any other."""
+    if media is None:
+        return tokenizer.encode(text, add_bos=True)
+    markers = list(MARKER_PATTERN.finditer(text))
+    if len(markers) != len(media):
+        raise ValueError(f"the text has {len(markers)} media markers but {len(media)} expansions were given")
+    segs: list[int | str] = [tokenizer.bos_id]
+    pos = 0
+    for m, expansion in zip(markers, media):
+        segs += [text[pos:m.start()], *expansion]
+        pos = m.end()
+    segs.append(text[pos:])
+    return _encode_segments(segs, tokenizer)
 
 
 def render_with_template(template: str, messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,

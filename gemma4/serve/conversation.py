@@ -1,10 +1,24 @@
 """The request layer: what the chat UI, the HTTP API and the CLI send the engine, and what they get
-back. Messages or text → prompt ids (the chat template, the context rule, the thinking/tools
-check: `render_chat`, `prompt_ids`, `submit`); the engine's token stream → one reply stream
-(`stream_reply` → `ReplyStream`): the reply split into thought, answer and tool calls, stop strings
-held back and applied, cancel on close, degeneracy flags and stats on the last event. The chat UI,
-the HTTP API and the CLI all consume it; `complete_reply` is its last event and `generate` that
-event as a plain dict. The engine below knows only token ids and embeddings.
+back. One request flows one way:
+
+1. **classify** (`classify_request`): what the model supports (`check_request`), then the prompt
+   (messages, text, ids or segments) classified once into a typed value, `ChatPrompt`,
+   `CompletionPrompt` or `TokenPrompt` (gemma4/serve/prompts.py: the mode rule, the one empty
+   check); nothing after looks at the raw prompt again;
+2. **render** (`render_prompt`): a chat's input caps; its media prepared into a table of
+   expansions (gemma4/serve/media_prompt.py); the ids rendered with that table
+   (gemma4/serve/chat.py) under the context rule (`_chat_ids`: the oldest exchanges dropped to fit
+   7/8 of the window);
+3. **queue** (`submit`): the one length rule (`requests.check_prompt_length`), the media encoded
+   into embedding segments once the ids are known, `Engine.submit`;
+4. **stream** (`stream_reply` → `ReplyStream`): the engine's token stream → the reply split into
+   thought, answer and tool calls, stop strings held back and applied, cancel on close,
+   degeneracy flags and stats on the last event. `complete_reply` is its last event and
+   `generate` that event as a plain dict.
+
+Every entry point takes the same defaults: `mode=None` (a text is a chat turn for an
+instruction-tuned model and continued for a base model), no system prompt, no tools, no
+thinking, the default input caps. The engine below knows only token ids and embeddings.
 
 A Gemma 4 reply is split **on token ids**, never on decoded text: `<|channel>` … `<channel|>` is
 the thought (its channel name "thought\\n" removed), `<|tool_call>` … `<tool_call|>` is a tool call
@@ -34,9 +48,17 @@ from typing import Any, Iterator, Mapping, Sequence
 from gemma4.model.sampling_params import SamplingParams, apply_stop_strings, stop_string_holdback
 from gemma4.serve import chat, chat_tools
 from gemma4.serve.engine.engine import Engine
-from gemma4.serve.media_prompt import MediaPlan, parts_from_marked_text
+from gemma4.serve.media_prompt import MediaTable, PreparedMedia, media_segments, media_stats, prepare_media
+from gemma4.serve.prompts import (
+    ChatPrompt,
+    CompletionPrompt,
+    Prompt,
+    TokenPrompt,
+    check_cancel,
+    classify,
+)
 from gemma4.serve.quality import RULES, degeneracy_flags
-from gemma4.serve.requests import Embeddings, Request, RequestError, Segment, flatten_segments
+from gemma4.serve.requests import Request, RequestError, Segment, check_prompt_length, flatten_segments
 from gemma4.weights.tokenizer import IncrementalDecoder
 
 CHANNEL_NAME = "thought\n"  # what follows <|channel> in a thought block
@@ -111,13 +133,10 @@ def supports_audio(engine: Engine) -> tuple[bool, str]:
     return engine.supports_audio()
 
 
-def _is_messages(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
-
-
-def check_request(engine: Engine, prompt: Any, mode: str, thinking: bool, tools: Any) -> None:
-    """The one check of thinking, tools and mode for a request (RequestError, meant for the user):
-    thinking and tools need a Gemma 4 model, a chat request, and messages or text (not ids)."""
+def check_request(engine: Engine, thinking: bool, tools: Any) -> None:
+    """The one check of what the model supports for a request (RequestError, meant for the
+    user): thinking and tools need a Gemma 4 model. What the prompt must be for them (a chat,
+    not ids or a completion) is `prompts.classify`'s; the towers media need, `media_prompt`'s."""
     if thinking:
         ok, why = supports_thinking(engine)
         if not ok:
@@ -126,35 +145,17 @@ def check_request(engine: Engine, prompt: Any, mode: str, thinking: bool, tools:
         ok, why = supports_tools(engine)
         if not ok:
             raise RequestError(f"Tools are not available: {why}.")
-        if not isinstance(tools, (list, tuple)):
-            raise RequestError("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects")
-    if (thinking or tools) and mode != "chat":
-        raise RequestError("Thinking and tools need a chat request (mode='chat'), not a completion.")
-    if (thinking or tools) and isinstance(prompt, (list, tuple)) and not _is_messages(prompt):
-        raise RequestError("A token-id prompt is used as given: thinking and tools apply to "
-                           "messages or text, not to ids.")
 
 
-def clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """The messages a model should see: Gradio display messages (an assistant message whose
-    metadata has a title: a thought or tool-call block) are dropped, so an earlier thought shown
-    in the chat never goes back into the prompt; everything else is passed on unchanged."""
-    out = []
-    for m in messages:
-        meta = m.get("metadata") if isinstance(m, Mapping) else None
-        if isinstance(meta, Mapping) and meta.get("title") and m.get("role") in ("assistant", "model"):
-            continue
-        out.append(m)
-    return out
-
-
-def _prompt_arg(prompt: Any) -> Any:
-    if _is_messages(prompt):
-        cleaned = clean_messages(prompt)
-        if not cleaned:
-            raise RequestError("The conversation has no messages to answer.")
-        return cleaned
-    return prompt
+def classify_request(engine: Engine, prompt: Any, *, mode: str | None = None, system: str | None = None,
+                     thinking: bool = False, tools: Sequence | None = None,
+                     media: Sequence[Mapping] = ()) -> Prompt:
+    """The entry of the request layer: what the model supports (`check_request`), then the
+    prompt classified once into its typed value (`prompts.classify`; a text without a mode
+    takes the model's own, `prompts.default_mode`). Everything after takes the typed value."""
+    check_request(engine, thinking, tools)
+    return classify(prompt, mode=mode, system=system, tools=tools, thinking=thinking, media=media,
+                    base_model=bool(engine.info().get("is_base_model")))
 
 
 # ------------------------------------------------------------------------------ bounded work
@@ -182,15 +183,6 @@ class InputCaps:
         messages = context_limit // 2 if self.max_messages is None else int(self.max_messages)
         tokens = 4 * context_limit if self.max_input_tokens is None else int(self.max_input_tokens)
         return messages, tokens
-
-
-class RequestCancelled(RequestError):
-    """The request's client left while its prompt was being prepared: the work stopped."""
-
-
-def _check_cancel(cancel: Any) -> None:
-    if cancel is not None and cancel.is_set():
-        raise RequestCancelled("The request was cancelled while its prompt was being prepared.")
 
 
 def _plain_text(content: Any) -> str:
@@ -232,6 +224,7 @@ def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[in
 
 
 # ------------------------------------------------------------------------------ prompts → ids
+# ------------------------------------------------------------------------------ prompts → ids
 def render_chat(engine: Engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
                 tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of a chat in the engine's model format (Gemma 4: thinking flag, tool
@@ -245,55 +238,67 @@ def count_tokens(engine: Engine, messages: list[dict], system: str | None = None
     return len(render_chat(engine, messages, system, thinking=thinking, tools=tools))
 
 
-def _segments(engine: Engine, prompt: Any, mode: str, system: str | None, notes: list[str], *,
-              thinking: bool = False, tools: list[dict] | None = None, plan: MediaPlan | None = None,
-              caps: tuple[int, int] | None = None, cancel: Any = None) -> list[int] | list[Segment]:
-    """The ids (or segments) of a checked prompt: messages → the chat template (context rule
-    applied; `caps` (max_messages, max_input_tokens) checked first; `cancel` looked at between
-    steps), text → the chat template or the text itself, ids or segments → as given. With a
-    media `plan` (`_media_plan`), media parts are expanded into placeholder ids (see
-    gemma4/serve/media_prompt.py)."""
+@dataclasses.dataclass
+class RenderedPrompt:
+    """A typed prompt rendered: `ids` (a soft token as its placeholder id), or a `TokenPrompt`'s
+    segments as given; `positions` their length; `media` the prepared media parts the ids hold,
+    in order (what the context rule kept); `notes` what the context rule and the media did."""
+
+    ids: list[int] | list[Segment]
+    positions: int
+    media: list[PreparedMedia]
+    notes: list[str]
+
+    @property
+    def soft_tokens(self) -> int:
+        return sum(p.soft_tokens for p in self.media)
+
+
+def render_prompt(engine: Engine, prompt: Prompt, *, caps: tuple[int, int] | None = None,
+                  cancel: Any = None) -> RenderedPrompt:
+    """The ids of a typed prompt, in one direction: a chat's input caps checked (`caps`
+    (max_messages, max_input_tokens); a request's are, always), its media prepared into a table
+    of expansions (gemma4/serve/media_prompt.py), then rendered with the table (gemma4/serve/chat.py)
+    under the context rule (`_chat_ids`); a completion's media the same way, its markers replaced;
+    ids or segments as given. `cancel` is looked at between steps (RequestCancelled). Nothing is
+    encoded here: the towers run once the ids are known (`submit`)."""
     try:
-        if _is_messages(prompt):
-            if plan is not None:
-                plan.prepare_messages(prompt)
-            return _chat_ids(engine, list(prompt), system, notes, thinking, tools, plan, caps, cancel)
-        if isinstance(prompt, (list, tuple)):
-            if any(isinstance(s, Embeddings) for s in prompt):
-                return list(prompt)
-            return [int(t) for t in prompt]
-        if not isinstance(prompt, str):
-            raise RequestError(f"prompt must be text, token ids or chat messages, not {type(prompt).__name__}")
-        if not prompt.strip():
-            raise RequestError("The prompt is empty — type something first.")
-        if mode == "chat":
-            return render_chat(engine, [{"role": "user", "content": prompt}], system, thinking=thinking, tools=tools)
-        if mode != "completion":
-            raise RequestError(f"mode must be 'chat' or 'completion', not {mode!r}")
-        if plan is not None and plan.parts:
-            plan.prepare_parts(plan.parts)
-            return chat.encode_segments(plan.completion_segments(prompt, plan.parts, engine.tokenizer), engine.tokenizer)
-        return chat.render_completion(prompt, engine.tokenizer)
+        if isinstance(prompt, TokenPrompt):
+            return RenderedPrompt(list(prompt.segments), prompt.positions, [], [])
+        if isinstance(prompt, CompletionPrompt):
+            table = prepare_media(engine, [(f"media {k}", p) for k, p in enumerate(prompt.media)], cancel=cancel)
+            ids = chat.render_completion(prompt.text, engine.tokenizer, media=table.expansions if prompt.media else None)
+            return RenderedPrompt(ids, len(ids), table.items, table.notes)
+        tokenizer = _EncodeOnce(engine.tokenizer, cancel)
+        if caps is not None:
+            _check_size(prompt.messages, tokenizer, caps, engine.context_limit)
+        owned = prompt.media_parts()
+        table = prepare_media(engine, [(f"message {i}", part) for i, part in owned], cancel=cancel)
+        notes: list[str] = []
+        ids, kept = _chat_ids(engine, prompt, tokenizer, table, [i for i, _ in owned], notes)
+        used = [prep for (i, _), prep in zip(owned, table.items) if i in kept]
+        return RenderedPrompt(ids, len(ids), used, notes + table.notes)
     except RequestError:
         raise
     except ValueError as e:  # a malformed message, tool or tool call: the renderer says which
         raise RequestError(str(e)) from None
 
 
-def _chat_ids(engine: Engine, messages: list[dict], system: str | None, notes: list[str], thinking: bool,
-              tools: list[dict] | None, plan: MediaPlan | None = None, caps: tuple[int, int] | None = None,
-              cancel: Any = None) -> list[int]:
-    last = messages[-1]
-    if not (str(last.get("content") or "").strip() or last.get("tool_calls")):
-        raise RequestError("The message is empty — type something first.")
-    tokenizer = _EncodeOnce(engine.tokenizer, cancel)
-    if caps is not None:
-        _check_size(messages, tokenizer, caps, engine.context_limit)
+def _chat_ids(engine: Engine, prompt: ChatPrompt, tokenizer: _EncodeOnce, table: MediaTable,
+              owners: list[int], notes: list[str]) -> tuple[list[int], set[int]]:
+    """(ids, the indices of the messages kept) of a chat under the context rule; `owners[k]` is
+    the message of the k-th media part, whose expansion is table.expansions[k]."""
+    messages = prompt.messages
+    tools = list(prompt.tools) if prompt.tools else None
 
-    def render(msgs: list[dict]) -> list[int]:
-        return chat.render(msgs, engine.cfg.family, tokenizer, system=system, thinking=thinking,
-                           tools=tools, large_model_template=chat.uses_large_template(engine.cfg),
-                           media=plan.expand if plan is not None and plan.items else None)
+    def render(kept: list[int]) -> list[int]:
+        media = None  # a chat without media: the text-only renderer, which refuses media parts
+        if table.items:
+            keep = set(kept)
+            media = [table.expansions[k] for k, i in enumerate(owners) if i in keep]
+        return chat.render([messages[i] for i in kept], engine.cfg.family, tokenizer, system=prompt.system,
+                           thinking=prompt.thinking, tools=tools,
+                           large_model_template=chat.uses_large_template(engine.cfg), media=media)
 
     # Context rule: drop the oldest exchanges (a user message and what answers it, tool calls
     # and results included; never a leading system/developer message, the tools or the last
@@ -301,15 +306,16 @@ def _chat_ids(engine: Engine, messages: list[dict], system: str | None, notes: l
     # The fewest exchanges that make it fit are found by bisection (a prompt only shrinks as
     # more is dropped), so a long chat is rendered O(log n) times, each text encoded once.
     limit = engine.context_limit * 7 // 8
-    ids = render(messages)
+    everything = list(range(len(messages)))
+    ids = render(everything)
     if len(ids) <= limit:
-        return ids
+        return ids, set(everything)
     keep_head, ends = _exchange_ends(messages)
     if not ends:
-        return ids
+        return ids, set(everything)
 
-    def dropped(k: int) -> list[dict]:
-        return messages[:keep_head] + messages[ends[k - 1]:]
+    def dropped(k: int) -> list[int]:
+        return everything[:keep_head] + everything[ends[k - 1]:]
 
     # Dropping up to a later user message always leaves a valid chat; the last cut (all but the
     # last message, when it is not a user message) may not, so it is rendered only if needed,
@@ -329,7 +335,7 @@ def _chat_ids(engine: Engine, messages: list[dict], system: str | None, notes: l
         hi = len(ends)
         best = render(dropped(hi))
     notes.append(f"the {ends[hi - 1] - keep_head} oldest message(s) were dropped to fit the context window")
-    return best
+    return best, set(dropped(hi))
 
 
 # A long preparation pauses this long every YIELD_EVERY_S of work. Why: the tokenizer's encode
@@ -358,7 +364,7 @@ class _EncodeOnce:
         self._yielded = time.monotonic()
 
     def encode(self, text: str) -> list[int]:
-        _check_cancel(self._cancel)
+        check_cancel(self._cancel)
         if time.monotonic() - self._yielded > YIELD_EVERY_S:
             time.sleep(YIELD_S)
             self._yielded = time.monotonic()
@@ -384,82 +390,52 @@ def _exchange_ends(messages: Sequence[dict]) -> tuple[int, list[int]]:
     return convo[0], ends
 
 
+
+
 def prompt_ids(engine: Engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
-               thinking: bool = False, mode: str = "chat", notes: list[str] | None = None,
+               thinking: bool = False, mode: str | None = None, notes: list[str] | None = None,
                media: Sequence[Mapping] = (), caps: InputCaps | None = None) -> list[int]:
-    """The prompt ids a request with these arguments would be given (no queueing); `notes`
-    collects what the context rule did. An image's or video frame's soft tokens are its
-    placeholder id (`<|image|>` / `<|video|>`), as in transformers' input_ids; nothing is encoded.
-    `caps`: checked when given (a request's are, always)."""
-    check_request(engine, messages, mode, thinking, tools)
-    messages, plan = _media_plan(engine, _prompt_arg(messages), mode, media)
-    out = _segments(engine, messages, mode, system, [] if notes is None else notes,
-                    thinking=thinking, tools=list(tools) if tools else None, plan=plan,
-                    caps=None if caps is None else caps.resolved(engine.context_limit))
-    if any(isinstance(s, Embeddings) for s in out):
-        return flatten_segments(out, engine.cfg.pad_id, engine.cfg.hidden_size)[0]
-    return out
+    """The prompt ids a request with these arguments would be given (no queueing; the arguments
+    as `stream_reply`'s); `notes` collects what the context rule did. An image's or video
+    frame's soft tokens are its placeholder id (`<|image|>` / `<|video|>`), as in transformers'
+    input_ids; nothing is encoded. `caps`: checked when given (a request's are, always)."""
+    typed = classify_request(engine, messages, mode=mode, system=system, thinking=thinking, tools=tools, media=media)
+    rendered = render_prompt(engine, typed, caps=None if caps is None else caps.resolved(engine.context_limit))
+    if notes is not None:
+        notes += rendered.notes
+    return flatten_segments(rendered.ids, engine.cfg.pad_id, engine.cfg.hidden_size)[0]
 
 
-def submit(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
+def submit(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str | None = None,
            system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
            media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> Request:
-    """Check, shape and queue a request (see `stream_reply` for the arguments); RequestError
-    before any slot is taken for bad input, RequestCancelled if `cancel` was set meanwhile."""
-    check_request(engine, prompt, mode, thinking, tools)
+    """Check, shape and queue a request (the arguments as `stream_reply`'s); RequestError before
+    any slot is taken for bad input, RequestCancelled if `cancel` was set meanwhile."""
+    return _submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media,
+                   caps=caps, cancel=cancel)[0]
+
+
+def _submit(engine: Engine, prompt: Any, params: SamplingParams | None, *, mode: str | None, system: str | None,
+            thinking: bool, tools: Sequence | None, media: Sequence[Mapping], caps: InputCaps | None,
+            cancel: Any) -> tuple[Request, list[int]]:
+    """(the queued request, its prompt ids as rendered). The one path of every request: ready,
+    classified, settings validated, rendered (media prepared first), the length rule, the media
+    encoded into segments, queued."""
     if engine.status()["state"] != "ready":
         engine.wait_ready()
+    typed = classify_request(engine, prompt, mode=mode, system=system, thinking=thinking, tools=tools, media=media)
     params, notes = engine.validate(params)
-    prompt, plan = _media_plan(engine, _prompt_arg(prompt), mode, media)
-    ids = _segments(engine, prompt, mode, system, notes, thinking=thinking,
-                    tools=list(tools) if tools else None, plan=plan,
-                    caps=(caps or InputCaps()).resolved(engine.context_limit), cancel=cancel)
-    _check_cancel(cancel)
-    if plan is None or not plan.items:
-        return engine.submit(ids, params, notes=notes)
-    _check_media_fits(engine, ids, plan)
-    segments = plan.segments(ids)  # the encodes (or cache hits)
-    _check_cancel(cancel)
-    req = engine.submit(segments, params, notes=notes + plan.notes)
-    req.stats["media"] = plan.stats()
-    return req
-
-
-def _media_plan(engine: Engine, prompt: Any, mode: str, media: Sequence[Mapping]) -> tuple[Any, MediaPlan | None]:
-    """(prompt, plan): a MediaPlan when the prompt's messages hold image/video parts or `media`
-    parts come with a text prompt (its <|image|>/<|video|> markers say where: the parts of a
-    chat message in chat mode, expanded in place in completion mode); (prompt, None) otherwise."""
-    media = list(media or ())
-    if _is_messages(prompt):
-        if media:
-            raise RequestError("media= goes with a text prompt whose markers place it; in messages, put image "
-                               "and video parts in the message content instead.")
-        if not any(chat.has_media(m.get("content")) for m in prompt if isinstance(m, Mapping)):
-            return prompt, None
-        return prompt, MediaPlan(engine)
-    if not media:
-        return prompt, None
-    if not isinstance(prompt, str):
-        raise RequestError("media= needs a text prompt with an <|image|>, <|video|> or <|audio|> marker for each file.")
-    plan = MediaPlan(engine)
-    plan.check_model([p.get("type") for p in media if isinstance(p, Mapping)])
-    if mode == "chat":
-        return [{"role": "user", "content": parts_from_marked_text(prompt, media)}], plan
-    plan.parts = media
-    return prompt, plan
-
-
-def _check_media_fits(engine: Engine, ids: Sequence[int], plan: MediaPlan) -> None:
-    """RequestError when a prompt with media does not fit the context window, saying why."""
-    if len(ids) < engine.context_limit:
-        return
-    marks = set(plan.placeholder_ids())
-    soft = sum(t in marks for t in ids)
-    what = "media" if any(p.kind == "audio" for p in plan.items) else "images/video"
-    raise RequestError(f"The prompt with its {what} is {len(ids)} tokens ({soft} of them soft tokens) "
-                       f"but the context window is {engine.context_limit} "
-                       "tokens. Send fewer or smaller media (max_soft_tokens 70 or 140), shorten the text, "
-                       "or start a new conversation.")
+    rendered = render_prompt(engine, typed, caps=(caps or InputCaps()).resolved(engine.context_limit), cancel=cancel)
+    check_cancel(cancel)
+    check_prompt_length(rendered.positions, engine.context_limit, soft_tokens=rendered.soft_tokens)
+    if not rendered.media:
+        req = engine.submit(rendered.ids, params, notes=notes + rendered.notes)
+        return req, req.prompt_ids
+    segments = media_segments(engine, rendered.ids, rendered.media)  # the encodes (or cache hits)
+    check_cancel(cancel)
+    req = engine.submit(segments, params, notes=notes + rendered.notes)
+    req.stats["media"] = media_stats(rendered.media)
+    return req, list(rendered.ids)
 
 
 # ------------------------------------------------------------------------------ splitting a reply
@@ -618,8 +594,10 @@ class ReplyStream:
     block, or closing a generator that iterates it) cancels the request and frees its slot
     within one engine step, even before the first event."""
 
-    def __init__(self, engine: Engine, req: Request, stops: Sequence[str]):
+    def __init__(self, engine: Engine, req: Request, stops: Sequence[str], prompt_ids: Sequence[int] | None = None):
         self.engine, self.request = engine, req
+        # The prompt as rendered, a soft token as its placeholder id (transformers' input_ids).
+        self.prompt_ids = list(req.prompt_ids if prompt_ids is None else prompt_ids)
         self._stops = tuple(stops)
         self._gen = self._run()
 
@@ -743,7 +721,7 @@ class ReplyStream:
                           token_ids=list(ev.token_ids[:seen]))
 
 
-def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "chat",
+def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str | None = None,
                  system: str | None = None, tools: Sequence | None = None, thinking: bool = False,
                  media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> ReplyStream:
     """Submit a request and stream its reply as `ReplyEvent`s.
@@ -751,9 +729,14 @@ def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = No
     Args:
       engine: a `gemma4.serve.engine.Engine`.
       prompt: OpenAI-style messages (roles system/developer/user/assistant/tool; assistant
-        messages may carry "tool_calls", tool messages "tool_call_id"/"name"), or a string.
+        messages may carry "tool_calls", tool messages "tool_call_id"/"name"), a string, or
+        token ids / segments (used as given).
       params: sampling settings; their stop strings apply to the answer (not the thought).
-      mode: "chat" (render the chat template) or "completion" (continue the text as is).
+      mode: how a text prompt is taken: "chat" (one user turn in the chat template) or
+        "completion" (continued as is). None or "auto", the default of every entry point (the
+        chat UI, /generate, the CLI, this library): the model's own way, "completion" for a base
+        model and "chat" otherwise (`prompts.default_mode`). Messages are always a chat and ids
+        always used as given.
       system: a system prompt placed before any system messages.
       tools: OpenAI-style tool declarations (Gemma 4 only).
       thinking: turn on Gemma 4's thinking channel.
@@ -763,14 +746,14 @@ def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = No
         instead (a list of parts, with {"type": "text", "text"} ones).
       caps: the input caps (`InputCaps`; None: the defaults for the engine's context window).
       cancel: a threading.Event the caller sets when its client leaves: the prompt's preparation
-        (size check, rendering, the context rule) stops at its next step (RequestCancelled).
+        (size check, media, rendering, the context rule) stops at its next step (RequestCancelled).
 
     Raises RequestError (before any slot is taken) for bad input, and for thinking or tools with
     a Gemma 3 model. The request is queued at once; iterate the result for its events.
     """
-    req = submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media,
-                 caps=caps, cancel=cancel)
-    return ReplyStream(engine, req, req.params.stop_strings)
+    req, ids = _submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools,
+                       media=media, caps=caps, cancel=cancel)
+    return ReplyStream(engine, req, req.params.stop_strings, prompt_ids=ids)
 
 
 def complete_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
@@ -783,8 +766,7 @@ def complete_reply(engine: Engine, prompt: Any, params: SamplingParams | None = 
     return final
 
 
-def generate(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str = "completion",
-             **kwargs: Any) -> dict:
-    """`complete_reply` (a completion unless `mode` says otherwise) as a plain dict
-    (`ReplyEvent.result`)."""
-    return complete_reply(engine, prompt, params, mode=mode, **kwargs).result()
+def generate(engine: Engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> dict:
+    """`complete_reply` as a plain dict (`ReplyEvent.result`); the same arguments and defaults
+    as `stream_reply`."""
+    return complete_reply(engine, prompt, params, **kwargs).result()

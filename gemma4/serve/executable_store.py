@@ -10,7 +10,7 @@ executable by everything the program is made from instead, known without tracing
   the model, the ops and native kernels' .cc, the engine's steps): any change there is a new key;
 - `platform_fingerprint`: jax and jaxlib versions, the devices, the CPU (model and flags), the
   XLA / JAX / GEMMA4 environment variables and jax's configuration values;
-- the engine's part (`gemma4.serve.steps.program_parts`): the model config, the run options, the
+- the engine's part (`gemma4.serve.engine.steps.program_parts`): the model config, the run options, the
   parameters' and cache's tree structure (whose static fields hold each weight's chosen matmul
   paths), shapes, dtypes and shardings, and the shape key.
 

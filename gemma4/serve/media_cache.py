@@ -1,9 +1,10 @@
 """The embedding cache of media: an image's (or a video frame's) soft-token rows by content.
 
 A follow-up question about the same picture must not run the vision tower again: the request
-layer (gemma4/serve/conversation.py) looks the rows up here by a key of what determines them —
-the file's content digest (`MediaItem.digest`), the soft-token budget and the model — and stores
-what it encodes. The cache is bounded in bytes (the rows' own size), least recently used first
+layer's media preparation (gemma4/serve/media_prompt.py `prepare_media`) looks the rows up here
+by a key of what determines them — the file's content digest (`MediaItem.digest`), the
+soft-token budget and the model — and its encoding step (`media_segments`) stores what it
+encodes. The cache is bounded in bytes (the rows' own size), least recently used first
 out, and thread-safe (the UI, the API and the CLI share one process-wide cache).
 
 The bound is GEMMA4_MEDIA_CACHE_MB (default 256 MB; 0 turns the cache off). One 280-token image
@@ -13,16 +14,12 @@ of Gemma 4 E2B (hidden 1536, float32) is 1.7 MB, so the default holds about 150 
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from typing import Hashable
 
 import numpy as np
 
-from gemma4.env import env_float
-
-CACHE_MB_ENV = "GEMMA4_MEDIA_CACHE_MB"
-DEFAULT_CACHE_MB = 256.0
+from gemma4.env import setting
 
 
 class EmbeddingCache:
@@ -80,10 +77,9 @@ class EmbeddingCache:
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
 
 
-def cache_bytes_from_env(env=os.environ) -> int:
-    """The cache bound in bytes from GEMMA4_MEDIA_CACHE_MB (EnvError for a non-number)."""
-    mb = env_float(env, CACHE_MB_ENV, DEFAULT_CACHE_MB)
-    return int(max(0.0, mb) * 1024 * 1024)
+def cache_bytes_from_env(env=None) -> int:
+    """The cache bound in bytes from GEMMA4_MEDIA_CACHE_MB (EnvError for a bad value)."""
+    return int(setting("GEMMA4_MEDIA_CACHE_MB", env) * 1024 * 1024)
 
 
 _shared: EmbeddingCache | None = None

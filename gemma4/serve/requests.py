@@ -24,6 +24,33 @@ class RequestError(ValueError):
     """A request the engine refuses, with a message meant for the user."""
 
 
+EMPTY_PROMPT = "The prompt is empty — type something first."
+
+
+def nothing_past_bos(positions: int) -> bool:
+    """A prompt of this many positions holds nothing to answer (at most the BOS)."""
+    return positions <= 1
+
+
+def check_prompt_length(positions: int, context_limit: int, *, soft_tokens: int = 0) -> int:
+    """The one rule on a prompt's length once its ids are known, for the request layer and for
+    the engine's own check of what it is handed: RequestError when the prompt holds nothing past
+    BOS (EMPTY_PROMPT) or leaves no room in the context window for one new token (one message,
+    which names the soft tokens when some of the positions are media's). Returns the room left
+    (context_limit - positions): what max_new_tokens may be at most."""
+    if nothing_past_bos(positions):
+        raise RequestError(EMPTY_PROMPT)
+    room = context_limit - positions
+    if room >= 1:
+        return room
+    if soft_tokens:
+        raise RequestError(f"The prompt with its media is {positions} tokens ({soft_tokens} of them soft tokens) "
+                           f"but the context window is {context_limit} tokens. Send fewer or smaller media "
+                           "(max_soft_tokens 70 or 140), shorten the text, or start a new conversation.")
+    raise RequestError(f"The prompt is {positions} tokens but the context window is {context_limit} tokens. "
+                       "Shorten it (or start a new conversation).")
+
+
 @dataclasses.dataclass(frozen=True)
 class Embeddings:
     """A run of precomputed input embeddings in a request (an image's or an audio clip's soft
@@ -218,12 +245,7 @@ class RequestRules:
         largest prefill chunk."""
         ids, embeds, mask = flatten_segments(prompt, self.pad_id, self.hidden_size)
         check_vocabulary(ids, self.vocab_size)
-        if len(ids) <= 1:
-            raise RequestError("The prompt is empty — type something first.")
-        room = self.context_limit - len(ids)
-        if room < 1:
-            raise RequestError(f"The prompt is {len(ids)} tokens but the context window is {self.context_limit} "
-                               f"tokens. Shorten it (or start a new conversation).")
+        room = check_prompt_length(len(ids), self.context_limit)
         if embeds is not None and not self.embeddings:
             raise RequestError("Embedding segments are not supported across several processes yet.")
         notes = list(notes)

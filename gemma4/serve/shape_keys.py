@@ -1,6 +1,6 @@
 """Shape keys: which compiled executable a step runs, one named type per kind of step.
 
-An engine compiles each step for a few shapes (engine_compile.CompiledShapes keeps them by key):
+An engine compiles each step for a few shapes (engine/compiled.py's CompiledShapes keeps them by key):
 
 - `PrefillKey(bucket, fresh, embeds)`: a prompt chunk padded to `bucket` tokens, a prompt's first
   chunk or a later one, with or without input embeddings (media segments);
@@ -72,7 +72,7 @@ class DecodeKey:
 @dataclasses.dataclass(frozen=True, slots=True)
 class MixedKey:
     """A prompt chunk of up to MIXED_CHUNK tokens and a decode step for cache rows [0, width) in
-    one dispatch (`gemma4.serve.steps.mixed_step`), reading full-layer slots [0, kv_len)."""
+    one dispatch (`gemma4.serve.engine.steps.mixed_step`), reading full-layer slots [0, kv_len)."""
 
     width: int
     kv_len: int

@@ -13,7 +13,7 @@ import gradio as gr
 
 from gemma4.media.files import MediaError, media_from_data_uri
 from gemma4.media.layout import PLACEHOLDERS
-from gemma4.serve.media_prompt import count_markers, parts_in_marker_order
+from gemma4.serve.prompts import count_markers, parts_in_marker_order
 from gemma4.ui import mesh_panel
 from gemma4.ui.handlers import ChatHandlers, throttled
 from gemma4.ui.hardware_panel import compile_markdown, hardware_markdown, memory_markdown

@@ -19,7 +19,7 @@ import gradio as gr
 
 from gemma4.media.files import MediaError, describe, media_from_path
 from gemma4.model import sampling
-from gemma4.serve import conversation
+from gemma4.serve import conversation, prompts
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.requests import RequestError
@@ -118,7 +118,9 @@ class ChatHandlers:
         return d
 
     def default_mode(self) -> str:
-        return "completion" if self.is_base() else "chat"
+        """The mode a text takes when none is chosen: the request layer's one rule
+        (`prompts.default_mode`: completion for a base model, chat otherwise)."""
+        return prompts.default_mode(self.is_base())
 
     def thinking_support(self) -> tuple[bool, str]:
         """(can this model think, why not): Gemma 4 only, known once the model has loaded."""

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gemma4.serve import conversation
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.load import LoadedModel
-from gemma4.serve.media_prompt import MAX_MEDIA_ENV, max_media
+from gemma4.serve.media_prompt import check_media_parts
 from gemma4.serve.requests import RequestError
 from gemma4.web import api_schema as S
 from gemma4.web import media_fetch
@@ -384,34 +384,25 @@ class OpenAIApi:
         tools = S.tools(req)
         samp = S.sampling(req, loaded.default_sampling, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, msgs, samp.params,
-                                 mode="chat", tools=tools, thinking=think, caps=self.caps)
+                                 tools=tools, thinking=think, caps=self.caps)  # messages: always a chat
         return await self._serve(request, release, make, _ChatShape(model), req,
                                  list(samp.notes) + S.accepted_notes(req) + _model_notes(loaded))
 
     async def _with_media(self, msgs: list[dict]) -> list[dict]:
         """The messages with each image/video/audio part's file resolved (`media_fetch.resolve`
         for a URL, `media_fetch.from_base64` for input_audio's data; off the event loop), after the
-        checks that need no file: the model has the tower each kind needs, and no more parts than
-        the request layer accepts (so a refused request fetches nothing). Each part keeps its
-        "param", so the request layer's refusal of its file names the field too."""
+        checks that need no file, the request layer's own (`media_prompt.check_media_parts`: the
+        model has the tower each kind needs, no more parts than it accepts), so a refused request
+        fetches nothing. Each part keeps its "param", so the request layer's refusal of its file
+        names the field too."""
         parts = [p for m in msgs if isinstance(m.get("content"), list) for p in m["content"]
                  if p.get("type") in ("image", "video", "audio")]
         if not parts:
             return msgs
-        seen = [p for p in parts if p["type"] != "audio"]
-        if seen:
-            ok, why = conversation.supports_vision(self.engine)
-            if not ok:
-                raise ApiError(400, f"Images and video are not available: {why}.", param=seen[0]["param"])
-        heard = [p for p in parts if p["type"] == "audio"]
-        if heard:
-            ok, why = conversation.supports_audio(self.engine)
-            if not ok:
-                raise ApiError(400, f"Audio is not available: {why}.", param=heard[0]["param"])
-        if len(parts) > max_media():
-            what = "images/videos/audio clips" if heard else "images/videos"
-            raise ApiError(400, f"The request has {len(parts)} {what}; at most {max_media()} are accepted "
-                                f"in one request ({MAX_MEDIA_ENV}).", param="messages")
+        try:
+            check_media_parts(self.engine, parts, count_param="messages")
+        except RequestError as e:
+            raise refusal(e) from None
         for p in parts:
             if "data" in p:  # input_audio: base64 bytes in the request
                 p["media"] = await asyncio.to_thread(media_fetch.from_base64, p.pop("data"), p["type"], p["param"],
@@ -443,7 +434,7 @@ class OpenAIApi:
         prompt = S.completion_prompt(req)
         samp = S.sampling(req, loaded.default_sampling, self.cap, self.limits.max_stop)
         make = functools.partial(conversation.stream_reply, self.engine, prompt, samp.params,
-                                 mode="completion", caps=self.caps)
+                                 mode="completion", caps=self.caps)  # what /v1/completions means, for any model
         return await self._serve(request, release, make, _CompletionShape(model), req,
                                  list(samp.notes) + S.accepted_notes(req) + _model_notes(loaded))
 
