@@ -18,7 +18,7 @@ from typing import Any
 import gradio as gr
 
 from gemma4.media.files import MediaError, describe, media_from_path
-from gemma4.model import sampling
+from gemma4.model.sampling_params import K_MAX, TEMPERATURE_MAX, SamplingParams
 from gemma4.serve import conversation, prompts
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.load import LoadedModel
@@ -80,9 +80,9 @@ class ChatHandlers:
         self.engine = engine
         self.settings = settings
         self.RequestError = RequestError
-        self.SamplingParams = sampling.SamplingParams
-        self.top_k_max = sampling.K_MAX
-        self.temperature_max = sampling.TEMPERATURE_MAX  # the slider's top, the API's bound too
+        self.SamplingParams = SamplingParams
+        self.top_k_max = K_MAX
+        self.temperature_max = TEMPERATURE_MAX  # the slider's top, the API's bound too
         self.conversation = conversation
 
     # ------------------------------------------------------------------ engine facts
