@@ -165,7 +165,7 @@ def _prepare(engine: Engine, part: Mapping[str, Any], where: str, number: int, n
     if isinstance(budget, bool) or not isinstance(budget, int) or budget not in SOFT_TOKEN_BUDGETS:
         raise MediaPartError(f"{label}max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, "
                              f"not {budget!r}.", param)
-    key = (item.digest, kind, budget, engine.model_name, id(engine))
+    key = (item.digest, kind, budget, engine.settings.model, id(engine))
     vis = engine.cfg.vision
     rows = shared_cache().get(key)
     prep = PreparedMedia(kind=kind, name=name, budget=budget, key=key, frames=[], patches=[])
@@ -200,7 +200,7 @@ def _prepare_audio(engine: Engine, part: Mapping[str, Any], item: MediaItem, nam
     if part.get("max_soft_tokens") is not None:
         raise MediaPartError(f"{label}max_soft_tokens is for images and video; an audio clip has no budget "
                              "(25 soft tokens a second, at most 750: its first 30 s).", param)
-    key = (item.digest, "audio", engine.model_name, id(engine))
+    key = (item.digest, "audio", engine.settings.model, id(engine))
     rows = shared_cache().get(key)
     try:
         clip = decode_audio(item.data, name=item.name)
