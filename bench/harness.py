@@ -284,7 +284,9 @@ def result_path(bench: str, when: _dt.datetime, tag: str = "", out: str | Path |
     return Path(out or RESULTS) / f"{bench}-{_stamp(when)}{'-' + tag if tag else ''}.json"
 
 
-NAME = re.compile(r"^(?P<bench>[a-z0-9]+(?:-[a-z0-9]+)*?)-(?P<date>\d{4}-\d\d-\d\d)-(?P<time>\d{6})(?:-(?P<tag>[a-z0-9-]+))?\.json$")
+# A result's file name, as `result_path` makes it.
+RESULT_NAME = re.compile(r"^(?P<bench>[a-z0-9]+(?:-[a-z0-9]+)*?)-(?P<date>\d{4}-\d\d-\d\d)-(?P<time>\d{6})"
+                         r"(?:-(?P<tag>[a-z0-9]+(?:-[a-z0-9]+)*))?\.json$")
 
 
 class Run:
