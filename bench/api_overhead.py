@@ -66,7 +66,8 @@ def run_clients(clients: int, one) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    per = [(n - 1) / (b - a) for n, a, b in out if n > 1 and b > a]
+    # a reply whose tokens carried no text (a random model's) has no arrival times
+    per = [(n - 1) / (b - a) for n, a, b in out if n > 1 and a is not None and b > a]
     total = sum(n for n, _, _ in out)
     return {"decode_tok_s_per_client": statistics.median(per) if per else 0.0,
             "aggregate_tok_s": total / wall, "tokens": total, "wall_s": wall}
