@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             line += (f"; the reply: TTFT {st.get('ttft_s', float('nan')):.2f} s, decode "
                      f"{st.get('decode_tok_s', float('nan')):.1f} tok/s, waited for a compile: {st.get('compiled')}")
         lines.append(line)
-        run.log(line)
+        run.log(f"launch {i + 1} of {args.runs}: first answer after {r['answer_s']:.1f} s")
     answers = [r["answer_s"] for r in runs]
     figures = {"caches": "cold" if args.cold else "warm", "runs": runs,
                "answer_s": {"median": statistics.median(answers), "min": min(answers), "max": max(answers)}}

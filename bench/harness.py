@@ -22,7 +22,8 @@ parser's hidden flags; the script hands them to `serve_worker`), which prints on
 exits without one gives {"error", "stderr_tail"} instead. Each result gets "wall_s" and the
 machine's "activity" meanwhile.
 
-Standard library only at import (the TPU driver must not load jax: one process holds the chip).
+No jax at import, only the standard library and gemma4.env (the TPU driver must not load jax:
+one process at a time holds the chip).
 """
 
 from __future__ import annotations
@@ -348,13 +349,16 @@ class Run:
         out["seconds"] = round(time.perf_counter() - self.t0, 1)
         return out
 
-    def write(self, figures: dict, *, report: str | None = None) -> Path:
-        """Write the result (see the module docstring); its path. Says so on stderr, and warns
-        when other processes used the CPU meanwhile."""
+    def write(self, figures: dict, *, report: str | None = None, announce: bool = True) -> Path:
+        """Write the result (see the module docstring); its path. `announce`: say so on stderr,
+        and warn when other processes used the CPU meanwhile (a run that saves as it goes
+        announces its last write only)."""
         result = self.result(figures, report=report)
         validate(result)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        if not announce:
+            return self.path
         act = result["activity"]
         if act["busy"]:
             print(f"warning: other processes used {act['others_cores']:.2f} cores during this run (load average "

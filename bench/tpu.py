@@ -600,12 +600,12 @@ def main(argv=None) -> int:
     def limit(part: str) -> int:
         return int(max(20, min(PART_LIMIT_S[part], left() - 10)))
 
-    def save() -> Path:
+    def save(announce: bool = False) -> Path:
         env = report["parts"].get("env") or {}
         if env.get("device_kind"):  # the chip, as the env worker saw it (the driver runs no jax)
             run.accelerator = {"platform": env.get("backend"), "kind": env["device_kind"], "count": env.get("count"),
                                "hbm_bytes": env.get("hbm_bytes"), "jax": env.get("jax")}
-        return run.write(report)
+        return run.write(report, announce=announce)
 
     for part in parts:
         t = time.perf_counter()
@@ -660,7 +660,7 @@ def main(argv=None) -> int:
         cpu_ref.kill()
     report["total_s"] = round(time.perf_counter() - t_start, 1)
     report["summary"] = summary(report)
-    save()
+    save(announce=True)
     print(json.dumps(report["summary"], indent=1))
     return 0
 
