@@ -1,9 +1,10 @@
 """What the OpenAI-compatible HTTP path costs against the engine called directly.
 
-    .venv/bin/python bench/api_overhead.py [--new-tokens 64] [--runs 2] [--json out.json]
+    .venv/bin/python bench/api_overhead.py [--new-tokens 64] [--runs 3]   # ~5 min on 2 cores
 
 One engine (the app's defaults: bundled model, int8 weights, 8 decode slots; a 512-token window and
-two prompt buckets so that fewer shapes compile), every shape compiled first; then, for 1 and 8 concurrent clients, greedy completions of `--new-tokens` tokens:
+two prompt buckets so that fewer shapes compile: --context, the path's cost does not depend on
+it), every shape compiled first; then, for 1 and 8 concurrent clients, greedy completions of `--new-tokens` tokens:
   direct: threads iterating the engine's token stream (`engine.tokens(conversation.submit(...))`);
   layer:  threads iterating `gemma4.serve.conversation.stream_reply(...)` (the request layer the API and
           the chat share);
@@ -16,7 +17,6 @@ rounds, the paths taking turns within each round.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -25,7 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+from bench import harness  # noqa: E402
 
 PROMPTS = [f"{i}, {i + 1}, {i + 2}, {i + 3}," for i in range(1, 9)]  # long greedy continuations
 
@@ -64,22 +66,32 @@ def run_clients(clients: int, one) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    per = [(n - 1) / (b - a) for n, a, b in out if n > 1 and b > a]
+    # a reply whose tokens carried no text (a random model's) has no arrival times
+    per = [(n - 1) / (b - a) for n, a, b in out if n > 1 and a is not None and b > a]
     total = sum(n for n, _, _ in out)
     return {"decode_tok_s_per_client": statistics.median(per) if per else 0.0,
             "aggregate_tok_s": total / wall, "tokens": total, "wall_s": wall}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model="bundled", max_batch=8, context=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--context", type=int, default=512,
-                    help="context window (small: fewer shapes to compile; the path's cost does not "
-                         "depend on it)")
-    ap.add_argument("--json", help="write the figures here too")
-    args = ap.parse_args(argv)
+    run = harness.Run("api-overhead", ap.parse_args(argv))
+    args = run.args
+    from gemma4.web.settings import Settings
 
+    settings = Settings(model=args.model, context=args.context, max_users=args.max_batch)
+    with run.engine(buckets=(16, 64), max_new_tokens_cap=settings.max_new_tokens_cap) as engine:
+        rows, text = measure(engine, settings, args)
+    print(text)
+    run.write({"rows": rows}, report=text)
+    return 0
+
+
+def measure(engine, settings, args) -> tuple[list[dict], str]:
+    """The three paths at 1 and 8 clients on a compiled engine (the app's `settings`): the rows
+    and the table."""
     import openai
 
     from gemma4.ui import layout
@@ -87,16 +99,9 @@ def main(argv=None) -> int:
     from gemma4.web import server
     from gemma4.serve import conversation
     from gemma4.serve.conversation import stream_reply
-    from gemma4.serve.engine.engine import get_engine
     from gemma4.web.ratelimit import Limits
-    from gemma4.web.settings import Settings
     from gemma4.model.sampling_params import SamplingParams
 
-    settings = Settings(context=args.context)
-    engine = get_engine(model=settings.model, max_batch=settings.max_users,
-                        context_limit=settings.context, buckets=(16, 64),
-                        max_new_tokens_cap=settings.max_new_tokens_cap)
-    engine.wait_compiled()
     access = web_access.Access(limits=Limits(in_flight=0, per_minute=0))
     demo = layout.build_demo(engine, settings)
     fast = server.build_app(demo, engine, model=settings.model,
@@ -144,22 +149,17 @@ def main(argv=None) -> int:
             row = {"path": name, "clients": clients, **{
                 k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]}}
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            if not args.quiet:
+                print(json.dumps(row), file=sys.stderr, flush=True)
     running.close()
-    cpu = engine.info()["hardware"].get("facts", {}).get("cpu_model") or "CPU"
-    print(f"\n{cpu}; {args.new_tokens} new tokens, greedy, median of {args.runs}\n")
-    print("| clients | path | decode tok/s per client | aggregate tok/s | vs direct |")
-    print("|---|---|---|---|---|")
+    lines = [f"{harness.cpu_model()}; {args.new_tokens} new tokens, greedy, median of {args.runs}", "",
+             "| clients | path | decode tok/s per client | aggregate tok/s | vs direct |", "|---|---|---|---|---|"]
     base = {r["clients"]: r for r in rows if r["path"] == "direct"}
     for r in rows:
-        ratio = r["aggregate_tok_s"] / base[r["clients"]]["aggregate_tok_s"]
-        print(f"| {r['clients']} | {r['path']} | {r['decode_tok_s_per_client']} | "
-              f"{r['aggregate_tok_s']} | {ratio:.2f}× |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"new_tokens": args.new_tokens, "rows": rows},
-                                              indent=1))
-    engine.close()
-    return 0
+        r["vs_direct"] = round(r["aggregate_tok_s"] / base[r["clients"]]["aggregate_tok_s"], 3)
+        lines.append(f"| {r['clients']} | {r['path']} | {r['decode_tok_s_per_client']} | "
+                     f"{r['aggregate_tok_s']} | {r['vs_direct']:.2f}× |")
+    return rows, "\n".join(lines)
 
 
 if __name__ == "__main__":

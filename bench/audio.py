@@ -1,8 +1,7 @@
 """How fast does this CPU hear? The audio tower's encode time per second of audio.
 
     python bench/audio.py                          # 5, 10 and 30 s clips, float32 and bfloat16
-    python bench/audio.py --seconds 30 --dtypes float32 --repeats 3 --json
-    python bench/audio.py --out bench/results/audio-<name>.json
+    python bench/audio.py --seconds 30 --dtypes float32 --repeats 3 --note "quiet"
 
 **Encode**: a synthetic clip (a chirp with noise, 16 kHz) → `gemma4.media.audio.audio_features`
 (numpy, timed apart) → `gemma4.model.audio.encode_audio` through Gemma 4 E2B's real audio tower
@@ -27,16 +26,15 @@ Not a test: the figures depend on the machine and on what else runs on it (a sha
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from bench import harness  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -111,7 +109,7 @@ def e2b_audio_config():
     return dataclasses.replace(preset("tiny-e2b"), audio=AUDIO_TOWER, hidden_size=preset("e2b").hidden_size)
 
 
-def encode_bench(seconds: list[float], dtypes: list[str], repeats: int) -> list[dict]:
+def encode_bench(seconds: list[float], dtypes: list[str], repeats: int, log=print) -> list[dict]:
     """One row per (clip length, dtype); the dtypes of a length run back to back, so that they
     meet about the same load on a shared machine."""
     cfg = e2b_audio_config()
@@ -137,47 +135,30 @@ def encode_bench(seconds: list[float], dtypes: list[str], repeats: int) -> list[
                          "first_run_s": first, "encode_s": warm, "encode_s_per_audio_s": warm / s,
                          "gflop": flops / 1e9, "gflop_s": flops / warm / 1e9, "peak_gflop_s": peak,
                          "share_of_peak": flops / warm / 1e9 / peak})
-            print(f"  {dtype} {s:g} s: {warm:.2f} s warm ({warm / s:.3f} s per audio second), first {first:.1f} s",
-                  file=sys.stderr, flush=True)
+            log(f"  {dtype} {s:g} s: {warm:.2f} s warm ({warm / s:.3f} s per audio second), first {first:.1f} s")
     return rows
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, nargs="+", default=[5, 10, 30])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", help="also write the JSON here (e.g. bench/results/audio-<name>.json)")
-    ap.add_argument("--note", default="", help="a line on the machine's state (shared, loaded, ...)")
-    args = ap.parse_args(argv)
-    out = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "jax": jax.__version__, "note": args.note,
-           "peak": matmul_peak(args.repeats), "encode": encode_bench(args.seconds, args.dtypes, args.repeats)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{out['cpu']}, {out['cpu_count']} cores; float32 matmul: "
-          + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in out["peak"].items()))
+    run = harness.Run("audio", ap.parse_args(argv))
+    args = run.args
+    out = {"peak": matmul_peak(args.repeats), "encode": encode_bench(args.seconds, args.dtypes, args.repeats, run.log)}
+    lines = [f"{harness.cpu_model()}, {os.cpu_count()} cores; float32 matmul: "
+             + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in out["peak"].items())]
     for r in out["encode"]:
-        print(f"encode {r['seconds']:g} s clip ({r['frames']} frames → {r['soft_tokens']} soft tokens), E2B audio tower, "
-              f"{r['dtype']}: {r['encode_s']:.2f} s = {r['encode_s_per_audio_s']:.3f} s per second of audio "
-              f"({r['gflop']:.0f} GFLOP, {r['gflop_s']:.1f} GFLOP/s = {100 * r['share_of_peak']:.0f}% of the "
-              f"{r['peak_gflop_s']:.0f} GFLOP/s of its dtype's product measured around it); "
-              f"first run {r['first_run_s']:.1f} s; features {r['features_s'] * 1000:.0f} ms")
+        lines.append(
+            f"encode {r['seconds']:g} s clip ({r['frames']} frames → {r['soft_tokens']} soft tokens), E2B audio tower, "
+            f"{r['dtype']}: {r['encode_s']:.2f} s = {r['encode_s_per_audio_s']:.3f} s per second of audio "
+            f"({r['gflop']:.0f} GFLOP, {r['gflop_s']:.1f} GFLOP/s = {100 * r['share_of_peak']:.0f}% of the "
+            f"{r['peak_gflop_s']:.0f} GFLOP/s of its dtype's product measured around it); "
+            f"first run {r['first_run_s']:.1f} s; features {r['features_s'] * 1000:.0f} ms")
+    text = "\n".join(lines)
+    print(text)
+    run.write(out, report=text)
     return 0
 
 

@@ -12,14 +12,14 @@ entry); the input embedding itself is only gathered (one row per token). That is
 the format. The KV cache read per step is reported separately (`kv_read_bytes`): at 500 tokens of
 context it is small next to the weights of the 270M model but not zero.
 
-Run `python bench/bandwidth.py` for the numbers alone.
+    python bench/bandwidth.py                    # bandwidth and the ceilings of Gemma 3 270M's formats
+    python bench/bandwidth.py --gguf bundled     # and the bundled GGUF's own block mix
+    python bench/bandwidth.py --method jax       # a jitted jnp.sum instead of numpy's threads
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-if __package__ in (None, ""):  # `python bench/bandwidth.py` from the repository root
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from bench import harness  # noqa: E402
 from gemma4.model.config import ModelConfig, approx_param_count, preset  # noqa: E402
 
 
@@ -203,16 +203,15 @@ def format_ceilings(bw: dict, rows: list[dict], cfg: ModelConfig, context: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap = harness.parser(__doc__, threads=2)
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--method", choices=("numpy", "jax"), default="numpy")
     ap.add_argument("--preset", default="gemma3-270m")
     ap.add_argument("--context", type=int, default=0, help="add fp32 KV reads at this context")
     ap.add_argument("--gguf", default=None, help="a GGUF file to add its as-stored row ('bundled' for the bundled model)")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = ap.parse_args(argv)
+    run = harness.Run("bandwidth", ap.parse_args(argv))
+    args = run.args
     cfg = preset(args.preset)
     gguf_path = args.gguf
     if gguf_path == "bundled":
@@ -220,10 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         gguf_path = str(assemble())
     bw = measure_read_bandwidth(args.threads, args.size_mib, args.repeats, args.method)
     rows = ceiling_rows(cfg, bw["gbps"], gguf_path, args.context)
-    if args.json:
-        print(json.dumps({"bandwidth": bw, "ceilings": rows}, indent=2))
-    else:
-        print(format_ceilings(bw, rows, cfg, args.context))
+    text = format_ceilings(bw, rows, cfg, args.context)
+    print(text)
+    run.write({"bandwidth": bw, "ceilings": rows}, report=text)
     return 0
 
 

@@ -1,8 +1,8 @@
 """Chunked prefill beside decode (issue 18, item 1): what a long prompt costs everybody else.
 
-    .venv/bin/python bench/chunked_prefill.py [--model bundled] [--long-tokens 3500] [--json PATH]
+    .venv/bin/python bench/chunked_prefill.py [--model bundled] [--long-tokens 3500]
 
-On one engine (the app's settings: max_batch 8, context 4096, every shape compiled first):
+On one engine (the app's settings: --max-batch 8, --context 4096, every shape compiled first):
 1. solo: a running stream decodes alone; its inter-token gaps (median, worst).
 2. beside: the same stream runs while a ~3,500-token prompt is sent, and a 4-token request 1 s
    later: the stream's worst gap while the long prompt prefills (target ≤ 3× its solo median
@@ -11,36 +11,25 @@ On one engine (the app's settings: max_batch 8, context 4096, every shape compil
 3. alone: the issue's case — the long prompt with no stream running, the 4-token request 1 s
    later: its TTFT, and the long prompt's TTFT against a run with nothing else sent.
 The chunk size is the engine's own (measured) unless --chunk / --chunk-alone force it.
-Every figure is wall-clock time: run it on a quiet machine (the load average is printed).
+Every figure is wall-clock time: run it on a quiet machine (the result says how busy it was).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+from bench import harness  # noqa: E402
 from gemma4.model.sampling_params import SamplingParams  # noqa: E402
-from gemma4.serve.engine.engine import get_engine  # noqa: E402
 
 STORY = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps as his "
          "father had taught him, and at the top he wiped the salt from the great lens before the light "
          "went on. Ships passed far out in the dark, and he wrote each one into a thick blue ledger. ")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown CPU")
-    except OSError:
-        name = "unknown CPU"
-    return f"{os.cpu_count()}-core {name}"
 
 
 class Stream:
@@ -74,20 +63,22 @@ class Stream:
         self.thread.join(60)
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="bundled")
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__, model="bundled", max_batch=8, context=4096)
     ap.add_argument("--long-tokens", type=int, default=3500)
     ap.add_argument("--chunk", type=int, help="tokens per chunk beside other streams (default: measured)")
     ap.add_argument("--chunk-alone", type=int, help="tokens per chunk alone (default: measured)")
-    ap.add_argument("--json", help="write the figures here too")
-    args = ap.parse_args(argv)
+    run = harness.Run("chunked-prefill", ap.parse_args(argv))
+    with run.engine() as engine:
+        out = measure(engine, run.args)
+    text = report(out, run.args.model)
+    print(text)
+    run.write(out, report=text)
+    return 0
 
-    load0 = os.getloadavg()
-    t = time.perf_counter()
-    engine = get_engine(args.model, max_batch=8, context_limit=4096)
-    engine.wait_compiled(timeout=3600)
-    setup_s = time.perf_counter() - t
+
+def measure(engine, args) -> dict:
+    """The three scenes of the module docstring on a compiled engine."""
     if args.chunk or args.chunk_alone:
         engine.scheduler.chunk_override = {False: args.chunk, True: args.chunk_alone}
     tok = engine.tokenizer
@@ -148,29 +139,28 @@ def main(argv=None) -> dict:
     alone = {"long_ttft_s": only.ttft, "long_chunks": only.final.stats["chunks"],
              "short_ttft_s": short2.ttft, "long_ttft_with_short_s": long2.ttft}
 
-    out = {"cpu": cpu_name(), "model": args.model, "long_tokens": len(long_ids),
-           "load_avg_before": [round(x, 2) for x in load0], "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-           "setup_s": round(setup_s, 1), "weights": engine.info()["weights"],
-           "chunk_tokens": {"beside": engine.chunk_tokens(False, False), "alone": engine.chunk_tokens(False, True)},
-           "solo": {"median_gap_s": solo_median, "worst_gap_s": max(solo_gaps)}, "beside": beside, "alone": alone}
-    print(f"{out['cpu']}, {args.model} ({out['weights']} weights), load average {out['load_avg_before']} → "
-          f"{out['load_avg_after']}; later-chunk size now: {out['chunk_tokens']['beside']} tokens beside streams, "
-          f"{out['chunk_tokens']['alone']} alone")
-    print(f"solo stream: median gap {1000 * solo_median:.0f} ms, worst {1000 * max(solo_gaps):.0f} ms")
-    print(f"beside a {len(long_ids)}-token prefill ({beside['long_chunks']} chunks, {beside['long_fused_chunks']} fused, TTFT {beside['long_ttft_s']:.2f} s): "
-          f"worst gap {1000 * beside['worst_gap_s']:.0f} ms = {beside['worst_over_solo']:.1f}× solo (target ≤ 3×), "
-          f"median {1000 * beside['median_gap_s']:.0f} ms, p90 {1000 * beside['p90_gap_s']:.0f} ms; 4-token request TTFT {beside['short_ttft_s']:.2f} s "
-          f"(target ≤ 1 s)")
-    print(f"  worst gaps (s, at s after the long prompt was sent): {beside['worst_gaps_at_s']}; "
-          f"chunks by bucket {beside['chunk_buckets']}")
-    print(f"alone: the long prompt's TTFT {alone['long_ttft_s']:.2f} s ({alone['long_chunks']} chunks); with a "
-          f"4-token request 1 s later: its TTFT {alone['short_ttft_s']:.2f} s, the long one's "
-          f"{alone['long_ttft_with_short_s']:.2f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    sched = engine.scheduler
+    return {"long_tokens": len(long_ids), "weights": engine.info()["weights"],
+            "chunk_tokens": {"beside": sched.chunk_tokens(False, False), "alone": sched.chunk_tokens(False, True)},
+            "solo": {"median_gap_s": solo_median, "worst_gap_s": max(solo_gaps)}, "beside": beside, "alone": alone}
+
+
+def report(out: dict, model: str) -> str:
+    solo, beside, alone = out["solo"], out["beside"], out["alone"]
+    return "\n".join([
+        f"{harness.cpu_model()}, {model} ({out['weights']} weights); later-chunk size now: "
+        f"{out['chunk_tokens']['beside']} tokens beside streams, {out['chunk_tokens']['alone']} alone",
+        f"solo stream: median gap {1000 * solo['median_gap_s']:.0f} ms, worst {1000 * solo['worst_gap_s']:.0f} ms",
+        f"beside a {out['long_tokens']}-token prefill ({beside['long_chunks']} chunks, {beside['long_fused_chunks']} "
+        f"fused, TTFT {beside['long_ttft_s']:.2f} s): worst gap {1000 * beside['worst_gap_s']:.0f} ms = "
+        f"{beside['worst_over_solo']:.1f}× solo (target ≤ 3×), median {1000 * beside['median_gap_s']:.0f} ms, p90 "
+        f"{1000 * beside['p90_gap_s']:.0f} ms; 4-token request TTFT {beside['short_ttft_s']:.2f} s (target ≤ 1 s)",
+        f"  worst gaps (s, at s after the long prompt was sent): {beside['worst_gaps_at_s']}; "
+        f"chunks by bucket {beside['chunk_buckets']}",
+        f"alone: the long prompt's TTFT {alone['long_ttft_s']:.2f} s ({alone['long_chunks']} chunks); with a "
+        f"4-token request 1 s later: its TTFT {alone['short_ttft_s']:.2f} s, the long one's "
+        f"{alone['long_ttft_with_short_s']:.2f} s"])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,33 +5,26 @@
 
 Prints a markdown table (one row per stack), the machine's measured memory-read bandwidth with the
 decode ceiling of each weight format, and a greedy-agreement ("quality") section; writes all of it
-with the raw per-run figures as JSON. Every stack runs in its own subprocess (own peak RSS), pinned
-to the same `--threads` CPUs, warms up first, and reports the median of `--runs` timed runs.
-See bench/README.md for what each column means.
+with the raw per-run figures as a bench/harness.py result (bench/results/compare-<date>-<time>.json).
+Every stack runs in its own worker process (own peak RSS), pinned to the same `--threads` CPUs,
+warms up first, and reports the median of `--runs` timed runs. See bench/README.md for what each
+column means.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from importlib import metadata
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (REPO, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root
 
-import bandwidth  # noqa: E402
-import peers  # noqa: E402
+from bench import bandwidth, harness, peers  # noqa: E402
 
 # Environment variables pointed at a fresh, empty folder for the "cold" load (and at the same folder,
 # now filled, for the warm one): the engine's cache root (gemma4.paths.cache_root) and its XLA
@@ -79,25 +72,25 @@ def _describe_weights(info: dict) -> str:
 
 
 def measure_ours(spec: dict) -> dict:
-    cpus = peers.pin_threads(spec["threads"])
+    """The worker "ours": our engine's row (spec["mode"]: "load", "full" or "quality")."""
+    cpus = harness.pin_threads(spec["threads"])
     t0 = time.perf_counter()
-    try:
-        from gemma4.serve import conversation
-        from gemma4.model.sampling_params import SamplingParams
-        from gemma4.serve.engine.engine import get_engine
-    except ImportError as e:
-        return {"skipped": f"gemma4.serve.engine is not importable ({e})"}
+    from gemma4.serve import conversation
+    from gemma4.model.sampling_params import SamplingParams
+
     import_s = time.perf_counter() - t0
-    kwargs: dict[str, Any] = {"model": spec["model"], "max_batch": spec["max_batch"]}
+    kwargs: dict[str, Any] = {"max_batch": spec["max_batch"]}
     weights = spec.get("weights") if spec.get("weights") not in (None, "", "default") else None
     if weights:  # the hardware policy's override (same as GEMMA4_WEIGHTS=...)
         kwargs["overrides"] = {"weights": weights}
     if spec["mode"] == "quality":
         kwargs["warmup"] = False  # a few short prompts: compile only the shapes they use
-    try:
-        engine = get_engine(**kwargs)
-    except TypeError as e:
-        return {"skipped": f"get_engine() does not take {sorted(kwargs)} ({e})"}
+    with harness.open_engine(spec["model"], wait=None, **kwargs) as engine:
+        return _measure_ours(engine, spec, t0, import_s, cpus, weights, conversation, SamplingParams)
+
+
+def _measure_ours(engine, spec: dict, t0: float, import_s: float, cpus: list[int], weights: str | None,
+                  conversation, SamplingParams) -> dict:
     phases: dict[str, float] = {}
     done = threading.Event()
 
@@ -117,9 +110,8 @@ def measure_ours(spec: dict) -> dict:
     load_s = time.perf_counter() - t0
     done.set()
     watcher.join()
-    if hasattr(engine, "wait_compiled"):  # time the real shapes, not a stand-in while others compile
-        engine.wait_compiled()
-    rss_loaded = peers.current_rss_mib()
+    engine.wait_compiled()  # time the real shapes, not a stand-in while others compile
+    rss_loaded = harness.current_rss_mib()
     try:
         info = engine.info()
     except Exception as e:  # info is for the record only
@@ -128,10 +120,10 @@ def measure_ours(spec: dict) -> dict:
         "stack": "ours (JAX)" + (f" weights={weights}" if weights else ""),
         "weights": _describe_weights(info),
         "threads": spec["threads"], "cpus": cpus, "load_s": load_s, "import_s": import_s,
-        "load_phases_s": phases, "info": info, "cache_env": {k: os.environ.get(k) for k in CACHE_ENV_VARS},
+        "load_phases_s": phases, "info": info, "environment": harness.environment(),
     }
     if spec["mode"] == "load":
-        row["peak_rss_mib"] = peers.peak_rss_mib()
+        row["peak_rss_mib"] = harness.peak_rss_mib()
         return row
 
     def greedy(n: int):
@@ -159,7 +151,7 @@ def measure_ours(spec: dict) -> dict:
 
     if spec["mode"] == "quality":
         row["quality"] = ours_quality(engine, spec, greedy, conversation)
-        row["peak_rss_mib"] = peers.peak_rss_mib()
+        row["peak_rss_mib"] = harness.peak_rss_mib()
         return row
 
     N, prompt = spec["new_tokens"], spec["prompt"]
@@ -213,7 +205,7 @@ def measure_ours(spec: dict) -> dict:
 
     if spec.get("quality_prompts"):
         row["quality"] = ours_quality(engine, spec, greedy, conversation)
-    row["peak_rss_mib"] = peers.peak_rss_mib()
+    row["peak_rss_mib"] = harness.peak_rss_mib()
     row["rss_loaded_mib"] = rss_loaded
     return row
 
@@ -229,8 +221,9 @@ def ours_quality(engine, spec: dict, greedy, conversation) -> list[dict]:
 
 
 # ============================================================================ driver side
-def run_ours(args, prompts: dict, gguf_path: str) -> tuple[list[dict], dict]:
+def run_ours(run: harness.Run, prompts: dict, gguf_path: str) -> tuple[list[dict], dict]:
     """The ours rows (cold load, then the full measurement with warm caches) and quality runs."""
+    args, log = run.args, run.log
     script = os.path.abspath(__file__)
     base = {"model": args.model, "max_batch": max(args.batches + [1]), "threads": args.threads,
             "runs": args.runs, "new_tokens": args.new_tokens, "prompt": prompts["prompt"],
@@ -248,43 +241,44 @@ def run_ours(args, prompts: dict, gguf_path: str) -> tuple[list[dict], dict]:
                     os.makedirs(env[name], exist_ok=True)
             cold = None
             if not args.keep_caches:
-                _log(f"ours ({weights}): cold load in a fresh process with empty on-disk caches ...")
-                cold = peers.run_worker(script, "ours", dict(base, mode="load", weights=weights),
-                                        args.threads, args.timeout, env)
+                log(f"ours ({weights}): cold load in a fresh process with empty on-disk caches ...")
+                cold = harness.run_worker(script, "ours", dict(base, mode="load", weights=weights),
+                                          env=env, timeout=args.timeout, threads=args.threads)
                 if cold.get("skipped") or cold.get("error"):
                     rows.append(_failed_row("ours (JAX)", weights, cold))
-                    _log("  " + (cold.get("skipped") or cold["error"]))
+                    log("  " + (cold.get("skipped") or cold["error"]))
                     continue
-            _log(f"ours ({weights}): warm load + measurements ...")
-            _quiet_first(args)
-            row = peers.run_worker(script, "ours", dict(base, mode="full", weights=weights),
-                                   args.threads, args.timeout, env)
+            log(f"ours ({weights}): warm load + measurements ...")
+            _quiet_first(run)
+            row = harness.run_worker(script, "ours", dict(base, mode="full", weights=weights),
+                                     env=env, timeout=args.timeout, threads=args.threads)
             if row.get("skipped") or row.get("error"):
                 rows.append(_failed_row("ours (JAX)", weights, row))
-                _log("  " + (row.get("skipped") or row["error"]))
+                log("  " + (row.get("skipped") or row["error"]))
                 continue
             row["load_cold_s"] = cold["load_s"] if cold else None
             row["load_warm_s"] = row["load_s"]
             rows.append(row)
 
         if not args.skip_quality:
-            _log("ours: int8 vs unquantized greedy agreement ...")
+            log("ours: int8 vs unquantized greedy agreement ...")
             for w in ("none", "int8"):
                 env = {}
                 if not args.keep_caches:
                     for i, name in enumerate(cache_vars):
                         env[name] = os.path.join(cache_root, f"q-{w}", f"{i}-{name.lower()}")
                         os.makedirs(env[name], exist_ok=True)
-                res = peers.run_worker(script, "ours", dict(base, mode="quality", weights=w),
-                                       args.threads, args.timeout, env)
+                res = harness.run_worker(script, "ours", dict(base, mode="quality", weights=w),
+                                         env=env, timeout=args.timeout, threads=args.threads)
                 extra[f"ours weights={w}"] = res
                 if res.get("skipped") or res.get("error"):
-                    _log(f"  weights={w}: skipped: {res.get('skipped') or res.get('error')}")
+                    log(f"  weights={w}: skipped: {res.get('skipped') or res.get('error')}")
                     break
     return rows, extra
 
 
-def run_peers(args, prompts: dict, gguf_path: str) -> list[dict]:
+def run_peers(run: harness.Run, prompts: dict, gguf_path: str) -> list[dict]:
+    args, log = run.args, run.log
     rows = []
     script = os.path.join(HERE, "peers.py")
     base = {"gguf_path": gguf_path, "threads": args.threads, "runs": args.runs,
@@ -299,15 +293,15 @@ def run_peers(args, prompts: dict, gguf_path: str) -> list[dict]:
             if not ok:
                 msg = (f"llama-cpp-python is not installed ({why}); "
                        "`pip install -r requirements-bench.txt` builds it from source")
-                _log(f"{label}: skipped: {msg}")
+                log(f"{label}: skipped: {msg}")
                 rows.append({"stack": label, "weights": "gguf", "skipped": msg})
                 continue
-        _log(f"{label} ...")
-        _quiet_first(args)
+        log(f"{label} ...")
+        _quiet_first(run)
         spec = dict(base, **overrides)
-        row = peers.run_worker(script, kind, spec, args.threads, args.timeout)
+        row = harness.run_worker(script, kind, spec, timeout=args.timeout, threads=args.threads)
         if row.get("error"):
-            _log(f"  failed: {row['error']}\n{row.get('stderr_tail', '')}")
+            log(f"  failed: {row['error']}\n{row.get('stderr_tail', '')}")
             rows.append(_failed_row(label, overrides.get("dtype", "gguf"), row))
             continue
         rows.append(row)
@@ -315,11 +309,13 @@ def run_peers(args, prompts: dict, gguf_path: str) -> list[dict]:
 
 
 def busy_warnings(rows: list[dict]) -> list[str]:
-    """A loud line per row measured while other processes used the CPU (peers.activity_between)."""
+    """A loud line per row measured while other processes used the CPU (its worker's "activity":
+    harness.activity_between)."""
     out = []
     for r in rows:
-        m = r.get("machine") or {}
-        if m.get("others_cores", 0.0) >= peers.BUSY_OTHERS_CORES or m.get("steal_cores", 0.0) >= peers.BUSY_OTHERS_CORES:
+        m = r.get("activity") or {}
+        busy = harness.BUSY_OTHERS_CORES
+        if m.get("others_cores", 0.0) >= busy or m.get("steal_cores", 0.0) >= busy:
             out.append(f"**WARNING: {r['stack']} ({r.get('weights')}) ran on a busy machine**: other processes used "
                        f"{m['others_cores']:.2f} cores on average and the hypervisor stole {m['steal_cores']:.2f} "
                        f"(load average {m['load_avg_before']} → {m['load_avg_after']}); its figures, and every "
@@ -327,12 +323,12 @@ def busy_warnings(rows: list[dict]) -> list[str]:
     return out
 
 
-def _quiet_first(args) -> None:
+def _quiet_first(run: harness.Run) -> None:
     """Before a stack runs: wait (up to --wait-quiet s) until other processes leave the CPU."""
-    if args.wait_quiet > 0:
-        act = peers.wait_until_quiet(args.wait_quiet, log=_log)
-        if act["others_cores"] >= peers.BUSY_OTHERS_CORES:
-            _log(f"  still busy after {act['waited_s']:.0f} s (others {act['others_cores']:.2f} cores): measuring anyway")
+    if run.args.wait_quiet > 0:
+        act = harness.wait_until_quiet(run.args.wait_quiet, log=run.log)
+        if act["busy"]:
+            run.log(f"  still busy after {act['waited_s']:.0f} s (others {act['others_cores']:.2f} cores): measuring anyway")
 
 
 def _failed_row(stack: str, weights: str, res: dict) -> dict:
@@ -340,8 +336,6 @@ def _failed_row(stack: str, weights: str, res: dict) -> dict:
             "stderr_tail": res.get("stderr_tail")}
 
 
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # ============================================================================ report
@@ -458,42 +452,31 @@ def render_quality(q: list[dict], n_prompts: int, n_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def _versions() -> dict:
-    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            out["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), None)
-    except OSError:
-        pass
-    for mod in ("jax", "numpy", "torch", "transformers", "llama_cpp"):
+def library_versions() -> dict:
+    """The peers' libraries (read from their metadata: nothing is imported here)."""
+    out = {}
+    for name in ("torch", "transformers", "llama_cpp_python", "gguf"):
         try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            out[mod] = None
-    try:
-        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or None
-    except Exception:
-        out["git"] = None
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="our engine vs transformers and llama.cpp on the bundled Gemma 3 270M")
+def parse_args(argv: list[str] | None):
+    ap = harness.parser(__doc__, model="bundled", threads=2, workers=True)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per figure (median reported)")
     ap.add_argument("--prompt-tokens", type=int, default=500, help="length of the prefill prompt, BOS included")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded per run")
     ap.add_argument("--stream-prompt-tokens", type=int, default=64,
                     help="prompt length of each concurrent stream in the aggregate rows")
     ap.add_argument("--batches", default="4,8", help="concurrent-stream counts for the aggregate columns")
-    ap.add_argument("--threads", type=int, default=2, help="CPUs / threads every stack gets")
     ap.add_argument("--wait-quiet", type=float, default=120.0,
                     help="seconds to wait before each stack for other processes to leave the CPU (0: don't)")
     ap.add_argument("--peers", choices=("all", "none", "transformers", "llamacpp"), default="all")
     ap.add_argument("--no-ours", action="store_true", help="skip our engine (peers only)")
     ap.add_argument("--ours-weights", default="default",
                     help="comma list of weight overrides for our rows (default = the engine's own choice)")
-    ap.add_argument("--model", default="bundled", help="model argument for get_engine()")
     ap.add_argument("--quality-tokens", type=int, default=32, help="greedy tokens per quality prompt")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--keep-caches", action="store_true",
@@ -501,10 +484,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cache-env", action="append", help="another env var naming an on-disk cache (repeatable)")
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="array size of the bandwidth probe")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed per stack")
-    ap.add_argument("--json", default=None, help="where to write the JSON (default bench/results/compare-<time>.json)")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
     args.ours_weights = [w.strip() for w in args.ours_weights.split(",") if w.strip()]
@@ -513,32 +492,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:  # subprocess side
-        with open(args.spec) as f:
-            spec = json.load(f)
-        if args.worker != "ours":
-            raise SystemExit(f"unknown worker {args.worker!r}")
-        row = measure_ours(spec)
-        with open(args.out, "w") as f:
-            json.dump(row, f, default=str)
-        return 0
-
-    started = datetime.datetime.now()
+    if args.worker:  # a worker process: our engine's measurement
+        return harness.serve_worker({"ours": measure_ours}, args.worker, args.spec)
+    run = harness.Run("compare", args)
     gguf_path = peers.bundled_gguf_path()
     cfg = bandwidth.preset("gemma3-270m")
-    _log(f"measuring memory-read bandwidth ({args.threads} threads) ...")
+    run.log(f"measuring memory-read bandwidth ({args.threads} threads) ...")
     bw = bandwidth.measure_read_bandwidth(args.threads, args.bandwidth_mib)
     ceilings = bandwidth.ceiling_rows(cfg, bw["gbps"], gguf_path, context=args.prompt_tokens + args.new_tokens)
-    _log("building prompts ...")
+    run.log("building prompts ...")
     prompts = peers.build_prompts(gguf_path, args.prompt_tokens, args.stream_prompt_tokens, max(args.batches + [1]))
 
     rows: list[dict] = []
     extra: dict = {}
     if not args.no_ours:
-        ours_rows, extra = run_ours(args, prompts, gguf_path)
+        ours_rows, extra = run_ours(run, prompts, gguf_path)
         rows += ours_rows
     if args.peers != "none":
-        rows += run_peers(args, prompts, gguf_path)
+        rows += run_peers(run, prompts, gguf_path)
 
     loaded = next((r for r in rows if r["stack"].startswith("ours") and not r.get("skipped")), None)
     weights_bytes = ((loaded or {}).get("info") or {}).get("memory", {}).get("weights_bytes")
@@ -563,17 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         report += ["", "## Quality", "", "no comparable runs (see the skipped rows / messages above)"]
     text = "\n".join(report)
     print(text)
-
-    out_path = args.json or os.path.join(HERE, "results", f"compare-{started:%Y%m%d-%H%M%S}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    result = {"started": started.isoformat(timespec="seconds"), "settings": {
-                  k: v for k, v in vars(args).items() if k not in ("worker", "spec", "out", "json")},
-              "environment": _versions(), "bandwidth": bw, "ceilings": ceilings,
-              "prompts": {k: prompts[k] for k in ("tokenizer", "prompt_tokens", "stream_tokens")},
-              "rows": rows, "quality": q, "quality_runs": extra, "report_markdown": text}
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    _log(f"wrote {os.path.relpath(out_path)}")
+    run.write({"bandwidth": bw, "ceilings": ceilings, "libraries": library_versions(),
+               "prompts": {k: prompts[k] for k in ("tokenizer", "prompt_tokens", "stream_tokens")},
+               "rows": rows, "quality": q, "quality_runs": extra}, report=text)
     return 0
 
 

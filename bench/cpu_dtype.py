@@ -1,6 +1,9 @@
 """Which compute dtype and weight format decode fastest on *this* CPU under XLA:CPU?
 
-Measures y = x · Wᵀ (the decode-time matmul: few rows, a large weight) for
+    python bench/cpu_dtype.py [--quick]                   # the matmuls (~1 min on 2 cores)
+    python bench/cpu_dtype.py --parts matmul,step,engine  # and a decode step, and the engine end to end
+
+Part `matmul` measures y = x · Wᵀ (the decode-time matmul: few rows, a large weight) for
 
     f32          float32 activations, float32 weights
     bf16         bfloat16 activations, bfloat16 weights
@@ -14,8 +17,10 @@ Measures y = x · Wᵀ (the decode-time matmul: few rows, a large weight) for
 
 at the LM-head shape [262144, 640] and an MLP shape [2048, 640] (Gemma 3 270M), batch 1 and 8,
 and prints a table plus the recommendation that `gemma4.plan.hardware.policy` should agree with.
-
-    python bench/cpu_dtype.py [--quick] [--decode-step] [--json]
+Part `step`: one batch-1 decode step of Gemma 3 270M (random weights) per format. Part `engine`
+(this was bench/dtype_decode.py): --model's greedy decode end to end per compute dtype and weight
+format (--configs), an engine each (1 row, context 512), the median of --runs replies after a
+warm-up one (docs/hardware-policy.md's table of the CPU choice).
 
 Importable: `measure(...)` returns the rows, `recommend(rows)` the conclusion.
 Not a test: numbers depend on the machine and on what else runs on it.
@@ -23,14 +28,16 @@ Not a test: numbers depend on the machine and on what else runs on it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from bench import harness  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -140,6 +147,36 @@ def measure_decode_step(preset: str = "gemma3-270m", formats=("f32", "int8", "in
     return {fmt: min(v) * 1e3 for fmt, v in times.items()}
 
 
+ENGINE_CONFIGS = "float32:none,bfloat16:none,float32:int8,bfloat16:int8"  # compute dtype:weights
+PROMPT = "The history of the printing press"
+
+
+def measure_engine(run: harness.Run, configs: list[tuple[str, str]], new_tokens: int, runs: int) -> list[dict]:
+    """Greedy decode tok/s and TTFT of --model per (compute dtype, weights), an engine each."""
+    from gemma4.model.sampling_params import SamplingParams
+    from gemma4.serve import conversation
+
+    p = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    rows = []
+    for dtype, weights in configs:
+        overrides = {"dtype": dtype, "weights": weights, "allow_fallback": True}
+        with run.engine(buckets=(16,), overrides=overrides, wait="ready") as engine:
+            conversation.generate(engine, PROMPT, p)  # warm-up (first runs of its shapes)
+            stats = [conversation.generate(engine, PROMPT, p)["stats"] for _ in range(runs)]
+        row = {"dtype": dtype, "weights": weights,
+               "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in stats), 1),
+               "ttft_s": round(statistics.median(r["ttft_s"] for r in stats), 3), "new_tokens": new_tokens}
+        rows.append(row)
+        run.log(json.dumps(row))
+    return rows
+
+
+def engine_table(rows: list[dict]) -> str:
+    lines = ["| compute dtype | weights | decode tok/s (batch 1) | TTFT s (short prompt) |", "|---|---|---|---|"]
+    lines += [f"| {r['dtype']} | {r['weights']} | {r['decode_tok_s']} | {r['ttft_s']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def recommend(rows: list[dict]) -> dict:
     """The fastest float compute dtype and weight format at the LM-head shape, batch 1."""
     def ms(fmt, shape="lm_head", batch=1):
@@ -170,32 +207,42 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="MLP shape only")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--decode-step", action="store_true",
-                    help="also time one batch-1 decode step of Gemma 3 270M (random weights) per format")
-    args = ap.parse_args(argv)
-    shapes = {"mlp": SHAPES["mlp"]} if args.quick else SHAPES
-    from gemma4.plan import hardware, hardware_probe  # noqa: PLC0415
+    ap = harness.parser(__doc__, model="bundled", max_batch=1, context=512)
+    ap.add_argument("--parts", default="matmul", help="comma-separated: matmul, step, engine")
+    ap.add_argument("--quick", action="store_true", help="matmul: the MLP shape only")
+    ap.add_argument("--configs", default=ENGINE_CONFIGS, help="engine: dtype:weights pairs, comma-separated")
+    ap.add_argument("--new-tokens", type=int, default=48, help="engine: greedy tokens per reply")
+    ap.add_argument("--runs", type=int, default=3, help="engine: timed replies per config (median)")
+    run = harness.Run("cpu-dtype", ap.parse_args(argv))
+    args = run.args
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if parts - {"matmul", "step", "engine"}:
+        ap.error(f"unknown parts {sorted(parts - {'matmul', 'step', 'engine'})}")
+    figures: dict = {}
+    lines = []
+    if "matmul" in parts:
+        from gemma4.plan import hardware, hardware_probe  # noqa: PLC0415
 
-    facts = hardware_probe.probe()
-    rows = measure(shapes)
-    rec = recommend(rows)
-    step = measure_decode_step() if args.decode_step else None
-    if args.json:
-        print(json.dumps({"cpu": facts.cpu_model, "flags": facts.cpu_flags, "rows": rows,
-                          "decode_step_ms": step, "recommendation": rec}, indent=2))
-        return 0
-    print(f"CPU: {facts.cpu_model}  ({os.cpu_count()} visible cores; flags: {' '.join(facts.cpu_flags) or '-'})")
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}\n")
-    print(table(rows))
-    if step:
-        print("\ngemma3-270m decode step (batch 1, best of 8):",
-              ", ".join(f"{k} {v:.1f} ms" for k, v in step.items()))
-    print("\nrecommendation:", json.dumps(rec, indent=1))
-    plan = hardware.policy(facts, env={})
-    print(f"policy on this CPU: compute {plan.compute_dtype.value} ({plan.compute_dtype.reason})")
+        facts = hardware_probe.probe()
+        rows = measure({"mlp": SHAPES["mlp"]} if args.quick else SHAPES)
+        rec = recommend(rows)
+        plan = hardware.policy(facts, env={})
+        figures.update(flags=facts.cpu_flags, rows=rows, recommendation=rec,
+                       policy_compute_dtype=plan.compute_dtype.value)
+        lines += [f"CPU: {facts.cpu_model}  ({os.cpu_count()} visible cores; flags: {' '.join(facts.cpu_flags) or '-'})",
+                  f"jax {jax.__version__}, backend {jax.default_backend()}", "", table(rows), "",
+                  "recommendation: " + json.dumps(rec, indent=1),
+                  f"policy on this CPU: compute {plan.compute_dtype.value} ({plan.compute_dtype.reason})"]
+    if "step" in parts:
+        figures["decode_step_ms"] = step = measure_decode_step()
+        lines.append("gemma3-270m decode step (batch 1, best of 8): " + ", ".join(f"{k} {v:.1f} ms" for k, v in step.items()))
+    if "engine" in parts:
+        configs = [tuple(c.split(":", 1)) for c in args.configs.split(",") if c.strip()]
+        figures["engine"] = measure_engine(run, configs, args.new_tokens, args.runs)
+        lines += [f"{args.model}, end to end:", engine_table(figures["engine"])]
+    text = "\n".join(lines)
+    print(text)
+    run.write(figures, report=text)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Time from `python app.py` to the first streamed answer (what a first-time visitor waits for).
 
-    .venv/bin/python bench/first_answer.py [--cold] [--cache DIR] [--runs N] [--timeline]
+    .venv/bin/python bench/first_answer.py [--cold] [--cache DIR] [--runs N] [--timeline] [--model bundled]
 
 --cold points the on-disk caches (the bundled GGUF assembled from its package, converted weights,
 tokenizer, XLA programs: HOME and the gemma4 cache variables) at an empty folder, as on a fresh
@@ -11,7 +11,6 @@ start-up log with seconds since launch: where the time went (weights, tokenizer,
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import re
@@ -21,6 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import harness  # noqa: E402
 
 # per-tensor progress lines: only the first of a run is kept in the timeline
 _PER_TENSOR = re.compile(r"\] (converting|dequantizing|loading cached weights|reading) ")
@@ -52,14 +56,13 @@ def _timeline(log_path: str, t_launch: float) -> list[str]:
     return out
 
 
-def run_once(prompt: str, env: dict, timeline: bool) -> dict:
+def run_once(model: str, prompt: str, env: dict, timeline: bool) -> dict:
     from gradio_client import Client
 
     port = _free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     log = tempfile.NamedTemporaryFile(prefix="first-answer-", suffix=".log", delete=False)
     t_wall, t0 = time.time(), time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=root, env=env,
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--model", model], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         client = None
@@ -85,18 +88,15 @@ def run_once(prompt: str, env: dict, timeline: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model="bundled")
     ap.add_argument("--cold", action="store_true", help="empty caches (a fresh machine)")
     ap.add_argument("--cache", help="cache folder to use (default: the normal user caches)")
     ap.add_argument("--runs", type=int, default=1, help="launches (with --cold: each on new empty caches)")
     ap.add_argument("--timeline", action="store_true", help="print the start-up log with times since launch")
     ap.add_argument("--prompt", default="The capital of France is")
-    args = ap.parse_args(argv)
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = float("nan")
-    answers = []
+    run = harness.Run("first-answer", ap.parse_args(argv))
+    args = run.args
+    runs, lines = [], []
     for i in range(args.runs):
         env = dict(os.environ)
         root = tempfile.mkdtemp(prefix="gemma4-cold-") if args.cold else args.cache
@@ -105,20 +105,27 @@ def main(argv=None) -> int:
         if args.cold:  # the bundled package assembles its GGUF under ~/.cache: a fresh home too
             env.update(HOME=os.path.join(root, "home"), XDG_CACHE_HOME=os.path.join(root, "home", ".cache"))
             os.makedirs(env["XDG_CACHE_HOME"])
-        r = run_once(args.prompt, env, args.timeline)
-        answers.append(r["answer_s"])
+        r = run_once(args.model, args.prompt, env, args.timeline)
+        runs.append(r)
         for line in r["timeline"]:
-            print(line)
-        print(f"page up after {r['page_s']:.1f} s; first answer after {r['answer_s']:.1f} s "
-              f"({'cold' if args.cold else 'warm'} caches): {r['text']!r}", flush=True)
+            run.log(line)
+        line = (f"page up after {r['page_s']:.1f} s; first answer after {r['answer_s']:.1f} s "
+                f"({'cold' if args.cold else 'warm'} caches): {r['text']!r}")
         st = r["stats"]
         if st:
-            print(f"  the reply: TTFT {st.get('ttft_s', float('nan')):.2f} s, decode "
-                  f"{st.get('decode_tok_s', float('nan')):.1f} tok/s, waited for a compile: {st.get('compiled')}")
+            line += (f"; the reply: TTFT {st.get('ttft_s', float('nan')):.2f} s, decode "
+                     f"{st.get('decode_tok_s', float('nan')):.1f} tok/s, waited for a compile: {st.get('compiled')}")
+        lines.append(line)
+        run.log(f"launch {i + 1} of {args.runs}: first answer after {r['answer_s']:.1f} s")
+    answers = [r["answer_s"] for r in runs]
+    figures = {"caches": "cold" if args.cold else "warm", "runs": runs,
+               "answer_s": {"median": statistics.median(answers), "min": min(answers), "max": max(answers)}}
     if args.runs > 1:
-        print(f"first answer over {args.runs} runs: median {statistics.median(answers):.1f} s "
-              f"(min {min(answers):.1f}, max {max(answers):.1f})")
-    print(f"1-minute load average at start: {load:.2f} on {os.cpu_count()} CPUs")
+        lines.append(f"first answer over {args.runs} runs: median {statistics.median(answers):.1f} s "
+                     f"(min {min(answers):.1f}, max {max(answers):.1f})")
+    text = "\n".join(lines)
+    print(text)
+    run.write(figures, report=text)
     return 0
 
 

@@ -1,6 +1,6 @@
 """What this CPU's vector units retire: the ceiling of a compute-bound kernel, measured.
 
-    .venv/bin/python bench/instruction_peak.py [--seconds 1.5] [--json PATH]
+    .venv/bin/python bench/instruction_peak.py [--seconds 1.5]     # ~20 s
 
 Builds `bench/instruction_peak.cc` with the system's C++ compiler (the same one the native kernels
 use) and runs it twice: one copy alone (one thread's rate), then one copy pinned to each CPU at
@@ -12,8 +12,6 @@ ones). A kernel's GMAC/s over this ceiling says how much of the machine it uses 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -21,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-from bench.chunked_prefill import cpu_name  # noqa: E402
+from bench import harness  # noqa: E402
 
 SOURCE = Path(__file__).with_name("instruction_peak.cc")
 MACS = {"vfmadd231ps-zmm": 16, "vfmadd231ps-ymm": 8, "vpdpwssd-zmm": 32, "vpdpbusd-zmm": 64,
@@ -60,32 +58,30 @@ def run_on_every_cpu(exe: str, seconds: float) -> list[dict]:
     return [parse(p.communicate()[0]) for p in procs]
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, default=1.5, help="seconds per instruction per run")
-    ap.add_argument("--json", help="write the figures here too")
-    args = ap.parse_args(argv)
+    run = harness.Run("instruction-peak", ap.parse_args(argv))
+    args = run.args
     with tempfile.TemporaryDirectory() as folder:
         exe = build(folder)
         alone = run_alone(exe, args.seconds)
         together = run_on_every_cpu(exe, args.seconds)
-    load = os.getloadavg()
-    print(f"{cpu_name()}, load average {load[0]:.2f}: G instructions/s (GMAC/s)")
-    print(f"{'instruction':18s} {'one thread':>18s} {'every CPU at once, total':>26s}")
+    lines = [f"{harness.cpu_model()}: G instructions/s (GMAC/s)",
+             f"{'instruction':18s} {'one thread':>18s} {'every CPU at once, total':>26s}"]
     rows = {}
     for name, rate in alone.items():
         if rate is None:
-            print(f"{name:18s} {'(not on this CPU)':>18s}")
+            lines.append(f"{name:18s} {'(not on this CPU)':>18s}")
             continue
         total = sum(r[name] or 0.0 for r in together)
         rows[name] = {"one_thread_g_per_s": rate, "all_cpus_g_per_s": total, "macs_per_instruction": MACS[name]}
-        print(f"{name:18s} {rate:7.2f} ({rate * MACS[name]:6.1f}) {total:14.2f} ({total * MACS[name]:6.1f})")
-    out = {"cpu": cpu_name(), "cpus": len(together), "load_avg": [round(x, 2) for x in load], "instructions": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+        lines.append(f"{name:18s} {rate:7.2f} ({rate * MACS[name]:6.1f}) {total:14.2f} ({total * MACS[name]:6.1f})")
+    text = "\n".join(lines)
+    print(text)
+    run.write({"cpus": len(together), "instructions": rows}, report=text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,8 +5,9 @@
 - llama.cpp through `llama-cpp-python` (optional, `requirements-bench.txt`), on the GGUF as stored,
   flash attention on and off.
 
-Every peer runs in a fresh `python bench/peers.py --worker KIND` process so that its peak resident
-memory (VmHWM, `peak_rss_mib`) is its own, pinned to the same number of CPUs and threads as the others.
+Every peer runs in a fresh `python bench/peers.py --worker KIND` process (bench/harness.py's
+worker protocol) so that its peak resident memory (VmHWM, `harness.peak_rss_mib`) is its own,
+pinned to the same number of CPUs and threads as the others.
 A worker warms up first (one untimed run of every measured shape), then times `runs` runs and
 reports the median of each figure. All decoding is greedy.
 
@@ -23,20 +24,18 @@ How each figure is taken (the same definitions as our engine's rows in compare.p
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from bench import harness  # noqa: E402
+from bench.harness import current_rss_mib, peak_rss_mib, pin_threads  # noqa: E402
 
 # ----------------------------------------------------------------------------- prompts
 # Ordinary, varied prose (written for this bench) that the long prompts are cut from.
@@ -151,47 +150,6 @@ def build_prompts(gguf_path: str, prompt_tokens: int, stream_tokens: int, n_stre
 
 
 # ----------------------------------------------------------------------------- helpers
-def pin_threads(threads: int) -> list[int]:
-    """Restrict this process to `threads` CPUs (the same set for every stack)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))[:threads]
-        os.sched_setaffinity(0, cpus)
-        return cpus
-    except (AttributeError, OSError):
-        return []
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[name] = str(threads)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set size: VmHWM from /proc/self/status (KiB). Not `ru_maxrss`:
-    Linux carries that across fork and exec, so a worker started by a process holding 980 MiB
-    reported 980 MiB however little it used itself (measured: a trivial child of a 900 MB parent
-    reports 913 MiB there and 13 MiB in VmHWM). Elsewhere ru_maxrss is all there is."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def current_rss_mib() -> float | None:
-    try:
-        import psutil
-        return psutil.Process().memory_info().rss / (1 << 20)
-    except ImportError:
-        return None
-
-
 def median(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -212,84 +170,6 @@ def leading_match(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-# ----------------------------------------------------------------------------- is the machine quiet?
-# A side-by-side run on a busy machine says nothing (llama.cpp's spinning thread pool fell from
-# ~80 to 2.2 tok/s with one other process on one of two cores, while ours held 35.7). The load
-# average cannot tell our own worker from others, so each worker's run is accounted exactly: the
-# machine's busy CPU time (/proc/stat) minus the CPU time of this process and its waited-for
-# children (getrusage) is what other processes used meanwhile.
-BUSY_OTHERS_CORES = 0.1  # other processes' average use, in cores, above which a row is flagged
-
-
-def cpu_snapshot() -> dict:
-    """The machine's busy and steal seconds so far, and this process's + its children's CPU seconds."""
-    import resource
-
-    tick = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    own = sum(getattr(resource.getrusage(who), k) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for k in ("ru_utime", "ru_stime"))
-    return {"t": time.monotonic(), "busy_s": (user + nice + system + irq + softirq) / tick,
-            "steal_s": steal / tick, "own_s": own, "load1": os.getloadavg()[0]}
-
-
-def activity_between(a: dict, b: dict) -> dict:
-    """What the machine did between two snapshots: other processes' average cores, the hypervisor's
-    steal (cores), the load averages at both ends."""
-    wall = max(b["t"] - a["t"], 1e-9)
-    others = max(0.0, (b["busy_s"] - a["busy_s"]) - (b["own_s"] - a["own_s"])) / wall
-    return {"others_cores": round(others, 3), "steal_cores": round((b["steal_s"] - a["steal_s"]) / wall, 3),
-            "load_avg_before": round(a["load1"], 2), "load_avg_after": round(b["load1"], 2)}
-
-
-def wait_until_quiet(max_wait_s: float, sample_s: float = 2.0, log=None) -> dict:
-    """Sample the others' use every `sample_s` until it is under BUSY_OTHERS_CORES (or `max_wait_s`
-    passes); the last sample's activity, with "waited_s"."""
-    t0 = time.monotonic()
-    while True:
-        a = cpu_snapshot()
-        time.sleep(sample_s)
-        act = activity_between(a, cpu_snapshot())
-        waited = time.monotonic() - t0
-        if act["others_cores"] < BUSY_OTHERS_CORES or waited >= max_wait_s:
-            return dict(act, waited_s=round(waited, 1))
-        if log:
-            log(f"  machine busy: other processes use {act['others_cores']:.2f} cores; waiting "
-                f"({waited:.0f} of {max_wait_s:.0f} s)")
-
-
-def run_worker(script: str, kind: str, spec: dict, threads: int, timeout: float = 3600,
-               extra_env: dict[str, str] | None = None) -> dict:
-    """Run `python script --worker kind` on `spec` in a fresh process; its result dict.
-
-    On failure returns {"error": ..., "stderr_tail": ...} instead of raising."""
-    with tempfile.TemporaryDirectory(prefix="gemma4-bench-") as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        env = thread_env(threads)
-        env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        if extra_env:
-            env.update(extra_env)
-        cmd = [sys.executable, script, "--worker", kind, "--spec", spec_path, "--out", out_path]
-        t0 = time.perf_counter()
-        snap = cpu_snapshot()
-        try:
-            proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            return {"error": f"timed out after {timeout:.0f} s", "stderr_tail": str(e.stderr or "")[-2000:]}
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            return {"error": f"worker exited with {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
-        with open(out_path) as f:
-            out = json.load(f)
-        out["worker_wall_s"] = wall
-        out["machine"] = activity_between(snap, cpu_snapshot())
-        return out
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -466,19 +346,13 @@ def peer_specs(which: str) -> list[tuple[str, dict]]:
     return out
 
 
-def worker_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="run one peer measurement (used by compare.py)")
-    ap.add_argument("--worker", required=True, choices=sorted(WORKERS))
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    with open(args.spec) as f:
-        spec = json.load(f)
-    row = WORKERS[args.worker](spec)
-    with open(args.out, "w") as f:
-        json.dump(row, f)
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    """`python bench/peers.py --worker KIND --spec JSON`: one peer's measurement (compare.py runs it)."""
+    args = harness.parser(__doc__, workers=True).parse_args(argv)
+    if not args.worker:
+        raise SystemExit("peers.py is compare.py's worker: run `python bench/compare.py`")
+    return harness.serve_worker(WORKERS, args.worker, args.spec)
 
 
 if __name__ == "__main__":
-    raise SystemExit(worker_main())
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """A soak: mixed traffic against one server for a given time, and what it did to the server.
 
-    .venv/bin/python bench/soak.py --minutes 60 [--json bench/results/soak.json]
+    .venv/bin/python bench/soak.py --minutes 60          # writes bench/results/soak-<date>-<time>.json
     .venv/bin/python bench/soak.py --url http://127.0.0.1:7860/ --api-key k1,k2 --minutes 5
 
 Without --url it starts `python app.py` (the bundled model unless --model) in a process of its
@@ -28,7 +28,6 @@ over the samples after --warmup-s). `soak()` is what tests/test_soak.py runs for
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -48,6 +47,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import harness  # noqa: E402
 
 # Kind → weight in the mix (bad bodies and disconnects are cheap; generation is the load).
 MIX = {"api_stream": 5, "api_whole": 3, "raw_stream": 3, "raw_whole": 2, "cancel": 2,
@@ -540,11 +542,10 @@ def start_server(model: str, port: int, keys: list[str], context: int | None, ma
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.parser(__doc__, model="bundled")
     p.add_argument("--minutes", type=float, default=2.0, help="how long to drive traffic")
     p.add_argument("--url", help="a running server (default: start app.py in a process of its own)")
     p.add_argument("--api-key", default="", help="the running server's key(s), comma-separated")
-    p.add_argument("--model", default="bundled", help="the model the started server loads")
     p.add_argument("--context", type=int, default=None, help="the started server's --context")
     p.add_argument("--max-users", type=int, default=8, help="the started server's --max-users")
     p.add_argument("--workers", type=int, default=6)
@@ -554,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the first quarter)")
     p.add_argument("--max-tokens", type=int, default=24, help="largest max_tokens a request asks for")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the report here as JSON")
     a = p.parse_args(argv)
+    run = harness.Run("soak", a)
     keys = [k.strip() for k in a.api_key.split(",") if k.strip()]
     proc = None
     if a.url:
@@ -566,15 +567,15 @@ def main(argv: list[str] | None = None) -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         log_path = Path(tempfile.gettempdir()) / f"gemma4-soak-server-{port}.log"
-        print(f"starting the server (python app.py --model {a.model}, port {port}; log {log_path}) …", flush=True)
+        run.log(f"starting the server (python app.py --model {a.model}, port {port}; log {log_path}) …")
         t = time.monotonic()
         proc = start_server(a.model, port, keys, a.context, a.max_users, log_path)
-        print(f"ready after {time.monotonic() - t:.0f} s", flush=True)
+        run.log(f"ready after {time.monotonic() - t:.0f} s")
         url = f"http://127.0.0.1:{port}/"
     try:
         out = soak(url, keys=keys, duration_s=60 * a.minutes, workers=a.workers,
                    phase_s=min(a.phase_s, 60 * a.minutes), sample_s=a.sample_s, warmup_s=a.warmup_s,
-                   max_tokens=a.max_tokens, seed=a.seed, log=lambda line: print(line, flush=True))
+                   max_tokens=a.max_tokens, seed=a.seed, log=run.log)
     finally:
         if proc is not None:
             proc.terminate()
@@ -582,9 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print(report_text(out))
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    text = report_text(out)
+    print(text)
+    run.write(out, report=text)
     ok = not out["server_errors"] and not out["leaked_slots"]
     return 0 if ok else 1
 

@@ -1,30 +1,32 @@
 """Where one engine step's time goes: wall-clock per step kind, then XLA's own op timings.
 
-    .venv/bin/python bench/step_profile.py [--model bundled] [--kv 4096] [--widths 1,8] [--repeats 20] [--top 25] [--json PATH]
+    .venv/bin/python bench/step_profile.py [--model bundled] [--kv 4096] [--widths 1,8] [--repeats 20] [--top 25]
+    .venv/bin/python bench/step_profile.py --only prefill --prefill-buckets 16,64,128 --repeats 8 --no-trace
 
-One engine with the app's settings (max_batch 8, context 4096), warmup off; the shapes measured
-are compiled (or loaded from the executable store) first, every cache slot is marked as holding a
-real position (`fill_cache`: the native cache attention skips empty slots, so an empty cache
-would flatter it), then each runs on idle inputs:
+One engine with the app's settings (--max-batch 8, --context 4096), warmup off; the shapes
+measured are compiled (or loaded from the executable store) first, every cache slot is marked as
+holding a real position (`fill_cache`: the native cache attention skips empty slots, so an empty
+cache would flatter it), then each runs on idle inputs:
   * decode, `width` rows, reading `kv` cache slots;
   * the fused chunk-and-decode step ("mixed"), the same width and cache length;
-  * a later 512-token prefill chunk (positions from 1024).
+  * (width 1) a 500-token prompt's one 512-token chunk, and a later 512-token chunk (positions from 1024);
+  * with --prefill-buckets: one prefill call per bucket, a prompt's first chunk (positions 0…,
+    attends to itself) and a later one (positions 1024…, attends to its cache row too): what a
+    chunk's fixed cost is (issue 19; this was bench/prefill_call.py).
 Native kernel calls are also summed by kernel (the step's program names each call's target).
 Each kind is timed `--repeats` times (after one untimed run), then run again under jax's profiler;
 the trace's events are summed by name (XLA fusions, custom calls, copies) so the top entries say
 what a step spends beyond streaming the weights. Wall-clock figures: run it on a quiet machine
-(the load average is printed).
+(the result says how busy it was).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
 import json
 import os
-import pathlib
 import re
 import statistics
 import sys
@@ -33,11 +35,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from bench import harness  # noqa: E402
 
 import jax  # noqa: E402
 
-from bench.chunked_prefill import cpu_name  # noqa: E402
 from gemma4.model.sampling import SamplingRows  # noqa: E402
 from gemma4.serve.engine.engine import Engine  # noqa: E402
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey  # noqa: E402
@@ -64,9 +67,11 @@ def fill_cache(engine: Engine, last: int) -> None:
         engine.runner.cache = filled
 
 
-def step_runners(engine: Engine, kv: int, width: int) -> dict:
-    """name → a function running that step once on idle inputs (every key compiled first)."""
+def step_runners(engine: Engine, kv: int, width: int, prefill_buckets=()) -> dict:
+    """name → (the step's shape key, a function running that step once on idle inputs); every
+    key compiled first."""
     pos0 = min(kv, engine.context_limit) - 64  # each active row near the end of the cache read
+    rng = np.random.default_rng(0)
 
     def decode():
         positions = np.full(width, -1, np.int32)
@@ -88,23 +93,26 @@ def step_runners(engine: Engine, kv: int, width: int) -> dict:
         positions = np.where(np.arange(512) < 500, np.arange(512), -1).astype(np.int32)
         engine.runner.run_prefill(PrefillKey(512, True), np.zeros(512, np.int32), positions, 3, 499, SamplingRows.idle(1))
 
+    def prefill_call(bucket: int, fresh: bool):  # one whole chunk of ordinary ids, sampled at its end
+        def call():
+            start = 0 if fresh else LATER_START
+            tokens = rng.integers(100, 1000, bucket).astype(np.int32)
+            positions = np.arange(start, start + bucket, dtype=np.int32)
+            engine.runner.run_prefill(PrefillKey(bucket, fresh), tokens, positions, 3, bucket - 1, SamplingRows.idle(1))
+        return call
+
     runners = {f"decode w={width}": (DecodeKey(width, kv), decode),
                f"mixed w={width} (+{MIXED_CHUNK})": (MixedKey(width, kv), mixed)}
     if width == 1:
         runners["prefill 500 first"] = (PrefillKey(512, True), prefill_first)
         runners["prefill 512 later"] = (PrefillKey(512, False), prefill)
+        for b in prefill_buckets:
+            for fresh in (True, False):
+                runners[f"prefill {b} {'first' if fresh else 'later'} chunk"] = (PrefillKey(b, fresh), prefill_call(b, fresh))
     for key, _ in runners.values():
         if engine.shapes.get(key) is None:
             engine.shapes.compile(key)
-    return {name: fn for name, (_, fn) in runners.items()}
-
-
-def step_keys(kv: int, width: int) -> dict:
-    """name → the engine's shape key of each step `step_runners` times (for its executable)."""
-    keys = {f"decode w={width}": DecodeKey(width, kv), f"mixed w={width} (+{MIXED_CHUNK})": MixedKey(width, kv)}
-    if width == 1:
-        keys.update({"prefill 500 first": PrefillKey(512, True), "prefill 512 later": PrefillKey(512, False)})
-    return keys
+    return runners
 
 
 def native_targets(engine: Engine, key: ShapeKey) -> dict:
@@ -157,34 +165,47 @@ def by_kind(per_op: dict) -> dict:
     return dict(kinds)
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="bundled")
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__, model="bundled", max_batch=8, context=4096)
     ap.add_argument("--kv", type=int, default=4096, help="cache slots the decode and fused steps read")
     ap.add_argument("--widths", default="1", help="decode widths, comma-separated")
+    ap.add_argument("--prefill-buckets", default="", help="also time one prefill call per bucket (comma-separated)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--top", type=int, default=25, help="trace entries printed per step kind")
     ap.add_argument("--no-trace", action="store_true", help="wall-clock only")
     ap.add_argument("--only", help="measure only the step kinds whose name contains this")
-    ap.add_argument("--json", help="write the figures here too")
-    args = ap.parse_args(argv)
+    run = harness.Run("step-profile", ap.parse_args(argv))
+    args = run.args
+    prefill_buckets = tuple(int(b) for b in args.prefill_buckets.split(",") if b.strip())
+    with run.engine(buckets=tuple(sorted({512, *prefill_buckets})), warmup=False, wait="ready") as engine:
+        out = measure(engine, args, prefill_buckets, run.log)
+    text = "\n".join(out.pop("lines"))
+    if args.quiet:  # the progress was the report: print it once, at the end
+        print(text)
+    run.write(out, report=text)
+    return 0
 
-    load0 = os.getloadavg()
-    engine = Engine(args.model, max_batch=8, context_limit=4096, buckets=(512,), warmup=False)
-    engine.wait_ready(3600)
+
+def measure(engine: Engine, args, prefill_buckets: tuple[int, ...], log) -> dict:
+    """Every step kind asked for: wall-clock min / median, then its trace summed by op, kind and kernel."""
+    lines: list[str] = []
+
+    def say(line: str) -> None:  # printed as it comes (a run takes minutes), kept for the report
+        lines.append(line)
+        log(line)
+
     if args.kv not in engine.started.geometry.kv_lengths:  # the engine compiles steps for these cache lengths only
         sys.exit(f"--kv {args.kv}: this engine's cache lengths are {', '.join(map(str, engine.started.geometry.kv_lengths))} "
                  f"(one length where the native cache attention reads every full layer; "
                  f"GEMMA4_ATTENTION=xla gives the 512..4096 ladder)")
     fill_cache(engine, min(args.kv, engine.context_limit) - 65)
     plan = engine.loaded.plan
-    out = {"cpu": cpu_name(), "model": args.model, "weights": engine.info()["weights"], "kv": args.kv, "steps": {},
+    out = {"weights": engine.info()["weights"], "kv": args.kv, "steps": {},
            "attention": {"sliding": plan.attention_sliding.value, "full": plan.attention_full.value}}
-    print(f"attention over the cache: sliding {plan.attention_sliding.value}, full {plan.attention_full.value} "
-          f"(GEMMA4_ATTENTION=xla|native to compare)", flush=True)
+    say(f"{harness.cpu_model()}, {args.model} ({out['weights']} weights); attention over the cache: sliding "
+        f"{plan.attention_sliding.value}, full {plan.attention_full.value} (GEMMA4_ATTENTION=xla|native to compare)")
     for width in (int(w) for w in args.widths.split(",")):
-        keys = step_keys(args.kv, width)
-        for name, fn in step_runners(engine, args.kv, width).items():
+        for name, (key, fn) in step_runners(engine, args.kv, width, prefill_buckets).items():
             if args.only and args.only not in name:
                 continue
             fn()  # a shape's first run is slow
@@ -194,7 +215,7 @@ def main(argv=None) -> dict:
                 fn()
                 times.append(time.perf_counter() - t0)
             row = {"min_ms": 1000 * min(times), "median_ms": 1000 * statistics.median(times)}
-            print(f"{name:<22} min {row['min_ms']:7.1f} ms   median {row['median_ms']:7.1f} ms", flush=True)
+            say(f"{name:<24} min {row['min_ms']:7.1f} ms   median {row['median_ms']:7.1f} ms")
             if not args.no_trace:
                 sums, wall = trace_events(fn, args.repeats)
                 per = {k: v / args.repeats / 1000.0 for k, v in sums.items()}  # ms per step
@@ -204,24 +225,19 @@ def main(argv=None) -> dict:
                 row["ops_ms"] = sum(per.values())
                 row["top_ms"] = top
                 row["kinds_ms"] = [(k, ms, n) for k, (ms, n) in kinds]
-                print(f"    XLA ops: {row['ops_ms']:.1f} ms a step; by kind (ms, ops):")
+                say(f"    XLA ops: {row['ops_ms']:.1f} ms a step; by kind (ms, ops):")
                 for k, (ms, n) in kinds[:12]:
-                    print(f"    {ms:8.2f} ms {n:5d}  {k[:90]}")
-                kernels = sorted(by_target(per, native_targets(engine, keys[name])).items(), key=lambda kv: -kv[1][0])
+                    say(f"    {ms:8.2f} ms {n:5d}  {k[:90]}")
+                kernels = sorted(by_target(per, native_targets(engine, key)).items(), key=lambda kv: -kv[1][0])
                 row["native_ms"] = [(k, ms, n) for k, (ms, n) in kernels]
-                print("    native kernels (ms, calls): " + ", ".join(f"{k} {ms:.2f} ({n})" for k, (ms, n) in kernels))
-                print("    largest ops:")
+                say("    native kernels (ms, calls): " + ", ".join(f"{k} {ms:.2f} ({n})" for k, (ms, n) in kernels))
+                say("    largest ops:")
                 for k, v in top:
-                    print(f"    {v:8.2f} ms  {k[:100]}")
+                    say(f"    {v:8.2f} ms  {k[:100]}")
             out["steps"][name] = row
-    engine.close()
-    out["load_avg"] = {"before": [round(x, 2) for x in load0], "after": [round(x, 2) for x in os.getloadavg()]}
-    print(f"{out['cpu']}, {args.model} ({out['weights']} weights), load average {out['load_avg']['before']} "
-          f"before and {out['load_avg']['after']} after")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+    out["lines"] = lines
     return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

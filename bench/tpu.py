@@ -5,10 +5,12 @@ docs/tpu.md's table, in one command, with a JSON report.
     python bench/tpu.py --parts exact,decode   # some parts
     python bench/tpu.py --quick                # fewer tokens and models (a smoke run)
 
-The driver imports no JAX: each part runs in a worker process of its own (`--worker PART`), one
-at a time, because one program at a time can hold a TPU chip, and so that a part that crashes
-or hangs costs only itself (each has a time limit). The CPU reference of the `exact` part runs
-with JAX_PLATFORMS=cpu beside no chip program. Workers print one line `RESULT <json>`.
+The driver imports no JAX: each part runs in a worker process of its own (bench/harness.py's
+workers: `--worker PART`, one line `RESULT <json>` back), one at a time, because one program at
+a time can hold a TPU chip, and so that a part that crashes or hangs costs only itself (each has
+a time limit). The CPU reference of the `exact` part runs with JAX_PLATFORMS=cpu beside no chip
+program. The report is a harness result, bench/results/tpu-<date>-<time>.json (or under --out),
+written again after each part: its figures are {"parts": {part: ...}, "summary", "total_s"}.
 
 Parts:
   env      jax, the devices, their memory.
@@ -35,8 +37,8 @@ Speed targets are printed beside the figures; nothing here asserts them (tests a
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -46,6 +48,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import harness  # noqa: E402
+from gemma4.env import setting  # noqa: E402  (stdlib only, as gemma4.paths: the driver loads no jax)
+from gemma4.paths import cache_root  # noqa: E402
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
@@ -365,7 +372,7 @@ def worker_engine(args) -> dict:
     # the record of the app part's start (executable_store.read_start) as a restarted app would
     eng = _engine(args.model, max_batch=8, context=args.context, buckets=None, mesh="auto")
     out = {"model": args.model, "max_batch": 8, "context": args.context,
-           "load_ahead_off": os.environ.get("GEMMA4_LOAD_AHEAD") == "off"}
+           "load_ahead_off": not setting("GEMMA4_LOAD_AHEAD")}
     try:
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
@@ -509,57 +516,30 @@ def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
 
 def worker_app(args) -> dict:
     """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from tpu_app import run_app_check
+    from bench.tpu_app import run_app_check
 
     return run_app_check(args.model, timeout=args.limit)
 
 
-WORKERS = {"app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
-           "engine": worker_engine, "loads": worker_loads}
+def _worker(fn):
+    """A part's worker as the harness calls it: the spec as the attributes the part reads."""
+    def run(spec: dict) -> dict:
+        if os.environ.get("TPU_BENCH_VERBOSE"):  # the engine's start-up, step by step, with times
+            logging.getLogger("gemma4").setLevel(logging.INFO)
+        return fn(argparse.Namespace(**spec))
+    return run
 
 
-def worker_main(part: str, raw: str) -> int:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
-    if os.environ.get("TPU_BENCH_VERBOSE"):  # the engine's start-up, step by step, with times
-        logging.getLogger("gemma4").setLevel(logging.INFO)
-    args = argparse.Namespace(**json.loads(raw))
-    try:
-        result = WORKERS[part](args)
-    except Exception as e:  # noqa: BLE001 - the driver reports it
-        import traceback
-
-        traceback.print_exc()
-        result = {"error": f"{type(e).__name__}: {e}"}
-    print("RESULT " + json.dumps(result, default=str), flush=True)
-    return 0
+WORKERS = {name: _worker(fn) for name, fn in {
+    "app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
+    "engine": worker_engine, "loads": worker_loads}.items()}
 
 
 # ------------------------------------------------------------------------------ driver
 def run_worker(part: str, wargs: dict, *, env: dict | None = None, limit: int | None = None) -> dict:
     limit = limit or max(PART_LIMIT_S.get(part, 300), int(wargs.get("limit") or 0) + 60)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", part, "--worker-args", json.dumps(wargs)]
-    t = time.perf_counter()
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=full_env, cwd=str(ROOT))
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-3000:]
-        return {"error": f"timed out after {limit} s", "stderr_tail": tail.decode() if isinstance(tail, bytes) else tail}
-    result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-    if result is None:
-        result = {"error": f"worker exited {proc.returncode} without a result"}
-    result["wall_s"] = round(time.perf_counter() - t, 1)
-    if "error" in result or proc.returncode:
-        result["stderr_tail"] = proc.stderr[-3000:]
-    sys.stderr.write(proc.stderr[-(20000 if os.environ.get("TPU_BENCH_VERBOSE") else 1500):] if proc.stderr else "")
-    return result
+    return harness.run_worker(__file__, part, wargs, env=env, timeout=limit,
+                              echo_stderr=20000 if os.environ.get("TPU_BENCH_VERBOSE") else 1500)
 
 
 def compare_exact(acc: dict, cpu: dict) -> list[dict]:
@@ -584,51 +564,31 @@ def compare_exact(acc: dict, cpu: dict) -> list[dict]:
 
 def _cpu_reference(models: list[str], n: int) -> subprocess.Popen:
     """The exact part's CPU float32 ids, computed beside the chip's work (a CPU-only process)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "exact", "--worker-args",
-           json.dumps({"models": models, "new_tokens": n})]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(ROOT))
-
-
-def _collect(proc: subprocess.Popen, limit: float) -> dict:
-    try:
-        stdout, _ = proc.communicate(timeout=max(1.0, limit))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return {"error": f"the CPU reference took over {limit:.0f} s"}
-    found = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(found[-1][len("RESULT "):]) if found else {"error": f"CPU reference exited {proc.returncode}"}
+    return harness.start_worker(__file__, "exact", {"models": models, "new_tokens": n}, env={"JAX_PLATFORMS": "cpu"})
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model="random:e2b", workers=True)
     ap.add_argument("--parts", default=",".join(ALL_PARTS))
     ap.add_argument("--quick", action="store_true", help="fewer models and tokens (a smoke run)")
-    ap.add_argument("--out", default=None, help="folder for the JSON report (default bench/results)")
     ap.add_argument("--profile", action="store_true", help="profile the decode step (top ops in the report)")
     ap.add_argument("--decode-configs", default=None,
                     help="model,dtype,weights[,batch];... (default: E2B bf16 with the 64-row aggregate, E2B int8, "
                          "E4B int8)")
-    ap.add_argument("--model", default="random:e2b", help="the model of the app and engine parts")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-args", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker_main(args.worker, args.worker_args)
+        return harness.serve_worker(WORKERS, args.worker, args.spec)
 
     t_start = time.perf_counter()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in ALL_PARTS]
     if unknown:
         ap.error(f"unknown parts {unknown}; known: {', '.join(ALL_PARTS)}")
-    out_dir = Path(args.out or ROOT / "bench" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H%M")
-    report = {"date": stamp, "parts": {}}
-    hlo_dir = os.environ.get("OUT") or str(out_dir)
+    run = harness.Run("tpu", args)
+    report: dict = {"parts": {}}
+    hlo_dir = os.environ.get("OUT") or str(run.path.parent)
     models = list(EXACT_MODELS[:2] if args.quick else EXACT_MODELS)
     n_exact = 12 if args.quick else 24
     cpu_ref = _cpu_reference(models, n_exact) if "exact" in parts else None
@@ -640,10 +600,12 @@ def main(argv=None) -> int:
     def limit(part: str) -> int:
         return int(max(20, min(PART_LIMIT_S[part], left() - 10)))
 
-    def save() -> Path:
-        path = out_dir / f"tpu-{stamp}.json"
-        path.write_text(json.dumps(report, indent=1, default=str))
-        return path
+    def save(announce: bool = False) -> Path:
+        env = report["parts"].get("env") or {}
+        if env.get("device_kind"):  # the chip, as the env worker saw it (the driver runs no jax)
+            run.accelerator = {"platform": env.get("backend"), "kind": env["device_kind"], "count": env.get("count"),
+                               "hbm_bytes": env.get("hbm_bytes"), "jax": env.get("jax")}
+        return run.write(report, announce=announce)
 
     for part in parts:
         t = time.perf_counter()
@@ -651,12 +613,12 @@ def main(argv=None) -> int:
             report["parts"][part] = {"skipped": f"not started: {left():.0f} s of the deadline left"}
             save()
             continue
-        print(f"[tpu] {part} ...", file=sys.stderr, flush=True)
+        run.log(f"[tpu] {part} ...")
         if part == "env":
             report["parts"]["env"] = run_worker("env", {"transfers": not args.quick})
         elif part == "exact":
             acc = run_worker("exact", {"models": models, "new_tokens": n_exact}, limit=limit("exact"))
-            cpu = _collect(cpu_ref, min(left() - 5, PART_LIMIT_S["exact"]))
+            cpu = harness.collect(cpu_ref, max(1.0, min(left() - 5, PART_LIMIT_S["exact"])))
             report["parts"]["exact"] = {"rows": compare_exact(acc, cpu), "accelerator": acc, "cpu": cpu}
         elif part in ("decode", "e4b"):
             configs = (["random:e4b,bfloat16,plan", "random:e4b,bfloat16,int8"] if part == "e4b"
@@ -685,7 +647,7 @@ def main(argv=None) -> int:
                 "engine", {"model": args.model, "context": 4096, "limit": limit("engine") - 30, "ttft": True},
                 env={"GEMMA4_JAX_CACHE": app_cache, **ahead}, limit=limit("engine"))}
         elif part == "loads":  # the stores the app, engine and exact parts filled
-            folders = [app_cache, os.environ.get("GEMMA4_JAX_CACHE") or str(Path.home() / ".cache" / "gemma4-jax")]
+            folders = [app_cache, str(cache_root())]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
         if part == "engine":
             warm = report["parts"]["engine"]["warm"]
@@ -693,12 +655,13 @@ def main(argv=None) -> int:
                 {"ready_s": warm.get("ready_s"), "load_ahead": not warm.get("load_ahead_off"), "startup": warm.get("startup")})
         report["parts"][part]["part_s"] = round(time.perf_counter() - t, 1)
         path = save()
-        print(f"[tpu] {part} done in {time.perf_counter() - t:.0f} s -> {path}", file=sys.stderr, flush=True)
+        run.log(f"[tpu] {part} done in {time.perf_counter() - t:.0f} s -> {path}")
     if cpu_ref is not None and cpu_ref.poll() is None:
         cpu_ref.kill()
     report["total_s"] = round(time.perf_counter() - t_start, 1)
-    save()
-    print(json.dumps(summary(report), indent=1))
+    report["summary"] = summary(report)
+    save(announce=True)
+    print(json.dumps(report["summary"], indent=1))
     return 0
 
 

@@ -1,9 +1,9 @@
-"""The chat app on whatever device JAX finds, driven in-process: a chat reply and an image reply
-end to end through the Gradio handlers the page's Send button calls, with no server and no
-sockets (the TPU machine allows none, not even loopback).
+"""The `app` part of bench/tpu.py: the chat app on whatever device JAX finds, driven in-process —
+a chat reply and an image reply end to end through the Gradio handlers the page's Send button
+calls, with no server and no sockets (the TPU machine allows none, not even loopback).
 
-    python bench/tpu_app.py                          # random Gemma 4 E2B, the app's settings
-    JAX_PLATFORMS=cpu python bench/tpu_app.py --model random:tiny-e2b   # a quick check here
+    python bench/tpu.py --parts app                                       # random Gemma 4 E2B
+    JAX_PLATFORMS=cpu python bench/tpu.py --parts app --model random:tiny-e2b   # a quick check here
 
 What it does, in the order `app.main` does it: the settings as the app parses them, the engine
 started loading through `gemma4.serve.engine.get_engine` with the app's arguments, gradio
@@ -23,22 +23,14 @@ running out is returned as "error" in the dict, with the figures gathered up to 
 
 from __future__ import annotations
 
-import argparse
 import html
-import json
-import os
 import re
-import sys
 import tempfile
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python bench/tpu_app.py` from anywhere
-    sys.path.insert(0, str(ROOT))
 
 __all__ = ["run_app_check"]
 
@@ -325,19 +317,3 @@ def run_app_check(model: str = "random:e2b", timeout: float = 300) -> dict:
     out["ok"] = "error" not in out and all(out["checks"].values())
     out["total_s"] = round(time.perf_counter() - check.t0, 1)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="random:e2b", help="the app's --model (default random:e2b)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds for the whole check")
-    args = ap.parse_args(argv)
-    result = run_app_check(args.model, args.timeout)
-    print(json.dumps(result, indent=1, default=str), flush=True)
-    if str(result.get("error", "")).startswith("timed out"):  # a step still hangs in its thread
-        os._exit(1)
-    return 0 if result.get("ok") else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

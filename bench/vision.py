@@ -1,7 +1,8 @@
 """How fast does this CPU see? The vision tower's encode time and an image question's TTFT.
 
     python bench/vision.py                       # encode (E2B tower) + TTFT on random:e2b
-    python bench/vision.py --ttft-model random:tiny-e2b --repeats 3 --json
+    python bench/vision.py --model random:tiny-e2b --repeats 3    # TTFT on a tiny model
+    python bench/vision.py --no-ttft             # encode only
 
 1. **Encode**: one 768×768 image (280-token budget → 2,304 patches, padded to 2,520 → 256 soft
    tokens) through Gemma 4 E2B's real tower geometry (768 wide, 16 layers, 12 heads, MLP 3,072,
@@ -13,7 +14,7 @@
    ([2520, 768] × [768, 3072]) and on a square 2048³ one, the faster of the two (median of runs):
    the encode's GFLOP/s is stated against it.
 3. **TTFT**: an image question end to end through the request layer (decode, preprocess, encode,
-   prefill, first token) on `--ttft-model` (default random:e2b: E2B's text model and tower,
+   prefill, first token) on `--model` (default random:e2b: E2B's text model and tower,
    random weights, the CPU plan's int8 weights), with a fresh image (no cache hit), median of runs.
 
 Not a test: the figures depend on the machine and on what else runs on it.
@@ -21,16 +22,16 @@ Not a test: the figures depend on the machine and on what else runs on it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
-import json
 import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from bench import harness  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -112,14 +113,16 @@ def encode_bench(repeats: int, dtype=jnp.float32) -> dict:
             "encode_s": s, "gflop": flops / 1e9, "gflop_s": flops / s / 1e9}
 
 
-def ttft_bench(model: str, repeats: int) -> dict:
-    """An image question end to end on `model` (fresh images: no cache hit)."""
-    from gemma4.serve import conversation
-    from gemma4.serve.engine.engine import get_engine
-
+def ttft_bench(run: harness.Run, repeats: int) -> dict:
+    """An image question end to end on --model (fresh images: no cache hit)."""
     t = time.perf_counter()
-    eng = get_engine(model, max_batch=1, context_limit=1024).wait_ready(3600)
-    load_s = time.perf_counter() - t
+    with run.engine(wait="ready") as eng:
+        return _ttft(eng, repeats, time.perf_counter() - t)
+
+
+def _ttft(eng, repeats: int, load_s: float) -> dict:
+    from gemma4.serve import conversation
+
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     runs = []
     for k in range(repeats + 1):  # the first run compiles the tower and the prefill shapes
@@ -131,7 +134,7 @@ def ttft_bench(model: str, repeats: int) -> dict:
                      "prefill_ms": out["stats"]["prefill_ms"], "prompt_tokens": out["stats"]["prefill_tokens"],
                      "compiled": out["stats"]["media"][0]["compiled"]})
     warm = runs[1:]
-    return {"model": model, "load_s": load_s, "first": runs[0],
+    return {"model": eng.settings.model, "load_s": load_s, "first": runs[0],
             "ttft_s": statistics.median(r["ttft_s"] for r in warm),
             "encode_s": statistics.median(r["encode_s"] for r in warm),
             "prefill_ms": statistics.median(r["prefill_ms"] for r in warm),
@@ -139,13 +142,12 @@ def ttft_bench(model: str, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, model="random:e2b", max_batch=1, context=1024)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ttft-model", default="random:e2b", help="the model of the TTFT run ('none' skips it)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    out = {"cpu_count": os.cpu_count(), "load_before": os.getloadavg()[0], "peak": matmul_peak(args.repeats),
-           "encode": encode_bench(args.repeats)}
+    ap.add_argument("--no-ttft", action="store_true", help="the encode and the peaks only")
+    run = harness.Run("vision", ap.parse_args(argv))
+    args = run.args
+    out = {"peak": matmul_peak(args.repeats), "encode": encode_bench(args.repeats)}
     out["encode"]["share_of_peak"] = out["encode"]["gflop_s"] / out["peak"]["peak"]
     # bf16 products (float32 accumulation): what GEMMA4_ENCODER_DTYPE=bfloat16 (or the plan's
     # measured choice on a CPU with bf16 units) runs, and how far its soft tokens move.
@@ -154,27 +156,27 @@ def main(argv=None) -> int:
     out["encode_bf16"]["share_of_peak"] = out["encode_bf16"]["gflop_s"] / out["peak_bf16"]["peak"]
     ref, low = out["encode"].pop("rows"), out["encode_bf16"].pop("rows")
     out["encode_bf16"]["rel_err_vs_float32"] = float(np.linalg.norm(low - ref) / np.linalg.norm(ref))
-    out["load_after"] = os.getloadavg()[0]
-    if args.ttft_model != "none":
-        out["ttft"] = ttft_bench(args.ttft_model, args.repeats)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
+    if not args.no_ttft:
+        out["ttft"] = ttft_bench(run, args.repeats)
     e, p = out["encode"], out["peak"]
-    print(f"float32 matmul: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in p.items()))
-    print(f"encode 768x768 (E2B tower, {e['patches']} patches padded to {e['padded_patches']}, {e['soft_tokens']} soft "
-          f"tokens): {e['encode_s']:.2f} s ({e['gflop']:.0f} GFLOP, {e['gflop_s']:.1f} GFLOP/s = "
-          f"{100 * e['share_of_peak']:.0f}% of peak); first run {e['first_run_s']:.1f} s; preprocess {e['preprocess_s']:.2f} s")
+    lines = ["float32 matmul: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in p.items()),
+             f"encode 768x768 (E2B tower, {e['patches']} patches padded to {e['padded_patches']}, {e['soft_tokens']} "
+             f"soft tokens): {e['encode_s']:.2f} s ({e['gflop']:.0f} GFLOP, {e['gflop_s']:.1f} GFLOP/s = "
+             f"{100 * e['share_of_peak']:.0f}% of peak); first run {e['first_run_s']:.1f} s; preprocess "
+             f"{e['preprocess_s']:.2f} s"]
     b, pb = out["encode_bf16"], out["peak_bf16"]
-    print(f"bf16 matmul: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in pb.items()))
-    print(f"encode in bf16: {b['encode_s']:.2f} s ({b['gflop_s']:.1f} GFLOP/s = {100 * b['share_of_peak']:.0f}% of the "
-          f"bf16 peak, {e['encode_s'] / b['encode_s']:.2f}x float32); soft tokens {100 * b['rel_err_vs_float32']:.2f}% "
-          f"from float32's; load average {out['load_before']:.1f} before, {out['load_after']:.1f} after")
+    lines.append("bf16 matmul: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in pb.items()))
+    lines.append(f"encode in bf16: {b['encode_s']:.2f} s ({b['gflop_s']:.1f} GFLOP/s = {100 * b['share_of_peak']:.0f}% "
+                 f"of the bf16 peak, {e['encode_s'] / b['encode_s']:.2f}x float32); soft tokens "
+                 f"{100 * b['rel_err_vs_float32']:.2f}% from float32's")
     if "ttft" in out:
         t = out["ttft"]
-        print(f"TTFT image question on {t['model']}: {t['ttft_s']:.2f} s (encode {t['encode_s']:.2f} s, prefill "
-              f"{t['prefill_ms'] / 1000:.2f} s of {t['prompt_tokens']} tokens; median of {t['runs']}); first "
-              f"{t['first']['ttft_s']:.1f} s with compiles; load {t['load_s']:.0f} s")
+        lines.append(f"TTFT image question on {t['model']}: {t['ttft_s']:.2f} s (encode {t['encode_s']:.2f} s, prefill "
+                     f"{t['prefill_ms'] / 1000:.2f} s of {t['prompt_tokens']} tokens; median of {t['runs']}); first "
+                     f"{t['first']['ttft_s']:.1f} s with compiles; load {t['load_s']:.0f} s")
+    text = "\n".join(lines)
+    print(text)
+    run.write(out, report=text)
     return 0
 
 

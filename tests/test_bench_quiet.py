@@ -1,38 +1,32 @@
 """bench/compare.py's guard against measuring on a busy machine: other processes' CPU use is
-accounted exactly (the machine's busy time minus ours), and a row measured beside them is flagged."""
+accounted exactly (the machine's busy time minus ours, bench/harness.py), and a row measured
+beside them is flagged."""
 
-import importlib.util
+import importlib
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    sys.path.insert(0, str(BENCH))  # compare.py imports its siblings (peers, bandwidth) by name
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return importlib.import_module(f"bench.{name}")  # the repository root is on the path (pyproject)
 
 
 def test_others_cpu_use_is_counted_and_ours_is_not():
-    peers = _load("peers")
-    a = peers.cpu_snapshot()
+    harness = _load("harness")
+    a = harness.cpu_snapshot()
     deadline = time.process_time() + 0.6
     while time.process_time() < deadline:  # our own work: 0.6 s of CPU
         pass
-    mine = peers.activity_between(a, peers.cpu_snapshot())
+    mine = harness.activity_between(a, harness.cpu_snapshot())
     spin = "import time\nt = time.process_time() + 1.0\nwhile time.process_time() < t: pass"
     other = subprocess.Popen([sys.executable, "-c", spin])  # not waited for while measuring: "another process"
-    b = peers.cpu_snapshot()
+    b = harness.cpu_snapshot()
     time.sleep(0.8)
-    busy = peers.activity_between(b, peers.cpu_snapshot())
+    busy = harness.activity_between(b, harness.cpu_snapshot())
     other.wait()
     # Ours is subtracted (what others did meanwhile stays: allow the machine's background);
     # a spinning process shows as most of a core.
@@ -41,9 +35,9 @@ def test_others_cpu_use_is_counted_and_ours_is_not():
 
 def test_rows_from_a_busy_machine_are_flagged():
     compare = _load("compare")
-    quiet = {"stack": "ours (JAX)", "weights": "int8", "machine": {
+    quiet = {"stack": "ours (JAX)", "weights": "int8", "activity": {
         "others_cores": 0.02, "steal_cores": 0.0, "load_avg_before": 0.1, "load_avg_after": 1.9}}
-    busy = {"stack": "llama.cpp flash-attn off", "weights": "gguf", "machine": {
+    busy = {"stack": "llama.cpp flash-attn off", "weights": "gguf", "activity": {
         "others_cores": 0.95, "steal_cores": 0.0, "load_avg_before": 1.2, "load_avg_after": 2.8}}
     (line,) = compare.busy_warnings([quiet, busy, {"stack": "failed", "weights": "x"}])
     assert "llama.cpp flash-attn off" in line and "0.95 cores" in line and "not comparable" in line
@@ -67,11 +61,11 @@ def test_our_quality_rows_run_through_the_request_layer():
 
 def test_a_workers_peak_memory_is_its_own_not_its_parents():
     """ru_maxrss survives fork and exec: a worker of a big parent would report the parent's size
-    (compare.py's llama.cpp rows once said 980 MiB, the parent's). peak_rss_mib reads VmHWM."""
+    (compare.py's llama.cpp rows once said 980 MiB, the parent's). harness.peak_rss_mib reads VmHWM."""
     big = bytearray(300 << 20)
     big[::4096] = b"\1" * len(big[::4096])  # resident, in this (the parent) process
-    code = (f"import sys; sys.path.insert(0, {str(BENCH)!r}); import peers, resource; "
-            "print(peers.peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench import harness; import resource; "
+            "print(harness.peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     own, inherited = map(float, out.stdout.split())

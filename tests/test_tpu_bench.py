@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,7 +22,10 @@ def test_the_tpu_script_runs_on_cpu_and_writes_its_report(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     reports = list(tmp_path.glob("tpu-*.json"))
     assert len(reports) == 1, out.stderr[-2000:]
-    report = json.loads(reports[0].read_text())
+    result = json.loads(reports[0].read_text())
+    harness.validate(result)  # bench/harness.py's schema, the chip (here the CPU) as its env part saw it
+    assert result["bench"] == "tpu" and result["machine"]["devices"]["platform"] == "cpu"
+    report = result["figures"]
     assert report["parts"]["env"]["backend"] == "cpu"
     rows = report["parts"]["exact"]["rows"]
     assert [r["model"] for r in rows] == ["random:tiny-e2b", "random:tiny-e4b"]
