@@ -416,7 +416,7 @@ def test_generate_with_audio_on_a_tiny_gemma4(tmp_path):
 
     parts = prompts.parts_in_marker_order(prompt, [media_from_path(pic)], [], 70, audio=[media_from_path(clip)])
     same = conversation.generate(tiny_gemma4(), prompt, SamplingParams(temperature=0.0, max_new_tokens=4),
-                                 mode="completion", media=parts)  # the CLI's --mode default
+                                 media=parts)  # the one mode rule: the CLI's --mode auto
     assert result["token_ids"] == same["token_ids"] and len(result["token_ids"]) == result["stats"]["new_tokens"]
 
     missing = _run(*common, "--prompt", "<|audio|> and <|audio|>", "--audio", str(clip), timeout=300)

@@ -71,7 +71,7 @@ def test_generate_with_an_image_on_a_tiny_gemma4(tmp_path):
 
     part = {"type": "image", "media": media_from_path(picture), "max_soft_tokens": 70}
     same = conversation.generate(tiny_gemma4(), "Look: <|image|> It is", SamplingParams(temperature=0.0, max_new_tokens=4),
-                                 mode="completion", media=[part])  # the CLI's --mode default
+                                 media=[part])  # the one mode rule: the CLI's --mode auto
     assert result["token_ids"] == same["token_ids"] and len(result["token_ids"]) == result["stats"]["new_tokens"]
 
     missing = _run(*common, "--prompt", "Two <|image|> and <|image|>", "--image", str(picture), timeout=300)

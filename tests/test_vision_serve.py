@@ -418,7 +418,7 @@ def test_bidirectional_model_prefills_each_image_whole_with_its_groups():
     tokens equal a direct forward over the whole sequence with the same groups."""
     eng = E.get_engine("random:tiny-31b", max_batch=1, context_limit=256, buckets=(16, 128)).wait_ready(900)
     assert eng.cfg.bidirectional_vision and conversation.supports_vision(eng)[0]
-    eng.chunk_override = {False: 16, True: 16}
+    eng.scheduler.chunk_override = {False: 16, True: 16}
     data = png(48, 40, seed=11)
     msgs = [{"role": "user", "content": [{"type": "text", "text": "Here:"}, image_part(data, max_soft_tokens=70),
                                          {"type": "text", "text": "What?"}]}]
