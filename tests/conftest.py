@@ -54,8 +54,10 @@ _background_workers: list = []  # the test modules whose worker process was star
 
 def pytest_collection_finish(session):
     """Start the sharding test's worker process now, so that it runs beside the other modules
-    (tests/test_sharding.py `start_mesh_worker`; minutes of compiles, mostly on the other core)."""
-    if session.config.option.collectonly:
+    (tests/test_sharding.py `start_mesh_worker`; minutes of compiles, mostly on the other core).
+    Not in a pytest-xdist worker (every worker collects every test): there the other worker
+    keeps the other core busy, and the sharding module starts its process when it runs."""
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
         return
     for item in session.items:
         if "mesh_runs" in getattr(item, "fixturenames", ()):
