@@ -7,6 +7,8 @@ traffic. The tiny random Gemma 4 (tests/scripted.py) for the engine and the HTTP
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -181,8 +183,15 @@ def test_a_client_that_leaves_stops_its_prompts_preparation(served, monkeypatch)
 
     monkeypatch.setattr(engine.tokenizer, "encode", slow_encode)
     msgs = [{"role": "user", "content": f"m{k}"} for k in range(8_000)]
-    with pytest.raises(httpx.ReadTimeout):
-        _chat(url, msgs, timeout=httpx.Timeout(30, read=1.0))
+    # The client leaves once the server is counting its messages (not after a fixed time: on a
+    # busy machine the preparation may not have begun a second after the request was sent).
+    body = json.dumps({"model": "tiny", "messages": msgs, "max_tokens": 2}).encode()
+    host, port = url.split("//")[1].rstrip("/").split(":")
+    client = socket.create_connection((host, int(port)), timeout=30)
+    client.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert wait_until(lambda: calls[0] > 0, 30, 0.005), "the server never began to count the messages"
+    client.close()
     left = calls[0]
     time.sleep(3.0)
     after = calls[0]
