@@ -49,26 +49,32 @@ def pytest_runtest_logreport(report):
             _unexpected_skips.append(f"{report.nodeid}: {reason}")
 
 
-_background_workers: list = []  # the test modules whose worker process was started in the background
+_background_workers: list = []  # (module, folder) of the sharding worker this process started
 
 
 def pytest_collection_finish(session):
     """Start the sharding test's worker process now, so that it runs beside the other modules
-    (tests/test_sharding.py `start_mesh_worker`; minutes of compiles, mostly on the other core).
-    Not in a pytest-xdist worker (every worker collects every test): there the other worker
-    keeps the other core busy, and the sharding module starts its process when it runs."""
-    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+    (tests/test_sharding.py `start_mesh_worker`; minutes of compiles). Under pytest-xdist every
+    worker collects every test: the first one starts it, and the module waits for it wherever it
+    runs (its output is in a folder named by the run)."""
+    if session.config.option.collectonly:
+        return
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is not None and workerinput["workerid"] != "gw0":
         return
     for item in session.items:
         if "mesh_runs" in getattr(item, "fixturenames", ()):
-            _background_workers.append(item.module)
-            item.module.start_mesh_worker()
+            run_id = workerinput["testrunuid"] if workerinput else str(os.getpid())
+            folder = item.module.start_mesh_worker(run_id, beside_xdist=workerinput is not None)
+            _background_workers.append((item.module, folder))
             break
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for module in _background_workers:
-        module.stop_mesh_worker()
+    # Under pytest-xdist another worker may still be waiting for it: reaped when it ends, not killed.
+    beside_xdist = hasattr(session.config, "workerinput")
+    for module, folder in _background_workers:
+        module.stop_mesh_worker(folder, wait=beside_xdist)
     if _unexpected_skips:
         session.exitstatus = 1
 

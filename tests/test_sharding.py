@@ -6,14 +6,16 @@ arithmetic). The engine on meshes of 8 virtual CPU devices runs in ONE subproces
 device): greedy tokens on every mesh must equal one device's, each device must hold exactly the
 rule table's share, and no compiled decode step may all-gather a whole weight or cache.
 The subprocess takes minutes (15 engines, each compiling its shapes), so tests/conftest.py starts
-it when the session's tests are collected (`start_mesh_worker`), at a lower priority, and it runs
-beside the other modules on the second core; `mesh_runs` waits for it.
+it when the session's tests are collected (`start_mesh_worker`: in one process, at a lower
+priority, beside the other modules on the second core; under pytest-xdist, by the first worker,
+at the others' priority); `mesh_runs` waits for it, in whichever process runs this module.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,56 +109,95 @@ def test_bytes_per_device_follow_the_rules():
 
 # ------------------------------------------------------------------------------ 8 virtual devices
 WORKER_LIMIT_S = 1500  # from its start: a hung worker fails these tests instead of the suite
-WORKER_NICE = 10  # beside the suite it takes what the other modules leave of the CPU
-_worker: dict = {}  # the one run of this process: proc, out, err, started
+# Beside one test process it takes what the other modules leave of the CPU; beside pytest-xdist's
+# workers (two busy processes on two cores) a lower priority starved it past its limit.
+WORKER_NICE = 10
+WORKER_NICE_BESIDE_XDIST = 0
 
 
-def start_mesh_worker() -> dict:
-    """Start the worker (once per test process) in the background; `mesh_runs` waits for it.
+def worker_folder(run_id: str) -> Path:
+    """Where the worker of test run `run_id` writes its output and its process id: every process
+    of the run (pytest-xdist's workers included) finds it there."""
+    return Path(tempfile.gettempdir()) / f"gemma4-mesh-worker-{run_id}"
+
+
+def start_mesh_worker(run_id: str, beside_xdist: bool = False) -> Path:
+    """Start the worker (once per test run) in the background; `mesh_runs` waits for it. Its
+    stdout, stderr and pid go to `worker_folder(run_id)`.
 
     The bundled GGUF is assembled and verified here first, in this process: the package writes
     the file in place, and the worker's bundled case must not read it half written."""
-    if not _worker:
-        from gemma4.weights.sources import bundled_gguf_path
+    folder = worker_folder(run_id)
+    if (folder / "pid").exists():
+        return folder
+    from gemma4.weights.sources import bundled_gguf_path
 
-        try:
-            bundled_gguf_path()
-        except Exception:  # the worker's bundled case then reports it
-            pass
-        env = dict(os.environ, JAX_PLATFORMS="cpu", GEMMA4_INT8_MATMUL="default",
-                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    try:
+        bundled_gguf_path()
+    except Exception:  # the worker's bundled case then reports it
+        pass
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GEMMA4_INT8_MATMUL="default",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    nice = WORKER_NICE_BESIDE_XDIST if beside_xdist else WORKER_NICE
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
         proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), json.dumps(CASES)],
                                 stdout=out, stderr=err, text=True, env=env, cwd=ROOT,
-                                preexec_fn=lambda: os.nice(WORKER_NICE))
-        _worker.update(proc=proc, out=out, err=err, started=time.monotonic())
-    return _worker
+                                preexec_fn=lambda: os.nice(nice))
+    _started[folder] = proc
+    (folder / "pid").write_text(f"{proc.pid} {time.time()}")
+    return folder
 
 
-def stop_mesh_worker() -> None:
-    """Kill a worker still running (the session ended before its tests ran)."""
-    proc = _worker.get("proc")
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
+_started: dict[Path, subprocess.Popen] = {}  # the workers this process started (it reaps them)
+
+
+def _running(folder: Path) -> bool:
+    proc = _started.get(folder)
+    if proc is not None:
+        return proc.poll() is None
+    pid = int((folder / "pid").read_text().split()[0])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_mesh_worker(folder: Path, wait: bool = False) -> None:
+    """Kill a worker this process started that is still running (the run ended before its tests
+    ran), or, `wait`, let it finish (another process of the run may be waiting for it)."""
+    proc = _started.get(folder)
+    if proc is None or proc.poll() is not None:
+        return
+    if wait:
+        try:
+            proc.wait(timeout=WORKER_LIMIT_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
 
 
 @pytest.fixture(scope="module")
-def mesh_runs():
-    w = start_mesh_worker()
-    proc = w["proc"]
-    try:
-        proc.wait(timeout=max(1.0, WORKER_LIMIT_S - (time.monotonic() - w["started"])))
-    except subprocess.TimeoutExpired:
-        stop_mesh_worker()
-    w["out"].seek(0)
-    w["err"].seek(0)
-    stdout, stderr = w["out"].read(), w["err"].read()
+def mesh_runs(request):
+    workerinput = getattr(request.config, "workerinput", None)
+    run_id = workerinput["testrunuid"] if workerinput else str(os.getpid())
+    folder = start_mesh_worker(run_id, beside_xdist=workerinput is not None)
+    started = float((folder / "pid").read_text().split()[1])
+    while _running(folder) and time.time() - started < WORKER_LIMIT_S:
+        time.sleep(0.5)
+    timed_out = _running(folder)
+    if timed_out:
+        os.kill(int((folder / "pid").read_text().split()[0]), 9)
+    stdout, stderr = (folder / "out").read_text(), (folder / "err").read_text()
+    shutil.rmtree(folder, ignore_errors=True)
     rows = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not rows:
-        pytest.fail(f"worker failed (rc {proc.returncode}, {time.monotonic() - w['started']:.0f} s after its "
-                    f"start):\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    if timed_out or not rows:
+        pytest.fail(f"worker failed ({'timed out' if timed_out else 'no results'}, {time.time() - started:.0f} s "
+                    f"after its start):\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return {(r.get("model") or f"load:{r['load']}:{r['quantize']}", r["mesh"]): r for r in rows}
 
 
