@@ -141,10 +141,13 @@ def start_mesh_worker(run_id: str, beside_xdist: bool = False) -> Path:
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip(),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nice = WORKER_NICE_BESIDE_XDIST if beside_xdist else WORKER_NICE
+    # its exit status goes to a file: another process of the run cannot wait for this child (and
+    # until this process reaps it, a finished child still answers to its pid)
+    script = '"$0" "$@"; echo $? > "$RC_FILE"'
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), json.dumps(CASES)],
-                                stdout=out, stderr=err, text=True, env=env, cwd=ROOT,
-                                preexec_fn=lambda: os.nice(nice))
+        proc = subprocess.Popen(["sh", "-c", script, sys.executable, str(ROOT / "tests" / "sharding_worker.py"),
+                                 json.dumps(CASES)], stdout=out, stderr=err, text=True,
+                                env=dict(env, RC_FILE=str(folder / "rc")), cwd=ROOT, preexec_fn=lambda: (os.setpgid(0, 0), os.nice(nice)))
     _started[folder] = proc
     (folder / "pid").write_text(f"{proc.pid} {time.time()}")
     return folder
@@ -154,15 +157,7 @@ _started: dict[Path, subprocess.Popen] = {}  # the workers this process started 
 
 
 def _running(folder: Path) -> bool:
-    proc = _started.get(folder)
-    if proc is not None:
-        return proc.poll() is None
-    pid = int((folder / "pid").read_text().split()[0])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return not (folder / "rc").exists()
 
 
 def stop_mesh_worker(folder: Path, wait: bool = False) -> None:
@@ -177,8 +172,13 @@ def stop_mesh_worker(folder: Path, wait: bool = False) -> None:
             return
         except subprocess.TimeoutExpired:
             pass
-    proc.kill()
+    os.killpg(proc.pid, 9)
     proc.wait()
+
+
+# The module's first test waits for the worker (up to WORKER_LIMIT_S from its start), past the
+# suite's per-test timeout.
+pytestmark = pytest.mark.timeout(WORKER_LIMIT_S + 120)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def mesh_runs(request):
         time.sleep(0.5)
     timed_out = _running(folder)
     if timed_out:
-        os.kill(int((folder / "pid").read_text().split()[0]), 9)
+        os.killpg(int((folder / "pid").read_text().split()[0]), 9)
     stdout, stderr = (folder / "out").read_text(), (folder / "err").read_text()
     shutil.rmtree(folder, ignore_errors=True)
     rows = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
