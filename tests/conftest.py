@@ -49,6 +49,30 @@ def pytest_runtest_logreport(report):
             _unexpected_skips.append(f"{report.nodeid}: {reason}")
 
 
+# Under pytest-xdist (test.sh runs two processes) every module stays whole in one process (its
+# module-scoped engines are built once), and the modules that use the engines tests/engines.py
+# shares go to one process together: built in both, the shared engines' cold compiles cost a
+# process minutes. (A scheduler of our own: xdist's `xdist_group` marks do nothing under pytest 9,
+# whose node ids xdist can no longer suffix.)
+SHARED_ENGINE_NAMES = ("bundled_f32", "tiny_gemma4")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class ModulesAndSharedEngines(LoadScopeScheduling):
+        """Whole modules as units of work; the modules that use a shared engine as one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            text = (root / path).read_text(encoding="utf-8") if (root / path).is_file() else ""
+            return "shared-engines" if any(name in text for name in SHARED_ENGINE_NAMES) else path
+
+    return ModulesAndSharedEngines(config, log)
+
+
 _background_workers: list = []  # (module, folder) of the sharding worker this process started
 
 
