@@ -194,3 +194,25 @@ def test_no_module_reaches_into_private_names():
 def test_the_private_scanner_sees_reach_ins():
     tree = ast.parse("from gemma4.x import _y\nengine._lock\nself._ok\nm.__name__\n")
     assert _private_uses(tree) == [(1, "gemma4.x", "_y"), (2, "engine", "_lock")]
+
+
+# A class is one idea: past these sizes it is holding several (issue 42 split the engine's ~990).
+CLASS_LINES_MAX = 400
+FACADE_LINES_MAX = 300  # gemma4/serve/engine/engine.py's Engine: status, submit, tokens, cancel, its loop
+
+
+def _class_sizes() -> dict[tuple[str, str], int]:
+    sizes = {}
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                sizes[(_rel(path), node.name)] = node.end_lineno - node.lineno + 1
+    return sizes
+
+
+def test_no_class_holds_several_ideas():
+    sizes = _class_sizes()
+    assert sizes[("gemma4/serve/engine/scheduler.py", "Scheduler")] > 100  # the scan saw the classes
+    too_big = {k: n for k, n in sizes.items() if n > CLASS_LINES_MAX}
+    assert not too_big, too_big
+    assert sizes[("gemma4/serve/engine/engine.py", "Engine")] <= FACADE_LINES_MAX
