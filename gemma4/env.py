@@ -182,6 +182,9 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
         Setting("GEMMA4_PREFILL_CHUNK_ALONE", INTEGER, None,
                 "prefill chunk in tokens when no stream runs, as GEMMA4_PREFILL_CHUNK", low=1),
         Setting("GEMMA4_MIXED_STEP", SWITCH, True, "fused steps: a prefill chunk runs with the decode rows"),
+        Setting("GEMMA4_PREFIX_CACHE", SWITCH, True,
+                "the prefix cache: a request reuses the start of its prompt that a cache row already holds "
+                "(a chat's earlier turns, a shared system prompt) and prefills only the rest"),
         Setting("GEMMA4_EMPTY_THOUGHT", SWITCH, None,
                 "Gemma 4 prompts end with an empty thought block when thinking is off; unset: as the "
                 "checkpoint's template (31B and 26B-A4B do, E2B/E4B do not)", auto=True),

@@ -3,9 +3,12 @@
 `fake_engine(...)` builds a real `Engine` (its thread, queue, scheduler, token streams, cancel,
 faults, observers) whose start-up gives a `FakeRunner` instead of loading a model: nothing is
 compiled, every step takes microseconds. The fake "model" samples deterministically from the
-token it is fed and that token's position (`next_token`), so a request's tokens do not depend on
-how it was chunked or batched — exactly the invariance the real engine must keep — and a test can
-compute the tokens it must see (`expected`). `FakeShapes` stands for the compiled shapes: every
+token it is fed, that token's position and a digest of what its cache row holds before it
+(`next_token`), so a request's tokens do not depend on how it was chunked or batched — exactly
+the invariance the real engine must keep — but do depend on its row holding exactly its own
+history (`FakeCache`: a prefix copied from another row, a row not cleared, a ring that lost a
+position the window needs all show as other tokens), and a test can compute the tokens it must
+see (`expected`). `FakeShapes` stands for the compiled shapes: every
 shape of the geometry is compiled unless a test says otherwise, and a test lands a compile
 (`compile`) or fails one (`fail`) when it wants.
 """
@@ -23,26 +26,68 @@ import numpy as np
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.startup import Started
-from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk
+from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk, PrefixCopy
 from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 VOCAB = 1000
 STOP_ID = 1000  # outside what `next_token` samples: a reply stops only where a test makes it
+CORRUPT = VOCAB - 1  # what the fake samples where its row does not hold the whole history (never else)
 
 
-def next_token(token: int, position: int) -> int:
-    """The fake model: what it samples after `token` at `position`."""
-    return (7 * int(token) + 13 * int(position) + 1) % VOCAB
+def digest(history: Sequence[int]) -> int:
+    """What the fake model makes of the tokens at positions [0, p) before position p."""
+    return int(sum((i + 1) * int(t) for i, t in enumerate(history)) % VOCAB)
+
+
+def next_token(token: int, position: int, history: int = 0) -> int:
+    """The fake model: what it samples after `token` at `position`, the positions before it
+    holding tokens of `digest` history."""
+    return (7 * int(token) + 13 * int(position) + 31 * int(history) + 1) % CORRUPT
 
 
 def expected(prompt: Sequence[int], n: int) -> list[int]:
     """The n tokens a request of `prompt` gets (no stop id, no limit before n)."""
-    out, token, pos = [], prompt[-1], len(prompt) - 1
+    seq, out, token, pos = list(prompt), [], prompt[-1], len(prompt) - 1
     for _ in range(n):
-        token = next_token(token, pos)
+        token = next_token(token, pos, digest(seq[:pos]))
         out.append(token)
+        seq.append(token)
         pos += 1
     return out
+
+
+class FakeCache:
+    """What the fake model's KV cache holds: per row, the token written at each position (-1: none;
+    the full layers), and where the geometry has sliding layers their ring of `ring_slots` slots
+    (the position each holds), which must hold the `window` positions before a query."""
+
+    def __init__(self, g: ServingGeometry):
+        self.window, self.slots = g.window, g.ring_slots
+        self.tokens = np.full((g.max_batch, g.context_limit + 4 * g.decode_block), -1, np.int64)
+        self.ring = np.full((g.max_batch, max(1, g.ring_slots)), -1, np.int64)
+
+    def clear(self, row: int) -> None:
+        self.tokens[row] = -1
+        self.ring[row] = -1
+
+    def write(self, row: int, position: int, token: int) -> None:
+        if position >= 0:
+            self.tokens[row, position] = token
+            if self.window:
+                self.ring[row, position % self.slots] = position
+
+    def copy(self, source: int, row: int, length: int) -> None:
+        tokens, ring = self.tokens[source].copy(), self.ring[source].copy()
+        tokens[length:] = -1
+        self.tokens[row], self.ring[row] = tokens, np.where(ring < length, ring, -1)
+
+    def sample(self, row: int, token: int, position: int) -> int:
+        """The token sampled after `token` (written) at `position` of `row`."""
+        history = self.tokens[row, :position]
+        seen = range(max(0, position - self.window + 1), position)
+        if (history < 0).any() or (self.window and any(self.ring[row, q % self.slots] != q for q in seen)):
+            return CORRUPT
+        return next_token(token, position, digest(history))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +109,12 @@ class FakeTokenizer:
 
 def geometry(max_batch: int = 4, context_limit: int = 256, buckets: Sequence[int] = (8, 16, 32),
              kv_lengths: Sequence[int] = (128, 256), mixed_widths: Sequence[int] = (), decode_block: int = 1,
-             widths: Sequence[int] | None = None) -> ServingGeometry:
+             widths: Sequence[int] | None = None, prefix_cache: bool = False, window: int = 0,
+             ring_slots: int = 0) -> ServingGeometry:
     widths = tuple(widths) if widths is not None else tuple(w for w in (1, 2, 4, 8) if w < max_batch) + (max_batch,)
     return ServingGeometry(max_batch=max_batch, context_limit=context_limit, buckets=tuple(buckets),
                            widths=widths, kv_lengths=tuple(kv_lengths), mixed_widths=tuple(mixed_widths),
-                           decode_block=decode_block)
+                           decode_block=decode_block, prefix_cache=prefix_cache, window=window, ring_slots=ring_slots)
 
 
 def all_shapes(g: ServingGeometry) -> set[ShapeKey]:
@@ -168,8 +214,9 @@ class FakeDispatched:
 
 
 class FakeRunner:
-    """Runs step plans with `next_token` instead of a model (engine/runner.py's surface).
-    `plans` records every plan run or dispatched; observers see every call as the real runner's do."""
+    """Runs step plans with `next_token` over a `FakeCache` instead of a model (engine/runner.py's
+    surface). `plans` records every plan run or dispatched; observers see every call as the real
+    runner's do."""
 
     leads = True
 
@@ -178,6 +225,7 @@ class FakeRunner:
         self.pause_s = pause_s  # each call takes this long (a test that needs streams to outlast its steps)
         self.plans: list = []
         self.lose_cache = False  # a test sets it: the next failed step loses the KV cache
+        self.cache = FakeCache(g)
 
     def serve(self, loop) -> None:
         loop()
@@ -193,23 +241,41 @@ class FakeRunner:
         for observer in self.observers:
             observer.after_call(call, 0.0)
 
+    def _chunk(self, row: int, tokens, positions, fresh: bool) -> None:
+        if fresh:
+            self.cache.clear(row)
+        for t, p in zip(tokens, positions):
+            self.cache.write(row, int(p), int(t))
+
     def run(self, plan):
         self.plans.append(plan)
-        if isinstance(plan, PrefillChunk):
+        cache = self.cache
+        if isinstance(plan, PrefixCopy):
             call = DeviceCall(plan.key, plan.request.row)
             self._call(call)
-            t = next_token(plan.tokens[plan.last], plan.positions[plan.last]) if plan.last >= 0 else 0
+            cache.copy(plan.source, plan.request.row, plan.length)
+            self._after(call)
+            return np.zeros(0, np.int32), np.zeros(0, bool)
+        if isinstance(plan, PrefillChunk):
+            row = plan.request.row
+            call = DeviceCall(plan.key, row)
+            self._call(call)
+            self._chunk(row, plan.tokens, plan.positions, plan.key.fresh)
+            t = cache.sample(row, plan.tokens[plan.last], plan.positions[plan.last]) if plan.last >= 0 else 0
             self._after(call)
             return np.asarray([t], np.int32), np.zeros(1, bool)
         if isinstance(plan, MixedStep):
-            call = DeviceCall(plan.key, plan.request.row)
+            row = plan.request.row
+            call = DeviceCall(plan.key, row)
             self._call(call)
             width, chunk = plan.key.width, len(plan.tokens) - plan.key.width
+            self._chunk(row, plan.tokens[:chunk], plan.positions[:chunk], plan.clear >= 0)
             out = np.zeros(width + 1, np.int32)
-            for row in range(width):
-                if plan.positions[chunk + row] >= 0:
-                    out[row] = next_token(plan.tokens[chunk + row], plan.positions[chunk + row])
-            out[width] = next_token(plan.tokens[plan.last], plan.positions[plan.last])
+            for r in range(width):
+                if plan.positions[chunk + r] >= 0:
+                    cache.write(r, plan.positions[chunk + r], plan.tokens[chunk + r])
+                    out[r] = cache.sample(r, plan.tokens[chunk + r], plan.positions[chunk + r])
+            out[width] = cache.sample(row, plan.tokens[plan.last], plan.positions[plan.last])
             self._after(call)
             return out, np.zeros(width + 1, bool)
         assert isinstance(plan, DecodeStep)
@@ -219,7 +285,8 @@ class FakeRunner:
             self._call(call)
             for i, req in enumerate(d.sampling):
                 if req is not None:
-                    out[d.first_row + i] = next_token(d.tokens[i], d.positions[i])
+                    cache.write(d.first_row + i, d.positions[i], d.tokens[i])
+                    out[d.first_row + i] = cache.sample(d.first_row + i, d.tokens[i], d.positions[i])
             self._after(call)
         return out, bad
 
@@ -233,7 +300,8 @@ class FakeRunner:
         for i in range(plan.steps):
             for row in range(plan.key.width):
                 if positions[row] >= 0:
-                    tokens[row] = next_token(tokens[row], positions[row])
+                    self.cache.write(row, positions[row], tokens[row])
+                    tokens[row] = self.cache.sample(row, tokens[row], positions[row])
                     positions[row] += 1
             out[i] = tokens
         self._after(call)
@@ -247,6 +315,8 @@ class FakeRunner:
 
     def recover(self) -> bool:
         lost, self.lose_cache = self.lose_cache, False
+        if lost:
+            self.cache = FakeCache(self.geometry)
         return lost
 
     def memory(self) -> dict:

@@ -1,8 +1,9 @@
 """The scheduler on a fake runner: no model, no compile, each test well under a second.
 
 The real engine facade and scheduler run (their thread, queue, rows, token streams, cancel,
-faults) over tests/fake_engine.py's runner, whose "model" samples from the token it is fed and
-that token's position: a request's tokens must not depend on how it was chunked or batched, and
+faults) over tests/fake_engine.py's runner, whose "model" samples from the token it is fed, its
+position and what its cache row holds: a request's tokens must not depend on how it was chunked
+or batched, and
 the tests know which tokens each request must get (`expected`). What runs is read from the
 runner's record of plans, not from timing.
 """
@@ -22,7 +23,8 @@ from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk
 from gemma4.serve.requests import RequestError, RequestRules
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
-from tests.fake_engine import (STOP_ID, FakeShapes, all_shapes, expected, fake_engine, geometry, next_token)
+from tests.fake_engine import (STOP_ID, FakeShapes, all_shapes, digest, expected, fake_engine, geometry,
+                               next_token)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -401,4 +403,5 @@ def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(engines):
 
 
 def test_next_token_is_what_expected_assumes():
-    assert expected([2, 5, 9], 2) == [next_token(9, 2), next_token(next_token(9, 2), 3)]
+    first = next_token(9, 2, digest([2, 5]))
+    assert expected([2, 5, 9], 2) == [first, next_token(first, 3, digest([2, 5, 9]))]

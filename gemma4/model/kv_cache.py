@@ -44,6 +44,15 @@ def slots_for(spec: LayerSpec, cfg: ModelConfig, max_len: int) -> int:
     return min(cfg.sliding_window + ring_slack(cfg.sliding_window), max_len) if spec.is_sliding else max_len
 
 
+def ring_geometry(cfg: ModelConfig, max_len: int) -> dict[str, int]:
+    """{window, ring_slots} of the sliding layers' rings at this context (both 0 without a sliding
+    layer): what bounds the prefix a row's ring still holds (serve/engine/prefix_cache.py)."""
+    sliding = [spec for spec in cfg.layers if spec.is_sliding and not spec.is_kv_consumer]
+    if not sliding:
+        return {"window": 0, "ring_slots": 0}
+    return {"window": int(cfg.sliding_window), "ring_slots": slots_for(sliding[0], cfg, max_len)}
+
+
 def ring_writes_first(entry: dict[str, jax.Array], window: int, tokens: int) -> bool:
     """Whether `tokens` new keys fit in this ring without overwriting a slot that a query among them
     still sees: slots ≥ window + tokens - 1 (a position's slot is position mod slots)."""
@@ -143,6 +152,23 @@ def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: ja
         new["k"] = entry["k"].at[rows, slot].set(k.astype(entry["k"].dtype), mode="drop")
         new["v"] = entry["v"].at[rows, slot].set(v.astype(entry["v"].dtype), mode="drop")
     return new
+
+
+def copy_prefix(cache: dict, source: jax.Array | int, row: jax.Array | int, length: jax.Array | int,
+                rows_sharded: bool = False) -> dict:
+    """Cache row `row` takes what row `source` holds of positions [0, length); its slots holding
+    later positions are marked empty (source == row: only that). Slots keep their places (a
+    position's slot is the same in every row), so a ring's content stays where reads expect it.
+    rows_sharded: rows split over a mesh axis are picked by mask (`_select_rows`)."""
+    def take(x):
+        return _select_rows(x, source, 1) if rows_sharded else jax.lax.dynamic_slice_in_dim(x, source, 1, axis=0)
+
+    out = {}
+    for idx, e in cache.items():
+        new = {name: take(x) for name, x in e.items()}
+        new["pos"] = jnp.where(new["pos"] < length, new["pos"], -1)
+        out[idx] = {name: jax.lax.dynamic_update_slice_in_dim(e[name], x, row, axis=0) for name, x in new.items()}
+    return out
 
 
 def clear_row_if(cache: dict, row: jax.Array | int) -> dict:

@@ -118,6 +118,13 @@ class Request:
     interleaved_steps: int = 0
     fused_chunks: int = 0  # chunks run in a fused step with the decoding rows (step_plans.MixedStep)
     last_chunk_at: float | None = None  # time.perf_counter() when its last chunk ran (`prefill_order`)
+    # The prefix cache (engine/prefix_cache.py): what each prompt position holds (content keys, set
+    # at admission), the cached prefix it will take (a Match) from which request's row (None: an
+    # idle row) before its prefill goes on, and the prompt positions it took from the cache.
+    prompt_keys: np.ndarray | None = None
+    reuse: Any = None
+    reuse_from: "Request | None" = None
+    cached: int = 0
 
     @property
     def prefilling(self) -> bool:

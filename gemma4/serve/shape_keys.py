@@ -8,7 +8,8 @@ An engine compiles each step for a few shapes (engine/compiled.py's CompiledShap
   reading full-layer cache slots [0, kv_len);
 - `MixedKey(width, kv_len)`: a chunk of up to MIXED_CHUNK tokens fused with a decode step;
 - `TowerKey(tower, width, length)`: the vision or audio tower for `width` images of `length`
-  patches or clips of `length` feature frames.
+  patches or clips of `length` feature frames;
+- `CopyKey()`: a cached prompt prefix copied from one cache row into another (engine/prefix_cache.py).
 
 Frozen dataclasses rather than tuples: a key of one kind never equals a key of another with the
 same numbers (two NamedTuples would: they compare as plain tuples). A key's `repr` is part of
@@ -96,4 +97,13 @@ class TowerKey:
         return f"{self.tower} tower {self.width} {items} of {self.length} {unit}"
 
 
-ShapeKey = Union[PrefillKey, DecodeKey, MixedKey, TowerKey]
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyKey:
+    """Positions [0, length) of one cache row into another, or, into the same row, the drop of
+    what it holds past them (a run-time row pair and length: one shape)."""
+
+    def describe(self) -> str:
+        return "copy a cached prompt prefix between cache rows"
+
+
+ShapeKey = Union[PrefillKey, DecodeKey, MixedKey, TowerKey, CopyKey]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 DEFAULT_CONTEXT = 4096  # the context window unless one is asked for (at most the model's own)
 
@@ -93,6 +93,9 @@ class ServingGeometry:
     mixed_widths: tuple[int, ...]  # decode widths with a fused chunk-and-decode step
     decode_block: int  # decode steps per dispatch (hardware.DECODE_BLOCK)
     processes: int = 1  # processes serving the model (more than one replay process 0's steps)
+    prefix_cache: bool = False  # requests reuse prompt prefixes the cache rows hold (engine/prefix_cache.py)
+    window: int = 0  # the sliding layers' window (0: none), and the slots of their ring in the cache
+    ring_slots: int = 0
 
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
@@ -123,15 +126,19 @@ class ServingGeometry:
         return PrefillKey(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])
 
     def background_shapes(self) -> tuple[ShapeKey, ...]:
-        """Every other shape a request can reach, in compile order: the chat-turn buckets, the
-        other widths, the later-chunk shapes (a prompt longer than one chunk), the fused steps,
+        """Every other shape a request can reach, in compile order: with the prefix cache, the
+        row copy and the chat-turn buckets' later chunks first (a chat's next turn is a later
+        chunk after its cached history); the chat-turn buckets, the other widths, the later-chunk
+        shapes (a prompt longer than one chunk), the fused steps,
         the longer buckets, and every width at the longer cache lengths — so that on an engine
         idle long enough none compiles on a request's path."""
         b0, n0 = self.first_bucket, self.kv_lengths[0]
         short = [PrefillKey(b, True) for b in self.buckets if b <= CHAT_BUCKET_MAX and b != b0]
         long = [PrefillKey(b, True) for b in self.buckets if b > CHAT_BUCKET_MAX and b != b0]
-        return tuple(short + [DecodeKey(w, n0) for w in self.widths[1:]]
-                     + [PrefillKey(b, False) for b in self.buckets]
+        reuse = [CopyKey()] + [PrefillKey(b, False) for b in self.buckets if b <= CHAT_BUCKET_MAX] if self.prefix_cache else []
+        later = [PrefillKey(b, False) for b in self.buckets if not (self.prefix_cache and b <= CHAT_BUCKET_MAX)]
+        return tuple(reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
+                     + later
                      + [MixedKey(w, n0) for w in self.mixed_widths]
                      + long
                      + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
@@ -144,7 +151,8 @@ class ServingGeometry:
 
 def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, processes: int, max_batch: int,
                      context: int | None, model_context: int, buckets: Sequence[int] | None,
-                     full_layers_native: bool, mixed_step: bool) -> ServingGeometry:
+                     full_layers_native: bool, mixed_step: bool, prefix_cache: bool = False, window: int = 0,
+                     ring_slots: int = 0) -> ServingGeometry:
     """The one function that makes a `ServingGeometry`.
 
     platform, decode_block: the hardware plan's; mesh_data: the devices the cache's rows are split
@@ -153,7 +161,9 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
     DEFAULT_CONTEXT); model_context: the model's own maximum; buckets: the prompt buckets asked
     for (None: the device's ladder); full_layers_native: every full layer's decode read goes
     through the native cache attention (its cost does not grow with the slots it may read);
-    mixed_step: the GEMMA4_MIXED_STEP setting."""
+    mixed_step: the GEMMA4_MIXED_STEP setting; prefix_cache: the GEMMA4_PREFIX_CACHE setting (one
+    process only: a copy between rows is not announced to the others); window, ring_slots: the
+    sliding layers' (kv_cache.slots_for at this context), which bound what a row's ring still holds."""
     context_limit = context_window(context, model_context)
     accelerator = platform != "cpu"
     ladder = tuple(sorted({int(b) for b in buckets})) if buckets else (
@@ -178,4 +188,6 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
     fused = widths if mixed_step and not accelerator and processes == 1 else ()
     return ServingGeometry(max_batch=int(max_batch), context_limit=context_limit, buckets=ladder,
                            widths=tuple(widths), kv_lengths=kv_lengths, mixed_widths=tuple(fused),
-                           decode_block=int(decode_block) if processes == 1 else 1, processes=int(processes))
+                           decode_block=int(decode_block) if processes == 1 else 1, processes=int(processes),
+                           prefix_cache=bool(prefix_cache) and processes == 1, window=int(window),
+                           ring_slots=int(ring_slots))

@@ -27,9 +27,9 @@ from gemma4.serve.engine.compiled import CompiledShapes
 from gemma4.serve.engine.link import EngineLink
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
-                                            StepPlan)
+                                            PrefixCopy, StepPlan)
 from gemma4.serve.engine.steps import DispatchedBlock, sampling_rows
-from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 try:  # optional: the host's resident memory in `memory()`
     import psutil
@@ -71,8 +71,11 @@ class Runner:
             self.link.follow(self)
 
     # ---------------------------------------------------------------- plans
-    def run(self, plan: PrefillChunk | DecodeStep | MixedStep) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, plan: PrefillChunk | DecodeStep | MixedStep | PrefixCopy) -> tuple[np.ndarray, np.ndarray]:
         """Run one plan; (sampled ids, non-finite flags) as the plan's type indexes them."""
+        if isinstance(plan, PrefixCopy):
+            self.run_copy(plan.key, plan.source, plan.request.row, plan.length)
+            return np.zeros(0, np.int32), np.zeros(0, bool)
         if isinstance(plan, PrefillChunk):
             token, bad = self.run_prefill(plan.key, plan.tokens, plan.positions, plan.request.row, plan.last,
                                           sampling_rows([plan.request]), plan.embeds, plan.embed_mask,
@@ -169,6 +172,12 @@ class Runner:
                                          jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 
+    def run_copy(self, key: CopyKey, source: int, row: int, length: int, *, idle: bool = False) -> None:
+        """Cache row `row` takes positions [0, length) of row `source` (steps.copy_prefix_step).
+        Never where several processes replay steps (the geometry has no prefix cache there)."""
+        with self._call(DeviceCall(key, row, idle=idle)) as exe:
+            self.cache = exe(self.cache, jnp.int32(source), jnp.int32(row), jnp.int32(length))
+
     def run_idle(self, key: ShapeKey) -> None:
         """Run one executable on idle inputs (every position -1: nothing is written or attended):
         a compiled shape's first run costs far more than the next ones, and it must not land on a
@@ -184,6 +193,8 @@ class Runner:
             n = MIXED_CHUNK + key.width
             self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0,
                            SamplingRows.idle(key.width + 1), idle=True)
+        elif isinstance(key, CopyKey):  # row 0 onto itself, keeping every position: changes nothing
+            self.run_copy(key, 0, 0, np.iinfo(np.int32).max, idle=True)
 
     def first_run(self, key: ShapeKey) -> None:
         """A newly compiled shape's first run on idle inputs, while no request is served; a

@@ -37,12 +37,14 @@ import numpy as np
 from gemma4.serve.engine.chunking import StepCosts, next_chunk, prefill_order
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.shape_choice import ShapeChoice
-from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeDispatch, DecodeStep, MixedStep, Observer,
-                                            PrefillChunk, StepPlan)
+from gemma4.serve.engine.prefix_cache import PrefixCache, RingRule, chunk_end, copy_now, held_by
+from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefixCopy,
+                                            StepPlan, decode_dispatch, mixed_step, prefill_chunk)
 from gemma4.serve.requests import Request
-from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey, ShapeKey
 
 STOP = object()  # `wait_for_work`: the scheduler was stopped
+
 
 
 class Scheduler:
@@ -62,6 +64,7 @@ class Scheduler:
         self.observers = observers
         self.chunk_override = dict(chunk_override or {False: None, True: None})
         self.costs = StepCosts()
+        self.prefixes = PrefixCache(RingRule(geometry.window, geometry.ring_slots), geometry.prefix_cache)
         self.clock = clock
         self.blocked_on: list[ShapeKey] = []  # the shapes the last planning's waiting rows need
         self.last_busy = time.monotonic()  # when a step was last planned or applied (or the scheduler began)
@@ -132,7 +135,7 @@ class Scheduler:
             if chunk_turn:
                 self._admit_one()
                 self._reap_cancelled()
-                plan = self._plan_mixed() or self._plan_chunk()
+                plan = self._plan_copy() or self._plan_mixed() or self._plan_chunk()
                 if isinstance(plan, MixedStep):
                     self._chunk_turn = True  # a fused step is a whole iteration
             else:
@@ -150,7 +153,7 @@ class Scheduler:
             if not self._waiting or not free:
                 return
             req = self._waiting.pop(0)
-            req.row = free[0]
+            self._take_row(req, free)
             self._active[req.row] = req
             need_w = max(self._active) + 1
         if req.cancel.is_set():
@@ -158,6 +161,27 @@ class Scheduler:
             return
         req.prefilled = 0
         self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
+
+    def _take_row(self, req: Request, free: list[int]) -> None:
+        """(lock held) The row `req` takes, and the cached prefix it will reuse (`PrefixCache.place`)."""
+        match = self.prefixes.place(req, free, self._active, self.geometry.decode_block)
+        if match is not None and self.shapes.book.usable(CopyKey()):
+            req.reuse, req.reuse_from = match, self._active.get(match.source)
+        elif match is not None:
+            self.shapes.book.request(CopyKey())  # compiled now; this request prefills its whole prompt
+
+    def _plan_copy(self) -> PrefixCopy | None:
+        """A waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`);
+        one that never will leaves its request to prefill its whole prompt."""
+        with self._lock:
+            active = dict(self._active)
+        for req in (r for r in active.values() if r.reuse is not None and not r.cancel.is_set()):
+            ready = copy_now(req, active, self.prefixes.rule, self.geometry.decode_block)
+            if ready:
+                return PrefixCopy(CopyKey(), req, req.reuse.source, req.reuse.length)
+            if ready is False:
+                req.reuse = req.reuse_from = None
+        return None
 
     def _reap_cancelled(self) -> None:
         with self._lock:
@@ -182,11 +206,12 @@ class Scheduler:
         can serve (the others wait for theirs, compiled first in line)."""
         with self._lock:
             rows, waiting = list(self._active.values()), bool(self._waiting)
-        pending = prefill_order([r for r in rows if r.prefilling and not r.cancel.is_set()], self.clock())
+        pending = prefill_order([r for r in rows if r.prefilling and r.reuse is None and not r.cancel.is_set()],
+                                self.clock())
         alone = len(rows) == 1 and not waiting
         for req in pending:
             fresh = req.prefilled == 0
-            start, n = req.prefilled, len(req.prompt_ids)
+            start, n = req.prefilled, chunk_end(req, rows)
             length = next_chunk(start, n, self.chunk_tokens(fresh, alone), req.atomic_spans)
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())
             key = self.shapes.chunk_key(length, fresh, with_embeds)
@@ -203,23 +228,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, key: PrefillKey, start: int, length: int) -> PrefillChunk:
         self._start_prefill_clock(req)
-        bucket, chunk = key.bucket, slice(start, start + length)
-        tokens = np.zeros(bucket, np.int32)
-        tokens[:length] = req.prompt_ids[chunk]
-        positions = np.full(bucket, -1, np.int32)
-        positions[:length] = np.arange(start, start + length)
-        embeds = mask = groups = None
-        if key.embeds:
-            embeds = np.zeros((bucket, req.embeds.shape[1]), np.float32)
-            embeds[:length] = req.embeds[chunk]
-            mask = np.zeros(bucket, bool)
-            mask[:length] = req.embed_mask[chunk]
-            if req.vision_groups is not None:  # an image's soft tokens see each other
-                groups = np.full(bucket, -1, np.int32)
-                groups[:length] = req.vision_groups[chunk]
-        final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
-        return PrefillChunk(key, req, start, length, tokens, positions, length - 1 if final else -1, embeds, mask,
-                            groups, measured=self.shapes.book.has_run(key))
+        return prefill_chunk(req, key, start, length, self.shapes.book.has_run(key))
 
     def _wait_or_fail(self, req: Request, key: ShapeKey) -> None:
         """`req` cannot run now: it waits for shape `key` (its stats say it waited for a compile),
@@ -248,24 +257,14 @@ class Scheduler:
             return None
         if self.geometry.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0:
             return self._first_block(plan[0][0], active, decoding)
-        dispatches = []
-        for key, first, rows in plan:
-            tokens, positions = np.zeros(key.width, np.int32), np.full(key.width, -1, np.int32)
-            sampling: list[Request | None] = [None] * key.width
-            for row in rows:
-                req = decoding[row]
-                tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
-            dispatches.append(DecodeDispatch(key, first, tokens, positions, tuple(sampling)))
+        dispatches = [decode_dispatch(key, first, {row: decoding[row] for row in rows}) for key, first, rows in plan]
         measured = all(self.shapes.book.has_run(d.key) for d in dispatches)
         return DecodeStep(tuple(dispatches), decoding, active, measured)
 
     def _first_block(self, key: DecodeKey, active: dict[int, Request], decoding: dict[int, Request]) -> DecodeBlock:
-        tokens, positions = np.zeros(key.width, np.int32), np.full(key.width, -1, np.int32)
-        sampling: list[Request | None] = [None] * key.width
-        for row, req in decoding.items():
-            tokens[row], positions[row], sampling[row] = req.recent[-1], req.position, req
+        d = decode_dispatch(key, 0, decoding)
         return DecodeBlock(key, self._block_steps(decoding, 0, key.kv_len), False, decoding, len(decoding), active,
-                           tokens, positions, tuple(sampling), measured=self.shapes.book.has_run(key))
+                           d.tokens, d.positions, d.sampling, measured=self.shapes.book.has_run(key))
 
     def chain_block(self, block: DecodeBlock) -> DecodeBlock | None:
         """The block to dispatch behind `block` (dispatched, not yet read) so that the device never
@@ -305,28 +304,20 @@ class Scheduler:
         if not self.geometry.mixed_widths or self.chunk_override[False] is not None:
             return None
         active, decoding = self._rows()
-        pending = prefill_order([r for r in active.values() if r.prefilling and not r.cancel.is_set()], self.clock())
+        pending = prefill_order([r for r in active.values() if r.prefilling and r.reuse is None
+                                 and not r.cancel.is_set()], self.clock())
         if not decoding or not pending:
             return None
         req = pending[0]
         start, n = req.prefilled, len(req.prompt_ids)
-        length = next_chunk(start, n, MIXED_CHUNK, req.atomic_spans)
+        length = next_chunk(start, chunk_end(req, active.values()), MIXED_CHUNK, req.atomic_spans)
         if length > MIXED_CHUNK or (req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())):
             return None
         key = self.shapes.mixed_key(max(decoding) + 1, max(max(r.position for r in decoding.values()) + 1, start + length))
         if key is None:
             return None
-        tokens = np.zeros(MIXED_CHUNK + key.width, np.int32)
-        positions = np.full(MIXED_CHUNK + key.width, -1, np.int32)
-        tokens[:length] = req.prompt_ids[start:start + length]
-        positions[:length] = np.arange(start, start + length)
-        sampling: list[Request | None] = [None] * key.width + [req]
-        for row, r in decoding.items():
-            tokens[MIXED_CHUNK + row], positions[MIXED_CHUNK + row], sampling[row] = r.recent[-1], r.position, r
         self._start_prefill_clock(req)
-        last = length - 1 if start + length == n else 0
-        return MixedStep(key, req, start, length, tokens, positions, req.row if start == 0 else -1, last,
-                         tuple(sampling), decoding, active)
+        return mixed_step(key, req, start, length, decoding, active)
 
     def _start_prefill_clock(self, req: Request) -> None:
         if req.prefill_t0 is None:
@@ -348,6 +339,11 @@ class Scheduler:
             if plan.measured:
                 self.costs.note(plan.dispatches[0].key, seconds / len(plan.dispatches))
             self._decoded(plan.active, plan.rows, tokens, nonfinite, now)
+        elif isinstance(plan, PrefixCopy):
+            req = plan.request
+            req.prefilled = req.cached = plan.length
+            req.reuse = req.reuse_from = None
+            self.prefixes.count_reused(plan.length)
         elif isinstance(plan, DecodeBlock):
             if plan.measured:
                 self.costs.note(plan.key, seconds / plan.steps)
@@ -379,7 +375,7 @@ class Scheduler:
         ids, chunks = req.prompt_ids, req.prefill_chunks
         req.position = len(ids)
         wall = now - req.prefill_t0
-        req.stats.update(prefill_tokens=len(ids), prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
+        req.stats.update(prefill_tokens=len(ids), cached_tokens=req.cached, prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
                          bucket=chunks[-1][2], chunks=len(chunks), padding=sum(b - n for _, n, b in chunks),
                          compiled=bool(req.stats.get("compiled")), ttft_s=now - req.submitted,
                          prefill_interleaved_steps=req.interleaved_steps, fused_chunks=req.fused_chunks)
@@ -416,9 +412,12 @@ class Scheduler:
             self._finish(req, "context")
 
     def _end(self, req: Request, event: tuple) -> None:
+        """`req` leaves its row; the row keeps what it holds for the prefix cache (an error: forgotten)."""
         with self._lock:
             if self._active.get(req.row) is req:
                 del self._active[req.row]
+                if event[0] == "done" and req.prompt_keys is not None and req.reuse is None:
+                    self.prefixes.keep(req.row, held_by(req, self.geometry.decode_block), self.clock())
         req.events.put(event)
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -439,6 +438,9 @@ class Scheduler:
                 victims = [r for r in plan.requests if self._active.get(r.row) is r]
             for r in victims:
                 del self._active[r.row]
+                self.prefixes.forget(r.row)
+            if everyone:
+                self.prefixes.forget_all()
         for r in victims:
             r.events.put(("error", message))
         return victims

@@ -16,7 +16,7 @@ from typing import Union
 import numpy as np
 
 from gemma4.serve.requests import Request
-from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,6 +42,28 @@ class PrefillChunk:
         return (self.request,)
 
 
+def prefill_chunk(req: Request, key: PrefillKey, start: int, length: int, measured: bool) -> PrefillChunk:
+    """The chunk of prompt positions [start, start + length) of `req`, padded to key.bucket (the
+    last chunk's final position is the one sampled)."""
+    bucket, chunk = key.bucket, slice(start, start + length)
+    tokens = np.zeros(bucket, np.int32)
+    tokens[:length] = req.prompt_ids[chunk]
+    positions = np.full(bucket, -1, np.int32)
+    positions[:length] = np.arange(start, start + length)
+    embeds = mask = groups = None
+    if key.embeds:
+        embeds = np.zeros((bucket, req.embeds.shape[1]), np.float32)
+        embeds[:length] = req.embeds[chunk]
+        mask = np.zeros(bucket, bool)
+        mask[:length] = req.embed_mask[chunk]
+        if req.vision_groups is not None:  # an image's soft tokens see each other
+            groups = np.full(bucket, -1, np.int32)
+            groups[:length] = req.vision_groups[chunk]
+    final = start + length == len(req.prompt_ids)  # only the last chunk's token is read
+    return PrefillChunk(key, req, start, length, tokens, positions, length - 1 if final else -1, embeds, mask,
+                        groups, measured=measured)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecodeDispatch:
     """One decode call of a `DecodeStep`: cache rows [first_row, first_row + key.width)."""
@@ -51,6 +73,16 @@ class DecodeDispatch:
     tokens: np.ndarray  # int32 [width]
     positions: np.ndarray  # int32 [width]; an idle row -1
     sampling: tuple[Request | None, ...]  # [width]: whose settings each row samples with
+
+
+def decode_dispatch(key: DecodeKey, first: int, rows: dict[int, Request]) -> DecodeDispatch:
+    """The dispatch of shape `key` at cache row `first` that decodes `rows` (each feeds back its
+    last token at its position; the other rows of the width idle)."""
+    tokens, positions = np.zeros(key.width, np.int32), np.full(key.width, -1, np.int32)
+    sampling: list[Request | None] = [None] * key.width
+    for row, req in rows.items():
+        tokens[row - first], positions[row - first], sampling[row - first] = req.recent[-1], req.position, req
+    return DecodeDispatch(key, first, tokens, positions, tuple(sampling))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,12 +146,46 @@ class MixedStep:
         return (self.request, *self.rows.values())
 
 
-StepPlan = Union[PrefillChunk, DecodeStep, DecodeBlock, MixedStep]
+def mixed_step(key: MixedKey, req: Request, start: int, length: int, decoding: dict[int, Request],
+               active: dict[int, Request]) -> MixedStep:
+    """The fused step of `req`'s prompt positions [start, start + length) and `decoding`'s tokens."""
+    tokens = np.zeros(MIXED_CHUNK + key.width, np.int32)
+    positions = np.full(MIXED_CHUNK + key.width, -1, np.int32)
+    tokens[:length] = req.prompt_ids[start:start + length]
+    positions[:length] = np.arange(start, start + length)
+    sampling: list[Request | None] = [None] * key.width + [req]
+    for row, r in decoding.items():
+        tokens[MIXED_CHUNK + row], positions[MIXED_CHUNK + row], sampling[row] = r.recent[-1], r.position, r
+    last = length - 1 if start + length == len(req.prompt_ids) else 0
+    return MixedStep(key, req, start, length, tokens, positions, req.row if start == 0 else -1, last,
+                     tuple(sampling), decoding, active)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefixCopy:
+    """`request` takes positions [0, length) of what cache row `source` holds (engine/prefix_cache.py)
+    into its own row (the same row: what lies past them is dropped); its prefill goes on from
+    `length`. No outputs."""
+
+    key: CopyKey
+    request: Request
+    source: int
+    length: int
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return (self.request,)
+
+
+StepPlan = Union[PrefillChunk, DecodeStep, DecodeBlock, MixedStep, PrefixCopy]
 
 
 def step_kind(plan: StepPlan) -> str:
-    """"prefill" | "decode" | "mixed": the step-time histogram a plan counts in (step_times)."""
-    return "prefill" if isinstance(plan, PrefillChunk) else "mixed" if isinstance(plan, MixedStep) else "decode"
+    """"prefill" | "decode" | "mixed": the step-time histogram a plan counts in (step_times; a
+    prefix copy is part of a prefill)."""
+    if isinstance(plan, (PrefillChunk, PrefixCopy)):
+        return "prefill"
+    return "mixed" if isinstance(plan, MixedStep) else "decode"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from gemma4.plan import sharding
 from gemma4.serve import executable_store
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.requests import Request
-from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey
 
 
 def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
@@ -127,6 +127,13 @@ def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, samplin
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
+def copy_prefix_step(cache, source, row, length, *, cfg, options):
+    """Cache row `row` takes positions [0, length) of row `source` (engine/prefix_cache.py), in
+    place (donated); the same row: what it holds past them is dropped."""
+    del cfg
+    return kv_cache.copy_prefix(cache, source, row, length, rows_sharded=options.rows_sharded)
+
+
 def sampling_rows(reqs: Sequence[Request | None]) -> SamplingRows:
     """The sampling rows of a step's rows: each request's parameters, seed, step and recent ids
     (its repetition window); None: an idle row."""
@@ -194,11 +201,15 @@ class StepPrograms:
         self.mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                       for w in model.geometry.mixed_widths for n in model.geometry.kv_lengths}
+        self.copy = jax.jit(named(copy_prefix_step), in_shardings=(cache_sh, rep, rep, rep), donate_argnums=(0,),
+                            out_shardings=cache_sh)
 
-    def lower(self, key: PrefillKey | DecodeKey | MixedKey):
+    def lower(self, key: PrefillKey | DecodeKey | MixedKey | CopyKey):
         """A shape key's step, lowered for the model's parameters and cache."""
         params, cache, cfg = self.model.params, self.model.cache_spec, self.model.cfg
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        if isinstance(key, CopyKey):
+            return self.copy.lower(cache, i32(), i32(), i32())
         if isinstance(key, PrefillKey) and not key.embeds:
             n = key.bucket
             return self.prefill[key.fresh].lower(params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1))

@@ -1,0 +1,226 @@
+"""The prefix cache: which cache row already holds the start of a new prompt, and how much of it
+may be reused. Pure data: no jax (the scheduler asks it; the runner copies rows).
+
+The cache rows are the store. A request that ends leaves its row's keys and values where they
+are; the row is idle until another request takes it, and this table remembers what it holds. A
+new request takes the idle row holding the longest prefix of its prompt (the same chat's earlier
+turns), or copies that prefix from another row (a system prompt shared by users, a document asked
+about twice, even from a request still being served), and prefills only the rest. With nothing
+to reuse it takes the idle row used least recently: eviction is least-recently-used, and the
+cache costs no memory beyond the rows the pre-flight admitted, so it can never fail a request.
+
+What a position holds is named by a *content key*: the token id for text; for an image's or an
+audio clip's soft tokens (whose ids are placeholders) a negative number derived from a digest of
+the embedding rows of that run, so two different images never match.
+
+What can be reused (exact: the tokens are those of prefilling the whole prompt):
+- a prefix of what the row holds, never the whole prompt (its last position is prefilled again:
+  the first token is sampled from its logits), never ending inside an atomic span (an image under
+  bidirectional attention is prefilled whole);
+- on models with sliding-window layers, whose cache is a ring of `ring_slots` slots holding the
+  last positions written: a prefix of L positions is still whole in the ring only while the row
+  wrote at most `ring_slots - window + 1` positions past L (or never more than the ring holds).
+  A chat's next turn starts with the last one's prompt and reply, so it is reused whole; a
+  prefix shared by several requests is reused while its first holder has not gone far past it:
+  requests arriving together wait for the first to reach the shared length (its chunks stop
+  there) and copy it then, so a shared system prompt is prefilled once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from gemma4.serve.requests import Request
+
+# Shorter shared prefixes are prefilled again: every prompt shares its BOS and its turn header,
+# and a copy is a device call of its own (a few ms) where a short chunk costs about as much.
+MIN_REUSE = 16
+
+# A decode block's rows may run past their last token before the block is read: the device writes
+# up to this many blocks' steps beyond a row's position (one being read, one chained behind it).
+BLOCKS_IN_FLIGHT = 2
+
+# A request with nothing cached to reuse takes, of the free rows, one below this many (or below the
+# rows in use) holding nothing, else the one used least recently: a decode step runs rows [0,
+# width), and a row further up would widen a lone stream's steps (bundled model, 2-core AMD EPYC
+# Zen 4: 4 rows cost ~1.2x one row's step, 8 rows ~1.75x), while two rows keep two chats' histories.
+CHEAP_ROWS = 2
+
+
+def content_keys(prompt_ids: Sequence[int], embeds: np.ndarray | None, embed_mask: np.ndarray | None) -> np.ndarray:
+    """int64 [n]: what each prompt position holds (see the module docstring): the id, or for each
+    run of embedding positions a key from the digest of its rows (one key per position)."""
+    keys = np.asarray(prompt_ids, np.int64).copy()
+    if embeds is None or embed_mask is None or not np.any(embed_mask):
+        return keys
+    mask = np.asarray(embed_mask, bool)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    for start, end in zip(edges[0::2], edges[1::2]):
+        digest = hashlib.blake2b(np.ascontiguousarray(embeds[start:end], np.float32).tobytes(), digest_size=7)
+        base = int.from_bytes(digest.digest(), "little")
+        keys[start:end] = -1 - (base + np.arange(end - start, dtype=np.int64))
+    return keys
+
+
+def shared_length(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading positions of two key arrays are equal."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a cache row holds: keys of positions [0, len(keys)); `written`: how many positions the
+    device may have written (more than len(keys) after a decode block ran past a row's end)."""
+
+    keys: np.ndarray
+    written: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """Reuse the first `length` positions that row `source` holds."""
+
+    source: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RingRule:
+    """The sliding layers' ring (gemma4.model.kv_cache.slots_for): `window` positions attended,
+    `slots` held. window 0: no sliding layer (any prefix of a row is whole)."""
+
+    window: int = 0
+    slots: int = 0
+
+    def whole(self, held: Held, length: int) -> bool:
+        """Whether positions [0, length) of what `held` wrote are all still readable."""
+        if not self.window or held.written <= self.slots:
+            return True
+        return held.written - length <= self.slots - self.window + 1
+
+
+def held_by(req: Request, decode_block: int) -> Held:
+    """What `req`'s row holds or will (keys set at admission): its prompt and the reply tokens fed
+    back, of which the device wrote the positions prefilled (and decoded, a block's overrun too)."""
+    if req.prefilling:
+        return Held(req.prompt_keys, req.prefilled)
+    fed = np.asarray(req.recent[:req.position - len(req.prompt_ids)], np.int64)
+    overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
+    return Held(np.concatenate([req.prompt_keys, fed]), req.position + overrun)
+
+
+def chunk_end(req: Request, active: Iterable[Request]) -> int:
+    """Where `req`'s next prefill chunk ends at the latest: its prompt's end, or an earlier prefix
+    length another request waits for to copy from its row."""
+    stops = [r.reuse.length for r in active if r.reuse_from is req and r.reuse.length > req.prefilled]
+    return min(stops, default=len(req.prompt_ids))
+
+
+def copy_now(req: Request, active: Mapping[int, Request], rule: "RingRule", decode_block: int) -> bool | None:
+    """Whether `req`'s reuse (`req.reuse` from `req.reuse_from`, None: an idle row) can be copied
+    now: True; not yet (its source request is still prefilling towards it): None; never (the
+    source ended early or went past what its ring keeps): False."""
+    match, source = req.reuse, req.reuse_from
+    if source is None:
+        return True
+    held = held_by(source, decode_block) if active.get(match.source) is source else None
+    if held is not None and held.written < match.length and source.prefilling and not source.cancel.is_set():
+        return None
+    return held is not None and held.written >= match.length and rule.whole(held, match.length)
+
+
+class PrefixCache:
+    """The idle rows' contents and the choice of a row for a new request (module docstring).
+
+    rule: the ring's; enabled: off makes every request prefill its whole prompt (GEMMA4_PREFIX_CACHE)."""
+
+    def __init__(self, rule: RingRule, enabled: bool = True):
+        self.rule = rule
+        self.enabled = enabled
+        self._idle: dict[int, Held] = {}  # row -> what it holds
+        self._used: dict[int, float] = {}  # row -> when its contents were last written or reused
+        self.prompt_tokens = 0  # over every admitted request
+        self.cached_tokens = 0
+
+    # ---------------------------------------------------------------- what rows hold
+    def keep(self, row: int, held: Held, now: float) -> None:
+        """A request left `row`: it holds `held` until another takes it."""
+        if self.enabled and len(held.keys):
+            self._idle[row] = held
+            self._used[row] = now
+        else:
+            self.forget(row)
+
+    def forget(self, row: int) -> None:
+        """What `row` holds is unknown (a failed step) or about to be overwritten."""
+        self._idle.pop(row, None)
+
+    def forget_all(self) -> None:
+        """The cache was lost (re-allocated empty)."""
+        self._idle.clear()
+
+    def holding(self) -> dict[int, Held]:
+        return dict(self._idle)
+
+    # ---------------------------------------------------------------- a new request
+    def reusable(self, keys: np.ndarray, held: Held, spans: Iterable[tuple[int, int]] = ()) -> int:
+        """How many leading positions of a prompt with `keys` may be taken from a row holding
+        `held` (0: none): shared, short of the whole prompt, outside an atomic span, whole in the
+        ring, and at least MIN_REUSE."""
+        length = min(shared_length(keys, held.keys), len(keys) - 1)
+        for start, end in spans:
+            if start < length < end:
+                length = start
+        return length if length >= MIN_REUSE and self.rule.whole(held, length) else 0
+
+    def choose(self, keys: np.ndarray, free: Sequence[int], live: dict[int, Held],
+               spans: Sequence[tuple[int, int]] = (), cheap: int = 1) -> tuple[int, Match | None]:
+        """(the row a new request with `keys` takes among `free`, what it reuses or None).
+
+        It reuses the longest prefix any row holds (idle rows, and `live`: the rows of requests
+        being served); it takes that row when the row is free. Else it takes, among the free rows
+        below `cheap` (rows [0, cheap) decode no slower than the rows in use: a decode step runs
+        rows [0, width)), the one holding nothing, else the one used least recently; with none
+        free there, the lowest free row."""
+        best: Match | None = None
+        if self.enabled:
+            for row, held in list(self._idle.items()) + list(live.items()):
+                length = self.reusable(keys, held, spans)
+                if length and (best is None or length > best.length or length == best.length and row in free):
+                    best = Match(row, length)
+        if best is not None and best.source in free:
+            row = best.source
+        else:
+            pool = [r for r in free if r < cheap] or [min(free)]
+            row = min(pool, key=lambda r: (r in self._idle, self._used.get(r, 0.0), r))
+        self.forget(row)
+        self.prompt_tokens += len(keys)
+        return row, best
+
+    def place(self, req: Request, free: list[int], active: Mapping[int, Request], decode_block: int) -> Match | None:
+        """Set `req`'s row (and its content keys) among `free`: `choose` over the idle rows and the
+        rows of `active` requests (those still prefilling where decode blocks run: a block in
+        flight leaves a row's end unknown). Returns what it may reuse."""
+        if not self.enabled:
+            req.row = free[0]
+            return None
+        req.prompt_keys = content_keys(req.prompt_ids, req.embeds, req.embed_mask)
+        live = {row: held_by(r, decode_block) for row, r in active.items() if decode_block == 1 or r.prefilling}
+        cheap = max(CHEAP_ROWS, max(active, default=-1) + 1)
+        req.row, match = self.choose(req.prompt_keys, free, live, req.atomic_spans, cheap)
+        return match
+
+    def count_reused(self, tokens: int) -> None:
+        self.cached_tokens += tokens
+
+    def stats(self) -> dict:
+        """For /metrics and the engine's status: prompt tokens admitted, those taken from the cache."""
+        return {"enabled": self.enabled, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "rows_holding": len(self._idle)}

@@ -1,0 +1,232 @@
+"""The prefix cache on the fake runner: which row a request takes, what it reuses, and that its
+tokens are those of prefilling its whole prompt (tests/fake_engine.py's model samples from what
+its cache row holds: a wrong copy, a row not cut back, a ring that lost a position all show).
+The real model's exactness with the cache is tests/test_prefix_exact.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gemma4.model.sampling_params import SamplingParams
+from gemma4.serve.engine.prefix_cache import Held, Match, PrefixCache, RingRule, content_keys
+from gemma4.serve.engine.step_plans import DeviceCall, Observer, PrefillChunk, PrefixCopy
+from tests.fake_engine import CORRUPT, expected, fake_engine, geometry
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [2] + [(7 * i + 13 * seed) % 200 + 10 for i in range(n - 1)]
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def _reply(eng, req):
+    last = None
+    for last in eng.tokens(req):
+        pass
+    return list(last.token_ids), last.finish_reason, last.stats
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(g=None, **kwargs):
+        made.append(fake_engine(g or geometry(prefix_cache=True), **kwargs))
+        return made[-1]
+
+    yield make
+    for eng in made:
+        eng.close(timeout=5)
+
+
+def _prefilled(eng, req) -> int:
+    """Prompt positions the runner prefilled for `req` (chunks and fused steps)."""
+    return sum(p.length for p in eng.runner.plans if isinstance(p, PrefillChunk) and p.request is req)
+
+
+def _copies(eng, req) -> list[PrefixCopy]:
+    return [p for p in eng.runner.plans if isinstance(p, PrefixCopy) and p.request is req]
+
+
+def _chat_turn(eng, prompt, n):
+    req = eng.submit(prompt, _params(n))
+    ids, reason, stats = _reply(eng, req)
+    assert ids == expected(prompt, n) and reason == "length"
+    return req, ids, stats
+
+
+# ---------------------------------------------------------------- a chat's next turn
+def test_next_turn_prefills_only_its_new_tokens(engines):
+    eng = engines()
+    first = _prompt(40)
+    _, reply, _ = _chat_turn(eng, first, 10)
+    second = first + reply + _prompt(12, 5)[1:]
+    req, _, stats = _chat_turn(eng, second, 6)
+    held = len(first) + len(reply) - 1  # the last reply token was sampled, never fed back
+    assert stats["cached_tokens"] == held and _prefilled(eng, req) == len(second) - held
+    assert [(c.source, c.length) for c in _copies(eng, req)] == [(req.row, held)] and req.row == 0
+    assert eng.scheduler.prefixes.stats()["cached_tokens"] == held
+
+
+def test_a_prompt_held_whole_still_prefills_its_last_position(engines):
+    eng = engines()
+    prompt = _prompt(30)
+    _chat_turn(eng, prompt, 4)
+    req, _, stats = _chat_turn(eng, prompt, 4)  # the same prompt again: its first token needs its logits
+    assert stats["cached_tokens"] == len(prompt) - 1 and _prefilled(eng, req) == 1
+
+
+def test_nothing_shared_prefills_everything_and_keeps_the_other_rows_contents(engines):
+    eng = engines()
+    a, b = _prompt(20, 1), _prompt(20, 2)
+    _chat_turn(eng, a, 3)
+    rb, _, stats = _chat_turn(eng, b, 3)
+    assert stats["cached_tokens"] == 0 and _prefilled(eng, rb) == len(b)
+    assert rb.row == 1  # row 0 keeps a's chat: the free row holding nothing, among the cheap ones
+    again, _, stats = _chat_turn(eng, a + [50, 51, 52], 3)
+    assert again.row == 0 and stats["cached_tokens"] == len(a)
+
+
+def test_off_reuses_nothing(engines):
+    eng = engines(geometry(prefix_cache=False))
+    prompt = _prompt(30)
+    _chat_turn(eng, prompt, 4)
+    req, _, stats = _chat_turn(eng, prompt + [60, 61], 4)
+    assert stats["cached_tokens"] == 0 and not _copies(eng, req) and _prefilled(eng, req) == len(prompt) + 2
+
+
+# ---------------------------------------------------------------- sharing between requests
+def test_a_shared_system_prompt_is_prefilled_once(engines):
+    eng = engines()
+    eng.scheduler.chunk_override = {False: 16, True: 16}
+    system = _prompt(100, 3)
+    prompts = [system + _prompt(9, 10 + i)[1:] for i in range(4)]
+    reqs = [eng.submit(p, _params(5)) for p in prompts]
+    for p, r in zip(prompts, reqs):
+        assert _reply(eng, r)[0] == expected(p, 5)
+    prefilled = sum(_prefilled(eng, r) for r in reqs)
+    assert prefilled == len(system) + 3 * 8 + (8 + 0)  # the shared part once, every user's own part
+    assert sum(len(_copies(eng, r)) for r in reqs) == 3
+    assert all(r.cached == len(system) for r in reqs[1:])
+
+
+def test_a_source_cancelled_before_the_shared_length_leaves_the_waiter_to_prefill_alone(engines):
+    eng = engines()
+    eng.scheduler.chunk_override = {False: 8, True: 8}
+
+    class CancelFirst(Observer):
+        def __init__(self):
+            self.first = None
+
+        def before_call(self, call: DeviceCall) -> None:
+            if self.first is not None and self.first.prefilled >= 16:
+                eng.cancel(self.first)
+
+    system = _prompt(64, 4)
+    watch = CancelFirst()
+    with eng.observing(watch):
+        a = eng.submit(system + [70, 71], _params(4))
+        watch.first = a
+        b = eng.submit(system + [80, 81], _params(4))
+        ids, reason, _ = _reply(eng, b)
+    assert ids == expected(system + [80, 81], 4) and reason == "length"
+    assert _reply(eng, a)[1] == "cancelled"
+
+
+# ---------------------------------------------------------------- the sliding layers' ring
+def test_the_ring_bounds_what_a_row_still_holds(engines):
+    # window 16 in a ring of 20 slots: a row that wrote past a prefix by more than 5 positions
+    # no longer holds the window before it; reusing it would sample CORRUPT (the fake's ring check).
+    eng = engines(geometry(prefix_cache=True, window=16, ring_slots=20))
+    first = _prompt(40)
+    _, reply, _ = _chat_turn(eng, first, 12)
+    held = first + reply[:-1]  # 51 positions written
+    near = held[:-3] + [90, 91, 92, 93]  # differs 3 positions before the end: reusable
+    req, ids, stats = _chat_turn(eng, near, 4)
+    assert stats["cached_tokens"] == len(held) - 3 and CORRUPT not in ids
+    far = near[:-4][:-10] + [94, 95, 96]  # differs 10 before what the row holds now: prefilled whole
+    req, _, stats = _chat_turn(eng, far, 4)
+    assert stats["cached_tokens"] == 0 and _prefilled(eng, req) == len(far)
+
+
+def test_ring_rule():
+    rule = RingRule(window=16, slots=20)
+    keys = np.arange(60)
+    assert rule.whole(Held(keys[:18], 18), 3)  # never wrapped
+    assert rule.whole(Held(keys, 60), 55) and not rule.whole(Held(keys, 60), 54)
+    assert RingRule().whole(Held(keys, 60), 1)
+
+
+def test_decode_blocks_running_past_a_reply_are_cut_back(engines):
+    eng = engines(geometry(prefix_cache=True, decode_block=4))
+    first = _prompt(30)
+    _, reply, _ = _chat_turn(eng, first, 6)  # a block runs past the reply's end: the row holds more
+    req, _, stats = _chat_turn(eng, first + reply + [77, 78], 5)
+    assert stats["cached_tokens"] == len(first) + len(reply) - 1
+
+
+# ---------------------------------------------------------------- faults, media keys, choice
+def test_a_failed_step_forgets_the_row(engines):
+    eng = engines()
+
+    class FailDecode(Observer):
+        armed = True
+
+        def before_call(self, call: DeviceCall) -> None:
+            if self.armed and call.steps == 1 and not call.idle and call.key.__class__.__name__ == "DecodeKey":
+                self.armed = False
+                raise RuntimeError("injected")
+
+    prompt = _prompt(30)
+    with eng.observing(FailDecode()):
+        failed = eng.submit(prompt, _params(4))
+        assert _reply(eng, failed)[1] == "error"
+    req, _, stats = _chat_turn(eng, prompt + [40], 3)
+    assert stats["cached_tokens"] == 0
+
+
+def test_content_keys_tell_media_apart():
+    ids = [2, 5, 255, 255, 255, 9]
+    mask = np.array([0, 0, 1, 1, 1, 0], bool)
+    one, other = np.ones((6, 4), np.float32), np.full((6, 4), 2.0, np.float32)
+    a, b = content_keys(ids, one, mask), content_keys(ids, other, mask)
+    assert list(a[:2]) == [2, 5] and a[5] == 9 and (a[2:5] < 0).all() and len(set(a[2:5])) == 3
+    assert (a[2:5] != b[2:5]).all() and (content_keys(ids, one.copy(), mask) == a).all()
+    assert (content_keys(ids, None, None) == np.asarray(ids)).all()
+
+
+def test_choose_prefers_the_longest_prefix_and_never_cuts_an_atomic_span():
+    cache = PrefixCache(RingRule())
+    cache.keep(0, Held(np.arange(20), 20), now=1.0)
+    cache.keep(1, Held(np.arange(40), 40), now=2.0)
+    row, match = cache.choose(np.arange(60), free=[0, 1, 2], live={})
+    assert (row, match) == (1, Match(1, 40))
+    cache.keep(1, Held(np.arange(40), 40), now=2.0)
+    row, match = cache.choose(np.arange(60), free=[0, 1, 2], live={}, spans=[(30, 45)])
+    assert match == Match(1, 30)
+    # a live row (a request being served) is a source too; the new request takes a free row
+    row, match = PrefixCache(RingRule()).choose(np.arange(60), free=[2, 3], live={0: Held(np.arange(50), 20)})
+    assert (row, match) == (2, Match(0, 50))
+    # nothing shared: an empty cheap row first, then the least recently used one
+    cache = PrefixCache(RingRule())
+    cache.keep(0, Held(np.arange(20), 20), now=1.0)
+    assert cache.choose(np.arange(100, 110), free=[0, 1, 2], live={}, cheap=2) == (1, None)
+    cache.keep(1, Held(np.arange(50, 70), 20), now=2.0)
+    assert cache.choose(np.arange(100, 110), free=[0, 1, 2], live={}, cheap=2) == (0, None)
+
+
+def test_the_fake_ring_shows_a_prefix_it_no_longer_holds():
+    # the check the ring tests rely on: a copy of a prefix the ring lost samples CORRUPT
+    from tests.fake_engine import FakeCache
+    cache = FakeCache(geometry(window=16, ring_slots=20))
+    for p in range(51):
+        cache.write(0, p, 10 + p)
+    rule = RingRule(window=16, slots=20)
+    for length in (40, 45, 46, 48):  # the ring holds positions 31..50; a query at L needs L-15..L-1
+        cache.copy(0, 1, length)
+        cache.write(1, length, 7)
+        whole = cache.sample(1, 7, length) != CORRUPT
+        assert whole == rule.whole(Held(np.arange(51), 51), length) == (length >= 46)
