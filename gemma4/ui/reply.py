@@ -215,6 +215,13 @@ def _chunks(stats: dict) -> str:
     return f" · in {int(chunks):,} chunks{beside}"
 
 
+def _cached(stats: Mapping[str, Any]) -> str:
+    """' (N of them from the prefix cache, not prefilled again)' where the prompt's start was
+    reused from the cache (a chat's earlier turns, a shared system prompt)."""
+    cached = int(as_number(stats.get("cached_tokens")) or 0)
+    return f" ({cached:,} of them from the prefix cache, not prefilled again)" if cached else ""
+
+
 def _decode_rate(stats: Mapping[str, Any]) -> str:
     """Decode tok/s, or "—" until there are two tokens (the first comes from the prefill)."""
     if (as_number(stats.get("new_tokens")) or 0) < 2:
@@ -272,7 +279,7 @@ def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | No
     """The folded-away body of the stats message: prefill, bucket, batch, compile, quality."""
     stats = stats or {}
     parts = [
-        f"prefill {fmt_int(stats.get('prefill_tokens'))} tokens in "
+        f"prefill {fmt_int(stats.get('prefill_tokens'))} tokens{_cached(stats)} in "
         f"{fmt_num(stats.get('prefill_ms'), 0)} ms ({fmt_num(stats.get('prefill_tok_s'))} tok/s)",
         f"bucket {fmt_int(stats.get('bucket'))} (+{fmt_int(stats.get('padding'))} padding)",
         f"batch occupancy {_occupancy_plain(stats)}",
@@ -435,7 +442,7 @@ def reply_panel_html(
                 else ""
             ),
         ),
-        ("Prefill", f"{pf_tokens} tokens in {pf_ms} ms ({pf_tps} tok/s)" + _chunks(stats)),
+        ("Prefill", f"{pf_tokens} tokens{_cached(stats)} in {pf_ms} ms ({pf_tps} tok/s)" + _chunks(stats)),
         *([("Media", media_html(stats["media"]))] if stats.get("media") else []),
         ("Decode", f"<b>{_decode_rate(stats)} tok/s</b>" + _roofline(stats)),
         ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),

@@ -135,6 +135,8 @@ def usage(stats: dict) -> dict:
     completion = int(stats.get("new_tokens") or 0)
     out = {"prompt_tokens": prompt, "completion_tokens": completion,
            "total_tokens": prompt + completion}
+    if stats.get("cached_tokens") is not None:  # as OpenAI reports its prompt caching
+        out["prompt_tokens_details"] = {"cached_tokens": int(stats["cached_tokens"])}
     if stats.get("thought_tokens") is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": int(stats["thought_tokens"])}
     return out

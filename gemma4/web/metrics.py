@@ -16,6 +16,8 @@ What it holds:
   waiting for a slot), `gemma4_busy_slots`, `gemma4_slots`, `gemma4_engine_ready`,
   `gemma4_engine_step_seconds{kind}` (histogram of prefill and decode steps,
   `gemma4.serve.step_times`), `gemma4_engine_faults_total{kind}`, `gemma4_kv_cache_resets_total`;
+- `gemma4_prefix_cache_prompt_tokens_total`, `gemma4_prefix_cache_cached_tokens_total` and
+  `gemma4_prefix_cache_hit_ratio` (engine/prefix_cache.py: prompt tokens taken from the cache);
 - the process's own (`prometheus_client.ProcessCollector`, Linux): `process_resident_memory_bytes`
   (RSS), CPU seconds, open files.
 
@@ -133,6 +135,13 @@ class EngineCollector:
                                ("gemma4_busy_slots", "active", "decode slots in use"),
                                ("gemma4_slots", "max_batch", "decode slots (requests decoded together)")):
             yield GaugeMetricFamily(name, doc, value=float(queue.get(key, 0)))
+        prefix = queue.get("prefix_cache") or {}
+        yield CounterMetricFamily("gemma4_prefix_cache_prompt_tokens", "prompt tokens of the requests admitted",
+                                  value=float(prefix.get("prompt_tokens", 0)))
+        yield CounterMetricFamily("gemma4_prefix_cache_cached_tokens", "prompt tokens taken from the prefix "
+                                  "cache instead of prefilled", value=float(prefix.get("cached_tokens", 0)))
+        yield GaugeMetricFamily("gemma4_prefix_cache_hit_ratio", "cached / admitted prompt tokens since start",
+                                value=float(prefix.get("hit_rate", 0.0)))
         ready = hasattr(eng, "status") and eng.status().get("state") == "ready"
         yield GaugeMetricFamily("gemma4_engine_ready", "1 once the model is loaded and serving",
                                 value=float(ready))

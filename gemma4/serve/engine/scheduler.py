@@ -101,7 +101,8 @@ class Scheduler:
 
     def queue_state(self) -> dict:
         with self._lock:
-            return {"active": len(self._active), "waiting": len(self._waiting), "max_batch": self.geometry.max_batch}
+            return {"active": len(self._active), "waiting": len(self._waiting), "max_batch": self.geometry.max_batch,
+                    "prefix_cache": self.prefixes.stats()}
 
     def idle(self) -> bool:
         """No request is queued or being served."""
@@ -375,8 +376,8 @@ class Scheduler:
         ids, chunks = req.prompt_ids, req.prefill_chunks
         req.position = len(ids)
         wall = now - req.prefill_t0
-        req.stats.update(prefill_tokens=len(ids), cached_tokens=req.cached, prefill_ms=1000 * wall, prefill_tok_s=len(ids) / max(wall, 1e-9),
-                         bucket=chunks[-1][2], chunks=len(chunks), padding=sum(b - n for _, n, b in chunks),
+        req.stats.update(prefill_tokens=len(ids), cached_tokens=req.cached, prefill_ms=1000 * wall,
+                         prefill_tok_s=(len(ids) - req.cached) / max(wall, 1e-9), bucket=chunks[-1][2], chunks=len(chunks), padding=sum(b - n for _, n, b in chunks),
                          compiled=bool(req.stats.get("compiled")), ttft_s=now - req.submitted,
                          prefill_interleaved_steps=req.interleaved_steps, fused_chunks=req.fused_chunks)
         self._emit(req, token, bad, now)
