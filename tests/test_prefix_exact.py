@@ -1,0 +1,114 @@
+"""The prefix cache on real models: float32 greedy ids with the cache equal those without it.
+
+On the bundled Gemma 3 270M in float32 (tests/engines.py) a chat's next turn, a prompt sent
+twice and users sharing a long system prompt; on the tiny random Gemma 4 E2B (sliding window 8,
+KV-shared layers, per-layer inputs, a vision tower) a chat whose history wraps the sliding
+layers' ring many times over and a follow-up turn about an image. The reference is the same
+engine with the cache switched off (`Scheduler.prefixes.enabled`; put back after each test).
+Scheduling with the cache is tests/test_prefix_cache.py's, on the fake runner."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+
+from gemma4.model.sampling_params import SamplingParams
+from gemma4.serve import conversation
+from tests.engines import bundled_f32
+from tests.scripted import tiny_gemma4
+from tests.test_vision_serve import ask, png
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+@contextlib.contextmanager
+def cache_off(eng):
+    prefixes = eng.scheduler.prefixes
+    was, prefixes.enabled = prefixes.enabled, False
+    try:
+        yield
+    finally:
+        prefixes.enabled = was
+
+
+def _both(eng, prompt, params=GREEDY, mode="chat"):
+    """(the reply with the cache, the reply without it): the cached one first, after `prompt`'s
+    history is in the cache."""
+    cached = conversation.generate(eng, prompt, params, mode=mode)
+    with cache_off(eng):
+        alone = conversation.generate(eng, prompt, params, mode=mode)
+    return cached, alone
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    eng = bundled_f32()
+    assert eng.scheduler.prefixes.enabled, "GEMMA4_PREFIX_CACHE is on by default"
+    return eng
+
+
+def test_a_chat_turn_reuses_its_history_with_the_same_tokens(bundled):
+    turn1 = [{"role": "user", "content": "Name three rivers of Europe and say one thing about each."}]
+    first = conversation.generate(bundled, turn1, GREEDY, mode="chat")
+    turn2 = turn1 + [{"role": "assistant", "content": first["text"]},
+                     {"role": "user", "content": "Which of them is the longest?"}]
+    cached, alone = _both(bundled, turn2)
+    assert cached["stats"]["cached_tokens"] >= first["stats"]["prefill_tokens"]
+    assert alone["stats"]["cached_tokens"] == 0
+    assert cached["token_ids"] == alone["token_ids"]
+
+
+def test_the_same_prompt_twice(bundled):
+    prompt = "The history of the printing press begins in the fifteenth century, when"
+    first = conversation.generate(bundled, prompt, GREEDY, mode="completion")
+    again = conversation.generate(bundled, prompt, GREEDY, mode="completion")
+    assert again["stats"]["cached_tokens"] == again["stats"]["prefill_tokens"] - 1
+    assert again["token_ids"] == first["token_ids"]
+
+
+def test_users_sharing_a_system_prompt(bundled):
+    system = ("You are a patient tutor for a class of ten-year-olds. Explain every idea with a short "
+              "everyday example, use simple words, and end each answer with one question back. ")
+    asks = ["What is rain?", "Why is the sky blue?", "How do plants drink?"]
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": a}] for a in asks]
+    with cache_off(bundled):
+        solo = [conversation.generate(bundled, p, GREEDY, mode="chat")["token_ids"] for p in prompts]
+    for row in range(bundled.max_batch):  # the rows hold nothing of it now
+        bundled.scheduler.prefixes.forget(row)
+    out: dict[int, dict] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, conversation.generate(
+        bundled, prompts[i], GREEDY, mode="chat"))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert [out[i]["token_ids"] for i in range(len(prompts))] == solo
+    assert sum(out[i]["stats"]["cached_tokens"] > 30 for i in out) >= 2  # the shared part prefilled once
+
+
+def test_a_history_longer_than_the_sliding_window_many_times_over():
+    eng = tiny_gemma4()  # window 8: the ring holds 10 positions
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    history = [2] + [(37 * i) % 400 + 20 for i in range(150)]
+    for turn in range(3):
+        first = conversation.generate(eng, history, params, mode="completion")
+        history = history + first["token_ids"] + [(11 * turn + k) % 300 + 30 for k in range(25)]
+        cached, alone = _both(eng, history, params, mode="completion")
+        assert cached["stats"]["cached_tokens"] >= len(history) - 25 - 1 and alone["stats"]["cached_tokens"] == 0
+        assert cached["token_ids"] == alone["token_ids"]
+
+
+def test_a_follow_up_about_an_image_reuses_its_soft_tokens():
+    eng = tiny_gemma4()
+    msgs = ask(png(40, 40, seed=9), "Describe it.")
+    first = conversation.generate(eng, msgs, GREEDY, mode="chat")
+    soft = first["stats"]["media"][0]["soft_tokens"]
+    follow = msgs + [{"role": "assistant", "content": first["text"] or "ok"},
+                     {"role": "user", "content": "And its colours?"}]
+    cached, alone = _both(eng, follow)
+    assert cached["stats"]["cached_tokens"] > soft
+    assert cached["token_ids"] == alone["token_ids"]
+    other = ask(png(40, 40, seed=10), "Describe it.")  # another image: only the text before it matches
+    assert conversation.generate(eng, other, GREEDY, mode="chat")["stats"]["cached_tokens"] < 16
