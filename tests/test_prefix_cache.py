@@ -136,6 +136,28 @@ def test_a_source_cancelled_before_the_shared_length_leaves_the_waiter_to_prefil
     assert _reply(eng, a)[1] == "cancelled"
 
 
+def test_a_cancelled_prefill_leaves_what_it_prefilled(engines):
+    eng = engines()
+    eng.scheduler.chunk_override = {False: 16, True: 16}
+
+    class CancelAfterTwoChunks(Observer):
+        req = None
+
+        def after_call(self, call: DeviceCall, seconds: float) -> None:
+            if self.req is not None and self.req.prefilled >= 16:  # the second chunk just ran
+                eng.cancel(self.req)
+
+    prompt = _prompt(90, 6)
+    watch = CancelAfterTwoChunks()
+    with eng.observing(watch):
+        watch.req = a = eng.submit(prompt, _params(4))
+        assert _reply(eng, a)[1] == "cancelled"
+    kept = a.prefilled
+    assert 16 <= kept < len(prompt)
+    b, _, stats = _chat_turn(eng, prompt, 4)
+    assert stats["cached_tokens"] == kept and b.row == a.row
+
+
 # ---------------------------------------------------------------- the sliding layers' ring
 def test_the_ring_bounds_what_a_row_still_holds(engines):
     # window 16 in a ring of 20 slots: a row that wrote past a prefix by more than 5 positions
@@ -196,6 +218,14 @@ def test_content_keys_tell_media_apart():
     assert list(a[:2]) == [2, 5] and a[5] == 9 and (a[2:5] < 0).all() and len(set(a[2:5])) == 3
     assert (a[2:5] != b[2:5]).all() and (content_keys(ids, one.copy(), mask) == a).all()
     assert (content_keys(ids, None, None) == np.asarray(ids)).all()
+
+
+def test_a_row_keeps_only_what_was_written():
+    cache = PrefixCache(RingRule())
+    cache.keep(0, Held(np.arange(40), 0), now=1.0)  # admitted, cancelled before any chunk
+    cache.keep(1, Held(np.arange(40), 24), now=1.0)  # cancelled after 24 positions
+    assert 0 not in cache.holding() and len(cache.holding()[1].keys) == 24
+    assert cache.choose(np.arange(60), free=[0, 1], live={})[1] == Match(1, 24)
 
 
 def test_choose_prefers_the_longest_prefix_and_never_cuts_an_atomic_span():

@@ -150,7 +150,9 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- what rows hold
     def keep(self, row: int, held: Held, now: float) -> None:
-        """A request left `row`: it holds `held` until another takes it."""
+        """A request left `row`: it holds `held` (of its keys, the positions written) until another
+        takes it."""
+        held = Held(held.keys[:held.written], held.written)
         if self.enabled and len(held.keys):
             self._idle[row] = held
             self._used[row] = now
