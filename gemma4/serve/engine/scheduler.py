@@ -46,7 +46,6 @@ from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey,
 STOP = object()  # `wait_for_work`: the scheduler was stopped
 
 
-
 class Scheduler:
     """The queue, the rows and the plans of one engine (see the module docstring).
 
