@@ -30,6 +30,10 @@ Parts:
            entry of the executable stores (the app's and the tiny models'), its size and seconds to
            load alone (wall and CPU), and the two largest loaded at once.
   e4b      batch-1 decode of E4B: the plan's own weight formats (bf16 layers, int8 tables), and int8 weights.
+  prefix   the prefix cache (E2B bf16, context 40,960): a pasted --prefix-doc-token document
+           asked about twice (the second question's TTFT), a chat's next turn after a
+           --prefix-history-token history (TTFT with the cache, without it, and of its new tokens
+           alone); not in the default parts (its long prompts compile on first use).
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -55,10 +59,12 @@ from gemma4.env import setting  # noqa: E402  (stdlib only, as gemma4.paths: the
 from gemma4.paths import cache_root  # noqa: E402
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
+OPTIONAL_PARTS = ("prefix",)
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
-PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "loads": 200, "e4b": 360}
+PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "loads": 200, "e4b": 360,
+                "prefix": 540}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
@@ -514,6 +520,53 @@ def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
     return out
 
 
+def worker_prefix(args) -> dict:
+    """The prefix cache on the chip: a document asked about twice and a long chat's next turn."""
+    from gemma4.model.sampling_params import SamplingParams
+
+    def first_token(eng, ids: list[int], on: bool = True) -> tuple[float, dict]:
+        eng.scheduler.prefixes.enabled = on
+        t = time.perf_counter()
+        stream = eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=8)))
+        first = time.perf_counter() - t if next(stream) else None
+        last = None
+        for last in stream:
+            pass
+        eng.scheduler.prefixes.enabled = True
+        return first, (last.stats if last is not None else {})
+
+    out: dict = {"model": args.model, "context": args.context}
+    t0 = time.perf_counter()
+    eng = _engine(args.model, max_batch=2, context=args.context, buckets=None, overrides={"GEMMA4_DTYPE": "bfloat16"})
+    try:
+        eng.wait_ready(timeout=args.limit)
+        out["ready_s"] = round(time.perf_counter() - t0, 1)
+        vocab = eng.cfg.vocab_size
+        doc = prompt_ids(args.doc, vocab, seed=7)
+        q1, q2 = prompt_ids(24, vocab, seed=8)[1:], prompt_ids(24, vocab, seed=9)[1:]
+        first_token(eng, doc + q1)  # compiles what a long prompt needs (on the request path: issue 43)
+        ttft, stats = first_token(eng, doc + q1, on=False)
+        out["doc_first_question_ttft_s"] = round(ttft, 3)
+        first_token(eng, doc + q1)
+        ttft, stats = first_token(eng, doc + q2)
+        out["doc_second_question_ttft_s"], out["doc_second_question_cached"] = round(ttft, 3), stats.get("cached_tokens")
+        history = prompt_ids(args.history, vocab, seed=10)
+        turn = history + prompt_ids(60, vocab, seed=11)[1:]
+        first_token(eng, history)
+        ttft, stats = first_token(eng, turn)
+        out["chat_turn_ttft_s"], out["chat_turn_cached"] = round(ttft, 3), stats.get("cached_tokens")
+        out["chat_turn_uncached_ttft_s"] = round(first_token(eng, turn, on=False)[0], 3)
+        alone = prompt_ids(60, vocab, seed=11)
+        first_token(eng, alone, on=False)
+        out["new_tokens_alone_ttft_s"] = round(first_token(eng, alone, on=False)[0], 3)
+        out["chat_cached_over_alone"] = round(out["chat_turn_ttft_s"] / out["new_tokens_alone_ttft_s"], 2)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        eng.close()
+    return out
+
+
 def worker_app(args) -> dict:
     """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
     from bench.tpu_app import run_app_check
@@ -532,7 +585,7 @@ def _worker(fn):
 
 WORKERS = {name: _worker(fn) for name, fn in {
     "app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
-    "engine": worker_engine, "loads": worker_loads}.items()}
+    "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix}.items()}
 
 
 # ------------------------------------------------------------------------------ driver
@@ -575,6 +628,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-configs", default=None,
                     help="model,dtype,weights[,batch];... (default: E2B bf16 with the 64-row aggregate, E2B int8, "
                          "E4B int8)")
+    ap.add_argument("--prefix-doc", type=int, default=32768, help="the prefix part's document, in tokens")
+    ap.add_argument("--prefix-history", type=int, default=16384, help="the prefix part's chat history, in tokens")
+    ap.add_argument("--prefix-context", type=int, default=40960, help="the prefix part's context window")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -583,9 +639,9 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = [p for p in parts if p not in ALL_PARTS]
+    unknown = [p for p in parts if p not in ALL_PARTS + OPTIONAL_PARTS]
     if unknown:
-        ap.error(f"unknown parts {unknown}; known: {', '.join(ALL_PARTS)}")
+        ap.error(f"unknown parts {unknown}; known: {', '.join(ALL_PARTS + OPTIONAL_PARTS)}")
     run = harness.Run("tpu", args)
     report: dict = {"parts": {}}
     hlo_dir = os.environ.get("OUT") or str(run.path.parent)
@@ -646,6 +702,10 @@ def main(argv=None) -> int:
             report["parts"]["engine"] = {"warm_runs": runs, "warm": run_worker(
                 "engine", {"model": args.model, "context": 4096, "limit": limit("engine") - 30, "ttft": True},
                 env={"GEMMA4_JAX_CACHE": app_cache, **ahead}, limit=limit("engine"))}
+        elif part == "prefix":
+            report["parts"]["prefix"] = run_worker("prefix", {
+                "model": args.model, "context": args.prefix_context, "doc": args.prefix_doc,
+                "history": args.prefix_history, "limit": limit("prefix") - 30}, limit=limit("prefix"))
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
@@ -692,6 +752,10 @@ def summary(report: dict) -> dict:
             s["engine_error"] = warm["error"]
     s["targets"] = TARGETS
     s["total_s"] = report.get("total_s")
+    if "prefix" in parts:
+        s["prefix"] = {k: parts["prefix"].get(k) for k in (
+            "doc_first_question_ttft_s", "doc_second_question_ttft_s", "chat_turn_ttft_s", "chat_turn_uncached_ttft_s",
+            "new_tokens_alone_ttft_s", "chat_cached_over_alone", "error")}
     return s
 
 

@@ -165,10 +165,12 @@ class Scheduler:
     def _take_row(self, req: Request, free: list[int]) -> None:
         """(lock held) The row `req` takes, and the cached prefix it will reuse (`PrefixCache.place`)."""
         match = self.prefixes.place(req, free, self._active, self.geometry.decode_block)
-        if match is not None and self.shapes.book.usable(CopyKey()):
+        needs = (CopyKey(), PrefillKey(self.geometry.first_bucket, False))  # the copy, a later chunk
+        if match is not None and all(self.shapes.book.usable(k) for k in needs):
             req.reuse, req.reuse_from = match, self._active.get(match.source)
-        elif match is not None:
-            self.shapes.book.request(CopyKey())  # compiled now; this request prefills its whole prompt
+        elif match is not None:  # compiled now; this request prefills its whole prompt
+            for key in needs:
+                self.shapes.book.request(key)
 
     def _plan_copy(self) -> PrefixCopy | None:
         """A waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`);
