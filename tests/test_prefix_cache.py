@@ -220,6 +220,24 @@ def test_content_keys_tell_media_apart():
     assert (content_keys(ids, None, None) == np.asarray(ids)).all()
 
 
+def test_a_reuse_waits_for_no_compile(engines):
+    # the copy's shape not compiled: the request prefills its whole prompt, and the shape is
+    # queued for when the engine is idle (never compiled beside a stream)
+    g = geometry(prefix_cache=True)
+    from tests.fake_engine import all_shapes
+    from gemma4.serve.shape_keys import CopyKey
+    eng = engines(g, compiled=all_shapes(g) - {CopyKey()})
+    prompt = _prompt(40)
+    _chat_turn(eng, prompt, 3)
+    req, _, stats = _chat_turn(eng, prompt + [50, 51], 3)
+    assert stats["cached_tokens"] == 0 and _prefilled(eng, req) == len(prompt) + 2
+    assert (CopyKey(), "background") in eng.shapes.requests
+    assert not any(k == CopyKey() and how != "background" for k, how in eng.shapes.requests)
+    eng.shapes.compile(CopyKey())
+    _, _, stats = _chat_turn(eng, prompt + [50, 51, 52], 3)
+    assert stats["cached_tokens"] > 0
+
+
 def test_a_row_keeps_only_what_was_written():
     cache = PrefixCache(RingRule())
     cache.keep(0, Held(np.arange(40), 0), now=1.0)  # admitted, cancelled before any chunk

@@ -43,7 +43,7 @@ def cache_off(eng):
 
 def reuse_compiled(eng):
     """The shapes a reuse needs (the copy, a later chunk) compiled: until then a request with a
-    prefix cached prefills its whole prompt (and asks for them)."""
+    prefix cached prefills its whole prompt (and queues them for when the engine is idle)."""
     needs = [CopyKey(), PrefillKey(eng.started.geometry.first_bucket, False)]
     for key in needs:
         eng.shapes.request(key, now=True)

@@ -168,9 +168,9 @@ class Scheduler:
         needs = (CopyKey(), PrefillKey(self.geometry.first_bucket, False))  # the copy, a later chunk
         if match is not None and all(self.shapes.book.usable(k) for k in needs):
             req.reuse, req.reuse_from = match, self._active.get(match.source)
-        elif match is not None:  # compiled now; this request prefills its whole prompt
+        elif match is not None:  # compiled once idle (never beside a stream); this one prefills whole
             for key in needs:
-                self.shapes.book.request(key)
+                self.shapes.book.queue_background(key)
 
     def _plan_copy(self) -> PrefixCopy | None:
         """A waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`);
