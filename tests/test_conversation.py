@@ -272,21 +272,31 @@ def _old_exchange(messages):
 
 
 def _old_context_rule(engine, messages, system, tools):
+    """The fewest oldest exchanges that make the chat fit, dropped one at a time, rounded up to a
+    multiple of DROP_STEP (the reference of the bisection in conversation.prompt_ids)."""
     ids = conversation.render_chat(engine, messages, system, tools=tools)
-    dropped = 0
+    dropped = exchanges = 0
     while len(ids) > engine.context_limit * 7 // 8:
         cut = _old_exchange(messages)
         if cut is None:
             break
-        messages, dropped = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0]
+        messages, dropped, exchanges = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0], exchanges + 1
+        ids = conversation.render_chat(engine, messages, system, tools=tools)
+    # then up to a multiple of DROP_STEP exchanges, while a cut leaves a user message to answer
+    while exchanges % conversation.DROP_STEP and len(ids) <= engine.context_limit * 7 // 8:
+        cut = _old_exchange(messages)
+        if cut is None or messages[cut[1]].get("role") != "user":
+            break
+        messages, dropped, exchanges = messages[:cut[0]] + messages[cut[1]:], dropped + cut[1] - cut[0], exchanges + 1
         ids = conversation.render_chat(engine, messages, system, tools=tools)
     notes = [f"the {dropped} oldest message(s) were dropped to fit the context window"] if dropped else []
     return ids, notes
 
 
 def test_context_rule_drops_what_one_exchange_at_a_time_dropped(eng):
-    """The bisection finds the same fewest exchanges as dropping them one by one did: same ids,
-    same note, over random chats (runs of one role, system messages anywhere, tool rounds)."""
+    """The bisection finds the same exchanges as dropping them one by one (the fewest that fit,
+    rounded up to DROP_STEP): same ids, same note, over random chats (runs of one role, system
+    messages anywhere, tool rounds)."""
     import random
 
     rng = random.Random(0)
@@ -382,3 +392,19 @@ def test_a_prompt_is_classified_once_at_the_entry(eng, monkeypatch):
         conversation.generate(eng, [{"role": "user", "content": "Hi"}], P, tools=TOOLS)
     prompt_ids(eng, "Hi")
     assert len(calls) == 2
+
+
+def test_a_chat_past_the_context_keeps_its_start_for_several_turns(eng):
+    """Past the context, the oldest exchanges go DROP_STEP at a time: the prompt's start (what the
+    prefix cache reuses) changes once every few turns, not every turn."""
+    small = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, info=eng.info, context_limit=1024)
+    msgs, starts, dropping = [], [], 0
+    for k in range(40):  # ~7 exchanges fit
+        msgs.append({"role": "user", "content": f"question {k}: " + "word " * 8})
+        notes: list[str] = []
+        ids = prompt_ids(small, msgs, notes=notes)
+        starts.append(tuple(ids[:48]))
+        dropping += bool(notes)
+        msgs.append({"role": "assistant", "content": f"answer {k}: " + "word " * 8})
+    changes = sum(a != b for a, b in zip(starts, starts[1:]))
+    assert dropping >= 20 and 0 < changes <= dropping // 4 + 1  # one exchange a turn: a change every turn
