@@ -74,6 +74,27 @@ def _generate_together(engine: Engine, prompts) -> list[list[int]]:
     return results
 
 
+def _prefix_reuse(engine: Engine, prompt) -> dict:
+    """The prefix cache on this mesh: a prompt starting with `prompt` (which a row holds, as its
+    prefill wrote it) with the cache and without: {"cached", "reused", "whole"}."""
+    from gemma4.serve.shape_keys import CopyKey, PrefillKey
+
+    needs = [CopyKey(), PrefillKey(engine.started.geometry.first_bucket, False)]
+    for key in needs:
+        engine.shapes.request(key, now=True)
+    for key in needs:
+        engine.shapes.wait_any([key], timeout=600)
+    longer = list(prompt) + [300, 301, 302, 303, 304]
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+    reused = conversation.generate(engine, longer, params)
+    engine.scheduler.prefixes.enabled = False
+    try:
+        whole = _generate(engine, longer, params)
+    finally:
+        engine.scheduler.prefixes.enabled = True
+    return {"cached": reused["stats"].get("cached_tokens"), "reused": reused["token_ids"], "whole": whole}
+
+
 def _shares(engine: Engine, mesh_shape: dict) -> dict:
     """Per-device bytes held, and the rule table's arithmetic for the same mesh."""
     held = sharding.device_bytes(engine.params)
@@ -216,6 +237,8 @@ def main(argv: list[str]) -> int:
                     with engine.runner.holding_device():  # the engine may give a new shape its idle first run
                         row["shares"] = _shares(engine, shape)
                     row["gathers"] = _decode_gathers(engine)
+                    if case.get("prefix"):
+                        row["prefix"] = _prefix_reuse(engine, prompts[-1])
                     row["widths"] = list(engine.started.geometry.widths)
             except Exception as e:  # reported to the test, which fails with the message
                 row["error"] = f"{type(e).__name__}: {e}"

@@ -2,8 +2,9 @@
 
 On the bundled Gemma 3 270M in float32 (tests/engines.py) a chat's next turn, a prompt sent
 twice and users sharing a long system prompt; on the tiny random Gemma 4 E2B (sliding window 8,
-KV-shared layers, per-layer inputs, a vision tower) a chat whose history wraps the sliding
-layers' ring many times over and a follow-up turn about an image. The reference is the same
+KV-shared layers, per-layer inputs, a vision and an audio tower) a chat whose history wraps the
+sliding layers' ring many times over and follow-up turns about an image and about a clip. On a
+mesh: tests/test_sharding.py. The reference is the same
 engine with the cache switched off (`Scheduler.prefixes.enabled`; put back after each test).
 Scheduling with the cache is tests/test_prefix_cache.py's, on the fake runner.
 
@@ -26,6 +27,7 @@ from gemma4.serve import conversation
 from gemma4.serve.shape_keys import CopyKey, PrefillKey
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
+from tests.test_audio_serve import hear, wav
 from tests.test_vision_serve import ask, png
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -134,3 +136,15 @@ def test_a_follow_up_about_an_image_reuses_its_soft_tokens():
     assert cached["token_ids"] == alone["token_ids"]
     other = ask(png(40, 40, seed=10), "Describe it.")  # another image: only the text before it matches
     assert conversation.generate(eng, other, GREEDY, mode="chat")["stats"]["cached_tokens"] < 16
+
+
+def test_a_follow_up_about_a_clip_reuses_its_soft_tokens():
+    eng = reuse_compiled(tiny_gemma4())
+    msgs = hear(wav(1.0, seed=5), "What is said?")
+    first = conversation.generate(eng, msgs, SamplingParams(temperature=0.0, max_new_tokens=1), mode="chat")
+    soft = first["stats"]["media"][0]["soft_tokens"]
+    follow = msgs + [{"role": "assistant", "content": first["text"] or "ok"},
+                     {"role": "user", "content": "Say it again."}]
+    cached, alone = _both(eng, follow)
+    assert cached["stats"]["cached_tokens"] > soft
+    assert cached["token_ids"] == alone["token_ids"]

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One subprocess runs every case (starting JAX and the engine once per mesh is the cost).
 CASES = [
-    {"model": "random:tiny-e2b", "meshes": ["none", "tensor=2", "data=2,tensor=4"]},  # 1 KV head: replicated K/V
+    {"model": "random:tiny-e2b", "meshes": ["none", "tensor=2", "data=2,tensor=4"],  # 1 KV head: replicated K/V
+     "prefix": True},  # and the prefix cache's copy on each mesh
     {"model": "random:tiny-31b", "meshes": ["none", "tensor=2", "tensor=4"]},
     {"model": "random:tiny-26b-a4b", "meshes": ["none", "expert=4", "tensor=2,expert=2"]},
     # the real model: two short prompts (3 compiles a mesh; each costs seconds at this size)
@@ -210,6 +211,17 @@ def test_tokens_identical_to_one_device(mesh_runs, case):
     assert "error" not in base, base["error"]
     assert run["tokens"] == base["tokens"], f"{model} on {mesh}: {run['tokens']} != {base['tokens']}"
     assert run["alone"] == base["alone"] == base["tokens"][-1]  # batched = alone, on every mesh
+
+
+@pytest.mark.parametrize("case", [(c["model"], mesh) for c in ENGINE_CASES[:-1] if c.get("prefix")
+                                  for mesh in c["meshes"]], ids=lambda c: f"{c[0]}|{c[1]}")
+def test_a_reused_prefix_gives_the_tokens_of_a_whole_prefill(mesh_runs, case):
+    """The prefix cache on a mesh (rows split over `data`, heads over `tensor`): a prompt whose
+    start a row holds reuses it and gets the ids of prefilling it whole, the same on every mesh."""
+    run, base = mesh_runs[case], mesh_runs[(case[0], "none")]
+    assert "error" not in run, run["error"]
+    prefix = run["prefix"]
+    assert prefix["cached"] >= 16 and prefix["reused"] == prefix["whole"] == base["prefix"]["whole"], prefix
 
 
 @pytest.mark.parametrize("case", [(c["model"], mesh) for c in ENGINE_CASES[:-1] for mesh in c["meshes"]],
