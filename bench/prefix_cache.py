@@ -23,8 +23,8 @@ import glob
 import os
 import statistics
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
@@ -114,16 +114,10 @@ def shared(engine, texts: Texts, users: int, system_tokens: int, new_tokens: int
     for on in (False, True):
         cache_switch(engine, on)
         forget_all(engine)
-        got: dict[int, dict] = {}
-        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, reply(engine, prompts[i], new_tokens)))
-                   for i in range(users)]
         t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(users) as pool:  # sent together
+            rows = list(pool.map(lambda p: reply(engine, p, new_tokens), prompts))
         wall = time.perf_counter() - t0
-        rows = [got[i] for i in range(users)]
         key = "cache" if on else "no_cache"
         out[key] = {"prefilled_positions": sum(r["prompt"] - r["cached"] for r in rows),
                     "prompt_positions": sum(r["prompt"] for r in rows),

@@ -34,6 +34,25 @@ STOP_ID = 1000  # outside what `next_token` samples: a reply stops only where a 
 CORRUPT = VOCAB - 1  # what the fake samples where its row does not hold the whole history (never else)
 
 
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """A test prompt of n ids (BOS first), different per seed."""
+    return [2] + [(7 * i + 13 * seed) % 200 + 10 for i in range(n - 1)]
+
+
+def greedy(n: int):
+    from gemma4.model.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_new_tokens=n)
+
+
+def reply(eng, req) -> tuple[list[int], str, dict]:
+    """(token ids, finish reason, stats) of a submitted request, once it ends."""
+    last = None
+    for last in eng.tokens(req):
+        pass
+    return list(last.token_ids), last.finish_reason, last.stats
+
+
 def digest(history: Sequence[int]) -> int:
     """What the fake model makes of the tokens at positions [0, p) before position p."""
     return int(sum((i + 1) * int(t) for i, t in enumerate(history)) % VOCAB)

@@ -8,25 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve.engine.prefix_cache import Held, Match, PrefixCache, RingRule, content_keys
 from gemma4.serve.engine.step_plans import DeviceCall, Observer, PrefillChunk, PrefixCopy
-from tests.fake_engine import CORRUPT, expected, fake_engine, geometry
+from tests.fake_engine import CORRUPT, expected, fake_engine, geometry, greedy, prompt, reply
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    return [2] + [(7 * i + 13 * seed) % 200 + 10 for i in range(n - 1)]
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n)
-
-
-def _reply(eng, req):
-    last = None
-    for last in eng.tokens(req):
-        pass
-    return list(last.token_ids), last.finish_reason, last.stats
+_prompt, _params, _reply = prompt, greedy, reply  # tests/fake_engine.py's
 
 
 @pytest.fixture

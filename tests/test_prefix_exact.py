@@ -124,27 +124,22 @@ def test_a_history_longer_than_the_sliding_window_many_times_over():
         assert cached["token_ids"] == alone["token_ids"]
 
 
-def test_a_follow_up_about_an_image_reuses_its_soft_tokens():
+MEDIA = {  # a question about a medium, and the same question about another one
+    "image": (lambda seed: ask(png(40, 40, seed=seed), "Describe it.")),
+    "clip": (lambda seed: hear(wav(1.0, seed=seed), "What is said?")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MEDIA))
+def test_a_follow_up_about_a_medium_reuses_its_soft_tokens(kind):
     eng = reuse_compiled(tiny_gemma4())
-    msgs = ask(png(40, 40, seed=9), "Describe it.")
+    msgs = MEDIA[kind](9)
     first = conversation.generate(eng, msgs, SamplingParams(temperature=0.0, max_new_tokens=1), mode="chat")
     soft = first["stats"]["media"][0]["soft_tokens"]
     follow = msgs + [{"role": "assistant", "content": first["text"] or "ok"},
-                     {"role": "user", "content": "And its colours?"}]
+                     {"role": "user", "content": "And then?"}]
     cached, alone = _both(eng, follow)
     assert cached["stats"]["cached_tokens"] > soft
     assert cached["token_ids"] == alone["token_ids"]
-    other = ask(png(40, 40, seed=10), "Describe it.")  # another image: only the text before it matches
+    other = MEDIA[kind](10)  # another medium: only the text before it matches
     assert conversation.generate(eng, other, GREEDY, mode="chat")["stats"]["cached_tokens"] < 16
-
-
-def test_a_follow_up_about_a_clip_reuses_its_soft_tokens():
-    eng = reuse_compiled(tiny_gemma4())
-    msgs = hear(wav(1.0, seed=5), "What is said?")
-    first = conversation.generate(eng, msgs, SamplingParams(temperature=0.0, max_new_tokens=1), mode="chat")
-    soft = first["stats"]["media"][0]["soft_tokens"]
-    follow = msgs + [{"role": "assistant", "content": first["text"] or "ok"},
-                     {"role": "user", "content": "Say it again."}]
-    cached, alone = _both(eng, follow)
-    assert cached["stats"]["cached_tokens"] > soft
-    assert cached["token_ids"] == alone["token_ids"]

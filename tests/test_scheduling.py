@@ -16,30 +16,17 @@ import time
 import numpy as np
 import pytest
 
-from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve.engine.chunking import STARVE_S
 from gemma4.serve.engine.scheduler import Scheduler
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk
 from gemma4.serve.requests import RequestError, RequestRules
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
-from tests.fake_engine import (STOP_ID, FakeShapes, all_shapes, digest, expected, fake_engine, geometry,
-                               next_token)
+from tests.fake_engine import (STOP_ID, FakeShapes, all_shapes, digest, expected, fake_engine, geometry, greedy,
+                               next_token, prompt, reply)
 
 
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    return [2] + [(7 * i + 13 * seed) % 200 + 10 for i in range(n - 1)]
-
-
-def _params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n)
-
-
-def _reply(eng, req):
-    last = None
-    for last in eng.tokens(req):
-        pass
-    return list(last.token_ids), last.finish_reason, last.stats
+_prompt, _params, _reply = prompt, greedy, reply  # tests/fake_engine.py's
 
 
 @pytest.fixture
