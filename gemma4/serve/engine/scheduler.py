@@ -145,32 +145,30 @@ class Scheduler:
         return None
 
     def _admit_one(self) -> None:
-        """The first waiting request takes the lowest free row; its prefill starts at the next
-        chunk planned, and the shape of its first decode step is asked for now (compiled
-        meanwhile if new)."""
+        """The first waiting request takes a free row (`PrefixCache.place`: the one holding the
+        longest prefix of its prompt, else the lowest or least recently used); its prefill starts
+        at the next chunk planned (after a copy of the prefix it reuses), and the shape of its
+        first decode step is asked for now (compiled meanwhile if new)."""
         with self._lock:
             free = [r for r in range(self.geometry.max_batch) if r not in self._active]
             if not self._waiting or not free:
                 return
             req = self._waiting.pop(0)
-            self._take_row(req, free)
+            match = self.prefixes.place(req, free, self._active, self.geometry.decode_block)
+            source = self._active.get(match.source) if match is not None else None  # None: an idle row
             self._active[req.row] = req
             need_w = max(self._active) + 1
         if req.cancel.is_set():
             self._finish(req, "cancelled")
             return
         req.prefilled = 0
-        self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
-
-    def _take_row(self, req: Request, free: list[int]) -> None:
-        """(lock held) The row `req` takes, and the cached prefix it will reuse (`PrefixCache.place`)."""
-        match = self.prefixes.place(req, free, self._active, self.geometry.decode_block)
         needs = (CopyKey(), PrefillKey(self.geometry.first_bucket, False))  # the copy, a later chunk
-        if match is not None and all(self.shapes.book.usable(k) for k in needs):
-            req.reuse, req.reuse_from = match, self._active.get(match.source)
+        if match is not None and all(self.shapes.book.usable(k) for k in needs):  # (never under our lock:
+            req.reuse, req.reuse_from = match, source  # the compiled shapes ask whether we are idle)
         elif match is not None:  # compiled once idle (never beside a stream); this one prefills whole
             for key in needs:
                 self.shapes.book.queue_background(key)
+        self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
 
     def _plan_copy(self) -> PrefixCopy | None:
         """A waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`);
