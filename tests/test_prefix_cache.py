@@ -265,3 +265,38 @@ def test_the_fake_ring_shows_a_prefix_it_no_longer_holds():
         cache.write(1, length, 7)
         whole = cache.sample(1, 7, length) != CORRUPT
         assert whole == rule.whole(Held(np.arange(51), 51), length) == (length >= 46)
+
+
+def test_planning_never_asks_the_shapes_while_holding_the_schedulers_lock():
+    # The compile threads ask whether the engine is idle (Scheduler.idle, under the scheduler's
+    # lock) while holding their own: a scheduler that asked them under its lock would deadlock.
+    # Here every question to the shapes takes the scheduler's lock the same way.
+    import threading
+
+    from gemma4.serve.engine.scheduler import Scheduler
+    from gemma4.serve.engine.shape_choice import ShapeChoice
+    from gemma4.serve.requests import Request
+    from gemma4.serve.shape_keys import CopyKey
+    from tests.fake_engine import STOP_ID, FakeShapes, all_shapes
+
+    g = geometry(prefix_cache=True)
+
+    class AsksBack(FakeShapes):
+        sched = None
+
+        def usable(self, key):
+            self.sched.idle()  # takes the scheduler's lock (a plain Lock: not re-entrant)
+            return super().usable(key)
+
+        def queue_background(self, key):
+            self.sched.idle()
+            super().queue_background(key)
+
+    book = AsksBack(all_shapes(g) - {CopyKey()})
+    sched = book.sched = Scheduler(g, ShapeChoice(g, book), [STOP_ID])
+    sched.prefixes.keep(0, Held(np.asarray(prompt(40), np.int64), 40), now=0.0)
+    sched.submit(Request(prompt(40) + [7, 8], greedy(3), seed=0))
+    done = threading.Event()
+    threading.Thread(target=lambda: (sched.next_step(), done.set()), daemon=True).start()
+    assert done.wait(5), "planning deadlocked on the scheduler's own lock"
+    assert (CopyKey(), "background") in book.requests
