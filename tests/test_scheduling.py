@@ -392,3 +392,17 @@ def test_a_shapes_first_run_is_not_taken_for_its_chunk_cost(engines):
 def test_next_token_is_what_expected_assumes():
     first = next_token(9, 2, digest([2, 5]))
     assert expected([2, 5, 9], 2) == [first, next_token(first, 3, digest([2, 5, 9]))]
+
+
+def test_the_idle_work_is_asked_outside_the_schedulers_lock():
+    # The compiled shapes hold their lock while asking Scheduler.idle (the background queue moves
+    # only while idle); the engine's idle work takes theirs: asked under ours, the two deadlocked
+    # (seen in a full test run: the engine thread and a compile thread, each waiting on the other).
+    g = geometry()
+    sched = Scheduler(g, ShapeChoice(g, FakeShapes(all_shapes(g))), [STOP_ID])
+    got = []
+    t = threading.Thread(target=lambda: got.append(sched.wait_for_work(lambda: (sched.idle(), "first run")[1])),
+                         daemon=True)
+    t.start()
+    t.join(5)
+    assert got == ["first run"]

@@ -44,6 +44,7 @@ from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey, ShapeKey
 
 STOP = object()  # `wait_for_work`: the scheduler was stopped
+WAKE_S = 0.25  # `wait_for_work`'s longest sleep between looks at the idle work
 
 
 class Scheduler:
@@ -110,18 +111,19 @@ class Scheduler:
 
     def wait_for_work(self, idle_work: Callable[[], object | None] = lambda: None):
         """Block until there is something to do: True (requests to serve), an item of
-        `idle_work()` (called only while no request is queued or served: the engine gives a new
-        shape its first run), or STOP."""
-        with self._lock:
-            while True:
-                if self._stopped:
-                    return STOP
-                if self._waiting and len(self._active) < self.geometry.max_batch or self._active:
-                    return True
-                item = idle_work()
+        `idle_work()` (asked only while no request is queued or served, and never under our lock:
+        the compiled shapes hold theirs while they ask `idle()`; the engine gives a new shape its
+        first run), or STOP. A wake missed between the two is caught within WAKE_S."""
+        while True:
+            for asked in (False, True):
+                with self._lock:
+                    if self._stopped or self._waiting and len(self._active) < self.geometry.max_batch or self._active:
+                        return STOP if self._stopped else True
+                    if asked:
+                        self._wake.wait(WAKE_S)
+                item = None if asked else idle_work()
                 if item is not None:
                     return item
-                self._wake.wait()
 
     # ---------------------------------------------------------------- planning
     def next_step(self) -> StepPlan | None:
