@@ -225,6 +225,19 @@ def test_a_reuse_waits_for_no_compile(engines):
     assert stats["cached_tokens"] > 0
 
 
+def test_a_prefix_held_in_a_high_row_is_copied_down(engines):
+    # a lone stream decodes rows [0, width): reusing a prefix in row 3 would decode it 4 wide
+    eng = engines()
+    prompts = [prompt(30, 20 + i) for i in range(4)]
+    reqs = [eng.submit(p, greedy(3)) for p in prompts]  # rows 0-3, together
+    for r in reqs:
+        reply(eng, r)
+    assert reqs[3].row == 3
+    again, _, stats = _chat_turn(eng, prompts[3] + [60, 61], 3)
+    assert stats["cached_tokens"] == 30 and again.row < 2
+    assert [(c.source, c.request.row) for c in _copies(eng, again)] == [(3, again.row)]
+
+
 def test_a_row_keeps_only_what_was_written():
     cache = PrefixCache(RingRule())
     cache.keep(0, Held(np.arange(40), 0), now=1.0)  # admitted, cancelled before any chunk

@@ -182,21 +182,22 @@ class PrefixCache:
         return length if length >= MIN_REUSE and self.rule.whole(held, length) else 0
 
     def choose(self, keys: np.ndarray, free: Sequence[int], live: dict[int, Held],
-               spans: Sequence[tuple[int, int]] = (), cheap: int = 1) -> tuple[int, Match | None]:
+               spans: Sequence[tuple[int, int]] = (), cheap: int = CHEAP_ROWS) -> tuple[int, Match | None]:
         """(the row a new request with `keys` takes among `free`, what it reuses or None).
 
         It reuses the longest prefix any row holds (idle rows, and `live`: the rows of requests
-        being served); it takes that row when the row is free. Else it takes, among the free rows
-        below `cheap` (rows [0, cheap) decode no slower than the rows in use: a decode step runs
-        rows [0, width)), the one holding nothing, else the one used least recently; with none
-        free there, the lowest free row."""
+        being served); it takes that row when the row is free and below `cheap` (rows [0, cheap)
+        decode no slower than the rows in use: a decode step runs rows [0, width), and a lone
+        stream in a higher row would decode wider for its whole reply). Else it takes, among the
+        free rows below `cheap`, the one holding nothing, else the one used least recently (with
+        none free there, the lowest free row), and copies the prefix into it."""
         best: Match | None = None
         if self.enabled:
             for row, held in list(self._idle.items()) + list(live.items()):
                 length = self.reusable(keys, held, spans)
                 if length and (best is None or length > best.length or length == best.length and row in free):
                     best = Match(row, length)
-        if best is not None and best.source in free:
+        if best is not None and best.source in free and best.source < cheap:
             row = best.source
         else:
             pool = [r for r in free if r < cheap] or [min(free)]
@@ -215,6 +216,8 @@ class PrefixCache:
         req.prompt_keys = content_keys(req.prompt_ids, req.embeds, req.embed_mask)
         live = {row: held_by(r, decode_block) for row, r in active.items() if decode_block == 1 or r.prefilling}
         cheap = max(CHEAP_ROWS, max(active, default=-1) + 1)
+        copying = {r.reuse.source for r in active.values() if r.reuse is not None}  # sources of copies not run yet
+        free = [r for r in free if r not in copying] or free
         req.row, match = self.choose(req.prompt_keys, free, live, req.atomic_spans, cheap)
         return match
 
