@@ -65,11 +65,6 @@ def cache_switch(engine, on: bool) -> None:
     engine.scheduler.prefixes.enabled = on
 
 
-def forget_all(engine) -> None:
-    for row in range(engine.max_batch):
-        engine.scheduler.prefixes.forget(row)
-
-
 def reply(engine, prompt, n: int, mode: str = "chat") -> dict:
     out = conversation.generate(engine, prompt, SamplingParams(temperature=0.0, max_new_tokens=n), mode=mode)
     s = out["stats"]
@@ -113,7 +108,7 @@ def shared(engine, texts: Texts, users: int, system_tokens: int, new_tokens: int
     out = {}
     for on in (False, True):
         cache_switch(engine, on)
-        forget_all(engine)
+        engine.scheduler.prefixes.forget_all()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(users) as pool:  # sent together
             rows = list(pool.map(lambda p: reply(engine, p, new_tokens), prompts))
@@ -134,7 +129,7 @@ def unshared(engine, texts: Texts, users: int, new_tokens: int, log) -> dict:
     out = {}
     for on in (False, True, False, True):  # twice each, interleaved: drift shows as a difference between the pairs
         cache_switch(engine, on)
-        forget_all(engine)
+        engine.scheduler.prefixes.forget_all()
         rows = [reply(engine, p, new_tokens, mode="completion") for p in prompts]
         key = "cache" if on else "no_cache"
         out.setdefault(key, {"ttft_s": [], "decode_tok_s": []})

@@ -525,7 +525,6 @@ def worker_prefix(args) -> dict:
     """The prefix cache on the chip: a pasted document's second question (the next turn of its
     conversation, and a new request sending the document again), a long chat's next turn."""
     from gemma4.model.sampling_params import SamplingParams
-    from gemma4.serve.shape_keys import CopyKey, PrefillKey
 
     def ask(eng, ids: list[int], on: bool = True, new: int = 8) -> tuple[float, dict, list[int]]:
         eng.scheduler.prefixes.enabled = on
@@ -545,7 +544,7 @@ def worker_prefix(args) -> dict:
     try:
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
-        needs = [CopyKey(), PrefillKey(eng.started.geometry.first_bucket, False)]
+        needs = eng.started.geometry.reuse_shapes()
         for key in needs:  # what a reuse needs (until compiled, a request prefills its whole prompt)
             eng.shapes.request(key, now=True)
         for key in needs:

@@ -77,9 +77,7 @@ def _generate_together(engine: Engine, prompts) -> list[list[int]]:
 def _prefix_reuse(engine: Engine, prompt) -> dict:
     """The prefix cache on this mesh: a prompt starting with `prompt` (which a row holds, as its
     prefill wrote it) with the cache and without: {"cached", "reused", "whole"}."""
-    from gemma4.serve.shape_keys import CopyKey, PrefillKey
-
-    needs = [CopyKey(), PrefillKey(engine.started.geometry.first_bucket, False)]
+    needs = engine.started.geometry.reuse_shapes()
     for key in needs:
         engine.shapes.request(key, now=True)
     for key in needs:

@@ -24,7 +24,6 @@ import pytest
 
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
-from gemma4.serve.shape_keys import CopyKey, PrefillKey
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
 from tests.test_audio_serve import hear, wav
@@ -46,7 +45,7 @@ def cache_off(eng):
 def reuse_compiled(eng):
     """The shapes a reuse needs (the copy, a later chunk) compiled: until then a request with a
     prefix cached prefills its whole prompt (and queues them for when the engine is idle)."""
-    needs = [CopyKey(), PrefillKey(eng.started.geometry.first_bucket, False)]
+    needs = eng.started.geometry.reuse_shapes()
     for key in needs:
         eng.shapes.request(key, now=True)
     for key in needs:
@@ -98,8 +97,7 @@ def test_users_sharing_a_system_prompt(bundled):
     prompts = [[{"role": "system", "content": system}, {"role": "user", "content": a}] for a in asks]
     with cache_off(bundled):
         solo = [conversation.generate(bundled, p, GREEDY, mode="chat")["token_ids"] for p in prompts]
-    for row in range(bundled.max_batch):  # the rows hold nothing of it now
-        bundled.scheduler.prefixes.forget(row)
+    bundled.scheduler.prefixes.forget_all()  # the rows hold nothing of it now
     out: dict[int, dict] = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, conversation.generate(
         bundled, prompts[i], GREEDY, mode="chat"))) for i in range(len(prompts))]

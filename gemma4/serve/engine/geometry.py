@@ -125,6 +125,12 @@ class ServingGeometry:
         first chunk and its decode steps."""
         return PrefillKey(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])
 
+    def reuse_shapes(self) -> tuple[ShapeKey, ...]:
+        """What a request reusing a cached prefix runs before its decode steps: the row copy and a
+        later chunk of the first bucket (none compiles on its path: until they are compiled, such
+        a request prefills its whole prompt)."""
+        return CopyKey(), PrefillKey(self.first_bucket, False)
+
     def background_shapes(self) -> tuple[ShapeKey, ...]:
         """Every other shape a request can reach, in compile order: with the prefix cache, the
         row copy and the chat-turn buckets' later chunks first (a chat's next turn is a later

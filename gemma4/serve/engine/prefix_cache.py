@@ -164,7 +164,8 @@ class PrefixCache:
         self._idle.pop(row, None)
 
     def forget_all(self) -> None:
-        """The cache was lost (re-allocated empty)."""
+        """Nothing any row holds is known any more (the cache was lost and re-allocated empty; or a
+        test or benchmark wants every prompt prefilled afresh)."""
         self._idle.clear()
 
     def holding(self) -> dict[int, Held]:

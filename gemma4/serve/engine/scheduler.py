@@ -164,7 +164,7 @@ class Scheduler:
             self._finish(req, "cancelled")
             return
         req.prefilled = 0
-        needs = (CopyKey(), PrefillKey(self.geometry.first_bucket, False))  # the copy, a later chunk
+        needs = self.geometry.reuse_shapes()
         if match is not None and all(self.shapes.book.usable(k) for k in needs):  # (never under our lock:
             req.reuse, req.reuse_from = match, source  # the compiled shapes ask whether we are idle)
         elif match is not None:  # compiled once idle (never beside a stream); this one prefills whole
@@ -311,7 +311,7 @@ class Scheduler:
         if not decoding or not pending:
             return None
         req = pending[0]
-        start, n = req.prefilled, len(req.prompt_ids)
+        start = req.prefilled
         length = next_chunk(start, chunk_end(req, active.values()), MIXED_CHUNK, req.atomic_spans)
         if length > MIXED_CHUNK or (req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())):
             return None
