@@ -53,10 +53,12 @@ def _greedy_sampling(width):
 
 # The attention over the cache: XLA's, and the native kernel reading the cache in place
 # (gemma4.ops.kernels.cpu_attention; decode steps and chunks of up to 16 tokens).
-OPTIONS = {"xla": M.RunOptions(), "native": M.RunOptions(attention_sliding="native", attention_full="native")}
+# "blocks": XLA's, a later chunk's queries in blocks of 4 (M.QueryBlocks; the CPU plan's 64 at scale).
+OPTIONS = {"xla": M.RunOptions(), "native": M.RunOptions(attention_sliding="native", attention_full="native"),
+           "blocks": M.RunOptions(query_block=4)}
 
 
-@pytest.fixture(params=sorted(OPTIONS))
+@pytest.fixture(params=["native", "xla"])
 def attention(request):
     if request.param == "native" and not cpu_attention.available():
         pytest.skip(f"this CPU has no native kernel: {cpu_int8.load().message}")
@@ -150,6 +152,46 @@ def test_later_chunks_written_first_into_the_ring_equal_full_recompute(bucket, a
     assert kv_cache.ring_writes_first(ring, window, bucket) == (bucket <= kv_cache.ring_slack(window) + 1)
     prompt = _prompt(13, 30)
     assert greedy_cached([prompt], 10, buckets=(bucket,), attention=attention) == [greedy_full(prompt, 10)]
+
+
+@pytest.mark.parametrize("kv_format", ["native", "int8"])
+def test_later_chunks_in_query_blocks_equal_one_product(kv_format):
+    """Later chunks of 16 tokens attend in 4-query blocks (M.QueryBlocks): a full layer's block
+    over every cached slot, a sliding layer's over only the window before it gathered from the ring
+    (M.WindowKeys: 7 + 4 keys, not the ring's 10 beside the chunk), the ring wrapping many times and
+    KV-shared layers reading the producer's blocks. The same tokens as one product per chunk (which
+    the tests above hold to the whole prompt recomputed), and logits equal to float32 rounding."""
+    window = CFG.sliding_window
+    assert M._in_query_blocks(OPTIONS["blocks"], 8) and not M._in_query_blocks(OPTIONS["blocks"], 6)
+    assert kv_cache.slots_for(CFG.layers[0], CFG, MAX_LEN) >= window - 1  # the gathered window is distinct slots
+    prompt = _prompt(17, 53)
+    if kv_format == "native":  # (int8: the logits below; each compile of this model costs seconds)
+        blocked = greedy_cached([prompt], 6, buckets=(16,), attention="blocks")
+        assert blocked == greedy_cached([prompt], 6, buckets=(16,))
+    cache = kv_cache.init_cache(CFG, 1, MAX_LEN, jnp.float32, kv_format)
+    _, cache = prefill(cache, prompt[:37], 0, (16,))
+    toks, pos = jnp.asarray([prompt[37:53]], jnp.int32), jnp.arange(37, 53, dtype=jnp.int32)[None]
+    logits = {name: np.asarray(jax.jit(lambda p, c, o=OPTIONS[name]: M.forward(
+        p, CFG, toks, pos, c, options=o, contiguous=True)[0])(PARAMS, cache)) for name in ("xla", "blocks")}
+    np.testing.assert_allclose(logits["blocks"], logits["xla"], rtol=0, atol=2e-5 * np.abs(logits["xla"]).max())
+
+
+def test_window_keys_hold_each_visible_position_once():
+    """The window gathered for a chunk starting at p holds positions [p - W + 1, p) in order where
+    the ring has them, and nothing visible twice, also where p < W - 1 (slots of negative
+    positions hold nothing) and the ring holds older positions."""
+    window, S = 8, 10
+    for p in (0, 3, 7, 9, 10, 23):
+        ring_pos = np.full((1, S), -1, np.int32)
+        for x in range(max(0, p - S), p):
+            ring_pos[0, x % S] = x
+        kv = jnp.zeros((1, S, 1, 2))
+        positions = jnp.arange(p, p + 4, dtype=jnp.int32)[None]
+        keys = M._window_keys(kv, kv, jnp.asarray(ring_pos), jnp.zeros((1, 4, 1, 2)), jnp.zeros((1, 4, 1, 2)),
+                              positions, window)
+        got = np.asarray(keys.pos)[0]
+        want = [x if x >= 0 else -1 for x in range(p - window + 1, p)] + list(range(p, p + 4))
+        assert got.tolist() == want, (p, got)
 
 
 def test_long_padding_never_evicts_real_tokens():

@@ -56,7 +56,7 @@ def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, e
     groups = {} if vision_groups is None else {"vision_groups": vision_groups}
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options,
                                  logits_at=jnp.maximum(last, 0), attend_cache=not fresh, cache_row=row,
-                                 inputs_embeds=inputs, head=last[0] >= 0, **groups)
+                                 inputs_embeds=inputs, head=last[0] >= 0, contiguous=True, **groups)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
