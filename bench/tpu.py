@@ -35,6 +35,11 @@ Parts:
            again), a chat's next turn after a --prefix-history-token history (TTFT with the cache,
            without it, and of its new tokens alone); not in the default parts (its long prompts
            compile on first use).
+  long     long prompts (E2B bf16, one row, context --long-context): the first --long-lengths prompt
+           after ready (compiles on its path: issue 43), then each length warm: TTFT and prefill
+           tok/s; decode tok/s at the longest one's depth; --long-attention sets GEMMA4_ATTENTION
+           (auto: the plan's, the Pallas kernel for full layers; xla: before it). Not in the
+           default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -60,16 +65,17 @@ from gemma4.env import setting  # noqa: E402  (stdlib only, as gemma4.paths: the
 from gemma4.paths import cache_root  # noqa: E402
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
-OPTIONAL_PARTS = ("prefix",)
+OPTIONAL_PARTS = ("prefix", "long")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
 PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "loads": 200, "e4b": 360,
-                "prefix": 540}
+                "prefix": 540, "long": 570}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
     "engine_ready_cold_s": 60, "engine_ready_warm_s": 10, "batch64_tok_s": 2000, "ttft_128_ms": 20,
+    "long_prefill_tok_s_8k_32k": 30000, "long_prefill_tok_s_128k": 20000, "long_decode_tok_s_128k": 140,
 }
 
 
@@ -578,6 +584,53 @@ def worker_prefix(args) -> dict:
     return out
 
 
+def worker_long(args) -> dict:
+    """Long prompts on one row: the first after ready, then each length warm (TTFT, prefill tok/s),
+    and decode at the longest one's depth."""
+    from gemma4.model.sampling_params import SamplingParams
+
+    def ask(eng, ids: list[int], new: int) -> tuple[float, dict]:
+        t = time.perf_counter()
+        stream = eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=new)))
+        next(stream)
+        first = time.perf_counter() - t
+        last = None
+        for last in stream:
+            pass
+        return first, (last.stats if last is not None else {})
+
+    overrides = {"GEMMA4_DTYPE": "bfloat16", "GEMMA4_ATTENTION": args.attention}
+    out: dict = {"model": args.model, "context": args.context, "attention": args.attention, "lengths": {}}
+    t0 = time.perf_counter()
+    eng = _engine(args.model, max_batch=1, context=args.context, buckets=None, overrides=overrides)
+    try:
+        eng.wait_ready(timeout=args.limit)
+        out["ready_s"] = round(time.perf_counter() - t0, 1)
+        out["attention_full"] = eng.info()["hardware"]["plan"]["attention_full"]["value"]
+        vocab = eng.cfg.vocab_size
+        first = args.lengths[0]
+        ttft, _ = ask(eng, prompt_ids(first, vocab, seed=20), 2)
+        out["first_after_ready"] = {"tokens": first, "ttft_s": round(ttft, 2)}
+        for n in args.lengths:
+            if time.perf_counter() - t0 > args.limit - 60:
+                out["lengths"][n] = {"skipped": "the part's time limit"}
+                continue
+            new = 64 if n == args.lengths[-1] else 2
+            ttft, stats = ask(eng, prompt_ids(n, vocab, seed=21 + n % 97), new)
+            row = {"ttft_s": round(ttft, 3), "prefill_tok_s": round(n / ttft)}
+            if new > 2:
+                row["decode_tok_s_at_depth"] = stats.get("decode_tok_s")
+            out["lengths"][n] = row
+        if out["first_after_ready"]["tokens"] in out["lengths"]:
+            warm = out["lengths"][first].get("ttft_s")
+            out["first_over_warm"] = round(out["first_after_ready"]["ttft_s"] / warm, 2) if warm else None
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        eng.close()
+    return out
+
+
 def worker_app(args) -> dict:
     """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
     from bench.tpu_app import run_app_check
@@ -596,7 +649,7 @@ def _worker(fn):
 
 WORKERS = {name: _worker(fn) for name, fn in {
     "app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
-    "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix}.items()}
+    "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix, "long": worker_long}.items()}
 
 
 # ------------------------------------------------------------------------------ driver
@@ -642,6 +695,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-doc", type=int, default=32768, help="the prefix part's document, in tokens")
     ap.add_argument("--prefix-history", type=int, default=16384, help="the prefix part's chat history, in tokens")
     ap.add_argument("--prefix-context", type=int, default=40960, help="the prefix part's context window")
+    ap.add_argument("--long-context", type=int, default=131072, help="the long part's context window")
+    ap.add_argument("--long-lengths", default="8192,32768,131000", help="the long part's prompt lengths, in tokens")
+    ap.add_argument("--long-attention", default="auto", help="the long part's GEMMA4_ATTENTION (auto, xla, pallas)")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -717,6 +773,11 @@ def main(argv=None) -> int:
             report["parts"]["prefix"] = run_worker("prefix", {
                 "model": args.model, "context": args.prefix_context, "doc": args.prefix_doc,
                 "history": args.prefix_history, "limit": limit("prefix") - 30}, limit=limit("prefix"))
+        elif part == "long":
+            report["parts"]["long"] = run_worker("long", {
+                "model": args.model, "context": args.long_context, "attention": args.long_attention,
+                "lengths": [int(n) for n in args.long_lengths.split(",")], "limit": limit("long") - 30},
+                limit=limit("long"))
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
@@ -768,6 +829,9 @@ def summary(report: dict) -> dict:
             "doc_question_uncached_ttft_s", "doc_next_turn_ttft_s", "doc_next_turn_cached", "doc_resent_ttft_s",
             "doc_resent_cached", "chat_turn_ttft_s", "chat_turn_cached", "chat_turn_uncached_ttft_s",
             "new_tokens_alone_ttft_s", "chat_cached_over_alone", "error")}
+    if "long" in parts:
+        s["long"] = {k: parts["long"].get(k) for k in ("attention", "attention_full", "ready_s", "first_after_ready",
+                                                        "first_over_warm", "lengths", "error")}
     return s
 
 

@@ -142,8 +142,9 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
                 "quantization of the tied embedding / LM head alone", choices=_QUANT),
         Setting("GEMMA4_KV", CHOICE, "auto", "the KV cache's format", choices=("auto", "native", "int8", "fp8")),
         Setting("GEMMA4_ATTENTION", CHOICE, "auto",
-                "the attention path (native: the CPU kernel reading the KV cache in place)",
-                choices=("auto", "xla", "cudnn", "native")),
+                "the attention path (native: the CPU kernel reading the KV cache in place; pallas: the TPU "
+                "kernel for full layers' prefill chunks)",
+                choices=("auto", "xla", "cudnn", "native", "pallas")),
         Setting("GEMMA4_INT4_KERNEL", CHOICE, "auto", "the int4 product: the fused Pallas kernel or XLA's",
                 choices=("auto", "pallas", "xla")),
         Setting("GEMMA4_MATMUL_PRECISION", CHOICE, "auto", "jax's default matmul precision",

@@ -32,9 +32,9 @@ EXPECTED = {
     "l4": ("bfloat16", "none", "xla", "xla", "dequant+dot", None, True),
     "h100": ("bfloat16", "none", "cudnn", "xla", "pallas-int4", None, True),
     "h200": ("bfloat16", "none", "cudnn", "xla", "pallas-int4", None, True),
-    "tpu-v4": ("bfloat16", "none", "xla", "xla", "dequant+dot", "bfloat16", False),
-    "tpu-v5e": ("bfloat16", "none", "xla", "xla", "dequant+dot", "bfloat16", True),
-    "tpu-v6e": ("bfloat16", "none", "xla", "xla", "dequant+dot", "bfloat16", True),
+    "tpu-v4": ("bfloat16", "none", "xla", "pallas", "dequant+dot", "bfloat16", False),
+    "tpu-v5e": ("bfloat16", "none", "xla", "pallas", "dequant+dot", "bfloat16", True),
+    "tpu-v6e": ("bfloat16", "none", "xla", "pallas", "dequant+dot", "bfloat16", True),
     "unknown-gpu": ("float32", "none", "xla", "xla", "dequant+dot", None, False),
 }
 

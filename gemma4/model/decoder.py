@@ -35,7 +35,8 @@ class RunOptions:
     compute_dtype: str = "float32"
     # "xla" (einsum + softmax), a jax.nn.dot_product_attention impl, or "native": queries of up to
     # NATIVE_MAX_TOKENS per row attend over the cache read in place by the native CPU kernel
-    # (gemma4.ops.kernels.cpu_attention); other attention (a chunk over itself) stays XLA's
+    # (gemma4.ops.kernels.cpu_attention), or "pallas" (full layers): a prefill chunk attends over the
+    # cache row in the TPU kernel (gemma4.ops.kernels.tpu_attention); other attention stays XLA's
     attention_sliding: str = "xla"
     attention_full: str = "xla"
     rows_sharded: bool = False  # cache rows split over a mesh axis (gemma4.plan.sharding): rows read by mask
@@ -109,6 +110,10 @@ CAUSAL_BLOCK = 128
 # a few queries per row, where XLA:CPU's copies of the cache slices dominate. A long chunk's scores
 # are a real matrix product, which XLA's dot does better.
 NATIVE_MAX_TOKENS = 16
+
+# The Pallas cache attention (RunOptions attention_full "pallas", TPU) serves prefill chunks of at
+# least this many tokens; a decode step reads XLA's slots [0, kv_len).
+KERNEL_MIN_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +372,25 @@ def _reads_natively(spec: LayerSpec, cfg: ModelConfig, entry: dict, options: Run
             and _write_first(spec, cfg, entry, options.dtype, tokens))
 
 
+def _reads_in_kernel(spec: LayerSpec, entry: dict, options: RunOptions, batch: int, tokens: int) -> bool:
+    """Whether a chunk attends over this full layer's cache row in the Pallas kernel
+    (gemma4.ops.kernels.tpu_attention, which reads only the slots the chunk's positions reach):
+    chosen ("pallas") for full layers, one device, one row of a prefill chunk (a decode step keeps
+    XLA's read of slots [0, kv_len)), a cache of the compute dtype written before it is read, its
+    slots whole key blocks."""
+    if options.attention_full != "pallas" or spec.is_sliding or options.mesh is not None or options.rows_sharded:
+        return False
+    from gemma4.ops.kernels import tpu_attention  # deferred: Pallas costs ~0.7 s to import, only where chosen
+    return (batch == 1 and tokens >= KERNEL_MIN_TOKENS and "k_scale" not in entry
+            and entry["k"].dtype == jnp.dtype(options.dtype)
+            and tpu_attention.shape_ok(spec.head_dim, entry["pos"].shape[1], interpret=_interpret()))
+
+
+def _interpret() -> bool:
+    """Pallas kernels compile for a TPU; elsewhere (the CPU tests) they run interpreted."""
+    return jax.default_backend() != "tpu"
+
+
 def full_layers_read_natively(cfg: ModelConfig, options: RunOptions, kv_format: str) -> bool:
     """Whether every full-attention layer's decode (and fused-step) reads go through the native
     kernel (`_reads_natively`: a full layer with a native-format cache always writes before it
@@ -424,7 +448,8 @@ def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
         # mask keeps a sliding layer to its window). A later prefill chunk too where that is
         # exact (`_write_first`).
         new_cache[spec.index] = entry = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        if not vision and _reads_natively(spec, cfg, cache[spec.index], options, T):
+        if ((not vision and _reads_natively(spec, cfg, cache[spec.index], options, T))
+                or _reads_in_kernel(spec, entry, options, B, T)):  # (a full layer: no image mask)
             return CacheKeys(entry, cache_row + jnp.arange(B, dtype=jnp.int32), _slots(spec, entry, kv_len))
         return kv_cache.read(entry, dtype, cache_row, B, None if spec.is_sliding else kv_len, options.rows_sharded)
     ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B, None if spec.is_sliding else kv_len,
@@ -476,6 +501,12 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
     """Queries q [B, T] of one layer over (keys, values, key positions), or over a cache the native
     kernel reads in place (`CacheKeys`): [B, T, heads·d]."""
     window = cfg.sliding_window if spec.is_sliding else None
+    if isinstance(source, CacheKeys) and options.attention_full == "pallas" and not spec.is_sliding:
+        from gemma4.ops.kernels import tpu_attention  # deferred: see _reads_in_kernel
+        e = source.entry
+        out = tpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.rows[0], scale=cfg.attention_scale,
+                                   interpret=_interpret())
+        return out.reshape(q.shape[0], q.shape[1], -1)
     if isinstance(source, CacheKeys):
         e = source.entry
         out = cpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.rows, slots=source.slots,
@@ -496,7 +527,7 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
     if groups is not None and spec.is_sliding:
         mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
     impl = options.attention_sliding if spec.is_sliding else options.attention_full
-    impl = "xla" if impl == "native" else impl  # the kernel reads caches only (above)
+    impl = "xla" if impl in ("native", "pallas") else impl  # the kernels read caches only (above)
     return attend(q, keys, values, mask, cfg.attention_scale, impl, blocks)
 
 

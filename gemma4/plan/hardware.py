@@ -17,7 +17,8 @@ with the values it takes, in `gemma4.env`; the table: docs/settings.md):
     GEMMA4_DTYPE             auto | float32 | bfloat16 | float16
     GEMMA4_WEIGHTS           auto | none | int8 | int4
     GEMMA4_KV                auto | native | int8 | fp8
-    GEMMA4_ATTENTION         auto | xla | cudnn | native  (native: the CPU kernel reading the KV cache in place)
+    GEMMA4_ATTENTION         auto | xla | cudnn | native | pallas  (native: the CPU kernel reading the KV cache
+                             in place; pallas: the TPU kernel for full layers' prefill chunks)
     GEMMA4_INT4_KERNEL       auto | pallas | xla
     GEMMA4_MATMUL_PRECISION  auto | none | default | high | highest | bfloat16 | tensorfloat32 | float32
     GEMMA4_INT8_MATMUL       auto | measure | default | native-panels | native | xla-fused | xla-chunked | xla-i8x2 | xla-i8
@@ -457,8 +458,33 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                         "override")
 
     # ---------------------------------------------------------------- attention per layer type
+    def pallas_for(head_dim: int) -> tuple[bool, str]:
+        """Whether the TPU kernel takes a full layer's chunks here, and why (its VMEM arithmetic)."""
+        from gemma4.ops.kernels import tpu_attention  # deferred: pallas loads jax (not for `probe --simulate`)
+        gen = facts.tpu_generation or "unknown"
+        if gen not in TPU_SCOPED_VMEM_MIB:
+            return False, f"VMEM limit unknown for TPU generation {gen!r}"
+        if head_dim % tpu_attention.LANES:
+            return False, f"head_dim {head_dim} is not a multiple of {tpu_attention.LANES} lanes"
+        parts = tpu_attention.block_bytes(tpu_attention.BLOCK_Q, tpu_attention.BLOCK_K, head_dim, dtype)
+        need, limit = sum(parts.values()), TPU_SCOPED_VMEM_MIB[gen] * 1024 * 1024
+        arithmetic = (f"a {tpu_attention.BLOCK_Q}-row x {tpu_attention.BLOCK_K}-slot block of head_dim {head_dim} "
+                      f"needs {_kib(need)} ({', '.join(f'{k} {_kib(v)}' for k, v in parts.items())}) of "
+                      f"{_kib(limit)} scoped VMEM (TPU {gen})")
+        return need <= limit, arithmetic
+
     def attention_for(head_dim: int, kind: str) -> Choice:
-        if plat != "gpu" or facts.vendor != "nvidia" or cc is None:
+        if plat == "tpu" and kind == "full":
+            fits, arithmetic = pallas_for(head_dim)
+            if fits and dtype == "bfloat16":
+                auto_c = Choice("pallas", f"head_dim {head_dim}{geometry_note}: a prefill chunk attends over the "
+                                          f"cache row in the Pallas kernel, reading only the slots its positions "
+                                          f"reach ({arithmetic}); decode steps stay XLA's")
+            else:
+                why = arithmetic if not fits else f"compute is {dtype} (the kernel is used for bfloat16; XLA keeps float32 exact)"
+                auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: XLA einsum attention ({why})")
+            cud_block = f"cuDNN attention needs an NVIDIA GPU (this is {where})"
+        elif plat != "gpu" or facts.vendor != "nvidia" or cc is None:
             auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: XLA einsum attention "
                                    f"(cuDNN flash attention is NVIDIA-only)")
             cud_block = f"cuDNN attention needs an NVIDIA GPU (this is {where})"
@@ -484,6 +510,19 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
             return auto_c if want is None else dataclasses.replace(auto_c, source="override")
         if want == "xla":
             return Choice("xla", f"requested via GEMMA4_ATTENTION (auto would be {auto_c.value})", "override")
+        if want == "pallas":
+            if plat != "tpu":
+                return refuse(f"GEMMA4_ATTENTION=pallas refused for {kind} layers: the Pallas cache attention is a "
+                              f"TPU kernel (this is {where}); use GEMMA4_ATTENTION=auto", f"attention_{kind}", auto_c.value)
+            if kind == "sliding":
+                return Choice("xla", "GEMMA4_ATTENTION=pallas: the kernel serves full layers (slot = position); a "
+                                     "sliding layer's ring stays XLA's", "override")
+            fits, arithmetic = pallas_for(head_dim)
+            if not fits:
+                return refuse(f"GEMMA4_ATTENTION=pallas refused for full layers: {arithmetic}; use GEMMA4_ATTENTION=auto",
+                              "attention_full", "xla")
+            return Choice("pallas", f"requested via GEMMA4_ATTENTION: prefill chunks attend in the Pallas kernel "
+                                    f"({arithmetic}; checked at start-up)", "override")
         if want == "native":
             if plat != "cpu":
                 return refuse(f"GEMMA4_ATTENTION=native refused for {kind} layers: the native cache attention is a "
