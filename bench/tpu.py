@@ -285,13 +285,18 @@ def _device_steps(engine, steps: int) -> float:
 
 def _profile_steps(engine, folder: str, steps: int = 8) -> list[dict]:
     """The decode step's device time by op (a jax.profiler trace of `steps` steps): the top ops."""
+    return _profile(folder, lambda: _device_steps(engine, steps), steps)
+
+
+def _profile(folder: str, run, steps: int) -> list[dict]:
+    """Device time by op while `run()` runs (a jax.profiler trace), per one of its `steps`: the top ops."""
     import glob
 
     import jax
     from jax.profiler import ProfileData
 
     with jax.profiler.trace(folder):
-        _device_steps(engine, steps)
+        run()
     files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
     if not files:
         return [{"error": "no trace written"}]
@@ -600,12 +605,16 @@ def worker_long(args) -> dict:
         return first, (last.stats if last is not None else {})
 
     overrides = {"GEMMA4_DTYPE": "bfloat16", "GEMMA4_ATTENTION": args.attention}
-    out: dict = {"model": args.model, "context": args.context, "attention": args.attention, "lengths": {}}
+    out: dict = {"model": args.model, "context": args.context, "attention": args.attention, "lengths": {},
+                 "buckets": args.buckets}
     t0 = time.perf_counter()
-    eng = _engine(args.model, max_batch=1, context=args.context, buckets=None, overrides=overrides)
+    eng = _engine(args.model, max_batch=1, context=args.context, buckets=args.buckets, overrides=overrides)
     try:
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
+        out["buckets"] = list(eng.started.geometry.buckets)
+        deep = eng.started.geometry.decode_key(1, args.lengths[-1] + 64)  # decode at depth: compiled, not timed
+        eng.shapes.request(deep, now=True)
         out["attention_full"] = eng.info()["hardware"]["plan"]["attention_full"]["value"]
         vocab = eng.cfg.vocab_size
         first = args.lengths[0]
@@ -616,11 +625,18 @@ def worker_long(args) -> dict:
                 out["lengths"][n] = {"skipped": "the part's time limit"}
                 continue
             new = 64 if n == args.lengths[-1] else 2
+            if new > 2:
+                eng.shapes.wait_any([deep], timeout=max(10, args.limit - (time.perf_counter() - t0) - 60))
             ttft, stats = ask(eng, prompt_ids(n, vocab, seed=21 + n % 97), new)
             row = {"ttft_s": round(ttft, 3), "prefill_tok_s": round(n / ttft)}
             if new > 2:
                 row["decode_tok_s_at_depth"] = stats.get("decode_tok_s")
             out["lengths"][n] = row
+        if args.profile_length:  # where a warm prompt of this length spends the chip's time, per 512-token chunk
+            n = args.profile_length
+            out["profile"] = {"tokens": n, "top_ops_per_chunk": _profile(
+                tempfile.mkdtemp(prefix="gemma4-long-trace-"), lambda: ask(eng, prompt_ids(n, vocab, seed=5), 1),
+                max(1, n // 512))[:25]}
         if out["first_after_ready"]["tokens"] in out["lengths"]:
             warm = out["lengths"][first].get("ttft_s")
             out["first_over_warm"] = round(out["first_after_ready"]["ttft_s"] / warm, 2) if warm else None
@@ -698,6 +714,8 @@ def main(argv=None) -> int:
     ap.add_argument("--long-context", type=int, default=131072, help="the long part's context window")
     ap.add_argument("--long-lengths", default="8192,32768,131000", help="the long part's prompt lengths, in tokens")
     ap.add_argument("--long-attention", default="auto", help="the long part's GEMMA4_ATTENTION (auto, xla, pallas)")
+    ap.add_argument("--long-buckets", default=None, help="the long part's prompt buckets (default: the device's ladder)")
+    ap.add_argument("--long-profile", type=int, default=0, help="the long part: profile a warm prompt of this many tokens")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -776,7 +794,9 @@ def main(argv=None) -> int:
         elif part == "long":
             report["parts"]["long"] = run_worker("long", {
                 "model": args.model, "context": args.long_context, "attention": args.long_attention,
-                "lengths": [int(n) for n in args.long_lengths.split(",")], "limit": limit("long") - 30},
+                "lengths": [int(n) for n in args.long_lengths.split(",")], "limit": limit("long") - 30,
+                "buckets": [int(b) for b in args.long_buckets.split(",")] if args.long_buckets else None,
+                "profile_length": args.long_profile},
                 limit=limit("long"))
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]

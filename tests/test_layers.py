@@ -35,6 +35,9 @@ DEFERRED_IMPORTS: dict[tuple[str, str], str] = {
     ("gemma4/serve/probe.py", "gemma4.serve.engine.engine"): "only probe --measure runs an engine",
     ("gemma4/serve/probe.py", "gemma4.plan"): "hardware_checks: only the live device needs jax",
     ("gemma4/plan/hardware.py", "gemma4.ops.kernels.int4_matmul"): "int4 block arithmetic (jax)",
+    ("gemma4/plan/hardware.py", "gemma4.ops.kernels"): "tpu_attention's VMEM arithmetic (Pallas, jax)",
+    ("gemma4/plan/hardware_checks.py", "gemma4.ops.kernels"): "tpu_attention: self-tested where the plan chose it",
+    ("gemma4/model/decoder.py", "gemma4.ops.kernels"): "tpu_attention: Pallas (~0.7 s to import), where chosen",
     ("gemma4/plan/hardware_probe.py", "jax"): "the live probe; simulated facts need no jax",
     ("gemma4/plan/hardware_probe.py", "jaxlib"): "as jax",
     # Optional packages: their absence is a clear message only on the path that needs them.

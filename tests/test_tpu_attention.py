@@ -118,3 +118,24 @@ def test_the_plan_takes_the_kernel_on_tpus_in_bfloat16():
         policy(simulated_facts("cpu-amx"), None, {"attention": "pallas"}, env={})
     parts = TA.block_bytes(TA.BLOCK_Q, TA.BLOCK_K, 512, jnp.bfloat16)
     assert sum(parts.values()) <= hardware.TPU_SCOPED_VMEM_MIB["v5e"] * 2 ** 20
+
+
+def test_the_long_bucket_and_its_workspace_come_with_the_kernel():
+    """A 2,048-token bucket joins a TPU's ladder only where the kernel reads the full layers, and
+    the pre-flight's workspace follows: a chunk's scores over the ring beside it, not over the
+    whole context (E2B at 131,072 tokens: far smaller with the kernel, though its chunk is 4x)."""
+    from gemma4.model.config import preset
+    from gemma4.plan import preflight
+    from gemma4.serve.engine.geometry import KERNEL_LONG_BUCKET, serving_geometry
+
+    kw = dict(platform="tpu", decode_block=4, mesh_data=1, processes=1, max_batch=8, context=131072,
+              model_context=131072, buckets=None, full_layers_native=False, mixed_step=False)
+    assert serving_geometry(**kw, full_layers_kernel=True).buckets[-1] == KERNEL_LONG_BUCKET
+    assert KERNEL_LONG_BUCKET not in serving_geometry(**kw).buckets
+    assert preflight.PREFILL_CHUNK_KERNEL == KERNEL_LONG_BUCKET
+    assert M.full_layers_read_in_kernel(M.RunOptions(attention_full="pallas"), "native")
+    assert not M.full_layers_read_in_kernel(M.RunOptions(attention_full="pallas"), "int8")
+    plan = {"platform": "tpu", "compute_dtype": "bfloat16", "weight_dtype": "bfloat16"}
+    xla = preflight.workspace_bytes(preset("e2b"), {**plan, "attention_full": "xla"}, 131072, 1)["activations"]
+    kernel = preflight.workspace_bytes(preset("e2b"), {**plan, "attention_full": "pallas"}, 131072, 1)["activations"]
+    assert kernel < xla / 4

@@ -386,6 +386,13 @@ def _reads_in_kernel(spec: LayerSpec, entry: dict, options: RunOptions, batch: i
             and tpu_attention.shape_ok(spec.head_dim, entry["pos"].shape[1], interpret=_interpret()))
 
 
+def full_layers_read_in_kernel(options: RunOptions, kv_format: str) -> bool:
+    """Whether a prefill chunk's full layers read the cache in the Pallas kernel (`_reads_in_kernel`
+    where the layer's slots tile): then a chunk costs what it attends to, not the whole context."""
+    return (options.attention_full == "pallas" and options.mesh is None and not options.rows_sharded
+            and kv_format == "native")
+
+
 def _interpret() -> bool:
     """Pallas kernels compile for a TPU; elsewhere (the CPU tests) they run interpreted."""
     return jax.default_backend() != "tpu"

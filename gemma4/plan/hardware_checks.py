@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.model.config import ModelConfig, config_has_tower, preset
+from gemma4.model import decoder
 from gemma4.model.decoder import RunOptions
 from gemma4.model.params import cast_towers, has_tower
 from gemma4.ops import quant
@@ -115,8 +116,7 @@ def _self_test(plan: Plan) -> dict:
         head_dim = plan.head_dims[0 if kind == "sliding" else 1]
 
         def pallas_attn(d=head_dim):  # a later chunk over a cache row, against XLA's masked softmax
-            from gemma4.model import decoder
-            from gemma4.ops.kernels import tpu_attention
+            from gemma4.ops.kernels import tpu_attention  # deferred: Pallas, only where the plan chose it
             S, T, start = 2 * tpu_attention.BLOCK_K, 128, 700
             k = jnp.asarray(rng.standard_normal((2, S, 1, d)), dt)
             v = jnp.asarray(rng.standard_normal((2, S, 1, d)), dt)

@@ -59,8 +59,11 @@ RESERVE_BYTES = {"cpu": 768 * _MiB, "gpu": 384 * _MiB, "tpu": 256 * _MiB}
 # the model. 0.35 × the weights reproduces both measured peaks of docs/loading-and-memory.md
 # (bundled 1.26 GB, random:e2b 7.46 GB) with the fixed reserve above.
 CPU_RESERVE_PER_WEIGHT_BYTE = 0.35
-# The longest prefill chunk the engine runs (its largest default prompt bucket, serve/engine/geometry.py).
+# The longest prefill chunk the engine runs: its largest default prompt bucket (serve/engine/
+# geometry.py: PROMPT_BUCKETS' and ACCELERATOR_BUCKETS' 512; KERNEL_LONG_BUCKET where the Pallas
+# cache attention reads the full layers).
 PREFILL_CHUNK = 512
+PREFILL_CHUNK_KERNEL = 2048
 # `GEMMA4_PREFLIGHT=warn` starts anyway (the refusal becomes a warning), `off` skips the check
 # (`preflight_mode`).
 
@@ -74,7 +77,8 @@ def _formats(plan: Any) -> dict:
     return {"weight_dtype": value("weight_dtype", "float32"), "weights": value("weights", "none"),
             "embed_weights": value("embed_weights", value("weights", "none")), "kv": value("kv_cache", "native"),
             "compute_dtype": value("compute_dtype", "float32"), "group_size": int(value("int4_group_size", 64)),
-            "platform": value("platform", "cpu"), "encoder_dtype": value("encoder_dtype", None)}
+            "platform": value("platform", "cpu"), "encoder_dtype": value("encoder_dtype", None),
+            "attention_full": value("attention_full", "xla")}
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -115,7 +119,13 @@ def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
     fmt = _formats(plan)
     t, d = int(mesh.get("tensor", 1)), int(mesh.get("data", 1))
     act = _ITEMSIZE[fmt["compute_dtype"]]
-    T = min(PREFILL_CHUNK, context)
+    # A chunk's float32 scores over the keys it reads: the whole context in XLA's attention; with
+    # the Pallas cache attention (one device, the cache in the compute dtype:
+    # decoder.full_layers_read_in_kernel) a full layer's stay in VMEM, and a sliding layer's ring
+    # (window + slack, below 1.3 x window) beside the chunk is the largest matrix.
+    kernel = fmt["attention_full"] == "pallas" and t == 1 and d == 1 and fmt["kv"] == "native"
+    T = min(PREFILL_CHUNK_KERNEL if kernel else PREFILL_CHUNK, context)
+    keys = min(context, int(1.3 * (cfg.sliding_window or context)) + T) if kernel else context
     heads = _split(cfg.num_heads, t)
     mlp = _split(max(s.mlp_width for s in cfg.layers), t)
     if cfg.enable_moe:  # the routed experts' hidden activations beside the dense MLP
@@ -123,7 +133,7 @@ def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
     ple = cfg.num_layers * cfg.hidden_size_per_layer_input
     # prefill of one chunk: one layer's float32 scores over the whole context, the MLP's gate and
     # up, ~8 hidden-size buffers (residual, norms, q/k/v, attention out), the per-layer embeddings
-    prefill = heads * T * context * 4 + 2 * T * mlp * act + 8 * T * cfg.hidden_size * 4 + T * ple * 4
+    prefill = heads * T * keys * 4 + 2 * T * mlp * act + 8 * T * cfg.hidden_size * 4 + T * ple * 4
     # decode: float32 logits, the sampler's sorted copy and probabilities, and the scores
     decode = _split(batch, d) * (3 * _split(cfg.vocab_size, t) * 4 + heads * context * 4)
     parts = {"activations": max(prefill, decode)}

@@ -28,9 +28,18 @@ CHAT_BUCKET_MAX = 64  # buckets up to this size (chat turns) compile early in th
 # On an accelerator (TPU, GPU) a step streams the weights whatever its rows and, up to a few hundred,
 # its tokens (E2B on a TPU v5e: a 128-token chunk and a one-token step both ~6-9 ms), while every
 # shape costs 20-35 s of XLA compile (measured on a v5e). So an accelerator engine compiles few
-# shapes: two prompt buckets, the decode rows padded to at most three widths, a cache-length ladder
-# by factors of four, and no fused chunk-and-decode step (a CPU economy).
+# shapes: two prompt buckets (three with the cache attention kernel, below), the decode rows padded
+# to at most three widths, a cache-length ladder by factors of four, and no fused chunk-and-decode
+# step (a CPU economy).
 ACCELERATOR_BUCKETS = (128, 512)
+# Where a kernel reads the full layers' cache (the Pallas cache attention on a TPU), a chunk costs
+# what it attends to, not the whole context, and a long prompt's chunks of 2,048 stream the weights
+# once per 2,048 tokens, not per 512: E2B bf16 on a v5e, one row, context 131,072: 32,768 tokens
+# prefilled at 17.3k tok/s against 10.1k with 512 at most, 131,000 at 11.1k against 8.9k
+# (docs/tpu.md). The scheduler still sizes each chunk by its measured cost (chunking.py), so
+# running streams keep their gaps. Without the kernel a 2,048-token chunk's scores over a long
+# context would be 4x the pre-flight's workspace.
+KERNEL_LONG_BUCKET = 2048
 ACCELERATOR_FIRST_KV = 1024
 CPU_FIRST_KV = 512
 
@@ -158,7 +167,7 @@ class ServingGeometry:
 def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, processes: int, max_batch: int,
                      context: int | None, model_context: int, buckets: Sequence[int] | None,
                      full_layers_native: bool, mixed_step: bool, prefix_cache: bool = False, window: int = 0,
-                     ring_slots: int = 0) -> ServingGeometry:
+                     ring_slots: int = 0, full_layers_kernel: bool = False) -> ServingGeometry:
     """The one function that makes a `ServingGeometry`.
 
     platform, decode_block: the hardware plan's; mesh_data: the devices the cache's rows are split
@@ -167,13 +176,15 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
     DEFAULT_CONTEXT); model_context: the model's own maximum; buckets: the prompt buckets asked
     for (None: the device's ladder); full_layers_native: every full layer's decode read goes
     through the native cache attention (its cost does not grow with the slots it may read);
+    full_layers_kernel: a prefill chunk's full layers read the cache in the Pallas kernel (only the
+    slots it attends to: `KERNEL_LONG_BUCKET` joins an accelerator's ladder);
     mixed_step: the GEMMA4_MIXED_STEP setting; prefix_cache: the GEMMA4_PREFIX_CACHE setting (one
     process only: a copy between rows is not announced to the others); window, ring_slots: the
     sliding layers' (kv_cache.slots_for at this context), which bound what a row's ring still holds."""
     context_limit = context_window(context, model_context)
     accelerator = platform != "cpu"
     ladder = tuple(sorted({int(b) for b in buckets})) if buckets else (
-        ACCELERATOR_BUCKETS if accelerator else PROMPT_BUCKETS)
+        ACCELERATOR_BUCKETS + ((KERNEL_LONG_BUCKET,) if full_layers_kernel else ()) if accelerator else PROMPT_BUCKETS)
     widths = accelerator_widths(max_batch) if accelerator else decode_widths(max_batch)
     if mesh_data > 1:
         # Rows [0, w) of a cache split over `data` live on some devices only: every decode step

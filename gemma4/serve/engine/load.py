@@ -254,6 +254,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         processes=processes, max_batch=max_batch, context=context,
         model_context=cfg.max_position_embeddings, buckets=buckets,
         full_layers_native=M.full_layers_read_natively(cfg, options, plan.kv_cache.value),
+        full_layers_kernel=M.full_layers_read_in_kernel(options, plan.kv_cache.value),
         mixed_step=setting("GEMMA4_MIXED_STEP"), prefix_cache=setting("GEMMA4_PREFIX_CACHE"),
         **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
     kv_format = plan.kv_cache.value
