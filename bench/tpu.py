@@ -532,22 +532,29 @@ def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
     return out
 
 
+def _reply(eng, ids: list[int], new: int) -> tuple[float, dict, list[int]]:
+    """A greedy reply of `new` tokens: (seconds to its first token, its stats, its ids)."""
+    from gemma4.model.sampling_params import SamplingParams
+
+    t = time.perf_counter()
+    stream = eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=new)))
+    next(stream)
+    first = time.perf_counter() - t
+    last = None
+    for last in stream:
+        pass
+    return first, (last.stats if last is not None else {}), (list(last.token_ids) if last is not None else [])
+
+
 def worker_prefix(args) -> dict:
     """The prefix cache on the chip: a pasted document's second question (the next turn of its
     conversation, and a new request sending the document again), a long chat's next turn."""
-    from gemma4.model.sampling_params import SamplingParams
-
     def ask(eng, ids: list[int], on: bool = True, new: int = 8) -> tuple[float, dict, list[int]]:
         eng.scheduler.prefixes.enabled = on
-        t = time.perf_counter()
-        stream = eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=new)))
-        next(stream)
-        first = time.perf_counter() - t
-        last = None
-        for last in stream:
-            pass
-        eng.scheduler.prefixes.enabled = True
-        return first, (last.stats if last is not None else {}), (list(last.token_ids) if last is not None else [])
+        try:
+            return _reply(eng, ids, new)
+        finally:
+            eng.scheduler.prefixes.enabled = True
 
     out: dict = {"model": args.model, "context": args.context}
     t0 = time.perf_counter()
@@ -592,17 +599,8 @@ def worker_prefix(args) -> dict:
 def worker_long(args) -> dict:
     """Long prompts on one row: the first after ready, then each length warm (TTFT, prefill tok/s),
     and decode at the longest one's depth."""
-    from gemma4.model.sampling_params import SamplingParams
-
     def ask(eng, ids: list[int], new: int) -> tuple[float, dict]:
-        t = time.perf_counter()
-        stream = eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=new)))
-        next(stream)
-        first = time.perf_counter() - t
-        last = None
-        for last in stream:
-            pass
-        return first, (last.stats if last is not None else {})
+        return _reply(eng, ids, new)[:2]
 
     overrides = {"GEMMA4_DTYPE": "bfloat16", "GEMMA4_ATTENTION": args.attention}
     out: dict = {"model": args.model, "context": args.context, "attention": args.attention, "lengths": {},

@@ -1,24 +1,26 @@
 """A later prefill chunk's attention over a full layer's cache row: the Pallas kernel
 (gemma4/ops/kernels/tpu_attention.py) against XLA's masked softmax, on the accelerator.
 
-    python bench/tpu_attention.py [--slots 131072] [--chunk 512] [--starts 0,8192,32768,130560]
+    python bench/tpu_attention.py [--slots 131072] [--chunk 512] [--starts 0,8192,32768,130560] [--out DIR]
 
 E2B's full-layer geometry by default (8 query heads over 1 KV head of 512, bf16): for each chunk
 start, the kernel's time and XLA's (the decoder's `attend` over the whole row, as a later chunk
 runs without the kernel), the attention FLOPs the chunk really needs and the rate the kernel
 reaches on them, and the largest difference between the two outputs (bf16; float32 too with
---float32). One JSON line per start, and a summary; under $OUT too where that is set.
+--float32). One JSON line per start on stderr; the harness result `tpu-attention-…json` has them
+all (`rows`), with the backend and the device.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from bench import harness  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,7 +42,7 @@ def timed(fn, *args, repeats: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--slots", type=int, default=131072)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--float32", action="store_true", help="also compare the two in float32")
     ap.add_argument("--no-xla", action="store_true", help="time the kernel only")
     args = ap.parse_args(argv)
+    run = harness.Run("tpu-attention", args)
     interpret = jax.default_backend() != "tpu"
     S, T, nq, nkv, d = args.slots, args.chunk, args.heads, args.kv_heads, args.head_dim
     scale = d ** -0.5
@@ -77,13 +80,9 @@ def main(argv=None) -> int:
                 got = np.asarray(kernel(q, q_pos, k, v, k_pos).reshape(1, T, -1), np.float32)
                 ref = np.asarray(xla(q, q_pos, k, v, k_pos), np.float32)
                 row["max_abs_diff"] = float(np.max(np.abs(got - ref)))
-            print(json.dumps(row), flush=True)
+            run.log(json.dumps(row))
             rows.append(row)
-    result = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "rows": rows}
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "tpu-attention.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps({"device": result["device"], "best_speedup": max((r.get("speedup") or 0) for r in rows)}))
+    run.write({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "rows": rows})
     return 0
 
 
