@@ -129,11 +129,12 @@ class FakeTokenizer:
 def geometry(max_batch: int = 4, context_limit: int = 256, buckets: Sequence[int] = (8, 16, 32),
              kv_lengths: Sequence[int] = (128, 256), mixed_widths: Sequence[int] = (), decode_block: int = 1,
              widths: Sequence[int] | None = None, prefix_cache: bool = False, window: int = 0,
-             ring_slots: int = 0) -> ServingGeometry:
+             ring_slots: int = 0, smaller_stand_ins: bool = False) -> ServingGeometry:
     widths = tuple(widths) if widths is not None else tuple(w for w in (1, 2, 4, 8) if w < max_batch) + (max_batch,)
     return ServingGeometry(max_batch=max_batch, context_limit=context_limit, buckets=tuple(buckets),
                            widths=widths, kv_lengths=tuple(kv_lengths), mixed_widths=tuple(mixed_widths),
-                           decode_block=decode_block, prefix_cache=prefix_cache, window=window, ring_slots=ring_slots)
+                           decode_block=decode_block, prefix_cache=prefix_cache, window=window, ring_slots=ring_slots,
+                           smaller_stand_ins=smaller_stand_ins)
 
 
 def all_shapes(g: ServingGeometry) -> set[ShapeKey]:

@@ -219,6 +219,45 @@ def test_a_request_waits_for_its_own_shape_while_others_are_served(engines):
     assert _reply(eng, long)[0] == expected(_prompt(70, 3), 4)
 
 
+def test_on_an_accelerator_a_long_prompt_runs_in_smaller_shapes_while_its_own_compile(engines):
+    """An accelerator's geometry (`smaller_stand_ins`): the first bucket's later chunk is compiled
+    before ready, so a long prompt right after ready runs in first-bucket chunks while its own
+    larger shapes compile (asked for at once), and takes them as they land; its tokens are the
+    model's. Where not even a smaller later shape is compiled, the smallest is asked for too. A
+    CPU's geometry waits for its own shape instead."""
+    g = geometry(buckets=(16, 32, 64), smaller_stand_ins=True)
+    assert PrefillKey(16, False) in g.startup_shapes() and PrefillKey(16, False) not in g.background_shapes()
+    eng = engines(g, set(g.startup_shapes()) | {k for k in all_shapes(g) if isinstance(k, DecodeKey)})
+    eng.scheduler.chunk_override = {False: 64, True: 64}
+    prompt = _prompt(150, 5)
+
+    class LandsAfterTwoChunks(Calls):  # the 64-token later chunk's compile lands after two chunks
+        def before_call(self, call):
+            super().before_call(call)
+            if sum(isinstance(c.key, PrefillKey) for c in self.calls) == 2:
+                assert {(PrefillKey(64, True), True), (PrefillKey(64, False), True)} <= set(eng.shapes.requests)
+                eng.shapes.compile(PrefillKey(64, False))
+
+    with eng.observing(LandsAfterTwoChunks()) as seen:
+        ids, _, stats = _reply(eng, eng.submit(prompt, _params(4)))
+    runs = [c.key for c in seen.calls if isinstance(c.key, PrefillKey)]
+    assert runs[:3] == [PrefillKey(16, True), PrefillKey(16, False), PrefillKey(64, False)]
+    assert ids == expected(prompt, 4) and not stats["compiled"]
+
+    bare = engines(g, {PrefillKey(16, True)} | {k for k in all_shapes(g) if isinstance(k, DecodeKey)})
+    bare.scheduler.chunk_override = {False: 64, True: 64}
+    waiting = bare.submit(_prompt(150, 6), _params(2))
+    end = time.monotonic() + 5
+    while (PrefillKey(16, False), True) not in bare.shapes.requests and time.monotonic() < end:
+        time.sleep(0.001)
+    assert waiting.prefilled == 16 and (PrefillKey(64, False), True) in bare.shapes.requests
+    bare.shapes.compile(PrefillKey(16, False))
+    assert _reply(bare, waiting)[0] == expected(_prompt(150, 6), 2)
+
+    cpu = geometry(buckets=(16, 32, 64))
+    assert PrefillKey(16, False) not in cpu.startup_shapes()
+
+
 def test_rows_decode_alone_at_their_offset_while_no_width_covers_them(engines):
     g = geometry()
     compiled = {k for k in all_shapes(g) if not (isinstance(k, DecodeKey) and k.width > 1)}

@@ -59,9 +59,12 @@ class ShapeChoice:
         27 tok/s). So then its own shape stays in the background queue (compiled once the engine
         is idle); behind a larger stand-in it is compiled at once.
 
-        Not through several smaller chunks: each later chunk is a dispatch with the fixed cost of
-        one (and, on a fresh engine, a later-chunk shape of its own to compile), so a prompt
-        waiting for one compile gets its first token sooner."""
+        Where no larger shape is compiled: on a CPU not through several smaller chunks (each is a
+        dispatch with a fixed cost, and the compile shares the cores they run on), so a prompt
+        waiting for one compile gets its first token sooner; on an accelerator
+        (`geometry.smaller_stand_ins`) the largest smaller compiled shape runs the chunk while its
+        own compiles (the chunk shrinks to it: the scheduler), and where none is compiled the
+        smallest bucket's is asked for too (the quickest compile)."""
         ideal = PrefillKey(self.geometry.bucket_for(length), fresh, embeds)
         if self.book.usable(ideal):
             return ideal
@@ -70,7 +73,13 @@ class ShapeChoice:
             self.book.queue_background(ideal)
         else:
             self.book.request(ideal, now=not bigger)
-        return PrefillKey(bigger[0], fresh, embeds) if bigger else None
+        if bigger or not self.geometry.smaller_stand_ins:
+            return PrefillKey(bigger[0], fresh, embeds) if bigger else None
+        smaller = [b for b in self.geometry.buckets if b < ideal.bucket and self.book.usable(PrefillKey(b, fresh, embeds))]
+        if smaller:
+            return PrefillKey(smaller[-1], fresh, embeds)
+        self.book.request(PrefillKey(self.geometry.buckets[0], fresh, embeds), now=True)
+        return None
 
     def _decode_keys(self) -> list[DecodeKey]:
         return [k for k in self.book.usable_keys() if isinstance(k, DecodeKey)]
