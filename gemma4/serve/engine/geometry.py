@@ -106,11 +106,12 @@ class ServingGeometry:
     window: int = 0  # the sliding layers' window (0: none), and the slots of their ring in the cache
     ring_slots: int = 0
     # A prompt chunk whose own shape is not compiled runs in a smaller compiled one meanwhile
-    # (`shape_choice.ShapeChoice.chunk_key`), and the first bucket's later chunk compiles before
-    # ready: an accelerator's. There a compile takes tens of seconds of the host's other cores
-    # while the chip would idle (E2B on a v5e: the first 8,192-token prompt after ready waited
-    # 69-127 s for its 512 and 2,048 shapes, 0.38 s warm); a CPU's compile shares the cores the
-    # chunks run on, and its smallest buckets' fixed costs make many small chunks slow.
+    # (`shape_choice.ShapeChoice.chunk_key`), and the first bucket's later chunk compiles first
+    # after ready: an accelerator's. There a compile takes tens of seconds of the host's other
+    # cores while the chip would idle (E2B on a v5e: the first 8,192-token prompt after ready
+    # waited 69-127 s for its 512 and 2,048 shapes, 0.38 s warm; in first-bucket chunks 5.6 s); a
+    # CPU's compile shares the cores the chunks run on, and its smallest buckets' fixed costs make
+    # many small chunks slow. (Compiled before ready it cost a cold start 17 s: 56 → 74 s.)
     smaller_stand_ins: bool = False
 
     def bucket_for(self, n: int) -> int:
@@ -139,8 +140,7 @@ class ServingGeometry:
     def startup_shapes(self) -> tuple[ShapeKey, ...]:
         """The shapes compiled (and run once) before the engine says ready: a short request's
         first chunk and its decode steps."""
-        first = (PrefillKey(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0]))
-        return first + ((PrefillKey(self.first_bucket, False),) if self.smaller_stand_ins else ())
+        return PrefillKey(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])
 
     def reuse_shapes(self) -> tuple[ShapeKey, ...]:
         """What a request reusing a cached prefix runs before its decode steps: the row copy and a
@@ -161,7 +161,8 @@ class ServingGeometry:
         reuse = [CopyKey()] + [PrefillKey(b, False) for b in self.buckets if b <= CHAT_BUCKET_MAX] if self.prefix_cache else []
         later = [PrefillKey(b, False) for b in self.buckets if not (self.prefix_cache and b <= CHAT_BUCKET_MAX)
                  and not (self.smaller_stand_ins and b == b0)]
-        return tuple(reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
+        stand_in = [PrefillKey(b0, False)] if self.smaller_stand_ins and PrefillKey(b0, False) not in reuse else []
+        return tuple(stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
                      + later
                      + [MixedKey(w, n0) for w in self.mixed_widths]
                      + long
