@@ -41,6 +41,11 @@ Parts:
            tok/s; decode tok/s at the longest one's depth; --long-attention sets GEMMA4_ATTENTION
            (auto: the plan's, the Pallas kernel for full layers; xla: before it). Not in the
            default parts.
+  users    simultaneous users the moment an engine says ready (--users-configs users:rows:context,
+           default 8 on the app's engine, 8 rows and context 4,096, then 64 on 64 rows at 1,024):
+           each user's seconds from sending a --users-prompt-token prompt to its first token, and
+           the aggregate tok/s from ready to the last token (--users-new each). Not in the
+           default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -66,17 +71,18 @@ from gemma4.env import setting  # noqa: E402  (stdlib only, as gemma4.paths: the
 from gemma4.paths import cache_root  # noqa: E402
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
-OPTIONAL_PARTS = ("prefix", "long")
+OPTIONAL_PARTS = ("prefix", "long", "users")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
 PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "loads": 200, "e4b": 360,
-                "prefix": 540, "long": 570}
+                "prefix": 540, "long": 570, "users": 480}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
     "engine_ready_cold_s": 60, "engine_ready_warm_s": 10, "batch64_tok_s": 2000, "ttft_128_ms": 20,
     "long_prefill_tok_s_8k_32k": 30000, "long_prefill_tok_s_128k": 20000, "long_decode_tok_s_128k": 140,
+    "users_8_last_first_token_ms": 60, "users_8_aggregate_tok_s_from_ready": 900,
 }
 
 
@@ -654,6 +660,51 @@ def worker_long(args) -> dict:
     return out
 
 
+def worker_users(args) -> dict:
+    """`users` requests sent together the moment an engine (`rows` rows, the engine's own ladder)
+    says ready: each one's time to its first token, and the aggregate from ready to the last token."""
+    import threading
+
+    from gemma4.model.sampling_params import SamplingParams
+
+    out: dict = {"model": args.model, "users": args.users, "rows": args.rows, "context": args.context,
+                 "prompt": args.prompt, "new": args.new}
+    t0 = time.perf_counter()
+    eng = _engine(args.model, max_batch=args.rows, context=args.context, buckets=None, mesh="auto")
+    try:
+        eng.wait_ready(timeout=args.limit)
+        ready = time.perf_counter()
+        out["ready_s"] = round(ready - t0, 1)
+        first: list = [None] * args.users
+        counts, ends = [0] * args.users, [ready] * args.users
+
+        def user(i: int) -> None:
+            ids = prompt_ids(args.prompt, eng.cfg.vocab_size, seed=300 + i)
+            sent = time.perf_counter()
+            for _ in eng.tokens(eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=args.new))):
+                if first[i] is None:
+                    first[i] = time.perf_counter() - sent
+                counts[i] += 1
+            ends[i] = time.perf_counter()
+
+        threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(args.users)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(max(1.0, args.limit - (time.perf_counter() - t0)))
+        got = sorted(x for x in first if x is not None)
+        out["ttft_ms"] = [round(1e3 * x, 1) for x in got]
+        out["last_first_token_ms"] = round(1e3 * got[-1], 1) if got else None
+        out["users_done"] = sum(1 for th in threads if not th.is_alive())
+        out["tokens"] = sum(counts)
+        out["aggregate_tok_s_from_ready"] = round(sum(counts) / max(1e-9, max(ends) - ready), 1)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        eng.close()
+    return out
+
+
 def worker_app(args) -> dict:
     """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
     from bench.tpu_app import run_app_check
@@ -672,7 +723,8 @@ def _worker(fn):
 
 WORKERS = {name: _worker(fn) for name, fn in {
     "app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
-    "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix, "long": worker_long}.items()}
+    "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix, "long": worker_long,
+    "users": worker_users}.items()}
 
 
 # ------------------------------------------------------------------------------ driver
@@ -723,6 +775,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-attention", default="auto", help="the long part's GEMMA4_ATTENTION (auto, xla, pallas)")
     ap.add_argument("--long-buckets", default=None, help="the long part's prompt buckets (default: the device's ladder)")
     ap.add_argument("--long-profile", type=int, default=0, help="the long part: profile a warm prompt of this many tokens")
+    ap.add_argument("--users-configs", default="8:8:4096,64:64:1024", help="the users part: users:rows:context;...")
+    ap.add_argument("--users-prompt", type=int, default=128, help="the users part's prompt, in tokens")
+    ap.add_argument("--users-new", type=int, default=64, help="the users part's reply, in tokens")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -805,6 +860,17 @@ def main(argv=None) -> int:
                 "buckets": [int(b) for b in args.long_buckets.split(",")] if args.long_buckets else None,
                 "profile_length": args.long_profile},
                 limit=limit("long"))
+        elif part == "users":  # each configuration in a process of its own (a cold engine each time)
+            rows = []
+            for spec in args.users_configs.split(","):
+                users, n_rows, context = (int(x) for x in spec.split(":"))
+                if left() < 60:
+                    rows.append({"config": spec, "skipped": f"{left():.0f} s of the deadline left"})
+                    continue
+                rows.append(run_worker("users", {"model": args.model, "users": users, "rows": n_rows,
+                                                 "context": context, "prompt": args.users_prompt, "new": args.users_new,
+                                                 "limit": limit("users") - 30}, limit=limit("users")))
+            report["parts"]["users"] = {"configs": rows}
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
@@ -856,6 +922,10 @@ def summary(report: dict) -> dict:
             "doc_question_uncached_ttft_s", "doc_next_turn_ttft_s", "doc_next_turn_cached", "doc_resent_ttft_s",
             "doc_resent_cached", "chat_turn_ttft_s", "chat_turn_cached", "chat_turn_uncached_ttft_s",
             "new_tokens_alone_ttft_s", "chat_cached_over_alone", "error")}
+    if "users" in parts:
+        s["users"] = [{k: r.get(k) for k in ("users", "rows", "ready_s", "last_first_token_ms",
+                                                "aggregate_tok_s_from_ready", "users_done", "error", "skipped")}
+                      for r in parts["users"].get("configs", [])]
     if "long" in parts:
         s["long"] = {k: parts["long"].get(k) for k in ("attention", "attention_full", "ready_s", "first_after_ready",
                                                         "first_over_warm", "lengths", "error")}
