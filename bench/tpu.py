@@ -53,6 +53,7 @@ Speed targets are printed beside the figures; nothing here asserts them (tests a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -539,6 +540,18 @@ def _aggregate(eng, rows: int, prompt: int, new: int, limit: float) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _engine_result(eng, out: dict):
+    """A part's measurements on `eng`: an exception becomes the part's `error` (its figures so far
+    kept), and the engine is closed either way."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - a part's failure is its result
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        eng.close()
+
+
 def _reply(eng, ids: list[int], new: int) -> tuple[float, dict, list[int]]:
     """A greedy reply of `new` tokens: (seconds to its first token, its stats, its ids)."""
     from gemma4.model.sampling_params import SamplingParams
@@ -566,7 +579,7 @@ def worker_prefix(args) -> dict:
     out: dict = {"model": args.model, "context": args.context}
     t0 = time.perf_counter()
     eng = _engine(args.model, max_batch=2, context=args.context, buckets=None, overrides={"GEMMA4_DTYPE": "bfloat16"})
-    try:
+    with _engine_result(eng, out):
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
         needs = eng.started.geometry.reuse_shapes()
@@ -596,10 +609,6 @@ def worker_prefix(args) -> dict:
         ask(eng, alone, on=False)
         out["new_tokens_alone_ttft_s"] = round(ask(eng, alone, on=False)[0], 3)
         out["chat_cached_over_alone"] = round(out["chat_turn_ttft_s"] / out["new_tokens_alone_ttft_s"], 2)
-    except Exception as e:  # noqa: BLE001
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        eng.close()
     return out
 
 
@@ -614,7 +623,7 @@ def worker_long(args) -> dict:
                  "buckets": args.buckets}
     t0 = time.perf_counter()
     eng = _engine(args.model, max_batch=1, context=args.context, buckets=args.buckets, overrides=overrides)
-    try:
+    with _engine_result(eng, out):
         eng.wait_ready(timeout=args.limit)
         out["ready_s"] = round(time.perf_counter() - t0, 1)
         out["buckets"] = list(eng.started.geometry.buckets)
@@ -653,10 +662,6 @@ def worker_long(args) -> dict:
         if out["first_after_ready"]["tokens"] in out["lengths"]:
             warm = out["lengths"][first].get("ttft_s")
             out["first_over_warm"] = round(out["first_after_ready"]["ttft_s"] / warm, 2) if warm else None
-    except Exception as e:  # noqa: BLE001
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        eng.close()
     return out
 
 
@@ -671,7 +676,7 @@ def worker_users(args) -> dict:
                  "prompt": args.prompt, "new": args.new}
     t0 = time.perf_counter()
     eng = _engine(args.model, max_batch=args.rows, context=args.context, buckets=None, mesh="auto")
-    try:
+    with _engine_result(eng, out):
         eng.wait_ready(timeout=args.limit)
         ready = time.perf_counter()
         out["ready_s"] = round(ready - t0, 1)
@@ -698,10 +703,6 @@ def worker_users(args) -> dict:
         out["users_done"] = sum(1 for th in threads if not th.is_alive())
         out["tokens"] = sum(counts)
         out["aggregate_tok_s_from_ready"] = round(sum(counts) / max(1e-9, max(ends) - ready), 1)
-    except Exception as e:  # noqa: BLE001
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        eng.close()
     return out
 
 
