@@ -39,7 +39,7 @@ from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.prefix_cache import PrefixCache, RingRule, chunk_end, copy_now, held_by
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefixCopy,
-                                            StepPlan, decode_dispatch, mixed_step, prefill_chunk)
+                                            StepPlan, block_steps, decode_dispatch, mixed_step, prefill_chunk)
 from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey, ShapeKey
 
@@ -281,22 +281,11 @@ class Scheduler:
         return DecodeBlock(block.key, steps, True, decoding, block.started_with, block.active, measured=True)
 
     def _block_steps(self, decoding: dict[int, Request], ahead: int, kv_len: int) -> int:
-        """How many steps the next block of `decoding` may run, `ahead` steps dispatched and
-        unread: one while another request waits for its prompt (it is served between blocks),
-        else up to decode_block, no further than the rows still need, the context window and the
-        compiled cache length allow. 0: nothing more to dispatch."""
+        """`step_plans.block_steps` for these rows now (busy: a request waits for its prompt)."""
         with self._lock:
             busy = bool(self._waiting) or any(r.prefilling for r in self._active.values())
-        if any(r.cancel.is_set() for r in decoding.values()):
-            return 0 if ahead else 1
-        block = self.geometry.decode_block
-        furthest = max(r.position for r in decoding.values()) + ahead  # the next position written
-        need = max(r.params.max_new_tokens - r.generated for r in decoding.values()) - ahead
-        room = min(self.geometry.context_limit, kv_len) - furthest
-        steps = min(block, need, room, 1 if busy else block)
-        if ahead and (busy or steps < 1):
-            return 0
-        return max(1, steps)
+        return block_steps(decoding, ahead, block=self.geometry.decode_block,
+                           limit=min(self.geometry.context_limit, kv_len), busy=busy)
 
     def _plan_mixed(self) -> MixedStep | None:
         """A fused step where it applies: some rows decoding, the next prompt in `prefill_order`

@@ -122,6 +122,21 @@ class DecodeBlock:
         return tuple(self.rows.values())
 
 
+def block_steps(rows: dict[int, Request], ahead: int, *, block: int, limit: int, busy: bool) -> int:
+    """How many steps the next block of decoding `rows` may run, `ahead` steps dispatched and
+    unread: one while another request waits for its prompt (`busy`: it is served between blocks),
+    else up to `block`, no further than the rows still need and `limit` (the context window or the
+    compiled cache length, whichever ends first) allows. 0: nothing more to dispatch."""
+    if any(r.cancel.is_set() for r in rows.values()):
+        return 0 if ahead else 1
+    furthest = max(r.position for r in rows.values()) + ahead  # the next position written
+    need = max(r.params.max_new_tokens - r.generated for r in rows.values()) - ahead
+    steps = min(block, need, limit - furthest, 1 if busy else block)
+    if ahead and (busy or steps < 1):
+        return 0
+    return max(1, steps)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class MixedStep:
     """A prompt chunk of `request` (up to shape_keys.MIXED_CHUNK tokens) and one decode token per
