@@ -378,7 +378,7 @@ def _reads_in_kernel(spec: LayerSpec, entry: dict, options: RunOptions, batch: i
     chosen ("pallas") for full layers, one device, one row of a prefill chunk (a decode step keeps
     XLA's read of slots [0, kv_len)), a cache of the compute dtype written before it is read, its
     slots whole key blocks."""
-    if options.attention_full != "pallas" or spec.is_sliding or options.mesh is not None or options.rows_sharded:
+    if spec.is_sliding or not _kernel_chosen(options):
         return False
     from gemma4.ops.kernels import tpu_attention  # deferred: Pallas costs ~0.7 s to import, only where chosen
     return (batch == 1 and tokens >= KERNEL_MIN_TOKENS and "k_scale" not in entry
@@ -389,8 +389,12 @@ def _reads_in_kernel(spec: LayerSpec, entry: dict, options: RunOptions, batch: i
 def full_layers_read_in_kernel(options: RunOptions, kv_format: str) -> bool:
     """Whether a prefill chunk's full layers read the cache in the Pallas kernel (`_reads_in_kernel`
     where the layer's slots tile): then a chunk costs what it attends to, not the whole context."""
-    return (options.attention_full == "pallas" and options.mesh is None and not options.rows_sharded
-            and kv_format == "native")
+    return _kernel_chosen(options) and kv_format == "native"
+
+
+def _kernel_chosen(options: RunOptions) -> bool:
+    """The Pallas cache attention chosen for full layers, on one device (no mesh, rows unsplit)."""
+    return options.attention_full == "pallas" and options.mesh is None and not options.rows_sharded
 
 
 def _interpret() -> bool:

@@ -62,11 +62,6 @@ def shape_ok(head_dim: int, slots: int, interpret: bool = False) -> bool:
     return key_block(slots) is not None and (interpret or head_dim % LANES == 0)
 
 
-def _query_block(rows: int, block_q: int) -> int:
-    """The query rows per block: block_q, or all rows where they are fewer (a multiple of 8)."""
-    return min(block_q, rows)
-
-
 def _kernel(row_ref, last_ref, q_ref, qpos_ref, k_ref, v_ref, kpos_ref, o_ref, m_sc, l_sc, acc_sc, *,
             scale: float, block_k: int):
     i, j = pl.program_id(1), pl.program_id(2)
@@ -109,7 +104,7 @@ def attend(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, k_pos: ja
     R, S, nkv, _ = k.shape
     g = nq // nkv
     rows = g * T
-    bq = _query_block(rows, block_q)
+    bq = min(block_q, rows)  # all the rows where they are fewer than a block
     block_k = block_k or key_block(S)
     if not shape_ok(d, S, interpret) or block_k is None:
         raise ValueError(f"tpu_attention: head dim {d} or {S} slots do not tile into {LANES}-lane key blocks")

@@ -154,20 +154,21 @@ class ServingGeometry:
         chunk after its cached history); the chat-turn buckets, the other widths, the later-chunk
         shapes (a prompt longer than one chunk), the fused steps,
         the longer buckets, and every width at the longer cache lengths — so that on an engine
-        idle long enough none compiles on a request's path."""
+        idle long enough none compiles on a request's path. A shape listed twice compiles at its
+        first place (the later chunks the prefix cache or a stand-in wants early)."""
         b0, n0 = self.first_bucket, self.kv_lengths[0]
         short = [PrefillKey(b, True) for b in self.buckets if b <= CHAT_BUCKET_MAX and b != b0]
         long = [PrefillKey(b, True) for b in self.buckets if b > CHAT_BUCKET_MAX and b != b0]
         reuse = [CopyKey()] + [PrefillKey(b, False) for b in self.buckets if b <= CHAT_BUCKET_MAX] if self.prefix_cache else []
-        later = [PrefillKey(b, False) for b in self.buckets if not (self.prefix_cache and b <= CHAT_BUCKET_MAX)
-                 and not (self.smaller_stand_ins and b == b0)]
+        later = [PrefillKey(b, False) for b in self.buckets]
         stand_in = [PrefillKey(b0, False)] if self.smaller_stand_ins and PrefillKey(b0, False) not in reuse else []
-        return tuple(stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
-                     + later
-                     + [MixedKey(w, n0) for w in self.mixed_widths]
-                     + long
-                     + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
-                     + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]])
+        return tuple(dict.fromkeys(
+            stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
+            + later
+            + [MixedKey(w, n0) for w in self.mixed_widths]
+            + long
+            + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
+            + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]]))
 
     def narrowed(self, **fields) -> "ServingGeometry":
         """A copy with some ladders replaced (benchmarks and tests that serve fewer shapes)."""
