@@ -186,6 +186,9 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
         Setting("GEMMA4_PREFILL_CHUNK_ALONE", INTEGER, None,
                 "prefill chunk in tokens when no stream runs, as GEMMA4_PREFILL_CHUNK", low=1),
         Setting("GEMMA4_MIXED_STEP", SWITCH, True, "fused steps: a prefill chunk runs with the decode rows"),
+        Setting("GEMMA4_PACK_PROMPTS", INTEGER, None,
+                "how many prompts' first chunks may share one dispatch (1: each alone; at most the rows); "
+                "unset: 8 on an accelerator with one process and unsplit rows, 1 on a CPU", low=1),
         Setting("GEMMA4_PREFIX_CACHE", SWITCH, True,
                 "the prefix cache: a request reuses the start of its prompt that a cache row already holds "
                 "(a chat's earlier turns, a shared system prompt) and prefills only the rest"),
@@ -195,6 +198,11 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
         Setting("GEMMA4_COMPILE_AHEAD", SWITCH, None,
                 "compile from the parameters' planned shapes while the weights load; unset: on an "
                 "accelerator with one device", auto=True),
+        Setting("GEMMA4_READY_SHAPES", CHOICE, "auto",
+                "the shapes compiled before the engine says ready (short: a short prompt's first chunk "
+                "and one row's decode; users: also several users' packed first chunks and their decode "
+                "rows; auto: users on an accelerator whose first chunks are packed, short elsewhere)",
+                choices=("auto", "short", "users")),
         Setting("GEMMA4_LOAD_AHEAD", SWITCH, True,
                 "load the stored executables while the weights load (off: after them)"),
         Setting("GEMMA4_JAX_CACHE", TEXT, None,

@@ -26,7 +26,8 @@ import numpy as np
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.startup import Started
-from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk, PrefixCopy
+from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk, PrefillPack,
+                                            PrefixCopy)
 from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
 
 VOCAB = 1000
@@ -129,12 +130,12 @@ class FakeTokenizer:
 def geometry(max_batch: int = 4, context_limit: int = 256, buckets: Sequence[int] = (8, 16, 32),
              kv_lengths: Sequence[int] = (128, 256), mixed_widths: Sequence[int] = (), decode_block: int = 1,
              widths: Sequence[int] | None = None, prefix_cache: bool = False, window: int = 0,
-             ring_slots: int = 0, smaller_stand_ins: bool = False) -> ServingGeometry:
+             ring_slots: int = 0, smaller_stand_ins: bool = False, pack_prompts: int = 1) -> ServingGeometry:
     widths = tuple(widths) if widths is not None else tuple(w for w in (1, 2, 4, 8) if w < max_batch) + (max_batch,)
     return ServingGeometry(max_batch=max_batch, context_limit=context_limit, buckets=tuple(buckets),
                            widths=widths, kv_lengths=tuple(kv_lengths), mixed_widths=tuple(mixed_widths),
                            decode_block=decode_block, prefix_cache=prefix_cache, window=window, ring_slots=ring_slots,
-                           smaller_stand_ins=smaller_stand_ins)
+                           smaller_stand_ins=smaller_stand_ins, pack_prompts=pack_prompts)
 
 
 def all_shapes(g: ServingGeometry) -> set[ShapeKey]:
@@ -284,6 +285,20 @@ class FakeRunner:
             t = cache.sample(row, plan.tokens[plan.last], plan.positions[plan.last]) if plan.last >= 0 else 0
             self._after(call)
             return np.asarray([t], np.int32), np.zeros(1, bool)
+        if isinstance(plan, PrefillPack):
+            call = DeviceCall(plan.key, int(plan.token_rows[0]))
+            self._call(call)
+            out = np.zeros(plan.key.prompts, np.int32)
+            at = 0
+            for i, (req, length) in enumerate(zip(plan.requests, plan.lengths)):
+                assert (plan.token_rows[at:at + length] == req.row).all()
+                self._chunk(req.row, plan.tokens[at:at + length], plan.positions[at:at + length], True)
+                if plan.last[i] >= 0:
+                    out[i] = cache.sample(req.row, plan.tokens[plan.last[i]], plan.positions[plan.last[i]])
+                at += length
+            assert (plan.positions[at:] == -1).all()
+            self._after(call)
+            return out, np.zeros(plan.key.prompts, bool)
         if isinstance(plan, MixedStep):
             row = plan.request.row
             call = DeviceCall(plan.key, row)

@@ -282,6 +282,46 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
         assert held_open[0] - EC.mapping_usage()[0] > 100 * compiled, (held_open, EC.mapping_usage(), compiled)
 
 
+def test_prompts_sent_together_share_a_packed_first_chunk_and_get_their_own_tokens(monkeypatch):
+    """GEMMA4_PACK_PROMPTS=4 on a CPU (an accelerator's default is 8): four prompts sent while the
+    engine is busy are prefilled in one packed first chunk (tiny random Gemma 4 E2B geometry:
+    sliding window, KV sharing, per-layer inputs; float32), and each reply's ids equal the same
+    prompt's alone — the engine's own compiled packed step through the runner."""
+    from gemma4.serve.engine.step_plans import Observer
+
+    monkeypatch.setenv("GEMMA4_PACK_PROMPTS", "4")
+    monkeypatch.setenv("GEMMA4_MIXED_STEP", "off")
+    monkeypatch.setenv("GEMMA4_PREFILL_CHUNK", "64")  # beside the decoding row: room for all four
+    eng = E.Engine("random:tiny-e2b", max_batch=5, context_limit=256, buckets=(16, 64),
+                   overrides={"dtype": "float32", "weights": "none", "kv": "native"})
+    gate, held = threading.Event(), threading.Event()
+
+    class HoldOne(Observer):  # one device call waits while the prompts arrive
+        def before_call(self, call):
+            if not held.is_set():
+                held.set()
+                gate.wait(30)
+
+    try:
+        eng.wait_ready(timeout=600).wait_compiled(timeout=600)  # the 64-token pack among them
+        assert eng.started.geometry.pack_prompts == 4
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=5)
+        prompts = [list(range(10 + i, 19 + 3 * i)) for i in range(4)]
+        alone = [conversation.generate(eng, p, greedy)["token_ids"] for p in prompts]
+        with eng.observing(HoldOne()):
+            blocker = eng.submit(list(range(200, 210)), greedy)
+            assert held.wait(30)
+            reqs = [eng.submit(p, greedy) for p in prompts]
+            gate.set()
+            together = [list(eng.tokens(r))[-1].token_ids for r in reqs]  # (each event: the ids so far)
+            list(eng.tokens(blocker))
+        assert together == alone
+        assert [r.stats["packed_prompts"] for r in reqs] == [4, 4, 4, 4]
+    finally:
+        gate.set()
+        eng.close(timeout=120)
+
+
 def test_a_compile_near_the_mapping_limit_is_refused_with_a_message():
     """Past vm.max_map_count XLA crashes the process; a compile is refused before that."""
     EC.check_mapping_headroom("decode 1 row", usage=(1_000, 65_530))

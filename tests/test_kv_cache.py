@@ -19,7 +19,7 @@ from gemma4.model.config import tiny
 from gemma4.ops.kernels import cpu_attention, cpu_int8
 from gemma4.serve.engine.chunking import chunk_plan
 from gemma4.serve.shape_keys import MIXED_CHUNK
-from gemma4.serve.engine.steps import decode_step, mixed_step, prefill_step
+from gemma4.serve.engine.steps import decode_step, mixed_step, prefill_packed_step, prefill_step
 from gemma4.model.sampling import SamplingRows
 from gemma4.weights.random_init import random_params
 
@@ -205,6 +205,59 @@ def test_batched_equals_alone(attention):
     together = greedy_cached(prompts, 14, width=4, attention=attention)
     alone = [greedy_cached([p], 14, width=1, attention=attention)[0] for p in prompts]
     assert together == alone
+
+
+@functools.lru_cache(maxsize=None)
+def _packed():
+    return jax.jit(functools.partial(prefill_packed_step, cfg=CFG, options=OPTIONS["xla"]))
+
+
+def _pack(chunks, bucket, places):
+    """Host inputs of a packed first chunk: chunks [(tokens, row, whole prompt?)] in place order."""
+    toks, pos = np.zeros(bucket, np.int32), np.full(bucket, -1, np.int32)
+    rows, last, at = np.zeros(bucket, np.int32), np.full(places, -1, np.int32), 0
+    for i, (ids, row, whole) in enumerate(chunks):
+        toks[at:at + len(ids)], pos[at:at + len(ids)], rows[at:at + len(ids)] = ids, np.arange(len(ids)), row
+        last[i] = at + len(ids) - 1 if whole else -1
+        at += len(ids)
+    return [jnp.asarray(x) for x in (toks[None], pos[None], rows[None], last)]
+
+
+def test_packed_first_chunks_equal_each_alone():
+    """Four prompts packed in one first chunk (`prefill_packed_step`: each token beside its cache
+    row, rows out of order, two prompts longer than the window so their rings wrap inside the
+    pack, every row holding a stale prompt's keys first), beside a row that is decoding and must
+    not be touched, then a long prompt's packed first chunk (no token read) and its later chunk:
+    every row's first token and the tokens decoded after equal its prompt recomputed in full."""
+    prompts = {2: _prompt(31, 5), 0: _prompt(32, 17), 3: _prompt(33, 9), 4: _prompt(34, 12)}
+    running = _prompt(35, 11)
+    cache = kv_cache.init_cache(CFG, 5, MAX_LEN, jnp.float32)
+    for row in (0, 2, 3, 4):
+        _, cache = prefill(cache, _prompt(40 + row, 20), row, (16,))  # stale keys the pack's rows must drop
+    tok_running, cache = prefill(cache, running, 1, (16,))
+    order = [2, 0, 3, 4]
+    token, _, cache = _packed()(PARAMS, cache, *_pack([(prompts[r], r, True) for r in order], 64, 8),
+                                _greedy_sampling(8))
+    outs = {r: [int(token[i])] for i, r in enumerate(order)}
+    outs[1] = [tok_running]
+    seqs = {**prompts, 1: running}
+    for _ in range(5):
+        toks, pos = np.zeros(5, np.int32), np.full(5, -1, np.int32)
+        for r, out in outs.items():
+            toks[r], pos[r] = out[-1], len(seqs[r]) + len(out) - 1
+        new, _, cache = _decode(5)(PARAMS, cache, jnp.asarray(toks), jnp.asarray(pos), _greedy_sampling(5))
+        for r in outs:
+            outs[r].append(int(new[r]))
+    for r, out in outs.items():
+        assert out == greedy_full(seqs[r], len(out)), r
+
+    long = _prompt(36, 40)  # its first 32 tokens packed alone (no token read), then a later chunk
+    _, _, cache = _packed()(PARAMS, cache, *_pack([(long[:32], 3, False)], 32, 8), _greedy_sampling(8))
+    toks, pos = np.zeros(16, np.int32), np.full(16, -1, np.int32)
+    toks[:8], pos[:8] = long[32:], np.arange(32, 40)
+    token, _, cache = _prefill(False)(PARAMS, cache, jnp.asarray(toks[None]), jnp.asarray(pos[None]), jnp.int32(3),
+                                      jnp.asarray([7], jnp.int32), _greedy_sampling(1))
+    assert int(token[0]) == greedy_full(long, 1)[0]
 
 
 @functools.lru_cache(maxsize=None)

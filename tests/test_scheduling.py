@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 from gemma4.serve.engine.chunking import STARVE_S
+from gemma4.serve.engine.geometry import serving_geometry
 from gemma4.serve.engine.scheduler import Scheduler
 from gemma4.serve.engine.shape_choice import ShapeChoice
-from gemma4.serve.engine.step_plans import DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk
+from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
+                                            PrefillPack)
 from gemma4.serve.requests import RequestError, RequestRules
 from gemma4.serve.shape_keys import MIXED_CHUNK, DecodeKey, MixedKey, PrefillKey
 from tests.fake_engine import (STOP_ID, FakeShapes, all_shapes, digest, expected, fake_engine, geometry, greedy,
@@ -256,6 +258,66 @@ def test_on_an_accelerator_a_long_prompt_runs_in_smaller_shapes_while_its_own_co
 
     cpu = geometry(buckets=(16, 32, 64))
     assert cpu.background_shapes()[0] != PrefillKey(16, False)
+
+
+def test_prompts_arriving_together_share_packed_first_chunks(engines):
+    """Where first chunks are packed (an accelerator's geometry), requests that arrive together are
+    admitted together and their whole prompts share first chunks, as many as the chunk size and
+    the places allow, shortest first (a `PrefillPack` of each row's tokens); the rows in a pack
+    get the model's tokens, the same as alone. A long prompt's first chunk runs in the packed
+    shape too, without others (they are whole prompts only)."""
+    g = geometry(max_batch=8, buckets=(8, 16, 32, 64), pack_prompts=4)
+    assert g.startup_shapes()[0] == PrefillKey(16, True, False, 4) and PrefillKey(16, False) in g.background_shapes()
+    eng = engines(g)
+    eng.scheduler.chunk_override = {False: 32, True: 32}
+    gate, held = threading.Event(), threading.Event()
+
+    class HoldFirst(Calls):  # the first call waits, so that the others arrive meanwhile
+        def before_call(self, call):
+            super().before_call(call)
+            if len(self.calls) == 1:
+                held.set()
+                gate.wait(5)
+
+    lengths = (12, 5, 9, 6, 7, 10, 80)
+    prompts = [_prompt(n, 40 + i) for i, n in enumerate(lengths)]
+    with eng.observing(HoldFirst()) as seen:
+        first = eng.submit(prompts[0], _params(6))
+        assert held.wait(5)
+        reqs = [first] + [eng.submit(p, _params(6)) for p in prompts[1:]]
+        gate.set()
+        replies = [_reply(eng, r) for r in reqs]
+    assert [ids for ids, _, _ in replies] == [expected(p, 6) for p in prompts]
+    packs = [p for p in eng.runner.plans if isinstance(p, PrefillPack)]
+    assert all(p.key.prompts == 4 for p in packs)
+    assert [p.lengths for p in packs][:3] == [(12,), (5, 6, 7, 9), (10,)]  # ≤ 32 tokens, ≤ 4 places, in order
+    assert [p.key.bucket for p in packs][:3] == [16, 32, 16]
+    assert packs[3].lengths == (32,) and packs[3].last.tolist() == [-1, -1, -1, -1]  # the long prompt's first chunk
+    assert [stats["packed_prompts"] for _, _, stats in replies[:6]] == [1, 4, 4, 4, 4, 1]
+    assert not any(isinstance(p, PrefillChunk) and p.key.fresh for p in eng.runner.plans)
+
+    cpu = geometry(buckets=(8, 16))  # no packing: each first chunk alone
+    assert cpu.pack_prompts == 1 and cpu.startup_shapes()[0] == PrefillKey(16, True)
+
+
+def test_an_accelerator_packs_first_chunks_and_compiles_eight_users_shapes_before_ready():
+    """The geometry's policy: on an accelerator with one process and one data shard, up to 8 first
+    chunks pack (a 1,024-token bucket joins the kernel's ladder: 8 x 128 tokens), and the shapes
+    of 8 users arriving together compile before ready (GEMMA4_READY_SHAPES "auto"; "short": a lone
+    request's only). A CPU, several processes, or rows split over devices: no packing."""
+    kw = dict(platform="tpu", decode_block=8, mesh_data=1, processes=1, max_batch=8, context=8192,
+              model_context=131072, buckets=None, full_layers_native=False, mixed_step=True, full_layers_kernel=True)
+    tpu = serving_geometry(**kw)
+    assert tpu.buckets == (128, 512, 1024, 2048) and tpu.pack_prompts == 8
+    assert tpu.startup_shapes() == (PrefillKey(128, True, False, 8), DecodeKey(1, 1024), PrefillKey(1024, True, False, 8),
+                                    DecodeKey(8, 1024))
+    assert serving_geometry(**kw, ready_shapes="short").startup_shapes() == tpu.startup_shapes()[:2]
+    assert PrefillKey(1024, True, False, 8) in set(serving_geometry(**kw, ready_shapes="short").background_shapes())
+    assert serving_geometry(**{**kw, "full_layers_kernel": False}).buckets == (128, 512)
+    for other in ({"platform": "cpu"}, {"processes": 2}, {"mesh_data": 2}):
+        g = serving_geometry(**{**kw, **other})
+        assert g.pack_prompts == 1 and not g.users_at_ready and len(g.startup_shapes()) == 2
+        assert all(k.prompts == 1 for k in g.startup_shapes() + g.background_shapes() if isinstance(k, PrefillKey))
 
 
 def test_rows_decode_alone_at_their_offset_while_no_width_covers_them(engines):

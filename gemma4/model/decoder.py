@@ -444,15 +444,17 @@ def _window_keys(ck: jax.Array, cv: jax.Array, cpos: jax.Array, k: jax.Array, v:
 def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
                 cache: dict | None, new_cache: dict | None, *, options: RunOptions, attend_cache: bool,
                 cache_row: jax.Array | int, kv_len: int | None, vision: bool = False,
-                contiguous: bool = False) -> tuple[jax.Array, jax.Array, jax.Array] | CacheKeys | WindowKeys:
-    """One layer's K/V [B, T] written to the cache (into `new_cache`), and the (keys, values, key
-    positions) its queries attend to, or the cache itself where the native kernel reads it, or a
-    sliding layer's window before the chunk (`WindowKeys`: `contiguous` positions, query blocks)."""
+                contiguous: bool = False, token_rows: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array] | CacheKeys | WindowKeys:
+    """One layer's K/V [B, T] written to the cache (into `new_cache`; each token into its own row
+    where `token_rows` is given), and the (keys, values, key positions) its queries attend to, or
+    the cache itself where the native kernel reads it, or a sliding layer's window before the
+    chunk (`WindowKeys`: `contiguous` positions, query blocks)."""
     B, T = positions.shape
     dtype = options.dtype
     if cache is None or not attend_cache:
         if cache is not None:
-            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row, rows=token_rows)
         return k, v, positions
     if T == 1 or _write_first(spec, cfg, cache[spec.index], dtype, T):
         # Decode: write first, then attend over the cache alone (no concatenated copy; the
@@ -508,9 +510,11 @@ def _slots(spec: LayerSpec, entry: dict, kv_len: int | None) -> int:
 
 
 def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple | CacheKeys,
-                 positions: jax.Array, options: RunOptions, groups: jax.Array | None) -> jax.Array:
+                 positions: jax.Array, options: RunOptions, groups: jax.Array | None,
+                 token_rows: jax.Array | None = None) -> jax.Array:
     """Queries q [B, T] of one layer over (keys, values, key positions), or over a cache the native
-    kernel reads in place (`CacheKeys`): [B, T, heads·d]."""
+    kernel reads in place (`CacheKeys`): [B, T, heads·d]. `token_rows` [B, T] (prompts packed in
+    one chunk, attending to themselves only): a query sees the keys of its own row only."""
     window = cfg.sliding_window if spec.is_sliding else None
     if isinstance(source, CacheKeys) and options.attention_full == "pallas" and not spec.is_sliding:
         from gemma4.ops.kernels import tpu_attention  # deferred: see _reads_in_kernel
@@ -535,6 +539,8 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
         else:
             blocks = QueryBlocks(options.query_block, "all") if _in_query_blocks(options, T) else None
     mask = attention_mask(positions, key_pos, window)
+    if token_rows is not None:  # (its keys are the chunk's own: key_pos is positions)
+        mask &= token_rows[:, :, None] == token_rows[:, None, :]
     if groups is not None and spec.is_sliding:
         mask = mask | vision_mask(positions, key_pos, groups, cfg.sliding_window)
     impl = options.attention_sliding if spec.is_sliding else options.attention_full
@@ -547,7 +553,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
             cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None,
             vision_groups: jax.Array | None = None, head: jax.Array | None = None, decode_rows: int = 0,
-            contiguous: bool = False):
+            contiguous: bool = False, token_rows: jax.Array | None = None):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -580,6 +586,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
       contiguous: (static) each row's positions run by one from its first, padding only after them
                  (a prefill chunk): a sliding layer's later chunk then reads, per query block, only
                  the window before it (`WindowKeys`, with `RunOptions.query_block`).
+      token_rows: None, or [1, T] int32 each token's cache row: the first chunks of several
+                 prompts packed in one row of tokens (B == 1, a cache given, attend_cache False),
+                 each written to its own row and attending only to its own tokens. `logits_at`
+                 is then [K] indices into T (each prompt's last token), and the logits are [K, V].
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -602,6 +612,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     shared: dict[int, tuple | CacheKeys] = {}  # producer -> (k, v, key positions) or its cache (`CacheKeys`)
     groups = vision_groups if (vision_groups is not None and cfg.bidirectional_vision and T > 1) else None
 
+    if token_rows is not None and (B != 1 or cache is None or attend_cache or decode_rows or groups is not None):
+        raise ValueError("token_rows needs one row of tokens, a cache, attend_cache False, no decode rows or vision groups")
     if decode_rows:
         if B != 1 or cache is None or not attend_cache or groups is not None:
             raise ValueError("decode_rows needs one row of tokens, a cache to attend to and no vision groups")
@@ -621,9 +633,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                 shared[spec.index] = _pin_kv(_layer_keys(spec, cfg, k, v, positions, cache, new_cache,
                                                          options=options, attend_cache=attend_cache,
                                                          cache_row=cache_row, kv_len=kv_len,
-                                                         vision=groups is not None, contiguous=contiguous),
+                                                         vision=groups is not None, contiguous=contiguous,
+                                                         token_rows=token_rows),
                                              options.mesh)
-            attn = _attend_keys(spec, cfg, q, shared[spec.kv_source], positions, options, groups)
+            attn = _attend_keys(spec, cfg, q, shared[spec.kv_source], positions, options, groups, token_rows)
         else:  # the chunk and the decode tokens, each over its own rows
             if spec.is_kv_consumer:
                 parts = shared_parts[spec.kv_source]
@@ -651,7 +664,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         if return_hidden:
             hidden.append(x)
 
-    if logits_at is not None and decode_rows:
+    if logits_at is not None and (decode_rows or token_rows is not None):
         x = x[0, logits_at]
     elif logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)[:, 0]

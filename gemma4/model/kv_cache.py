@@ -172,9 +172,12 @@ def copy_prefix(cache: dict, source: jax.Array | int, row: jax.Array | int, leng
 
 
 def clear_row_if(cache: dict, row: jax.Array | int) -> dict:
-    """`clear_row` where row >= 0, nothing where row < 0 (a traced choice: no branch)."""
-    return {idx: dict(e, pos=jnp.where(jnp.arange(e["pos"].shape[0])[:, None] == row, -1, e["pos"]))
-            for idx, e in cache.items()}
+    """`clear_row` where row >= 0, nothing where row < 0 (a traced choice: no branch); `row` may
+    be an array of rows, each cleared where >= 0 (the prompts of a packed first chunk)."""
+    def cleared(e):
+        hit = (jnp.arange(e["pos"].shape[0])[:, None] == jnp.reshape(row, (1, -1))).any(axis=1)
+        return dict(e, pos=jnp.where(hit[:, None], -1, e["pos"]))
+    return {idx: cleared(e) for idx, e in cache.items()}
 
 
 def clear_row(cache: dict, row: jax.Array | int) -> dict:

@@ -2,8 +2,9 @@
 
 An engine compiles each step for a few shapes (engine/compiled.py's CompiledShapes keeps them by key):
 
-- `PrefillKey(bucket, fresh, embeds)`: a prompt chunk padded to `bucket` tokens, a prompt's first
-  chunk or a later one, with or without input embeddings (media segments);
+- `PrefillKey(bucket, fresh, embeds, prompts)`: a prompt chunk padded to `bucket` tokens, a prompt's
+  first chunk or a later one, with or without input embeddings (media segments); on an
+  accelerator the first text chunks of up to `prompts` prompts packed together;
 - `DecodeKey(width, kv_len)`: one decode step (or a block of them) for cache rows [0, width),
   reading full-layer cache slots [0, kv_len);
 - `MixedKey(width, kv_len)`: a chunk of up to MIXED_CHUNK tokens fused with a decode step;
@@ -50,9 +51,13 @@ class PrefillKey:
     bucket: int
     fresh: bool
     embeds: bool = False
+    prompts: int = 1  # > 1 (first text chunks only): up to this many prompts packed in the bucket
 
     def describe(self) -> str:
-        """e.g. "prefill 16 tokens (first chunk)", "prefill 16 tokens (later chunk, with embeddings)"."""
+        """e.g. "prefill 16 tokens (first chunk)", "prefill 16 tokens (later chunk, with embeddings)",
+        "prefill 512 tokens (first chunks of up to 8 prompts)"."""
+        if self.prompts > 1:
+            return f"prefill {self.bucket} tokens (first chunks of up to {self.prompts} prompts)"
         media = ", with embeddings" if self.embeds else ""
         return f"prefill {self.bucket} tokens ({'first chunk' if self.fresh else 'later chunk'}{media})"
 

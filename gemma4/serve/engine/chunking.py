@@ -22,7 +22,7 @@ GEMMA4_PREFILL_CHUNK_ALONE (tokens, rounded down to a bucket) override the choic
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gemma4.env import setting
 from gemma4.serve.engine.geometry import PROMPT_BUCKETS, bucket_for
@@ -64,6 +64,27 @@ def next_chunk(start: int, n: int, limit: int, spans: Sequence[tuple[int, int]] 
             end = a if a > start else b
             break
     return end - start
+
+
+def pack_size(first: int, others: Sequence[int], room: int, most: int,
+              shape_for: Callable[[int], PrefillKey | None]) -> tuple[int, PrefillKey | None]:
+    """How many of the whole prompts `others` (their lengths, in prefill order) join a first chunk
+    of `first` tokens in one packed chunk (geometry.pack_prompts), and its shape: the longest run
+    from the start whose tokens all fit in `room`, at most `most` prompts in all, and in a shape
+    `shape_for(tokens)` gives (the compiled one for that many tokens, which may be smaller: then
+    fewer join). In order, not the best fit: a prompt that does not fit waits for the next chunk,
+    and none behind it passes it. (0, None): none joins."""
+    n, total = 0, first
+    for length in others[:max(0, most - 1)]:
+        if total + length > room:
+            break
+        n, total = n + 1, total + length
+    for n in range(n, 0, -1):
+        total = first + sum(others[:n])
+        key = shape_for(total)
+        if key is not None and key.bucket >= total:
+            return n, key
+    return 0, None
 
 
 def prefill_order(pending: Sequence[Any], now: float, starve_s: float = STARVE_S) -> list[Any]:

@@ -103,20 +103,22 @@ class CompiledShapes:
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, startup: Sequence[ShapeKey], background: Sequence[ShapeKey], *, warmup: bool,
-              background_threads: int = 1) -> None:
+              background_threads: int = 1, now_threads: int | None = None) -> None:
         """Queue the shapes (`startup` first, `background` once idle; neither without `warmup`)
         and start the compile threads. One (two on 4+ CPUs) takes the shapes needed now: before
         ready the start-up ones, then whatever a request needs — on 2 CPUs two compiles in
         parallel were slower than one after the other, warm and cold (XLA's CPU compile already
         uses both cores; tracing holds the GIL). `background_threads` more take the background
         queue once the engine is ready, only while `may_background()` (so the first request after
-        ready, and a conversation's next turn, do not share the CPU with it)."""
+        ready, and a conversation's next turn, do not share the CPU with it). `now_threads`
+        overrides the count of the first kind (an accelerator's host: one per start-up shape)."""
         with self._cond:
             if warmup:
                 self.startup_keys = tuple(startup)
                 self._urgent = list(startup)
                 self._background = [k for k in background if k not in self.startup_keys]
-        kinds = ["now"] * (2 if (os.cpu_count() or 1) >= 4 else 1) + ["background"] * background_threads
+        now = now_threads if now_threads is not None else 2 if (os.cpu_count() or 1) >= 4 else 1
+        kinds = ["now"] * now + ["background"] * background_threads
         for i, kind in enumerate(kinds):
             t = threading.Thread(target=self._worker, args=(kind,), name=f"gemma4-compile-{i}", daemon=True)
             t.start()

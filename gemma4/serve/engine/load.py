@@ -256,6 +256,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         full_layers_native=M.full_layers_read_natively(cfg, options, plan.kv_cache.value),
         full_layers_kernel=M.full_layers_read_in_kernel(options, plan.kv_cache.value),
         mixed_step=setting("GEMMA4_MIXED_STEP"), prefix_cache=setting("GEMMA4_PREFIX_CACHE"),
+        ready_shapes=setting("GEMMA4_READY_SHAPES"), pack_prompts=setting("GEMMA4_PACK_PROMPTS"),
         **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
     kv_format = plan.kv_cache.value
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,

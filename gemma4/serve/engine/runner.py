@@ -27,7 +27,7 @@ from gemma4.serve.engine.compiled import CompiledShapes
 from gemma4.serve.engine.link import EngineLink
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
-                                            PrefixCopy, StepPlan)
+                                            PrefillPack, PrefixCopy, StepPlan)
 from gemma4.serve.engine.steps import DispatchedBlock, sampling_rows
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
 
@@ -71,7 +71,7 @@ class Runner:
             self.link.follow(self)
 
     # ---------------------------------------------------------------- plans
-    def run(self, plan: PrefillChunk | DecodeStep | MixedStep | PrefixCopy) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, plan: PrefillChunk | PrefillPack | DecodeStep | MixedStep | PrefixCopy) -> tuple[np.ndarray, np.ndarray]:
         """Run one plan; (sampled ids, non-finite flags) as the plan's type indexes them."""
         if isinstance(plan, PrefixCopy):
             self.run_copy(plan.key, plan.source, plan.request.row, plan.length)
@@ -81,6 +81,9 @@ class Runner:
                                           sampling_rows([plan.request]), plan.embeds, plan.embed_mask,
                                           plan.vision_groups)
             return np.asarray([token], np.int32), np.asarray([bad])
+        if isinstance(plan, PrefillPack):
+            sampling = sampling_rows(list(plan.requests) + [None] * (plan.key.prompts - len(plan.requests)))
+            return self.run_packed(plan.key, plan.tokens, plan.positions, plan.token_rows, plan.last, sampling)
         if isinstance(plan, MixedStep):
             return self.run_mixed(plan.key, plan.tokens, plan.positions, plan.request.row, plan.clear, plan.last,
                                   sampling_rows(plan.sampling))
@@ -133,6 +136,17 @@ class Runner:
             token, bad, self.cache = exe(*args)
         return int(token[0]), bool(bad[0])
 
+    def run_packed(self, key: PrefillKey, tokens, positions, token_rows, last, sampling: SamplingRows, *,
+                   idle: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """First chunks packed in shape `key` (steps.prefill_packed_step): tokens/positions/token_rows
+        [bucket], last [prompts]; returns (tokens [prompts], non-finite [prompts]). Never where
+        several processes replay steps (the geometry packs nothing there)."""
+        with self._call(DeviceCall(key, int(token_rows[0]), idle=idle)) as exe:
+            token, bad, self.cache = exe(self.model.params, self.cache, jnp.asarray(tokens[None]),
+                                         jnp.asarray(positions[None]), jnp.asarray(token_rows[None]),
+                                         jnp.asarray(last, jnp.int32), sampling.on_device())
+        return np.asarray(token), np.asarray(bad)
+
     def run_decode(self, key: DecodeKey, tokens, positions, sampling: SamplingRows, row: int = 0, *,
                    idle: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Decode shape `key` for cache rows [row, row + width): tokens/positions [width] (idle
@@ -182,7 +196,11 @@ class Runner:
         """Run one executable on idle inputs (every position -1: nothing is written or attended):
         a compiled shape's first run costs far more than the next ones, and it must not land on a
         request. Media shapes (the towers, prefill with embeddings) are left to their first use."""
-        if isinstance(key, PrefillKey) and not key.embeds:
+        if isinstance(key, PrefillKey) and key.prompts > 1:
+            n, k = key.bucket, key.prompts
+            self.run_packed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), np.zeros(n, np.int32),
+                            np.full(k, -1, np.int32), SamplingRows.idle(k), idle=True)
+        elif isinstance(key, PrefillKey) and not key.embeds:
             n = key.bucket
             self.run_prefill(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, 0, SamplingRows.idle(1),
                              idle=True)

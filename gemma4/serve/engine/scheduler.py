@@ -34,12 +34,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from gemma4.serve.engine.chunking import StepCosts, next_chunk, prefill_order
+from gemma4.serve.engine.chunking import StepCosts, next_chunk, pack_size, prefill_order
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.prefix_cache import PrefixCache, RingRule, chunk_end, copy_now, held_by
-from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefixCopy,
-                                            StepPlan, block_steps, decode_dispatch, mixed_step, prefill_chunk)
+from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefillPack,
+                                            PrefixCopy, StepPlan, block_steps, decode_dispatch, mixed_step,
+                                            prefill_chunk, prefill_pack)
 from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey, ShapeKey
 
@@ -129,13 +130,15 @@ class Scheduler:
     def next_step(self) -> StepPlan | None:
         """The next step to run, or None when nothing can run now (every row waits for a shape of
         its own: `blocked_on`). An iteration is a fused step, or a prefill chunk then a decode
-        step; each begins by admitting a waiting request and dropping cancelled ones."""
+        step; each begins by admitting a waiting request (every one a free row takes where first
+        chunks are packed: arrivals share one) and dropping cancelled ones."""
         self.last_busy = time.monotonic()
         self.blocked_on = []
         for _ in range(2):
             chunk_turn, self._chunk_turn = self._chunk_turn, not self._chunk_turn
             if chunk_turn:
-                self._admit_one()
+                while self._admit_one() and self.geometry.pack_prompts > 1:
+                    pass
                 self._reap_cancelled()
                 plan = self._plan_copy() or self._plan_mixed() or self._plan_chunk()
                 if isinstance(plan, MixedStep):
@@ -146,15 +149,15 @@ class Scheduler:
                 return plan
         return None
 
-    def _admit_one(self) -> None:
+    def _admit_one(self) -> bool:
         """The first waiting request takes a free row (`PrefixCache.place`: the one holding the
         longest prefix of its prompt, else the lowest or least recently used); its prefill starts
         at the next chunk planned (after a copy of the prefix it reuses), and the shape of its
-        first decode step is asked for now (compiled meanwhile if new)."""
+        first decode step is asked for now (compiled meanwhile if new). False: none was admitted."""
         with self._lock:
             free = [r for r in range(self.geometry.max_batch) if r not in self._active]
             if not self._waiting or not free:
-                return
+                return False
             req = self._waiting.pop(0)
             match = self.prefixes.place(req, free, self._active, self.geometry.decode_block)
             source = self._active.get(match.source) if match is not None else None  # None: an idle row
@@ -162,7 +165,7 @@ class Scheduler:
             need_w = max(self._active) + 1
         if req.cancel.is_set():
             self._finish(req, "cancelled")
-            return
+            return True
         req.prefilled = 0
         needs = self.geometry.reuse_shapes()
         if match is not None and all(self.shapes.book.usable(k) for k in needs):  # (never under our lock:
@@ -171,6 +174,7 @@ class Scheduler:
             for key in needs:
                 self.shapes.book.queue_background(key)
         self.shapes.want_decode(need_w, len(req.prompt_ids) + 1)
+        return True
 
     def _plan_copy(self) -> PrefixCopy | None:
         """A waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`);
@@ -218,15 +222,33 @@ class Scheduler:
             with_embeds = req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())
             key = self.shapes.chunk_key(length, fresh, with_embeds)
             if key is None:  # its shape compiles first in line; this request waits for it, nobody else
-                self._wait_or_fail(req, PrefillKey(self.geometry.bucket_for(length), fresh, with_embeds))
+                self._wait_or_fail(req, self.geometry.prefill_key(self.geometry.bucket_for(length), fresh, with_embeds))
                 continue
             if key.bucket < length:  # only a smaller shape is compiled: the chunk shrinks to it, never inside a span
                 length = next_chunk(start, n, key.bucket, req.atomic_spans)
                 if length > key.bucket:  # a span needs the larger shape: wait for it
-                    self.blocked_on.append(PrefillKey(self.geometry.bucket_for(length), fresh, with_embeds))
+                    self.blocked_on.append(self.geometry.prefill_key(self.geometry.bucket_for(length), fresh, with_embeds))
                     continue
+            if key.prompts > 1:
+                return self._pack(req, key, length, pending, rows)
             return self._chunk(req, key, start, length)
         return None
+
+    def _pack(self, req: Request, key: PrefillKey, length: int, pending: list[Request],
+              rows: list[Request]) -> PrefillPack:
+        """`req`'s first chunk in a packed shape, and where it is a whole prompt, the next whole
+        prompts in `prefill_order` beside it (`chunking.pack_size`: as many as the chunk size allows
+        now — alone while no row decodes — and a compiled pack holds)."""
+        chunks = [(req, length)]
+        others = [r for r in pending if r is not req and r.prefilled == 0 and r.embed_mask is None
+                  and chunk_end(r, rows) == len(r.prompt_ids)] if length == len(req.prompt_ids) else []
+        n, joined = pack_size(length, [len(r.prompt_ids) for r in others], self.chunk_tokens(True, all(
+            r.prefilling for r in rows)), key.prompts, lambda tokens: self.shapes.chunk_key(tokens, True))
+        if n:
+            key, chunks = joined, chunks + [(r, len(r.prompt_ids)) for r in others[:n]]
+        for r, _ in chunks:
+            self._start_prefill_clock(r)
+        return prefill_pack(key, chunks, self.shapes.book.has_run(key))
 
     def _chunk(self, req: Request, key: PrefillKey, start: int, length: int) -> PrefillChunk:
         self._start_prefill_clock(req)
@@ -288,27 +310,16 @@ class Scheduler:
                            limit=min(self.geometry.context_limit, kv_len), busy=busy)
 
     def _plan_mixed(self) -> MixedStep | None:
-        """A fused step where it applies: some rows decoding, the next prompt in `prefill_order`
-        with a text-only next chunk of at most MIXED_CHUNK tokens (none ends inside an atomic
-        span), and the fused shape for these rows and lengths compiled (else it is queued, and
-        the chunk and the decode step run apart). Not while a chunk size beside streams is forced."""
+        """A fused step where it applies (`fused_plan`); not while a chunk size beside streams is forced."""
         if not self.geometry.mixed_widths or self.chunk_override[False] is not None:
             return None
         active, decoding = self._rows()
         pending = prefill_order([r for r in active.values() if r.prefilling and r.reuse is None
                                  and not r.cancel.is_set()], self.clock())
-        if not decoding or not pending:
-            return None
-        req = pending[0]
-        start = req.prefilled
-        length = next_chunk(start, chunk_end(req, active.values()), MIXED_CHUNK, req.atomic_spans)
-        if length > MIXED_CHUNK or (req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())):
-            return None
-        key = self.shapes.mixed_key(max(decoding) + 1, max(max(r.position for r in decoding.values()) + 1, start + length))
-        if key is None:
-            return None
-        self._start_prefill_clock(req)
-        return mixed_step(key, req, start, length, decoding, active)
+        plan = fused_plan(self.shapes, active, decoding, pending)
+        if plan is not None:
+            self._start_prefill_clock(plan.request)
+        return plan
 
     def _start_prefill_clock(self, req: Request) -> None:
         if req.prefill_t0 is None:
@@ -330,6 +341,12 @@ class Scheduler:
             if plan.measured:
                 self.costs.note(plan.dispatches[0].key, seconds / len(plan.dispatches))
             self._decoded(plan.active, plan.rows, tokens, nonfinite, now)
+        elif isinstance(plan, PrefillPack):
+            if plan.measured:
+                self.costs.note(plan.key, seconds)
+            for i, (req, length) in enumerate(zip(plan.requests, plan.lengths)):
+                req.stats["packed_prompts"] = len(plan.requests)
+                self._chunk_done(req, 0, length, plan.key.bucket, int(tokens[i]), bool(nonfinite[i]), now)
         elif isinstance(plan, PrefixCopy):
             req = plan.request
             req.prefilled = req.cached = plan.length
@@ -363,13 +380,8 @@ class Scheduler:
         req.prefill_chunks.append((start, length, bucket))
         if req.prefilling:
             return
-        ids, chunks = req.prompt_ids, req.prefill_chunks
-        req.position = len(ids)
-        wall = now - req.prefill_t0
-        req.stats.update(prefill_tokens=len(ids), cached_tokens=req.cached, prefill_ms=1000 * wall,
-                         prefill_tok_s=(len(ids) - req.cached) / max(wall, 1e-9), bucket=chunks[-1][2], chunks=len(chunks), padding=sum(b - n for _, n, b in chunks),
-                         compiled=bool(req.stats.get("compiled")), ttft_s=now - req.submitted,
-                         prefill_interleaved_steps=req.interleaved_steps, fused_chunks=req.fused_chunks)
+        req.position = len(req.prompt_ids)
+        req.stats.update(prefill_stats(req, now))
         self._emit(req, token, bad, now)
 
     def _decoded(self, active: dict[int, Request], decoding: dict[int, Request], out, bad, now: float) -> None:
@@ -435,3 +447,30 @@ class Scheduler:
         for r in victims:
             r.events.put(("error", message))
         return victims
+
+
+def prefill_stats(req: Request, now: float) -> dict:
+    """A request's prefill figures once its prompt is in (its reply's stats)."""
+    ids, chunks, wall = req.prompt_ids, req.prefill_chunks, now - req.prefill_t0
+    return dict(prefill_tokens=len(ids), cached_tokens=req.cached, prefill_ms=1000 * wall,
+                prefill_tok_s=(len(ids) - req.cached) / max(wall, 1e-9), bucket=chunks[-1][2], chunks=len(chunks),
+                padding=sum(b - n for _, n, b in chunks), compiled=bool(req.stats.get("compiled")),
+                ttft_s=now - req.submitted, prefill_interleaved_steps=req.interleaved_steps,
+                fused_chunks=req.fused_chunks)
+
+
+def fused_plan(shapes: ShapeChoice, active: dict[int, Request], decoding: dict[int, Request],
+               pending: list[Request]) -> MixedStep | None:
+    """A fused step where it applies: some rows `decoding`, the first prompt of `pending` (in
+    `prefill_order`) with a text-only next chunk of at most MIXED_CHUNK tokens (none ends inside
+    an atomic span), and the fused shape for these rows and lengths compiled (else it is queued,
+    and the chunk and the decode step run apart)."""
+    if not decoding or not pending:
+        return None
+    req = pending[0]
+    start = req.prefilled
+    length = next_chunk(start, chunk_end(req, active.values()), MIXED_CHUNK, req.atomic_spans)
+    if length > MIXED_CHUNK or (req.embed_mask is not None and bool(req.embed_mask[start:start + length].any())):
+        return None
+    key = shapes.mixed_key(max(decoding) + 1, max(max(r.position for r in decoding.values()) + 1, start + length))
+    return None if key is None else mixed_step(key, req, start, length, decoding, active)

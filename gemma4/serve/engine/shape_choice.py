@@ -65,20 +65,21 @@ class ShapeChoice:
         (`geometry.smaller_stand_ins`) the largest smaller compiled shape runs the chunk while its
         own compiles (the chunk shrinks to it: the scheduler), and where none is compiled the
         smallest bucket's is asked for too (the quickest compile)."""
-        ideal = PrefillKey(self.geometry.bucket_for(length), fresh, embeds)
+        key = self.geometry.prefill_key
+        ideal = key(self.geometry.bucket_for(length), fresh, embeds)
         if self.book.usable(ideal):
             return ideal
-        bigger = [b for b in self.geometry.buckets if b >= length and self.book.usable(PrefillKey(b, fresh, embeds))]
+        bigger = [b for b in self.geometry.buckets if b >= length and self.book.usable(key(b, fresh, embeds))]
         if bigger and bigger[0] <= min(2 * ideal.bucket, SMALL_STAND_IN):
             self.book.queue_background(ideal)
         else:
             self.book.request(ideal, now=not bigger)
         if bigger or not self.geometry.smaller_stand_ins:
-            return PrefillKey(bigger[0], fresh, embeds) if bigger else None
-        smaller = [b for b in self.geometry.buckets if b < ideal.bucket and self.book.usable(PrefillKey(b, fresh, embeds))]
+            return key(bigger[0], fresh, embeds) if bigger else None
+        smaller = [b for b in self.geometry.buckets if b < ideal.bucket and self.book.usable(key(b, fresh, embeds))]
         if smaller:
-            return PrefillKey(smaller[-1], fresh, embeds)
-        self.book.request(PrefillKey(self.geometry.buckets[0], fresh, embeds), now=True)
+            return key(smaller[-1], fresh, embeds)
+        self.book.request(key(self.geometry.buckets[0], fresh, embeds), now=True)
         return None
 
     def _decode_keys(self) -> list[DecodeKey]:

@@ -180,11 +180,12 @@ class StartUp:
 
     def _start_shapes(self, model: LoadedModel) -> None:
         """Start the compile threads on `model`'s geometry (an accelerator's compiles run on the
-        host's cores while the chip idles: several at once)."""
+        host's cores while the chip idles: several at once, every start-up shape on its own)."""
         accelerated = model.plan.platform != "cpu" and (os.cpu_count() or 1) >= 8
         g = model.geometry
         self.shapes.start(g.startup_shapes(), g.background_shapes(), warmup=self._warmup,
-                          background_threads=3 if accelerated else 1)
+                          background_threads=3 if accelerated else 1,
+                          now_threads=max(2, len(g.startup_shapes())) if accelerated else None)
 
     def _compile_ahead(self, sketch: LoadedModel) -> None:
         """Called by load_model before the weights load (load.compile_ahead_choice): the steps,

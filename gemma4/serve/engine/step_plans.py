@@ -65,6 +65,39 @@ def prefill_chunk(req: Request, key: PrefillKey, start: int, length: int, measur
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class PrefillPack:
+    """The first chunks of `requests` (request i's prompt positions [0, lengths[i])) packed in one
+    row of key.bucket tokens, each token beside its cache row (steps.prefill_packed_step); only
+    the first may be a long prompt's first chunk, the others are whole prompts. Outputs: tokens
+    and non-finite flags [key.prompts] by place, place i's meaningful when last[i] >= 0."""
+
+    key: PrefillKey
+    requests: tuple[Request, ...]
+    lengths: tuple[int, ...]
+    tokens: np.ndarray  # int32 [bucket]
+    positions: np.ndarray  # int32 [bucket]; padding -1
+    token_rows: np.ndarray  # int32 [bucket]: each token's cache row
+    last: np.ndarray  # int32 [prompts]: each place's last token's index, -1: none (or not a prompt's last)
+    measured: bool = False
+
+
+def prefill_pack(key: PrefillKey, chunks: list[tuple[Request, int]], measured: bool) -> PrefillPack:
+    """The pack of `chunks` ((request, first-chunk length), in place order) in shape `key`."""
+    tokens, positions = np.zeros(key.bucket, np.int32), np.full(key.bucket, -1, np.int32)
+    rows, last = np.zeros(key.bucket, np.int32), np.full(key.prompts, -1, np.int32)
+    at = 0
+    for i, (req, length) in enumerate(chunks):
+        tokens[at:at + length] = req.prompt_ids[:length]
+        positions[at:at + length] = np.arange(length)
+        rows[at:at + length] = req.row
+        if length == len(req.prompt_ids):
+            last[i] = at + length - 1
+        at += length
+    return PrefillPack(key, tuple(r for r, _ in chunks), tuple(n for _, n in chunks), tokens, positions, rows, last,
+                       measured)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class DecodeDispatch:
     """One decode call of a `DecodeStep`: cache rows [first_row, first_row + key.width)."""
 
@@ -192,13 +225,13 @@ class PrefixCopy:
         return (self.request,)
 
 
-StepPlan = Union[PrefillChunk, DecodeStep, DecodeBlock, MixedStep, PrefixCopy]
+StepPlan = Union[PrefillChunk, PrefillPack, DecodeStep, DecodeBlock, MixedStep, PrefixCopy]
 
 
 def step_kind(plan: StepPlan) -> str:
     """"prefill" | "decode" | "mixed": the step-time histogram a plan counts in (step_times; a
     prefix copy is part of a prefill)."""
-    if isinstance(plan, (PrefillChunk, PrefixCopy)):
+    if isinstance(plan, (PrefillChunk, PrefillPack, PrefixCopy)):
         return "prefill"
     return "mixed" if isinstance(plan, MixedStep) else "decode"
 

@@ -61,6 +61,22 @@ def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, e
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
+def prefill_packed_step(params, cache, tokens, positions, token_rows, last, sampling, *, cfg, options):
+    """The first chunks of up to K prompts packed in one row of tokens (shape_keys.PrefillKey's
+    `prompts`): tokens/positions/token_rows [1, T], each prompt's tokens together, each token's
+    cache row beside it (padding: position -1); last [K]: each prompt's last token's index in the
+    chunk where that is its prompt's last, else -1 (no prompt in that place, or a long prompt's
+    first chunk: its token is meaningless). Each prompt's row is cleared, its K/V written there,
+    and its tokens attend only to each other — the same as each chunk alone. One token is sampled
+    per place (sampling rows [K]); the LM head is skipped where no place is a prompt's last."""
+    cache = kv_cache.clear_row_if(cache, jnp.where(positions >= 0, token_rows, -1))
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options,
+                                 logits_at=jnp.maximum(last, 0), attend_cache=False, token_rows=token_rows,
+                                 head=jnp.any(last >= 0), contiguous=True)
+    token = sample_rows(logits, sampling)
+    return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
+
+
 def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, options, width, kv_len):
     """One token for cache rows [row, row + width): tokens/positions [width]; position -1 = idle
     row. (row is 0 but for a narrow shape standing in for a wider one not compiled yet.)
@@ -183,6 +199,9 @@ class StepPrograms:
         self.prefill = {fresh: jax.jit(named(prefill_step, fresh=fresh),
                                        in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
                         for fresh in (True, False)}
+        # Several prompts' first chunks in one (an accelerator's: geometry.pack_prompts)
+        self.prefill_packed = jax.jit(named(prefill_packed_step),
+                                      in_shardings=(param_sh, cache_sh, rep, rep, rep, rep, rep), **step)
         # The variant with input embeddings (media segments): compiled only for a request that has one.
         self.prefill_embeds = {
             fresh: jax.jit(named(prefill_embeds_step, fresh=fresh),
@@ -210,6 +229,10 @@ class StepPrograms:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         if isinstance(key, CopyKey):
             return self.copy.lower(cache, i32(), i32(), i32())
+        if isinstance(key, PrefillKey) and key.prompts > 1:
+            n = key.bucket
+            return self.prefill_packed.lower(params, cache, i32(1, n), i32(1, n), i32(1, n), i32(key.prompts),
+                                             SamplingRows.spec(key.prompts))
         if isinstance(key, PrefillKey) and not key.embeds:
             n = key.bucket
             return self.prefill[key.fresh].lower(params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1))
