@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gemma4.serve.engine.chunking import STARVE_S
+from gemma4.serve.engine.chunking import STARVE_S, pack_size
 from gemma4.serve.engine.geometry import serving_geometry
 from gemma4.serve.engine.scheduler import Scheduler
 from gemma4.serve.engine.shape_choice import ShapeChoice
@@ -300,19 +300,34 @@ def test_prompts_arriving_together_share_packed_first_chunks(engines):
     assert cpu.pack_prompts == 1 and cpu.startup_shapes()[0] == PrefillKey(16, True)
 
 
+def test_a_pack_takes_prompts_in_order_each_bringing_a_chunks_room():
+    """`chunking.pack_size`: each prompt in a pack brings one chunk's room (eight 128-token prompts
+    fit when a chunk may hold 128 tokens), in prefill order (a prompt that does not fit stops the
+    run), at most `most` places, and only in a shape compiled for the tokens (else fewer join)."""
+    every = lambda tokens: PrefillKey(1024 if tokens > 512 else 512 if tokens > 128 else 128, True, False, 8)  # noqa: E731
+    assert pack_size(128, [128] * 9, 128, 8, every) == (7, PrefillKey(1024, True, False, 8))
+    assert pack_size(128, [128] * 9, 128, 4, every) == (3, PrefillKey(512, True, False, 8))
+    assert pack_size(100, [300, 10, 10], 128, 8, every) == (0, None)  # 400 > 2 x 128: none passes it
+    assert pack_size(100, [150, 10], 128, 8, every)[0] == 2
+    small = lambda tokens: PrefillKey(512, True, False, 8)  # only 512 compiled  # noqa: E731
+    assert pack_size(128, [128] * 7, 128, 8, small) == (3, PrefillKey(512, True, False, 8))
+
+
 def test_an_accelerator_packs_first_chunks_and_compiles_eight_users_shapes_before_ready():
     """The geometry's policy: on an accelerator with one process and one data shard, up to 8 first
     chunks pack (a 1,024-token bucket joins the kernel's ladder: 8 x 128 tokens), and the shapes
-    of 8 users arriving together compile before ready (GEMMA4_READY_SHAPES "auto"; "short": a lone
-    request's only). A CPU, several processes, or rows split over devices: no packing."""
+    of 8 users arriving together compile before ready instead of a lone request's, which compile
+    first after it (GEMMA4_READY_SHAPES "auto"; "short": the lone request's before ready). A CPU,
+    several processes, or rows split over devices: no packing."""
     kw = dict(platform="tpu", decode_block=8, mesh_data=1, processes=1, max_batch=8, context=8192,
               model_context=131072, buckets=None, full_layers_native=False, mixed_step=True, full_layers_kernel=True)
     tpu = serving_geometry(**kw)
     assert tpu.buckets == (128, 512, 1024, 2048) and tpu.pack_prompts == 8
-    assert tpu.startup_shapes() == (PrefillKey(128, True, False, 8), DecodeKey(1, 1024), PrefillKey(1024, True, False, 8),
-                                    DecodeKey(8, 1024))
-    assert serving_geometry(**kw, ready_shapes="short").startup_shapes() == tpu.startup_shapes()[:2]
-    assert PrefillKey(1024, True, False, 8) in set(serving_geometry(**kw, ready_shapes="short").background_shapes())
+    lone = (PrefillKey(128, True, False, 8), DecodeKey(1, 1024))
+    assert tpu.startup_shapes() == (PrefillKey(1024, True, False, 8), DecodeKey(8, 1024))
+    assert tpu.background_shapes()[:2] == lone  # compiled first after ready
+    short = serving_geometry(**kw, ready_shapes="short")
+    assert short.startup_shapes() == lone and PrefillKey(1024, True, False, 8) in set(short.background_shapes())
     assert serving_geometry(**{**kw, "full_layers_kernel": False}).buckets == (128, 512)
     for other in ({"platform": "cpu"}, {"processes": 2}, {"mesh_data": 2}):
         g = serving_geometry(**{**kw, **other})

@@ -70,13 +70,16 @@ def pack_size(first: int, others: Sequence[int], room: int, most: int,
               shape_for: Callable[[int], PrefillKey | None]) -> tuple[int, PrefillKey | None]:
     """How many of the whole prompts `others` (their lengths, in prefill order) join a first chunk
     of `first` tokens in one packed chunk (geometry.pack_prompts), and its shape: the longest run
-    from the start whose tokens all fit in `room`, at most `most` prompts in all, and in a shape
+    from the start, at most `most` prompts in all, whose tokens fit in `room` per prompt (a chunk's
+    size now: each would have had a chunk of its own, one after another between the running
+    streams' steps; packed, the weights stream once for all of them and each first token comes
+    after one dispatch — the streams see one longer gap instead of several), in a shape
     `shape_for(tokens)` gives (the compiled one for that many tokens, which may be smaller: then
     fewer join). In order, not the best fit: a prompt that does not fit waits for the next chunk,
     and none behind it passes it. (0, None): none joins."""
     n, total = 0, first
     for length in others[:max(0, most - 1)]:
-        if total + length > room:
+        if total + length > room * (n + 2):
             break
         n, total = n + 1, total + length
     for n in range(n, 0, -1):

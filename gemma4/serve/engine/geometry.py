@@ -123,8 +123,8 @@ class ServingGeometry:
     smaller_stand_ins: bool = False
     # Up to this many prompts' first text chunks run packed in one dispatch (1: each alone; PACK_PROMPTS)
     pack_prompts: int = 1
-    # Compiled before ready beside a short request's shapes: those of `pack_prompts` users arriving
-    # together (their packed first chunks and their decode rows; GEMMA4_READY_SHAPES).
+    # Compiled before ready instead of a lone short request's shapes: those of `pack_prompts` users
+    # arriving together (their packed first chunks and their decode rows; GEMMA4_READY_SHAPES).
     users_at_ready: bool = False
 
     def bucket_for(self, n: int) -> int:
@@ -155,16 +155,20 @@ class ServingGeometry:
         n = next((n for n in self.kv_lengths if n >= need_n), None)
         return None if w is None or n is None else MixedKey(w, n)
 
+    def _short_shapes(self) -> tuple[ShapeKey, ...]:
+        """A lone short request's: its first chunk in the first bucket, its row's decode."""
+        return self.prefill_key(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])
+
     def startup_shapes(self) -> tuple[ShapeKey, ...]:
         """The shapes compiled (and run once) before the engine says ready: a short request's
-        first chunk and its decode steps; with `users_at_ready`, those of `pack_prompts` users'
-        short prompts sent together too (one pack of their first chunks, their rows' decode)."""
-        short = (self.prefill_key(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0]))
+        first chunk and its decode steps; with `users_at_ready` instead those that serve
+        `pack_prompts` users' short prompts sent together as well as one (one pack of their first
+        chunks, their rows' decode) — the same count, so the same cold start, and a lone request
+        runs in them (a little slower) until its own compile first after ready."""
         if not self.users_at_ready:
-            return short
-        users = (self.prefill_key(self.bucket_for(self.pack_prompts * self.first_bucket), True),
-                 self.decode_key(self.pack_prompts, 1))
-        return tuple(dict.fromkeys(short + users))
+            return self._short_shapes()
+        return (self.prefill_key(self.bucket_for(self.pack_prompts * self.first_bucket), True),
+                self.decode_key(self.pack_prompts, 1))
 
     def reuse_shapes(self) -> tuple[ShapeKey, ...]:
         """What a request reusing a cached prefix runs before its decode steps: the row copy and a
@@ -186,8 +190,9 @@ class ServingGeometry:
         reuse = [CopyKey()] + [PrefillKey(b, False) for b in self.buckets if b <= CHAT_BUCKET_MAX] if self.prefix_cache else []
         later = [PrefillKey(b, False) for b in self.buckets]
         stand_in = [PrefillKey(b0, False)] if self.smaller_stand_ins and PrefillKey(b0, False) not in reuse else []
+        lone = list(self._short_shapes()) if self.users_at_ready else []  # (else compiled before ready)
         return tuple(dict.fromkeys(
-            stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
+            lone + stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
             + later
             + [MixedKey(w, n0) for w in self.mixed_widths]
             + long
