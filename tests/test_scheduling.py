@@ -18,7 +18,7 @@ import pytest
 
 from gemma4.serve.engine.chunking import STARVE_S, pack_size
 from gemma4.serve.engine.geometry import serving_geometry
-from gemma4.serve.engine.scheduler import Scheduler
+from gemma4.serve.engine.scheduler import PACK_GATHER_S, Scheduler, gather_s
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
                                             PrefillPack)
@@ -311,6 +311,31 @@ def test_a_pack_takes_prompts_in_order_each_bringing_a_chunks_room():
     assert pack_size(100, [150, 10], 128, 8, every)[0] == 2
     small = lambda tokens: PrefillKey(512, True, False, 8)  # only 512 compiled  # noqa: E731
     assert pack_size(128, [128] * 7, 128, 8, small) == (3, PrefillKey(512, True, False, 8))
+
+
+def test_on_an_accelerator_shapes_a_wider_one_stands_in_for_compile_when_idle():
+    """On an accelerator a chunk served by a larger compiled shape, and rows served by a wider
+    decode at the same cache length, leave their own shapes to idle time (a compile beside requests
+    stalls them there); a longer cache length is still compiled at once. A CPU compiles at once
+    behind a long stand-in. An idle engine where first chunks pack gathers arrivals for
+    PACK_GATHER_S after the first (never with rows active)."""
+    acc = geometry(buckets=(16, 32, 64), smaller_stand_ins=True, kv_lengths=(128, 256))
+    book = FakeShapes({PrefillKey(64, True), DecodeKey(4, 128), DecodeKey(4, 256)})
+    choice = ShapeChoice(acc, book)
+    assert choice.chunk_key(10, True) == PrefillKey(64, True) and book.requests == [(PrefillKey(16, True), "background")]
+    book.requests.clear()
+    assert choice.decode_key(1, 10) == DecodeKey(4, 128) and book.requests == [(DecodeKey(1, 128), "background")]
+    book = FakeShapes({DecodeKey(4, 256)})
+    assert ShapeChoice(acc, book).decode_key(1, 10) == DecodeKey(4, 256) and book.requests == [(DecodeKey(1, 128), False)]
+    book = FakeShapes({PrefillKey(64, True)})
+    assert ShapeChoice(geometry(buckets=(16, 32, 64)), book).chunk_key(10, True) == PrefillKey(64, True)
+    assert book.requests == [(PrefillKey(16, True), False)]
+
+    class Arrived:
+        submitted = 10.0
+    assert gather_s([Arrived()], {}, 8, 10.001) == pytest.approx(PACK_GATHER_S - 0.001)
+    assert gather_s([Arrived()], {}, 8, 11.0) == 0.0 and gather_s([Arrived()], {0: None}, 8, 10.0) == 0.0
+    assert gather_s([Arrived()], {}, 1, 10.0) == 0.0 and gather_s([], {}, 8, 10.0) == 0.0
 
 
 def test_an_accelerator_packs_first_chunks_and_compiles_eight_users_shapes_before_ready():

@@ -103,7 +103,9 @@ def vision_mask(q_pos: jax.Array, k_pos: jax.Array, groups: jax.Array, window: i
 # key past the block's end, so it is computed over those keys only — the same sums without the
 # masked terms (exp(MASK_VALUE − max) is exactly 0), in 62.5% of the score and value products at
 # 512 tokens in 128-token blocks. A padding query (nothing visible) averages fewer values; its row
-# is never read.
+# is never read. Where the plan blocks queries (`RunOptions.query_block`: a CPU's) only: on a TPU
+# the whole product is a few percent of a chunk's time, and the blocks (8 per layer at 1,024
+# tokens) made its compile about twice as long.
 CAUSAL_BLOCK = 128
 
 # The native cache attention (RunOptions "native") serves a decode step and a fused step's chunk:
@@ -534,7 +536,7 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
     else:
         keys, values, key_pos = source
         if key_pos is positions:  # causal within the chunk: its own keys (same positions), and no image seeing ahead
-            n = causal_blocks(T) if groups is None or not spec.is_sliding else 1
+            n = causal_blocks(T) if options.query_block and (groups is None or not spec.is_sliding) else 1
             blocks = QueryBlocks(T // n, "causal") if n > 1 else None
         else:
             blocks = QueryBlocks(options.query_block, "all") if _in_query_blocks(options, T) else None

@@ -57,7 +57,11 @@ class ShapeChoice:
         while the request runs costs it far more where the compile shares a few cores with it
         (bundled model, 2-core Intel Xeon: a 0.5 s store load took the request's decode from 43 to
         27 tok/s). So then its own shape stays in the background queue (compiled once the engine
-        is idle); behind a larger stand-in it is compiled at once.
+        is idle); behind a larger stand-in it is compiled at once — but on an accelerator
+        (`geometry.smaller_stand_ins`) it waits for idle time too: there a stand-in costs little
+        (E2B on a TPU v5e: a 1,024-token pack ~50 ms) and a compile beside requests stalls them
+        (its tracing holds the GIL the engine's loop needs: 8 users' first tokens came 0.77 s after
+        sending instead of ~0.1 s while a lone request's shapes compiled).
 
         Where no larger shape is compiled: on a CPU not through several smaller chunks (each is a
         dispatch with a fixed cost, and the compile shares the cores they run on), so a prompt
@@ -70,7 +74,7 @@ class ShapeChoice:
         if self.book.usable(ideal):
             return ideal
         bigger = [b for b in self.geometry.buckets if b >= length and self.book.usable(key(b, fresh, embeds))]
-        if bigger and bigger[0] <= min(2 * ideal.bucket, SMALL_STAND_IN):
+        if bigger and (bigger[0] <= min(2 * ideal.bucket, SMALL_STAND_IN) or self.geometry.smaller_stand_ins):
             self.book.queue_background(ideal)
         else:
             self.book.request(ideal, now=not bigger)
@@ -88,15 +92,20 @@ class ShapeChoice:
     def decode_key(self, need_w: int, need_n: int) -> DecodeKey:
         """The compiled decode shape covering rows [0, need_w) and positions < need_n: the ideal
         one, else the cheapest compiled cover (and the ideal one is compiled at once, not waited
-        for), else the ideal one (to be compiled and waited for)."""
+        for; on an accelerator, a cover only wider waits for idle time: `chunk_key`), else the
+        ideal one (to be compiled and waited for)."""
         ideal = self.geometry.decode_key(need_w, need_n)
         if self.book.usable(ideal):
             return ideal
         fits = [k for k in self._decode_keys() if k.width >= need_w and k.kv_len >= need_n]
         if not fits:
             return ideal
-        self.book.request(ideal)
-        return min(fits, key=_cheapest)
+        cover = min(fits, key=_cheapest)
+        if self.geometry.smaller_stand_ins and cover.kv_len == ideal.kv_len:  # only wider: cheap (see chunk_key)
+            self.book.queue_background(ideal)
+        else:
+            self.book.request(ideal)
+        return cover
 
     def want_decode(self, need_w: int, need_n: int) -> None:
         """Compile ahead (needed now, not waited for) the decode shape positions up to need_n will need."""
