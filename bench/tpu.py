@@ -683,9 +683,10 @@ def worker_users(args) -> dict:
     def round_of_users(start: float, seed: int) -> dict:
         first: list = [None] * args.users
         counts, ends, packed = [0] * args.users, [start] * args.users, [None] * args.users
+        prompts = [prompt_ids(args.prompt, eng.cfg.vocab_size, seed=seed + i) for i in range(args.users)]  # (not timed)
 
         def user(i: int) -> None:
-            ids = prompt_ids(args.prompt, eng.cfg.vocab_size, seed=seed + i)
+            ids = prompts[i]
             sent = time.perf_counter()
             req = eng.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=args.new))
             for _ in eng.tokens(req):
