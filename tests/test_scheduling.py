@@ -18,7 +18,7 @@ import pytest
 
 from gemma4.serve.engine.chunking import STARVE_S, pack_size
 from gemma4.serve.engine.geometry import serving_geometry
-from gemma4.serve.engine.scheduler import PACK_GATHER_S, Scheduler, gather_s
+from gemma4.serve.engine.scheduler import PACK_GATHER_S, PACK_QUIET_S, Scheduler, gather_s
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
                                             PrefillPack)
@@ -317,8 +317,8 @@ def test_on_an_accelerator_shapes_a_wider_one_stands_in_for_compile_when_idle():
     """On an accelerator a chunk served by a larger compiled shape, and rows served by a wider
     decode at the same cache length, leave their own shapes to idle time (a compile beside requests
     stalls them there); a longer cache length is still compiled at once. A CPU compiles at once
-    behind a long stand-in. An idle engine where first chunks pack gathers arrivals for
-    PACK_GATHER_S after the first (never with rows active)."""
+    behind a long stand-in. An idle engine where first chunks pack gathers arrivals until none
+    came for PACK_QUIET_S, at most PACK_GATHER_S after the first (never with rows active)."""
     acc = geometry(buckets=(16, 32, 64), smaller_stand_ins=True, kv_lengths=(128, 256))
     book = FakeShapes({PrefillKey(64, True), DecodeKey(4, 128), DecodeKey(4, 256)})
     choice = ShapeChoice(acc, book)
@@ -331,11 +331,15 @@ def test_on_an_accelerator_shapes_a_wider_one_stands_in_for_compile_when_idle():
     assert ShapeChoice(geometry(buckets=(16, 32, 64)), book).chunk_key(10, True) == PrefillKey(64, True)
     assert book.requests == [(PrefillKey(16, True), False)]
 
-    class Arrived:
-        submitted = 10.0
-    assert gather_s([Arrived()], {}, 8, 10.001) == pytest.approx(PACK_GATHER_S - 0.001)
-    assert gather_s([Arrived()], {}, 8, 11.0) == 0.0 and gather_s([Arrived()], {0: None}, 8, 10.0) == 0.0
-    assert gather_s([Arrived()], {}, 1, 10.0) == 0.0 and gather_s([], {}, 8, 10.0) == 0.0
+    class At:
+        def __init__(self, t):
+            self.submitted = t
+    assert gather_s([At(10.0)], {}, 8, 10.001) == pytest.approx(PACK_QUIET_S - 0.001)  # a lone one: quiet only
+    burst = [At(10.0 + 0.002 * i) for i in range(8)]  # each within the quiet time of the last
+    assert gather_s(burst, {}, 8, 10.0145) == pytest.approx(10.014 + PACK_QUIET_S - 10.0145)
+    assert gather_s(burst + [At(10.0 + PACK_GATHER_S)], {}, 8, 10.0 + PACK_GATHER_S) == 0.0  # never past the cap
+    assert gather_s([At(10.0)], {}, 8, 11.0) == 0.0 and gather_s([At(10.0)], {0: None}, 8, 10.0) == 0.0
+    assert gather_s([At(10.0)], {}, 1, 10.0) == 0.0 and gather_s([], {}, 8, 10.0) == 0.0
 
 
 def test_an_accelerator_packs_first_chunks_and_compiles_eight_users_shapes_before_ready():

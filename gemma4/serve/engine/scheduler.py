@@ -45,11 +45,13 @@ from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey, ShapeKey
 
 STOP = object()  # `wait_for_work`: the scheduler was stopped
-# Where first chunks pack, an idle engine waits this long after a request arrives for others sent
-# with it: users' requests sent together arrive a few milliseconds apart, and the first would
-# otherwise run alone and the rest in a second pack after it (E2B on a TPU v5e: the eighth of 8
-# users' first tokens ~100 ms after sending instead of ~50).
-PACK_GATHER_S = 0.005
+# Where first chunks pack, an idle engine that a request reaches waits until no other has arrived
+# for PACK_QUIET_S (at most PACK_GATHER_S after the first): requests sent together arrive
+# milliseconds apart (8 users' threads on a TPU v5e's host: ~1.5 ms apart), and the first would
+# otherwise run alone and the rest in packs after it (a 5 ms wait after the first: two packs of 4,
+# the last first token 98 ms after sending). A lone request waits PACK_QUIET_S.
+PACK_QUIET_S = 0.003
+PACK_GATHER_S = 0.025
 WAKE_S = 0.25  # `wait_for_work`'s longest sleep between looks at the idle work
 
 
@@ -119,10 +121,14 @@ class Scheduler:
         """Block until there is something to do: True (requests to serve), an item of
         `idle_work()` (asked only while no request is queued or served, and never under our lock:
         the compiled shapes hold theirs while they ask `idle()`; the engine gives a new shape its
-        first run), or STOP. A wake missed between the two is caught within WAKE_S."""
+        first run), or STOP. A wake missed between the two is caught within WAKE_S. Arrivals at an
+        idle engine where first chunks pack wait for those sent with them (`gather_s`)."""
         while True:
             for asked in (False, True):
                 with self._lock:
+                    while (gather := gather_s(self._waiting, self._active, self.geometry.pack_prompts,
+                                              self.clock())) > 0 and not self._stopped:
+                        self._wake.wait(gather)
                     if self._stopped or self._waiting and len(self._active) < self.geometry.max_batch or self._active:
                         return STOP if self._stopped else True
                     if asked:
@@ -139,9 +145,6 @@ class Scheduler:
         chunks are packed: arrivals share one) and dropping cancelled ones."""
         self.last_busy = time.monotonic()
         self.blocked_on = []
-        with self._lock:
-            gather = gather_s(self._waiting, self._active, self.geometry.pack_prompts, self.clock())
-        time.sleep(gather)
         for _ in range(2):
             chunk_turn, self._chunk_turn = self._chunk_turn, not self._chunk_turn
             if chunk_turn:
@@ -482,8 +485,10 @@ def fused_plan(shapes: ShapeChoice, active: dict[int, Request], decoding: dict[i
 
 
 def gather_s(waiting: list[Request], active: dict, pack: int, now: float) -> float:
-    """Seconds an idle engine waits before its next step for requests sent with the first waiting
-    one (PACK_GATHER_S after it arrived), where `pack` > 1 first chunks pack; else 0."""
+    """Seconds an idle engine waits before its next step for requests sent with those waiting:
+    until PACK_QUIET_S after the latest arrival, at most PACK_GATHER_S after the first, where
+    `pack` > 1 first chunks pack (else, or with rows active, 0)."""
     if pack <= 1 or active or not waiting:
         return 0.0
-    return min(PACK_GATHER_S, max(0.0, waiting[0].submitted + PACK_GATHER_S - now))
+    end = min(waiting[-1].submitted + PACK_QUIET_S, waiting[0].submitted + PACK_GATHER_S)
+    return min(PACK_GATHER_S, max(0.0, end - now))
