@@ -232,7 +232,8 @@ def test_audio_frames_are_the_extractors(n):
     fake = types.SimpleNamespace(boa_token="<|audio>", eoa_token="<audio|>", audio_token="<|audio|>",
                                  feature_extractor=Gemma4UnifiedAudioFeatureExtractor())
     assert HFP.Gemma4UnifiedProcessor._compute_audio_num_tokens(fake, wave_, 16_000) == ours.num_soft_tokens
-    expansion = HFP.Gemma4UnifiedProcessor.replace_audio_token(fake, {"input_features_mask": [ref["input_features_mask"][0]]}, 0)
+    masks = {"input_features_mask": [ref["input_features_mask"][0]]}
+    expansion = HFP.Gemma4UnifiedProcessor.replace_audio_token(fake, masks, 0)
     assert expansion.count("<|audio|>") == ours.num_soft_tokens == -(-n // 640)
 
 

@@ -18,6 +18,7 @@ import json
 import os
 from typing import Any, ClassVar
 
+from gemma4.model.media_defaults import MediaDefaults, media_defaults_from_folder
 from gemma4.model.unified_config import (PatchEmbedderConfig, WaveformAudioConfig, patch_embedder_from_hf,
                                          patch_embedder_param_count, patch_embedder_to_hf, waveform_audio_from_hf,
                                          waveform_audio_param_count, waveform_audio_to_hf)
@@ -326,6 +327,9 @@ class ModelConfig:
     # without encoder towers (`vision` / `audio` are then the embedders' configs, or None when
     # loaded without them). The text decoder is a plain Gemma 4 dense one: no PLE, no MoE.
     encoder_free: bool = False
+    # What the checkpoint's processor does when a request does not say (soft tokens per image and
+    # per video frame, frames per video): its processor_config.json, read by `load_hf_config`.
+    media_defaults: MediaDefaults = MediaDefaults()
 
     def __post_init__(self):
         for name in ("vision", "audio"):
@@ -612,7 +616,8 @@ def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {folder}")
     with open(path) as f:
         raw = json.load(f)
-    return from_hf_config(raw, name=os.path.basename(os.path.normpath(str(folder))))
+    cfg = from_hf_config(raw, name=os.path.basename(os.path.normpath(str(folder))))
+    return dataclasses.replace(cfg, media_defaults=media_defaults_from_folder(str(folder)))
 
 
 # --------------------------------------------------------------------------- presets
