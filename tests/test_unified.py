@@ -168,6 +168,35 @@ def test_config_read_back_from_transformers(tmp_path_factory):
     assert params["vision"]["dense"].shape == (48, 6912) and params["audio"]["proj"].shape == (64, 640)
 
 
+def test_loader_names_text_only_and_a_missing_tensor(tmp_path_factory, tmp_path):
+    """The checkpoint also loads under transformers' module names (`model.embed_vision.patch_ln1`,
+    `...multimodal_embedder.embedding_projection`), the same leaves; a text-only load reads none of
+    the embedders' tensors; a missing one is an error naming it."""
+    from safetensors.numpy import load_file, save_file
+
+    from gemma4.model.config import load_hf_config, text_only
+    from gemma4.weights.checkpoint import CheckpointError, load_safetensors_params
+    from tests.multimodal import checkpoint_folder
+
+    cfg, params, _ = setup("12b", tmp_path_factory)
+    folder = checkpoint_folder("12b", tmp_path_factory)
+    state = load_file(f"{folder}/model.safetensors")
+    renamed = {k.replace("model.vision_embedder.", "model.embed_vision.").replace(
+        "model.embed_vision.embedding_projection", "model.embed_vision.multimodal_embedder.embedding_projection"): v
+        for k, v in state.items()}
+    assert sum(k.startswith("model.vision_embedder.") for k in state) == 9
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_bytes(open(f"{folder}/config.json", "rb").read())
+    again = load_safetensors_params(str(tmp_path), load_hf_config(str(tmp_path)), jnp.float32)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), again, params))
+    plain = load_safetensors_params(folder, text_only(cfg), jnp.float32)
+    assert "vision" not in plain and "audio" not in plain and plain["embed"].shape == params["embed"].shape
+    del renamed["model.embed_vision.pos_norm.bias"]
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="vision/pos_norm_bias"):
+        load_safetensors_params(str(tmp_path), cfg, jnp.float32)
+
+
 # ------------------------------------------------------------------------------ inputs
 def _hf_image_functions():
     """transformers' unified image processor module imported beside a stand-in torchvision: the
