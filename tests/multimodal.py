@@ -52,20 +52,23 @@ def rel_err(ours, ref) -> float:
     return float(np.max(np.abs(np.asarray(ours) - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
-def merged_inputs(params, cfg, ids: np.ndarray, image_soft: list[np.ndarray], audio_soft: list[np.ndarray] = ()):
+def merged_inputs(params, cfg, ids: np.ndarray, image_soft: list[np.ndarray], audio_soft: list[np.ndarray] = (),
+                  video_soft: list[np.ndarray] = ()):
     """(tokens with the pad id at soft-token positions, input embeddings with the soft tokens
     scattered in, vision groups) — what the request layer builds. Image rows fill the image
-    placeholders in order, audio rows the audio placeholders; only images form vision groups."""
+    placeholders in order, video frames' rows the video placeholders, audio rows the audio
+    placeholders; each run of image (or video-frame) placeholders is one vision group, audio none."""
     is_image = ids == cfg.image_token_id
+    is_video = ids == cfg.video_token_id
     is_audio = (ids == cfg.audio_token_id) if cfg.audio_token_id is not None else np.zeros_like(is_image)
-    tokens = np.where(is_image | is_audio, cfg.pad_id, ids).astype(np.int32)[None]
+    tokens = np.where(is_image | is_video | is_audio, cfg.pad_id, ids).astype(np.int32)[None]
     embeds = np.array(M.embed_tokens(params, cfg, jnp.asarray(tokens), jnp.float32))
-    if is_image.any():
-        embeds[0, is_image] = np.concatenate(image_soft)
-    if is_audio.any():
-        embeds[0, is_audio] = np.concatenate(audio_soft)
-    starts = is_image & ~np.concatenate([[False], is_image[:-1]])
-    groups = np.where(is_image, np.cumsum(starts) - 1, -1).astype(np.int32)[None]
+    for mask, rows in ((is_image, image_soft), (is_video, video_soft), (is_audio, audio_soft)):
+        if mask.any():
+            embeds[0, mask] = np.concatenate(rows)
+    vision = is_image | is_video
+    starts = vision & ~np.concatenate([[False], vision[:-1]])
+    groups = np.where(vision, np.cumsum(starts) - 1, -1).astype(np.int32)[None]
     return tokens, embeds, groups
 
 
@@ -82,11 +85,11 @@ def argmax(cfg, logits) -> int:
     return int(jnp.argmax(logits.at[jnp.asarray(media_ids(cfg))].set(-jnp.inf)))
 
 
-def padded(tokens, embeds, groups, a: int, b: int):
-    """Positions [a, b) of the merged inputs padded to BUCKET (padding: position -1, group -1)."""
+def padded(tokens, embeds, groups, a: int, b: int, bucket: int = BUCKET):
+    """Positions [a, b) of the merged inputs padded to `bucket` (padding: position -1, group -1)."""
     n = b - a
-    assert n <= BUCKET, n
-    pad = BUCKET - n
+    assert n <= bucket, n
+    pad = bucket - n
     t = np.pad(tokens[:, a:b], ((0, 0), (0, pad)))
     e = np.pad(embeds[:, a:b], ((0, 0), (0, pad), (0, 0)))
     g = np.pad(groups[:, a:b], ((0, 0), (0, pad)), constant_values=-1)
@@ -95,20 +98,21 @@ def padded(tokens, embeds, groups, a: int, b: int):
 
 
 def prefill_logits(params, cfg, tokens, embeds, groups, pos) -> np.ndarray:
-    """[BUCKET, V] logits of a first prefill chunk (the same compiled call the greedy test prefills with)."""
-    cache = kv_cache.init_cache(cfg, 1, BUCKET + N_NEW, jnp.float32)
+    """[bucket, V] logits of a first prefill chunk (the same compiled call the greedy test prefills with)."""
+    cache = kv_cache.init_cache(cfg, 1, tokens.shape[1] + N_NEW, jnp.float32)
     logits, _, _ = forward(params, cfg, tokens, pos, cache, inputs_embeds=embeds, vision_groups=groups,
                            attend_cache=False)
     return np.asarray(logits)[0]
 
 
-def greedy_cached(params, cfg, tokens, embeds, groups, n_new: int, split: int | None = None) -> list[int]:
+def greedy_cached(params, cfg, tokens, embeds, groups, n_new: int, split: int | None = None,
+                  bucket: int = BUCKET) -> list[int]:
     """Prefill (in one call, or two split at `split`) into the KV cache, then decode one token a step."""
     T = tokens.shape[1]
-    cache = kv_cache.init_cache(cfg, 1, BUCKET + n_new, jnp.float32)
+    cache = kv_cache.init_cache(cfg, 1, bucket + n_new, jnp.float32)
     bounds = [0, T] if split is None else [0, split, T]
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        t, e, g, pos = padded(tokens, embeds, groups, a, b)
+        t, e, g, pos = padded(tokens, embeds, groups, a, b, bucket)
         logits, cache, _ = forward(params, cfg, t, pos, cache, inputs_embeds=e, vision_groups=g, attend_cache=i > 0)
     out = [argmax(cfg, logits[0, b - a - 1])]
     for n in range(T, T + n_new - 1):

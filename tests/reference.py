@@ -31,10 +31,14 @@ def varied(cfg: ModelConfig, seed: int = 0) -> ModelConfig:
     out = dataclasses.replace(cfg, rope_sliding=rope(cfg.rope_sliding, 500, 5_000),
                               rope_full=rope(cfg.rope_full, 20_000, 200_000), rms_norm_eps=u(1e-4, 1e-3),
                               final_logit_softcap=None if cfg.final_logit_softcap is None else u(1.0, 2.0))
-    if cfg.vision is not None:
+    if cfg.vision is not None and cfg.vision.encoder_free:  # the 12B's embedders: one float each
+        out = dataclasses.replace(out, vision=dataclasses.replace(cfg.vision, rms_norm_eps=u(1e-4, 1e-3)))
+    elif cfg.vision is not None:
         out = dataclasses.replace(out, vision=dataclasses.replace(cfg.vision, rope_theta=u(20, 80),
                                                                   rms_norm_eps=u(1e-4, 1e-3)))
-    if cfg.audio is not None:
+    if cfg.audio is not None and cfg.audio.encoder_free:
+        out = dataclasses.replace(out, audio=dataclasses.replace(cfg.audio, rms_norm_eps=u(1e-4, 1e-3)))
+    elif cfg.audio is not None:
         out = dataclasses.replace(out, audio=dataclasses.replace(
             cfg.audio, attention_logit_cap=u(0.5, 1.5), residual_weight=u(0.3, 0.7), rms_norm_eps=u(1e-4, 1e-3),
             gradient_clipping=u(3.0, 6.0)))
@@ -50,7 +54,10 @@ def build_hf_model(cfg: ModelConfig, seed: int = 0):
     import transformers
 
     hf = to_hf_config(cfg)
-    if cfg.family == "gemma4":
+    if cfg.encoder_free:  # Gemma 4 12B: the unified text model
+        config = transformers.Gemma4UnifiedTextConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+        model_cls = transformers.Gemma4UnifiedForCausalLM
+    elif cfg.family == "gemma4":
         config = transformers.Gemma4TextConfig(**{k: v for k, v in hf.items() if k != "model_type"})
         model_cls = transformers.Gemma4ForCausalLM
     else:
@@ -85,6 +92,9 @@ def _draw(name: str, t, cfg: ModelConfig, gen):
         return lo + (hi - lo) * torch.rand(shape, generator=gen)
 
     if isinstance(t, torch.nn.Parameter):
+        if ".embed_vision." in name and t.ndim == 1:  # the 12B embedder's LayerNorms and dense bias
+            base = 1.0 if name.endswith("weight") else 0.0
+            return base + 0.2 * torch.randn(shape, generator=gen)
         if "norm" in name and t.ndim == 1:
             base = 0.0 if cfg.norm_offset else 1.0
             if not cfg.norm_offset and ("q_norm" in name or "k_norm" in name):
@@ -129,15 +139,18 @@ def build_hf_multimodal(cfg: ModelConfig, seed: int = 0):
     `cfg.audio` is set) with cfg's geometry and random weights (float32, eager attention)."""
     import transformers
 
-    config = transformers.Gemma4Config(**{k: v for k, v in to_hf_multimodal_config(cfg).items() if k != "model_type"})
+    config_cls, model_cls = ((transformers.Gemma4UnifiedConfig, transformers.Gemma4UnifiedForConditionalGeneration)
+                             if cfg.encoder_free else (transformers.Gemma4Config, transformers.Gemma4ForConditionalGeneration))
+    config = config_cls(**{k: v for k, v in to_hf_multimodal_config(cfg).items() if k != "model_type"})
     config._attn_implementation = "eager"
     for sub in (config.text_config, config.vision_config, config.audio_config):
         if sub is not None:
             sub._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Gemma4ForConditionalGeneration(config).eval().to(torch.float32)
+    model = model_cls(config).eval().to(torch.float32)
     randomize(model, cfg, seed)
-    bind_clip_bounds(model, cfg, seed)
+    if not cfg.encoder_free:  # the 12B has no clipped linears
+        bind_clip_bounds(model, cfg, seed)
     return model
 
 
@@ -207,7 +220,8 @@ def save_as_multimodal_shards(model, folder: str, cfg: ModelConfig, n_shards: in
         weight_map.update({k: name for k in part})
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    top = {"model_type": "gemma4", "text_config": to_hf_config(cfg), "tie_word_embeddings": True}
+    top = {"model_type": "gemma4_unified" if cfg.encoder_free else "gemma4", "text_config": to_hf_config(cfg),
+           "tie_word_embeddings": True}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(top, f)
 

@@ -74,6 +74,36 @@ def _generate_together(engine: Engine, prompts) -> list[list[int]]:
     return results
 
 
+def _media_tokens(engine: Engine) -> list[int]:
+    """Greedy ids of a chat turn with an image (70 soft tokens, one vision group) and a 0.3 s clip,
+    through the request layer: the towers (or the 12B's embedders) and a prefill with embeddings."""
+    import io
+    import wave
+
+    import numpy as np
+    from PIL import Image
+
+    from gemma4.media.files import media_from_bytes
+
+    rng = np.random.default_rng(0)
+    png = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(png, format="PNG")
+    clip = io.BytesIO()
+    with wave.open(clip, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes((0.3 * np.sin(np.arange(4800) * 0.07) * 32767).astype("<i2").tobytes())
+    msgs = [{"role": "user", "content": [
+        {"type": "image", "media": media_from_bytes(png.getvalue(), name="a.png"), "max_soft_tokens": 70},
+        {"type": "audio", "media": media_from_bytes(clip.getvalue(), name="a.wav")},
+        {"type": "text", "text": "Both?"}]}]
+    out = conversation.generate(engine, msgs, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS), mode="chat")
+    if out["finish_reason"] not in ("length", "stop") or len(out["stats"]["media"]) != 2:
+        raise RuntimeError(f"media generation ended with {out['finish_reason']!r}: {out['stats'].get('media')}")
+    return out["token_ids"]
+
+
 def _prefix_reuse(engine: Engine, prompt) -> dict:
     """The prefix cache on this mesh: a prompt starting with `prompt` (which a row holds, as its
     prefill wrote it) with the cache and without: {"cached", "reused", "whole"}."""
@@ -219,8 +249,9 @@ def main(argv: list[str]) -> int:
         for mesh in case["meshes"]:
             # A case may ask for fewer prompts / rows: each shape it needs is one more compile.
             prompts = PROMPTS[:case.get("prompts", len(PROMPTS))]
-            engine = Engine(case["model"], max_batch=case.get("max_batch", 4), context_limit=128, buckets=(16,),
-                            mesh=mesh, warmup=False, overrides=case.get("overrides"))
+            engine = Engine(case["model"], max_batch=case.get("max_batch", 4), context_limit=case.get("context", 128),
+                            buckets=tuple(case.get("buckets", (16,))), mesh=mesh, warmup=False,
+                            overrides=case.get("overrides"))
             row = {"model": case["model"], "mesh": mesh}
             try:
                 engine.wait_ready(600)
@@ -237,6 +268,8 @@ def main(argv: list[str]) -> int:
                     row["gathers"] = _decode_gathers(engine)
                     if case.get("prefix"):
                         row["prefix"] = _prefix_reuse(engine, prompts[-1])
+                    if case.get("media"):
+                        row["media_tokens"] = _media_tokens(engine)
                     row["widths"] = list(engine.started.geometry.widths)
             except Exception as e:  # reported to the test, which fails with the message
                 row["error"] = f"{type(e).__name__}: {e}"

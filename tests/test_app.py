@@ -880,7 +880,7 @@ def test_generate_api_takes_images_as_data_uris(served, tmp_path):
         client.predict("What is it?", images=[uri], mode="chat", api_name="/generate")
     wav = "data:audio/wav;base64," + base64.b64encode(
         pathlib.Path(tone_wav(tmp_path / "tone.wav", seconds=0.5)).read_bytes()).decode()
-    with pytest.raises(Exception, match="no audio tower; audio needs Gemma 4 E2B or E4B"):
+    with pytest.raises(Exception, match="no audio tower; audio needs Gemma 4 E2B, E4B or 12B"):
         client.predict("What is said?", audio=[wav], mode="chat", api_name="/generate")
     eng = tiny_gemma4()
     settings = Settings(model="random:tiny-e2b", max_users=eng.max_batch, max_new_tokens_cap=64,

@@ -352,7 +352,7 @@ def test_audio_for_a_model_without_the_tower_is_refused_with_the_reason(monkeypa
     g3 = _bare_engine("random:tiny-gemma3-270m")
     try:
         ok, why = conversation.supports_audio(big)
-        assert not ok and "has no audio tower; audio needs Gemma 4 E2B or E4B" in why
+        assert not ok and "has no audio tower; audio needs Gemma 4 E2B, E4B or 12B" in why
         ok, why = conversation.supports_audio(off)
         assert not ok and "loaded without its audio tower (GEMMA4_AUDIO=off)" in why
         assert conversation.supports_vision(off)[0]  # the vision tower stays

@@ -30,7 +30,10 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil  # noqa: E402
 
-from gemma4.media.audio import audio_features  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from gemma4.media.audio import audio_features, waveform_frames  # noqa: E402
+from gemma4.media.image import preprocess_image  # noqa: E402
 from gemma4.model import audio as A  # noqa: E402
 from gemma4.model import decoder as M  # noqa: E402
 from gemma4.model import kv_cache  # noqa: E402
@@ -39,14 +42,15 @@ from gemma4.model.vision import encode_images  # noqa: E402
 from tests.multimodal import setup  # noqa: E402
 from tests.reference import build_hf_model, default_tensors, varied  # noqa: E402
 
-TEXT_VARIANTS = ["e2b", "e4b", "31b", "26b-a4b", "gemma3-270m", "gemma3-4b"]  # test_reference's
+TEXT_VARIANTS = ["e2b", "e4b", "12b", "31b", "26b-a4b", "gemma3-270m", "gemma3-4b"]  # test_reference's
+MEDIA_VARIANTS = ["e2b", "12b", "31b"]  # tests/multimodal.py's (test_vision, test_audio, test_unified)
 MOVED = 1e-6  # a perturbed leaf must move the outputs by more than this, relative to their largest value
 
 
 def test_no_saved_tensor_or_setting_is_left_at_its_default(tmp_path_factory):
-    for variant in ("e2b", "31b"):
+    for variant in MEDIA_VARIANTS:
         _, _, hf_model = setup(variant, tmp_path_factory)
-        fresh = transformers.Gemma4ForConditionalGeneration(hf_model.config)
+        fresh = type(hf_model)(hf_model.config)
         assert default_tensors(hf_model, fresh) == [], variant
         if variant == "31b":  # the check can fail: a tensor put back to its init value is named
             reset = transformers.Gemma4ForConditionalGeneration(hf_model.config)
@@ -58,7 +62,9 @@ def test_no_saved_tensor_or_setting_is_left_at_its_default(tmp_path_factory):
         model = build_hf_model(varied(tiny(variant), seed=1), seed=1)
         assert default_tensors(model, type(model)(model.config)) == [], variant
     plain, drawn = tiny("e2b"), varied(tiny("e2b"), seed=1)
-    for a, b in ((plain, drawn), (plain.vision, drawn.vision), (plain.audio, drawn.audio)):
+    plain12, drawn12 = tiny("12b"), varied(tiny("12b"), seed=1)
+    for a, b in ((plain, drawn), (plain.vision, drawn.vision), (plain.audio, drawn.audio),
+                 (plain12.vision, drawn12.vision), (plain12.audio, drawn12.audio)):
         floats = [f.name for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), float)]
         kept = [n for n in floats if getattr(a, n) == getattr(b, n)]
         # left as they are: the audio mask's fill value (any large negative acts the same)
@@ -66,16 +72,27 @@ def test_no_saved_tensor_or_setting_is_left_at_its_default(tmp_path_factory):
     assert plain.rope_sliding.theta != drawn.rope_sliding.theta and plain.rope_full.theta != drawn.rope_full.theta
 
 
+def _image(cfg) -> tuple[np.ndarray, np.ndarray, int]:
+    """(pixel values [1, P, patch], positions [1, P, 2], soft tokens) of one small image: the
+    processor's for a tower, our preprocessing (tested against the 12B's processor in
+    test_unified) for the 12B's embedder."""
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    if cfg.vision.encoder_free:
+        p = preprocess_image(Image.fromarray(pixels), max_soft_tokens=70, **cfg.vision.image_preprocessing())
+        return p.pixel_values[None], p.position_ids[None], p.num_soft_tokens
+    px = Gemma4ImageProcessorPil(max_soft_tokens=70)(images=[pixels], return_tensors="np")
+    return px["pixel_values"], px["image_position_ids"].astype(np.int32), int(px["num_soft_tokens_per_image"][0])
+
+
 def _inputs(cfg):
-    """A prompt holding one image and (E2B) one audio clip, as the request layer merges them."""
-    px = Gemma4ImageProcessorPil(max_soft_tokens=70)(
-        images=[np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)], return_tensors="np")
-    n_img = int(px["num_soft_tokens_per_image"][0])
+    """A prompt holding one image and (E2B, 12B) one audio clip, as the request layer merges them."""
+    pv, pos, n_img = _image(cfg)
     ids = [cfg.bos_id, 40, 41, cfg.boi_token_id] + [cfg.image_token_id] * n_img + [cfg.eoi_token_id, 42, 43]
     audio = None
     if cfg.audio is not None:
         t = np.arange(9000) / 16_000
-        feats = audio_features((0.3 * np.sin(2 * np.pi * (300 + 800 * t) * t)).astype(np.float32))
+        wave = (0.3 * np.sin(2 * np.pi * (300 + 800 * t) * t)).astype(np.float32)
+        feats = waveform_frames(wave) if cfg.audio.encoder_free else audio_features(wave)
         audio = (jnp.asarray(feats.features[None]), jnp.asarray(feats.mask[None]), feats.num_soft_tokens)
         ids += [cfg.boa_token_id] + [cfg.audio_token_id] * feats.num_soft_tokens + [cfg.eoa_token_id, 44]
     ids = np.asarray(ids)
@@ -83,7 +100,7 @@ def _inputs(cfg):
     is_audio = ids == cfg.audio_token_id if cfg.audio is not None else np.zeros_like(is_image)
     tokens = jnp.asarray(np.where(is_image | is_audio, cfg.pad_id, ids)[None].astype(np.int32))
     groups = jnp.asarray(np.where(is_image, 0, -1)[None].astype(np.int32))
-    image = (jnp.asarray(px["pixel_values"]), jnp.asarray(px["image_position_ids"].astype(np.int32)), n_img)
+    image = (jnp.asarray(pv), jnp.asarray(pos), n_img)
     return tokens, groups, np.flatnonzero(is_image), np.flatnonzero(is_audio), image, audio
 
 
@@ -114,7 +131,7 @@ def _perturbed(leaf: np.ndarray, rng) -> np.ndarray:
     return (leaf + scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
 
 
-@pytest.mark.parametrize("variant", ["e2b", "31b"])
+@pytest.mark.parametrize("variant", MEDIA_VARIANTS)
 def test_perturbing_any_parameter_moves_the_outputs(variant, tmp_path_factory):
     cfg, params, _ = setup(variant, tmp_path_factory)
     outputs = _outputs_fn(cfg)
@@ -130,4 +147,4 @@ def test_perturbing_any_parameter_moves_the_outputs(variant, tmp_path_factory):
         if not np.max(np.abs(out - base)) > MOVED * top:
             still.append(jax.tree_util.keystr(path))
     print(f"{variant}: {len(leaves)} leaves perturbed one at a time, {len(still)} left the outputs alone")
-    assert len(leaves) > 100 and still == [], "\n".join(still)
+    assert len(leaves) > 90 and still == [], "\n".join(still)

@@ -22,7 +22,7 @@ from gemma4.ui import mesh_panel
 from gemma4.model.config import preset, text_only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GEMMA4 = ("e2b", "e4b", "31b", "26b-a4b")
+GEMMA4 = ("e2b", "e4b", "12b", "31b", "26b-a4b")
 FORMATS = ("none", "int8", "int4")
 DEVICE_SETS = ("l4", "4xl4", "a100-40", "a100-80", "h100", "2xh100", "v5e", "v5e-8", "v6e", "v6e-4")
 _GiB = 1 << 30
@@ -131,6 +131,29 @@ def test_the_issue_example_31b_bf16_on_one_l4():
     assert "1 × NVIDIA L4 (15.5 GiB usable each) does not fit (needs 60.1 GiB each" in msg
     assert "tensor=4 over 4 × NVIDIA L4" in msg
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in msg  # why only 15.5 of an L4's 22.5 GiB
+
+
+def test_the_12b_on_one_v5e_and_on_a_16_gb_cpu():
+    """Issue 45: the 12B in bf16 is 23.9 GB (22.3 GiB: the published file less its header, and its
+    norms in float32) and is refused on one TPU v5e with the arithmetic, int8 named as what fits;
+    int8 (11.2 GiB) fits there with its KV at 4096 tokens × 1 row. On a 16 GB CPU machine int8 does
+    not fit (the CPU's loader and compile reserve grows with the weights) and is refused, int4
+    named: before any weight is read."""
+    cfg = preset("12b")
+    norms = 784_432  # their parameters (text norms, layer scalars, the embedder's LayerNorm scales) stay float32
+    assert P.footprint(cfg, _plan("none"), {}, 4096, 1).weights == 23_919_460_448 + 2 * norms
+    with pytest.raises(PD.PreflightError) as e:
+        P.choose_mesh(cfg, _plan("none", "tpu"), PD.simulated_devices("v5e"), 4096, 1)
+    msg = str(e.value)
+    assert msg.startswith("gemma-4-12B bf16: 22.3 GiB weights + 0.4 GiB KV (4096 tokens × 1 row) per replica")
+    assert "1 × TPU v5e (14.7 GiB usable each) does not fit (needs 23.1 GiB each" in msg
+    assert "int8 on one TPU v5e at 13.9 GiB" in msg
+    report = P.check(cfg, _plan("int8", "tpu"), PD.simulated_devices("v5e"), "auto", 4096, 1)
+    assert report["fits"] and report["message"].startswith("gemma-4-12B int8: 11.2 GiB weights + 0.4 GiB KV")
+    cpu = PD.DeviceSet("CPU", "cpu", 1, 16 * _GiB, "simulated")
+    report = P.check(cfg, _plan("int8", "cpu", dtype="float32"), cpu, "auto", 4096, 1)
+    assert not report["fits"] and "1 × CPU (14.7 GiB usable shared) does not fit (needs 17.2 GiB" in report["message"]
+    assert report["message"].endswith("int4 on one CPU at 10.7 GiB")
 
 
 def test_memory_fraction_settings(monkeypatch):

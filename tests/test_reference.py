@@ -1,7 +1,8 @@
 """Our forward pass against transformers' own Gemma 4 / Gemma 3 on small random configs.
 
 Each variant's geometry is exercised: E2B (PLE, 1 KV head, KV sharing, double-wide MLP, 4:1
-pattern), E4B, 31B (K=V full layers with their own KV-head count), 26B-A4B (MoE), Gemma 3 270M
+pattern), E4B, 12B (transformers' separate `gemma4_unified` text model: K=V full layers with one
+KV head, no PLE), 31B (K=V full layers with their own KV-head count), 26B-A4B (MoE), Gemma 3 270M
 and Gemma 3 4B (linear RoPE scaling on full layers). The sequence is 5× the sliding window so
 windows, sharing and full layers all matter.
 
@@ -30,7 +31,7 @@ from gemma4.weights.checkpoint import load_safetensors_params  # noqa: E402
 from gemma4.model.config import load_hf_config, tiny  # noqa: E402
 from tests.reference import build_hf_model, hf_forward, hf_greedy, save_as_multimodal_shards, varied  # noqa: E402
 
-VARIANTS = ["e2b", "e4b", "31b", "26b-a4b", "gemma3-270m", "gemma3-4b"]
+VARIANTS = ["e2b", "e4b", "12b", "31b", "26b-a4b", "gemma3-270m", "gemma3-4b"]
 SEQ = 40  # 5x the tiny sliding window (8)
 TOL = 1e-4  # max abs difference relative to the largest magnitude
 

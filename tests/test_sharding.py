@@ -37,6 +37,10 @@ CASES = [
      "prefix": True},  # and the prefix cache's copy on each mesh
     {"model": "random:tiny-31b", "meshes": ["none", "tensor=2", "tensor=4"]},
     {"model": "random:tiny-26b-a4b", "meshes": ["none", "expert=4", "tensor=2,expert=2"]},
+    # the 12B (encoder-free): 2 sliding and 1 full KV head (replicated over tensor=4), and a chat
+    # turn with an image and a clip (a 128 bucket holds the image's 70 soft tokens in one chunk)
+    {"model": "random:tiny-12b", "meshes": ["none", "tensor=4", "data=2,tensor=4"], "media": True,
+     "buckets": [16, 128], "context": 256, "max_batch": 2, "prompts": 2},
     # the real model: two short prompts (3 compiles a mesh; each costs seconds at this size)
     {"model": "bundled", "meshes": ["none", "data=2,tensor=4"], "max_batch": 2, "prompts": 2},
     {"model": "random:tiny-e2b", "meshes": ["tensor=3", "tensor=16"]},  # refused
@@ -211,6 +215,16 @@ def test_tokens_identical_to_one_device(mesh_runs, case):
     assert "error" not in base, base["error"]
     assert run["tokens"] == base["tokens"], f"{model} on {mesh}: {run['tokens']} != {base['tokens']}"
     assert run["alone"] == base["alone"] == base["tokens"][-1]  # batched = alone, on every mesh
+
+
+@pytest.mark.parametrize("case", [(c["model"], mesh) for c in ENGINE_CASES[:-1] if c.get("media")
+                                  for mesh in c["meshes"] if mesh != "none"], ids=lambda c: f"{c[0]}|{c[1]}")
+def test_media_tokens_identical_to_one_device(mesh_runs, case):
+    """A chat turn with an image and an audio clip (the 12B's embedders, the bidirectional image
+    group in a prefill with embeddings) gets one device's greedy ids on every mesh."""
+    run, base = mesh_runs[case], mesh_runs[(case[0], "none")]
+    assert "error" not in run, run["error"]
+    assert run["media_tokens"] == base["media_tokens"], f"{case}: {run['media_tokens']} != {base['media_tokens']}"
 
 
 @pytest.mark.parametrize("case", [(c["model"], mesh) for c in ENGINE_CASES[:-1] if c.get("prefix")

@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--video", action="append", default=[], metavar="FILE",
                    help="a video for the next <|video|> in --prompt (repeatable, in order)")
     g.add_argument("--audio", action="append", default=[], metavar="FILE",
-                   help="an audio clip for the next <|audio|> in --prompt (repeatable, in order; Gemma 4 E2B/E4B; "
+                   help="an audio clip for the next <|audio|> in --prompt (repeatable, in order; Gemma 4 E2B/E4B/12B; "
                         "the model hears its first 30 s)")
     g.add_argument("--max-soft-tokens", type=int, default=None, metavar="N",
                    help="soft tokens per image (70, 140, 280, 560 or 1120; default 280) and per video frame "

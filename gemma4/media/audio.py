@@ -46,6 +46,7 @@ FFT_LENGTH = 512  # the next power of two of the frame
 PAD_TO_MULTIPLE_OF = 128  # the extractor's pad_to_multiple_of (samples)
 MEL_FLOOR = 1e-3
 MIN_FREQUENCY, MAX_FREQUENCY = 0.0, 8000.0
+SAMPLES_PER_TOKEN = 640  # Gemma 4 12B (encoder-free): one soft token per 40 ms frame of raw samples
 
 # Integer sample formats: the float32 scale libsndfile applies when reading them as float.
 _INT_SCALE = {"s16": 2.0**-15, "s32": 2.0**-31, "s64": 2.0**-63, "u8": 2.0**-7}
@@ -95,7 +96,8 @@ class AudioClip:
 @dataclass
 class AudioFeatures:
     """The tower's input for one clip: features [T, 128] float32 (padding frames zero), mask [T]
-    bool (real frames), and the soft tokens the clip becomes."""
+    bool (real frames), and the soft tokens the clip becomes. For Gemma 4 12B (`waveform_frames`):
+    raw frames [T, 640], all real, one soft token each."""
 
     features: np.ndarray
     mask: np.ndarray
@@ -202,6 +204,20 @@ def soft_tokens(mask: np.ndarray) -> int:
     for _ in range(2):
         mask = mask[::2][: (len(mask) + 2 - 3) // 2 + 1]
     return int(mask.sum())
+
+
+def waveform_frames(samples: np.ndarray, samples_per_token: int = SAMPLES_PER_TOKEN) -> AudioFeatures:
+    """Gemma 4 12B's input for one 16 kHz mono clip, as its `Gemma4UnifiedAudioFeatureExtractor`
+    computes it: the raw samples zero-padded on the right to a multiple of `samples_per_token` and
+    cut into frames [N, samples_per_token] float32, every frame real (the partly padded last one
+    too): N = ⌈samples / 640⌉ soft tokens, 25 a second. No mel, no normalisation, no cut (the
+    clip's own 30 s cut is `decode_audio`'s)."""
+    x = np.asarray(samples)
+    n = -(-len(x) // samples_per_token)
+    frames = np.zeros(n * samples_per_token, x.dtype)
+    frames[:len(x)] = x
+    return AudioFeatures(features=frames.reshape(n, samples_per_token).astype(np.float32),
+                         mask=np.ones(n, bool), num_soft_tokens=n)
 
 
 def audio_features(samples: np.ndarray) -> AudioFeatures:

@@ -37,8 +37,11 @@ POOLING_KERNEL_SIZE = 3
 # reads a camera's multi-picture JPEG, as MPO). Anything else is refused before a decoder runs.
 PILLOW_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 
-# uint8 → float32 exactly as transformers' rescale computes it: float64 × (1/255), then float32.
-_RESCALED = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+# uint8 → float32 exactly as transformers' rescale computes it: float64 × (1/255), then float32 in
+# its Pillow processors (the other Gemma 4 models'); in float32 × float32(1/255) in its torchvision
+# ones (Gemma 4 12B's), which differs in the last bit for about half the values.
+RESCALED = {"float64": (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32),
+            "float32": np.arange(256, dtype=np.float32) * np.float32(1 / 255)}
 
 
 @dataclass
@@ -161,9 +164,14 @@ def patch_positions(patches_high: int, patches_wide: int) -> np.ndarray:
 
 
 def preprocess_image(image: Image.Image, *, max_soft_tokens: int = DEFAULT_SOFT_TOKENS,
-                     patch_size: int = PATCH_SIZE,
-                     pooling_kernel_size: int = POOLING_KERNEL_SIZE) -> VisionPatches:
-    """`image` as the tower's input, identical to `Gemma4ImageProcessorPil` (module docstring)."""
+                     patch_size: int = PATCH_SIZE, pooling_kernel_size: int = POOLING_KERNEL_SIZE,
+                     rescale: str = "float64") -> VisionPatches:
+    """`image` as the tower's input, identical to `Gemma4ImageProcessorPil` (module docstring).
+
+    Gemma 4 12B's embedder takes one 48-px patch per soft token: patch_size 48, pooling 1, which
+    resizes to the same size as 16-px patches pooled 3×3 and lays each patch out as its
+    `Gemma4UnifiedImageProcessor` merges them (rows, then columns, then channels of the 48×48
+    block), with `rescale="float32"` as that processor rescales (`RESCALED`)."""
     check_budget(max_soft_tokens)
     image = to_rgb(image)
     height, width = image.height, image.width
@@ -171,7 +179,7 @@ def preprocess_image(image: Image.Image, *, max_soft_tokens: int = DEFAULT_SOFT_
                                 patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
     if (new_h, new_w) != (height, width):
         image = image.resize((new_w, new_h), resample=Image.Resampling.BICUBIC)
-    patches = _RESCALED[patchify(np.asarray(image, dtype=np.uint8), patch_size)]
+    patches = RESCALED[rescale][patchify(np.asarray(image, dtype=np.uint8), patch_size)]
     n = patches.shape[0]
     max_patches = max_soft_tokens * pooling_kernel_size**2
     pixel_values = np.zeros((max_patches, patches.shape[1]), np.float32)

@@ -162,15 +162,16 @@ def decode_video(data: bytes, *, num_frames: int = DEFAULT_NUM_FRAMES, name: str
 def video_patches(data: bytes, *, max_soft_tokens: int = VIDEO_SOFT_TOKENS,
                   num_frames: int = DEFAULT_NUM_FRAMES, name: str = "",
                   limits: MediaLimits | None = None, patch_size: int = PATCH_SIZE,
-                  pooling_kernel_size: int = POOLING_KERNEL_SIZE) -> list[VideoFrame]:
+                  pooling_kernel_size: int = POOLING_KERNEL_SIZE, rescale: str = "float64") -> list[VideoFrame]:
     """Each sampled frame of the video as the tower's input, with its 'mm:ss' label: the
     frames of `decode_video`, each turned into patches as soon as it is decoded (32 frames of a
-    4K video would hold 800 MB; their patches at 70 tokens hold 60 MB)."""
+    4K video would hold 800 MB; their patches at 70 tokens hold 60 MB). The patching is
+    `preprocess_image`'s (patch_size, pooling_kernel_size, rescale)."""
     check_budget(max_soft_tokens)  # before the decoding, not after
 
     def patches(frame: np.ndarray) -> VisionPatches:
         return preprocess_image(Image.fromarray(frame), max_soft_tokens=max_soft_tokens,
-                                patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
+                                patch_size=patch_size, pooling_kernel_size=pooling_kernel_size, rescale=rescale)
 
     converted, indices, fps, _ = _sample(data, num_frames, name, limits, patches)
     return [VideoFrame(timestamp=timestamp(i / fps), patches=p) for i, p in zip(indices, converted)]

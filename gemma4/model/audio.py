@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.model import embedders
 from gemma4.model.config import AudioConfig, ModelConfig
 from gemma4.model.decoder import gelu, rms_norm
 from gemma4.model.vision import clipped_linear
@@ -229,7 +230,8 @@ def subsampled_length(frames: int) -> int:
 
 def encode_audio(params: dict, cfg: ModelConfig, features: jax.Array, mask: jax.Array, *,
                  dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """(soft [B, T2, text hidden], valid [B, T2] bool) for B clips of log-mel features.
+    """(soft [B, T2, text hidden], valid [B, T2] bool) for B clips of log-mel features (the 12B:
+    of raw 640-sample frames [B, T, 640], one soft token each, valid = mask).
 
     Args:
       features: [B, T, 128] float32 (`AudioFeatures.features`, stacked; padding frames anything).
@@ -239,9 +241,12 @@ def encode_audio(params: dict, cfg: ModelConfig, features: jax.Array, mask: jax.
     `AudioFeatures.num_soft_tokens` rows and do not change when T is padded further.
     """
     if cfg.audio is None or "audio" not in params:
-        raise ValueError(f"{cfg.name} has no audio tower loaded (audio needs Gemma 4 E2B or E4B, "
+        raise ValueError(f"{cfg.name} has no audio tower loaded (audio needs Gemma 4 E2B, E4B or 12B, "
                          "loaded with GEMMA4_AUDIO on)")
     a = cfg.audio
+    if a.encoder_free:  # the 12B: each 640-sample frame is one soft token (gemma4.model.embedders)
+        embedders.check_frames(cfg, features, mask)
+        return embedders.embed_frames(params["audio"], a, features, jnp.dtype(dtype)), mask.astype(bool)
     if features.ndim != 3 or features.shape[-1] != MEL_BINS:
         raise ValueError(f"audio features have shape {tuple(features.shape)}; expected [clips, frames, "
                          f"{MEL_BINS}] (gemma4.media.audio.audio_features)")

@@ -1,9 +1,11 @@
-"""ModelConfig: every switch that distinguishes Gemma 4 (E2B, E4B, 31B, 26B-A4B) and Gemma 3.
+"""ModelConfig: every switch that distinguishes Gemma 4 (E2B, E4B, 12B Unified, 31B, 26B-A4B) and Gemma 3.
 
 A config is a frozen, hashable dataclass so it can be a static argument of `jax.jit`.
 Gemma 4's vision tower is described by `VisionConfig` (`ModelConfig.vision`; None for Gemma 3 and
 for a text-only load, see `text_only`), its audio tower (E2B and E4B only) by `AudioConfig`
-(`ModelConfig.audio`; None without one, or loaded without it, see `without_audio`).
+(`ModelConfig.audio`; None without one, or loaded without it, see `without_audio`). Gemma 4 12B
+("Unified", `encoder_free`) has no towers: its encoder-free embedders are described by
+`PatchEmbedderConfig` and `WaveformAudioConfig` (gemma4.model.unified_config) in the same fields.
 Per-layer geometry (attention type, head dim, KV heads, KV source layer, MLP width) is
 derived once in `ModelConfig.layers`, never recomputed inside the forward pass.
 """
@@ -14,7 +16,12 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
+
+from gemma4.model.media_defaults import MediaDefaults, media_defaults_from_folder
+from gemma4.model.unified_config import (PatchEmbedderConfig, WaveformAudioConfig, patch_embedder_from_hf,
+                                         patch_embedder_param_count, patch_embedder_to_hf, waveform_audio_from_hf,
+                                         waveform_audio_param_count, waveform_audio_to_hf)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -57,6 +64,7 @@ class VisionConfig:
     (`embed_vision`: weightless RMSNorm + bias-free linear into the text width).
     """
 
+    encoder_free: ClassVar[bool] = False
     hidden_size: int = 768
     num_layers: int = 16
     num_heads: int = 12
@@ -84,6 +92,11 @@ class VisionConfig:
     def patch_dim(self) -> int:
         """Values per patch: 3 channels × p × p."""
         return 3 * self.patch_size ** 2
+
+    def image_preprocessing(self) -> dict:
+        """How the image preprocessor (gemma4.media.image.preprocess_image) cuts an image for this
+        tower: p-pixel patches, pooled k×k, rescaled as transformers' Pillow processor does."""
+        return {"patch_size": self.patch_size, "pooling_kernel_size": self.pooling_kernel_size, "rescale": "float64"}
 
     def inverse_frequencies(self) -> tuple[float, ...]:
         """The head_dim/4 inverse frequencies of one spatial axis (transformers' axial RoPE)."""
@@ -147,6 +160,7 @@ class AudioConfig:
     (mel / 4) × channels[1] of the second convolution).
     """
 
+    encoder_free: ClassVar[bool] = False
     hidden_size: int = 1024
     num_layers: int = 12
     num_heads: int = 8
@@ -292,21 +306,39 @@ class ModelConfig:
     eos_id: int = 1
     bos_id: int = 2
     stop_ids: tuple[int, ...] = (1, 106)
-    # Gemma 4 vision: the tower (None: Gemma 3, or loaded text-only), the media token ids of the
-    # top-level HF config, and whether sliding layers let an image's soft tokens see each other
-    # (text config `use_bidirectional_attention == "vision"`: 31B and 26B-A4B).
-    vision: VisionConfig | None = None
+    # Gemma 4 vision: the tower (None: Gemma 3, or loaded text-only; the 12B's encoder-free
+    # embedder), the media token ids of the top-level HF config, and whether sliding layers let an
+    # image's (or a video frame's) soft tokens see each other (text config
+    # `use_bidirectional_attention == "vision"`: 12B, 31B and 26B-A4B).
+    vision: VisionConfig | PatchEmbedderConfig | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
     boi_token_id: int | None = None
     eoi_token_id: int | None = None
     bidirectional_vision: bool = False
-    # Gemma 4 audio (E2B, E4B): the tower (None: no tower, or loaded without it) and the ids of
-    # `<|audio|>` (the placeholder the soft tokens replace), `<|audio>` and `<audio|>`.
-    audio: AudioConfig | None = None
+    # Gemma 4 audio (E2B, E4B; the 12B's encoder-free frames): the tower (None: no tower, or loaded
+    # without it) and the ids of `<|audio|>` (the placeholder the soft tokens replace), `<|audio>`
+    # and `<audio|>`.
+    audio: AudioConfig | WaveformAudioConfig | None = None
     audio_token_id: int | None = None
     boa_token_id: int | None = None
     eoa_token_id: int | None = None
+    # Gemma 4 12B Unified (HF `gemma4_unified`): images and audio are projected into the text width
+    # without encoder towers (`vision` / `audio` are then the embedders' configs, or None when
+    # loaded without them). The text decoder is a plain Gemma 4 dense one: no PLE, no MoE.
+    encoder_free: bool = False
+    # What the checkpoint's processor does when a request does not say (soft tokens per image and
+    # per video frame, frames per video): its processor_config.json, read by `load_hf_config`.
+    media_defaults: MediaDefaults = MediaDefaults()
+
+    def __post_init__(self):
+        for name in ("vision", "audio"):
+            media = getattr(self, name)
+            if media is not None and media.encoder_free != self.encoder_free:
+                raise ValueError(f"{self.name}: {type(media).__name__} as the {name} config of a model that is "
+                                 f"{'' if self.encoder_free else 'not '}encoder-free (Gemma 4 Unified)")
+        if self.encoder_free and (self.hidden_size_per_layer_input or self.enable_moe):
+            raise ValueError(f"{self.name}: Gemma 4 Unified has no per-layer inputs and no mixture of experts")
 
     # ----------------------------------------------------------------- derived values
     @property
@@ -421,6 +453,9 @@ def from_hf_config(raw: dict, name: str | None = None) -> ModelConfig:
     tc = raw.get("text_config") or raw
     text_type = tc.get("model_type", model_type)
     name = name or raw.get("_name_or_path") or text_type or "unknown"
+    if "assistant" in model_type or "assistant" in text_type:
+        raise ValueError(f"model_type {model_type!r} is a Gemma 4 assistant (a speculative-decoding drafter), "
+                         "not a model that can be served on its own")
     if text_type.startswith("gemma4"):
         return _gemma4_from_text_config(raw, tc, name)
     if text_type.startswith("gemma3"):
@@ -436,7 +471,11 @@ GEMMA4_MEDIA_TOKEN_IDS = {"image_token_id": 258880, "video_token_id": 258884, "b
 GEMMA4_AUDIO_TOKEN_IDS = {"audio_token_id": 258881, "boa_token_id": 256000, "eoa_token_id": 258883}
 
 
+UNIFIED_TYPES = ("gemma4_unified", "gemma4_unified_text")  # transformers' model types of Gemma 4 12B
+
+
 def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
+    unified = raw.get("model_type") in UNIFIED_TYPES or tc.get("model_type") in UNIFIED_TYPES
     L = int(tc["num_hidden_layers"])
     types = _layer_types(tc, L, force_last_full=True)
     rope = tc.get("rope_parameters") or {
@@ -458,7 +497,7 @@ def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
         num_layers=L,
         num_heads=int(tc["num_attention_heads"]),
         layer_types=types,
-        sliding_window=int(tc.get("sliding_window", 512)),
+        sliding_window=int(tc.get("sliding_window", 1024 if unified else 512)),  # transformers' defaults
         head_dim=int(tc.get("head_dim", 256)),
         global_head_dim=global_head_dim,
         num_kv_heads=kv_heads,
@@ -480,30 +519,38 @@ def _gemma4_from_text_config(raw: dict, tc: dict, name: str) -> ModelConfig:
         moe_intermediate_size=int(tc.get("moe_intermediate_size") or 0),
         final_logit_softcap=tc.get("final_logit_softcapping"),
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(tc.get("max_position_embeddings", 131072)),
+        max_position_embeddings=int(tc.get("max_position_embeddings", 262144 if unified else 131072)),
         has_layer_scalar=True,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))),
         pad_id=int(tc.get("pad_token_id") or 0),
         eos_id=_first(tc.get("eos_token_id", 1)),
         bos_id=int(tc.get("bos_token_id", 2)),
         stop_ids=stop,
-        **_gemma4_media_fields(raw, tc),
+        encoder_free=unified,
+        **_gemma4_media_fields(raw, tc, unified),
     )
 
 
-def _gemma4_media_fields(raw: dict, tc: dict) -> dict:
-    """The media fields of a Gemma 4 config: the vision tower where `vision_config` is present, the
-    audio tower where `audio_config` is, each with its token ids (top level, transformers' defaults
-    where a multimodal config leaves them out), and the bidirectional-vision flag."""
-    out: dict[str, Any] = dict(bidirectional_vision=tc.get("use_bidirectional_attention") == "vision")
+def _gemma4_media_fields(raw: dict, tc: dict, unified: bool) -> dict:
+    """The media fields of a Gemma 4 config: the vision tower (the 12B's embedder) where
+    `vision_config` is present, the audio tower (the 12B's frame projection) where `audio_config`
+    is, each with its token ids (top level, transformers' defaults where a multimodal config leaves
+    them out), and the bidirectional-vision flag (transformers' default: "vision" for the 12B,
+    none for the others)."""
+    mode = tc.get("use_bidirectional_attention", "vision" if unified else None)
+    if mode not in (None, "vision"):
+        raise ValueError(f"use_bidirectional_attention={mode!r} is not supported (only 'vision' or none): "
+                         "every token attending both ways is not a chat model's attention")
+    out: dict[str, Any] = dict(bidirectional_vision=mode == "vision")
     multimodal = raw is not tc
     vc = raw.get("vision_config") if multimodal else None
     if vc:
         ids = {k: raw.get(k, v) for k, v in GEMMA4_MEDIA_TOKEN_IDS.items()}
-        out.update(vision=vision_from_hf(vc), **{k: (None if v is None else int(v)) for k, v in ids.items()})
+        vision = patch_embedder_from_hf(vc) if unified else vision_from_hf(vc)
+        out.update(vision=vision, **{k: (None if v is None else int(v)) for k, v in ids.items()})
     ac = raw.get("audio_config") if multimodal else None
     if ac:
-        out.update(audio=audio_from_hf(ac), **_audio_ids(raw))
+        out.update(audio=waveform_audio_from_hf(ac) if unified else audio_from_hf(ac), **_audio_ids(raw))
     return out
 
 
@@ -569,7 +616,8 @@ def load_hf_config(folder: str | os.PathLike) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {folder}")
     with open(path) as f:
         raw = json.load(f)
-    return from_hf_config(raw, name=os.path.basename(os.path.normpath(str(folder))))
+    cfg = from_hf_config(raw, name=os.path.basename(os.path.normpath(str(folder))))
+    return dataclasses.replace(cfg, media_defaults=media_defaults_from_folder(str(folder)))
 
 
 # --------------------------------------------------------------------------- presets
@@ -625,6 +673,10 @@ LARGE_TOWER = VisionConfig(hidden_size=1152, num_layers=27, num_heads=16, num_kv
 AUDIO_TOWER = AudioConfig()
 _G4_SMALL_VISION = dict(vision=SMALL_TOWER, **GEMMA4_MEDIA_TOKEN_IDS, audio=AUDIO_TOWER, **GEMMA4_AUDIO_TOKEN_IDS)
 _G4_LARGE_VISION = dict(vision=LARGE_TOWER, bidirectional_vision=True, **GEMMA4_MEDIA_TOKEN_IDS)
+# The 12B has no towers: transformers' Gemma4UnifiedVisionConfig / AudioConfig defaults (48-px
+# patches into 3840 wide, a 1120-row position table; 640-sample audio frames), the same media ids.
+_G4_UNIFIED_MEDIA = dict(vision=PatchEmbedderConfig(), bidirectional_vision=True, **GEMMA4_MEDIA_TOKEN_IDS,
+                         audio=WaveformAudioConfig(), **GEMMA4_AUDIO_TOKEN_IDS, encoder_free=True)
 
 PRESETS: dict[str, ModelConfig] = {
     "e2b": _gemma4("gemma-4-E2B", hidden=1536, layers=35, heads=8, kv=1, global_kv=None, period=5,
@@ -634,6 +686,8 @@ PRESETS: dict[str, ModelConfig] = {
     "e4b": _gemma4("gemma-4-E4B", hidden=2560, layers=42, heads=8, kv=2, global_kv=None, period=6,
                    window=512, inter=10240, max_pos=131072, hidden_size_per_layer_input=256,
                    vocab_size_per_layer_input=262144, num_kv_shared_layers=18, **_G4_SMALL_VISION),
+    "12b": _gemma4("gemma-4-12B", hidden=3840, layers=48, heads=16, kv=8, global_kv=1, period=6,
+                   window=1024, inter=15360, max_pos=262144, attention_k_eq_v=True, **_G4_UNIFIED_MEDIA),
     "31b": _gemma4("gemma-4-31B", hidden=5376, layers=60, heads=32, kv=16, global_kv=4, period=6,
                    window=1024, inter=21504, max_pos=262144, attention_k_eq_v=True, **_G4_LARGE_VISION),
     "26b-a4b": _gemma4("gemma-4-26B-A4B", hidden=2816, layers=30, heads=16, kv=8, global_kv=2, period=6,
@@ -688,6 +742,8 @@ TINY_MEDIA_TOKEN_IDS = {"boi_token_id": 508, "image_token_id": 509, "eoi_token_i
 def _tiny_vision(cfg: ModelConfig) -> dict:
     if cfg.vision is None:
         return {}
+    if cfg.vision.encoder_free:  # the real patch geometry and table (any budget's image fits); 48 wide
+        return dict(vision=dataclasses.replace(cfg.vision, embed_dim=48), **TINY_MEDIA_TOKEN_IDS)
     tower = dataclasses.replace(cfg.vision, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
                                 head_dim=32, intermediate_size=96, position_table_size=256)
     return dict(vision=tower, **TINY_MEDIA_TOKEN_IDS)
@@ -704,6 +760,8 @@ TINY_AUDIO_TOKEN_IDS = {"boa_token_id": 505, "audio_token_id": 506, "eoa_token_i
 def _tiny_audio(cfg: ModelConfig) -> dict:
     if cfg.audio is None:
         return {}
+    if cfg.audio.encoder_free:  # a frame is 640 samples at any size
+        return dict(audio=cfg.audio, **TINY_AUDIO_TOKEN_IDS)
     tower = dataclasses.replace(cfg.audio, hidden_size=32, num_layers=2, num_heads=2,
                                 subsampling_conv_channels=(128, 8), output_proj_dims=48)
     return dict(audio=tower, **TINY_AUDIO_TOKEN_IDS)
@@ -761,6 +819,13 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         return d
 
     rope = {SLIDING: rope_dict(cfg.rope_sliding), FULL: rope_dict(cfg.rope_full)}
+    if cfg.encoder_free:  # transformers removed the PLE and MoE settings from the 12B's text config
+        return dict(
+            common, model_type="gemma4_unified_text", rope_parameters=rope, global_head_dim=cfg.global_head_dim,
+            num_global_key_value_heads=cfg.num_global_kv_heads if cfg.attention_k_eq_v else None,
+            attention_k_eq_v=cfg.attention_k_eq_v, use_double_wide_mlp=cfg.use_double_wide_mlp,
+            num_kv_shared_layers=cfg.num_kv_shared_layers,
+            use_bidirectional_attention="vision" if cfg.bidirectional_vision else None)
     if cfg.family == "gemma3":
         qpas = cfg.query_pre_attn_scalar
         qpas = int(qpas) if qpas is not None and float(qpas).is_integer() else qpas
@@ -782,6 +847,8 @@ def to_hf_multimodal_config(cfg: ModelConfig) -> dict:
     config with a vision tower."""
     if cfg.vision is None:
         raise ValueError(f"{cfg.name} has no vision tower")
+    if cfg.encoder_free:
+        return _to_hf_unified_config(cfg)
     text = to_hf_config(cfg)
     text["use_bidirectional_attention"] = "vision" if cfg.bidirectional_vision else None
     out = dict(model_type="gemma4", text_config=text, vision_config=vision_to_hf(cfg.vision), audio_config=None,
@@ -793,11 +860,26 @@ def to_hf_multimodal_config(cfg: ModelConfig) -> dict:
     return out
 
 
+def _to_hf_unified_config(cfg: ModelConfig) -> dict:
+    """A transformers `Gemma4UnifiedConfig` dict (text, the vision embedder, the audio projection
+    when `cfg.audio` is set)."""
+    out = dict(model_type="gemma4_unified", text_config=to_hf_config(cfg),
+               vision_config=patch_embedder_to_hf(cfg.vision), audio_config=None,
+               image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
+               boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, tie_word_embeddings=True)
+    if cfg.audio is not None:
+        out.update(audio_config=waveform_audio_to_hf(cfg.audio), audio_token_id=cfg.audio_token_id,
+                   boa_token_id=cfg.boa_token_id, eoa_token_index=cfg.eoa_token_id)
+    return out
+
+
 def vision_param_count(cfg: ModelConfig) -> int:
-    """Parameters of the vision tower and its projector (0 without a tower)."""
+    """Parameters of the vision tower (or the 12B's embedder) and its projector (0 without one)."""
     v = cfg.vision
     if v is None:
         return 0
+    if v.encoder_free:
+        return patch_embedder_param_count(v, cfg.hidden_size)
     D, d = v.hidden_size, v.head_dim
     per_layer = (2 * v.num_heads + 2 * v.num_kv_heads) * d * D + 3 * v.intermediate_size * D + 4 * D + 2 * d
     per_layer += 7 * 4 if v.use_clipped_linears else 0  # each linear's input and output bounds
@@ -810,6 +892,8 @@ def audio_param_count(cfg: ModelConfig) -> int:
     a = cfg.audio
     if a is None:
         return 0
+    if a.encoder_free:
+        return waveform_audio_param_count(a, cfg.hidden_size)
     D, K = a.hidden_size, a.conv_kernel_size
     c0, c1 = a.subsampling_conv_channels
     subsample = c0 * 9 + c0 + c1 * c0 * 9 + c1 + a.subsampled_width * D

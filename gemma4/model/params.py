@@ -12,8 +12,10 @@ Layout (linear weights keep the PyTorch [out, in] layout so checkpoints load wit
     ple/proj         [L*P, H]
     ple/norm         [P]
     layers[i]/...    see `_layer_spec`
-    vision/...       the vision tower and its projector (Gemma 4 with `cfg.vision`), see `_vision_spec`
-    audio/...        the audio tower and its projector (E2B/E4B with `cfg.audio`), see `_audio_spec`
+    vision/...       the vision tower and its projector (Gemma 4 with `cfg.vision`), see `_vision_spec`;
+                     the 12B's encoder-free patch embedder instead, see `_patch_embedder_spec`
+    audio/...        the audio tower and its projector (E2B/E4B with `cfg.audio`), see `_audio_spec`;
+                     the 12B's frame projection `proj` [H, 640] instead
 
 Norm weights are always kept in float32 (they are tiny, and transformers computes norms in fp32).
 
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4.model.config import AudioConfig, LayerSpec, ModelConfig, VisionConfig
+from gemma4.model.unified_config import PatchEmbedderConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,25 @@ def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
     return tree
 
 
+def _patch_embedder_spec(cfg: ModelConfig) -> dict[str, Any]:
+    """The 12B's encoder-free vision embedder (transformers' `Gemma4UnifiedVisionEmbedder`): LayerNorm
+    of the patch `ln1_*` [patch_dim], `dense` [E, patch_dim] + `dense_bias`, LayerNorm `ln2_*` [E],
+    the position table `pos_table` [rows, 2, E], LayerNorm `pos_norm_*` [E], the projector `proj`
+    [text hidden, E]. The LayerNorms' scales are norms (float32); their biases are weights of the
+    embedder (kept in the weight dtype, as transformers keeps them). All replicated on a mesh: 50 M
+    parameters for the 12B."""
+    v: PatchEmbedderConfig = cfg.vision
+    P, E = v.patch_dim, v.embed_dim
+    return {
+        "ln1_scale": _norm(P), "ln1_bias": _tower((P,)),
+        "dense": _tower((E, P)), "dense_bias": _tower((E,)),
+        "ln2_scale": _norm(E), "ln2_bias": _tower((E,)),
+        "pos_table": _tower((v.position_table_size, 2, E)),
+        "pos_norm_scale": _norm(E), "pos_norm_bias": _tower((E,)),
+        "proj": _tower((cfg.hidden_size, E)),
+    }
+
+
 # The audio tower's clippable linears: each FFN's two, attention's four, the light conv's two.
 AUDIO_LINEARS = ("ffn1_up", "ffn1_down", "ffn2_up", "ffn2_down", "q", "k", "v", "o", "conv_start", "conv_end")
 
@@ -189,9 +211,10 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
             "norm": _norm(cfg.hidden_size_per_layer_input),
         }
     if cfg.vision is not None:
-        tree["vision"] = _vision_spec(cfg)
-    if cfg.audio is not None:
-        tree["audio"] = _audio_spec(cfg)
+        tree["vision"] = _patch_embedder_spec(cfg) if cfg.vision.encoder_free else _vision_spec(cfg)
+    if cfg.audio is not None:  # the 12B's audio is its projector alone: frames of raw samples → text width
+        tree["audio"] = ({"proj": _tower((cfg.hidden_size, cfg.audio.samples_per_token))}
+                         if cfg.audio.encoder_free else _audio_spec(cfg))
     return tree
 
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.model import embedders
 from gemma4.model.config import ModelConfig, VisionConfig
 from gemma4.model.decoder import apply_rope, attend, gelu, rms_norm
 from gemma4.ops.linear import linear
@@ -152,7 +153,8 @@ def project(vp: dict, v: VisionConfig, h: jax.Array) -> jax.Array:
 
 def encode_images(params: dict, cfg: ModelConfig, pixel_values: jax.Array, position_ids: jax.Array, *,
                   dtype: Any = jnp.float32, query_block: int = QUERY_BLOCK) -> jax.Array:
-    """Soft tokens [B, P // k², text hidden] of B preprocessed images.
+    """Soft tokens [B, P // k², text hidden] of B preprocessed images (the 12B's encoder-free
+    embedder: [B, P, text hidden], one 48-px patch a soft token).
 
     Args:
       pixel_values: [B, P, 3·p·p] float in [0, 1] (`VisionPatches.pixel_values`, stacked).
@@ -164,6 +166,9 @@ def encode_images(params: dict, cfg: ModelConfig, pixel_values: jax.Array, posit
     if cfg.vision is None or "vision" not in params:
         raise ValueError(f"{cfg.name} has no vision tower loaded (a Gemma 3 model, or loaded text-only)")
     v = cfg.vision
+    if v.encoder_free:  # the 12B: one 48-px patch per soft token, no tower (gemma4.model.embedders)
+        embedders.check_patches(cfg, pixel_values, position_ids)
+        return embedders.embed_patches(params["vision"], v, pixel_values, position_ids, jnp.dtype(dtype))
     k2 = v.pooling_kernel_size ** 2
     if pixel_values.ndim != 3 or pixel_values.shape[-1] != v.patch_dim or pixel_values.shape[1] % k2:
         raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; expected [images, patches, "

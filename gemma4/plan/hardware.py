@@ -635,8 +635,27 @@ def encoder_dtype_rule(plan: Plan, model_config=None, overrides: Mapping[str, An
     token against transformers' float32 on a checkpoint whose every parameter is non-default, so
     `--dtype float32` would not be exact); GPU/TPU → the compute dtype; a CPU without bf16 units
     → float32 (bf16 would be emulated); a simulated CPU with them → bf16 (nothing to measure).
-    `model_config` None plans for the gemma-4-E2B geometry, as `policy` does."""
+    `model_config` None plans for the gemma-4-E2B geometry, as `policy` does. An encoder-free
+    model (Gemma 4 12B) says so in the reason (`encoder_free_choice`)."""
     cfg = preset("e2b") if model_config is None else model_config
+    choice = _encoder_dtype_rule(plan, cfg, overrides, env, facts)
+    return None if choice is None else encoder_free_choice(cfg, choice)
+
+
+ENCODER_FREE = ("encoder-free model (Gemma 4 12B): no vision or audio tower; its patch embedder and "
+                "audio projection map images and audio straight into the text width")
+
+
+def encoder_free_choice(cfg, choice: Choice) -> Choice:
+    """`choice` (the encoder dtype) with its reason led by ENCODER_FREE where `cfg` is encoder-free:
+    what the Hardware panel shows about the model's media path."""
+    if not getattr(cfg, "encoder_free", False):
+        return choice
+    return dataclasses.replace(choice, reason=f"{ENCODER_FREE}; {choice.reason}")
+
+
+def _encoder_dtype_rule(plan: Plan, cfg, overrides: Mapping[str, Any] | None, env: Mapping[str, str] | None,
+                        facts: HardwareFacts | None) -> Choice | None:
     if not config_has_tower(cfg):
         return Choice("none", "no vision or audio tower loaded")
     ov = normalize_overrides(overrides, env)

@@ -34,8 +34,8 @@ from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
 from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
-from gemma4.plan.hardware import (Choice, Plan, PolicyError, encoder_dtype_rule, memory_bandwidth_gbps,
-                                   normalize_overrides, policy)
+from gemma4.plan.hardware import (Choice, Plan, PolicyError, encoder_dtype_rule, encoder_free_choice,
+                                  memory_bandwidth_gbps, normalize_overrides, policy)
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import report_dict
 from gemma4.paths import cache_root
@@ -417,7 +417,7 @@ def decide_encoder_dtype(plan: Plan, cfg: ModelConfig | None, overrides: Mapping
                                     "GEMMA4_ENCODER_DTYPE=float32 keeps float32")
     else:
         choice = Choice("float32", f"bf16 not faster enough (needs {ENCODER_BF16_MIN_SPEEDUP}×): {measured}")
-    return plan.replace("encoder_dtype", choice), report
+    return plan.replace("encoder_dtype", encoder_free_choice(cfg, choice)), report
 
 
 def apply_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig) -> dict:

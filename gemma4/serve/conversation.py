@@ -135,7 +135,7 @@ def supports_vision(engine: Engine) -> tuple[bool, str]:
 
 
 def supports_audio(engine: Engine) -> tuple[bool, str]:
-    """(ok, reason): the model hears audio (it has an audio tower: Gemma 4 E2B / E4B; see
+    """(ok, reason): the model hears audio (an audio tower: Gemma 4 E2B / E4B; or the 12B's audio frames; see
     `Engine.supports_audio`)."""
     return engine.supports_audio()
 

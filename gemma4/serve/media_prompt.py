@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from gemma4.env import setting
-from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decode_audio
+from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decode_audio, waveform_frames
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
@@ -49,7 +49,6 @@ from gemma4.serve.media_cache import shared_cache
 from gemma4.serve.prompts import check_cancel
 from gemma4.serve.requests import Embeddings, RequestError, Segment
 
-DEFAULT_SOFT_TOKENS = {"image": 280, "video": 70}  # transformers' image and video processor defaults
 
 
 class MediaPartError(RequestError):
@@ -161,7 +160,9 @@ def _prepare(engine: Engine, part: Mapping[str, Any], where: str, number: int, n
     if kind == "audio":
         return _prepare_audio(engine, part, item, name, label, param, notes)
     budget = part.get("max_soft_tokens")
-    budget = DEFAULT_SOFT_TOKENS[kind] if budget is None else budget
+    defaults = engine.cfg.media_defaults  # the checkpoint's own processor settings (280 and 70 by default)
+    if budget is None:
+        budget = defaults.image_soft_tokens if kind == "image" else defaults.video_soft_tokens
     if isinstance(budget, bool) or not isinstance(budget, int) or budget not in SOFT_TOKEN_BUDGETS:
         raise MediaPartError(f"{label}max_soft_tokens must be one of {', '.join(map(str, SOFT_TOKEN_BUDGETS))}, "
                              f"not {budget!r}.", param)
@@ -178,11 +179,11 @@ def _prepare(engine: Engine, part: Mapping[str, Any], where: str, number: int, n
                 prep.frames = [(None, int(rows.shape[0]))]
             else:
                 patches = preprocess_image(decode_image(item.data), max_soft_tokens=budget,
-                                           patch_size=vis.patch_size, pooling_kernel_size=vis.pooling_kernel_size)
+                                           **vis.image_preprocessing())
                 prep.frames, prep.patches = [(None, int(patches.num_soft_tokens))], [patches]
         else:  # a video's frames are decoded every time (cheap next to the tower); its rows are cached
-            frames = video_patches(item.data, max_soft_tokens=budget, name=name, patch_size=vis.patch_size,
-                                   pooling_kernel_size=vis.pooling_kernel_size)
+            frames = video_patches(item.data, max_soft_tokens=budget, name=name, num_frames=defaults.video_frames,
+                                   **vis.image_preprocessing())
             prep.frames = [(f.timestamp, int(f.patches.num_soft_tokens)) for f in frames]
             prep.patches = [] if rows is not None else [f.patches for f in frames]
     except MediaError as e:
@@ -206,7 +207,9 @@ def _prepare_audio(engine: Engine, part: Mapping[str, Any], item: MediaItem, nam
         clip = decode_audio(item.data, name=item.name)
     except MediaError as e:
         raise MediaPartError(f"{label}{e}", param) from None
-    features = audio_features(clip.samples) if rows is None else None
+    audio = engine.cfg.audio
+    frontend = waveform_frames if audio is not None and audio.encoder_free else audio_features  # the 12B: raw frames
+    features = frontend(clip.samples) if rows is None else None
     n = int(rows.shape[0]) if rows is not None else int(features.num_soft_tokens)
     if n < 1:
         raise MediaPartError(f"{label}{name} holds {clip.seconds * 1000:.0f} ms of sound, too short for one soft "

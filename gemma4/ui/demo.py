@@ -91,8 +91,8 @@ class DemoApp(ChatHandlers):
         mode; an error for Gemma 3). images / videos / audio: files as data: URIs
         ("data:image/png;base64,...", "data:audio/wav;base64,..."), each for the next <|image|> /
         <|video|> / <|audio|> in the prompt, in order (a prompt without markers gets them in
-        front: images, then videos, then audio; audio needs a model with an audio tower, E2B or
-        E4B); max_soft_tokens: 70, 140, 280, 560 or 1120 per image (default 280; 70 per video
+        front: images, then videos, then audio; audio needs a model that hears: E2B, E4B or
+        12B); max_soft_tokens: 70, 140, 280, 560 or 1120 per image (default 280; 70 per video
         frame; audio takes 25 a second).
         Returns {"text" (the answer), "thought", "tool_calls"
         ([{"id", "name", "arguments"}]), "stats", "flags", "flagged", "fired_rules",

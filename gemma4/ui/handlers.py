@@ -137,7 +137,8 @@ class ChatHandlers:
         return self.conversation.supports_vision(self.engine)
 
     def audio_support(self) -> tuple[bool, str]:
-        """(can this model hear, why not): an audio tower (E2B, E4B), known once loaded."""
+        """(can this model hear, why not): an audio tower (E2B, E4B) or the 12B's encoder-free
+        audio frames, known once loaded."""
         if not self.info():
             if self.engine.status().get("state") == "error":
                 return False, "the model could not be loaded"

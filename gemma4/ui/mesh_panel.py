@@ -124,7 +124,7 @@ def size_table_markdown(context: int = SIZE_TABLE_CONTEXT, batch: int = SIZE_TAB
     head = ["model", "weights", "weights / replica", f"KV ({context} × {batch})"] + [
         f"{d.kind.replace('NVIDIA ', '')} ({d.usable_bytes / _GiB:.1f})" for d in kinds]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in ("e2b", "e4b", "26b-a4b", "31b"):
+    for name in ("e2b", "e4b", "12b", "26b-a4b", "31b"):
         cfg = preset(name)
         for mode in SIZE_TABLE_FORMATS:
             cells = []

@@ -5,7 +5,9 @@ saves), `language_model.model.` (older Gemma 3 multimodal repos). Gemma 4's visi
 (`model.vision_tower.`, `model.embed_vision.`) loads into `params["vision"]` when the config has
 one (`cfg.vision`; a text-only load, `config.text_only`, skips it); the audio tower
 (`model.audio_tower.`, `model.embed_audio.`) loads into `params["audio"]` when the config has one
-(`cfg.audio`; `config.without_audio` skips it); Gemma 3's vision tower and the unused k/v
+(`cfg.audio`; `config.without_audio` skips it); Gemma 4 12B's encoder-free embedders
+(`model.vision_embedder.`, `model.embed_vision.embedding_projection.`, `model.embed_audio.`) load the
+same way, by their own names (`UNIFIED_NAMES`); Gemma 3's vision tower and the unused k/v
 weights of KV-consumer layers are skipped. Every expected tensor must arrive exactly
 once with the shape `gemma4.model.params` describes; anything else is an error naming tensor and file.
 
@@ -33,6 +35,7 @@ from gemma4.weights.leaf_format import LeafFormat
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                    "model.vision_embedder.",
                     "vision_tower.", "audio_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
                     "lm_head.", "language_model.lm_head.")
 
@@ -131,6 +134,22 @@ for _module, _name in _AUDIO_LINEAR_MODULES.items():
     for _buffer, _bound in _CLIP_BUFFERS.items():
         _AUDIO_LAYER_NAMES[f"{_module}.{_buffer}"] = ("clip", _name, _bound)
 _AUDIO_LAYER_RE = re.compile(r"^model\.audio_tower\.layers\.(\d+)\.(.+)$")
+# Gemma 4 12B (Unified): its checkpoint's names (transformers' `conversion_mapping` renames the vision
+# ones for its modules: `model.embed_vision.patch_ln1`, `...multimodal_embedder.embedding_projection`;
+# those load too, for a checkpoint saved without the renaming).
+_UNIFIED_VISION_MODULES = {"patch_ln1": ("ln1_scale", "ln1_bias"), "patch_dense": ("dense", "dense_bias"),
+                           "patch_ln2": ("ln2_scale", "ln2_bias"), "pos_norm": ("pos_norm_scale", "pos_norm_bias")}
+UNIFIED_NAMES: dict[str, tuple] = {
+    "model.embed_vision.embedding_projection.weight": ("vision", "proj"),
+    "model.embed_vision.multimodal_embedder.embedding_projection.weight": ("vision", "proj"),
+    "model.embed_audio.embedding_projection.weight": ("audio", "proj"),
+}
+for _prefix in ("model.vision_embedder.", "model.embed_vision."):
+    UNIFIED_NAMES[_prefix + "pos_embedding"] = ("vision", "pos_table")
+    for _module, (_weight, _bias) in _UNIFIED_VISION_MODULES.items():
+        UNIFIED_NAMES[f"{_prefix}{_module}.weight"] = ("vision", _weight)
+        UNIFIED_NAMES[f"{_prefix}{_module}.bias"] = ("vision", _bias)
+UNIFIED_VISION_PREFIXES = ("model.vision_embedder.", "model.embed_vision.")
 _CONSUMER_IGNORED = {"self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight",
                      "self_attn.v_norm.weight"}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -208,7 +227,7 @@ def strip_prefix(key: str) -> str | None:
     for prefix in TEXT_PREFIXES:
         if key.startswith(prefix):
             rest = key[len(prefix):]
-            if rest.startswith(("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")):
+            if rest.startswith(("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "vision_embedder.")):
                 return None
             return rest
     return None
@@ -251,6 +270,17 @@ def audio_tree_path(key: str) -> tuple:
     if not m or m.group(2) not in _AUDIO_LAYER_NAMES:
         raise KeyError(key)
     return ("audio", "layers", int(m.group(1))) + _AUDIO_LAYER_NAMES[m.group(2)]
+
+
+def media_target(cfg: ModelConfig, key: str) -> tuple | None:
+    """Our tree path of a vision or audio tensor the config loads (KeyError: one of those prefixes
+    with no place); None for a tensor that is not one (text, or media the config does not load)."""
+    vision_prefixes = UNIFIED_VISION_PREFIXES if cfg.encoder_free else VISION_PREFIXES
+    if cfg.vision is not None and key.startswith(vision_prefixes):
+        return UNIFIED_NAMES[key] if cfg.encoder_free else vision_tree_path(key)
+    if cfg.audio is not None and key.startswith(AUDIO_PREFIXES):
+        return UNIFIED_NAMES[key] if cfg.encoder_free else audio_tree_path(key)
+    return None
 
 
 def _spec_at(specs: dict, path: tuple) -> LeafSpec | None:
@@ -317,14 +347,13 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
         fname = os.path.basename(path)
         for key in st.keys():
             done += 1
-            vision = cfg.vision is not None and key.startswith(VISION_PREFIXES)
-            audio = cfg.audio is not None and key.startswith(AUDIO_PREFIXES)
-            rel = key if (vision or audio) else strip_prefix(key)
-            if rel is None:
-                continue
             try:
-                target = (vision_tree_path(key) if vision else audio_tree_path(key) if audio
-                          else tree_path(cfg, rel))
+                target = media_target(cfg, key)
+                if target is None:
+                    rel = strip_prefix(key)
+                    if rel is None:
+                        continue
+                    target = tree_path(cfg, rel)
             except KeyError:
                 raise CheckpointError(
                     f"{fname}: unexpected tensor {key!r} — it has no place in a {cfg.family} model with "

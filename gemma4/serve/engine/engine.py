@@ -180,7 +180,8 @@ class Engine:
         return self._tower("images", lambda: self.towers.supports_vision())
 
     def supports_audio(self) -> tuple[bool, str]:
-        """(ok, reason when not): ready, with an audio tower (Gemma 4 E2B / E4B) loaded on one process."""
+        """(ok, reason when not): ready, with an audio tower (Gemma 4 E2B / E4B; the 12B's audio
+        projection) loaded on one process."""
         return self._tower("audio", lambda: self.towers.supports_audio())
 
     def _tower(self, what: str, ask: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.env import setting
-from gemma4.media.audio import FEATURE_SIZE, AudioFeatures
+from gemma4.media.audio import FEATURE_SIZE, SAMPLE_RATE, AudioFeatures
 from gemma4.model import audio as AU
 from gemma4.model import vision as V
 from gemma4.model.config import ModelConfig
@@ -31,8 +31,10 @@ ENCODE_BATCH = 8  # images encoded in one call of the tower, at most (a video's 
 # The audio tower's compiled lengths, in feature frames (100 a second; 3,000 = the 30 s the model
 # hears): a clip is padded with masked frames up to the next one (its valid rows do not change),
 # so at most five shapes compile per batch width, and a clip pays at most about twice its length.
-# GEMMA4_AUDIO_BUCKETS (seconds) overrides (`audio_frame_buckets`).
+# GEMMA4_AUDIO_BUCKETS (seconds) overrides (`audio_frame_buckets`). The 12B's encoder-free frames
+# come 25 a second (`audio_frame_rate`): the same seconds are 50 … 750 frames.
 AUDIO_FRAME_BUCKETS = (200, 400, 800, 1600, 3000)
+MEL_FRAMES_PER_SECOND = 100  # a tower's log-mel frames (10 ms)
 
 
 def encode_batches(sizes: Sequence[int], batch: int = ENCODE_BATCH):
@@ -50,26 +52,41 @@ def encode_batches(sizes: Sequence[int], batch: int = ENCODE_BATCH):
             yield size, part, part + [part[-1]] * (width - len(part))
 
 
-def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS) -> int:
+def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS,
+                 per_second: int = MEL_FRAMES_PER_SECOND) -> int:
     """The compiled length (feature frames) a clip of `frames` frames is padded to: the smallest
     bucket that holds it (RequestError past the largest: more than the 30 s the model hears)."""
     for b in sorted(buckets):
         if frames <= b:
             return int(b)
     raise RequestError(f"An audio clip of {frames} feature frames is longer than the {max(buckets)} frames "
-                       f"({max(buckets) / 100:g} s) the audio tower is compiled for; cut it to its first 30 s.")
+                       f"({max(buckets) / per_second:g} s) the audio tower is compiled for; cut it to its first 30 s.")
 
 
-def audio_frame_buckets(env=None) -> tuple[int, ...]:
-    """The audio buckets in feature frames (100 a second) from GEMMA4_AUDIO_BUCKETS' seconds
-    (default `AUDIO_FRAME_BUCKETS`): none past 30 s, and 30 s
-    always the top one, so every clip the front end gives has a bucket."""
-    top = AUDIO_FRAME_BUCKETS[-1]
-    frames = {min(top, math.ceil(s * 100)) for s in setting("GEMMA4_AUDIO_BUCKETS", env)}
+def audio_frame_buckets(env=None, per_second: int = MEL_FRAMES_PER_SECOND) -> tuple[int, ...]:
+    """The audio buckets in feature frames (`per_second` a second: 100 for a tower's log-mel
+    frames) from GEMMA4_AUDIO_BUCKETS' seconds (default `AUDIO_FRAME_BUCKETS`): none past 30 s,
+    and 30 s always the top one, so every clip the front end gives has a bucket."""
+    top = AUDIO_FRAME_BUCKETS[-1] * per_second // MEL_FRAMES_PER_SECOND
+    frames = {min(top, math.ceil(s * per_second)) for s in setting("GEMMA4_AUDIO_BUCKETS", env)}
     return tuple(sorted(frames | {top}))
 
 
-NO_AUDIO_TOWER_REASON = "{model} has no audio tower; audio needs Gemma 4 E2B or E4B (e.g. --model google/gemma-4-E2B-it)"
+def audio_frame_rate(cfg: ModelConfig) -> int:
+    """Feature frames a second of a model's audio input: 100 log-mel frames for a tower, 25 raw
+    640-sample frames for the 12B's encoder-free projection."""
+    a = cfg.audio
+    return SAMPLE_RATE // a.samples_per_token if a is not None and a.encoder_free else MEL_FRAMES_PER_SECOND
+
+
+def audio_feature_size(cfg: ModelConfig) -> int:
+    """Values per feature frame: 128 mel bins, or the 12B's 640 samples."""
+    a = cfg.audio
+    return a.samples_per_token if a is not None and a.encoder_free else FEATURE_SIZE
+
+
+NO_AUDIO_TOWER_REASON = ("{model} has no audio tower; audio needs Gemma 4 E2B, E4B or 12B "
+                         "(e.g. --model google/gemma-4-E2B-it)")
 
 NO_TOWER_REASON = ("{model} has no vision tower (the bundled Gemma 3 270M reads text only); load a Gemma 4 "
                    "checkpoint, e.g. --model google/gemma-4-E2B-it or random:e2b")
@@ -86,7 +103,9 @@ class Towers:
                  multi_process: bool = False):
         self.cfg, self.params, self.encoder_dtype = cfg, params, encoder_dtype
         self.multi_process = multi_process
-        self.audio_buckets = audio_frame_buckets()  # the compiled clip lengths (`audio_bucket`); tests may narrow it
+        self.audio_rate = audio_frame_rate(cfg)  # feature frames a second (100, or the 12B's 25)
+        # the compiled clip lengths (`audio_bucket`); tests may narrow it
+        self.audio_buckets = audio_frame_buckets(per_second=self.audio_rate)
         self._compile = compile
         self._exe: dict[TowerKey, Any] = {}
         self._lock = threading.Lock()
@@ -154,15 +173,16 @@ class Towers:
                               jax.ShapeDtypeStruct((n, size, 2), jnp.int32))
         # the audio tower: `n` clips of `size` feature frames (`encode_audio`)
         step = jax.jit(lambda params, feats, mask: AU.encode_audio(params, cfg, feats, mask, dtype=dtype))
-        return step.lower(self.params, jax.ShapeDtypeStruct((n, size, FEATURE_SIZE), jnp.float32),
+        return step.lower(self.params, jax.ShapeDtypeStruct((n, size, audio_feature_size(cfg)), jnp.float32),
                           jax.ShapeDtypeStruct((n, size), jnp.bool_))
 
     # ---------------------------------------------------------------- audio
     def supports_audio(self) -> tuple[bool, str]:
-        """(ok, reason when not): the model has an audio tower (Gemma 4 E2B / E4B), loaded, on one process."""
+        """(ok, reason when not): the model has an audio tower (Gemma 4 E2B / E4B; the 12B's
+        encoder-free projection), loaded, on one process."""
         cfg, name = self.cfg, self.cfg.name
         if cfg.family != "gemma4":
-            return False, f"{name} is a Gemma 3 model: it has no audio tower; audio needs Gemma 4 E2B or E4B"
+            return False, f"{name} is a Gemma 3 model: it has no audio tower; audio needs Gemma 4 E2B, E4B or 12B"
         if cfg.audio is None and cfg.audio_token_id is not None:  # the checkpoint has one; it was not loaded
             return False, f"{name} was loaded without its audio tower (GEMMA4_AUDIO=off); reload it with the tower"
         if cfg.audio is None or cfg.audio_token_id is None or cfg.boa_token_id is None or cfg.eoa_token_id is None:
@@ -192,9 +212,9 @@ class Towers:
                 raise RequestError(f"Audio clip {i + 1} is too short to hear (no soft token: under 40 ms of sound); "
                                    "send a longer clip.")
         compiled, t0 = False, time.perf_counter()
-        buckets = [audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets) for f in features]
+        buckets = [audio_bucket(int(np.shape(f.features)[0]), self.audio_buckets, self.audio_rate) for f in features]
         for frames, part, take in encode_batches(buckets):
-            feats = np.zeros((len(take), frames, FEATURE_SIZE), np.float32)
+            feats = np.zeros((len(take), frames, audio_feature_size(self.cfg)), np.float32)
             mask = np.zeros((len(take), frames), bool)
             for j, i in enumerate(take):
                 n = int(np.shape(features[i].features)[0])
