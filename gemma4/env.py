@@ -200,9 +200,9 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
                 "accelerator with one device", auto=True),
         Setting("GEMMA4_READY_SHAPES", CHOICE, "auto",
                 "the shapes compiled before the engine says ready (short: a short prompt's first chunk "
-                "and one row's decode; users: instead several users' packed first chunks and their decode "
-                "rows, which serve one user too; auto: users on an accelerator whose first chunks are "
-                "packed, short elsewhere)",
+                "and one row's decode; users: instead several users' packed first chunks, their decode "
+                "rows and a later chunk of the pack's size, which serve one user and long prompts too; "
+                "auto: users on an accelerator whose first chunks are packed, short elsewhere)",
                 choices=("auto", "short", "users")),
         Setting("GEMMA4_LOAD_AHEAD", SWITCH, True,
                 "load the stored executables while the weights load (off: after them)"),

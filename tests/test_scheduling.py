@@ -224,9 +224,9 @@ def test_a_request_waits_for_its_own_shape_while_others_are_served(engines):
 def test_on_an_accelerator_a_long_prompt_runs_in_smaller_shapes_while_its_own_compile(engines):
     """An accelerator's geometry (`smaller_stand_ins`): the first bucket's later chunk compiles
     first after ready, so a long prompt after it runs in first-bucket chunks while its own
-    larger shapes compile (asked for at once), and takes them as they land; its tokens are the
-    model's. Where not even a smaller later shape is compiled, the smallest is asked for too. A
-    CPU's geometry waits for its own shape instead."""
+    larger shapes wait for idle time (queued, not compiled beside it), and takes them as they
+    land; its tokens are the model's. Where not even a smaller later shape is compiled, its own
+    and the smallest are asked for at once. A CPU's geometry waits for its own shape instead."""
     g = geometry(buckets=(16, 32, 64), smaller_stand_ins=True)
     assert g.background_shapes()[0] == PrefillKey(16, False) and PrefillKey(16, False) not in g.startup_shapes()
     eng = engines(g, set(g.startup_shapes()) | {PrefillKey(16, False)} | {k for k in all_shapes(g) if isinstance(k, DecodeKey)})
@@ -237,7 +237,8 @@ def test_on_an_accelerator_a_long_prompt_runs_in_smaller_shapes_while_its_own_co
         def before_call(self, call):
             super().before_call(call)
             if sum(isinstance(c.key, PrefillKey) for c in self.calls) == 2:
-                assert {(PrefillKey(64, True), True), (PrefillKey(64, False), True)} <= set(eng.shapes.requests)
+                assert {(PrefillKey(64, True), "background"), (PrefillKey(64, False), "background")} <= set(eng.shapes.requests)
+                assert not any(now is True for _, now in eng.shapes.requests)
                 eng.shapes.compile(PrefillKey(64, False))
 
     with eng.observing(LandsAfterTwoChunks()) as seen:
@@ -353,7 +354,7 @@ def test_an_accelerator_packs_first_chunks_and_compiles_eight_users_shapes_befor
     tpu = serving_geometry(**kw)
     assert tpu.buckets == (128, 512, 1024, 2048) and tpu.pack_prompts == 8
     lone = (PrefillKey(128, True, False, 8), DecodeKey(1, 1024))
-    assert tpu.startup_shapes() == (PrefillKey(1024, True, False, 8), DecodeKey(8, 1024))
+    assert tpu.startup_shapes() == (PrefillKey(1024, True, False, 8), DecodeKey(8, 1024), PrefillKey(1024, False))
     assert tpu.background_shapes()[:2] == lone  # compiled first after ready
     short = serving_geometry(**kw, ready_shapes="short")
     assert short.startup_shapes() == lone and PrefillKey(1024, True, False, 8) in set(short.background_shapes())

@@ -163,12 +163,15 @@ class ServingGeometry:
         """The shapes compiled (and run once) before the engine says ready: a short request's
         first chunk and its decode steps; with `users_at_ready` instead those that serve
         `pack_prompts` users' short prompts sent together as well as one (one pack of their first
-        chunks, their rows' decode) — the same count, so the same cold start, and a lone request
-        runs in them (a little slower) until its own compile first after ready."""
+        chunks, their rows' decode), and a later chunk of the pack's size, so that a prompt of any
+        length runs in compiled shapes from ready (its chunks shrink to them: `smaller_stand_ins`;
+        without it the first 8,192-token prompt after ready waited 60 s for its later chunks'
+        compiles on a TPU v5e). A lone request runs in them (a little slower) until its own
+        shapes compile, first after ready."""
         if not self.users_at_ready:
             return self._short_shapes()
-        return (self.prefill_key(self.bucket_for(self.pack_prompts * self.first_bucket), True),
-                self.decode_key(self.pack_prompts, 1))
+        pack = self.bucket_for(self.pack_prompts * self.first_bucket)
+        return (self.prefill_key(pack, True), self.decode_key(self.pack_prompts, 1), self.prefill_key(pack, False))
 
     def reuse_shapes(self) -> tuple[ShapeKey, ...]:
         """What a request reusing a cached prefix runs before its decode steps: the row copy and a
