@@ -50,7 +50,7 @@ from gemma4.ui.reply import (
     stats_title,
     strip_trailing_assistant,
 )
-from tests.audio_files import tone_wav
+from tests.media_files import tone_wav
 from tests.net import free_port as _free_port, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

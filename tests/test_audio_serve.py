@@ -5,7 +5,7 @@ forward pass over the same merged embeddings, batch invariance beside a text req
 embedding cache, clips mixed with images in marker order, the engine's length buckets, every
 bad-input path, and the OpenAI client sending input_audio to our server.
 
-Every clip is made here (numpy tones, the standard library's `wave`); nothing is downloaded."""
+Every clip is made here (numpy tones: tests/media_files.py); nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import io
 import json
 import struct
 import threading
-import wave
 
 import httpx
 import jax
@@ -33,26 +32,11 @@ from gemma4.serve.engine import engine as E
 from gemma4.serve.media_cache import shared_cache
 from gemma4.serve.requests import RequestError
 from gemma4.serve.engine.towers import AUDIO_FRAME_BUCKETS, audio_bucket, audio_frame_buckets
+from tests.media_files import wav
 from tests.scripted import TINY_GEMMA4, tiny_gemma4
 from tests.test_vision_serve import direct_greedy, png
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
-
-
-def wav(seconds: float = 1.0, rate: int = 16_000, channels: int = 1, seed: int = 0) -> bytes:
-    """A 16-bit PCM WAV of a few seeded tones plus a little noise."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(round(seconds * rate))) / rate
-    mono = sum(a * np.sin(2 * np.pi * f * t) for f, a in zip(rng.uniform(100, 4000, 4), rng.uniform(0.05, 0.2, 4)))
-    mono = mono + rng.normal(0, 0.01, t.shape)
-    pcm = np.round(np.clip(np.stack([mono] * channels, -1), -1, 1) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
 
 
 def audio_part(data: bytes, name: str = "clip.wav", **extra) -> dict:

@@ -335,7 +335,7 @@ def test_audio_upload_microphone_reply_and_media_rows(served_gemma4, browser, tm
     clip's length, soft tokens and encode time; then record from Chromium's fake microphone
     (🎙, start, stop, attach): a second player, and the rows of both clips (the first cached)."""
     from gemma4.serve.media_cache import shared_cache
-    from tests.audio_files import tone_wav
+    from tests.media_files import tone_wav
     from tests.scripted import scripted
 
     url, engine = served_gemma4

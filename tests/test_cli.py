@@ -133,7 +133,7 @@ def test_float32_is_exact_for_image_and_audio_prompts_on_a_bf16_capable_plan(tmp
 
     from gemma4.weights.sources import synthetic_tokenizer_proto
     from tests.multimodal import checkpoint_folder, media_ids, setup
-    from tests.test_audio_serve import wav
+    from tests.media_files import wav
     from tests.test_vision_serve import png
 
     cfg, _, hf_model = setup("e2b", tmp_path_factory)

@@ -26,7 +26,8 @@ from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
 from tests.engines import bundled_f32
 from tests.scripted import tiny_gemma4
-from tests.test_audio_serve import hear, wav
+from tests.media_files import wav
+from tests.test_audio_serve import hear
 from tests.test_vision_serve import ask, png
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)

@@ -25,10 +25,8 @@ static-cache masks (`create_masks_for_generate`); that the other path differs is
 
 from __future__ import annotations
 
-import io
 import sys
 import types
-import wave
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +49,7 @@ from gemma4.model.params import abstract_params
 from gemma4.model.vision import encode_images
 from gemma4.model.audio import encode_audio
 from tests.multimodal import N_NEW, greedy_cached, media_ids, merged_inputs, padded, rel_err, setup
+from tests.media_files import mp4, wav
 from tests.reference import varied
 
 TOWER_TOL = 1e-5  # soft tokens: max abs difference relative to their largest magnitude
@@ -78,37 +77,9 @@ def _wave(n: int, seed: int = 0) -> np.ndarray:
     return (0.4 * tone + 0.05 * rng.standard_normal(n)).astype(np.float32)
 
 
-def _wav_bytes(rate: int, channels: int, seconds: float, seed: int = 0) -> bytes:
-    """A 16-bit WAV of a chirp (a different one per channel) at `rate`."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    chans = [0.3 * np.sin(2 * np.pi * (300 + 200 * c + 500 * t) * t) + 0.02 * rng.standard_normal(t.shape)
-             for c in range(channels)]
-    pcm = (np.stack(chans, -1) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
-
-
-def _video_bytes(frames: int = 6, fps: int = 2, size: tuple[int, int] = (48, 64)) -> bytes:
-    import av  # PyAV writes the clip (the test's only use of it outside gemma4.media)
-
-    h, w = size
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        for i in range(frames):
-            arr = np.asarray(_picture(h, w, seed=10 + i))
-            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
+def _frame(h: int, w: int, i: int) -> np.ndarray:
+    """Frame i of the test clips: a picture (`_picture`), not noise."""
+    return np.asarray(_picture(h, w, seed=10 + i))
 
 
 def _stacked(patches) -> tuple[np.ndarray, np.ndarray]:
@@ -398,15 +369,15 @@ def _case(cfg, case: str) -> tuple[Prompt, int | None]:
         split = len(p.ids) - 2
         return p.image(_patches(cfg, "wide", 280, seed=4)), split
     if case == "video frames":
-        frames = video_patches(_video_bytes(), max_soft_tokens=70, **cfg.vision.image_preprocessing())
+        frames = video_patches(mp4(frames=6, size=(48, 64), frame=_frame), max_soft_tokens=70, **cfg.vision.image_preprocessing())
         assert [f.timestamp for f in frames] == ["00:00", "00:00", "00:01", "00:01", "00:02", "00:02"]
         return p.video(frames), None
     if case == "audio 16 kHz mono":
-        clip = decode_audio(_wav_bytes(16_000, 1, 1.3))
+        clip = decode_audio(wav(1.3, 16_000, 1))
         assert clip.source_rate == 16_000 and clip.channels == 1
         return p.audio(waveform_frames(clip.samples)), None
     if case == "audio 48 kHz stereo":  # resampled and mixed down as for every Gemma 4 (gemma4.media.audio)
-        clip = decode_audio(_wav_bytes(48_000, 2, 1.7, seed=5))
+        clip = decode_audio(wav(1.7, 48_000, 2, seed=5))
         assert clip.source_rate == 48_000 and clip.channels == 2 and len(clip.samples) == 27_200
         return p.audio(waveform_frames(clip.samples)), None
     if case == "image + audio":
@@ -444,7 +415,7 @@ def test_hidden_states_and_logits_match(tmp_path_factory):
     differ (the bidirectional attention is honoured), and so does transformers' default forward
     path (its other mask, which this port does not follow)."""
     cfg, params, hf_model = setup("12b", tmp_path_factory)
-    frames = video_patches(_video_bytes(frames=3), max_soft_tokens=70, **cfg.vision.image_preprocessing())
+    frames = video_patches(mp4(frames=3, size=(48, 64), frame=_frame), max_soft_tokens=70, **cfg.vision.image_preprocessing())
     prompt = Prompt(cfg, seed=11).image(_patches(cfg, "wide", 70)).video(frames).audio(waveform_frames(_wave(4000)))
     inputs = prompt.hf_inputs()
     T = len(prompt.ids)

@@ -8,9 +8,7 @@ budgets, and the Hardware report says the model is encoder-free."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
-import wave
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +26,8 @@ from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation, media_prompt
 from gemma4.serve.engine.engine import get_engine
 from gemma4.serve.media_cache import shared_cache
-from tests.test_vision_serve import ask, direct_greedy, image_part, mp4, png
+from tests.media_files import mp4, wav
+from tests.test_vision_serve import direct_greedy, image_part, png
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
 
@@ -39,18 +38,6 @@ def eng():
     to float32, as the direct forward they are compared with."""
     return get_engine("random:tiny-12b", max_batch=2, context_limit=512, buckets=(256,),
                       overrides={"encoder_dtype": "float32"}).wait_ready(timeout=900)
-
-
-def wav(rate: int, channels: int, seconds: float) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    pcm = np.stack([0.3 * np.sin(2 * np.pi * (300 + 150 * c + 400 * t) * t) for c in range(channels)], -1)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((pcm * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 def _groups(cfg, ids: list[int]) -> np.ndarray:
@@ -100,7 +87,7 @@ def test_image_video_and_stereo_audio_equal_a_direct_forward(eng):
     one vision group per image and per frame (audio attends causally)."""
     shared_cache().clear()
     cfg = eng.cfg
-    img, video, clip_bytes = png(60, 90, seed=2), mp4(frames=2), wav(48_000, 2, 1.1)
+    img, video, clip_bytes = png(60, 90, seed=2), mp4(frames=2), wav(1.1, 48_000, 2)
     msgs = [{"role": "user", "content": [image_part(img, max_soft_tokens=70),
                                          {"type": "video", "media": media_from_bytes(video, name="v.mp4")},
                                          {"type": "audio", "media": media_from_bytes(clip_bytes, name="a.wav")},

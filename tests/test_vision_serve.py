@@ -25,6 +25,7 @@ from gemma4.serve.engine import engine as E
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
 from gemma4.serve.requests import Embeddings, RequestError, vision_layout
 from tests.engines import bundled_f32
+from tests.media_files import mp4
 from tests.scripted import tiny_gemma4
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -38,25 +39,6 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     rgb = np.clip(rgb + rng.normal(0, 20, rgb.shape), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def mp4(frames: int = 4, fps: int = 2, size: tuple[int, int] = (48, 64)) -> bytes:
-    """A tiny clip made here (PyAV, mpeg4): each frame a different noise picture."""
-    import av
-
-    h, w = size
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        rng = np.random.default_rng(0)
-        for _ in range(frames):
-            arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
     return buf.getvalue()
 
 

@@ -844,31 +844,21 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 
 def to_hf_multimodal_config(cfg: ModelConfig) -> dict:
     """A transformers `Gemma4Config` dict (text + vision, and audio when `cfg.audio` is set) for a
-    config with a vision tower."""
+    config with a vision tower, or a `Gemma4UnifiedConfig` dict for an encoder-free one (the 12B:
+    its vision embedder and audio projection)."""
     if cfg.vision is None:
         raise ValueError(f"{cfg.name} has no vision tower")
-    if cfg.encoder_free:
-        return _to_hf_unified_config(cfg)
     text = to_hf_config(cfg)
-    text["use_bidirectional_attention"] = "vision" if cfg.bidirectional_vision else None
-    out = dict(model_type="gemma4", text_config=text, vision_config=vision_to_hf(cfg.vision), audio_config=None,
+    if cfg.encoder_free:
+        model_type, vision, audio = "gemma4_unified", patch_embedder_to_hf(cfg.vision), waveform_audio_to_hf
+    else:
+        text["use_bidirectional_attention"] = "vision" if cfg.bidirectional_vision else None
+        model_type, vision, audio = "gemma4", vision_to_hf(cfg.vision), audio_to_hf
+    out = dict(model_type=model_type, text_config=text, vision_config=vision, audio_config=None,
                image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
                boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, tie_word_embeddings=True)
     if cfg.audio is not None:
-        out.update(audio_config=audio_to_hf(cfg.audio), audio_token_id=cfg.audio_token_id,
-                   boa_token_id=cfg.boa_token_id, eoa_token_index=cfg.eoa_token_id)
-    return out
-
-
-def _to_hf_unified_config(cfg: ModelConfig) -> dict:
-    """A transformers `Gemma4UnifiedConfig` dict (text, the vision embedder, the audio projection
-    when `cfg.audio` is set)."""
-    out = dict(model_type="gemma4_unified", text_config=to_hf_config(cfg),
-               vision_config=patch_embedder_to_hf(cfg.vision), audio_config=None,
-               image_token_id=cfg.image_token_id, video_token_id=cfg.video_token_id,
-               boi_token_id=cfg.boi_token_id, eoi_token_id=cfg.eoi_token_id, tie_word_embeddings=True)
-    if cfg.audio is not None:
-        out.update(audio_config=waveform_audio_to_hf(cfg.audio), audio_token_id=cfg.audio_token_id,
+        out.update(audio_config=audio(cfg.audio), audio_token_id=cfg.audio_token_id,
                    boa_token_id=cfg.boa_token_id, eoa_token_index=cfg.eoa_token_id)
     return out
 
