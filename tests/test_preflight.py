@@ -310,3 +310,18 @@ def test_cli_refuses_before_loading():
     assert out.returncode == 2, out.stderr[-2000:]
     assert "error: gemma-4-E2B int8:" in out.stderr and "does not fit" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_an_accelerators_default_context_is_the_longest_the_memory_admits_for_the_rows():
+    """`default_context`: E2B on one TPU v5e gets its whole 131,072 tokens for one row, and for 8
+    rows the longest power of two whose cache fits beside the weights (the next one up does not);
+    a model that fits nothing longer keeps the floor. The reason says which."""
+    cfg, v5e, plan = preset("e2b"), PD.simulated_devices("v5e"), _plan("none", "tpu")
+    n, why = P.default_context(cfg, plan, v5e, "none", 1, 4096)
+    assert n == cfg.max_position_embeddings == 131072 and "the model's maximum" in why
+    n, why = P.default_context(cfg, plan, v5e, "none", 8, 4096)
+    assert 4096 < n < 131072 and f"{n:,} tokens: the largest the memory admits for 8 rows" in why
+    assert P.check(cfg, plan, v5e, "none", n, 8)["fits"] and not P.check(cfg, plan, v5e, "none", 2 * n, 8)["fits"]
+    big = preset("31b")
+    n, why = P.default_context(big, plan, v5e, "none", 8, 4096)
+    assert n == 4096 and "the default" in why

@@ -390,6 +390,33 @@ def engine_mesh(request: str | dict | None, cfg, plan, context: int, batch: int)
     return {a: int(n) for a, n in shape.items() if int(n) > 1}
 
 
+def default_context(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mapping[str, int] | None,
+                    batch: int, floor: int) -> tuple[int, str]:
+    """The context an accelerator serves when none is asked for, and why, in words: the model's
+    own maximum where the pre-flight admits it for `batch` rows (on the mesh asked for; "auto":
+    any), else the largest power of two below it that it admits; never below `floor` (the usual
+    default: where even that does not fit, the pre-flight's refusal says so). A long context
+    costs only the cache (E2B: 814 MB a row at 131,072 tokens), so the memory decides."""
+    top, rows = int(cfg.max_position_embeddings), f"{batch} row{'s' if batch != 1 else ''}"
+    n = top
+    while n > floor:
+        if _admits(cfg, plan, devices, request, n, batch):
+            if n == top:
+                return n, f"{n:,} tokens: the model's maximum (its KV cache for {rows} fits)"
+            return n, (f"{n:,} tokens: the largest the memory admits for {rows} (the model's maximum, "
+                       f"{top:,}, does not fit beside the weights; ask for it with fewer rows or another mesh)")
+        n = 1 << ((n - 1).bit_length() - 1)  # the power of two below n
+    n = min(floor, top)
+    return n, f"{n:,} tokens: the default (no longer one fits {rows})"
+
+
+def _admits(cfg: ModelConfig, plan: Any, devices: DeviceSet, request, context: int, batch: int) -> bool:
+    try:
+        return bool(check(cfg, plan, devices, request, context, batch)["fits"])
+    except PreflightError:
+        return False
+
+
 def preflight_mode(env: Mapping[str, str] | None = None) -> str:
     """GEMMA4_PREFLIGHT: "on", "warn" or "off" (PreflightError for another value)."""
     try:

@@ -51,8 +51,9 @@ class Engine:
     """One model, its KV cache and its compiled steps, serving requests (see the module docstring).
 
     model: "bundled", a folder, a Hub id, a .gguf file or "random:<preset>"; max_batch: the KV
-    cache's rows (requests decoded together); context_limit: None for the model's (at most
-    geometry.DEFAULT_CONTEXT); overrides: hardware-policy overrides (docs/hardware-policy.md);
+    cache's rows (requests decoded together); context_limit: None for the model's (on a CPU at
+    most geometry.DEFAULT_CONTEXT; on an accelerator as long as the memory admits for the rows:
+    preflight.default_context); overrides: hardware-policy overrides (docs/hardware-policy.md);
     max_new_tokens_cap: the most new tokens a request may ask for; warmup: compile and run the
     first shapes before ready (and the rest in the background); buckets: prompt buckets (None:
     the device's ladder); mesh: "auto", "none" or a mesh shape (docs/sharding.md); start: the

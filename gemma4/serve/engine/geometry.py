@@ -16,7 +16,8 @@ from typing import Sequence
 
 from gemma4.serve.shape_keys import CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
 
-DEFAULT_CONTEXT = 4096  # the context window unless one is asked for (at most the model's own)
+DEFAULT_CONTEXT = 4096  # a CPU's context window unless one is asked for (at most the model's own; an
+# accelerator's: the longest the memory pre-flight admits for the rows, preflight.default_context)
 
 # ≤ 50% padding above 16; longer prompts are chunked. 8 is for chunks beside running streams (a
 # later 8-token chunk of the bundled model costs ~1.7 decode steps, a 16-token one ~2.5 on a 2-core

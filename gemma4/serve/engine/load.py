@@ -32,10 +32,10 @@ from gemma4.model.config import ModelConfig
 from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower, iter_specs, leaf_name, param_specs,
                                  tree_from_leaves)
 from gemma4.paths import cache_root
-from gemma4.plan import hardware, hardware_checks, preflight, sharding
+from gemma4.plan import hardware, hardware_checks, preflight, preflight_devices, sharding
 from gemma4.serve import heap, prepared_store
 from gemma4.env import FOLDER_OFF, setting
-from gemma4.serve.engine.geometry import ServingGeometry, context_window, serving_geometry
+from gemma4.serve.engine.geometry import DEFAULT_CONTEXT, ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
 from gemma4.weights.leaf_format import LeafFormat
 from gemma4.weights.tokenizer import Tokenizer
@@ -143,8 +143,9 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                planned: Callable[[LoadedModel], None] | None = None,
                ) -> tuple[LoadedModel, Any, PreparedWrite | None]:
     """(the model, its KV cache (allocated: the engine owns it from here), the prepared weights to
-    keep once ready or None). `context`: the context limit asked for (None: the model's, at most
-    geometry.DEFAULT_CONTEXT); `buckets`: the prompt buckets asked for (None: the device's ladder);
+    keep once ready or None). `context`: the context limit asked for (None: on a CPU the model's,
+    at most geometry.DEFAULT_CONTEXT; on an accelerator the longest the pre-flight admits for the
+    rows, up to the model's own: preflight.default_context, said in the hardware report); `buckets`: the prompt buckets asked for (None: the device's ladder);
     `processes`: the processes serving the model (more than one replay process 0's steps).
     `planned`: called before the weights load with the model they will make, its parameters as
     shapes only (`sketch_params`), where `compile_ahead_choice` says so: the caller may start
@@ -162,6 +163,9 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     log.info("hardware plan:\n%s", plan.report())
     hardware_checks.apply_jax_config(plan)
     options = hardware_checks.run_options(plan)
+    if context is None and peeked is not None and plan.platform != "cpu":  # (a CPU keeps DEFAULT_CONTEXT)
+        context, report["context"] = preflight.default_context(
+            peeked, plan, preflight_devices.local_device_set(), mesh_request, max_batch, DEFAULT_CONTEXT)
     asked = context_window(context, peeked.max_position_embeddings) if peeked else (context or 0)
     mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch)
     mesh = None
