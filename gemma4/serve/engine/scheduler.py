@@ -14,6 +14,9 @@ How it serves (each step is one `next_step` → the runner → `apply`):
   be prefilling: the one with the fewest tokens left goes first, unless one has starved
   (engine/chunking.py `prefill_order`). A chunk's size is measured to cost about a few decode
   steps (`chunking.StepCosts`). The first token is sampled in the last chunk's dispatch.
+- Where first chunks pack (an accelerator's geometry), every waiting request a free row takes is
+  admitted at once, and the whole prompts of several run as ONE first chunk (`PrefillPack`:
+  `chunking.pack_size`), after an idle engine gathered the arrivals (`gather_s`).
 - Beside decoding rows, a text chunk of up to shape_keys.MIXED_CHUNK tokens and their decode step
   run as ONE fused step where its shape is compiled (`MixedStep`).
 - Each iteration decodes one token for every row whose prompt is in, in the narrowest compiled
