@@ -229,8 +229,9 @@ def test_packed_first_chunks_equal_each_alone():
     pack, every row holding a stale prompt's keys first), beside a row that is decoding and must
     not be touched, then a long prompt's packed first chunk (no token read) and its later chunk:
     every row's first token and the tokens decoded after equal its prompt recomputed in full."""
-    prompts = {2: _prompt(31, 5), 0: _prompt(32, 17), 3: _prompt(33, 9), 4: _prompt(34, 12)}
-    running = _prompt(35, 11)
+    # (lengths repeat: the full recomputes compile once per length)
+    prompts = {2: _prompt(31, 5), 0: _prompt(32, 17), 3: _prompt(33, 9), 4: _prompt(34, 17)}
+    running = _prompt(35, 9)
     cache = kv_cache.init_cache(CFG, 5, MAX_LEN, jnp.float32)
     for row in (0, 2, 3, 4):
         _, cache = prefill(cache, _prompt(40 + row, 20), row, (16,))  # stale keys the pack's rows must drop
