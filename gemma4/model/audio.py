@@ -66,14 +66,6 @@ def _clamp(x: jax.Array, a: AudioConfig) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- subsampling
-def _layer_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm over the last axis with a scale and no bias, in float32."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    return ((xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)).astype(x.dtype)
-
-
 def _subsample_layer(x: jax.Array, mask: jax.Array, w: jax.Array, scale: jax.Array, eps: float):
     """One subsampling step on [B, T, F, C] (time, mel, channels): padding frames zeroed, a 3×3
     stride-2 convolution padded by one on each side (PyTorch's [out, in, 3, 3] weight), LayerNorm
@@ -82,7 +74,7 @@ def _subsample_layer(x: jax.Array, mask: jax.Array, w: jax.Array, scale: jax.Arr
     y = jax.lax.conv_general_dilated(x, w.astype(x.dtype), window_strides=(2, 2), padding=((1, 1), (1, 1)),
                                      dimension_numbers=("NHWC", "OIHW", "NHWC"),
                                      preferred_element_type=jnp.float32).astype(x.dtype)
-    return jax.nn.relu(_layer_norm(y, scale, eps)), mask[:, ::2]
+    return jax.nn.relu(embedders.layer_norm(y, scale, None, eps)), mask[:, ::2]
 
 
 def subsample(ap: dict, a: AudioConfig, features: jax.Array, mask: jax.Array, dtype: Any):

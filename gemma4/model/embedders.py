@@ -33,13 +33,14 @@ from gemma4.ops.linear import linear
 LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which transformers' embedder keeps (not the config's eps)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = LAYER_NORM_EPS) -> jax.Array:
-    """LayerNorm over the last axis with scale and bias, in float32, back in x's dtype."""
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = LAYER_NORM_EPS) -> jax.Array:
+    """LayerNorm over the last axis with a scale and a bias (None: none, the audio tower's), in
+    float32, back in x's dtype."""
     xf = x.astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-    return y.astype(x.dtype)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def position_rows(table: jax.Array, position_ids: jax.Array, dtype: Any) -> jax.Array:

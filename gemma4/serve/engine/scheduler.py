@@ -279,27 +279,13 @@ class Scheduler:
         self._end(req, ("error", f"compiling {key.describe()} failed: {failed}"))
 
     def _plan_decode(self) -> DecodeStep | DecodeBlock | None:
-        """One token for every decoding row, with compiled shapes only (`ShapeChoice.decode_plan`:
-        a row whose shape is not compiled yet waits for it alone)."""
+        """One token for every decoding row, with compiled shapes only (`decode_plan`); a row whose
+        shape is not compiled yet waits for it alone."""
         active, decoding = self._rows()
-        if not decoding:
-            return None
-        need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
-        kv_len = self.shapes.decode_key(need_w, need_n).kv_len
-        if kv_len < self.geometry.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
-            self.shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
-        plan, wait = self.shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
-        for row in wait:  # its own shape compiles first in line (decode_plan); nobody else waits
-            self._wait_or_fail(decoding.pop(row), self.shapes.decode_key(need_w, need_n))
-        if not plan:
-            return None
-        if self.geometry.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0:
-            key, d = plan[0][0], decode_dispatch(plan[0][0], 0, decoding)
-            return DecodeBlock(key, self._block_steps(decoding, 0, key.kv_len), False, decoding, len(decoding), active,
-                               d.tokens, d.positions, d.sampling, measured=self.shapes.book.has_run(key))
-        dispatches = [decode_dispatch(key, first, {row: decoding[row] for row in rows}) for key, first, rows in plan]
-        measured = all(self.shapes.book.has_run(d.key) for d in dispatches)
-        return DecodeStep(tuple(dispatches), decoding, active, measured)
+        plan, waiting = decode_plan(self.shapes, active, decoding, self._busy())
+        for req, key in waiting:
+            self._wait_or_fail(req, key)
+        return plan
 
     def chain_block(self, block: DecodeBlock) -> DecodeBlock | None:
         """The block to dispatch behind `block` (dispatched, not yet read) so that the device never
@@ -308,17 +294,16 @@ class Scheduler:
         decoding = self._still_active(block.rows)
         if len(decoding) != block.started_with:
             return None
-        steps = self._block_steps(decoding, block.steps, block.key.kv_len)
+        steps = block_steps(decoding, block.steps, block=self.geometry.decode_block,
+                            limit=min(self.geometry.context_limit, block.key.kv_len), busy=self._busy())
         if not steps:
             return None
         return DecodeBlock(block.key, steps, True, decoding, block.started_with, block.active, measured=True)
 
-    def _block_steps(self, decoding: dict[int, Request], ahead: int, kv_len: int) -> int:
-        """`step_plans.block_steps` for these rows now (busy: a request waits for its prompt)."""
+    def _busy(self) -> bool:
+        """A request waits for its prompt (a decode block then runs one step: `block_steps`)."""
         with self._lock:
-            busy = bool(self._waiting) or any(r.prefilling for r in self._active.values())
-        return block_steps(decoding, ahead, block=self.geometry.decode_block,
-                           limit=min(self.geometry.context_limit, kv_len), busy=busy)
+            return bool(self._waiting) or any(r.prefilling for r in self._active.values())
 
     def _plan_mixed(self) -> MixedStep | None:
         """A fused step where it applies (`fused_plan`); not while a chunk size beside streams is forced."""
@@ -495,3 +480,31 @@ def gather_s(waiting: list[Request], active: dict, pack: int, now: float) -> flo
         return 0.0
     end = min(waiting[-1].submitted + PACK_QUIET_S, waiting[0].submitted + PACK_GATHER_S)
     return min(PACK_GATHER_S, max(0.0, end - now))
+
+
+def decode_plan(shapes: ShapeChoice, active: dict[int, Request], decoding: dict[int, Request],
+                busy: bool) -> tuple[DecodeStep | DecodeBlock | None, list[tuple[Request, DecodeKey]]]:
+    """One token for every row of `decoding` with compiled shapes only (`ShapeChoice.decode_plan`),
+    as a decode step, or a first block of steps (`block_steps`; `busy`: a request waits for its
+    prompt) where the geometry decodes in blocks and one dispatch at row 0 covers the rows; and
+    the rows that wait for their own shape instead (compiled first in line), with it. The next
+    cache length is asked for before the rows reach the one they read."""
+    if not decoding:
+        return None, []
+    g = shapes.geometry
+    need_w, need_n = max(decoding) + 1, max(r.position for r in decoding.values()) + 1
+    kv_len = shapes.decode_key(need_w, need_n).kv_len
+    if kv_len < g.kv_lengths[-1] and need_n + kv_len // 4 > kv_len:
+        shapes.want_decode(need_w, need_n + kv_len // 4)  # compile the next length before it is reached
+    plan, wait = shapes.decode_plan({row: r.position + 1 for row, r in decoding.items()})
+    waiting = [(decoding[row], shapes.decode_key(need_w, need_n)) for row in wait]
+    decoding = {row: r for row, r in decoding.items() if row not in wait}
+    if not plan:
+        return None, waiting
+    if g.decode_block > 1 and len(plan) == 1 and plan[0][1] == 0:
+        key, d = plan[0][0], decode_dispatch(plan[0][0], 0, decoding)
+        steps = block_steps(decoding, 0, block=g.decode_block, limit=min(g.context_limit, key.kv_len), busy=busy)
+        return DecodeBlock(key, steps, False, decoding, len(decoding), active, d.tokens, d.positions, d.sampling,
+                           measured=shapes.book.has_run(key)), waiting
+    dispatches = [decode_dispatch(key, first, {row: decoding[row] for row in rows}) for key, first, rows in plan]
+    return DecodeStep(tuple(dispatches), decoding, active, all(shapes.book.has_run(d.key) for d in dispatches)), waiting
