@@ -15,15 +15,20 @@ written again after each part: its figures are {"parts": {part: ...}, "summary",
 Parts:
   env      jax, the devices, their memory.
   exact    float32 greedy ids on the accelerator == the CPU float32 path's, per tiny model of
-           every Gemma 4 variant and a Gemma 3 geometry (the exact mode); bf16's agreement with
-           float32 (tokens equal before the first difference) reported beside it.
-  decode   batch-1 decode of E2B (bf16, int8): the engine's own tok/s (a reply streamed end to
-           end), the device's step time alone (steps queued back to back), the bytes a token
-           reads, the fraction of the HBM roofline (--profile: the step's top ops); and in the
-           bf16 engine (64 rows) the aggregate of 64 concurrent requests.
-  app      the Gradio handlers driven in-process (no sockets on the chip machine): a chat reply
-           and an image reply end to end, on an engine with the app's settings (8 rows, context
-           4096) started with an empty compile cache: its seconds to ready are the cold start.
+           every Gemma 4 variant (the 12B's included) and a Gemma 3 geometry (the exact mode;
+           --exact-models for others); bf16's agreement with float32 (tokens equal before the
+           first difference) reported beside it.
+  decode   batch-1 decode of E2B (bf16, int8; --decode-configs for others, e.g.
+           "random:12b,bfloat16,int8"): the engine's own tok/s (a reply streamed end to end), the
+           device's step time alone (steps queued back to back), the bytes a token reads (the
+           weights and the KV cache slots the step reads), the fraction of the HBM roofline
+           (--profile: the step's top ops); and in the bf16 engine (64 rows) the aggregate of 64
+           concurrent requests. A config the memory pre-flight refuses (the 12B in bf16 on one
+           v5e) is a row with its message as `refused`.
+  app      the Gradio handlers driven in-process (no sockets on the chip machine): a chat reply,
+           an image reply and an audio reply end to end, on an engine with the app's settings (8
+           rows, context 4096; --app-env KEY=VALUE changes one, e.g. GEMMA4_MAX_USERS=2 for the
+           12B) started with an empty compile cache: its seconds to ready are the cold start.
   engine   the same engine again in a new process, the cache filled: the warm start, and the
            time to first token of 128-token prompts (median of 5), and one 128-token reply alone.
   loads    what loading a stored executable costs, in a new process after the engine part: each
@@ -76,9 +81,10 @@ from gemma4.paths import cache_root  # noqa: E402
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
 OPTIONAL_PARTS = ("prefix", "long", "users")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
-EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-31b", "random:tiny-26b-a4b",
+EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-12b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
-PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 300, "loads": 200, "e4b": 360,
+# app: the 12B's cold start (12 GB of int8 weights drawn, then its shapes compiled) and its media replies
+PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 420, "loads": 200, "e4b": 360,
                 "prefix": 540, "long": 570, "users": 480}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
@@ -86,6 +92,7 @@ TARGETS = {
     "engine_ready_cold_s": 60, "engine_ready_warm_s": 10, "batch64_tok_s": 2000, "ttft_128_ms": 20,
     "long_prefill_tok_s_8k_32k": 30000, "long_prefill_tok_s_128k": 20000, "long_decode_tok_s_128k": 140,
     "users_8_last_first_token_ms": 60, "users_8_aggregate_tok_s_from_ready": 900,
+    "12b_int8_roofline_frac": 0.8,
 }
 
 
@@ -335,6 +342,43 @@ def _profile(folder: str, run, steps: int) -> list[dict]:
              "what": v[2]} for k, v in top] + [{"op": "TOTAL", "us_per_step": round(total / steps, 1)}]
 
 
+def kv_read_bytes(layers: list[tuple[bool, int, int]], kv_len: int) -> int:
+    """The KV cache bytes one row's decode step reads, from (sliding, slots, bytes per slot) per
+    cache entry: a sliding layer's ring whole (its mask comes from `pos`), a full layer's slots
+    [0, kv_len) only (the decode shape's cache length: shape_keys.DecodeKey)."""
+    return sum(per_slot * (slots if sliding else min(slots, kv_len)) for sliding, slots, per_slot in layers)
+
+
+def _cache_layers(eng) -> list[tuple[bool, int, int]]:
+    """(sliding, slots, bytes per slot of one row) of each entry of the engine's KV cache (K, V,
+    their positions and, for an int8 cache, scales)."""
+    specs = {spec.index: spec for spec in eng.cfg.layers}
+    out = []
+    for index, entry in eng.runner.cache.items():
+        rows, slots = entry["pos"].shape
+        per_slot = sum(leaf.nbytes for leaf in entry.values()) // (rows * slots)
+        out.append((specs[index].is_sliding, int(slots), int(per_slot)))
+    return out
+
+
+def preflight_refusal(error: str) -> str | None:
+    """The memory pre-flight's message where an engine's start-up `error` is its refusal (the
+    engine reports it as "RuntimeError: PreflightError: ..."), else None: a refusal is the
+    expected answer for a model too big for the chip, not a failure of the bench."""
+    marker = "PreflightError: "
+    return error[error.index(marker) + len(marker):] if marker in error else None
+
+
+def roofline(gbps: float | None, read_bytes: int, engine_tok_s: float, device_tok_s: float) -> dict:
+    """The HBM roofline of a batch-1 decode step reading `read_bytes` (every one once), and the
+    fractions of it the engine and the device alone reached; {} where the bandwidth is unknown."""
+    if not gbps or not read_bytes:
+        return {}
+    roof = gbps * 1e9 / read_bytes
+    return {"roofline_tok_s": round(roof, 1), "engine_roofline_frac": round(engine_tok_s / roof, 3),
+            "device_roofline_frac": round(device_tok_s / roof, 3)}
+
+
 def worker_decode(args) -> dict:
     """One decode config (model,dtype,weights[,batch]): batch-1 figures, and with `batch` the
     aggregate of 64 concurrent requests on the same engine (64 rows; one request alone decodes
@@ -367,11 +411,14 @@ def worker_decode(args) -> dict:
             row["device_step_ms"] = round(1e3 * step, 3)
             row["device_tok_s"] = round(1 / step, 1)
             row["weights_read_bytes"] = eng.loaded.decode_bytes
-            if gbps:
-                roof = gbps * 1e9 / row["weights_read_bytes"]
-                row["roofline_tok_s"] = round(roof, 1)
-                row["engine_roofline_frac"] = round(row["engine_tok_s"] / roof, 3)
-                row["device_roofline_frac"] = round(row["device_tok_s"] / roof, 3)
+            # the KV slots read at the reply's deepest step (its prompt and new tokens): the 12B's
+            # 40 sliding rings of 1,024 slots are 0.34 GB a step, ~3% of its int8 weights
+            deepest = eng.started.geometry.decode_key(1, len(ids) + args.new_tokens).kv_len
+            row["kv_read_bytes"] = kv_read_bytes(_cache_layers(eng), deepest)
+            row["read_bytes"] = row["weights_read_bytes"] + row["kv_read_bytes"]
+            row.update(roofline(gbps, row["read_bytes"], row["engine_tok_s"], row["device_tok_s"]))
+            if gbps:  # as the runs before the KV was counted (docs/tpu.md's older figures)
+                row["weights_roofline_tok_s"] = round(gbps * 1e9 / row["weights_read_bytes"], 1)
             if args.profile:
                 with tempfile.TemporaryDirectory() as d:
                     row["profile"] = _profile_steps(eng, d)
@@ -383,7 +430,9 @@ def worker_decode(args) -> dict:
             if rows > 1:
                 row["batch"] = _aggregate(eng, rows, 128, args.batch_new, args.limit)
         except Exception as e:  # noqa: BLE001 - one config's failure is a result
-            row["error"] = f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
+            refused = preflight_refusal(error)
+            row.update({"refused": refused} if refused else {"error": error})
         finally:
             eng.close()
         out["configs"].append(row)
@@ -720,7 +769,7 @@ def worker_app(args) -> dict:
     """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
     from bench.tpu_app import run_app_check
 
-    return run_app_check(args.model, timeout=args.limit)
+    return run_app_check(args.model, timeout=args.limit, environ=args.app_env)
 
 
 def _worker(fn):
@@ -743,6 +792,19 @@ def run_worker(part: str, wargs: dict, *, env: dict | None = None, limit: int | 
     limit = limit or max(PART_LIMIT_S.get(part, 300), int(wargs.get("limit") or 0) + 60)
     return harness.run_worker(__file__, part, wargs, env=env, timeout=limit,
                               echo_stderr=20000 if os.environ.get("TPU_BENCH_VERBOSE") else 1500)
+
+
+def parse_app_env(items: list[str] | None) -> dict[str, str]:
+    """--app-env KEY=VALUE (repeated) as a dict: the app part's settings (GEMMA4_MAX_USERS,
+    GEMMA4_CONTEXT, ...) and hardware-policy overrides (GEMMA4_WEIGHTS, ...), as the app reads them
+    from its environment."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--app-env takes KEY=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def compare_exact(acc: dict, cpu: dict) -> list[dict]:
@@ -776,8 +838,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer models and tokens (a smoke run)")
     ap.add_argument("--profile", action="store_true", help="profile the decode step (top ops in the report)")
     ap.add_argument("--decode-configs", default=None,
-                    help="model,dtype,weights[,batch];... (default: E2B bf16 with the 64-row aggregate, E2B int8, "
-                         "E4B int8)")
+                    help="model,dtype,weights[,batch];... (default: E2B bf16 with the 64-row aggregate, E2B int8; "
+                         "the 12B: random:12b,bfloat16,int8)")
+    ap.add_argument("--exact-models", default=None,
+                    help="the exact part's models, comma-separated (default: a tiny model of every variant; "
+                         "--quick: the first two)")
+    ap.add_argument("--app-env", action="append", metavar="KEY=VALUE",
+                    help="a setting of the app part's app and engine, repeated for more (e.g. GEMMA4_MAX_USERS=2 "
+                         "GEMMA4_WEIGHTS=int8 for the 12B on one v5e); the engine part keeps its own")
     ap.add_argument("--prefix-doc", type=int, default=32768, help="the prefix part's document, in tokens")
     ap.add_argument("--prefix-history", type=int, default=16384, help="the prefix part's chat history, in tokens")
     ap.add_argument("--prefix-context", type=int, default=40960, help="the prefix part's context window")
@@ -795,6 +863,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return harness.serve_worker(WORKERS, args.worker, args.spec)
+    try:
+        app_env = parse_app_env(args.app_env)
+    except ValueError as e:
+        ap.error(str(e))
 
     t_start = time.perf_counter()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -804,7 +876,8 @@ def main(argv=None) -> int:
     run = harness.Run("tpu", args)
     report: dict = {"parts": {}}
     hlo_dir = os.environ.get("OUT") or str(run.path.parent)
-    models = list(EXACT_MODELS[:2] if args.quick else EXACT_MODELS)
+    models = (args.exact_models.split(",") if args.exact_models
+              else list(EXACT_MODELS[:2] if args.quick else EXACT_MODELS))
     n_exact = 12 if args.quick else 24
     cpu_ref = _cpu_reference(models, n_exact) if "exact" in parts else None
     app_cache = tempfile.mkdtemp(prefix="gemma4-app-cache-")  # the app part starts cold, the engine part warm
@@ -851,8 +924,10 @@ def main(argv=None) -> int:
                 rows += r.get("configs") or [{"config": spec, **r}]
             report["parts"][part] = {"configs": rows}
         elif part == "app":  # the app's settings, an empty compile cache: its engine_ready_s is the cold start
-            report["parts"]["app"] = run_worker("app", {"model": args.model, "limit": limit("app") - 30},
-                                                env={"GEMMA4_JAX_CACHE": app_cache}, limit=limit("app"))
+            # --app-env reaches both the app's settings (the spec) and the engine's policy (the environment)
+            report["parts"]["app"] = run_worker("app", {"model": args.model, "limit": limit("app") - 30,
+                                                        "app_env": app_env},
+                                                env={"GEMMA4_JAX_CACHE": app_cache, **app_env}, limit=limit("app"))
         elif part == "engine":  # the same settings again, the cache the app part filled: the warm start
             # "engine" named twice: two warm starts, the first without loading executables ahead
             # (GEMMA4_LOAD_AHEAD=off: they load after the weights), the second as the app starts
@@ -916,12 +991,13 @@ def summary(report: dict) -> dict:
     for row in parts.get("decode", {}).get("configs", []) + parts.get("e4b", {}).get("configs", []):
         name = row.get("config") or f"{row.get('model')} {row.get('dtype')} {row.get('weights')}"
         s[f"decode {name}"] = {k: row.get(k) for k in ("engine_tok_s", "device_tok_s", "roofline_tok_s",
-                                                       "engine_roofline_frac", "ready_s", "error", "skipped")}
+                                                       "engine_roofline_frac", "device_roofline_frac", "ready_s",
+                                                       "refused", "error", "skipped")}
         if "batch" in row:
             s["batch64"] = {k: row["batch"].get(k) for k in ("aggregate_tok_s", "steady_tok_s", "rows_done")}
     app = parts.get("app") or {}
     if app:
-        s["app"] = {k: app.get(k) for k in ("ok", "checks", "engine_ready_s", "error", "skipped")}
+        s["app"] = {k: app.get(k) for k in ("model", "app_env", "ok", "checks", "engine_ready_s", "error", "skipped")}
         s["engine_ready_cold_s"] = app.get("engine_ready_s")
     warm = (parts.get("engine") or {}).get("warm") or {}
     if warm:
@@ -931,6 +1007,8 @@ def summary(report: dict) -> dict:
         s["app_engine_warm_startup"] = warm.get("startup")
         if warm.get("error"):
             s["engine_error"] = warm["error"]
+    if unified := summary_12b(parts):
+        s["12b"] = unified
     s["targets"] = TARGETS
     s["total_s"] = report.get("total_s")
     if "prefix" in parts:
@@ -948,6 +1026,54 @@ def summary(report: dict) -> dict:
         s["long"] = {k: parts["long"].get(k) for k in ("attention", "attention_full", "ready_s", "first_after_ready",
                                                         "first_over_warm", "lengths", "error")}
     return s
+
+
+def is_12b(model: str | None) -> bool:
+    """Whether a model name is the Gemma 4 12B (random:12b or a 12B checkpoint; not its tiny
+    geometry, not Gemma 3's 12B)."""
+    name = (model or "").lower()
+    return name.rsplit(":", 1)[-1] == "12b" or "gemma-4-12b" in name
+
+
+def _percent(frac: float | None) -> float | None:
+    return None if frac is None else round(100 * frac, 1)
+
+
+def _decode_12b(row: dict) -> dict:
+    """One 12B decode row as the summary quotes it: tok/s, the GB a step reads, % of the roofline
+    and whether the goal is met (None without a roofline), or why there are no figures."""
+    frac = row.get("engine_roofline_frac")
+    return {"config": row.get("config") or f"{row.get('model')} {row.get('dtype')} {row.get('weights')}",
+            "engine_tok_s": row.get("engine_tok_s"), "device_tok_s": row.get("device_tok_s"),
+            "roofline_tok_s": row.get("roofline_tok_s"),
+            "read_gb": round(row["read_bytes"] / 1e9, 2) if row.get("read_bytes") else None,
+            "engine_roofline_pct": _percent(frac), "device_roofline_pct": _percent(row.get("device_roofline_frac")),
+            "roofline_goal_met": None if frac is None else frac >= TARGETS["12b_int8_roofline_frac"],
+            **{k: row[k] for k in ("refused", "error", "skipped") if row.get(k)}}
+
+
+def summary_12b(parts: dict) -> dict:
+    """The Gemma 4 12B's chip figures in one place (docs/tpu.md quotes them): each 12B decode
+    row (tok/s, % of the roofline, a refusal's message), tiny-12b's float32 ids against the
+    CPU's, and the app's image and audio replies where the app part ran the 12B. {} without any."""
+    out: dict = {}
+    rows = [r for r in parts.get("decode", {}).get("configs", [])  # (a worker that died: only its config)
+            if is_12b(r.get("model") or (r.get("config") or "").split(",")[0])]
+    if rows:
+        out["decode"] = [_decode_12b(r) for r in rows]
+    exact = [r for r in parts.get("exact", {}).get("rows", []) if r.get("model") == "random:tiny-12b"]
+    if exact:
+        out["exact_tiny_12b"] = {k: exact[0].get(k)
+                                 for k in ("float32_equal", "first_diff", "bf16_agree_tokens", "error")}
+    app = parts.get("app") or {}
+    if is_12b(app.get("model")):
+        checks = app.get("checks") or {}
+        out["app"] = {"ok": app.get("ok"), "image_ok": checks.get("image_reply"), "audio_ok": checks.get("audio_reply"),
+                      "image_soft_tokens": (app.get("image") or {}).get("soft_tokens"),
+                      "audio_soft_tokens": (app.get("audio") or {}).get("soft_tokens"),
+                      "engine_ready_s": app.get("engine_ready_s"), "app_env": app.get("app_env"),
+                      "error": app.get("error")}
+    return out
 
 
 if __name__ == "__main__":

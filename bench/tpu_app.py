@@ -1,9 +1,11 @@
 """The `app` part of bench/tpu.py: the chat app on whatever device JAX finds, driven in-process —
-a chat reply and an image reply end to end through the Gradio handlers the page's Send button
-calls, with no server and no sockets (the TPU machine allows none, not even loopback).
+a chat reply, an image reply and an audio reply end to end through the Gradio handlers the
+page's Send button calls, with no server and no sockets (the TPU machine allows none, not even
+loopback).
 
     python bench/tpu.py --parts app                                       # random Gemma 4 E2B
     JAX_PLATFORMS=cpu python bench/tpu.py --parts app --model random:tiny-e2b   # a quick check here
+    python bench/tpu.py --parts app --model random:12b --app-env GEMMA4_MAX_USERS=2   # the 12B
 
 What it does, in the order `app.main` does it: the settings as the app parses them, the engine
 started loading through `gemma4.serve.engine.get_engine` with the app's arguments, gradio
@@ -11,11 +13,14 @@ imported meanwhile (through `gemma4.ui.gradio_import`, as the app does), the pag
 `gemma4.ui.layout.build_demo` (not launched). The handlers are taken from the built page's own
 event functions (the bound methods of its `DemoApp`), and called as Gradio would call them for
 the Send button: `add_user_message` → `respond` (streamed) → `after_reply`; then the Hardware
-tab's `hardware_panel`.
+tab's `hardware_panel`. The settings are the app's defaults, or the `environ` given (the GEMMA4_*
+variables the app would read, e.g. GEMMA4_MAX_USERS=2 where 8 rows of a model do not fit).
 
 Random weights give meaningless text: the checks are about structure (the reply streamed,
-tokens came, the stats line and the reply panel were produced, the image's soft tokens were
-counted, no notice or error), never about content.
+tokens came, the stats line and the reply panel were produced, the image's and the clip's soft
+tokens were counted, no notice or error), never about content. The clip is a 2 s tone written
+here (a 16 kHz mono WAV, what the 🎙 button uploads); a model that cannot hear fails that check,
+as one that cannot see fails the image's.
 
 `run_app_check` never raises: any exception, a refusal shown in the chat, or the time limit
 running out is returned as "error" in the dict, with the figures gathered up to then.
@@ -29,13 +34,17 @@ import tempfile
 import threading
 import time
 import traceback
+import wave
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 __all__ = ["run_app_check"]
 
 CHAT_TEXTS = ("Write a haiku about compilers.", "And one about caches?")
 IMAGE_TEXT = "What is in this picture?"
+AUDIO_TEXT = "What do you hear?"
 MAX_NEW_TOKENS = 32  # per reply: enough for a decode rate, short enough for a slow CPU
 SEED = 0  # the Seed box's value: each reply reproducible
 
@@ -52,6 +61,19 @@ def _picture(path: Path) -> Path:
     d.polygon([(80, 92), (130, 55), (180, 92)], fill=(120, 60, 30))
     d.rectangle([120, 115, 140, 150], fill=(80, 50, 20))
     im.save(path, format="PNG")
+    return path
+
+
+def _tone(path: Path, seconds: float = 2.0, rate: int = 16_000) -> Path:
+    """A mono 16-bit WAV of a 440 Hz tone, as a 🎙 recording is uploaded (Gradio names it audio.wav);
+    2 s: a few dozen soft tokens, a short prompt on any model that hears."""
+    t = np.arange(int(seconds * rate)) / rate
+    samples = (0.3 * 32767 * np.sin(2 * np.pi * 440 * t)).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
     return path
 
 
@@ -108,8 +130,8 @@ class _Check:
     """One run of the check, filling `out` as it goes (so a timeout still returns the figures
     gathered so far)."""
 
-    def __init__(self, model: str, timeout: float, out: dict):
-        self.model, self.timeout, self.out = model, timeout, out
+    def __init__(self, model: str, timeout: float, out: dict, environ: dict[str, str]):
+        self.model, self.timeout, self.out, self.environ = model, timeout, out, environ
         self.t0 = time.perf_counter()
         self.engine = None
 
@@ -125,7 +147,7 @@ class _Check:
         from gemma4.ui import gradio_import  # stdlib only, as app.py imports it
         from gemma4.web.settings import parse_settings
 
-        settings = parse_settings(["--model", self.model], environ={})  # the app's defaults
+        settings = parse_settings(["--model", self.model], environ=self.environ)  # the defaults, bar those given
         out["settings"] = {k: getattr(settings, k) for k in
                            ("model", "max_users", "context", "max_new_tokens_cap", "mesh")}
 
@@ -187,23 +209,15 @@ class _Check:
             row["kind"] = "chat"
             replies.append(row)
 
-        # 5. A picture, in a new chat.
-        self.step("image reply")
+        # 5. A picture, then a recording, each in a new chat.
         vision, why = app.media_support()
         out["vision"] = {"supported": bool(vision), "reason": why}
         if vision:
-            with tempfile.TemporaryDirectory() as tmp:
-                picture = _picture(Path(tmp) / "scene.png")
-                _, _, row = self.turn(app, [], {"replies": []},
-                                      {"text": IMAGE_TEXT, "files": [str(picture)]})
-            row["kind"] = "image"
-            replies.append(row)
-            media = (row.pop("media", None) or [{}])[0]
-            out["image"] = {"soft_tokens": media.get("soft_tokens"),
-                            "encode_s": media.get("encode_s"),
-                            "compiled_tower": media.get("compiled"),
-                            "cached": media.get("cached"),
-                            "panel_row": row.get("panel", {}).get("Media")}
+            out["image"] = self.media_turn(app, "image", IMAGE_TEXT, lambda tmp: _picture(tmp / "scene.png"))
+        hears, why = app.audio_support()
+        out["hearing"] = {"supported": bool(hears), "reason": why}
+        if hears:
+            out["audio"] = self.media_turn(app, "audio", AUDIO_TEXT, lambda tmp: _tone(tmp / "audio.wav"))
 
         # 6. The Hardware tab.
         self.step("hardware panel")
@@ -211,6 +225,20 @@ class _Check:
         out["hardware_panel"] = _hardware(hw_md, info)
         out["hardware_panel"]["memory"] = _plain(mem_md.split("\n\n")[0]) if mem_md else None
         self.step("done")
+
+    def media_turn(self, app: Any, kind: str, text: str, make_file) -> dict:
+        """One message with a file made by `make_file(folder)` in a new chat; the reply is added to
+        out["replies"], its media's figures (soft tokens, encode time, the panel's row) returned."""
+        self.step(f"{kind} reply")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = make_file(Path(tmp))
+            _, _, row = self.turn(app, [], {"replies": []}, {"text": text, "files": [str(path)]})
+        row["kind"] = kind
+        self.out["replies"].append(row)
+        media = (row.pop("media", None) or [{}])[0]
+        return {"soft_tokens": media.get("soft_tokens"), "encode_s": media.get("encode_s"),
+                "seconds": media.get("seconds"), "compiled_tower": media.get("compiled"),
+                "cached": media.get("cached"), "panel_row": row.get("panel", {}).get("Media")}
 
     def turn(self, app: Any, history: list, session: dict, message: dict) -> tuple[list, dict, dict]:
         """One message through the Send button's chain; the reply's figures."""
@@ -280,14 +308,22 @@ class _Check:
         return new_history, session, row
 
 
-def run_app_check(model: str = "random:e2b", timeout: float = 300) -> dict:
+def _media_ok(out: dict, kind: str) -> bool:
+    """Whether the reply to the `kind` file passed a chat reply's checks and its soft tokens were counted."""
+    rows = [r for r in out.get("replies") or [] if r.get("kind") == kind]
+    return bool(rows and rows[0].get("ok") and (out.get(kind) or {}).get("soft_tokens"))
+
+
+def run_app_check(model: str = "random:e2b", timeout: float = 300, environ: dict[str, str] | None = None) -> dict:
     """Drive the chat app's handlers in this process on the device JAX finds: a chat reply
-    (twice) and an image reply end to end, then the Hardware tab. Returns the figures ("ok",
-    "engine_ready_s", "replies" with per-reply TTFT and tok/s, "image" with its soft tokens and
-    encode time, "hardware_panel" with the device and dtype as the page renders them, ...), and
-    "error" (with "step") instead of raising. The engine is closed at the end."""
-    out: dict[str, Any] = {"model": model, "timeout_s": timeout}
-    check = _Check(model, timeout, out)
+    (twice), an image reply and an audio reply end to end, then the Hardware tab. `environ`: the
+    GEMMA4_* settings the app reads (None: its defaults; the engine's hardware overrides come from
+    this process's environment, as in the app). Returns the figures ("ok", "engine_ready_s",
+    "replies" with per-reply TTFT and tok/s, "image" and "audio" with their soft tokens and encode
+    times, "hardware_panel" with the device and dtype as the page renders them, ...), and "error"
+    (with "step") instead of raising. The engine is closed at the end."""
+    out: dict[str, Any] = {"model": model, "timeout_s": timeout, "app_env": dict(environ or {})}
+    check = _Check(model, timeout, out, dict(environ or {}))
 
     def body() -> None:
         try:
@@ -307,11 +343,11 @@ def run_app_check(model: str = "random:e2b", timeout: float = 300) -> dict:
     except Exception as e:  # noqa: BLE001
         out.setdefault("close_error", f"{type(e).__name__}: {e}")
     replies = out.get("replies") or []
-    image = [r for r in replies if r.get("kind") == "image"]
     out["checks"] = {
         "chat_replies": len([r for r in replies if r.get("kind") == "chat"]) == len(CHAT_TEXTS)
         and all(r.get("ok") for r in replies if r.get("kind") == "chat"),
-        "image_reply": bool(image and image[0].get("ok") and (out.get("image") or {}).get("soft_tokens")),
+        "image_reply": _media_ok(out, "image"),
+        "audio_reply": _media_ok(out, "audio"),
         "hardware_panel": bool((out.get("hardware_panel") or {}).get("dtype")),
     }
     out["ok"] = "error" not in out and all(out["checks"].values())
