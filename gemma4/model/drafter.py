@@ -101,7 +101,8 @@ def from_hf_config(raw: dict, name: str | None = None) -> DrafterConfig:
     text = C.from_hf_config(dict(tc, num_kv_shared_layers=0), name=f"{name}-layers")
     if tc.get("layer_types") is not None and tuple(tc["layer_types"]) != text.layer_types:
         raise ValueError(f"{name}: layer types {tc['layer_types']} (a last sliding layer is not supported)")
-    d = DrafterConfig(name=name, text=text, backbone_hidden_size=int(raw.get("backbone_hidden_size", 3840 if unified else 1536)),
+    backbone = int(raw.get("backbone_hidden_size", 3840 if unified else 1536))  # transformers' defaults
+    d = DrafterConfig(name=name, text=text, backbone_hidden_size=backbone,
                       use_ordered_embeddings=bool(raw.get("use_ordered_embeddings", False)),
                       num_centroids=int(raw.get("num_centroids", 2048)),
                       centroid_top_k=int(raw.get("centroid_intermediate_top_k", 32)), unified=unified)
@@ -193,7 +194,8 @@ def check_pair(d: DrafterConfig, target: ModelConfig) -> None:
             problems.append(f"layer {spec.index}: the target has no {spec.attention} layer")
             continue
         src = target.layers[stores[spec.attention]]
-        if (spec.head_dim, spec.num_kv_heads) != (src.head_dim, src.num_kv_heads) or d.text.num_heads % src.num_kv_heads:
+        same = (spec.head_dim, spec.num_kv_heads) == (src.head_dim, src.num_kv_heads)
+        if not same or d.text.num_heads % src.num_kv_heads:
             problems.append(f"layer {spec.index} ({spec.attention}): head dim {spec.head_dim}, {spec.num_kv_heads} KV "
                             f"heads, {d.text.num_heads} query heads vs the target's layer {src.index}: "
                             f"head dim {src.head_dim}, {src.num_kv_heads} KV heads")
@@ -235,12 +237,12 @@ def param_specs(d: DrafterConfig) -> dict[str, Any]:
     return tree
 
 
-_GLOBAL_NAMES = {
+HF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": ("embed",), "model.norm.weight": ("final_norm",),
     "pre_projection.weight": ("pre_projection",), "post_projection.weight": ("post_projection",),
     "masked_embedding.centroids.weight": ("centroids",), "masked_embedding.token_ordering": ("token_ordering",),
 }
-_LAYER_NAMES = {
+HF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "post_attn_norm",
     "pre_feedforward_layernorm.weight": "pre_ffw_norm", "post_feedforward_layernorm.weight": "post_ffw_norm",
     "layer_scalar": "layer_scalar", "self_attn.q_proj.weight": "q", "self_attn.q_norm.weight": "q_norm",
@@ -253,16 +255,16 @@ _IGNORED = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_n
 
 def tree_path(name: str) -> tuple | None:
     """Our tree path of a drafter checkpoint tensor; None for one a drafter does not use; KeyError if unknown."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in HF_GLOBAL_NAMES:
+        return HF_GLOBAL_NAMES[name]
     if name == "lm_head.weight":
         return None
     parts = name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
         if parts[3] in _IGNORED:
             return None
-        if parts[3] in _LAYER_NAMES:
-            return ("layers", int(parts[2]), _LAYER_NAMES[parts[3]])
+        if parts[3] in HF_LAYER_NAMES:
+            return ("layers", int(parts[2]), HF_LAYER_NAMES[parts[3]])
     raise KeyError(name)
 
 
