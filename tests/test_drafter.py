@@ -177,6 +177,7 @@ def test_checkpoint_round_trip(variant, tmp_path_factory):
     fresh = type(hf)(hf.config)
     assert [n for n in default_tensors(hf, fresh) if not n.endswith("token_ordering")] == []
     assert dcfg.text.layers == built.text.layers and dcfg.unified == built.unified
+    assert D.from_transformers(hf.config).text.layers == built.text.layers
     for field in ("hidden_size", "num_heads", "sliding_window", "rope_sliding", "rope_full", "rms_norm_eps",
                   "vocab_size"):
         assert getattr(dcfg.text, field) == getattr(built.text, field), field
