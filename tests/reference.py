@@ -107,6 +107,8 @@ def _draw(name: str, t, cfg: ModelConfig, gen):
         return 0.05 * torch.randn(shape, generator=gen)
     if name.endswith("layer_scalar"):
         return uniform(0.5, 1.0)
+    if name.endswith("token_ordering"):  # a drafter's clusters of token ids: a permutation of the vocabulary
+        return torch.randperm(shape[0], generator=gen)
     if name.endswith(("input_min", "input_max")):  # inputs are RMS-normed: clip the tails
         return uniform(1.0, 2.0) * (-1 if name.endswith("min") else 1)
     if name.endswith(("output_min", "output_max")):

@@ -315,9 +315,15 @@ def per_layer_inputs(params: dict, cfg: ModelConfig, e: jax.Array, tokens: jax.A
     return (ctx + tok.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dtype)
 
 
+def final_norm(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """The stream after the last layer, final-normalised: what the LM head reads (transformers'
+    `hidden_states[-1]`; a Gemma 4 drafter's first input state, gemma4.model.drafter)."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
 def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm → tied LM head → final softcap; float32 logits [..., V]."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x = final_norm(params, cfg, x)
     logits = linear(x, params["embed"], out_dtype=jnp.float32)
     if cfg.final_logit_softcap:
         cap = float(cfg.final_logit_softcap)
