@@ -189,6 +189,13 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
         Setting("GEMMA4_PACK_PROMPTS", INTEGER, None,
                 "how many prompts' first chunks may share one dispatch (1: each alone; at most the rows); "
                 "unset: 8 on an accelerator with one process and unsplit rows, 1 on a CPU", low=1),
+        Setting("GEMMA4_SPECULATE", CHOICE, "auto",
+                "speculative decoding (the same tokens, sooner): lookup drafts a reply's next tokens from "
+                "its own prompt and reply (prompt lookup) and checks them in one step; off: one token a "
+                "step; auto: lookup where one process serves", choices=("auto", "off", "lookup")),
+        Setting("GEMMA4_DRAFT_TOKENS", INTEGER, None,
+                "the most drafted tokens a verify step checks per row; unset: 4 (at most a sliding "
+                "window's slack, 32 for the real models)", low=1),
         Setting("GEMMA4_PREFIX_CACHE", SWITCH, True,
                 "the prefix cache: a request reuses the start of its prompt that a cache row already holds "
                 "(a chat's earlier turns, a shared system prompt) and prefills only the rest"),

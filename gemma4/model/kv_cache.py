@@ -171,6 +171,18 @@ def copy_prefix(cache: dict, source: jax.Array | int, row: jax.Array | int, leng
     return out
 
 
+def drop_after(cache: dict, last: jax.Array) -> dict:
+    """Cache rows [0, len(last)) forget every position after last[row] (last < 0: the row is left
+    as it is): the drafted tokens a verify step wrote and rejected leave no trace. A ring's slot
+    they took held a position no later query sees (the ring's slack is at least the drafts:
+    `ring_writes_first`), so emptying it loses nothing."""
+    def dropped(e):
+        rows = e["pos"].shape[0]
+        at = jnp.concatenate([last.astype(jnp.int32), jnp.full((rows - last.shape[0],), -1, jnp.int32)])[:, None]
+        return dict(e, pos=jnp.where((at >= 0) & (e["pos"] > at), -1, e["pos"]))
+    return {idx: dropped(e) for idx, e in cache.items()}
+
+
 def clear_row_if(cache: dict, row: jax.Array | int) -> dict:
     """`clear_row` where row >= 0, nothing where row < 0 (a traced choice: no branch); `row` may
     be an array of rows, each cleared where >= 0 (the prompts of a packed first chunk)."""

@@ -125,6 +125,15 @@ class Request:
     reuse: Any = None
     reuse_from: "Request | None" = None
     cached: int = 0
+    # Speculative decoding (engine/speculation.py): the prompt-lookup index (built at first use),
+    # the drafts offered and kept, the verify steps run, the decode steps since drafts were last
+    # checked, and how far a verify step wrote (its rejected drafts' positions: what a ring lost).
+    lookup: Any = None
+    drafts_offered: int = 0
+    drafts_kept: int = 0
+    verify_steps: int = 0
+    drafts_skipped: int = 0
+    written: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -325,6 +334,9 @@ class TokenStream:
         s["elapsed_s"] = time.perf_counter() - req.submitted
         s["batch_occupancy"] = (req.occupancy_sum / req.occupancy_steps if req.occupancy_steps
                                 else 1.0 / self._max_batch)
+        if req.verify_steps:  # speculative decoding (engine/speculation.py)
+            s["speculation"] = {"drafted": req.drafts_offered, "accepted": req.drafts_kept,
+                                "verify_steps": req.verify_steps}
         bound = self._roofline_tok_s
         s["roofline_frac"] = s["decode_tok_s"] / bound if bound and s["decode_tok_s"] else None
         return s

@@ -10,7 +10,9 @@ An engine compiles each step for a few shapes (engine/compiled.py's CompiledShap
 - `MixedKey(width, kv_len)`: a chunk of up to MIXED_CHUNK tokens fused with a decode step;
 - `TowerKey(tower, width, length)`: the vision or audio tower for `width` images of `length`
   patches or clips of `length` feature frames;
-- `CopyKey()`: a cached prompt prefix copied from one cache row into another (engine/prefix_cache.py).
+- `CopyKey()`: a cached prompt prefix copied from one cache row into another (engine/prefix_cache.py);
+- `VerifyKey(width, kv_len, drafts)`: each of cache rows [0, width) checks up to `drafts` drafted
+  tokens in one step (speculative decoding: engine/speculation.py).
 
 Frozen dataclasses rather than tuples: a key of one kind never equals a key of another with the
 same numbers (two NamedTuples would: they compare as plain tuples). A key's `repr` is part of
@@ -111,4 +113,19 @@ class CopyKey:
         return "copy a cached prompt prefix between cache rows"
 
 
-ShapeKey = Union[PrefillKey, DecodeKey, MixedKey, TowerKey, CopyKey]
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyKey:
+    """Speculative decoding's step (`gemma4.serve.engine.steps.verify_step`): each of cache rows
+    [0, width) feeds its last token and up to `drafts` drafted ones (drafts + 1 positions), reading
+    full-layer slots [0, kv_len); the target's own token is drawn at every position and the drafts
+    it agrees with are kept."""
+
+    width: int
+    kv_len: int
+    drafts: int
+
+    def describe(self) -> str:
+        return f"verify {self.drafts} drafts for {_rows(self.width)} (cache ≤{self.kv_len})"
+
+
+ShapeKey = Union[PrefillKey, DecodeKey, MixedKey, TowerKey, CopyKey, VerifyKey]

@@ -284,6 +284,8 @@ def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | No
         f"bucket {fmt_int(stats.get('bucket'))} (+{fmt_int(stats.get('padding'))} padding)",
         f"batch occupancy {_occupancy_plain(stats)}",
     ]
+    if stats.get("speculation"):
+        parts.append(f"drafts {_speculation(stats)}")
     if stats.get("compiled"):
         parts.append("waited for an XLA compile")
     parts += [media_line(m) for m in stats.get("media") or ()]
@@ -362,6 +364,16 @@ def _occupancy_plain(stats: Mapping[str, Any]) -> str:
     if f is None:
         return str(occ) if isinstance(occ, str) else "—"
     return f"{f * 100:.0f}%" if f <= 1.0 else f"{f:.2f}"
+
+
+def _speculation(stats: Mapping[str, Any]) -> str:
+    """Drafted and accepted tokens of the reply (prompt lookup), or that none were checked."""
+    spec = stats.get("speculation")
+    if not spec:
+        return "no drafts checked"
+    drafted, accepted = int(spec.get("drafted") or 0), int(spec.get("accepted") or 0)
+    rate = f" ({100 * accepted / drafted:.0f}%)" if drafted else ""
+    return f"{accepted} of {drafted} drafted tokens accepted{rate} in {int(spec.get('verify_steps') or 0)} verify steps"
 
 
 def _occupancy(stats: Mapping[str, Any]) -> str:
@@ -448,6 +460,7 @@ def reply_panel_html(
         ("Tokens generated", fmt_int(stats.get("new_tokens")) + _split_tokens(stats)),
         ("Prompt bucket / padding", f"{bucket} / {padding} padding tokens"),
         ("Batch occupancy", _occupancy(stats)),
+        ("Speculative decoding", _speculation(stats)),
         ("Waited for a compile", compile_txt),
         ("Elapsed", fmt_num(stats.get("elapsed_s"), 2, "s")),
     ]

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from gemma4.env import setting
 from gemma4.serve.engine.geometry import PROMPT_BUCKETS, bucket_for
-from gemma4.serve.shape_keys import DecodeKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import DecodeKey, PrefillKey, ShapeKey, VerifyKey
 
 INTERLEAVE_STEPS = 2.0
 FLOOR_SLACK = 2.0
@@ -167,11 +167,14 @@ class StepCosts:
         self.chunk: dict[bool, dict[int, float]] = {True: {}, False: {}}
         self.chunk_at: dict[bool, dict[int, float]] = {True: {}, False: {}}  # when each was last measured
         self.decode: float | None = None
+        self.step: dict[ShapeKey, float] = {}  # per decode and verify shape (speculation.verify_pays)
         self._clock = clock
 
     def note(self, key: ShapeKey, seconds: float) -> None:
         """Fold one measured dispatch of shape `key` in (prefill chunks without embeddings and
         decode steps; other shapes are not chunk-size evidence)."""
+        if isinstance(key, (DecodeKey, VerifyKey)):
+            self.step[key] = seconds if key not in self.step else 0.7 * self.step[key] + 0.3 * seconds
         if isinstance(key, DecodeKey):
             self.decode = seconds if self.decode is None else 0.7 * self.decode + 0.3 * seconds
         elif isinstance(key, PrefillKey) and not key.embeds:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from gemma4.serve.shape_keys import CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 DEFAULT_CONTEXT = 4096  # a CPU's context window unless one is asked for (at most the model's own; an
 # accelerator's: the longest the memory pre-flight admits for the rows, preflight.default_context)
@@ -127,6 +127,9 @@ class ServingGeometry:
     # Compiled before ready instead of a lone short request's shapes: those of `pack_prompts` users
     # arriving together (their packed first chunks and their decode rows; GEMMA4_READY_SHAPES).
     users_at_ready: bool = False
+    # Speculative decoding (engine/speculation.py): the most drafted tokens a row checks in one verify
+    # step (0: off; at most a ring's slack beyond its window: `draft_room`).
+    draft_tokens: int = 0
 
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
@@ -155,6 +158,14 @@ class ServingGeometry:
         w = next((w for w in self.mixed_widths if w >= need_w), None)
         n = next((n for n in self.kv_lengths if n >= need_n), None)
         return None if w is None or n is None else MixedKey(w, n)
+
+    def verify_key(self, need_w: int, need_n: int) -> VerifyKey | None:
+        """The verify shape for rows [0, need_w) whose positions, drafts included, are below
+        need_n; None where the geometry drafts nothing or no cache length holds them."""
+        n = next((n for n in self.kv_lengths if n >= need_n), None)
+        if not self.draft_tokens or n is None:
+            return None
+        return VerifyKey(next((w for w in self.widths if w >= need_w), self.widths[-1]), n, self.draft_tokens)
 
     def _short_shapes(self) -> tuple[ShapeKey, ...]:
         """A lone short request's: its first chunk in the first bucket, its row's decode."""
@@ -197,11 +208,13 @@ class ServingGeometry:
         lone = list(self._short_shapes()) if self.users_at_ready else []  # (else compiled before ready)
         return tuple(dict.fromkeys(
             lone + stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
+            + [VerifyKey(w, n0, self.draft_tokens) for w in self.widths if self.draft_tokens]
             + later
             + [MixedKey(w, n0) for w in self.mixed_widths]
             + long
             + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
-            + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]]))
+            + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]]
+            + [VerifyKey(w, n, self.draft_tokens) for n in self.kv_lengths[1:] for w in self.widths if self.draft_tokens]))
 
     def narrowed(self, **fields) -> "ServingGeometry":
         """A copy with some ladders replaced (benchmarks and tests that serve fewer shapes)."""
@@ -212,7 +225,7 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
                      context: int | None, model_context: int, buckets: Sequence[int] | None,
                      full_layers_native: bool, mixed_step: bool, prefix_cache: bool = False, window: int = 0,
                      ring_slots: int = 0, full_layers_kernel: bool = False, ready_shapes: str = "auto",
-                     pack_prompts: int | None = None) -> ServingGeometry:
+                     pack_prompts: int | None = None, draft_tokens: int = 0) -> ServingGeometry:
     """The one function that makes a `ServingGeometry`.
 
     platform, decode_block: the hardware plan's; mesh_data: the devices the cache's rows are split
@@ -228,7 +241,9 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
     sliding layers' (kv_cache.slots_for at this context), which bound what a row's ring still holds;
     ready_shapes: the GEMMA4_READY_SHAPES setting ("users": `users_at_ready`; "auto": where first
     chunks are packed); pack_prompts: the GEMMA4_PACK_PROMPTS setting (None: PACK_PROMPTS on an
-    accelerator; never where several processes replay steps or the rows are split)."""
+    accelerator; never where several processes replay steps or the rows are split); draft_tokens:
+    speculative decoding's drafts a row checks per verify step (0: off; never where several
+    processes replay steps, at most a ring's slack: `draft_room`)."""
     context_limit = context_window(context, model_context)
     accelerator = platform != "cpu"
     asked = pack_prompts if pack_prompts is not None else PACK_PROMPTS if accelerator else 1
@@ -259,4 +274,13 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
                            decode_block=int(decode_block) if processes == 1 else 1, processes=int(processes),
                            prefix_cache=bool(prefix_cache) and processes == 1, window=int(window),
                            ring_slots=int(ring_slots), smaller_stand_ins=accelerator, pack_prompts=pack,
-                           users_at_ready=ready_shapes == "users" or (ready_shapes == "auto" and accelerator and pack > 1))
+                           users_at_ready=ready_shapes == "users" or (ready_shapes == "auto" and accelerator and pack > 1),
+                           draft_tokens=min(int(draft_tokens), draft_room(window, ring_slots, context_limit))
+                           if processes == 1 else 0)
+
+
+def draft_room(window: int, ring_slots: int, context_limit: int) -> int:
+    """The most drafts a verify step may write: a sliding layer's ring holds its window and a
+    slack (kv_cache.ring_slack); drafts beyond the slack would overwrite keys the kept tokens
+    still see. No sliding layer, or a ring as long as the context (it never wraps): no bound."""
+    return ring_slots - window if window and ring_slots < context_limit else 1 << 30

@@ -261,7 +261,9 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         full_layers_kernel=M.full_layers_read_in_kernel(options, plan.kv_cache.value),
         mixed_step=setting("GEMMA4_MIXED_STEP"), prefix_cache=setting("GEMMA4_PREFIX_CACHE"),
         ready_shapes=setting("GEMMA4_READY_SHAPES"), pack_prompts=setting("GEMMA4_PACK_PROMPTS"),
+        draft_tokens=draft_tokens_setting(),
         **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
+    report["speculation"] = speculation_report(geometry.draft_tokens, processes)
     kv_format = plan.kv_cache.value
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,
                                     kv_format)
@@ -274,6 +276,32 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         mesh_shape=mesh_shape, kv_format=kv_format, encoder_dtype=encoder_dtype, decode_bytes=decode_bytes,
         roofline_tok_s=roofline_tok_s, geometry=geometry, new_cache=new_cache, cache_spec=cache_spec, cache_shardings=cache_sh,
         tokenizer=tokenizer, timings=timings)
+
+
+# Drafts a verify step checks per row unless GEMMA4_DRAFT_TOKENS says otherwise (engine/speculation.py).
+DRAFT_TOKENS = 4
+
+
+def draft_tokens_setting() -> int:
+    """Speculative decoding's drafts per verify step as the settings ask: 0 where GEMMA4_SPECULATE
+    is off, else GEMMA4_DRAFT_TOKENS or DRAFT_TOKENS (the geometry bounds it further)."""
+    if setting("GEMMA4_SPECULATE") == "off":
+        return 0
+    return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
+
+
+def speculation_report(drafts: int, processes: int) -> dict:
+    """What the Hardware panel says of speculative decoding: the choice and why."""
+    if drafts:
+        return {"mode": "prompt lookup", "drafts_per_step": drafts,
+                "why": "a reply's next tokens are drafted from its own prompt and reply where their last tokens "
+                       "occurred before, and up to this many are checked in one step (one read of the weights); "
+                       "the drafts the model agrees with are kept, so a reply is the one plain decoding gives. A "
+                       "row verifies only while the measured step costs and its kept drafts say it pays "
+                       "(GEMMA4_SPECULATE=off turns it off, GEMMA4_DRAFT_TOKENS sets the drafts)"}
+    why = ("several processes replay one process's steps: a verify step is not announced to them" if processes > 1
+           else "GEMMA4_SPECULATE=off")
+    return {"mode": "off", "drafts_per_step": 0, "why": why}
 
 
 # ------------------------------------------------------------------------------ compiling ahead of the weights

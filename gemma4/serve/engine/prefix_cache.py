@@ -107,12 +107,13 @@ class RingRule:
 
 def held_by(req: Request, decode_block: int) -> Held:
     """What `req`'s row holds or will (keys set at admission): its prompt and the reply tokens fed
-    back, of which the device wrote the positions prefilled (and decoded, a block's overrun too)."""
+    back, of which the device wrote the positions prefilled (and decoded, a block's overrun and a
+    verify step's rejected drafts too)."""
     if req.prefilling:
         return Held(req.prompt_keys, req.prefilled)
     fed = np.asarray(req.recent[:req.position - len(req.prompt_ids)], np.int64)
     overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
-    return Held(np.concatenate([req.prompt_keys, fed]), req.position + overrun)
+    return Held(np.concatenate([req.prompt_keys, fed]), max(req.position + overrun, req.written))
 
 
 def chunk_end(req: Request, active: Iterable[Request]) -> int:

@@ -27,9 +27,9 @@ from gemma4.serve.engine.compiled import CompiledShapes
 from gemma4.serve.engine.link import EngineLink
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
-                                            PrefillPack, PrefixCopy, StepPlan)
+                                            PrefillPack, PrefixCopy, StepPlan, VerifyStep)
 from gemma4.serve.engine.steps import DispatchedBlock, sampling_rows
-from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 try:  # optional: the host's resident memory in `memory()`
     import psutil
@@ -84,6 +84,8 @@ class Runner:
         if isinstance(plan, PrefillPack):
             sampling = sampling_rows(list(plan.requests) + [None] * (plan.key.prompts - len(plan.requests)))
             return self.run_packed(plan.key, plan.tokens, plan.positions, plan.token_rows, plan.last, sampling)
+        if isinstance(plan, VerifyStep):
+            return self.run_verify(plan.key, plan.tokens, plan.positions, sampling_rows(plan.sampling))
         if isinstance(plan, MixedStep):
             return self.run_mixed(plan.key, plan.tokens, plan.positions, plan.request.row, plan.clear, plan.last,
                                   sampling_rows(plan.sampling))
@@ -186,6 +188,16 @@ class Runner:
                                          jnp.int32(chunk_row), jnp.int32(clear), jnp.int32(last), sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 
+    def run_verify(self, key: VerifyKey, tokens, positions, sampling: SamplingRows, *,
+                   idle: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The verify step `key` (steps.verify_step): tokens/positions [width, drafts + 1]; returns
+        (tokens [width, drafts + 1], -1 past each row's kept ones; non-finite [width]). Never where
+        several processes replay steps (the geometry drafts nothing there)."""
+        with self._call(DeviceCall(key, 0, idle=idle)) as exe:
+            token, bad, self.cache = exe(self.model.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                                         sampling.on_device())
+        return np.asarray(token), np.asarray(bad)
+
     def run_copy(self, key: CopyKey, source: int, row: int, length: int, *, idle: bool = False) -> None:
         """Cache row `row` takes positions [0, length) of row `source` (steps.copy_prefix_step).
         Never where several processes replay steps (the geometry has no prefix cache there)."""
@@ -211,6 +223,10 @@ class Runner:
             n = MIXED_CHUNK + key.width
             self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0,
                            SamplingRows.idle(key.width + 1), idle=True)
+        elif isinstance(key, VerifyKey):
+            shape = (key.width, key.drafts + 1)
+            self.run_verify(key, np.zeros(shape, np.int32), np.full(shape, -1, np.int32), SamplingRows.idle(key.width),
+                            idle=True)
         elif isinstance(key, CopyKey):  # row 0 onto itself, keeping every position: changes nothing
             self.run_copy(key, 0, 0, np.iinfo(np.int32).max, idle=True)
 

@@ -41,8 +41,9 @@ from gemma4.serve.engine.chunking import StepCosts, next_chunk, pack_size, prefi
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.prefix_cache import PrefixCache, RingRule, chunk_end, copy_now, held_by
+from gemma4.serve.engine.speculation import note_verified, verify_plan
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefillPack,
-                                            PrefixCopy, StepPlan, block_steps, decode_dispatch, mixed_step,
+                                            PrefixCopy, StepPlan, VerifyStep, block_steps, decode_dispatch, mixed_step,
                                             prefill_chunk, prefill_pack)
 from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, PrefillKey, ShapeKey
@@ -278,10 +279,14 @@ class Scheduler:
             return
         self._end(req, ("error", f"compiling {key.describe()} failed: {failed}"))
 
-    def _plan_decode(self) -> DecodeStep | DecodeBlock | None:
-        """One token for every decoding row, with compiled shapes only (`decode_plan`); a row whose
-        shape is not compiled yet waits for it alone."""
+    def _plan_decode(self) -> DecodeStep | DecodeBlock | VerifyStep | None:
+        """A verify step of drafted tokens where it pays (engine/speculation.py), else one token for
+        every decoding row, with compiled shapes only (`decode_plan`); a row whose shape is not
+        compiled yet waits for it alone."""
         active, decoding = self._rows()
+        verify = verify_plan(self.shapes, self.costs, active, decoding, context_limit=self.geometry.context_limit)
+        if verify is not None:
+            return verify
         plan, waiting = decode_plan(self.shapes, active, decoding, self._busy())
         for req, key in waiting:
             self._wait_or_fail(req, key)
@@ -343,6 +348,15 @@ class Scheduler:
             for i, (req, length) in enumerate(zip(plan.requests, plan.lengths)):
                 req.stats["packed_prompts"] = len(plan.requests)
                 self._chunk_done(req, 0, length, plan.key.bucket, int(tokens[i]), bool(nonfinite[i]), now)
+        elif isinstance(plan, VerifyStep):
+            if plan.measured:
+                self.costs.note(plan.key, seconds)
+            note_verified(plan, tokens)
+            for j in range(tokens.shape[1]):  # each row's tokens in order, until it has none or it ended
+                decoding = {row: r for row, r in self._still_active(plan.rows).items() if tokens[row, j] >= 0}
+                if not decoding:
+                    break
+                self._decoded(plan.active if j == 0 else {}, decoding, tokens[:, j], nonfinite, now)
         elif isinstance(plan, PrefixCopy):
             req = plan.request
             req.prefilled = req.cached = plan.length
@@ -431,7 +445,7 @@ class Scheduler:
         with self._lock:
             if everyone or plan is None:
                 victims = list(self._active.values())
-            elif isinstance(plan, (DecodeStep, DecodeBlock)):
+            elif isinstance(plan, (DecodeStep, DecodeBlock, VerifyStep)):
                 victims = [r for r in self._active.values() if not r.prefilling]
             else:
                 victims = [r for r in plan.requests if self._active.get(r.row) is r]

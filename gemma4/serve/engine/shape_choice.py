@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Mapping, Protocol, Sequence
 
 from gemma4.serve.engine.geometry import ServingGeometry
-from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 # A prompt chunk served by the next bucket up, no longer than this, leaves its own bucket's compile
 # to the idle-time queue (`ShapeChoice.chunk_key`): the stand-in costs tens of milliseconds more.
@@ -121,6 +121,16 @@ class ShapeChoice:
         if key is None:
             return None
         if self.book.usable(key):
+            return key
+        self.book.queue_background(key)
+        return None
+
+    def verify_key(self, need_w: int, need_n: int) -> VerifyKey | None:
+        """The verify step for rows [0, need_w) and positions < need_n when it is compiled, else
+        None (queued in the background like a fused step: meanwhile the rows decode one token a
+        step, so nobody waits for it)."""
+        key = self.geometry.verify_key(need_w, need_n)
+        if key is None or self.book.usable(key):
             return key
         self.book.queue_background(key)
         return None

@@ -16,7 +16,7 @@ from typing import Union
 import numpy as np
 
 from gemma4.serve.requests import Request
-from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -225,7 +225,43 @@ class PrefixCopy:
         return (self.request,)
 
 
-StepPlan = Union[PrefillChunk, PrefillPack, DecodeStep, DecodeBlock, MixedStep, PrefixCopy]
+@dataclasses.dataclass(frozen=True, eq=False)
+class VerifyStep:
+    """Speculative decoding: every decoding row of [0, key.width) feeds its last token and its
+    drafted ones (`drafts[row]`, up to key.drafts) in one dispatch (steps.verify_step). Outputs:
+    tokens [width, drafts + 1] by cache row — the row's kept drafts, then the target's next
+    token, -1 past them — and non-finite flags [width]."""
+
+    key: VerifyKey
+    tokens: np.ndarray  # int32 [width, drafts + 1]
+    positions: np.ndarray  # int32 [width, drafts + 1]; -1 past a row's drafts, an idle row -1 throughout
+    sampling: tuple[Request | None, ...]  # [width]
+    drafts: dict[int, list[int]]  # row -> the tokens it drafted
+    rows: dict[int, Request]
+    active: dict[int, Request]
+    measured: bool = False
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return tuple(self.rows.values())
+
+
+def verify_step(key: VerifyKey, decoding: dict[int, Request], drafts: dict[int, list[int]],
+                active: dict[int, Request], measured: bool) -> VerifyStep:
+    """The verify step of shape `key` for `decoding` rows, each with its `drafts` (maybe none)."""
+    t = key.drafts + 1
+    tokens, positions = np.zeros((key.width, t), np.int32), np.full((key.width, t), -1, np.int32)
+    sampling: list[Request | None] = [None] * key.width
+    for row, req in decoding.items():
+        ids = [req.recent[-1]] + list(drafts.get(row, ()))[:key.drafts]
+        tokens[row, :len(ids)] = ids
+        positions[row, :len(ids)] = np.arange(req.position, req.position + len(ids))
+        sampling[row] = req
+    return VerifyStep(key, tokens, positions, tuple(sampling), {r: list(d) for r, d in drafts.items()}, decoding, active,
+                      measured)
+
+
+StepPlan = Union[PrefillChunk, PrefillPack, DecodeStep, DecodeBlock, MixedStep, PrefixCopy, VerifyStep]
 
 
 def step_kind(plan: StepPlan) -> str:

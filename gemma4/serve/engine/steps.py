@@ -26,7 +26,7 @@ from gemma4.plan import sharding
 from gemma4.serve import executable_store
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.requests import Request
-from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey
+from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, VerifyKey
 
 
 def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
@@ -143,6 +143,35 @@ def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, samplin
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
 
+def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, width, kv_len, drafts):
+    """Speculative decoding's step for cache rows [0, width): tokens/positions [width, drafts + 1],
+    each row's last token at its position, then its drafted tokens at the next ones (fewer drafts:
+    position -1 after them; an idle row: -1 throughout). All are written and attend as a chunk
+    would; at every position the token plain decoding would take there is drawn — the same
+    sampling row, advanced over the drafts before it as a decode step would advance it, so the
+    same key — and a row keeps its drafts while each equals the token drawn before it. For a
+    drafted token this is the rejection rule with the draft as the proposal (kept with the
+    target's probability of it; on rejection, the target's draw conditioned on not being it), and
+    more: a reply is the very one plain decoding gives for its seed. The cache forgets the
+    positions after the kept ones (`kv_cache.drop_after`).
+
+    Returns (tokens [width, drafts + 1]: each row's kept drafts and then the token drawn after
+    them, -1 past those; non-finite flags [width]) and the cache. Full layers read [0, kv_len)."""
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0)
+    rows, drawn = sampling, []
+    for j in range(drafts + 1):
+        drawn.append(sample_rows(logits[:, j], rows))
+        if j < drafts:
+            rows = advance_rows(rows, tokens[:, j + 1])
+    drawn = jnp.stack(drawn, axis=1)  # [width, drafts + 1]
+    agree = (tokens[:, 1:] == drawn[:, :-1]) & (positions[:, 1:] >= 0)
+    kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # drafts kept per row
+    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+    upto = jnp.arange(drafts + 1)[None, :] <= kept[:, None]
+    bad = jnp.any(~jnp.all(jnp.isfinite(logits), axis=-1) & upto, axis=1)
+    return jnp.where(upto, drawn, -1), bad, cache
+
+
 def copy_prefix_step(cache, source, row, length, *, cfg, options):
     """Cache row `row` takes positions [0, length) of row `source` (engine/prefix_cache.py), in
     place (donated); the same row: what it holds past them is dropped."""
@@ -220,10 +249,13 @@ class StepPrograms:
         self.mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                       for w in model.geometry.mixed_widths for n in model.geometry.kv_lengths}
+        self.verify = {(w, n): jax.jit(named(verify_step, width=w, kv_len=n, drafts=model.geometry.draft_tokens),
+                                       in_shardings=(param_sh, cache_sh, rep, rep, rep), **step)
+                       for w in model.geometry.widths for n in model.geometry.kv_lengths} if model.geometry.draft_tokens else {}
         self.copy = jax.jit(named(copy_prefix_step), in_shardings=(cache_sh, rep, rep, rep), donate_argnums=(0,),
                             out_shardings=cache_sh)
 
-    def lower(self, key: PrefillKey | DecodeKey | MixedKey | CopyKey):
+    def lower(self, key: PrefillKey | DecodeKey | MixedKey | CopyKey | VerifyKey):
         """A shape key's step, lowered for the model's parameters and cache."""
         params, cache, cfg = self.model.params, self.model.cache_spec, self.model.cfg
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -243,6 +275,9 @@ class StepPrograms:
                 jax.ShapeDtypeStruct((1, n, cfg.hidden_size), jnp.float32),
                 jax.ShapeDtypeStruct((1, n), jnp.bool_), *([i32(1, n)] if bidirectional_vision(cfg) else []))
         w = key.width
+        if isinstance(key, VerifyKey):
+            t = key.drafts + 1
+            return self.verify[w, key.kv_len].lower(params, cache, i32(w, t), i32(w, t), SamplingRows.spec(w))
         if isinstance(key, MixedKey):
             return self.mixed[w, key.kv_len].lower(params, cache, i32(MIXED_CHUNK + w), i32(MIXED_CHUNK + w), i32(),
                                                    i32(), i32(), SamplingRows.spec(w + 1))

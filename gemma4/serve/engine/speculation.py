@@ -1,0 +1,138 @@
+"""Speculative decoding's host side: drafting from a request's own text (prompt lookup), what
+each request's drafts have earned, and whether a verify step pays now. Pure: no jax.
+
+A decode step reads every weight to make one token per row. A verify step (steps.verify_step)
+feeds a row's last token and up to k drafted ones at once — one read of the weights — and keeps
+the drafts the model itself would have produced, then one token of its own; a reply is the very
+one plain decoding gives (greedy or sampled with its seed). It pays where drafts are often right
+and the step of k + 1 tokens costs little more than one (decode is bound by reading the weights).
+
+Prompt lookup drafts for any model: where the last few tokens of the prompt and reply so far
+occurred before, the tokens that followed them then are the draft (a reply quoting, editing or
+summarising its input repeats long runs of it). Rows with nothing to draft just decode; a verify
+step runs when, by the measured step costs and each row's record of kept drafts, it is expected to
+give more tokens a second than a decode step (`verify_pays`), and now and then regardless (a
+record can only change by verifying).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from gemma4.serve.engine.chunking import StepCosts
+from gemma4.serve.engine.shape_choice import ShapeChoice
+from gemma4.serve.engine.step_plans import VerifyStep, verify_step
+from gemma4.serve.requests import Request
+
+# The longest and shortest n-gram matched: the longest earlier match is the likeliest to go on as
+# before; one token alone still finds runs to copy (a code line's indentation, a quoted name).
+NGRAM_MAX = 3
+NGRAM_MIN = 1
+# Before a request has a record, its drafts are taken to be kept half the time (1 of 2).
+PRIOR_KEPT, PRIOR_DRAFTED = 1.0, 2.0
+# A row whose drafts do not pay is still verified every PROBE_EVERY-th decode step it has drafts:
+# its record changes only by verifying (a reply may start copying later).
+PROBE_EVERY = 16
+MODES = ("off", "lookup")
+
+
+class PromptLookup:
+    """The n-grams (NGRAM_MIN..NGRAM_MAX tokens) of a token sequence, each mapped to where the
+    tokens after its latest occurrence start, indexed as the sequence grows; `propose` matches
+    the sequence's own end against the earlier text."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, ids) -> None:
+        for t in ids:
+            self.tokens.append(int(t))
+            end = len(self.tokens) - 1  # the n-grams ending just before the new token now have a continuation
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end >= n:
+                    self.after[tuple(self.tokens[end - n:end])] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest n-gram the
+        sequence ends with (none: [])."""
+        for n in range(min(NGRAM_MAX, len(self.tokens)), NGRAM_MIN - 1, -1):
+            start = self.after.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start:start + k]
+        return []
+
+
+def lookup_drafts(req: Request, k: int) -> list[int]:
+    """Up to k drafts for `req`'s next tokens from its prompt and reply so far (its index is built
+    at first use and grows with the reply)."""
+    if req.lookup is None:
+        req.lookup = PromptLookup()
+        req.lookup.extend(req.prompt_ids)
+    seen = len(req.lookup.tokens) - len(req.prompt_ids)
+    req.lookup.extend(req.recent[seen:])
+    return req.lookup.propose(k)
+
+
+def kept_rate(req: Request) -> float:
+    """The share of `req`'s drafts kept so far (with the prior)."""
+    return (req.drafts_kept + PRIOR_KEPT) / (req.drafts_offered + PRIOR_DRAFTED)
+
+
+def expected_tokens(rate: float, drafts: int) -> float:
+    """Tokens a verify step gives a row with `drafts` drafts each kept with probability `rate`
+    given the ones before were: 1 + rate + rate² + ... (the target's own token always comes)."""
+    return sum(rate ** i for i in range(drafts + 1))
+
+
+def verify_pays(expected: float, rows: int, decode_s: float | None, verify_s: float | None) -> bool:
+    """Whether a verify step expected to give `expected` tokens beats a decode step's `rows`
+    tokens per second; unmeasured, it is tried (its measure decides from then on)."""
+    if decode_s is None or verify_s is None:
+        return True
+    return expected / verify_s > rows / decode_s
+
+
+def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Request],
+                decoding: Mapping[int, Request], *, context_limit: int) -> VerifyStep | None:
+    """A verify step for `decoding` rows where the geometry drafts, some row has drafts, its
+    shape is compiled (else it is queued) and it pays (`verify_pays`, or a row's probe is due);
+    else None (the rows decode one token)."""
+    k = shapes.geometry.draft_tokens
+    if not k or not decoding:
+        return None
+    drafts = {}
+    for row, req in decoding.items():
+        room = min(k, req.params.max_new_tokens - req.generated - 1, context_limit - req.position - 1)
+        proposed = lookup_drafts(req, room) if room > 0 else []
+        if proposed:
+            drafts[row] = proposed
+    if not drafts:
+        return None
+    need_w, need_n = max(decoding) + 1, max(r.position + len(drafts.get(row, ())) for row, r in decoding.items()) + 1
+    key = shapes.verify_key(need_w, need_n)
+    if key is None:
+        return None
+    expected = sum(expected_tokens(kept_rate(r), len(drafts.get(row, ()))) for row, r in decoding.items())
+    probe = False
+    for row in drafts:
+        decoding[row].drafts_skipped += 1
+        probe |= decoding[row].drafts_skipped >= PROBE_EVERY
+    decode_key = shapes.geometry.decode_key(need_w, max(r.position for r in decoding.values()) + 1)
+    if not probe and not verify_pays(expected, len(decoding), costs.step.get(decode_key), costs.step.get(key)):
+        return None
+    for row in drafts:
+        decoding[row].drafts_skipped = 0
+    return verify_step(key, dict(decoding), drafts, dict(active), shapes.book.has_run(key))
+
+
+def note_verified(plan: VerifyStep, tokens) -> None:
+    """Each row's record: the drafts it offered and how many were kept (tokens [width, k + 1],
+    -1 past a row's kept drafts and the target's own token)."""
+    for row, req in plan.rows.items():
+        offered = len(plan.drafts.get(row, ()))
+        kept = int((tokens[row] >= 0).sum()) - 1
+        req.drafts_offered += offered
+        req.drafts_kept += min(kept, offered)
+        req.verify_steps += 1
+        req.written = max(req.written, int(plan.positions[row].max()) + 1)

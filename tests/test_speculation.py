@@ -1,0 +1,161 @@
+"""Speculative decoding (gemma4/serve/engine/speculation.py, steps.verify_step): the host's prompt
+lookup and policy, and, on an engine, replies identical to plain decoding — greedy and sampled
+with a seed, alone and batched, across the sliding window's wrap — with drafts really checked
+and kept (a test that found no verify step would prove nothing)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from gemma4.model.sampling_params import SamplingParams
+from gemma4.serve import conversation
+from gemma4.serve.engine import speculation as S
+from gemma4.serve.engine.engine import get_engine
+
+# ------------------------------------------------------------------------------ host side
+
+
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    look = S.PromptLookup()
+    look.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2, 3])
+    # "2 3" occurred twice before; the latest (…2 3 7 8) wins, and its 3-gram "x 2 3" is tried first
+    assert look.propose(3) == [7, 8, 2]
+    look.extend([4])  # "2 3 4" occurred once, followed by 5 9 2
+    assert look.propose(3) == [5, 9, 2]
+    assert look.propose(1) == [5]
+
+
+def test_lookup_has_nothing_for_new_text():
+    look = S.PromptLookup()
+    look.extend([1, 2, 3])
+    assert look.propose(4) == []
+    look.extend([3])  # a 1-gram repeat: what followed the last 3 (nothing yet) — the new 3 itself
+    assert look.propose(4) == [3]
+
+
+def test_expected_tokens_and_the_pay_rule():
+    assert S.expected_tokens(0.0, 4) == 1.0
+    assert S.expected_tokens(1.0, 4) == 5.0
+    assert S.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert S.verify_pays(2.0, 1, None, 0.01)  # unmeasured: tried
+    assert S.verify_pays(2.0, 1, 0.010, 0.015)  # 133 vs 100 tok/s
+    assert not S.verify_pays(1.2, 1, 0.010, 0.015)  # 80 vs 100
+
+
+# ------------------------------------------------------------------------------ on an engine
+
+NEW = 40
+PATTERN = [11, 12, 13, 14, 15, 16, 17]
+
+
+def _engine(monkeypatch, mode: str, max_batch: int):
+    monkeypatch.setenv("GEMMA4_SPECULATE", mode)
+    eng = get_engine("random:tiny-e2b", max_batch=max_batch, context_limit=256, buckets=(16, 64),
+                     overrides={"dtype": "float32", "weights": "none", "kv": "native"})
+    return eng.wait_ready(timeout=900)
+
+
+def _compile_verify(eng) -> None:
+    """Every verify shape compiled (the scheduler queues them for idle time: a test must not race it)."""
+    g = eng.loaded.geometry
+    for w in g.widths:
+        for n in g.kv_lengths:
+            key = g.verify_key(w, n)
+            eng.shapes.request(key, now=True)
+            eng.shapes.wait_any([key], timeout=600)
+            assert eng.shapes.usable(key), key
+
+
+@pytest.fixture(scope="module")
+def engines():
+    mp = pytest.MonkeyPatch()
+    try:
+        on, off = _engine(mp, "lookup", 4), _engine(mp, "off", 3)
+    finally:
+        mp.undo()
+    assert on.loaded.geometry.draft_tokens >= 1 and off.loaded.geometry.draft_tokens == 0
+    _compile_verify(on)
+    # Verify whenever a row has drafts: a random tiny model keeps few, and by the step costs a verify
+    # step would seldom pay — the tests are about the tokens, not the policy.
+    mp.setattr(S, "PROBE_EVERY", 1)
+    yield on, off
+    mp.undo()
+
+
+def _reply(eng, prompt, params):
+    req = eng.submit(list(prompt), params)
+    stream = eng.tokens(req)
+    ids, stats = [], {}
+    for event in stream:
+        ids, stats = list(event.token_ids), event.stats
+    return ids, stats
+
+
+def _together(eng, prompts, params):
+    out = [None] * len(prompts)
+
+    def run(i):
+        out[i] = _reply(eng, prompts[i], params[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+# Prompts that copy (a repeated pattern: the reply of a random tiny model often continues it) and
+# ones that do not; 40 new tokens run well past the tiny models' 8-token sliding window.
+PROMPTS = [PATTERN * 6, [2, 40, 41, 42, 43] * 5 + [7, 8], list(range(100, 140)), [5] * 30]
+
+
+def _checked(stats) -> tuple[int, int]:
+    spec = stats.get("speculation") or {}
+    return spec.get("verify_steps", 0), spec.get("accepted", 0)
+
+
+def test_greedy_alone_equals_plain_decoding(engines):
+    on, off = engines
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    steps = kept = 0
+    for prompt in PROMPTS:
+        ids, stats = _reply(on, prompt, greedy)
+        plain, plain_stats = _reply(off, prompt, greedy)
+        assert ids == plain, prompt
+        assert "speculation" not in plain_stats
+        v, a = _checked(stats)
+        steps, kept = steps + v, kept + a
+    assert steps > 0 and kept > 0  # drafts were checked and some kept: the comparison proves something
+
+
+def test_sampled_with_a_seed_equals_plain_decoding(engines):
+    on, off = engines
+    steps = 0
+    for seed in range(4):
+        params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, max_new_tokens=NEW, seed=seed,
+                                repetition_penalty=1.0 if seed % 2 else 1.1)
+        for prompt in PROMPTS[:2]:
+            ids, stats = _reply(on, prompt, params)
+            assert ids == _reply(off, prompt, params)[0], (seed, prompt)
+            steps += _checked(stats)[0]
+    assert steps > 0
+
+
+def test_batched_rows_of_different_acceptance_equal_plain_decoding(engines):
+    on, off = engines
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW - 5 * i) for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(temperature=0.7, max_new_tokens=NEW, seed=3)
+    together = _together(on, PROMPTS, params)
+    for (ids, stats), prompt, p in zip(together, PROMPTS, params):
+        assert ids == _reply(off, prompt, p)[0], prompt
+    assert sum(_checked(s)[0] for _, s in together) > 0
+
+
+def test_verify_shape_keeps_drafts_within_the_ring_slack(engines):
+    on, _ = engines
+    g = on.loaded.geometry
+    assert g.draft_tokens == min(4, g.ring_slots - g.window)
