@@ -53,6 +53,10 @@ Parts:
            token, and the aggregate tok/s from ready to the last token (--users-new each); then
            a second round once the first is over (warm: its shapes compiled). Not in the
            default parts.
+  verify   speculative decoding's verify step of --verify-drafts drafts (k + 1 tokens) against a
+           decode step (E2B bf16, one row, context 1,024): the device's ms per step of each, their
+           ratio, and the speed-up those costs give at acceptance rates 0.3-0.9 (a projection:
+           random weights keep no drafts). Not in the default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -79,13 +83,13 @@ from gemma4.env import setting  # noqa: E402  (stdlib only, as gemma4.paths: the
 from gemma4.paths import cache_root  # noqa: E402
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
-OPTIONAL_PARTS = ("prefix", "long", "users")
+OPTIONAL_PARTS = ("prefix", "long", "users", "verify")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-12b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
 # app: the 12B's cold start (12 GB of int8 weights drawn, then its shapes compiled) and its media replies
 PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 420, "loads": 200, "e4b": 360,
-                "prefix": 540, "long": 570, "users": 480}
+                "prefix": 540, "long": 570, "users": 480, "verify": 300}
 HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
@@ -716,6 +720,75 @@ def worker_long(args) -> dict:
     return out
 
 
+def _verify_steps(engine, key, steps: int) -> float:
+    """Seconds per call of the compiled verify shape `key` (steps.verify_step) with the host out of
+    the way: one row feeding a token and key.drafts drafts at positions 200.., the rest idle, called
+    on its own cache `steps` times back to back, synchronised once at the end."""
+    import jax
+    import jax.numpy as jnp
+    from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows
+
+    exe, _ = engine.shapes.executable(key)
+    t = key.drafts + 1
+    positions = jnp.asarray([[200 + j for j in range(t)]] + [[-1] * t] * (key.width - 1), jnp.int32)
+    tokens = jnp.full((key.width, t), 5, jnp.int32)
+    rows = SamplingRows.idle(key.width, REPETITION_WINDOW).on_device()
+
+    def run(n: int, cache):
+        out = None
+        for _ in range(n):
+            out, _, cache = exe(engine.params, cache, tokens, positions, rows)
+        jax.block_until_ready(out)
+        return cache
+
+    with engine.runner.holding_device():
+        cache = run(2, engine.runner.cache)
+        t0 = time.perf_counter()
+        cache = run(steps, cache)
+        dt = (time.perf_counter() - t0) / steps
+        engine.runner.cache = cache
+    return dt
+
+
+def worker_verify(args) -> dict:
+    """Speculative decoding's verify step against a decode step (E2B bf16, one row, context 1,024):
+    the device's seconds per step of each (`_device_steps`, `_verify_steps`), their ratio, and
+    the speed-up those costs give at acceptance rates 0.3-0.9 (a projection: random weights keep
+    no drafts)."""
+    os.environ["GEMMA4_SPECULATE"] = "lookup"
+    os.environ["GEMMA4_DRAFT_TOKENS"] = str(args.drafts)
+    out: dict = {"model": args.model, "drafts": args.drafts}
+    eng = _engine(args.model, max_batch=1, context=1024, buckets=(128,))
+    try:
+        eng.wait_ready(args.limit)
+        g = eng.started.geometry
+        key = g.verify_key(1, 1)
+        eng.shapes.request(key, now=True)
+        eng.shapes.wait_any([key], timeout=args.limit)
+        decode_s = _device_steps(eng, 64)
+        verify_s = _verify_steps(eng, key, 64)
+        out.update(decode_ms=round(decode_s * 1000, 3), verify_ms=round(verify_s * 1000, 3),
+                   verify_over_decode=round(verify_s / decode_s, 3), decode_block=eng.loaded.decode_block,
+                   drafts=key.drafts, projection=speedup_projection(key.drafts, decode_s, verify_s))
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        eng.close()
+    return out
+
+
+def speedup_projection(drafts: int, decode_s: float, verify_s: float) -> list[dict]:
+    """The decode speed-up a verify step of `drafts` drafts gives at acceptance rates 0.3-0.9 (each
+    draft kept with that probability given the ones before were), from measured step costs: tokens
+    a verify step gives (1 + a + ... + a^drafts) x decode step seconds / verify step seconds."""
+    rows = []
+    for rate in (0.3, 0.5, 0.7, 0.8, 0.9):
+        tokens = sum(rate ** i for i in range(drafts + 1))
+        rows.append({"acceptance": rate, "tokens_per_verify": round(tokens, 2),
+                     "speedup": round(tokens * decode_s / verify_s, 2)})
+    return rows
+
+
 def worker_users(args) -> dict:
     """`users` requests sent together the moment an engine (`rows` rows, the engine's own ladder)
     says ready: each one's time to its first token, and the aggregate from ready to the last token;
@@ -784,7 +857,7 @@ def _worker(fn):
 WORKERS = {name: _worker(fn) for name, fn in {
     "app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
     "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix, "long": worker_long,
-    "users": worker_users}.items()}
+    "users": worker_users, "verify": worker_verify}.items()}
 
 
 # ------------------------------------------------------------------------------ driver
@@ -858,6 +931,7 @@ def main(argv=None) -> int:
                     help="the users part: users:rows:context[:GEMMA4_READY_SHAPES],... (each on an empty compile cache)")
     ap.add_argument("--users-prompt", type=int, default=128, help="the users part's prompt, in tokens")
     ap.add_argument("--users-new", type=int, default=64, help="the users part's reply, in tokens")
+    ap.add_argument("--verify-drafts", type=int, default=4, help="the verify part's drafts per step (k; k + 1 tokens)")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -962,6 +1036,9 @@ def main(argv=None) -> int:
                                                  "new": args.users_new, "limit": limit("users") - 30},
                                        env=env, limit=limit("users")))
             report["parts"]["users"] = {"configs": rows}
+        elif part == "verify":
+            report["parts"]["verify"] = run_worker("verify", {"model": args.model, "drafts": args.verify_drafts,
+                                                              "limit": limit("verify") - 60}, limit=limit("verify"))
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))

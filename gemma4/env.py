@@ -193,6 +193,10 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
                 "speculative decoding (the same tokens, sooner): lookup drafts a reply's next tokens from "
                 "its own prompt and reply (prompt lookup) and checks them in one step; off: one token a "
                 "step; auto: lookup where one process serves", choices=("auto", "off", "lookup")),
+        Setting("GEMMA4_DRAFTER", TEXT, None,
+                "the model's drafter for speculative decoding (Gemma 4's assistant models): a folder of its Hub "
+                "layout, a Hub id (e.g. google/gemma-4-E2B-it-assistant), or random (random weights of its "
+                "geometry: speed runs); unset or off: prompt lookup drafts instead"),
         Setting("GEMMA4_DRAFT_TOKENS", INTEGER, None,
                 "the most drafted tokens a verify step checks per row; unset: 4 (at most a sliding "
                 "window's slack, 32 for the real models)", low=1),

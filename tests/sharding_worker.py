@@ -29,7 +29,8 @@ from gemma4.plan import preflight, sharding  # noqa: E402
 from gemma4.serve import conversation  # noqa: E402
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve.engine.engine import Engine  # noqa: E402
-from gemma4.serve.shape_keys import DecodeKey  # noqa: E402
+from gemma4.serve.engine.step_plans import Observer  # noqa: E402
+from gemma4.serve.shape_keys import DecodeKey, VerifyKey  # noqa: E402
 
 PROMPTS = ([2, 17, 33, 49, 65], [2] + list(range(100, 113)), [2] + list(range(200, 219)))
 NEW_TOKENS = 4
@@ -59,8 +60,8 @@ def _generate(engine: Engine, prompt, params: SamplingParams) -> list[int]:
     return out["token_ids"]
 
 
-def _generate_together(engine: Engine, prompts) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+def _generate_together(engine: Engine, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     results: list = [None] * len(prompts)
 
     def run(i):
@@ -102,6 +103,35 @@ def _media_tokens(engine: Engine) -> list[int]:
     if out["finish_reason"] not in ("length", "stop") or len(out["stats"]["media"]) != 2:
         raise RuntimeError(f"media generation ended with {out['finish_reason']!r}: {out['stats'].get('media')}")
     return out["token_ids"]
+
+
+def _speculation(engine: Engine) -> dict:
+    """Speculative decoding on this mesh: greedy ids of two prompts that repeat themselves sent
+    together, with drafting (every verify shape compiled, a verify step whenever a row has drafts)
+    and without: {"on", "off", "verify_steps"}."""
+    from gemma4.serve.engine import speculation
+
+    g = engine.started.geometry
+    for n in g.kv_lengths:
+        key = g.verify_key(g.widths[-1], n)
+        engine.shapes.request(key, now=True)
+        engine.shapes.wait_any([key], timeout=300)
+    prompts = [[2] + [40, 41, 42, 43, 44] * 4, [2] + [7, 8, 9] * 6]
+    speculation.PROBE_EVERY, before = 1, speculation.PROBE_EVERY
+    steps = []
+
+    class Count(Observer):  # the verify steps that ran (a comparison with none would prove nothing)
+        def before_call(self, call):
+            steps.append(isinstance(call.key, VerifyKey))
+
+    try:
+        with engine.observing(Count()):
+            on = _generate_together(engine, prompts, 24)
+        engine.scheduler.drafting = False
+        off = _generate_together(engine, prompts, 24)
+    finally:
+        engine.scheduler.drafting, speculation.PROBE_EVERY = True, before
+    return {"on": on, "off": off, "verify_steps": sum(steps)}
 
 
 def _prefix_reuse(engine: Engine, prompt) -> dict:
@@ -270,6 +300,8 @@ def main(argv: list[str]) -> int:
                         row["prefix"] = _prefix_reuse(engine, prompts[-1])
                     if case.get("media"):
                         row["media_tokens"] = _media_tokens(engine)
+                    if case.get("speculate"):
+                        row["speculation"] = _speculation(engine)
                     row["widths"] = list(engine.started.geometry.widths)
             except Exception as e:  # reported to the test, which fails with the message
                 row["error"] = f"{type(e).__name__}: {e}"

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # One subprocess runs every case (starting JAX and the engine once per mesh is the cost).
 CASES = [
     {"model": "random:tiny-e2b", "meshes": ["none", "tensor=2", "data=2,tensor=4"],  # 1 KV head: replicated K/V
-     "prefix": True},  # and the prefix cache's copy on each mesh
+     "prefix": True, "speculate": True},  # and the prefix cache's copy, speculative decoding on each mesh
     {"model": "random:tiny-31b", "meshes": ["none", "tensor=2", "tensor=4"]},
     {"model": "random:tiny-26b-a4b", "meshes": ["none", "expert=4", "tensor=2,expert=2"]},
     # the 12B (encoder-free): 2 sliding and 1 full KV head (replicated over tensor=4), and a chat
@@ -215,6 +215,18 @@ def test_tokens_identical_to_one_device(mesh_runs, case):
     assert "error" not in base, base["error"]
     assert run["tokens"] == base["tokens"], f"{model} on {mesh}: {run['tokens']} != {base['tokens']}"
     assert run["alone"] == base["alone"] == base["tokens"][-1]  # batched = alone, on every mesh
+
+
+@pytest.mark.parametrize("case", [(c["model"], mesh) for c in ENGINE_CASES[:-1] if c.get("speculate")
+                                  for mesh in c["meshes"]], ids=lambda c: f"{c[0]}|{c[1]}")
+def test_speculative_decoding_on_every_mesh(mesh_runs, case):
+    """Greedy ids with drafting (verify steps really ran) equal those without on this mesh, and
+    one device's."""
+    run, base = mesh_runs[case], mesh_runs[(case[0], "none")]
+    assert "error" not in run, run["error"]
+    spec = run["speculation"]
+    assert spec["verify_steps"] > 0
+    assert spec["on"] == spec["off"] == base["speculation"]["off"], spec
 
 
 @pytest.mark.parametrize("case", [(c["model"], mesh) for c in ENGINE_CASES[:-1] if c.get("media")

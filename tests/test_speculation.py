@@ -159,3 +159,44 @@ def test_verify_shape_keeps_drafts_within_the_ring_slack(engines):
     on, _ = engines
     g = on.loaded.geometry
     assert g.draft_tokens == min(4, g.ring_slots - g.window)
+
+
+# ------------------------------------------------------------------------------ with the model's drafter
+
+
+@pytest.fixture(scope="module")
+def drafting(engines):
+    """The tiny E2B with a random drafter of its geometry (GEMMA4_DRAFTER=random): the drafts come
+    from the device, made in each verify step for the next."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GEMMA4_DRAFTER", "random")
+    try:
+        eng = _engine(mp, "auto", 2)
+    finally:
+        mp.undo()
+    assert eng.loaded.drafter is not None and eng.loaded.geometry.drafter
+    assert eng.info()["hardware"]["speculation"]["mode"].startswith("drafter")
+    _compile_verify(eng)
+    mp.setattr(S, "PROBE_EVERY", 1)
+    yield eng
+    mp.undo()
+
+
+def test_drafter_replies_equal_plain_decoding(drafting, engines):
+    _, off = engines
+    steps = offered = 0
+    for i, prompt in enumerate(PROMPTS):
+        params = (SamplingParams(temperature=0.0, max_new_tokens=NEW) if i % 2 == 0 else
+                  SamplingParams(temperature=0.9, top_k=30, max_new_tokens=NEW, seed=i))
+        ids, stats = _reply(drafting, prompt, params)
+        assert ids == _reply(off, prompt, params)[0], prompt
+        spec = stats.get("speculation") or {}
+        steps, offered = steps + spec.get("verify_steps", 0), offered + spec.get("drafted", 0)
+    assert steps > 0 and offered > 0  # the drafter's drafts were really checked
+
+
+def test_drafter_batched_equals_plain_decoding(drafting, engines):
+    _, off = engines
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW), SamplingParams(temperature=0.0, max_new_tokens=25)]
+    for (ids, _), prompt, p in zip(_together(drafting, PROMPTS[:2], params), PROMPTS[:2], params):
+        assert ids == _reply(off, prompt, p)[0]

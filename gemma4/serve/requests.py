@@ -127,13 +127,16 @@ class Request:
     cached: int = 0
     # Speculative decoding (engine/speculation.py): the prompt-lookup index (built at first use),
     # the drafts offered and kept, the verify steps run, the decode steps since drafts were last
-    # checked, and how far a verify step wrote (its rejected drafts' positions: what a ring lost).
+    # checked, how far a verify step wrote (its rejected drafts' positions: what a ring lost), and
+    # the drafts the model's drafter made in the last verify step.
     lookup: Any = None
     drafts_offered: int = 0
     drafts_kept: int = 0
     verify_steps: int = 0
     drafts_skipped: int = 0
     written: int = 0
+    next_drafts: list[int] = dataclasses.field(default_factory=list)  # the drafter's, for position next_drafts_at
+    next_drafts_at: int = -1
 
     @property
     def prefilling(self) -> bool:

@@ -130,6 +130,7 @@ class ServingGeometry:
     # Speculative decoding (engine/speculation.py): the most drafted tokens a row checks in one verify
     # step (0: off; at most a ring's slack beyond its window: `draft_room`).
     draft_tokens: int = 0
+    drafter: bool = False  # the drafts come from the model's drafter, on the device (else prompt lookup)
 
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
@@ -225,7 +226,7 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
                      context: int | None, model_context: int, buckets: Sequence[int] | None,
                      full_layers_native: bool, mixed_step: bool, prefix_cache: bool = False, window: int = 0,
                      ring_slots: int = 0, full_layers_kernel: bool = False, ready_shapes: str = "auto",
-                     pack_prompts: int | None = None, draft_tokens: int = 0) -> ServingGeometry:
+                     pack_prompts: int | None = None, draft_tokens: int = 0, drafter: bool = False) -> ServingGeometry:
     """The one function that makes a `ServingGeometry`.
 
     platform, decode_block: the hardware plan's; mesh_data: the devices the cache's rows are split
@@ -243,7 +244,8 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
     chunks are packed); pack_prompts: the GEMMA4_PACK_PROMPTS setting (None: PACK_PROMPTS on an
     accelerator; never where several processes replay steps or the rows are split); draft_tokens:
     speculative decoding's drafts a row checks per verify step (0: off; never where several
-    processes replay steps, at most a ring's slack: `draft_room`)."""
+    processes replay steps, at most a ring's slack: `draft_room`); drafter: they come from the
+    model's drafter."""
     context_limit = context_window(context, model_context)
     accelerator = platform != "cpu"
     asked = pack_prompts if pack_prompts is not None else PACK_PROMPTS if accelerator else 1
@@ -275,12 +277,13 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
                            prefix_cache=bool(prefix_cache) and processes == 1, window=int(window),
                            ring_slots=int(ring_slots), smaller_stand_ins=accelerator, pack_prompts=pack,
                            users_at_ready=ready_shapes == "users" or (ready_shapes == "auto" and accelerator and pack > 1),
-                           draft_tokens=min(int(draft_tokens), draft_room(window, ring_slots, context_limit))
-                           if processes == 1 else 0)
+                           draft_tokens=min(int(draft_tokens), draft_room(window, ring_slots, context_limit, drafter))
+                           if processes == 1 else 0, drafter=bool(drafter) and processes == 1 and bool(draft_tokens))
 
 
-def draft_room(window: int, ring_slots: int, context_limit: int) -> int:
+def draft_room(window: int, ring_slots: int, context_limit: int, drafter: bool = False) -> int:
     """The most drafts a verify step may write: a sliding layer's ring holds its window and a
     slack (kv_cache.ring_slack); drafts beyond the slack would overwrite keys the kept tokens
-    still see. No sliding layer, or a ring as long as the context (it never wraps): no bound."""
-    return ring_slots - window if window and ring_slots < context_limit else 1 << 30
+    still see (a drafter sees one key more than the window: one draft fewer). No sliding layer,
+    or a ring as long as the context (it never wraps): no bound."""
+    return ring_slots - window - int(drafter) if window and ring_slots < context_limit else 1 << 30

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma4.model import decoder as M
+from gemma4.model import drafter as D
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower, iter_specs, leaf_name, param_specs,
@@ -37,6 +38,7 @@ from gemma4.serve import heap, prepared_store
 from gemma4.env import FOLDER_OFF, setting
 from gemma4.serve.engine.geometry import DEFAULT_CONTEXT, ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
+from gemma4.weights.drafter_checkpoint import load_drafter as read_drafter
 from gemma4.weights.leaf_format import LeafFormat
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -106,6 +108,7 @@ class LoadedModel:
     cache_shardings: Any
     tokenizer: TokenizerBuild | None  # None in a sketch (`sketch_params`)
     timings: dict[str, float]  # plan_s, weights_s, int8_matmul_s
+    drafter: tuple[Any, dict] | None = None  # (DrafterConfig, parameters): GEMMA4_DRAFTER (`load_drafter`)
 
     @property
     def context_limit(self) -> int:
@@ -223,9 +226,12 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
+    drafter = load_drafter(cfg, options.dtype)
+    if drafter is not None:  # small: whole on every device
+        drafter = drafter[0], jax.device_put(drafter[1], sharding.replicated(mesh))
     model = serving_model(source, cfg, params, plan, report, options, mesh, mesh_shape, max_batch=max_batch,
                           context=context, buckets=buckets, processes=processes, timings=timings,
-                          tok_spec=tok_spec)
+                          tok_spec=tok_spec, drafter=drafter)
     cache = model.new_cache()  # born split: no whole cache on one device
     return model, cache, pending
 
@@ -233,7 +239,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
 def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, plan: hardware.Plan, report: dict,
                   options: M.RunOptions, mesh: Any, mesh_shape: dict, *, max_batch: int, context: int | None,
                   buckets: tuple[int, ...] | None, processes: int, timings: dict,
-                  tok_spec: dict | None) -> LoadedModel:
+                  tok_spec: dict | None, drafter: tuple[Any, dict] | None = None) -> LoadedModel:
     """What the engine serves `params` with (loaded weights, or `sketch_params`' shapes): the
     roofline, the serving geometry, the KV cache's shape and placement (allocated by the caller:
     `new_cache()`), and the tokenizer, started on its own thread (none without `tok_spec`)."""
@@ -261,9 +267,9 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         full_layers_kernel=M.full_layers_read_in_kernel(options, plan.kv_cache.value),
         mixed_step=setting("GEMMA4_MIXED_STEP"), prefix_cache=setting("GEMMA4_PREFIX_CACHE"),
         ready_shapes=setting("GEMMA4_READY_SHAPES"), pack_prompts=setting("GEMMA4_PACK_PROMPTS"),
-        draft_tokens=draft_tokens_setting(),
+        draft_tokens=draft_tokens_setting(), drafter=drafter is not None,
         **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
-    report["speculation"] = speculation_report(geometry.draft_tokens, processes)
+    report["speculation"] = speculation_report(geometry.draft_tokens, processes, drafter[0].name if drafter else None)
     kv_format = plan.kv_cache.value
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,
                                     kv_format)
@@ -275,7 +281,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         source=source, cfg=cfg, params=params, options=options, plan=plan, report=report, mesh=mesh,
         mesh_shape=mesh_shape, kv_format=kv_format, encoder_dtype=encoder_dtype, decode_bytes=decode_bytes,
         roofline_tok_s=roofline_tok_s, geometry=geometry, new_cache=new_cache, cache_spec=cache_spec, cache_shardings=cache_sh,
-        tokenizer=tokenizer, timings=timings)
+        tokenizer=tokenizer, timings=timings, drafter=drafter)
 
 
 # Drafts a verify step checks per row unless GEMMA4_DRAFT_TOKENS says otherwise (engine/speculation.py).
@@ -290,8 +296,15 @@ def draft_tokens_setting() -> int:
     return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
 
 
-def speculation_report(drafts: int, processes: int) -> dict:
+def speculation_report(drafts: int, processes: int, drafter: str | None = None) -> dict:
     """What the Hardware panel says of speculative decoding: the choice and why."""
+    if drafts and drafter:
+        return {"mode": f"drafter {drafter}", "drafts_per_step": drafts,
+                "why": "after each step the model's own drafter (four small layers reading the model's KV cache) "
+                       "drafts the next tokens on the device, and the next step checks them with the model's "
+                       "last token, one read of the weights; the drafts the model agrees with are kept, so a "
+                       "reply is the one plain decoding gives (GEMMA4_DRAFTER picks it, GEMMA4_SPECULATE=off "
+                       "turns drafting off)"}
     if drafts:
         return {"mode": "prompt lookup", "drafts_per_step": drafts,
                 "why": "a reply's next tokens are drafted from its own prompt and reply where their last tokens "
@@ -459,3 +472,27 @@ def backfill_cache_access_times(path: str) -> None:
             if not os.path.exists(atime):
                 with open(atime, "wb") as f:
                     f.write(stamp)
+
+
+# ------------------------------------------------------------------------------ the drafter
+def load_drafter(cfg: ModelConfig, dtype: Any, spec: str | None = None) -> tuple[Any, dict] | None:
+    """The drafter GEMMA4_DRAFTER names for target `cfg` (speculative decoding: engine/speculation.py):
+    None (unset or off), "random" (random weights of the target's released drafter's geometry, or a
+    tiny one for a tiny target), a folder of the Hub layout, or a Hub id (downloaded). Returns
+    (DrafterConfig, parameters in `dtype`); a drafter that cannot draft for this target raises."""
+    spec = setting("GEMMA4_DRAFTER") if spec is None else spec
+    if not spec or spec.lower() in ("off", "none"):
+        return None
+    if spec.lower() == "random":
+        if cfg.family != "gemma4":
+            raise ValueError(f"no drafter exists for {cfg.name} (Gemma 4 models only); use GEMMA4_SPECULATE=lookup")
+        d = D.tiny_drafter(cfg) if cfg.name.startswith("tiny-") else next(
+            (D.preset(k) for k in D.RELEASED if D.preset(k).backbone_hidden_size == cfg.hidden_size), None)
+        if d is None:
+            d = D.drafter_for(cfg, **D.RELEASED["e2b"])
+        D.check_pair(d, cfg)
+        return d, D.random_params(d, seed=0, dtype=dtype)
+    folder = spec if Path(spec).expanduser().exists() else sources.download(spec)
+    d, params = read_drafter(str(Path(folder).expanduser()), dtype)
+    D.check_pair(d, cfg)
+    return d, params

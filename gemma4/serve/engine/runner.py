@@ -190,11 +190,13 @@ class Runner:
 
     def run_verify(self, key: VerifyKey, tokens, positions, sampling: SamplingRows, *,
                    idle: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """The verify step `key` (steps.verify_step): tokens/positions [width, drafts + 1]; returns
-        (tokens [width, drafts + 1], -1 past each row's kept ones; non-finite [width]). Never where
-        several processes replay steps (the geometry drafts nothing there)."""
+        """The verify step `key` (steps.verify_step, or with a drafter steps.verify_draft_step):
+        tokens/positions [width, drafts + 1]; returns (tokens [width, drafts + 1], -1 past each row's
+        kept ones, then with a drafter the next drafts [width, drafts]; non-finite [width]). Never
+        where several processes replay steps (the geometry drafts nothing there)."""
+        first = (self.model.params,) if self.model.drafter is None else (self.model.params, self.model.drafter[1])
         with self._call(DeviceCall(key, 0, idle=idle)) as exe:
-            token, bad, self.cache = exe(self.model.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+            token, bad, self.cache = exe(*first, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
                                          sampling.on_device())
         return np.asarray(token), np.asarray(bad)
 

@@ -86,6 +86,7 @@ class Scheduler:
         self._active: dict[int, Request] = {}
         self._stopped = False
         self._chunk_turn = True  # an iteration is [a fused step] or [a chunk, then a decode step]
+        self.drafting = True  # speculative decoding where the geometry drafts (benchmarks compare it off)
 
     # ---------------------------------------------------------------- intake (any thread)
     def submit(self, req: Request) -> None:
@@ -284,7 +285,8 @@ class Scheduler:
         every decoding row, with compiled shapes only (`decode_plan`); a row whose shape is not
         compiled yet waits for it alone."""
         active, decoding = self._rows()
-        verify = verify_plan(self.shapes, self.costs, active, decoding, context_limit=self.geometry.context_limit)
+        verify = verify_plan(self.shapes, self.costs, active, decoding, context_limit=self.geometry.context_limit
+                             ) if self.drafting else None
         if verify is not None:
             return verify
         plan, waiting = decode_plan(self.shapes, active, decoding, self._busy())
@@ -352,7 +354,7 @@ class Scheduler:
             if plan.measured:
                 self.costs.note(plan.key, seconds)
             note_verified(plan, tokens)
-            for j in range(tokens.shape[1]):  # each row's tokens in order, until it has none or it ended
+            for j in range(plan.key.drafts + 1):  # each row's tokens in order, until it has none or it ended
                 decoding = {row: r for row, r in self._still_active(plan.rows).items() if tokens[row, j] >= 0}
                 if not decoding:
                     break

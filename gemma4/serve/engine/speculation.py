@@ -7,7 +7,9 @@ the drafts the model itself would have produced, then one token of its own; a re
 one plain decoding gives (greedy or sampled with its seed). It pays where drafts are often right
 and the step of k + 1 tokens costs little more than one (decode is bound by reading the weights).
 
-Prompt lookup drafts for any model: where the last few tokens of the prompt and reply so far
+The model's own drafter (Gemma 4's assistants: gemma4.model.drafter), where one is loaded, drafts
+on the device inside each verify step for the next one (steps.verify_draft_step); the first verify
+step of a reply has no drafts yet and makes them. Else prompt lookup drafts, for any model: where the last few tokens of the prompt and reply so far
 occurred before, the tokens that followed them then are the draft (a reply quoting, editing or
 summarising its input repeats long runs of it). Rows with nothing to draft just decode; a verify
 step runs when, by the measured step costs and each row's record of kept drafts, it is expected to
@@ -74,6 +76,12 @@ def lookup_drafts(req: Request, k: int) -> list[int]:
     return req.lookup.propose(k)
 
 
+def drafter_drafts(req: Request, k: int) -> list[int]:
+    """Up to k of the drafts the drafter made for `req` in its last verify step, if they are for
+    its next position (a decode step since makes them stale)."""
+    return req.next_drafts[:k] if req.next_drafts_at == req.position else []
+
+
 def kept_rate(req: Request) -> float:
     """The share of `req`'s drafts kept so far (with the prior)."""
     return (req.drafts_kept + PRIOR_KEPT) / (req.drafts_offered + PRIOR_DRAFTED)
@@ -101,37 +109,44 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
     k = shapes.geometry.draft_tokens
     if not k or not decoding:
         return None
+    drafter = shapes.geometry.drafter
     drafts = {}
     for row, req in decoding.items():
         room = min(k, req.params.max_new_tokens - req.generated - 1, context_limit - req.position - 1)
-        proposed = lookup_drafts(req, room) if room > 0 else []
+        proposed = (drafter_drafts if drafter else lookup_drafts)(req, room) if room > 0 else []
         if proposed:
             drafts[row] = proposed
-    if not drafts:
+    if not drafts and not drafter:  # (a drafter's first verify step makes the drafts)
         return None
     need_w, need_n = max(decoding) + 1, max(r.position + len(drafts.get(row, ())) for row, r in decoding.items()) + 1
     key = shapes.verify_key(need_w, need_n)
     if key is None:
         return None
-    expected = sum(expected_tokens(kept_rate(r), len(drafts.get(row, ()))) for row, r in decoding.items())
+    # with a drafter every row has k drafts from the next step on: what a verify step now starts
+    expected = sum(expected_tokens(kept_rate(r), k if drafter else len(drafts.get(row, ())))
+                   for row, r in decoding.items())
     probe = False
-    for row in drafts:
+    for row in (decoding if drafter else drafts):
         decoding[row].drafts_skipped += 1
         probe |= decoding[row].drafts_skipped >= PROBE_EVERY
     decode_key = shapes.geometry.decode_key(need_w, max(r.position for r in decoding.values()) + 1)
     if not probe and not verify_pays(expected, len(decoding), costs.step.get(decode_key), costs.step.get(key)):
         return None
-    for row in drafts:
+    for row in decoding:
         decoding[row].drafts_skipped = 0
     return verify_step(key, dict(decoding), drafts, dict(active), shapes.book.has_run(key))
 
 
 def note_verified(plan: VerifyStep, tokens) -> None:
     """Each row's record: the drafts it offered and how many were kept (tokens [width, k + 1],
-    -1 past a row's kept drafts and the target's own token)."""
+    -1 past a row's kept drafts and the target's own token; with a drafter, then its drafts for
+    the row's next step, kept on the request for it)."""
+    k = plan.key.drafts
     for row, req in plan.rows.items():
         offered = len(plan.drafts.get(row, ()))
-        kept = int((tokens[row] >= 0).sum()) - 1
+        kept = int((tokens[row, :k + 1] >= 0).sum()) - 1
+        if tokens.shape[1] > k + 1:
+            req.next_drafts, req.next_drafts_at = [int(t) for t in tokens[row, k + 1:]], req.position + kept + 1
         req.drafts_offered += offered
         req.drafts_kept += min(kept, offered)
         req.verify_steps += 1

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.model import decoder as M
+from gemma4.model import drafter
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows, advance_rows, sample_rows
@@ -158,6 +159,32 @@ def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, wid
     Returns (tokens [width, drafts + 1]: each row's kept drafts and then the token drawn after
     them, -1 past those; non-finite flags [width]) and the cache. Full layers read [0, kv_len)."""
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0)
+    out, kept, bad = _verify(logits, tokens, positions, sampling, drafts)
+    return out, bad, kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+
+
+def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cfg, options, width, kv_len, drafts,
+                      dcfg):
+    """`verify_step`, then the next step's drafts from the model's drafter (gemma4.model.drafter,
+    config `dcfg`): from each row's next token (the one drawn after its kept drafts), the model's
+    final-normalised state at the position before it and the cache as it now holds the row, k
+    greedy drafts. Returns (tokens [width, 2·drafts + 1]: `verify_step`'s, then the next drafts
+    (an idle row's meaningless); non-finite flags [width]) and the cache."""
+    logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
+                                      cache_row=0, return_hidden=True)
+    out, kept, bad = _verify(logits, tokens, positions, sampling, drafts)
+    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+    state = jnp.take_along_axis(M.final_norm(params, cfg, hidden[-1]), kept[:, None, None], axis=1)[:, 0]
+    token = jnp.take_along_axis(out, kept[:, None], axis=1)[:, 0]
+    nxt, _ = drafter.draft_tokens(dparams, dcfg, params, cfg, jnp.maximum(token, 0), state,
+                                  jnp.maximum(positions[:, 0] + kept + 1, 0), cache, drafts, 0, dtype=options.dtype,
+                                  kv_len=kv_len)
+    return jnp.concatenate([out, nxt], axis=1), bad, cache
+
+
+def _verify(logits, tokens, positions, sampling, drafts):
+    """`verify_step`'s rule on logits [width, drafts + 1, V]: (tokens, -1 past each row's kept
+    ones; drafts kept per row; non-finite flags over the positions kept)."""
     rows, drawn = sampling, []
     for j in range(drafts + 1):
         drawn.append(sample_rows(logits[:, j], rows))
@@ -165,11 +192,10 @@ def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, wid
             rows = advance_rows(rows, tokens[:, j + 1])
     drawn = jnp.stack(drawn, axis=1)  # [width, drafts + 1]
     agree = (tokens[:, 1:] == drawn[:, :-1]) & (positions[:, 1:] >= 0)
-    kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)  # drafts kept per row
-    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+    kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
     upto = jnp.arange(drafts + 1)[None, :] <= kept[:, None]
     bad = jnp.any(~jnp.all(jnp.isfinite(logits), axis=-1) & upto, axis=1)
-    return jnp.where(upto, drawn, -1), bad, cache
+    return jnp.where(upto, drawn, -1), kept, bad
 
 
 def copy_prefix_step(cache, source, row, length, *, cfg, options):
@@ -200,8 +226,11 @@ def program_parts(model: LoadedModel) -> tuple:
     """Everything of a loaded model a compiled step is made from, beside the code and the platform
     (executable_store.make_key adds those, and the shape key): every argument of the jitted
     steps' partials and of the lowerings (the towers' too) derives from these."""
+    drafter_parts = () if model.drafter is None else (repr(model.drafter[0]),
+                                                      executable_store.tree_signature(model.drafter[1]))
     return (repr(model.cfg), repr(model.options), executable_store.tree_signature(model.params),
-            executable_store.tree_signature(model.cache_spec), str(model.encoder_dtype), model.decode_block)
+            executable_store.tree_signature(model.cache_spec), str(model.encoder_dtype), model.decode_block
+            ) + drafter_parts
 
 
 class StepPrograms:
@@ -249,9 +278,15 @@ class StepPrograms:
         self.mixed = {(w, n): jax.jit(named(mixed_step, width=w, kv_len=n),
                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                       for w in model.geometry.mixed_widths for n in model.geometry.kv_lengths}
-        self.verify = {(w, n): jax.jit(named(verify_step, width=w, kv_len=n, drafts=model.geometry.draft_tokens),
-                                       in_shardings=(param_sh, cache_sh, rep, rep, rep), **step)
-                       for w in model.geometry.widths for n in model.geometry.kv_lengths} if model.geometry.draft_tokens else {}
+        # speculative decoding's verify step, with the drafter's next drafts where it has one
+        k, dr = model.geometry.draft_tokens, model.drafter
+        self.verify = {} if not k else {
+            (w, n): jax.jit(named(verify_step, width=w, kv_len=n, drafts=k),
+                            in_shardings=(param_sh, cache_sh, rep, rep, rep), **step) if dr is None else
+            jax.jit(named(verify_draft_step, width=w, kv_len=n, drafts=k, dcfg=dr[0]),
+                    in_shardings=(param_sh, rep, cache_sh, rep, rep, rep), donate_argnums=(2,),
+                    out_shardings=(rep, rep, cache_sh))
+            for w in model.geometry.widths for n in model.geometry.kv_lengths}
         self.copy = jax.jit(named(copy_prefix_step), in_shardings=(cache_sh, rep, rep, rep), donate_argnums=(0,),
                             out_shardings=cache_sh)
 
@@ -277,7 +312,8 @@ class StepPrograms:
         w = key.width
         if isinstance(key, VerifyKey):
             t = key.drafts + 1
-            return self.verify[w, key.kv_len].lower(params, cache, i32(w, t), i32(w, t), SamplingRows.spec(w))
+            first = (params,) if self.model.drafter is None else (params, self.model.drafter[1])
+            return self.verify[w, key.kv_len].lower(*first, cache, i32(w, t), i32(w, t), SamplingRows.spec(w))
         if isinstance(key, MixedKey):
             return self.mixed[w, key.kv_len].lower(params, cache, i32(MIXED_CHUNK + w), i32(MIXED_CHUNK + w), i32(),
                                                    i32(), i32(), SamplingRows.spec(w + 1))
