@@ -45,6 +45,17 @@ def test_expected_tokens_and_the_pay_rule():
     assert not S.verify_pays(1.2, 1, 0.010, 0.015)  # 80 vs 100
 
 
+def test_stats_reach_the_api_usage_and_the_reply_panel():
+    from gemma4.ui import reply
+    from gemma4.web.api import usage
+
+    stats = {"prefill_tokens": 10, "new_tokens": 20, "speculation": {"drafted": 12, "accepted": 9, "verify_steps": 5}}
+    assert usage(stats)["completion_tokens_details"] == {"accepted_prediction_tokens": 9,
+                                                         "rejected_prediction_tokens": 3}
+    assert "9 of 12 drafted tokens accepted (75%) in 5 verify steps" in reply.stats_details(stats, None)
+    assert "completion_tokens_details" not in usage({"new_tokens": 3})
+
+
 # ------------------------------------------------------------------------------ on an engine
 
 NEW = 40
@@ -200,3 +211,36 @@ def test_drafter_batched_equals_plain_decoding(drafting, engines):
     params = [SamplingParams(temperature=0.0, max_new_tokens=NEW), SamplingParams(temperature=0.0, max_new_tokens=25)]
     for (ids, _), prompt, p in zip(_together(drafting, PROMPTS[:2], params), PROMPTS[:2], params):
         assert ids == _reply(off, prompt, p)[0]
+
+
+def test_a_scripted_reply_leaves_the_cache_as_plain_decoding_does(engines):
+    """An observer that hands out other tokens (tests/scripted.py's way) cuts a verify step's round
+    there: the cache holds the handed-out tokens, so a prompt that continues the reply (its start
+    reused from the cache: the prefix cache) gets the continuation plain decoding gives."""
+    from tests.scripted import scripted
+
+    on, off = engines
+    prompt, script = PROMPTS[0], PATTERN * 3
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=len(script))
+    for eng in engines:
+        with scripted(eng, script, then="model") as s:
+            ids, stats = _reply(eng, prompt, greedy)
+        assert ids == script and s.used == 1
+        if eng is on:
+            assert _checked(stats)[0] > 0  # drafts from the scripted pattern were checked
+    follow = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    ids, stats = _reply(on, prompt + script, follow)
+    assert stats.get("cached_tokens", 0) > len(prompt)  # the reply's positions came from the cache
+    on.scheduler.prefixes.forget_all()
+    assert ids == _reply(off, prompt + script, follow)[0]
+
+
+def test_with_an_image_in_the_prompt(engines):
+    from tests.test_vision_serve import ask, png
+
+    on, off = engines
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
+    out_on = conversation.generate(on, ask(png(64, 48), "Say it again and again."), greedy)
+    out_off = conversation.generate(off, ask(png(64, 48), "Say it again and again."), greedy)
+    assert out_on["stats"]["media"] and out_on["token_ids"] == out_off["token_ids"]
+    assert (out_on["stats"].get("speculation") or {}).get("verify_steps", 0) > 0

@@ -139,6 +139,11 @@ def usage(stats: dict) -> dict:
         out["prompt_tokens_details"] = {"cached_tokens": int(stats["cached_tokens"])}
     if stats.get("thought_tokens") is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": int(stats["thought_tokens"])}
+    spec = stats.get("speculation")
+    if spec:  # drafted tokens, as OpenAI reports a predicted output's
+        accepted, drafted = int(spec.get("accepted") or 0), int(spec.get("drafted") or 0)
+        out.setdefault("completion_tokens_details", {}).update(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted)
     return out
 
 

@@ -354,11 +354,14 @@ class Scheduler:
             if plan.measured:
                 self.costs.note(plan.key, seconds)
             note_verified(plan, tokens)
+            decoding = dict(plan.rows)
             for j in range(plan.key.drafts + 1):  # each row's tokens in order, until it has none or it ended
-                decoding = {row: r for row, r in self._still_active(plan.rows).items() if tokens[row, j] >= 0}
+                decoding = {row: r for row, r in self._still_active(decoding).items() if tokens[row, j] >= 0}
                 if not decoding:
                     break
                 self._decoded(plan.active if j == 0 else {}, decoding, tokens[:, j], nonfinite, now)
+                # an observer that handed out another token ends the row's round: the rest followed the drawn one
+                decoding = {row: r for row, r in decoding.items() if r.recent[-1:] == [int(tokens[row, j])]}
         elif isinstance(plan, PrefixCopy):
             req = plan.request
             req.prefilled = req.cached = plan.length

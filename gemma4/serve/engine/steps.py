@@ -154,10 +154,12 @@ def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, wid
     drafted token this is the rejection rule with the draft as the proposal (kept with the
     target's probability of it; on rejection, the target's draw conditioned on not being it), and
     more: a reply is the very one plain decoding gives for its seed. The cache forgets the
-    positions after the kept ones (`kv_cache.drop_after`).
+    positions after the kept ones (`kv_cache.drop_after`), and first any a row holds from its
+    last token's position on (a round an observer cut short left some: scheduler.apply).
 
     Returns (tokens [width, drafts + 1]: each row's kept drafts and then the token drawn after
     them, -1 past those; non-finite flags [width]) and the cache. Full layers read [0, kv_len)."""
+    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0)
     out, kept, bad = _verify(logits, tokens, positions, sampling, drafts)
     return out, bad, kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
@@ -170,6 +172,7 @@ def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cf
     final-normalised state at the position before it and the cache as it now holds the row, k
     greedy drafts. Returns (tokens [width, 2·drafts + 1]: `verify_step`'s, then the next drafts
     (an idle row's meaningless); non-finite flags [width]) and the cache."""
+    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
     logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
                                       cache_row=0, return_hidden=True)
     out, kept, bad = _verify(logits, tokens, positions, sampling, drafts)
