@@ -1074,7 +1074,8 @@ def summary(report: dict) -> dict:
             s["batch64"] = {k: row["batch"].get(k) for k in ("aggregate_tok_s", "steady_tok_s", "rows_done")}
     app = parts.get("app") or {}
     if app:
-        s["app"] = {k: app.get(k) for k in ("model", "app_env", "ok", "checks", "engine_ready_s", "error", "skipped")}
+        s["app"] = {k: app.get(k) for k in ("model", "app_env", "ok", "checks", "engine_ready_s", "error", "failures",
+                                            "skipped")}
         s["engine_ready_cold_s"] = app.get("engine_ready_s")
     warm = (parts.get("engine") or {}).get("warm") or {}
     if warm:
@@ -1146,10 +1147,11 @@ def summary_12b(parts: dict) -> dict:
     if is_12b(app.get("model")):
         checks = app.get("checks") or {}
         out["app"] = {"ok": app.get("ok"), "image_ok": checks.get("image_reply"), "audio_ok": checks.get("audio_reply"),
+                      "hardware_panel_ok": checks.get("hardware_panel"),
                       "image_soft_tokens": (app.get("image") or {}).get("soft_tokens"),
                       "audio_soft_tokens": (app.get("audio") or {}).get("soft_tokens"),
                       "engine_ready_s": app.get("engine_ready_s"), "app_env": app.get("app_env"),
-                      "error": app.get("error")}
+                      "error": app.get("error"), "failures": app.get("failures")}
     return out
 
 

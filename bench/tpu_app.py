@@ -23,7 +23,11 @@ here (a 16 kHz mono WAV, what the 🎙 button uploads); a model that cannot hear
 as one that cannot see fails the image's.
 
 `run_app_check` never raises: any exception, a refusal shown in the chat, or the time limit
-running out is returned as "error" in the dict, with the figures gathered up to then.
+running out is returned as "error" in the dict, with the figures gathered up to then. A reply
+that fails (a notice in the chat, an exception in its handlers) does not end the check: its step
+and message go to "failures", the first also to "error", and the next steps run (the other
+replies, the Hardware tab), so one failure hides no other check. An engine that never gets
+ready, or the time running out, ends it.
 """
 
 from __future__ import annotations
@@ -141,6 +145,24 @@ class _Check:
     def step(self, name: str) -> None:
         self.out["step"] = name
 
+    def fail(self, message: str, trace: str) -> None:
+        """A failed step: under "failures" by its step, the first also as "error" (with its traceback)."""
+        self.out.setdefault("failures", {})[self.out.get("step") or "?"] = message
+        if "error" not in self.out:
+            self.out["error"], self.out["traceback"] = message, trace[-3000:]
+
+    def attempt(self, fn) -> bool:
+        """Run one reply's step; a failure is recorded (`fail`) and the check goes on. Running out
+        of time is not a step's failure: it ends the check."""
+        try:
+            fn()
+            return True
+        except TimeoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one reply's failure is a result
+            self.fail(f"{type(e).__name__}: {e}", traceback.format_exc())
+            return False
+
     def run(self) -> None:
         out = self.out
         self.step("settings")
@@ -205,19 +227,25 @@ class _Check:
         replies = out["replies"] = []
         for k, text in enumerate(CHAT_TEXTS):
             self.step(f"chat reply {k + 1}")
-            history, session, row = self.turn(app, history, session, {"text": text, "files": []})
-            row["kind"] = "chat"
-            replies.append(row)
+
+            def chat(text=text) -> None:
+                nonlocal history, session
+                history, session, row = self.turn(app, history, session, {"text": text, "files": []})
+                row["kind"] = "chat"
+                replies.append(row)
+
+            if not self.attempt(chat):
+                break  # the next message would continue a conversation that lacks this reply
 
         # 5. A picture, then a recording, each in a new chat.
         vision, why = app.media_support()
         out["vision"] = {"supported": bool(vision), "reason": why}
         if vision:
-            out["image"] = self.media_turn(app, "image", IMAGE_TEXT, lambda tmp: _picture(tmp / "scene.png"))
+            self.attempt(lambda: self.media_turn(app, "image", IMAGE_TEXT, lambda tmp: _picture(tmp / "scene.png")))
         hears, why = app.audio_support()
         out["hearing"] = {"supported": bool(hears), "reason": why}
         if hears:
-            out["audio"] = self.media_turn(app, "audio", AUDIO_TEXT, lambda tmp: _tone(tmp / "audio.wav"))
+            self.attempt(lambda: self.media_turn(app, "audio", AUDIO_TEXT, lambda tmp: _tone(tmp / "audio.wav")))
 
         # 6. The Hardware tab.
         self.step("hardware panel")
@@ -226,9 +254,9 @@ class _Check:
         out["hardware_panel"]["memory"] = _plain(mem_md.split("\n\n")[0]) if mem_md else None
         self.step("done")
 
-    def media_turn(self, app: Any, kind: str, text: str, make_file) -> dict:
+    def media_turn(self, app: Any, kind: str, text: str, make_file) -> None:
         """One message with a file made by `make_file(folder)` in a new chat; the reply is added to
-        out["replies"], its media's figures (soft tokens, encode time, the panel's row) returned."""
+        out["replies"], its media's figures (soft tokens, encode time, the panel's row) as out[kind]."""
         self.step(f"{kind} reply")
         with tempfile.TemporaryDirectory() as tmp:
             path = make_file(Path(tmp))
@@ -236,9 +264,9 @@ class _Check:
         row["kind"] = kind
         self.out["replies"].append(row)
         media = (row.pop("media", None) or [{}])[0]
-        return {"soft_tokens": media.get("soft_tokens"), "encode_s": media.get("encode_s"),
-                "seconds": media.get("seconds"), "compiled_tower": media.get("compiled"),
-                "cached": media.get("cached"), "panel_row": row.get("panel", {}).get("Media")}
+        self.out[kind] = {"soft_tokens": media.get("soft_tokens"), "encode_s": media.get("encode_s"),
+                          "seconds": media.get("seconds"), "compiled_tower": media.get("compiled"),
+                          "cached": media.get("cached"), "panel_row": row.get("panel", {}).get("Media")}
 
     def turn(self, app: Any, history: list, session: dict, message: dict) -> tuple[list, dict, dict]:
         """One message through the Send button's chain; the reply's figures."""
@@ -321,7 +349,8 @@ def run_app_check(model: str = "random:e2b", timeout: float = 300, environ: dict
     this process's environment, as in the app). Returns the figures ("ok", "engine_ready_s",
     "replies" with per-reply TTFT and tok/s, "image" and "audio" with their soft tokens and encode
     times, "hardware_panel" with the device and dtype as the page renders them, ...), and "error"
-    (with "step") instead of raising. The engine is closed at the end."""
+    (the first failure) with "failures" ({step: message}: a failed reply does not stop the steps
+    after it) instead of raising. The engine is closed at the end."""
     out: dict[str, Any] = {"model": model, "timeout_s": timeout, "app_env": dict(environ or {})}
     check = _Check(model, timeout, out, dict(environ or {}))
 
@@ -329,8 +358,7 @@ def run_app_check(model: str = "random:e2b", timeout: float = 300, environ: dict
         try:
             check.run()
         except BaseException as e:  # noqa: BLE001 - returned, never raised
-            out["error"] = f"{type(e).__name__}: {e}"
-            out["traceback"] = traceback.format_exc()[-3000:]
+            check.fail(f"{type(e).__name__}: {e}", traceback.format_exc())
 
     worker = threading.Thread(target=body, name="tpu-app-check", daemon=True)
     worker.start()

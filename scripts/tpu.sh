@@ -16,6 +16,10 @@ WHEELS=.whl-tpu
 # GGUF reading) and the app's UI (gradio and what it needs that the machine's index lacks).
 ENGINE_PKGS="soxr==1.1.0 pillow==12.3.0 gguf==0.19.0 sentencepiece==0.2.3 pyyaml==6.0.4 protobuf==7.36.2
 tokenizers==0.23.3 psutil==7.2.2 filelock==4.3.2"
+# Not carried: PyAV (av 18.1.0, 35.8 MB with FFmpeg inside) would take the wheels past the 64 MiB a
+# run carries. The app check's clip is a PCM WAV, which gemma4.media.audio reads with Python's
+# `wave`; PyAV (any version) is tried from the machine's index below, where it may be missing
+# (then audio other than PCM WAV is refused with a message saying so, and video fails).
 # The app's UI: gradio (requirements.txt's version) and the wheels it needs that the machine's
 # package index lacks (31.5 MB, almost all of it gradio's built front end).
 APP_PKGS="gradio==6.31.0 gradio_client==2.7.2 hf-gradio==0.4.1 safehttpx==0.1.7 groovy==0.1.2"
@@ -61,6 +65,9 @@ if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     failed=""
     for p in $APP_INDEX_PKGS; do index_install "$p" || failed="$failed $p"; done
     [ -z "$failed" ] || echo "[tpu] not installed from $INDEX_URL:$failed (the app may not import)" >&2
+  fi
+  if [ -d "${INDEX_URL#file://}" ] && ! index_install av 2>/dev/null; then
+    echo "[tpu] no PyAV in $INDEX_URL: the app decodes PCM WAV audio only (no other audio, no video)" >&2
   fi
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/tpu-site"
 else

@@ -366,9 +366,10 @@ def test_greedy_continuation_matches_generate(case, tmp_path_factory):
 
 @pytest.mark.parametrize("rate,channels", [(44_100, 2), (22_050, 1)])
 def test_greedy_from_a_file_matches_generate(rate, channels, tmp_path, tmp_path_factory):
-    """From a WAV file to greedy ids: our decode (PyAV, channels averaged, soxr HQ to 16 kHz) gives
-    the samples transformers' `load_audio(backend="soundfile")` gives, bit for bit, and the clip's
-    greedy continuation equals `generate`'s — a clip that needs resampling, and a two-channel one."""
+    """From a WAV file to greedy ids: our decode (a PCM WAV read by `wave`, channels averaged, soxr
+    HQ to 16 kHz) gives the samples transformers' `load_audio(backend="soundfile")` gives, bit for
+    bit, and the clip's greedy continuation equals `generate`'s — a clip that needs resampling,
+    and a two-channel one."""
     import soundfile
     from transformers.audio_utils import load_audio
 

@@ -722,6 +722,79 @@ def test_a_clip_is_transformers_load_audio_with_soundfile(fmt, subtype, rate, tm
     assert np.array_equal(audio_features(clip.samples).features, ref_features)
 
 
+# A plain PCM WAV is read with Python's `wave` (no PyAV); anything else goes to PyAV.
+WAV_CASES = [(sub, ch, rate) for sub in ("PCM_16", "PCM_24", "PCM_32", "PCM_U8") for ch, rate in
+             ((1, 16_000), (2, 44_100), (3, 22_050))]
+
+
+@pytest.mark.parametrize("subtype,channels,rate", WAV_CASES)
+def test_a_pcm_wav_is_read_without_pyav_as_pyav_reads_it(subtype, channels, rate):
+    """`wav_samples` (Python's `wave`) gives PyAV's samples bit for bit, for every integer width
+    and 1 to 3 channels (3: libsndfile's extensible header)."""
+    import soundfile
+
+    from gemma4.media.audio import wav_samples
+
+    tones = _tones(rate, 0.7, channels=channels).T * 0.9
+    tones[:3] = [[1.0] * channels, [-1.0] * channels, [0.0] * channels]  # the extremes of each width
+    buf = io.BytesIO()
+    soundfile.write(buf, tones, rate, format="WAV", subtype=subtype)
+    samples, got_rate, frames = wav_samples(buf.getvalue())
+    ref = _planar_samples(buf.getvalue())
+    assert (got_rate, frames) == (rate, ref.shape[1]) and samples.dtype == np.float32
+    assert np.array_equal(samples.view(np.uint32), ref.view(np.uint32))
+
+
+def test_what_wave_does_not_read_goes_to_pyav():
+    import soundfile
+
+    from gemma4.media.audio import wav_samples
+
+    buf = io.BytesIO()
+    soundfile.write(buf, _tones(22_050, 0.5).T, 22_050, format="WAV", subtype="FLOAT")
+    assert wav_samples(buf.getvalue()) is None  # float WAV: PyAV's
+    assert wav_samples(_audio_file(_tones(16_000, 0.5), 16_000, "flac", "flac")) is None
+    assert wav_samples(b"RIFF\x00\x00\x00\x00WAVEjunkjunk") is None
+    clip = decode_audio(buf.getvalue(), name="f.wav")
+    assert clip.channels == 1 and len(clip.samples) == -(-11_025 * 16_000 // 22_050)
+
+
+@pytest.mark.parametrize("rate,channels,seconds", [(16_000, 1, 2.0), (44_100, 2, 1.3), (8_000, 1, 0.4),
+                                                   (22_050, 1, 40.0)])
+def test_a_wav_clip_is_the_same_without_pyav(rate, channels, seconds, monkeypatch):
+    """decode_audio on a PCM WAV: the same clip (samples, notes) by `wave` as by PyAV, and with
+    PyAV not importable at all (a server without it); other audio is then a clear error."""
+    import sys
+
+    from gemma4.media import audio
+
+    data = _audio_file(_tones(rate, seconds, channels=channels), rate)
+    ours = decode_audio(data, name="talk.wav")
+    with monkeypatch.context() as m:
+        m.setattr(audio, "wav_samples", lambda *a, **k: None)  # PyAV's path
+        theirs = decode_audio(data, name="talk.wav")
+    assert np.array_equal(ours.samples.view(np.uint32), theirs.samples.view(np.uint32))
+    assert (ours.source_rate, ours.channels, ours.notes) == (theirs.source_rate, theirs.channels, theirs.notes)
+    assert ours.notes == ([] if seconds < 30 else ["'talk.wav' is 40.0 s long; the model hears the first 30 s"])
+    monkeypatch.setitem(sys.modules, "av", None)
+    assert np.array_equal(decode_audio(data, name="talk.wav").samples, ours.samples)
+    msg = _error(decode_audio, _audio_file(_tones(16_000, 0.5), 16_000, "flac", "flac"), name="a.flac")
+    assert "'a.flac' is not a plain PCM WAV" in msg and "PyAV is not installed" in msg
+
+
+def test_a_wav_cut_short_decodes_what_it_holds_and_limits_apply():
+    data = _audio_file(_tones(16_000, 1.0), 16_000)
+    cut = decode_audio(data[: len(data) - 16_000], name="cut.wav")  # half a second of its frames gone
+    assert len(cut.samples) == 8_000 and cut.notes == []
+    long = _audio_file(_tones(16_000, 3.0), 16_000)
+    msg = _error(decode_audio, long, name="long.wav", limits=MediaLimits(audio_seconds=2))
+    assert "'long.wav' is 3 s long; audio may be at most 2 s (GEMMA4_MAX_AUDIO_SECONDS)" in msg
+    from tests.media_files import _wav_data
+
+    empty = _wav_data(np.zeros((0, 1), "<i2"), 16_000)
+    assert "has no audio samples" in _error(decode_audio, empty, name="e.wav")
+
+
 def test_a_long_clip_is_cut_to_30_seconds_with_a_note():
     data = _audio_file(np.zeros((1, 16_000 * 31)), 16_000)
     clip = decode_audio(data, name="talk.wav")

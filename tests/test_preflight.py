@@ -156,6 +156,26 @@ def test_the_12b_on_one_v5e_and_on_a_16_gb_cpu():
     assert report["message"].endswith("int4 on one CPU at 10.7 GiB")
 
 
+def test_a_refusal_needs_no_flax(monkeypatch):
+    """The chip machine has no flax: the 12B bf16 refusal on one v5e (whose suggestions count the
+    bytes of a tensor=2 mesh) must not import it. Only a mesh that is built does (issue 45's run
+    reported "No module named 'flax'" in place of the refusal)."""
+    from gemma4.model import partitioning
+
+    def no_flax(*_a, **_k):
+        raise ModuleNotFoundError("No module named 'flax'")
+
+    monkeypatch.setattr(partitioning, "flax_spec", no_flax)
+    for name in [m for m in sys.modules if m == "flax" or m.startswith("flax.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "flax", None)
+    with pytest.raises(PD.PreflightError) as e:
+        P.choose_mesh(preset("12b"), _plan("none", "tpu"), PD.simulated_devices("v5e"), 1024, 1)
+    msg = str(e.value)
+    assert "1 × TPU v5e (14.7 GiB usable each) does not fit" in msg
+    assert "tensor=2 over 2 × TPU v5e" in msg and "int8 on one TPU v5e" in msg
+
+
 def test_memory_fraction_settings(monkeypatch):
     base = PD.simulated_devices("l4").usable_bytes
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

@@ -95,6 +95,32 @@ def test_rule_table_rejects_a_mesh_axis_used_twice():
         sharding.check_rules((("vocab", "model"),), axes)
 
 
+def test_counting_spec_is_flax_spec_without_flax():
+    """`rule_spec` (the pre-flight's byte counting, no flax) gives flax's `logical_to_mesh_axes`
+    on every array of every preset, and on tables where precedence and a used mesh axis matter."""
+    from gemma4.model.config import PRESETS
+
+    axes_sets = {tuple(a) for name in PRESETS for a in sharding.all_axes(preset(name))}
+    assert len(axes_sets) > 10
+    for axes in axes_sets:
+        assert partitioning.rule_spec(axes) == partitioning.flax_spec(axes), axes
+    tables = [
+        (("batch", "data"), ("mlp", "data"), ("mlp", "tensor"), ("vocab", None), ("vocab", "tensor")),
+        (("mlp", ("data", "tensor")), ("batch", "data"), ("batch", "expert")),
+        (("embed", None), ("embed", "tensor"), ("q_heads", "tensor")),
+    ]
+    for rules in tables:
+        for axes in [("batch", "mlp"), ("mlp", "batch"), ("vocab", "embed"), ("batch", None, "mlp"),
+                     ("embed", "q_heads"), ("q_heads", "vocab", "batch"), (None, None)]:
+            assert partitioning.rule_spec(axes, rules) == partitioning.flax_spec(axes, rules), (rules, axes)
+    with pytest.raises(ValueError, match="more than once"):
+        partitioning.rule_spec(("mlp", "mlp"))
+    sizes = {"data": 2, "tensor": 4, "expert": 1}
+    for axes in axes_sets:
+        shape = tuple(8 for _ in axes)
+        assert partitioning.count_spec(axes, shape, sizes) == partitioning.mesh_spec(axes, shape, sizes)
+
+
 def test_bytes_per_device_follow_the_rules():
     # E2B, int8: the tensor split divides everything but the replicated K/V (1 KV head) and norms.
     cfg = preset("e2b")

@@ -106,6 +106,39 @@ def test_the_summary_gathers_the_12b_figures():
     assert "12b" not in tpu.summary({"parts": {"decode": {"configs": [e2b]}, "app": dict(app, model="random:e2b")}})
 
 
+def test_a_failed_reply_does_not_end_the_app_check():
+    """One reply's failure is recorded under its step (the first also as "error") and the next
+    steps still run; running out of time ends the check."""
+    from bench.tpu_app import _Check
+
+    out: dict = {}
+    check = _Check("random:tiny-12b", 60, out, {})
+    ran = []
+
+    def notice() -> None:
+        raise RuntimeError("the chat shows a notice instead of a reply: No module named 'av'")
+
+    check.step("audio reply")
+    assert check.attempt(notice) is False
+    check.step("hardware panel")
+    assert check.attempt(lambda: ran.append("hardware")) is True and ran == ["hardware"]
+    check.step("image reply")
+    assert check.attempt(lambda: 1 / 0) is False
+    assert out["failures"] == {"audio reply": "RuntimeError: the chat shows a notice instead of a reply: "
+                                              "No module named 'av'",
+                               "image reply": "ZeroDivisionError: division by zero"}
+    assert out["error"].startswith("RuntimeError: the chat shows a notice") and "notice" in out["traceback"]
+
+    def late() -> None:
+        raise TimeoutError("the reply was still streaming when the time ran out")
+
+    with pytest.raises(TimeoutError):
+        check.attempt(late)
+    unified = tpu.summary_12b({"app": {"model": "random:12b", "ok": False, "failures": out["failures"],
+                                       "checks": {"audio_reply": False, "hardware_panel": True}}})
+    assert unified["app"]["hardware_panel_ok"] is True and unified["app"]["failures"] == out["failures"]
+
+
 @pytest.mark.slow
 def test_the_app_part_replies_to_audio_with_the_settings_given(tmp_path):
     """The app part on tiny 12B geometry (encoder-free image and audio), 2 rows by --app-env: the

@@ -2,8 +2,11 @@
 loads them, and the log-mel features its `Gemma4AudioFeatureExtractor` computes from them, bit
 for bit, in numpy.
 
-Decoding (`decode_audio`): PyAV (FFmpeg) decodes the first audio stream of any file it reads
-(WAV, FLAC, OGG, MP3, M4A, and the audio track of a video, in one wheel); integer samples become
+Decoding (`decode_audio`): a plain PCM WAV (8/16/24/32-bit integers: what a browser's recording
+and most tools write) is read with Python's `wave` module, without PyAV, to the same samples PyAV
+gives (checked in tests/test_media.py); PyAV (FFmpeg) decodes every other file, the first audio
+stream of any file it reads (WAV of other formats, FLAC, OGG, MP3, M4A, and the audio track of a
+video, in one wheel; a server without PyAV answers those with a MediaError); integer samples become
 float32 as libsndfile makes them (x / 2^15 for 16-bit, x / 2^31 for 24- and 32-bit, (x − 128) /
 128 for 8-bit); the channels are averaged (float32 `mean` over channels, as transformers' loader
 does); a rate other than 16 kHz is resampled with soxr's HQ filter (`soxr.resample(x, rate,
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import io
 import math
+import wave
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,14 +127,56 @@ def planar_float(frame) -> np.ndarray:
     return raw.astype(np.float32) * np.float32(_INT_SCALE[name])
 
 
+def wav_samples(data: bytes, max_seconds: int | None = None) -> tuple[np.ndarray, int, int] | None:
+    """A plain PCM WAV read with Python's `wave` module: ([channels, n] float32 scaled as
+    `planar_float` scales PyAV's samples, the rate, the frames its header states), the first
+    `max_seconds` only; None for anything `wave` does not read (float or extensible WAV, other
+    containers, a damaged header): PyAV's to decode. 24-bit samples become 32-bit ones shifted by
+    8 bits, as FFmpeg decodes them, so every sample equals PyAV's bit for bit."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    try:
+        with wave.open(io.BytesIO(data), "rb") as w:
+            channels, width, rate, stated = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+            raw = w.readframes(stated if max_seconds is None else min(stated, max_seconds * rate))
+    except (wave.Error, EOFError, ValueError):
+        return None
+    if not channels or not rate or width not in (1, 2, 3, 4):
+        return None
+    raw = raw[: len(raw) - len(raw) % (width * channels)]
+    if width == 1:
+        x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) * np.float32(_INT_SCALE["u8"])
+    elif width == 3:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
+        s32 = (b[:, 0] << 8) | (b[:, 1] << 16) | (b[:, 2] << 24)  # sign from the top byte, as FFmpeg's s32
+        x = s32.astype(np.float32) * np.float32(_INT_SCALE["s32"])
+    else:
+        kind = {2: ("<i2", "s16"), 4: ("<i4", "s32")}[width]
+        x = np.frombuffer(raw, kind[0]).astype(np.float32) * np.float32(_INT_SCALE[kind[1]])
+    return np.ascontiguousarray(x.reshape(-1, channels).T), rate, stated
+
+
+def _import_av(label: str):
+    try:
+        import av  # deferred: PyAV's import (50 ms) is not on every start-up's path, only an audio clip's
+    except ImportError:
+        raise MediaError(f"{label} is not a plain PCM WAV, and this server cannot decode other audio "
+                         "(PyAV is not installed): send a 16-bit WAV") from None
+    return av
+
+
 def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = None) -> AudioClip:
     """The first audio stream of `data` as a 16 kHz mono clip, cut to its first 30 s (a note
     says so). No audio stream, undecodable or damaged data and a clip longer than
-    `limits.audio_seconds` raise `MediaError` naming the clip."""
-    import av  # deferred: PyAV's import (50 ms) is not on every start-up's path, only an audio clip's
-
+    `limits.audio_seconds` raise `MediaError` naming the clip. A plain PCM WAV needs no PyAV."""
     limits = MediaLimits.from_env() if limits is None else limits
     label = describe(name, "audio")
+    # Python's `wave` for a PCM WAV: 30 s and one more second are read, as PyAV's path keeps
+    # below (soxr's filter reaches past the cut)
+    plain = wav_samples(data, max_seconds=MAX_SECONDS + 1)
+    if plain is not None:
+        return _wav_clip(plain, label, limits)
+    av = _import_av(label)
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, OSError, ValueError) as e:
@@ -169,14 +215,29 @@ def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = No
             raise MediaError(f"{label} is damaged or cut short ({_reason(e)}): send the file again") from None
     if not kept:
         raise MediaError(f"{label} has no audio samples that decode: send the file again")
-    waveform = np.concatenate(chunks, axis=1)
+    return _clip(np.concatenate(chunks, axis=1), rate, label, stated if stopped else seen / rate)
+
+
+def _wav_clip(plain: tuple[np.ndarray, int, int], label: str, limits: MediaLimits) -> AudioClip:
+    waveform, rate, stated = plain
+    seen = waveform.shape[1]
+    if seen < min(stated, (MAX_SECONDS + 1) * rate):  # fewer frames than its header states: cut short
+        stated = seen
+    if stated > limits.audio_seconds * rate:
+        raise _too_long(label, stated / rate, limits)
+    if not seen:
+        raise MediaError(f"{label} has no audio samples that decode: send the file again")
+    return _clip(waveform, rate, label, stated / rate)
+
+
+def _clip(waveform: np.ndarray, rate: int, label: str, length: float) -> AudioClip:
+    """[channels, n] float32 at `rate` (`length` seconds in the file) → the 16 kHz mono clip."""
     channels = waveform.shape[0]
     mono = waveform.mean(axis=0) if channels > 1 else waveform[0]
     notes = []
     if rate != SAMPLE_RATE:
         mono = resample(mono, rate)
     if len(mono) > MAX_SAMPLES:
-        length = stated if stopped else seen / rate
         notes.append(f"{label} is {length:.1f} s long; the model hears the first "
                      f"{MAX_SECONDS} s")
         mono = mono[:MAX_SAMPLES]

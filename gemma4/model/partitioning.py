@@ -6,9 +6,12 @@ one of the mesh axes `MESH_AXES` (or none: replicated), and `logical_spec` turns
 shape into a `PartitionSpec` through flax's `flax.linen.logical_to_mesh_axes`. After flax, a
 dimension the mesh axis does not divide is replicated (`fit_spec`): that is how KV heads fewer
 than the tensor size are handled (see KV_HEADS_POLICY). A mesh of one device splits nothing, so
-flax is imported only for a real mesh (`mesh_spec`). Choosing and checking a mesh, and placing
-a tree on it, is `gemma4.plan.sharding`; building a loaded leaf on its shards is
-`gemma4.weights.leaf_format`.
+flax is imported only for a real mesh (`mesh_spec`). Counting the bytes a device would hold on
+a mesh that is not built (the memory pre-flight's arithmetic and the meshes its refusals
+suggest) goes through `count_spec`, flax's assignment rule in plain Python, so that a refusal
+needs no flax (a TPU machine may have none); tests/test_sharding.py checks that it equals
+flax's on every array of every model. Choosing and checking a mesh, and placing a tree on it, is
+`gemma4.plan.sharding`; building a loaded leaf on its shards is `gemma4.weights.leaf_format`.
 """
 
 from __future__ import annotations
@@ -63,6 +66,34 @@ def flax_spec(axes: tuple, rules: Sequence[tuple[str, str | None]] = RULES) -> t
     return tuple(spec) + (None,) * (len(axes) - len(spec))
 
 
+def rule_spec(axes: tuple, rules: Sequence[tuple[str, str | None]] = RULES) -> tuple:
+    """`flax_spec` without flax: flax's `logical_to_mesh_axes` rule (rules in order of precedence;
+    a rule applies where its logical axis is in `axes`, still unassigned, and its mesh axes are
+    not yet used by this array), for counting bytes where no mesh is built (`count_spec`)."""
+    names = [a for a in axes if isinstance(a, str)]
+    dups = sorted({a for a in names if names.count(a) > 1})
+    if dups:
+        raise ValueError(f"Unsupported: Dimensions {tuple(dups)} occur more than once in array names.")
+    unassigned = object()
+    result = [unassigned if isinstance(a, str) else a for a in axes]
+
+    def used(assignment) -> set:
+        out = set()
+        for a in assignment if isinstance(assignment, (tuple, list)) else (assignment,):
+            if isinstance(a, str):
+                out.add(a)
+            elif isinstance(a, (tuple, list)):
+                out |= used(a)
+        return out
+
+    for logical, mesh in rules:
+        if logical in names:
+            pos = list(axes).index(logical)
+            if result[pos] is unassigned and not used(mesh) & used(result):
+                result[pos] = mesh
+    return tuple(None if r is unassigned else r for r in result)
+
+
 def fit_spec(shape: Sequence[int], spec: tuple, sizes: dict[str, int]) -> tuple:
     """Drop mesh axes of size 1 and those that do not divide their dimension (→ replicated)."""
     out = []
@@ -78,6 +109,13 @@ def mesh_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> tuple
     if all(k <= 1 for k in sizes.values()):
         return tuple(None for _ in zip(shape, axes))
     return fit_spec(shape, flax_spec(axes), sizes)
+
+
+def count_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> tuple:
+    """`mesh_spec` for counting bytes on a mesh that is not built (`rule_spec`: no flax)."""
+    if all(k <= 1 for k in sizes.values()):
+        return tuple(None for _ in zip(shape, axes))
+    return fit_spec(shape, rule_spec(axes), sizes)
 
 
 def logical_spec(axes: tuple, shape: Sequence[int], sizes: dict[str, int]) -> P:

@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 from gemma4.env import EnvError, setting
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, param_specs
-from gemma4.model.partitioning import MESH_AXES, logical_spec
+from gemma4.model.partitioning import MESH_AXES, count_spec
 from gemma4.plan import hardware, sharding
 from gemma4.plan.hardware_probe import simulated_facts
 from gemma4.plan.preflight_devices import (JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, DeviceSet, PreflightError,
@@ -154,7 +154,7 @@ def _largest_matmul_operand(cfg: ModelConfig, mesh: Mapping[str, int], itemsize:
     biggest = 0.0
     for path, spec in iter_specs(param_specs(cfg)):
         if spec.kind in ("linear", "experts") or (head and path == ("embed",)):
-            split = logical_spec(spec.axes, spec.shape, sizes)
+            split = count_spec(spec.axes, spec.shape, sizes)
             n = math.prod(spec.shape) * itemsize / math.prod(sizes[a] for a in split if a is not None)
             biggest = max(biggest, n)
     return biggest

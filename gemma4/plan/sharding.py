@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gemma4.model.kv_cache import slots_for
 from gemma4.model.params import is_leaf_spec, iter_specs, leaf_dtype, leaf_name, param_specs
 from gemma4.model.partitioning import (ACTIVATION_AXES, CACHE_AXES, KV_HEADS_POLICY, MESH_AXES, RULES,
-                                       leaf_axes, logical_spec, mesh_sizes, mesh_spec, rules_table)
+                                       count_spec, leaf_axes, logical_spec, mesh_sizes, rules_table)
 from gemma4.ops.quant import Int4Array, QuantArray, is_quantized, is_sharded, local_leaf
 from gemma4.weights.leaf_format import LeafFormat
 
@@ -290,9 +290,9 @@ def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: A
         target = fmt.target(leaf_name(path), spec)
         if target == "none":
             dt = jnp.dtype(leaf_dtype(spec, fmt.weight_dtype, tower_dtype))
-            weights += _part_bytes(spec.shape, dt.itemsize, mesh_spec(spec.axes, spec.shape, sizes), sizes)
+            weights += _part_bytes(spec.shape, dt.itemsize, count_spec(spec.axes, spec.shape, sizes), sizes)
             continue
-        out_ax, in_ax = mesh_spec(spec.axes, spec.shape, sizes)
+        out_ax, in_ax = count_spec(spec.axes, spec.shape, sizes)
         n_out, n_in = spec.shape
         if target == "int4":
             weights += _part_bytes((n_out, n_in // 2), 1, (out_ax, None), sizes)
@@ -308,11 +308,11 @@ def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: A
                 continue
             slots = slots_for(s, cfg, context)
             kv_shape = (batch, slots, s.num_kv_heads, s.head_dim)
-            kv += 2 * _part_bytes(kv_shape, store, mesh_spec(CACHE_AXES["k"], kv_shape, sizes), sizes)
-            kv += _part_bytes((batch, slots), 4, mesh_spec(CACHE_AXES["pos"], (batch, slots), sizes), sizes)
+            kv += 2 * _part_bytes(kv_shape, store, count_spec(CACHE_AXES["k"], kv_shape, sizes), sizes)
+            kv += _part_bytes((batch, slots), 4, count_spec(CACHE_AXES["pos"], (batch, slots), sizes), sizes)
             if kv_format == "int8":
                 sc = kv_shape[:3]
-                kv += 2 * _part_bytes(sc, 4, mesh_spec(CACHE_AXES["k_scale"], sc, sizes), sizes)
+                kv += 2 * _part_bytes(sc, 4, count_spec(CACHE_AXES["k_scale"], sc, sizes), sizes)
     return {"weights": int(weights), "kv_cache": int(kv), "total": int(weights + kv)}
 
 
