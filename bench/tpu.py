@@ -54,9 +54,11 @@ Parts:
            a second round once the first is over (warm: its shapes compiled). Not in the
            default parts.
   verify   speculative decoding's verify step of --verify-drafts drafts (k + 1 tokens) against a
-           decode step (E2B bf16, one row, context 1,024): the device's ms per step of each, their
-           ratio, and the speed-up those costs give at acceptance rates 0.3-0.9 (a projection:
-           random weights keep no drafts). Not in the default parts.
+           decode step (E2B bf16, one row, context 1,024; --verify-drafter random: with its
+           drafter's real geometry, random weights): the device's ms per step of a decode step, of
+           the verify step drafting the next step's tokens, and of the verify step alone (prompt
+           lookup's); their ratios, and the speed-up those costs give at acceptance rates 0.3-0.9
+           (a projection: random weights keep no drafts). Not in the default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -720,15 +722,18 @@ def worker_long(args) -> dict:
     return out
 
 
-def _verify_steps(engine, key, steps: int) -> float:
-    """Seconds per call of the compiled verify shape `key` (steps.verify_step) with the host out of
-    the way: one row feeding a token and key.drafts drafts at positions 200.., the rest idle, called
-    on its own cache `steps` times back to back, synchronised once at the end."""
+def _verify_steps(engine, key, steps: int, exe=None, first=None) -> float:
+    """Seconds per call of a verify step of shape `key` (the engine's compiled one, or `exe` called
+    with `first` before the cache) with the host out of the way: one row feeding a token and
+    key.drafts drafts at positions 200.., the rest idle, called on its own cache `steps` times back
+    to back, synchronised once at the end."""
     import jax
     import jax.numpy as jnp
     from gemma4.model.sampling import REPETITION_WINDOW, SamplingRows
 
-    exe, _ = engine.shapes.executable(key)
+    if exe is None:
+        exe, _ = engine.shapes.executable(key)
+        first = (engine.params,) if engine.loaded.drafter is None else (engine.params, engine.loaded.drafter[1])
     t = key.drafts + 1
     positions = jnp.asarray([[200 + j for j in range(t)]] + [[-1] * t] * (key.width - 1), jnp.int32)
     tokens = jnp.full((key.width, t), 5, jnp.int32)
@@ -737,7 +742,7 @@ def _verify_steps(engine, key, steps: int) -> float:
     def run(n: int, cache):
         out = None
         for _ in range(n):
-            out, _, cache = exe(engine.params, cache, tokens, positions, rows)
+            out, _, cache = exe(*first, cache, tokens, positions, rows)
         jax.block_until_ready(out)
         return cache
 
@@ -750,26 +755,45 @@ def _verify_steps(engine, key, steps: int) -> float:
     return dt
 
 
+def _plain_verify(engine, key):
+    """The verify step without the drafter's drafting (steps.verify_step), jitted here for the
+    engine's parameters and cache: what prompt lookup's verify step costs on this model."""
+    import functools
+
+    import jax
+    from gemma4.serve.engine import steps
+
+    fn = functools.partial(steps.verify_step, cfg=engine.cfg, options=engine.loaded.options, width=key.width,
+                           kv_len=key.kv_len, drafts=key.drafts)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
 def worker_verify(args) -> dict:
-    """Speculative decoding's verify step against a decode step (E2B bf16, one row, context 1,024):
-    the device's seconds per step of each (`_device_steps`, `_verify_steps`), their ratio, and
-    the speed-up those costs give at acceptance rates 0.3-0.9 (a projection: random weights keep
-    no drafts)."""
+    """Speculative decoding's verify step against a decode step (E2B bf16 and, with --verify-drafter,
+    its drafter's real geometry with random weights; one row, context 1,024): the device's seconds
+    per step of a decode step, of the verify step with the drafter drafting the next step's tokens
+    (the engine's), and of the verify step alone (prompt lookup's); their ratios; and the speed-up
+    those costs give at acceptance rates 0.3-0.9 (a projection: random weights keep no drafts)."""
     os.environ["GEMMA4_SPECULATE"] = "lookup"
     os.environ["GEMMA4_DRAFT_TOKENS"] = str(args.drafts)
-    out: dict = {"model": args.model, "drafts": args.drafts}
+    if args.drafter:
+        os.environ["GEMMA4_DRAFTER"] = args.drafter
+    out: dict = {"model": args.model, "drafter": args.drafter}
     eng = _engine(args.model, max_batch=1, context=1024, buckets=(128,))
     try:
         eng.wait_ready(args.limit)
-        g = eng.started.geometry
-        key = g.verify_key(1, 1)
+        key = eng.started.geometry.verify_key(1, 1)
         eng.shapes.request(key, now=True)
         eng.shapes.wait_any([key], timeout=args.limit)
         decode_s = _device_steps(eng, 64)
         verify_s = _verify_steps(eng, key, 64)
-        out.update(decode_ms=round(decode_s * 1000, 3), verify_ms=round(verify_s * 1000, 3),
-                   verify_over_decode=round(verify_s / decode_s, 3), decode_block=eng.loaded.decode_block,
-                   drafts=key.drafts, projection=speedup_projection(key.drafts, decode_s, verify_s))
+        out.update(drafts=key.drafts, decode_ms=round(decode_s * 1000, 3), decode_block=eng.loaded.decode_block,
+                   verify_ms=round(verify_s * 1000, 3), verify_over_decode=round(verify_s / decode_s, 3),
+                   projection=speedup_projection(key.drafts, decode_s, verify_s))
+        if eng.loaded.drafter is not None:  # the engine's step drafts too: the verify step alone beside it
+            alone_s = _verify_steps(eng, key, 64, _plain_verify(eng, key), (eng.params,))
+            out.update(verify_alone_ms=round(alone_s * 1000, 3), verify_alone_over_decode=round(alone_s / decode_s, 3),
+                       projection_alone=speedup_projection(key.drafts, decode_s, alone_s))
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -932,6 +956,8 @@ def main(argv=None) -> int:
     ap.add_argument("--users-prompt", type=int, default=128, help="the users part's prompt, in tokens")
     ap.add_argument("--users-new", type=int, default=64, help="the users part's reply, in tokens")
     ap.add_argument("--verify-drafts", type=int, default=4, help="the verify part's drafts per step (k; k + 1 tokens)")
+    ap.add_argument("--verify-drafter", default="random", help="the verify part's GEMMA4_DRAFTER (random: the "
+                    "model's drafter's geometry, random weights; off: prompt lookup's verify step only)")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -1038,6 +1064,7 @@ def main(argv=None) -> int:
             report["parts"]["users"] = {"configs": rows}
         elif part == "verify":
             report["parts"]["verify"] = run_worker("verify", {"model": args.model, "drafts": args.verify_drafts,
+                                                              "drafter": args.verify_drafter,
                                                               "limit": limit("verify") - 60}, limit=limit("verify"))
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]

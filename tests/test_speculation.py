@@ -244,3 +244,33 @@ def test_with_an_image_in_the_prompt(engines):
     out_off = conversation.generate(off, ask(png(64, 48), "Say it again and again."), greedy)
     assert out_on["stats"]["media"] and out_on["token_ids"] == out_off["token_ids"]
     assert (out_on["stats"].get("speculation") or {}).get("verify_steps", 0) > 0
+
+
+def test_theverify_rule_keeps_the_models_distribution():
+    """steps.verify_step's rule on fixed logits (8 tokens, a draft d, 4,000 seeds): the token at the
+    first position follows the model's softmax whatever is drafted, the draft is kept with the
+    model's probability of it, and on rejection the token is never the draft (the rejection rule
+    for a one-point proposal)."""
+    import jax.numpy as jnp
+
+    from gemma4.model.sampling import SamplingRows
+    from gemma4.serve.engine.steps import verify_rule
+
+    V, n, d = 8, 4000, 2
+    logits = np.log(np.array([0.05, 0.1, 0.3, 0.05, 0.2, 0.1, 0.15, 0.05], np.float32))
+    rows = SamplingRows.idle(n)
+    rows.seeds[:] = np.arange(n)
+    rows.temperature[:] = 1.0
+    rows.top_k[:] = V
+    tokens = np.tile(np.array([[1, d]], np.int32), (n, 1))
+    positions = np.tile(np.array([[10, 11]], np.int32), (n, 1))
+    out, kept, _ = verify_rule(jnp.asarray(np.tile(logits, (n, 2, 1))), jnp.asarray(tokens), jnp.asarray(positions),
+                                rows.on_device(), 1)
+    out, kept = np.asarray(out), np.asarray(kept)
+    p = np.exp(logits) / np.exp(logits).sum()
+    freq = np.bincount(out[:, 0], minlength=V) / n
+    chi2 = n * np.sum((freq - p) ** 2 / p)
+    assert chi2 < 24.3  # 7 degrees of freedom, p = 0.001
+    assert abs(kept.mean() - p[d]) < 4 * np.sqrt(p[d] * (1 - p[d]) / n)
+    assert np.all((kept == 1) == (out[:, 0] == d))
+    assert np.all(out[kept == 0, 1] == -1) and np.all(out[kept == 1, 1] >= 0)

@@ -161,7 +161,7 @@ def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, wid
     them, -1 past those; non-finite flags [width]) and the cache. Full layers read [0, kv_len)."""
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
     logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0)
-    out, kept, bad = _verify(logits, tokens, positions, sampling, drafts)
+    out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
     return out, bad, kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
 
 
@@ -175,7 +175,7 @@ def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cf
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
     logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
                                       cache_row=0, return_hidden=True)
-    out, kept, bad = _verify(logits, tokens, positions, sampling, drafts)
+    out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
     state = jnp.take_along_axis(M.final_norm(params, cfg, hidden[-1]), kept[:, None, None], axis=1)[:, 0]
     token = jnp.take_along_axis(out, kept[:, None], axis=1)[:, 0]
@@ -185,7 +185,7 @@ def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cf
     return jnp.concatenate([out, nxt], axis=1), bad, cache
 
 
-def _verify(logits, tokens, positions, sampling, drafts):
+def verify_rule(logits, tokens, positions, sampling, drafts):
     """`verify_step`'s rule on logits [width, drafts + 1, V]: (tokens, -1 past each row's kept
     ones; drafts kept per row; non-finite flags over the positions kept)."""
     rows, drawn = sampling, []
