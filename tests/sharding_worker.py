@@ -112,8 +112,7 @@ def _speculation(engine: Engine) -> dict:
     from gemma4.serve.engine import speculation
 
     g = engine.started.geometry
-    for n in g.kv_lengths:
-        key = g.verify_key(g.widths[-1], n)
+    for key in {g.verify_key(w, n) for w in g.widths for n in g.kv_lengths}:
         engine.shapes.request(key, now=True)
         engine.shapes.wait_any([key], timeout=300)
     prompts = [[2] + [40, 41, 42, 43, 44] * 4, [2] + [7, 8, 9] * 6]

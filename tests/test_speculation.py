@@ -240,8 +240,8 @@ def test_with_an_image_in_the_prompt(engines):
 
     on, off = engines
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW)
-    out_on = conversation.generate(on, ask(png(64, 48), "Say it again and again."), greedy)
-    out_off = conversation.generate(off, ask(png(64, 48), "Say it again and again."), greedy)
+    msgs = ask(png(64, 48), "Say it again and again.", max_soft_tokens=70)
+    out_on, out_off = conversation.generate(on, msgs, greedy), conversation.generate(off, msgs, greedy)
     assert out_on["stats"]["media"] and out_on["token_ids"] == out_off["token_ids"]
     assert (out_on["stats"].get("speculation") or {}).get("verify_steps", 0) > 0
 

@@ -285,9 +285,8 @@ class Scheduler:
         every decoding row, with compiled shapes only (`decode_plan`); a row whose shape is not
         compiled yet waits for it alone."""
         active, decoding = self._rows()
-        verify = verify_plan(self.shapes, self.costs, active, decoding, context_limit=self.geometry.context_limit
-                             ) if self.drafting else None
-        if verify is not None:
+        if self.drafting and (verify := verify_plan(self.shapes, self.costs, active, decoding,
+                                                    context_limit=self.geometry.context_limit)):
             return verify
         plan, waiting = decode_plan(self.shapes, active, decoding, self._busy())
         for req, key in waiting:
@@ -351,17 +350,15 @@ class Scheduler:
                 req.stats["packed_prompts"] = len(plan.requests)
                 self._chunk_done(req, 0, length, plan.key.bucket, int(tokens[i]), bool(nonfinite[i]), now)
         elif isinstance(plan, VerifyStep):
-            if plan.measured:
-                self.costs.note(plan.key, seconds)
-            note_verified(plan, tokens)
+            note_verified(plan, tokens, self.costs, seconds)
             decoding = dict(plan.rows)
-            for j in range(plan.key.drafts + 1):  # each row's tokens in order, until it has none or it ended
-                decoding = {row: r for row, r in self._still_active(decoding).items() if tokens[row, j] >= 0}
+            for j in range(plan.key.drafts + 1):  # each row's tokens in order until it has none, it ended, or an
+                # observer handed out another token than the one drawn (the rest of the round followed that one)
+                decoding = {row: r for row, r in self._still_active(decoding).items()
+                            if tokens[row, j] >= 0 and (j == 0 or r.recent[-1:] == [int(tokens[row, j - 1])])}
                 if not decoding:
                     break
                 self._decoded(plan.active if j == 0 else {}, decoding, tokens[:, j], nonfinite, now)
-                # an observer that handed out another token ends the row's round: the rest followed the drawn one
-                decoding = {row: r for row, r in decoding.items() if r.recent[-1:] == [int(tokens[row, j])]}
         elif isinstance(plan, PrefixCopy):
             req = plan.request
             req.prefilled = req.cached = plan.length

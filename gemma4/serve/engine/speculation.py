@@ -137,10 +137,12 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
     return verify_step(key, dict(decoding), drafts, dict(active), shapes.book.has_run(key))
 
 
-def note_verified(plan: VerifyStep, tokens) -> None:
-    """Each row's record: the drafts it offered and how many were kept (tokens [width, k + 1],
-    -1 past a row's kept drafts and the target's own token; with a drafter, then its drafts for
-    the row's next step, kept on the request for it)."""
+def note_verified(plan: VerifyStep, tokens, costs: StepCosts, seconds: float) -> None:
+    """The step's cost (where its shape ran before), and each row's record: the drafts it offered
+    and how many were kept (tokens [width, k + 1], -1 past a row's kept drafts and the target's own
+    token; with a drafter, then its drafts for the row's next step, kept on the request for it)."""
+    if plan.measured:
+        costs.note(plan.key, seconds)
     k = plan.key.drafts
     for row, req in plan.rows.items():
         offered = len(plan.drafts.get(row, ()))
