@@ -62,10 +62,12 @@ NEW = 40
 PATTERN = [11, 12, 13, 14, 15, 16, 17]
 
 
-def _engine(monkeypatch, mode: str, max_batch: int):
-    monkeypatch.setenv("GEMMA4_SPECULATE", mode)
+def _engine(mode: str, max_batch: int, drafter: str | None = None):
+    """The tiny E2B in float32 with speculative decoding `mode` (the engine's own setting: the
+    app's --speculate, the CLI's, GEMMA4_SPECULATE) and `drafter` (--drafter, GEMMA4_DRAFTER)."""
     eng = get_engine("random:tiny-e2b", max_batch=max_batch, context_limit=256, buckets=(16, 64),
-                     overrides={"dtype": "float32", "weights": "none", "kv": "native"})
+                     overrides={"dtype": "float32", "weights": "none", "kv": "native"}, speculate=mode,
+                     drafter=drafter)
     return eng.wait_ready(timeout=900)
 
 
@@ -83,10 +85,8 @@ def _compile_verify(eng) -> None:
 @pytest.fixture(scope="module")
 def engines():
     mp = pytest.MonkeyPatch()
-    try:
-        on, off = _engine(mp, "lookup", 4), _engine(mp, "off", 3)
-    finally:
-        mp.undo()
+    on, off = _engine("lookup", 4, "off"), _engine("off", 3, "random")  # (off: no drafter loaded)
+    assert off.loaded.drafter is None
     assert on.loaded.geometry.draft_tokens >= 1 and off.loaded.geometry.draft_tokens == 0
     _compile_verify(on)
     # Verify whenever a row has drafts: a random tiny model keeps few, and by the step costs a verify
@@ -180,11 +180,7 @@ def drafting(engines):
     """The tiny E2B with a random drafter of its geometry (GEMMA4_DRAFTER=random): the drafts come
     from the device, made in each verify step for the next."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("GEMMA4_DRAFTER", "random")
-    try:
-        eng = _engine(mp, "auto", 2)
-    finally:
-        mp.undo()
+    eng = _engine("auto", 2, "random")
     assert eng.loaded.drafter is not None and eng.loaded.geometry.drafter
     assert eng.info()["hardware"]["speculation"]["mode"].startswith("drafter")
     _compile_verify(eng)

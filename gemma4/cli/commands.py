@@ -36,6 +36,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=setting("GEMMA4_MESH"),
                    help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
                         "(env GEMMA4_MESH)")
+    p.add_argument("--speculate", choices=["auto", "off", "lookup"], default=setting("GEMMA4_SPECULATE"),
+                   help="speculative decoding: lookup drafts from the prompt and reply, off decodes one token a "
+                        "step (env GEMMA4_SPECULATE)")
+    p.add_argument("--drafter", default=setting("GEMMA4_DRAFTER"),
+                   help="the model's drafter: a folder of its Hub layout, a Hub id, random, or off "
+                        "(env GEMMA4_DRAFTER; unset: prompt lookup)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
     distributed_flags.add_arguments(p)
 

@@ -23,6 +23,7 @@ from gemma4.model import kv_cache
 from gemma4.model.config import LayerSpec, ModelConfig
 from gemma4.model.partitioning import logical_spec
 from gemma4.ops.kernels import cpu_attention
+from gemma4.ops.fixed_sums import row_sum
 from gemma4.ops.linear import linear, linear_many, take_rows
 
 MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
@@ -51,25 +52,9 @@ class RunOptions:
 
 
 # ------------------------------------------------------------------------------ primitives
-def row_sum(x: jax.Array) -> jax.Array:
-    """x summed over its last axis [..., 1], in an order that does not depend on the other axes'
-    sizes: halves added elementwise while the length is even, then the odd rest one by one.
-    XLA:CPU's reduce vectorises over several rows once there are enough of them, which changes
-    the order of a row's additions: a query's 4 heads normalised alone and the same 4 beside 4
-    more tokens' differed in the last bit (bundled model, jax 0.10.2), so a verify step's tokens
-    or a batch's rows could differ from one token's step alone."""
-    while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    total = x[..., :1]
-    for i in range(1, x.shape[-1]):
-        total = total + x[..., i:i + 1]
-    return total
-
-
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
     """RMSNorm in float32: x · (mean(x²) + eps)^-½ · scale; scale None = no weight (V-norm). The
-    mean is `row_sum`'s: the same bits for a row whatever else is normalised beside it."""
+    mean is `fixed_sums.row_sum`'s: the same bits for a row whatever else is normalised beside it."""
     xf = x.astype(jnp.float32)
     y = xf / jnp.sqrt(row_sum(xf * xf) / xf.shape[-1] + eps)
     if scale is not None:

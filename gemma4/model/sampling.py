@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.model.sampling_params import K_MAX, SamplingParams
+from gemma4.ops import fixed_sums
 
 # ----------------------------------------------------------------------------------------------
 # The per-row sampling state of one batched step
@@ -204,8 +205,10 @@ def _sample(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: j
     k_eff = jnp.where(top_k <= 0, k_static, jnp.clip(top_k, 1, k_static))[:, None]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     scaled = jnp.where(rank < k_eff, vals / t, -jnp.inf)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive cumulative probability
+    # sums in a fixed order (gemma4.ops.fixed_sums): the nucleus is the same in any program that
+    # samples (a decode step, a verify step's five positions), so a reply is too
+    probs = fixed_sums.softmax(scaled)
+    mass_before = fixed_sums.prefix_sum(probs) - probs  # exclusive cumulative probability
     keep = (mass_before < top_p[:, None]) | (rank == 0)
     scaled = jnp.where(keep, scaled, -jnp.inf)
 

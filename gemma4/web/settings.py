@@ -40,6 +40,8 @@ class Settings:
     access: Access = dataclasses.field(default_factory=Access)
     mesh: str = default_of("GEMMA4_MESH")  # devices the model spreads over (gemma4.plan.preflight / gemma4.plan.sharding)
     distributed: Any = None  # gemma4.serve.distributed_flags.Settings: more than one process (None: one)
+    speculate: str = default_of("GEMMA4_SPECULATE")  # speculative decoding (engine/speculation.py)
+    drafter: str | None = default_of("GEMMA4_DRAFTER")  # its drafter (None: prompt lookup)
 
 
 def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -68,6 +70,11 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="requests that may wait in the queue before new ones are refused")
     p.add_argument("--mesh", default=setting("GEMMA4_MESH", env),
                    help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
+    p.add_argument("--speculate", choices=["auto", "off", "lookup"], default=setting("GEMMA4_SPECULATE", env),
+                   help="speculative decoding: lookup drafts a reply's next tokens from its prompt and text, off "
+                        "decodes one token a step (env GEMMA4_SPECULATE)")
+    p.add_argument("--drafter", default=setting("GEMMA4_DRAFTER", env),
+                   help="the model's drafter (a Hub-layout folder, a Hub id, random, off; env GEMMA4_DRAFTER)")
     add_access_flags(p, env)
     distributed_flags.add_arguments(p, env)
     return p
@@ -98,4 +105,5 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
     return Settings(model=a.model, host=a.host, port=a.port, share=a.share,
                     max_users=a.max_users, max_new_tokens_cap=a.max_new_tokens_cap,
                     context=a.context, queue_size=a.queue_size, access=access, mesh=a.mesh,
+                    speculate=a.speculate, drafter=a.drafter,
                     distributed=multi if multi.enabled else None)

@@ -62,12 +62,13 @@ class Engine:
     def __init__(self, model: str = "bundled", *, max_batch: int = 8, context_limit: int | None = None,
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
                  buckets: Sequence[int] | None = None, mesh: str | dict | None = "auto",
+                 speculate: str | None = None, drafter: str | None = None,
                  start: Callable[..., StartUp] = StartUp):
         self.settings = EngineSettings(
             model=model, max_batch=int(max_batch), context=context_limit,
             overrides=tuple(sorted(dict(overrides or {}).items())), max_new_tokens_cap=int(max_new_tokens_cap),
             warmup=warmup, buckets=None if buckets is None else tuple(sorted({int(b) for b in buckets})),
-            mesh="auto" if mesh is None else mesh)
+            mesh="auto" if mesh is None else mesh, speculate=speculate, drafter=drafter)
         self.observers: list[Observer] = []  # see `observing`
         self.step_times = StepTimes()  # step durations and faults (read by /metrics)
         # Set once started (on the engine thread): what was loaded, the runner, the scheduler.

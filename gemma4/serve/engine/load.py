@@ -143,13 +143,14 @@ class PreparedWrite:
 def load_model(name: str, *, max_batch: int, overrides: dict, context: int | None = None,
                mesh_request: str | dict = "auto", buckets: tuple[int, ...] | None = None,
                processes: int = 1, status: Status = lambda progress, message: None,
-               planned: Callable[[LoadedModel], None] | None = None,
-               ) -> tuple[LoadedModel, Any, PreparedWrite | None]:
+               planned: Callable[[LoadedModel], None] | None = None, speculate: str | None = None,
+               drafter: str | None = None) -> tuple[LoadedModel, Any, PreparedWrite | None]:
     """(the model, its KV cache (allocated: the engine owns it from here), the prepared weights to
     keep once ready or None). `context`: the context limit asked for (None: on a CPU the model's,
     at most geometry.DEFAULT_CONTEXT; on an accelerator the longest the pre-flight admits for the
     rows, up to the model's own: preflight.default_context, said in the hardware report); `buckets`: the prompt buckets asked for (None: the device's ladder);
-    `processes`: the processes serving the model (more than one replay process 0's steps).
+    `processes`: the processes serving the model (more than one replay process 0's steps);
+    `speculate`, `drafter`: speculative decoding's mode and drafter (None: their settings).
     `planned`: called before the weights load with the model they will make, its parameters as
     shapes only (`sketch_params`), where `compile_ahead_choice` says so: the caller may start
     compiling for it. The model returned is the loaded one; the caller compares the two."""
@@ -183,7 +184,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
             try:
                 planned(serving_model(source, peeked, sketch_params(peeked, plan, mesh), plan, dict(report), options,
                                       mesh, mesh_shape, max_batch=max_batch, context=context, buckets=buckets,
-                                      processes=processes, timings=timings, tok_spec=None))
+                                      processes=processes, timings=timings, tok_spec=None, speculate=speculate))
             except Exception as e:  # the weights' own tree is compiled for after they load, as before
                 log.warning("could not compile ahead of the weights: %s: %s", type(e).__name__, e)
 
@@ -226,12 +227,12 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
-    drafter = load_drafter(cfg, options.dtype)
+    drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate) else None
     if drafter is not None:  # small: whole on every device
         drafter = drafter[0], jax.device_put(drafter[1], sharding.replicated(mesh))
     model = serving_model(source, cfg, params, plan, report, options, mesh, mesh_shape, max_batch=max_batch,
                           context=context, buckets=buckets, processes=processes, timings=timings,
-                          tok_spec=tok_spec, drafter=drafter)
+                          tok_spec=tok_spec, drafter=drafter, speculate=speculate)
     cache = model.new_cache()  # born split: no whole cache on one device
     return model, cache, pending
 
@@ -239,7 +240,8 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
 def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, plan: hardware.Plan, report: dict,
                   options: M.RunOptions, mesh: Any, mesh_shape: dict, *, max_batch: int, context: int | None,
                   buckets: tuple[int, ...] | None, processes: int, timings: dict,
-                  tok_spec: dict | None, drafter: tuple[Any, dict] | None = None) -> LoadedModel:
+                  tok_spec: dict | None, drafter: tuple[Any, dict] | None = None,
+                  speculate: str | None = None) -> LoadedModel:
     """What the engine serves `params` with (loaded weights, or `sketch_params`' shapes): the
     roofline, the serving geometry, the KV cache's shape and placement (allocated by the caller:
     `new_cache()`), and the tokenizer, started on its own thread (none without `tok_spec`)."""
@@ -267,7 +269,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         full_layers_kernel=M.full_layers_read_in_kernel(options, plan.kv_cache.value),
         mixed_step=setting("GEMMA4_MIXED_STEP"), prefix_cache=setting("GEMMA4_PREFIX_CACHE"),
         ready_shapes=setting("GEMMA4_READY_SHAPES"), pack_prompts=setting("GEMMA4_PACK_PROMPTS"),
-        draft_tokens=draft_tokens_setting(), drafter=drafter is not None,
+        draft_tokens=draft_tokens_setting(speculate), drafter=drafter is not None,
         **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
     report["speculation"] = speculation_report(geometry.draft_tokens, processes, drafter[0].name if drafter else None)
     kv_format = plan.kv_cache.value
@@ -288,10 +290,14 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
 DRAFT_TOKENS = 4
 
 
-def draft_tokens_setting() -> int:
-    """Speculative decoding's drafts per verify step as the settings ask: 0 where GEMMA4_SPECULATE
-    is off, else GEMMA4_DRAFT_TOKENS or DRAFT_TOKENS (the geometry bounds it further)."""
-    if setting("GEMMA4_SPECULATE") == "off":
+def draft_tokens_setting(speculate: str | None = None) -> int:
+    """Speculative decoding's drafts per verify step as asked: 0 where `speculate` (None:
+    GEMMA4_SPECULATE) is off, else GEMMA4_DRAFT_TOKENS or DRAFT_TOKENS (the geometry bounds it
+    further)."""
+    mode = setting("GEMMA4_SPECULATE") if speculate is None else speculate
+    if mode not in ("auto", "off", "lookup"):
+        raise ValueError(f"speculate must be auto, off or lookup, not {mode!r}")
+    if mode == "off":
         return 0
     return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
 

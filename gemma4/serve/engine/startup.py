@@ -56,6 +56,8 @@ class EngineSettings:
     warmup: bool = True
     buckets: tuple[int, ...] | None = None
     mesh: str | dict = "auto"
+    speculate: str | None = None  # speculative decoding: auto | off | lookup (None: GEMMA4_SPECULATE)
+    drafter: str | None = None  # the drafter: a folder, a Hub id, random, off (None: GEMMA4_DRAFTER)
 
     def overrides_dict(self) -> dict:
         return dict(self.overrides)
@@ -133,7 +135,7 @@ class StartUp:
         s = self.settings
         model, cache, self._prepared = load_model(
             s.model, max_batch=s.max_batch, overrides=self._overrides, context=s.context, mesh_request=s.mesh,
-            buckets=s.buckets, processes=self.processes,
+            buckets=s.buckets, processes=self.processes, speculate=s.speculate, drafter=s.drafter,
             status=lambda progress, message: self._status("loading", progress, message), planned=self._compile_ahead)
         self.timings.update(model.timings)
         self.programs = self._programs_for(model)
