@@ -160,7 +160,8 @@ def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, wid
     Returns (tokens [width, drafts + 1]: each row's kept drafts and then the token drawn after
     them, -1 past those; non-finite flags [width]) and the cache. Full layers read [0, kv_len)."""
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
-    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0)
+    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0,
+                                 queries_alone=True)
     out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
     return out, bad, kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
 
@@ -174,7 +175,7 @@ def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cf
     (an idle row's meaningless); non-finite flags [width]) and the cache."""
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
     logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
-                                      cache_row=0, return_hidden=True)
+                                      cache_row=0, return_hidden=True, queries_alone=True)
     out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
     state = jnp.take_along_axis(M.final_norm(params, cfg, hidden[-1]), kept[:, None, None], axis=1)[:, 0]
