@@ -210,3 +210,28 @@ def test_an_engine_with_the_kernel_gives_xla_s_tokens(monkeypatch):
         finally:
             eng.close(timeout=60)
     assert outs["xla"] == outs["native"] and sum(map(len, outs["xla"])) >= 12, outs  # one stops early
+
+
+@needs_kernel
+def test_a_tokens_queries_alone_attend_as_in_a_one_token_step():
+    """Speculative decoding's verify step (decoder.forward's queries_alone): past a sliding window,
+    each of 5 tokens' queries called alone over the ring as the step wrote it equal the one-token
+    steps' over the ring as each wrote it, bit for bit (the kernel picks its tiles per call)."""
+    rng = np.random.default_rng(0)
+    S, d, nq, W, N = 544, 256, 4, 512, 700
+    k, v = (jnp.asarray(rng.standard_normal((1, S, 1, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((1, 5, nq, d)), jnp.float32)
+    qpos = np.arange(N, N + 5, dtype=np.int32)[None]
+
+    def ring(last):  # slot x % S holds position x, up to `last`
+        kp = np.full((1, S), -1, np.int32)
+        for x in range(last + 1):
+            kp[0, x % S] = x
+        return jnp.asarray(kp)
+
+    def one(t, kp):
+        return np.asarray(cpu_attention.attend(q[:, t:t + 1], jnp.asarray(qpos[:, t:t + 1]), k, v, kp,
+                                               jnp.asarray([0], jnp.int32), slots=S, window=W, scale=0.0625))
+
+    for t in range(5):
+        assert np.array_equal(one(t, ring(N + 4)), one(t, ring(N + t)))
