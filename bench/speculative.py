@@ -13,8 +13,9 @@ The text is real: this project's own source files.
     small model's greedy replies soon repeat themselves, which drafting then copies;
   * sampled: the same questions sampled (temperature 1.0, top-k 64, a fixed seed: the same reply
     either way), whose drafts are mostly wrong: what drafting costs where it does not pay.
-Prefill chunks are pinned (GEMMA4_PREFILL_CHUNK[_ALONE]=256): measured chunk sizes may differ
-between runs, and with them the prompt's low-order bits in a reduced-precision plan.
+Prefill chunks are pinned (GEMMA4_PREFILL_CHUNK[_ALONE]=256) and the prefix cache is emptied
+before each reply: measured chunk sizes, and a prompt prefilled after a cached prefix, may change a
+prompt's last bits in a reduced-precision plan, and with them a reply (not drafting's doing).
 Per prompt: decode tok/s on and off, the speed-up, drafted and accepted tokens, and whether the
 ids are identical (they must be: drafting changes when tokens come, never which).
 """
@@ -63,6 +64,9 @@ def prompts(engine, n_files: int, file_tokens: int) -> list[tuple[str, str]]:
 
 def reply(engine, text: str, n: int, drafting: bool, sampled: bool = False) -> dict:
     engine.scheduler.drafting = drafting
+    # every reply prefills its whole prompt: one reusing the last one's cached prefix prefills the
+    # rest as a later chunk, whose last bits may differ from a whole prompt's (not drafting's doing)
+    engine.scheduler.prefixes.forget_all()
     params = (SamplingParams(temperature=1.0, top_k=64, top_p=1.0, max_new_tokens=n, seed=7) if sampled
               else SamplingParams(temperature=0.0, max_new_tokens=n))
     out = conversation.generate(engine, [{"role": "user", "content": text}], params)

@@ -49,7 +49,7 @@ from gemma4.model import config as C
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.config import FULL, SLIDING, ModelConfig
-from gemma4.model.params import LeafSpec
+from gemma4.model.params import LeafSpec, spec_at
 from gemma4.ops.linear import linear, take_rows
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -293,7 +293,7 @@ def params_from_state_dict(state: Mapping[str, Any], d: DrafterConfig, dtype: An
             raise ValueError(f"unexpected tensor {name!r} in a {d.model_type} checkpoint") from None
         if path is None:
             continue
-        spec = _spec_at(specs, path)
+        spec = spec_at(specs, path)
         if spec is None:
             raise ValueError(f"tensor {name!r} has no place in {d.name} ({len(d.text.layers)} layers, "
                              f"ordered embeddings {d.use_ordered_embeddings})")
@@ -307,16 +307,6 @@ def params_from_state_dict(state: Mapping[str, Any], d: DrafterConfig, dtype: An
     if order is not None and not bool(jnp.all((order >= 0) & (order < d.vocab_size))):
         raise ValueError(f"{d.name}: token_ordering holds ids outside [0, {d.vocab_size})")
     return _tree(specs, found)
-
-
-def _spec_at(specs: Any, path: tuple) -> LeafSpec | None:
-    node = specs
-    for part in path:
-        try:
-            node = node[part]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return node if isinstance(node, LeafSpec) else None
 
 
 def _leaf_paths(specs: Any, prefix: tuple = ()):

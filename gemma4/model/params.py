@@ -241,6 +241,17 @@ def leaf_name(path: tuple) -> str | None:
     return next((p for p in reversed(path) if isinstance(p, str)), None)
 
 
+def spec_at(specs: Any, path: tuple) -> LeafSpec | None:
+    """The leaf spec at `path` in a spec tree (dicts and lists), or None where there is none."""
+    node = specs
+    for part in path:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node if isinstance(node, LeafSpec) else None
+
+
 def iter_specs(tree: Any, prefix: tuple = ()):
     """(path, LeafSpec) in jax's tree order (sorted dict keys), paths of str keys and int indices."""
     if is_leaf_spec(tree):

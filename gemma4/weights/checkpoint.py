@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import LeafSpec, leaf_name, param_specs
+from gemma4.model.params import LeafSpec, leaf_name, param_specs, spec_at
 from gemma4.weights.leaf_format import LeafFormat
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -283,16 +283,6 @@ def media_target(cfg: ModelConfig, key: str) -> tuple | None:
     return None
 
 
-def _spec_at(specs: dict, path: tuple) -> LeafSpec | None:
-    node: Any = specs
-    for part in path:
-        try:
-            node = node[part]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return node if isinstance(node, LeafSpec) else None
-
-
 def _iter_leaf_paths(tree: Any, prefix: tuple = ()) -> Iterator[tuple]:
     if isinstance(tree, dict):
         for k, v in tree.items():
@@ -360,7 +350,7 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
                     f"{cfg.num_layers} layers (wrong config for this checkpoint?)") from None
             if target is None:
                 continue
-            spec = _spec_at(specs, target)
+            spec = spec_at(specs, target)
             if spec is None:
                 raise CheckpointError(f"{fname}: tensor {key!r} is not used by this config ({_path_name(target)})")
             if target in seen:
