@@ -56,6 +56,17 @@ def test_stats_reach_the_api_usage_and_the_reply_panel():
     assert "completion_tokens_details" not in usage({"new_tokens": 3})
 
 
+def test_the_hardware_panel_explains_the_choice():
+    from gemma4.serve.engine.load import speculation_report
+    from gemma4.ui.hardware_panel import hardware_markdown
+
+    text = hardware_markdown({"speculation": speculation_report(4, 1)})
+    assert "**Speculation**" in text and "prompt lookup" in text and "GEMMA4_SPECULATE=off" in text
+    assert "drafter e2b" in hardware_markdown({"speculation": speculation_report(4, 1, "e2b")})
+    off = speculation_report(0, 2)
+    assert off["mode"] == "off" and "processes" in off["why"]
+
+
 # ------------------------------------------------------------------------------ on an engine
 
 NEW = 40
