@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> Any:
     engine = get_engine(model=settings.model, max_batch=settings.max_users,
                         context_limit=settings.context, mesh=settings.mesh,
                         max_new_tokens_cap=settings.max_new_tokens_cap, speculate=settings.speculate,
-                        drafter=settings.drafter or "off")  # loads in background
+                        drafter=settings.drafter)  # loads in background
     if not distributed.is_leader():  # the UI and the API live on process 0; this one follows it
         log.info("following process 0's schedule (it serves the UI and the API)")
         distributed.finish(engine)

@@ -50,7 +50,7 @@ def _engine(args) -> Engine:
     extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
                         overrides=_overrides(args), mesh=args.mesh, speculate=args.speculate,
-                        drafter=args.drafter or "off", **extra)
+                        drafter=args.drafter, **extra)
     try:
         engine.wait_ready()
     except RuntimeError as e:

@@ -49,7 +49,7 @@ from gemma4.model import config as C
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.config import FULL, SLIDING, ModelConfig
-from gemma4.model.params import LeafSpec, spec_at
+from gemma4.model.params import LeafSpec, iter_specs, spec_at, tree_from_leaves
 from gemma4.ops.linear import linear, take_rows
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -300,32 +300,13 @@ def params_from_state_dict(state: Mapping[str, Any], d: DrafterConfig, dtype: An
         if tuple(np.shape(raw)) != spec.shape:
             raise ValueError(f"tensor {name!r} has shape {list(np.shape(raw))}, expected {list(spec.shape)}")
         found[path] = leaf(spec, raw, dtype, name)
-    missing = [p for p, _ in _leaf_paths(specs) if p not in found]
+    missing = [p for p, _ in iter_specs(specs) if p not in found]
     if missing:
         raise ValueError(f"{d.name}: {len(missing)} tensor(s) missing: {missing[:6]}")
     order = found.get(("token_ordering",))
     if order is not None and not bool(jnp.all((order >= 0) & (order < d.vocab_size))):
         raise ValueError(f"{d.name}: token_ordering holds ids outside [0, {d.vocab_size})")
-    return _tree(specs, found)
-
-
-def _leaf_paths(specs: Any, prefix: tuple = ()):
-    if isinstance(specs, LeafSpec):
-        yield prefix, specs
-    elif isinstance(specs, dict):
-        for k, v in specs.items():
-            yield from _leaf_paths(v, prefix + (k,))
-    else:
-        for i, v in enumerate(specs):
-            yield from _leaf_paths(v, prefix + (i,))
-
-
-def _tree(specs: Any, leaves: dict, prefix: tuple = ()) -> Any:
-    if isinstance(specs, LeafSpec):
-        return leaves[prefix]
-    if isinstance(specs, dict):
-        return {k: _tree(v, leaves, prefix + (k,)) for k, v in specs.items()}
-    return [_tree(v, leaves, prefix + (i,)) for i, v in enumerate(specs)]
+    return tree_from_leaves(specs, found)
 
 
 def random_params(d: DrafterConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
@@ -334,7 +315,7 @@ def random_params(d: DrafterConfig, seed: int = 0, dtype: Any = jnp.float32) -> 
     layer scalars in [0.5, 1), the token ordering a random permutation of the vocabulary."""
     rng = np.random.default_rng(seed)
     leaves = {}
-    for path, spec in _leaf_paths(param_specs(d)):
+    for path, spec in iter_specs(param_specs(d)):
         if spec.kind == "index":
             raw = rng.permutation(spec.shape[0])
         elif spec.kind == "scalar":
@@ -344,7 +325,7 @@ def random_params(d: DrafterConfig, seed: int = 0, dtype: Any = jnp.float32) -> 
         else:
             raw = 0.05 * rng.standard_normal(spec.shape, dtype=np.float32)
         leaves[path] = leaf(spec, raw, dtype)
-    return _tree(param_specs(d), leaves)
+    return tree_from_leaves(param_specs(d), leaves)
 
 
 # ------------------------------------------------------------------------------ drafting

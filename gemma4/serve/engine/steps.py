@@ -159,11 +159,9 @@ def verify_step(params, cache, tokens, positions, sampling, *, cfg, options, wid
 
     Returns (tokens [width, drafts + 1]: each row's kept drafts and then the token drawn after
     them, -1 past those; non-finite flags [width]) and the cache. Full layers read [0, kv_len)."""
-    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
-    logits, cache, _ = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len, cache_row=0,
-                                 queries_alone=True)
-    out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
-    return out, bad, kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+    out, kept, bad, cache, _ = _verified(params, cache, tokens, positions, sampling, cfg=cfg, options=options,
+                                         kv_len=kv_len, drafts=drafts)
+    return out, bad, cache
 
 
 def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cfg, options, width, kv_len, drafts,
@@ -173,17 +171,26 @@ def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cf
     final-normalised state at the position before it and the cache as it now holds the row, k
     greedy drafts. Returns (tokens [width, 2·drafts + 1]: `verify_step`'s, then the next drafts
     (an idle row's meaningless); non-finite flags [width]) and the cache."""
-    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
-    logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
-                                      cache_row=0, return_hidden=True, queries_alone=True)
-    out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
-    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+    out, kept, bad, cache, hidden = _verified(params, cache, tokens, positions, sampling, cfg=cfg, options=options,
+                                              kv_len=kv_len, drafts=drafts)
     state = jnp.take_along_axis(M.final_norm(params, cfg, hidden[-1]), kept[:, None, None], axis=1)[:, 0]
     token = jnp.take_along_axis(out, kept[:, None], axis=1)[:, 0]
     nxt, _ = drafter.draft_tokens(dparams, dcfg, params, cfg, jnp.maximum(token, 0), state,
                                   jnp.maximum(positions[:, 0] + kept + 1, 0), cache, drafts, 0, dtype=options.dtype,
                                   kv_len=kv_len)
     return jnp.concatenate([out, nxt], axis=1), bad, cache
+
+
+def _verified(params, cache, tokens, positions, sampling, *, cfg, options, kv_len, drafts):
+    """`verify_step`'s work: what a row holds from its last token's position on dropped, the
+    tokens run (each token's queries alone), the rule applied, the rejected positions dropped.
+    (tokens, -1 past the kept ones; drafts kept per row; non-finite flags; the cache; hidden states)."""
+    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
+    logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
+                                      cache_row=0, return_hidden=True, queries_alone=True)
+    out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
+    cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
+    return out, kept, bad, cache, hidden
 
 
 def verify_rule(logits, tokens, positions, sampling, drafts):
