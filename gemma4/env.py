@@ -198,7 +198,8 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
                 "layout, a Hub id (e.g. google/gemma-4-E2B-it-assistant), or random (random weights of its "
                 "geometry: speed runs); unset or off: prompt lookup drafts instead"),
         Setting("GEMMA4_DRAFT_TOKENS", INTEGER, None,
-                "the most drafted tokens a verify step checks per row; unset: 4 (at most a sliding "
+                "the most drafted tokens a verify step checks per row (each step checks as many as pay "
+                "best, of this and the powers of two below it); unset: 4 (at most a sliding "
                 "window's slack, 32 for the real models)", low=1),
         Setting("GEMMA4_PREFIX_CACHE", SWITCH, True,
                 "the prefix cache: a request reuses the start of its prompt that a cache row already holds "

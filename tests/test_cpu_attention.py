@@ -213,25 +213,34 @@ def test_an_engine_with_the_kernel_gives_xla_s_tokens(monkeypatch):
 
 
 @needs_kernel
-def test_a_tokens_queries_alone_attend_as_in_a_one_token_step():
-    """Speculative decoding's verify step (decoder.forward's queries_alone): past a sliding window,
-    each of 5 tokens' queries called alone over the ring as the step wrote it equal the one-token
-    steps' over the ring as each wrote it, bit for bit (the kernel picks its tiles per call)."""
-    rng = np.random.default_rng(0)
-    S, d, nq, W, N = 544, 256, 4, 512, 700
-    k, v = (jnp.asarray(rng.standard_normal((1, S, 1, d)), jnp.float32) for _ in range(2))
-    q = jnp.asarray(rng.standard_normal((1, 5, nq, d)), jnp.float32)
-    qpos = np.arange(N, N + 5, dtype=np.int32)[None]
-
+@pytest.mark.parametrize("B,nq,nkv,d", [(1, 4, 1, 256),   # the bundled model: a token's queries fill one tile
+                                        (2, 2, 1, 64),    # 2 a token: a tile holds two tokens' queries
+                                        (1, 8, 2, 128),   # 4 a kv head
+                                        (1, 3, 1, 32)])   # 3 a token: tiles straddle tokens
+def test_each_tokens_queries_attend_as_in_a_one_token_call(B, nq, nkv, d):
+    """A call of 5 tokens (speculative decoding's verify step: a row's last token and 4 drafts) gives
+    each token exactly the bits a call of that token alone gives — past a sliding window's wrap, where
+    the ring's last block is seen whole by some of the tokens and in part by the others, and with a
+    padding token — so a verify step's logits are a decode step's."""
+    rng = np.random.default_rng(nq * d + B)
+    # the ring's block of slots 128-191 holds positions 672-735: tokens 735-737 see it whole, 733-734 in part
+    S, W, N = 544, 512, 733
+    k, v = (jnp.asarray(rng.standard_normal((B, S, nkv, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((B, 5, nq, d)), jnp.float32)
+    qpos = np.tile(np.arange(N, N + 5, dtype=np.int32), (B, 1))
+    qpos[-1, -1] = -1  # a row with fewer drafts: padding after them
     def ring(last):  # slot x % S holds position x, up to `last`
-        kp = np.full((1, S), -1, np.int32)
+        kp = np.full((B, S), -1, np.int32)
         for x in range(last + 1):
-            kp[0, x % S] = x
+            kp[:, x % S] = x
         return jnp.asarray(kp)
 
-    def one(t, kp):
-        return np.asarray(cpu_attention.attend(q[:, t:t + 1], jnp.asarray(qpos[:, t:t + 1]), k, v, kp,
-                                               jnp.asarray([0], jnp.int32), slots=S, window=W, scale=0.0625))
-
-    for t in range(5):
-        assert np.array_equal(one(t, ring(N + 4)), one(t, ring(N + t)))
+    rows = jnp.arange(B, dtype=jnp.int32)
+    call = lambda qq, pp, kp: np.asarray(cpu_attention.attend(  # noqa: E731
+        qq, jnp.asarray(pp), k, v, kp, rows, slots=S, window=W, scale=d ** -0.5))
+    together = call(q, qpos, ring(N + 4))
+    # each token alone over the ring as a one-token step left it (the later tokens not written yet)
+    alone = np.concatenate([call(q[:, t:t + 1], qpos[:, t:t + 1], ring(N + t)) for t in range(5)], axis=1)
+    assert np.array_equal(together, alone)
+    want = cpu_attention.reference(q, qpos, k, v, ring(N + 4), rows, slots=S, window=W, scale=d ** -0.5)
+    np.testing.assert_allclose(together, want, atol=2e-5 * np.abs(want).max(), rtol=0)

@@ -45,6 +45,97 @@ def test_expected_tokens_and_the_pay_rule():
     assert not S.verify_pays(1.2, 1, 0.010, 0.015)  # 80 vs 100
 
 
+# The bundled model's step costs on a 2-core Xeon (geometry.draft_counts): decode, 1, 2, 4 drafts.
+CPU_MS = {0: 18.0, 1: 20.0, 2: 25.0, 4: 29.0}
+
+
+def _copying(kept: int, examined: int, position: int = 40):
+    """A decoding request whose prompt lookup finds 4+ drafts, with a record of kept drafts."""
+    from gemma4.serve.requests import Request
+
+    req = Request(PATTERN * 4, SamplingParams(temperature=0.0, max_new_tokens=100), seed=0)
+    req.recent, req.position, req.generated = [PATTERN[0]], position, 1
+    req.drafts_kept = req.drafts_offered = kept
+    req.drafts_examined = examined
+    return req
+
+
+def _choice(book_keys=None, costs_ms=None):
+    """A ShapeChoice over a fake book of a geometry drafting up to 4, and step costs in ms."""
+    import dataclasses
+
+    from tests.fake_engine import FakeShapes, all_shapes, geometry
+    from gemma4.serve.engine.chunking import StepCosts
+    from gemma4.serve.engine.shape_choice import ShapeChoice
+    from gemma4.serve.shape_keys import DecodeKey, VerifyKey
+
+    g = dataclasses.replace(geometry(max_batch=2, kv_lengths=(256,)), draft_tokens=4)
+    assert g.draft_counts == (1, 2, 4)
+    book = FakeShapes(all_shapes(g) if book_keys is None else book_keys(g))
+    costs = StepCosts()
+    for d, ms in (costs_ms or {}).items():
+        costs.step[DecodeKey(1, 256) if d == 0 else VerifyKey(1, 256, d)] = ms / 1000
+    return ShapeChoice(g, book), costs, book
+
+
+@pytest.mark.parametrize("kept, examined, costs_ms, drafts", [
+    (95, 100, CPU_MS, 4), (50, 100, CPU_MS, 1), (5, 100, CPU_MS, None), (78, 100, {**CPU_MS, 4: 40.0}, 2)])
+def test_the_draft_count_follows_the_record_and_the_costs(kept, examined, costs_ms, drafts):
+    """Drafts kept 95% of the time: four a step; half the time: one (20 ms for 1.5 tokens beats
+    29 ms for 1.9); 5%: none (a decode step); 78% where four drafts cost 40 ms: two."""
+    shapes, costs, _ = _choice(costs_ms=costs_ms)
+    req = _copying(kept, examined)
+    plan = S.verify_plan(shapes, costs, {0: req}, {0: req}, context_limit=256)
+    assert (plan.key.drafts if plan else None) == drafts
+    if plan:  # the step carries as many drafts as its shape checks
+        assert len(plan.drafts[0]) == drafts and (plan.positions[0] >= 0).sum() == drafts + 1
+
+
+def test_the_record_counts_drafts_examined_not_offered():
+    """A step of 4 drafts whose second is rejected examined 2 (kept 1): the chance a draft is kept
+    given the ones before were is 1 in 2, not 1 in 4."""
+    from gemma4.serve.shape_keys import VerifyKey
+
+    shapes, costs, _ = _choice()
+    req = _copying(0, 0)
+    plan = S.verify_plan(shapes, costs, {0: req}, {0: req}, context_limit=256)
+    assert plan.key == VerifyKey(1, 256, 4)  # nothing measured: the most drafts are tried
+    tokens = np.full((1, 5), -1, np.int32)
+    tokens[0, :2] = [PATTERN[1], 99]  # kept the first draft, then the model's own token
+    S.note_verified(plan, tokens, costs, 0.03)
+    assert (req.drafts_offered, req.drafts_kept, req.drafts_examined) == (4, 1, 2)
+    assert S.kept_rate(req) == pytest.approx((1 + S.PRIOR_KEPT) / (2 + S.PRIOR_DRAFTED))
+
+
+def test_unmeasured_counts_are_costed_on_the_measured_line():
+    """Only the decode step and 4 drafts measured: 1 and 2 drafts are estimated on the line
+    between them (18 ms + 2.75 ms a draft); before any verify step is measured, PRIOR_DRAFT_COST."""
+    from gemma4.serve.shape_keys import VerifyKey
+
+    shapes, costs, _ = _choice(costs_ms={0: 18.0, 4: 29.0})
+    keys = [VerifyKey(1, 256, d) for d in (1, 2, 4)]
+    est = S.verify_seconds(keys, costs, 0.018)
+    assert [round(est[k] * 1000, 3) for k in keys] == [20.75, 23.5, 29.0]
+    prior = S.verify_seconds(keys, costs.__class__(), 0.018)
+    assert prior[keys[0]] == pytest.approx(0.018 * (1 + S.PRIOR_DRAFT_COST))
+    assert S.verify_seconds(keys, costs.__class__(), None) == {k: None for k in keys}
+
+
+def test_a_count_not_compiled_is_queued_and_skipped():
+    """With the one-draft shape not compiled, a half-kept record takes the best compiled count (2)
+    and the one-draft shape is queued for idle time; a due probe checks the most drafts."""
+    from gemma4.serve.shape_keys import VerifyKey
+    from tests.fake_engine import all_shapes
+
+    one = lambda g: {k for k in all_shapes(g) if k != VerifyKey(1, 256, 1)}  # noqa: E731
+    shapes, costs, book = _choice(book_keys=one, costs_ms=CPU_MS)
+    req = _copying(50, 100)
+    assert S.verify_plan(shapes, costs, {0: req}, {0: req}, context_limit=256).key.drafts == 2
+    assert (VerifyKey(1, 256, 1), "background") in book.requests
+    req.drafts_skipped = S.PROBE_EVERY - 1
+    assert S.verify_plan(shapes, costs, {0: req}, {0: req}, context_limit=256).key.drafts == 4
+
+
 def test_stats_reach_the_api_usage_and_the_reply_panel():
     from gemma4.ui import reply
     from gemma4.web.api import usage

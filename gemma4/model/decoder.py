@@ -521,7 +521,7 @@ def _slots(spec: LayerSpec, entry: dict, kv_len: int | None) -> int:
 
 def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple | CacheKeys,
                  positions: jax.Array, options: RunOptions, groups: jax.Array | None,
-                 token_rows: jax.Array | None = None, queries_alone: bool = False) -> jax.Array:
+                 token_rows: jax.Array | None = None) -> jax.Array:
     """Queries q [B, T] of one layer over (keys, values, key positions), or over a cache the native
     kernel reads in place (`CacheKeys`): [B, T, heads·d]. `token_rows` [B, T] (prompts packed in
     one chunk, attending to themselves only): a query sees the keys of its own row only."""
@@ -534,12 +534,8 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
         return out.reshape(q.shape[0], q.shape[1], -1)
     if isinstance(source, CacheKeys):
         e = source.entry
-        attend_one = lambda qt, pt: cpu_attention.attend(qt, pt, e["k"], e["v"], e["pos"], source.rows,  # noqa: E731
-                                                         slots=source.slots, window=window, scale=cfg.attention_scale)
-        if queries_alone:  # (forward's queries_alone: the kernel's tiles are chosen per call)
-            out = jnp.concatenate([attend_one(q[:, t:t + 1], positions[:, t:t + 1]) for t in range(q.shape[1])], axis=1)
-        else:
-            out = attend_one(q, positions)
+        out = cpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.rows, slots=source.slots,
+                                   window=window, scale=cfg.attention_scale)
         return out.astype(q.dtype).reshape(q.shape[0], q.shape[1], -1)
     T = positions.shape[1]
     if isinstance(source, WindowKeys):
@@ -567,7 +563,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             logits_at: jax.Array | None = None, return_hidden: bool = False, attend_cache: bool = True,
             cache_row: jax.Array | int = 0, kv_len: int | None = None, inputs_embeds: jax.Array | None = None,
             vision_groups: jax.Array | None = None, head: jax.Array | None = None, decode_rows: int = 0,
-            contiguous: bool = False, token_rows: jax.Array | None = None, queries_alone: bool = False):
+            contiguous: bool = False, token_rows: jax.Array | None = None):
     """Run the decoder on a chunk of tokens.
 
     Args:
@@ -604,10 +600,6 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                  prompts packed in one row of tokens (B == 1, a cache given, attend_cache False),
                  each written to its own row and attending only to its own tokens. `logits_at`
                  is then [K] indices into T (each prompt's last token), and the logits are [K, V].
-      queries_alone: (static) where the native kernel reads the cache, each token's queries attend in a
-                 call of their own: the kernel picks its register tiles per block for every query of
-                 a call (a window's edge block is whole for one token, not for the next), so a token
-                 attends bit for bit as in a one-token step (speculative decoding's verify step).
     Returns:
       (logits [B, T, V] or [B, V] float32, new cache or None, hidden states list or None).
       hidden[0] is the embedding output, hidden[i + 1] the stream after layer i.
@@ -654,8 +646,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                                                          vision=groups is not None, contiguous=contiguous,
                                                          token_rows=token_rows),
                                              options.mesh)
-            attn = _attend_keys(spec, cfg, q, shared[spec.kv_source], positions, options, groups, token_rows,
-                                queries_alone)
+            attn = _attend_keys(spec, cfg, q, shared[spec.kv_source], positions, options, groups, token_rows)
         else:  # the chunk and the decode tokens, each over its own rows
             if spec.is_kv_consumer:
                 parts = shared_parts[spec.kv_source]

@@ -126,12 +126,14 @@ class Request:
     reuse_from: "Request | None" = None
     cached: int = 0
     # Speculative decoding (engine/speculation.py): the prompt-lookup index (built at first use),
-    # the drafts offered and kept, the verify steps run, the decode steps since drafts were last
-    # checked, how far a verify step wrote (its rejected drafts' positions: what a ring lost), and
-    # the drafts the model's drafter made in the last verify step.
+    # the drafts offered, kept and examined (kept, and the one a step rejected), the verify steps
+    # run, the decode steps since drafts were last checked, how far a verify step wrote (its
+    # rejected drafts' positions: what a ring lost), and the drafts the model's drafter made in
+    # the last verify step.
     lookup: Any = None
     drafts_offered: int = 0
     drafts_kept: int = 0
+    drafts_examined: int = 0
     verify_steps: int = 0
     drafts_skipped: int = 0
     written: int = 0

@@ -17,8 +17,8 @@
 // single decode row uses every thread XLA's pool lends.
 //
 // The loops are plain C++ over fixed 16-float lanes; each is compiled for AVX-512, AVX2+FMA and a
-// portable baseline and chosen at run time. With AVX-512, a block of slots that every query sees
-// (the usual case: a conversation's filled cache) runs as register tiles instead: scores 4 queries
+// portable baseline and chosen at run time. With AVX-512, a block of slots that a query sees whole
+// (the usual case: a conversation's filled cache) runs as register tiles for it: scores 4 queries
 // x 4 slots (each key read once for 4 queries, the 16 dots summed across lanes together), values
 // 4 queries x 64 outputs kept in registers over the block. On a 2-core AMD EPYC Zen 4, one thread:
 // a 16-token chunk over 4,096 slots 15.6-16.0 ms → 7.9-9.8 ms, a decode row 0.76-0.83 → 0.41-0.57 ms.
@@ -182,7 +182,11 @@ __attribute__((target("avx512f"))) inline void ValueTile(const float* p, int64_t
 
 // One part: slots [s0, s1) of the cache row of batch row bi, kv head h, for its n = t * g queries
 // (query i: token i / g, head h * g + i % g), into `part`. kTiles: the AVX-512 score and value
-// tiles above serve each block that every query sees whole or not at all (else the per-dot loops).
+// tiles above serve each query that sees a block whole (else the per-dot loops). The choice is
+// the query's own: a query's result depends on its position and the cache alone, never on the
+// other queries of the call — so each token of a multi-token call (speculative decoding's verify
+// step) gets the bits a one-token call gives it (a tile's 16 dots share one summation tree, and
+// its value rows accumulate apart).
 template <bool kTiles>
 inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, int64_t h, int64_t s0, int64_t s1,
                                                 Partial& part) {
@@ -204,38 +208,39 @@ inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, in
   part.m.assign(n, -INFINITY);
   part.l.assign(n, 0.0f);
   part.o.assign(n4 * d, 0.0f);
-  std::vector<float> sc(n4 * kBlock);
-  std::vector<uint8_t> vis(n * kBlock), blind(n);
+  std::vector<float> sc(n4 * kBlock), tile_w(kQt * kBlock), spare(d);
+  std::vector<uint8_t> vis(n * kBlock), tiled(n4);
   for (int64_t b0 = s0; b0 < s1; b0 += kBlock) {
     const int64_t nb = std::min(kBlock, s1 - b0);
     // which (query, slot) pairs are visible: none (an empty or future block costs no product), or
-    // for each query all of the block or none of it (the tiles), or some
-    bool any = false, whole = nb % kSt == 0;
+    // for a query all of the block (its tiles) or some of it (the per-dot loops)
+    bool any = false, any_tiled = false;
     for (int64_t i = 0; i < n; ++i) {
       int64_t seen = 0;
       for (int64_t j = 0; j < nb; ++j) seen += vis[i * kBlock + j] = Visible(kpos[b0 + j], qp[i], p.window);
-      blind[i] = seen == 0;
       any |= seen > 0;
-      whole &= seen == 0 || seen == nb;
+      tiled[i] = kTiles && nb % kSt == 0 && seen == nb;
+      any_tiled |= tiled[i];
     }
     if (!any) continue;
-    const bool tiled = kTiles && whole;
+    for (int64_t i = n; i < n4; ++i) tiled[i] = 0;  // padding rows: weights 0, outputs never read
     if constexpr (kTiles) {
-      if (tiled) {
+      if (any_tiled) {
         for (int64_t j = 0; j < nb; j += kSt) {
           for (int64_t i = 0; i < n4; i += kQt) {
-            ScoreTile(&qs[i], kbase + (b0 + j) * stride, stride, d, p.scale, &sc[i * kBlock + j], kBlock);
+            if (tiled[i] | tiled[i + 1] | tiled[i + 2] | tiled[i + 3]) {
+              ScoreTile(&qs[i], kbase + (b0 + j) * stride, stride, d, p.scale, &sc[i * kBlock + j], kBlock);
+            }
           }
-        }
-        for (int64_t i = 0; i < n; ++i) {  // a query that sees none of the block (padding, a later chunk's)
-          if (blind[i]) std::fill(&sc[i * kBlock], &sc[i * kBlock] + nb, -INFINITY);
         }
       }
     }
-    if (!tiled) {  // scores: query i against slot j, -inf where not visible (an empty slot costs no product)
-      for (int64_t j = 0; j < nb; ++j) {
-        const float* kr = kbase + (b0 + j) * stride;
-        for (int64_t i = 0; i < n; ++i) sc[i * kBlock + j] = vis[i * kBlock + j] ? Dot(qs[i], kr, d) * p.scale : -INFINITY;
+    // the other queries' scores: query i against slot j, -inf where not visible (an empty slot
+    // costs no product)
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* kr = kbase + (b0 + j) * stride;
+      for (int64_t i = 0; i < n; ++i) {
+        if (!tiled[i]) sc[i * kBlock + j] = vis[i * kBlock + j] ? Dot(qs[i], kr, d) * p.scale : -INFINITY;
       }
     }
     // online softmax: rescale what was summed so far; the weights exp(score - max) in sc
@@ -262,25 +267,35 @@ inline __attribute__((always_inline)) void Part(const Problem& p, int64_t bi, in
       for (int64_t j = 0; j < nb; ++j) l += si[j];
       part.l[i] += l;
     }
-    // the weighted values: every weight of a tiled block is a visible slot's; elsewhere a weight
-    // of 0 is skipped, so a slot never written (whatever it holds) adds nothing
+    // the weighted values: a tile's rows of queries it does not serve weigh 0 into a spare output
+    // (the block is one some query sees whole, so written and finite: 0 adds exactly 0); a query
+    // not tiled skips its weights of 0, so a slot never written (whatever it holds) adds nothing
     if constexpr (kTiles) {
-      if (tiled) {
-        for (int64_t i = n; i < n4; ++i) std::fill(&sc[i * kBlock], &sc[i * kBlock] + nb, 0.0f);
+      if (any_tiled) {
         for (int64_t i = 0; i < n4; i += kQt) {
+          const int served = tiled[i] + tiled[i + 1] + tiled[i + 2] + tiled[i + 3];
+          if (!served) continue;
           float* os[kQt];
-          for (int t = 0; t < kQt; ++t) os[t] = &part.o[(i + t) * d];
-          ValueTile(&sc[i * kBlock], kBlock, vbase + b0 * stride, stride, nb, d, os);
+          for (int t = 0; t < kQt; ++t) os[t] = tiled[i + t] ? &part.o[(i + t) * d] : spare.data();
+          if (served == kQt) {
+            ValueTile(&sc[i * kBlock], kBlock, vbase + b0 * stride, stride, nb, d, os);
+            continue;
+          }
+          for (int t = 0; t < kQt; ++t) {
+            float* w = &tile_w[t * kBlock];
+            if (tiled[i + t]) std::copy(&sc[(i + t) * kBlock], &sc[(i + t) * kBlock] + nb, w);
+            else std::fill(w, w + nb, 0.0f);
+          }
+          ValueTile(tile_w.data(), kBlock, vbase + b0 * stride, stride, nb, d, os);
         }
       }
     }
-    if (!tiled) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float* si = &sc[i * kBlock];
-        float* oi = &part.o[i * d];
-        for (int64_t j = 0; j < nb; ++j) {
-          if (si[j] != 0.0f) Axpy(si[j], vbase + (b0 + j) * stride, oi, d);
-        }
+    for (int64_t i = 0; i < n; ++i) {
+      if (tiled[i]) continue;
+      const float* si = &sc[i * kBlock];
+      float* oi = &part.o[i * d];
+      for (int64_t j = 0; j < nb; ++j) {
+        if (si[j] != 0.0f) Axpy(si[j], vbase + (b0 + j) * stride, oi, d);
       }
     }
   }

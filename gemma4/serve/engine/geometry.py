@@ -160,13 +160,27 @@ class ServingGeometry:
         n = next((n for n in self.kv_lengths if n >= need_n), None)
         return None if w is None or n is None else MixedKey(w, n)
 
-    def verify_key(self, need_w: int, need_n: int) -> VerifyKey | None:
-        """The verify shape for rows [0, need_w) whose positions, drafts included, are below
-        need_n; None where the geometry drafts nothing or no cache length holds them."""
+    @property
+    def draft_counts(self) -> tuple[int, ...]:
+        """The draft counts a verify step is compiled for: `draft_tokens` and the powers of two
+        below it (4: 1, 2, 4). A step's cost grows with its drafts where the model's step is not
+        bound by reading its weights alone (bundled model, 2-core Xeon: a decode step 17-19 ms, a
+        verify step of 1, 2, 4, 8 drafts 20, 25, 29, 43 ms), so rows whose drafts are kept half
+        the time gain most from one draft a step and rows that copy from four or more
+        (engine/speculation.py picks by the measured costs)."""
+        k = self.draft_tokens
+        return tuple(sorted({1 << i for i in range(k.bit_length()) if 1 << i < k} | {k})) if k else ()
+
+    def verify_key(self, need_w: int, need_n: int, drafts: int | None = None) -> VerifyKey | None:
+        """The verify shape of `drafts` drafts (None: `draft_tokens`) for rows [0, need_w) whose
+        positions, drafts included, are below need_n; None where the geometry drafts nothing or no
+        cache length holds them."""
         n = next((n for n in self.kv_lengths if n >= need_n), None)
         if not self.draft_tokens or n is None:
             return None
-        return VerifyKey(next((w for w in self.widths if w >= need_w), self.widths[-1]), n, self.draft_tokens)
+        d = self.draft_tokens if drafts is None else drafts
+        assert d in self.draft_counts, (d, self.draft_counts)
+        return VerifyKey(next((w for w in self.widths if w >= need_w), self.widths[-1]), n, d)
 
     def _short_shapes(self) -> tuple[ShapeKey, ...]:
         """A lone short request's: its first chunk in the first bucket, its row's decode."""
@@ -209,13 +223,13 @@ class ServingGeometry:
         lone = list(self._short_shapes()) if self.users_at_ready else []  # (else compiled before ready)
         return tuple(dict.fromkeys(
             lone + stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
-            + [VerifyKey(w, n0, self.draft_tokens) for w in self.widths if self.draft_tokens]
+            + [VerifyKey(w, n0, d) for w in self.widths for d in self.draft_counts[::-1]]
             + later
             + [MixedKey(w, n0) for w in self.mixed_widths]
             + long
             + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
             + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]]
-            + [VerifyKey(w, n, self.draft_tokens) for n in self.kv_lengths[1:] for w in self.widths if self.draft_tokens]))
+            + [VerifyKey(w, n, d) for n in self.kv_lengths[1:] for w in self.widths for d in self.draft_counts[::-1]]))
 
     def narrowed(self, **fields) -> "ServingGeometry":
         """A copy with some ladders replaced (benchmarks and tests that serve fewer shapes)."""

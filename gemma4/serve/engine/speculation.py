@@ -14,17 +14,20 @@ occurred before, the tokens that followed them then are the draft (a reply quoti
 summarising its input repeats long runs of it). Rows with nothing to draft just decode; a verify
 step runs when, by the measured step costs and each row's record of kept drafts, it is expected to
 give more tokens a second than a decode step (`verify_pays`), and now and then regardless (a
-record can only change by verifying).
+record can only change by verifying). Its number of drafts adapts the same way: of the compiled
+counts (1, 2, 4 for k = 4) the one expected to give the most tokens a second — where a step's cost
+grows with its drafts (a CPU), rows whose drafts are kept about half the time check one a step.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from gemma4.serve.engine.chunking import StepCosts
 from gemma4.serve.engine.shape_choice import ShapeChoice
 from gemma4.serve.engine.step_plans import VerifyStep, verify_step
 from gemma4.serve.requests import Request
+from gemma4.serve.shape_keys import VerifyKey
 
 # The longest and shortest n-gram matched: the longest earlier match is the likeliest to go on as
 # before; one token alone still finds runs to copy (a code line's indentation, a quoted name).
@@ -35,6 +38,9 @@ PRIOR_KEPT, PRIOR_DRAFTED = 1.0, 2.0
 # A row whose drafts do not pay is still verified every PROBE_EVERY-th decode step it has drafts:
 # its record changes only by verifying (a reply may start copying later).
 PROBE_EVERY = 16
+# A draft's share of a decode step's cost before any verify step is measured (the bundled model on a
+# 2-core Xeon: 0.15-0.19; the 12B on a TPU v5e: ~0.02, its step bound by reading the weights).
+PRIOR_DRAFT_COST = 0.25
 MODES = ("off", "lookup")
 
 
@@ -83,8 +89,11 @@ def drafter_drafts(req: Request, k: int) -> list[int]:
 
 
 def kept_rate(req: Request) -> float:
-    """The share of `req`'s drafts kept so far (with the prior)."""
-    return (req.drafts_kept + PRIOR_KEPT) / (req.drafts_offered + PRIOR_DRAFTED)
+    """The chance that `req`'s next draft is kept given the ones before it were: drafts kept over
+    drafts examined (a verify step examines a row's drafts up to the first it rejects), with the
+    prior — the estimate `expected_tokens` wants (kept over offered would count the drafts after
+    a rejection, never examined, as failures)."""
+    return (req.drafts_kept + PRIOR_KEPT) / (req.drafts_examined + PRIOR_DRAFTED)
 
 
 def expected_tokens(rate: float, drafts: int) -> float:
@@ -101,11 +110,24 @@ def verify_pays(expected: float, rows: int, decode_s: float | None, verify_s: fl
     return expected / verify_s > rows / decode_s
 
 
+def verify_seconds(keys: Sequence[VerifyKey], costs: StepCosts, decode_s: float | None) -> dict[VerifyKey, float | None]:
+    """Each verify shape's seconds a step: its measure, else on the line through the decode step
+    (no drafts) and the measured ones — decode_s + drafts x their mean cost a draft (before any
+    is measured, PRIOR_DRAFT_COST of a decode step); None while the decode step is unmeasured."""
+    if decode_s is None:
+        return {key: costs.step.get(key) for key in keys}
+    slopes = [(costs.step[k] - decode_s) / k.drafts for k in keys if k in costs.step]
+    slope = max(0.0, sum(slopes) / len(slopes)) if slopes else PRIOR_DRAFT_COST * decode_s
+    return {key: costs.step.get(key, decode_s + slope * key.drafts) for key in keys}
+
+
 def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Request],
                 decoding: Mapping[int, Request], *, context_limit: int) -> VerifyStep | None:
-    """A verify step for `decoding` rows where the geometry drafts, some row has drafts, its
-    shape is compiled (else it is queued) and it pays (`verify_pays`, or a row's probe is due);
-    else None (the rows decode one token)."""
+    """A verify step for `decoding` rows where the geometry drafts and some row has drafts: of
+    the compiled draft counts (`geometry.draft_counts`; the others are queued), the one expected
+    to give the most tokens a second by the rows' records and the step costs (`verify_seconds`),
+    where it beats a decode step (`verify_pays`) — or the most drafts where a row's probe is due
+    or nothing is measured yet; else None (the rows decode one token)."""
     k = shapes.geometry.draft_tokens
     if not k or not decoding:
         return None
@@ -118,23 +140,32 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
             drafts[row] = proposed
     if not drafts and not drafter:  # (a drafter's first verify step makes the drafts)
         return None
-    need_w, need_n = max(decoding) + 1, max(r.position + len(drafts.get(row, ())) for row, r in decoding.items()) + 1
-    key = shapes.verify_key(need_w, need_n)
-    if key is None:
+    need_w = max(decoding) + 1
+    options: dict[VerifyKey, float] = {}  # compiled verify shape -> the tokens it is expected to give
+    for d in shapes.geometry.draft_counts:
+        # with a drafter every row has d drafts from the next step on: what a verify step now starts
+        offered = {row: d if drafter else min(d, len(drafts.get(row, ()))) for row in decoding}
+        key = shapes.verify_key(need_w, max(decoding[row].position + n for row, n in offered.items()) + 1, d)
+        if key is not None:
+            options[key] = sum(expected_tokens(kept_rate(decoding[row]), n) for row, n in offered.items())
+    if not options:
         return None
-    # with a drafter every row has k drafts from the next step on: what a verify step now starts
-    expected = sum(expected_tokens(kept_rate(r), k if drafter else len(drafts.get(row, ())))
-                   for row, r in decoding.items())
     probe = False
     for row in (decoding if drafter else drafts):
         decoding[row].drafts_skipped += 1
         probe |= decoding[row].drafts_skipped >= PROBE_EVERY
-    decode_key = shapes.geometry.decode_key(need_w, max(r.position for r in decoding.values()) + 1)
-    if not probe and not verify_pays(expected, len(decoding), costs.step.get(decode_key), costs.step.get(key)):
-        return None
+    decode_s = costs.step.get(shapes.geometry.decode_key(need_w, max(r.position for r in decoding.values()) + 1))
+    seconds = verify_seconds(list(options), costs, decode_s)
+    if probe or any(s is None for s in seconds.values()):
+        key = max(options, key=lambda key: key.drafts)  # most drafts: the most a record learns
+    else:
+        key = max(options, key=lambda key: options[key] / seconds[key])
+        if not verify_pays(options[key], len(decoding), decode_s, seconds[key]):
+            return None
     for row in decoding:
         decoding[row].drafts_skipped = 0
-    return verify_step(key, dict(decoding), drafts, dict(active), shapes.book.has_run(key))
+    return verify_step(key, dict(decoding), {row: d[:key.drafts] for row, d in drafts.items()}, dict(active),
+                       shapes.book.has_run(key))
 
 
 def note_verified(plan: VerifyStep, tokens, costs: StepCosts, seconds: float) -> None:
@@ -151,5 +182,6 @@ def note_verified(plan: VerifyStep, tokens, costs: StepCosts, seconds: float) ->
             req.next_drafts, req.next_drafts_at = [int(t) for t in tokens[row, k + 1:]], req.position + kept + 1
         req.drafts_offered += offered
         req.drafts_kept += min(kept, offered)
+        req.drafts_examined += min(kept + 1, offered)
         req.verify_steps += 1
         req.written = max(req.written, int(plan.positions[row].max()) + 1)

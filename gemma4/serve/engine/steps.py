@@ -183,11 +183,11 @@ def verify_draft_step(params, dparams, cache, tokens, positions, sampling, *, cf
 
 def _verified(params, cache, tokens, positions, sampling, *, cfg, options, kv_len, drafts):
     """`verify_step`'s work: what a row holds from its last token's position on dropped, the
-    tokens run (each token's queries alone), the rule applied, the rejected positions dropped.
+    tokens run, the rule applied, the rejected positions dropped.
     (tokens, -1 past the kept ones; drafts kept per row; non-finite flags; the cache; hidden states)."""
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
     logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
-                                      cache_row=0, return_hidden=True, queries_alone=True)
+                                      cache_row=0, return_hidden=True)
     out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
     return out, kept, bad, cache, hidden
@@ -290,14 +290,14 @@ class StepPrograms:
                                       in_shardings=(param_sh, cache_sh) + (rep,) * 6, **step)
                       for w in model.geometry.mixed_widths for n in model.geometry.kv_lengths}
         # speculative decoding's verify step, with the drafter's next drafts where it has one
-        k, dr = model.geometry.draft_tokens, model.drafter
-        self.verify = {} if not k else {
-            (w, n): jax.jit(named(verify_step, width=w, kv_len=n, drafts=k),
-                            in_shardings=(param_sh, cache_sh, rep, rep, rep), **step) if dr is None else
+        dr = model.drafter
+        self.verify = {
+            (w, n, k): jax.jit(named(verify_step, width=w, kv_len=n, drafts=k),
+                               in_shardings=(param_sh, cache_sh, rep, rep, rep), **step) if dr is None else
             jax.jit(named(verify_draft_step, width=w, kv_len=n, drafts=k, dcfg=dr[0]),
                     in_shardings=(param_sh, rep, cache_sh, rep, rep, rep), donate_argnums=(2,),
                     out_shardings=(rep, rep, cache_sh))
-            for w in model.geometry.widths for n in model.geometry.kv_lengths}
+            for w in model.geometry.widths for n in model.geometry.kv_lengths for k in model.geometry.draft_counts}
         self.copy = jax.jit(named(copy_prefix_step), in_shardings=(cache_sh, rep, rep, rep), donate_argnums=(0,),
                             out_shardings=cache_sh)
 
@@ -324,7 +324,7 @@ class StepPrograms:
         if isinstance(key, VerifyKey):
             t = key.drafts + 1
             first = (params,) if self.model.drafter is None else (params, self.model.drafter[1])
-            return self.verify[w, key.kv_len].lower(*first, cache, i32(w, t), i32(w, t), SamplingRows.spec(w))
+            return self.verify[w, key.kv_len, key.drafts].lower(*first, cache, i32(w, t), i32(w, t), SamplingRows.spec(w))
         if isinstance(key, MixedKey):
             return self.mixed[w, key.kv_len].lower(params, cache, i32(MIXED_CHUNK + w), i32(MIXED_CHUNK + w), i32(),
                                                    i32(), i32(), SamplingRows.spec(w + 1))
