@@ -92,7 +92,6 @@ EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-12b", "random
 # app: the 12B's cold start (12 GB of int8 weights drawn, then its shapes compiled) and its media replies
 PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 420, "loads": 200, "e4b": 360,
                 "prefix": 540, "long": 570, "users": 480, "verify": 300}
-HBM_GBPS = {"TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v6 lite": 1640.0, "TPU v5p": 2765.0, "TPU v4": 1228.0}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
     "engine_ready_cold_s": 60, "engine_ready_warm_s": 10, "batch64_tok_s": 2000, "ttft_128_ms": 20,
@@ -391,8 +390,10 @@ def worker_decode(args) -> dict:
     in the 1-row shape, as in the app: an accelerator's widths are 1, 8 and the engine's rows)."""
     import jax
 
+    from gemma4.plan import hardware, hardware_probe
+
     kind = jax.devices()[0].device_kind
-    gbps = HBM_GBPS.get(kind)
+    gbps = hardware.memory_bandwidth_gbps(hardware_probe.probe())  # the plan's table: TPUs and NVIDIA GPUs
     out = {"device_kind": kind, "hbm_gbps": gbps, "configs": []}
     for spec in args.configs:
         model, dt, weights, *extra = spec.split(",")

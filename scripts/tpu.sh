@@ -9,13 +9,28 @@
 # The chip machine has JAX, libtpu and numpy but no internet; the wheels travel with the working
 # tree (.whl-tpu/ is ignored by git: carry it). They install under /tmp, after the machine's own
 # packages on PYTHONPATH, so its JAX stays the one imported.
+#
+# An NVIDIA GPU machine (the device tool's H200: Python 3.12 with JAX and its CUDA plugin, no
+# package index) takes the same bench with CHIP=gpu: the engine's wheels for its Python go to
+# .whl-gpu/ (the app's UI is not carried: run the engine's parts, e.g. --parts env,exact,decode,verify).
+#
+#   CHIP=gpu bash scripts/tpu.sh --fetch-wheels
+#   CHIP=gpu bash scripts/tpu.sh --parts env,exact,decode,verify --quick
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=.whl-tpu
+CHIP="${CHIP:-tpu}"
+case "$CHIP" in
+  tpu) CHIP_PYTHON=3.11 ;;
+  gpu) CHIP_PYTHON=3.12 ;;
+  *) echo "CHIP must be tpu or gpu, not $CHIP" >&2; exit 2 ;;
+esac
+WHEELS=.whl-$CHIP
 # What the engine imports beyond JAX (gemma4's imports; the tokenizers, image and audio decoding,
 # GGUF reading) and the app's UI (gradio and what it needs that the machine's index lacks).
 ENGINE_PKGS="soxr==1.1.0 pillow==12.3.0 gguf==0.19.0 sentencepiece==0.2.3 pyyaml==6.0.4 protobuf==7.36.2
 tokenizers==0.23.3 psutil==7.2.2 filelock==4.3.2"
+# The GPU machine's image has all of ENGINE_PKGS but these (its own versions stay the ones imported).
+GPU_PKGS="soxr==1.1.0 gguf==0.19.0"
 # Not carried: PyAV (av 18.1.0, 35.8 MB with FFmpeg inside) would take the wheels past the 64 MiB a
 # run carries. The app check's clip is a PCM WAV, which gemma4.media.audio reads with Python's
 # `wave`; PyAV (any version) is tried from the machine's index below, where it may be missing
@@ -38,8 +53,10 @@ INDEX_URL=file:///opt/pypi/simple
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
   mkdir -p "$WHEELS"
-  for p in $ENGINE_PKGS $APP_PKGS ${TPU_EXTRA_WHEELS:-}; do
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+  pkgs="$ENGINE_PKGS $APP_PKGS"
+  [ "$CHIP" = gpu ] && pkgs="$GPU_PKGS"
+  for p in $pkgs ${TPU_EXTRA_WHEELS:-}; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$CHIP_PYTHON" --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
       --platform any -d "$WHEELS" "$p"
@@ -60,18 +77,18 @@ if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     return "${PIPESTATUS[0]}"
   }
   if [ ! -d "${INDEX_URL#file://}" ]; then
-    echo "[tpu] no package index at $INDEX_URL: the app's requirements beside gradio are not installed" >&2
+    echo "[$CHIP] no package index at $INDEX_URL: the app's requirements beside gradio are not installed" >&2
   elif ! index_install $APP_INDEX_PKGS; then
     failed=""
     for p in $APP_INDEX_PKGS; do index_install "$p" || failed="$failed $p"; done
-    [ -z "$failed" ] || echo "[tpu] not installed from $INDEX_URL:$failed (the app may not import)" >&2
+    [ -z "$failed" ] || echo "[$CHIP] not installed from $INDEX_URL:$failed (the app may not import)" >&2
   fi
   if [ -d "${INDEX_URL#file://}" ] && ! index_install av 2>/dev/null; then
-    echo "[tpu] no PyAV in $INDEX_URL: the app decodes PCM WAV audio only (no other audio, no video)" >&2
+    echo "[$CHIP] no PyAV in $INDEX_URL: the app decodes PCM WAV audio only (no other audio, no video)" >&2
   fi
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/tpu-site"
 else
-  echo "[tpu] no wheels in $WHEELS: using what the machine has (bash scripts/tpu.sh --fetch-wheels here first)" >&2
+  echo "[$CHIP] no wheels in $WHEELS: using what the machine has (bash scripts/tpu.sh --fetch-wheels here first)" >&2
 fi
 export PYTHONUNBUFFERED=1
 # a compile cache of its own per run: the engine's cold start is part of what is measured

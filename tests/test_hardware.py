@@ -35,7 +35,7 @@ EXPECTED = {
     "tpu-v4": ("bfloat16", "none", "xla", "pallas", "dequant+dot", "bfloat16", False),
     "tpu-v5e": ("bfloat16", "none", "xla", "pallas", "dequant+dot", "bfloat16", True),
     "tpu-v6e": ("bfloat16", "none", "xla", "pallas", "dequant+dot", "bfloat16", True),
-    "unknown-gpu": ("float32", "none", "xla", "xla", "dequant+dot", None, False),
+    "unknown-gpu": ("float32", "none", "xla", "xla", "dequant+dot", "highest", False),
 }
 
 
@@ -149,6 +149,15 @@ def test_unsafe_dtype_overrides_are_accepted_with_warning():
     assert t4.warnings
     ok = plan_for("h100", {"dtype": "bfloat16"})  # same as auto: no warning
     assert ok.warnings == ()
+
+
+def test_float32_on_a_gpu_multiplies_in_float32():
+    """float32 is the exact mode: on an Ampere-or-later GPU JAX's default would round its products'
+    inputs to TF32 (as the TPU's default to one bf16 pass), so the plan asks for `highest` there;
+    bf16 compute keeps the default."""
+    assert plan_for("h200", {"dtype": "float32"}).matmul_precision.value == "highest"
+    assert "TF32" in plan_for("a100", {"dtype": "float32"}).matmul_precision.reason
+    assert plan_for("h200").matmul_precision.value is None
 
 
 def test_matmul_precision_override():

@@ -578,6 +578,12 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
         # runs at `highest` (six passes, float32-exact products) and gives the CPU's float32 ids
         prec = Choice("highest", "TPU, float32 compute: jax_default_matmul_precision=highest (float32-exact "
                                  "products; the default one bf16 pass is off by ~1e-3)")
+    elif plat == "gpu" and dtype == "float32":
+        # likewise: JAX's default lets an NVIDIA GPU from Ampere (sm_80) on run float32 products as
+        # TF32 (10 bits of mantissa); float32 is the exact mode, so its products are float32's
+        # (on a GPU without TF32, `highest` is what the default does anyway)
+        prec = Choice("highest", "GPU, float32 compute: jax_default_matmul_precision=highest (float32 products; "
+                                 "the default lets tensor cores round them to TF32's 10-bit mantissa)")
     elif plat == "tpu":
         prec = Choice("bfloat16", "TPU: jax_default_matmul_precision=bfloat16 (one MXU pass)")
     else:
