@@ -308,7 +308,8 @@ def speculation_report(drafts: int, processes: int, drafter: str | None = None) 
         return {"mode": f"drafter {drafter}", "drafts_per_step": drafts,
                 "why": "after each step the model's own drafter (four small layers reading the model's KV cache) "
                        "drafts the next tokens on the device, and the next step checks them with the model's "
-                       "last token, one read of the weights; the drafts the model agrees with are kept, so a "
+                       "last token, one read of the weights (up to this many drafts: as many as give the most "
+                       "tokens a second by the measured costs); the drafts the model agrees with are kept, so a "
                        "reply is the one plain decoding gives (GEMMA4_DRAFTER picks it, GEMMA4_SPECULATE=off "
                        "turns drafting off)"}
     if drafts:
@@ -316,8 +317,9 @@ def speculation_report(drafts: int, processes: int, drafter: str | None = None) 
                 "why": "a reply's next tokens are drafted from its own prompt and reply where their last tokens "
                        "occurred before, and up to this many are checked in one step (one read of the weights); "
                        "the drafts the model agrees with are kept, so a reply is the one plain decoding gives. A "
-                       "row verifies only while the measured step costs and its kept drafts say it pays "
-                       "(GEMMA4_SPECULATE=off turns it off, GEMMA4_DRAFT_TOKENS sets the drafts)"}
+                       "row verifies only while the measured step costs and its kept drafts say it pays, and each "
+                       "step checks as many drafts (up to this many) as give the most tokens a second "
+                       "(GEMMA4_SPECULATE=off turns it off, GEMMA4_DRAFT_TOKENS sets the most)"}
     why = ("several processes replay one process's steps: a verify step is not announced to them" if processes > 1
            else "GEMMA4_SPECULATE=off")
     return {"mode": "off", "drafts_per_step": 0, "why": why}
