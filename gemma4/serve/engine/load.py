@@ -302,6 +302,12 @@ def draft_tokens_setting(speculate: str | None = None) -> int:
     return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
 
 
+# Where a verify step's logits are a decode step's bit for bit (docs/performance.md, "Where it is exact").
+EXACT_WHERE = (" — bit for bit where each token's products and attention are computed alone (the CPU plan's native "
+               "kernels); with XLA's (other CPU plans: measured; accelerators: not yet) a verify step's last bits can "
+               "differ from a one-token step's, and a near-tie token fall the other way")
+
+
 def speculation_report(drafts: int, processes: int, drafter: str | None = None) -> dict:
     """What the Hardware panel says of speculative decoding: the choice and why."""
     if drafts and drafter:
@@ -310,13 +316,15 @@ def speculation_report(drafts: int, processes: int, drafter: str | None = None) 
                        "drafts the next tokens on the device, and the next step checks them with the model's "
                        "last token, one read of the weights (up to this many drafts: as many as give the most "
                        "tokens a second by the measured costs); the drafts the model agrees with are kept, so a "
-                       "reply is the one plain decoding gives (GEMMA4_DRAFTER picks it, GEMMA4_SPECULATE=off "
+                       "reply is the one plain decoding gives" + EXACT_WHERE + " (GEMMA4_DRAFTER picks it, "
+                       "GEMMA4_SPECULATE=off "
                        "turns drafting off)"}
     if drafts:
         return {"mode": "prompt lookup", "drafts_per_step": drafts,
                 "why": "a reply's next tokens are drafted from its own prompt and reply where their last tokens "
                        "occurred before, and up to this many are checked in one step (one read of the weights); "
-                       "the drafts the model agrees with are kept, so a reply is the one plain decoding gives. A "
+                       "the drafts the model agrees with are kept, so a reply is the one plain decoding gives"
+                       + EXACT_WHERE + ". A "
                        "row verifies only while the measured step costs and its kept drafts say it pays, and each "
                        "step checks as many drafts (up to this many) as give the most tokens a second "
                        "(GEMMA4_SPECULATE=off turns it off, GEMMA4_DRAFT_TOKENS sets the most)"}
