@@ -58,7 +58,9 @@ Parts:
            drafter's real geometry, random weights): the device's ms per step of a decode step, of
            the verify step drafting the next step's tokens, and of the verify step alone (prompt
            lookup's); their ratios, and the speed-up those costs give at acceptance rates 0.3-0.9
-           (a projection: random weights keep no drafts). Not in the default parts.
+           (a projection: random weights keep no drafts); and whether k + 1 tokens in one step get
+           the logits k + 1 one-token steps give them, bit for bit (`logits_bit_equal`: where not,
+           drafting can change a near-tie token). Not in the default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -795,11 +797,40 @@ def worker_verify(args) -> dict:
             alone_s = _verify_steps(eng, key, 64, _plain_verify(eng, key), (eng.params,))
             out.update(verify_alone_ms=round(alone_s * 1000, 3), verify_alone_over_decode=round(alone_s / decode_s, 3),
                        projection_alone=speedup_projection(key.drafts, decode_s, alone_s))
+        out["logits_bit_equal"] = logits_bit_equal(eng.cfg, eng.params, eng.loaded.options, eng.loaded.kv_format,
+                                                   key.drafts + 1)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         eng.close()
     return out
+
+
+def logits_bit_equal(cfg, params, options, kv_format: str, tokens: int) -> dict:
+    """Whether `tokens` tokens run in one step (a verify step's shape) get the logits `tokens`
+    one-token steps give them, bit for bit — where they do, speculative decoding's replies are plain
+    decoding's exactly; where not, a near-tie token can fall the other way (docs/performance.md,
+    "Where it is exact"). On a cache of its own (one row, 256 slots) after a 20-token prompt:
+    {"equal", "max_abs_diff", "tokens"}."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from gemma4.model import decoder as M
+    from gemma4.model import kv_cache
+
+    fwd = jax.jit(lambda p, c, t, pos: M.forward(p, cfg, t, pos, c, options=options, kv_len=256, cache_row=0)[:2])
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, cfg.vocab_size, 20 + tokens).astype(np.int32)
+    cache = kv_cache.init_cache(cfg, 1, 256, options.dtype, kv_format)
+    _, cache = fwd(params, cache, jnp.asarray(ids[None, :20]), jnp.arange(20, dtype=jnp.int32)[None])
+    together, _ = fwd(params, cache, jnp.asarray(ids[None, 20:]), jnp.arange(20, 20 + tokens, dtype=jnp.int32)[None])
+    alone = []
+    for i in range(tokens):
+        logits, cache = fwd(params, cache, jnp.asarray(ids[None, 20 + i:21 + i]), jnp.asarray([[20 + i]], jnp.int32))
+        alone.append(np.asarray(logits[0, 0], np.float32))
+    together = np.asarray(together[0], np.float32)
+    diff = float(np.max(np.abs(together - np.stack(alone))))
+    return {"equal": diff == 0.0, "max_abs_diff": diff, "tokens": tokens}
 
 
 def speedup_projection(drafts: int, decode_s: float, verify_s: float) -> list[dict]:

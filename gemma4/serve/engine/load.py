@@ -302,10 +302,11 @@ def draft_tokens_setting(speculate: str | None = None) -> int:
     return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
 
 
-# Where a verify step's logits are a decode step's bit for bit (docs/performance.md, "Where it is exact").
-EXACT_WHERE = (" — bit for bit where each token's products and attention are computed alone (the CPU plan's native "
-               "kernels); with XLA's (other CPU plans: measured; accelerators: not yet) a verify step's last bits can "
-               "differ from a one-token step's, and a near-tie token fall the other way")
+# How exact (docs/performance.md, "Where it is exact"): measured, no plan's verify step gives each token
+# a one-token step's logits bit for bit yet.
+EXACT_WHERE = (" — nearly always bit for bit: a verify step's logits differ from a one-token step's in the last "
+               "bits, so where two tokens nearly tie the other one can win (each token is still the model's own "
+               "choice)")
 
 
 def speculation_report(drafts: int, processes: int, drafter: str | None = None) -> dict:
