@@ -798,7 +798,7 @@ def worker_verify(args) -> dict:
             out.update(verify_alone_ms=round(alone_s * 1000, 3), verify_alone_over_decode=round(alone_s / decode_s, 3),
                        projection_alone=speedup_projection(key.drafts, decode_s, alone_s))
         out["logits_bit_equal"] = logits_bit_equal(eng.cfg, eng.params, eng.loaded.options, eng.loaded.kv_format,
-                                                   key.drafts + 1)
+                                                   key.drafts + 1, eng.started.geometry.context_limit)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -806,22 +806,23 @@ def worker_verify(args) -> dict:
     return out
 
 
-def logits_bit_equal(cfg, params, options, kv_format: str, tokens: int) -> dict:
+def logits_bit_equal(cfg, params, options, kv_format: str, tokens: int, context: int) -> dict:
     """Whether `tokens` tokens run in one step (a verify step's shape) get the logits `tokens`
     one-token steps give them, bit for bit — where they do, speculative decoding's replies are plain
     decoding's exactly; where not, a near-tie token can fall the other way (docs/performance.md,
-    "Where it is exact"). On a cache of its own (one row, 256 slots) after a 20-token prompt:
-    {"equal", "max_abs_diff", "tokens"}."""
+    "Where it is exact"). On a cache of its own of the engine's `context` (its sliding rings' room
+    decides whether a chunk writes before it attends: a smaller cache would take another path)
+    after a 20-token prompt: {"equal", "max_abs_diff", "tokens"}."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from gemma4.model import decoder as M
     from gemma4.model import kv_cache
 
-    fwd = jax.jit(lambda p, c, t, pos: M.forward(p, cfg, t, pos, c, options=options, kv_len=256, cache_row=0)[:2])
+    fwd = jax.jit(lambda p, c, t, pos: M.forward(p, cfg, t, pos, c, options=options, kv_len=context, cache_row=0)[:2])
     rng = np.random.default_rng(0)
     ids = rng.integers(5, cfg.vocab_size, 20 + tokens).astype(np.int32)
-    cache = kv_cache.init_cache(cfg, 1, 256, options.dtype, kv_format)
+    cache = kv_cache.init_cache(cfg, 1, context, options.dtype, kv_format)
     _, cache = fwd(params, cache, jnp.asarray(ids[None, :20]), jnp.arange(20, dtype=jnp.int32)[None])
     together, _ = fwd(params, cache, jnp.asarray(ids[None, 20:]), jnp.arange(20, 20 + tokens, dtype=jnp.int32)[None])
     alone = []

@@ -302,11 +302,10 @@ def draft_tokens_setting(speculate: str | None = None) -> int:
     return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
 
 
-# How exact (docs/performance.md, "Where it is exact"): measured, no plan's verify step gives each token
-# a one-token step's logits bit for bit yet.
-EXACT_WHERE = (" — nearly always bit for bit: a verify step's logits differ from a one-token step's in the last "
-               "bits, so where two tokens nearly tie the other one can win (each token is still the model's own "
-               "choice)")
+# How exact (docs/performance.md, "Where it is exact"): measured per plan on the bundled model.
+EXACT_WHERE = (" — bit for bit where each token's products and attention are computed alone (the CPU plan's native "
+               "kernels); with XLA's (other CPU plans: measured; accelerators: not yet) a verify step's last bits "
+               "can differ from a one-token step's, and a near-tie token fall the other way")
 
 
 def speculation_report(drafts: int, processes: int, drafter: str | None = None) -> dict:

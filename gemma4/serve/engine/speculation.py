@@ -4,8 +4,9 @@ each request's drafts have earned, and whether a verify step pays now. Pure: no 
 A decode step reads every weight to make one token per row. A verify step (steps.verify_step)
 feeds a row's last token and up to k drafted ones at once — one read of the weights — and keeps
 the drafts the model itself would have produced, then one token of its own; a reply is the one
-plain decoding gives (greedy or sampled with its seed) up to the last bits of the logits, which a
-step of k + 1 tokens does not reproduce exactly (docs/performance.md, "Where it is exact"). It pays where drafts are often right
+plain decoding gives (greedy or sampled with its seed) — bit for bit where each token's products
+and attention are computed alone (the CPU plan's native kernels); with XLA's, a near-tie can fall
+on the logits' last bits (docs/performance.md, "Where it is exact"). It pays where drafts are often right
 and the step of k + 1 tokens costs little more than one (decode is bound by reading the weights).
 
 The model's own drafter (Gemma 4's assistants: gemma4.model.drafter), where one is loaded, drafts
