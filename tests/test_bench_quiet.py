@@ -15,7 +15,8 @@ def _load(name: str):
     return importlib.import_module(f"bench.{name}")  # the repository root is on the path (pyproject)
 
 
-def test_others_cpu_use_is_counted_and_ours_is_not():
+def _ours_then_another():
+    """(others' cores while we spin 0.6 s of CPU, others' cores while another process spins)."""
     harness = _load("harness")
     a = harness.cpu_snapshot()
     deadline = time.process_time() + 0.6
@@ -28,9 +29,22 @@ def test_others_cpu_use_is_counted_and_ours_is_not():
     time.sleep(0.8)
     busy = harness.activity_between(b, harness.cpu_snapshot())
     other.wait()
-    # Ours is subtracted (what others did meanwhile stays: allow the machine's background);
-    # a spinning process shows as most of a core.
-    assert busy["others_cores"] > mine["others_cores"] + 0.4 and busy["others_cores"] > 0.5, (mine, busy)
+    return mine, busy
+
+
+def test_others_cpu_use_is_counted_and_ours_is_not():
+    # Ours is subtracted (what others did meanwhile stays: allow the machine's background); a
+    # spinning process shows as most of a core. On a 2-core machine whose other core is taken (the
+    # suite's second process compiling), the spinner can only share a core and shows less: such a
+    # moment is measured again, up to 5 times; one clear measure proves the accounting.
+    seen = []
+    for _ in range(5):
+        mine, busy = _ours_then_another()
+        seen.append((mine["others_cores"], busy["others_cores"]))
+        if busy["others_cores"] > mine["others_cores"] + 0.4 and busy["others_cores"] > 0.5:
+            return
+        time.sleep(1.0)
+    raise AssertionError(f"another process's CPU never showed: (others while we spun, while it spun) = {seen}")
 
 
 def test_rows_from_a_busy_machine_are_flagged():
