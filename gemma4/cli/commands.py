@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from gemma4.env import EnvError, default_of, setting, warn_unknown
+from gemma4.env import EnvError, declared, default_of, setting, warn_unknown
 from gemma4.serve import distributed_flags
 from gemma4.serve.probe import main as hardware_main
 
@@ -36,7 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=setting("GEMMA4_MESH"),
                    help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
                         "(env GEMMA4_MESH)")
-    p.add_argument("--speculate", choices=["auto", "off", "lookup"], default=setting("GEMMA4_SPECULATE"),
+    p.add_argument("--speculate", choices=declared("GEMMA4_SPECULATE").choices, default=setting("GEMMA4_SPECULATE"),
                    help="speculative decoding: lookup drafts from the prompt and reply, off decodes one token a "
                         "step (env GEMMA4_SPECULATE)")
     p.add_argument("--drafter", default=setting("GEMMA4_DRAFTER"),

@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gemma4.env import EnvError, default_of, env_int, setting, warn_unknown
+from gemma4.env import EnvError, declared, default_of, env_int, setting, warn_unknown
 from gemma4.serve import distributed_flags
 from gemma4.web.access import Access, access_from_args, add_access_flags
 
@@ -70,7 +70,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                    help="requests that may wait in the queue before new ones are refused")
     p.add_argument("--mesh", default=setting("GEMMA4_MESH", env),
                    help="auto (the smallest mesh that fits) | none | e.g. tensor=4,data=2 (env GEMMA4_MESH)")
-    p.add_argument("--speculate", choices=["auto", "off", "lookup"], default=setting("GEMMA4_SPECULATE", env),
+    p.add_argument("--speculate", choices=declared("GEMMA4_SPECULATE").choices, default=setting("GEMMA4_SPECULATE", env),
                    help="speculative decoding: lookup drafts a reply's next tokens from its prompt and text, off "
                         "decodes one token a step (env GEMMA4_SPECULATE)")
     p.add_argument("--drafter", default=setting("GEMMA4_DRAFTER", env),

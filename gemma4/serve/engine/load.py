@@ -35,7 +35,7 @@ from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower,
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, preflight_devices, sharding
 from gemma4.serve import heap, prepared_store
-from gemma4.env import FOLDER_OFF, setting
+from gemma4.env import FOLDER_OFF, declared, setting
 from gemma4.serve.engine.geometry import DEFAULT_CONTEXT, ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
 from gemma4.weights.drafter_checkpoint import load_drafter as read_drafter
@@ -295,8 +295,9 @@ def draft_tokens_setting(speculate: str | None = None) -> int:
     GEMMA4_SPECULATE) is off, else GEMMA4_DRAFT_TOKENS or DRAFT_TOKENS (the geometry bounds it
     further)."""
     mode = setting("GEMMA4_SPECULATE") if speculate is None else speculate
-    if mode not in ("auto", "off", "lookup"):
-        raise ValueError(f"speculate must be auto, off or lookup, not {mode!r}")
+    modes = declared("GEMMA4_SPECULATE").choices
+    if mode not in modes:
+        raise ValueError(f"speculate must be one of {', '.join(modes)}, not {mode!r}")
     if mode == "off":
         return 0
     return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS

@@ -43,7 +43,6 @@ PROBE_EVERY = 16
 # A draft's share of a decode step's cost before any verify step is measured (the bundled model on a
 # 2-core Xeon: 0.15-0.19; the 12B on a TPU v5e: ~0.02, its step bound by reading the weights).
 PRIOR_DRAFT_COST = 0.25
-MODES = ("off", "lookup")
 
 
 class PromptLookup:
