@@ -60,7 +60,9 @@ Parts:
            lookup's); their ratios, and the speed-up those costs give at acceptance rates 0.3-0.9
            (a projection: random weights keep no drafts); and whether k + 1 tokens in one step get
            the logits k + 1 one-token steps give them, bit for bit (`logits_bit_equal`: where not,
-           drafting can change a near-tie token). Not in the default parts.
+           drafting can change a near-tie token); then each smaller compiled draft count's step
+           over a decode step (`by_drafts`: what the engine chooses a step's count by). Not in
+           the default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -782,6 +784,7 @@ def worker_verify(args) -> dict:
     if args.drafter:
         os.environ["GEMMA4_DRAFTER"] = args.drafter
     out: dict = {"model": args.model, "drafter": args.drafter}
+    start = time.monotonic()
     eng = _engine(args.model, max_batch=1, context=1024, buckets=(128,))
     try:
         eng.wait_ready(args.limit)
@@ -799,11 +802,32 @@ def worker_verify(args) -> dict:
                        projection_alone=speedup_projection(key.drafts, decode_s, alone_s))
         out["logits_bit_equal"] = logits_bit_equal(eng.cfg, eng.params, eng.loaded.options, eng.loaded.kv_format,
                                                    key.drafts + 1, eng.started.geometry.context_limit)
+        out["by_drafts"] = _verify_counts(eng, decode_s, start + args.limit - 30)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         eng.close()
     return out
+
+
+def _verify_counts(eng, decode_s: float, deadline: float) -> dict:
+    """Each compiled draft count's verify step (the engine's, drafting included) over a decode
+    step: the costs engine/speculation.py chooses a step's count by (most drafts first; a count
+    whose compile would pass `deadline`, a time.monotonic(), is left out and says so)."""
+    rows = {}
+    for d in eng.started.geometry.draft_counts[::-1]:
+        key = eng.started.geometry.verify_key(1, 1, d)
+        if time.monotonic() > deadline - 20:
+            rows[d] = {"skipped": "the part's deadline"}
+            continue
+        eng.shapes.request(key, now=True)
+        eng.shapes.wait_any([key], timeout=max(1.0, deadline - time.monotonic()))
+        if not eng.shapes.usable(key):
+            rows[d] = {"skipped": eng.shapes.failure(key) or "not compiled by the part's deadline"}
+            continue
+        s = _verify_steps(eng, key, 64)
+        rows[d] = {"verify_ms": round(s * 1000, 3), "over_decode": round(s / decode_s, 3)}
+    return rows
 
 
 def logits_bit_equal(cfg, params, options, kv_format: str, tokens: int, context: int) -> dict:
