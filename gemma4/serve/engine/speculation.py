@@ -40,9 +40,6 @@ PRIOR_KEPT, PRIOR_DRAFTED = 1.0, 2.0
 # A row whose drafts do not pay is still verified every PROBE_EVERY-th decode step it has drafts:
 # its record changes only by verifying (a reply may start copying later).
 PROBE_EVERY = 16
-# A draft's share of a decode step's cost before any verify step is measured (the bundled model on a
-# 2-core Xeon: 0.15-0.19; the 12B on a TPU v5e: ~0.02, its step bound by reading the weights).
-PRIOR_DRAFT_COST = 0.25
 
 
 class PromptLookup:
@@ -113,12 +110,14 @@ def verify_pays(expected: float, rows: int, decode_s: float | None, verify_s: fl
 
 def verify_seconds(keys: Sequence[VerifyKey], costs: StepCosts, decode_s: float | None) -> dict[VerifyKey, float | None]:
     """Each verify shape's seconds a step: its measure, else on the line through the decode step
-    (no drafts) and the measured ones — decode_s + drafts x their mean cost a draft (before any
-    is measured, PRIOR_DRAFT_COST of a decode step); None while the decode step is unmeasured."""
-    if decode_s is None:
+    (no drafts) and the measured ones — decode_s + drafts x their mean cost a draft; None while
+    the decode step or every verify shape is unmeasured (a draft's cost is the machine's: the
+    bundled model on a 2-core Xeon 0.15-0.19 of a decode step, E2B on a TPU v5e 0.02 — no prior
+    serves both, so the first verify step measures it)."""
+    slopes = [(costs.step[k] - decode_s) / k.drafts for k in keys if k in costs.step] if decode_s else []
+    if not slopes:
         return {key: costs.step.get(key) for key in keys}
-    slopes = [(costs.step[k] - decode_s) / k.drafts for k in keys if k in costs.step]
-    slope = max(0.0, sum(slopes) / len(slopes)) if slopes else PRIOR_DRAFT_COST * decode_s
+    slope = max(0.0, sum(slopes) / len(slopes))
     return {key: costs.step.get(key, decode_s + slope * key.drafts) for key in keys}
 
 
