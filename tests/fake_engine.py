@@ -28,7 +28,7 @@ from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.startup import Started
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk, PrefillPack,
                                             PrefixCopy)
-from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey
+from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 VOCAB = 1000
 STOP_ID = 1000  # outside what `next_token` samples: a reply stops only where a test makes it
@@ -139,7 +139,10 @@ def geometry(max_batch: int = 4, context_limit: int = 256, buckets: Sequence[int
 
 
 def all_shapes(g: ServingGeometry) -> set[ShapeKey]:
-    return set(g.startup_shapes()) | set(g.background_shapes())
+    """Every shape a request can reach: those compiled ahead and a verify step's smaller draft
+    counts (compiled once the costs call for them)."""
+    smaller = {VerifyKey(w, n, d) for w in g.widths for n in g.kv_lengths for d in g.draft_counts}
+    return set(g.startup_shapes()) | set(g.background_shapes()) | smaller
 
 
 class FakeShapes:

@@ -167,7 +167,8 @@ class ServingGeometry:
         bound by reading its weights alone (bundled model, 2-core Xeon: a decode step 17-19 ms, a
         verify step of 1, 2, 4, 8 drafts 20, 25, 29, 43 ms), so rows whose drafts are kept half
         the time gain most from one draft a step and rows that copy from four or more
-        (engine/speculation.py picks by the measured costs)."""
+        (engine/speculation.py picks by the measured costs). Only `draft_tokens` is among the
+        background shapes; a smaller count compiles once the costs say a row would gain from it."""
         k = self.draft_tokens
         return tuple(sorted({1 << i for i in range(k.bit_length()) if 1 << i < k} | {k})) if k else ()
 
@@ -223,13 +224,13 @@ class ServingGeometry:
         lone = list(self._short_shapes()) if self.users_at_ready else []  # (else compiled before ready)
         return tuple(dict.fromkeys(
             lone + stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
-            + [VerifyKey(w, n0, d) for w in self.widths for d in self.draft_counts[::-1]]
+            + [VerifyKey(w, n0, self.draft_tokens) for w in self.widths if self.draft_tokens]
             + later
             + [MixedKey(w, n0) for w in self.mixed_widths]
             + long
             + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
             + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]]
-            + [VerifyKey(w, n, d) for n in self.kv_lengths[1:] for w in self.widths for d in self.draft_counts[::-1]]))
+            + [VerifyKey(w, n, self.draft_tokens) for n in self.kv_lengths[1:] for w in self.widths if self.draft_tokens]))
 
     def narrowed(self, **fields) -> "ServingGeometry":
         """A copy with some ladders replaced (benchmarks and tests that serve fewer shapes)."""

@@ -19,6 +19,8 @@ give more tokens a second than a decode step (`verify_pays`), and now and then r
 record can only change by verifying). Its number of drafts adapts the same way: of the compiled
 counts (1, 2, 4 for k = 4) the one expected to give the most tokens a second — where a step's cost
 grows with its drafts (a CPU), rows whose drafts are kept about half the time check one a step.
+Only the most drafts' shapes are compiled ahead; a smaller count's once the measured costs say a
+row would gain from it (on a TPU v5e a draft costs 0.02 of a decode step: never).
 """
 
 from __future__ import annotations
@@ -124,10 +126,11 @@ def verify_seconds(keys: Sequence[VerifyKey], costs: StepCosts, decode_s: float 
 def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Request],
                 decoding: Mapping[int, Request], *, context_limit: int) -> VerifyStep | None:
     """A verify step for `decoding` rows where the geometry drafts and some row has drafts: of
-    the compiled draft counts (`geometry.draft_counts`; the others are queued), the one expected
-    to give the most tokens a second by the rows' records and the step costs (`verify_seconds`),
-    where it beats a decode step (`verify_pays`) — or the most drafts where a row's probe is due
-    or nothing is measured yet; else None (the rows decode one token)."""
+    the compiled draft counts (`geometry.draft_counts`), the one expected to give the most tokens
+    a second by the rows' records and the step costs (`verify_seconds`), where it beats a decode
+    step (`verify_pays`) — or the most drafts where a row's probe is due or nothing is measured
+    yet; else None (the rows decode one token). The most drafts' shape is queued for compiling
+    when missing; a smaller count's only where the costs say it would give more tokens a second."""
     k = shapes.geometry.draft_tokens
     if not k or not decoding:
         return None
@@ -142,12 +145,17 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
         return None
     need_w = max(decoding) + 1
     options: dict[VerifyKey, float] = {}  # compiled verify shape -> the tokens it is expected to give
+    unbuilt: dict[VerifyKey, float] = {}  # the same for the smaller counts not compiled
     for d in shapes.geometry.draft_counts:
         # with a drafter every row has d drafts from the next step on: what a verify step now starts
         offered = {row: d if drafter else min(d, len(drafts.get(row, ()))) for row in decoding}
-        key = shapes.verify_key(need_w, max(decoding[row].position + n for row, n in offered.items()) + 1, d)
+        need_n = max(decoding[row].position + n for row, n in offered.items()) + 1
+        expected = sum(expected_tokens(kept_rate(decoding[row]), n) for row, n in offered.items())
+        key = shapes.verify_key(need_w, need_n, d, queue=d == k)  # (the most drafts is always wanted)
         if key is not None:
-            options[key] = sum(expected_tokens(kept_rate(decoding[row]), n) for row, n in offered.items())
+            options[key] = expected
+        elif (planned := shapes.geometry.verify_key(need_w, need_n, d)) is not None:
+            unbuilt[planned] = expected
     if not options:
         return None
     probe = False
@@ -155,11 +163,16 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
         decoding[row].drafts_skipped += 1
         probe |= decoding[row].drafts_skipped >= PROBE_EVERY
     decode_s = costs.step.get(shapes.geometry.decode_key(need_w, max(r.position for r in decoding.values()) + 1))
-    seconds = verify_seconds(list(options), costs, decode_s)
-    if probe or any(s is None for s in seconds.values()):
+    seconds = verify_seconds(list(options) + list(unbuilt), costs, decode_s)
+    if probe or any(seconds[key] is None for key in options):
         key = max(options, key=lambda key: key.drafts)  # most drafts: the most a record learns
     else:
         key = max(options, key=lambda key: options[key] / seconds[key])
+        # a smaller count is compiled (in the background) only once the measured costs say it would
+        # do better: where a draft costs little (an accelerator) the most drafts always win
+        rate = {u: unbuilt[u] / seconds[u] for u in unbuilt if seconds[u] is not None}
+        if rate and max(rate.values()) > options[key] / seconds[key]:
+            shapes.book.queue_background(max(rate, key=rate.get))
         if not verify_pays(options[key], len(decoding), decode_s, seconds[key]):
             return None
     for row in decoding:
