@@ -305,8 +305,8 @@ def draft_tokens_setting(speculate: str | None = None) -> int:
 
 # How exact (docs/performance.md, "Where it is exact"): measured per plan on the bundled model.
 EXACT_WHERE = (" — bit for bit where each token's products and attention are computed alone (the CPU plan's native "
-               "kernels); with XLA's (other CPU plans: measured; accelerators: not yet) a verify step's last bits "
-               "can differ from a one-token step's, and a near-tie token fall the other way")
+               "kernels); with XLA's (other CPU plans, and accelerators: measured on a TPU v5e) a verify step's last "
+               "bits can differ from a one-token step's, and a near-tie token fall the other way")
 
 
 def speculation_report(drafts: int, processes: int, drafter: str | None = None) -> dict:
