@@ -145,17 +145,24 @@ def test_a_count_not_compiled_is_queued_and_skipped():
     assert S.verify_plan(shapes, costs, {0: req}, {0: req}, context_limit=256).key.drafts == 4
 
 
-def test_smaller_counts_compile_only_where_the_costs_call_for_them():
-    """Only the most drafts' verify shapes are compiled ahead. With a TPU v5e's costs (E2B: a
-    decode step 6.38 ms, 4 drafts 6.87 ms) a half-kept record keeps taking 4 drafts and no smaller
-    count is queued; on the 2-core Xeon's line (18 ms + 2.75 ms a draft) the same record would
-    gain most from two drafts a step (1.75 tokens in 23.5 ms), whose shape is queued."""
+def test_smaller_counts_compile_ahead_on_a_cpu_else_where_the_costs_call_for_them():
+    """On a CPU every count's verify shapes compile ahead; on an accelerator only the most
+    drafts'. There, with a TPU v5e's costs (E2B: a decode step 6.38 ms, 4 drafts 6.87 ms) a
+    half-kept record keeps taking 4 drafts and no smaller count is queued; on the 2-core Xeon's
+    line (18 ms + 2.75 ms a draft) the same record would gain most from two drafts a step (1.75
+    tokens in 23.5 ms), whose shape is queued."""
+    import dataclasses
+
+    from gemma4.serve.engine.geometry import serving_geometry
     from gemma4.serve.shape_keys import VerifyKey
 
-    shapes, _, _ = _choice()
-    background = [k for k in shapes.geometry.background_shapes() if isinstance(k, VerifyKey)]
-    assert background and {k.drafts for k in background} == {4}
-    most = lambda g: set(g.startup_shapes()) | set(g.background_shapes())  # noqa: E731
+    for platform, ahead in (("cpu", {1, 2, 4}), ("tpu", {4})):
+        g = serving_geometry(platform=platform, decode_block=1, mesh_data=1, processes=1, max_batch=2, context=4096,
+                             model_context=8192, buckets=None, full_layers_native=False, mixed_step=False,
+                             window=512, ring_slots=544, draft_tokens=4)
+        assert {k.drafts for k in g.background_shapes() if isinstance(k, VerifyKey)} == ahead, platform
+    accelerator = lambda g: dataclasses.replace(g, fewer_drafts_ahead=False)  # noqa: E731
+    most = lambda g: set(g.startup_shapes()) | set(accelerator(g).background_shapes())  # noqa: E731
     for costs_ms, queued in (({0: 6.38, 4: 6.87}, set()), ({0: 18.0, 4: 29.0}, {VerifyKey(1, 256, 2)})):
         shapes, costs, book = _choice(book_keys=most, costs_ms=costs_ms)
         req = _copying(50, 100)

@@ -131,6 +131,12 @@ class ServingGeometry:
     # step (0: off; at most a ring's slack beyond its window: `draft_room`).
     draft_tokens: int = 0
     drafter: bool = False  # the drafts come from the model's drafter, on the device (else prompt lookup)
+    # The smaller draft counts' verify shapes (`draft_counts` below `draft_tokens`) compile ahead, in
+    # the background: on a CPU, where a draft costs 0.15-0.19 of a decode step and a row whose drafts
+    # are kept about half the time gains most from one or two a step. Not on an accelerator (E2B on a
+    # TPU v5e: 0.02 — the most drafts always win; each shape 20-35 s of compiling ahead of the long
+    # prompts' shapes): there a smaller count compiles only once the measured costs call for it.
+    fewer_drafts_ahead: bool = False
 
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)
@@ -167,8 +173,8 @@ class ServingGeometry:
         bound by reading its weights alone (bundled model, 2-core Xeon: a decode step 17-19 ms, a
         verify step of 1, 2, 4, 8 drafts 20, 25, 29, 43 ms), so rows whose drafts are kept half
         the time gain most from one draft a step and rows that copy from four or more
-        (engine/speculation.py picks by the measured costs). Only `draft_tokens` is among the
-        background shapes; a smaller count compiles once the costs say a row would gain from it."""
+        (engine/speculation.py picks by the measured costs; `fewer_drafts_ahead` says which are
+        compiled ahead)."""
         k = self.draft_tokens
         return tuple(sorted({1 << i for i in range(k.bit_length()) if 1 << i < k} | {k})) if k else ()
 
@@ -224,13 +230,17 @@ class ServingGeometry:
         lone = list(self._short_shapes()) if self.users_at_ready else []  # (else compiled before ready)
         return tuple(dict.fromkeys(
             lone + stand_in + reuse + short + [DecodeKey(w, n0) for w in self.widths[1:]]
-            + [VerifyKey(w, n0, self.draft_tokens) for w in self.widths if self.draft_tokens]
+            + [VerifyKey(w, n0, d) for w in self.widths for d in self._drafts_ahead()]
             + later
             + [MixedKey(w, n0) for w in self.mixed_widths]
             + long
             + [DecodeKey(w, n) for n in self.kv_lengths[1:] for w in self.widths]
             + [MixedKey(w, n) for n in self.kv_lengths[1:] for w in self.mixed_widths[:MIXED_PLANNED_WIDTHS]]
-            + [VerifyKey(w, n, self.draft_tokens) for n in self.kv_lengths[1:] for w in self.widths if self.draft_tokens]))
+            + [VerifyKey(w, n, d) for n in self.kv_lengths[1:] for w in self.widths for d in self._drafts_ahead()]))
+
+    def _drafts_ahead(self) -> tuple[int, ...]:
+        """The draft counts whose verify shapes compile ahead, most first (`fewer_drafts_ahead`)."""
+        return self.draft_counts[::-1] if self.fewer_drafts_ahead else self.draft_counts[-1:]
 
     def narrowed(self, **fields) -> "ServingGeometry":
         """A copy with some ladders replaced (benchmarks and tests that serve fewer shapes)."""
@@ -293,7 +303,8 @@ def serving_geometry(*, platform: str, decode_block: int, mesh_data: int, proces
                            ring_slots=int(ring_slots), smaller_stand_ins=accelerator, pack_prompts=pack,
                            users_at_ready=ready_shapes == "users" or (ready_shapes == "auto" and accelerator and pack > 1),
                            draft_tokens=min(int(draft_tokens), draft_room(window, ring_slots, context_limit, drafter))
-                           if processes == 1 else 0, drafter=bool(drafter) and processes == 1 and bool(draft_tokens))
+                           if processes == 1 else 0, drafter=bool(drafter) and processes == 1 and bool(draft_tokens),
+                           fewer_drafts_ahead=not accelerator)
 
 
 def draft_room(window: int, ring_slots: int, context_limit: int, drafter: bool = False) -> int:

@@ -19,8 +19,9 @@ give more tokens a second than a decode step (`verify_pays`), and now and then r
 record can only change by verifying). Its number of drafts adapts the same way: of the compiled
 counts (1, 2, 4 for k = 4) the one expected to give the most tokens a second — where a step's cost
 grows with its drafts (a CPU), rows whose drafts are kept about half the time check one a step.
-Only the most drafts' shapes are compiled ahead; a smaller count's once the measured costs say a
-row would gain from it (on a TPU v5e a draft costs 0.02 of a decode step: never).
+On an accelerator only the most drafts' shapes compile ahead (`geometry.fewer_drafts_ahead`); a
+smaller count's once the measured costs say a row would gain from it (on a TPU v5e a draft costs
+0.02 of a decode step: never).
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
         key = max(options, key=lambda key: key.drafts)  # most drafts: the most a record learns
     else:
         key = max(options, key=lambda key: options[key] / seconds[key])
-        # a smaller count is compiled (in the background) only once the measured costs say it would
-        # do better: where a draft costs little (an accelerator) the most drafts always win
+        # a smaller count not compiled ahead (an accelerator's) is queued once the measured costs
+        # say it would do better: where a draft costs little the most drafts always win
         rate = {u: unbuilt[u] / seconds[u] for u in unbuilt if seconds[u] is not None}
         if rate and max(rate.values()) > options[key] / seconds[key]:
             shapes.book.queue_background(max(rate, key=rate.get))
