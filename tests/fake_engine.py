@@ -139,8 +139,8 @@ def geometry(max_batch: int = 4, context_limit: int = 256, buckets: Sequence[int
 
 
 def all_shapes(g: ServingGeometry) -> set[ShapeKey]:
-    """Every shape a request can reach: those compiled ahead and a verify step's smaller draft
-    counts (compiled once the costs call for them)."""
+    """Every shape a request can reach: those compiled ahead and every verify step's draft
+    count (an accelerator's smaller counts compile only once the costs call for them)."""
     smaller = {VerifyKey(w, n, d) for w in g.widths for n in g.kv_lengths for d in g.draft_counts}
     return set(g.startup_shapes()) | set(g.background_shapes()) | smaller
 
