@@ -802,7 +802,7 @@ def worker_verify(args) -> dict:
                        projection_alone=speedup_projection(key.drafts, decode_s, alone_s))
         out["logits_bit_equal"] = logits_bit_equal(eng.cfg, eng.params, eng.loaded.options, eng.loaded.kv_format,
                                                    key.drafts + 1, eng.started.geometry.context_limit)
-        out["by_drafts"] = _verify_counts(eng, decode_s, start + args.limit - 30)
+        out["by_drafts"] = _verify_counts(eng, decode_s, {key.drafts: verify_s}, start + args.limit - 30)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -810,22 +810,26 @@ def worker_verify(args) -> dict:
     return out
 
 
-def _verify_counts(eng, decode_s: float, deadline: float) -> dict:
-    """Each compiled draft count's verify step (the engine's, drafting included) over a decode
-    step: the costs engine/speculation.py chooses a step's count by (most drafts first; a count
-    whose compile would pass `deadline`, a time.monotonic(), is left out and says so)."""
+def _verify_counts(eng, decode_s: float, measured: dict[int, float], deadline: float) -> dict:
+    """Each draft count's verify step (the engine's, drafting included) over a decode step: the
+    costs engine/speculation.py chooses a step's count by (most drafts first; `measured`: counts'
+    seconds already taken; a count whose compile would pass `deadline`, a time.monotonic(), is
+    left out and says so)."""
     rows = {}
     for d in eng.started.geometry.draft_counts[::-1]:
         key = eng.started.geometry.verify_key(1, 1, d)
-        if time.monotonic() > deadline - 20:
+        if d in measured:
+            s = measured[d]
+        elif time.monotonic() > deadline - 20:
             rows[d] = {"skipped": "the part's deadline"}
             continue
-        eng.shapes.request(key, now=True)
-        eng.shapes.wait_any([key], timeout=max(1.0, deadline - time.monotonic()))
-        if not eng.shapes.usable(key):
-            rows[d] = {"skipped": eng.shapes.failure(key) or "not compiled by the part's deadline"}
-            continue
-        s = _verify_steps(eng, key, 64)
+        else:
+            eng.shapes.request(key, now=True)
+            eng.shapes.wait_any([key], timeout=max(1.0, deadline - time.monotonic()))
+            if not eng.shapes.usable(key):
+                rows[d] = {"skipped": eng.shapes.failure(key) or "not compiled by the part's deadline"}
+                continue
+            s = _verify_steps(eng, key, 64)
         rows[d] = {"verify_ms": round(s * 1000, 3), "over_decode": round(s / decode_s, 3)}
     return rows
 
@@ -850,8 +854,8 @@ def logits_bit_equal(cfg, params, options, kv_format: str, tokens: int, context:
     fwd = jax.jit(lambda p, c, t, pos: M.forward(p, cfg, t, pos, c, options=options, kv_len=context, cache_row=0)[:2])
     rng = np.random.default_rng(0)
     ids = rng.integers(5, cfg.vocab_size, 20 + tokens).astype(np.int32)
-    cache = kv_cache.init_cache(cfg, 1, context, options.dtype, kv_format)
-    _, cache = fwd(params, cache, jnp.asarray(ids[None, :20]), jnp.arange(20, dtype=jnp.int32)[None])
+    fresh = lambda: kv_cache.init_cache(cfg, 1, context, options.dtype, kv_format)  # noqa: E731
+    _, cache = fwd(params, fresh(), jnp.asarray(ids[None, :20]), jnp.arange(20, dtype=jnp.int32)[None])
     together, _ = fwd(params, cache, jnp.asarray(ids[None, 20:]), jnp.arange(20, 20 + tokens, dtype=jnp.int32)[None])
     alone = []
     for i in range(tokens):
@@ -862,8 +866,7 @@ def logits_bit_equal(cfg, params, options, kv_format: str, tokens: int, context:
     diff = float(per_token.max())
     # the same position's logits from a whole 21-token prompt (no cache read): how far any other
     # shape's last bits carry in this model — random weights in bf16 amplify them layer by layer
-    whole, _ = fwd(params, kv_cache.init_cache(cfg, 1, context, options.dtype, kv_format), jnp.asarray(ids[None, :21]),
-                   jnp.arange(21, dtype=jnp.int32)[None])
+    whole, _ = fwd(params, fresh(), jnp.asarray(ids[None, :21]), jnp.arange(21, dtype=jnp.int32)[None])
     whole = np.asarray(whole[0, -1], np.float32)
     return {"equal": diff == 0.0, "max_abs_diff": diff, "tokens": tokens,
             "per_token": [float(x) for x in per_token], "max_abs_logit": float(np.max(np.abs(alone))),

@@ -125,15 +125,14 @@ class ShapeChoice:
         self.book.queue_background(key)
         return None
 
-    def verify_key(self, need_w: int, need_n: int, drafts: int | None = None, queue: bool = True) -> VerifyKey | None:
+    def verify_key(self, need_w: int, need_n: int, drafts: int | None = None) -> VerifyKey | None:
         """The verify step of `drafts` drafts (None: the most) for rows [0, need_w) and positions <
-        need_n when it is compiled, else None (and, where `queue`, queued in the background like a
-        fused step: meanwhile the rows decode one token a step, so nobody waits for it)."""
+        need_n when it is compiled, else None (queued in the background like a fused step:
+        meanwhile the rows decode one token a step, so nobody waits for it)."""
         key = self.geometry.verify_key(need_w, need_n, drafts)
         if key is None or self.book.usable(key):
             return key
-        if queue:
-            self.book.queue_background(key)
+        self.book.queue_background(key)
         return None
 
     def decode_plan(self, need: Mapping[int, int]) -> tuple[list[tuple[DecodeKey, int, list[int]]], list[int]]:

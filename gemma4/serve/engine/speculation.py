@@ -152,11 +152,12 @@ def verify_plan(shapes: ShapeChoice, costs: StepCosts, active: Mapping[int, Requ
         offered = {row: d if drafter else min(d, len(drafts.get(row, ()))) for row in decoding}
         need_n = max(decoding[row].position + n for row, n in offered.items()) + 1
         expected = sum(expected_tokens(kept_rate(decoding[row]), n) for row, n in offered.items())
-        key = shapes.verify_key(need_w, need_n, d, queue=d == k)  # (the most drafts is always wanted)
-        if key is not None:
-            options[key] = expected
-        elif (planned := shapes.geometry.verify_key(need_w, need_n, d)) is not None:
-            unbuilt[planned] = expected
+        if d == k:  # the most drafts: always wanted (compiled, else queued)
+            key = shapes.verify_key(need_w, need_n, d)
+            if key is not None:
+                options[key] = expected
+        elif (key := shapes.geometry.verify_key(need_w, need_n, d)) is not None:
+            (options if shapes.book.usable(key) else unbuilt)[key] = expected
     if not options:
         return None
     probe = False
