@@ -59,10 +59,11 @@ def fill_cache(engine: Engine, last: int) -> None:
     with engine.runner.holding_device():
         filled = {}
         for idx, entry in engine.runner.cache.items():
-            R, S = entry["pos"].shape
+            shape = entry["pos"].shape  # [layers, rows, slots]
+            S = shape[-1]
             slots = np.arange(S)
             pos = last - ((last - slots) % S)
-            filled[idx] = dict(entry, pos=jax.device_put(jnp.asarray(np.broadcast_to(pos, (R, S)), jnp.int32),
+            filled[idx] = dict(entry, pos=jax.device_put(jnp.asarray(np.broadcast_to(pos, shape), jnp.int32),
                                                            entry["pos"].sharding))
         engine.runner.cache = filled
 

@@ -364,9 +364,9 @@ def _cache_layers(eng) -> list[tuple[bool, int, int]]:
     specs = {spec.index: spec for spec in eng.cfg.layers}
     out = []
     for index, entry in eng.runner.cache.items():
-        rows, slots = entry["pos"].shape
-        per_slot = sum(leaf.nbytes for leaf in entry.values()) // (rows * slots)
-        out.append((specs[index].is_sliding, int(slots), int(per_slot)))
+        layers, rows, slots = entry["pos"].shape  # (the entry's layers stacked: kv_cache)
+        per_slot = sum(leaf.nbytes for leaf in entry.values()) // (layers * rows * slots)
+        out += [(specs[index].is_sliding, int(slots), int(per_slot))] * layers
     return out
 
 

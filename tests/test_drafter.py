@@ -337,8 +337,8 @@ def test_a_ring_too_short_for_the_window_is_refused():
     t = tiny("e2b")
     d = D.tiny_drafter(t)
     cache = kv_cache.init_cache(t, 1, 64, jnp.float32)
-    ring = D.store_layers(t)[SLIDING]
-    cache[ring] = {k: v[:, :t.sliding_window] for k, v in cache[ring].items()}
+    ring, _ = kv_cache.cache_slot(t, D.store_layers(t)[SLIDING])
+    cache[ring] = {k: v[:, :, :t.sliding_window] for k, v in cache[ring].items()}
     with pytest.raises(ValueError, match="cannot hold"):
         D.draft_step(D.random_params(d), d, {"embed": jnp.zeros((t.vocab_size, t.hidden_size))}, t,
                      jnp.zeros((1,), jnp.int32), jnp.zeros((1, t.hidden_size)), jnp.asarray([20], jnp.int32), cache)

@@ -148,7 +148,7 @@ def test_later_chunks_written_first_into_the_ring_equal_full_recompute(bucket, a
     chunk concatenates. Both continue as the whole prompt recomputed, the ring wrapping many times."""
     window = CFG.sliding_window
     ring = kv_cache.init_cache(CFG, 1, MAX_LEN, jnp.float32)[0]
-    assert ring["pos"].shape[1] == window + kv_cache.ring_slack(window) < 30
+    assert kv_cache.slot_count(ring) == window + kv_cache.ring_slack(window) < 30
     assert kv_cache.ring_writes_first(ring, window, bucket) == (bucket <= kv_cache.ring_slack(window) + 1)
     prompt = _prompt(13, 30)
     assert greedy_cached([prompt], 10, buckets=(bucket,), attention=attention) == [greedy_full(prompt, 10)]
@@ -328,8 +328,10 @@ def test_cache_slots_hold_only_real_positions():
     pos = np.full((1, 64), -1, np.int32)
     pos[0, :20] = np.arange(20)
     cache = jax.jit(lambda p, t, q, c: M.forward(p, CFG, t, q, c)[1])(PARAMS, jnp.asarray(toks), jnp.asarray(pos), cache)
-    for idx, entry in cache.items():
-        held = sorted(int(p) for p in np.asarray(entry["pos"][0]) if p >= 0)
+    assert sorted(cache) == sorted({kv_cache.cache_slot(CFG, i)[0] for i in CFG.kv_producers})
+    for idx in CFG.kv_producers:
+        key, layer = kv_cache.cache_slot(CFG, idx)
+        held = sorted(int(p) for p in np.asarray(cache[key]["pos"][layer, 0]) if p >= 0)
         slots = kv_cache.slots_for(CFG.layers[idx], CFG, MAX_LEN)
         assert slots < 20 or not CFG.layers[idx].is_sliding  # the ring wrapped
         want = list(range(20 - slots, 20)) if CFG.layers[idx].is_sliding else list(range(20))

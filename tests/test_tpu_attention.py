@@ -90,7 +90,8 @@ def test_later_chunks_through_the_kernel_equal_xla():
     chunks through the kernel: each chunk's greedy token and every cached key equal XLA's path,
     and a later chunk's logits equal XLA's to float32 rounding."""
     full = [s for s in CFG.layers if not s.is_sliding and not s.is_kv_consumer]
-    assert full and M._reads_in_kernel(full[0], kv_cache.init_cache(CFG, 1, SLOTS, jnp.float32)[full[0].index],
+    key, _ = kv_cache.cache_slot(CFG, full[0].index)
+    assert full and M._reads_in_kernel(full[0], kv_cache.init_cache(CFG, 1, SLOTS, jnp.float32)[key],
                                        M.RunOptions(attention_full="pallas"), 1, 32)
     rng = np.random.default_rng(1)
     prompt = [CFG.bos_id] + rng.integers(5, CFG.vocab_size, 100).tolist()

@@ -269,6 +269,60 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Consecutive layers that repeat one structure: `count` periods of `period` layers from layer
+    `first`. The forward pass traces one period's layers once and scans them over the periods
+    (gemma4.model.decoder), with the weights and caches of a period position stacked over periods."""
+
+    first: int
+    period: int
+    count: int
+
+    def layer(self, p: int, j: int) -> int:
+        """The index of period p's layer at position j."""
+        return self.first + p * self.period + j
+
+    @property
+    def stop(self) -> int:
+        return self.first + self.period * self.count
+
+
+# The longest period `layer_runs` looks for: Gemma's patterns repeat every 2-6 layers (E2B 5, Gemma 3 6).
+MAX_PERIOD = 8
+
+
+def layer_runs(specs: tuple[LayerSpec, ...]) -> tuple[LayerRun, ...]:
+    """The layers as runs of repeated periods, greedily from the first layer: at each layer the period
+    (up to MAX_PERIOD) whose repeats cover the most layers, the shorter on a tie; a layer no period
+    repeats is a run of one. Two layers repeat each other when their structure is the same
+    (`_layer_signature`); a layer whose K/V other layers read (a KV-sharing donor) repeats nothing,
+    because the layers after it read its keys from this call, which a scan's later periods would not
+    hold apart. E2B: 2 periods of 5, 3 single sliding layers, the 2 donors, then the 20 KV-sharing
+    layers as 4 periods of 5; Gemma 3 270M: 3 periods of 6."""
+    donors = {spec.kv_source for spec in specs if spec.is_kv_consumer}
+    sigs = [("donor", spec.index) if spec.index in donors else _layer_signature(spec) for spec in specs]
+    runs, s, n = [], 0, len(specs)
+    while s < n:
+        best = LayerRun(s, 1, 1)
+        for period in range(1, min(MAX_PERIOD, n - s) + 1):
+            count = 1
+            while (s + (count + 1) * period <= n
+                   and sigs[s + count * period:s + (count + 1) * period] == sigs[s:s + period]):
+                count += 1
+            if count > 1 and period * count > best.period * best.count:
+                best = LayerRun(s, period, count)
+        runs.append(best)
+        s = best.stop
+    return tuple(runs)
+
+
+def _layer_signature(spec: LayerSpec) -> tuple:
+    """What a layer's computation and weights depend on, apart from its index."""
+    source = spec.kv_source if spec.is_kv_consumer else None
+    return (spec.attention, spec.head_dim, spec.num_kv_heads, source, spec.k_eq_v, spec.mlp_width)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     name: str
     family: str  # "gemma3" or "gemma4"
@@ -357,6 +411,10 @@ class ModelConfig:
     @functools.cached_property
     def layers(self) -> tuple[LayerSpec, ...]:
         return _derive_layers(self)
+
+    @functools.cached_property
+    def layer_runs(self) -> tuple[LayerRun, ...]:
+        return layer_runs(self.layers)
 
     @property
     def kv_producers(self) -> tuple[int, ...]:

@@ -20,11 +20,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gemma4.model import kv_cache
-from gemma4.model.config import LayerSpec, ModelConfig
+from gemma4.model.config import LayerRun, LayerSpec, ModelConfig
 from gemma4.model.partitioning import logical_spec
 from gemma4.ops.kernels import cpu_attention
 from gemma4.ops.fixed_sums import row_sum
 from gemma4.ops.linear import linear, linear_many, take_rows
+from gemma4.ops.quant import Int4Array, LayerSlice, QuantArray, common_format
 
 MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
 
@@ -45,6 +46,9 @@ class RunOptions:
     # so one block of this many queries at a time (`QueryBlocks`); 0: one product for the chunk
     query_block: int = 0
     mesh: Any = None  # the engine's jax Mesh (gemma4.plan.sharding); an `expert` axis > 1 runs the MoE per shard
+    # Each run of repeated layer periods (ModelConfig.layer_runs) as a jax.lax.scan over its periods:
+    # one period traced and compiled per run. False: the periods unrolled (the same results; for A/B)
+    scan_layers: bool = True
 
     @property
     def dtype(self) -> Any:
@@ -122,12 +126,20 @@ KERNEL_MIN_TOKENS = 16
 
 @dataclasses.dataclass(frozen=True)
 class CacheKeys:
-    """A layer's keys and values left in its cache, for the native kernel to read in place: cache
-    rows `rows` [B] (one per query row), slots [0, slots)."""
+    """A layer's keys and values left in its cache, for the native kernel to read in place: layer
+    `layer` of the stacked `entry` (kv_cache.cache_slot), cache rows `rows` [B] (one per query row),
+    slots [0, slots)."""
 
     entry: dict
+    layer: jax.Array | int
     rows: jax.Array
     slots: int
+
+    def flat_rows(self) -> jax.Array:
+        """`rows` as rows of the entry's layers and rows taken as one axis (layer · R + row): what
+        the kernels index (they read the stacked arrays as they are: a reshape before a native
+        call made XLA:CPU copy the whole entry first)."""
+        return self.rows + self.layer * kv_cache.row_count(self.entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +405,7 @@ def _reads_in_kernel(spec: LayerSpec, entry: dict, options: RunOptions, batch: i
     from gemma4.ops.kernels import tpu_attention  # deferred: Pallas costs ~0.7 s to import, only where chosen
     return (batch == 1 and tokens >= KERNEL_MIN_TOKENS and "k_scale" not in entry
             and entry["k"].dtype == jnp.dtype(options.dtype)
-            and tpu_attention.shape_ok(spec.head_dim, entry["pos"].shape[1], interpret=_interpret()))
+            and tpu_attention.shape_ok(spec.head_dim, kv_cache.slot_count(entry), interpret=_interpret()))
 
 
 def full_layers_read_in_kernel(options: RunOptions, kv_format: str) -> bool:
@@ -452,70 +464,90 @@ def _window_keys(ck: jax.Array, cv: jax.Array, cpos: jax.Array, k: jax.Array, v:
 
 
 def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
-                cache: dict | None, new_cache: dict | None, *, options: RunOptions, attend_cache: bool,
+                cache: dict | None, slot: tuple[int, jax.Array | int], *, options: RunOptions, attend_cache: bool,
                 cache_row: jax.Array | int, kv_len: int | None, vision: bool = False,
                 contiguous: bool = False, token_rows: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array, jax.Array] | CacheKeys | WindowKeys:
-    """One layer's K/V [B, T] written to the cache (into `new_cache`; each token into its own row
-    where `token_rows` is given), and the (keys, values, key positions) its queries attend to, or
-    the cache itself where the native kernel reads it, or a sliding layer's window before the
-    chunk (`WindowKeys`: `contiguous` positions, query blocks)."""
+                ) -> tuple[tuple[jax.Array, jax.Array, jax.Array] | CacheKeys | WindowKeys, dict | None]:
+    """One layer's K/V [B, T] written to its cache (entry and layer `slot`; each token into its own
+    row where `token_rows` is given), and the (keys, values, key positions) its queries attend to, or
+    the cache itself where the native kernel reads it, or a sliding layer's window before the chunk
+    (`WindowKeys`: `contiguous` positions, query blocks); with the cache as written."""
     B, T = positions.shape
     dtype = options.dtype
-    if cache is None or not attend_cache:
-        if cache is not None:
-            new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row, rows=token_rows)
-        return k, v, positions
-    if T == 1 or _write_first(spec, cfg, cache[spec.index], dtype, T):
+    if cache is None:
+        return (k, v, positions), None
+    key, layer = slot
+    entry = cache[key]
+    slots = None if spec.is_sliding else kv_len
+    if not attend_cache:
+        written = kv_cache.write(entry, k, v, positions, cache_row, rows=token_rows, layer=layer)
+        return (k, v, positions), {**cache, key: written}
+    if T == 1 or _write_first(spec, cfg, entry, dtype, T):
         # Decode: write first, then attend over the cache alone (no concatenated copy; the
         # mask keeps a sliding layer to its window). A later prefill chunk too where that is
         # exact (`_write_first`).
-        new_cache[spec.index] = entry = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
-        if ((not vision and _reads_natively(spec, cfg, cache[spec.index], options, T))
-                or _reads_in_kernel(spec, entry, options, B, T)):  # (a full layer: no image mask)
-            return CacheKeys(entry, cache_row + jnp.arange(B, dtype=jnp.int32), _slots(spec, entry, kv_len))
-        return kv_cache.read(entry, dtype, cache_row, B, None if spec.is_sliding else kv_len, options.rows_sharded)
-    ck, cv, cpos = kv_cache.read(cache[spec.index], dtype, cache_row, B, None if spec.is_sliding else kv_len,
-                                 options.rows_sharded)
-    new_cache[spec.index] = kv_cache.write(cache[spec.index], k, v, positions, cache_row)
+        written = kv_cache.write(entry, k, v, positions, cache_row, layer=layer)
+        cache = {**cache, key: written}
+        if ((not vision and _reads_natively(spec, cfg, entry, options, T))
+                or _reads_in_kernel(spec, written, options, B, T)):  # (a full layer: no image mask)
+            return CacheKeys(written, layer, cache_row + jnp.arange(B, dtype=jnp.int32), _slots(spec, written, kv_len)), cache
+        return kv_cache.read(written, dtype, layer, cache_row, B, slots, options.rows_sharded), cache
+    # The keys are read before the chunk is written: the write waits until the run's layers are
+    # done (`_run_layers`), when nothing reads the entry any more. Written here, XLA:CPU copied the
+    # whole entry (every layer stacked in it) twice a layer so that the read saw the old keys (a later
+    # 64-token chunk of the bundled model: 147 against 121 ms); deferred, the write is in place.
+    ck, cv, cpos = kv_cache.read(entry, dtype, layer, cache_row, B, slots, options.rows_sharded)
+    cache = _Deferred(cache, key, k, v)
     if (spec.is_sliding and contiguous and not vision and _in_query_blocks(options, T)
             and cpos.shape[1] >= cfg.sliding_window - 1):
-        return _window_keys(ck, cv, cpos, k, v, positions, cfg.sliding_window)
-    return jnp.concatenate([ck, k], axis=1), jnp.concatenate([cv, v], axis=1), jnp.concatenate([cpos, positions], axis=1)
+        return _window_keys(ck, cv, cpos, k, v, positions, cfg.sliding_window), cache
+    keys = tuple(jnp.concatenate([c, t], axis=1) for c, t in ((ck, k), (cv, v), (cpos, positions)))
+    return keys, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class _Deferred:
+    """The cache, and a layer's K/V [B, T] still to write to its entry `key` (`_layer_keys`)."""
+
+    cache: dict
+    key: int
+    k: jax.Array
+    v: jax.Array
 
 
 def _fused_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, positions: jax.Array,
-                cache: dict, *, options: RunOptions, chunk: int, cache_row: jax.Array | int,
-                kv_len: int | None) -> list[tuple[jax.Array, jax.Array, jax.Array] | CacheKeys]:
+                cache: dict, slot: tuple[int, jax.Array | int], *, options: RunOptions, chunk: int,
+                cache_row: jax.Array | int, kv_len: int | None
+                ) -> tuple[list[tuple[jax.Array, jax.Array, jax.Array] | CacheKeys], dict]:
     """`_layer_keys` for a fused call (`forward`'s decode_rows): k/v/positions [1, chunk + D], the
     chunk for row `cache_row`, then one token for each of rows [0, D). The layer's cache is
     written by ONE scatter, before anything reads it (a second write after a read made XLA:CPU
     copy the whole layer cache, twice: measured in the compiled step); then (keys, values, key
-    positions) for the chunk [1, ...] and for the decode rows [D, ...]. The layer's entry of
-    `cache` is replaced by the written one."""
+    positions) for the chunk [1, ...] and for the decode rows [D, ...], and the cache as written."""
     D = positions.shape[1] - chunk
     dtype = options.dtype
-    entry = cache[spec.index]
+    key, layer = slot
+    entry = cache[key]
     rows = jnp.concatenate([jnp.full((1, chunk), cache_row, jnp.int32), jnp.arange(D, dtype=jnp.int32)[None]], axis=1)
     slots = None if spec.is_sliding else kv_len
     if _reads_natively(spec, cfg, entry, options, chunk):
-        cache[spec.index] = written = kv_cache.write(entry, k, v, positions, rows=rows)
+        written = kv_cache.write(entry, k, v, positions, rows=rows, layer=layer)
         n = _slots(spec, written, kv_len)
-        return [CacheKeys(written, jnp.reshape(jnp.asarray(cache_row, jnp.int32), (1,)), n),
-                CacheKeys(written, jnp.arange(D, dtype=jnp.int32), n)]
+        return [CacheKeys(written, layer, jnp.reshape(jnp.asarray(cache_row, jnp.int32), (1,)), n),
+                CacheKeys(written, layer, jnp.arange(D, dtype=jnp.int32), n)], {**cache, key: written}
     if _write_first(spec, cfg, entry, dtype, chunk):
-        cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
-        first = kv_cache.read(cache[spec.index], dtype, cache_row, 1, slots, options.rows_sharded)
+        written = kv_cache.write(entry, k, v, positions, rows=rows, layer=layer)
+        first = kv_cache.read(written, dtype, layer, cache_row, 1, slots, options.rows_sharded)
     else:  # the chunk's cached keys read before the write, its own concatenated (exact where write-first is not)
-        ck, cv, cpos = kv_cache.read(entry, dtype, cache_row, 1, slots, options.rows_sharded)
+        ck, cv, cpos = kv_cache.read(entry, dtype, layer, cache_row, 1, slots, options.rows_sharded)
         first = tuple(jnp.concatenate([c, t[:, :chunk]], axis=1) for c, t in ((ck, k), (cv, v), (cpos, positions)))
-        cache[spec.index] = kv_cache.write(entry, k, v, positions, rows=rows)
-    return [first, kv_cache.read(cache[spec.index], dtype, 0, D, slots, options.rows_sharded)]
+        written = kv_cache.write(entry, k, v, positions, rows=rows, layer=layer)
+    return [first, kv_cache.read(written, dtype, layer, 0, D, slots, options.rows_sharded)], {**cache, key: written}
 
 
 def _slots(spec: LayerSpec, entry: dict, kv_len: int | None) -> int:
     """The slots a layer's queries read: a ring whole, a full layer's first kv_len."""
-    S = entry["pos"].shape[1]
+    S = kv_cache.slot_count(entry)
     return S if spec.is_sliding or kv_len is None else min(kv_len, S)
 
 
@@ -528,13 +560,14 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
     window = cfg.sliding_window if spec.is_sliding else None
     if isinstance(source, CacheKeys) and options.attention_full == "pallas" and not spec.is_sliding:
         from gemma4.ops.kernels import tpu_attention  # deferred: see _reads_in_kernel
-        e = source.entry
-        out = tpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.rows[0], scale=cfg.attention_scale,
+        e = source.entry  # (the TPU kernel indexes [L·R, S, ...]: a free reshape there)
+        k, v, pos = (e[n].reshape((-1,) + e[n].shape[2:]) for n in ("k", "v", "pos"))
+        out = tpu_attention.attend(q, positions, k, v, pos, source.flat_rows()[0], scale=cfg.attention_scale,
                                    interpret=_interpret())
         return out.reshape(q.shape[0], q.shape[1], -1)
     if isinstance(source, CacheKeys):
         e = source.entry
-        out = cpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.rows, slots=source.slots,
+        out = cpu_attention.attend(q, positions, e["k"], e["v"], e["pos"], source.flat_rows(), slots=source.slots,
                                    window=window, scale=cfg.attention_scale)
         return out.astype(q.dtype).reshape(q.shape[0], q.shape[1], -1)
     T = positions.shape[1]
@@ -608,71 +641,23 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     B, T = tokens.shape
     x = embed_tokens(params, cfg, tokens, dtype) if inputs_embeds is None else inputs_embeds.astype(dtype)
     per_layer = per_layer_inputs(params, cfg, x, tokens, dtype)
-    hidden = [x] if return_hidden else None
-    tables = {}
-    for kind in sorted(set(cfg.layer_types)):  # sorted: a set's order follows the string hash, which
-        # differs between processes, and so did the order of these constants in the program: jax's
-        # persistent compile cache then missed at random
-        head_dim = cfg.global_head_dim if kind != "sliding_attention" else cfg.head_dim
-        inv = np.asarray(cfg.rope_for(kind).inverse_frequencies(head_dim), np.float32)
-        tables[kind] = rope_tables(positions, inv, dtype)
-        if options.mesh is not None:  # whole on every device: q (split) and k/v (maybe not) both read them
-            tables[kind] = tuple(_pin(t, ("batch", None, "head_dim"), options.mesh) for t in tables[kind])
-    new_cache = dict(cache) if cache is not None else None
-    shared: dict[int, tuple | CacheKeys] = {}  # producer -> (k, v, key positions) or its cache (`CacheKeys`)
     groups = vision_groups if (vision_groups is not None and cfg.bidirectional_vision and T > 1) else None
-
     if token_rows is not None and (B != 1 or cache is None or attend_cache or decode_rows or groups is not None):
         raise ValueError("token_rows needs one row of tokens, a cache, attend_cache False, no decode rows or vision groups")
-    if decode_rows:
-        if B != 1 or cache is None or not attend_cache or groups is not None:
-            raise ValueError("decode_rows needs one row of tokens, a cache to attend to and no vision groups")
-        C = T - decode_rows
-
-        def split(t: jax.Array) -> tuple[jax.Array, jax.Array]:  # [1, T, ...] → the chunk [1, C, ...], the decode tokens [D, 1, ...]
-            return t[:, :C], t[:, C:].reshape((decode_rows, 1) + t.shape[2:])
-
-        shared_parts: dict[int, list] = {}  # producer -> [(k, v, key positions) of the chunk, of the decode rows]
-
-    for spec, lp in zip(cfg.layers, params["layers"]):
-        cos, sin = tables[spec.attention]
-        a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
-        if not decode_rows:
-            if not spec.is_kv_consumer:
-                shared[spec.index] = _pin_kv(_layer_keys(spec, cfg, k, v, positions, cache, new_cache,
-                                                         options=options, attend_cache=attend_cache,
-                                                         cache_row=cache_row, kv_len=kv_len,
-                                                         vision=groups is not None, contiguous=contiguous,
-                                                         token_rows=token_rows),
-                                             options.mesh)
-            attn = _attend_keys(spec, cfg, q, shared[spec.kv_source], positions, options, groups, token_rows)
-        else:  # the chunk and the decode tokens, each over its own rows
-            if spec.is_kv_consumer:
-                parts = shared_parts[spec.kv_source]
-            else:
-                parts = [_pin_kv(part, options.mesh) for part in
-                         _fused_keys(spec, cfg, k, v, positions, new_cache, options=options, chunk=C,
-                                     cache_row=cache_row, kv_len=kv_len)]
-                shared_parts[spec.index] = parts
-            attn = jnp.concatenate([
-                _attend_keys(spec, cfg, qp, part, pos, options, None).reshape(1, pos.size, -1)
-                for qp, part, pos in zip(split(q), parts, split(positions))], axis=1)
-        x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)
-
-        residual = x
-        f = dense_mlp(rms_norm(residual, lp["pre_ffw_norm"], cfg.rms_norm_eps), lp)
-        if cfg.enable_moe:
-            f = rms_norm(f, lp["post_ffw_norm_1"], cfg.rms_norm_eps) + moe_block(residual, lp, cfg, options.mesh)
-        x = residual + rms_norm(f, lp["post_ffw_norm"], cfg.rms_norm_eps)
-
-        if per_layer is not None:
-            g = gelu(linear(x, lp["ple_gate"])) * per_layer[:, :, spec.index, :]
-            x = x + rms_norm(linear(g, lp["ple_proj"]), lp["ple_norm"], cfg.rms_norm_eps)
-        if cfg.has_layer_scalar:
-            x = x * lp["layer_scalar"].astype(x.dtype)  # scales the whole stream, residual included
+    if decode_rows and (B != 1 or cache is None or not attend_cache or groups is not None):
+        raise ValueError("decode_rows needs one row of tokens, a cache to attend to and no vision groups")
+    call = _Call(cfg=cfg, options=options, positions=positions, tables=_rope_tables(cfg, positions, options),
+                 attend_cache=attend_cache, cache_row=cache_row, kv_len=kv_len, groups=groups,
+                 contiguous=contiguous, token_rows=token_rows, decode_rows=decode_rows,
+                 hidden=return_hidden)
+    hidden = [x] if return_hidden else None
+    new_cache = dict(cache) if cache is not None else None
+    shared: dict[int, Any] = {}  # donor layer -> its keys (`_layer`), for the KV-sharing layers after it
+    for run, weights in zip(cfg.layer_runs, layer_stacks(params, cfg)):
+        ple = None if per_layer is None else _run_inputs(per_layer, run)
+        x, new_cache, states = _run_layers(x, ple, weights, run, call, new_cache, shared)
         if return_hidden:
-            hidden.append(x)
+            hidden += states
 
     if logits_at is not None and (decode_rows or token_rows is not None):
         x = x[0, logits_at]
@@ -683,3 +668,203 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     shape = jax.eval_shape(lambda h: lm_head(params, cfg, h), x)
     logits = jax.lax.cond(head, lambda h: lm_head(params, cfg, h), lambda h: jnp.zeros(shape.shape, shape.dtype), x)
     return logits, new_cache, hidden
+
+
+# ------------------------------------------------------------------------------ the layers as runs
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What every layer of one `forward` call shares (see its arguments)."""
+
+    cfg: ModelConfig
+    options: RunOptions
+    positions: jax.Array
+    tables: dict
+    attend_cache: bool
+    cache_row: jax.Array | int
+    kv_len: int | None
+    groups: jax.Array | None
+    contiguous: bool
+    token_rows: jax.Array | None
+    decode_rows: int
+    hidden: bool  # keep the stream after every layer (`return_hidden`)
+
+    def split(self, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[1, T, ...] of a fused call → the chunk [1, C, ...], the decode tokens [D, 1, ...]."""
+        C = t.shape[1] - self.decode_rows
+        return t[:, :C], t[:, C:].reshape((self.decode_rows, 1) + t.shape[2:])
+
+
+def _rope_tables(cfg: ModelConfig, positions: jax.Array, options: RunOptions) -> dict:
+    """{layer kind: (cos, sin)} at `positions`."""
+    tables = {}
+    for kind in sorted(set(cfg.layer_types)):  # sorted: a set's order follows the string hash, which
+        # differs between processes, and so did the order of these constants in the program: jax's
+        # persistent compile cache then missed at random
+        head_dim = cfg.global_head_dim if kind != "sliding_attention" else cfg.head_dim
+        inv = np.asarray(cfg.rope_for(kind).inverse_frequencies(head_dim), np.float32)
+        tables[kind] = rope_tables(positions, inv, options.dtype)
+        if options.mesh is not None:  # whole on every device: q (split) and k/v (maybe not) both read them
+            tables[kind] = tuple(_pin(t, ("batch", None, "head_dim"), options.mesh) for t in tables[kind])
+    return tables
+
+
+def _run_inputs(per_layer: jax.Array, run: LayerRun) -> jax.Array:
+    """A run's per-layer inputs [count, B, T, period, P] from all layers' [B, T, L, P]."""
+    B, T, _, P = per_layer.shape
+    part = per_layer[:, :, run.first:run.stop].reshape(B, T, run.count, run.period, P)
+    return jnp.moveaxis(part, 2, 0)
+
+
+def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], run: LayerRun, call: _Call,
+                cache: dict | None, shared: dict) -> tuple[jax.Array, dict | None, list[jax.Array]]:
+    """The run's layers on the stream x: one period's layers traced once and scanned over the
+    periods (`jax.lax.scan`: the weights and cache entries of a period position are stacked over
+    the periods, and the scan indexes both by the period), or in a Python loop where the run is one
+    period or `RunOptions.scan_layers` is off. Returns the stream, the cache (the run's entries
+    written) and the stream after each layer."""
+    specs = [call.cfg.layers[run.layer(0, j)] for j in range(run.period)]
+    keys = [spec.index for spec in specs if not spec.is_kv_consumer]
+    own = None if cache is None else {key: cache[key] for key in keys}  # the entries this run writes
+
+    def period(x, own, p, lps, inputs, shared):
+        states, pending = [], {}
+        for j, (spec, lp) in enumerate(zip(specs, lps)):
+            x, own, kv = _layer(x, lp, None if inputs is None else inputs[:, :, j], spec, call, own, p, shared)
+            states.append(x)
+            if kv is not None:
+                pending[spec.index] = kv
+        return x, own, states, pending
+
+    if run.count == 1 or not call.options.scan_layers:
+        states, writes = [], []
+        for p in range(run.count):
+            x, own, done, pending = period(x, own, p, _layer_weights(weights, p), None if ple is None else ple[p], shared)
+            states += done if call.hidden else []
+            writes += [(key, p, k, v) for key, (k, v) in pending.items()]
+    else:
+        def body(carry, xs):
+            x, own = carry
+            p, inputs = xs
+            # the donors' keys are read from `shared`; a period's own keys stay in the scan (no layer
+            # after the run reads them: `ModelConfig.layer_runs` keeps donors out of scanned runs)
+            x, own, done, pending = period(x, own, p, _layer_weights(weights, p), inputs, dict(shared))
+            return (x, own), (jnp.stack(done) if call.hidden else None, pending)
+
+        (x, own), (stacked, pending) = jax.lax.scan(body, (x, own), (jnp.arange(run.count, dtype=jnp.int32), ple))
+        states = list(stacked.reshape((-1,) + stacked.shape[2:])) if call.hidden else []
+        writes = [(key, p, k[p], v[p]) for key, (k, v) in pending.items() for p in range(run.count)]
+    for key, p, k, v in writes:  # (`_Deferred`: in place, now that no layer reads the entries)
+        own = {**own, key: kv_cache.write(own[key], k, v, call.positions, call.cache_row, layer=p)}
+    if cache is not None:
+        cache = {**cache, **own}
+    return x, cache, states
+
+
+def _layer_weights(weights: tuple[dict, ...], p: jax.Array | int) -> tuple[dict, ...]:
+    """Period p's weights of a run's stacked ones: an int8 leaf as a `LayerSlice` (the native
+    kernels read its layer in place), any other leaf indexed."""
+    def at(leaf):
+        if isinstance(leaf, QuantArray):
+            return LayerSlice(leaf, p)
+        return jax.tree.map(lambda a: a[p], leaf)
+
+    return tuple(jax.tree.map(at, lp, is_leaf=lambda leaf: isinstance(leaf, (QuantArray, Int4Array)))
+                 for lp in weights)
+
+
+def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call: _Call, cache: dict | None,
+           layer: jax.Array | int, shared: dict) -> tuple[jax.Array, dict | None, tuple | None]:
+    """One decoder layer on the stream x [B, T, H]: its attention (writing its K/V to its cache
+    entry `spec.index`, stacked layer `layer`; or reading a donor's keys from `shared` for a
+    KV-sharing layer), MLP or experts, per-layer input and scalar. Returns (x, the cache, None or
+    the (k, v) its caller writes to the entry after the run: `_Deferred`)."""
+    cfg, options, positions = call.cfg, call.options, call.positions
+    pending = None
+    cos, sin = call.tables[spec.attention]
+    a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
+    slot = (spec.index, layer)
+    if not call.decode_rows:
+        if spec.is_kv_consumer:
+            keys = shared[spec.kv_source]
+        else:
+            keys, cache = _layer_keys(spec, cfg, k, v, positions, cache, slot, options=options,
+                                      attend_cache=call.attend_cache, cache_row=call.cache_row, kv_len=call.kv_len,
+                                      vision=call.groups is not None, contiguous=call.contiguous,
+                                      token_rows=call.token_rows)
+            keys = shared[spec.index] = _pin_kv(keys, options.mesh)
+        attn = _attend_keys(spec, cfg, q, keys, positions, options, call.groups, call.token_rows)
+        if isinstance(cache, _Deferred):
+            cache, pending = cache.cache, (cache.k, cache.v)
+    else:  # the chunk and the decode tokens, each over its own rows
+        if spec.is_kv_consumer:
+            parts = shared[spec.kv_source]
+        else:
+            parts, cache = _fused_keys(spec, cfg, k, v, positions, cache, slot, options=options,
+                                       chunk=positions.shape[1] - call.decode_rows, cache_row=call.cache_row,
+                                       kv_len=call.kv_len)
+            parts = shared[spec.index] = [_pin_kv(part, options.mesh) for part in parts]
+        attn = jnp.concatenate([
+            _attend_keys(spec, cfg, qp, part, pos, options, None).reshape(1, pos.size, -1)
+            for qp, part, pos in zip(call.split(q), parts, call.split(positions))], axis=1)
+    x = x + rms_norm(linear(attn, lp["o"]), lp["post_attn_norm"], cfg.rms_norm_eps)
+
+    residual = x
+    f = dense_mlp(rms_norm(residual, lp["pre_ffw_norm"], cfg.rms_norm_eps), lp)
+    if cfg.enable_moe:
+        f = rms_norm(f, lp["post_ffw_norm_1"], cfg.rms_norm_eps) + moe_block(residual, lp, cfg, options.mesh)
+    x = residual + rms_norm(f, lp["post_ffw_norm"], cfg.rms_norm_eps)
+
+    if ple is not None:
+        g = gelu(linear(x, lp["ple_gate"])) * ple
+        x = x + rms_norm(linear(g, lp["ple_proj"]), lp["ple_norm"], cfg.rms_norm_eps)
+    if cfg.has_layer_scalar:
+        x = x * lp["layer_scalar"].astype(x.dtype)  # scales the whole stream, residual included
+    return x, cache, pending
+
+
+# ------------------------------------------------------------------------------ stacked weights
+# A serving engine stacks its weights once (`stack_layers`): params["layer_runs"] then holds, per
+# run of `ModelConfig.layer_runs`, per position in its period, that position's leaves stacked over
+# the periods. A tree as loaded (params["layers"], one dict per layer) is stacked inside each call
+# instead: the same results, but a copy of the layer weights per call (tests and one-off uses).
+def layer_stacks(params: dict, cfg: ModelConfig) -> tuple[tuple[dict, ...], ...]:
+    """Per run, per period position, the layer weights stacked over the run's periods."""
+    if "layer_runs" in params:
+        return params["layer_runs"]
+    return _stack_runs(params["layers"], cfg, lambda leaves: jnp.stack(leaves))
+
+
+def stack_layers(params: dict, cfg: ModelConfig, stack: Any = None) -> dict:
+    """`params` with its per-layer list replaced by the stacked runs (`layer_stacks`); already
+    stacked: as it is. `stack` stacks a list of equal leaves (default: jnp.stack; an engine passes
+    one that keeps each leaf's placement, or builds shapes only)."""
+    if "layer_runs" in params:
+        return params
+    runs = _stack_runs(params["layers"], cfg, stack or (lambda leaves: jnp.stack(leaves)))
+    return {**{k: v for k, v in params.items() if k != "layers"}, "layer_runs": runs}
+
+
+def _stack_runs(layers: list, cfg: ModelConfig, stack: Any) -> tuple[tuple[dict, ...], ...]:
+    out = []
+    for run in cfg.layer_runs:
+        positions = []
+        for j in range(run.period):
+            members = _common_formats([layers[run.layer(p, j)] for p in range(run.count)])
+            structure = jax.tree.structure(members[0])
+            odd = [run.layer(p, j) for p, m in enumerate(members) if jax.tree.structure(m) != structure]
+            if odd:
+                raise ValueError(f"layers {odd} of {cfg.name} differ in their weights' structure from layer "
+                                 f"{run.layer(0, j)}, which they repeat (ModelConfig.layer_runs): cannot stack them")
+            positions.append(jax.tree.map(lambda *leaves: stack(list(leaves)), *members))
+        out.append(tuple(positions))
+    return tuple(out)
+
+
+def _common_formats(members: list[dict]) -> list[dict]:
+    """The layers' weight dicts with each weight in one format across them (`quant.common_format`)."""
+    names = members[0].keys()
+    if any(m.keys() != names for m in members):
+        return members
+    widened = {name: common_format([m[name] for m in members]) for name in names}
+    return [{name: widened[name][p] for name in names} for p in range(len(members))]

@@ -351,7 +351,8 @@ def target_keys(target: ModelConfig, target_cache: dict, cache_row: jax.Array | 
     [cache_row, cache_row + batch), in `dtype`; full layers' slots [0, kv_len) (None: all)."""
     out = {}
     for kind, idx in store_layers(target).items():
-        out[kind] = kv_cache.read(target_cache[idx], dtype, cache_row, batch, None if kind == SLIDING else kv_len)
+        key, layer = kv_cache.cache_slot(target, idx)
+        out[kind] = kv_cache.read(target_cache[key], dtype, layer, cache_row, batch, None if kind == SLIDING else kv_len)
     return out
 
 
@@ -369,7 +370,8 @@ def _round(d: DrafterConfig, target: ModelConfig, target_cache: dict, position: 
     check_pair(d, target)
     B = position.shape[0]
     stores = store_layers(target)
-    ring, context = (target_cache[stores[kind]]["pos"].shape[1] for kind in (SLIDING, FULL))
+    ring, context = (kv_cache.slot_count(target_cache[kv_cache.cache_slot(target, stores[kind])[0]])
+                     for kind in (SLIDING, FULL))
     if ring < min(d.text.sliding_window + 1, context):  # (a ring no shorter than the context holds it all)
         raise ValueError(f"the target's sliding ring ({ring} slots) cannot hold the drafter's "
                          f"{d.text.sliding_window + 1} keys")

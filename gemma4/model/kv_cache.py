@@ -1,10 +1,12 @@
-"""KV cache with per-layer shapes.
+"""KV cache with per-layer shapes, stacked as the forward pass scans the layers.
 
-One entry per KV-*producer* layer (KV consumers read their producer and own nothing):
-    k, v   [B, S, n_kv, d]   S = sliding window + a slack (a ring indexed by absolute position % S;
-                             see WRITE_FIRST_TOKENS) for sliding layers, the context limit for full layers
-    pos    [B, S] int32      the absolute position each slot holds, -1 when empty
-    k_scale, v_scale [B, S, n_kv] float32   only for the int8 format (per position and head)
+One entry per position of a period of KV-*producer* layers (`ModelConfig.layer_runs`; KV consumers
+read their producer and own nothing), keyed by the index of its first layer, each array stacked over
+the run's periods (L layers: `cache_slot` says which layer is which entry and index):
+    k, v   [L, B, S, n_kv, d]   S = sliding window + a slack (a ring indexed by absolute position % S;
+                                see WRITE_FIRST_TOKENS) for sliding layers, the context limit for full layers
+    pos    [L, B, S] int32      the absolute position each slot holds, -1 when empty
+    k_scale, v_scale [L, B, S, n_kv] float32   only for the int8 format (per position and head)
 The fp8 format (only chosen where the chip has an fp8 datapath) stores float8_e4m3fn, unscaled.
 
 Invariant: a slot holds the K/V of an absolute, real token position. Padding tokens are never
@@ -56,27 +58,49 @@ def ring_geometry(cfg: ModelConfig, max_len: int) -> dict[str, int]:
 def ring_writes_first(entry: dict[str, jax.Array], window: int, tokens: int) -> bool:
     """Whether `tokens` new keys fit in this ring without overwriting a slot that a query among them
     still sees: slots ≥ window + tokens - 1 (a position's slot is position mod slots)."""
-    return entry["pos"].shape[1] >= window + tokens - 1
+    return slot_count(entry) >= window + tokens - 1
+
+
+def slot_count(entry: dict[str, jax.Array]) -> int:
+    """S, the slots of each row of an entry's layers."""
+    return entry["pos"].shape[-1]
+
+
+def row_count(entry: dict[str, jax.Array]) -> int:
+    """B, the cache rows."""
+    return entry["pos"].shape[-2]
+
+
+def cache_slot(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(entry key, index in the entry's stacked layers) of a KV-producer layer's cache."""
+    for run in cfg.layer_runs:
+        if run.first <= layer < run.stop:
+            p, j = divmod(layer - run.first, run.period)
+            return run.layer(0, j), p
+    raise ValueError(f"layer {layer} is not one of {cfg.name}'s {cfg.num_layers} layers")
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, kv_format: str = "native"
                ) -> dict[int, dict[str, jax.Array]]:
-    """An empty cache: {producer layer index: {k, v, pos[, k_scale, v_scale]}}."""
+    """An empty cache: {first producer layer of an entry: {k, v, pos[, k_scale, v_scale]}}, each
+    array stacked over the layers of the entry (`cache_slot`)."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format {kv_format!r} not in {KV_FORMATS}")
     cache = {}
-    for spec in cfg.layers:
-        if spec.is_kv_consumer:
-            continue
-        S = slots_for(spec, cfg, max_len)
-        shape = (batch, S, spec.num_kv_heads, spec.head_dim)
-        store = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(kv_format, dtype)
-        entry = {"k": jnp.zeros(shape, store), "v": jnp.zeros(shape, store),
-                 "pos": jnp.full((batch, S), -1, jnp.int32)}
-        if kv_format == "int8":
-            entry["k_scale"] = jnp.zeros(shape[:3], jnp.float32)
-            entry["v_scale"] = jnp.zeros(shape[:3], jnp.float32)
-        cache[spec.index] = entry
+    for run in cfg.layer_runs:
+        for j in range(run.period):
+            spec = cfg.layers[run.layer(0, j)]
+            if spec.is_kv_consumer:
+                continue
+            S = slots_for(spec, cfg, max_len)
+            shape = (run.count, batch, S, spec.num_kv_heads, spec.head_dim)
+            store = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(kv_format, dtype)
+            entry = {"k": jnp.zeros(shape, store), "v": jnp.zeros(shape, store),
+                     "pos": jnp.full(shape[:3], -1, jnp.int32)}
+            if kv_format == "int8":
+                entry["k_scale"] = jnp.zeros(shape[:4], jnp.float32)
+                entry["v_scale"] = jnp.zeros(shape[:4], jnp.float32)
+            cache[spec.index] = entry
     return cache
 
 
@@ -102,13 +126,16 @@ def _select_rows(x: jax.Array, row: jax.Array | int, batch: int) -> jax.Array:
     return jnp.sum(jnp.where(pick, x[None], jnp.zeros((), x.dtype)), axis=1, dtype=x.dtype)
 
 
-def read(entry: dict[str, jax.Array], dtype: Any, row: jax.Array | int = 0, batch: int | None = None,
-         kv_len: int | None = None, rows_sharded: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(k, v, pos) of cache rows [row, row + batch) and slots [0, kv_len), in the compute dtype.
+def read(entry: dict[str, jax.Array], dtype: Any, layer: jax.Array | int = 0, row: jax.Array | int = 0,
+         batch: int | None = None, kv_len: int | None = None, rows_sharded: bool = False
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v, pos) of the entry's layer `layer`, cache rows [row, row + batch) and slots [0, kv_len),
+    in the compute dtype.
 
     rows_sharded: the cache rows are split over a mesh axis: rows are selected by a mask, not sliced.
     """
     def view(x):
+        x = x[layer]
         x = x[:, :kv_len] if kv_len is not None else x
         if batch is not None and batch != x.shape[0]:
             x = _select_rows(x, row, batch) if rows_sharded else jax.lax.dynamic_slice_in_dim(x, row, batch, axis=0)
@@ -123,12 +150,12 @@ def read(entry: dict[str, jax.Array], dtype: Any, row: jax.Array | int = 0, batc
 
 
 def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array,
-          row: jax.Array | int = 0, rows: jax.Array | None = None) -> dict[str, jax.Array]:
+          row: jax.Array | int = 0, rows: jax.Array | None = None, layer: jax.Array | int = 0) -> dict[str, jax.Array]:
     """Scatter new K/V [B, T, n_kv, d] at absolute `positions` [B, T] (-1 = padding, not written)
-    into cache rows [row, row + B), or into each token's own cache row `rows` [B, T]. The update
-    is in place when the cache buffer is donated."""
+    into the entry's layer `layer`, cache rows [row, row + B), or into each token's own cache row
+    `rows` [B, T]. The update is in place when the cache buffer is donated (or a scan carries it)."""
     B, T = positions.shape
-    S = entry["pos"].shape[1]
+    S = slot_count(entry)
     valid = positions >= 0
     if rows is None:
         rows = jnp.broadcast_to(row + jnp.arange(B)[:, None], (B, T))
@@ -139,18 +166,18 @@ def write(entry: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: ja
     # In a ring only the last S real tokens (of a row) survive; writing only those keeps indices unique.
     keep = valid & (positions > last - S)
     slot = jnp.where(keep, positions % S, S)  # S is out of range: the write is dropped
+    def put(x, values):
+        return x.at[layer, rows, slot].set(values.astype(x.dtype), mode="drop")
+
     new = dict(entry)
-    new["pos"] = entry["pos"].at[rows, slot].set(positions, mode="drop")
+    new["pos"] = put(entry["pos"], positions)
     if "k_scale" in entry:
         kq, ks = _quantize(k)
         vq, vs = _quantize(v)
-        new["k"] = entry["k"].at[rows, slot].set(kq, mode="drop")
-        new["v"] = entry["v"].at[rows, slot].set(vq, mode="drop")
-        new["k_scale"] = entry["k_scale"].at[rows, slot].set(ks, mode="drop")
-        new["v_scale"] = entry["v_scale"].at[rows, slot].set(vs, mode="drop")
+        new.update(k=put(entry["k"], kq), v=put(entry["v"], vq), k_scale=put(entry["k_scale"], ks),
+                   v_scale=put(entry["v_scale"], vs))
     else:
-        new["k"] = entry["k"].at[rows, slot].set(k.astype(entry["k"].dtype), mode="drop")
-        new["v"] = entry["v"].at[rows, slot].set(v.astype(entry["v"].dtype), mode="drop")
+        new.update(k=put(entry["k"], k), v=put(entry["v"], v))
     return new
 
 
@@ -160,14 +187,16 @@ def copy_prefix(cache: dict, source: jax.Array | int, row: jax.Array | int, leng
     later positions are marked empty (source == row: only that). Slots keep their places (a
     position's slot is the same in every row), so a ring's content stays where reads expect it.
     rows_sharded: rows split over a mesh axis are picked by mask (`_select_rows`)."""
-    def take(x):
-        return _select_rows(x, source, 1) if rows_sharded else jax.lax.dynamic_slice_in_dim(x, source, 1, axis=0)
+    def take(x):  # x [L, B, ...] -> [L, 1, ...]
+        if rows_sharded:
+            return jax.vmap(lambda layer: _select_rows(layer, source, 1))(x)
+        return jax.lax.dynamic_slice_in_dim(x, source, 1, axis=1)
 
     out = {}
     for idx, e in cache.items():
         new = {name: take(x) for name, x in e.items()}
         new["pos"] = jnp.where(new["pos"] < length, new["pos"], -1)
-        out[idx] = {name: jax.lax.dynamic_update_slice_in_dim(e[name], x, row, axis=0) for name, x in new.items()}
+        out[idx] = {name: jax.lax.dynamic_update_slice_in_dim(e[name], x, row, axis=1) for name, x in new.items()}
     return out
 
 
@@ -177,7 +206,7 @@ def drop_after(cache: dict, last: jax.Array) -> dict:
     they took held a position no later query sees (the ring's slack is at least the drafts:
     `ring_writes_first`), so emptying it loses nothing."""
     def dropped(e):
-        rows = e["pos"].shape[0]
+        rows = row_count(e)
         at = jnp.concatenate([last.astype(jnp.int32), jnp.full((rows - last.shape[0],), -1, jnp.int32)])[:, None]
         return dict(e, pos=jnp.where((at >= 0) & (e["pos"] > at), -1, e["pos"]))
     return {idx: dropped(e) for idx, e in cache.items()}
@@ -187,7 +216,7 @@ def clear_row_if(cache: dict, row: jax.Array | int) -> dict:
     """`clear_row` where row >= 0, nothing where row < 0 (a traced choice: no branch); `row` may
     be an array of rows, each cleared where >= 0 (the prompts of a packed first chunk)."""
     def cleared(e):
-        hit = (jnp.arange(e["pos"].shape[0])[:, None] == jnp.reshape(row, (1, -1))).any(axis=1)
+        hit = (jnp.arange(row_count(e))[:, None] == jnp.reshape(row, (1, -1))).any(axis=1)
         return dict(e, pos=jnp.where(hit[:, None], -1, e["pos"]))
     return {idx: cleared(e) for idx, e in cache.items()}
 
@@ -195,4 +224,5 @@ def clear_row_if(cache: dict, row: jax.Array | int) -> dict:
 def clear_row(cache: dict, row: jax.Array | int) -> dict:
     """Mark every slot of one cache row empty (a new request takes the row)."""
     return {idx: dict(e, pos=jax.lax.dynamic_update_slice_in_dim(
-        e["pos"], jnp.full((1, e["pos"].shape[1]), -1, jnp.int32), row, axis=0)) for idx, e in cache.items()}
+        e["pos"], jnp.full(e["pos"].shape[:1] + (1, slot_count(e)), -1, jnp.int32), row, axis=1))
+        for idx, e in cache.items()}

@@ -122,13 +122,13 @@ FLOAT_TEMP_MAX_BYTES = 64 << 20
 NATIVE_ROWS_MAX = 128
 
 
-def native_sliced(x2, weights) -> list:
+def native_sliced(x2, weights, layer=None) -> list:
     """cpu_int8.matmul for any number of rows: slices of MAX_ROWS rows, one kernel call each, the
     outputs concatenated (a row's result does not depend on the other rows of its call)."""
     m, step = x2.shape[0], cpu_int8.MAX_ROWS
     if m <= step:
-        return cpu_int8.matmul(x2, weights)
-    parts = [cpu_int8.matmul(x2[i:i + step], weights) for i in range(0, m, step)]
+        return cpu_int8.matmul(x2, weights, layer=layer)
+    parts = [cpu_int8.matmul(x2[i:i + step], weights, layer=layer) for i in range(0, m, step)]
     return [jnp.concatenate(ys, axis=0) for ys in zip(*parts)]
 
 
@@ -159,10 +159,13 @@ def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: i
     return path in PATHS
 
 
-def run(path: str, x2, q, scale, group, layout: str = "rows"):
-    """y [M, N] float32 by the named formulation (q, scale in `layout`)."""
+def run(path: str, x2, q, scale, group, layout: str = "rows", layer=None):
+    """y [M, N] float32 by the named formulation (q, scale in `layout`; stacked over layers and read
+    at `layer` where given: native paths only)."""
     if path in NATIVE_PATHS:
-        return run_many(x2, [(q, scale, group)], path, layout)[0]
+        return run_many(x2, [(q, scale, group)], path, layout, layer=layer)[0]
+    if layer is not None:
+        raise ValueError(f"int8 path {path!r} reads one layer's weights, not a stack")
     if layout != "rows":
         raise ValueError(f"int8 path {path!r} reads rows; this weight is stored as {layout}")
     if path == "xla-fused":
@@ -186,19 +189,20 @@ def run(path: str, x2, q, scale, group, layout: str = "rows"):
 NATIVE_PATHS = ("native-panels", "native", "native-gemm", "native-gemm-i8")
 
 
-def run_many(x2, weights: list[tuple], path: str, layout: str = "rows") -> list:
+def run_many(x2, weights: list[tuple], path: str, layout: str = "rows", layer=None) -> list:
     """Several int8 weights (q, scale, group), all in `layout`, on one activation through one native
-    path: one call (per 8-row slice for `native`), one activation quantization."""
+    path: one call (per 8-row slice for `native`), one activation quantization. `layer`: the weights
+    are stacked over layers and this one (an int32 scalar) is read in place (cpu_int8._call)."""
     if path == "native-gemm-i8":
-        return (cpu_int8.gemm_i8_panels if layout == "panels" else cpu_int8.gemm_i8)(x2, weights)
+        return (cpu_int8.gemm_i8_panels if layout == "panels" else cpu_int8.gemm_i8)(x2, weights, layer=layer)
     if layout == "panels":
         if path == "native-gemm":
-            return cpu_int8.gemm_panels(x2, weights)
+            return cpu_int8.gemm_panels(x2, weights, layer=layer)
         if path != "native-panels":
             raise ValueError(f"int8 path {path!r} reads rows; these weights are stored as panels")
-        return cpu_int8.panels(x2, weights)
+        return cpu_int8.panels(x2, weights, layer=layer)
     if path == "native-panels":
         raise ValueError("native-panels reads weights stored as panels; these are rows")
     if path == "native-gemm":
-        return cpu_int8.gemm(x2, weights)
-    return native_sliced(x2, weights)
+        return cpu_int8.gemm(x2, weights, layer=layer)
+    return native_sliced(x2, weights, layer=layer)

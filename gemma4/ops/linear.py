@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from gemma4.ops import chunked, int8_matmul
 from gemma4.ops.kernels.int4_matmul import int4_matmul
-from gemma4.ops.quant import (Int4Array, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf,
+from gemma4.ops.quant import (Int4Array, LayerSlice, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf,
                               take_panel_rows)
 
 
@@ -63,14 +63,17 @@ def int8_path(w: QuantArray, m: int) -> str:
     return "native-panels" if w.layout == "panels" else "default"
 
 
-def _int8_linear(x: jax.Array, w: QuantArray) -> jax.Array:
+def _int8_linear(x: jax.Array, w: QuantArray | LayerSlice) -> jax.Array:
     n_out, n_in = w.shape
     x2 = x.reshape(-1, n_in)
-    path = int8_path(w, x2.shape[0])
+    stack, layer = (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
+    path = int8_path(stack, x2.shape[0])
+    if layer is not None and path not in int8_matmul.NATIVE_PATHS:
+        return _int8_linear(x, w.sliced())
     if path == "default":
         y = _int8_default(x2, w)
     else:
-        y = int8_matmul.run(path, x2, w.q, w.scale, w.group_size, w.layout)
+        y = int8_matmul.run(path, x2, stack.q, stack.scale, stack.group_size, stack.layout, layer=layer)
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -143,9 +146,11 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     W is a plain [out, in] array, a QuantArray or an Int4Array.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if isinstance(w, LayerSlice) and is_sharded(w.stack):
+        w = w.sliced()
     if is_sharded(w):
         return _spmd(x, [w], out_dtype)[0]
-    if isinstance(w, QuantArray):
+    if isinstance(w, (QuantArray, LayerSlice)):
         y = _int8_linear(x, w)
     elif isinstance(w, Int4Array):
         y = _int4_linear(x, w)
@@ -162,15 +167,21 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
     quantization instead of several; the results are the same as separate `linear` calls.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    ws = [w.sliced() if isinstance(w, LayerSlice) and is_sharded(w.stack) else w for w in ws]
     if len(ws) > 1 and all(is_sharded(w) for w in ws) and len({w.mesh_axes[1] for w in ws}) == 1:
         return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
-    ways = {(int8_path(w, m), w.layout) if isinstance(w, QuantArray) else None for w in ws}
-    (way,) = ways if len(ways) == 1 else (None,)  # (path, layout) shared by every leaf, or None
-    if len(ws) > 1 and way is not None and way[0] in int8_matmul.NATIVE_PATHS:
-        path, layout = way
-        ys = int8_matmul.run_many(x.reshape(m, n_in), [(w.q, w.scale, w.group_size) for w in ws], path, layout)
+    # the leaves as stored: (leaf, None), or a stacked leaf and its layer (`LayerSlice`, unsplit)
+    parts = [(w.stack, w.layer) if isinstance(w, LayerSlice) and not is_sharded(w.stack) else (w, None) for w in ws]
+    ways = {(int8_path(w, m), w.layout, layer is None) if isinstance(w, QuantArray) else None for w, layer in parts}
+    (way,) = ways if len(ways) == 1 else (None,)  # (path, layout, unstacked) shared by every leaf, or None
+    layer = parts[0][1]
+    if (len(ws) > 1 and way is not None and way[0] in int8_matmul.NATIVE_PATHS
+            and all(part[1] is layer for part in parts)):
+        path, layout, _ = way
+        ys = int8_matmul.run_many(x.reshape(m, n_in), [(w.q, w.scale, w.group_size) for w, _ in parts], path, layout,
+                                  layer=layer)
         return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
     return [linear(x, w, out_dtype) for w in ws]
 

@@ -328,6 +328,45 @@ def with_5bit_panels(w: "QuantArray") -> "QuantArray":
     return dataclasses.replace(w, q=_placed_like(pack_panels5(qp), w.q))
 
 
+# ------------------------------------------------------------------------------ one format for a stack
+def common_format(leaves: list) -> list:
+    """Leaves the forward pass stacks (the same weight of layers that repeat each other: decoder.
+    stack_layers) in one storage format, with the same values. A GGUF mixes block types across
+    layers (the bundled Q4_K_M file: Q6_K for some layers' ffn_down and attn_v), so their int8 leaves
+    differ in group size, 5-bit or 8-bit panels and float16 or float32 scales. Where they differ, each
+    is widened to what all can hold: 8-bit q, the smallest group (a group's scale repeated over its
+    parts: the same W; the kernel's float sums run in the smaller groups), float32 scales; its
+    `paths` those of a leaf already in that form (else the first 8-bit one's). Other leaves are
+    returned as they are."""
+    first = leaves[0]
+    same = all(jax.tree.structure(w) == jax.tree.structure(first)
+               and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(first)))
+               for w in leaves)
+    if same or not all(isinstance(w, QuantArray) for w in leaves):
+        return leaves
+    if (len({(w.layout, w.shape, w.mesh, w.mesh_axes, w.chunk_rows) for w in leaves}) != 1
+            or any(w.group_size is None for w in leaves)):
+        return leaves  # (the stacking then says which layers differ)
+    group = min(w.group_size for w in leaves)
+    if any(w.group_size % group for w in leaves):
+        return leaves
+    wide = [_widened(w, group) for w in leaves]
+    model = next((w for w, orig in zip(wide, leaves) if orig.group_size == group and orig.panel_bits == 8),
+                 next((w for w, orig in zip(wide, leaves) if orig.panel_bits == 8), wide[0]))
+    return [dataclasses.replace(w, paths=model.paths) for w in wide]
+
+
+def _widened(w: "QuantArray", group: int) -> "QuantArray":
+    """w with 8-bit q, scales per `group` inputs (w's group a multiple of it) in float32."""
+    q, scale = w.q, w.scale
+    if w.panel_bits == 5:
+        q = unpack_panels5(q)
+    scale = scale.astype(jnp.float32)
+    if w.group_size != group:  # [N, K/g] or panels' [N/16, K/g, 16]: axis 1 indexes the groups
+        scale = jnp.repeat(scale, w.group_size // group, axis=1)
+    return dataclasses.replace(w, q=q, scale=scale, group_size=group)
+
+
 def take_panel_rows(w: "QuantArray", ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q rows [..., K], scales [...] or [..., K/g]) of `ids` from a panels leaf (a gather; of 5-bit
     panels, each gathered row's whole panel is unpacked)."""
@@ -390,6 +429,29 @@ class Int4Array:
 
     def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
         return dequant_int4(self.packed, self.scale, self.group_size, dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSlice:
+    """Layer `layer` (an int32 scalar, maybe traced) of an int8 leaf whose q and scale are stacked
+    over layers ([L, ...]: gemma4.model.decoder.stack_layers). `gemma4.ops.linear` runs a native
+    kernel path on it in place, reading only that layer's bytes; any other path takes the layer's
+    slice (`sliced`), which XLA:CPU copies before a product (a scan over stacked int8 layers of the
+    bundled model decoded at 1.24x the time that way; XLA on an accelerator reads the slice in place)."""
+
+    stack: QuantArray
+    layer: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        q = self.stack.q
+        if self.stack.layout == "panels":
+            return (int(q.shape[1]) * PANEL_ROWS, int(q.shape[2]) * (4 if q.dtype == jnp.uint8 else 2))
+        return tuple(q.shape[1:])
+
+    def sliced(self) -> QuantArray:
+        return dataclasses.replace(self.stack, q=self.stack.q[self.layer], scale=self.stack.scale[self.layer])
 
 
 def is_quantized(x: Any) -> bool:

@@ -32,7 +32,7 @@ NATIVE_MIN_SPEEDUP = 1.1  # the kernel must beat XLA's attention by this much at
 PROBE_SLOTS = 2048  # a full layer's slots read in the measured step (a long chat's decode)
 PROBE_LAYERS = 4  # layers per measured call, so dispatch does not dominate
 PROBE_ROUNDS = 15
-VERSION = 1
+VERSION = 2  # 2: the cache stacked over layers (kv_cache), as the engine's
 
 
 def layer_geometry(cfg: ModelConfig, kind: str) -> tuple[int, int, int, int] | None:
@@ -50,9 +50,9 @@ def _time_decode_attention(geometry: tuple[int, int, int, int], native: bool) ->
     nq, nkv, d, slots = geometry
     rng = np.random.default_rng(0)
     filled = np.where(np.arange(slots) < slots - 16, np.arange(slots), -1)[None].astype(np.int32)
-    entries = [{"k": jnp.asarray(rng.standard_normal((1, slots, nkv, d)), jnp.float32),
-                "v": jnp.asarray(rng.standard_normal((1, slots, nkv, d)), jnp.float32),
-                "pos": jnp.asarray(filled)} for _ in range(PROBE_LAYERS)]
+    entries = [{"k": jnp.asarray(rng.standard_normal((1, 1, slots, nkv, d)), jnp.float32),  # (kv_cache's layout:
+                "v": jnp.asarray(rng.standard_normal((1, 1, slots, nkv, d)), jnp.float32),  # one layer, one row)
+                "pos": jnp.asarray(filled[None])} for _ in range(PROBE_LAYERS)]
     q = jnp.asarray(rng.standard_normal((1, 1, nq, d)), jnp.float32)
     new = jnp.asarray(rng.standard_normal((1, 1, nkv, d)), jnp.float32)
     pos = jnp.full((1, 1), slots - 16, jnp.int32)
@@ -63,8 +63,8 @@ def _time_decode_attention(geometry: tuple[int, int, int, int], native: bool) ->
         for entry in entries:
             entry = kv_cache.write(entry, new, new, pos)
             if native:
-                a = cpu_attention.attend(q, pos, entry["k"], entry["v"], entry["pos"], rows, slots=slots, window=None,
-                                         scale=d ** -0.5)
+                a = cpu_attention.attend(q, pos, entry["k"], entry["v"], entry["pos"], rows, slots=slots,
+                                         window=None, scale=d ** -0.5)
             else:
                 k, v, kp = kv_cache.read(entry, jnp.float32)
                 a = decoder.attend(q, k, v, decoder.attention_mask(pos, kp, None), d ** -0.5, "xla")

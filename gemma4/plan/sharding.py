@@ -29,6 +29,7 @@ rows_sharded`): see gemma4/serve/engine.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, Sequence
@@ -250,11 +251,38 @@ def shard_params(cfg, params: Any, mesh: Mesh) -> Any:
 
 
 def cache_shardings(cfg, cache: dict, mesh: Mesh) -> dict:
-    """NamedShardings for a cache from `kv_cache.init_cache` (K/V split with their heads)."""
+    """NamedShardings for a cache from `kv_cache.init_cache` (K/V split with their heads; the
+    leading axis of an entry's stacked layers whole)."""
     check_rules(RULES, list(CACHE_AXES.values()))
     sizes = mesh_sizes(mesh)
-    return {idx: {name: NamedSharding(mesh, logical_spec(CACHE_AXES[name], arr.shape, sizes))
+    return {idx: {name: NamedSharding(mesh, P(None, *logical_spec(CACHE_AXES[name], arr.shape[1:], sizes)))
                   for name, arr in entry.items()} for idx, entry in cache.items()}
+
+
+def stacked_placement(leaves: list) -> Any:
+    """The placement of equal leaves stacked along a new first axis (`decoder.stack_layers`): each
+    leaf's split with that axis whole (a single device's leaves: that device)."""
+    sh = getattr(leaves[0], "sharding", None)
+    if isinstance(sh, NamedSharding):
+        return NamedSharding(sh.mesh, P(None, *sh.spec))
+    return sh
+
+
+def stack_placed(leaves: list) -> Any:
+    """`leaves` stacked along a new first axis, placed as `stacked_placement` says: arrays are
+    stacked on their devices; shapes (ShapeDtypeStruct) give the stacked shape."""
+    first = leaves[0]
+    shape = (len(leaves),) + tuple(first.shape)
+    if isinstance(first, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, first.dtype, sharding=stacked_placement(leaves))
+    placement = stacked_placement(leaves)
+    return _stacker(placement)(*leaves) if placement is not None else jnp.stack(leaves)
+
+
+@functools.lru_cache(maxsize=None)
+def _stacker(placement: Any) -> Any:
+    """One jitted stack per placement (jax then compiles it once per leaf shape)."""
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=placement)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -380,19 +380,26 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kpos,
                               ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t slots,
                               int64_t window, float scale, int64_t threads_cap, int64_t tiles) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be 4-d");
+  // k and v [..., R, S, nkv, d], positions [..., R, S]: leading dims (the layers of a stacked cache,
+  // gemma4/model/kv_cache.py) are folded into the rows, which `rows` then index (layer * R + row).
+  const auto qd = q.dimensions(), kd = k.dimensions(), pd = kpos.dimensions();
+  if (qd.size() != 4 || kd.size() < 4 || pd.size() != kd.size() - 2) {
+    return ffi::Error::InvalidArgument("q must be 4-d, k at least 4-d and the positions k's dims but the last two");
+  }
   auto work = std::make_shared<Work>();
   Problem& p = work->p;
+  const size_t n = kd.size();
   p.b = qd[0], p.t = qd[1], p.nq = qd[2], p.d = qd[3];
-  p.r = kd[0], p.s = kd[1], p.nkv = kd[2];
-  if (kd[3] != p.d || p.nkv < 1 || p.nq % p.nkv || p.d % kLane) {
+  p.r = 1;
+  for (size_t i = 0; i + 3 < n; ++i) p.r *= kd[i];
+  p.s = kd[n - 3], p.nkv = kd[n - 2];
+  if (kd[n - 1] != p.d || p.nkv < 1 || p.nq % p.nkv || p.d % kLane) {
     return ffi::Error::InvalidArgument("head dims must match, nq divide by nkv and d by 16");
   }
   const auto vd = v.dimensions();
-  const bool v_ok = vd.size() == 4 && std::equal(vd.begin(), vd.end(), kd.begin());
-  if (!v_ok || kpos.dimensions().size() != 2 || kpos.dimensions()[0] != p.r ||
-      kpos.dimensions()[1] != p.s || rows.dimensions().size() != 1 || rows.dimensions()[0] != p.b) {
+  const bool v_ok = vd.size() == n && std::equal(vd.begin(), vd.end(), kd.begin());
+  const bool pos_ok = std::equal(pd.begin(), pd.end(), kd.begin());
+  if (!v_ok || !pos_ok || rows.dimensions().size() != 1 || rows.dimensions()[0] != p.b) {
     return ffi::Error::InvalidArgument("v, k positions or rows do not match the cache");
   }
   if (slots < 1 || slots > p.s) return ffi::Error::InvalidArgument("slots must be 1..S");
@@ -425,9 +432,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Gemma4CacheAttention, CacheAttentionImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [B, T, nq, d]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query positions [B, T]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache [R, S, nkv, d]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache [R, S, nkv, d]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot positions [R, S]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache [..., R, S, nkv, d]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache [..., R, S, nkv, d]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot positions [..., R, S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cache row of each query row [B]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // [B, T, nq, d]
                                   .Attr<int64_t>("slots")

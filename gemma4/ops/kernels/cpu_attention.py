@@ -34,7 +34,8 @@ def shape_ok(head_dim: int, q_heads: int, kv_heads: int) -> bool:
 def attend(q, q_pos, k, v, k_pos, rows, *, slots: int, window: int | None, scale: float, threads: int = 0,
            tiles: bool = True):
     """[B, T, nq, d] float32 attention of each query row over its cache row's first `slots` slots.
-    Call `available()` first. threads > 0 caps the threads used (0: all XLA lends). tiles=False
+    k, v [..., R, S, nkv, d] and k_pos [..., R, S]: leading dims (a stacked cache's layers) count as
+    rows, numbered in order (`rows` = layer · R + row). Call `available()` first. threads > 0 caps the threads used (0: all XLA lends). tiles=False
     runs the plain per-dot loops only (the AVX-512 tiles serve wholly visible blocks otherwise)."""
     B, T, nq, d = q.shape
     call = jax.ffi.ffi_call(cpu_int8.ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, nq, d), jnp.float32))

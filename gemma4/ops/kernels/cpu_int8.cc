@@ -367,11 +367,23 @@ struct Work {
 // The (q, scale) pairs and outputs of a call as Weights (groups already checked): int8 q [N, K] with
 // N a multiple of `rows_multiple`, float32 scales [N] or [N, K / group], float32 outputs; with
 // `panels`, q [N/16, K/2, 32] and grouped scales [N/16, K/g, 16] (the panel layout).
+// Stacked weights (the layers a scan runs: gemma4/model/decoder.py): one more operand after the
+// pairs, an int32 layer index l, and each q and scale has a leading layer axis [L, ...]; layer l's
+// bytes are read in place (no copy of the layer is made).
 ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::Span<const int64_t> groups,
                        int64_t k, int64_t rows_multiple, std::vector<Weight>& out, bool panels = false) {
   const size_t nw = groups.size();
-  if (args.size() != 2 * nw || rets.size() != nw) {
-    return ffi::Error::InvalidArgument("expected (q, scale) per weight and one output each");
+  const bool stacked = args.size() == 2 * nw + 1;
+  if ((args.size() != 2 * nw && !stacked) || rets.size() != nw) {
+    return ffi::Error::InvalidArgument("expected (q, scale) per weight (then a layer index if stacked) and one output each");
+  }
+  int64_t layer = 0;
+  if (stacked) {
+    auto l = args.get<ffi::AnyBuffer>(2 * nw);
+    if (!l.has_value() || l->element_type() != ffi::S32 || l->element_count() != 1) {
+      return ffi::Error::InvalidArgument("the layer index of stacked weights must be one int32");
+    }
+    layer = *static_cast<const int32_t*>(l->untyped_data());
   }
   for (size_t i = 0; i < nw; ++i) {
     auto q = args.get<ffi::AnyBuffer>(2 * i);
@@ -387,7 +399,10 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     if (half && !(panels && groups[i])) {
       return ffi::Error::InvalidArgument("float16 scales are read only for grouped weights stored as panels");
     }
-    const auto qd = q->dimensions();
+    const auto all_dims = q->dimensions();
+    const int64_t layers = stacked ? (all_dims.size() ? all_dims[0] : 0) : 1;
+    if (layers <= 0 || layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("layer index out of range");
+    const std::vector<int64_t> qd(all_dims.begin() + (stacked ? 1 : 0), all_dims.end());
     int64_t n = qd.size() ? qd[0] : 0;
     if (five) {  // [N/16, K/4, 40]
       if (k % 4 || qd.size() != 3 || qd[1] != k / 4 || qd[2] != 40) {
@@ -404,11 +419,12 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     if (n % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of " + std::to_string(rows_multiple));
     const int64_t g = groups[i];
     const int64_t expect_scales = g ? n * (k / g) : n;
-    if (int64_t(s->element_count()) != expect_scales) return ffi::Error::InvalidArgument("scale has the wrong size");
-    out.push_back(Weight{static_cast<const int8_t*>(q->untyped_data()),
-                         half ? nullptr : static_cast<const float*>(s->untyped_data()), n, g,
+    if (int64_t(s->element_count()) != expect_scales * layers) return ffi::Error::InvalidArgument("scale has the wrong size");
+    const auto* q_at = static_cast<const int8_t*>(q->untyped_data()) + layer * int64_t(q->size_bytes() / layers);
+    const auto* s_at = static_cast<const char*>(s->untyped_data()) + layer * int64_t(s->size_bytes() / layers);
+    out.push_back(Weight{q_at, half ? nullptr : reinterpret_cast<const float*>(s_at), n, g,
                          static_cast<float*>((*y)->untyped_data()), panels,
-                         half ? static_cast<const uint16_t*>(s->untyped_data()) : nullptr, five ? 5 : 8});
+                         half ? reinterpret_cast<const uint16_t*>(s_at) : nullptr, five ? 5 : 8});
   }
   return ffi::Error::Success();
 }

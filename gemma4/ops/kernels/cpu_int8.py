@@ -208,7 +208,7 @@ def _load_uncached() -> KernelStatus:
     return KernelStatus(True, f"native int8 kernel loaded ({isa})", isa, str(path))
 
 
-def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+def matmul(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """[x2 · W_iᵀ for each (q int8 [N, K], scale float32 [N] or [N, K/g], group g or None)].
 
     x2: [M, K] with 1 ≤ M ≤ 8 (cast to float32). Outputs are float32 [M, N_i]. Call `load()` first.
@@ -216,56 +216,60 @@ def matmul(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
     x2 = jnp.asarray(x2, jnp.float32)
     if not 1 <= x2.shape[0] <= MAX_ROWS:
         raise ValueError(f"the native int8 kernel takes 1..{MAX_ROWS} rows, got {x2.shape[0]}")
-    return _call(TARGET, x2, weights, isa)
+    return _call(TARGET, x2, weights, isa, layer=layer)
 
 
-def _call(target: str, x2, weights: Sequence[tuple], isa: str, panels: bool = False) -> list:
+def _call(target: str, x2, weights: Sequence[tuple], isa: str, panels: bool = False, layer=None) -> list:
     """One FFI call of `target` on float32 x2 [M, K] and the (q, scale, group) weights (q stored as
-    panels [N/16, K/2, 32] where `panels`)."""
+    panels [N/16, K/2, 32] where `panels`). `layer` (an int32 scalar, maybe traced): every q and
+    scale is stacked over layers ([L, ...]) and the kernel reads this layer's in place."""
     m = x2.shape[0]
     rows_per_q = quant.PANEL_ROWS if panels else 1
+    first = 0 if layer is None else 1  # the axis of a q's rows
     operands, shapes, groups = [x2], [], []
     for q, scale, group in weights:
         # float16 grouped scales of a panels weight are read as they are (the kernel converts them)
         keep = panels and group and scale.dtype == jnp.float16
         operands += [q, scale if keep else scale.astype(jnp.float32)]
-        shapes.append(jax.ShapeDtypeStruct((m, q.shape[0] * rows_per_q), jnp.float32))
+        shapes.append(jax.ShapeDtypeStruct((m, q.shape[first] * rows_per_q), jnp.float32))
         groups.append(int(group or 0))
+    if layer is not None:
+        operands.append(jnp.asarray(layer, jnp.int32))
     call = jax.ffi.ffi_call(target, shapes)
     return list(call(*operands, groups=np.asarray(groups, np.int64), isa=np.int64(ISAS[isa])))
 
 
-def gemm(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+def gemm(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """As `matmul`, for any number of rows ≥ 1 (N a multiple of GEMM_PANEL, K of 32). Call `load()`
     first. `isa` other than avx512-vnni / avx512 runs the portable loop."""
-    return _call(GEMM_TARGET, jnp.asarray(x2, jnp.float32), weights, isa)
+    return _call(GEMM_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, layer=layer)
 
 
-def gemm_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+def gemm_panels(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """`gemm` for weights stored as panels ((qp, scale, group) as `quant.to_panels` gives; N a multiple of
     GEMM_PANEL): the per-call packing only sign-extends. Same results as `gemm` on the rows."""
-    return _call(GEMM_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
+    return _call(GEMM_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True, layer=layer)
 
 
-def gemm_i8(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+def gemm_i8(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """`gemm` with int8 activations: each row quantized with one scale per I8_BLOCK inputs, and
     AVX512-VNNI `vpdpbusd` (four products per lane, twice vpdpwssd's) on the weights packed as
     unsigned bytes; any other `isa` runs a portable loop with the same integer sums (tests). The
     error is the activations' quantization (`reference_i8` is exact up to float rounding); N a
     multiple of GEMM_PANEL, K of 32, group 0, 16 or a multiple of 32. Call `load()` first."""
-    return _call(GEMM_I8_TARGET, jnp.asarray(x2, jnp.float32), weights, isa)
+    return _call(GEMM_I8_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, layer=layer)
 
 
-def gemm_i8_panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+def gemm_i8_panels(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """`gemm_i8` for weights stored as panels (`quant.to_panels`); the same results."""
-    return _call(GEMM_I8_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
+    return _call(GEMM_I8_PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True, layer=layer)
 
 
-def panels(x2, weights: Sequence[tuple], isa: str = "auto") -> list:
+def panels(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32] — or uint8 [N/16, K/4, 40], 5-bit
     panels, `quant.pack_panels5` —, scale as `quant.to_panels` gives, group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
     kernel's integer sums); any other `isa` runs a portable loop (tests). Call `load()` first."""
-    return _call(PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True)
+    return _call(PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True, layer=layer)
 
 
 def panels_supported() -> bool:

@@ -248,6 +248,9 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
     encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
     report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
     decode_bytes = decode_bytes_per_token(params)
+    # The layers' weights stacked per run of repeated periods, as the forward pass scans them
+    # (decoder.stack_layers), each leaf kept where it was placed (a sketch's shapes stacked alike).
+    params = M.stack_layers(params, cfg, sharding.stack_placed)
     gbps = report.get("memory_bandwidth_gbps")
     roofline_tok_s = gbps * 1e9 / decode_bytes if gbps and decode_bytes else None
     report["roofline"] = {

@@ -254,7 +254,7 @@ class StepPrograms:
     def __init__(self, model: LoadedModel, tag: str = ""):
         self.model = model
         cfg, options, block = model.cfg, model.options, model.decode_block
-        param_sh, cache_sh = sharding.param_shardings(cfg, model.params, model.mesh), model.cache_shardings
+        param_sh, cache_sh = jax.tree.map(lambda leaf: leaf.sharding, model.params), model.cache_shardings
         rep = sharding.replicated(model.mesh)
 
         def named(fn, **kw):  # the module name jax gives the program: `fn`'s name, then the tag
