@@ -173,9 +173,14 @@ def _decode_gathers(engine: Engine) -> dict:
     for leaf in jax.tree.leaves((engine.params, engine.runner.cache)):
         if any(s is not None for s in leaf.sharding.spec):
             split.add(tuple(leaf.shape))
+    # K/V projections are replicated over `tensor` where the KV heads do not split (partitioning.
+    # KV_HEADS_POLICY): their outputs [rows, kv heads · head dim] are gathered by design, and may share
+    # a shape with a split leaf (tiny E2B: 4 decode rows and a scale stacked over 4 layers, [4, 16])
+    width = engine.started.geometry.widths[-1]
+    kv_outputs = {(width, spec.num_kv_heads * spec.head_dim) for spec in engine.cfg.layers}
     gathers = all_gathers(hlo)
     reduces = all_gathers(hlo, _REDUCE)
-    return {"gathered_split_shapes": sorted({str(s) for s, _ in gathers if s in split}),
+    return {"gathered_split_shapes": sorted({str(s) for s, _ in gathers if s in split and s not in kv_outputs}),
             "max_gather_bytes": max((b for _, b in gathers), default=0), "n_gathers": len(gathers),
             "max_reduce_bytes": max((b for _, b in reduces), default=0), "n_reduces": len(reduces),
             "logits_bytes": engine.started.geometry.widths[-1] * engine.cfg.vocab_size * 4}

@@ -111,30 +111,37 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
     give partial sums, added by one psum over that axis. Activation rows are split over `data`
     only from SPLIT_ROWS_MIN rows on (see there). All leaves of one call share x and the input axis.
     """
-    mesh = ws[0].mesh
-    in_ax = ws[0].mesh_axes[1]
+    stored = [(w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None) for w in ws]  # see LayerSlice
+    mesh = stored[0][0].mesh
+    in_ax = stored[0][0].mesh_axes[1]
     n_in = x.shape[-1]
     x2 = x.reshape(-1, n_in)
     data = mesh.shape.get("data", 1)
     rows_ax = "data" if data > 1 and x2.shape[0] >= SPLIT_ROWS_MIN and x2.shape[0] % data == 0 else None
 
-    def scale_spec(w):
+    def scale_spec(w, lead):
         out_ax, ax_in = w.mesh_axes
-        return P(out_ax) if w.scale.ndim == 1 else P(out_ax, ax_in)
+        return P(*lead, out_ax) if w.scale.ndim == 1 + len(lead) else P(*lead, out_ax, ax_in)
 
     def local(x_l, *arrays):
-        leaves = [local_leaf(w, arrays[2 * i], arrays[2 * i + 1]) for i, w in enumerate(ws)]
+        leaves = []
+        for i, (w, layer) in enumerate(stored):
+            leaf = local_leaf(w, arrays[3 * i], arrays[3 * i + 1])
+            # a stacked leaf's layer is taken here, from this device's shard (outside, XLA gathered
+            # the whole stack to index it)
+            leaves.append(leaf if layer is None else LayerSlice(leaf, arrays[3 * i + 2]))
         outs = linear_many(x_l, leaves, jnp.float32)
         return tuple(jax.lax.psum(y, in_ax) if in_ax else y for y in outs)
 
     arrays, in_specs = [], [P(rows_ax, in_ax)]
-    for w in ws:
+    for w, layer in stored:
         if w.mesh_axes[1] != in_ax:
             raise ValueError(f"leaves of one call must share the input axis: {w.mesh_axes} vs {in_ax}")
+        lead = () if layer is None else (None,)
         data_arr = w.q if isinstance(w, QuantArray) else w.packed
-        arrays += [data_arr, w.scale]
-        in_specs += [P(*w.mesh_axes), scale_spec(w)]
-    out_specs = tuple(P(rows_ax, w.mesh_axes[0]) for w in ws)
+        arrays += [data_arr, w.scale, jnp.asarray(0 if layer is None else layer, jnp.int32)]
+        in_specs += [P(*lead, *w.mesh_axes), scale_spec(w, lead), P()]
+    out_specs = tuple(P(rows_ax, w.mesh_axes[0]) for w, _ in stored)
     ys = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                        check_vma=False)(x2, *arrays)
     return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
@@ -146,9 +153,7 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     W is a plain [out, in] array, a QuantArray or an Int4Array.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if isinstance(w, LayerSlice) and is_sharded(w.stack):
-        w = w.sliced()
-    if is_sharded(w):
+    if is_sharded(w.stack if isinstance(w, LayerSlice) else w):
         return _spmd(x, [w], out_dtype)[0]
     if isinstance(w, (QuantArray, LayerSlice)):
         y = _int8_linear(x, w)
@@ -167,8 +172,8 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
     quantization instead of several; the results are the same as separate `linear` calls.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    ws = [w.sliced() if isinstance(w, LayerSlice) and is_sharded(w.stack) else w for w in ws]
-    if len(ws) > 1 and all(is_sharded(w) for w in ws) and len({w.mesh_axes[1] for w in ws}) == 1:
+    stored = [w.stack if isinstance(w, LayerSlice) else w for w in ws]
+    if len(ws) > 1 and all(is_sharded(w) for w in stored) and len({w.mesh_axes[1] for w in stored}) == 1:
         return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
