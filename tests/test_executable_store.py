@@ -217,7 +217,7 @@ ENGINE_RUN = textwrap.dedent("""
     from gemma4.serve import conversation
     from gemma4.serve.engine import engine as E
 
-    E.BACKGROUND_IDLE_S = 1e9  # only the two start-up shapes
+    E.BACKGROUND_IDLE_S = 1e9  # only the three start-up shapes
     eng = E.Engine("random:tiny-gemma3-270m", **json.loads(sys.argv[1]))
     eng.wait_ready(timeout=600)
     out = conversation.generate(eng, json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_new_tokens=6))
@@ -240,23 +240,24 @@ def _engine_run(tmp_path, store: str, **extra_env: str) -> dict:
 
 
 def test_a_restarted_engine_loads_its_shapes_and_gives_the_same_tokens(tmp_path):
-    """A first process compiles its two start-up shapes (empty caches), stores them and records
+    """A first process compiles its three start-up shapes (a short prompt's first chunk, its decode
+    step, its verify step: speculative decoding is on), empty caches, stores them and records
     that a start with these settings needs them; a second one with the same model and settings
     loads them ahead, while its weights load (`loaded_ahead_s`), without tracing (no store miss:
     a shape is lowered only on a miss), and gives the same greedy tokens: keys are stable across
     processes."""
     first = _engine_run(tmp_path, "exe")
-    assert first["store"]["misses"] == 2 and first["store"]["hits"] == 0, first["store"]
-    assert len(list((tmp_path / "exe").glob("*.exe"))) == 2
+    assert first["store"]["misses"] == 3 and first["store"]["hits"] == 0, first["store"]
+    assert len(list((tmp_path / "exe").glob("*.exe"))) == 3
     assert "loaded_ahead_s" not in first["startup"]
     records = list((tmp_path / "exe" / "starts").glob("*.json"))
-    assert len(records) == 1 and len(json.loads(records[0].read_text())["store_keys"]) == 2
+    assert len(records) == 1 and len(json.loads(records[0].read_text())["store_keys"]) == 3
     again = _engine_run(tmp_path, "exe")
     assert again["ids"] == first["ids"] and len(again["ids"]) == 6
-    assert again["store"]["hits"] == 2 and again["store"]["misses"] == 0, again["store"]
+    assert again["store"]["hits"] == 3 and again["store"]["misses"] == 0, again["store"]
     assert again["startup"]["loaded_ahead_s"] > 0, again["startup"]
     after = _engine_run(tmp_path, "exe", GEMMA4_LOAD_AHEAD="off")  # loaded after the weights
-    assert after["ids"] == first["ids"] and after["store"]["hits"] == 2 and after["store"]["misses"] == 0, after["store"]
+    assert after["ids"] == first["ids"] and after["store"]["hits"] == 3 and after["store"]["misses"] == 0, after["store"]
     assert "loaded_ahead_s" not in after["startup"]
 
 

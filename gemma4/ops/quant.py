@@ -342,8 +342,8 @@ def common_format(leaves: list) -> list:
     same = all(jax.tree.structure(w) == jax.tree.structure(first)
                and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(first)))
                for w in leaves)
-    if same or not all(isinstance(w, QuantArray) for w in leaves):
-        return leaves
+    if same or not all(isinstance(w, QuantArray) and isinstance(w.q, (jax.Array, np.ndarray)) for w in leaves):
+        return leaves  # (shapes only, a sketch: as they are)
     if (len({(w.layout, w.shape, w.mesh, w.mesh_axes, w.chunk_rows) for w in leaves}) != 1
             or any(w.group_size is None for w in leaves)):
         return leaves  # (the stacking then says which layers differ)

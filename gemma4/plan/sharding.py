@@ -268,15 +268,23 @@ def stacked_placement(leaves: list) -> Any:
     return sh
 
 
-def stack_placed(leaves: list) -> Any:
+def stack_placed(leaves: list, release: bool = False) -> Any:
     """`leaves` stacked along a new first axis, placed as `stacked_placement` says: arrays are
-    stacked on their devices; shapes (ShapeDtypeStruct) give the stacked shape."""
+    stacked on their devices; shapes (ShapeDtypeStruct) give the stacked shape. `release`: the
+    leaves' buffers are freed once stacked (the caller holds them nowhere else), so a model's layers
+    are held twice one leaf at a time, not whole."""
     first = leaves[0]
     shape = (len(leaves),) + tuple(first.shape)
     if isinstance(first, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(shape, first.dtype, sharding=stacked_placement(leaves))
     placement = stacked_placement(leaves)
-    return _stacker(placement)(*leaves) if placement is not None else jnp.stack(leaves)
+    out = _stacker(placement)(*leaves) if placement is not None else jnp.stack(leaves)
+    if release:
+        jax.block_until_ready(out)
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array) and leaf is not out:
+                leaf.delete()
+    return out
 
 
 @functools.lru_cache(maxsize=None)

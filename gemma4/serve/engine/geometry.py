@@ -190,8 +190,11 @@ class ServingGeometry:
         return VerifyKey(next((w for w in self.widths if w >= need_w), self.widths[-1]), n, d)
 
     def _short_shapes(self) -> tuple[ShapeKey, ...]:
-        """A lone short request's: its first chunk in the first bucket, its row's decode."""
-        return self.prefill_key(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])
+        """A lone short request's: its first chunk in the first bucket, its row's decode, and with
+        speculative decoding its row's verify step of the most drafts (so that a first reply, or the
+        command line's one-shot `generate --speculate lookup`, verifies its drafts from the start)."""
+        verify = (VerifyKey(self.widths[0], self.kv_lengths[0], self.draft_tokens),) if self.draft_tokens else ()
+        return (self.prefill_key(self.first_bucket, True), DecodeKey(self.widths[0], self.kv_lengths[0])) + verify
 
     def startup_shapes(self) -> tuple[ShapeKey, ...]:
         """The shapes compiled (and run once) before the engine says ready: a short request's

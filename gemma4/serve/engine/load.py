@@ -227,6 +227,10 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
+    if pending is None:  # (else the prepared store writes the loaded leaves later: serving_model stacks copies)
+        # The layers stacked as the forward pass scans them (decoder.stack_layers), each loaded leaf
+        # freed once stacked: the layer weights are never held twice over.
+        params = M.stack_layers(params, cfg, functools.partial(sharding.stack_placed, release=True))
     drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate) else None
     if drafter is not None:  # small: whole on every device
         drafter = drafter[0], jax.device_put(drafter[1], sharding.replicated(mesh))

@@ -1,0 +1,111 @@
+"""What one step shape costs to compile, and to run, with the layers scanned or unrolled.
+
+    .venv/bin/python bench/compile_steps.py [--model bundled] [--max-batch 8] [--chunk 512] [--context 2048]
+                                            [--repeats 10] [--modes scan,unrolled] [--overrides k=v,...]
+
+For each mode (`RunOptions.scan_layers`: each run of repeated layer periods as one jax.lax.scan, or
+the periods unrolled) and each step — a decode step of `rows` rows and a later prefill chunk of
+`chunk` tokens over a cache of `context` slots, the forward passes the engine's steps run — it
+prints the seconds to trace, lower and compile the step (the persistent compile cache off) and the
+median seconds of a run. The model loads once, with the plan the machine chooses (the engine's
+stacked weights and cache); `--overrides` as the engine's (e.g. weights=none,dtype=float32). On a
+TPU or GPU the same command measures the accelerator (the model's plan, its dtype). The result:
+bench/results/compile-steps-<date>-<time>.json (bench/harness.py), `figures.modes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("GEMMA4_COMPILE_CACHE", "off")  # a compile measured is a compile done
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench import harness  # noqa: E402
+from gemma4.model import decoder as M  # noqa: E402
+from gemma4.serve.engine.load import load_model  # noqa: E402
+
+
+def step_functions(cfg, options, rows: int, chunk: int, context: int) -> dict:
+    """{name: (function of (params, cache), donated cache; its example token and position arrays)}."""
+    def decode(params, cache, tokens, positions):
+        return M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=context)[:2]
+
+    def prefill(params, cache, tokens, positions):
+        return M.forward(params, cfg, tokens, positions, cache, options=options, cache_row=0, kv_len=context,
+                         contiguous=True, logits_at=jnp.asarray([chunk - 1]))[:2]
+
+    start = context // 2  # a later chunk: half the context already cached (its slots are empty: same work)
+    return {
+        f"decode_{rows}_rows": (decode, jnp.zeros((rows, 1), jnp.int32), jnp.full((rows, 1), start, jnp.int32)),
+        f"prefill_{chunk}_tokens": (prefill, jnp.zeros((1, chunk), jnp.int32),
+                                    jnp.arange(start, start + chunk, dtype=jnp.int32)[None]),
+    }
+
+
+def measure(model, cache, name: str, fn, tokens, positions, repeats: int) -> tuple[dict, object]:
+    """Trace / lower / compile seconds and the run's median of one step; the cache it leaves."""
+    jitted = jax.jit(fn, donate_argnums=(1,))
+    t0 = time.perf_counter()
+    traced = jitted.trace(model.params, cache, tokens, positions)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    out, cache = compiled(model.params, cache, tokens, positions)
+    jax.block_until_ready(out)
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out, cache = compiled(model.params, cache, tokens, positions)
+        jax.block_until_ready(out)
+        runs.append(time.perf_counter() - t)
+    row = {"trace_s": round(t1 - t0, 3), "lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
+           "total_s": round(t3 - t0, 3), "run_ms_median": round(statistics.median(runs) * 1000, 2),
+           "run_ms_min": round(min(runs) * 1000, 2)}
+    return row, cache
+
+
+def main(argv=None) -> int:
+    ap = harness.parser(__doc__, model="bundled", max_batch=8, context=2048)
+    ap.add_argument("--overrides", default="", help="the engine's overrides, e.g. weights=none,dtype=float32")
+    ap.add_argument("--chunk", type=int, default=512, help="the later prefill chunk's tokens")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--modes", default="scan,unrolled")
+    args = ap.parse_args(argv)
+    run = harness.Run("compile-steps", args)
+    overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
+    model, cache, _ = load_model(args.model, max_batch=args.max_batch, overrides=overrides, context=args.context)
+    runs = [(r.first, r.period, r.count) for r in model.cfg.layer_runs]
+    figures = {"model": args.model, "backend": jax.default_backend(), "layers": model.cfg.num_layers,
+               "layer_runs": runs, "rows": args.max_batch, "chunk": args.chunk, "context": model.context_limit,
+               "modes": {}}
+    lines = [f"{args.model}: {model.cfg.num_layers} layers as runs (first, period, count) {runs}; "
+             f"{harness.cpu_model()}, backend {jax.default_backend()}"]
+    run.log(lines[0])
+    for mode in args.modes.split(","):
+        options = dataclasses.replace(model.options, scan_layers=(mode == "scan"))
+        run.log(f"{mode}:")
+        rows = {}
+        for name, (fn, tokens, positions) in step_functions(model.cfg, options, args.max_batch, args.chunk,
+                                                             model.context_limit).items():
+            rows[name], cache = measure(model, cache, name, fn, tokens, positions, args.repeats)
+            lines.append(f"{mode:9s} {name:22s} trace+lower+compile {rows[name]['total_s']:6.2f} s "
+                         f"(compile {rows[name]['compile_s']:5.2f} s), run median {rows[name]['run_ms_median']:8.2f} ms")
+        figures["modes"][mode] = rows
+    report = "\n".join(lines)
+    print(report)
+    run.write(figures, report=report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
