@@ -235,7 +235,8 @@ def test_rows_decode_one_by_one_while_no_width_covers_them(engine):
 
 def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when_busy(monkeypatch):
     """A fresh engine (tiny random model) with the idle-time compile queue frozen: it is ready with
-    two shapes; a prompt whose bucket is missing runs in the compiled bigger one without waiting,
+    three shapes (a short prompt's first chunk, its decode and verify steps), said to be compiled
+    before ready; a prompt whose bucket is missing runs in the compiled bigger one without waiting,
     and the missing bucket is compiled anyway (as a busy engine's would be) — same tokens; a prompt
     no compiled shape can serve waits for its compile and says so; a short prompt served by the
     next bucket up leaves its own bucket to the idle-time queue (nothing compiles beside it)."""
@@ -243,7 +244,11 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
     eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=256, buckets=(8, 16, 32, 128))
     try:
         eng.wait_ready(timeout=600)
-        assert sorted(eng.compile_state()["compiled"]) == ["decode 1 row (cache ≤256)", "prefill 16 tokens (first chunk)"]
+        drafts = eng.started.geometry.draft_tokens  # (as many as the tiny model's window leaves room for)
+        start = ["decode 1 row (cache ≤256)", "prefill 16 tokens (first chunk)", f"verify {drafts} drafts for 1 row (cache ≤256)"]
+        assert sorted(eng.compile_state()["compiled"]) == start
+        before = eng.compile_state()["before_ready"]
+        assert sorted(k for k, _, _ in before["log"]) == start and before["shapes"] == 3 and before["seconds"] > 0
         assert eng.status()["compiles_pending"] > 0 and "background" in eng.status()["message"]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
         assert conversation.generate(eng, list(range(10, 20)), greedy)["stats"]["compiled"] is False
@@ -270,7 +275,11 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
         long = conversation.generate(eng, list(range(10, 144)), greedy)  # 128 + 6: the later chunk's shape is new
         assert long["stats"]["compiled"] is True and long["stats"]["chunks"] == 2
         held_open = EC.mapping_usage()
-        compiled = len(eng.compile_state()["compiled"])
+        state = eng.compile_state()
+        compiled = len(state["compiled"])
+        after = {k for k, _, _ in state["after_ready"]["log"]}  # (compiled on the requests' paths)
+        assert {"prefill 128 tokens (first chunk)", "prefill 32 tokens (first chunk)"} <= after, state["after_ready"]
+        assert state["after_ready"]["shapes"] == len(state["after_ready"]["log"]) == compiled - 3
     finally:
         eng.close(timeout=120)
     # a closed engine nothing refers to gives its executables' JIT code back: ~400 memory

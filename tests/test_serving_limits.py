@@ -251,6 +251,10 @@ def test_metrics_move_with_the_traffic(served):
     assert _value(after, "gemma4_busy_slots") == 0 and _value(after, "gemma4_queue_depth") == 0
     assert _value(after, "gemma4_slots") == engine.max_batch
     assert _value(after, "gemma4_engine_ready") == 1
+    compiles = engine.compile_state()  # what the start waited for, what compiled while serving (read later: ≥)
+    assert _value(after, "gemma4_compiled_shapes", phase="before_ready") == compiles["before_ready"]["shapes"] >= 2
+    assert _value(after, "gemma4_compiled_shapes", phase="after_ready") <= compiles["after_ready"]["shapes"]
+    assert _value(after, "gemma4_compile_seconds_total", phase="before_ready") == compiles["before_ready"]["seconds"] > 0
     assert _value(after, "process_resident_memory_bytes") > 100e6
 
 

@@ -141,6 +141,22 @@ def compile_markdown(state: Mapping[str, Any] | None) -> str:
                 "or waits for it.")
     else:
         line = f"**XLA compiles:** all {done} shapes compiled ({state['compile_s']:.1f} s in all)."
+    if state.get("ready") and "before_ready" in state:
+        line += " " + _phases(state["before_ready"], state["after_ready"])
     if state.get("failed"):
         line += " Failed: " + "; ".join(f"{k}: {v}" for k, v in state["failed"].items())
     return line + "\n\n"
+
+
+def _phases(before: Mapping[str, Any], after: Mapping[str, Any], shown: int = 6) -> str:
+    """What compiled before the engine said ready (a start's wait) and after it (while serving),
+    the first `shown` of the latter by name."""
+    def shapes(n: int) -> str:
+        return f"{n} shape{'' if n == 1 else 's'}"
+
+    text = (f"Before ready: {shapes(before['shapes'])} in {before['seconds']:.1f} s; after ready: "
+            f"{shapes(after['shapes'])} in {after['seconds']:.1f} s")
+    if after["log"]:
+        named = ", ".join(f"{key} {seconds:.1f} s" for key, seconds, _ in after["log"][:shown])
+        text += f" ({named}{', …' if len(after['log']) > shown else ''})"
+    return text + "."

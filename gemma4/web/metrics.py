@@ -15,7 +15,10 @@ What it holds:
 - read from the engine at each scrape (`EngineCollector`): `gemma4_queue_depth` (requests
   waiting for a slot), `gemma4_busy_slots`, `gemma4_slots`, `gemma4_engine_ready`,
   `gemma4_engine_step_seconds{kind}` (histogram of prefill and decode steps,
-  `gemma4.serve.step_times`), `gemma4_engine_faults_total{kind}`, `gemma4_kv_cache_resets_total`;
+  `gemma4.serve.step_times`), `gemma4_engine_faults_total{kind}`, `gemma4_kv_cache_resets_total`,
+  `gemma4_compiled_shapes{phase}` and `gemma4_compile_seconds_total{phase}` (phase "before_ready":
+  what the start waited for; "after_ready": what compiled while serving) and
+  `gemma4_compiles_pending`;
 - `gemma4_prefix_cache_prompt_tokens_total`, `gemma4_prefix_cache_cached_tokens_total` and
   `gemma4_prefix_cache_hit_ratio` (engine/prefix_cache.py: prompt tokens taken from the cache);
 - the process's own (`prometheus_client.ProcessCollector`, Linux): `process_resident_memory_bytes`
@@ -145,6 +148,19 @@ class EngineCollector:
         ready = hasattr(eng, "status") and eng.status().get("state") == "ready"
         yield GaugeMetricFamily("gemma4_engine_ready", "1 once the model is loaded and serving",
                                 value=float(ready))
+        compiles = eng.compile_state() if ready and hasattr(eng, "compile_state") else {}
+        if "before_ready" in compiles:
+            shapes = GaugeMetricFamily("gemma4_compiled_shapes", "step shapes compiled, before the engine "
+                                       "said ready and after (while serving)", labels=["phase"])
+            seconds = CounterMetricFamily("gemma4_compile_seconds", "seconds spent compiling step shapes, "
+                                          "before ready and after", labels=["phase"])
+            for phase in ("before_ready", "after_ready"):
+                shapes.add_metric([phase], compiles[phase]["shapes"])
+                seconds.add_metric([phase], compiles[phase]["seconds"])
+            yield shapes
+            yield seconds
+            yield GaugeMetricFamily("gemma4_compiles_pending", "step shapes still to compile",
+                                    value=float(compiles.get("pending", 0)))
         times = getattr(eng, "step_times", None)
         if times is None:
             return

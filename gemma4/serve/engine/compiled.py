@@ -85,6 +85,7 @@ class CompiledShapes:
         self._compiling: set[ShapeKey] = set()
         self._failed: dict[ShapeKey, str] = {}
         self._log: list[tuple[ShapeKey, float, str]] = []  # (key, seconds, why)
+        self._ready_at = -1  # len(self._log) when the engine said ready (`mark_ready`); -1 before
         self._lower_lock = threading.Lock()
         self._stop = False
         self.startup_keys: tuple[ShapeKey, ...] = ()  # the shapes needed before ready
@@ -313,10 +314,22 @@ class CompiledShapes:
                     raise TimeoutError(f"{self._pending_locked()} shapes still compiling after {timeout} s")
                 self._cond.wait(left)
 
-    def state(self) -> dict:
-        """What is compiled, compiling and queued (for the Hardware panel and benchmarks)."""
+    def mark_ready(self) -> None:
+        """The engine says ready: the compiles logged so far were its start's (`state`)."""
         with self._cond:
-            return {"compiled": [k.describe() for k in self._exe],
+            self._ready_at = len(self._log)
+
+    def state(self) -> dict:
+        """What is compiled, compiling and queued (for the Hardware panel, /metrics and benchmarks);
+        "before_ready" / "after_ready": the shapes compiled before the engine said ready and after
+        (each {"shapes", "seconds", "log"}: what a user waited for, and what compiled while serving)."""
+        with self._cond:
+            cut = len(self._log) if self._ready_at < 0 else self._ready_at
+            phases = {name: {"shapes": len(part), "seconds": round(sum(s for _, s, _ in part), 2),
+                             "log": [(k.describe(), round(s, 2), why) for k, s, why in part]}
+                      for name, part in (("before_ready", self._log[:cut]), ("after_ready", self._log[cut:]))}
+            return {**phases, "ready": self._ready_at >= 0,
+                    "compiled": [k.describe() for k in self._exe],
                     "compiling": [k.describe() for k in self._compiling],
                     "queued": [k.describe() for k in self._urgent + self._background],
                     "failed": {k.describe(): v for k, v in self._failed.items()},

@@ -160,8 +160,10 @@ class StartUp:
                        model.source.description, model.roofline_tok_s, model)
 
     def after_ready(self) -> None:
-        """Write the weights this start prepared, in the background (their arrays are let go when
-        the write ends: nothing here keeps them)."""
+        """Mark the compile log at ready (what compiled before it, what after: the Hardware tab,
+        /metrics), and write the weights this start prepared, in the background (their arrays are
+        let go when the write ends: nothing here keeps them)."""
+        self.shapes.mark_ready()
         if self._prepared is not None:
             self._writer = keep_prepared(self._prepared)
             self.threads.append(self._writer)
