@@ -295,12 +295,12 @@ def layer_runs(specs: tuple[LayerSpec, ...]) -> tuple[LayerRun, ...]:
     """The layers as runs of repeated periods, greedily from the first layer: at each layer the period
     (up to MAX_PERIOD) whose repeats cover the most layers, the shorter on a tie; a layer no period
     repeats is a run of one. Two layers repeat each other when their structure is the same
-    (`_layer_signature`); a layer whose K/V other layers read (a KV-sharing donor) repeats nothing,
+    (`layer_signature`); a layer whose K/V other layers read (a KV-sharing donor) repeats nothing,
     because the layers after it read its keys from this call, which a scan's later periods would not
     hold apart. E2B: 2 periods of 5, 3 single sliding layers, the 2 donors, then the 20 KV-sharing
     layers as 4 periods of 5; Gemma 3 270M: 3 periods of 6."""
     donors = {spec.kv_source for spec in specs if spec.is_kv_consumer}
-    sigs = [("donor", spec.index) if spec.index in donors else _layer_signature(spec) for spec in specs]
+    sigs = [("donor", spec.index) if spec.index in donors else layer_signature(spec) for spec in specs]
     runs, s, n = [], 0, len(specs)
     while s < n:
         best = LayerRun(s, 1, 1)
@@ -316,7 +316,7 @@ def layer_runs(specs: tuple[LayerSpec, ...]) -> tuple[LayerRun, ...]:
     return tuple(runs)
 
 
-def _layer_signature(spec: LayerSpec) -> tuple:
+def layer_signature(spec: LayerSpec) -> tuple:
     """What a layer's computation and weights depend on, apart from its index."""
     source = spec.kv_source if spec.is_kv_consumer else None
     return (spec.attention, spec.head_dim, spec.num_kv_heads, source, spec.k_eq_v, spec.mlp_width)
