@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from gemma4.ops import chunked, int8_matmul
 from gemma4.ops.kernels.int4_matmul import int4_matmul
 from gemma4.ops.quant import (Int4Array, LayerSlice, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf,
-                              take_panel_rows)
+                              stored, take_panel_rows)
 
 
 # For a few activation rows (decode), XLA:CPU runs an elementwise convert·multiply + row reduction
@@ -66,7 +66,7 @@ def int8_path(w: QuantArray, m: int) -> str:
 def _int8_linear(x: jax.Array, w: QuantArray | LayerSlice) -> jax.Array:
     n_out, n_in = w.shape
     x2 = x.reshape(-1, n_in)
-    stack, layer = (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
+    stack, layer = stored(w)
     path = int8_path(stack, x2.shape[0])
     if layer is not None and path not in int8_matmul.NATIVE_PATHS:
         return _int8_linear(x, w.sliced())
@@ -111,9 +111,9 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
     give partial sums, added by one psum over that axis. Activation rows are split over `data`
     only from SPLIT_ROWS_MIN rows on (see there). All leaves of one call share x and the input axis.
     """
-    stored = [(w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None) for w in ws]  # see LayerSlice
-    mesh = stored[0][0].mesh
-    in_ax = stored[0][0].mesh_axes[1]
+    held = [stored(w) for w in ws]  # (a stacked leaf's layer is taken on each device: `local`)
+    mesh = held[0][0].mesh
+    in_ax = held[0][0].mesh_axes[1]
     n_in = x.shape[-1]
     x2 = x.reshape(-1, n_in)
     data = mesh.shape.get("data", 1)
@@ -125,7 +125,7 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
 
     def local(x_l, *arrays):
         leaves = []
-        for i, (w, layer) in enumerate(stored):
+        for i, (w, layer) in enumerate(held):
             leaf = local_leaf(w, arrays[3 * i], arrays[3 * i + 1])
             # a stacked leaf's layer is taken here, from this device's shard (outside, XLA gathered
             # the whole stack to index it)
@@ -134,14 +134,14 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
         return tuple(jax.lax.psum(y, in_ax) if in_ax else y for y in outs)
 
     arrays, in_specs = [], [P(rows_ax, in_ax)]
-    for w, layer in stored:
+    for w, layer in held:
         if w.mesh_axes[1] != in_ax:
             raise ValueError(f"leaves of one call must share the input axis: {w.mesh_axes} vs {in_ax}")
         lead = () if layer is None else (None,)
         data_arr = w.q if isinstance(w, QuantArray) else w.packed
         arrays += [data_arr, w.scale, jnp.asarray(0 if layer is None else layer, jnp.int32)]
         in_specs += [P(*lead, *w.mesh_axes), scale_spec(w, lead), P()]
-    out_specs = tuple(P(rows_ax, w.mesh_axes[0]) for w, _ in stored)
+    out_specs = tuple(P(rows_ax, w.mesh_axes[0]) for w, _ in held)
     ys = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                        check_vma=False)(x2, *arrays)
     return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
@@ -153,7 +153,7 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     W is a plain [out, in] array, a QuantArray or an Int4Array.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if is_sharded(w.stack if isinstance(w, LayerSlice) else w):
+    if is_sharded(stored(w)[0]):
         return _spmd(x, [w], out_dtype)[0]
     if isinstance(w, (QuantArray, LayerSlice)):
         y = _int8_linear(x, w)
@@ -172,13 +172,13 @@ def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array
     quantization instead of several; the results are the same as separate `linear` calls.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    stored = [w.stack if isinstance(w, LayerSlice) else w for w in ws]
-    if len(ws) > 1 and all(is_sharded(w) for w in stored) and len({w.mesh_axes[1] for w in stored}) == 1:
+    kept = [stored(w)[0] for w in ws]
+    if len(ws) > 1 and all(is_sharded(w) for w in kept) and len({w.mesh_axes[1] for w in kept}) == 1:
         return _spmd(x, ws, out_dtype)
     n_in = x.shape[-1]
     m = int(np.prod(x.shape[:-1]))
     # the leaves as stored: (leaf, None), or a stacked leaf and its layer (`LayerSlice`, unsplit)
-    parts = [(w.stack, w.layer) if isinstance(w, LayerSlice) and not is_sharded(w.stack) else (w, None) for w in ws]
+    parts = [(w, None) if is_sharded(stored(w)[0]) else stored(w) for w in ws]  # (a split one: leaf by leaf)
     ways = {(int8_path(w, m), w.layout, layer is None) if isinstance(w, QuantArray) else None for w, layer in parts}
     (way,) = ways if len(ways) == 1 else (None,)  # (path, layout, unstacked) shared by every leaf, or None
     layer = parts[0][1]

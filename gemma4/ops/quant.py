@@ -454,6 +454,11 @@ class LayerSlice:
         return dataclasses.replace(self.stack, q=self.stack.q[self.layer], scale=self.stack.scale[self.layer])
 
 
+def stored(w: Any) -> tuple[Any, Any]:
+    """(the leaf as stored, its layer): a `LayerSlice`'s stack and layer, any other leaf and None."""
+    return (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
+
+
 def is_quantized(x: Any) -> bool:
     return isinstance(x, (QuantArray, Int4Array))
 
