@@ -3,19 +3,19 @@
     .venv/bin/python bench/compile_steps.py [--model bundled] [--max-batch 8] [--chunk 512] [--context 2048]
                                             [--repeats 10] [--modes scan,unrolled] [--overrides k=v,...]
 
-For each mode (`RunOptions.scan_layers`: each run of repeated layer periods as one jax.lax.scan, or
-the periods unrolled) and each step — a decode step of `rows` rows and a later prefill chunk of
+For each mode (the plan's `layers` choice, GEMMA4_LAYERS: each run of repeated layer periods as one
+jax.lax.scan over weights stacked per period position, or every layer unrolled over its weights as
+loaded) and each step — a decode step of `rows` rows and a later prefill chunk of
 `chunk` tokens over a cache of `context` slots, the forward passes the engine's steps run — it
 prints the seconds to trace, lower and compile the step (the persistent compile cache off) and the
-median seconds of a run. The model loads once, with the plan the machine chooses (the engine's
-stacked weights and cache); `--overrides` as the engine's (e.g. weights=none,dtype=float32). On a
+median seconds of a run. The model loads once per mode, with the plan the machine chooses
+otherwise; `--overrides` as the engine's (e.g. weights=none,dtype=float32). On a
 TPU or GPU the same command measures the accelerator (the model's plan, its dtype). The result:
 bench/results/compile-steps-<date>-<time>.json (bench/harness.py), `figures.modes`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import sys
@@ -74,6 +74,36 @@ def measure(model, cache, name: str, fn, tokens, positions, repeats: int) -> tup
     return row, cache
 
 
+def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repeats: int, modes: list[str],
+                  overrides: dict, log=print) -> tuple[dict, list[str]]:
+    """Each mode's steps, measured on the model loaded with that layout (the plan's `layers`
+    choice: scanned over stacked weights, or unrolled over the weights as loaded): (figures, the
+    report's lines)."""
+    figures: dict = {"model": model_name, "backend": jax.default_backend(), "rows": rows, "chunk": chunk, "modes": {}}
+    lines: list[str] = []
+    for mode in modes:
+        model, cache, _ = load_model(model_name, max_batch=rows, context=context,
+                                     overrides={**overrides, "layers": mode})
+        if not lines:
+            runs = [(r.first, r.period, r.count) for r in model.cfg.layer_runs]
+            figures.update(layers=model.cfg.num_layers, layer_runs=runs, context=model.context_limit,
+                           dtype=model.options.compute_dtype, plan_layers=model.report["plan"]["layers"])
+            lines.append(f"{model_name}: {model.cfg.num_layers} layers as runs (first, period, count) {runs}; "
+                         f"{harness.cpu_model()}, backend {jax.default_backend()}")
+            log(lines[0])
+        log(f"{mode}:")
+        steps = {}
+        for name, (fn, tokens, positions) in step_functions(model.cfg, model.options, rows, chunk,
+                                                             model.context_limit).items():
+            steps[name], cache = measure(model, cache, name, fn, tokens, positions, repeats)
+            lines.append(f"{mode:9s} {name:22s} trace+lower+compile {steps[name]['total_s']:6.2f} s "
+                         f"(compile {steps[name]['compile_s']:5.2f} s), run median {steps[name]['run_ms_median']:8.2f} ms")
+            log(lines[-1])
+        figures["modes"][mode] = steps
+        del model, cache
+    return figures, lines
+
+
 def main(argv=None) -> int:
     ap = harness.parser(__doc__, model="bundled", max_batch=8, context=2048)
     ap.add_argument("--overrides", default="", help="the engine's overrides, e.g. weights=none,dtype=float32")
@@ -83,24 +113,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     run = harness.Run("compile-steps", args)
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)
-    model, cache, _ = load_model(args.model, max_batch=args.max_batch, overrides=overrides, context=args.context)
-    runs = [(r.first, r.period, r.count) for r in model.cfg.layer_runs]
-    figures = {"model": args.model, "backend": jax.default_backend(), "layers": model.cfg.num_layers,
-               "layer_runs": runs, "rows": args.max_batch, "chunk": args.chunk, "context": model.context_limit,
-               "modes": {}}
-    lines = [f"{args.model}: {model.cfg.num_layers} layers as runs (first, period, count) {runs}; "
-             f"{harness.cpu_model()}, backend {jax.default_backend()}"]
-    run.log(lines[0])
-    for mode in args.modes.split(","):
-        options = dataclasses.replace(model.options, scan_layers=(mode == "scan"))
-        run.log(f"{mode}:")
-        rows = {}
-        for name, (fn, tokens, positions) in step_functions(model.cfg, options, args.max_batch, args.chunk,
-                                                             model.context_limit).items():
-            rows[name], cache = measure(model, cache, name, fn, tokens, positions, args.repeats)
-            lines.append(f"{mode:9s} {name:22s} trace+lower+compile {rows[name]['total_s']:6.2f} s "
-                         f"(compile {rows[name]['compile_s']:5.2f} s), run median {rows[name]['run_ms_median']:8.2f} ms")
-        figures["modes"][mode] = rows
+    figures, lines = measure_modes(args.model, rows=args.max_batch, chunk=args.chunk, context=args.context,
+                                   repeats=args.repeats, modes=args.modes.split(","), overrides=overrides,
+                                   log=run.log)
     report = "\n".join(lines)
     print(report)
     run.write(figures, report=report)

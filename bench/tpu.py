@@ -63,6 +63,9 @@ Parts:
            drafting can change a near-tie token); then each smaller compiled draft count's step
            over a decode step (`by_drafts`: what the engine chooses a step's count by). Not in
            the default parts.
+  compile  a step shape's compile and run with the layers scanned and unrolled (bench/compile_steps.py):
+           a one-row decode step and a later --compile-chunk-token prefill chunk at context
+           --compile-context (E2B bf16; the persistent compile cache off). Not in the default parts.
 
 Speed targets are printed beside the figures; nothing here asserts them (tests assert behaviour).
 """
@@ -89,13 +92,14 @@ from gemma4.env import setting  # noqa: E402  (stdlib only, as gemma4.paths: the
 from gemma4.paths import cache_root  # noqa: E402
 # in this order: exactness first, then the headline figures, E4B (the slowest to load) last
 ALL_PARTS = ("env", "exact", "decode", "app", "engine", "loads", "e4b")
-OPTIONAL_PARTS = ("prefix", "long", "users", "verify")
+OPTIONAL_PARTS = ("prefix", "long", "users", "verify", "compile")
 # Tiny random models of every variant's geometry, and a real Gemma 3 geometry (random weights).
 EXACT_MODELS = ("random:tiny-e2b", "random:tiny-e4b", "random:tiny-12b", "random:tiny-31b", "random:tiny-26b-a4b",
                 "random:tiny-gemma3-1b")
 # app: the 12B's cold start (12 GB of int8 weights drawn, then its shapes compiled) and its media replies
 PART_LIMIT_S = {"env": 120, "exact": 300, "decode": 300, "engine": 240, "app": 420, "loads": 200, "e4b": 360,
-                "prefix": 540, "long": 570, "users": 480, "verify": 480}
+                "prefix": 540, "long": 570, "users": 480, "verify": 480,
+                "compile": 560}
 TARGETS = {
     "e2b_bf16_tok_s": 150, "e2b_int8_tok_s": 250, "e4b_bf16_tok_s": 75, "e4b_int8_tok_s": 130,
     "engine_ready_cold_s": 60, "engine_ready_warm_s": 10, "batch64_tok_s": 2000, "ttft_128_ms": 20,
@@ -937,6 +941,18 @@ def worker_users(args) -> dict:
     return out
 
 
+def worker_compile(args) -> dict:
+    """One step shape's compile and run with the layers scanned and unrolled (bench/compile_steps.py):
+    a decode step of one row and a later prefill chunk of --compile-chunk tokens, E2B bf16."""
+    os.environ["GEMMA4_COMPILE_CACHE"] = "off"  # a compile measured is a compile done
+    from bench.compile_steps import measure_modes
+
+    figures, lines = measure_modes(args.model, rows=args.rows, chunk=args.chunk, context=args.context,
+                                   repeats=10, modes=args.modes, overrides={})
+    figures["report"] = lines
+    return figures
+
+
 def worker_app(args) -> dict:
     """The app's own handlers, in this process (bench/tpu_app.py: no sockets on a chip machine)."""
     from bench.tpu_app import run_app_check
@@ -956,7 +972,7 @@ def _worker(fn):
 WORKERS = {name: _worker(fn) for name, fn in {
     "app": worker_app, "env": worker_env, "exact": worker_exact, "decode": worker_decode,
     "engine": worker_engine, "loads": worker_loads, "prefix": worker_prefix, "long": worker_long,
-    "users": worker_users, "verify": worker_verify}.items()}
+    "users": worker_users, "verify": worker_verify, "compile": worker_compile}.items()}
 
 
 # ------------------------------------------------------------------------------ driver
@@ -1033,6 +1049,9 @@ def main(argv=None) -> int:
     ap.add_argument("--verify-drafts", type=int, default=4, help="the verify part's drafts per step (k; k + 1 tokens)")
     ap.add_argument("--verify-drafter", default="random", help="the verify part's GEMMA4_DRAFTER (random: the "
                     "model's drafter's geometry, random weights; off: prompt lookup's verify step only)")
+    ap.add_argument("--compile-chunk", type=int, default=2048, help="the compile part's prefill chunk, in tokens")
+    ap.add_argument("--compile-context", type=int, default=4096, help="the compile part's context window")
+    ap.add_argument("--compile-modes", default="scan,unrolled", help="the compile part's modes (scan, unrolled)")
     ap.add_argument("--deadline-s", type=float, default=0, help="stop starting parts after this many seconds "
                                                                 "(0: none); the report says what was skipped")
     args = ap.parse_args(argv)
@@ -1141,6 +1160,10 @@ def main(argv=None) -> int:
             report["parts"]["verify"] = run_worker("verify", {"model": args.model, "drafts": args.verify_drafts,
                                                               "drafter": args.verify_drafter,
                                                               "limit": limit("verify") - 60}, limit=limit("verify"))
+        elif part == "compile":
+            report["parts"]["compile"] = run_worker("compile", {
+                "model": args.model, "rows": 1, "chunk": args.compile_chunk, "context": args.compile_context,
+                "modes": args.compile_modes.split(","), "limit": limit("compile") - 30}, limit=limit("compile"))
         elif part == "loads":  # the stores the app, engine and exact parts filled
             folders = [app_cache, str(cache_root())]
             report["parts"]["loads"] = run_worker("loads", {"folders": folders, "max_entries": 12}, limit=limit("loads"))
@@ -1202,6 +1225,12 @@ def summary(report: dict) -> dict:
                        "warm_last_first_token_ms": (r.get("warm") or {}).get("last_first_token_ms"),
                        "warm_aggregate_tok_s": (r.get("warm") or {}).get("aggregate_tok_s")}
                       for r in parts["users"].get("configs", [])]
+    if "compile" in parts:
+        s["compile"] = {mode: {step: {k: row.get(k) for k in ("total_s", "compile_s", "run_ms_median")}
+                               for step, row in steps.items()}
+                        for mode, steps in (parts["compile"].get("modes") or {}).items()}
+        if parts["compile"].get("error"):
+            s["compile"]["error"] = parts["compile"]["error"]
     if "long" in parts:
         s["long"] = {k: parts["long"].get(k) for k in ("attention", "attention_full", "ready_s", "first_after_ready",
                                                         "first_over_warm", "lengths", "error")}

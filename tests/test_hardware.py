@@ -373,3 +373,19 @@ def test_encoder_dtype_is_measured_on_cpu_and_overridable():
     assert preflight.device_bytes(cfg, plan, None)["weights"] == held
     f32 = preflight.device_bytes(cfg, plan.replace("encoder_dtype", hardware.Choice("float32", "x")), None)
     assert f32["weights"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) > held
+
+
+@pytest.mark.parametrize("device", sorted(EXPECTED))
+def test_the_layers_are_scanned_on_a_cpu_and_unrolled_on_an_accelerator(device):
+    """The `layers` choice: the scan where it costs nothing (CPU), unrolled where the v5e measured
+    the scan's stacked weights slower to read (accelerators); GEMMA4_LAYERS overrides both ways,
+    and the run options follow the plan."""
+    plan = plan_for(device)
+    want = "scan" if device.startswith("cpu") else "unrolled"
+    assert plan.layers.value == want and plan.layers.source == "auto"
+    assert hardware_checks.run_options(plan).scan_layers == (want == "scan")
+    other = "unrolled" if want == "scan" else "scan"
+    forced = plan_for(device, {"GEMMA4_LAYERS": other})
+    assert forced.layers.value == other and forced.layers.source == "override"
+    assert f"auto would be {want}" in forced.layers.reason
+    assert "layers" in plan.to_dict() and "layers" in plan.report()

@@ -67,8 +67,9 @@ def test_the_stacked_cache_gives_each_producer_its_own_place():
 
 @pytest.mark.parametrize("base", ["e2b", "gemma3-270m"])
 def test_scanned_equals_unrolled_and_a_loaded_tree_equals_a_stacked_one(base):
-    """Prefill, a later chunk and decode steps: the scanned pass, the unrolled one and the tree as
-    loaded (stacked inside each call) agree to float32 rounding (XLA compiles each program apart)
+    """Prefill, a later chunk and decode steps: the scanned pass, the unrolled one, the tree as
+    loaded stacked inside each call, and the tree as loaded unrolled layer by layer (the plan's
+    `layers: unrolled`, no stacking) agree to float32 rounding (XLA compiles each program apart)
     with the same greedy tokens."""
     cfg = C.tiny(base)
     params = random_params(cfg, seed=3)
@@ -79,7 +80,11 @@ def test_scanned_equals_unrolled_and_a_loaded_tree_equals_a_stacked_one(base):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 24)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
     out = {}
-    for name, tree, scan in (("scan", stacked, True), ("unrolled", stacked, False), ("loaded", params, True)):
+    per_layer = M.run_weights(params, cfg, scan=False)
+    assert all(isinstance(w, M.PerLayer) and len(w.periods) == r.count for w, r in zip(per_layer, cfg.layer_runs))
+    assert per_layer[0].periods[0][0] is params["layers"][0]  # the loaded leaves themselves, not copies
+    for name, tree, scan in (("scan", stacked, True), ("unrolled", stacked, False), ("loaded", params, True),
+                             ("per-layer", params, False)):
         opts = M.RunOptions(scan_layers=scan)
         step = jax.jit(lambda p, c, t, q, a, o=opts: M.forward(p, cfg, t, q, c, options=o, attend_cache=a,
                                                                kv_len=64)[:2], static_argnums=4)
@@ -96,7 +101,7 @@ def test_scanned_equals_unrolled_and_a_loaded_tree_equals_a_stacked_one(base):
             tok = jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
             ids.append(np.asarray(tok).ravel().tolist())
         out[name] = (got, ids)
-    for other in ("unrolled", "loaded"):
+    for other in ("unrolled", "loaded", "per-layer"):
         for a, b in zip(out["scan"][0], out[other][0]):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
         assert out["scan"][1] == out[other][1], other
@@ -174,3 +179,39 @@ def test_the_attention_kernel_reads_a_stacked_cache_by_layer_and_row():
         stacked = cpu_attention.attend(q, q_pos, k, v, pos, rows + layer * R, **kw)
         alone = cpu_attention.attend(q, q_pos, k[layer], v[layer], pos[layer], rows, **kw)
         np.testing.assert_array_equal(np.asarray(stacked), np.asarray(alone))
+
+
+def test_the_plans_unrolled_layout_loads_every_layer_apart_and_gives_the_same_tokens():
+    """GEMMA4_LAYERS=unrolled (the plan's choice on an accelerator): the engine's config makes every
+    layer a run of its own, its weights stay as loaded (no stacked copy) and every KV-producing
+    layer has its own cache entry; a prefill and decode steps give the scanned layout's logits
+    (float32 rounding) and greedy tokens."""
+    from gemma4.serve.engine.load import load_model
+
+    got = {}
+    for layout in ("scan", "unrolled"):
+        model, cache, _ = load_model("random:tiny-e2b", max_batch=1, context=64,
+                                     overrides={"dtype": "float32", "layers": layout}, mesh_request="none")
+        cfg = model.cfg
+        assert model.report["plan"]["layers"]["value"] == layout
+        assert model.options.scan_layers == (layout == "scan")
+        if layout == "unrolled":
+            assert not cfg.layer_periods and [r.count for r in cfg.layer_runs] == [1] * cfg.num_layers
+            assert "layers" in model.params and "layer_runs" not in model.params
+            assert sorted(cache) == sorted(cfg.kv_producers)
+            assert all(entry["k"].shape[0] == 1 for entry in cache.values())
+        else:
+            assert any(r.count > 1 for r in cfg.layer_runs) and "layer_runs" in model.params
+        step = jax.jit(lambda p, c, t, q: M.forward(p, cfg, t, q, c, options=model.options, kv_len=64)[:2])
+        tokens = jnp.asarray([[5, 17, 99, 3, 41, 7, 250, 12]], jnp.int32)
+        logits, cache = step(model.params, cache, tokens, jnp.arange(8, dtype=jnp.int32)[None])
+        out, ids = [logits[:, -1]], []
+        for s in range(4):
+            tok = jnp.argmax(out[-1], -1).astype(jnp.int32)[:, None]
+            ids.append(int(tok[0, 0]))
+            logits, cache = step(model.params, cache, tok, jnp.full((1, 1), 8 + s, jnp.int32))
+            out.append(logits[:, -1])
+        got[layout] = (out, ids)
+    for a, b in zip(got["scan"][0], got["unrolled"][0]):  # (two programs, their sums in other orders)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-4, rtol=0)
+    assert got["scan"][1] == got["unrolled"][1]

@@ -384,6 +384,10 @@ class ModelConfig:
     # What the checkpoint's processor does when a request does not say (soft tokens per image and
     # per video frame, frames per video): its processor_config.json, read by `load_hf_config`.
     media_defaults: MediaDefaults = MediaDefaults()
+    # How the forward pass groups the layers (`layer_runs`): True, into runs of repeated periods that
+    # it scans; False, every layer a run of its own (traced one by one, each its own weights and KV
+    # cache entry): the hardware plan's `layers` choice, "unrolled", set by the engine at load.
+    layer_periods: bool = True
 
     def __post_init__(self):
         for name in ("vision", "audio"):
@@ -414,6 +418,8 @@ class ModelConfig:
 
     @functools.cached_property
     def layer_runs(self) -> tuple[LayerRun, ...]:
+        if not self.layer_periods:
+            return tuple(LayerRun(i, 1, 1) for i in range(self.num_layers))
         return layer_runs(self.layers)
 
     @property

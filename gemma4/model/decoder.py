@@ -653,7 +653,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     hidden = [x] if return_hidden else None
     new_cache = dict(cache) if cache is not None else None
     shared: dict[int, Any] = {}  # donor layer -> its keys (`_layer`), for the KV-sharing layers after it
-    for run, weights in zip(cfg.layer_runs, layer_stacks(params, cfg)):
+    for run, weights in zip(cfg.layer_runs, run_weights(params, cfg, options.scan_layers)):
         ple = None if per_layer is None else _run_inputs(per_layer, run)
         x, new_cache, states = _run_layers(x, ple, weights, run, call, new_cache, shared)
         if return_hidden:
@@ -735,7 +735,7 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
                 pending[spec.index] = kv
         return x, own, states, pending
 
-    if run.count == 1 or not call.options.scan_layers:
+    if run.count == 1 or not call.options.scan_layers or isinstance(weights, PerLayer):
         states, writes = [], []
         for p in range(run.count):
             x, own, done, pending = period(x, own, p, _layer_weights(weights, p), None if ple is None else ple[p], shared)
@@ -760,9 +760,12 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
     return x, cache, states
 
 
-def _layer_weights(weights: tuple[dict, ...], p: jax.Array | int) -> tuple[dict, ...]:
+def _layer_weights(weights: "tuple[dict, ...] | PerLayer", p: jax.Array | int) -> tuple[dict, ...]:
     """Period p's weights of a run's stacked ones: an int8 leaf as a `LayerSlice` (the native
-    kernels read its layer in place), any other leaf indexed."""
+    kernels read its layer in place), any other leaf indexed; of a run's `PerLayer` ones, its own."""
+    if isinstance(weights, PerLayer):
+        return weights.periods[p]
+
     def at(leaf):
         if isinstance(leaf, QuantArray):
             return LayerSlice(leaf, p)
@@ -824,19 +827,33 @@ def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call:
 
 
 # ------------------------------------------------------------------------------ stacked weights
-# A serving engine stacks its weights once (`stack_layers`): params["layer_runs"] then holds, per
-# run of `ModelConfig.layer_runs`, per position in its period, that position's leaves stacked over
-# the periods. A tree as loaded (params["layers"], one dict per layer) is stacked inside each call
-# instead: the same results, but a copy of the layer weights per call (tests and one-off uses).
-def layer_stacks(params: dict, cfg: ModelConfig) -> tuple[tuple[dict, ...], ...]:
-    """Per run, per period position, the layer weights stacked over the run's periods."""
+# A serving engine that scans its layers stacks its weights once (`stack_layers`): params["layer_runs"]
+# then holds, per run of `ModelConfig.layer_runs`, per position in its period, that position's
+# leaves stacked over the periods. One that unrolls them (`RunOptions.scan_layers` False: the plan's
+# `layers` choice) keeps the tree as loaded (params["layers"], one dict per layer) and each layer
+# reads its own leaves. A tree as loaded run with the scan on is stacked inside each call: the same
+# results, but a copy of the layer weights per call (tests and one-off uses).
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+    """A run's weights as loaded: per period, per position in it, that layer's own dict."""
+
+    periods: tuple[tuple[dict, ...], ...]
+
+
+def run_weights(params: dict, cfg: ModelConfig, scan: bool = True) -> "tuple[tuple[dict, ...] | PerLayer, ...]":
+    """Per run of `ModelConfig.layer_runs`, its weights: stacked per period position (as stored by
+    `stack_layers`, or stacked here when `scan` and the tree is as loaded), else `PerLayer`."""
     if "layer_runs" in params:
         return params["layer_runs"]
-    return _stack_runs(params["layers"], cfg, lambda leaves: jnp.stack(leaves))
+    if scan:
+        return _stack_runs(params["layers"], cfg, lambda leaves: jnp.stack(leaves))
+    layers = params["layers"]
+    return tuple(PerLayer(tuple(tuple(layers[run.layer(p, j)] for j in range(run.period)) for p in range(run.count)))
+                 for run in cfg.layer_runs)
 
 
 def stack_layers(params: dict, cfg: ModelConfig, stack: Any = None) -> dict:
-    """`params` with its per-layer list replaced by the stacked runs (`layer_stacks`); already
+    """`params` with its per-layer list replaced by the stacked runs (`run_weights`); already
     stacked: as it is. `stack` stacks a list of equal leaves (default: jnp.stack; an engine passes
     one that keeps each leaf's placement, or builds shapes only)."""
     if "layer_runs" in params:

@@ -32,6 +32,8 @@ with the values it takes, in `gemma4.env`; the table: docs/settings.md):
     GEMMA4_DECODE_BLOCK      auto | 1..64   (decode steps per dispatch; see DECODE_BLOCK)
     GEMMA4_QUERY_BLOCK       auto | 0..4096 (a later prefill chunk's queries per attention block; 0: one
                              product; see QUERY_BLOCK_CPU)
+    GEMMA4_LAYERS            auto | scan | unrolled  (scan: each run of repeated layer periods one jax.lax.scan,
+                             its weights stacked; unrolled: every layer traced, each its own weights; see LAYERS_RULE)
     GEMMA4_ENCODER_DTYPE     auto | float32 | bfloat16 | float16  (the vision/audio towers alone; an explicit
                              GEMMA4_DTYPE covers them too unless this names another: `encoder_dtype_rule`)
     GEMMA4_ALLOW_FALLBACK    off | on
@@ -141,7 +143,7 @@ class Choice:
 
 CHOICE_NAMES = ("compute_dtype", "weight_dtype", "weights", "embed_weights", "kv_cache", "attention_sliding",
                 "attention_full", "int4_kernel", "matmul_precision", "int8_matmul", "encoder_dtype", "decode_block",
-                "query_block")
+                "query_block", "layers")
 _INT8_MATMUL_PENDING = Choice("default", "decided after the weights load (measured per product shape on CPU)")
 _ENCODER_DTYPE_PENDING = Choice("float32", "decided after the weights load (measured on CPU where the towers load)")
 
@@ -170,6 +172,7 @@ class Plan:
     encoder_dtype: Choice = _ENCODER_DTYPE_PENDING
     decode_block: Choice = Choice(1, "one decode step per dispatch")  # steps per decode dispatch (DECODE_BLOCK)
     query_block: Choice = Choice(0, "a chunk's attention in one product")  # later chunks' queries per block (QUERY_BLOCK_CPU)
+    layers: Choice = Choice("scan", "each run of repeated layer periods one scan")  # "scan" | "unrolled" (layers_choice)
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in CHOICE_NAMES}
@@ -210,7 +213,7 @@ ENV_KEYS = {
     "int8_layout": "GEMMA4_INT8_LAYOUT", "int8_activations": "GEMMA4_INT8_ACTIVATIONS",
     "int8_scales": "GEMMA4_INT8_SCALES", "int8_panel_bits": "GEMMA4_INT8_PANEL_BITS",
     "encoder_dtype": "GEMMA4_ENCODER_DTYPE", "decode_block": "GEMMA4_DECODE_BLOCK",
-    "query_block": "GEMMA4_QUERY_BLOCK",
+    "query_block": "GEMMA4_QUERY_BLOCK", "layers": "GEMMA4_LAYERS",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
 _BY_ENV = {name: key for key, name in ENV_KEYS.items()}
@@ -621,10 +624,31 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
 
     return Plan(compute_dtype=compute, weight_dtype=weight_dtype, weights=weights, embed_weights=embed, kv_cache=kv,
                 attention_sliding=att_sliding, attention_full=att_full, int4_kernel=kern, decode_block=steps,
-                query_block=blocks,
+                query_block=blocks, layers=layers_choice(plat, ov),
                 matmul_precision=prec, device=where, platform=plat, int4_block=block,
                 int4_group_size=INT4_GROUP_SIZE,
                 head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(warnings))
+
+
+# ------------------------------------------------------------------------------ the layers: scanned or unrolled
+def layers_choice(platform: str, ov: Mapping[str, Any]) -> Choice:
+    """Whether the forward pass scans each run of repeated layer periods (`ModelConfig.layer_runs`;
+    the weights stacked per period position, one period compiled per run) or unrolls every layer
+    over the weights as loaded. The scan compiles a step about 2x faster everywhere; what it costs
+    a decode step differs: on a CPU nothing (the native kernels read a stacked layer in place), on
+    a TPU the loop's slices of the stacked weights are read without the prefetching XLA gives
+    separate arrays (docs/tpu.md, "The layers: scanned or unrolled")."""
+    if platform == "cpu":
+        choice = Choice("scan", "CPU: each run of repeated layer periods one scan (a step compiles ~2x faster; "
+                                "decode and prefill as fast as unrolled: the native kernels read a stacked layer "
+                                "in place)")
+    else:
+        choice = Choice("unrolled", f"{platform.upper()}: every layer unrolled over its own weights (batch-1 decode "
+                                    "reads stacked weights ~1 ms a token slower on the v5e, where XLA streams a "
+                                    "loop's weight slices without prefetching them; a step compiles ~2x slower)")
+    if "layers" in ov and ov["layers"] != choice.value:
+        choice = Choice(ov["layers"], f"requested via GEMMA4_LAYERS (auto would be {choice.value})", "override")
+    return choice
 
 
 # ------------------------------------------------------------------------------ encoder dtype

@@ -227,9 +227,9 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
-    if pending is None:  # (else the prepared store writes the loaded leaves later: serving_model stacks copies)
-        # The layers stacked as the forward pass scans them (decoder.stack_layers), each loaded leaf
-        # freed once stacked: the layer weights are never held twice over.
+    if pending is None and options.scan_layers:  # (else the prepared store writes the loaded leaves later:
+        # serving_model stacks copies). The layers stacked as the forward pass scans them
+        # (decoder.stack_layers), each loaded leaf freed once stacked: never held twice over.
         params = M.stack_layers(params, cfg, functools.partial(sharding.stack_placed, release=True))
     drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate) else None
     if drafter is not None:  # small: whole on every device
@@ -249,12 +249,17 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
     """What the engine serves `params` with (loaded weights, or `sketch_params`' shapes): the
     roofline, the serving geometry, the KV cache's shape and placement (allocated by the caller:
     `new_cache()`), and the tokenizer, started on its own thread (none without `tok_spec`)."""
+    if not options.scan_layers:  # the plan's `layers: unrolled`: every layer a run of its own (its own
+        # weights as loaded and its own KV cache entry, as the forward pass traces it)
+        cfg = dataclasses.replace(cfg, layer_periods=False)
     encoder_dtype = jnp.dtype(plan.encoder_dtype.value if plan.encoder_dtype.value != "none" else "float32")
     report["plan"], report["warnings"] = plan.to_dict(), list(plan.warnings)
     decode_bytes = decode_bytes_per_token(params)
-    # The layers' weights stacked per run of repeated periods, as the forward pass scans them
-    # (decoder.stack_layers), each leaf kept where it was placed (a sketch's shapes stacked alike).
-    params = M.stack_layers(params, cfg, sharding.stack_placed)
+    # The layers' weights stacked per run of repeated periods where the forward pass scans them
+    # (decoder.stack_layers; the plan's `layers`), each leaf kept where it was placed (a sketch's
+    # shapes stacked alike); unrolled, each layer reads its leaves as loaded.
+    if options.scan_layers:
+        params = M.stack_layers(params, cfg, sharding.stack_placed)
     gbps = report.get("memory_bandwidth_gbps")
     roofline_tok_s = gbps * 1e9 / decode_bytes if gbps and decode_bytes else None
     report["roofline"] = {
