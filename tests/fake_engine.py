@@ -275,9 +275,9 @@ class FakeRunner:
         self.plans.append(plan)
         cache = self.cache
         if isinstance(plan, PrefixCopy):
-            call = DeviceCall(plan.key, plan.request.row)
+            call = DeviceCall(plan.key, plan.row)
             self._call(call)
-            cache.copy(plan.source, plan.request.row, plan.length)
+            cache.copy(plan.source, plan.row, plan.length)
             self._after(call)
             return np.zeros(0, np.int32), np.zeros(0, bool)
         if isinstance(plan, PrefillChunk):

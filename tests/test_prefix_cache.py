@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gemma4.serve.engine import prefix_cache
 from gemma4.serve.engine.prefix_cache import Held, Match, PrefixCache, RingRule, content_keys
 from gemma4.serve.engine.step_plans import DeviceCall, Observer, PrefillChunk, PrefixCopy
 from tests.fake_engine import CORRUPT, expected, fake_engine, geometry, greedy, prompt, reply
@@ -313,3 +314,70 @@ def test_planning_never_asks_the_shapes_while_holding_the_schedulers_lock():
     threading.Thread(target=lambda: (sched.next_step(), done.set()), daemon=True).start()
     assert done.wait(5), "planning deadlocked on the scheduler's own lock"
     assert (CopyKey(), "background") in book.requests
+
+
+# ---------------------------------------------------------------- reuse past a reply, the spare rows
+def _moves(eng) -> list[PrefixCopy]:
+    return [p for p in eng.runner.plans if isinstance(p, PrefixCopy) and p.request is None]
+
+
+def test_the_same_prompt_after_a_long_reply_is_reused_from_its_snapshot(engines, monkeypatch):
+    # window 16 in a ring of 20: a 30-token reply overruns the window at the prompt's end, so the
+    # row that served it no longer holds the prompt; its snapshot in a spare row does
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 16)
+    eng = engines(geometry(prefix_cache=True, window=16, ring_slots=20))
+    first = _prompt(40)
+    req, _, _ = _chat_turn(eng, first, 30)
+    (snap,) = _moves(eng)
+    assert (snap.source, snap.length) == (req.row, len(first)) and snap.row >= prefix_cache.CHEAP_ROWS
+    again, ids, stats = _chat_turn(eng, first, 30)  # a retry: the same prompt, its reply again
+    assert stats["cached_tokens"] == len(first) - 1 and CORRUPT not in ids and _prefilled(eng, again) == 1
+    assert again.row < prefix_cache.CHEAP_ROWS and [c.source for c in _copies(eng, again)] == [snap.row]
+    assert len(_moves(eng)) == 1  # held whole already: not snapshotted twice
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 41)  # a shorter prompt than this is not kept
+    other = _prompt(40, 7)
+    _chat_turn(eng, other, 30)
+    assert len(_moves(eng)) == 1
+
+
+def test_short_requests_from_others_between_two_turns_do_not_cost_a_chat_its_history(engines):
+    eng = engines()  # 4 rows: rows 0-1 cheap, 2-3 spare
+    chat = _prompt(40)
+    _, reply, _ = _chat_turn(eng, chat, 10)
+    for i in range(3):  # someone else's short requests, one after another
+        _chat_turn(eng, _prompt(20, 30 + i), 3)
+    moved = _moves(eng)
+    assert moved and all(m.row >= prefix_cache.CHEAP_ROWS for m in moved)
+    turn = chat + reply + [90, 91, 92]
+    req, ids, stats = _chat_turn(eng, turn, 4)
+    assert stats["cached_tokens"] == len(chat) + len(reply) - 1 and req.row < prefix_cache.CHEAP_ROWS
+
+
+def test_the_spare_row_given_up_is_the_one_worth_least():
+    cache = PrefixCache(RingRule())
+    assert cache.spare(free=[0, 1, 2, 3], cheap=2, value=10.0, now=0.0) == 2  # empty rows first
+    cache.keep(2, Held(np.arange(100), 100), now=0.0)
+    cache.keep(3, Held(np.arange(500, 540), 40), now=0.0)
+    assert cache.spare(free=[2, 3], cheap=2, value=50.0, now=0.0) == 3  # 40 tokens < 100
+    assert cache.spare(free=[2, 3], cheap=2, value=30.0, now=0.0) is None  # nothing worth less than 30
+    # worth halves every HALF_LIFE_S since last used: the 100 tokens, unused for two half-lives, now count 25
+    later = 2 * prefix_cache.HALF_LIFE_S
+    cache.keep(3, Held(np.arange(500, 540), 40), now=later)
+    assert cache.worth(2, later) == pytest.approx(25.0) and cache.spare(free=[2, 3], cheap=2, value=30.0,
+                                                                       now=later) == 2
+    # a prefix another row holds whole is worth nothing
+    cache.keep(1, Held(np.arange(150), 150), now=later)
+    assert cache.worth(2, later) == 0.0 and cache.worth(1, later) == 150.0
+
+
+def test_a_row_being_written_by_a_move_is_taken_by_no_request():
+    cache = PrefixCache(RingRule())
+    cache.keep(0, Held(np.arange(300), 300), now=0.0)
+    move = cache.demotion(0, cache.holding()[0], 0.0, free=[1, 2, 3], cheap=2, now=1.0)
+    assert move is not None and move.row == 2 and cache.moving() == {2}
+    from gemma4.serve.requests import Request
+    req = Request(prompt_ids=list(range(1000, 1020)), params=_params(2), seed=0)
+    match, _ = cache.place(req, [2, 3], {}, decode_block=1)
+    assert req.row == 3 and match is None
+    cache.moved(move)
+    assert cache.moving() == set() and len(cache.holding()[2].keys) == 300

@@ -142,3 +142,34 @@ def test_a_follow_up_about_a_medium_reuses_its_soft_tokens(kind):
     assert cached["token_ids"] == alone["token_ids"]
     other = MEDIA[kind](10)  # another medium: only the text before it matches
     assert conversation.generate(eng, other, GREEDY, mode="chat")["stats"]["cached_tokens"] < 16
+
+
+def test_the_same_prompt_after_a_reply_that_wrapped_the_ring(monkeypatch):
+    """A retry after a reply longer than the ring (window 8, 10 slots): the prompt's snapshot
+    (`PrefixCache.snapshot`) is reused and the ids equal those without the cache."""
+    from gemma4.serve.engine import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 64)
+    eng = reuse_compiled(tiny_gemma4())
+    eng.scheduler.prefixes.forget_all()
+    prompt = [2] + [(13 * i) % 380 + 25 for i in range(120)]
+    long_reply = SamplingParams(temperature=0.0, max_new_tokens=24)
+    conversation.generate(eng, prompt, long_reply, mode="completion")
+    cached, alone = _both(eng, prompt, long_reply, mode="completion")
+    assert cached["stats"]["cached_tokens"] == len(prompt) - 1 and alone["stats"]["cached_tokens"] == 0
+    assert cached["token_ids"] == alone["token_ids"]
+
+
+def test_a_chat_keeps_its_history_through_other_users_requests():
+    """Short requests from others between two turns take the rows worth least (`worth`), so the
+    chat's next turn still reuses its history, with the ids of no cache."""
+    eng = reuse_compiled(tiny_gemma4())
+    eng.scheduler.prefixes.forget_all()
+    history = [2] + [(29 * i) % 390 + 22 for i in range(150)]
+    first = conversation.generate(eng, history, SamplingParams(temperature=0.0, max_new_tokens=1), mode="completion")
+    for k in range(3):
+        conversation.generate(eng, [2] + [(7 * i + k) % 300 + 40 for i in range(24)], GREEDY, mode="completion")
+    turn = history + first["token_ids"] + [(3 * k) % 200 + 50 for k in range(12)]
+    cached, alone = _both(eng, turn, GREEDY, mode="completion")
+    assert cached["stats"]["cached_tokens"] >= len(history) and alone["stats"]["cached_tokens"] == 0
+    assert cached["token_ids"] == alone["token_ids"]

@@ -123,6 +123,7 @@ def _alone_then_together(eng, running, long, short, many, short_after: int = 0):
     solo = {"running": conversation.generate(eng, running, many)["token_ids"],
             "long": conversation.generate(eng, long, GREEDY)["token_ids"],
             "short": conversation.generate(eng, short, GREEDY)["token_ids"]}
+    eng.scheduler.prefixes.forget_all()  # together, each prompt is prefilled again (none reused)
     out, first_at = {}, {}
 
     def run(name, prompt, params):

@@ -142,9 +142,17 @@ def queue_html(queue: Mapping[str, Any] | None) -> str:
         if busy
         else "no one waiting"
     )
+    prefix = queue.get("prefix_cache") or {}
+    store = ""
+    if prefix.get("enabled"):
+        rows = int(as_number(prefix.get("rows_holding")) or 0)
+        held = int(as_number(prefix.get("tokens_held")) or 0)
+        ratio = float(as_number(prefix.get("hit_rate")) or 0.0)
+        store = (f'<br><span id="prefix-store">Prefix cache: {rows} idle row(s) hold {held:,} tokens of earlier '
+                 f"prompts · {100 * ratio:.0f}% of prompt tokens reused since start</span>")
     return (
         f'<div id="queue-state" style="color:{color}"><b>Engine:</b> {active} / {slots} '
-        f"decode slots busy · {msg}</div>"
+        f"decode slots busy · {msg}{store}</div>"
     )
 
 

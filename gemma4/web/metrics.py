@@ -145,6 +145,10 @@ class EngineCollector:
                                   "cache instead of prefilled", value=float(prefix.get("cached_tokens", 0)))
         yield GaugeMetricFamily("gemma4_prefix_cache_hit_ratio", "cached / admitted prompt tokens since start",
                                 value=float(prefix.get("hit_rate", 0.0)))
+        yield GaugeMetricFamily("gemma4_prefix_cache_rows_holding", "idle cache rows holding an earlier prompt",
+                                value=float(prefix.get("rows_holding", 0)))
+        yield GaugeMetricFamily("gemma4_prefix_cache_tokens_held", "prompt positions the idle rows hold",
+                                value=float(prefix.get("tokens_held", 0)))
         ready = hasattr(eng, "status") and eng.status().get("state") == "ready"
         yield GaugeMetricFamily("gemma4_engine_ready", "1 once the model is loaded and serving",
                                 value=float(ready))

@@ -24,6 +24,20 @@ What can be reused (exact: the tokens are those of prefilling the whole prompt):
   prefix shared by several requests is reused while its first holder has not gone far past it:
   requests arriving together wait for the first to reach the shared length (its chunks stop
   there) and copy it then, so a shared system prompt is prefilled once.
+
+Reuse that outlives a reply, and the other rows as a store:
+- a reply longer than the ring's slack overruns the window at its prompt's end, so the same prompt
+  sent again (a retry, a client re-sending, a document asked about anew) could not reuse it. A
+  prompt of at least SNAPSHOT_MIN positions is copied, once prefilled, into a spare row
+  (`snapshot`): that row holds the prompt whole for as long as it is kept;
+- a row a new request takes may hold another conversation's history: where a spare row holds less
+  of value, the history moves there first (`demotion`), so short requests from other users between
+  two turns of a long chat do not cost it its history;
+- the spare rows are the rows at and above `cheap` (a request decodes there only when the rows
+  below are busy). What a spare row gives up first is what is worth least (`worth`): the prefill
+  it saves (its tokens), halved for every HALF_LIFE_S seconds since it was last used, nothing where
+  another row holds the same prefix whole. Every row is one allocation of the same size, so per
+  byte this is per row. A prefix held in a spare row is copied down into a cheap row when used.
 """
 
 from __future__ import annotations
@@ -49,6 +63,13 @@ BLOCKS_IN_FLIGHT = 2
 # width), and a row further up would widen a lone stream's steps (bundled model, 2-core AMD EPYC
 # Zen 4: 4 rows cost ~1.2x one row's step, 8 rows ~1.75x), while two rows keep two chats' histories.
 CHEAP_ROWS = 2
+
+# A prompt shorter than this is not snapshotted (`snapshot`): prefilling it again costs about what
+# its copy would (a device call), and a short prompt's row is rarely worth a spare row.
+SNAPSHOT_MIN = 256
+
+# What a held prefix is worth halves every this many seconds since it was last used (`worth`).
+HALF_LIFE_S = 300.0
 
 
 def content_keys(prompt_ids: Sequence[int], embeds: np.ndarray | None, embed_mask: np.ndarray | None) -> np.ndarray:
@@ -91,6 +112,17 @@ class Match:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowMove:
+    """For the prefix cache alone: idle row `row` takes positions [0, held.written) of row `source`
+    and then holds `held`, last used at `used` (`PrefixCache.snapshot`, `PrefixCache.demotion`)."""
+
+    source: int
+    row: int
+    held: Held
+    used: float
+
+
+@dataclasses.dataclass(frozen=True)
 class RingRule:
     """The sliding layers' ring (gemma4.model.kv_cache.slots_for): `window` positions attended,
     `slots` held. window 0: no sliding layer (any prefix of a row is whole)."""
@@ -103,6 +135,12 @@ class RingRule:
         if not self.window or held.written <= self.slots:
             return True
         return held.written - length <= self.slots - self.window + 1
+
+
+def cheap_rows(active: Iterable[int]) -> int:
+    """Rows [0, this) are where a new request decodes no wider than the rows in use (`CHEAP_ROWS`);
+    the free rows at and above it are the prefix cache's spare rows."""
+    return max(CHEAP_ROWS, max(active, default=-1) + 1)
 
 
 def held_by(req: Request, decode_block: int) -> Held:
@@ -146,6 +184,7 @@ class PrefixCache:
         self.enabled = enabled
         self._idle: dict[int, Held] = {}  # row -> what it holds
         self._used: dict[int, float] = {}  # row -> when its contents were last written or reused
+        self._moving: set[int] = set()  # rows a RowMove writes, not yet run: no request takes them
         self.prompt_tokens = 0  # over every admitted request
         self.cached_tokens = 0
 
@@ -163,6 +202,17 @@ class PrefixCache:
     def forget(self, row: int) -> None:
         """What `row` holds is unknown (a failed step) or about to be overwritten."""
         self._idle.pop(row, None)
+
+    def moved(self, move: RowMove, ok: bool = True) -> None:
+        """`move` ran (its row holds its `held`), or failed (`ok` False: its row holds nothing known)."""
+        self._moving.discard(move.row)
+        if ok:
+            self.keep(move.row, move.held, move.used)
+        else:
+            self.forget(move.row)
+
+    def moving(self) -> set[int]:
+        return set(self._moving)
 
     def forget_all(self) -> None:
         """Nothing any row holds is known any more (the cache was lost and re-allocated empty; or a
@@ -184,15 +234,17 @@ class PrefixCache:
         return length if length >= MIN_REUSE and self.rule.whole(held, length) else 0
 
     def choose(self, keys: np.ndarray, free: Sequence[int], live: dict[int, Held],
-               spans: Sequence[tuple[int, int]] = (), cheap: int = CHEAP_ROWS) -> tuple[int, Match | None]:
+               spans: Sequence[tuple[int, int]] = (), cheap: int = CHEAP_ROWS,
+               now: float = 0.0) -> tuple[int, Match | None]:
         """(the row a new request with `keys` takes among `free`, what it reuses or None).
 
         It reuses the longest prefix any row holds (idle rows, and `live`: the rows of requests
         being served); it takes that row when the row is free and below `cheap` (rows [0, cheap)
         decode no slower than the rows in use: a decode step runs rows [0, width), and a lone
         stream in a higher row would decode wider for its whole reply). Else it takes, among the
-        free rows below `cheap`, the one holding nothing, else the one used least recently (with
-        none free there, the lowest free row), and copies the prefix into it."""
+        free rows below `cheap`, the one holding nothing, else the one worth least (`worth`: its
+        tokens, halved every HALF_LIFE_S since last used; with none free there, the lowest free
+        row), and copies the prefix into it."""
         best: Match | None = None
         if self.enabled:
             for row, held in list(self._idle.items()) + list(live.items()):
@@ -203,25 +255,101 @@ class PrefixCache:
             row = best.source
         else:
             pool = [r for r in free if r < cheap] or [min(free)]
-            row = min(pool, key=lambda r: (r in self._idle, self._used.get(r, 0.0), r))
+            row = min(pool, key=lambda r: (r in self._idle, self.worth(r, now), self._used.get(r, 0.0), r))
         self.forget(row)
         self.prompt_tokens += len(keys)
         return row, best
 
-    def place(self, req: Request, free: list[int], active: Mapping[int, Request], decode_block: int) -> Match | None:
+    def place(self, req: Request, free: list[int], active: Mapping[int, Request], decode_block: int,
+              now: float = 0.0, moves: bool = True) -> tuple[Match | None, RowMove | None]:
         """Set `req`'s row (and its content keys) among `free`: `choose` over the idle rows and the
         rows of `active` requests (those still prefilling where decode blocks run: a block in
-        flight leaves a row's end unknown). Returns what it may reuse."""
+        flight leaves a row's end unknown). Returns what it may reuse, and the move of what the row
+        held to a spare row to run first (`demotion`; None: nothing worth moving, or `moves` off:
+        no copy can run now)."""
+        free = [r for r in free if r not in self._moving] or free
         if not self.enabled:
             req.row = free[0]
-            return None
+            return None, None
         req.prompt_keys = content_keys(req.prompt_ids, req.embeds, req.embed_mask)
         live = {row: held_by(r, decode_block) for row, r in active.items() if decode_block == 1 or r.prefilling}
-        cheap = max(CHEAP_ROWS, max(active, default=-1) + 1)
+        cheap = cheap_rows(active)
         copying = {r.reuse.source for r in active.values() if r.reuse is not None}  # sources of copies not run yet
         free = [r for r in free if r not in copying] or free
-        req.row, match = self.choose(req.prompt_keys, free, live, req.atomic_spans, cheap)
-        return match
+        held = {r: self._idle[r] for r in free if r in self._idle}
+        used = {r: self._used.get(r, 0.0) for r in held}
+        req.row, match = self.choose(req.prompt_keys, free, live, req.atomic_spans, cheap, now)
+        lost = held.get(req.row)
+        kept = match.length if match is not None and match.source == req.row else 0
+        move = None
+        if moves and lost is not None and len(lost.keys) > kept:
+            move = self.demotion(req.row, lost, used[req.row], [r for r in free if r != req.row], cheap, now)
+        return match, move
+
+    # ---------------------------------------------------------------- the spare rows
+    def worth(self, row: int, now: float) -> float:
+        """What idle `row`'s contents are worth keeping (module docstring): its tokens, halved every
+        HALF_LIFE_S since last used; 0 where another idle row holds the same prefix whole."""
+        held = self._idle.get(row)
+        if held is None:
+            return 0.0
+        for other, h in self._idle.items():
+            if other != row and self._covers(h, held):
+                return 0.0
+        return len(held.keys) * 0.5 ** (max(0.0, now - self._used.get(row, now)) / HALF_LIFE_S)
+
+    def _covers(self, h: Held, held: Held) -> bool:
+        """Whether a row holding `h` holds every position of `held` whole."""
+        n = len(held.keys)
+        return len(h.keys) >= n and shared_length(h.keys, held.keys) >= n and self.rule.whole(h, n)
+
+    def spare(self, free: Sequence[int], cheap: int, value: float, now: float, anywhere: bool = False) -> int | None:
+        """The free row (at or above `cheap`; `anywhere`: those first, then the cheap ones) that gives
+        up the least to keep something worth `value`: one holding nothing, else the one worth least,
+        if it is worth less than `value`. None: no such row."""
+        rows = [r for r in free if (anywhere or r >= cheap) and r not in self._moving]
+        if not rows:
+            return None
+        row = min(rows, key=lambda r: (r < cheap, r in self._idle, self.worth(r, now), r))
+        return row if row not in self._idle or self.worth(row, now) < value else None
+
+    def demotion(self, row: int, held: Held, used: float, free: Sequence[int], cheap: int,
+                 now: float) -> RowMove | None:
+        """The move of `held` (what `row` holds, last used at `used`) out of `row`, which a new
+        request takes, into a spare row worth less; None where none is, or it is kept elsewhere."""
+        if any(self._covers(h, held) for r, h in self._idle.items() if r != row):
+            return None
+        value = len(held.keys) * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
+        spare = self.spare(free, cheap, value, now)
+        if spare is None:
+            return None
+        self.forget(spare)
+        self._moving.add(spare)
+        return RowMove(row, spare, held, used)
+
+    def snapshot(self, req: Request, free: Sequence[int], cheap: int, decode_block: int,
+                 now: float) -> RowMove | None:
+        """A copy of `req`'s whole prompt into a spare row while its ring still holds the window at
+        the prompt's end (its reply may run past the ring's slack, after which the same prompt
+        could not be reused); None where not needed (no ring, a short prompt or reply, the prompt
+        already held whole in an idle row) or no spare row is worth less."""
+        n = len(req.prompt_ids)
+        if not self.enabled or not self.rule.window or n < SNAPSHOT_MIN or req.prompt_keys is None:
+            return None
+        held = Held(req.prompt_keys[:n], n)
+        overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
+        if self.rule.whole(Held(held.keys, n + req.params.max_new_tokens + overrun), n):
+            return None  # however long its reply, its own row keeps the prompt whole
+        if not self.rule.whole(held_by(req, decode_block), n):
+            return None
+        if any(self._covers(h, held) for h in self._idle.values()):
+            return None
+        spare = self.spare(free, cheap, float(n), now, anywhere=True)
+        if spare is None:
+            return None
+        self.forget(spare)
+        self._moving.add(spare)
+        return RowMove(req.row, spare, held, now)
 
     def count_reused(self, tokens: int) -> None:
         self.cached_tokens += tokens
@@ -230,4 +358,4 @@ class PrefixCache:
         """For /metrics and the engine's status: prompt tokens admitted, those taken from the cache."""
         return {"enabled": self.enabled, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                "rows_holding": len(self._idle)}
+                "rows_holding": len(self._idle), "tokens_held": sum(len(h.keys) for h in self._idle.values())}

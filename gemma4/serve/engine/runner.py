@@ -74,7 +74,7 @@ class Runner:
     def run(self, plan: PrefillChunk | PrefillPack | DecodeStep | MixedStep | PrefixCopy) -> tuple[np.ndarray, np.ndarray]:
         """Run one plan; (sampled ids, non-finite flags) as the plan's type indexes them."""
         if isinstance(plan, PrefixCopy):
-            self.run_copy(plan.key, plan.source, plan.request.row, plan.length)
+            self.run_copy(plan.key, plan.source, plan.row, plan.length)
             return np.zeros(0, np.int32), np.zeros(0, bool)
         if isinstance(plan, PrefillChunk):
             token, bad = self.run_prefill(plan.key, plan.tokens, plan.positions, plan.request.row, plan.last,

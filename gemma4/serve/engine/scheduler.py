@@ -40,7 +40,8 @@ import numpy as np
 from gemma4.serve.engine.chunking import StepCosts, next_chunk, pack_size, prefill_order
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.shape_choice import ShapeChoice
-from gemma4.serve.engine.prefix_cache import PrefixCache, RingRule, chunk_end, copy_now, held_by
+from gemma4.serve.engine.prefix_cache import (PrefixCache, RingRule, RowMove, chunk_end, cheap_rows, copy_now,
+                                              held_by)
 from gemma4.serve.engine.speculation import note_verified, verify_plan
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefillPack,
                                             PrefixCopy, StepPlan, VerifyStep, block_steps, decode_dispatch, mixed_step,
@@ -86,6 +87,8 @@ class Scheduler:
         self._active: dict[int, Request] = {}
         self._stopped = False
         self._chunk_turn = True  # an iteration is [a fused step] or [a chunk, then a decode step]
+        self._moves: list[RowMove] = []  # the prefix cache's row moves to run before the next chunk
+        self._kept_after: list[Request] = []  # prompts just prefilled, to keep past their replies
         self.drafting = True  # speculative decoding where the geometry drafts (benchmarks compare it off)
 
     # ---------------------------------------------------------------- intake (any thread)
@@ -170,14 +173,18 @@ class Scheduler:
         longest prefix of its prompt, else the lowest or least recently used); its prefill starts
         at the next chunk planned (after a copy of the prefix it reuses), and the shape of its
         first decode step is asked for now (compiled meanwhile if new). False: none was admitted."""
+        can_move = self.geometry.prefix_cache and self.shapes.book.usable(CopyKey())  # (asked outside our lock)
         with self._lock:
             free = [r for r in range(self.geometry.max_batch) if r not in self._active]
             if not self._waiting or not free:
                 return False
             req = self._waiting.pop(0)
-            match = self.prefixes.place(req, free, self._active, self.geometry.decode_block)
+            match, move = self.prefixes.place(req, free, self._active, self.geometry.decode_block, self.clock(),
+                                              moves=can_move)
             source = self._active.get(match.source) if match is not None else None  # None: an idle row
             self._active[req.row] = req
+            if move is not None:  # what the row held moves to a spare row before this request writes it
+                self._moves.append(move)
             need_w = max(self._active) + 1
         if req.cancel.is_set():
             self._finish(req, "cancelled")
@@ -193,14 +200,29 @@ class Scheduler:
         return True
 
     def _plan_copy(self) -> PrefixCopy | None:
-        """A waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`);
-        one that never will leaves its request to prefill its whole prompt."""
+        """The prefix cache's copies, before any chunk: a row's history moved out of the row a new
+        request took; a prompt just prefilled kept in a spare row (`PrefixCache.snapshot`); a
+        waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`; one
+        that never will leaves its request to prefill its whole prompt)."""
+        if self._moves:  # (admitted only with the copy's shape compiled)
+            move = self._moves.pop(0)
+            return PrefixCopy(CopyKey(), None, move.source, move.held.written, move.row, move)
+        can_move = bool(self._kept_after) and self.shapes.book.usable(CopyKey())
         with self._lock:
             active = dict(self._active)
+            free = [r for r in range(self.geometry.max_batch) if r not in active]
+        while self._kept_after:
+            req = self._kept_after.pop(0)
+            if active.get(req.row) is not req or not can_move:
+                continue
+            with self._lock:
+                move = self.prefixes.snapshot(req, free, cheap_rows(active), self.geometry.decode_block, self.clock())
+            if move is not None:
+                return PrefixCopy(CopyKey(), None, move.source, move.held.written, move.row, move)
         for req in (r for r in active.values() if r.reuse is not None and not r.cancel.is_set()):
             ready = copy_now(req, active, self.prefixes.rule, self.geometry.decode_block)
             if ready:
-                return PrefixCopy(CopyKey(), req, req.reuse.source, req.reuse.length)
+                return PrefixCopy(CopyKey(), req, req.reuse.source, req.reuse.length, req.row)
             if ready is False:
                 req.reuse = req.reuse_from = None
         return None
@@ -359,6 +381,9 @@ class Scheduler:
                 if not decoding:
                     break
                 self._decoded(plan.active if j == 0 else {}, decoding, tokens[:, j], nonfinite, now)
+        elif isinstance(plan, PrefixCopy) and plan.move is not None:
+            with self._lock:
+                self.prefixes.moved(plan.move)
         elif isinstance(plan, PrefixCopy):
             req = plan.request
             req.prefilled = req.cached = plan.length
@@ -393,6 +418,7 @@ class Scheduler:
         if req.prefilling:
             return
         req.position = len(req.prompt_ids)
+        self._kept_after.append(req)  # (`PrefixCache.snapshot` decides whether it is worth a spare row)
         req.stats.update(prefill_stats(req, now))
         self._emit(req, token, bad, now)
 
@@ -454,8 +480,13 @@ class Scheduler:
             for r in victims:
                 del self._active[r.row]
                 self.prefixes.forget(r.row)
+            if isinstance(plan, PrefixCopy) and plan.move is not None:
+                self.prefixes.moved(plan.move, ok=False)
             if everyone:
                 self.prefixes.forget_all()
+                for move in self._moves:
+                    self.prefixes.moved(move, ok=False)
+                self._moves.clear()
         for r in victims:
             r.events.put(("error", message))
         return victims

@@ -15,6 +15,7 @@ from typing import Union
 
 import numpy as np
 
+from gemma4.serve.engine.prefix_cache import RowMove
 from gemma4.serve.requests import Request
 from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
@@ -211,18 +212,21 @@ def mixed_step(key: MixedKey, req: Request, start: int, length: int, decoding: d
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PrefixCopy:
-    """`request` takes positions [0, length) of what cache row `source` holds (engine/prefix_cache.py)
-    into its own row (the same row: what lies past them is dropped); its prefill goes on from
-    `length`. No outputs."""
+    """Cache row `row` takes positions [0, length) of what row `source` holds (engine/prefix_cache.py;
+    the same row: what lies past them is dropped). For `request`, whose row it is: its prefill goes
+    on from `length`; or, `request` None, for the prefix cache alone (`move`: a prompt kept past its
+    reply, or a history moved out of a row a new request takes). No outputs."""
 
     key: CopyKey
-    request: Request
+    request: Request | None
     source: int
     length: int
+    row: int
+    move: RowMove | None = None
 
     @property
     def requests(self) -> tuple[Request, ...]:
-        return (self.request,)
+        return () if self.request is None else (self.request,)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
