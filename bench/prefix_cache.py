@@ -15,6 +15,13 @@ The text is real: paragraphs of this project's own docs/.
     TTFT, with the cache and without.
   * unshared: --users prompts sharing nothing, one after another, with the cache and without:
     TTFT and decode tok/s (what the cache costs when nothing is shared).
+  * retry: a --retry-prompt-token prompt answered with up to --retry-reply tokens, then sent again
+    (a retry): its TTFT and cached tokens, against its last 32 tokens prefilled alone and against
+    the whole prompt without the cache.
+  * others: the chat of `chat` again, with 3 other clients sending short requests (200 tokens,
+    together) between its turns: each turn's history reused and TTFT, against the same chat alone.
+  * clients: 8 clients each keeping a conversation (a --clients-history-token first message, then
+    short ones) taking --clients-turns turns in random order: the history tokens reused.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ def paragraphs() -> list[str]:
 class Texts:
     """Successive stretches of real text of about n tokens (the tokenizer counts)."""
 
-    def __init__(self, engine):
-        self.engine, self.pool, self.i = engine, paragraphs(), 0
+    def __init__(self, engine, start: int = 0):
+        self.engine, self.pool, self.i = engine, paragraphs(), start
 
     def take(self, tokens: int) -> str:
         parts, n = [], 0
@@ -72,15 +79,31 @@ def reply(engine, prompt, n: int, mode: str = "chat") -> dict:
             "decode_tok_s": s.get("decode_tok_s"), "text": out["text"], "ids": out["token_ids"]}
 
 
-def chat(engine, texts: Texts, turns: int, history: int, new_tokens: int, log) -> dict:
+def chat_turns(engine, texts: Texts, turns: int, history: int, new_tokens: int, log, others: Texts | None = None,
+               label: str = "chat") -> tuple[list[dict], list[dict]]:
+    """A chat's turns (and, with `others`, 3 other clients' short requests sent together between
+    them): (each turn's figures, the messages). A turn's `history_reused`: its cached tokens over
+    the tokens of the turns before it (the last prompt and its reply)."""
     per_user = max(32, history // turns - new_tokens - 12)
-    messages, rows = [], []
+    messages, rows, before = [], [], 0
     for turn in range(turns):
         messages.append({"role": "user", "content": texts.take(per_user) + "\n\nSummarise this in one sentence."})
         r = reply(engine, messages, new_tokens)
-        rows.append({k: r[k] for k in ("ttft_s", "prompt", "cached")})
-        log(f"chat turn {turn + 1}: prompt {r['prompt']} tokens, {r['cached']} cached, TTFT {r['ttft_s'] * 1000:.0f} ms")
+        reused = round(min(1.0, r["cached"] / before), 3) if before else None
+        rows.append({"ttft_s": r["ttft_s"], "prompt": r["prompt"], "cached": r["cached"], "history_reused": reused})
+        log(f"{label} turn {turn + 1}: prompt {r['prompt']} tokens, {r['cached']} cached"
+            f"{f' ({100 * reused:.0f}% of its history)' if reused is not None else ''}, TTFT {r['ttft_s'] * 1000:.0f} ms")
         messages.append({"role": "assistant", "content": r["text"]})
+        before = r["prompt"] + len(r["ids"])
+        if others is not None and turn < turns - 1:
+            asks = [others.take(200) for _ in range(3)]
+            with ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda a: reply(engine, a, new_tokens, mode="completion"), asks))
+    return rows, messages
+
+
+def chat(engine, texts: Texts, turns: int, history: int, new_tokens: int, log) -> dict:
+    rows, messages = chat_turns(engine, texts, turns, history, new_tokens, log)
     last = messages[:-1]
     cache_switch(engine, False)
     whole = reply(engine, last, new_tokens)
@@ -145,6 +168,74 @@ def unshared(engine, texts: Texts, users: int, new_tokens: int, log) -> dict:
     return out
 
 
+def retry(engine, texts: Texts, prompt_tokens: int, reply_tokens: int, log) -> dict:
+    engine.scheduler.prefixes.forget_all()
+    prompt = texts.take(prompt_tokens)
+    first = reply(engine, prompt, reply_tokens, mode="completion")
+    again = reply(engine, prompt, 8, mode="completion")
+    tail = engine.tokenizer.encode(prompt)[-32:]
+    alone = reply(engine, tail, 8, mode="completion")
+    cache_switch(engine, False)
+    whole = reply(engine, prompt, 8, mode="completion")
+    cache_switch(engine, True)
+    out = {"prompt_tokens": again["prompt"], "first_reply_tokens": len(first["ids"]), "cached": again["cached"],
+           "cached_frac": round(again["cached"] / again["prompt"], 3), "retry_ttft_s": again["ttft_s"],
+           "last_32_alone_ttft_s": alone["ttft_s"], "uncached_ttft_s": whole["ttft_s"],
+           "retry_over_alone": round(again["ttft_s"] / alone["ttft_s"], 2), "same_ids": again["ids"] == whole["ids"]}
+    log(f"retry: {out['prompt_tokens']}-token prompt after a {out['first_reply_tokens']}-token reply: "
+        f"{out['cached']} cached ({100 * out['cached_frac']:.1f}%), TTFT {again['ttft_s'] * 1000:.0f} ms; its last 32 "
+        f"tokens alone {alone['ttft_s'] * 1000:.0f} ms ({out['retry_over_alone']}x); without the cache "
+        f"{whole['ttft_s'] * 1000:.0f} ms")
+    return out
+
+
+def others(engine, turns: int, history: int, new_tokens: int, log) -> dict:
+    """The same chat alone, then with 3 other clients between its turns (the same texts: the same prompts)."""
+    out = {}
+    for label, with_others in (("alone", False), ("with_others", True)):
+        engine.scheduler.prefixes.forget_all()
+        rows, _ = chat_turns(engine, Texts(engine), turns, history, new_tokens, log,
+                             others=Texts(engine, start=500) if with_others else None, label=label)
+        out[label] = rows
+    reused = [r["history_reused"] for r in out["with_others"][1:]]
+    ratio = [round(a["ttft_s"] / b["ttft_s"], 2) for a, b in zip(out["with_others"][1:], out["alone"][1:])]
+    out.update(min_history_reused=min(reused), ttft_with_over_alone=ratio, max_ttft_ratio=max(ratio))
+    log(f"others: every later turn reused >= {100 * min(reused):.0f}% of its history; TTFT with the other clients "
+        f"over alone, per turn: {ratio}")
+    return out
+
+
+def clients(engine, texts: Texts, n: int, first_tokens: int, turns: int, new_tokens: int, log, seed: int = 0) -> dict:
+    """`n` conversations, each opened with a `first_tokens` message, then `turns` short turns by
+    clients drawn at random: the history tokens reused over those turns."""
+    import random
+
+    engine.scheduler.prefixes.forget_all()
+    chats, before = [], []
+    for _ in range(n):
+        msgs = [{"role": "user", "content": texts.take(first_tokens) + "\n\nWhat is the main point?"}]
+        r = reply(engine, msgs, new_tokens)
+        chats.append(msgs + [{"role": "assistant", "content": r["text"]}])
+        before.append(r["prompt"] + len(r["ids"]))
+    rng = random.Random(seed)
+    history = cached = 0
+    rows = []
+    for _ in range(turns):
+        c = rng.randrange(n)
+        chats[c].append({"role": "user", "content": texts.take(40) + "\n\nAnd what follows from that?"})
+        r = reply(engine, chats[c], new_tokens)
+        chats[c].append({"role": "assistant", "content": r["text"]})
+        history, cached = history + before[c], cached + min(r["cached"], before[c])
+        rows.append({"client": c, "prompt": r["prompt"], "cached": r["cached"], "history": before[c],
+                     "ttft_s": r["ttft_s"]})
+        before[c] = r["prompt"] + len(r["ids"])
+    out = {"clients": n, "turns": rows, "history_tokens": history, "history_cached": cached,
+           "history_reused": round(cached / history, 3)}
+    log(f"clients: {n} conversations, {turns} turns at random: {100 * out['history_reused']:.1f}% of "
+        f"{history} history tokens reused")
+    return out
+
+
 def main(argv=None) -> int:
     ap = harness.parser(__doc__, model="bundled", max_batch=8, context=4096)
     ap.add_argument("--turns", type=int, default=10)
@@ -152,7 +243,11 @@ def main(argv=None) -> int:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--system", type=int, default=1000, help="the shared system prompt, in tokens (about)")
     ap.add_argument("--new-tokens", type=int, default=24, help="tokens of each reply")
-    ap.add_argument("--parts", default="chat,shared,unshared")
+    ap.add_argument("--retry-prompt", type=int, default=3500, help="the retry part's prompt, in tokens (about)")
+    ap.add_argument("--retry-reply", type=int, default=256, help="the retry part's first reply, in tokens (at most)")
+    ap.add_argument("--clients-history", type=int, default=1500, help="the clients part's first messages, in tokens")
+    ap.add_argument("--clients-turns", type=int, default=40)
+    ap.add_argument("--parts", default="chat,shared,unshared,retry,others,clients")
     run = harness.Run("prefix-cache", ap.parse_args(argv))
     parts = run.args.parts.split(",")
     figures: dict = {}
@@ -164,6 +259,13 @@ def main(argv=None) -> int:
             figures["shared"] = shared(engine, texts, run.args.users, run.args.system, run.args.new_tokens, run.log)
         if "unshared" in parts:
             figures["unshared"] = unshared(engine, texts, run.args.users, run.args.new_tokens, run.log)
+        if "retry" in parts:
+            figures["retry"] = retry(engine, texts, run.args.retry_prompt, run.args.retry_reply, run.log)
+        if "others" in parts:
+            figures["others"] = others(engine, run.args.turns, run.args.history, run.args.new_tokens, run.log)
+        if "clients" in parts:
+            figures["clients"] = clients(engine, texts, 8, run.args.clients_history, run.args.clients_turns,
+                                         run.args.new_tokens, run.log)
     run.write(figures)
     return 0
 

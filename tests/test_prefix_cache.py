@@ -340,7 +340,8 @@ def test_the_same_prompt_after_a_long_reply_is_reused_from_its_snapshot(engines,
     assert len(_moves(eng)) == 1
 
 
-def test_short_requests_from_others_between_two_turns_do_not_cost_a_chat_its_history(engines):
+def test_short_requests_from_others_between_two_turns_do_not_cost_a_chat_its_history(engines, monkeypatch):
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 16)
     eng = engines()  # 4 rows: rows 0-1 cheap, 2-3 spare
     chat = _prompt(40)
     _, reply, _ = _chat_turn(eng, chat, 10)
@@ -381,3 +382,22 @@ def test_a_row_being_written_by_a_move_is_taken_by_no_request():
     assert req.row == 3 and match is None
     cache.moved(move)
     assert cache.moving() == set() and len(cache.holding()[2].keys) == 300
+
+
+def test_an_edited_turn_starts_from_the_history_kept_before_the_turn_overran_the_ring(engines, monkeypatch):
+    # window 16, ring 20: the second turn's message and reply carry its row far past the history's
+    # end; the history was copied to a free row first (a branch point), so an edit of that turn
+    # (the same history, another message) reuses it whole
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 16)
+    eng = engines(geometry(prefix_cache=True, window=16, ring_slots=20))
+    first = _prompt(40)
+    _, reply1, _ = _chat_turn(eng, first, 6)
+    history = first + reply1[:-1]  # what the row holds (the last reply token never fed back)
+    second = first + reply1 + [70 + k for k in range(12)]
+    req, _, stats = _chat_turn(eng, second, 20)
+    assert stats["cached_tokens"] == len(history)
+    branch = [m for m in _moves(eng) if m.source == req.row and m.length == len(history)]
+    assert branch and branch[0].row != req.row
+    edited = first + reply1 + [150 + k for k in range(9)]
+    again, ids, stats = _chat_turn(eng, edited, 6)
+    assert stats["cached_tokens"] >= len(history) and CORRUPT not in ids

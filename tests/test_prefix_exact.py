@@ -173,3 +173,23 @@ def test_a_chat_keeps_its_history_through_other_users_requests():
     cached, alone = _both(eng, turn, GREEDY, mode="completion")
     assert cached["stats"]["cached_tokens"] >= len(history) and alone["stats"]["cached_tokens"] == 0
     assert cached["token_ids"] == alone["token_ids"]
+
+
+def test_an_edited_turn_reuses_the_history_kept_before_the_turn(monkeypatch):
+    """A chat turn whose message and reply carry its row past the ring (window 8, 10 slots) keeps
+    its history in the other row first; that turn edited (the same history, another message)
+    reuses it, with the ids of no cache."""
+    from gemma4.serve.engine import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 64)
+    eng = reuse_compiled(tiny_gemma4())
+    eng.scheduler.prefixes.forget_all()
+    history = [2] + [(31 * i) % 370 + 24 for i in range(140)]
+    first = conversation.generate(eng, history, SamplingParams(temperature=0.0, max_new_tokens=1), mode="completion")
+    history = history + first["token_ids"]
+    turn = history + [(5 * k) % 250 + 60 for k in range(25)]
+    conversation.generate(eng, turn, SamplingParams(temperature=0.0, max_new_tokens=20), mode="completion")
+    edited = history + [(9 * k) % 250 + 61 for k in range(25)]
+    cached, alone = _both(eng, edited, GREEDY, mode="completion")
+    assert cached["stats"]["cached_tokens"] >= len(history) - 1 and alone["stats"]["cached_tokens"] == 0
+    assert cached["token_ids"] == alone["token_ids"]

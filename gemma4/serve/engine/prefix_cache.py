@@ -33,6 +33,9 @@ Reuse that outlives a reply, and the other rows as a store:
 - a row a new request takes may hold another conversation's history: where a spare row holds less
   of value, the history moves there first (`demotion`), so short requests from other users between
   two turns of a long chat do not cost it its history;
+- a chat's next turn goes on from its row's history, and its prompt and reply may overrun the ring
+  past the history's end: the history is copied first into a free row worth less (a branch point:
+  editing or retrying that turn, or undoing it, starts from there);
 - the spare rows are the rows at and above `cheap` (a request decodes there only when the rows
   below are busy). What a spare row gives up first is what is worth least (`worth`): the prefill
   it saves (its tokens), halved for every HALF_LIFE_S seconds since it was last used, nothing where
@@ -64,8 +67,8 @@ BLOCKS_IN_FLIGHT = 2
 # Zen 4: 4 rows cost ~1.2x one row's step, 8 rows ~1.75x), while two rows keep two chats' histories.
 CHEAP_ROWS = 2
 
-# A prompt shorter than this is not snapshotted (`snapshot`): prefilling it again costs about what
-# its copy would (a device call), and a short prompt's row is rarely worth a spare row.
+# A prompt or history shorter than this is not copied to keep it (`snapshot`, `demotion`):
+# prefilling it again costs about what its copy would (a device call), and it is rarely worth a row.
 SNAPSHOT_MIN = 256
 
 # What a held prefix is worth halves every this many seconds since it was last used (`worth`).
@@ -280,11 +283,18 @@ class PrefixCache:
         used = {r: self._used.get(r, 0.0) for r in held}
         req.row, match = self.choose(req.prompt_keys, free, live, req.atomic_spans, cheap, now)
         lost = held.get(req.row)
-        kept = match.length if match is not None and match.source == req.row else 0
-        move = None
-        if moves and lost is not None and len(lost.keys) > kept:
-            move = self.demotion(req.row, lost, used[req.row], [r for r in free if r != req.row], cheap, now)
-        return match, move
+        if not moves or lost is None or len(lost.keys) < SNAPSHOT_MIN:
+            return match, None
+        others = [r for r in free if r != req.row]
+        if match is not None and match.source == req.row:  # it goes on from what its row holds: a
+            # branch point (a later retry or edit of this turn starts from it), kept where this
+            # turn's prompt and reply could overrun the ring past it
+            overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
+            writes = len(req.prompt_ids) + req.params.max_new_tokens + overrun
+            if self.rule.whole(Held(lost.keys, writes), len(lost.keys)):
+                return match, None
+            return match, self.demotion(req.row, lost, used[req.row], others, cheap, now, anywhere=True)
+        return match, self.demotion(req.row, lost, used[req.row], others, cheap, now)
 
     # ---------------------------------------------------------------- the spare rows
     def worth(self, row: int, now: float) -> float:
@@ -314,13 +324,14 @@ class PrefixCache:
         return row if row not in self._idle or self.worth(row, now) < value else None
 
     def demotion(self, row: int, held: Held, used: float, free: Sequence[int], cheap: int,
-                 now: float) -> RowMove | None:
-        """The move of `held` (what `row` holds, last used at `used`) out of `row`, which a new
-        request takes, into a spare row worth less; None where none is, or it is kept elsewhere."""
+                 now: float, anywhere: bool = False) -> RowMove | None:
+        """The copy of `held` (what `row` holds, last used at `used`) out of `row`, which a new
+        request takes, into a spare row worth less (`anywhere`: a cheap row too); None where none
+        is, or it is held whole elsewhere."""
         if any(self._covers(h, held) for r, h in self._idle.items() if r != row):
             return None
         value = len(held.keys) * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
-        spare = self.spare(free, cheap, value, now)
+        spare = self.spare(free, cheap, value, now, anywhere)
         if spare is None:
             return None
         self.forget(spare)
@@ -342,9 +353,13 @@ class PrefixCache:
             return None  # however long its reply, its own row keeps the prompt whole
         if not self.rule.whole(held_by(req, decode_block), n):
             return None
-        if any(self._covers(h, held) for h in self._idle.values()):
+        # worth what no idle row holds whole already (a chat's turn: its history is kept, so the
+        # snapshot adds only this turn's message)
+        covered = max((min(shared_length(h.keys, held.keys), n) for h in self._idle.values()
+                       if self.rule.whole(h, min(shared_length(h.keys, held.keys), n))), default=0)
+        if covered >= n:
             return None
-        spare = self.spare(free, cheap, float(n), now, anywhere=True)
+        spare = self.spare(free, cheap, float(n - covered), now, anywhere=True)
         if spare is None:
             return None
         self.forget(spare)
