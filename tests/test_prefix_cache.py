@@ -378,7 +378,7 @@ def test_a_row_being_written_by_a_move_is_taken_by_no_request():
     assert move is not None and move.row == 2 and cache.moving() == {2}
     from gemma4.serve.requests import Request
     req = Request(prompt_ids=list(range(1000, 1020)), params=_params(2), seed=0)
-    match, _ = cache.place(req, [2, 3], {}, decode_block=1)
+    match = cache.place(req, [2, 3], {}, decode_block=1)
     assert req.row == 3 and match is None
     cache.moved(move)
     assert cache.moving() == set() and len(cache.holding()[2].keys) == 300

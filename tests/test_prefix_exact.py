@@ -193,3 +193,27 @@ def test_an_edited_turn_reuses_the_history_kept_before_the_turn(monkeypatch):
     cached, alone = _both(eng, edited, GREEDY, mode="completion")
     assert cached["stats"]["cached_tokens"] >= len(history) - 1 and alone["stats"]["cached_tokens"] == 0
     assert cached["token_ids"] == alone["token_ids"]
+
+
+def test_a_new_shapes_idle_first_run_keeps_what_the_rows_hold():
+    """A newly compiled shape runs once on idle inputs while no request is served; a first prefill
+    chunk's shape clears its row, so its idle run (row 0, every position -1) must clear nothing:
+    row 0 may hold a prefix the cache reuses next (it did: a chat's next turn got other tokens)."""
+    import numpy as np
+
+    from gemma4.serve.shape_keys import PrefillKey
+
+    eng = reuse_compiled(tiny_gemma4())
+    eng.scheduler.prefixes.forget_all()
+    history = [2] + [(17 * i) % 360 + 30 for i in range(60)]
+    conversation.generate(eng, history, SamplingParams(temperature=0.0, max_new_tokens=1), mode="completion")
+    key = next(k for k in eng.shapes.usable_keys() if isinstance(k, PrefillKey) and k.fresh and k.prompts == 1
+               and not k.embeds)
+    assert eng.scheduler.prefixes.holding(), "the history's row is held"
+    with eng.runner.holding_device():  # (the engine is idle: no request runs meanwhile)
+        before = {i: np.asarray(e["pos"]) for i, e in eng.runner.cache.items()}
+    eng.runner.run_idle(key)  # (takes the device itself)
+    with eng.runner.holding_device():
+        after = {i: np.asarray(e["pos"]) for i, e in eng.runner.cache.items()}
+    assert all(np.array_equal(before[i], after[i]) for i in before)
+    assert any((p >= 0).any() for p in before.values())  # (the rows held something to lose)

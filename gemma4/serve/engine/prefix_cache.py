@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -188,6 +188,8 @@ class PrefixCache:
         self._idle: dict[int, Held] = {}  # row -> what it holds
         self._used: dict[int, float] = {}  # row -> when its contents were last written or reused
         self._moving: set[int] = set()  # rows a RowMove writes, not yet run: no request takes them
+        self._queued: list[RowMove] = []  # moves out of rows new requests took, to run before their chunks
+        self._prompts_done: list[Request] = []  # prompts just prefilled, maybe worth a snapshot
         self.prompt_tokens = 0  # over every admitted request
         self.cached_tokens = 0
 
@@ -217,10 +219,38 @@ class PrefixCache:
     def moving(self) -> set[int]:
         return set(self._moving)
 
+    def prompt_done(self, req: Request) -> None:
+        """`req`'s prompt is all in its row (`next_move` may snapshot it)."""
+        if self.enabled and self.rule.window:
+            self._prompts_done.append(req)
+
+    def has_moves(self) -> bool:
+        return bool(self._queued or self._prompts_done)
+
+    def next_move(self, active: Mapping[int, Request], geometry: Any, now: float, can_copy: bool) -> RowMove | None:
+        """The next copy the cache wants run before any chunk: a move out of a row a new request
+        took (`demotion`, queued by `place`), else a snapshot of a prompt just prefilled whose
+        request still holds its row (`can_copy` off: the copy's shape is not compiled: none).
+        `geometry`: the engine's (its rows, `max_batch`, and `decode_block`)."""
+        if self._queued:  # (queued only where the copy could run)
+            return self._queued.pop(0)
+        free = [r for r in range(geometry.max_batch) if r not in active]
+        decode_block = geometry.decode_block
+        while self._prompts_done:
+            req = self._prompts_done.pop(0)
+            if can_copy and active.get(req.row) is req:
+                move = self.snapshot(req, free, cheap_rows(active), decode_block, now)
+                if move is not None:
+                    return move
+        return None
+
     def forget_all(self) -> None:
         """Nothing any row holds is known any more (the cache was lost and re-allocated empty; or a
         test or benchmark wants every prompt prefilled afresh)."""
         self._idle.clear()
+        self._moving.clear()
+        self._queued.clear()
+        self._prompts_done.clear()
 
     def holding(self) -> dict[int, Held]:
         return dict(self._idle)
@@ -264,12 +294,19 @@ class PrefixCache:
         return row, best
 
     def place(self, req: Request, free: list[int], active: Mapping[int, Request], decode_block: int,
-              now: float = 0.0, moves: bool = True) -> tuple[Match | None, RowMove | None]:
+              now: float = 0.0, moves: bool = True) -> Match | None:
         """Set `req`'s row (and its content keys) among `free`: `choose` over the idle rows and the
         rows of `active` requests (those still prefilling where decode blocks run: a block in
-        flight leaves a row's end unknown). Returns what it may reuse, and the move of what the row
-        held to a spare row to run first (`demotion`; None: nothing worth moving, or `moves` off:
-        no copy can run now)."""
+        flight leaves a row's end unknown). Returns what it may reuse; queues the copy of what the
+        row held into a spare row, to run first (`demotion`, `next_move`; `moves` off: no copy can
+        run now)."""
+        match, move = self._place(req, free, active, decode_block, now, moves)
+        if move is not None:
+            self._queued.append(move)
+        return match
+
+    def _place(self, req: Request, free: list[int], active: Mapping[int, Request], decode_block: int,
+               now: float, moves: bool) -> tuple[Match | None, RowMove | None]:
         free = [r for r in free if r not in self._moving] or free
         if not self.enabled:
             req.row = free[0]
@@ -371,6 +408,7 @@ class PrefixCache:
 
     def stats(self) -> dict:
         """For /metrics and the engine's status: prompt tokens admitted, those taken from the cache."""
+        idle = dict(self._idle)  # (one copy: the engine's thread may change it meanwhile)
         return {"enabled": self.enabled, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                "rows_holding": len(self._idle), "tokens_held": sum(len(h.keys) for h in self._idle.values())}
+                "rows_holding": len(idle), "tokens_held": sum(len(h.keys) for h in idle.values())}

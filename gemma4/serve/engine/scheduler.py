@@ -40,8 +40,7 @@ import numpy as np
 from gemma4.serve.engine.chunking import StepCosts, next_chunk, pack_size, prefill_order
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.shape_choice import ShapeChoice
-from gemma4.serve.engine.prefix_cache import (PrefixCache, RingRule, RowMove, chunk_end, cheap_rows, copy_now,
-                                              held_by)
+from gemma4.serve.engine.prefix_cache import PrefixCache, RingRule, RowMove, chunk_end, copy_now, held_by
 from gemma4.serve.engine.speculation import note_verified, verify_plan
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, MixedStep, Observer, PrefillChunk, PrefillPack,
                                             PrefixCopy, StepPlan, VerifyStep, block_steps, decode_dispatch, mixed_step,
@@ -87,8 +86,6 @@ class Scheduler:
         self._active: dict[int, Request] = {}
         self._stopped = False
         self._chunk_turn = True  # an iteration is [a fused step] or [a chunk, then a decode step]
-        self._moves: list[RowMove] = []  # the prefix cache's row moves to run before the next chunk
-        self._kept_after: list[Request] = []  # prompts just prefilled, to keep past their replies
         self.drafting = True  # speculative decoding where the geometry drafts (benchmarks compare it off)
 
     # ---------------------------------------------------------------- intake (any thread)
@@ -111,9 +108,8 @@ class Scheduler:
             self._wake.notify_all()
 
     def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            self._wake.notify_all()
+        self._stopped = True  # (read under the lock, after the wake)
+        self.wake()
 
     def queue_state(self) -> dict:
         with self._lock:
@@ -179,12 +175,9 @@ class Scheduler:
             if not self._waiting or not free:
                 return False
             req = self._waiting.pop(0)
-            match, move = self.prefixes.place(req, free, self._active, self.geometry.decode_block, self.clock(),
-                                              moves=can_move)
+            match = self.prefixes.place(req, free, self._active, self.geometry.decode_block, self.clock(), can_move)
             source = self._active.get(match.source) if match is not None else None  # None: an idle row
             self._active[req.row] = req
-            if move is not None:  # what the row held moves to a spare row before this request writes it
-                self._moves.append(move)
             need_w = max(self._active) + 1
         if req.cancel.is_set():
             self._finish(req, "cancelled")
@@ -200,32 +193,12 @@ class Scheduler:
         return True
 
     def _plan_copy(self) -> PrefixCopy | None:
-        """The prefix cache's copies, before any chunk: a row's history moved out of the row a new
-        request took; a prompt just prefilled kept in a spare row (`PrefixCache.snapshot`); a
-        waiting reuse of a cached prefix whose source holds it now (`prefix_cache.copy_now`; one
-        that never will leaves its request to prefill its whole prompt)."""
-        if self._moves:  # (admitted only with the copy's shape compiled)
-            move = self._moves.pop(0)
-            return PrefixCopy(CopyKey(), None, move.source, move.held.written, move.row, move)
-        can_move = bool(self._kept_after) and self.shapes.book.usable(CopyKey())
+        """The prefix cache's next copy, before any chunk (`prefix_copy`)."""
+        can_move = self.prefixes.has_moves() and self.shapes.book.usable(CopyKey())  # (outside our lock)
         with self._lock:
             active = dict(self._active)
-            free = [r for r in range(self.geometry.max_batch) if r not in active]
-        while self._kept_after:
-            req = self._kept_after.pop(0)
-            if active.get(req.row) is not req or not can_move:
-                continue
-            with self._lock:
-                move = self.prefixes.snapshot(req, free, cheap_rows(active), self.geometry.decode_block, self.clock())
-            if move is not None:
-                return PrefixCopy(CopyKey(), None, move.source, move.held.written, move.row, move)
-        for req in (r for r in active.values() if r.reuse is not None and not r.cancel.is_set()):
-            ready = copy_now(req, active, self.prefixes.rule, self.geometry.decode_block)
-            if ready:
-                return PrefixCopy(CopyKey(), req, req.reuse.source, req.reuse.length, req.row)
-            if ready is False:
-                req.reuse = req.reuse_from = None
-        return None
+            move = self.prefixes.next_move(active, self.geometry, self.clock(), can_move)
+        return prefix_copy(self.prefixes.rule, move, active, self.geometry.decode_block)
 
     def _reap_cancelled(self) -> None:
         with self._lock:
@@ -381,9 +354,8 @@ class Scheduler:
                 if not decoding:
                     break
                 self._decoded(plan.active if j == 0 else {}, decoding, tokens[:, j], nonfinite, now)
-        elif isinstance(plan, PrefixCopy) and plan.move is not None:
-            with self._lock:
-                self.prefixes.moved(plan.move)
+        elif isinstance(plan, PrefixCopy) and plan.move is not None:  # (prefixes: changed on this thread only)
+            self.prefixes.moved(plan.move)
         elif isinstance(plan, PrefixCopy):
             req = plan.request
             req.prefilled = req.cached = plan.length
@@ -418,7 +390,7 @@ class Scheduler:
         if req.prefilling:
             return
         req.position = len(req.prompt_ids)
-        self._kept_after.append(req)  # (`PrefixCache.snapshot` decides whether it is worth a spare row)
+        self.prefixes.prompt_done(req)  # (kept past its reply where worth it: `PrefixCache.snapshot`)
         req.stats.update(prefill_stats(req, now))
         self._emit(req, token, bad, now)
 
@@ -484,12 +456,25 @@ class Scheduler:
                 self.prefixes.moved(plan.move, ok=False)
             if everyone:
                 self.prefixes.forget_all()
-                for move in self._moves:
-                    self.prefixes.moved(move, ok=False)
-                self._moves.clear()
         for r in victims:
             r.events.put(("error", message))
         return victims
+
+
+def prefix_copy(rule: RingRule, move: RowMove | None, active: dict[int, Request], decode_block: int) -> PrefixCopy | None:
+    """The prefix cache's copy to run now: `move` (a history moved out of the row a new request took,
+    or a prompt kept past its reply: `PrefixCache.next_move`), else a waiting reuse of a cached
+    prefix whose source holds it now (`prefix_cache.copy_now`; one that never will leaves its
+    request to prefill its whole prompt)."""
+    if move is not None:
+        return PrefixCopy(CopyKey(), None, move.source, move.held.written, move.row, move)
+    for req in (r for r in active.values() if r.reuse is not None and not r.cancel.is_set()):
+        ready = copy_now(req, active, rule, decode_block)
+        if ready:
+            return PrefixCopy(CopyKey(), req, req.reuse.source, req.reuse.length, req.row)
+        if ready is False:
+            req.reuse = req.reuse_from = None
+    return None
 
 
 def prefill_stats(req: Request, now: float) -> dict:

@@ -48,8 +48,9 @@ def prefill_embeds_step(params, cache, tokens, positions, row, last, sampling, e
     instead of their ids' embedding (the ids still give those positions' per-layer inputs).
     vision_groups [1, T] (models bidirectional over vision only): each position's image index,
     -1 for text and padding (see `decoder.forward`)."""
-    if fresh:
-        cache = kv_cache.clear_row(cache, row)
+    if fresh:  # (an idle chunk, every position -1 — a new shape's first run — clears nothing: the row
+        # may hold a prefix the prefix cache keeps)
+        cache = kv_cache.clear_row_if(cache, jnp.where(jnp.any(positions >= 0), row, -1))
     inputs = None
     if embeds is not None:
         own = M.embed_tokens(params, cfg, tokens, options.dtype)
