@@ -149,6 +149,7 @@ def shared(engine, texts: Texts, users: int, system_tokens: int, new_tokens: int
 
 def unshared(engine, texts: Texts, users: int, new_tokens: int, log) -> dict:
     prompts = [texts.take(200) for _ in range(users)]
+    log(f"unshared: prompts of {[len(conversation.prompt_ids(engine, p, mode='completion')) for p in prompts]} tokens")
     out = {}
     for on in (False, True, False, True):  # twice each, interleaved: drift shows as a difference between the pairs
         cache_switch(engine, on)
@@ -170,10 +171,10 @@ def unshared(engine, texts: Texts, users: int, new_tokens: int, log) -> dict:
 
 def retry(engine, texts: Texts, prompt_tokens: int, reply_tokens: int, log) -> dict:
     engine.scheduler.prefixes.forget_all()
-    prompt = texts.take(prompt_tokens)
+    prompt = conversation.prompt_ids(engine, texts.take(prompt_tokens), mode="completion")[:prompt_tokens]
     first = reply(engine, prompt, reply_tokens, mode="completion")
     again = reply(engine, prompt, 8, mode="completion")
-    tail = engine.tokenizer.encode(prompt)[-32:]
+    tail = prompt[:1] + prompt[-31:]  # (its BOS, then its last 31 tokens)
     alone = reply(engine, tail, 8, mode="completion")
     cache_switch(engine, False)
     whole = reply(engine, prompt, 8, mode="completion")

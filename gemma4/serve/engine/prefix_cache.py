@@ -28,8 +28,9 @@ What can be reused (exact: the tokens are those of prefilling the whole prompt):
 Reuse that outlives a reply, and the other rows as a store:
 - a reply longer than the ring's slack overruns the window at its prompt's end, so the same prompt
   sent again (a retry, a client re-sending, a document asked about anew) could not reuse it. A
-  prompt of at least SNAPSHOT_MIN positions is copied, once prefilled, into a spare row
-  (`snapshot`): that row holds the prompt whole for as long as it is kept;
+  prompt of at least SNAPSHOT_MIN positions whose reply is about to do so is copied into a spare
+  row first (`snapshot`, as late as it can be: a short reply costs no copy): that row holds the
+  prompt whole for as long as it is kept;
 - a row a new request takes may hold another conversation's history: where a spare row holds less
   of value, the history moves there first (`demotion`), so short requests from other users between
   two turns of a long chat do not cost it its history;
@@ -235,14 +236,24 @@ class PrefixCache:
         if self._queued:  # (queued only where the copy could run)
             return self._queued.pop(0)
         free = [r for r in range(geometry.max_batch) if r not in active]
-        decode_block = geometry.decode_block
-        while self._prompts_done:
-            req = self._prompts_done.pop(0)
-            if can_copy and active.get(req.row) is req:
-                move = self.snapshot(req, free, cheap_rows(active), decode_block, now)
-                if move is not None:
-                    return move
-        return None
+        keep, move = [], None
+        for req in self._prompts_done:
+            if not can_copy or active.get(req.row) is not req:
+                continue  # (its reply ended: its row holds the prompt as far as it does)
+            if move is not None or not self._due(req, geometry):
+                keep.append(req)
+                continue
+            move = self.snapshot(req, free, cheap_rows(active), geometry.decode_block, now)
+        self._prompts_done = keep
+        return move
+
+    def _due(self, req: Request, geometry: Any) -> bool:
+        """Whether `req`'s reply is about to carry its row's ring past the window at its prompt's
+        end: the snapshot is taken as late as it can be (the next two steps could write that far),
+        so a short reply, whose row keeps its prompt whole, costs no copy."""
+        step = max(1, geometry.draft_tokens + 1, BLOCKS_IN_FLIGHT * geometry.decode_block)
+        written = held_by(req, geometry.decode_block).written
+        return written - len(req.prompt_ids) + 2 * step > self.rule.slots - self.rule.window
 
     def forget_all(self) -> None:
         """Nothing any row holds is known any more (the cache was lost and re-allocated empty; or a
