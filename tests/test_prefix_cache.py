@@ -401,3 +401,27 @@ def test_an_edited_turn_starts_from_the_history_kept_before_the_turn_overran_the
     edited = first + reply1 + [150 + k for k in range(9)]
     again, ids, stats = _chat_turn(eng, edited, 6)
     assert stats["cached_tokens"] >= len(history) and CORRUPT not in ids
+
+
+def test_conversations_taking_turns_keep_their_histories_in_the_rows(engines, monkeypatch):
+    # 4 rows (0-1 cheap, 2-3 spare) and 4 conversations taking turns in random order: each turn
+    # reuses its whole history (a conversation copied down leaves a stale copy behind, given up
+    # first; a conversation pushed out of a cheap row moves up into it)
+    import random
+
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 16)
+    eng = engines()
+    chats = {}
+    for c in range(4):
+        first = _prompt(30, 10 + c)
+        _, reply_ids, _ = _chat_turn(eng, first, 4)
+        chats[c] = first + reply_ids
+    rng = random.Random(3)
+    order = []
+    for _ in range(12):
+        c = rng.randrange(4)
+        order.append(c)
+        turn = chats[c] + [200 + c, 201 + c, 202 + c]
+        req, ids, stats = _chat_turn(eng, turn, 4)
+        assert stats["cached_tokens"] == len(chats[c]) - 1, (order, stats["cached_tokens"], len(chats[c]))
+        chats[c] = turn + ids

@@ -41,7 +41,9 @@ Reuse that outlives a reply, and the other rows as a store:
   below are busy). What a spare row gives up first is what is worth least (`worth`): the prefill
   it saves (its tokens), halved for every HALF_LIFE_S seconds since it was last used, nothing where
   another row holds the same prefix whole. Every row is one allocation of the same size, so per
-  byte this is per row. A prefix held in a spare row is copied down into a cheap row when used.
+  byte this is per row. A prefix held in a spare row is copied down into a cheap row when used,
+  unless that would cost another conversation its history (no spare row worth less to take it):
+  then the request is served in the spare row (its decode steps run wider).
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ class PrefixCache:
         self._moving: set[int] = set()  # rows a RowMove writes, not yet run: no request takes them
         self._queued: list[RowMove] = []  # moves out of rows new requests took, to run before their chunks
         self._prompts_done: list[Request] = []  # prompts just prefilled, maybe worth a snapshot
+        self._going_on: list[np.ndarray] = []  # the served requests' keys, as `place` last saw them (`worth`)
         self.prompt_tokens = 0  # over every admitted request
         self.cached_tokens = 0
 
@@ -300,6 +303,8 @@ class PrefixCache:
         else:
             pool = [r for r in free if r < cheap] or [min(free)]
             row = min(pool, key=lambda r: (r in self._idle, self.worth(r, now), self._used.get(r, 0.0), r))
+            if best is not None and best.source in free and self._crowded(row, best.source, free, cheap, now):
+                row = best.source  # copied down, it would cost another conversation its history: served there
         self.forget(row)
         self.prompt_tokens += len(keys)
         return row, best
@@ -329,11 +334,13 @@ class PrefixCache:
         free = [r for r in free if r not in copying] or free
         held = {r: self._idle[r] for r in free if r in self._idle}
         used = {r: self._used.get(r, 0.0) for r in held}
+        self._going_on = [h.keys for h in live.values()] + [req.prompt_keys]
         req.row, match = self.choose(req.prompt_keys, free, live, req.atomic_spans, cheap, now)
         lost = held.get(req.row)
         if not moves or lost is None or len(lost.keys) < SNAPSHOT_MIN:
             return match, None
-        others = [r for r in free if r != req.row]
+        others = [r for r in free if r != req.row and (match is None or r != match.source)]  # (a copy's
+        # source is read after the move runs)
         if match is not None and match.source == req.row:  # it goes on from what its row holds: a
             # branch point (a later retry or edit of this turn starts from it), kept where this
             # turn's prompt and reply could overrun the ring past it
@@ -345,31 +352,48 @@ class PrefixCache:
         return match, self.demotion(req.row, lost, used[req.row], others, cheap, now)
 
     # ---------------------------------------------------------------- the spare rows
-    def worth(self, row: int, now: float) -> float:
+    def worth(self, row: int, now: float, by_keys: bool = False) -> float:
         """What idle `row`'s contents are worth keeping (module docstring): its tokens, halved every
-        HALF_LIFE_S since last used; 0 where another idle row holds the same prefix whole."""
+        HALF_LIFE_S since last used; 0 where another idle row holds the same prefix whole, and
+        (`by_keys`: when a whole conversation needs the row more) where its conversation went on in
+        another row, an idle one or a served request's, whatever the ring kept of it."""
         held = self._idle.get(row)
         if held is None:
             return 0.0
         for other, h in self._idle.items():
             if other != row and self._covers(h, held):
                 return 0.0
-        return len(held.keys) * 0.5 ** (max(0.0, now - self._used.get(row, now)) / HALF_LIFE_S)
+        n = len(held.keys)
+        later = [h.keys for r, h in self._idle.items() if r != row] + self._going_on
+        if by_keys and any(len(k) > n and shared_length(k, held.keys) >= n for k in later):
+            return 0.0  # (a branch point of a conversation that went on: given up before a conversation)
+        return n * 0.5 ** (max(0.0, now - self._used.get(row, now)) / HALF_LIFE_S)
 
     def _covers(self, h: Held, held: Held) -> bool:
         """Whether a row holding `h` holds every position of `held` whole."""
         n = len(held.keys)
         return len(h.keys) >= n and shared_length(h.keys, held.keys) >= n and self.rule.whole(h, n)
 
-    def spare(self, free: Sequence[int], cheap: int, value: float, now: float, anywhere: bool = False) -> int | None:
+    def _crowded(self, row: int, source: int, free: Sequence[int], cheap: int, now: float) -> bool:
+        """Whether copying a prefix down from `source` into cheap `row` would lose a conversation:
+        `row` holds SNAPSHOT_MIN positions or more and no other spare row is empty or holds what is
+        worth nothing (`worth`, by keys) to take them."""
+        held = self._idle.get(row)
+        if held is None or len(held.keys) < SNAPSHOT_MIN:
+            return False
+        others = [r for r in free if r not in (row, source)]
+        return self.spare(others, cheap, 1e-9, now, by_keys=True) is None
+
+    def spare(self, free: Sequence[int], cheap: int, value: float, now: float, anywhere: bool = False,
+              by_keys: bool = False) -> int | None:
         """The free row (at or above `cheap`; `anywhere`: those first, then the cheap ones) that gives
-        up the least to keep something worth `value`: one holding nothing, else the one worth least,
-        if it is worth less than `value`. None: no such row."""
+        up the least to keep something worth `value` (`worth`, `by_keys`): one holding nothing, else
+        the one worth least, if it is worth less than `value`. None: no such row."""
         rows = [r for r in free if (anywhere or r >= cheap) and r not in self._moving]
         if not rows:
             return None
-        row = min(rows, key=lambda r: (r < cheap, r in self._idle, self.worth(r, now), r))
-        return row if row not in self._idle or self.worth(row, now) < value else None
+        row = min(rows, key=lambda r: (r < cheap, r in self._idle, self.worth(r, now, by_keys), r))
+        return row if row not in self._idle or self.worth(row, now, by_keys) < value else None
 
     def demotion(self, row: int, held: Held, used: float, free: Sequence[int], cheap: int,
                  now: float, anywhere: bool = False) -> RowMove | None:
@@ -379,7 +403,7 @@ class PrefixCache:
         if any(self._covers(h, held) for r, h in self._idle.items() if r != row):
             return None
         value = len(held.keys) * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
-        spare = self.spare(free, cheap, value, now, anywhere)
+        spare = self.spare(free, cheap, value, now, anywhere, by_keys=not anywhere)
         if spare is None:
             return None
         self.forget(spare)
