@@ -214,7 +214,8 @@ def clients(engine, texts: Texts, n: int, first_tokens: int, turns: int, new_tok
     engine.scheduler.prefixes.forget_all()
     chats, before = [], []
     for _ in range(n):
-        msgs = [{"role": "user", "content": texts.take(first_tokens) + "\n\nWhat is the main point?"}]
+        text = engine.tokenizer.decode(engine.tokenizer.encode(texts.take(first_tokens))[:first_tokens])
+        msgs = [{"role": "user", "content": text + "\n\nWhat is the main point?"}]
         r = reply(engine, msgs, new_tokens)
         chats.append(msgs + [{"role": "assistant", "content": r["text"]}])
         before.append(r["prompt"] + len(r["ids"]))

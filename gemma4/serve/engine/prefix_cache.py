@@ -398,11 +398,13 @@ class PrefixCache:
     def demotion(self, row: int, held: Held, used: float, free: Sequence[int], cheap: int,
                  now: float, anywhere: bool = False) -> RowMove | None:
         """The copy of `held` (what `row` holds, last used at `used`) out of `row`, which a new
-        request takes, into a spare row worth less (`anywhere`: a cheap row too); None where none
-        is, or it is held whole elsewhere."""
+        request takes, into a spare row worth less (by keys: `worth`); `anywhere` (a branch point,
+        kept while its conversation goes on in `row`): into a free row holding nothing of value
+        (empty, or held whole elsewhere), a cheap one too, never at another conversation's cost.
+        None where there is no such row, or `held` is held whole elsewhere."""
         if any(self._covers(h, held) for r, h in self._idle.items() if r != row):
             return None
-        value = len(held.keys) * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
+        value = 1e-9 if anywhere else len(held.keys) * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
         spare = self.spare(free, cheap, value, now, anywhere, by_keys=not anywhere)
         if spare is None:
             return None
@@ -431,7 +433,8 @@ class PrefixCache:
                        if self.rule.whole(h, min(shared_length(h.keys, held.keys), n))), default=0)
         if covered >= n:
             return None
-        spare = self.spare(free, cheap, float(n - covered), now, anywhere=True)
+        spare = self.spare(free, cheap, 1e-9, now, anywhere=True)  # (a row holding nothing of value: a
+        # snapshot never costs another conversation its history)
         if spare is None:
             return None
         self.forget(spare)
