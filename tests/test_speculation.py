@@ -350,8 +350,10 @@ def test_a_scripted_reply_leaves_the_cache_as_plain_decoding_does(engines):
     there: the cache holds the handed-out tokens, so a prompt that continues the reply (its start
     reused from the cache: the prefix cache) gets the continuation plain decoding gives."""
     from tests.scripted import scripted
+    from tests.test_prefix_exact import reuse_compiled
 
     on, off = engines
+    reuse_compiled(on)  # (else the copy's shape compiles only once the engine idles: nothing reused yet)
     prompt, script = PROMPTS[0], PATTERN * 3
     greedy = SamplingParams(temperature=0.0, max_new_tokens=len(script))
     for eng in engines:
