@@ -735,7 +735,7 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
                 pending[spec.index] = kv
         return x, own, states, pending
 
-    if run.count == 1 or not call.options.scan_layers or isinstance(weights, PerLayer):
+    if run.count == 1 or not call.options.scan_layers:
         states, writes = [], []
         for p in range(run.count):
             x, own, done, pending = period(x, own, p, _layer_weights(weights, p), None if ple is None else ple[p], shared)

@@ -149,6 +149,16 @@ def cheap_rows(active: Iterable[int]) -> int:
     return max(CHEAP_ROWS, max(active, default=-1) + 1)
 
 
+def overrun(decode_block: int) -> int:
+    """Positions the device may write past a row's end while decode blocks are in flight."""
+    return BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
+
+
+def decayed(tokens: int, used: float, now: float) -> float:
+    """What `tokens` held, last used at `used`, are worth at `now`: halved every HALF_LIFE_S."""
+    return tokens * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
+
+
 def held_by(req: Request, decode_block: int) -> Held:
     """What `req`'s row holds or will (keys set at admission): its prompt and the reply tokens fed
     back, of which the device wrote the positions prefilled (and decoded, a block's overrun and a
@@ -156,8 +166,7 @@ def held_by(req: Request, decode_block: int) -> Held:
     if req.prefilling:
         return Held(req.prompt_keys, req.prefilled)
     fed = np.asarray(req.recent[:req.position - len(req.prompt_ids)], np.int64)
-    overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
-    return Held(np.concatenate([req.prompt_keys, fed]), max(req.position + overrun, req.written))
+    return Held(np.concatenate([req.prompt_keys, fed]), max(req.position + overrun(decode_block), req.written))
 
 
 def chunk_end(req: Request, active: Iterable[Request]) -> int:
@@ -344,8 +353,7 @@ class PrefixCache:
         if match is not None and match.source == req.row:  # it goes on from what its row holds: a
             # branch point (a later retry or edit of this turn starts from it), kept where this
             # turn's prompt and reply could overrun the ring past it
-            overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
-            writes = len(req.prompt_ids) + req.params.max_new_tokens + overrun
+            writes = len(req.prompt_ids) + req.params.max_new_tokens + overrun(decode_block)
             if self.rule.whole(Held(lost.keys, writes), len(lost.keys)):
                 return match, None
             return match, self.demotion(req.row, lost, used[req.row], others, cheap, now, anywhere=True)
@@ -367,7 +375,7 @@ class PrefixCache:
         later = [h.keys for r, h in self._idle.items() if r != row] + self._going_on
         if by_keys and any(len(k) > n and shared_length(k, held.keys) >= n for k in later):
             return 0.0  # (a branch point of a conversation that went on: given up before a conversation)
-        return n * 0.5 ** (max(0.0, now - self._used.get(row, now)) / HALF_LIFE_S)
+        return decayed(n, self._used.get(row, now), now)
 
     def _covers(self, h: Held, held: Held) -> bool:
         """Whether a row holding `h` holds every position of `held` whole."""
@@ -404,13 +412,16 @@ class PrefixCache:
         None where there is no such row, or `held` is held whole elsewhere."""
         if any(self._covers(h, held) for r, h in self._idle.items() if r != row):
             return None
-        value = 1e-9 if anywhere else len(held.keys) * 0.5 ** (max(0.0, now - used) / HALF_LIFE_S)
-        spare = self.spare(free, cheap, value, now, anywhere, by_keys=not anywhere)
+        value = 1e-9 if anywhere else decayed(len(held.keys), used, now)
+        return self._claim(row, self.spare(free, cheap, value, now, anywhere, by_keys=not anywhere), held, used)
+
+    def _claim(self, source: int, spare: int | None, held: Held, used: float) -> RowMove | None:
+        """The move of `held` from `source` into `spare` (None: no move), the row reserved until it runs."""
         if spare is None:
             return None
         self.forget(spare)
         self._moving.add(spare)
-        return RowMove(row, spare, held, used)
+        return RowMove(source, spare, held, used)
 
     def snapshot(self, req: Request, free: Sequence[int], cheap: int, decode_block: int,
                  now: float) -> RowMove | None:
@@ -422,24 +433,14 @@ class PrefixCache:
         if not self.enabled or not self.rule.window or n < SNAPSHOT_MIN or req.prompt_keys is None:
             return None
         held = Held(req.prompt_keys[:n], n)
-        overrun = BLOCKS_IN_FLIGHT * decode_block if decode_block > 1 else 0
-        if self.rule.whole(Held(held.keys, n + req.params.max_new_tokens + overrun), n):
+        if self.rule.whole(Held(held.keys, n + req.params.max_new_tokens + overrun(decode_block)), n):
             return None  # however long its reply, its own row keeps the prompt whole
         if not self.rule.whole(held_by(req, decode_block), n):
             return None
-        # worth what no idle row holds whole already (a chat's turn: its history is kept, so the
-        # snapshot adds only this turn's message)
-        covered = max((min(shared_length(h.keys, held.keys), n) for h in self._idle.values()
-                       if self.rule.whole(h, min(shared_length(h.keys, held.keys), n))), default=0)
-        if covered >= n:
+        if any(self._covers(h, held) for h in self._idle.values()):
             return None
-        spare = self.spare(free, cheap, 1e-9, now, anywhere=True)  # (a row holding nothing of value: a
-        # snapshot never costs another conversation its history)
-        if spare is None:
-            return None
-        self.forget(spare)
-        self._moving.add(spare)
-        return RowMove(req.row, spare, held, now)
+        # (into a row holding nothing of value: a snapshot never costs another conversation its history)
+        return self._claim(req.row, self.spare(free, cheap, 1e-9, now, anywhere=True), held, now)
 
     def count_reused(self, tokens: int) -> None:
         self.cached_tokens += tokens
