@@ -1,10 +1,10 @@
-"""Load a llama.cpp GGUF file (Gemma 3 architecture) into our parameter tree.
+"""Load a llama.cpp GGUF file (Gemma 3 or Gemma 4 architecture) into our parameter tree.
 
 Entry points:
 
-* `gguf_config(path)` — a `ModelConfig` from the `gemma3.*` metadata plus the standard Gemma 3
-  values the file does not carry (local RoPE base 1e4, 5 sliding : 1 full layers,
-  query_pre_attn_scalar, no softcaps).
+* `gguf_config(path)` — a `ModelConfig` from the file's metadata (`gemma4.weights.gguf_layout`:
+  llama.cpp's keys of the `gemma3` and `gemma4` architectures, plus the standard Gemma 3 values a
+  gemma3 file does not carry).
 * `load_gguf_params(path, cfg, dtype, quantize=...)` — the tree of `gemma4.model.params.param_specs(cfg)`,
   each leaf built in its final form as its tensor is read: with an int8 plan the quantized
   blocks become `QuantArray`s directly (exactly for Q8_0 / Q5_0 / Q4_0 / Q6_K, see `int8_form`),
@@ -16,15 +16,7 @@ The file format itself (`read_gguf`, `gguf_tensor_info`, GGUFTensor, GGUFError) 
 dequantization (`int8_form`, `load_q8_0_as_int8`, `dequantize_tensor`) are
 `gemma4.weights.gguf_blocks`. This module builds on both.
 
-Name mapping (llama.cpp → ours): token_embd → embed, output_norm → final_norm, per block
-`blk.N.` attn_q/k/v/output → q/k/v/o, attn_q_norm/attn_k_norm → q_norm/k_norm, attn_norm →
-attn_norm, post_attention_norm → post_attn_norm, ffn_norm → pre_ffw_norm, post_ffw_norm →
-post_ffw_norm, ffn_gate/up/down → gate/up/down.
-
-GGUF lists dimensions innermost first, so a tensor shown as [640, 1024] is our [1024, 640]
-([out, in]); the row-major data already has our layout. llama.cpp's converter stores Gemma norm
-weights with the +1 folded in, which is exactly the effective scale our tree holds, and it does
-not permute Q/K for Gemma (rotate-half RoPE), so no tensor needs rewriting.
+The tensor names, and why no tensor needs rewriting, are `gemma4.weights.gguf_layout`'s.
 """
 
 from __future__ import annotations
@@ -48,8 +40,9 @@ from gemma4.model.config import ModelConfig, from_hf_config
 from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
 from gemma4.ops.quant import QuantArray, read_aligned, to_device
 from gemma4.paths import cache_root
-from gemma4.weights.gguf_blocks import FLOAT_TYPES, dequantize_tensor, int8_form
+from gemma4.weights.gguf_blocks import EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
+from gemma4.weights.gguf_layout import ROPE_FREQS, expected_tensors, hf_style_config
 from gemma4.weights.leaf_format import LeafFormat
 
 log = logging.getLogger(__name__)
@@ -58,103 +51,20 @@ CACHE_FORMAT_VERSION = 2  # 2: per-tensor manifest entries, float32 and int8 for
 
 Progress = Callable[[float, str], None]
 
-_LAYER_NAMES = {
-    "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
-    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
-    "attn_norm": "attn_norm", "post_attention_norm": "post_attn_norm",
-    "ffn_norm": "pre_ffw_norm", "post_ffw_norm": "post_ffw_norm",
-    "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down",
-}
-_OURS_TO_GGUF = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
-
 # Statistics of the last `load_gguf_params` call (for reports and tests).
 last_load_stats: dict[str, Any] = {}
 
 
 # ------------------------------------------------------------------------------ config
-def _tidy_float(x: float) -> float:
-    """Undo float32 storage: 9.99999997e-07 → 1e-06 (shortest float32 repr)."""
-    return float(str(np.float32(x)))
-
-
-def _hf_style_config(g: GGUFFile) -> dict[str, Any]:
-    arch = g.get("general.architecture")
-    if arch != "gemma3":
-        raise GGUFError(f"{g.path}: architecture {arch!r} is not supported (only gemma3 GGUF files load here; "
-                        "for Gemma 4 pass a Hugging Face folder or repo id)")
-
-    def meta(key: str, default: Any = None, required: bool = True) -> Any:
-        value = g.get(f"gemma3.{key}", default)
-        if value is None and required:
-            raise GGUFError(f"{g.path}: metadata key gemma3.{key} is missing")
-        return value
-
-    if "token_embd.weight" not in g.tensors:
-        raise GGUFError(f"{g.path}: tensor token_embd.weight is missing")
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    layers = int(meta("block_count"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
-    if int(meta("attention.value_length", head_dim)) != head_dim:
-        raise GGUFError(f"{g.path}: key_length != value_length is not supported")
-    # query_pre_attn_scalar: head_dim for every Gemma 3 size except 27B, which uses hidden/heads
-    # (llama.cpp keys this on the 62-layer size; the file has no metadata for it).
-    qpas = hidden // heads if layers == 62 else head_dim
-    raw = {
-        "model_type": "gemma3_text",
-        "vocab_size": g.tensors["token_embd.weight"].shape[0],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", 1)),
-        "head_dim": head_dim,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "sliding_window": int(meta("attention.sliding_window")),
-        "sliding_window_pattern": 6,
-        "rope_theta": float(meta("rope.freq_base", 1_000_000.0, required=False)),
-        "rope_local_base_freq": 10_000.0,
-        "query_pre_attn_scalar": qpas,
-        "rms_norm_eps": _tidy_float(meta("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
-        "max_position_embeddings": int(meta("context_length")),
-        "final_logit_softcapping": None,
-        "bos_token_id": int(g.get("tokenizer.ggml.bos_token_id", 2)),
-        "eos_token_id": int(g.get("tokenizer.ggml.eos_token_id", 1)),
-        "pad_token_id": int(g.get("tokenizer.ggml.padding_token_id", 0)),
-    }
-    scaling = meta("rope.scaling.type", None, required=False)
-    if scaling and scaling != "none":
-        raw["rope_scaling"] = {"rope_type": str(scaling),
-                               "factor": float(meta("rope.scaling.factor", 1.0, required=False))}
-    return raw
-
-
 def gguf_config(path: str | os.PathLike, name: str | None = None) -> ModelConfig:
-    """ModelConfig from the GGUF metadata (architecture gemma3 only)."""
+    """ModelConfig from the GGUF metadata (architectures gemma3 and gemma4: `gguf_layout`)."""
     g = read_gguf(path)
-    return from_hf_config(_hf_style_config(g), name=name or str(g.get("general.name") or Path(path).stem))
-
-
-# ------------------------------------------------------------------------------ name mapping
-def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, LeafSpec]]:
-    """GGUF tensor name → (path in our tree, spec)."""
-    if cfg.family != "gemma3":
-        raise GGUFError(f"GGUF loading supports Gemma 3 configs only, got family {cfg.family!r}")
-    specs = param_specs(cfg)
-    out: dict[str, tuple[tuple, LeafSpec]] = {
-        "token_embd.weight": (("embed",), specs["embed"]),
-        "output_norm.weight": (("final_norm",), specs["final_norm"]),
-    }
-    for i, layer in enumerate(specs["layers"]):
-        for ours, spec in layer.items():
-            if ours not in _OURS_TO_GGUF:
-                raise GGUFError(f"no GGUF name known for layer leaf {ours!r}")
-            out[f"blk.{i}.{_OURS_TO_GGUF[ours]}.weight"] = (("layers", i, ours), spec)
-    return out
+    return from_hf_config(hf_style_config(g), name=name or str(g.get("general.name") or Path(path).stem))
 
 
 def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
     """Clear errors for missing / mis-shaped tensors, before anything is dequantized."""
-    expected = _expected_tensors(cfg)
+    expected = expected_tensors(cfg)
     missing = [n for n in expected if n not in g.tensors]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -167,9 +77,35 @@ def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
                             f"expected {list(spec.shape)} for {cfg.name}")
     if "output.weight" in g.tensors:
         raise GGUFError(f"{g.path}: has an untied output.weight; only tied embeddings are supported")
-    extra = sorted(set(g.tensors) - set(expected))
+    extra = sorted(set(g.tensors) - set(expected) - {ROPE_FREQS})
     if extra:
         log.warning("%s: ignoring %d unexpected tensors: %s", g.path, len(extra), ", ".join(extra[:5]))
+
+
+def file_summary(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | None) -> dict[str, str]:
+    """What a GGUF holds and what the plan makes of it, for the Hardware panel: the file, its
+    tensors' block types, and per block type the leaves' final form under `quantize`
+    (`Plan.quantize_kwargs()`): int8 taken over from the blocks exactly, re-rounded per 32
+    inputs, or quantized from floats; float leaves (norms, scales, a float plan)."""
+    g = read_gguf(path)
+    fmt = LeafFormat("float32", quantize)
+    counts: dict[str, int] = {}
+    made: dict[str, dict[str, int]] = {}
+    for name, (tree_path, spec) in expected_tensors(cfg).items():
+        kind = g.tensors[name].type_name
+        counts[kind] = counts.get(kind, 0) + 1
+        target = fmt.target(leaf_name(tree_path), spec)
+        if target == "int8" and len(spec.shape) == 2:
+            form = ("int8 from its floats" if kind in FLOAT_TYPES else "int8, the blocks as they are"
+                    if kind in EXACT_INT8_GROUPS else "int8, re-rounded per 32 inputs")
+        else:
+            form = target if target != "none" else "float"
+        made.setdefault(kind, {})
+        made[kind][form] = made[kind].get(form, 0) + 1
+    order = sorted(counts, key=lambda k: -counts[k])
+    return {"file": Path(path).name, "architecture": str(g.get("general.architecture")),
+            "block types": ", ".join(f"{k} ×{counts[k]}" for k in order),
+            "the plan made": "; ".join(f"{k}: " + ", ".join(f"{f} ×{n}" for f, n in made[k].items()) for k in order)}
 
 
 # ------------------------------------------------------------------------------ disk cache
@@ -349,7 +285,7 @@ def _foreign(name: str, arr: np.ndarray, shape: tuple, folder: Path | None) -> G
 def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "float32", *,
                      progress: Progress | None = None, use_cache: bool = True,
                      quantize: dict | None = None) -> dict[str, Any]:
-    """The parameter tree of `cfg` from a Gemma 3 GGUF file, each leaf built in its final form.
+    """The parameter tree of `cfg` from a Gemma 3 or Gemma 4 GGUF file, each leaf built in its final form.
 
     Every tensor is checked against `param_specs(cfg)` before anything is converted. `quantize`
     (`Plan.quantize_kwargs()`) says which leaves end up quantized, by the rules of
@@ -367,10 +303,12 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
     fmt = LeafFormat(dtype, quantize)
     g = read_gguf(path)
     _check_tensors(g, cfg)
-    expected = _expected_tensors(cfg)
+    expected = expected_tensors(cfg)
     names = list(expected)
     targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
-    kinds = {n: "int8" if t == "int8" else "float32" for n, t in targets.items()}
+    # int8 leaves are taken over from the file's blocks where they are matrices; an expert stack
+    # (3-D) is dequantized and quantized as the plan says, like a float one
+    kinds = {n: "int8" if t == "int8" and len(expected[n][1].shape) == 2 else "float32" for n, t in targets.items()}
     int8_names = sorted(n for n, k in kinds.items() if k == "int8")
     form = "int8" if int8_names else "float32"
     folder = prefix = manifest = None

