@@ -72,6 +72,8 @@ def _logits(params, cfg, ids):
 
 
 def _greedy(params, cfg, ids, n):
+    if n == 0:
+        return []
     ids = list(ids)
     for _ in range(n):
         ids.append(int(_logits(params, cfg, ids)[-1].argmax()))
@@ -152,26 +154,38 @@ def test_logits_equal_transformers_on_the_same_weights(variant, folder):
 @pytest.mark.parametrize("block_type", ["F32", "Q8_0"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_llama_cpp_recorded_ids(variant, block_type, folder, recorded):
-    """F32: every clear top token under teacher forcing, and the greedy continuation up to its
-    first near tie, equal llama.cpp's. Q8_0 (llama.cpp also rounds the activations to 8 bits):
-    the clear top tokens agree at least 90% of the time, as our int8 dispatch must with a float
-    model (tests/test_quant.py)."""
+    """Our top token at every position of the prompt and of llama.cpp's greedy continuation (fed
+    back as llama.cpp fed it: teacher forcing, so one near tie does not end the comparison)
+    against llama.cpp's, wherever its top-2 margin is clear. F32: all equal — so the greedy ids
+    are equal up to llama.cpp's first near tie. Q8_0 (llama.cpp also rounds the activations to
+    8 bits, we compute on the dequantized weights): on the prompt at least as often as llama.cpp's
+    own F32 run of the model agrees with its Q8_0 run, and 75% overall."""
     rec = recorded["files"][f"{variant}-{block_type}"]
     cfg = reference_config(variant)
     path = reference_file(variant, block_type, folder)
     params = G.load_gguf_params(path, G.gguf_config(path), "float32", use_cache=False)
     assert rec["prompt"] == prompt(cfg)
-    ours = _logits(params, cfg, rec["prompt"]).argmax(-1)
-    clear = np.asarray(rec["forced_margin"]) > CLEAR
-    assert clear.sum() >= 8, "too few clear positions to compare"
-    agree = (ours == np.asarray(rec["forced"]))[clear].mean()
-    if block_type == "F32":
-        assert agree == 1.0
-        first_tie = next((i for i, m in enumerate(rec["greedy_margin"]) if m <= CLEAR), len(rec["greedy"]))
-        assert first_tie >= 4, "too few clear greedy steps to compare"
-        assert _greedy(params, cfg, rec["prompt"], first_tie) == rec["greedy"][:first_tie]
-    else:
-        assert agree >= 0.9
+    seq = rec["prompt"] + rec["greedy"][:-1]
+    ours = _logits(params, cfg, seq).argmax(-1)
+    # (greedy[0] is the top token at the prompt's last position: forced[-1])
+    assert rec["greedy"][0] == rec["forced"][-1]
+    theirs = np.asarray(rec["forced"] + rec["greedy"][1:])
+    margin = np.asarray(rec["forced_margin"] + rec["greedy_margin"][1:])
+    clear = margin > CLEAR
+    n = len(rec["prompt"])
+    assert clear[:n].sum() >= 8 and clear[n:].sum() >= 4, "too few clear positions to compare"
+    agree = (ours == theirs)[clear].mean()
+    if block_type != "F32":
+        # llama.cpp's own level: how often its F32 run of the same model agrees with this Q8_0 run
+        # on the prompt (the mixture of experts routes differently on rounded activations: 11 of 12)
+        f32 = np.asarray(recorded["files"][f"{variant}-F32"]["forced"])
+        level = (f32 == theirs[:n])[clear[:n]].mean()
+        assert (ours[:n] == theirs[:n])[clear[:n]].mean() >= level and agree >= 0.75, (agree, level)
+        return
+    assert agree == 1.0, (agree, np.flatnonzero(clear & (ours != theirs)))
+    # free-running greedy: llama.cpp's ids up to its first near tie
+    first_tie = next((i for i, m in enumerate(rec["greedy_margin"]) if m <= CLEAR), len(rec["greedy"]))
+    assert _greedy(params, cfg, rec["prompt"], first_tie) == rec["greedy"][:first_tie]
 
 
 def test_tokenizer_equals_llama_cpps(folder, recorded):

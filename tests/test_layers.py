@@ -53,6 +53,7 @@ DEFERRED_IMPORTS: dict[tuple[str, str], str] = {
     ("gemma4/media/video.py", "av"): "a video file's decoding only",
     ("gemma4/weights/sources.py", "huggingface_hub"): "a Hub model only",
     ("gemma4/weights/sources.py", "huggingface_hub.errors"): "as huggingface_hub",
+    ("gemma4/weights/gguf_write.py", "llama_cpp"): "llama.cpp's quantizer: benches only (requirements-bench.txt)",
     ("gemma4/ops/kernels/int4_matmul.py", "jax.experimental"): "pallas: int4 weights only",
     ("gemma4/ops/kernels/int4_matmul.py", "jax.experimental.pallas"): "its Triton lowering, as pallas",
 }

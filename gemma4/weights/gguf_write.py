@@ -16,11 +16,14 @@ pieces, then BPE pieces learnt from a fixed generated text, then unused pieces u
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import zlib
 from typing import Any, Callable
 
+import gguf
 import numpy as np
+from tokenizers import Tokenizer, models, normalizers, trainers
 
 from gemma4.model.config import ModelConfig
 from gemma4.weights.gguf_layout import GEMMA4_TOKENIZER, ROPE_FREQS, expected_tensors, gemma4_metadata, rope_freqs
@@ -70,8 +73,6 @@ def _corpus(lines: int = 2000) -> str:
 
 def synthetic_vocab(size: int) -> GGUFVocab:
     """A Gemma-4-shaped vocabulary of `size` pieces (at least 512): see the module docstring."""
-    from tokenizers import Tokenizer, models, normalizers, trainers
-
     fixed = 107 + 256  # controls (ids < 107), then the byte pieces
     if size < fixed + 64:
         raise ValueError(f"a synthetic Gemma 4 vocabulary needs at least {fixed + 64} pieces, not {size}")
@@ -111,16 +112,12 @@ def synthetic_vocab(size: int) -> GGUFVocab:
 
 def json_merges(tok: Any) -> list:
     """The merges of a trained `tokenizers` BPE model, in rank order."""
-    import json
-
     return json.loads(tok.to_str())["model"]["merges"]
 
 
 def _block_type(name: str, shape: tuple, block_type: str):
     """The GGML type a tensor is written in: `block_type` for a matrix (or an expert stack) whose
     rows split into its blocks, F32 for the rest (norms, scales, rows it cannot block)."""
-    import gguf
-
     qtype = gguf.GGMLQuantizationType[block_type]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if len(shape) >= 2 and shape[-1] % block == 0 and not name.endswith(".scale"):
@@ -166,8 +163,6 @@ def write_gemma4_gguf(path: str | os.PathLike, cfg: ModelConfig, leaves: dict | 
     """Write `cfg`'s text weights as a gemma4 GGUF at `path` (returns the path). `leaves`: a
     parameter tree with float leaves, or a function giving each leaf (`random_leaves`): each is
     asked for, converted and written one at a time, so no copy of the model is held."""
-    import gguf
-
     if block_type not in WRITABLE_TYPES:
         raise ValueError(f"block type {block_type!r}: the writer makes {', '.join(WRITABLE_TYPES)} "
                          "(K-quants: quantize_with_llama_cpp)")
@@ -227,7 +222,7 @@ def quantize_with_llama_cpp(source: str | os.PathLike, target: str | os.PathLike
     """llama.cpp's own quantizer (llama-cpp-python, a bench-only dependency): `source` (an F32,
     F16 or BF16 file; with `requantize` a quantized one, e.g. Q8_0) to `target` in `kind` (a
     llama_ftype name without its prefix: Q4_K_M, Q8_0, Q6_K …)."""
-    import llama_cpp
+    import llama_cpp  # deferred: a bench-only package (requirements-bench.txt)
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
     qp = llama_cpp.llama_model_quantize_default_params()

@@ -332,7 +332,7 @@ def download_file(repo_id: str, filename: str, progress: Progress | None = None)
     downloaded (the Hub client's own progress on the console; the page's bar says what is being
     fetched, its size, and when it is done)."""
     from huggingface_hub import HfApi, hf_hub_download  # deferred: 0.1 s of every start-up, for a Hub model only
-    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError  # deferred: as huggingface_hub
 
     token = os.environ.get("HF_TOKEN") or None
     try:
