@@ -33,7 +33,7 @@ from gemma4.model.config import FULL, SLIDING, ModelConfig
 from gemma4.model.params import LeafSpec, param_specs
 from gemma4.weights.gguf_file import GGUFError, GGUFFile
 
-GEMMA4_TOKENIZER = "gemma4"  # tokenizer.ggml.model of a Gemma 4 file: BPE with merges (llama.cpp)
+TOKENIZER_MODEL = "gemma4"  # tokenizer.ggml.model of a Gemma 4 file: BPE with merges (llama.cpp)
 
 # our global leaf -> GGUF tensor name
 GLOBAL_TENSORS: dict[tuple, str] = {

@@ -26,7 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer, models, normalizers, trainers
 
 from gemma4.model.config import ModelConfig
-from gemma4.weights.gguf_layout import GEMMA4_TOKENIZER, ROPE_FREQS, expected_tensors, gemma4_metadata, rope_freqs
+from gemma4.weights.gguf_layout import ROPE_FREQS, TOKENIZER_MODEL, expected_tensors, gemma4_metadata, rope_freqs
 
 WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")
 
@@ -182,7 +182,7 @@ def write_gemma4_gguf(path: str | os.PathLike, cfg: ModelConfig, leaves: dict | 
             w.add_float32(full, value)
         else:
             w.add_uint32(full, int(value))
-    w.add_tokenizer_model(GEMMA4_TOKENIZER)
+    w.add_tokenizer_model(TOKENIZER_MODEL)
     w.add_token_list(vocab.tokens)
     w.add_token_scores(vocab.scores)
     w.add_token_types(vocab.types)
