@@ -15,6 +15,7 @@ import pytest
 
 from gemma4.weights import gguf as gl
 from gemma4.weights import gguf_blocks, gguf_file
+from gemma4.weights.gguf_layout import expected_tensors
 from gemma4.ops import quant
 from gemma4.model.quantize import quantize_params
 from gemma4.model.config import preset
@@ -37,7 +38,7 @@ def _tiny_tensors(cfg, seed=0) -> dict[str, np.ndarray]:
     """llama.cpp-named float32 tensors in our [out, in] layout for `cfg`."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, (_, spec) in gl._expected_tensors(cfg).items():
+    for name, (_, spec) in expected_tensors(cfg).items():
         scale = 1.0 if spec.kind == "norm" else 0.05
         out[name] = (rng.standard_normal(spec.shape) * scale + (1.0 if spec.kind == "norm" else 0.0)).astype(np.float32)
     return out
@@ -251,7 +252,7 @@ def test_int8_plan_takes_blocks_over_and_caches_int8(tmp_path, monkeypatch):
     warm = gl.load_gguf_params(path, cfg, jnp.float32, quantize=INT8_PLAN)
     assert gl.last_load_stats["cached"] is True and gl.last_load_stats["cache_dir"] == stats["cache_dir"]
     g = gguf_file.read_gguf(path)
-    for name, (tree_path, spec) in gl._expected_tensors(cfg).items():
+    for name, (tree_path, spec) in expected_tensors(cfg).items():
         leaf, again = cold, warm
         for part in tree_path:
             leaf, again = leaf[part], again[part]

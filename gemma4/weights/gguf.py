@@ -358,6 +358,8 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
                     leaves[tree_path] = fmt.build(leaf_name(tree_path), spec, arr)
                 entries[name] = {"kind": "float32", "type": tensor.type_name}
                 del arr
+            if not cached:
+                g.release(tensor)  # its pages: converted, no longer needed resident
             done += int(np.prod(spec.shape))
             report(done / total, f"{verb} {name}")
         if writer is not None:

@@ -45,6 +45,7 @@ class GGUFTensor:
     type_name: str  # gguf.GGMLQuantizationType name: "F32", "Q8_0", "Q4_K", ...
     shape: tuple[int, ...]  # ours: outermost first, i.e. [out, in] for a matrix
     data: np.ndarray  # uint8 [rows, bytes per row] view of the file (read-only)
+    offset: int = 0  # its first byte in the file
 
     @property
     def qtype(self):
@@ -58,9 +59,20 @@ class GGUFFile:
     metadata: dict[str, Any]  # scalars as Python values, number arrays as numpy, string arrays as
     # lists (a long one as a StringArray: read from the file when first indexed)
     tensors: dict[str, GGUFTensor]
+    mapping: mmap.mmap | None = None  # the file's map, which the tensors' data view
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop `tensor`'s pages from this process's resident memory once it is converted: the
+        map is read-only, so a later read just faults them in again. Without it a load's peak
+        held the whole file's pages beside the converted leaves (E2B Q8_0 on a 2-core Xeon: 9.8
+        GiB peak for 5.1 GiB of leaves; bench/gguf_compare.py)."""
+        if self.mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.offset - tensor.offset % mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, tensor.offset + tensor.data.nbytes - start)
 
 
 # String arrays longer than this (a vocabulary) are skipped at parse time and read when first
@@ -209,8 +221,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         if start + nbytes > len(whole):
             raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated download?)")
         data = whole[start:start + nbytes].reshape(n // cols, row_bytes)
-        tensors[name] = GGUFTensor(name, qtype.name, tuple(int(d) for d in reversed(dims)), data)
-    return GGUFFile(path, version, dict(metadata), tensors)
+        tensors[name] = GGUFTensor(name, qtype.name, tuple(int(d) for d in reversed(dims)), data, start)
+    return GGUFFile(path, version, dict(metadata), tensors, buf)
 
 
 @functools.lru_cache(maxsize=4)
