@@ -59,7 +59,7 @@ def accepted_forms() -> str:
         "  bundled                    Gemma 3 270M GGUF shipped with the app (the default)\n"
         "  /path/to/folder            a local Hugging Face folder: config.json + *.safetensors + tokenizer files\n"
         "  /path/to/model.gguf        a local Gemma 4 or Gemma 3 GGUF file (llama.cpp's)\n"
-        "  org/name:file.gguf         a GGUF file of a Hugging Face repo, e.g. unsloth/gemma-4-E2B-it-GGUF:gemma-4-E2B-it-Q4_K_M.gguf\n"
+        "  org/name:file.gguf         a GGUF file of a Hugging Face repo, e.g. org/gemma-4-E2B-it-GGUF:gemma-4-E2B-it-Q4_K_M.gguf\n"
         "  org/name                   a Hugging Face repo id, e.g. google/gemma-4-E2B-it (HF_TOKEN for gated repos)\n"
         f"  random:<preset>            random weights for speed tests; presets: {presets}, tiny-<preset>")
 
