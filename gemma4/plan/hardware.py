@@ -294,30 +294,72 @@ def int4_kernel_preflight(facts: HardwareFacts, act_dtype: str, model_config=Non
     return need <= limit, arithmetic, block
 
 
+@dataclasses.dataclass
+class Asked:
+    """What one `policy` call decides from: the device's facts, the overrides, where the geometry
+    came from, and where refusals and warnings go (shared by every decision of the call)."""
+
+    facts: HardwareFacts
+    ov: Mapping[str, Any]
+    geometry_note: str = ""  # " (gemma-4-E2B geometry; no model config given)" when none was given
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def plat(self) -> str:
+        return self.facts.platform
+
+    @property
+    def cc(self) -> tuple[int, int] | None:
+        return self.facts.cc
+
+    @property
+    def where(self) -> str:
+        return self.facts.describe()
+
+    def refuse(self, message: str, name: str, safe_value: Any) -> Choice:
+        """An override this device cannot honour: PolicyError, or with GEMMA4_ALLOW_FALLBACK the safe
+        value, the refusal kept in its reason and in the warnings."""
+        if not self.ov.get("allow_fallback", False):
+            raise PolicyError(message)
+        self.warnings.append(f"{name}: {message}; fell back to {safe_value}")
+        return Choice(safe_value, f"REFUSED: {message}; fell back to {safe_value}", "fallback")
+
+
 def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Mapping[str, Any] | None = None,
            env: Mapping[str, str] | None = None) -> Plan:
     """Choose how to run on `facts` (probed when None). `env` defaults to os.environ (pass {} to ignore).
+    Each choice is one decision below, made in the order the later ones depend on the earlier.
 
     Raises PolicyError for an override this device cannot honour (unless allow_fallback).
     """
     facts = facts or probe()
+    note = ""
     if model_config is None:
-        model_config, geometry_note = preset("e2b"), " (gemma-4-E2B geometry; no model config given)"
-    else:
-        geometry_note = ""
-    ov = normalize_overrides(overrides, env)
-    fallback_ok = bool(ov.get("allow_fallback", False))
-    warnings: list[str] = []
-    plat, cc = facts.platform, facts.cc
-    where = facts.describe()
+        model_config, note = preset("e2b"), " (gemma-4-E2B geometry; no model config given)"
+    asked = Asked(facts, normalize_overrides(overrides, env), note)
+    # (in this order: a refusal or warning of each is reported in the order the choices are listed)
+    compute = compute_dtype_choice(asked)
+    dtype = compute.value
+    weights, auto_embed = weights_choice(asked, model_config, dtype)
+    embed = embed_choice(asked, weights, auto_embed)
+    kv = kv_choice(asked, dtype)
+    sliding = attention_choice(asked, model_config.head_dim, "sliding", dtype)
+    full = attention_choice(asked, model_config.global_head_dim, "full", dtype)
+    kern, block = int4_kernel_choice(asked, model_config, weights.value, dtype)
+    precision = matmul_precision_choice(asked, dtype)
+    return Plan(compute_dtype=compute,
+                weight_dtype=Choice(dtype, "float weights stored in the compute dtype, converted once at load "
+                                           "(no per-step conversion)", compute.source),
+                weights=weights, embed_weights=embed, kv_cache=kv, attention_sliding=sliding, attention_full=full,
+                int4_kernel=kern, decode_block=decode_block_choice(asked), query_block=query_block_choice(asked),
+                layers=layers_choice(asked.plat, asked.ov), matmul_precision=precision, device=asked.where,
+                platform=asked.plat, int4_block=block, int4_group_size=INT4_GROUP_SIZE,
+                head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(asked.warnings))
 
-    def refuse(message: str, name: str, safe_value: Any) -> Choice:
-        if not fallback_ok:
-            raise PolicyError(message)
-        warnings.append(f"{name}: {message}; fell back to {safe_value}")
-        return Choice(safe_value, f"REFUSED: {message}; fell back to {safe_value}", "fallback")
 
-    # ---------------------------------------------------------------- compute dtype
+def compute_dtype_choice(asked: Asked) -> Choice:
+    """The activations' dtype: the chip's native one where it has units for it, else float32."""
+    facts, plat, cc, ov = asked.facts, asked.plat, asked.cc, asked.ov
     if plat == "tpu":
         auto = Choice("bfloat16", "TPU: bf16 is the MXU's native input type")
     elif plat == "gpu" and cc is not None:
@@ -344,31 +386,32 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
         auto = Choice("float32", f"{why}; float32 activations are the measured-safe path")
     else:
         auto = Choice("float32", "unknown platform: float32 is the safe path")
-    compute = auto
-    if "dtype" in ov and ov["dtype"] != auto.value:
-        want = ov["dtype"]
-        slow = None
-        if want == "bfloat16" and plat == "cpu":
-            slow = ("emulated, slower" if not facts.cpu_native_bf16 else
-                    "measured slower for batch-1 decode on XLA:CPU")
-        elif want == "bfloat16" and plat == "gpu" and (cc is None or cc < (8, 0)):
-            slow = "no bf16 units on this GPU: emulated through fp32, much slower"
-        elif want == "float16" and plat in ("cpu", "tpu"):
-            slow = f"no fp16 arithmetic on {plat.upper()}: emulated, slower"
-        elif want == "float16" and plat == "gpu" and cc is not None and cc >= (8, 0):
-            slow = "fp16 overflows where bf16 does not (activations > 65504)"
-        elif want == "float32" and plat in ("gpu", "tpu"):
-            slow = "float32 doubles weight bytes and skips the tensor units: slower"
-        reason = f"requested via GEMMA4_DTYPE (auto would be {auto.value})"
-        if slow:
-            reason += f"; warning: {slow}"
-            warnings.append(f"compute_dtype {want}: {slow}")
-        compute = Choice(want, reason, "override")
-    dtype = compute.value
-    weight_dtype = Choice(dtype, "float weights stored in the compute dtype, converted once at load "
-                                 "(no per-step conversion)", compute.source)
+    if "dtype" not in ov or ov["dtype"] == auto.value:
+        return auto
+    want = ov["dtype"]
+    slow = None
+    if want == "bfloat16" and plat == "cpu":
+        slow = ("emulated, slower" if not facts.cpu_native_bf16 else
+                "measured slower for batch-1 decode on XLA:CPU")
+    elif want == "bfloat16" and plat == "gpu" and (cc is None or cc < (8, 0)):
+        slow = "no bf16 units on this GPU: emulated through fp32, much slower"
+    elif want == "float16" and plat in ("cpu", "tpu"):
+        slow = f"no fp16 arithmetic on {plat.upper()}: emulated, slower"
+    elif want == "float16" and plat == "gpu" and cc is not None and cc >= (8, 0):
+        slow = "fp16 overflows where bf16 does not (activations > 65504)"
+    elif want == "float32" and plat in ("gpu", "tpu"):
+        slow = "float32 doubles weight bytes and skips the tensor units: slower"
+    reason = f"requested via GEMMA4_DTYPE (auto would be {auto.value})"
+    if slow:
+        reason += f"; warning: {slow}"
+        asked.warnings.append(f"compute_dtype {want}: {slow}")
+    return Choice(want, reason, "override")
 
-    # ---------------------------------------------------------------- weight quantization
+
+def weights_choice(asked: Asked, model_config, dtype: str) -> tuple[Choice, str | None]:
+    """The weights' format (none | int8 | int4), by the device and by what fits its memory, and
+    the embedding tables' own format where fitting the model asks for one (else None)."""
+    facts, plat, ov = asked.facts, asked.plat, asked.ov
     n_params = approx_param_count(model_config)
     mem = facts.memory_total_bytes if plat != "cpu" else (facts.host_memory_available_bytes
                                                           or facts.memory_total_bytes)
@@ -376,7 +419,6 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     # WEIGHTS_SHARE_ACCELERATOR of it (E4B in bf16, 13.9 GiB of a 15.7 GiB TPU v5e, left too little and
     # the pre-flight refused it). On CPU the budget is the RAM available now.
     budget = (WEIGHTS_SHARE_CPU if plat == "cpu" else WEIGHTS_SHARE_ACCELERATOR) * mem if mem else None
-
     n_tables = table_param_count(model_config)
 
     def need(mode: str, tables: str | None = None) -> float:
@@ -394,7 +436,7 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                                f"the bytes a decode step reads and decodes ~1.9x faster where bandwidth bounds it "
                                f"(E2B on a TPU v5e: 286 vs 148 tok/s) at the cost of exactness")
     order = ("none", "int8", "int4")
-    auto_embed = None  # the embedding tables' format where it differs from the other weights'
+    auto_embed = None
     if (budget and auto_w == "none" and "weights" not in ov and need("none") > budget
             and need("none", "int8") <= budget):
         # The tables are a large share of a Gemma 4 "E" model (E4B: 3.5 B of 8 B parameters, the
@@ -410,171 +452,185 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
         why = (f"{model_config.name} needs {need(auto_w) / GiB:.1f} GiB as {auto_w} > {budget / mem:.0%} of "
                f"{mem / GiB:.1f} GiB; {chosen} needs {need(chosen) / GiB:.1f} GiB")
         if need(chosen) > budget:
-            warnings.append(f"weights: {model_config.name} does not fit even as int4 "
-                            f"({need(chosen) / GiB:.1f} GiB vs {mem / GiB:.1f} GiB)")
+            asked.warnings.append(f"weights: {model_config.name} does not fit even as int4 "
+                                  f"({need(chosen) / GiB:.1f} GiB vs {mem / GiB:.1f} GiB)")
         auto_w = chosen
-    weights = Choice(auto_w, why)
-    if "weights" in ov and ov["weights"] != auto_w:
-        reason = f"requested via GEMMA4_WEIGHTS (auto would be {auto_w})"
-        if ov["weights"] == "int4" and plat == "cpu":
-            reason += "; note: on CPU int4 unpacking makes matmuls ~2× slower than int8 (saves RAM only)"
-        if budget and need(ov["weights"]) > budget:
-            msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / GiB:.1f} GiB "
-                   f"vs {mem / GiB:.1f} GiB")
-            reason += f"; warning: {msg}"
-            warnings.append(f"weights: {msg}")
-        weights = Choice(ov["weights"], reason, "override")
+    if "weights" not in ov or ov["weights"] == auto_w:
+        return Choice(auto_w, why), auto_embed
+    reason = f"requested via GEMMA4_WEIGHTS (auto would be {auto_w})"
+    if ov["weights"] == "int4" and plat == "cpu":
+        reason += "; note: on CPU int4 unpacking makes matmuls ~2× slower than int8 (saves RAM only)"
+    if budget and need(ov["weights"]) > budget:
+        msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / GiB:.1f} GiB "
+               f"vs {mem / GiB:.1f} GiB")
+        reason += f"; warning: {msg}"
+        asked.warnings.append(f"weights: {msg}")
+    return Choice(ov["weights"], reason, "override"), auto_embed
 
-    # ---------------------------------------------------------------- embedding / LM head
-    # Measured on the bundled Gemma 3 270M (8 prompts x 32 greedy tokens vs unquantized): int8
-    # everywhere keeps 19.6 leading tokens on average (4/8 prompts >= 20); int8 layers with a float
-    # head keep 27.1 (7/8), at ~7% of batch-1 decode speed and +0.5 GB. The head quantizes like the
-    # rest by default (it is most of the bytes); GEMMA4_EMBED_WEIGHTS=none buys the quality back.
+
+def embed_choice(asked: Asked, weights: Choice, auto_embed: str | None) -> Choice:
+    """The tied embedding / LM head (and the per-layer-input table): like the other weights, or
+    int8 where that lets the model fit (`weights_choice`).
+
+    Measured on the bundled Gemma 3 270M (8 prompts x 32 greedy tokens vs unquantized): int8
+    everywhere keeps 19.6 leading tokens on average (4/8 prompts >= 20); int8 layers with a float
+    head keep 27.1 (7/8), at ~7% of batch-1 decode speed and +0.5 GB. The head quantizes like the
+    rest by default (it is most of the bytes); GEMMA4_EMBED_WEIGHTS=none buys the quality back."""
     if auto_embed:  # (not when the user named the weights: every table follows them)
         embed = Choice(auto_embed, "int8 tables let the model fit with its layers unquantized (see weights)")
     else:
         embed = Choice(weights.value, "the tied embedding / LM head is quantized like the other weights (it is most "
                        "of the bytes read per token); GEMMA4_EMBED_WEIGHTS=none keeps it exact for better agreement "
                        "with the unquantized model" if weights.value != "none" else "weights not quantized")
-    if "embed_weights" in ov and ov["embed_weights"] != embed.value:
-        embed = Choice(ov["embed_weights"], f"requested via GEMMA4_EMBED_WEIGHTS (auto would be {embed.value})",
+    if "embed_weights" in asked.ov and asked.ov["embed_weights"] != embed.value:
+        embed = Choice(asked.ov["embed_weights"], f"requested via GEMMA4_EMBED_WEIGHTS (auto would be {embed.value})",
                        "override")
+    return embed
 
-    # ---------------------------------------------------------------- KV cache
+
+def kv_choice(asked: Asked, dtype: str) -> Choice:
+    """The KV cache's format: the compute dtype (exact) unless asked for int8 or fp8 (fp8 only on
+    a chip with an fp8 datapath)."""
+    facts, plat, cc = asked.facts, asked.plat, asked.cc
     fp8_ok = ((plat == "gpu" and cc is not None and cc >= FP8_MIN_CC)
               or (plat == "tpu" and facts.tpu_generation in FP8_TPU_GENERATIONS))
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     kv = Choice("native", f"KV stored in {dtype} (exact); GEMMA4_KV=int8 (per-row scales) cuts KV bytes "
                           f"to ~1/{itemsize}")
-    if "kv" in ov:
-        want = ov["kv"]
-        if want == "fp8" and not fp8_ok:
-            chip = (f"sm_{cc[0]}{cc[1]}" if cc else facts.device_kind) if plat == "gpu" else where
-            kv = refuse(f"GEMMA4_KV=fp8 refused on {chip}: no fp8 datapath (needs NVIDIA sm_89+ or TPU v5+), "
-                        "so fp8 would buy nothing; use GEMMA4_KV=int8 (int8 with per-row scales halves "
-                        "the KV bytes honestly)", "kv_cache", "int8")
-        elif want == "fp8":
-            kv = Choice("fp8", "requested via GEMMA4_KV: chip has fp8; stored as jnp.float8_e4m3fn "
-                               "(note: gemma4.model.kv_cache must implement the fp8 format)", "override")
-        elif want != "native":
-            kv = Choice(want, f"requested via GEMMA4_KV: int8 with per-row scales (~1/{itemsize} of {dtype}'s bytes)",
-                        "override")
+    want = asked.ov.get("kv")
+    if want == "fp8" and not fp8_ok:
+        chip = (f"sm_{cc[0]}{cc[1]}" if cc else facts.device_kind) if plat == "gpu" else asked.where
+        return asked.refuse(f"GEMMA4_KV=fp8 refused on {chip}: no fp8 datapath (needs NVIDIA sm_89+ or TPU v5+), "
+                            "so fp8 would buy nothing; use GEMMA4_KV=int8 (int8 with per-row scales halves "
+                            "the KV bytes honestly)", "kv_cache", "int8")
+    if want == "fp8":
+        return Choice("fp8", "requested via GEMMA4_KV: chip has fp8; stored as jnp.float8_e4m3fn "
+                             "(note: gemma4.model.kv_cache must implement the fp8 format)", "override")
+    if want is not None and want != "native":
+        return Choice(want, f"requested via GEMMA4_KV: int8 with per-row scales (~1/{itemsize} of {dtype}'s bytes)",
+                      "override")
+    return kv
 
-    # ---------------------------------------------------------------- attention per layer type
-    def pallas_for(head_dim: int) -> tuple[bool, str]:
-        """Whether the TPU kernel takes a full layer's chunks here, and why (its VMEM arithmetic)."""
-        from gemma4.ops.kernels import tpu_attention  # deferred: pallas loads jax (not for `probe --simulate`)
-        gen = facts.tpu_generation or "unknown"
-        if gen not in TPU_SCOPED_VMEM_MIB:
-            return False, f"VMEM limit unknown for TPU generation {gen!r}"
-        if head_dim % tpu_attention.LANES:
-            return False, f"head_dim {head_dim} is not a multiple of {tpu_attention.LANES} lanes"
-        parts = tpu_attention.block_bytes(tpu_attention.BLOCK_Q, tpu_attention.BLOCK_K, head_dim, dtype)
-        need, limit = sum(parts.values()), TPU_SCOPED_VMEM_MIB[gen] * 1024 * 1024
-        arithmetic = (f"a {tpu_attention.BLOCK_Q}-row x {tpu_attention.BLOCK_K}-slot block of head_dim {head_dim} "
-                      f"needs {_kib(need)} ({', '.join(f'{k} {_kib(v)}' for k, v in parts.items())}) of "
-                      f"{_kib(limit)} scoped VMEM (TPU {gen})")
-        return need <= limit, arithmetic
 
-    def attention_for(head_dim: int, kind: str) -> Choice:
-        if plat == "tpu" and kind == "full":
-            fits, arithmetic = pallas_for(head_dim)
-            if fits and dtype == "bfloat16":
-                auto_c = Choice("pallas", f"head_dim {head_dim}{geometry_note}: a prefill chunk attends over the "
-                                          f"cache row in the Pallas kernel, reading only the slots its positions "
-                                          f"reach ({arithmetic}); decode steps stay XLA's")
-            else:
-                why = arithmetic if not fits else f"compute is {dtype} (the kernel is used for bfloat16; XLA keeps float32 exact)"
-                auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: XLA einsum attention ({why})")
-            cud_block = f"cuDNN attention needs an NVIDIA GPU (this is {where})"
-        elif plat != "gpu" or facts.vendor != "nvidia" or cc is None:
-            auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: XLA einsum attention "
-                                   f"(cuDNN flash attention is NVIDIA-only)")
-            cud_block = f"cuDNN attention needs an NVIDIA GPU (this is {where})"
+def tpu_kernel_fits(facts: HardwareFacts, head_dim: int, dtype: str) -> tuple[bool, str]:
+    """Whether the TPU attention kernel takes a full layer's chunks here, and why (its VMEM arithmetic)."""
+    from gemma4.ops.kernels import tpu_attention  # deferred: pallas loads jax (not for `probe --simulate`)
+    gen = facts.tpu_generation or "unknown"
+    if gen not in TPU_SCOPED_VMEM_MIB:
+        return False, f"VMEM limit unknown for TPU generation {gen!r}"
+    if head_dim % tpu_attention.LANES:
+        return False, f"head_dim {head_dim} is not a multiple of {tpu_attention.LANES} lanes"
+    parts = tpu_attention.block_bytes(tpu_attention.BLOCK_Q, tpu_attention.BLOCK_K, head_dim, dtype)
+    need, limit = sum(parts.values()), TPU_SCOPED_VMEM_MIB[gen] * 1024 * 1024
+    arithmetic = (f"a {tpu_attention.BLOCK_Q}-row x {tpu_attention.BLOCK_K}-slot block of head_dim {head_dim} "
+                  f"needs {_kib(need)} ({', '.join(f'{k} {_kib(v)}' for k, v in parts.items())}) of "
+                  f"{_kib(limit)} scoped VMEM (TPU {gen})")
+    return need <= limit, arithmetic
+
+
+def _auto_attention(asked: Asked, head_dim: int, kind: str, dtype: str) -> tuple[Choice, str | None]:
+    """The attention path this device takes for a layer kind unasked, and why cuDNN cannot (None: it can)."""
+    facts, plat, cc, note = asked.facts, asked.plat, asked.cc, asked.geometry_note
+    if plat == "tpu" and kind == "full":
+        fits, arithmetic = tpu_kernel_fits(facts, head_dim, dtype)
+        if fits and dtype == "bfloat16":
+            auto = Choice("pallas", f"head_dim {head_dim}{note}: a prefill chunk attends over the "
+                                    f"cache row in the Pallas kernel, reading only the slots its positions "
+                                    f"reach ({arithmetic}); decode steps stay XLA's")
         else:
-            limit = cudnn_head_dim_limit(cc)
-            problems = []
-            if cc < CUDNN_MIN_CC:
-                problems.append(f"cuDNN flash attention needs sm_80+ (this is sm_{cc[0]}{cc[1]})")
-            if head_dim > limit or head_dim % 8:
-                problems.append(f"head_dim {head_dim} exceeds cuDNN's limit {limit} on sm_{cc[0]}{cc[1]}"
-                                if head_dim > limit else f"head_dim {head_dim} is not a multiple of 8")
-            if dtype not in ("bfloat16", "float16"):
-                problems.append(f"cuDNN flash attention needs bf16/fp16, compute is {dtype}")
-            if problems:
-                auto_c = Choice("xla", f"head_dim {head_dim}{geometry_note}: " + "; ".join(problems))
-                cud_block = "; ".join(problems)
-            else:
-                auto_c = Choice("cudnn", f"head_dim {head_dim}{geometry_note} ≤ {limit} on sm_{cc[0]}{cc[1]}, "
-                                         f"{dtype}: cuDNN flash attention")
-                cud_block = None
-        want = ov.get("attention")
-        if want is None or want == auto_c.value:
-            return auto_c if want is None else dataclasses.replace(auto_c, source="override")
-        if want == "xla":
-            return Choice("xla", f"requested via GEMMA4_ATTENTION (auto would be {auto_c.value})", "override")
-        if want == "pallas":
-            if plat != "tpu":
-                return refuse(f"GEMMA4_ATTENTION=pallas refused for {kind} layers: the Pallas cache attention is a "
-                              f"TPU kernel (this is {where}); use GEMMA4_ATTENTION=auto", f"attention_{kind}", auto_c.value)
-            if kind == "sliding":
-                return Choice("xla", "GEMMA4_ATTENTION=pallas: the kernel serves full layers (slot = position); a "
-                                     "sliding layer's ring stays XLA's", "override")
-            fits, arithmetic = pallas_for(head_dim)
-            if not fits:
-                return refuse(f"GEMMA4_ATTENTION=pallas refused for full layers: {arithmetic}; use GEMMA4_ATTENTION=auto",
-                              "attention_full", "xla")
-            return Choice("pallas", f"requested via GEMMA4_ATTENTION: prefill chunks attend in the Pallas kernel "
-                                    f"({arithmetic}; checked at start-up)", "override")
-        if want == "native":
-            if plat != "cpu":
-                return refuse(f"GEMMA4_ATTENTION=native refused for {kind} layers: the native cache attention is a "
-                              f"CPU kernel (this is {where}); use GEMMA4_ATTENTION=auto", f"attention_{kind}", auto_c.value)
-            return Choice("native", "requested via GEMMA4_ATTENTION: decode steps and short chunks attend over the "
-                                    "cache read in place by the native CPU kernel (checked at start-up)", "override")
-        return refuse(f"GEMMA4_ATTENTION=cudnn refused for {kind} layers: {cud_block}; use GEMMA4_ATTENTION=auto "
-                      f"(cuDNN where it fits, XLA elsewhere) or xla", f"attention_{kind}", "xla")
+            why = arithmetic if not fits else f"compute is {dtype} (the kernel is used for bfloat16; XLA keeps float32 exact)"
+            auto = Choice("xla", f"head_dim {head_dim}{note}: XLA einsum attention ({why})")
+        return auto, f"cuDNN attention needs an NVIDIA GPU (this is {asked.where})"
+    if plat != "gpu" or facts.vendor != "nvidia" or cc is None:
+        return (Choice("xla", f"head_dim {head_dim}{note}: XLA einsum attention (cuDNN flash attention is NVIDIA-only)"),
+                f"cuDNN attention needs an NVIDIA GPU (this is {asked.where})")
+    limit = cudnn_head_dim_limit(cc)
+    problems = []
+    if cc < CUDNN_MIN_CC:
+        problems.append(f"cuDNN flash attention needs sm_80+ (this is sm_{cc[0]}{cc[1]})")
+    if head_dim > limit or head_dim % 8:
+        problems.append(f"head_dim {head_dim} exceeds cuDNN's limit {limit} on sm_{cc[0]}{cc[1]}"
+                        if head_dim > limit else f"head_dim {head_dim} is not a multiple of 8")
+    if dtype not in ("bfloat16", "float16"):
+        problems.append(f"cuDNN flash attention needs bf16/fp16, compute is {dtype}")
+    if problems:
+        return Choice("xla", f"head_dim {head_dim}{note}: " + "; ".join(problems)), "; ".join(problems)
+    return Choice("cudnn", f"head_dim {head_dim}{note} ≤ {limit} on sm_{cc[0]}{cc[1]}, "
+                           f"{dtype}: cuDNN flash attention"), None
 
-    att_sliding = attention_for(model_config.head_dim, "sliding")
-    att_full = attention_for(model_config.global_head_dim, "full")
 
-    # ---------------------------------------------------------------- quantized matmul path
-    wmode = weights.value
-    block = None
-    if wmode != "int4":
+def attention_choice(asked: Asked, head_dim: int, kind: str, dtype: str) -> Choice:
+    """The attention path of one layer kind ("sliding" | "full"): `_auto_attention`'s, or the one
+    asked for where this device can run it (CPU: measured at start-up, hardware_checks)."""
+    auto, cud_block = _auto_attention(asked, head_dim, kind, dtype)
+    plat, where, want = asked.plat, asked.where, asked.ov.get("attention")
+    if want is None or want == auto.value:
+        return auto if want is None else dataclasses.replace(auto, source="override")
+    if want == "xla":
+        return Choice("xla", f"requested via GEMMA4_ATTENTION (auto would be {auto.value})", "override")
+    if want == "pallas":
+        if plat != "tpu":
+            return asked.refuse(f"GEMMA4_ATTENTION=pallas refused for {kind} layers: the Pallas cache attention is a "
+                                f"TPU kernel (this is {where}); use GEMMA4_ATTENTION=auto", f"attention_{kind}", auto.value)
+        if kind == "sliding":
+            return Choice("xla", "GEMMA4_ATTENTION=pallas: the kernel serves full layers (slot = position); a "
+                                 "sliding layer's ring stays XLA's", "override")
+        fits, arithmetic = tpu_kernel_fits(asked.facts, head_dim, dtype)
+        if not fits:
+            return asked.refuse(f"GEMMA4_ATTENTION=pallas refused for full layers: {arithmetic}; use GEMMA4_ATTENTION=auto",
+                                "attention_full", "xla")
+        return Choice("pallas", f"requested via GEMMA4_ATTENTION: prefill chunks attend in the Pallas kernel "
+                                f"({arithmetic}; checked at start-up)", "override")
+    if want == "native":
+        if plat != "cpu":
+            return asked.refuse(f"GEMMA4_ATTENTION=native refused for {kind} layers: the native cache attention is a "
+                                f"CPU kernel (this is {where}); use GEMMA4_ATTENTION=auto", f"attention_{kind}", auto.value)
+        return Choice("native", "requested via GEMMA4_ATTENTION: decode steps and short chunks attend over the "
+                                "cache read in place by the native CPU kernel (checked at start-up)", "override")
+    return asked.refuse(f"GEMMA4_ATTENTION=cudnn refused for {kind} layers: {cud_block}; use GEMMA4_ATTENTION=auto "
+                        f"(cuDNN where it fits, XLA elsewhere) or xla", f"attention_{kind}", "xla")
+
+
+def int4_kernel_choice(asked: Asked, model_config, weights: str, dtype: str) -> tuple[Choice, tuple | None]:
+    """How int4 products run (the fused Pallas kernel where its block fits, else dequantize+dot),
+    and the kernel's block where it is chosen; without int4 weights, dequantize+dot."""
+    plat, ov = asked.plat, asked.ov
+    if weights != "int4":
         what = {"none": "weights not quantized: plain dot",
                 "int8": "no int4 weights" + (
                     "; the int8 products' path is the int8_matmul choice" if plat == "cpu"
-                    else "; int8 weights: dequantize+dot, the compiler fuses the convert into the matmul")}[wmode]
-        kern = Choice("dequant+dot", what)
+                    else "; int8 weights: dequantize+dot, the compiler fuses the convert into the matmul")}[weights]
         if ov.get("int4_kernel") == "pallas":
-            kern = Choice("dequant+dot", f"GEMMA4_INT4_KERNEL=pallas ignored: {what}", "override")
-            warnings.append("int4_kernel: GEMMA4_INT4_KERNEL=pallas has no effect without int4 weights")
+            asked.warnings.append("int4_kernel: GEMMA4_INT4_KERNEL=pallas has no effect without int4 weights")
+            return Choice("dequant+dot", f"GEMMA4_INT4_KERNEL=pallas ignored: {what}", "override"), None
+        return Choice("dequant+dot", what), None
+    fits, arithmetic, plan_block = int4_kernel_preflight(asked.facts, dtype, model_config)
+    want = ov.get("int4_kernel")
+    if plat == "tpu":
+        auto = Choice("dequant+dot", f"{'fits' if fits else 'does not fit'}: {arithmetic}; but on TPU the "
+                                     "fused kernel measured 0.59× the XLA path (GEMMA4_INT4_KERNEL=pallas "
+                                     "to try it)")
+    elif fits:
+        auto = Choice("pallas-int4", f"fused int4 kernel fits: {arithmetic} (verified by the start-up "
+                                     "self-test; GEMMA4_INT4_KERNEL=xla opts out)")
     else:
-        fits, arithmetic, plan_block = int4_kernel_preflight(facts, dtype, model_config)
-        want = ov.get("int4_kernel")
-        if plat == "tpu":
-            auto_k = Choice("dequant+dot", f"{'fits' if fits else 'does not fit'}: {arithmetic}; but on TPU the "
-                                           "fused kernel measured 0.59× the XLA path (GEMMA4_INT4_KERNEL=pallas "
-                                           "to try it)")
-        elif fits:
-            auto_k = Choice("pallas-int4", f"fused int4 kernel fits: {arithmetic} (verified by the start-up "
-                                           "self-test; GEMMA4_INT4_KERNEL=xla opts out)")
-        else:
-            auto_k = Choice("dequant+dot", f"fused int4 kernel not used: {arithmetic}")
-        if want is None:
-            kern = auto_k
-        elif want == "xla":
-            kern = Choice("dequant+dot", "requested via GEMMA4_INT4_KERNEL=xla", "override")
-        elif fits:
-            kern = Choice("pallas-int4", f"requested via GEMMA4_INT4_KERNEL=pallas: {arithmetic}", "override")
-        else:
-            kern = refuse(f"GEMMA4_INT4_KERNEL=pallas refused on {where}: {arithmetic}; use GEMMA4_INT4_KERNEL=xla "
-                          "(dequantize+dot)", "int4_kernel", "dequant+dot")
-        if kern.value == "pallas-int4":
-            block = plan_block
+        auto = Choice("dequant+dot", f"fused int4 kernel not used: {arithmetic}")
+    if want is None:
+        kern = auto
+    elif want == "xla":
+        kern = Choice("dequant+dot", "requested via GEMMA4_INT4_KERNEL=xla", "override")
+    elif fits:
+        kern = Choice("pallas-int4", f"requested via GEMMA4_INT4_KERNEL=pallas: {arithmetic}", "override")
+    else:
+        kern = asked.refuse(f"GEMMA4_INT4_KERNEL=pallas refused on {asked.where}: {arithmetic}; use "
+                            "GEMMA4_INT4_KERNEL=xla (dequantize+dot)", "int4_kernel", "dequant+dot")
+    return kern, plan_block if kern.value == "pallas-int4" else None
 
-    # ---------------------------------------------------------------- matmul precision
+
+def matmul_precision_choice(asked: Asked, dtype: str) -> Choice:
+    """jax's default matmul precision: float32-exact products where float32 is the compute dtype
+    on an accelerator, one bf16 MXU pass on a TPU otherwise, jax's default elsewhere."""
+    plat, ov = asked.plat, asked.ov
     if plat == "tpu" and dtype == "float32":
         # float32 is the exact mode: the MXU's default single bf16 pass would round every product's
         # inputs to 8 bits of mantissa (the self-test measured 2.2e-3 against float64), so float32
@@ -591,16 +647,21 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
         prec = Choice("bfloat16", "TPU: jax_default_matmul_precision=bfloat16 (one MXU pass)")
     else:
         prec = Choice(None, f"{plat.upper()}: JAX default matmul precision (the bfloat16 setting is for TPUs only)")
-    if "matmul_precision" in ov:
-        want = None if ov["matmul_precision"] == "none" else ov["matmul_precision"]
-        if want != prec.value:
-            reason = f"requested via GEMMA4_MATMUL_PRECISION (auto would be {prec.value})"
-            if want == "bfloat16" and plat != "tpu":
-                reason += "; warning: bfloat16 matmul precision is right on TPU and wrong elsewhere"
-                warnings.append("matmul_precision: bfloat16 off TPU loses precision")
-            prec = Choice(want, reason, "override")
+    if "matmul_precision" not in ov:
+        return prec
+    want = None if ov["matmul_precision"] == "none" else ov["matmul_precision"]
+    if want == prec.value:
+        return prec
+    reason = f"requested via GEMMA4_MATMUL_PRECISION (auto would be {prec.value})"
+    if want == "bfloat16" and plat != "tpu":
+        reason += "; warning: bfloat16 matmul precision is right on TPU and wrong elsewhere"
+        asked.warnings.append("matmul_precision: bfloat16 off TPU loses precision")
+    return Choice(want, reason, "override")
 
-    # ---------------------------------------------------------------- decode steps per dispatch
+
+def decode_block_choice(asked: Asked) -> Choice:
+    """Decode steps per dispatch: one on a CPU, DECODE_BLOCK on an accelerator."""
+    plat, ov = asked.plat, asked.ov
     if plat == "cpu":
         steps = Choice(1, "CPU: a decode step (~20 ms) dwarfs the host's dispatch; one token per dispatch")
     else:
@@ -608,10 +669,14 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
                                      f"{DECODE_BLOCK} steps run per dispatch and the next block is dispatched "
                                      "before the last is read (the same tokens)")
     if "decode_block" in ov and ov["decode_block"] != steps.value:
-        steps = Choice(ov["decode_block"], f"requested via GEMMA4_DECODE_BLOCK (auto would be {steps.value})",
-                       "override")
+        return Choice(ov["decode_block"], f"requested via GEMMA4_DECODE_BLOCK (auto would be {steps.value})",
+                      "override")
+    return steps
 
-    # ---------------------------------------------------------------- a later chunk's attention blocks
+
+def query_block_choice(asked: Asked) -> Choice:
+    """A later prefill chunk's queries per attention block: QUERY_BLOCK_CPU on a CPU, one product elsewhere."""
+    plat, ov = asked.plat, asked.ov
     if plat == "cpu":
         blocks = Choice(QUERY_BLOCK_CPU, f"CPU: a later prefill chunk attends {QUERY_BLOCK_CPU} queries at a time "
                                          "(its score matrix stays in cache; a sliding layer's block reads only the "
@@ -619,15 +684,9 @@ def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Map
     else:
         blocks = Choice(0, f"{plat.upper()}: a chunk's attention in one product (blocks not measured here)")
     if "query_block" in ov and ov["query_block"] != blocks.value:
-        blocks = Choice(ov["query_block"], f"requested via GEMMA4_QUERY_BLOCK (auto would be {blocks.value})",
-                        "override")
-
-    return Plan(compute_dtype=compute, weight_dtype=weight_dtype, weights=weights, embed_weights=embed, kv_cache=kv,
-                attention_sliding=att_sliding, attention_full=att_full, int4_kernel=kern, decode_block=steps,
-                query_block=blocks, layers=layers_choice(plat, ov),
-                matmul_precision=prec, device=where, platform=plat, int4_block=block,
-                int4_group_size=INT4_GROUP_SIZE,
-                head_dims=(model_config.head_dim, model_config.global_head_dim), warnings=tuple(warnings))
+        return Choice(ov["query_block"], f"requested via GEMMA4_QUERY_BLOCK (auto would be {blocks.value})",
+                      "override")
+    return blocks
 
 
 # ------------------------------------------------------------------------------ the layers: scanned or unrolled
