@@ -235,6 +235,18 @@ def test_other_architectures_are_refused_with_what_loads(tmp_path):
         G.gguf_config(tmp_path / "llama.gguf")
 
 
+def test_a_projector_file_is_refused_with_what_to_load_instead(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "mmproj-gemma-4-E2B-it-f16.gguf"), "clip")
+    w.add_string("clip.projector_type", "gemma4v")
+    w.add_tensor("v.patch_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match=r"multimodal projector \(mmproj\).*google/gemma-4-E2B-it"):
+        G.gguf_config(tmp_path / "mmproj-gemma-4-E2B-it-f16.gguf")
+
+
 def test_the_engine_serves_a_gemma4_gguf(folder):
     from gemma4.model.sampling_params import SamplingParams
     from gemma4.serve.engine.engine import Engine

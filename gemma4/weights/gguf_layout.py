@@ -95,6 +95,10 @@ def hf_style_config(g: GGUFFile) -> dict[str, Any]:
         return _gemma3_config(g)
     if arch == "gemma4":
         return _gemma4_config(g)
+    if arch == "clip" or "clip.projector_type" in g.metadata:  # llama.cpp's multimodal projector files
+        raise GGUFError(f"{g.path} is a multimodal projector (mmproj) file, which is not read here: pass the "
+                        "model's own GGUF for text, or the Hugging Face repo (e.g. google/gemma-4-E2B-it) for "
+                        "images and audio")
     raise GGUFError(f"{g.path}: architecture {arch!r} is not supported (gemma3 and gemma4 GGUF files load here)")
 
 
