@@ -18,7 +18,8 @@ from gemma4.serve.probe import main as hardware_main
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bundled",
-                   help="bundled (Gemma 3 270M, offline) | a local HF folder | an HF repo id | random:<preset>")
+                   help="bundled (Gemma 3 270M, offline) | a local HF folder | an HF repo id | a .gguf file | "
+                        "org/name:file.gguf | random:<preset>")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="override the compute dtype of every float computation, the vision/audio towers included "
                         "(GEMMA4_DTYPE)")
