@@ -441,8 +441,8 @@ def test_banner_status_and_meters():
     assert "512 / 1,024" in context_meter_html(512, 1024)
     assert "2 request(s) waiting" in queue_html({"active": 4, "waiting": 2, "max_batch": 4})
     store = queue_html({"active": 1, "waiting": 0, "max_batch": 8, "prefix_cache": {
-        "enabled": True, "rows_holding": 3, "tokens_held": 4210, "hit_rate": 0.625}})
-    assert "3 idle row(s) hold 4,210 tokens" in store and "62% of prompt tokens reused" in store
+        "enabled": True, "rows_holding": 3, "tokens_held": 4210, "bytes_held": 3 * 2**20, "hit_rate": 0.625}})
+    assert "3 idle row(s) hold 4,210 tokens (3.00 MiB of KV cache)" in store and "62% of prompt tokens reused" in store
     assert "prefix-store" not in queue_html({"active": 1, "waiting": 0, "max_batch": 8,
                                              "prefix_cache": {"enabled": False}})
 

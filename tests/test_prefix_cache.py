@@ -425,3 +425,22 @@ def test_conversations_taking_turns_keep_their_histories_in_the_rows(engines, mo
         req, ids, stats = _chat_turn(eng, turn, 4)
         assert stats["cached_tokens"] == len(chats[c]) - 1, (order, stats["cached_tokens"], len(chats[c]))
         chats[c] = turn + ids
+
+
+def test_the_bytes_a_held_prefix_takes_count_a_ring_no_further_than_its_length():
+    from gemma4.model import kv_cache
+    from gemma4.model.config import tiny
+
+    cfg = tiny("gemma3-270m")
+    shapes = __import__("jax").eval_shape(lambda: kv_cache.init_cache(cfg, 3, 64, "float32", "native"))
+    slots = kv_cache.slot_bytes(shapes)
+    assert slots and sum(n * b * 3 for n, b in slots) == kv_cache.cache_bytes(shapes)  # every byte of 3 rows
+    ring = min(n for n, _ in slots)
+    assert ring < 64  # the sliding layers' ring is shorter than the context: what the rule below tests
+    cache = PrefixCache(RingRule(cfg.sliding_window, ring), True, slots)
+    assert cache.bytes_for(0) == 0
+    assert cache.bytes_for(10) == sum(min(10, n) * b for n, b in slots) == 10 * sum(b for _, b in slots)
+    assert cache.bytes_for(60) - cache.bytes_for(59) == sum(b for n, b in slots if n >= 60)  # the ring is full
+    cache.keep(1, Held(np.arange(5, 45), 40), 0.0)
+    stats = cache.stats()
+    assert stats["tokens_held"] == 40 and stats["bytes_held"] == cache.bytes_for(40) > 0

@@ -108,6 +108,17 @@ def cache_bytes(cache: dict) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
 
 
+def slot_bytes(cache: dict) -> tuple[tuple[int, int], ...]:
+    """Per cache entry: (its slots, the bytes one row's slot takes in it — keys, values, scales and
+    position of every layer the entry holds). A row holding n positions takes min(n, slots) of
+    each entry's slots (a sliding layer's ring no more than its length). `cache` may be shapes only."""
+    out = []
+    for entry in cache.values():
+        rows, slots = entry["pos"].shape[-2:]
+        out.append((int(slots), int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(entry)) // (rows * slots))))
+    return tuple(out)
+
+
 def _quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8 per (position, head): x ≈ q * scale, scale = max|x| / 127 over the head dim."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)

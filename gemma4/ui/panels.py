@@ -14,7 +14,7 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gemma4.ui.numbers import as_number, fmt_int, fmt_num
+from gemma4.ui.numbers import as_number, fmt_bytes, fmt_int, fmt_num
 
 
 # --------------------------------------------------------------------------- status and loading
@@ -148,7 +148,9 @@ def queue_html(queue: Mapping[str, Any] | None) -> str:
         rows = int(as_number(prefix.get("rows_holding")) or 0)
         held = int(as_number(prefix.get("tokens_held")) or 0)
         ratio = float(as_number(prefix.get("hit_rate")) or 0.0)
-        store = (f'<br><span id="prefix-store">Prefix cache: {rows} idle row(s) hold {held:,} tokens of earlier '
+        size = as_number(prefix.get("bytes_held"))
+        kv = f" ({fmt_bytes(size)} of KV cache)" if size else ""
+        store = (f'<br><span id="prefix-store">Prefix cache: {rows} idle row(s) hold {held:,} tokens{kv} of earlier '
                  f"prompts · {100 * ratio:.0f}% of prompt tokens reused since start</span>")
     return (
         f'<div id="queue-state" style="color:{color}"><b>Engine:</b> {active} / {slots} '

@@ -149,6 +149,8 @@ class EngineCollector:
                                 value=float(prefix.get("rows_holding", 0)))
         yield GaugeMetricFamily("gemma4_prefix_cache_tokens_held", "prompt positions the idle rows hold",
                                 value=float(prefix.get("tokens_held", 0)))
+        yield GaugeMetricFamily("gemma4_prefix_cache_bytes_held", "KV cache bytes the idle rows' prompts take",
+                                value=float(prefix.get("bytes_held", 0)))
         ready = hasattr(eng, "status") and eng.status().get("state") == "ready"
         yield GaugeMetricFamily("gemma4_engine_ready", "1 once the model is loaded and serving",
                                 value=float(ready))

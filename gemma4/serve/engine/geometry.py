@@ -137,6 +137,9 @@ class ServingGeometry:
     # TPU v5e: 0.02 — the most drafts always win; each shape 20-35 s of compiling ahead of the long
     # prompts' shapes): there a smaller count compiles only once the measured costs call for it.
     fewer_drafts_ahead: bool = False
+    # Per KV cache entry, (its slots, the bytes one row's slot takes): what a prefix a row holds
+    # costs in memory (kv_cache.slot_bytes; set once the cache's shapes are known)
+    slot_bytes: tuple[tuple[int, int], ...] = ()
 
     def bucket_for(self, n: int) -> int:
         return bucket_for(n, self.buckets)

@@ -291,6 +291,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,
                                     kv_format)
     cache_shapes = jax.eval_shape(shape_cache)
+    geometry = dataclasses.replace(geometry, slot_bytes=kv_cache.slot_bytes(cache_shapes))
     cache_sh = sharding.cache_shardings(cfg, cache_shapes, mesh)
     new_cache = jax.jit(shape_cache, out_shardings=cache_sh)
     cache_spec = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), cache_shapes, cache_sh)

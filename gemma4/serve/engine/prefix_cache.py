@@ -192,11 +192,13 @@ def copy_now(req: Request, active: Mapping[int, Request], rule: "RingRule", deco
 class PrefixCache:
     """The idle rows' contents and the choice of a row for a new request (module docstring).
 
-    rule: the ring's; enabled: off makes every request prefill its whole prompt (GEMMA4_PREFIX_CACHE)."""
+    rule: the ring's; enabled: off makes every request prefill its whole prompt (GEMMA4_PREFIX_CACHE);
+    slot_bytes: per cache entry (its slots, the bytes one row's slot takes), for the bytes held."""
 
-    def __init__(self, rule: RingRule, enabled: bool = True):
+    def __init__(self, rule: RingRule, enabled: bool = True, slot_bytes: tuple[tuple[int, int], ...] = ()):
         self.rule = rule
         self.enabled = enabled
+        self.slot_bytes = slot_bytes
         self._idle: dict[int, Held] = {}  # row -> what it holds
         self._used: dict[int, float] = {}  # row -> when its contents were last written or reused
         self._moving: set[int] = set()  # rows a RowMove writes, not yet run: no request takes them
@@ -450,4 +452,9 @@ class PrefixCache:
         idle = dict(self._idle)  # (one copy: the engine's thread may change it meanwhile)
         return {"enabled": self.enabled, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-                "rows_holding": len(idle), "tokens_held": sum(len(h.keys) for h in idle.values())}
+                "rows_holding": len(idle), "tokens_held": sum(len(h.keys) for h in idle.values()),
+                "bytes_held": sum(self.bytes_for(len(h.keys)) for h in idle.values())}
+
+    def bytes_for(self, positions: int) -> int:
+        """The KV cache bytes a row holding `positions` positions takes (a ring: at most its length)."""
+        return sum(min(positions, slots) * size for slots, size in self.slot_bytes)

@@ -76,7 +76,7 @@ class Scheduler:
         self.observers = observers
         self.chunk_override = dict(chunk_override or {False: None, True: None})
         self.costs = StepCosts()
-        self.prefixes = PrefixCache(RingRule(geometry.window, geometry.ring_slots), geometry.prefix_cache)
+        self.prefixes = PrefixCache(RingRule(geometry.window, geometry.ring_slots), geometry.prefix_cache, geometry.slot_bytes)
         self.clock = clock
         self.blocked_on: list[ShapeKey] = []  # the shapes the last planning's waiting rows need
         self.last_busy = time.monotonic()  # when a step was last planned or applied (or the scheduler began)
