@@ -1,6 +1,6 @@
 """Serving under abuse (issue 18 items 2, 3, 5): a fault that loses the KV cache fails the requests
 in it and the engine re-allocates it and keeps serving (which requests any step's fault fails:
-tests/test_scheduling.py, on a fake runner); the
+tests/test_scheduling_fake_runner.py, on a fake runner); the
 caps on messages and input tokens answer a clear 400 before any heavy work; a request whose
 client leaves stops its preprocessing; GET /metrics in the Prometheus format moves with the
 traffic. The tiny random Gemma 4 (tests/scripted.py) for the engine and the HTTP paths."""

@@ -4,7 +4,7 @@ It holds the queue and the cache rows, admits requests, sizes prefill chunks, pl
 steps, decode blocks and fused steps, and finishes or cancels requests. It emits step plans
 (engine/step_plans.py) and applies the runner's outputs to them; it never touches the device,
 and imports no jax (an import contract in pyproject.toml says so), so it is tested with a fake
-runner in milliseconds (tests/test_scheduling.py).
+runner in milliseconds (tests/test_scheduling_fake_runner.py).
 
 How it serves (each step is one `next_step` → the runner → `apply`):
 - A request takes the lowest free row; its prompt is prefilled in bucketed chunks (right-padded,
