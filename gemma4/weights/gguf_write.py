@@ -10,20 +10,19 @@ made from such a file by llama.cpp's own quantizer (`quantize_with_llama_cpp`, b
 
 `synthetic_vocab(size)` is a vocabulary for random weights: Gemma 4's control tokens at their ids
 (<pad> 0, <eos> 1, <bos> 2, <unk> 3, <|turn> 105, <turn|> 106, the others below 105), the 256 byte
-pieces, then BPE pieces learnt from a fixed generated text, then unused pieces up to `size`.
+pieces, then byte-pair pieces learnt from a fixed generated text (`learn_bpe`), then unused pieces up
+to `size`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import zlib
 from typing import Any, Callable
 
 import gguf
 import numpy as np
-from tokenizers import Tokenizer, models, normalizers, trainers
 
 from gemma4.model.config import ModelConfig
 from gemma4.weights.gguf_layout import ROPE_FREQS, TOKENIZER_MODEL, expected_tensors, gemma4_metadata, rope_freqs
@@ -89,30 +88,64 @@ def synthetic_vocab(size: int) -> GGUFVocab:
         tokens[i], types[i] = f"<unused{i}>", 3
     for b in range(256):
         tokens[107 + b], types[107 + b] = f"<0x{b:02X}>", 6
-    # merges learnt on `_corpus()`, spaces as "▁" (the tokenizer's normalizer); at most what fits
-    learnt = min(size - fixed, 4096)
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.Replace(" ", SPACE)
-    bpe.train_from_iterator(_corpus().splitlines(), trainers.BpeTrainer(vocab_size=learnt, limit_alphabet=64, show_progress=False))
-    vocab, merges = bpe.get_vocab(), [m if isinstance(m, str) else " ".join(m)
-                                      for m in json_merges(bpe)]
-    at = fixed
-    for piece, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
-        if at >= size:
-            break
-        tokens[at] = piece
-        at += 1
-    for i in range(at, size):
+    # pieces and merges learnt on `_corpus()` (`learn_bpe`), at most what fits
+    alphabet, merges = learn_bpe(_corpus(), min(size - fixed, MAX_LEARNT))
+    pieces = list(dict.fromkeys(alphabet + ["".join(m) for m in merges]))[:size - fixed]  # (two merges may make one piece)
+    for i, piece in enumerate(pieces):
+        tokens[fixed + i] = piece
+    for i in range(fixed + len(pieces), size):
         tokens[i], types[i] = f"<unused{i}>", 3
-    known = set(t for t in tokens if t is not None)
-    merges = [m for m in merges if all(p in known for p in m.split(" ")) and m.replace(" ", "") in known]
     scores = [0.0 if types[i] != 1 else -float(i) for i in range(size)]
-    return GGUFVocab([t or "" for t in tokens], scores, types, merges)
+    known = set(pieces)
+    kept = [f"{a} {b}" for a, b in merges if a in known and b in known and a + b in known]
+    return GGUFVocab([t or "" for t in tokens], scores, types, kept)
 
 
-def json_merges(tok: Any) -> list:
-    """The merges of a trained `tokenizers` BPE model, in rank order."""
-    return json.loads(tok.to_str())["model"]["merges"]
+MAX_LEARNT = 1024  # pieces learnt at most (the rest of a big vocabulary is unused pieces)
+ALPHABET = 64  # the most frequent characters of the corpus are pieces; the others go to byte pieces
+
+
+def learn_bpe(text: str, pieces: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """A byte-pair vocabulary of `pieces` pieces learnt on `text`: spaces as "▁" (the tokenizer's
+    normalizer), the ALPHABET most frequent characters, then merges of the most frequent adjacent
+    pair (ties: the smaller pair) within words that begin at a "▁". Deterministic, and ours: the
+    suite's recorded llama.cpp ids must not move with another library's trainer."""
+    words: dict[tuple[str, ...], int] = {}
+    for line in text.splitlines():
+        for word in line.replace(" ", " " + SPACE).split(" "):
+            if word:
+                words[tuple(word)] = words.get(tuple(word), 0) + 1
+    counts: dict[str, int] = {}
+    for word, n in words.items():
+        for ch in word:
+            counts[ch] = counts.get(ch, 0) + n
+    alphabet = sorted(counts, key=lambda ch: (-counts[ch], ch))[:ALPHABET]
+    allowed = set(alphabet)
+    words = {w: n for w, n in words.items() if set(w) <= allowed}
+    merges: list[tuple[str, str]] = []
+    while len(alphabet) + len(merges) < pieces:
+        pairs: dict[tuple[str, str], int] = {}
+        for word, n in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] = pairs.get(pair, 0) + n
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        joined = best[0] + best[1]
+        merged = {}
+        for word, n in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(joined)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        words = merged
+    return alphabet, merges
 
 
 def _block_type(name: str, shape: tuple, block_type: str):
