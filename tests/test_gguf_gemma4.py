@@ -298,3 +298,24 @@ def test_a_gguf_of_a_hub_repo_is_downloaded_once_and_loads(folder, monkeypatch):
     calls.clear()
     with pytest.raises(sources.SourceError, match="not in the Hugging Face cache.*HF_HUB_OFFLINE"):
         sources.describe_file(source)
+
+
+def test_a_gated_or_missing_hub_repo_says_what_to_do(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    from gemma4.weights import sources
+
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(sources, "_offline", lambda: False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "get_paths_info", lambda self, repo, paths: [])
+    for error, said in ((GatedRepoError, "is gated: accept its licence"), (RepositoryNotFoundError, "was not found")):
+        def refuse(repo_id, filename, local_files_only=False, token=None, error=error):
+            if local_files_only:
+                raise FileNotFoundError("not cached")
+            refusal = error.__new__(error)  # (the client's errors want an HTTP response to be built)
+            Exception.__init__(refusal, "refused")
+            raise refusal
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+        with pytest.raises(sources.SourceError, match=said):
+            sources.download_file("someone/private-GGUF", "model.gguf")

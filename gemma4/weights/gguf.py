@@ -82,24 +82,45 @@ def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
         log.warning("%s: ignoring %d unexpected tensors: %s", g.path, len(extra), ", ".join(extra[:5]))
 
 
+def _stored_kinds(expected: dict[str, tuple[tuple, LeafSpec]], targets: dict[str, str]) -> dict[str, str]:
+    """Per tensor, how it is read: "int8" (`int8_form`: the file's blocks taken over) where the plan
+    makes its leaf int8 and it is a matrix; else "float32" (dequantized, then built as the plan
+    says: an expert stack (3-D) is quantized from its floats like a float tensor)."""
+    return {n: "int8" if t == "int8" and len(expected[n][1].shape) == 2 else "float32" for n, t in targets.items()}
+
+
+def leaf_form(kind: str, type_name: str) -> str:
+    """What a tensor of GGML type `type_name` read as `kind` (`_stored_kinds`) becomes: "int8_exact"
+    (its blocks re-expressed without rounding), "int8_rerounded" (one scale per 32 inputs),
+    "int8_from_float" (a float tensor: one scale per row) or "float"."""
+    if kind != "int8":
+        return "float"
+    if type_name in FLOAT_TYPES:
+        return "int8_from_float"
+    return "int8_exact" if type_name in EXACT_INT8_GROUPS else "int8_rerounded"
+
+
+_FORM_WORDS = {"int8_exact": "int8, the blocks as they are", "int8_rerounded": "int8, re-rounded per 32 inputs",
+               "int8_from_float": "int8 from its floats"}
+
+
 def file_summary(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | None) -> dict[str, str]:
     """What a GGUF holds and what the plan makes of it, for the Hardware panel: the file, its
     tensors' block types, and per block type the leaves' final form under `quantize`
-    (`Plan.quantize_kwargs()`): int8 taken over from the blocks exactly, re-rounded per 32
-    inputs, or quantized from floats; float leaves (norms, scales, a float plan)."""
+    (`Plan.quantize_kwargs()`, `leaf_form`); a leaf not read as int8 is float, or the plan's
+    quantization of its floats."""
     g = read_gguf(path)
     fmt = LeafFormat("float32", quantize)
+    expected = expected_tensors(cfg)
+    targets = {n: fmt.target(leaf_name(p), spec) for n, (p, spec) in expected.items()}
+    stored = _stored_kinds(expected, targets)
     counts: dict[str, int] = {}
     made: dict[str, dict[str, int]] = {}
-    for name, (tree_path, spec) in expected_tensors(cfg).items():
+    for name in expected:
         kind = g.tensors[name].type_name
         counts[kind] = counts.get(kind, 0) + 1
-        target = fmt.target(leaf_name(tree_path), spec)
-        if target == "int8" and len(spec.shape) == 2:
-            form = ("int8 from its floats" if kind in FLOAT_TYPES else "int8, the blocks as they are"
-                    if kind in EXACT_INT8_GROUPS else "int8, re-rounded per 32 inputs")
-        else:
-            form = target if target != "none" else "float"
+        form = _FORM_WORDS.get(leaf_form(stored[name], kind)) or (
+            "float" if targets[name] == "none" else targets[name])
         made.setdefault(kind, {})
         made[kind][form] = made[kind].get(form, 0) + 1
     order = sorted(counts, key=lambda k: -counts[k])
@@ -306,9 +327,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
     expected = expected_tensors(cfg)
     names = list(expected)
     targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
-    # int8 leaves are taken over from the file's blocks where they are matrices; an expert stack
-    # (3-D) is dequantized and quantized as the plan says, like a float one
-    kinds = {n: "int8" if t == "int8" and len(expected[n][1].shape) == 2 else "float32" for n, t in targets.items()}
+    kinds = _stored_kinds(expected, targets)
     int8_names = sorted(n for n, k in kinds.items() if k == "int8")
     form = "int8" if int8_names else "float32"
     folder = prefix = manifest = None
@@ -373,8 +392,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
     params = _assemble_tree(cfg, leaves)
     counts = {k: 0 for k in ("int8_exact", "int8_rerounded", "int8_from_float", "float")}
     for e in entries.values():
-        counts["float" if e["kind"] == "float32" else "int8_exact" if e["exact"]
-               else "int8_from_float" if e["type"] in FLOAT_TYPES else "int8_rerounded"] += 1
+        counts[leaf_form(e["kind"], e["type"])] += 1
     last_load_stats.clear()
     last_load_stats.update(cached=cached, seconds=time.perf_counter() - t0, form=form,
                            cache_dir=str(folder) if folder else None, tensors=len(names), **counts)

@@ -311,12 +311,8 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
         progress(0.0, f"downloading {repo_id} from the Hugging Face Hub")
     try:
         folder = snapshot_download(**kw)
-    except GatedRepoError:
-        raise SourceError(f"{repo_id} is gated: accept its licence on https://huggingface.co/{repo_id} "
-                          "and set HF_TOKEN to a token of that account") from None
-    except RepositoryNotFoundError:
-        raise SourceError(f"{repo_id} was not found on the Hugging Face Hub (a typo? a private repo needs "
-                          "HF_TOKEN)") from None
+    except (GatedRepoError, RepositoryNotFoundError) as exc:
+        raise _repo_refused(exc, repo_id) from None
     except RevisionNotFoundError as exc:
         raise SourceError(f"{repo_id}: {exc}") from None
     except Exception as exc:  # connection errors, LocalEntryNotFoundError when unreachable, timeouts
@@ -325,6 +321,17 @@ def download(repo_id: str, progress: Progress | None = None) -> str:
     if not _snapshot_complete(folder):
         raise SourceError(f"{repo_id} has no config.json + *.safetensors checkpoint (downloaded to {folder})")
     return folder
+
+
+def _repo_refused(exc: Exception, repo_id: str) -> SourceError:
+    """The Hub's refusal of a repo (gated, or not found: huggingface_hub's GatedRepoError is a
+    RepositoryNotFoundError) as the message that says what to do."""
+    from huggingface_hub.errors import GatedRepoError  # deferred: as huggingface_hub
+
+    if isinstance(exc, GatedRepoError):
+        return SourceError(f"{repo_id} is gated: accept its licence on https://huggingface.co/{repo_id} "
+                           "and set HF_TOKEN to a token of that account")
+    return SourceError(f"{repo_id} was not found on the Hugging Face Hub (a typo? a private repo needs HF_TOKEN)")
 
 
 def download_file(repo_id: str, filename: str, progress: Progress | None = None) -> str:
@@ -356,12 +363,8 @@ def download_file(repo_id: str, filename: str, progress: Progress | None = None)
         progress(0.0, f"downloading {filename}{size} from {repo_id} on the Hugging Face Hub")
     try:
         path = hf_hub_download(repo_id, filename, token=token)
-    except GatedRepoError:
-        raise SourceError(f"{repo_id} is gated: accept its licence on https://huggingface.co/{repo_id} "
-                          "and set HF_TOKEN to a token of that account") from None
-    except RepositoryNotFoundError:
-        raise SourceError(f"{repo_id} was not found on the Hugging Face Hub (a typo? a private repo needs "
-                          "HF_TOKEN)") from None
+    except (GatedRepoError, RepositoryNotFoundError) as exc:
+        raise _repo_refused(exc, repo_id) from None
     except EntryNotFoundError:
         raise SourceError(f"{repo_id} has no file {filename} (its file list: https://huggingface.co/{repo_id}/tree/main)"
                           ) from None
