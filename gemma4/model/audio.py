@@ -36,11 +36,11 @@ D tower width, H heads of d = D / H, C chunk, W context window, nb = âŒˆT2 / CâŒ
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from gemma4.model import embedders
 from gemma4.model.config import AudioConfig, ModelConfig
@@ -77,7 +77,7 @@ def _subsample_layer(x: jax.Array, mask: jax.Array, w: jax.Array, scale: jax.Arr
     return jax.nn.relu(embedders.layer_norm(y, scale, None, eps)), mask[:, ::2]
 
 
-def subsample(ap: dict, a: AudioConfig, features: jax.Array, mask: jax.Array, dtype: Any):
+def subsample(ap: dict, a: AudioConfig, features: jax.Array, mask: jax.Array, dtype: DTypeLike):
     """([B, T2, D], mask [B, T2]): the two subsampling convolutions and the input linear."""
     x = features.astype(dtype)[..., None]  # [B, T, F, 1]
     x, mask = _subsample_layer(x, mask, ap["conv0"], ap["conv0_norm"], a.rms_norm_eps)
@@ -200,7 +200,7 @@ def conformer_layer(lp: dict, a: AudioConfig, x: jax.Array, valid: jax.Array) ->
 
 
 # ----------------------------------------------------------------------------- tower + projector
-def tower(ap: dict, a: AudioConfig, features: jax.Array, mask: jax.Array, dtype: Any):
+def tower(ap: dict, a: AudioConfig, features: jax.Array, mask: jax.Array, dtype: DTypeLike):
     """([B, T2, output_proj_dims] in `dtype`, valid [B, T2]): the audio tower up to its output
     projection (transformers' `Gemma4AudioModel` last_hidden_state and attention_mask)."""
     x, valid = subsample(ap, a, features, mask, dtype)
@@ -221,7 +221,7 @@ def subsampled_length(frames: int) -> int:
 
 
 def encode_audio(params: dict, cfg: ModelConfig, features: jax.Array, mask: jax.Array, *,
-                 dtype: Any = jnp.float32) -> tuple[jax.Array, jax.Array]:
+                 dtype: DTypeLike = jnp.float32) -> tuple[jax.Array, jax.Array]:
     """(soft [B, T2, text hidden], valid [B, T2] bool) for B clips of log-mel features (the 12B:
     of raw 640-sample frames [B, T, 640], one soft token each, valid = mask).
 

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar, Union
 
 from gemma4.model.media_defaults import MediaDefaults, media_defaults_from_folder
 from gemma4.model.unified_config import (PatchEmbedderConfig, WaveformAudioConfig, patch_embedder_from_hf,
@@ -25,6 +26,10 @@ from gemma4.model.unified_config import (PatchEmbedderConfig, WaveformAudioConfi
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+
+JSON = Union[str, int, float, bool, None, list["JSON"], dict[str, "JSON"]]
+"""A value of a JSON document: a Hugging Face config.json's (`from_hf_config`), and the reports and
+stats the package writes out as JSON."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,7 +474,7 @@ def _rope_from_dict(params: dict | None, default_theta: float) -> RopeSpec:
     )
 
 
-def _first(value: Any) -> int:
+def _first(value: int | Sequence[int]) -> int:
     return int(value[0] if isinstance(value, (list, tuple)) else value)
 
 
@@ -875,7 +880,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     )
 
     def rope_dict(r: RopeSpec) -> dict:
-        d: dict[str, Any] = {"rope_type": r.kind, "rope_theta": r.theta}
+        d: dict[str, str | float] = {"rope_type": r.kind, "rope_theta": r.theta}
         if r.kind == "linear":
             d["factor"] = r.factor
         if r.kind == "proportional":

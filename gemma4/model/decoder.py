@@ -11,13 +11,13 @@ Padding tokens carry position -1: they are never attended to and never written t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.typing import DTypeLike
 
 from gemma4.model import kv_cache
 from gemma4.model.config import LayerRun, LayerSpec, ModelConfig
@@ -45,13 +45,13 @@ class RunOptions:
     # > 0: a chunk of several query blocks that attends to cached keys (a later prefill chunk) does
     # so one block of this many queries at a time (`QueryBlocks`); 0: one product for the chunk
     query_block: int = 0
-    mesh: Any = None  # the engine's jax Mesh (gemma4.plan.sharding); an `expert` axis > 1 runs the MoE per shard
+    mesh: Mesh | None = None  # the engine's mesh (gemma4.plan.sharding); an `expert` axis > 1 runs the MoE per shard
     # Each run of repeated layer periods (ModelConfig.layer_runs) as a jax.lax.scan over its periods:
     # one period traced and compiled per run. False: the periods unrolled (the same results; for A/B)
     scan_layers: bool = True
 
     @property
-    def dtype(self) -> Any:
+    def dtype(self) -> DTypeLike:
         return jnp.dtype(self.compute_dtype)
 
 
@@ -66,7 +66,7 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, d] for the rotate-half layout, built in float32 then cast (as transformers)."""
     angles = jnp.maximum(positions, 0).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
@@ -154,6 +154,15 @@ class WindowKeys:
     k: jax.Array
     v: jax.Array
     pos: jax.Array
+
+
+Keys = tuple | CacheKeys | WindowKeys
+"""A layer's keys as the layers after it that share them read them: (keys, values, key positions),
+`CacheKeys` or `WindowKeys`."""
+
+Stacker = Callable[[list[jax.Array]], jax.Array | jax.ShapeDtypeStruct]
+"""Stacks equal leaves along a new first axis (`stack_layers`): jnp.stack, or one that keeps each leaf's
+placement or gives shapes only (`gemma4.plan.sharding.stack_placed`)."""
 
 
 def causal_blocks(tokens: int) -> int:
@@ -256,7 +265,7 @@ def _experts(u, top_w, top_i, gate_up, down, cfg: ModelConfig, first: jax.Array 
     return jnp.einsum("ne,neh->nh", combine.astype(u.dtype), out, preferred_element_type=f32)
 
 
-def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Any = None) -> jax.Array:
+def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Mesh | None = None) -> jax.Array:
     """The 26B-A4B expert bank, routed on the raw residual as transformers does.
 
     On a mesh each device runs only the experts (and the MLP columns of them) it holds, inside
@@ -296,7 +305,7 @@ def moe_block(residual: jax.Array, lp: dict, cfg: ModelConfig, mesh: Any = None)
 _QKV_AXES = {"q": ("batch", None, "q_heads", "head_dim"), "kv": ("batch", "cache_slots", "kv_heads", "head_dim")}
 
 
-def _pin(x: jax.Array, axes: tuple, mesh: Any) -> jax.Array:
+def _pin(x: jax.Array, axes: tuple, mesh: Mesh) -> jax.Array:
     """x pinned to the split the model's partition rules (gemma4.model.partitioning) give these logical
     axes. Left free, XLA split replicated K/V over an idle mesh axis (or along the head dim) and
     all-gathered it back each step (tiny 26B-A4B on tensor=2,expert=2: a whole [4, 128, 1, 32] layer
@@ -306,7 +315,7 @@ def _pin(x: jax.Array, axes: tuple, mesh: Any) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ embedding
-def embed_tokens(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: Any) -> jax.Array:
+def embed_tokens(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: DTypeLike) -> jax.Array:
     """Scaled token embedding [B,T,H]: the decoder's input scale (what an `inputs_embeds` row must match)."""
     table = params["embed"]
     scale_dtype = table.dtype if jnp.issubdtype(table.dtype, jnp.floating) else dtype
@@ -315,7 +324,8 @@ def embed_tokens(params: dict, cfg: ModelConfig, tokens: jax.Array, dtype: Any) 
     return take_rows(table, tokens, dtype) * scale
 
 
-def per_layer_inputs(params: dict, cfg: ModelConfig, e: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array | None:
+def per_layer_inputs(params: dict, cfg: ModelConfig, e: jax.Array, tokens: jax.Array,
+                     dtype: DTypeLike) -> jax.Array | None:
     """The per-layer inputs [B,T,L,P] (None without PLE): the ids' per-layer embedding plus a
     projection of the input embedding `e` [B,T,H] (which, for a media position, is not its id's)."""
     if not cfg.hidden_size_per_layer_input:
@@ -347,7 +357,7 @@ def lm_head(params: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------------------ one layer
 def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Array, sin: jax.Array,
-         mesh: Any = None):
+         mesh: Mesh | None = None):
     B, T, _ = a.shape
     d = spec.head_dim
     names = ["q"] if spec.is_kv_consumer else ["q", "k"] if spec.k_eq_v else ["q", "k", "v"]
@@ -365,7 +375,7 @@ def _qkv(lp: dict, spec: LayerSpec, cfg: ModelConfig, a: jax.Array, cos: jax.Arr
     return q, k, v
 
 
-def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: Any, tokens: int) -> bool:
+def _write_first(spec: LayerSpec, cfg: ModelConfig, entry: dict, dtype: DTypeLike, tokens: int) -> bool:
     """Whether a chunk of several tokens may be written to the cache before it attends, reading
     its own keys back from there instead of concatenating the cached row with them: reading a
     cache before writing it in place makes XLA:CPU copy the whole layer cache (twice; see
@@ -434,7 +444,7 @@ def full_layers_read_natively(cfg: ModelConfig, options: RunOptions, kv_format: 
                                          if not spec.is_sliding and not spec.is_kv_consumer)
 
 
-def _pin_kv(keys: tuple | CacheKeys | WindowKeys, mesh: Any) -> tuple | CacheKeys | WindowKeys:
+def _pin_kv(keys: tuple | CacheKeys | WindowKeys, mesh: Mesh | None) -> tuple | CacheKeys | WindowKeys:
     """(keys, values, key positions) or `WindowKeys`, keys and values pinned to the mesh's K/V
     split (`_pin`); `CacheKeys` (one device only) as they are."""
     if mesh is None or isinstance(keys, CacheKeys):
@@ -652,7 +662,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
                  hidden=return_hidden)
     hidden = [x] if return_hidden else None
     new_cache = dict(cache) if cache is not None else None
-    shared: dict[int, Any] = {}  # donor layer -> its keys (`_layer`), for the KV-sharing layers after it
+    shared: dict[int, Keys | list[Keys]] = {}  # donor layer -> its keys (`_layer`), for the KV-sharing layers after it
     for run, weights in zip(cfg.layer_runs, run_weights(params, cfg, options.scan_layers)):
         ple = None if per_layer is None else _run_inputs(per_layer, run)
         x, new_cache, states = _run_layers(x, ple, weights, run, call, new_cache, shared)
@@ -852,7 +862,7 @@ def run_weights(params: dict, cfg: ModelConfig, scan: bool = True) -> "tuple[tup
                  for run in cfg.layer_runs)
 
 
-def stack_layers(params: dict, cfg: ModelConfig, stack: Any = None) -> dict:
+def stack_layers(params: dict, cfg: ModelConfig, stack: Stacker | None = None) -> dict:
     """`params` with its per-layer list replaced by the stacked runs (`run_weights`); already
     stacked: as it is. `stack` stacks a list of equal leaves (default: jnp.stack; an engine passes
     one that keeps each leaf's placement, or builds shapes only)."""
@@ -862,7 +872,7 @@ def stack_layers(params: dict, cfg: ModelConfig, stack: Any = None) -> dict:
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_runs": runs}
 
 
-def _stack_runs(layers: list, cfg: ModelConfig, stack: Any) -> tuple[tuple[dict, ...], ...]:
+def _stack_runs(layers: list, cfg: ModelConfig, stack: Stacker) -> tuple[tuple[dict, ...], ...]:
     out = []
     for run in cfg.layer_runs:
         positions = []

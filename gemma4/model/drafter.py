@@ -39,17 +39,18 @@ Parameter tree (linear weights [out, in], as the checkpoint):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from gemma4.model import config as C
 from gemma4.model import decoder as M
 from gemma4.model import kv_cache
 from gemma4.model.config import FULL, SLIDING, ModelConfig
-from gemma4.model.params import LeafSpec, iter_specs, spec_at, tree_from_leaves
+from gemma4.model.params import LeafSpec, Specs, iter_specs, spec_at, tree_from_leaves
 from gemma4.ops.linear import linear, take_rows
 
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -115,7 +116,13 @@ def _check_centroids(d: DrafterConfig) -> None:
         raise ValueError(f"{d.name}: vocabulary {d.vocab_size} in {d.num_centroids} clusters, top {d.centroid_top_k}")
 
 
-def from_transformers(config: Any) -> DrafterConfig:
+class HFConfig(Protocol):
+    """A transformers config object, as far as it is read here."""
+
+    def to_dict(self) -> dict: ...
+
+
+def from_transformers(config: HFConfig) -> DrafterConfig:
     """A DrafterConfig from a transformers `Gemma4AssistantConfig` / `Gemma4UnifiedAssistantConfig`."""
     return from_hf_config(config.to_dict())
 
@@ -210,7 +217,7 @@ def _norm(n: int) -> LeafSpec:
     return LeafSpec((n,), (None,), "norm")
 
 
-def param_specs(d: DrafterConfig) -> dict[str, Any]:
+def param_specs(d: DrafterConfig) -> Specs:
     """The drafter's tree of LeafSpecs (module doc)."""
     t = d.text
     H, V, Bt = t.hidden_size, t.vocab_size, d.backbone_hidden_size
@@ -225,7 +232,7 @@ def param_specs(d: DrafterConfig) -> dict[str, Any]:
                 "down": LeafSpec((H, spec.mlp_width), ("embed", "mlp"), "linear"),
                 "layer_scalar": LeafSpec((1,), (None,), "scalar")}
 
-    tree: dict[str, Any] = {
+    tree: Specs = {
         "embed": LeafSpec((V, H), ("vocab", "embed"), "embed"), "final_norm": _norm(H),
         "pre_projection": LeafSpec((H, 2 * Bt), ("embed", None), "linear"),
         "post_projection": LeafSpec((Bt, H), (None, "embed"), "linear"),
@@ -268,7 +275,7 @@ def tree_path(name: str) -> tuple | None:
     raise KeyError(name)
 
 
-def leaf(spec: LeafSpec, raw: Any, dtype: Any, name: str = "") -> jax.Array:
+def leaf(spec: LeafSpec, raw: np.ndarray | jax.Array, dtype: DTypeLike, name: str = "") -> jax.Array:
     """One checkpoint tensor as its leaf: norms and scalars float32, token ids int32 (checked to be
     integers: a float copy of ids up to 262,143 would not hold them), the rest `dtype`."""
     raw = np.asarray(raw)
@@ -281,7 +288,8 @@ def leaf(spec: LeafSpec, raw: Any, dtype: Any, name: str = "") -> jax.Array:
     return jnp.asarray(raw, dtype)
 
 
-def params_from_state_dict(state: Mapping[str, Any], d: DrafterConfig, dtype: Any = jnp.float32) -> dict:
+def params_from_state_dict(state: Mapping[str, np.ndarray | jax.Array], d: DrafterConfig,
+                           dtype: DTypeLike = jnp.float32) -> dict:
     """The parameter tree from a drafter's state dict ({HF name: array}; a safetensors folder is read
     by gemma4.weights.drafter_checkpoint). Every tensor must be there once, with its shape."""
     specs = param_specs(d)
@@ -309,7 +317,7 @@ def params_from_state_dict(state: Mapping[str, Any], d: DrafterConfig, dtype: An
     return tree_from_leaves(specs, found)
 
 
-def random_params(d: DrafterConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
+def random_params(d: DrafterConfig, seed: int = 0, dtype: DTypeLike = jnp.float32) -> dict:
     """Random drafter weights (tests, speed runs; not a model): weights N(0, 0.05²), norms around
     1 (q norms around 0.5: unit ones at attention scale 1.0 saturate a random net's softmax),
     layer scalars in [0.5, 1), the token ordering a random permutation of the vocabulary."""
@@ -345,7 +353,7 @@ def key_mask(attention: str, key_pos: jax.Array, position: jax.Array, window: in
     return seen[:, None, :]
 
 
-def target_keys(target: ModelConfig, target_cache: dict, cache_row: jax.Array | int, batch: int, dtype: Any,
+def target_keys(target: ModelConfig, target_cache: dict, cache_row: jax.Array | int, batch: int, dtype: DTypeLike,
                 kv_len: int | None = None) -> dict[str, tuple[jax.Array, jax.Array, jax.Array]]:
     """{layer type: (k, v, key positions)} of the target's store layers (`store_layers`) for cache rows
     [cache_row, cache_row + batch), in `dtype`; full layers' slots [0, kv_len) (None: all)."""
@@ -366,7 +374,7 @@ class _Round:
 
 
 def _round(d: DrafterConfig, target: ModelConfig, target_cache: dict, position: jax.Array,
-           cache_row: jax.Array | int, dtype: Any, kv_len: int | None) -> _Round:
+           cache_row: jax.Array | int, dtype: DTypeLike, kv_len: int | None) -> _Round:
     check_pair(d, target)
     B = position.shape[0]
     stores = store_layers(target)
@@ -385,7 +393,7 @@ def _round(d: DrafterConfig, target: ModelConfig, target_cache: dict, position: 
     return _Round(keys, masks, tables)
 
 
-def _layer(x: jax.Array, lp: dict, spec: Any, t: ModelConfig, rnd: _Round) -> jax.Array:
+def _layer(x: jax.Array, lp: dict, spec: C.LayerSpec, t: ModelConfig, rnd: _Round) -> jax.Array:
     """One drafter layer on x [B, 1, H]: a Gemma 4 dense layer whose attention is queries only."""
     B = x.shape[0]
     eps = t.rms_norm_eps
@@ -425,7 +433,7 @@ def head(dparams: dict, d: DrafterConfig, z: jax.Array) -> jax.Array:
 
 
 def _step(dparams: dict, d: DrafterConfig, target_params: dict, target: ModelConfig, token: jax.Array,
-          h: jax.Array, rnd: _Round, dtype: Any) -> DraftStep:
+          h: jax.Array, rnd: _Round, dtype: DTypeLike) -> DraftStep:
     e = M.embed_tokens(target_params, target, token[:, None], dtype)  # the target's input scale
     x = linear(jnp.concatenate([e, h[:, None].astype(dtype)], axis=-1), dparams["pre_projection"])
     for spec, lp in zip(d.text.layers, dparams["layers"]):
@@ -436,7 +444,7 @@ def _step(dparams: dict, d: DrafterConfig, target_params: dict, target: ModelCon
 
 def draft_step(dparams: dict, d: DrafterConfig, target_params: dict, target: ModelConfig, token: jax.Array,
                h: jax.Array, position: jax.Array, target_cache: dict, cache_row: jax.Array | int = 0, *,
-               dtype: Any = jnp.float32, kv_len: int | None = None) -> DraftStep:
+               dtype: DTypeLike = jnp.float32, kv_len: int | None = None) -> DraftStep:
     """One drafting step for rows [cache_row, cache_row + B) of the target's cache.
 
     token [B] int32 the newest token; h [B, B_t] (module doc); position [B] int32 p, the newest
@@ -448,7 +456,7 @@ def draft_step(dparams: dict, d: DrafterConfig, target_params: dict, target: Mod
 
 def draft_tokens(dparams: dict, d: DrafterConfig, target_params: dict, target: ModelConfig, token: jax.Array,
                  h: jax.Array, position: jax.Array, target_cache: dict, k: int, cache_row: jax.Array | int = 0, *,
-                 dtype: Any = jnp.float32, kv_len: int | None = None) -> tuple[jax.Array, jax.Array]:
+                 dtype: DTypeLike = jnp.float32, kv_len: int | None = None) -> tuple[jax.Array, jax.Array]:
     """k greedy drafts from one round: (ids [B, k] int32, the drafter's logits [B, k, V] float32,
     what a sampling rule's q is made of). The cache is read once; every step queries at `position`."""
     rnd = _round(d, target, target_cache, position, cache_row, dtype, kv_len)

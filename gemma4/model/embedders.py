@@ -20,10 +20,10 @@ P values per patch (6,912), E embed width, H text hidden.
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gemma4.model.config import ModelConfig
 from gemma4.model.decoder import rms_norm
@@ -43,7 +43,7 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: floa
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def position_rows(table: jax.Array, position_ids: jax.Array, dtype: Any) -> jax.Array:
+def position_rows(table: jax.Array, position_ids: jax.Array, dtype: DTypeLike) -> jax.Array:
     """[B, N, E]: the factorised 2-D position embedding, table[x, 0] + table[y, 1] (table
     [rows, 2, E]); an axis at -1 (a padding row) adds nothing."""
     table = table.astype(dtype)
@@ -56,7 +56,7 @@ def position_rows(table: jax.Array, position_ids: jax.Array, dtype: Any) -> jax.
 
 
 def embed_patches(vp: dict, v: PatchEmbedderConfig, pixel_values: jax.Array, position_ids: jax.Array,
-                  dtype: Any) -> jax.Array:
+                  dtype: DTypeLike) -> jax.Array:
     """[B, N, H] soft tokens of B images' model patches (the module docstring's image path)."""
     x = layer_norm(pixel_values.astype(dtype), vp["ln1_scale"], vp["ln1_bias"])
     x = linear(x, vp["dense"]) + vp["dense_bias"].astype(dtype)
@@ -65,7 +65,7 @@ def embed_patches(vp: dict, v: PatchEmbedderConfig, pixel_values: jax.Array, pos
     return linear(rms_norm(x, None, v.rms_norm_eps), vp["proj"])
 
 
-def embed_frames(ap: dict, a: WaveformAudioConfig, frames: jax.Array, dtype: Any) -> jax.Array:
+def embed_frames(ap: dict, a: WaveformAudioConfig, frames: jax.Array, dtype: DTypeLike) -> jax.Array:
     """[B, N, H] soft tokens of B clips' audio frames [B, N, samples_per_token]: each frame's
     samples RMS-normalised (its loudness dropped; a silent frame gives zeros), then projected."""
     return linear(rms_norm(frames.astype(dtype), None, a.rms_norm_eps), ap["proj"])

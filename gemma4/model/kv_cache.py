@@ -17,10 +17,10 @@ Attention masks come from `pos`, so what a query may see never depends on paddin
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gemma4.model.config import LayerSpec, ModelConfig
 
@@ -80,7 +80,7 @@ def cache_slot(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     raise ValueError(f"layer {layer} is not one of {cfg.name}'s {cfg.num_layers} layers")
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any, kv_format: str = "native"
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DTypeLike, kv_format: str = "native"
                ) -> dict[int, dict[str, jax.Array]]:
     """An empty cache: {first producer layer of an entry: {k, v, pos[, k_scale, v_scale]}}, each
     array stacked over the layers of the entry (`cache_slot`)."""
@@ -137,7 +137,7 @@ def _select_rows(x: jax.Array, row: jax.Array | int, batch: int) -> jax.Array:
     return jnp.sum(jnp.where(pick, x[None], jnp.zeros((), x.dtype)), axis=1, dtype=x.dtype)
 
 
-def read(entry: dict[str, jax.Array], dtype: Any, layer: jax.Array | int = 0, row: jax.Array | int = 0,
+def read(entry: dict[str, jax.Array], dtype: DTypeLike, layer: jax.Array | int = 0, row: jax.Array | int = 0,
          batch: int | None = None, kv_len: int | None = None, rows_sharded: bool = False
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(k, v, pos) of the entry's layer `layer`, cache rows [row, row + batch) and slots [0, kv_len),

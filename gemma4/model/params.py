@@ -29,13 +29,18 @@ when unset).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TypeGuard, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gemma4.model.config import AudioConfig, LayerSpec, ModelConfig, VisionConfig
 from gemma4.model.unified_config import PatchEmbedderConfig
+from gemma4.ops.quant import PyTree, Weight
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,10 @@ class LeafSpec:
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
             raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+
+
+Specs = dict[str, PyTree[LeafSpec]]
+"""A tree of LeafSpecs shaped as the parameter tree (`param_specs`), or one of its dict subtrees."""
 
 
 def _norm(n: int) -> LeafSpec:
@@ -101,9 +110,9 @@ def _tower(shape: tuple[int, ...], axes: tuple[str | None, ...] | None = None) -
     return LeafSpec(shape, axes or (None,) * len(shape), "tower")
 
 
-def _vision_layer_spec(v: VisionConfig) -> dict[str, Any]:
+def _vision_layer_spec(v: VisionConfig) -> Specs:
     D, d, I = v.hidden_size, v.head_dim, v.intermediate_size
-    out: dict[str, Any] = {
+    out: Specs = {
         "attn_norm": _norm(D), "post_attn_norm": _norm(D), "pre_ffw_norm": _norm(D), "post_ffw_norm": _norm(D),
         "q": _tower((v.num_heads * d, D), ("q_heads", "embed")),
         "k": _tower((v.num_kv_heads * d, D), ("kv_heads", "embed")),
@@ -117,11 +126,11 @@ def _vision_layer_spec(v: VisionConfig) -> dict[str, Any]:
     return out
 
 
-def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
+def _vision_spec(cfg: ModelConfig) -> Specs:
     """The tower (patch embedder, encoder layers, standardization) and the projector `proj`
     [text hidden, tower hidden] (transformers' `embed_vision.embedding_projection`)."""
     v = cfg.vision
-    tree: dict[str, Any] = {
+    tree: Specs = {
         "patch_proj": _tower((v.hidden_size, v.patch_dim)),
         "pos_table": _tower((2, v.position_table_size, v.hidden_size), (None, "vocab", "embed")),  # rows, as embed
         "layers": [_vision_layer_spec(v) for _ in range(v.num_layers)],
@@ -133,7 +142,7 @@ def _vision_spec(cfg: ModelConfig) -> dict[str, Any]:
     return tree
 
 
-def _patch_embedder_spec(cfg: ModelConfig) -> dict[str, Any]:
+def _patch_embedder_spec(cfg: ModelConfig) -> Specs:
     """The 12B's encoder-free vision embedder (transformers' `Gemma4UnifiedVisionEmbedder`): LayerNorm
     of the patch `ln1_*` [patch_dim], `dense` [E, patch_dim] + `dense_bias`, LayerNorm `ln2_*` [E],
     the position table `pos_table` [rows, 2, E], LayerNorm `pos_norm_*` [E], the projector `proj`
@@ -156,9 +165,9 @@ def _patch_embedder_spec(cfg: ModelConfig) -> dict[str, Any]:
 AUDIO_LINEARS = ("ffn1_up", "ffn1_down", "ffn2_up", "ffn2_down", "q", "k", "v", "o", "conv_start", "conv_end")
 
 
-def _audio_layer_spec(a: AudioConfig) -> dict[str, Any]:
+def _audio_layer_spec(a: AudioConfig) -> Specs:
     D = a.hidden_size
-    out: dict[str, Any] = {}
+    out: Specs = {}
     for ffn in ("ffn1", "ffn2"):  # the half-step feed-forwards before and after attention + conv
         out.update({f"{ffn}_pre_norm": _norm(D), f"{ffn}_post_norm": _norm(D),
                     f"{ffn}_up": _tower((4 * D, D), ("mlp", "embed")), f"{ffn}_down": _tower((D, 4 * D), ("embed", "mlp"))})
@@ -179,7 +188,7 @@ def _audio_layer_spec(a: AudioConfig) -> dict[str, Any]:
     return out
 
 
-def _audio_spec(cfg: ModelConfig) -> dict[str, Any]:
+def _audio_spec(cfg: ModelConfig) -> Specs:
     """The tower (subsampling convolutions [out, in, 3, 3] with their LayerNorm scales, input
     linear, conformer layers, output projection with bias) and the projector `proj`
     [text hidden, output_proj_dims] (transformers' `embed_audio.embedding_projection`)."""
@@ -196,9 +205,9 @@ def _audio_spec(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+def param_specs(cfg: ModelConfig) -> Specs:
     """The whole tree of LeafSpecs for `cfg`."""
-    tree: dict[str, Any] = {
+    tree: Specs = {
         "embed": LeafSpec((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "embed"),
         "final_norm": _norm(cfg.hidden_size),
         "layers": [_layer_spec(cfg, s) for s in cfg.layers],
@@ -218,11 +227,11 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     return tree
 
 
-def is_leaf_spec(x: Any) -> bool:
+def is_leaf_spec(x: object) -> TypeGuard[LeafSpec]:
     return isinstance(x, LeafSpec)
 
 
-def leaf_dtype(spec: LeafSpec, weight_dtype: Any, tower_dtype: Any = None) -> Any:
+def leaf_dtype(spec: LeafSpec, weight_dtype: DTypeLike, tower_dtype: DTypeLike | None = None) -> DTypeLike:
     """Norms, scalars and clip bounds stay float32; a tower's weights are stored in `tower_dtype`
     (the plan's encoder dtype; None: `weight_dtype`); everything else in `weight_dtype`."""
     if spec.kind in ("norm", "scalar", "clip"):
@@ -230,7 +239,7 @@ def leaf_dtype(spec: LeafSpec, weight_dtype: Any, tower_dtype: Any = None) -> An
     return tower_dtype if spec.kind == "tower" and tower_dtype is not None else weight_dtype
 
 
-def abstract_params(cfg: ModelConfig, weight_dtype: Any = jnp.float32) -> dict[str, Any]:
+def abstract_params(cfg: ModelConfig, weight_dtype: DTypeLike = jnp.float32) -> Specs:
     """jax.ShapeDtypeStruct tree (no allocation) — for shape checks and eval_shape."""
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, leaf_dtype(s, weight_dtype)),
                         param_specs(cfg), is_leaf=is_leaf_spec)
@@ -241,7 +250,7 @@ def leaf_name(path: tuple) -> str | None:
     return next((p for p in reversed(path) if isinstance(p, str)), None)
 
 
-def spec_at(specs: Any, path: tuple) -> LeafSpec | None:
+def spec_at(specs: PyTree[LeafSpec], path: tuple) -> LeafSpec | None:
     """The leaf spec at `path` in a spec tree (dicts and lists), or None where there is none."""
     node = specs
     for part in path:
@@ -252,7 +261,7 @@ def spec_at(specs: Any, path: tuple) -> LeafSpec | None:
     return node if isinstance(node, LeafSpec) else None
 
 
-def iter_specs(tree: Any, prefix: tuple = ()):
+def iter_specs(tree: PyTree[LeafSpec], prefix: tuple = ()) -> Iterator[tuple[tuple, LeafSpec]]:
     """(path, LeafSpec) in jax's tree order (sorted dict keys), paths of str keys and int indices."""
     if is_leaf_spec(tree):
         yield prefix, tree
@@ -264,7 +273,7 @@ def iter_specs(tree: Any, prefix: tuple = ()):
             yield from iter_specs(v, prefix + (i,))
 
 
-def tree_from_leaves(specs: Any, leaves: dict[tuple, Any], prefix: tuple = ()) -> Any:
+def tree_from_leaves(specs: PyTree[LeafSpec], leaves: Mapping[tuple, T], prefix: tuple = ()) -> PyTree[T]:
     """The tree shaped like `specs` with the leaf at each path taken from `leaves`."""
     if is_leaf_spec(specs):
         return leaves[prefix]
@@ -273,7 +282,7 @@ def tree_from_leaves(specs: Any, leaves: dict[tuple, Any], prefix: tuple = ()) -
     return [tree_from_leaves(v, leaves, prefix + (i,)) for i, v in enumerate(specs)]
 
 
-def count_bytes(params: Any) -> int:
+def count_bytes(params: PyTree[Weight]) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
@@ -296,7 +305,7 @@ def has_tower(params: dict) -> bool:
     return any(key in params for key in TOWER_KEYS)
 
 
-def cast_towers(params: dict, cfg: ModelConfig, dtype: Any) -> dict:
+def cast_towers(params: dict, cfg: ModelConfig, dtype: DTypeLike) -> dict:
     """`params` with every "tower" leaf (the vision/audio towers' weight matrices and tables)
     in `dtype`; norms, scalars and clip bounds stay float32, the text model is untouched. The
     encoder dtype is a choice of its own (`gemma4.plan.hardware_checks.decide_encoder_dtype`)."""
@@ -313,7 +322,7 @@ def cast_towers(params: dict, cfg: ModelConfig, dtype: Any) -> dict:
     return out
 
 
-def _iter_leaves(tree: Any, prefix: tuple = ()):
+def _iter_leaves(tree: PyTree[Weight], prefix: tuple = ()) -> Iterator[tuple[tuple, Weight]]:
     """(path, leaf) of a params subtree, paths as `iter_specs` writes them."""
     if isinstance(tree, dict):
         for k in sorted(tree):

@@ -16,11 +16,12 @@ flax's on every array of every model. Choosing and checking a mesh, and placing 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from jax.sharding import Mesh, PartitionSpec as P
 
-from gemma4.ops.quant import Int4Array
+from gemma4.model.params import LeafSpec
+from gemma4.ops.quant import Int4Array, QuantArray
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -128,7 +129,7 @@ def mesh_sizes(mesh: Mesh | dict) -> dict[str, int]:
     return dict(mesh.shape) if isinstance(mesh, Mesh) else {a: int(mesh.get(a, 1)) for a in MESH_AXES}
 
 
-def leaf_axes(spec: Any, leaf: Any, sizes: dict[str, int]) -> tuple[str | None, str | None]:
+def leaf_axes(spec: LeafSpec, leaf: QuantArray | Int4Array, sizes: dict[str, int]) -> tuple[str | None, str | None]:
     """(out, in) mesh axes of a 2-D quantized leaf described by `spec` (a LeafSpec): both parts of
     the leaf must split alike.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,10 @@ from gemma4.ops import fixed_sums
 REPETITION_WINDOW = 64  # tokens the repetition penalty looks back over
 
 
+Rows = np.ndarray | jax.Array | jax.ShapeDtypeStruct
+"""One field of `SamplingRows`: host arrays while built, device arrays once moved, shapes in `spec`."""
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
@@ -42,13 +46,13 @@ class SamplingRows:
     to the device with `on_device`; `spec` is the shape a step is compiled for.
     """
 
-    seeds: Any  # uint32 [B]: the request's seed; the row's key is fold_in(PRNGKey(seed), steps)
-    steps: Any  # int32 [B]: tokens the row has generated so far (a fresh key per token)
-    temperature: Any  # float32 [B]: 0 = greedy
-    top_k: Any  # int32 [B]: 1..K_MAX (validated)
-    top_p: Any  # float32 [B]: nucleus mass in (0, 1]
-    recent: Any  # int32 [B, REPETITION_WINDOW]: the prompt + reply tail the penalty covers; -1 = empty
-    penalty: Any  # float32 [B]: repetition penalty; 1 = off
+    seeds: Rows  # uint32 [B]: the request's seed; the row's key is fold_in(PRNGKey(seed), steps)
+    steps: Rows  # int32 [B]: tokens the row has generated so far (a fresh key per token)
+    temperature: Rows  # float32 [B]: 0 = greedy
+    top_k: Rows  # int32 [B]: 1..K_MAX (validated)
+    top_p: Rows  # float32 [B]: nucleus mass in (0, 1]
+    recent: Rows  # int32 [B, REPETITION_WINDOW]: the prompt + reply tail the penalty covers; -1 = empty
+    penalty: Rows  # float32 [B]: repetition penalty; 1 = off
 
     @classmethod
     def idle(cls, n: int, window: int = REPETITION_WINDOW) -> "SamplingRows":

@@ -21,11 +21,11 @@ Shapes: B images, P patches (a multiple of k²), D tower width, d head dim, L = 
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from gemma4.model import embedders
 from gemma4.model.config import ModelConfig, VisionConfig
@@ -53,7 +53,7 @@ def clipped_linear(x: jax.Array, lp: dict, name: str) -> jax.Array:
 
 
 def patch_embed(vp: dict, v: VisionConfig, pixel_values: jax.Array, position_ids: jax.Array,
-                padding: jax.Array, dtype: Any) -> jax.Array:
+                padding: jax.Array, dtype: DTypeLike) -> jax.Array:
     """[B, P, D]: the patches' projection plus the learned x- and y-position rows (none for padding)."""
     x = linear((2.0 * (pixel_values.astype(jnp.float32) - 0.5)).astype(dtype), vp["patch_proj"])
     pos = jnp.maximum(position_ids, 0)
@@ -62,7 +62,7 @@ def patch_embed(vp: dict, v: VisionConfig, pixel_values: jax.Array, position_ids
     return x + jnp.where(padding[..., None], jnp.zeros((), dtype), emb)
 
 
-def rope_2d(v: VisionConfig, position_ids: jax.Array, dtype: Any) -> list[tuple[jax.Array, jax.Array]]:
+def rope_2d(v: VisionConfig, position_ids: jax.Array, dtype: DTypeLike) -> list[tuple[jax.Array, jax.Array]]:
     """(cos, sin) [B, P, d/2] per spatial axis: the first half of each head rotates with the
     patch's x, the second half with its y (transformers' axial RoPE; raw ids, padding included)."""
     inv = jnp.asarray(np.asarray(v.inverse_frequencies(), np.float32))
@@ -132,7 +132,7 @@ def pool(v: VisionConfig, x: jax.Array, position_ids: jax.Array, padding: jax.Ar
     return pooled.astype(dtype).astype(jnp.float32) * np.float32(v.hidden_size ** 0.5)
 
 
-def tower(vp: dict, v: VisionConfig, pixel_values: jax.Array, position_ids: jax.Array, dtype: Any,
+def tower(vp: dict, v: VisionConfig, pixel_values: jax.Array, position_ids: jax.Array, dtype: DTypeLike,
           query_block: int = QUERY_BLOCK) -> jax.Array:
     """[B, L, D] in `dtype`: the vision tower's pooled (and standardized) soft tokens, before the projector."""
     padding = jnp.all(position_ids == -1, axis=-1)  # [B, P]
@@ -152,7 +152,7 @@ def project(vp: dict, v: VisionConfig, h: jax.Array) -> jax.Array:
 
 
 def encode_images(params: dict, cfg: ModelConfig, pixel_values: jax.Array, position_ids: jax.Array, *,
-                  dtype: Any = jnp.float32, query_block: int = QUERY_BLOCK) -> jax.Array:
+                  dtype: DTypeLike = jnp.float32, query_block: int = QUERY_BLOCK) -> jax.Array:
     """Soft tokens [B, P // k², text hidden] of B preprocessed images (the 12B's encoder-free
     embedder: [B, P, text hidden], one 48-px patch a soft token).
 

@@ -25,17 +25,17 @@ How they run:
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from gemma4.ops import chunked, int8_matmul
 from gemma4.ops.kernels.int4_matmul import int4_matmul
-from gemma4.ops.quant import (Int4Array, LayerSlice, QuantArray, dequant_int4, dequant_int8, is_sharded, local_leaf,
-                              stored, take_panel_rows)
+from gemma4.ops.quant import (Int4Array, LayerSlice, QuantArray, Weight, dequant_int4, dequant_int8, is_sharded,
+                              local_leaf, stored, take_panel_rows)
 
 
 # For a few activation rows (decode), XLA:CPU runs an elementwise convert·multiply + row reduction
@@ -101,7 +101,7 @@ def _int4_linear(x: jax.Array, w: Int4Array) -> jax.Array:
 SPLIT_ROWS_MIN = 64
 
 
-def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
+def _spmd(x: jax.Array, ws: list, out_dtype: DTypeLike) -> list[jax.Array]:
     """linear / linear_many of quantized leaves sharded over a mesh, one shard per device.
 
     XLA's SPMD partitioner cannot split the native int8 kernel (an FFI custom call) or see
@@ -147,7 +147,7 @@ def _spmd(x: jax.Array, ws: list, out_dtype: Any) -> list[jax.Array]:
     return [y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype) for y, w in zip(ys, ws)]
 
 
-def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
+def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype: DTypeLike | None = None) -> jax.Array:
     """x [..., in] · Wᵀ → [..., out] in `out_dtype` (default x.dtype), accumulated in float32.
 
     W is a plain [out, in] array, a QuantArray or an Int4Array.
@@ -164,7 +164,7 @@ def linear(x: jax.Array, w: Any, out_dtype: Any = None) -> jax.Array:
     return y.astype(out_dtype)
 
 
-def linear_many(x: jax.Array, ws: list, out_dtype: Any = None) -> list[jax.Array]:
+def linear_many(x: jax.Array, ws: list, out_dtype: DTypeLike | None = None) -> list[jax.Array]:
     """[linear(x, w) for w in ws], as one native kernel call when every leaf runs on the same native
     path here (`native` or `native-gemm`).
 
@@ -209,7 +209,7 @@ def _take_byte_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(mine[..., None], picked, jnp.iinfo(table.dtype).min), axis=-2)
 
 
-def take_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
+def take_rows(table: Weight, ids: jax.Array, dtype: DTypeLike) -> jax.Array:
     """table[ids] as `dtype` (embedding lookup); quantized tables dequantize only the gathered rows."""
     if isinstance(table, QuantArray) and table.layout == "panels":
         return dequant_int8(*take_panel_rows(table, ids), table.group_size, dtype)

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import BinaryIO, TypeGuard, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT4_KERNELS = ("xla", "pallas", "pallas-interpret")  # pallas-interpret: tests / CPU only
@@ -64,7 +66,7 @@ class QuantArray:
     paths: tuple[tuple[int, str], ...] = dataclasses.field(default=(), metadata=dict(static=True))
     # Set by the sharding code on a mesh of more than one device: the mesh and the mesh axis (or
     # None) of the (out, in) dims; `linear` then runs each device's shard (see ops.linear).
-    mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
     mesh_axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
     layout: str = dataclasses.field(default="rows", metadata=dict(static=True))
 
@@ -91,7 +93,7 @@ class QuantArray:
     def nbytes(self) -> int:
         return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
 
-    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+    def dequantize(self, dtype: DTypeLike = jnp.float32) -> jax.Array:
         return dequant_int8(*self.rows(), self.group_size, dtype)
 
     def rows(self, count: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -114,7 +116,7 @@ class QuantArray:
 HOST_ALIGN = 64
 
 
-def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def host_empty(shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     """An uninitialised C-contiguous numpy array whose data start is HOST_ALIGN-byte aligned."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -150,7 +152,7 @@ def write_rows(out, rows, start):
     return jax.lax.dynamic_update_slice_in_dim(out, rows, start, axis=0)
 
 
-def copy_in_pieces(host: np.ndarray, rows: int, device: Any = None) -> jax.Array:
+def copy_in_pieces(host: np.ndarray, rows: int, device: jax.Device | None = None) -> jax.Array:
     """`host` on `device` (None: the default device), copied `rows` rows at a time into one
     device array (its buffer updated in place). One piece is in flight at a time, so the copy
     needs one piece of device memory beside the array."""
@@ -162,14 +164,14 @@ def copy_in_pieces(host: np.ndarray, rows: int, device: Any = None) -> jax.Array
     return out
 
 
-def to_device(host: np.ndarray, device: Any = None) -> jax.Array:
+def to_device(host: np.ndarray, device: jax.Device | None = None) -> jax.Array:
     """`jax.device_put(host, device)`, in row pieces where one copy would be slow (COPY_PIECE_BYTES)."""
     target = device if device is not None else jax.devices()[0]
     rows = copy_piece_rows(host.shape, host.dtype.itemsize, target.platform)
     return jax.device_put(host, device) if rows is None else copy_in_pieces(host, rows, device)
 
 
-def read_aligned(f: Any, shape: tuple[int, ...], dtype: Any, name: str) -> np.ndarray:
+def read_aligned(f: BinaryIO, shape: tuple[int, ...], dtype: DTypeLike, name: str) -> np.ndarray:
     """The next bytes of the open binary file `f` as a `host_empty` array of `shape` and `dtype`
     (read straight into it, no copy); ValueError naming `name` when the file ends first."""
     out = host_empty(shape, dtype)
@@ -263,7 +265,7 @@ def as_panels(w: "QuantArray") -> "QuantArray":
 def with_half_scales(w: "QuantArray") -> "QuantArray":
     """A panels leaf on one CPU whose grouped scales are all float16 values — a GGUF Q8_0, Q4_0 or
     Q5_0 table's own scales are — with them stored as float16: the same values in half the bytes
-    (the native panel kernels convert them as they read). Any other leaf is returned as it is."""
+    (the native panel kernels convert them as they read). Every other leaf is returned as it is."""
     if (w.layout != "panels" or not w.group_size or w.scale.dtype != jnp.float32
             or not (isinstance(w.scale, np.ndarray) or _on_one_cpu(w.scale))):
         return w
@@ -318,7 +320,7 @@ def panels5_ok(w: "QuantArray") -> bool:
 
 def with_5bit_panels(w: "QuantArray") -> "QuantArray":
     """An int8 panels leaf on one CPU whose values all lie in PANEL5_RANGE — a GGUF Q5_0 (or Q4_0)
-    table's do — stored as 5-bit panels: the same values in 20 of 32 bytes per pair. Any other leaf
+    table's do — stored as 5-bit panels: the same values in 20 of 32 bytes per pair. Every other leaf
     is returned as it is."""
     if not panels5_ok(w) or not (isinstance(w.q, np.ndarray) or _on_one_cpu(w.q)):
         return w
@@ -404,7 +406,7 @@ class Int4Array:
     kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
     block: tuple[int, int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     chunk_rows: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # as QuantArray
-    mesh: Any = dataclasses.field(default=None, metadata=dict(static=True))  # as QuantArray
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))  # as QuantArray
     mesh_axes: tuple[str | None, str | None] = dataclasses.field(default=(None, None), metadata=dict(static=True))
 
     @property
@@ -427,7 +429,7 @@ class Int4Array:
         """int8 values in [-8, 7], [out, in]."""
         return unpack_int4(self.packed)
 
-    def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+    def dequantize(self, dtype: DTypeLike = jnp.float32) -> jax.Array:
         return dequant_int4(self.packed, self.scale, self.group_size, dtype)
 
 
@@ -441,7 +443,7 @@ class LayerSlice:
     bundled model decoded at 1.24x the time that way; XLA on an accelerator reads the slice in place)."""
 
     stack: QuantArray
-    layer: Any
+    layer: jax.Array | int
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -454,12 +456,24 @@ class LayerSlice:
         return dataclasses.replace(self.stack, q=self.stack.q[self.layer], scale=self.stack.scale[self.layer])
 
 
-def stored(w: Any) -> tuple[Any, Any]:
+Weight = jax.Array | np.ndarray | QuantArray | Int4Array
+"""A weight leaf of the parameter tree (this module's docstring); a host (numpy) array while it loads."""
+
+T = TypeVar("T")
+PyTree = Union[T, dict[str, "PyTree[T]"], dict[int, "PyTree[T]"], list["PyTree[T]"], tuple["PyTree[T]", ...]]
+"""A nest of dicts (str keys; int keys: a KV cache's entries), lists and tuples, as `jax.tree` walks
+it, with leaves of type `T`."""
+
+Params = dict[str, PyTree[Weight]]
+"""A parameter tree, laid out as `gemma4.model.params` describes it."""
+
+
+def stored(w: Weight | LayerSlice) -> tuple[Weight, jax.Array | int | None]:
     """(the leaf as stored, its layer): a `LayerSlice`'s stack and layer, any other leaf and None."""
     return (w.stack, w.layer) if isinstance(w, LayerSlice) else (w, None)
 
 
-def is_quantized(x: Any) -> bool:
+def is_quantized(x: object) -> TypeGuard[QuantArray | Int4Array]:
     return isinstance(x, (QuantArray, Int4Array))
 
 
@@ -482,7 +496,7 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=-1).astype(jnp.int8)
 
 
-def dequant_int8(q: jax.Array, scale: jax.Array, group_size: int | None, dtype: Any) -> jax.Array:
+def dequant_int8(q: jax.Array, scale: jax.Array, group_size: int | None, dtype: DTypeLike) -> jax.Array:
     """int8 [..., in] with per-row scale [...] or grouped scale [..., in / group_size] → dtype."""
     qf, scale = q.astype(jnp.float32), scale.astype(jnp.float32)  # (float16 scales: exact in float32)
     if group_size is None:
@@ -492,7 +506,7 @@ def dequant_int8(q: jax.Array, scale: jax.Array, group_size: int | None, dtype: 
     return groups.reshape(*lead, n_in).astype(dtype)
 
 
-def dequant_int4(packed: jax.Array, scale: jax.Array, group_size: int, dtype: Any) -> jax.Array:
+def dequant_int4(packed: jax.Array, scale: jax.Array, group_size: int, dtype: DTypeLike) -> jax.Array:
     """uint8 [..., in/2] (halves layout) with grouped scale [..., in / group_size] → dtype [..., in]."""
     q = unpack_int4(packed).astype(jnp.float32)
     *lead, n_in = q.shape
@@ -585,14 +599,14 @@ def quantize_int4(w: jax.Array, group_size: int = 64, kernel: str = "xla",
     return Int4Array(packed, scale, group_size, kernel, block)
 
 
-def dequantize(w: Any, dtype: Any = jnp.float32) -> jax.Array:
-    """Any weight leaf → a dense array of `dtype`."""
+def dequantize(w: Weight, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    """A weight leaf, whatever its form → a dense array of `dtype`."""
     if is_quantized(w):
         return w.dequantize(dtype)
     return jnp.asarray(w).astype(dtype)
 
 
-def quantization_error(w: jax.Array, qw: Any) -> dict[str, float]:
+def quantization_error(w: jax.Array, qw: Weight) -> dict[str, float]:
     """Relative Frobenius error and max abs error of a quantized weight against the original."""
     wf = np.asarray(jnp.asarray(w, jnp.float32))
     d = np.asarray(dequantize(qw, jnp.float32))
@@ -602,19 +616,19 @@ def quantization_error(w: jax.Array, qw: Any) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ on a device mesh
-def is_sharded(w: Any) -> bool:
+def is_sharded(w: object) -> bool:
     """Whether `w` is a quantized leaf split over a mesh of more than one device."""
     return is_quantized(w) and w.mesh is not None and w.mesh.size > 1
 
 
-def local_leaf(w: Any, *arrays) -> Any:
+def local_leaf(w: QuantArray | Int4Array, *arrays: jax.Array) -> QuantArray | Int4Array:
     """The leaf of one device's shard: the same layout, no mesh (so `linear` runs it directly)."""
     names = ("q", "scale") if isinstance(w, QuantArray) else ("packed", "scale")
     return dataclasses.replace(w, **dict(zip(names, arrays)), mesh=None, mesh_axes=(None, None))
 
 
 # ------------------------------------------------------------------------------ whole trees
-def with_int4_kernel(params: Any, kernel: str, block: tuple[int, int, int] | None = None) -> Any:
+def with_int4_kernel(params: Params, kernel: str, block: tuple[int, int, int] | None = None) -> Params:
     """Switch every Int4Array leaf to `kernel` ("xla" | "pallas" | "pallas-interpret")."""
     if kernel not in INT4_KERNELS:
         raise ValueError(f"kernel {kernel!r} not in {INT4_KERNELS}")
@@ -623,7 +637,7 @@ def with_int4_kernel(params: Any, kernel: str, block: tuple[int, int, int] | Non
         params, is_leaf=lambda x: isinstance(x, Int4Array))
 
 
-def quantized_bytes(params: Any) -> dict[str, int]:
+def quantized_bytes(params: PyTree[Weight]) -> dict[str, int]:
     """Bytes by storage kind: {"float": ..., "int8": ..., "int4": ..., "total": ...}."""
     out = {"float": 0, "int8": 0, "int4": 0}
     for leaf in jax.tree.leaves(params, is_leaf=is_quantized):

@@ -30,7 +30,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ import numpy as np
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.quant import QuantArray, as_panels, panels_shape_ok, with_5bit_panels, with_half_scales
+from gemma4.ops.quant import Params, QuantArray, as_panels, panels_shape_ok, with_5bit_panels, with_half_scales
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
 from gemma4.plan.tuning_report import INT8_ACTIVATION_PATHS, accuracy_bound
@@ -79,7 +78,7 @@ class Product:
         return f"{self.n}x{self.k}/" + (f"g{self.group}" if self.group else "row")
 
 
-def _leaves_with_paths(params: Any) -> list[tuple[tuple, QuantArray]]:
+def _leaves_with_paths(params: Params) -> list[tuple[tuple, QuantArray]]:
     out = []
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QuantArray))
     for path, leaf in flat:
@@ -97,7 +96,7 @@ def _leaves_with_paths(params: Any) -> list[tuple[tuple, QuantArray]]:
 INT8_INPUT_LEAVES = ("q", "k", "v", "gate", "up")
 
 
-def products(params: Any) -> dict[Product, QuantArray]:
+def products(params: Params) -> dict[Product, QuantArray]:
     """One representative leaf per distinct int8 product the forward pass runs through `linear`."""
     leaves: dict[tuple, QuantArray] = {}
     normed: dict[tuple, bool] = {}  # every leaf of the shape reads a normalized hidden state
@@ -394,7 +393,7 @@ def choose_panel_bits(prods: dict, rng, forced: str | None = None) -> dict:
     return {"bits": bits, "reason": reason, "timings_ms": {str(b): t for b, t in timings.items()}}
 
 
-def tune(params: Any, native_ok: bool, use_cache: bool = True, progress=None, full: bool = False,
+def tune(params: Params, native_ok: bool, use_cache: bool = True, progress=None, full: bool = False,
          layout: str | None = None, activations: str = "int16", panel_bits: str | None = None) -> dict:
     """Measure (or read from the cache) the storage layout, then the winner per product and row class.
 
@@ -470,20 +469,20 @@ def paths_table(entry: dict) -> tuple[tuple[int, str], ...]:
     return tuple((c["max_rows"], c["path"]) for c in entry["classes"])
 
 
-def panel5_bytes(params: Any) -> tuple[int, int]:
+def panel5_bytes(params: Params) -> tuple[int, int]:
     """(leaves stored as 5-bit panels, bytes that saves against int8 panels)."""
     fives = [leaf for _, leaf in _leaves_with_paths(params) if leaf.panel_bits == 5]
     return len(fives), sum(int(leaf.q.size) * 32 // 20 - int(leaf.q.size) for leaf in fives)
 
 
-def half_scale_bytes(params: Any) -> tuple[int, int]:
+def half_scale_bytes(params: Params) -> tuple[int, int]:
     """(int8 leaves whose scales are float16, scale bytes that saves against float32)."""
     halves = [leaf for _, leaf in _leaves_with_paths(params) if leaf.scale.dtype == jnp.float16]
     return len(halves), sum(int(leaf.scale.size) * 2 for leaf in halves)
 
 
-def apply(params: Any, tuning: dict | None, forced: str | None = None, native_ok: bool = False,
-          release: bool = False, half_scales: bool = True, panel_bits: int | None = None) -> Any:
+def apply(params: Params, tuning: dict | None, forced: str | None = None, native_ok: bool = False,
+          release: bool = False, half_scales: bool = True, panel_bits: int | None = None) -> Params:
     """Set `paths` (and the layout) on every int8 leaf: from the tuning, or `forced` for decode rows
     (≤ 8) where that path can run the leaf (others keep the built-in path; `native-panels` stores
     the leaves it can run as panels, for every row count).

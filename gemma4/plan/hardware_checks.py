@@ -20,11 +20,12 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from gemma4.model.config import ModelConfig, config_has_tower, preset
 from gemma4.model import decoder
@@ -33,11 +34,12 @@ from gemma4.model.params import cast_towers, has_tower
 from gemma4.ops import quant
 from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
+from gemma4.ops.quant import Params
 from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
 from gemma4.plan.hardware import (Choice, Plan, PolicyError, encoder_dtype_rule, encoder_free_choice,
                                   memory_bandwidth_gbps, normalize_overrides, policy)
 from gemma4.plan.hardware_probe import HardwareFacts, probe
-from gemma4.plan.hardware_report import report_dict
+from gemma4.plan.hardware_report import Overrides, report_dict
 from gemma4.paths import cache_root
 
 
@@ -204,7 +206,7 @@ def apply_jax_config(plan: Plan) -> None:
     jax.config.update("jax_default_matmul_precision", plan.matmul_precision.value)
 
 
-def resolve(model_config=None, overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+def resolve(model_config=None, overrides: Overrides | None = None, env: Mapping[str, str] | None = None,
             facts: HardwareFacts | None = None, run_self_test: bool = True) -> tuple[Plan, dict]:
     """probe → policy → self-test; optional paths that fail the self-test fall back loudly.
 
@@ -253,9 +255,9 @@ def native_kernel_ready() -> bool:
     return bool(status.ok and cpu_int8.cached_self_test(status)["ok"])
 
 
-def choose_int8_matmul(plan: Plan, params: Any, overrides: Mapping[str, Any] | None = None,
+def choose_int8_matmul(plan: Plan, params: Params, overrides: Overrides | None = None,
                        env: Mapping[str, str] | None = None, progress=None,
-                       release: bool = False) -> tuple[Any, Plan, dict | None]:
+                       release: bool = False) -> tuple[Params, Plan, dict | None]:
     """How each int8 product runs on CPU, decided once the weights are loaded.
 
     auto / GEMMA4_INT8_MATMUL=measure: build/load the native kernel and self-test it, then time
@@ -366,7 +368,7 @@ def tower_width(cfg: ModelConfig) -> int:
     return max(widths + [ENCODER_PROBE_MIN_WIDTH])
 
 
-def time_tower_product(width: int, dtype: Any, rounds: int = 3) -> float:
+def time_tower_product(width: int, dtype: DTypeLike, rounds: int = 3) -> float:
     """Best seconds of one [ENCODER_PROBE_ROWS, width] × [width, 4·width] product in `dtype`,
     float32 accumulation, jitted (compile excluded): a tower's MLP product."""
     rng = np.random.default_rng(0)
@@ -382,7 +384,7 @@ def time_tower_product(width: int, dtype: Any, rounds: int = 3) -> float:
     return best
 
 
-def decide_encoder_dtype(plan: Plan, cfg: ModelConfig | None, overrides: Mapping[str, Any] | None = None,
+def decide_encoder_dtype(plan: Plan, cfg: ModelConfig | None, overrides: Overrides | None = None,
                          env: Mapping[str, str] | None = None, timer=None,
                          facts: HardwareFacts | None = None) -> tuple[Plan, dict | None]:
     """The dtype the vision/audio towers run in (weights and activations), decided before the
@@ -428,7 +430,7 @@ def apply_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig) -> dict:
     return cast_towers(params, cfg, jnp.dtype(plan.encoder_dtype.value))
 
 
-def full_report(model_config=None, overrides: Mapping[str, Any] | None = None,
+def full_report(model_config=None, overrides: Overrides | None = None,
                 env: Mapping[str, str] | None = None, facts: HardwareFacts | None = None,
                 run_self_test: bool = True) -> dict:
     """facts + plan + self-test as one JSON-able dict (for the UI panel and start-up logs)."""

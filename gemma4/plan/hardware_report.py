@@ -10,11 +10,15 @@ choice) are `gemma4.plan.hardware_checks`, which builds its report with `report_
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 from gemma4.plan import tuning_report
 from gemma4.plan.hardware import CHOICE_NAMES, Plan, encoder_dtype_rule, policy
 from gemma4.plan.hardware_probe import GiB, HardwareFacts
+
+Overrides = Mapping[str, str | int | float | bool | None]
+"""Plan overrides by name ("dtype" or "GEMMA4_DTYPE" alike), each value read as its setting reads its
+text (`gemma4.plan.hardware.normalize_overrides`); None or "auto": no override."""
 
 
 def report_dict(facts: HardwareFacts, plan: Plan, self_test: dict | None) -> dict:
@@ -23,7 +27,7 @@ def report_dict(facts: HardwareFacts, plan: Plan, self_test: dict | None) -> dic
             "warnings": list(plan.warnings)}
 
 
-def simulated_report(facts: HardwareFacts, model_config=None, overrides: Mapping[str, Any] | None = None,
+def simulated_report(facts: HardwareFacts, model_config=None, overrides: Overrides | None = None,
                      env: Mapping[str, str] | None = None) -> tuple[Plan, dict]:
     """policy on simulated facts: (the plan, its report); a simulated device has no self-test.
 

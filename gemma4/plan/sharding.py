@@ -32,19 +32,24 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
+from jax.typing import DTypeLike
 
 from gemma4.model.kv_cache import slots_for
-from gemma4.model.params import is_leaf_spec, iter_specs, leaf_dtype, leaf_name, param_specs
+from gemma4.model.params import LeafSpec, is_leaf_spec, iter_specs, leaf_dtype, leaf_name, param_specs
 from gemma4.model.partitioning import (ACTIVATION_AXES, CACHE_AXES, KV_HEADS_POLICY, MESH_AXES, RULES,
                                        count_spec, leaf_axes, logical_spec, mesh_sizes, rules_table)
-from gemma4.ops.quant import Int4Array, QuantArray, is_quantized, is_sharded, local_leaf
+from gemma4.ops.quant import Int4Array, Params, PyTree, QuantArray, Weight, is_quantized, is_sharded, local_leaf
 from gemma4.weights.leaf_format import LeafFormat
+
+Placement = NamedSharding | QuantArray | Int4Array
+"""Where a parameter leaf lives: a plain leaf's NamedSharding, or a quantized leaf of the same type
+holding its parts' NamedShardings (what `jax.device_put` takes for it)."""
 
 
 class MeshError(ValueError):
@@ -111,7 +116,7 @@ def _common_divisors(values: Sequence[int], limit: int) -> list[int]:
     return [d for d in range(1, max(1, limit) + 1) if all(v % d == 0 for v in values)]
 
 
-def _describe_devices(devices: Sequence[Any] | None, n: int) -> str:
+def _describe_devices(devices: Sequence[jax.Device] | None, n: int) -> str:
     if not devices:
         return f"{n} device{'s' if n != 1 else ''}"
     kinds = sorted({f"{d.platform}:{getattr(d, 'device_kind', '?')}" for d in devices})
@@ -119,7 +124,7 @@ def _describe_devices(devices: Sequence[Any] | None, n: int) -> str:
 
 
 def validate_mesh(cfg, shape: dict[str, int], n_devices: int, *, batch: int | None = None,
-                  devices: Sequence[Any] | None = None) -> None:
+                  devices: Sequence[jax.Device] | None = None) -> None:
     """Raise MeshError unless `shape` can run `cfg` on `n_devices` (and `batch` decode rows).
 
     The message names the devices present and every divisor the mesh must honour.
@@ -161,7 +166,7 @@ def validate_mesh(cfg, shape: dict[str, int], n_devices: int, *, batch: int | No
 
 
 # ------------------------------------------------------------------------------ the mesh
-def make_mesh(shape: dict[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A Mesh with axes MESH_AXES (size 1 where `shape` omits an axis) over the first devices.
 
     `tensor` is the innermost (fastest varying) axis: its collectives run every layer, so its
@@ -199,7 +204,7 @@ def check_rules(rules: Sequence[tuple[str, str | None]], axes_sets: Sequence[tup
             raise MeshError(f"partition rules map two axes of {axes} onto one mesh axis ({used})")
 
 
-def _with_mesh(spec, leaf, mesh: Mesh) -> Any:
+def _with_mesh(spec: LeafSpec, leaf: Weight, mesh: Mesh) -> Weight:
     """A quantized leaf told its mesh and axes (so `linear.linear` runs it per shard)."""
     if not is_quantized(leaf):
         return leaf
@@ -208,7 +213,7 @@ def _with_mesh(spec, leaf, mesh: Mesh) -> Any:
     return dataclasses.replace(leaf, mesh=mesh, mesh_axes=leaf_axes(spec, leaf, mesh_sizes(mesh)))
 
 
-def _leaf_sharding(spec, leaf, mesh: Mesh) -> Any:
+def _leaf_sharding(spec: LeafSpec, leaf: Weight | LeafSpec | jax.ShapeDtypeStruct, mesh: Mesh) -> Placement:
     sizes = mesh_sizes(mesh)
     if isinstance(leaf, (QuantArray, Int4Array)):
         out_ax, in_ax = leaf.mesh_axes if leaf.mesh is not None else leaf_axes(spec, leaf, sizes)
@@ -226,7 +231,7 @@ def all_axes(cfg) -> list[tuple]:
     return [s.axes for s in leaves] + list(CACHE_AXES.values()) + list(ACTIVATION_AXES.values())
 
 
-def param_shardings(cfg, params_or_spec: Any, mesh: Mesh) -> Any:
+def param_shardings(cfg, params_or_spec: PyTree[Weight] | PyTree[LeafSpec], mesh: Mesh) -> PyTree[Placement]:
     """NamedShardings shaped like `params_or_spec` (a parameter tree, or `params.param_specs(cfg)`):
     a quantized leaf gets a leaf of the same type holding its parts' shardings."""
     check_rules(RULES, all_axes(cfg))
@@ -238,13 +243,13 @@ def param_shardings(cfg, params_or_spec: Any, mesh: Mesh) -> Any:
                         is_leaf=lambda x: is_leaf_spec(x) or is_quantized(x))
 
 
-def annotate_params(cfg, params: Any, mesh: Mesh) -> Any:
+def annotate_params(cfg, params: Params, mesh: Mesh) -> Params:
     """Quantized leaves told the mesh and the axes they split over (no data moves)."""
     return jax.tree.map(lambda s, leaf: _with_mesh(s, leaf, mesh), param_specs(cfg), params,
                         is_leaf=lambda x: is_leaf_spec(x) or is_quantized(x))
 
 
-def shard_params(cfg, params: Any, mesh: Mesh) -> Any:
+def shard_params(cfg, params: Params, mesh: Mesh) -> Params:
     """The parameter tree placed on `mesh` per RULES (each device receives only its shards)."""
     params = annotate_params(cfg, params, mesh)
     return jax.device_put(params, param_shardings(cfg, params, mesh))
@@ -259,7 +264,7 @@ def cache_shardings(cfg, cache: dict, mesh: Mesh) -> dict:
                   for name, arr in entry.items()} for idx, entry in cache.items()}
 
 
-def stacked_placement(leaves: list) -> Any:
+def stacked_placement(leaves: Sequence[jax.Array | jax.ShapeDtypeStruct]) -> Sharding | None:
     """The placement of equal leaves stacked along a new first axis (`decoder.stack_layers`): each
     leaf's split with that axis whole (a single device's leaves: that device)."""
     sh = getattr(leaves[0], "sharding", None)
@@ -268,7 +273,8 @@ def stacked_placement(leaves: list) -> Any:
     return sh
 
 
-def stack_placed(leaves: list, release: bool = False) -> Any:
+def stack_placed(leaves: Sequence[jax.Array | jax.ShapeDtypeStruct],
+                 release: bool = False) -> jax.Array | jax.ShapeDtypeStruct:
     """`leaves` stacked along a new first axis, placed as `stacked_placement` says: arrays are
     stacked on their devices; shapes (ShapeDtypeStruct) give the stacked shape. `release`: the
     leaves' buffers are freed once stacked (the caller holds them nowhere else), so a model's layers
@@ -288,7 +294,7 @@ def stack_placed(leaves: list, release: bool = False) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _stacker(placement: Any) -> Any:
+def _stacker(placement: Sharding) -> Callable[..., jax.Array]:
     """One jitted stack per placement (jax then compiles it once per leaf shape)."""
     return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=placement)
 
@@ -306,10 +312,10 @@ def _part_bytes(shape: Sequence[int], itemsize: float, spec: tuple, sizes: dict[
     return int(n)
 
 
-def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: Any = "float32",
+def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: DTypeLike = "float32",
                            quantize: dict | None = None, batch: int = 0, context: int = 0,
-                           kv_dtype: Any = "float32", kv_format: str = "native",
-                           tower_dtype: Any = None) -> dict[str, int]:
+                           kv_dtype: DTypeLike = "float32", kv_format: str = "native",
+                           tower_dtype: DTypeLike | None = None) -> dict[str, int]:
     """Bytes one device holds under RULES on a mesh of `shape`, computed without any device.
 
     Weights in their final form (`quantize` = `Plan.quantize_kwargs()`, per-row int8 scales; a
@@ -352,7 +358,7 @@ def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: A
     return {"weights": int(weights), "kv_cache": int(kv), "total": int(weights + kv)}
 
 
-def device_bytes(tree: Any) -> dict[str, int]:
+def device_bytes(tree: PyTree[Weight]) -> dict[str, int]:
     """Bytes each device actually holds of a placed tree ({str(device): bytes}, addressable shards)."""
     out: dict[str, int] = {}
     for leaf in jax.tree.leaves(tree):
@@ -362,7 +368,8 @@ def device_bytes(tree: Any) -> dict[str, int]:
     return out
 
 
-def placement_info(mesh: Mesh, shape: dict[str, int], params: Any, cache: Any, widths: Sequence[int]) -> dict:
+def placement_info(mesh: Mesh, shape: dict[str, int], params: Params, cache: dict[int, dict[str, jax.Array]],
+                   widths: Sequence[int]) -> dict:
     """The mesh, the rule table and the bytes each device holds (engine.info()["sharding"])."""
     weights, kv = device_bytes(params), device_bytes(cache)
     return {"mesh": mesh_string(shape), "shape": {a: int(n) for a, n in mesh.shape.items()},
@@ -373,12 +380,12 @@ def placement_info(mesh: Mesh, shape: dict[str, int], params: Any, cache: Any, w
 
 
 # ------------------------------------------------------------------------------ per-device views
-def any_sharded(params: Any) -> bool:
+def any_sharded(params: Params) -> bool:
     """Whether any quantized leaf is split over a mesh of more than one device."""
     return any(is_sharded(leaf) for leaf in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
-def local_view(params: Any) -> Any:
+def local_view(params: Params) -> Params:
     """Each quantized leaf as device 0's shard (shapes a device really multiplies), unsplit leaves
     as they are: what the CPU int8 path is measured on under a mesh."""
     def local(leaf):
@@ -390,7 +397,7 @@ def local_view(params: Any) -> Any:
     return jax.tree.map(local, params, is_leaf=is_quantized)
 
 
-def copy_paths(params: Any, view: Any) -> Any:
+def copy_paths(params: Params, view: Params) -> Params:
     """params with each int8 leaf's `paths` taken from the same leaf of `view` (see local_view)."""
     return jax.tree.map(lambda a, b: dataclasses.replace(a, paths=b.paths) if isinstance(a, QuantArray) else a,
                         params, view, is_leaf=is_quantized)

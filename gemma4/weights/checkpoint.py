@@ -23,14 +23,17 @@ import json
 import os
 import re
 import struct
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import LeafSpec, leaf_name, param_specs, spec_at
+from gemma4.ops.quant import PyTree, Weight
 from gemma4.weights.leaf_format import LeafFormat
 
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -283,7 +286,7 @@ def media_target(cfg: ModelConfig, key: str) -> tuple | None:
     return None
 
 
-def _iter_leaf_paths(tree: Any, prefix: tuple = ()) -> Iterator[tuple]:
+def _iter_leaf_paths(tree: PyTree[object], prefix: tuple = ()) -> Iterator[tuple]:
     if isinstance(tree, dict):
         for k, v in tree.items():
             yield from _iter_leaf_paths(v, prefix + (k,))
@@ -294,14 +297,14 @@ def _iter_leaf_paths(tree: Any, prefix: tuple = ()) -> Iterator[tuple]:
         yield prefix
 
 
-def _set(tree: dict, path: tuple, value: Any) -> None:
-    node: Any = tree
+def _set(tree: dict, path: tuple, value: Weight) -> None:
+    node = tree
     for part in path[:-1]:
         node = node[part]
     node[path[-1]] = value
 
 
-def _empty_like(specs: Any) -> Any:
+def _empty_like(specs: PyTree[LeafSpec]) -> PyTree[None]:
     if isinstance(specs, dict):
         return {k: _empty_like(v) for k, v in specs.items()}
     if isinstance(specs, list):
@@ -314,10 +317,10 @@ def _path_name(path: tuple) -> str:
 
 
 # ------------------------------------------------------------------------------ loading
-def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.float32,
+def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: DTypeLike = jnp.float32,
                             progress: Callable[[float, str], None] | None = None,
-                            convert: Callable[[LeafSpec, np.ndarray], Any] | None = None,
-                            quantize: dict | None = None, mesh: Any = None) -> dict:
+                            convert: Callable[[LeafSpec, np.ndarray], Weight] | None = None,
+                            quantize: dict | None = None, mesh: Mesh | None = None) -> dict:
     """Read a HF checkpoint folder into the parameter tree for `cfg`, weights stored as `dtype`.
 
     `quantize` (`Plan.quantize_kwargs()`) quantizes each tensor as it is read, as
@@ -373,7 +376,7 @@ def load_safetensors_params(folder: str, cfg: ModelConfig, dtype: Any = jnp.floa
     return params
 
 
-def _final_leaf(cfg: ModelConfig, fmt: LeafFormat, target: tuple, spec: LeafSpec, raw: np.ndarray) -> Any:
+def _final_leaf(cfg: ModelConfig, fmt: LeafFormat, target: tuple, spec: LeafSpec, raw: np.ndarray) -> Weight:
     """One checkpoint tensor (a memory map) → its final leaf, read in row chunks."""
     if spec.kind == "clip":  # a 0-d bound (read as one row)
         return fmt.build(leaf_name(target), spec, np.asarray(raw, dtype=np.float32).reshape(1))

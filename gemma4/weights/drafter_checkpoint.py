@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
-
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gemma4.model import drafter
 from gemma4.weights.checkpoint import CheckpointError, SafetensorsFile, checkpoint_files
@@ -25,7 +24,7 @@ def load_drafter_config(folder: str) -> drafter.DrafterConfig:
     return drafter.from_hf_config(raw, name=os.path.basename(os.path.normpath(folder)))
 
 
-def load_drafter(folder: str, dtype: Any = jnp.float32) -> tuple[drafter.DrafterConfig, dict]:
+def load_drafter(folder: str, dtype: DTypeLike = jnp.float32) -> tuple[drafter.DrafterConfig, dict]:
     """(config, parameter tree) of the drafter saved in `folder`; a missing, unexpected or
     mis-shaped tensor is a CheckpointError naming it."""
     cfg = load_drafter_config(folder)

@@ -31,14 +31,15 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
-from gemma4.model.config import ModelConfig, from_hf_config
+from gemma4.model.config import JSON, ModelConfig, from_hf_config
 from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
-from gemma4.ops.quant import QuantArray, read_aligned, to_device
+from gemma4.ops.quant import Params, PyTree, QuantArray, Weight, read_aligned, to_device
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
@@ -52,7 +53,7 @@ CACHE_FORMAT_VERSION = 2  # 2: per-tensor manifest entries, float32 and int8 for
 Progress = Callable[[float, str], None]
 
 # Statistics of the last `load_gguf_params` call (for reports and tests).
-last_load_stats: dict[str, Any] = {}
+last_load_stats: dict[str, JSON] = {}
 
 
 # ------------------------------------------------------------------------------ config
@@ -220,7 +221,7 @@ class _CacheWriter:
 
     Each write runs on a helper thread (np.save releases the GIL) while the next tensor is
     converted; at most one write is pending. The arrays written are the final leaves' own
-    buffers, so writing holds no extra copy. Any OS error (disk full, read-only home) just
+    buffers, so writing holds no extra copy. An OS error (disk full, read-only home) just
     disables caching.
     """
 
@@ -288,8 +289,8 @@ def clear_cache(path: str | os.PathLike) -> None:
 
 
 # ------------------------------------------------------------------------------ params
-def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Any]) -> dict[str, Any]:
-    def build(node: Any, prefix: tuple) -> Any:
+def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Weight]) -> Params:
+    def build(node: PyTree[LeafSpec], prefix: tuple) -> PyTree[Weight]:
         if is_leaf_spec(node):
             return leaves[prefix]
         if isinstance(node, dict):
@@ -303,9 +304,9 @@ def _foreign(name: str, arr: np.ndarray, shape: tuple, folder: Path | None) -> G
     return GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {shape}; delete {folder}")
 
 
-def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "float32", *,
+def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike = "float32", *,
                      progress: Progress | None = None, use_cache: bool = True,
-                     quantize: dict | None = None) -> dict[str, Any]:
+                     quantize: dict | None = None) -> Params:
     """The parameter tree of `cfg` from a Gemma 3 or Gemma 4 GGUF file, each leaf built in its final form.
 
     Every tensor is checked against `param_specs(cfg)` before anything is converted. `quantize`
@@ -341,7 +342,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = "fl
         writer = _CacheWriter(folder, prefix, _content_key(os.path.realpath(path)))
     verb = "loading cached weights" if cached else "converting"
 
-    leaves: dict[tuple, Any] = {}
+    leaves: dict[tuple, Weight] = {}
     entries: dict[str, dict] = {}
     total = sum(int(np.prod(spec.shape)) for _, spec in expected.values())
     done = 0

@@ -19,7 +19,7 @@ import mmap
 import os
 import struct
 import threading
-from typing import Any
+from typing import Union
 
 import gguf
 import numpy as np
@@ -56,12 +56,12 @@ class GGUFTensor:
 class GGUFFile:
     path: str
     version: int
-    metadata: dict[str, Any]  # scalars as Python values, number arrays as numpy, string arrays as
+    metadata: dict[str, MetaValue]  # scalars as Python values, number arrays as numpy, string arrays as
     # lists (a long one as a StringArray: read from the file when first indexed)
     tensors: dict[str, GGUFTensor]
     mapping: mmap.mmap | None = None  # the file's map, which the tensors' data view
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: MetaValue = None) -> MetaValue:
         return self.metadata.get(key, default)
 
     def release(self, tensor: GGUFTensor) -> None:
@@ -120,11 +120,19 @@ class StringArray(collections.abc.Sequence):
         return f"StringArray({self.count} strings at byte {self.offset} of {os.path.basename(self.path)})"
 
 
+Scalar = int | float | bool
+"""A GGUF scalar as Python reads it."""
+
+MetaValue = Union[None, str, Scalar, np.ndarray, list[str], StringArray, list["MetaValue"]]
+"""A GGUF metadata value: a scalar, a string, a number array (numpy), a string array (a list, or a
+long one left in the file: `StringArray`), an array of arrays; None for a key that is absent."""
+
+
 class _Cursor:
     def __init__(self, buf, path):
         self.buf, self.pos, self.path = buf, 0, path
 
-    def unpack(self, fmt: str) -> Any:
+    def unpack(self, fmt: str) -> Scalar | tuple[Scalar, ...]:
         try:
             values = struct.unpack_from("<" + fmt, self.buf, self.pos)
         except struct.error as exc:
@@ -165,7 +173,7 @@ class _Cursor:
             raise GGUFError(f"{self.path}: truncated GGUF string array ending at byte {pos}")
         self.pos = pos
 
-    def value(self, vtype: int, stamp: tuple[int, int] | None = None) -> Any:
+    def value(self, vtype: int, stamp: tuple[int, int] | None = None) -> MetaValue:
         """The next value of type `vtype`; with `stamp` (file size, mtime), a long string array
         comes back as a StringArray instead of being decoded."""
         if vtype == _STRING:
@@ -226,7 +234,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
 
 
 @functools.lru_cache(maxsize=4)
-def read_header(path: str, size: int, mtime_ns: int) -> tuple[int, dict[str, Any], tuple, int]:
+def read_header(path: str, size: int, mtime_ns: int) -> tuple[int, dict[str, MetaValue], tuple, int]:
     """(version, metadata, tensor table [(name, dims, type id, offset)], data start) of the file at
     `path`, parsed once per (path, size, mtime_ns): a file rewritten in place is parsed again."""
     with open(path, "rb") as f:
@@ -243,7 +251,7 @@ def read_header(path: str, size: int, mtime_ns: int) -> tuple[int, dict[str, Any
         if version not in (2, 3):
             raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
         n_tensors, n_kv = cur.unpack("QQ")
-        metadata: dict[str, Any] = {}
+        metadata: dict[str, MetaValue] = {}
         for _ in range(n_kv):
             key = cur.string()
             metadata[key] = cur.value(cur.unpack("I"), stamp=(size, mtime_ns))

@@ -25,13 +25,12 @@ Facts of the layout (llama.cpp's converter and loader, gguf 0.19.0):
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from gemma4.model.config import FULL, SLIDING, ModelConfig
+from gemma4.model.config import FULL, JSON, SLIDING, ModelConfig
 from gemma4.model.params import LeafSpec, param_specs
-from gemma4.weights.gguf_file import GGUFError, GGUFFile
+from gemma4.ops.quant import PyTree
+from gemma4.weights.gguf_file import GGUFError, GGUFFile, MetaValue
 
 TOKENIZER_MODEL = "gemma4"  # tokenizer.ggml.model of a Gemma 4 file: BPE with merges (llama.cpp)
 
@@ -69,7 +68,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple, LeafSpec]]:
     specs = param_specs(cfg)
     out: dict[str, tuple[tuple, LeafSpec]] = {}
     for path, name in GLOBAL_TENSORS.items():
-        node: Any = specs
+        node: PyTree[LeafSpec] | None = specs
         for key in path:
             node = node.get(key) if isinstance(node, dict) else None
         if node is not None:
@@ -87,7 +86,7 @@ def tidy_float(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def hf_style_config(g: GGUFFile) -> dict[str, Any]:
+def hf_style_config(g: GGUFFile) -> dict[str, JSON]:
     """A transformers-style text config dict from a GGUF file's metadata (and, for Gemma 4, its
     rope_freqs tensor and which tensors it holds), for `gemma4.model.config.from_hf_config`."""
     arch = g.get("general.architecture")
@@ -103,7 +102,7 @@ def hf_style_config(g: GGUFFile) -> dict[str, Any]:
 
 
 def _meta(g: GGUFFile, arch: str):
-    def meta(key: str, default: Any = None, required: bool = True) -> Any:
+    def meta(key: str, default: MetaValue = None, required: bool = True) -> MetaValue:
         value = g.get(f"{arch}.{key}", default)
         if value is None and required:
             raise GGUFError(f"{g.path}: metadata key {arch}.{key} is missing")
@@ -123,7 +122,7 @@ def _vocab(g: GGUFFile) -> int:
     return g.tensors["token_embd.weight"].shape[0]
 
 
-def _gemma3_config(g: GGUFFile) -> dict[str, Any]:
+def _gemma3_config(g: GGUFFile) -> dict[str, JSON]:
     meta = _meta(g, "gemma3")
     vocab = _vocab(g)
     hidden = int(meta("embedding_length"))
@@ -152,7 +151,7 @@ def _gemma3_config(g: GGUFFile) -> dict[str, Any]:
     return raw
 
 
-def _per_layer(value: Any, layers: int, what: str, path: str) -> list[int]:
+def _per_layer(value: MetaValue, layers: int, what: str, path: str) -> list[int]:
     """A per-layer metadata value (one number for every layer, or an array of one per layer)."""
     if np.ndim(value) == 0:
         return [int(value)] * layers
@@ -177,7 +176,7 @@ def _rotated_fraction(g: GGUFFile, head_dim: int) -> float:
     return 2 * rotated / head_dim
 
 
-def _gemma4_config(g: GGUFFile) -> dict[str, Any]:
+def _gemma4_config(g: GGUFFile) -> dict[str, JSON]:
     meta = _meta(g, "gemma4")
     vocab = _vocab(g)
     layers = int(meta("block_count"))
@@ -229,7 +228,7 @@ def _gemma4_config(g: GGUFFile) -> dict[str, Any]:
     return raw
 
 
-def gemma4_metadata(cfg: ModelConfig) -> dict[str, Any]:
+def gemma4_metadata(cfg: ModelConfig) -> dict[str, MetaValue]:
     """The `gemma4.*` metadata llama.cpp's converter writes for `cfg` (keys without the prefix;
     the writer adds it), the inverse of `hf_style_config`. Per-layer values are lists where the
     layers differ (booleans for the pattern, integers otherwise)."""
@@ -238,7 +237,7 @@ def gemma4_metadata(cfg: ModelConfig) -> dict[str, Any]:
     layers = cfg.layers
     kv = [s.num_kv_heads for s in layers]
     ff = [s.mlp_width for s in layers]
-    out: dict[str, Any] = {
+    out: dict[str, MetaValue] = {
         "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
         "block_count": cfg.num_layers, "feed_forward_length": ff if len(set(ff)) > 1 else ff[0],
         "attention.head_count": cfg.num_heads, "attention.head_count_kv": kv if len(set(kv)) > 1 else kv[0],

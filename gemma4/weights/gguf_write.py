@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import zlib
-from typing import Any, Callable
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -171,7 +171,7 @@ def _as_rows(shape: tuple) -> tuple[int, int]:
 def tree_leaves(params: dict) -> Leaves:
     """The leaves of a parameter tree (float leaves) as `write_gemma4_gguf` takes them."""
     def leaf(path: tuple, shape: tuple, a: int, b: int) -> np.ndarray:
-        node: Any = params
+        node = params
         for key in path:
             node = node[key]
         return np.asarray(node, np.float32).reshape(_as_rows(shape))[a:b]

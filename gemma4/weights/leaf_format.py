@@ -12,18 +12,18 @@ table (`gemma4.model.partitioning`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
+from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.typing import DTypeLike
 
 from gemma4.model.params import LeafSpec, leaf_dtype
 from gemma4.model.partitioning import leaf_axes, logical_spec, mesh_sizes
 from gemma4.model.quantize import check_modes, leaf_target
-from gemma4.ops.quant import SMALL_ELEMENTS, Int4Array, QuantArray, to_device
-from gemma4.weights.quant_host import host_cast, host_row_chunks, quantize_host
+from gemma4.ops.quant import SMALL_ELEMENTS, Int4Array, QuantArray, Weight, to_device
+from gemma4.weights.quant_host import RowSource, host_cast, host_row_chunks, quantize_host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +36,9 @@ class LeafFormat:
     applies (`leaf_target`).
     """
 
-    weight_dtype: Any = jnp.float32
+    weight_dtype: DTypeLike = jnp.float32
     quantize: dict | None = None
-    mesh: Any = None  # a jax Mesh of more than one device: each leaf is born split (build_sharded)
+    mesh: Mesh | None = None  # a jax Mesh of more than one device: each leaf is born split (build_sharded)
 
     def quantize_settings(self) -> dict:
         """`quantize` with every default filled in: mode, embed_mode, group_size, int4_kernel,
@@ -60,7 +60,7 @@ class LeafFormat:
         kw = self.quantize_settings()
         return leaf_target(name, spec.kind, tuple(spec.shape), kw["mode"], kw["embed_mode"], kw["group_size"])
 
-    def build(self, name: str | None, spec: LeafSpec, src: Any) -> Any:
+    def build(self, name: str | None, spec: LeafSpec, src: RowSource) -> Weight:
         """The final leaf for `spec` from `src` (float rows: an array-like, or rows(start, stop))."""
         if self.mesh is not None and self.mesh.size > 1:
             return build_sharded(dataclasses.replace(self, mesh=None), name, spec, src, self.mesh)
@@ -72,7 +72,7 @@ class LeafFormat:
             return quantize_host(src, spec.shape, "int4", kw["group_size"], kw["int4_kernel"], kw["int4_block"])
         return quantize_host(src, spec.shape, "int8")
 
-    def abstract(self, name: str | None, spec: LeafSpec) -> Any:
+    def abstract(self, name: str | None, spec: LeafSpec) -> jax.ShapeDtypeStruct | QuantArray | Int4Array:
         """What `build` makes of this leaf (on one device), as shapes and dtypes only: the parts of a
         quantized leaf as jax.ShapeDtypeStructs in the same leaf type and static fields."""
         target = self.target(name, spec)
@@ -107,7 +107,7 @@ class _Cursor:
         return out
 
 
-def _row_source(src: Any, n_cols: int):
+def _row_source(src: RowSource, n_cols: int) -> Callable[[int, int], RowSource]:
     """block(a, b) → a RowSource for rows [a, b) of `src` (an array-like is sliced lazily)."""
     if not callable(src):
         return lambda a, b: src[a:b]
@@ -134,7 +134,7 @@ def _row_blocks(shape: tuple, sharding: NamedSharding) -> list[tuple[int, int]]:
     return sorted(rows)
 
 
-def build_sharded(fmt, name: str | None, spec, src: Any, mesh: Mesh) -> Any:
+def build_sharded(fmt: LeafFormat, name: str | None, spec: LeafSpec, src: RowSource, mesh: Mesh) -> Weight:
     """One leaf in its final form, each of this process's devices given only its shard.
 
     Only the row blocks this process's devices hold are read (a memory map is sliced; a random

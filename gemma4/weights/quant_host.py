@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from gemma4.ops.quant import (INT4_GROUP_SIZES, INT4_KERNELS, SMALL_ELEMENTS, Int4Array, QuantArray, host_empty,
                               int4_compatible, to_device)
@@ -39,7 +40,8 @@ HOST_CHUNK_ELEMENTS = 1 << 22  # float32 rows per step: 16 MiB, plus a few tempo
 # of the cores share it, one on a 2-core machine (where the leaves' reading keeps the other busy).
 FILL_HELPERS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
-RowSource = Any  # callable rows(start, stop) → float32 [stop - start, in], or an array-like to slice
+RowSource = Callable[[int, int], np.ndarray] | np.ndarray | jax.Array
+"""rows(start, stop) → float32 [stop - start, in], or an array to slice (a memory map: read lazily)."""
 
 
 def host_row_chunks(n_rows: int, n_cols: int, elements: int | None = None) -> list[tuple[int, int]]:
@@ -111,7 +113,7 @@ def _fill_rows(rows, n_rows: int, n_cols: int, work) -> None:
             p.result()
 
 
-def host_cast(src: RowSource, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+def host_cast(src: RowSource, shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:
     """A float leaf of `dtype` read from `src` in row chunks (no float32 copy of the whole tensor)."""
     dtype = np.dtype(jnp.dtype(dtype))
     rows = row_reader(src)

@@ -31,13 +31,16 @@ import socket
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from gemma4.env import audio_enabled, vision_enabled
 from gemma4.paths import cache_root
-from gemma4.model.config import PRESETS, load_hf_config, preset, without_audio, without_vision
+from gemma4.model.config import PRESETS, ModelConfig, load_hf_config, preset, without_audio, without_vision
+from gemma4.ops.quant import Params
 from gemma4.weights import checkpoint
 from gemma4.weights.gguf import gguf_config, load_gguf_params
 from gemma4.weights.random_init import draw_where, n_parameters, random_params
@@ -433,9 +436,9 @@ def _peek_config(source: ModelSource):
     return None
 
 
-def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None = None,
-         quantize: dict | None = None, mesh: Any = None, load_vision: bool | None = None,
-         load_audio: bool | None = None) -> tuple[Any, dict, dict]:
+def load(source: ModelSource, dtype: DTypeLike = "float32", progress: Progress | None = None,
+         quantize: dict | None = None, mesh: Mesh | None = None, load_vision: bool | None = None,
+         load_audio: bool | None = None) -> tuple[ModelConfig, Params, dict]:
     """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
     (norms in float32); `progress(fraction, message)` reports along the way.
 
@@ -474,7 +477,7 @@ def load(source: ModelSource, dtype: Any = "float32", progress: Progress | None 
     raise SourceError(f"unknown source kind {source.kind!r}")
 
 
-def describe_file(source: ModelSource, progress: Progress | None = None) -> tuple[Any, dict]:
+def describe_file(source: ModelSource, progress: Progress | None = None) -> tuple[ModelConfig, dict]:
     """(cfg, tokenizer_spec) of a single-file source (bundled, gguf) without reading its weights —
     what `load` returns beside them; the spec's "path" is the model file."""
     if source.kind not in ("bundled", "gguf"):
@@ -486,8 +489,8 @@ def describe_file(source: ModelSource, progress: Progress | None = None) -> tupl
     return dataclasses.replace(gguf_config(path), name=source.name), {"kind": "gguf", "path": path}
 
 
-def _load_folder(folder: str, name: str, dtype: Any, report: Progress, qkw: dict,
-                 load_vision: bool | None = None, load_audio: bool | None = None) -> tuple[Any, dict, dict]:
+def _load_folder(folder: str, name: str, dtype: DTypeLike, report: Progress, qkw: dict,
+                 load_vision: bool | None = None, load_audio: bool | None = None) -> tuple[ModelConfig, Params, dict]:
     if not os.path.isdir(folder):
         raise SourceError(f"no such folder: {folder}")
     cfg = with_towers(dataclasses.replace(load_hf_config(folder), name=name), load_vision, load_audio)

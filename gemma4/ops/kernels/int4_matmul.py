@@ -22,18 +22,18 @@ hardware policy checks that estimate against the device limit *before* anything 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from gemma4.ops.quant import dequant_int4
 
 DEFAULT_BLOCK = {"gpu": (16, 128, 256), "tpu": (8, 256, None), "cpu": (8, 128, 256)}  # (m, n, k); None = K
 
 
-def int4_block_bytes(block_m: int, block_k: int, block_n: int, group_size: int, act_dtype: Any,
+def int4_block_bytes(block_m: int, block_k: int, block_n: int, group_size: int, act_dtype: DTypeLike,
                      buffers: int = 1) -> dict[str, int]:
     """Estimated on-chip bytes one program of the fused kernel holds at once.
 
@@ -130,7 +130,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, K: int, group: int, half_step: int):
                                              "out_dtype", "platform"))
 def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: int,
                 block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-                interpret: bool = False, out_dtype: Any = None, platform: str | None = None) -> jax.Array:
+                interpret: bool = False, out_dtype: DTypeLike | None = None, platform: str | None = None) -> jax.Array:
     """x [M, K] · dequant(w_int4, scales)ᵀ → [M, N] (out_dtype, default x.dtype).
 
     w_int4: uint8 [N, K/2] (halves packing), scales: float32 [N, K/group_size].
@@ -177,7 +177,7 @@ def int4_matmul(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: 
 
 
 def reference(x: jax.Array, w_int4: jax.Array, scales: jax.Array, group_size: int,
-              out_dtype: Any = None) -> jax.Array:
+              out_dtype: DTypeLike | None = None) -> jax.Array:
     """Dequantize-then-dot with the same numerics contract (float32 accumulation)."""
     w = dequant_int4(w_int4, scales, group_size, jnp.float32)
     y = jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())),
