@@ -7,8 +7,9 @@ with the OpenAI-compatible API (`gemma4.web.server`).
     python app.py --model bundled --port 7860
     python app.py --model google/gemma-4-E2B-it --host 0.0.0.0 --max-users 8
 
-Every flag has an environment variable (see `gemma4.web.settings`). Nothing is loaded at import
-time: `import app` reads no model and imports neither jax nor gradio.
+Every flag has an environment variable (see `gemma4.web.settings`), read once by `parse_settings`
+into the `gemma4.env.Settings` the engine, the page and the server are given. Nothing is loaded
+at import time: `import app` reads no model and imports neither jax nor gradio.
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> Any:
     engine = get_engine(model=settings.model, max_batch=settings.max_users,
                         context_limit=settings.context, mesh=settings.mesh,
                         max_new_tokens_cap=settings.max_new_tokens_cap, speculate=settings.speculate,
-                        drafter=settings.drafter)  # loads in background
+                        drafter=settings.drafter, env=settings.env)  # loads in background
     if not distributed.is_leader():  # the UI and the API live on process 0; this one follows it
         log.info("following process 0's schedule (it serves the UI and the API)")
         distributed.finish(engine)
         return None
-    gradio_import.install()  # gradio without its editor-only work (stubs, docstrings): half its import
+    gradio_import.install(settings.env)  # gradio without its editor-only work (stubs, docstrings): half its import
     from gemma4.ui.layout import CSS, build_demo  # deferred: gradio (2 s) imports while the engine loads
     from gemma4.web import server  # deferred: as gradio
 

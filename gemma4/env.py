@@ -1,9 +1,16 @@
 """Every GEMMA4_* environment variable, declared once, and the one way to read it.
 
-    from gemma4.env import setting
-    if setting("GEMMA4_MIXED_STEP"):                # os.environ, read at this call
+    from gemma4.env import Settings
+    settings = Settings.from_env()                  # at start-up: os.environ, read once
+    settings = settings.with_flags({"GEMMA4_KV": "int8"})   # what the command line's flags gave
+    if settings.get("GEMMA4_MIXED_STEP"):           # everywhere else: the settings handed down
         ...
-    chunk = setting("GEMMA4_PREFILL_CHUNK", env)    # or any mapping: an int, or None when unset
+    print(settings.describe())                      # each value and where it came from
+
+A run's settings are one immutable `Settings`, built by its start-up (the app's `parse_settings`,
+the command line's `main`, an engine built without one) and passed down; tests/test_layers.py
+lists the few modules that read the environment (`SETTINGS_READERS`). `setting(name, env)` reads
+one setting from a mapping (tests; the registry's own parsing).
 
 Each `Setting` has a name, a kind, a default and a one-line doc. The rules are the same for all:
 - unset or blank → the declared default (None: unset, and the doc says what the program does then);
@@ -20,12 +27,13 @@ equal to it). Standard library only: the app and the CLI parse settings before j
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("gemma4.env")
@@ -63,6 +71,7 @@ class Setting:
     high: float | None = None  # INTEGER / NUMBER: the largest value allowed
     above: float | None = None  # NUMBER: values must be greater than this
     auto: bool = False  # the word "auto" is accepted and means the default
+    secret: bool = False  # a password or key: shown as "(set, hidden)", never its value
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -91,10 +100,12 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
                 "editor-only work, half of its import time)"),
     ),
     "Who may use the server (docs/sharing-safely.md)": (
-        Setting("GEMMA4_AUTH", TEXT, None, "user:password[,user2:password2]: the UI asks for a login"),
+        Setting("GEMMA4_AUTH", TEXT, None, "user:password[,user2:password2]: the UI asks for a login",
+                secret=True),
         Setting("GEMMA4_AUTH_FILE", TEXT, None, "a file with one user:password per line (# comments), as GEMMA4_AUTH"),
         Setting("GEMMA4_API_KEY", TEXT, None,
-                "key[,key2]: /v1 requires Authorization: Bearer KEY; with a login but no key /v1 is closed"),
+                "key[,key2]: /v1 requires Authorization: Bearer KEY; with a login but no key /v1 is closed",
+                secret=True),
         Setting("GEMMA4_RATE_IN_FLIGHT", INTEGER, 4, "API generations in flight per client (0: no limit)", low=0),
         Setting("GEMMA4_RATE_PER_MINUTE", INTEGER, 120,
                 "API requests and UI messages per minute per client (0: no limit)", low=0),
@@ -379,6 +390,105 @@ def _range_words(s: Setting) -> str:
     return (" " + ", ".join(parts)) if parts else ""
 
 
+# ------------------------------------------------------------------------------ the settings in force
+DEFAULT, ENVIRONMENT, FLAG = "default", "environment", "flag"  # where a value in force came from
+HIDDEN = "(set, hidden)"  # what a secret setting shows instead of its value
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Settings:
+    """Every declared setting's value in force and where it came from (`DEFAULT`, `ENVIRONMENT`,
+    `FLAG`): built once at start-up by the entry point (the app, the CLI, an engine built without
+    one) and passed down; `get` reads it, `rows`/`describe` print it (the probe, the Hardware panel).
+
+        settings = Settings.from_env()                         # os.environ, read now (once)
+        settings = Settings.from_env({"GEMMA4_KV": "int8"})    # any mapping (tests)
+        settings = settings.with_flags({"GEMMA4_MODEL": "random:tiny-gemma3-270m"})
+        settings.get("GEMMA4_KV"), settings.source("GEMMA4_KV")    # ("int8", "environment")
+    """
+
+    entries: tuple[tuple[str, Any, str], ...]  # (name, value, source) for every setting, in GROUPS order
+
+    def __post_init__(self):
+        index = {name: (value, source) for name, value, source in self.entries}
+        if set(index) != set(_BY_NAME):
+            raise ValueError(f"Settings must hold every declared setting; differs by "
+                             f"{sorted(set(index) ^ set(_BY_NAME))}")
+        object.__setattr__(self, "_index", index)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> Settings:
+        """Every setting read from `env` (default: os.environ, read now), then `flags` (name → the
+        value a flag gave, already parsed) on top; EnvError for the first bad value."""
+        env = os.environ if env is None else env
+        entries = []
+        for s in SETTINGS:
+            raw = env.get(s.name)
+            value = parse_setting(s.name, raw)
+            entries.append((s.name, value, ENVIRONMENT if (raw or "").strip() else DEFAULT))
+        return cls(tuple(entries)).with_flags(flags or {})
+
+    @classmethod
+    def defaults(cls) -> Settings:
+        """Every setting at its default (as an empty environment gives)."""
+        return cls.from_env({})
+
+    def with_flags(self, flags: Mapping[str, Any]) -> Settings:
+        """These settings with `flags` (name → value given by a flag or option) in force instead."""
+        for name in flags:
+            declared(name)
+        return Settings(tuple((n, flags[n], FLAG) if n in flags else (n, v, src) for n, v, src in self.entries))
+
+    def get(self, name: str) -> Any:
+        """The value of setting `name` in force (KeyError for an undeclared name: a bug)."""
+        declared(name)
+        return self._index[name][0]
+
+    def source(self, name: str) -> str:
+        """Where `name`'s value came from: "default", "environment" or "flag"."""
+        declared(name)
+        return self._index[name][1]
+
+    def rows(self, changed_only: bool = False) -> list[tuple[str, str, str]]:
+        """(name, the value as one would type it, source) per setting, secrets hidden; with
+        `changed_only`, only those not at their default's source."""
+        return [(name, shown_value(name, value), source) for name, value, source in self.entries
+                if not changed_only or source != DEFAULT]
+
+    def describe(self, changed_only: bool = False) -> str:
+        """The settings in force, one per line: "GEMMA4_KV = int8 (environment)"."""
+        rows = self.rows(changed_only)
+        width = max((len(name) for name, _, _ in rows), default=0)
+        lines = [f"{name.ljust(width)} = {value} ({source})" for name, value, source in rows]
+        if changed_only:
+            lines.append(f"({len(self.entries) - len(rows)} other settings at their defaults)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:  # what a log line shows: the settings not at their default, secrets hidden
+        given = ", ".join(f"{name}={value!r} ({source})" for name, value, source in self.rows(changed_only=True))
+        return f"Settings({given})"
+
+
+def shown_value(name: str, value: Any) -> str:
+    """A value of setting `name` as one would type it ("unset" for None; a secret hidden)."""
+    s = declared(name)
+    if value is None:
+        return "unset"
+    if s.secret:
+        return HIDDEN
+    return shown_default(dataclasses.replace(s, default=value))
+
+
+def flags_given(parser: argparse.ArgumentParser, argv: Sequence[str] | None, dests: Iterable[str]) -> set[str]:
+    """Which of the destinations `dests` the options in `argv` (None: sys.argv[1:]) give explicitly,
+    rather than leaving at their default: for `Settings.with_flags`. `argv` is parsed again (call it
+    after the real parse succeeded) into a namespace that already holds each destination, which
+    argparse leaves alone unless the command line sets it."""
+    unset = object()
+    given = parser.parse_known_args(argv, namespace=argparse.Namespace(**{d: unset for d in dests}))[0]
+    return {dest for dest in dests if getattr(given, dest) is not unset}
+
+
 # ------------------------------------------------------------------------------ unknown names
 def closest_name(name: str) -> str | None:
     """The declared name most like `name` (a likely typo's fix), or None when none is close."""
@@ -430,7 +540,13 @@ def markdown() -> str:
              "  a setting does not accept.",
              "- A `GEMMA4_*` variable that is not in this table is reported at start (the app, `python -m",
              "  gemma4`) with the closest name, as a warning: it is ignored.",
-             "- A flag of `python app.py` or `python -m gemma4` wins over its variable."]
+             "- A flag of `python app.py` or `python -m gemma4` wins over its variable.",
+             "- The settings are read at start: the app, the command line or an engine built on its own",
+             "  reads the environment into one `gemma4.env.Settings` (every setting, its value and where it",
+             "  came from: default, environment or flag) and hands it down; `python -m gemma4 probe` and the",
+             "  app's Hardware tab print it. The few modules that still read a setting themselves (the",
+             "  policy's overrides, the pre-flight, the media limits' defaults, the cache root) are listed,",
+             "  each with why, in `tests/test_layers.py` (`SETTINGS_READERS`)."]
     for title, group in GROUPS.items():
         lines += ["", f"## {title}", "", "| variable | accepts | default | what it does |", "|---|---|---|---|"]
         for s in group:

@@ -24,6 +24,7 @@ NEW_TOKENS = 6
 
 
 def main() -> int:
+    from gemma4.env import Settings
     from gemma4.serve import distributed, distributed_flags
 
     ap = argparse.ArgumentParser()
@@ -32,7 +33,7 @@ def main() -> int:
     ap.add_argument("--die-at-step", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=2)
     ap.add_argument("--weights", default="none", help="none | int8 | int4")
-    distributed_flags.add_arguments(ap)
+    distributed_flags.add_arguments(ap, Settings.from_env())
     args = ap.parse_args()
     try:
         distributed.initialize(distributed_flags.from_args(args))

@@ -35,3 +35,13 @@ def shared_engines() -> list[Engine]:
 def bundled_f32(timeout: float = 1200) -> Engine:
     """The shared float32 bundled engine, ready."""
     return shared("bundled", **BUNDLED_F32).wait_ready(timeout=timeout)
+
+
+def started_with(monkeypatch, engine: Engine, env: dict[str, str]) -> None:
+    """`engine` as if started with these GEMMA4_* variables (its `settings.env`: what its request
+    path reads) until the test ends: an engine's settings are read once, when it is built."""
+    import dataclasses  # (tests only)
+
+    from gemma4.env import Settings
+
+    monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, env=Settings.from_env(env)))

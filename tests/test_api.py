@@ -22,7 +22,7 @@ from gemma4.serve.engine.step_plans import Observer
 from gemma4.web import access as web_access
 from gemma4.web import server
 from gemma4.web.ratelimit import Limits, RateLimiter
-from tests.engines import bundled_f32
+from tests.engines import bundled_f32, started_with
 from tests.net import free_port as _free_port, wait_until
 from tests.scripted import tiny_gemma4
 
@@ -700,11 +700,12 @@ def test_bad_images_get_clear_400s(tiny, monkeypatch):
     r = httpx.post(url + "v1/chat/completions", json={"model": TINY, "messages": _image_message(good), "max_tokens": 2,
                                                       "mm_processor_kwargs": {"frames": 3}}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mm_processor_kwargs"
-    monkeypatch.setenv("GEMMA4_MAX_MEDIA", "1")
+    _, _, engine = tiny
+    started_with(monkeypatch, engine, {"GEMMA4_MAX_MEDIA": "1"})
     two = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": good}}] * 2}]
     r = httpx.post(url + "v1/chat/completions", json={"model": TINY, "messages": two, "max_tokens": 2}, timeout=60)
     assert r.status_code == 400 and "at most 1" in r.json()["error"]["message"]
-    monkeypatch.delenv("GEMMA4_MAX_MEDIA")
+    monkeypatch.undo()
     ok = client.chat.completions.create(model=TINY, messages=_image_message(good), max_tokens=2,
                                         extra_body={"mm_processor_kwargs": {"max_soft_tokens": 70}})
     assert ok.choices[0].finish_reason in ("stop", "length")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import pathlib
 
 import gradio as gr
@@ -23,8 +24,9 @@ from gemma4.ui.demo import DemoApp
 from gemma4.ui.chat_controls import EXAMPLE_AUDIO_NAME, EXAMPLE_IMAGE, MediaSupport, example_audio, guess_is_base
 from gemma4.ui.handlers import ChatHandlers
 from gemma4.ui.media_parts import read_textbox, user_content
+from gemma4.env import Settings as EnvSettings
 from gemma4.web.settings import Settings, parse_settings
-from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown
+from gemma4.ui.hardware_panel import hardware_markdown, memory_markdown, settings_markdown
 from gemma4.ui.numbers import clamp
 from gemma4.ui.panels import (
     context_meter_html,
@@ -76,7 +78,8 @@ def test_settings_defaults_env_and_flags():
            "GEMMA4_MAX_NEW_TOKENS": "64", "GEMMA4_CONTEXT": "2048"}
     s = parse_settings([], environ=env)
     assert s == Settings(model="google/gemma-4-E2B-it", host="0.0.0.0", port=9000,
-                         share=True, max_users=3, max_new_tokens_cap=64, context=2048)
+                         share=True, max_users=3, max_new_tokens_cap=64, context=2048, env=s.env)
+    assert s.env == EnvSettings.from_env(env)  # every setting in force, here all from the environment
     s = parse_settings(["--port", "7000", "--model", "random:tiny-e2b", "--no-share",
                         "--max-users", "2"], environ=env)
     assert (s.port, s.model, s.share, s.max_users) == (7000, "random:tiny-e2b", False, 2)
@@ -456,6 +459,20 @@ def test_hardware_and_memory_markdown():
     assert "fp8 KV: no fp8 datapath" in md and "platform" in md
     mem = memory_markdown({"bytes_in_use": 3 * 2**30, "bytes_limit": 12 * 2**30})
     assert "3.00 GiB of 12.00 GiB (25.0%)" in mem
+
+
+def test_the_hardware_panel_shows_the_settings_in_force():
+    """What the server runs with, and where each setting came from; keys and passwords hidden."""
+    settings = parse_settings(["--model", "random:tiny-e2b", "--max-users", "2"],
+                              environ={"GEMMA4_KV": "int8", "GEMMA4_API_KEY": "sk-hidden"})
+    md = settings_markdown(settings.env)
+    assert "| `GEMMA4_MODEL` | `random:tiny-e2b` | flag |" in md and "| `GEMMA4_MAX_USERS` | `2` | flag |" in md
+    assert "| `GEMMA4_KV` | `int8` | environment |" in md and "sk-hidden" not in md
+    assert "| `GEMMA4_API_KEY` | `(set, hidden)` | environment |" in md and "- `GEMMA4_MIXED_STEP` = `on`" in md
+    loading = types.SimpleNamespace(status=lambda: {"state": "loading"})
+    panel, _ = DemoApp(loading, settings).hardware_panel()  # before the model is ready, too
+    assert "| `GEMMA4_KV` | `int8` | environment |" in panel
+    assert "every setting at its default" in settings_markdown(parse_settings([], environ={}).env)
 
 
 def test_clamp_notes():

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gemma4.env import EnvError
+from gemma4.env import EnvError, Settings
 from gemma4.media import layout
 from gemma4.media.audio import audio_features, decode_audio
 from gemma4.media.files import MediaError, media_from_bytes
@@ -173,11 +173,14 @@ def test_encode_audio_buckets_lengths_and_a_clip_does_not_depend_on_its_neighbou
     executable per (width, frames); each clip's rows are its first num_soft_tokens, the same
     (within float32 rounding) beside a longer clip or padded to a longer bucket."""
     assert [audio_bucket(f) for f in (1, 200, 201, 1600, 3000)] == [200, 200, 400, 1600, 3000]
-    assert audio_frame_buckets({}) == AUDIO_FRAME_BUCKETS == eng.towers.audio_buckets
-    assert audio_frame_buckets({"GEMMA4_AUDIO_BUCKETS": "1, 5,60"}) == (100, 500, 3000)  # 30 s always the top
+    def buckets(env):
+        return audio_frame_buckets(Settings.from_env(env).get("GEMMA4_AUDIO_BUCKETS"))
+
+    assert buckets({}) == AUDIO_FRAME_BUCKETS == eng.towers.audio_buckets
+    assert buckets({"GEMMA4_AUDIO_BUCKETS": "1, 5,60"}) == (100, 500, 3000)  # 30 s always the top
     for bad in ("fast", "2,-1", "2,,4"):
         with pytest.raises(EnvError, match="GEMMA4_AUDIO_BUCKETS"):
-            audio_frame_buckets({"GEMMA4_AUDIO_BUCKETS": bad})
+            buckets({"GEMMA4_AUDIO_BUCKETS": bad})
     with pytest.raises(RequestError, match="longer than the 3000 frames"):
         audio_bucket(3001)
     short, long_ = (audio_features(decode_audio(wav(s, seed=4)).samples) for s in (0.5, 2.5))

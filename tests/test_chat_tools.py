@@ -210,15 +210,12 @@ def test_large_template_decided_from_the_config(monkeypatch):
     from gemma4.serve.chat import uses_large_template
     from gemma4.model.config import preset
 
-    monkeypatch.delenv("GEMMA4_EMPTY_THOUGHT", raising=False)
     decided = {name: uses_large_template(preset(name)) for name in
                ("e2b", "e4b", "31b", "26b-a4b", "tiny-31b", "tiny-e2b", "gemma3-270m")}
     assert decided == {"e2b": False, "e4b": False, "31b": True, "26b-a4b": True, "tiny-31b": True,
                        "tiny-e2b": False, "gemma3-270m": False}
-    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "on")
-    assert uses_large_template(preset("e2b")) and not uses_large_template(preset("gemma3-270m"))
-    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "off")
-    assert not uses_large_template(preset("31b"))
+    assert uses_large_template(preset("e2b"), True) and not uses_large_template(preset("gemma3-270m"), True)
+    assert not uses_large_template(preset("31b"), False)
 
 
 def test_splitter_on_a_gemma3_vocabulary_is_all_answer():

@@ -185,3 +185,18 @@ def test_float32_is_exact_for_image_and_audio_prompts_on_a_bf16_capable_plan(tmp
     assert audio_run["prompt_token_ids"].count(cfg.audio_token_id) > 0
     assert audio_run["token_ids"] == reference(audio_run, input_features=feats["input_features"],
                                                input_features_mask=feats["input_features_mask"])
+
+
+def test_probe_prints_the_settings_in_force_and_where_each_came_from():
+    env_kv = dict(os.environ, GEMMA4_KV="int8")
+    out = subprocess.run([sys.executable, "-m", "gemma4", "probe", "--simulate", "h100", "--weights", "int4"],
+                         cwd=ROOT, env=env_kv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout.split("settings in force", 1)[1]
+    lines = {line.split("=")[0].strip(): line.split("=", 1)[1].strip() for line in text.splitlines()[1:] if "=" in line}
+    assert lines["GEMMA4_KV"] == "int8 (environment)" and lines["GEMMA4_WEIGHTS"] == "int4 (flag)"
+    assert lines["GEMMA4_MIXED_STEP"] == "on (default)" and len(lines) > 50
+    out = subprocess.run([sys.executable, "-m", "gemma4", "probe", "--simulate", "h100", "--json"],
+                         cwd=ROOT, env=env_kv, capture_output=True, text=True, timeout=300)
+    settings = {s["name"]: s for s in json.loads(out.stdout)["settings"]}
+    assert settings["GEMMA4_KV"] == {"name": "GEMMA4_KV", "value": "int8", "source": "environment"}

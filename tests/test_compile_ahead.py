@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from gemma4.env import Settings
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.plan import hardware_checks, preflight, sharding
 from gemma4.serve import conversation
@@ -27,7 +28,9 @@ PROMPT = list(range(10, 20))
 def test_compiling_ahead_is_one_overridable_choice():
     one, two = types.SimpleNamespace(size=1), types.SimpleNamespace(size=2)
     tpu, cpu = types.SimpleNamespace(platform="tpu"), types.SimpleNamespace(platform="cpu")
-    choice = engine_load.compile_ahead_choice
+    def choice(plan, mesh, multi, env):
+        return engine_load.compile_ahead_choice(plan, mesh, multi, Settings.from_env(env))
+
     assert choice(tpu, one, False, {})[0] is True
     assert choice(cpu, one, False, {})[0] is False  # the int8 layout is measured after the load
     assert choice(tpu, two, False, {})[0] is False and choice(tpu, one, True, {})[0] is False

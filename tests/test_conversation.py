@@ -15,6 +15,7 @@ from gemma4.serve.conversation import (ReplyEvent, complete_reply, prompt_ids, s
 from gemma4.serve import conversation
 from gemma4.serve.requests import RequestError
 from gemma4.model.sampling_params import SamplingParams
+from tests.engines import started_with
 from tests.scripted import script_ids, scripted, tiny_gemma4
 
 CHANNEL, END_CHANNEL, TURN, END_TURN = 100, 101, 105, 106
@@ -95,16 +96,16 @@ def test_empty_thought_block_and_stray_marker(eng):
 
 
 def test_large_template_prefills_an_empty_thought(eng, monkeypatch):
-    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "on")
+    started_with(monkeypatch, eng, {"GEMMA4_EMPTY_THOUGHT": "on"})
     ids = prompt_ids(eng, "Hi")
     block = [CHANNEL] + eng.tokenizer.encode("thought\n") + [END_CHANNEL]
     assert ids[-len(block):] == block and ids[:-len(block)] == prompt_ids(eng, "Hi", thinking=False)[:len(ids) - len(block)]
     assert prompt_ids(eng, "Hi", thinking=True)[-1] != END_CHANNEL  # thinking on: no pre-filled block
     final = run(eng, "Straight to the answer.<turn|>")[-1]
     assert (final.thought, final.answer, final.thought_s) == ("", "Straight to the answer.", None)
-    monkeypatch.setenv("GEMMA4_EMPTY_THOUGHT", "off")
+    started_with(monkeypatch, eng, {"GEMMA4_EMPTY_THOUGHT": "off"})
     assert prompt_ids(eng, "Hi")[-1] != END_CHANNEL
-    monkeypatch.delenv("GEMMA4_EMPTY_THOUGHT")
+    started_with(monkeypatch, eng, {})
     assert prompt_ids(eng, "Hi")[-1] != END_CHANNEL  # an E2B geometry: the small template
 
 

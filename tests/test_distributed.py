@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from gemma4.env import Settings
 from gemma4.model.sampling import SamplingRows
 from gemma4.serve import distributed as D
 from gemma4.serve import distributed_flags as F
@@ -142,8 +143,8 @@ def test_incomplete_flags_are_refused_with_a_message(flags, message):
 
 def test_flags_and_environment():
     p = argparse.ArgumentParser()
-    F.add_arguments(p, {"GEMMA4_COORDINATOR": "10.0.0.1:1234", "GEMMA4_NUM_PROCESSES": "2",
-                        "GEMMA4_PROCESS_ID": "1"})
+    F.add_arguments(p, Settings.from_env({"GEMMA4_COORDINATOR": "10.0.0.1:1234", "GEMMA4_NUM_PROCESSES": "2",
+                                          "GEMMA4_PROCESS_ID": "1"}))
     s = F.from_args(p.parse_args([]))
     assert (s.mode, s.coordinator, s.num_processes, s.process_id) == ("manual", "10.0.0.1:1234", 2, 1)
     assert F.from_args(p.parse_args(["--distributed", "off"])).mode == "off"

@@ -3,6 +3,7 @@ is read one way, an unknown name is reported at start, and docs/settings.md is t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import subprocess
@@ -46,12 +47,15 @@ def test_every_name_the_code_writes_is_declared():
     assert not undeclared, f"declare these in gemma4/env.py GROUPS: {undeclared}"
 
 
-# A read of a GEMMA4_* variable that bypasses `setting` (its own default, its own vocabulary).
-RAW_READ = re.compile(r"""(environ|env)(\.get\(|\[)\s*["']GEMMA4_|env_(int|float)\([^)]*["']GEMMA4_""")
+# A read of a GEMMA4_* variable that bypasses `setting` (its own default, its own vocabulary): a
+# mapping named env or environ, or os.environ (`x.settings.env.get`: a `gemma4.env.Settings`).
+RAW_READ = re.compile(r"""((?<![.\w])(environ|env)|os\.environ)(\.get\(|\[)\s*["']GEMMA4_"""
+                      r"""|env_(int|float)\([^)]*["']GEMMA4_""")
 
 
 def test_the_package_reads_settings_only_through_the_registry():
     assert RAW_READ.search('os.environ.get("GEMMA4_X", "on")') and RAW_READ.search("env_int(env, 'GEMMA4_X')")
+    assert RAW_READ.search('env["GEMMA4_X"]') and not RAW_READ.search('engine.settings.env.get("GEMMA4_X")')
     files = sorted((ROOT / "gemma4").rglob("*.py")) + [ROOT / "app.py"]
     raw = {f.relative_to(ROOT).as_posix() for f in files if RAW_READ.search(f.read_text(encoding="utf-8"))}
     assert not raw, sorted(raw)
@@ -196,3 +200,69 @@ def test_the_registry_loads_no_jax_and_prints_the_docs_table():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------ the settings in force
+def test_settings_hold_every_setting_with_where_it_came_from():
+    s = registry.Settings.from_env({"GEMMA4_KV": "INT8", "GEMMA4_MAX_USERS": " 3 ", "GEMMA4_DTYPE": "  ", "PATH": "/"})
+    assert [name for name, _, _ in s.rows()] == [x.name for x in SETTINGS]
+    assert (s.get("GEMMA4_KV"), s.source("GEMMA4_KV")) == ("int8", "environment")
+    assert (s.get("GEMMA4_MAX_USERS"), s.source("GEMMA4_MAX_USERS")) == (3, "environment")
+    assert (s.get("GEMMA4_DTYPE"), s.source("GEMMA4_DTYPE")) == ("auto", "default")  # blank: the default
+    assert s.get("GEMMA4_MIXED_STEP") is True and s.source("GEMMA4_MIXED_STEP") == "default"
+    flagged = s.with_flags({"GEMMA4_KV": "fp8", "GEMMA4_MODEL": "random:tiny-e2b"})
+    assert (flagged.get("GEMMA4_KV"), flagged.source("GEMMA4_KV")) == ("fp8", "flag")
+    assert flagged.source("GEMMA4_MODEL") == "flag" and flagged.source("GEMMA4_MAX_USERS") == "environment"
+    assert s.get("GEMMA4_KV") == "int8"  # immutable: with_flags made a new one
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.entries = ()
+    with pytest.raises(KeyError, match="GEMMA4_NOPE is not declared"):
+        s.get("GEMMA4_NOPE")
+    with pytest.raises(KeyError, match="GEMMA4_NOPE is not declared"):
+        s.with_flags({"GEMMA4_NOPE": 1})
+    with pytest.raises(EnvError, match="GEMMA4_MAX_USERS='0'"):
+        registry.Settings.from_env({"GEMMA4_MAX_USERS": "0"})
+    assert registry.Settings.defaults() == registry.Settings.from_env({})
+
+
+def test_settings_describe_themselves_without_secrets():
+    s = registry.Settings.from_env({"GEMMA4_API_KEY": "sk-secret", "GEMMA4_AUTH": "me:pw", "GEMMA4_KV": "int8",
+                                    "GEMMA4_AUDIO_BUCKETS": "2,4.5"})
+    text = s.describe()
+    assert len(text.splitlines()) == len(SETTINGS) and "sk-secret" not in text and "me:pw" not in text
+    assert "sk-secret" not in repr(s) and "pw" not in str(s.rows())
+    lines = {line.split("=")[0].strip(): line.split("=", 1)[1].strip() for line in text.splitlines()}
+    assert lines["GEMMA4_API_KEY"] == "(set, hidden) (environment)" and lines["GEMMA4_KV"] == "int8 (environment)"
+    assert lines["GEMMA4_AUDIO_BUCKETS"] == "2,4.5 (environment)" and lines["GEMMA4_MIXED_STEP"] == "on (default)"
+    assert lines["GEMMA4_PORT"] == "unset (default)"
+    changed = s.describe(changed_only=True).splitlines()
+    assert len(changed) == 5 and changed[-1] == f"({len(SETTINGS) - 4} other settings at their defaults)"
+    assert repr(s).startswith("Settings(GEMMA4_AUTH='(set, hidden)' (environment)")
+
+
+def test_flags_given_tells_a_given_flag_from_a_default():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--model", default="bundled")
+    dests = ("port", "share", "model")
+    assert registry.flags_given(p, [], dests) == set()
+    assert registry.flags_given(p, ["--port", "7860", "--no-share"], dests) == {"port", "share"}  # even at its default
+
+
+def test_the_app_and_the_cli_keep_one_settings_object_with_sources(monkeypatch):
+    from gemma4.cli import commands
+    from gemma4.web.settings import parse_settings
+
+    app = parse_settings(["--model", "random:tiny-e2b", "--no-share", "--coordinator", "h:1", "--num-processes",
+                          "2", "--process-id", "0"], environ={"GEMMA4_KV": "int8", "GEMMA4_MODEL": "bundled"}).env
+    assert (app.get("GEMMA4_MODEL"), app.source("GEMMA4_MODEL")) == ("random:tiny-e2b", "flag")
+    assert (app.get("GEMMA4_SHARE"), app.source("GEMMA4_SHARE")) == (False, "flag")
+    assert (app.get("GEMMA4_NUM_PROCESSES"), app.source("GEMMA4_NUM_PROCESSES")) == (2, "flag")
+    assert app.source("GEMMA4_KV") == "environment" and app.source("GEMMA4_CONTEXT") == "default"
+    settings = registry.Settings.from_env({"GEMMA4_MESH": "none"})
+    argv = ["generate", "--prompt", "hi", "--weights", "int8", "--max-new-tokens", "3"]
+    args = commands._parser(settings).parse_args(argv)
+    assert commands._given(argv[1:], args, settings) == {"GEMMA4_WEIGHTS": "int8"}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemma4.env import Settings
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.engine import engine as E
@@ -201,12 +202,15 @@ def test_keys_follow_the_code_the_platform_and_the_program(tmp_path, monkeypatch
 
 def test_the_store_is_off_where_asked_and_where_jax_caching_is(monkeypatch, tmp_path):
     monkeypatch.setenv("GEMMA4_JAX_CACHE", str(tmp_path))
-    assert XS.default_folder({}) == tmp_path / "executables"
-    assert XS.default_folder({"GEMMA4_EXECUTABLE_CACHE": str(tmp_path / "x")}) == tmp_path / "x"
-    assert XS.default_folder({"GEMMA4_EXECUTABLE_CACHE": "off"}) is None
-    assert XS.default_folder({"GEMMA4_COMPILE_CACHE": "off"}) is None
+    def folder(env):
+        return XS.default_folder(Settings.from_env(env))
+
+    assert folder({}) == tmp_path / "executables"
+    assert folder({"GEMMA4_EXECUTABLE_CACHE": str(tmp_path / "x")}) == tmp_path / "x"
+    assert folder({"GEMMA4_EXECUTABLE_CACHE": "off"}) is None
+    assert folder({"GEMMA4_COMPILE_CACHE": "off"}) is None
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    assert XS.default_folder({}) is None
+    assert folder({}) is None
 
 
 ENGINE_SETTINGS = dict(max_batch=2, context_limit=128, buckets=(16,))

@@ -7,14 +7,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = """
+from gemma4.env import Settings
 from gemma4.ui import gradio_import
-installed = gradio_import.install()
+installed = gradio_import.install(Settings.from_env())
 import gradio as gr
 import gradio.component_meta as cm
 with gr.Blocks() as demo:  # components still build and wire up
     box = gr.Textbox()
     box.submit(lambda s: s, box, box)
-print(installed, cm.create_or_modify_pyi.__name__, gradio_import.pending(), gradio_import.install(),
+print(installed, cm.create_or_modify_pyi.__name__, gradio_import.pending(), gradio_import.install(Settings.from_env()),
       gr.events.EventListener.set_doc.__name__, "{{" in (gr.Textbox.submit.__doc__ or ""))
 """
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.env import Settings
 from gemma4.serve.engine import compiled as EC
 from gemma4.serve import heap
 from gemma4.serve.shape_keys import PrefillKey
@@ -43,22 +44,19 @@ def test_release_returns_freed_heap_memory_to_the_system():
     del keep
 
 
-def test_release_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv("GEMMA4_MALLOC_TRIM", "off")
-    assert not heap.enabled() and heap.release() is False
-    monkeypatch.setenv("GEMMA4_MALLOC_TRIM", "on")
-    assert heap.enabled()
-    assert heap.enabled({}) and not heap.enabled({"GEMMA4_MALLOC_TRIM": "0"})
+def test_release_can_be_turned_off():
+    assert heap.release(Settings.from_env({"GEMMA4_MALLOC_TRIM": "off"}).get("GEMMA4_MALLOC_TRIM")) is False
+    assert Settings.defaults().get("GEMMA4_MALLOC_TRIM") is True
 
 
 def test_every_compile_releases_after_it(monkeypatch):
     """A shape's compile (or store load) releases the temporaries it freed, also when it fails."""
     released = []
-    monkeypatch.setattr(heap, "release", lambda: released.append(1) or True)
+    monkeypatch.setattr(heap, "release", lambda trim=True: released.append(trim) or True)
     step = jax.jit(lambda x: x + 1)
     shapes = EC.CompiledShapes(lambda key: step.lower(jax.ShapeDtypeStruct((key.bucket,), jnp.float32)), lambda: True)
     exe = shapes.compile(PrefillKey(3, True))
-    assert np.asarray(exe(np.zeros(3, np.float32))).tolist() == [1, 1, 1] and released == [1]
+    assert np.asarray(exe(np.zeros(3, np.float32))).tolist() == [1, 1, 1] and released == [True]
 
     def broken(key):
         raise RuntimeError("no lowering")
@@ -69,4 +67,4 @@ def test_every_compile_releases_after_it(monkeypatch):
         pass
     else:
         raise AssertionError("a failed lowering must raise")
-    assert released == [1, 1]
+    assert released == [True, True]

@@ -220,3 +220,76 @@ def test_no_class_holds_several_ideas():
     too_big = {k: n for k, n in sizes.items() if n > CLASS_LINES_MAX}
     assert not too_big, too_big
     assert sizes[("gemma4/serve/engine/engine.py", "Engine")] <= FACADE_LINES_MAX
+
+
+# The modules that read settings from the environment (`gemma4.env.setting`, `Settings.from_env`,
+# `vision_enabled`/`audio_enabled`): the start-ups, which build the one `gemma4.env.Settings` a run
+# is served with and pass it down, and the few reads that are part of a start-up by their nature.
+# module → why it may. Every other module is handed the settings (or the value) by its owner.
+SETTINGS_READERS: dict[str, str] = {
+    "gemma4/env.py": "the registry itself",
+    # The start-ups: each builds the one Settings its run is served with.
+    "gemma4/web/settings.py": "the app's start-up: parse_settings builds Settings.env (environment, then flags)",
+    "gemma4/cli/commands.py": "the command line's start-up: one Settings for generate, chat and probe",
+    "gemma4/serve/probe.py": "`python -m gemma4.serve.probe` run alone builds its own (the CLI passes its)",
+    "gemma4/serve/engine/engine.py": "an Engine / get_engine built without `env` (tests, benches, library use) "
+                                     "reads the environment once, at its construction",
+    "gemma4/serve/engine/load.py": "load_model called alone (benches, tests) is its own start-up; "
+                                   "the engine passes its settings",
+    # Not yet handed their settings by an owner (project issue 59, what is left): each is read while
+    # a model loads or a server starts, except media/files.py's default limits and
+    # web/media_fetch.py's policy, which a request may read when its caller passes none.
+    "gemma4/plan/hardware.py": "the policy's overrides: normalize_overrides merges the environment's (left)",
+    "gemma4/plan/preflight.py": "GEMMA4_PREFLIGHT: preflight_mode, called by the load and the CLI (left)",
+    "gemma4/plan/preflight_devices.py": "GEMMA4_MEMORY_FRACTION of the pre-flight (left)",
+    "gemma4/serve/distributed.py": "GEMMA4_WATCHDOG_PORT and the int8 product agreed by processes at start (left)",
+    "gemma4/weights/random_init.py": "GEMMA4_RANDOM_DRAW, read by the random loader (left)",
+    "gemma4/weights/sources.py": "GEMMA4_VISION / GEMMA4_AUDIO when the loader is not told (left)",
+    "gemma4/media/files.py": "MediaLimits.from_env: the limits a caller that passes none gets (left)",
+    "gemma4/web/media_fetch.py": "FetchPolicy.from_env, built once per API server (left)",
+    # Read at the point of use by design: no owner can hand them down.
+    "gemma4/paths.py": "GEMMA4_JAX_CACHE: cache_root is asked by loaders, kernels and tuning caches alike, "
+                       "each at start-up or load time (no request reads it)",
+    "gemma4/ops/kernels/cpu_int8.py": "GEMMA4_NATIVE_KERNEL: read once per process when the kernel first "
+                                      "loads (`load` caches its status), part of the plan's start-up",
+}
+READER_NAMES = {"setting", "vision_enabled", "audio_enabled"}
+
+
+def _settings_reads(tree: ast.Module) -> list[tuple[int, str]]:
+    """Calls that read settings from an environment: `setting(...)`, `env.setting(...)`,
+    `vision_enabled(...)`, `audio_enabled(...)`, and `Settings.from_env(...)` (any `…Settings`)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        if name in READER_NAMES:
+            found.append((node.lineno, name))
+        elif (name == "from_env" and isinstance(f, ast.Attribute) and isinstance(f.value, (ast.Name, ast.Attribute))
+              and (f.value.id if isinstance(f.value, ast.Name) else f.value.attr).endswith("Settings")):
+            found.append((node.lineno, "Settings.from_env"))
+    return found
+
+
+def test_only_the_start_ups_read_settings():
+    seen: dict[str, list[str]] = {}
+    for path in _modules():
+        for lineno, name in _settings_reads(ast.parse(path.read_text(encoding="utf-8"))):
+            seen.setdefault(_rel(path), []).append(f"{lineno}:{name}")
+    assert sum(len(v) for v in seen.values()) > 3, seen  # the scanner sees the start-ups' reads
+    outside = {module: where for module, where in seen.items() if module not in SETTINGS_READERS}
+    assert not outside, ("settings read outside the start-ups (take them from the `gemma4.env.Settings` "
+                         f"the owner passes down): {outside}")
+    stale = sorted(set(SETTINGS_READERS) - set(seen))
+    assert not stale, f"SETTINGS_READERS entries that no longer read settings (remove them): {stale}"
+
+
+def test_the_settings_scanner_catches_a_planted_read(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from gemma4 import env\nfrom gemma4.env import Settings, setting\n\n"
+                       "def f(cfg):\n    return setting('GEMMA4_KV'), env.setting('GEMMA4_KV', {})\n\n"
+                       "def g():\n    return env.Settings.from_env(), Settings.from_env({}), cfg_from_env()\n")
+    found = _settings_reads(ast.parse(planted.read_text()))
+    assert found == [(5, "setting"), (5, "setting"), (8, "Settings.from_env"), (8, "Settings.from_env")]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemma4.env import Settings
 from gemma4.ops import quant
 from gemma4.serve import prepared_store as ps
 
@@ -127,9 +128,9 @@ def test_the_folder_is_trimmed_least_recently_used_first(tmp_path, monkeypatch):
 
 
 def test_the_store_can_be_turned_off_or_moved(tmp_path):
-    assert ps.default_folder({"GEMMA4_PREPARED_CACHE": "off"}) is None
-    assert ps.default_folder({"GEMMA4_PREPARED_CACHE": str(tmp_path)}) == tmp_path
-    assert ps.default_folder({}).name == "prepared"
+    assert ps.default_folder(Settings.from_env({"GEMMA4_PREPARED_CACHE": "off"})) is None
+    assert ps.default_folder(Settings.from_env({"GEMMA4_PREPARED_CACHE": str(tmp_path)})) == tmp_path
+    assert ps.default_folder(Settings.defaults()).name == "prepared"
 
 
 @pytest.fixture()

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from gemma4.env import Settings
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.engine.chunking import (COST_RETRY_S, FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S,
@@ -85,9 +86,9 @@ def test_chunk_size_is_the_largest_bucket_a_few_decode_steps_pay_for():
     assert chunk_limit(buckets, {128: 1.4, 64: 0.9, 32: 0.5}, 1.0, from_above=True) == 64
     assert chunk_limit(buckets, {16: 1.2}, 1.0, from_above=True) == 16
     assert chunk_limit(buckets, {}, 10.0) == 16
-    assert override_limit({"GEMMA4_PREFILL_CHUNK": "100"}, False, buckets) == 64
-    assert override_limit({"GEMMA4_PREFILL_CHUNK_ALONE": "8"}, True, buckets) == 16
-    assert override_limit({}, False, buckets) is None
+    assert override_limit(Settings.from_env({"GEMMA4_PREFILL_CHUNK": "100"}), False, buckets) == 64
+    assert override_limit(Settings.from_env({"GEMMA4_PREFILL_CHUNK_ALONE": "8"}), True, buckets) == 16
+    assert override_limit(Settings.defaults(), False, buckets) is None
 
 
 # ---------------------------------------------------------------- exactness

@@ -24,7 +24,7 @@ from gemma4.serve import chat, conversation, media_prompt, prompts
 from gemma4.serve.engine import engine as E
 from gemma4.serve.media_cache import EmbeddingCache, shared_cache
 from gemma4.serve.requests import Embeddings, RequestError, vision_layout
-from tests.engines import bundled_f32
+from tests.engines import bundled_f32, started_with
 from tests.media_files import mp4
 from tests.scripted import tiny_gemma4
 
@@ -342,7 +342,7 @@ def test_bad_media_requests(eng, monkeypatch):
     with pytest.raises(RequestError, match="sent as an video but its bytes are 'image'"):
         conversation.generate(eng, [{"role": "user", "content": [{"type": "video", "media": media_from_bytes(data)}]}],
                               GREEDY, mode="chat")
-    monkeypatch.setenv("GEMMA4_MAX_MEDIA", "2")
+    started_with(monkeypatch, eng, {"GEMMA4_MAX_MEDIA": "2"})
     three = [{"role": "user", "content": [image_part(data)] * 3}]
     with pytest.raises(RequestError, match="has 3 images/videos; at most 2"):
         conversation.generate(eng, three, GREEDY, mode="chat")

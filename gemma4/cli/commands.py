@@ -11,12 +11,18 @@ import argparse
 import logging
 import sys
 
-from gemma4.env import EnvError, declared, default_of, setting, warn_unknown
+from gemma4.env import EnvError, Settings, declared, default_of, flags_given, warn_unknown
 from gemma4.serve import distributed_flags
 from gemma4.serve.probe import main as hardware_main
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+# Each generate/chat flag's destination → the setting it overrides (a given flag is its source).
+FLAG_SETTINGS = {"dtype": "GEMMA4_DTYPE", "encoder_dtype": "GEMMA4_ENCODER_DTYPE", "weights": "GEMMA4_WEIGHTS",
+                 "embed_weights": "GEMMA4_EMBED_WEIGHTS", "kv": "GEMMA4_KV", "mesh": "GEMMA4_MESH",
+                 "speculate": "GEMMA4_SPECULATE", "drafter": "GEMMA4_DRAFTER", **distributed_flags.FLAG_SETTINGS}
+
+
+def _add_model_args(p: argparse.ArgumentParser, settings: Settings) -> None:
     p.add_argument("--model", default="bundled",
                    help="bundled (Gemma 3 270M, offline) | a local HF folder | an HF repo id | a .gguf file | "
                         "org/name:file.gguf | random:<preset>")
@@ -34,17 +40,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=1, help="decode slots (concurrent requests)")
     p.add_argument("--buckets", default=None,
                    help="comma-separated prompt buckets to compile (default: the engine's ladder)")
-    p.add_argument("--mesh", default=setting("GEMMA4_MESH"),
+    p.add_argument("--mesh", default=settings.get("GEMMA4_MESH"),
                    help="auto (the smallest mesh that fits, see the pre-flight) | none | e.g. tensor=4,data=2 "
                         "(env GEMMA4_MESH)")
-    p.add_argument("--speculate", choices=declared("GEMMA4_SPECULATE").choices, default=setting("GEMMA4_SPECULATE"),
+    p.add_argument("--speculate", choices=declared("GEMMA4_SPECULATE").choices, default=settings.get("GEMMA4_SPECULATE"),
                    help="speculative decoding: lookup drafts from the prompt and reply, off decodes one token a "
                         "step (env GEMMA4_SPECULATE)")
-    p.add_argument("--drafter", default=setting("GEMMA4_DRAFTER"),
+    p.add_argument("--drafter", default=settings.get("GEMMA4_DRAFTER"),
                    help="the model's drafter: a folder of its Hub layout, a Hub id, random, or off "
                         "(env GEMMA4_DRAFTER; unset: prompt lookup)")
     p.add_argument("-v", "--verbose", action="store_true", help="log loading progress to stderr")
-    distributed_flags.add_arguments(p)
+    distributed_flags.add_arguments(p, settings)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -57,12 +63,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def _preflight_flags(argv: list[str]) -> argparse.Namespace | None:
+def _preflight_flags(argv: list[str], settings: Settings) -> argparse.Namespace | None:
     """`probe`'s own pre-flight flags, or None when it asks for none (--help, or no --model, --mesh or
     --devices): `probe` is then the hardware report alone (gemma4.serve.probe)."""
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--model")
-    mesh = setting("GEMMA4_MESH")  # a mesh other than the default asks for the pre-flight, as --mesh does
+    mesh = settings.get("GEMMA4_MESH")  # a mesh other than the default asks for the pre-flight, as --mesh does
     ap.add_argument("--mesh", default=None if mesh == default_of("GEMMA4_MESH") else mesh)
     ap.add_argument("--devices", help="a simulated device set for the pre-flight: [N x]NAME, e.g. 4xl4, v5e-8")
     ap.add_argument("--context", type=int)
@@ -79,12 +85,12 @@ def _preflight_flags(argv: list[str]) -> argparse.Namespace | None:
     return mine
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The generate and chat commands' flags (EnvError for a bad GEMMA4_* default)."""
+def _parser(settings: Settings) -> argparse.ArgumentParser:
+    """The generate and chat commands' flags, their defaults from `settings`."""
     parser = argparse.ArgumentParser(prog="python -m gemma4", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="continue a prompt (streams to the terminal)")
-    _add_model_args(g)
+    _add_model_args(g, settings)
     _sampling_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--mode", choices=["auto", "completion", "chat"], default="auto",
@@ -103,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="soft tokens per image (70, 140, 280, 560 or 1120; default 280) and per video frame "
                         "(default 70)")
     c = sub.add_parser("chat", help="interactive terminal chat")
-    _add_model_args(c)
+    _add_model_args(c, settings)
     _sampling_args(c)
     c.set_defaults(temperature=0.7, max_new_tokens=256)
     c.add_argument("--system", default=None, help="system prompt")
@@ -111,24 +117,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _given(argv: list[str], args: argparse.Namespace, settings: Settings) -> dict:
+    """{setting: value} for the model flags `argv` (a command's, after its name) gives: read off a
+    parser of those flags alone (argparse's subcommands fill in every default)."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_model_args(p, settings)
+    return {FLAG_SETTINGS[dest]: getattr(args, dest) for dest in flags_given(p, argv, FLAG_SETTINGS)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     warn_unknown()  # a mistyped GEMMA4_* name would otherwise be ignored without a word
+    try:  # the command line's start-up: every setting read from the environment, here and once
+        settings = Settings.from_env()
+    except EnvError as e:  # a GEMMA4_* variable with a value its setting does not allow
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if argv and argv[0] == "probe":
-        mine = _preflight_flags(argv[1:])
+        mine = _preflight_flags(argv[1:], settings)
         if mine is None:
-            return hardware_main(argv[1:])
+            return hardware_main(argv[1:], settings)
     else:
-        try:
-            parser = _parser()
-        except EnvError as e:  # a GEMMA4_* variable with a value its setting does not allow
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        parser = _parser(settings)
         args = parser.parse_args(argv)
+        args.env = settings.with_flags(_given(argv[1:], args, settings))
     from gemma4.cli import run  # deferred: the one hand-over to JAX; --help, usage errors, probe --simulate stay jax-free (0.2 s vs 2.4 s, measured)
 
     if argv and argv[0] == "probe":
-        return run.cmd_probe(argv[1:], mine)
+        return run.cmd_probe(argv[1:], mine, settings)
     try:  # a bad setting is a usage error, before anything loads
         args.params = run.sampling_params(args)
     except ValueError as e:

@@ -16,6 +16,7 @@ import io
 import json
 import sys
 
+from gemma4.env import Settings as EnvSettings
 from gemma4.model.config import PRESETS
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.media.files import MediaError, media_from_path
@@ -50,7 +51,7 @@ def _engine(args) -> Engine:
     extra = {"buckets": tuple(int(b) for b in args.buckets.split(","))} if args.buckets else {}
     engine = get_engine(args.model, max_batch=args.max_batch, context_limit=args.context,
                         overrides=_overrides(args), mesh=args.mesh, speculate=args.speculate,
-                        drafter=args.drafter, **extra)
+                        drafter=args.drafter, env=args.env, **extra)
     try:
         engine.wait_ready()
     except RuntimeError as e:
@@ -209,9 +210,10 @@ def _chat(engine: Engine, args) -> int:
     return 0
 
 
-def cmd_probe(argv: list[str], mine: argparse.Namespace) -> int:
+def cmd_probe(argv: list[str], mine: argparse.Namespace, settings: EnvSettings) -> int:
     """`probe` with pre-flight flags (`mine`, as gemma4.cli.commands parsed them): the hardware
-    report (gemma4.serve.probe), then the memory pre-flight for that model and mesh (gemma4.plan.preflight)."""
+    report and the settings in force (gemma4.serve.probe), then the memory pre-flight for that
+    model and mesh (gemma4.plan.preflight)."""
     passthrough = _without_preflight_flags(argv)
     name = (mine.model or "").split(":", 1)[-1].lower()
     if name in PRESETS or name.startswith("tiny-"):
@@ -221,7 +223,7 @@ def cmd_probe(argv: list[str], mine: argparse.Namespace) -> int:
         passthrough += ["--simulate", sim]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf) if mine.json else contextlib.nullcontext():
-        rc = hardware_main(passthrough)
+        rc = hardware_main(passthrough, settings)
 
     overrides = {k: getattr(mine, k) for k in ("dtype", "encoder_dtype", "weights", "embed_weights", "kv")
                  if getattr(mine, k)}

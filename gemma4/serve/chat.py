@@ -40,7 +40,6 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from gemma4.env import setting
 from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve import chat_tools
 from gemma4.weights.tokenizer import Tokenizer
@@ -373,15 +372,16 @@ def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokeni
 # Which Gemma 4 checkpoints pre-fill an empty thought block when thinking is off. The 31B and
 # 26B-A4B templates do, the E2B/E4B ones do not (their chat_template.jinja); the configs
 # tell them apart by the per-layer embeddings only the E models have. Override with
-# GEMMA4_EMPTY_THOUGHT=on|off (e.g. for a checkpoint whose own template says otherwise).
+# GEMMA4_EMPTY_THOUGHT=on|off (e.g. for a checkpoint whose own template says otherwise), which the
+# caller passes from its engine's settings.
 
 
-def uses_large_template(cfg: Any) -> bool:
+def uses_large_template(cfg: Any, forced: bool | None = None) -> bool:
     """Whether prompts for this model end with "<|channel>thought\\n<channel|>" when thinking is
-    off: Gemma 4 without per-layer embeddings (31B, 26B-A4B), unless GEMMA4_EMPTY_THOUGHT says."""
+    off: Gemma 4 without per-layer embeddings (31B, 26B-A4B), unless `forced` (the engine's
+    GEMMA4_EMPTY_THOUGHT; None: auto) says."""
     if getattr(cfg, "family", None) != "gemma4":
         return False
-    forced = setting("GEMMA4_EMPTY_THOUGHT")  # None: auto
     if forced is not None:
         return forced
     return not getattr(cfg, "hidden_size_per_layer_input", 0)

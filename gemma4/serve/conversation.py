@@ -232,12 +232,18 @@ def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[in
 
 # ------------------------------------------------------------------------------ prompts → ids
 # ------------------------------------------------------------------------------ prompts → ids
+def large_template(engine: Engine) -> bool:
+    """Whether the engine's model ends a prompt with an empty thought block when thinking is off
+    (`chat.uses_large_template`, forced by the engine's GEMMA4_EMPTY_THOUGHT)."""
+    return chat.uses_large_template(engine.cfg, engine.settings.env.get("GEMMA4_EMPTY_THOUGHT"))
+
+
 def render_chat(engine: Engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
                 tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of a chat in the engine's model format (Gemma 4: thinking flag, tool
     declarations, the 31B/26B empty thought block when thinking is off; see `gemma4.serve.chat.render`)."""
     return chat.render(messages, engine.cfg.family, engine.tokenizer, system=system, thinking=thinking,
-                       tools=tools, large_model_template=chat.uses_large_template(engine.cfg))
+                       tools=tools, large_model_template=large_template(engine))
 
 
 def count_tokens(engine: Engine, messages: list[dict], system: str | None = None, *, thinking: bool = False,
@@ -305,7 +311,7 @@ def _chat_ids(engine: Engine, prompt: ChatPrompt, tokenizer: _EncodeOnce, table:
             media = [table.expansions[k] for k, i in enumerate(owners) if i in keep]
         return chat.render([messages[i] for i in kept], engine.cfg.family, tokenizer, system=prompt.system,
                            thinking=prompt.thinking, tools=tools,
-                           large_model_template=chat.uses_large_template(engine.cfg), media=media)
+                           large_model_template=large_template(engine), media=media)
 
     # Context rule: drop the oldest exchanges (a user message and what answers it, tool calls
     # and results included; never a leading system/developer message, the tools or the last

@@ -1,7 +1,7 @@
 """The multi-process flags and their settings, without JAX (the app and the command line parse them
 before anything loads; `import app` stays jax-free, test_app::test_import_loads_nothing).
 
-    gemma4.serve.distributed_flags.add_arguments(parser)   # --coordinator / --num-processes / ...
+    gemma4.serve.distributed_flags.add_arguments(parser, env_settings)   # --coordinator / --num-processes / ...
     settings = from_args(args)                              # Settings, or DistributedError
     gemma4.serve.distributed.initialize(settings)           # the runtime (imports jax)
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-from typing import Any, Mapping
+from typing import Any
 
-from gemma4.env import default_of, setting
+from gemma4.env import Settings as EnvSettings
+from gemma4.env import default_of
 
 DEFAULT_HEARTBEAT_S = default_of("GEMMA4_HEARTBEAT_S")  # a silent peer is declared lost after this long
 DEFAULT_INIT_TIMEOUT_S = 300  # JAX's own default for reaching the coordinator
@@ -37,20 +37,26 @@ class Settings:
         return self.mode != "off"
 
 
-def add_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """The multi-host flags (defaults from GEMMA4_* environment variables)."""
-    env = os.environ if environ is None else environ
+# Each flag's destination → the setting it overrides (a given flag is that setting's source: `flags_given`).
+FLAG_SETTINGS = {"distributed": "GEMMA4_DISTRIBUTED", "coordinator": "GEMMA4_COORDINATOR",
+                 "num_processes": "GEMMA4_NUM_PROCESSES", "process_id": "GEMMA4_PROCESS_ID",
+                 "heartbeat_s": "GEMMA4_HEARTBEAT_S"}
+
+
+def add_arguments(p: argparse.ArgumentParser, settings: EnvSettings) -> None:
+    """The multi-host flags, each defaulting to its GEMMA4_* setting in `settings` (the entry
+    point's `gemma4.env.Settings`)."""
     g = p.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--distributed", choices=["off", "auto"], default=setting("GEMMA4_DISTRIBUTED", env),
+    g.add_argument("--distributed", choices=["off", "auto"], default=settings.get("GEMMA4_DISTRIBUTED"),
                    help="auto: let JAX detect the cluster (TPU pod slice, SLURM, ...); off: one process. "
                         "Giving --coordinator implies manual start-up (env GEMMA4_DISTRIBUTED)")
-    g.add_argument("--coordinator", default=setting("GEMMA4_COORDINATOR", env), metavar="HOST:PORT",
+    g.add_argument("--coordinator", default=settings.get("GEMMA4_COORDINATOR"), metavar="HOST:PORT",
                    help="address of process 0, the same on every process (env GEMMA4_COORDINATOR)")
-    g.add_argument("--num-processes", type=int, default=setting("GEMMA4_NUM_PROCESSES", env),
+    g.add_argument("--num-processes", type=int, default=settings.get("GEMMA4_NUM_PROCESSES"),
                    help="how many processes join (env GEMMA4_NUM_PROCESSES)")
-    g.add_argument("--process-id", type=int, default=setting("GEMMA4_PROCESS_ID", env),
+    g.add_argument("--process-id", type=int, default=settings.get("GEMMA4_PROCESS_ID"),
                    help="this process's index, 0 serves the UI/API (env GEMMA4_PROCESS_ID)")
-    g.add_argument("--heartbeat-s", type=float, default=setting("GEMMA4_HEARTBEAT_S", env),
+    g.add_argument("--heartbeat-s", type=float, default=settings.get("GEMMA4_HEARTBEAT_S"),
                    help="seconds of silence after which a peer counts as lost (env GEMMA4_HEARTBEAT_S)")
 
 

@@ -48,7 +48,8 @@ import jaxlib
 from jax import monitoring
 from jax.experimental import serialize_executable
 
-from gemma4.env import FOLDER_OFF, setting
+from gemma4.env import FOLDER_OFF
+from gemma4.env import Settings as EnvSettings
 from gemma4.paths import cache_root
 
 log = logging.getLogger("gemma4.serve.executable_store")
@@ -174,11 +175,11 @@ def shape_key(program_key: str, shape: object) -> str:
     return hashlib.sha256(f"{program_key}\0{shape!r}".encode()).hexdigest()
 
 
-def default_folder(environ: dict[str, str] | None = None) -> Path | None:
-    """GEMMA4_EXECUTABLE_CACHE, else cache_root()/executables; None when off (that variable or
-    GEMMA4_COMPILE_CACHE is off or none, or jax runs more than one process)."""
-    named = setting("GEMMA4_EXECUTABLE_CACHE", environ)
-    if FOLDER_OFF in (setting("GEMMA4_COMPILE_CACHE", environ), named) or jax.process_count() > 1:
+def default_folder(settings: EnvSettings) -> Path | None:
+    """`settings`' GEMMA4_EXECUTABLE_CACHE, else cache_root()/executables; None when off (that
+    setting or GEMMA4_COMPILE_CACHE is off or none, or jax runs more than one process)."""
+    named = settings.get("GEMMA4_EXECUTABLE_CACHE")
+    if FOLDER_OFF in (settings.get("GEMMA4_COMPILE_CACHE"), named) or jax.process_count() > 1:
         return None
     return Path(named).expanduser() if named else cache_root() / "executables"
 

@@ -10,7 +10,8 @@ size by 73–139 MiB, of which 31–63 MiB stayed in use and the rest was free m
 
 `release()` runs `malloc_trim(0)` where the C library has it (glibc; elsewhere it does nothing).
 It walks the heap once (milliseconds), so it is called after work that takes far longer: the
-weights' load and each shape's compile or load. GEMMA4_MALLOC_TRIM=off turns it off.
+weights' load and each shape's compile or load. GEMMA4_MALLOC_TRIM=off turns it off: its owner
+(the engine's start-up, from its `gemma4.env.Settings`) passes the setting as `release(trim)`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,7 @@ import ctypes.util
 import functools
 import logging
 
-from gemma4.env import setting
-
 log = logging.getLogger(__name__)
-
-
-def enabled(environ: dict[str, str] | None = None) -> bool:
-    """Whether `release` trims (GEMMA4_MALLOC_TRIM, default on)."""
-    return setting("GEMMA4_MALLOC_TRIM", environ)
-
 
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
@@ -44,10 +37,11 @@ def _malloc_trim():
     return trim
 
 
-def release() -> bool:
+def release(trim: bool = True) -> bool:
     """Return the free memory at the heap's top and in its free pages to the operating system;
-    True if the C library released any."""
-    if not enabled():
+    True if the C library released any. `trim`: GEMMA4_MALLOC_TRIM in the caller's settings (off:
+    nothing is done)."""
+    if not trim:
         return False
     trim = _malloc_trim()
     if trim is None:

@@ -7,7 +7,8 @@ soft-token budget and the model — and its encoding step (`media_segments`) sto
 encodes. The cache is bounded in bytes (the rows' own size), least recently used first
 out, and thread-safe (the UI, the API and the CLI share one process-wide cache).
 
-The bound is GEMMA4_MEDIA_CACHE_MB (default 256 MB; 0 turns the cache off). One 280-token image
+The bound is GEMMA4_MEDIA_CACHE_MB (default 256 MB; 0 turns the cache off), from the settings
+of the engine whose request uses the cache (`shared_cache(cache_bytes(engine.settings.env))`). One 280-token image
 of Gemma 4 E2B (hidden 1536, float32) is 1.7 MB, so the default holds about 150 of them.
 """
 
@@ -19,7 +20,7 @@ from typing import Hashable
 
 import numpy as np
 
-from gemma4.env import setting
+from gemma4.env import Settings, default_of
 
 
 class EmbeddingCache:
@@ -77,19 +78,23 @@ class EmbeddingCache:
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
 
 
-def cache_bytes_from_env(env=None) -> int:
-    """The cache bound in bytes from GEMMA4_MEDIA_CACHE_MB (EnvError for a bad value)."""
-    return int(setting("GEMMA4_MEDIA_CACHE_MB", env) * 1024 * 1024)
+def cache_bytes(settings: Settings) -> int:
+    """The cache bound in bytes from `settings`' GEMMA4_MEDIA_CACHE_MB."""
+    return int(settings.get("GEMMA4_MEDIA_CACHE_MB") * 1024 * 1024)
 
 
 _shared: EmbeddingCache | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_cache() -> EmbeddingCache:
-    """The process-wide cache (sized from the environment on first use)."""
+def shared_cache(max_bytes: int | None = None) -> EmbeddingCache:
+    """The process-wide cache, bounded at `max_bytes` (`cache_bytes` of the caller's settings; None:
+    the bound it has, or GEMMA4_MEDIA_CACHE_MB's default for a new one)."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = EmbeddingCache(cache_bytes_from_env())
+            _shared = EmbeddingCache(int(default_of("GEMMA4_MEDIA_CACHE_MB") * 1024 * 1024)
+                                     if max_bytes is None else max_bytes)
+        elif max_bytes is not None:
+            _shared.max_bytes = max(0, int(max_bytes))  # (what is held over it goes at the next put)
         return _shared

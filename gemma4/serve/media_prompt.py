@@ -6,7 +6,7 @@ one direction:
 1. **prepare, before rendering** (`prepare_media`): every media part of the prompt (a chat's, message by
    message; a completion's, marker by marker) is checked and preprocessed. The model must have
    the part's tower (`Engine.supports_vision` for images and video, `Engine.supports_audio` for
-   audio, `check_media_parts`), at most `max_media()` parts, each an image, video or audio
+   audio, `check_media_parts`), at most `max_media(engine)` parts, each an image, video or audio
    `MediaItem` (gemma4.media.files), an image or video with a soft-token budget in
    `SOFT_TOKEN_BUDGETS`; the file is preprocessed (gemma4.media.image / gemma4.media.video; an
    audio clip is decoded to 16 kHz and its features computed, gemma4.media.audio) unless its
@@ -38,14 +38,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from gemma4.env import setting
 from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decode_audio, waveform_frames
 from gemma4.media.files import MediaError, MediaItem
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
 from gemma4.model.config import ModelConfig
 from gemma4.serve.engine.engine import Engine
-from gemma4.serve.media_cache import shared_cache
+from gemma4.serve.media_cache import cache_bytes, shared_cache
 from gemma4.serve.prompts import check_cancel
 from gemma4.serve.requests import Embeddings, RequestError, Segment
 
@@ -60,16 +59,17 @@ class MediaPartError(RequestError):
         self.param = param
 
 
-def max_media() -> int:
-    """The most images + videos + audio clips one request may carry (GEMMA4_MAX_MEDIA, default 8)."""
-    return int(setting("GEMMA4_MAX_MEDIA"))
+def max_media(engine: Engine) -> int:
+    """The most images + videos + audio clips one request may carry (the engine's GEMMA4_MAX_MEDIA,
+    default 8)."""
+    return int(engine.settings.env.get("GEMMA4_MAX_MEDIA"))
 
 
 def check_media_parts(engine: Engine, parts: Sequence[Mapping[str, Any]], count_param: str | None = None) -> None:
     """The checks of a request's media parts that need no file (MediaPartError): the model has
     the tower each kind needs (the vision tower for images and video, the audio tower for audio;
     the error names the first such part's "param" when it has one), and there are at most
-    `max_media()` parts (`count_param`: the field the count error names). The API runs it before
+    `max_media(engine)` parts (`count_param`: the field the count error names). The API runs it before
     it fetches any file; `prepare_media` runs it first too."""
     seen = [p for p in parts if p.get("type") in ("image", "video")]
     if seen:
@@ -81,7 +81,7 @@ def check_media_parts(engine: Engine, parts: Sequence[Mapping[str, Any]], count_
         ok, why = engine.supports_audio()
         if not ok:
             raise MediaPartError(f"Audio is not available: {why}.", heard[0].get("param"))
-    cap = max_media()
+    cap = max_media(engine)
     if len(parts) > cap:
         what = "images/videos/audio clips" if heard else "images/videos"
         raise MediaPartError(f"The request has {len(parts)} {what}; at most {cap} are accepted in one request "
@@ -168,7 +168,7 @@ def _prepare(engine: Engine, part: Mapping[str, Any], where: str, number: int, n
                              f"not {budget!r}.", param)
     key = (item.digest, kind, budget, engine.settings.model, id(engine))
     vis = engine.cfg.vision
-    rows = shared_cache().get(key)
+    rows = shared_cache(cache_bytes(engine.settings.env)).get(key)
     prep = PreparedMedia(kind=kind, name=name, budget=budget, key=key, frames=[], patches=[])
     try:
         if kind == "image":
@@ -202,7 +202,7 @@ def _prepare_audio(engine: Engine, part: Mapping[str, Any], item: MediaItem, nam
         raise MediaPartError(f"{label}max_soft_tokens is for images and video; an audio clip has no budget "
                              "(25 soft tokens a second, at most 750: its first 30 s).", param)
     key = (item.digest, "audio", engine.settings.model, id(engine))
-    rows = shared_cache().get(key)
+    rows = shared_cache(cache_bytes(engine.settings.env)).get(key)
     try:
         clip = decode_audio(item.data, name=item.name)
     except MediaError as e:
@@ -288,7 +288,7 @@ def media_segments(engine: Engine, ids: Sequence[int], items: Sequence[PreparedM
 
 
 def _encode(engine: Engine, items: Sequence[PreparedMedia]) -> None:
-    cache = shared_cache()
+    cache = shared_cache(cache_bytes(engine.settings.env))
     for prep in items:
         if prep.rows is not None:
             continue

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma4.ops.quant import QuantArray, is_quantized, read_aligned, to_device
-from gemma4.env import FOLDER_OFF, setting
+from gemma4.env import FOLDER_OFF
+from gemma4.env import Settings as EnvSettings
 from gemma4.paths import cache_root
 from gemma4.serve import executable_store
 
@@ -48,10 +49,10 @@ MAX_BYTES = 2 << 30  # the bundled model's entry is ~270 MB
 SOURCES = ("weights", "ops", "plan", "model/params.py", "model/quantize.py", "serve/prepared_store.py")
 
 
-def default_folder(environ: dict[str, str] | None = None) -> Path | None:
-    """GEMMA4_PREPARED_CACHE, else cache_root()/prepared; None when that variable is off or none
-    or jax runs more than one process."""
-    named = setting("GEMMA4_PREPARED_CACHE", environ)
+def default_folder(settings: EnvSettings) -> Path | None:
+    """`settings`' GEMMA4_PREPARED_CACHE, else cache_root()/prepared; None when that setting is off
+    or none or jax runs more than one process."""
+    named = settings.get("GEMMA4_PREPARED_CACHE")
     if named == FOLDER_OFF or jax.process_count() > 1:
         return None
     return Path(named).expanduser() if named else cache_root() / "prepared"

@@ -5,7 +5,9 @@
 
 It lives above `gemma4.plan` because `--measure` runs an Engine; the report itself is
 `gemma4.plan.hardware_report` (jax-free: all that `--simulate` loads) and, on the live device,
-`gemma4.plan.hardware_checks`.
+`gemma4.plan.hardware_checks`. Then the settings in force: every GEMMA4_* setting, its value and
+where it came from (default, environment or flag), from the `gemma4.env.Settings` the command
+line built at its start (`python -m gemma4.serve.probe` alone builds its own).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import argparse
 import json
 import sys
 
+from gemma4.env import EnvError, Settings, parse_setting
 from gemma4.model.config import preset
-from gemma4.plan.hardware import PolicyError
+from gemma4.plan.hardware import ENV_KEYS, PolicyError
 from gemma4.plan.hardware_report import format_report, simulated_report
 from gemma4.plan.hardware_probe import SIMULATED, simulated_facts
 
@@ -35,8 +38,28 @@ def _measured_report(model: str, overrides: dict) -> dict:
         engine.close(timeout=60)  # let its threads finish before the interpreter tears down
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m gemma4 probe [--json] [--dtype ...] ...`: print the facts, the plan and the self-test."""
+def settings_in_force(settings: Settings, overrides: dict) -> Settings:
+    """`settings` with the probe's override flags (`overrides`: "dtype" → "bfloat16", ...) in force
+    as flags; a value the policy refuses stays out (the report says why)."""
+    flags = {}
+    for key, value in overrides.items():
+        try:
+            flags[ENV_KEYS[key]] = parse_setting(ENV_KEYS[key], str(value))
+        except EnvError:
+            continue
+    return settings.with_flags(flags)
+
+
+def settings_text(settings: Settings) -> str:
+    """The settings in force as the probe prints them: a heading, then one line per setting."""
+    return "settings in force (value, and where it came from: default, environment or flag):\n" + "\n".join(
+        "  " + line for line in settings.describe().splitlines())
+
+
+def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
+    """`python -m gemma4 probe [--json] [--dtype ...] ...`: print the facts, the plan and the
+    self-test, then the settings in force (`settings`: the command line's; None: read from the
+    environment here, this being the start-up)."""
     ap = argparse.ArgumentParser(prog="gemma4 probe", description="Probe the hardware and show the run plan.")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--dtype", help="auto|float32|bfloat16|float16 (GEMMA4_DTYPE; the towers follow it)")
@@ -61,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                                                "int4_kernel", "matmul_precision", "int8_matmul") if getattr(args, k)}
     if args.allow_fallback:
         overrides["allow_fallback"] = True
+    try:
+        settings = settings_in_force(Settings.from_env() if settings is None else settings, overrides)
+    except EnvError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg = preset(args.model) if args.model else None
     try:
         if args.measure:
@@ -78,9 +106,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"refused: {e}", file=sys.stderr)
         return 2
     if args.json:
+        report = {**report, "settings": [{"name": name, "value": value, "source": source}
+                                         for name, value, source in settings.rows()]}
         print(json.dumps(report, indent=2, default=str))
     else:
         print(format_report(report))
+        print()
+        print(settings_text(settings))
     return 0 if (report["self_test"] is None or report["self_test"]["ok"]) else 1
 
 

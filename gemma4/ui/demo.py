@@ -16,7 +16,7 @@ from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve.prompts import count_markers, parts_in_marker_order
 from gemma4.ui import mesh_panel
 from gemma4.ui.handlers import ChatHandlers, throttled
-from gemma4.ui.hardware_panel import compile_markdown, hardware_markdown, memory_markdown
+from gemma4.ui.hardware_panel import compile_markdown, hardware_markdown, memory_markdown, settings_markdown
 from gemma4.ui.panels import context_meter_html, loading_text, model_banner_html, queue_html, status_html
 from gemma4.ui.reply import flags_summary
 
@@ -53,14 +53,15 @@ class DemoApp(ChatHandlers):
         return (status_html(status), banner, queue_html(queue), *controls, seen)
 
     def hardware_panel(self):
-        """The Hardware tab (every 5 s): compiles, pre-flight and hardware report; memory in use."""
+        """The Hardware tab (every 5 s): compiles, pre-flight and hardware report, the settings in
+        force (and where each came from); memory in use."""
         info = self.info()
         if not info:
-            return "_The hardware report appears once the model has loaded._", ""
+            return "_The hardware report appears once the model has loaded._" + settings_markdown(self.settings.env), ""
         memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
         compiles = self.engine.compile_state() if hasattr(self.engine, "compile_state") else None
         return (compile_markdown(compiles) + mesh_panel.panel_markdown(self.engine, info)
-                + hardware_markdown(info.get("hardware")),
+                + hardware_markdown(info.get("hardware")) + settings_markdown(self.settings.env),
                 memory_markdown(memory))
 
     # ------------------------------------------------------------------ API for programs

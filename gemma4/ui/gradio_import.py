@@ -15,7 +15,8 @@ load.
 `install()` puts a one-shot import hook in front of those two modules: once each has run, its
 chore is replaced by a function that does nothing (the stubs stay as installed; the listeners'
 docstrings keep their `{{ component }}` placeholders). A gradio without those names is imported
-as it is. `GEMMA4_GRADIO_STUBS=on` keeps gradio's own behaviour.
+as it is. `GEMMA4_GRADIO_STUBS=on` keeps gradio's own behaviour (read from the settings the app
+starts with, `gemma4.env.Settings`, which `app.main` passes in).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import importlib.machinery
 import sys
 from types import ModuleType
 
-from gemma4.env import setting
+from gemma4.env import Settings
 
 
 def _nothing(*_args, **_kwargs) -> None:
@@ -80,15 +81,15 @@ class _Hook(importlib.abc.MetaPathFinder):
 _hook = _Hook()
 
 
-def wanted() -> bool:
+def wanted(settings: Settings) -> bool:
     """Whether to skip gradio's editor-only work (GEMMA4_GRADIO_STUBS off, the default)."""
-    return not setting("GEMMA4_GRADIO_STUBS")
+    return not settings.get("GEMMA4_GRADIO_STUBS")
 
 
-def install() -> bool:
+def install(settings: Settings) -> bool:
     """Put the hook in place before gradio is first imported. False (and nothing done) when gradio
-    is already imported or GEMMA4_GRADIO_STUBS=on."""
-    if not wanted() or any(name in sys.modules for name in CHORES) or pending():
+    is already imported or `settings` has GEMMA4_GRADIO_STUBS=on."""
+    if not wanted(settings) or any(name in sys.modules for name in CHORES) or pending():
         return False
     _hook.waiting = set(CHORES)
     sys.meta_path.insert(0, _hook)

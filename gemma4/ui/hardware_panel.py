@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gemma4.env import DEFAULT, Settings
 from gemma4.plan import tuning_report
 from gemma4.ui.numbers import as_number, fmt_bytes
 
@@ -108,6 +109,24 @@ def hardware_markdown(hardware: Mapping[str, Any] | None) -> str:
             out.append("- none")
         else:
             out += _md_lines(val)
+    return "\n".join(out)
+
+
+def settings_markdown(settings: Settings) -> str:
+    """The settings the server runs with: those given (environment or flag) in a table with where
+    each came from, then every other setting at its default, folded (docs/settings.md)."""
+    rows = settings.rows()
+    given = [r for r in rows if r[2] != DEFAULT]
+    out = ["\n**Settings in force**\n"]
+    if given:
+        out += ["| setting | value | from |", "|---|---|---|"]
+        out += [f"| `{name}` | `{value}` | {source} |" for name, value, source in given]
+    else:
+        out.append("- every setting at its default")
+    defaults = [r for r in rows if r[2] == DEFAULT]
+    out += ["", f"<details><summary>{len(defaults)} settings at their defaults</summary>", ""]
+    out += [f"- `{name}` = `{value}`" for name, value, _ in defaults]
+    out += ["", "</details>"]
     return "\n".join(out)
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import pathlib
 from collections.abc import Mapping
 
-from gemma4.env import setting
+from gemma4.env import Settings as EnvSettings
 from gemma4.web.ratelimit import Limits
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -59,35 +59,42 @@ def _pair(item: str, where: str) -> tuple[str, str]:
     return user.strip(), password
 
 
-def add_access_flags(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """The access flags of `python app.py`, each falling back to its GEMMA4_* variable (a bad
-    value there raises `gemma4.env.EnvError`)."""
+# Each flag's destination → the setting it overrides (a given flag is that setting's source).
+FLAG_SETTINGS = {"auth": "GEMMA4_AUTH", "auth_file": "GEMMA4_AUTH_FILE", "api_key": "GEMMA4_API_KEY",
+                 "rate_in_flight": "GEMMA4_RATE_IN_FLIGHT", "rate_per_minute": "GEMMA4_RATE_PER_MINUTE",
+                 "max_body_bytes": "GEMMA4_MAX_BODY_BYTES", "max_messages": "GEMMA4_MAX_MESSAGES",
+                 "max_input_tokens": "GEMMA4_MAX_INPUT_TOKENS", "trust_proxy": "GEMMA4_TRUST_PROXY"}
+
+
+def add_access_flags(p: argparse.ArgumentParser, settings: EnvSettings, env: Mapping[str, str]) -> None:
+    """The access flags of `python app.py`, each defaulting to its GEMMA4_* setting in `settings`
+    (the app's `gemma4.env.Settings`); `env`: the environment, for Spaces' SPACE_ID."""
     d = Limits()
     g = p.add_argument_group("access (UI login, API keys, rate limits)")
-    g.add_argument("--auth", default=setting("GEMMA4_AUTH", env), metavar="USER:PW[,...]",
+    g.add_argument("--auth", default=settings.get("GEMMA4_AUTH"), metavar="USER:PW[,...]",
                    help="require a login for the UI (env GEMMA4_AUTH; prefer the variable or "
                         "--auth-file: flags show in the process list)")
-    g.add_argument("--auth-file", default=setting("GEMMA4_AUTH_FILE", env), metavar="PATH",
+    g.add_argument("--auth-file", default=settings.get("GEMMA4_AUTH_FILE"), metavar="PATH",
                    help="file with one user:password per line (env GEMMA4_AUTH_FILE)")
-    g.add_argument("--api-key", default=setting("GEMMA4_API_KEY", env), metavar="KEY[,...]",
+    g.add_argument("--api-key", default=settings.get("GEMMA4_API_KEY"), metavar="KEY[,...]",
                    help="bearer key(s) required by /v1 (env GEMMA4_API_KEY)")
-    g.add_argument("--rate-in-flight", type=int, metavar="N", default=setting("GEMMA4_RATE_IN_FLIGHT", env),
+    g.add_argument("--rate-in-flight", type=int, metavar="N", default=settings.get("GEMMA4_RATE_IN_FLIGHT"),
                    help=f"generation requests in flight per API client, 0 = no limit "
                         f"(env GEMMA4_RATE_IN_FLIGHT, default {d.in_flight})")
-    g.add_argument("--rate-per-minute", type=int, metavar="N", default=setting("GEMMA4_RATE_PER_MINUTE", env),
+    g.add_argument("--rate-per-minute", type=int, metavar="N", default=settings.get("GEMMA4_RATE_PER_MINUTE"),
                    help=f"API requests (and UI messages) per minute per client, 0 = no limit "
                         f"(env GEMMA4_RATE_PER_MINUTE, default {d.per_minute})")
-    g.add_argument("--max-body-bytes", type=int, metavar="BYTES", default=setting("GEMMA4_MAX_BODY_BYTES", env),
+    g.add_argument("--max-body-bytes", type=int, metavar="BYTES", default=settings.get("GEMMA4_MAX_BODY_BYTES"),
                    help=f"largest API request body (env GEMMA4_MAX_BODY_BYTES, default "
                         f"{d.max_body_bytes})")
-    g.add_argument("--max-messages", type=int, metavar="N", default=setting("GEMMA4_MAX_MESSAGES", env),
+    g.add_argument("--max-messages", type=int, metavar="N", default=settings.get("GEMMA4_MAX_MESSAGES"),
                    help="messages per API chat request, refused (400) above it; 0 = no cap "
                         "(env GEMMA4_MAX_MESSAGES, default half the context window)")
-    g.add_argument("--max-input-tokens", type=int, metavar="N", default=setting("GEMMA4_MAX_INPUT_TOKENS", env),
+    g.add_argument("--max-input-tokens", type=int, metavar="N", default=settings.get("GEMMA4_MAX_INPUT_TOKENS"),
                    help="tokens in an API chat request's messages before old turns are dropped, "
                         "refused (400) above it; 0 = no cap (env GEMMA4_MAX_INPUT_TOKENS, default "
                         "4 context windows)")
-    trust_proxy = setting("GEMMA4_TRUST_PROXY", env)
+    trust_proxy = settings.get("GEMMA4_TRUST_PROXY")
     g.add_argument("--trust-proxy", action=argparse.BooleanOptionalAction,
                    default=bool(env.get("SPACE_ID")) if trust_proxy is None else trust_proxy,
                    help="key rate limits by X-Forwarded-For (env GEMMA4_TRUST_PROXY; on by "

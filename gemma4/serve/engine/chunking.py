@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from gemma4.env import setting
+from gemma4.env import Settings as EnvSettings
 from gemma4.serve.engine.geometry import PROMPT_BUCKETS, bucket_for
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey, ShapeKey, VerifyKey
 
@@ -147,11 +147,11 @@ def chunk_limit(buckets: Sequence[int], costs: Mapping[int, float], budget_s: fl
     return best
 
 
-def override_limit(env: Mapping[str, str], alone: bool, buckets: Sequence[int]) -> int | None:
-    """GEMMA4_PREFILL_CHUNK (beside running streams) or GEMMA4_PREFILL_CHUNK_ALONE, in tokens,
-    rounded down to a bucket (at least the smallest); None when unset."""
+def override_limit(settings: EnvSettings, alone: bool, buckets: Sequence[int]) -> int | None:
+    """`settings`' GEMMA4_PREFILL_CHUNK (beside running streams) or GEMMA4_PREFILL_CHUNK_ALONE, in
+    tokens, rounded down to a bucket (at least the smallest); None when unset."""
     name = "GEMMA4_PREFILL_CHUNK_ALONE" if alone else "GEMMA4_PREFILL_CHUNK"
-    tokens = setting(name, env)
+    tokens = settings.get(name)
     if tokens is None:
         return None
     return max([b for b in buckets if b <= tokens] or [buckets[0]])

@@ -101,6 +101,7 @@ class CompiledShapes:
         self.store: ExecutableStore | None = None
         self.identify: Callable[[ShapeKey], str] | None = None
         self.prefetch: Prefetch | None = None
+        self.trim_heap = True  # GEMMA4_MALLOC_TRIM: set by the start-up from the engine's settings
 
     # ---------------------------------------------------------------- the plan and the threads
     def start(self, startup: Sequence[ShapeKey], background: Sequence[ShapeKey], *, warmup: bool,
@@ -206,7 +207,7 @@ class CompiledShapes:
         try:
             return self._load_or_compile(key)
         finally:
-            heap.release()
+            heap.release(self.trim_heap)
 
     def _load_or_compile(self, key: ShapeKey):
         check_mapping_headroom(key.describe())

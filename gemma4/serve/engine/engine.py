@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Callable, Iterator, Sequence
 
-from gemma4.env import setting
+from gemma4.env import Settings as EnvSettings
 from gemma4.model.config import ModelConfig
 from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve.engine.chunking import override_limit
@@ -56,19 +56,19 @@ class Engine:
     preflight.default_context); overrides: hardware-policy overrides (docs/hardware-policy.md);
     max_new_tokens_cap: the most new tokens a request may ask for; warmup: compile and run the
     first shapes before ready (and the rest in the background); buckets: prompt buckets (None:
-    the device's ladder); mesh: "auto", "none" or a mesh shape (docs/sharding.md); start: the
-    start-up to run (a `StartUp`-like factory; tests give one that starts a fake runner)."""
+    the device's ladder); mesh: "auto", "none" or a mesh shape (docs/sharding.md); env: the GEMMA4_*
+    settings (`gemma4.env.Settings`; None: the environment's, read here); start: a `StartUp`-like factory."""
 
     def __init__(self, model: str = "bundled", *, max_batch: int = 8, context_limit: int | None = None,
                  overrides: dict | None = None, max_new_tokens_cap: int = 2048, warmup: bool = True,
                  buckets: Sequence[int] | None = None, mesh: str | dict | None = "auto",
-                 speculate: str | None = None, drafter: str | None = None,
+                 speculate: str | None = None, drafter: str | None = None, env: EnvSettings | None = None,
                  start: Callable[..., StartUp] = StartUp):
         self.settings = EngineSettings(
             model=model, max_batch=int(max_batch), context=context_limit,
             overrides=tuple(sorted(dict(overrides or {}).items())), max_new_tokens_cap=int(max_new_tokens_cap),
-            warmup=warmup, buckets=None if buckets is None else tuple(sorted({int(b) for b in buckets})),
-            mesh="auto" if mesh is None else mesh, speculate=speculate, drafter=drafter)
+            warmup=warmup, buckets=None if buckets is None else tuple(sorted({int(b) for b in buckets})), drafter=drafter,
+            mesh="auto" if mesh is None else mesh, speculate=speculate, env=env or EnvSettings.from_env())
         self.observers: list[Observer] = []  # see `observing`
         self.step_times = StepTimes()  # step durations and faults (read by /metrics)
         # Set once started (on the engine thread): what was loaded, the runner, the scheduler.
@@ -249,7 +249,7 @@ class Engine:
         self._rules = RequestRules(cfg.pad_id, cfg.hidden_size, min(cfg.vocab_size, started.tokenizer.vocab_size),
                                    g.context_limit, g.buckets[-1], bool(cfg.bidirectional_vision), g.processes == 1)
         self.scheduler = Scheduler(g, ShapeChoice(g, self.shapes), cfg.stop_ids, observers=self.observers,
-                                   chunk_override={alone: override_limit(None, alone, g.buckets)
+                                   chunk_override={alone: override_limit(self.settings.env, alone, g.buckets)
                                                    for alone in (False, True)})
         for key, seconds in started.warm_costs:
             self.scheduler.costs.note(key, seconds)
@@ -379,8 +379,9 @@ def close_all_engines(timeout: float = 60, keep: Sequence[Engine] = ()) -> None:
 
 
 def get_engine(model: str | None = None, **kwargs) -> Engine:
-    """The process-wide engine for (model, settings): created (and loaded in the background) once."""
-    model = model or setting("GEMMA4_MODEL")
+    """The process-wide engine for (model, settings): created (and loaded in the background) once.
+    `model` None: the `env` setting's GEMMA4_MODEL (no `env`: the environment's, read now)."""
+    model = model or (kwargs.get("env") or EnvSettings.from_env()).get("GEMMA4_MODEL")
     key = (model, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     with _engines_lock:
         if key not in _engines:

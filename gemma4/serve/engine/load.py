@@ -10,6 +10,10 @@ to start compiling for it. Its result is a `LoadedModel`: frozen,
 set once, never changed. The tokenizer is built meanwhile on its own thread (`TokenizerBuild`), in
 parallel with the first compiles; weights this start prepared are written once the engine is
 ready (`keep_prepared`), so no request waits for the disk.
+
+The GEMMA4_* settings it follows come in as one `gemma4.env.Settings` (the engine's); called
+without one (a bench or a test loading a model alone), `load_model` is itself the start-up and
+reads them from the environment once, there.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower,
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, preflight_devices, sharding
 from gemma4.serve import heap, prepared_store
-from gemma4.env import FOLDER_OFF, declared, setting
+from gemma4.env import FOLDER_OFF, declared
+from gemma4.env import Settings as EnvSettings
 from gemma4.serve.engine.geometry import DEFAULT_CONTEXT, ServingGeometry, context_window, serving_geometry
 from gemma4.weights import sources
 from gemma4.weights.drafter_checkpoint import load_drafter as read_drafter
@@ -145,17 +150,22 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
                mesh_request: str | dict = "auto", buckets: tuple[int, ...] | None = None,
                processes: int = 1, status: Status = lambda progress, message: None,
                planned: Callable[[LoadedModel], None] | None = None, speculate: str | None = None,
-               drafter: str | None = None) -> tuple[LoadedModel, Any, PreparedWrite | None]:
+               drafter: str | None = None, settings: EnvSettings | None = None,
+               ) -> tuple[LoadedModel, Any, PreparedWrite | None]:
     """(the model, its KV cache (allocated: the engine owns it from here), the prepared weights to
     keep once ready or None). `context`: the context limit asked for (None: on a CPU the model's,
     at most geometry.DEFAULT_CONTEXT; on an accelerator the longest the pre-flight admits for the
     rows, up to the model's own: preflight.default_context, said in the hardware report); `buckets`: the prompt buckets asked for (None: the device's ladder);
     `processes`: the processes serving the model (more than one replay process 0's steps);
-    `speculate`, `drafter`: speculative decoding's mode and drafter (None: their settings).
+    `speculate`, `drafter`: speculative decoding's mode and drafter (None: their settings); `settings`:
+    the GEMMA4_* settings in force (None: read from the environment now, this being the start-up).
     `planned`: called before the weights load with the model they will make, its parameters as
     shapes only (`sketch_params`), where `compile_ahead_choice` says so: the caller may start
     compiling for it. The model returned is the loaded one; the caller compares the two."""
-    enable_compile_cache()
+    settings = EnvSettings.from_env() if settings is None else settings  # a load alone is its own start-up
+    speculate = settings.get("GEMMA4_SPECULATE") if speculate is None else speculate
+    drafter = settings.get("GEMMA4_DRAFTER") if drafter is None else drafter
+    enable_compile_cache(settings)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     source = sources.resolve(name)
@@ -179,13 +189,14 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         mesh = sharding.make_mesh(mesh_shape)
     timings["plan_s"] = time.perf_counter() - t0
     if planned is not None and peeked is not None and mesh is not None:
-        ahead, why = compile_ahead_choice(plan, mesh, processes > 1)
+        ahead, why = compile_ahead_choice(plan, mesh, processes > 1, settings)
         log.info("compiling ahead of the weights: %s (%s)", "yes" if ahead else "no", why)
         if ahead:
             try:
                 planned(serving_model(source, peeked, sketch_params(peeked, plan, mesh), plan, dict(report), options,
                                       mesh, mesh_shape, max_batch=max_batch, context=context, buckets=buckets,
-                                      processes=processes, timings=timings, tok_spec=None, speculate=speculate))
+                                      processes=processes, timings=timings, tok_spec=None, speculate=speculate,
+                                      settings=settings))
             except Exception as e:  # the weights' own tree is compiled for after they load, as before
                 log.warning("could not compile ahead of the weights: %s: %s", type(e).__name__, e)
 
@@ -194,7 +205,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
 
     # A single-file model on one device whose weights an earlier start prepared for this plan:
     # read back from disk (gemma4.serve.prepared_store): no conversion, reordering or measuring.
-    store = (prepared_store.default_folder() if source.kind in ("bundled", "gguf") and mesh is not None
+    store = (prepared_store.default_folder(settings) if source.kind in ("bundled", "gguf") and mesh is not None
              and mesh.size == 1 else None)
     prepared = read_prepared(store, source, plan, overrides, progress, status) if store is not None else None
     pending = None
@@ -222,7 +233,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
             plan, params, overrides, progress=lambda frac, msg: status(0.7 + 0.05 * frac, msg), release=True)
         timings["int8_matmul_s"] = time.perf_counter() - t_mm
-        heap.release()  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
+        heap.release(settings.get("GEMMA4_MALLOC_TRIM"))  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
         if store is not None and prepared_store.worth_keeping(params):  # written once ready (`keep_prepared`)
             pending = PreparedWrite(store, prepared_key(tok_spec["path"], plan_before, overrides), params,
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
@@ -234,12 +245,12 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         # serving_model stacks copies). The layers stacked as the forward pass scans them
         # (decoder.stack_layers), each loaded leaf freed once stacked: never held twice over.
         params = M.stack_layers(params, cfg, functools.partial(sharding.stack_placed, release=True))
-    drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate) else None
+    drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate, settings) else None
     if drafter is not None:  # small: whole on every device
         drafter = drafter[0], jax.device_put(drafter[1], sharding.replicated(mesh))
     model = serving_model(source, cfg, params, plan, report, options, mesh, mesh_shape, max_batch=max_batch,
                           context=context, buckets=buckets, processes=processes, timings=timings,
-                          tok_spec=tok_spec, drafter=drafter, speculate=speculate)
+                          tok_spec=tok_spec, drafter=drafter, speculate=speculate, settings=settings)
     cache = model.new_cache()  # born split: no whole cache on one device
     return model, cache, pending
 
@@ -248,10 +259,12 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
                   options: M.RunOptions, mesh: Any, mesh_shape: dict, *, max_batch: int, context: int | None,
                   buckets: tuple[int, ...] | None, processes: int, timings: dict,
                   tok_spec: dict | None, drafter: tuple[Any, dict] | None = None,
-                  speculate: str | None = None) -> LoadedModel:
+                  speculate: str = "auto", settings: EnvSettings | None = None) -> LoadedModel:
     """What the engine serves `params` with (loaded weights, or `sketch_params`' shapes): the
     roofline, the serving geometry, the KV cache's shape and placement (allocated by the caller:
-    `new_cache()`), and the tokenizer, started on its own thread (none without `tok_spec`)."""
+    `new_cache()`), and the tokenizer, started on its own thread (none without `tok_spec`).
+    `settings`: the GEMMA4_* settings in force (None: every setting at its default)."""
+    settings = EnvSettings.defaults() if settings is None else settings
     if not options.scan_layers:  # the plan's `layers: unrolled`: every layer a run of its own (its own
         # weights as loaded and its own KV cache entry, as the forward pass traces it)
         cfg = dataclasses.replace(cfg, layer_periods=False)
@@ -282,9 +295,9 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         model_context=cfg.max_position_embeddings, buckets=buckets,
         full_layers_native=M.full_layers_read_natively(cfg, options, plan.kv_cache.value),
         full_layers_kernel=M.full_layers_read_in_kernel(options, plan.kv_cache.value),
-        mixed_step=setting("GEMMA4_MIXED_STEP"), prefix_cache=setting("GEMMA4_PREFIX_CACHE"),
-        ready_shapes=setting("GEMMA4_READY_SHAPES"), pack_prompts=setting("GEMMA4_PACK_PROMPTS"),
-        draft_tokens=draft_tokens_setting(speculate), drafter=drafter is not None,
+        mixed_step=settings.get("GEMMA4_MIXED_STEP"), prefix_cache=settings.get("GEMMA4_PREFIX_CACHE"),
+        ready_shapes=settings.get("GEMMA4_READY_SHAPES"), pack_prompts=settings.get("GEMMA4_PACK_PROMPTS"),
+        draft_tokens=draft_tokens_setting(speculate, settings), drafter=drafter is not None,
         **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
     report["speculation"] = speculation_report(geometry.draft_tokens, processes, drafter[0].name if drafter else None)
     kv_format = plan.kv_cache.value
@@ -306,17 +319,16 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
 DRAFT_TOKENS = 4
 
 
-def draft_tokens_setting(speculate: str | None = None) -> int:
-    """Speculative decoding's drafts per verify step as asked: 0 where `speculate` (None:
-    GEMMA4_SPECULATE) is off, else GEMMA4_DRAFT_TOKENS or DRAFT_TOKENS (the geometry bounds it
-    further)."""
-    mode = setting("GEMMA4_SPECULATE") if speculate is None else speculate
+def draft_tokens_setting(speculate: str, settings: EnvSettings) -> int:
+    """Speculative decoding's drafts per verify step as asked: 0 where `speculate` is off, else
+    `settings`' GEMMA4_DRAFT_TOKENS or DRAFT_TOKENS (the geometry bounds it further)."""
+    mode = speculate
     modes = declared("GEMMA4_SPECULATE").choices
     if mode not in modes:
         raise ValueError(f"speculate must be one of {', '.join(modes)}, not {mode!r}")
     if mode == "off":
         return 0
-    return setting("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
+    return settings.get("GEMMA4_DRAFT_TOKENS") or DRAFT_TOKENS
 
 
 # How exact (docs/performance.md, "Where it is exact"): measured per plan on the bundled model.
@@ -351,14 +363,13 @@ def speculation_report(drafts: int, processes: int, drafter: str | None = None) 
 
 
 # ------------------------------------------------------------------------------ compiling ahead of the weights
-def compile_ahead_choice(plan: hardware.Plan, mesh: Any, multi_process: bool,
-                         environ: dict[str, str] | None = None) -> tuple[bool, str]:
+def compile_ahead_choice(plan: hardware.Plan, mesh: Any, multi_process: bool, settings: EnvSettings) -> tuple[bool, str]:
     """(whether the engine compiles from the parameters' planned shapes while the weights load,
     why). GEMMA4_COMPILE_AHEAD=on|off overrides; auto: on an accelerator with one device, where
     a start waited for the weights (~12 s of E2B on a TPU v5e machine) before compiling its first
     two steps (~40 s). Not on a CPU: the int8 products' layout is measured after the weights load
     (the tree changes), and its cores are busy loading them."""
-    asked = setting("GEMMA4_COMPILE_AHEAD", environ)  # None: auto
+    asked = settings.get("GEMMA4_COMPILE_AHEAD")  # None: auto
     if asked is not None:
         return asked, f"GEMMA4_COMPILE_AHEAD={'on' if asked else 'off'}"
     if multi_process:
@@ -479,10 +490,10 @@ def keep_prepared(pending: PreparedWrite) -> threading.Thread:
 
 
 # ------------------------------------------------------------------------------ the compile cache
-def enable_compile_cache() -> None:
+def enable_compile_cache(settings: EnvSettings) -> None:
     """Persistent XLA compile cache, so a restart skips most compiles (trusted, per-user dir),
-    bounded and locked across processes (COMPILE_CACHE_MAX_BYTES)."""
-    named = setting("GEMMA4_COMPILE_CACHE")
+    bounded and locked across processes (COMPILE_CACHE_MAX_BYTES); `settings`' GEMMA4_COMPILE_CACHE."""
+    named = settings.get("GEMMA4_COMPILE_CACHE")
     if named == FOLDER_OFF:
         return
     path = named or str(cache_root() / "xla")
@@ -508,12 +519,11 @@ def backfill_cache_access_times(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------ the drafter
-def load_drafter(cfg: ModelConfig, dtype: Any, spec: str | None = None) -> tuple[Any, dict] | None:
-    """The drafter GEMMA4_DRAFTER names for target `cfg` (speculative decoding: engine/speculation.py):
-    None (unset or off), "random" (random weights of the target's released drafter's geometry, or a
+def load_drafter(cfg: ModelConfig, dtype: Any, spec: str | None) -> tuple[Any, dict] | None:
+    """The drafter `spec` (GEMMA4_DRAFTER's value) names for target `cfg` (speculative decoding:
+    engine/speculation.py): None (unset or off), "random" (random weights of the target's released drafter's geometry, or a
     tiny one for a tiny target), a folder of the Hub layout, or a Hub id (downloaded). Returns
     (DrafterConfig, parameters in `dtype`); a drafter that cannot draft for this target raises."""
-    spec = setting("GEMMA4_DRAFTER") if spec is None else spec
     if not spec or spec.lower() in ("off", "none"):
         return None
     if spec.lower() == "random":

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from gemma4.env import setting
+from gemma4.env import Settings as EnvSettings
 from gemma4.model.config import ModelConfig
 from gemma4.ops.kernels import cpu_int8
 from gemma4.serve import distributed, executable_store
@@ -58,6 +58,8 @@ class EngineSettings:
     mesh: str | dict = "auto"
     speculate: str | None = None  # speculative decoding: auto | off | lookup (None: GEMMA4_SPECULATE)
     drafter: str | None = None  # the drafter: a folder, a Hub id, random, off (None: GEMMA4_DRAFTER)
+    # every GEMMA4_* setting in force (`gemma4.env.Settings`): what the engine's parts follow
+    env: EnvSettings = dataclasses.field(default_factory=EnvSettings.defaults, repr=False)
 
     def overrides_dict(self) -> dict:
         return dict(self.overrides)
@@ -108,7 +110,9 @@ class StartUp:
         self.threads: list[threading.Thread] = []  # compile threads of shapes planned and dropped, the prepared write
 
     def _new_shapes(self) -> CompiledShapes:
-        return CompiledShapes(self._lower, self._may_background, self._on_compiled)
+        shapes = CompiledShapes(self._lower, self._may_background, self._on_compiled)
+        shapes.trim_heap = self.settings.env.get("GEMMA4_MALLOC_TRIM")
+        return shapes
 
     def run(self) -> Started:
         t0 = time.perf_counter()
@@ -135,12 +139,12 @@ class StartUp:
         s = self.settings
         model, cache, self._prepared = load_model(
             s.model, max_batch=s.max_batch, overrides=self._overrides, context=s.context, mesh_request=s.mesh,
-            buckets=s.buckets, processes=self.processes, speculate=s.speculate, drafter=s.drafter,
+            buckets=s.buckets, processes=self.processes, speculate=s.speculate, drafter=s.drafter, settings=s.env,
             status=lambda progress, message: self._status("loading", progress, message), planned=self._compile_ahead)
         self.timings.update(model.timings)
         self.programs = self._programs_for(model)
         self.towers = Towers(model.cfg, model.params, model.encoder_dtype, self.shapes.compile,
-                             multi_process=self.processes > 1)
+                             multi_process=self.processes > 1, audio_seconds=s.env.get("GEMMA4_AUDIO_BUCKETS"))
         runner = Runner(model, cache, self.shapes, observers=self._observers, link=link)
         info = model_info(model, cache, runner.memory(), time.perf_counter() - t_load)
         info["compiled_ahead"] = self.compiled_ahead
@@ -223,7 +227,7 @@ class StartUp:
         their names ("" without a store): jax's persistent cache keys by the program, so a step it
         already holds would be served from it, and such a copy cannot be stored — a new key gives
         new names, which XLA compiles (once) and the store keeps."""
-        folder = executable_store.default_folder()
+        folder = executable_store.default_folder(self.settings.env)
         if folder is None:
             return ""
         program_key = executable_store.make_key(*program_parts(model))  # code, platform, engine: hashed once
@@ -247,8 +251,8 @@ class StartUp:
         these settings needed before ready, so that they load while the weights do (a warm start
         on a TPU v5e: two ~0.5-8 s loads that used to follow the weights). What is loaded is used
         only for the store keys this start's own program gives (executable_store)."""
-        folder = executable_store.default_folder()
-        if folder is None or not self._warmup or not setting("GEMMA4_LOAD_AHEAD"):  # off: after the weights
+        folder = executable_store.default_folder(self.settings.env)
+        if folder is None or not self._warmup or not self.settings.env.get("GEMMA4_LOAD_AHEAD"):  # off: after the weights
             return None
         keys = executable_store.read_start(folder, self._start_identity())
         if not keys:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.env import setting
+from gemma4.env import default_of
 from gemma4.media.audio import FEATURE_SIZE, SAMPLE_RATE, AudioFeatures
 from gemma4.model import audio as AU
 from gemma4.model import vision as V
@@ -63,12 +63,12 @@ def audio_bucket(frames: int, buckets: Sequence[int] = AUDIO_FRAME_BUCKETS,
                        f"({max(buckets) / per_second:g} s) the audio tower is compiled for; cut it to its first 30 s.")
 
 
-def audio_frame_buckets(env=None, per_second: int = MEL_FRAMES_PER_SECOND) -> tuple[int, ...]:
+def audio_frame_buckets(seconds: Sequence[float], per_second: int = MEL_FRAMES_PER_SECOND) -> tuple[int, ...]:
     """The audio buckets in feature frames (`per_second` a second: 100 for a tower's log-mel
-    frames) from GEMMA4_AUDIO_BUCKETS' seconds (default `AUDIO_FRAME_BUCKETS`): none past 30 s,
-    and 30 s always the top one, so every clip the front end gives has a bucket."""
+    frames) from `seconds`, GEMMA4_AUDIO_BUCKETS' value (its default gives `AUDIO_FRAME_BUCKETS`):
+    none past 30 s, and 30 s always the top one, so every clip the front end gives has a bucket."""
     top = AUDIO_FRAME_BUCKETS[-1] * per_second // MEL_FRAMES_PER_SECOND
-    frames = {min(top, math.ceil(s * per_second)) for s in setting("GEMMA4_AUDIO_BUCKETS", env)}
+    frames = {min(top, math.ceil(s * per_second)) for s in seconds}
     return tuple(sorted(frames | {top}))
 
 
@@ -97,15 +97,16 @@ class Towers:
 
     cfg, params: the model's; encoder_dtype: the plan's dtype for the towers; compile: compiles a
     tower key (the engine's `CompiledShapes.compile`, which lowers it through `lower`);
-    multi_process: the engine spans several processes (no media there yet)."""
+    multi_process: the engine spans several processes (no media there yet); audio_seconds: the clip
+    lengths compiled for (the engine's GEMMA4_AUDIO_BUCKETS)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, encoder_dtype: Any, compile: Callable[[TowerKey], Any],
-                 multi_process: bool = False):
+                 multi_process: bool = False, audio_seconds: Sequence[float] = default_of("GEMMA4_AUDIO_BUCKETS")):
         self.cfg, self.params, self.encoder_dtype = cfg, params, encoder_dtype
         self.multi_process = multi_process
         self.audio_rate = audio_frame_rate(cfg)  # feature frames a second (100, or the 12B's 25)
         # the compiled clip lengths (`audio_bucket`); tests may narrow it
-        self.audio_buckets = audio_frame_buckets(per_second=self.audio_rate)
+        self.audio_buckets = audio_frame_buckets(audio_seconds, per_second=self.audio_rate)
         self._compile = compile
         self._exe: dict[TowerKey, Any] = {}
         self._lock = threading.Lock()
