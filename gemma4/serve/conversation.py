@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import threading
 from typing import Any, Iterator, Mapping, Sequence
 
 from gemma4.model.sampling_params import SamplingParams, apply_stop_strings, stop_string_holdback
@@ -52,6 +53,7 @@ from gemma4.serve.media_prompt import MediaTable, PreparedMedia, media_segments,
 from gemma4.serve.prompts import (
     ChatPrompt,
     CompletionPrompt,
+    Message,
     Prompt,
     TokenPrompt,
     check_cancel,
@@ -59,7 +61,7 @@ from gemma4.serve.prompts import (
 )
 from gemma4.serve.quality import RULES, degeneracy_flags
 from gemma4.serve.requests import Request, RequestError, Segment, check_prompt_length, flatten_segments
-from gemma4.weights.tokenizer import IncrementalDecoder
+from gemma4.weights.tokenizer import IncrementalDecoder, Tokenizer
 
 CHANNEL_NAME = "thought\n"  # what follows <|channel> in a thought block
 
@@ -140,7 +142,7 @@ def supports_audio(engine: Engine) -> tuple[bool, str]:
     return engine.supports_audio()
 
 
-def check_request(engine: Engine, thinking: bool, tools: Any) -> None:
+def check_request(engine: Engine, thinking: bool, tools: Sequence[Message] | None) -> None:
     """The one check of what the model supports for a request (RequestError, meant for the
     user): thinking and tools need a Gemma 4 model. What the prompt must be for them (a chat,
     not ids or a completion) is `prompts.classify`'s; the towers media need, `media_prompt`'s."""
@@ -154,7 +156,7 @@ def check_request(engine: Engine, thinking: bool, tools: Any) -> None:
             raise RequestError(f"Tools are not available: {why}.")
 
 
-def classify_request(engine: Engine, prompt: Any, *, mode: str | None = None, system: str | None = None,
+def classify_request(engine: Engine, prompt: object, *, mode: str | None = None, system: str | None = None,
                      thinking: bool = False, tools: Sequence | None = None,
                      media: Sequence[Mapping] = ()) -> Prompt:
     """The entry of the request layer: what the model supports (`check_request`), then the
@@ -192,7 +194,7 @@ class InputCaps:
         return messages, tokens
 
 
-def _plain_text(content: Any) -> str:
+def _plain_text(content: object) -> str:
     """The text parts of a message's content (other parts and malformed ones count nothing here:
     the renderer refuses what is malformed, with its own message)."""
     if isinstance(content, str):
@@ -213,7 +215,7 @@ def check_message_count(count: int, caps: InputCaps | None, context_limit: int) 
                            "server's --max-messages).")
 
 
-def _check_size(messages: Sequence[Mapping[str, Any]], tokenizer, caps: tuple[int, int], context_limit: int) -> None:
+def _check_size(messages: Sequence[Message], tokenizer: _EncodeOnce, caps: tuple[int, int], context_limit: int) -> None:
     """RequestError if the messages exceed a cap (see `InputCaps`). `tokenizer` is the request's
     `_EncodeOnce`: the texts counted here are remembered, and it stops when the client leaves."""
     max_messages, max_tokens = caps
@@ -268,7 +270,7 @@ class RenderedPrompt:
 
 
 def render_prompt(engine: Engine, prompt: Prompt, *, caps: tuple[int, int] | None = None,
-                  cancel: Any = None) -> RenderedPrompt:
+                  cancel: threading.Event | None = None) -> RenderedPrompt:
     """The ids of a typed prompt, in one direction: a chat's input caps checked (`caps`
     (max_messages, max_input_tokens); a request's are, always), its media prepared into a table
     of expansions (gemma4/serve/media_prompt.py), then rendered with the table (gemma4/serve/chat.py)
@@ -372,7 +374,7 @@ class _EncodeOnce:
     chat stops within a message of the client leaving (RequestCancelled). Every YIELD_EVERY_S
     it lets the other threads run (see YIELD_S)."""
 
-    def __init__(self, tokenizer, cancel: Any = None):
+    def __init__(self, tokenizer: Tokenizer, cancel: threading.Event | None = None):
         self.bos_id = tokenizer.bos_id
         self.special_id = tokenizer.special_id
         self._encode = tokenizer.encode
@@ -409,7 +411,7 @@ def _exchange_ends(messages: Sequence[dict]) -> tuple[int, list[int]]:
 
 
 
-def prompt_ids(engine: Engine, messages: Any, *, system: str | None = None, tools: Sequence | None = None,
+def prompt_ids(engine: Engine, messages: object, *, system: str | None = None, tools: Sequence | None = None,
                thinking: bool = False, mode: str | None = None, notes: list[str] | None = None,
                media: Sequence[Mapping] = (), caps: InputCaps | None = None) -> list[int]:
     """The prompt ids a request with these arguments would be given (no queueing; the arguments
@@ -423,18 +425,19 @@ def prompt_ids(engine: Engine, messages: Any, *, system: str | None = None, tool
     return flatten_segments(rendered.ids, engine.cfg.pad_id, engine.cfg.hidden_size)[0]
 
 
-def submit(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str | None = None,
+def submit(engine: Engine, prompt: object, params: SamplingParams | None = None, *, mode: str | None = None,
            system: str | None = None, thinking: bool = False, tools: Sequence | None = None,
-           media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> Request:
+           media: Sequence[Mapping] = (), caps: InputCaps | None = None,
+           cancel: threading.Event | None = None) -> Request:
     """Check, shape and queue a request (the arguments as `stream_reply`'s); RequestError before
     any slot is taken for bad input, RequestCancelled if `cancel` was set meanwhile."""
     return _submit(engine, prompt, params, mode=mode, system=system, thinking=thinking, tools=tools, media=media,
                    caps=caps, cancel=cancel)[0]
 
 
-def _submit(engine: Engine, prompt: Any, params: SamplingParams | None, *, mode: str | None, system: str | None,
+def _submit(engine: Engine, prompt: object, params: SamplingParams | None, *, mode: str | None, system: str | None,
             thinking: bool, tools: Sequence | None, media: Sequence[Mapping], caps: InputCaps | None,
-            cancel: Any) -> tuple[Request, list[int]]:
+            cancel: threading.Event | None) -> tuple[Request, list[int]]:
     """(the queued request, its prompt ids as rendered). The one path of every request: ready,
     classified, settings validated, rendered (media prepared first), the length rule, the media
     encoded into segments, queued."""
@@ -738,9 +741,10 @@ class ReplyStream:
                           token_ids=list(ev.token_ids[:seen]))
 
 
-def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, *, mode: str | None = None,
+def stream_reply(engine: Engine, prompt: object, params: SamplingParams | None = None, *, mode: str | None = None,
                  system: str | None = None, tools: Sequence | None = None, thinking: bool = False,
-                 media: Sequence[Mapping] = (), caps: InputCaps | None = None, cancel: Any = None) -> ReplyStream:
+                 media: Sequence[Mapping] = (), caps: InputCaps | None = None,
+                 cancel: threading.Event | None = None) -> ReplyStream:
     """Submit a request and stream its reply as `ReplyEvent`s.
 
     Args:
@@ -773,7 +777,7 @@ def stream_reply(engine: Engine, prompt: Any, params: SamplingParams | None = No
     return ReplyStream(engine, req, req.params.stop_strings, prompt_ids=ids)
 
 
-def complete_reply(engine: Engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
+def complete_reply(engine: Engine, prompt: object, params: SamplingParams | None = None, **kwargs: Any) -> ReplyEvent:
     """The final `ReplyEvent` of `stream_reply(engine, prompt, params, **kwargs)` (a non-streaming
     reply: whole thought, answer, tool calls, stats, flags and notes)."""
     final = None
@@ -783,7 +787,7 @@ def complete_reply(engine: Engine, prompt: Any, params: SamplingParams | None = 
     return final
 
 
-def generate(engine: Engine, prompt: Any, params: SamplingParams | None = None, **kwargs: Any) -> dict:
+def generate(engine: Engine, prompt: object, params: SamplingParams | None = None, **kwargs: Any) -> dict:
     """`complete_reply` as a plain dict (`ReplyEvent.result`); the same arguments and defaults
     as `stream_reply`."""
     return complete_reply(engine, prompt, params, **kwargs).result()

@@ -26,12 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Mapping, Sequence, Union
+import threading
+from typing import Mapping, Sequence, Union
 
+from gemma4.media.files import MediaItem
 from gemma4.serve.chat import COMPLETION_MARKERS, MARKER_PATTERN, MEDIA_TYPES, is_media_part
 from gemma4.serve.requests import EMPTY_PROMPT, Embeddings, RequestError, Segment, nothing_past_bos
 
 MODES = ("chat", "completion")
+
+Message = Mapping[str, object]
+"""A chat message as OpenAI writes it: {"role", "content": a text or a list of parts, ...}, from a
+client or the page, so each value is checked where it is read."""
+
+Part = Mapping[str, object]
+"""A content part: {"type": "text", "text"}, or {"type": "image"|"video"|"audio", "media": a MediaItem
+or what the API was sent, "max_soft_tokens"?}; each value checked where it is read."""
 
 
 def default_mode(base_model: bool) -> str:
@@ -47,12 +57,12 @@ class ChatPrompt:
     """A chat for the model's template: messages as OpenAI writes them (media as content parts),
     a system prompt placed before any system messages, tool declarations, Gemma 4's thinking."""
 
-    messages: tuple[Mapping[str, Any], ...]
+    messages: tuple[Message, ...]
     system: str | None = None
-    tools: tuple[Mapping[str, Any], ...] | None = None
+    tools: tuple[Message, ...] | None = None
     thinking: bool = False
 
-    def media_parts(self) -> list[tuple[int, Mapping[str, Any]]]:
+    def media_parts(self) -> list[tuple[int, Part]]:
         """(message index, part) of every image, video and audio part, in prompt order."""
         return [(i, part) for i, m in enumerate(self.messages) for part in _content_list(m.get("content"))
                 if is_media_part(part)]
@@ -63,7 +73,7 @@ class CompletionPrompt:
     """A text the model continues as is; `media` holds one part per marker, in order (checked)."""
 
     text: str
-    media: tuple[Mapping[str, Any], ...] = ()
+    media: tuple[Part, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +91,8 @@ class TokenPrompt:
 Prompt = Union[ChatPrompt, CompletionPrompt, TokenPrompt]
 
 
-def classify(prompt: Any, *, mode: str | None = None, system: str | None = None, tools: Sequence | None = None,
-             thinking: bool = False, media: Sequence[Mapping[str, Any]] = (), base_model: bool = False) -> Prompt:
+def classify(prompt: object, *, mode: str | None = None, system: str | None = None, tools: Sequence | None = None,
+             thinking: bool = False, media: Sequence[Part] = (), base_model: bool = False) -> Prompt:
     """The typed value of a request's prompt (RequestError, meant for the user, for a bad one).
 
     prompt: messages, a text, token ids or segments. mode: None or "auto" (`default_mode` of
@@ -125,7 +135,7 @@ def classify(prompt: Any, *, mode: str | None = None, system: str | None = None,
 
 
 def _text_prompt(text: str, mode: str, system: str | None, tools: tuple | None, thinking: bool,
-                 media: tuple[Mapping[str, Any], ...]) -> Prompt:
+                 media: tuple[Part, ...]) -> Prompt:
     """A text: one user message in chat mode (its markers replaced by the media parts), else a
     completion (its markers checked against the parts)."""
     if mode == "chat":
@@ -136,7 +146,7 @@ def _text_prompt(text: str, mode: str, system: str | None, tools: tuple | None, 
     return CompletionPrompt(text, media)
 
 
-def _checked_messages(messages: Sequence[Any]) -> list[Mapping[str, Any]]:
+def _checked_messages(messages: Sequence[object]) -> list[Message]:
     """The messages a model should see (`clean_messages`), each a mapping."""
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
@@ -144,7 +154,7 @@ def _checked_messages(messages: Sequence[Any]) -> list[Mapping[str, Any]]:
     return clean_messages(messages)
 
 
-def _token_segments(prompt: Sequence[Any]) -> tuple:
+def _token_segments(prompt: Sequence[object]) -> tuple:
     """The ids as ints, or the segments (runs of ids as int tuples, `Embeddings` as given)."""
     try:
         if not any(isinstance(s, (Embeddings, list, tuple)) for s in prompt):
@@ -155,7 +165,7 @@ def _token_segments(prompt: Sequence[Any]) -> tuple:
                            "(or runs of them and embedding segments)") from None
 
 
-def clean_messages(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def clean_messages(messages: Sequence[Message]) -> list[Message]:
     """The messages a model should see: Gradio display messages (an assistant message whose
     metadata has a title: a thought or tool-call block) are dropped, so an earlier thought shown
     in the chat never goes back into the prompt; everything else is passed on unchanged."""
@@ -183,7 +193,7 @@ def check_not_empty(prompt: Prompt) -> None:
         raise RequestError(EMPTY_PROMPT)
 
 
-def _blank(message: Mapping[str, Any]) -> bool:
+def _blank(message: Message) -> bool:
     if message.get("tool_calls"):
         return False
     content = message.get("content")
@@ -204,7 +214,7 @@ class RequestCancelled(RequestError):
     """The request's client left while its prompt was being prepared: the work stopped."""
 
 
-def check_cancel(cancel: Any) -> None:
+def check_cancel(cancel: threading.Event | None) -> None:
     """RequestCancelled when `cancel` (a threading.Event, or None) is set: a long preparation
     (rendering a huge chat, decoding media) looks at it between its steps."""
     if cancel is not None and cancel.is_set():
@@ -237,7 +247,7 @@ def _marker_mismatch(counts: Mapping[str, int], given: Mapping[str, int]) -> Req
                         "where each file goes, in order.")
 
 
-def check_markers(text: str, media: Sequence[Mapping[str, Any]]) -> None:
+def check_markers(text: str, media: Sequence[Part]) -> None:
     """RequestError unless the text's markers and the media parts match: as many of each kind,
     and the k-th marker of the k-th part's kind."""
     if not all(isinstance(p, Mapping) for p in media):
@@ -252,7 +262,7 @@ def check_markers(text: str, media: Sequence[Mapping[str, Any]]) -> None:
                                "the markers and the files must come in the same order.")
 
 
-def parts_from_marked_text(text: str, media: Sequence[Mapping[str, Any]]) -> list[dict]:
+def parts_from_marked_text(text: str, media: Sequence[Part]) -> list[dict]:
     """A chat message's content parts from a text with markers and the media for them, in order
     (a text with media= in chat mode): text around each marker, the marker replaced by its part."""
     check_markers(text, media)
@@ -268,8 +278,8 @@ def parts_from_marked_text(text: str, media: Sequence[Mapping[str, Any]]) -> lis
     return out
 
 
-def parts_in_marker_order(text: str, images: Sequence[Any], videos: Sequence[Any],
-                          max_soft_tokens: int | None = None, audio: Sequence[Any] = ()) -> list[dict]:
+def parts_in_marker_order(text: str, images: Sequence[MediaItem], videos: Sequence[MediaItem],
+                          max_soft_tokens: int | None = None, audio: Sequence[MediaItem] = ()) -> list[dict]:
     """Media parts for a text's markers in the order they appear: each <|image|> takes the next
     of `images`, each <|video|> the next of `videos`, each <|audio|> the next of `audio` (the
     CLI's --image / --video / --audio; files as `gemma4.media.files.MediaItem`s).
@@ -290,7 +300,7 @@ def parts_in_marker_order(text: str, images: Sequence[Any], videos: Sequence[Any
     return out
 
 
-def _content_list(content: Any) -> list:
+def _content_list(content: object) -> list:
     if isinstance(content, Mapping):
         return [content]
     if isinstance(content, (list, tuple)):

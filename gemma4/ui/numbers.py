@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 
-def as_number(x: Any) -> float | None:
+def as_number(x: object) -> float | None:
     """`x` as a float, or None when it is missing or not a finite number."""
     if isinstance(x, bool) or x is None:
         return None
@@ -17,7 +16,7 @@ def as_number(x: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def fmt_num(x: Any, digits: int = 1, unit: str = "") -> str:
+def fmt_num(x: object, digits: int = 1, unit: str = "") -> str:
     """A number with `digits` decimals and an optional unit; "—" when unknown."""
     f = as_number(x)
     if f is None:
@@ -25,12 +24,12 @@ def fmt_num(x: Any, digits: int = 1, unit: str = "") -> str:
     return f"{f:,.{digits}f}{(' ' + unit) if unit else ''}"
 
 
-def fmt_int(x: Any) -> str:
+def fmt_int(x: object) -> str:
     f = as_number(x)
     return "—" if f is None else f"{int(round(f)):,}"
 
 
-def fmt_bytes(n: Any) -> str:
+def fmt_bytes(n: object) -> str:
     f = as_number(n)
     if f is None:
         return "—"
@@ -41,7 +40,7 @@ def fmt_bytes(n: Any) -> str:
     return "—"  # unreachable
 
 
-def clamp(value: Any, lo: float, hi: float, name: str, notes: list[str], *, integer=False):
+def clamp(value: object, lo: float, hi: float, name: str, notes: list[str], *, integer=False):
     """Clamp `value` into [lo, hi]; a note says what changed. Non-numbers raise ValueError."""
     f = as_number(value)
     if f is None:

@@ -15,9 +15,12 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gemma4.env import default_of
+
+if TYPE_CHECKING:  # the type only
+    from starlette.requests import HTTPConnection
 
 WINDOW_S = 60.0  # "per minute"
 MAX_TRACKED_CLIENTS = 10_000  # idle clients are forgotten past this many (memory stays bounded)
@@ -132,7 +135,7 @@ class RateLimiter:
             del self._clients[k]
 
 
-def client_ip(request: Any, trust_proxy: bool) -> str:
+def client_ip(request: HTTPConnection, trust_proxy: bool) -> str:
     """The client's address; behind a trusted proxy, the one that proxy appended last to
     X-Forwarded-For (the leftmost entries are whatever the client chose to send)."""
     if trust_proxy:

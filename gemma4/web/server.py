@@ -15,7 +15,7 @@ import secrets
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import gradio as gr
 import uvicorn
@@ -27,8 +27,11 @@ from starlette.responses import JSONResponse
 from gemma4.web.access import Access, api_closed_reason, exposure_warnings
 from gemma4.web.ratelimit import client_ip
 
-if TYPE_CHECKING:  # the type only: this module imports no jax (see above)
+if TYPE_CHECKING:  # the types only: this module imports no jax (see above)
+    from starlette.types import ASGIApp
+
     from gemma4.serve.engine.engine import Engine
+    from gemma4.web.api import OpenAIApi
 
 log = logging.getLogger("gemma4.web.server")
 
@@ -45,9 +48,9 @@ def _loud(lines: list[str]) -> None:
 # --------------------------------------------------------------------------- the app
 
 
-def build_app(demo: Any, engine: Engine, *, model: str, max_new_tokens_cap: int,
+def build_app(demo: gr.Blocks, engine: Engine, *, model: str, max_new_tokens_cap: int,
               access: Access = Access(), css: str | None = None,
-              footer_links: list | None = None):
+              footer_links: list | None = None) -> FastAPI:
     """The FastAPI app: /v1 (router first, so the UI's catch-all mount does not shadow it),
     then the Gradio Blocks at /, with the UI login if one is configured."""
     from gemma4.web.api import OpenAIApi  # deferred: jax, +1.3 s on `import app` (measured)
@@ -74,7 +77,7 @@ class UiRateLimit:
     by the Gradio queue's concurrency (the engine's slots) and size instead. Plain ASGI, so the
     streams of / and /v1 pass through untouched."""
 
-    def __init__(self, app: Any, api: Any):
+    def __init__(self, app: ASGIApp, api: OpenAIApi):
         self.app, self.api = app, api
 
     async def __call__(self, scope, receive, send) -> None:
@@ -93,7 +96,7 @@ class UiRateLimit:
 class Running:
     """A started server: `url`, `share_url`, `close()`."""
 
-    def __init__(self, server: Any, thread: threading.Thread, url: str):
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, url: str):
         self.server, self.thread, self.url = server, thread, url
         self.share_url: str | None = None
 
@@ -110,7 +113,7 @@ class Running:
             self.close()
 
 
-def start(app: Any, host: str, port: int) -> Running:
+def start(app: FastAPI, host: str, port: int) -> Running:
     """Run uvicorn in a background thread; returns once it listens (RuntimeError if it cannot)."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=5)
@@ -141,7 +144,7 @@ def open_share_link(port: int) -> str:
     return url.replace("http://", "https://", 1)
 
 
-def serve(demo: Any, engine: Engine, *, model: str, host: str, port: int, share: bool,
+def serve(demo: gr.Blocks, engine: Engine, *, model: str, host: str, port: int, share: bool,
           max_new_tokens_cap: int, access: Access = Access(), css: str | None = None,
           block: bool = True) -> Running:
     """Build the app, warn about exposure, listen, open the share link if asked, print where."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 from jax.experimental import multihost_utils
@@ -49,6 +49,16 @@ class Step:
     row: int = 0
     last: int = 0
     sampling: SamplingRows | None = None
+
+
+class StepRunner(Protocol):
+    """What a follower replays process 0's steps through (`gemma4.serve.engine.runner.Runner`)."""
+
+    def run_prefill(self, key: PrefillKey, tokens: np.ndarray, positions: np.ndarray, row: int, last: int,
+                    sampling: SamplingRows) -> tuple[int, bool]: ...
+
+    def run_decode(self, key: DecodeKey, tokens: np.ndarray, positions: np.ndarray, sampling: SamplingRows,
+                   row: int = 0) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 # Each column's dtype on the host (SamplingRows.idle's), for the bit-pattern view.
@@ -158,7 +168,7 @@ class EngineLink:
             _broadcast(self.codec.encode(Step(OP_STOP)))  # the followers' loops end
 
     # the other processes ------------------------------------------------------
-    def follow(self, runner: Any) -> None:
+    def follow(self, runner: StepRunner) -> None:
         """The other processes: replay process 0's steps through `runner` until it says STOP."""
         while True:
             step = self.codec.decode(_broadcast(np.zeros(self.codec.size, np.int32)))

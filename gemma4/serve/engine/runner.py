@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ class Runner:
     compiled shapes; observers: the engine's (they see every device call); link: where several
     processes serve the model (process 0 leads, the others follow), else None."""
 
-    def __init__(self, model: LoadedModel, cache: Any, shapes: CompiledShapes, *,
+    def __init__(self, model: LoadedModel, cache: dict[int, dict[str, jax.Array]], shapes: CompiledShapes, *,
                  observers: Sequence[Observer] = (), link: EngineLink | None = None):
         self.model = model
         self.cache = cache
@@ -105,7 +105,7 @@ class Runner:
 
     # ---------------------------------------------------------------- device calls
     @contextlib.contextmanager
-    def _call(self, call: DeviceCall) -> Iterator[Any]:
+    def _call(self, call: DeviceCall) -> Iterator[jax.stages.Compiled]:
         """One device call of `call.key`: observed, the executable taken (compiled first if it is
         not), marked as run, and the device held while it is dispatched."""
         for observer in self.observers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -120,8 +120,8 @@ class DispatchedBlock:
     """A dispatched block of decode steps (`decode_block_step`), not yet read: device arrays."""
 
     steps: int
-    out: Any
-    bad: Any
+    out: jax.Array
+    bad: jax.Array
     state: tuple  # (last tokens, next positions, sampling rows): where a chained block starts
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
