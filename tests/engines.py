@@ -8,7 +8,11 @@ module that uses one leaves it as it found it (idle, no patch left on it, overri
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from gemma4.serve.engine.engine import Engine, get_engine
+from gemma4.serve.shape_keys import ShapeKey
 
 # The bundled Gemma 3 270M in float32 (weights and compute, native KV cache): batched rows equal
 # solo ones bit for bit and greedy ids equal transformers' float32 ids. tests/test_engine.py,
@@ -30,6 +34,23 @@ def shared(model: str, **settings) -> Engine:
 def shared_engines() -> list[Engine]:
     """The engines `shared` handed out (conftest leaves them open between modules)."""
     return list(_shared)
+
+
+@contextlib.contextmanager
+def only_usable(engine: Engine, keys: set[ShapeKey]) -> Iterator[None]:
+    """Within the block, `engine`'s compiled shapes outside `keys` look not compiled yet (as if still
+    compiling): its scheduler plans around them and waits for them, and they come back after."""
+    shapes = engine.shapes
+    usable, usable_keys, get, wait_any = shapes.usable, shapes.usable_keys, shapes.get, shapes.wait_any
+    shapes.usable = lambda key: key in keys and usable(key)
+    shapes.usable_keys = lambda: [k for k in usable_keys() if k in keys]
+    shapes.get = lambda key: get(key) if key in keys else None
+    shapes.wait_any = lambda waited, timeout=None: wait_any([k for k in waited if k in keys], timeout)
+    try:
+        yield
+    finally:
+        for name in ("usable", "usable_keys", "get", "wait_any"):
+            delattr(shapes, name)
 
 
 def bundled_f32(timeout: float = 1200) -> Engine:

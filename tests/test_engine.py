@@ -26,7 +26,7 @@ from gemma4.serve.engine.chunking import chunk_plan
 from gemma4.serve.requests import Embeddings, RequestError, check_vocabulary, flatten_segments
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
 from gemma4.model.sampling_params import SamplingParams
-from tests.engines import bundled_f32
+from tests.engines import bundled_f32, only_usable
 from tests.scripted import tiny_gemma4
 
 REFERENCE = json.load(open(os.path.join(os.path.dirname(__file__), "data", "reference_ids.json")))
@@ -202,11 +202,8 @@ def test_prompt_in_a_larger_compiled_bucket_gives_identical_tokens(engine):
     engine.wait_compiled(timeout=900)
     ideal = conversation.generate(engine, "Water boils at", GREEDY)
     assert ideal["stats"]["bucket"] == 16 and not ideal["stats"]["compiled"]
-    engine.shapes.usable_only = {PrefillKey(64, True), DecodeKey(1, 256)}
-    try:
+    with only_usable(engine, {PrefillKey(64, True), DecodeKey(1, 256)}):
         sub = conversation.generate(engine, "Water boils at", GREEDY)
-    finally:
-        engine.shapes.usable_only = None
     assert (sub["stats"]["bucket"], sub["stats"]["chunks"], sub["stats"]["compiled"]) == (64, 1, False)
     assert sub["token_ids"] == ideal["token_ids"]
     assert engine.status()["compiles_pending"] == 0 and "background" not in engine.status()["message"]
@@ -217,17 +214,14 @@ def test_rows_decode_one_by_one_while_no_width_covers_them(engine):
     at its row offset (nobody waits for the width-2 compile); both get their solo tokens."""
     prompts = ["Water boils at", "The three laws of motion"]
     solo = [conversation.generate(engine, p, GREEDY)["token_ids"] for p in prompts]
-    engine.shapes.usable_only = {PrefillKey(16, True), PrefillKey(64, True), DecodeKey(1, 256)}
     out: dict[int, dict] = {}
-    try:
+    with only_usable(engine, {PrefillKey(16, True), PrefillKey(64, True), DecodeKey(1, 256)}):
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, conversation.generate(engine, prompts[i], GREEDY)))
                    for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
-    finally:
-        engine.shapes.usable_only = None
     assert [out[i]["token_ids"] for i in range(2)] == solo
     assert max(out[i]["stats"]["batch_occupancy"] for i in range(2)) > 1 / 8  # they were active together
     assert not any(out[i]["stats"]["compiled"] for i in range(2))

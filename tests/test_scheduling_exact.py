@@ -22,6 +22,7 @@ from gemma4.serve.engine.chunking import (COST_RETRY_S, FLOOR_SLACK, INTERLEAVE_
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.requests import RequestError, merge_spans
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
+from tests.engines import only_usable
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 BUCKETS = (16, 32, 64)
@@ -173,8 +174,7 @@ def test_nobody_waits_for_a_shape_another_request_needs(eng, chunk):
     long, short = _prompt(700, 4), _prompt(10, 5)
     solo_long = conversation.generate(eng, long, GREEDY)["token_ids"]
     solo_short = conversation.generate(eng, short, GREEDY)["token_ids"]
-    eng.shapes.usable_only = {PrefillKey(b, True) for b in BUCKETS} | {DecodeKey(w, 512) for w in (1, 2, 4)}
-    try:
+    with only_usable(eng, {PrefillKey(b, True) for b in BUCKETS} | {DecodeKey(w, 512) for w in (1, 2, 4)}):
         req_long = eng.submit(long, GREEDY)
         deadline = time.time() + 30
         while req_long.prefilled == 0 and time.time() < deadline:
@@ -183,8 +183,6 @@ def test_nobody_waits_for_a_shape_another_request_needs(eng, chunk):
         served = conversation.generate(eng, short, GREEDY)
         assert served["token_ids"] == solo_short and served["stats"]["compiled"] is False
         assert req_long.prefilled == 64 and req_long.stats["compiled"] is True
-    finally:
-        eng.shapes.usable_only = None
     assert list(eng.tokens(req_long))[-1].token_ids == solo_long
 
 
@@ -195,9 +193,8 @@ def test_a_row_past_every_compiled_cache_length_waits_alone(eng, chunk):
     long, short = _prompt(520, 6), _prompt(10, 7)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     solo = [conversation.generate(eng, p, params)["token_ids"] for p in (long, short)]
-    eng.shapes.usable_only = ({PrefillKey(b, f) for b in BUCKETS for f in (True, False)}
-                              | {DecodeKey(w, 512) for w in (1, 2, 4)})
-    try:
+    with only_usable(eng, {PrefillKey(b, f) for b in BUCKETS for f in (True, False)}
+                     | {DecodeKey(w, 512) for w in (1, 2, 4)}):
         req_long = eng.submit(long, params)
         stream = eng.tokens(req_long)
         first = next(stream)  # sampled by its last prefill chunk; its decode needs length 1024
@@ -205,8 +202,6 @@ def test_a_row_past_every_compiled_cache_length_waits_alone(eng, chunk):
         served = conversation.generate(eng, short, params)
         assert served["token_ids"] == solo[1] and served["stats"]["compiled"] is False
         assert req_long.generated == 1 and req_long.stats["compiled"] is True
-    finally:
-        eng.shapes.usable_only = None
     assert list(stream)[-1].token_ids == solo[0]
 
 

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 
@@ -73,13 +73,13 @@ class CompiledShapes:
     thread at a time and XLA's compiles pipeline behind it. may_background() → whether the
     background queue may move now. on_compiled: called after each compile lands."""
 
-    def __init__(self, lower: Callable[[ShapeKey], Any], may_background: Callable[[], bool],
+    def __init__(self, lower: Callable[[ShapeKey], jax.stages.Lowered], may_background: Callable[[], bool],
                  on_compiled: Callable[[], None] | None = None):
         self._lower = lower
         self._may_background = may_background
         self.on_compiled = on_compiled
         self._cond = threading.Condition()
-        self._exe: dict[ShapeKey, Any] = {}
+        self._exe: dict[ShapeKey, jax.stages.Compiled] = {}
         self._urgent: list[ShapeKey] = []
         self._background: list[ShapeKey] = []
         self._compiling: set[ShapeKey] = set()
@@ -90,8 +90,6 @@ class CompiledShapes:
         self._stop = False
         self.startup_keys: tuple[ShapeKey, ...] = ()  # the shapes needed before ready
         self.threads: list[threading.Thread] = []
-        # Tests: pretend only these shapes are compiled (None: every compiled shape is usable).
-        self.usable_only: set[ShapeKey] | None = None
         # An executable's first run costs far more than the next (bundled model: a prefill's
         # 1.0-1.4 s, then 0.3 s; a fused step's first run added ~0.2 s to a stream's gap): the
         # engine runs each shape compiled after start-up once while it is idle (`take_unrun`).
@@ -238,22 +236,19 @@ class CompiledShapes:
         with self._cond:
             return self._pending_locked()
 
-    def _usable_locked(self, key: ShapeKey) -> bool:
-        return key in self._exe and (self.usable_only is None or key in self.usable_only)
-
     def usable(self, key: ShapeKey) -> bool:
-        """Compiled, and not hidden by `usable_only`."""
+        """Whether `key` is compiled (its executable ready to run)."""
         with self._cond:
-            return self._usable_locked(key)
+            return key in self._exe
 
     def usable_keys(self) -> list[ShapeKey]:
         with self._cond:
-            return [k for k in self._exe if self._usable_locked(k)]
+            return list(self._exe)
 
     def get(self, key: ShapeKey):
-        """The compiled executable for `key`, or None (not compiled, or hidden by `usable_only`)."""
+        """The compiled executable for `key`, or None (not compiled)."""
         with self._cond:
-            return self._exe[key] if self._usable_locked(key) else None
+            return self._exe.get(key)
 
     def failure(self, key: ShapeKey) -> str | None:
         """Why compiling `key` failed, or None."""
@@ -302,7 +297,7 @@ class CompiledShapes:
     def wait_any(self, keys: Sequence[ShapeKey], timeout: float | None = None) -> None:
         """Return once one of `keys` is usable or has failed (or after `timeout`, or on close)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stop or any(self._usable_locked(k) or k in self._failed for k in keys),
+            self._cond.wait_for(lambda: self._stop or any(k in self._exe or k in self._failed for k in keys),
                                 timeout)
 
     def wait_all(self, timeout: float | None = None) -> None:
