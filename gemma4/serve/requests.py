@@ -122,7 +122,7 @@ class Request:
     # at admission), the cached prefix it will take (a Match) from which request's row (None: an
     # idle row) before its prefill goes on, and the prompt positions it took from the cache.
     prompt_keys: np.ndarray | None = None
-    reuse: Any = None  # a prefix_cache.Match (Any: that module imports this one)
+    reuse: Any = None  # a prefix_cache.Match (Any: that module depends on this one)
     reuse_from: "Request | None" = None
     cached: int = 0
     # Speculative decoding (engine/speculation.py): the prompt-lookup index (built at first use),
@@ -130,7 +130,7 @@ class Request:
     # run, the decode steps since drafts were last checked, how far a verify step wrote (its
     # rejected drafts' positions: what a ring lost), and the drafts the model's drafter made in
     # the last verify step.
-    lookup: Any = None  # a speculation.PromptLookup (Any: that module imports this one)
+    lookup: Any = None  # a speculation.PromptLookup (Any: that module depends on this one)
     drafts_offered: int = 0
     drafts_kept: int = 0
     drafts_examined: int = 0
