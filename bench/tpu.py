@@ -17,7 +17,7 @@ Parts:
   exact    float32 greedy ids on the accelerator == the CPU float32 path's, per tiny model of
            every Gemma 4 variant (the 12B's included) and a Gemma 3 geometry (the exact mode;
            --exact-models for others); bf16's agreement with float32 (tokens equal before the
-           first difference) reported beside it.
+           first difference) reported beside it, and bf16 with an int8 KV cache's with bf16's.
   decode   batch-1 decode of E2B (bf16, int8; --decode-configs for others, e.g.
            "random:12b,bfloat16,int8"): the engine's own tok/s (a reply streamed end to end), the
            device's step time alone (steps queued back to back), the bytes a token reads (the
@@ -37,15 +37,15 @@ Parts:
   e4b      batch-1 decode of E4B: the plan's own weight formats (bf16 layers, int8 tables), and int8 weights.
   prefix   the prefix cache (E2B bf16, context 40,960): a pasted --prefix-doc-token document
            asked about again (the next turn of its conversation, and a new request sending it
-           again), a chat's next turn after a --prefix-history-token history (TTFT with the cache,
+           again after a 64-token answer), a chat's next turn after a --prefix-history-token history (TTFT with the cache,
            without it, and of its new tokens alone); not in the default parts (its long prompts
            compile on first use).
   long     long prompts (E2B bf16, one row, context --long-context): the first --long-lengths prompt
            after ready (its larger shapes compile meanwhile), then, every prompt bucket's shapes
            compiled, each length warm: TTFT and prefill
            tok/s; decode tok/s at the longest one's depth; --long-attention sets GEMMA4_ATTENTION
-           (auto: the plan's, the Pallas kernel for full layers; xla: before it). Not in the
-           default parts.
+           (auto: the plan's, the Pallas kernel for full layers; xla: before it), --long-kv
+           GEMMA4_KV (native, int8). Not in the default parts.
   users    simultaneous users the moment an engine says ready (--users-configs
            users:rows:context[:GEMMA4_READY_SHAPES], default 8 on the app's engine, 8 rows and
            context 4,096, then 64 on 64 rows at 1,024; each on an empty compile cache, a cold
@@ -251,18 +251,25 @@ class StackSampler:
         return [[round(c * self.every, 2), k] for k, c in rows]
 
 
+# The exact part's runs per model: (name, dtype, KV format); off the CPU bf16 beside float32, and
+# bf16 with the int8 KV cache (its agreement with bf16's cache set beside bf16's with float32).
+EXACT_RUNS = (("float32", "float32", "native"), ("bfloat16", "bfloat16", "native"),
+              ("bfloat16_int8_kv", "bfloat16", "int8"))
+
+
 def worker_exact(args) -> dict:
-    """Greedy ids per model: float32 (and, off the CPU, bf16)."""
+    """Greedy ids per model: float32 (and, off the CPU, bf16 and bf16 with an int8 KV cache)."""
     import jax
 
-    dtypes = ["float32"] if jax.default_backend() == "cpu" else ["float32", "bfloat16"]
+    runs = EXACT_RUNS[:1] if jax.default_backend() == "cpu" else EXACT_RUNS
     out = {"backend": jax.default_backend(), "models": {}}
     for model in args.models:
         row = {}
-        for dt in dtypes:
+        for dt, dtype, kv in runs:
             t0 = time.perf_counter()
             eng = _engine(model, context=256, buckets=(32,),
-                          overrides={"GEMMA4_DTYPE": dt, "GEMMA4_WEIGHTS": "none", "GEMMA4_EMBED_WEIGHTS": "none"})
+                          overrides={"GEMMA4_DTYPE": dtype, "GEMMA4_KV": kv, "GEMMA4_WEIGHTS": "none",
+                                     "GEMMA4_EMBED_WEIGHTS": "none"})
             try:
                 eng.wait_ready()
                 ids, _ = _greedy(eng, prompt_ids(24, eng.cfg.vocab_size, seed=1), args.new_tokens)
@@ -662,9 +669,10 @@ def worker_prefix(args) -> dict:
         _, _, answer = ask(eng, doc + q1, new=64)  # the conversation: the document, a question, its answer
         ttft, stats, _ = ask(eng, doc + q1 + answer + q2)
         out["doc_next_turn_ttft_s"], out["doc_next_turn_cached"] = round(ttft, 3), stats.get("cached_tokens")
-        ask(eng, doc + q1)  # a new request sending the document again, after a short reply
-        ttft, stats, _ = ask(eng, doc + q2)
+        ask(eng, doc + q1, new=64)  # then a new request sending the document again after a 64-token
+        ttft, stats, _ = ask(eng, doc + q2)  # answer (its row's ring has gone past the document's end)
         out["doc_resent_ttft_s"], out["doc_resent_cached"] = round(ttft, 3), stats.get("cached_tokens")
+        out["doc_resent_after_tokens"] = 64
         history = prompt_ids(args.history, vocab, seed=10)
         turn = history + prompt_ids(60, vocab, seed=11)[1:]
         ask(eng, history, new=1)
@@ -684,8 +692,8 @@ def worker_long(args) -> dict:
     def ask(eng, ids: list[int], new: int) -> tuple[float, dict]:
         return _reply(eng, ids, new)[:2]
 
-    overrides = {"GEMMA4_DTYPE": "bfloat16", "GEMMA4_ATTENTION": args.attention}
-    out: dict = {"model": args.model, "context": args.context, "attention": args.attention, "lengths": {},
+    overrides = {"GEMMA4_DTYPE": "bfloat16", "GEMMA4_ATTENTION": args.attention, "GEMMA4_KV": args.kv}
+    out: dict = {"model": args.model, "context": args.context, "attention": args.attention, "kv": args.kv, "lengths": {},
                  "buckets": args.buckets}
     t0 = time.perf_counter()
     eng = _engine(args.model, max_batch=1, context=args.context, buckets=args.buckets, overrides=overrides)
@@ -1001,7 +1009,7 @@ def compare_exact(acc: dict, cpu: dict) -> list[dict]:
         ref = cpu.get("models", {}).get(model, {}).get("float32", {})
         f32 = r.get("float32", {})
         bf = r.get("bfloat16", {})
-        row = {"model": model, "float32_equal": None, "bf16_agree_tokens": None}
+        row = {"model": model, "float32_equal": None, "bf16_agree_tokens": None, "int8_kv_agree_tokens": None}
         if "ids" in f32 and "ids" in ref:
             row["float32_equal"] = f32["ids"] == ref["ids"]
             row["first_diff"] = next((i for i, (a, b) in enumerate(zip(f32["ids"], ref["ids"])) if a != b), None)
@@ -1009,10 +1017,17 @@ def compare_exact(acc: dict, cpu: dict) -> list[dict]:
         else:
             row["error"] = f32.get("error") or ref.get("error") or "missing ids"
         if "ids" in bf and "ids" in f32:
-            row["bf16_agree_tokens"] = next((i for i, (a, b) in enumerate(zip(bf["ids"], f32["ids"])) if a != b),
-                                            len(f32["ids"]))
+            row["bf16_agree_tokens"] = agree_tokens(bf["ids"], f32["ids"])
+        kv8 = r.get("bfloat16_int8_kv", {})
+        if "ids" in kv8 and "ids" in bf:
+            row["int8_kv_agree_tokens"] = agree_tokens(kv8["ids"], bf["ids"])
         rows.append(row)
     return rows
+
+
+def agree_tokens(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy replies share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _cpu_reference(models: list[str], n: int) -> subprocess.Popen:
@@ -1040,6 +1055,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-context", type=int, default=131072, help="the long part's context window")
     ap.add_argument("--long-lengths", default="8192,32768,131000", help="the long part's prompt lengths, in tokens")
     ap.add_argument("--long-attention", default="auto", help="the long part's GEMMA4_ATTENTION (auto, xla, pallas)")
+    ap.add_argument("--long-kv", default="native", help="the long part's GEMMA4_KV (native, int8)")
     ap.add_argument("--long-buckets", default=None, help="the long part's prompt buckets (default: the device's ladder)")
     ap.add_argument("--long-profile", type=int, default=0, help="the long part: profile a warm prompt of this many tokens")
     ap.add_argument("--users-configs", default="8:8:4096,64:64:1024",
@@ -1137,7 +1153,7 @@ def main(argv=None) -> int:
         elif part == "long":
             report["parts"]["long"] = run_worker("long", {
                 "model": args.model, "context": args.long_context, "attention": args.long_attention,
-                "lengths": [int(n) for n in args.long_lengths.split(",")], "limit": limit("long") - 30,
+                "kv": args.long_kv, "lengths": [int(n) for n in args.long_lengths.split(",")], "limit": limit("long") - 30,
                 "buckets": [int(b) for b in args.long_buckets.split(",")] if args.long_buckets else None,
                 "profile_length": args.long_profile},
                 limit=limit("long"))
@@ -1188,7 +1204,8 @@ def summary(report: dict) -> dict:
     parts = report["parts"]
     s: dict = {}
     if "exact" in parts:
-        s["exact"] = [{k: r.get(k) for k in ("model", "float32_equal", "first_diff", "bf16_agree_tokens", "error")}
+        s["exact"] = [{k: r.get(k) for k in ("model", "float32_equal", "first_diff", "bf16_agree_tokens",
+                                              "int8_kv_agree_tokens", "error")}
                       for r in parts["exact"].get("rows", [])]
     for row in parts.get("decode", {}).get("configs", []) + parts.get("e4b", {}).get("configs", []):
         name = row.get("config") or f"{row.get('model')} {row.get('dtype')} {row.get('weights')}"

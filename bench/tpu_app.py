@@ -180,13 +180,13 @@ class _Check:
 
         engine = self.engine = get_engine(model=settings.model, max_batch=settings.max_users,
                                           context_limit=settings.context, mesh=settings.mesh,
-                                          max_new_tokens_cap=settings.max_new_tokens_cap)
+                                          max_new_tokens_cap=settings.max_new_tokens_cap, env=settings.env)
         t_engine = time.perf_counter()
         out["engine_import_s"] = round(t_engine - t, 2)
 
         # 2. Gradio and the page, meanwhile.
         self.step("import gradio")
-        gradio_import.install()
+        gradio_import.install(settings.env)
         t = time.perf_counter()
         import gradio as gr
 

@@ -48,6 +48,51 @@ def test_kernel_equals_xla_attention(nq, nkv):
         assert np.all(np.isfinite(np.asarray(got)))
 
 
+def test_int8_rows_equal_xla_over_the_dequantised_row():
+    """An int8 row with per-slot, per-head scales (kv_cache's format) read by the kernel: equal to
+    XLA's attention over the row dequantised first (the scales on the products, not the values)."""
+    rng = np.random.default_rng(3)
+    R, S, nkv, d, T, n, start = 2, 512, 2, 128, 128, 90, 300
+    k = jnp.asarray(rng.standard_normal((R, S, nkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((R, S, nkv, d)) * 3, jnp.float32)
+    (kq, ks), (vq, vs) = kv_cache._quantize(k), kv_cache._quantize(v)
+    assert kq.dtype == jnp.int8 and float(jnp.max(jnp.abs(vs - ks))) > 0  # (different scales per tensor)
+    k_pos = np.full((R, S), -1, np.int32)
+    k_pos[1, :start + n] = np.arange(start + n)
+    q_pos = np.full((1, T), -1, np.int32)
+    q_pos[0, :n] = np.arange(start, start + n)
+    q = jnp.asarray(rng.standard_normal((1, T, 4, d)), jnp.float32)
+    got = TA.attend(q, jnp.asarray(q_pos), kq, vq, jnp.asarray(k_pos), 1, scale=0.1, k_scale=ks, v_scale=vs,
+                    block_q=128, block_k=256, interpret=True)
+    kd, vd = kq.astype(jnp.float32) * ks[..., None], vq.astype(jnp.float32) * vs[..., None]
+    ref = M.attend(q, kd[1:2], vd[1:2], M.attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos[1:2]), None), 0.1, "xla")
+    np.testing.assert_allclose(np.asarray(got).reshape(1, T, -1)[:, :n], np.asarray(ref)[:, :n], atol=2e-5, rtol=0)
+    plain = TA.block_bytes(TA.BLOCK_Q, TA.BLOCK_K, 512, jnp.bfloat16)
+    int8 = TA.block_bytes(TA.BLOCK_Q, TA.BLOCK_K, 512, jnp.bfloat16, jnp.int8)
+    assert sum(int8.values()) < sum(plain.values())  # (its k and v blocks half the bytes, scales beside)
+
+
+def test_int8_chunks_through_the_kernel_stay_close_to_xla_and_the_float_cache():
+    """Tiny E2B with an int8 cache, the full layers' later chunks through the kernel (a chunk's own
+    keys read back rounded from the row, as later queries read them; XLA's path concatenates them
+    unrounded): each chunk's greedy token equals XLA's int8 path's and the float cache's but for
+    at most one, and a later chunk's logits stay within 2% of their range of XLA's int8 path's."""
+    rng = np.random.default_rng(2)
+    prompt = [CFG.bos_id] + rng.integers(5, CFG.vocab_size, 95).tolist()
+    kernel, kernel_cache = _chunks(prompt, "pallas", kv_format="int8")
+    xla, _ = _chunks(prompt, "xla", kv_format="int8")
+    exact, _ = _chunks(prompt, "xla")
+    assert all(entry["k"].dtype == jnp.int8 for entry in kernel_cache.values())
+    assert sum(a == b for a, b in zip(kernel, xla)) >= len(kernel) - 1
+    assert sum(a == b for a, b in zip(kernel, exact)) >= len(kernel) - 1
+    toks, pos = jnp.asarray([prompt[64:96]], jnp.int32), jnp.arange(64, 96, dtype=jnp.int32)[None]
+    cache = _chunks(prompt[:64], "xla", kv_format="int8")[1]
+    logits = {name: np.asarray(jax.jit(lambda p, c, o=M.RunOptions(attention_full=name): M.forward(
+        p, CFG, toks, pos, c, options=o, cache_row=1)[0])(PARAMS, cache)) for name in ("xla", "pallas")}
+    spread = np.abs(logits["xla"]).max()
+    assert 0 < np.abs(logits["pallas"] - logits["xla"]).max() < 0.02 * spread
+
+
 def test_key_blocks_and_shapes():
     assert TA.key_block(131072) == TA.BLOCK_K and TA.key_block(768) == 256 and TA.key_block(96) is None
     assert TA.shape_ok(512, 4096) and not TA.shape_ok(64, 4096) and TA.shape_ok(64, 4096, interpret=True)
@@ -67,10 +112,10 @@ def _prefill(fresh: bool, attention_full: str):
     return jax.jit(functools.partial(prefill_step, cfg=CFG, options=options, fresh=fresh))
 
 
-def _chunks(prompt: list[int], attention_full: str, chunk: int = 32):
-    """Prefill `prompt` in chunks of `chunk` into row 1 of a 2-row cache: each chunk's sampled
-    (greedy) token, and the cache."""
-    cache = kv_cache.init_cache(CFG, 2, SLOTS, jnp.float32)
+def _chunks(prompt: list[int], attention_full: str, chunk: int = 32, kv_format: str = "native"):
+    """Prefill `prompt` in chunks of `chunk` into row 1 of a 2-row cache (`kv_format`): each
+    chunk's sampled (greedy) token, and the cache."""
+    cache = kv_cache.init_cache(CFG, 2, SLOTS, jnp.float32, kv_format)
     tokens = []
     for n, start in enumerate(range(0, len(prompt), chunk)):
         part = prompt[start:start + chunk]
@@ -135,7 +180,8 @@ def test_the_long_bucket_and_its_workspace_come_with_the_kernel():
     assert KERNEL_LONG_BUCKET not in serving_geometry(**kw).buckets
     assert preflight.PREFILL_CHUNK_KERNEL == KERNEL_LONG_BUCKET
     assert M.full_layers_read_in_kernel(M.RunOptions(attention_full="pallas"), "native")
-    assert not M.full_layers_read_in_kernel(M.RunOptions(attention_full="pallas"), "int8")
+    assert M.full_layers_read_in_kernel(M.RunOptions(attention_full="pallas"), "int8")
+    assert not M.full_layers_read_in_kernel(M.RunOptions(attention_full="pallas"), "fp8")
     plan = {"platform": "tpu", "compute_dtype": "bfloat16", "weight_dtype": "bfloat16"}
     xla = preflight.workspace_bytes(preset("e2b"), {**plan, "attention_full": "xla"}, 131072, 1)["activations"]
     kernel = preflight.workspace_bytes(preset("e2b"), {**plan, "attention_full": "pallas"}, 131072, 1)["activations"]

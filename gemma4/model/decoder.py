@@ -408,20 +408,20 @@ def _reads_in_kernel(spec: LayerSpec, entry: dict, options: RunOptions, batch: i
     """Whether a chunk attends over this full layer's cache row in the Pallas kernel
     (gemma4.ops.kernels.tpu_attention, which reads only the slots the chunk's positions reach):
     chosen ("pallas") for full layers, one device, one row of a prefill chunk (a decode step keeps
-    XLA's read of slots [0, kv_len)), a cache of the compute dtype written before it is read, its
-    slots whole key blocks."""
+    XLA's read of slots [0, kv_len)), a cache of the compute dtype or int8 with its scales, written
+    before it is read, its slots whole key blocks."""
     if spec.is_sliding or not _kernel_chosen(options):
         return False
     from gemma4.ops.kernels import tpu_attention  # deferred: Pallas costs ~0.7 s to import, only where chosen
-    return (batch == 1 and tokens >= KERNEL_MIN_TOKENS and "k_scale" not in entry
-            and entry["k"].dtype == jnp.dtype(options.dtype)
+    stored = jnp.int8 if "k_scale" in entry else jnp.dtype(options.dtype)
+    return (batch == 1 and tokens >= KERNEL_MIN_TOKENS and entry["k"].dtype == stored
             and tpu_attention.shape_ok(spec.head_dim, kv_cache.slot_count(entry), interpret=_interpret()))
 
 
 def full_layers_read_in_kernel(options: RunOptions, kv_format: str) -> bool:
     """Whether a prefill chunk's full layers read the cache in the Pallas kernel (`_reads_in_kernel`
     where the layer's slots tile): then a chunk costs what it attends to, not the whole context."""
-    return _kernel_chosen(options) and kv_format == "native"
+    return _kernel_chosen(options) and kv_format in ("native", "int8")
 
 
 def _kernel_chosen(options: RunOptions) -> bool:
@@ -492,14 +492,15 @@ def _layer_keys(spec: LayerSpec, cfg: ModelConfig, k: jax.Array, v: jax.Array, p
     if not attend_cache:
         written = kv_cache.write(entry, k, v, positions, cache_row, rows=token_rows, layer=layer)
         return (k, v, positions), {**cache, key: written}
-    if T == 1 or _write_first(spec, cfg, entry, dtype, T):
+    in_kernel = _reads_in_kernel(spec, entry, options, B, T)  # (a full layer: no image mask)
+    if T == 1 or in_kernel or _write_first(spec, cfg, entry, dtype, T):
         # Decode: write first, then attend over the cache alone (no concatenated copy; the
         # mask keeps a sliding layer to its window). A later prefill chunk too where that is
-        # exact (`_write_first`).
+        # exact (`_write_first`), and where the TPU kernel reads the row (an int8 row: the chunk
+        # reads its own keys rounded, as every later query does).
         written = kv_cache.write(entry, k, v, positions, cache_row, layer=layer)
         cache = {**cache, key: written}
-        if ((not vision and _reads_natively(spec, cfg, entry, options, T))
-                or _reads_in_kernel(spec, written, options, B, T)):  # (a full layer: no image mask)
+        if (not vision and _reads_natively(spec, cfg, entry, options, T)) or in_kernel:
             return CacheKeys(written, layer, cache_row + jnp.arange(B, dtype=jnp.int32), _slots(spec, written, kv_len)), cache
         return kv_cache.read(written, dtype, layer, cache_row, B, slots, options.rows_sharded), cache
     # The keys are read before the chunk is written: the write waits until the run's layers are
@@ -571,8 +572,10 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
     if isinstance(source, CacheKeys) and options.attention_full == "pallas" and not spec.is_sliding:
         from gemma4.ops.kernels import tpu_attention  # deferred: see _reads_in_kernel
         e = source.entry  # (the TPU kernel indexes [L·R, S, ...]: a free reshape there)
-        k, v, pos = (e[n].reshape((-1,) + e[n].shape[2:]) for n in ("k", "v", "pos"))
+        k, v, pos, *scales = (e[n].reshape((-1,) + e[n].shape[2:]) for n in ("k", "v", "pos", "k_scale", "v_scale")
+                              if n in e)
         out = tpu_attention.attend(q, positions, k, v, pos, source.flat_rows()[0], scale=cfg.attention_scale,
+                                   k_scale=scales[0] if scales else None, v_scale=scales[1] if scales else None,
                                    interpret=_interpret())
         return out.reshape(q.shape[0], q.shape[1], -1)
     if isinstance(source, CacheKeys):
