@@ -316,7 +316,7 @@ def test_context_rule_drops_what_one_exchange_at_a_time_dropped(eng):
         else:  # a tool round ends the chat: the model goes on after the result
             msgs += [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-        small = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, info=eng.info,
+        small = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, info=eng.info, settings=eng.settings,
                                       context_limit=rng.choice([64, 96, 128, 256, 4096]))
         system, tools = rng.choice([None, "be brief"]), rng.choice([None, TOOLS])
         try:
@@ -357,7 +357,7 @@ def test_one_default_mode_for_every_entry_point(eng):
     with scripted(eng, "ok<turn|>"):
         assert conversation.generate(eng, "Hi", P)["stats"]["prompt_tokens"] == len(chat_ids)
     base = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, context_limit=eng.context_limit,
-                                 info=lambda: {**eng.info(), "is_base_model": True})
+                                 settings=eng.settings, info=lambda: {**eng.info(), "is_base_model": True})
     assert prompt_ids(base, "Hi") == prompt_ids(eng, "Hi", mode="completion") == eng.tokenizer.encode("Hi", add_bos=True)
     assert prompt_ids(base, [{"role": "user", "content": "Hi"}]) == chat_ids  # messages: always a chat
     assert wait_idle(eng)
@@ -398,7 +398,8 @@ def test_a_prompt_is_classified_once_at_the_entry(eng, monkeypatch):
 def test_a_chat_past_the_context_keeps_its_start_for_several_turns(eng):
     """Past the context, the oldest exchanges go DROP_STEP at a time: the prompt's start (what the
     prefix cache reuses) changes once every few turns, not every turn."""
-    small = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, info=eng.info, context_limit=1024)
+    small = types.SimpleNamespace(cfg=eng.cfg, tokenizer=eng.tokenizer, info=eng.info, settings=eng.settings,
+                                  context_limit=1024)
     msgs, starts, dropping = [], [], 0
     for k in range(40):  # ~7 exchanges fit
         msgs.append({"role": "user", "content": f"question {k}: " + "word " * 8})

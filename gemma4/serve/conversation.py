@@ -233,7 +233,6 @@ def _check_size(messages: Sequence[Message], tokenizer: _EncodeOnce, caps: tuple
 
 
 # ------------------------------------------------------------------------------ prompts → ids
-# ------------------------------------------------------------------------------ prompts → ids
 def large_template(engine: Engine) -> bool:
     """Whether the engine's model ends a prompt with an empty thought block when thinking is off
     (`chat.uses_large_template`, forced by the engine's GEMMA4_EMPTY_THOUGHT)."""
