@@ -53,7 +53,8 @@ def paragraphs() -> list[str]:
 
 
 class Texts:
-    """Successive stretches of real text of about n tokens (the tokenizer counts)."""
+    """Successive stretches of real text of `tokens` tokens (the tokenizer counts; whole paragraphs
+    would overshoot by up to one, and a chat sized by them ran into the context rule early)."""
 
     def __init__(self, engine, start: int = 0):
         self.engine, self.pool, self.i = engine, paragraphs(), start
@@ -65,7 +66,8 @@ class Texts:
             self.i += 1
             parts.append(p)
             n += len(self.engine.tokenizer.encode(p))
-        return "\n\n".join(parts)
+        tok = self.engine.tokenizer
+        return tok.decode(tok.encode("\n\n".join(parts))[:tokens])
 
 
 def cache_switch(engine, on: bool) -> None:
@@ -214,8 +216,7 @@ def clients(engine, texts: Texts, n: int, first_tokens: int, turns: int, new_tok
     engine.scheduler.prefixes.forget_all()
     chats, before = [], []
     for _ in range(n):
-        text = engine.tokenizer.decode(engine.tokenizer.encode(texts.take(first_tokens))[:first_tokens])
-        msgs = [{"role": "user", "content": text + "\n\nWhat is the main point?"}]
+        msgs = [{"role": "user", "content": texts.take(first_tokens) + "\n\nWhat is the main point?"}]
         r = reply(engine, msgs, new_tokens)
         chats.append(msgs + [{"role": "assistant", "content": r["text"]}])
         before.append(r["prompt"] + len(r["ids"]))

@@ -88,10 +88,10 @@ def prefill(cache, prompt, row, buckets, attention="xla"):
 
 
 def greedy_cached(prompts: list[list[int]], n: int, buckets=(16, 32), kv_format="native", width=None,
-                  attention="xla"):
-    """Prefill each prompt into its own row, then decode all rows together."""
+                  attention="xla", slack=None):
+    """Prefill each prompt into its own row, then decode all rows together (`slack`: the rings')."""
     width = width or len(prompts)
-    cache = kv_cache.init_cache(CFG, width, MAX_LEN, jnp.float32, kv_format)
+    cache = kv_cache.init_cache(CFG, width, MAX_LEN, jnp.float32, kv_format, slack)
     outs, last, positions = [], [], []
     for row, p in enumerate(prompts):
         tok, cache = prefill(cache, p, row, buckets, attention)
@@ -139,6 +139,19 @@ def test_later_chunks_equal_full_recompute():
     concatenate on sliding ones, whose ring wraps) continues as the whole prompt recomputed."""
     prompt = _prompt(7, 30)
     assert greedy_cached([prompt], 12, buckets=(8,)) == [greedy_full(prompt, 12)]
+
+
+def test_an_accelerators_longer_ring_gives_the_same_tokens():
+    """On an accelerator the sliding rings hold up to the window again beyond it (a prefix stays
+    reusable through a longer reply): chunks written first into it, the ring wrapping, the tokens
+    equal the whole prompt recomputed, as with a CPU's ring."""
+    window = CFG.sliding_window
+    slack = kv_cache.ring_slack(window, accelerator=True)
+    assert slack == min(window, kv_cache.ACCELERATOR_RING_SLACK) > kv_cache.ring_slack(window)
+    ring = kv_cache.init_cache(CFG, 1, MAX_LEN, jnp.float32, slack=slack)[0]
+    assert kv_cache.slot_count(ring) == window + slack
+    prompt = _prompt(13, 40)
+    assert greedy_cached([prompt], 10, buckets=(8,), slack=slack) == [greedy_full(prompt, 10)]
 
 
 @pytest.mark.parametrize("bucket", [2, 3, 4])

@@ -340,6 +340,26 @@ def test_the_same_prompt_after_a_long_reply_is_reused_from_its_snapshot(engines,
     assert len(_moves(eng)) == 1
 
 
+@pytest.mark.parametrize("cut", range(1, 6))
+def test_a_prompt_branching_inside_a_snapshotted_prompts_tail_reuses_only_what_is_whole(engines, monkeypatch, cut):
+    # window 16 in a ring of 24 (slack 8): the snapshot is taken while the ring still holds the
+    # window at the prompt's end; a later prompt sharing all but its last `cut` tokens (the same
+    # document, another question) reuses what the snapshot holds whole — counted from what its
+    # source had written when copied, not from the prompt's end — and its tokens are the model's
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 16)
+    eng = engines(geometry(prefix_cache=True, window=16, ring_slots=24))
+    first = _prompt(40)
+    req, _, _ = _chat_turn(eng, first, 30)
+    (snap,) = _moves(eng)
+    assert snap.source == req.row and snap.length == len(first)
+    reach = eng.scheduler.prefixes.holding()[snap.row].written  # how far the source's ring had gone
+    assert reach > len(first)
+    other = first[:-cut] + _prompt(6, 9)[1:]
+    again, ids, stats = _chat_turn(eng, other, 6)
+    whole = reach - (len(first) - cut) <= 24 - 16 + 1
+    assert CORRUPT not in ids and stats["cached_tokens"] == (len(first) - cut if whole else 0)
+
+
 def test_short_requests_from_others_between_two_turns_do_not_cost_a_chat_its_history(engines, monkeypatch):
     monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 16)
     eng = engines()  # 4 rows: rows 0-1 cheap, 2-3 spare

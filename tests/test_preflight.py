@@ -66,10 +66,13 @@ def test_kv_cache_bytes_match_init_cache():
     from gemma4.model import kv_cache
 
     cfg = preset("e2b")
-    for fmt, dtype in (("native", jnp.bfloat16), ("int8", jnp.bfloat16)):
-        shapes = jax.eval_shape(lambda: kv_cache.init_cache(cfg, 3, 1024, dtype, fmt))
+    for fmt, dtype, platform in (("native", jnp.bfloat16, "gpu"), ("int8", jnp.bfloat16, "tpu"),
+                                 ("native", jnp.float32, "cpu")):
+        slack = kv_cache.ring_slack(cfg.sliding_window, accelerator=platform != "cpu")  # (the rings differ)
+        shapes = jax.eval_shape(lambda: kv_cache.init_cache(cfg, 3, 2048, dtype, fmt, slack))
         real = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-        assert P.footprint(cfg, _plan("none", kv=fmt), {}, 1024, 3).kv == real
+        plan = _plan("none", platform, kv=fmt, dtype=jnp.dtype(dtype).name)
+        assert P.footprint(cfg, plan, {}, 2048, 3).kv == real
 
 
 def test_sharding_divides_what_the_rules_split_and_replicates_one_kv_head():
@@ -127,8 +130,8 @@ def test_the_issue_example_31b_bf16_on_one_l4():
     with pytest.raises(PD.PreflightError) as e:
         P.choose_mesh(cfg, _plan("none"), PD.simulated_devices("l4"), 4096, 1)
     msg = str(e.value)
-    assert msg.startswith("gemma-4-31B bf16: 58.3 GiB weights + 1.1 GiB KV (4096 tokens × 1 row) per replica")
-    assert "1 × NVIDIA L4 (15.5 GiB usable each) does not fit (needs 60.1 GiB each" in msg
+    assert msg.startswith("gemma-4-31B bf16: 58.3 GiB weights + 1.3 GiB KV (4096 tokens × 1 row) per replica")
+    assert "1 × NVIDIA L4 (15.5 GiB usable each) does not fit (needs 60.3 GiB each" in msg
     assert "tensor=4 over 4 × NVIDIA L4" in msg
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in msg  # why only 15.5 of an L4's 22.5 GiB
 
@@ -145,11 +148,11 @@ def test_the_12b_on_one_v5e_and_on_a_16_gb_cpu():
     with pytest.raises(PD.PreflightError) as e:
         P.choose_mesh(cfg, _plan("none", "tpu"), PD.simulated_devices("v5e"), 4096, 1)
     msg = str(e.value)
-    assert msg.startswith("gemma-4-12B bf16: 22.3 GiB weights + 0.4 GiB KV (4096 tokens × 1 row) per replica")
-    assert "1 × TPU v5e (14.7 GiB usable each) does not fit (needs 23.1 GiB each" in msg
-    assert "int8 on one TPU v5e at 13.9 GiB" in msg
+    assert msg.startswith("gemma-4-12B bf16: 22.3 GiB weights + 0.5 GiB KV (4096 tokens × 1 row) per replica")
+    assert "1 × TPU v5e (14.7 GiB usable each) does not fit (needs 23.2 GiB each" in msg
+    assert "int8 on one TPU v5e at 14.0 GiB" in msg
     report = P.check(cfg, _plan("int8", "tpu"), PD.simulated_devices("v5e"), "auto", 4096, 1)
-    assert report["fits"] and report["message"].startswith("gemma-4-12B int8: 11.2 GiB weights + 0.4 GiB KV")
+    assert report["fits"] and report["message"].startswith("gemma-4-12B int8: 11.2 GiB weights + 0.5 GiB KV")
     cpu = PD.DeviceSet("CPU", "cpu", 1, 16 * _GiB, "simulated")
     report = P.check(cfg, _plan("int8", "cpu", dtype="float32"), cpu, "auto", 4096, 1)
     assert not report["fits"] and "1 × CPU (14.7 GiB usable shared) does not fit (needs 17.2 GiB" in report["message"]
@@ -192,7 +195,8 @@ def test_memory_fraction_settings(monkeypatch):
     ("e2b", "none", "4xl4", 8, {}),                       # fits one device: no mesh
     ("31b", "none", "8xl4", 8, {"tensor": 8}),
     ("31b", "none", "8xh100", 1, {"tensor": 2}),
-    ("31b", "int4", "4xv6e", 8, {}),
+    ("31b", "int4", "4xv6e", 8, {"tensor": 2}),           # its 50 sliding rings at 8 rows: 10.3 GiB of KV
+    ("31b", "int4", "4xv6e", 4, {}),
     ("26b-a4b", "none", "8xh100", 8, {}),                  # 49.8 GiB: one 80 GB card, no expert split needed
     ("e4b", "none", "8xv5e", 8, {"tensor": 2}),            # 16 GiB of HBM: E4B bf16 does not fit one chip
 ])

@@ -35,24 +35,40 @@ KV_FORMATS = ("native", "int8", "fp8")
 # ~130 ms on a 2-core AMD EPYC Zen 4; 77 ms without them). The mask keeps attention to the window.
 WRITE_FIRST_TOKENS = 32
 
+# On an accelerator the ring holds up to this many slots beyond its window (the window again at
+# most). Why: a prefix of a row stays whole for its sliding layers only while the row has written
+# at most the slack past it, so with 32 slots a document asked about again after an answer of more
+# than ~30 tokens was prefilled again (a 32K-token document on a TPU v5e: 2.1-3.6 s). 256 more
+# slots keep it through a question and reply of ~250 tokens (a longer reply: the snapshot of the
+# prompt, prefix_cache) for the cost of the slots (E2B: 0.125 MB a sliding layer and row in bf16;
+# the 31B at 4,096 tokens: 1.1 -> 1.3 GiB of KV a row) and of a decode step reading them (small
+# beside the weights there). A CPU keeps the small ring: its decode step is where the slots cost,
+# and XLA:CPU's writes set the bound above.
+ACCELERATOR_RING_SLACK = 256
 
-def ring_slack(window: int) -> int:
-    """Slots a sliding layer's ring holds beyond its window (see WRITE_FIRST_TOKENS)."""
-    return min(WRITE_FIRST_TOKENS, window // 4)
+
+def ring_slack(window: int, accelerator: bool = False) -> int:
+    """Slots a sliding layer's ring holds beyond its window: on a CPU up to WRITE_FIRST_TOKENS (a
+    quarter of the window at most), on an accelerator up to ACCELERATOR_RING_SLACK (the window at
+    most)."""
+    return min(ACCELERATOR_RING_SLACK, window) if accelerator else min(WRITE_FIRST_TOKENS, window // 4)
 
 
-def slots_for(spec: LayerSpec, cfg: ModelConfig, max_len: int) -> int:
-    """Cache slots of a layer: the context (full layers), or the window plus its slack (sliding)."""
-    return min(cfg.sliding_window + ring_slack(cfg.sliding_window), max_len) if spec.is_sliding else max_len
+def slots_for(spec: LayerSpec, cfg: ModelConfig, max_len: int, slack: int | None = None) -> int:
+    """Cache slots of a layer: the context (full layers), or the window plus its slack (sliding;
+    None: a CPU's, `ring_slack`)."""
+    if not spec.is_sliding:
+        return max_len
+    return min(cfg.sliding_window + (ring_slack(cfg.sliding_window) if slack is None else slack), max_len)
 
 
-def ring_geometry(cfg: ModelConfig, max_len: int) -> dict[str, int]:
+def ring_geometry(cfg: ModelConfig, max_len: int, slack: int | None = None) -> dict[str, int]:
     """{window, ring_slots} of the sliding layers' rings at this context (both 0 without a sliding
     layer): what bounds the prefix a row's ring still holds (serve/engine/prefix_cache.py)."""
     sliding = [spec for spec in cfg.layers if spec.is_sliding and not spec.is_kv_consumer]
     if not sliding:
         return {"window": 0, "ring_slots": 0}
-    return {"window": int(cfg.sliding_window), "ring_slots": slots_for(sliding[0], cfg, max_len)}
+    return {"window": int(cfg.sliding_window), "ring_slots": slots_for(sliding[0], cfg, max_len, slack)}
 
 
 def ring_writes_first(entry: dict[str, jax.Array], window: int, tokens: int) -> bool:
@@ -80,10 +96,11 @@ def cache_slot(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     raise ValueError(f"layer {layer} is not one of {cfg.name}'s {cfg.num_layers} layers")
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DTypeLike, kv_format: str = "native"
-               ) -> dict[int, dict[str, jax.Array]]:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DTypeLike, kv_format: str = "native",
+               slack: int | None = None) -> dict[int, dict[str, jax.Array]]:
     """An empty cache: {first producer layer of an entry: {k, v, pos[, k_scale, v_scale]}}, each
-    array stacked over the layers of the entry (`cache_slot`)."""
+    array stacked over the layers of the entry (`cache_slot`); `slack`: the sliding rings' beyond
+    their window (None: a CPU's, `ring_slack`)."""
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format {kv_format!r} not in {KV_FORMATS}")
     cache = {}
@@ -92,7 +109,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DTypeLike, kv_
             spec = cfg.layers[run.layer(0, j)]
             if spec.is_kv_consumer:
                 continue
-            S = slots_for(spec, cfg, max_len)
+            S = slots_for(spec, cfg, max_len, slack)
             shape = (run.count, batch, S, spec.num_kv_heads, spec.head_dim)
             store = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(kv_format, dtype)
             entry = {"k": jnp.zeros(shape, store), "v": jnp.zeros(shape, store),

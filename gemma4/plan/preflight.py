@@ -35,6 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from gemma4.env import EnvError, setting
+from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, param_specs
 from gemma4.model.partitioning import MESH_AXES, count_spec
@@ -97,7 +98,7 @@ def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, co
     out = sharding.shard_bytes_per_device(
         cfg, {a: int(mesh.get(a, 1)) for a in MESH_AXES} if mesh else {}, weight_dtype=fmt["weight_dtype"],
         quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
-        kv_format=fmt["kv"], tower_dtype=tower_dtype(plan))
+        kv_format=fmt["kv"], tower_dtype=tower_dtype(plan), platform=fmt["platform"])
     return {"weights": int(out["weights"]), "kv_cache": int(out["kv_cache"])}
 
 
@@ -122,10 +123,12 @@ def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
     # A chunk's float32 scores over the keys it reads: the whole context in XLA's attention; with
     # the Pallas cache attention (one device, the cache in the compute dtype:
     # decoder.full_layers_read_in_kernel) a full layer's stay in VMEM, and a sliding layer's ring
-    # (window + slack, below 1.3 x window) beside the chunk is the largest matrix.
-    kernel = fmt["attention_full"] == "pallas" and t == 1 and d == 1 and fmt["kv"] == "native"
+    # (window + slack: kv_cache.ring_slack) beside the chunk is the largest matrix.
+    kernel = fmt["attention_full"] == "pallas" and t == 1 and d == 1 and fmt["kv"] in ("native", "int8")
     T = min(PREFILL_CHUNK_KERNEL if kernel else PREFILL_CHUNK, context)
-    keys = min(context, int(1.3 * (cfg.sliding_window or context)) + T) if kernel else context
+    window = cfg.sliding_window or context
+    ring = window + kv_cache.ring_slack(window, accelerator=fmt["platform"] != "cpu")
+    keys = min(context, ring + T) if kernel else context
     heads = _split(cfg.num_heads, t)
     mlp = _split(max(s.mlp_width for s in cfg.layers), t)
     if cfg.enable_moe:  # the routed experts' hidden activations beside the dense MLP

@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 from jax.typing import DTypeLike
 
-from gemma4.model.kv_cache import slots_for
+from gemma4.model.kv_cache import ring_slack, slots_for
 from gemma4.model.params import LeafSpec, is_leaf_spec, iter_specs, leaf_dtype, leaf_name, param_specs
 from gemma4.model.partitioning import (ACTIVATION_AXES, CACHE_AXES, KV_HEADS_POLICY, MESH_AXES, RULES,
                                        count_spec, leaf_axes, logical_spec, mesh_sizes, rules_table)
@@ -315,13 +315,14 @@ def _part_bytes(shape: Sequence[int], itemsize: float, spec: tuple, sizes: dict[
 def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: DTypeLike = "float32",
                            quantize: dict | None = None, batch: int = 0, context: int = 0,
                            kv_dtype: DTypeLike = "float32", kv_format: str = "native",
-                           tower_dtype: DTypeLike | None = None) -> dict[str, int]:
+                           tower_dtype: DTypeLike | None = None, platform: str = "cpu") -> dict[str, int]:
     """Bytes one device holds under RULES on a mesh of `shape`, computed without any device.
 
     Weights in their final form (`quantize` = `Plan.quantize_kwargs()`, per-row int8 scales; a
     GGUF's grouped scales differ by a few %), plus the KV cache for `batch` rows × `context`
-    positions in `kv_format`; the towers' weights in `tower_dtype` (the plan's encoder dtype; None:
-    `weight_dtype`). Returns {"weights", "kv_cache", "total"} (the most any device holds).
+    positions in `kv_format` (the sliding rings as `platform`'s: kv_cache.ring_slack); the towers'
+    weights in `tower_dtype` (the plan's encoder dtype; None: `weight_dtype`). Returns {"weights",
+    "kv_cache", "total"} (the most any device holds).
     """
     sizes = mesh_sizes(shape)
     check_rules(RULES, all_axes(cfg))
@@ -348,7 +349,7 @@ def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: D
         for s in cfg.layers:
             if s.is_kv_consumer:
                 continue
-            slots = slots_for(s, cfg, context)
+            slots = slots_for(s, cfg, context, ring_slack(cfg.sliding_window, accelerator=platform != "cpu"))
             kv_shape = (batch, slots, s.num_kv_heads, s.head_dim)
             kv += 2 * _part_bytes(kv_shape, store, count_spec(CACHE_AXES["k"], kv_shape, sizes), sizes)
             kv += _part_bytes((batch, slots), 4, count_spec(CACHE_AXES["pos"], (batch, slots), sizes), sizes)

@@ -289,6 +289,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         options = dataclasses.replace(options, mesh=mesh)  # per-shard parts (the MoE bank)
     if mesh.shape["data"] > 1:  # a row is read by mask, not sliced (every decode step runs all rows)
         options = dataclasses.replace(options, rows_sharded=True)
+    slack = kv_cache.ring_slack(cfg.sliding_window, accelerator=plan.platform != "cpu")  # (the sliding rings')
     geometry = serving_geometry(
         platform=plan.platform, decode_block=int(plan.decode_block.value), mesh_data=int(mesh.shape["data"]),
         processes=processes, max_batch=max_batch, context=context,
@@ -298,11 +299,11 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         mixed_step=settings.get("GEMMA4_MIXED_STEP"), prefix_cache=settings.get("GEMMA4_PREFIX_CACHE"),
         ready_shapes=settings.get("GEMMA4_READY_SHAPES"), pack_prompts=settings.get("GEMMA4_PACK_PROMPTS"),
         draft_tokens=draft_tokens_setting(speculate, settings), drafter=drafter is not None,
-        **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings)))
+        **kv_cache.ring_geometry(cfg, context_window(context, cfg.max_position_embeddings), slack))
     report["speculation"] = speculation_report(geometry.draft_tokens, processes, drafter[0].name if drafter else None)
     kv_format = plan.kv_cache.value
     shape_cache = functools.partial(kv_cache.init_cache, cfg, max_batch, geometry.context_limit, options.dtype,
-                                    kv_format)
+                                    kv_format, slack)
     cache_shapes = jax.eval_shape(shape_cache)
     geometry = dataclasses.replace(geometry, slot_bytes=kv_cache.slot_bytes(cache_shapes))
     cache_sh = sharding.cache_shardings(cfg, cache_shapes, mesh)

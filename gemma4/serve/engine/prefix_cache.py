@@ -119,8 +119,9 @@ class Match:
 
 @dataclasses.dataclass(frozen=True)
 class RowMove:
-    """For the prefix cache alone: idle row `row` takes positions [0, held.written) of row `source`
-    and then holds `held`, last used at `used` (`PrefixCache.snapshot`, `PrefixCache.demotion`)."""
+    """For the prefix cache alone: idle row `row` takes positions [0, len(held.keys)) of row `source`
+    and then holds `held` (its `written`: how far the source's ring had gone when copied), last
+    used at `used` (`PrefixCache.snapshot`, `PrefixCache.demotion`)."""
 
     source: int
     row: int
@@ -262,12 +263,14 @@ class PrefixCache:
         return move
 
     def _due(self, req: Request, geometry: Any) -> bool:
-        """Whether `req`'s reply is about to carry its row's ring past the window at its prompt's
-        end: the snapshot is taken as late as it can be (the next two steps could write that far),
-        so a short reply, whose row keeps its prompt whole, costs no copy."""
+        """Whether `req`'s reply is about to carry its row's ring halfway through its slack past the
+        prompt's end (the next two steps could write that far): a short reply, whose row keeps its
+        prompt whole, costs no copy, and the copy taken then still holds the window at any point
+        of the prompt's last half-slack positions (the same document asked about with another
+        question, an edited last line), not only at its end."""
         step = max(1, geometry.draft_tokens + 1, BLOCKS_IN_FLIGHT * geometry.decode_block)
         written = held_by(req, geometry.decode_block).written
-        return written - len(req.prompt_ids) + 2 * step > self.rule.slots - self.rule.window
+        return written - len(req.prompt_ids) + 2 * step > (self.rule.slots - self.rule.window) // 2
 
     def forget_all(self) -> None:
         """Nothing any row holds is known any more (the cache was lost and re-allocated empty; or a
@@ -434,10 +437,13 @@ class PrefixCache:
         n = len(req.prompt_ids)
         if not self.enabled or not self.rule.window or n < SNAPSHOT_MIN or req.prompt_keys is None:
             return None
-        held = Held(req.prompt_keys[:n], n)
-        if self.rule.whole(Held(held.keys, n + req.params.max_new_tokens + overrun(decode_block)), n):
+        if self.rule.whole(Held(req.prompt_keys[:n], n + req.params.max_new_tokens + overrun(decode_block)), n):
             return None  # however long its reply, its own row keeps the prompt whole
-        if not self.rule.whole(held_by(req, decode_block), n):
+        # The copy holds the ring as its source wrote it so far (the decode blocks in flight
+        # included): a prefix of the prompt is whole in it as far as that reach allows, not as if
+        # the ring had stopped at the prompt's end.
+        held = Held(req.prompt_keys[:n], held_by(req, decode_block).written)
+        if not self.rule.whole(held, n):
             return None
         if any(self._covers(h, held) for h in self._idle.values()):
             return None

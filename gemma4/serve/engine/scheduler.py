@@ -467,7 +467,7 @@ def prefix_copy(rule: RingRule, move: RowMove | None, active: dict[int, Request]
     prefix whose source holds it now (`prefix_cache.copy_now`; one that never will leaves its
     request to prefill its whole prompt)."""
     if move is not None:
-        return PrefixCopy(CopyKey(), None, move.source, move.held.written, move.row, move)
+        return PrefixCopy(CopyKey(), None, move.source, len(move.held.keys), move.row, move)  # (its keys: what is reused)
     for req in (r for r in active.values() if r.reuse is not None and not r.cancel.is_set()):
         ready = copy_now(req, active, rule, decode_block)
         if ready:
