@@ -255,7 +255,7 @@ def test_audio_setting_reaches_the_loader_and_the_preflight(monkeypatch):
     """GEMMA4_AUDIO=off (or load_audio=False) drops the tower from what loads and from what the
     pre-flight counts (E2B in bf16: 0.57 GiB less), and keeps the vision tower; a mistyped value is
     an error naming it."""
-    from gemma4.env import EnvError, audio_enabled
+    from gemma4.env import EnvError, Settings, audio_enabled
     from gemma4.plan import preflight
     from gemma4.weights import sources
 
@@ -268,13 +268,13 @@ def test_audio_setting_reaches_the_loader_and_the_preflight(monkeypatch):
     full = sources.peek_config(src)
     assert full.audio is not None and sources.peek_config(src, load_audio=False).audio is None
     monkeypatch.setenv("GEMMA4_AUDIO", "off")
-    heard = sources.peek_config(src)
+    heard = sources.peek_config(src, settings=Settings.from_env())  # the caller's settings
     assert heard == without_audio(full) and heard.vision == full.vision
     plan = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "weights": "none", "platform": "cpu"}
     diff = preflight.footprint(full, plan, {}, 4096, 1).weights - preflight.footprint(heard, plan, {}, 4096, 1).weights
     assert diff == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(full, jnp.bfloat16)["audio"]))
     assert 0.56 < diff / 2**30 < 0.58
-    _, params, _ = sources.load(sources.resolve("random:tiny-e2b"))  # GEMMA4_AUDIO=off still set
+    _, params, _ = sources.load(sources.resolve("random:tiny-e2b"), settings=Settings.from_env())  # GEMMA4_AUDIO=off still set
     assert "audio" not in params and "vision" in params
 
 

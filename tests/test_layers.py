@@ -240,11 +240,8 @@ SETTINGS_READERS: dict[str, str] = {
     # a model loads or a server starts, except media/files.py's default limits and
     # web/media_fetch.py's policy, which a request may read when its caller passes none.
     "gemma4/plan/hardware.py": "the policy's overrides: normalize_overrides merges the environment's (left)",
-    "gemma4/plan/preflight.py": "GEMMA4_PREFLIGHT: preflight_mode, called by the load and the CLI (left)",
     "gemma4/plan/preflight_devices.py": "GEMMA4_MEMORY_FRACTION of the pre-flight (left)",
     "gemma4/serve/distributed.py": "GEMMA4_WATCHDOG_PORT and the int8 product agreed by processes at start (left)",
-    "gemma4/weights/random_init.py": "GEMMA4_RANDOM_DRAW, read by the random loader (left)",
-    "gemma4/weights/sources.py": "GEMMA4_VISION / GEMMA4_AUDIO when the loader is not told (left)",
     "gemma4/media/files.py": "MediaLimits.from_env: the limits a caller that passes none gets (left)",
     "gemma4/web/media_fetch.py": "FetchPolicy.from_env, built once per API server (left)",
     # Read at the point of use by design: no owner can hand them down.

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gemma4.env import EnvError, Settings
 from gemma4.plan import preflight as P
 from gemma4.plan import preflight_devices as PD
 from gemma4.ui import mesh_panel
@@ -210,11 +211,14 @@ def test_auto_refuses_or_warns_when_nothing_fits(monkeypatch):
     cfg, devs = preset("31b"), PD.simulated_devices("2xl4")
     with pytest.raises(PD.PreflightError, match="no mesh over 2 × NVIDIA L4"):
         P.choose_mesh(cfg, _plan("none"), devs, 4096, 8)
-    monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")
-    assert P.choose_mesh(cfg, _plan("none"), devs, 4096, 8)["tensor"] == 2  # the smallest share, warned
-    monkeypatch.setenv("GEMMA4_PREFLIGHT", "maybe")
-    with pytest.raises(PD.PreflightError, match="GEMMA4_PREFLIGHT"):
+    monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")  # read by the start-up that builds the settings, not here
+    with pytest.raises(PD.PreflightError, match="no mesh over 2"):  # no settings passed: "on"
         P.choose_mesh(cfg, _plan("none"), devs, 4096, 8)
+    warn = Settings.from_env()
+    assert P.choose_mesh(cfg, _plan("none"), devs, 4096, 8, warn)["tensor"] == 2  # the smallest share, warned
+    monkeypatch.setenv("GEMMA4_PREFLIGHT", "maybe")
+    with pytest.raises(EnvError, match="GEMMA4_PREFLIGHT"):  # a bad value stops the start-up
+        Settings.from_env()
 
 
 def test_auto_on_this_machine_with_a_real_plan():
@@ -315,8 +319,8 @@ def test_resolve_mesh_checks_explicit_meshes_too(monkeypatch):
         P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)
     with pytest.raises(PD.PreflightError, match="must divide"):
         P.resolve_mesh(cfg, _plan("none"), {"tensor": 3}, devs, 4096, 1)
-    monkeypatch.setenv("GEMMA4_PREFLIGHT", "warn")
-    assert P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1)["tensor"] == 2
+    warn = Settings.from_env({"GEMMA4_PREFLIGHT": "warn"})
+    assert P.resolve_mesh(cfg, _plan("none"), "tensor=2", devs, 4096, 1, warn)["tensor"] == 2
 
 
 def test_cpu_refusal_never_suggests_more_virtual_devices():

@@ -370,15 +370,16 @@ def test_the_bundled_file_is_hashed_once_and_again_only_when_it_changed(tmp_path
 
 
 def test_where_random_weights_are_drawn_is_one_overridable_choice():
+    from gemma4.env import Settings
     from gemma4.weights.random_init import draw_where
 
-    assert draw_where(5_000_000_000, "cpu", {})[0] == "host"
-    where, why = draw_where(5_000_000_000, "tpu", {})  # measured: the device draw slowed the cold start
+    assert draw_where(5_000_000_000, "cpu")[0] == "host"
+    where, why = draw_where(5_000_000_000, "tpu")  # measured: the device draw slowed the cold start
     assert where == "host" and "GEMMA4_RANDOM_DRAW=device" in why
-    assert draw_where(10, "tpu", {"GEMMA4_RANDOM_DRAW": "device"}) == ("device", "GEMMA4_RANDOM_DRAW=device")
-    assert draw_where(10, "cpu", {"GEMMA4_RANDOM_DRAW": "host"})[0] == "host"
+    assert draw_where(10, "tpu", Settings.from_env({"GEMMA4_RANDOM_DRAW": "device"})) == ("device", "GEMMA4_RANDOM_DRAW=device")
+    assert draw_where(10, "cpu", Settings.from_env({"GEMMA4_RANDOM_DRAW": "host"}))[0] == "host"
     with pytest.raises(ValueError, match="GEMMA4_RANDOM_DRAW='chip'"):
-        draw_where(10, "tpu", {"GEMMA4_RANDOM_DRAW": "chip"})
+        draw_where(10, "tpu", Settings.from_env({"GEMMA4_RANDOM_DRAW": "chip"}))
 
 
 def test_random_params_drawn_on_the_device_have_the_host_draw_s_form(monkeypatch):

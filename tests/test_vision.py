@@ -120,7 +120,7 @@ def test_text_only_load_skips_the_tower(tmp_path_factory):
 def test_text_only_setting_reaches_the_loader_and_the_preflight(monkeypatch):
     """GEMMA4_VISION=off (or load_vision=False) drops the tower from what loads and from what the
     pre-flight counts (E2B in bf16: 0.31 GiB less); a mistyped value is an error naming it."""
-    from gemma4.env import EnvError, vision_enabled
+    from gemma4.env import EnvError, Settings, vision_enabled
     from gemma4.plan import preflight
     from gemma4.weights import sources
 
@@ -132,13 +132,13 @@ def test_text_only_setting_reaches_the_loader_and_the_preflight(monkeypatch):
     full = sources.peek_config(src)
     assert full.vision is not None and sources.peek_config(src, load_vision=False).vision is None
     monkeypatch.setenv("GEMMA4_VISION", "off")
-    text = sources.peek_config(src)
+    text = sources.peek_config(src, settings=Settings.from_env())  # the caller's settings
     assert text.vision is None and text == without_vision(full) and text.audio == full.audio
     plan = {"weight_dtype": "bfloat16", "compute_dtype": "bfloat16", "weights": "none", "platform": "cpu"}
     diff = preflight.footprint(full, plan, {}, 4096, 1).weights - preflight.footprint(text, plan, {}, 4096, 1).weights
     assert diff == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_params(full, jnp.bfloat16)["vision"]))
     assert 0.30 < diff / 2**30 < 0.32
-    _, params, _ = sources.load(sources.resolve("random:tiny-e2b"))  # GEMMA4_VISION=off still set
+    _, params, _ = sources.load(sources.resolve("random:tiny-e2b"), settings=Settings.from_env())  # GEMMA4_VISION=off still set
     assert "vision" not in params
 
 

@@ -66,10 +66,11 @@ def _check_mesh(args) -> None:
     if args.mesh.strip().lower() == "auto":
         return
     try:
-        mode = preflight.preflight_mode()
+        mode = preflight.preflight_mode(args.env)
         if mode == "off":
             return
-        report = preflight.probe_report(args.model, args.mesh, args.context, args.max_batch, _overrides(args))
+        report = preflight.probe_report(args.model, args.mesh, args.context, args.max_batch, _overrides(args),
+                                        settings=args.env)
     except preflight_devices.PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -229,7 +230,7 @@ def cmd_probe(argv: list[str], mine: argparse.Namespace, settings: EnvSettings) 
                  if getattr(mine, k)}
     try:
         report = preflight.probe_report(mine.model or "bundled", mine.mesh or "auto", mine.context,
-                                        mine.max_batch, overrides, mine.devices)
+                                        mine.max_batch, overrides, mine.devices, settings)
     except Exception as e:  # noqa: BLE001 - a bad model / mesh / device name is a message, not a traceback
         report = {"error": f"{type(e).__name__}: {e}"}
     if mine.json:

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from gemma4.env import EnvError, setting
+from gemma4.env import Settings
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, param_specs
@@ -316,8 +316,8 @@ def _best_share(cfg, plan, devices: DeviceSet, context: int, batch: int) -> Foot
     return best
 
 
-def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int = 4096, batch: int = 1
-                ) -> dict[str, int]:
+def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int = 4096, batch: int = 1,
+                settings: Settings | None = None) -> dict[str, int]:
     """The engine's `mesh="auto"`: the smallest mesh that fits, as {axis: size} (every axis named).
 
     Rule: use as few devices as fit the model (one device when it fits: no collectives, no
@@ -327,8 +327,8 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     explicitly, e.g. `data=2,tensor=4`, to use them). With more than one process the mesh spans
     every device (`_fitting_all`: a process outside it could not run the steps), and the choice is
     process 0's, shared (memory read on each host could differ). Raises PreflightError with the
-    arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn or off: the mesh with the smallest share,
-    with a warning).
+    arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn or off in `settings`, the caller's: the
+    mesh with the smallest share, with a warning).
     """
     devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
 
@@ -338,10 +338,11 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     refused = None
     if fp is None:
         message = refusal(cfg, plan, devs, None, context, batch)
-        if preflight_mode() == "on":
+        mode = preflight_mode(settings)
+        if mode == "on":
             refused = message
         else:
-            log.warning("pre-flight (GEMMA4_PREFLIGHT=%s): %s", preflight_mode(), message)
+            log.warning("pre-flight (GEMMA4_PREFLIGHT=%s): %s", mode, message)
             fp = _best_share(cfg, plan, devs, context, batch)
     # one broadcast, so every process goes on, or refuses, together (process 0's verdict)
     mine = [0, 1, 1, 1] if refused else [1] + [int(fp.mesh.get(axis, 1)) for axis in MESH_AXES]
@@ -361,14 +362,15 @@ def _process0s(values: list[int]) -> list[int]:
 
 
 def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] | None, devices: Any = None,
-                 context: int = 4096, batch: int = 1) -> dict[str, int]:
+                 context: int = 4096, batch: int = 1, settings: Settings | None = None) -> dict[str, int]:
     """The mesh for any request, before any weight is read: "auto" → `choose_mesh`; "none" or an
     explicit mesh → validated (PreflightError naming the devices and divisors) and its bytes
-    checked (PreflightError with the arithmetic, or a warning under GEMMA4_PREFLIGHT=warn)."""
+    checked (PreflightError with the arithmetic, or a warning under GEMMA4_PREFLIGHT=warn in
+    `settings`, the caller's; None: every setting at its default)."""
     devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
     if not isinstance(request, Mapping) and str(request or "auto").strip().lower() == "auto":
-        return choose_mesh(cfg, plan, devs, context, batch)
-    mode = preflight_mode()
+        return choose_mesh(cfg, plan, devs, context, batch, settings)
+    mode = preflight_mode(settings)
     report = check(cfg, plan, devs, request, context, batch)  # raises for an unusable mesh
     if not report["fits"] and mode != "off":
         if mode == "on":
@@ -378,7 +380,8 @@ def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] |
     return {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
 
 
-def engine_mesh(request: str | dict | None, cfg, plan, context: int, batch: int) -> dict[str, int]:
+def engine_mesh(request: str | dict | None, cfg, plan, context: int, batch: int,
+                settings: Settings | None = None) -> dict[str, int]:
     """The engine's mesh shape for "none", "tensor=4,data=2" (or its dict) or "auto", decided
     before any weight is read. Where the config is known every request goes through the memory
     pre-flight (`resolve_mesh`): "auto" becomes its choice, an explicit mesh is
@@ -389,7 +392,7 @@ def engine_mesh(request: str | dict | None, cfg, plan, context: int, batch: int)
             return {a: int(n) for a, n in request.items() if int(n) > 1}
         text = str(request or "auto").strip().lower()
         return {} if text == "auto" else sharding.parse_mesh(text)
-    shape = resolve_mesh(cfg, plan, request, jax.devices(), context, batch)
+    shape = resolve_mesh(cfg, plan, request, jax.devices(), context, batch, settings)
     return {a: int(n) for a, n in shape.items() if int(n) > 1}
 
 
@@ -420,12 +423,10 @@ def _admits(cfg: ModelConfig, plan: Any, devices: DeviceSet, request, context: i
         return False
 
 
-def preflight_mode(env: Mapping[str, str] | None = None) -> str:
-    """GEMMA4_PREFLIGHT: "on", "warn" or "off" (PreflightError for another value)."""
-    try:
-        return setting("GEMMA4_PREFLIGHT", env)
-    except EnvError as e:
-        raise PreflightError(str(e)) from None
+def preflight_mode(settings: Settings | None = None) -> str:
+    """`settings`' GEMMA4_PREFLIGHT: "on", "warn" or "off" (None: every setting at its default, "on";
+    a bad value stopped the start-up that built the settings)."""
+    return (settings or Settings.defaults()).get("GEMMA4_PREFLIGHT")
 
 
 def check(cfg: ModelConfig, plan: Any, devices: DeviceSet, request: str | Mapping[str, int] | None,
@@ -579,11 +580,13 @@ def simulated_facts_for(spec: str):
 
 
 def probe_report(model: str, mesh: str = "auto", context: int | None = None, batch: int = 1,
-                 overrides: Mapping[str, Any] | None = None, devices: str | None = None) -> dict:
+                 overrides: Mapping[str, Any] | None = None, devices: str | None = None,
+                 settings: Settings | None = None) -> dict:
     """The pre-flight for `python -m gemma4 probe --model M [--mesh ...] [--devices 4xl4]`: the
-    model's config (read without its weights), the plan on these (or simulated) devices, check()."""
+    model's config (read without its weights), the plan on these (or simulated) devices, check().
+    `settings`: the GEMMA4_* settings in force (the command line's; None: every setting at its default)."""
 
-    cfg = sources.peek_config(sources.resolve(model))
+    cfg = sources.peek_config(sources.resolve(model), settings=settings)
     if cfg is None:
         raise PreflightError(f"the config of {model!r} cannot be read without downloading it (offline?)")
     if devices:

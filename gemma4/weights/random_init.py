@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gemma4.env import setting
+from gemma4.env import Settings
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import iter_specs, leaf_dtype, leaf_name, param_specs, tree_from_leaves
 from gemma4.ops.quant import write_rows
@@ -42,9 +42,10 @@ F32 = np.float32
 DEVICE_BLOCK_ELEMENTS = 1 << 28  # a leaf drawn on the device in row blocks of at most this many values
 
 
-def draw_where(n_params: int, platform: str | None = None, environ: dict[str, str] | None = None) -> tuple[str, str]:
-    """("host" | "device", why): where the big float leaves of a random model are drawn."""
-    asked = setting("GEMMA4_RANDOM_DRAW", environ)
+def draw_where(n_params: int, platform: str | None = None, settings: Settings | None = None) -> tuple[str, str]:
+    """("host" | "device", why): where the big float leaves of a random model are drawn;
+    `settings`' GEMMA4_RANDOM_DRAW (None: every setting at its default) may say."""
+    asked = (settings or Settings.defaults()).get("GEMMA4_RANDOM_DRAW")
     if asked != "auto":
         return asked, f"GEMMA4_RANDOM_DRAW={asked}"
     platform = platform or jax.default_backend()

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.typing import DTypeLike
 
-from gemma4.env import audio_enabled, vision_enabled
+from gemma4.env import Settings
 from gemma4.paths import cache_root
 from gemma4.model.config import PRESETS, ModelConfig, load_hf_config, preset, without_audio, without_vision
 from gemma4.ops.quant import Params
@@ -379,32 +379,38 @@ def download_file(repo_id: str, filename: str, progress: Progress | None = None)
 
 
 # ------------------------------------------------------------------------------ config / load
-def with_vision(cfg, load_vision: bool | None = None):
-    """`cfg` as it will be loaded: without its vision tower when `load_vision` is False, or when it
-    is None and `GEMMA4_VISION=off` (`gemma4.env.vision_enabled`; a bad value raises EnvError).
+def with_vision(cfg, load_vision: bool = True):
+    """`cfg` as it will be loaded: without its vision tower when `load_vision` is False (the
+    loaders' and `peek_config`'s `settings` say so with GEMMA4_VISION=off: `towers_wanted`).
     The one place the choice is made: the pre-flight (through `peek_config`) and the loaders both ask here."""
-    enabled = vision_enabled(os.environ) if load_vision is None else load_vision
-    return cfg if enabled else without_vision(cfg)
+    return cfg if load_vision else without_vision(cfg)
 
 
-def with_audio(cfg, load_audio: bool | None = None):
-    """`cfg` as it will be loaded: without its audio tower when `load_audio` is False, or when it
-    is None and `GEMMA4_AUDIO=off` (`gemma4.env.audio_enabled`; a bad value raises EnvError).
-    The one place the choice is made, as `with_vision` for the vision tower."""
-    enabled = audio_enabled(os.environ) if load_audio is None else load_audio
-    return cfg if enabled else without_audio(cfg)
+def with_audio(cfg, load_audio: bool = True):
+    """`cfg` as it will be loaded: without its audio tower when `load_audio` is False (GEMMA4_AUDIO=off
+    in the loaders' `settings`). The one place the choice is made, as `with_vision` for the vision tower."""
+    return cfg if load_audio else without_audio(cfg)
 
 
-def with_towers(cfg, load_vision: bool | None = None, load_audio: bool | None = None):
+def towers_wanted(settings: Settings | None, load_vision: bool | None, load_audio: bool | None) -> tuple[bool, bool]:
+    """(load the vision tower, load the audio tower): each as asked, or when None as `settings`'
+    GEMMA4_VISION / GEMMA4_AUDIO say (None: every setting at its default: both on)."""
+    settings = settings or Settings.defaults()
+    return (settings.get("GEMMA4_VISION") if load_vision is None else load_vision,
+            settings.get("GEMMA4_AUDIO") if load_audio is None else load_audio)
+
+
+def with_towers(cfg, load_vision: bool = True, load_audio: bool = True):
     """`cfg` with the towers `with_vision` and `with_audio` keep."""
     return with_audio(with_vision(cfg, load_vision), load_audio)
 
 
-def peek_config(source: ModelSource, load_vision: bool | None = None, load_audio: bool | None = None):
+def peek_config(source: ModelSource, load_vision: bool | None = None, load_audio: bool | None = None,
+                settings: Settings | None = None):
     """The ModelConfig if it is cheap to know before loading (for hardware planning), else None
-    (without the towers `with_vision` / `with_audio` drop)."""
+    (without the towers `with_vision` / `with_audio` drop; None: as `settings` say, `towers_wanted`)."""
     cfg = _peek_config(source)
-    return None if cfg is None else with_towers(cfg, load_vision, load_audio)
+    return None if cfg is None else with_towers(cfg, *towers_wanted(settings, load_vision, load_audio))
 
 
 def _peek_config(source: ModelSource):
@@ -438,14 +444,16 @@ def _peek_config(source: ModelSource):
 
 def load(source: ModelSource, dtype: DTypeLike = "float32", progress: Progress | None = None,
          quantize: dict | None = None, mesh: Mesh | None = None, load_vision: bool | None = None,
-         load_audio: bool | None = None) -> tuple[ModelConfig, Params, dict]:
+         load_audio: bool | None = None, settings: Settings | None = None) -> tuple[ModelConfig, Params, dict]:
     """(cfg, params, tokenizer_spec) for a resolved source. Weights are stored as `dtype`
     (norms in float32); `progress(fraction, message)` reports along the way.
 
-    `load_vision` (default: `GEMMA4_VISION`, on): a Gemma 4 model's vision tower loads into
+    `load_vision` (None: `settings`' GEMMA4_VISION, on): a Gemma 4 model's vision tower loads into
     `params["vision"]`; False loads it without (`cfg.vision` None, see `with_vision`).
-    `load_audio` (default: `GEMMA4_AUDIO`, on): E2B/E4B's audio tower loads into `params["audio"]`;
+    `load_audio` (None: `settings`' GEMMA4_AUDIO, on): E2B/E4B's audio tower loads into `params["audio"]`;
     False loads without it (`cfg.audio` None, see `with_audio`). GGUF files hold no tower.
+    `settings`: the GEMMA4_* settings in force (the caller's; None: every setting at its default),
+    for the towers and GEMMA4_RANDOM_DRAW.
 
     `quantize` (`Plan.quantize_kwargs()`: mode, embed_mode, group_size, int4_kernel, int4_block)
     makes every loader build each leaf in its final quantized form as it reads it, so the float
@@ -457,6 +465,7 @@ def load(source: ModelSource, dtype: DTypeLike = "float32", progress: Progress |
     only its shard (`gemma4.weights.leaf_format.build_sharded`); a GGUF (small: the bundled model) loads
     whole and is split afterwards by the caller."""
     report = progress or (lambda fraction, message: None)
+    load_vision, load_audio = towers_wanted(settings, load_vision, load_audio)
     qkw = {} if quantize is None else {"quantize": quantize}
     mkw = {} if mesh is None else {"mesh": mesh}
     if source.kind in ("bundled", "gguf"):
@@ -468,7 +477,7 @@ def load(source: ModelSource, dtype: DTypeLike = "float32", progress: Progress |
         return _load_folder(folder, source.name, dtype, report, {**qkw, **mkw}, load_vision, load_audio)
     if source.kind == "random":
         cfg = with_towers(preset(source.preset), load_vision, load_audio)
-        where, why = draw_where(n_parameters(cfg))
+        where, why = draw_where(n_parameters(cfg), settings=settings)
         log.info("random weights drawn on the %s: %s", where, why)
         report(0.0, f"drawing random weights for {cfg.name} on the {where} ({RANDOM_WARNING})")
         params = random_params(cfg, weight_dtype=dtype, where=where, **qkw, **mkw)
@@ -490,7 +499,7 @@ def describe_file(source: ModelSource, progress: Progress | None = None) -> tupl
 
 
 def _load_folder(folder: str, name: str, dtype: DTypeLike, report: Progress, qkw: dict,
-                 load_vision: bool | None = None, load_audio: bool | None = None) -> tuple[ModelConfig, Params, dict]:
+                 load_vision: bool = True, load_audio: bool = True) -> tuple[ModelConfig, Params, dict]:
     if not os.path.isdir(folder):
         raise SourceError(f"no such folder: {folder}")
     cfg = with_towers(dataclasses.replace(load_hf_config(folder), name=name), load_vision, load_audio)

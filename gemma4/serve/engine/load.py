@@ -171,7 +171,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     source = sources.resolve(name)
     status(0.02, f"resolving {source.description}")
     # The plan depends on the geometry (head dims → attention path): peek at the config first.
-    peeked = sources.peek_config(source)
+    peeked = sources.peek_config(source, settings=settings)
     plan, report = hardware_checks.resolve(peeked, overrides)
     if report.get("self_test") and not report["self_test"]["ok"]:
         raise RuntimeError(f"device self-test failed: {report['self_test']}")
@@ -182,7 +182,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         context, report["context"] = preflight.default_context(
             peeked, plan, preflight_devices.local_device_set(), mesh_request, max_batch, DEFAULT_CONTEXT)
     asked = context_window(context, peeked.max_position_embeddings) if peeked else (context or 0)
-    mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch)
+    mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch, settings)
     mesh = None
     if peeked is not None:  # refused before any weight is read; the weights are born split
         sharding.validate_mesh(peeked, mesh_shape, len(jax.devices()), batch=max_batch, devices=jax.devices())
@@ -220,7 +220,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         # float32 tree is ever held: peak host memory stays near the final weights' size.
         plan_before = plan
         cfg, params, tok_spec = sources.load(source, jnp.dtype(plan.weight_dtype.value), progress=progress,
-                                             quantize=plan.quantize_kwargs(), mesh=mesh)
+                                             quantize=plan.quantize_kwargs(), mesh=mesh, settings=settings)
         sharding.validate_mesh(cfg, mesh_shape, len(jax.devices()), batch=max_batch, devices=jax.devices())
         mesh = mesh if mesh is not None else sharding.make_mesh(mesh_shape)
         # Each device keeps only its shards: already so where the loader split them (then this moves
