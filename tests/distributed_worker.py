@@ -33,10 +33,11 @@ def main() -> int:
     ap.add_argument("--die-at-step", type=int, default=None)
     ap.add_argument("--max-batch", type=int, default=2)
     ap.add_argument("--weights", default="none", help="none | int8 | int4")
-    distributed_flags.add_arguments(ap, Settings.from_env())
+    settings = Settings.from_env()  # this worker's start-up
+    distributed_flags.add_arguments(ap, settings)
     args = ap.parse_args()
     try:
-        distributed.initialize(distributed_flags.from_args(args))
+        distributed.initialize(distributed_flags.from_args(args, settings))
     except distributed_flags.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

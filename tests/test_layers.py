@@ -241,7 +241,6 @@ SETTINGS_READERS: dict[str, str] = {
     # web/media_fetch.py's policy, which a request may read when its caller passes none.
     "gemma4/plan/hardware.py": "the policy's overrides: normalize_overrides merges the environment's (left)",
     "gemma4/plan/preflight_devices.py": "GEMMA4_MEMORY_FRACTION of the pre-flight (left)",
-    "gemma4/serve/distributed.py": "GEMMA4_WATCHDOG_PORT and the int8 product agreed by processes at start (left)",
     "gemma4/media/files.py": "MediaLimits.from_env: the limits a caller that passes none gets (left)",
     "gemma4/web/media_fetch.py": "FetchPolicy.from_env, built once per API server (left)",
     # Read at the point of use by design: no owner can hand them down.

@@ -41,7 +41,7 @@ def _overrides(args) -> dict:
 
 def _engine(args) -> Engine:
     try:  # before anything touches a JAX backend; a bad mesh spec is refused before any loading
-        distributed.initialize(distributed_flags.from_args(args))
+        distributed.initialize(distributed_flags.from_args(args, args.env))
         if args.mesh.strip().lower() != "auto":
             sharding.parse_mesh(args.mesh)
     except (distributed_flags.DistributedError, sharding.MeshError) as e:

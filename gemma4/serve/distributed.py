@@ -42,7 +42,7 @@ try:  # the auto-detected coordinator address lives only in this private module
 except ImportError:  # another jax: the address is then unknown (None), as before
     jax_distributed_state = None
 
-from gemma4.env import setting
+from gemma4.env import Settings as EnvSettings
 from gemma4.serve.distributed_flags import DistributedError, Settings
 
 log = logging.getLogger("gemma4.serve.distributed")
@@ -95,7 +95,8 @@ def initialize(settings: Settings) -> dict:
     _state["settings"] = settings
     coordinator = settings.coordinator or _coordinator_address()
     if n > 1 and coordinator:
-        _state["watchdog"] = Watchdog(pid, n, coordinator, settings.heartbeat_s, settings.init_timeout_s)
+        _state["watchdog"] = Watchdog(pid, n, coordinator, settings.heartbeat_s, settings.init_timeout_s,
+                                      settings.watchdog_port)
     info = {"process_id": pid, "num_processes": n, "devices": jax.device_count(),
             "local_devices": jax.local_device_count(), "coordinator": coordinator}
     log.info("joined: process %d of %d, %d devices (%d local) via %s", pid, n, info["devices"],
@@ -103,8 +104,9 @@ def initialize(settings: Settings) -> dict:
     return info
 
 
-def _watchdog_port(coordinator_port: int) -> int:
-    return setting("GEMMA4_WATCHDOG_PORT") or coordinator_port + 1
+def _watchdog_port(coordinator_port: int, asked: int | None) -> int:
+    """The watchdog's port: `asked` (GEMMA4_WATCHDOG_PORT, in the flags' settings) or the coordinator's + 1."""
+    return asked or coordinator_port + 1
 
 
 def _check_coordinator(settings: Settings) -> None:
@@ -113,7 +115,7 @@ def _check_coordinator(settings: Settings) -> None:
     host, port = settings.coordinator.rsplit(":", 1)
     host, port = host.strip("[]"), int(port)
     if settings.process_id == 0:
-        for p, what in ((port, "the coordinator port"), (_watchdog_port(port), "the watchdog port (coordinator + 1)")):
+        for p, what in ((port, "the coordinator port"), (_watchdog_port(port, settings.watchdog_port), "the watchdog port (coordinator + 1)")):
             try:
                 socket.create_server(("", p)).close()
             except OSError as e:
@@ -172,14 +174,15 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def engine_overrides(overrides: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> dict:
-    """Hardware overrides with the per-process measured choices fixed (see MULTIHOST_INT8_MATMUL)."""
+def engine_overrides(overrides: Mapping[str, Any] | None, settings: EnvSettings | None = None) -> dict:
+    """Hardware overrides with the per-process measured choices fixed (see MULTIHOST_INT8_MATMUL);
+    `settings`: the engine's (GEMMA4_INT8_MATMUL where the overrides do not say; None: its default)."""
     out = dict(overrides or {})
     if process_count() == 1:
         return out
     asked = out.get("int8_matmul", out.get("GEMMA4_INT8_MATMUL"))
     if asked is None:
-        asked = setting("GEMMA4_INT8_MATMUL", environ)
+        asked = (settings or EnvSettings.defaults()).get("GEMMA4_INT8_MATMUL")
     if str(asked).strip().lower() in ("", "auto", "measure"):
         out.pop("GEMMA4_INT8_MATMUL", None)
         out["int8_matmul"] = MULTIHOST_INT8_MATMUL
@@ -203,9 +206,9 @@ class Watchdog:
     """Heartbeat over one TCP connection per follower (see the module doc)."""
 
     def __init__(self, process_id: int, num_processes: int, coordinator: str, heartbeat_s: float,
-                 connect_timeout_s: float):
+                 connect_timeout_s: float, watchdog_port: int | None = None):
         host, port = coordinator.rsplit(":", 1)
-        port = _watchdog_port(int(port))
+        port = _watchdog_port(int(port), watchdog_port)
         self.pid, self.n, self.heartbeat_s = process_id, num_processes, heartbeat_s
         self.closing = threading.Event()  # set on a goodbye either way, or when process 0 relays a loss
         self.peers: dict[int, socket.socket] = {}

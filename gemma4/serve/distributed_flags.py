@@ -31,6 +31,7 @@ class Settings:
     process_id: int | None = None
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
+    watchdog_port: int | None = None  # GEMMA4_WATCHDOG_PORT; None: the coordinator's port + 1
 
     @property
     def enabled(self) -> bool:
@@ -60,8 +61,10 @@ def add_arguments(p: argparse.ArgumentParser, settings: EnvSettings) -> None:
                    help="seconds of silence after which a peer counts as lost (env GEMMA4_HEARTBEAT_S)")
 
 
-def from_args(args: Any) -> Settings:
-    """Settings from parsed flags; raises DistributedError for an incomplete or inconsistent set."""
+def from_args(args: Any, settings: EnvSettings | None = None) -> Settings:
+    """Settings from parsed flags and the entry point's `settings` (GEMMA4_WATCHDOG_PORT; None: every
+    setting at its default); raises DistributedError for an incomplete or inconsistent set."""
+    port = settings.get("GEMMA4_WATCHDOG_PORT") if settings is not None else default_of("GEMMA4_WATCHDOG_PORT")
     mode = (getattr(args, "distributed", None) or "").lower()
     coord, n, pid = getattr(args, "coordinator", None), getattr(args, "num_processes", None), \
         getattr(args, "process_id", None)
@@ -69,9 +72,9 @@ def from_args(args: Any) -> Settings:
     if hb <= 0:
         raise DistributedError(f"--heartbeat-s must be positive, got {hb}")
     if mode == "auto":
-        return Settings("auto", coord, n, pid, hb)
+        return Settings("auto", coord, n, pid, hb, watchdog_port=port)
     if mode == "off" or (coord is None and n is None and pid is None):
-        return Settings("off", heartbeat_s=hb)
+        return Settings("off", heartbeat_s=hb, watchdog_port=port)
     missing = [f for f, v in (("--coordinator", coord), ("--num-processes", n), ("--process-id", pid)) if v is None]
     if missing:
         raise DistributedError(f"multi-host start-up needs --coordinator, --num-processes and --process-id "
@@ -81,4 +84,4 @@ def from_args(args: Any) -> Settings:
         raise DistributedError(f"--process-id {pid} must be in [0, {n}) for --num-processes {n}")
     if ":" not in coord or not coord.rsplit(":", 1)[1].isdigit():
         raise DistributedError(f"--coordinator {coord!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
-    return Settings("manual", coord, n, pid, hb)
+    return Settings("manual", coord, n, pid, hb, watchdog_port=port)

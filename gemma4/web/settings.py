@@ -114,7 +114,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     try:
         access = access_from_args(a)
-        multi = distributed_flags.from_args(a)
+        multi = distributed_flags.from_args(a, from_env)
         if a.mesh.strip().lower() != "auto":
             from gemma4.plan import sharding  # deferred: jax, +1.2 s on `import app` (measured)
 

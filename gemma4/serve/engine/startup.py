@@ -123,7 +123,7 @@ class StartUp:
             return self._start(t0, None)
         # Process 0 schedules; the others replay its steps, warm-up included (engine/link.py). The
         # link's descriptor size is fixed before loading, by settings every process shares.
-        self._overrides = distributed.engine_overrides(self._overrides)
+        self._overrides = distributed.engine_overrides(self._overrides, self.settings.env)
         self._warmup = self._warmup and distributed.is_leader()
         s = self.settings
         link = EngineLink(max(max(s.buckets or PROMPT_BUCKETS + ACCELERATOR_BUCKETS), s.max_batch), s.max_batch)
