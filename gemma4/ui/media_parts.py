@@ -28,17 +28,28 @@ read (and their kind sniffed from their bytes) only when a request is built, by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Union
 
 from gemma4.media.files import MediaItem, media_from_path
 from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve.chat import message_text
 
+if TYPE_CHECKING:  # the types only: this module imports no gradio
+    from gradio.components.multimodal_textbox import MultimodalValue
+
+    from gemma4.ui.thinking import ChatMessage
+
 LoadMedia = Callable[[str], MediaItem]
+# A history message's content in any of its shapes (a string, one part, a list of parts: text
+# and files as the app writes them or as Gradio hands them back); `split_content` narrows it.
+HistoryContent = Union[str, Mapping[str, object], Iterable[object], None]
+# A message's content for the request layer: its text, or its parts ({"type": "text", "text"},
+# {"type": "image"|"video"|"audio", "media": MediaItem, ...}; `gemma4.serve.prompts.Part`).
+RequestContent = Union[str, list[dict[str, object]]]
 
 
-def part_path(part: Any) -> str | None:
+def part_path(part: object) -> str | None:
     """The server path of a history file part in any of Gradio's shapes, else None (a text part).
 
     Shapes: {"path": p} (what the app writes), {"type": "file", "file": {"path": p, …}} (what
@@ -52,7 +63,7 @@ def part_path(part: Any) -> str | None:
     return str(path) if isinstance(path, str) and path else None
 
 
-def split_content(content: Any, *, trim_parts: bool = True) -> tuple[str, list[str]]:
+def split_content(content: HistoryContent, *, trim_parts: bool = True) -> tuple[str, list[str]]:
     """(text, file paths) of a history message's content: a string, one part, or a list of parts.
 
     The text is the text parts joined as `message_text` joins them (each trimmed, or as typed
@@ -65,24 +76,24 @@ def split_content(content: Any, *, trim_parts: bool = True) -> tuple[str, list[s
     return message_text(texts, trim_parts=trim_parts), files
 
 
-def has_media(message: Mapping[str, Any]) -> bool:
+def has_media(message: ChatMessage) -> bool:
     """True when a history message carries files."""
     return bool(split_content(message.get("content"))[1])
 
 
-def user_content(text: str, files: Sequence[str]) -> str | list[Any]:
+def user_content(text: str, files: Sequence[str]) -> str | list[str | dict[str, str]]:
     """History content for a user message: the text alone, or its text then its files."""
     if not files:
         return text
     return [*([text] if text.strip() else []), *({"path": str(f)} for f in files)]
 
 
-def textbox_value(text: str, files: Sequence[str] = ()) -> dict[str, Any]:
+def textbox_value(text: str, files: Sequence[str] = ()) -> MultimodalValue:
     """The MultimodalTextbox value holding `text` and `files` (what Undo puts back)."""
     return {"text": text, "files": [str(f) for f in files]}
 
 
-def read_textbox(value: Any) -> tuple[str, list[str]]:
+def read_textbox(value: object) -> tuple[str, list[str]]:
     """(text, file paths) of a MultimodalTextbox value (a dict, or a plain string from a program)."""
     if value is None:
         return "", []
@@ -96,18 +107,18 @@ def read_textbox(value: Any) -> tuple[str, list[str]]:
                      f"not {type(value).__name__}")
 
 
-def media_part(item: MediaItem, image_tokens: int | None = None) -> dict[str, Any]:
+def media_part(item: MediaItem, image_tokens: int | None = None) -> dict[str, object]:
     """The request layer's content part for one media item ({"type": "image"|"video"|"audio",
     "media"}), with an image's soft-token budget (`max_soft_tokens`) when one is chosen; a video
     keeps the request layer's per-frame default, and audio has no budget (25 a second)."""
-    part: dict[str, Any] = {"type": item.kind, "media": item}
+    part: dict[str, object] = {"type": item.kind, "media": item}
     if image_tokens is not None and item.kind == "image":
         part["max_soft_tokens"] = int(image_tokens)
     return part
 
 
-def request_content(content: Any, *, load: LoadMedia = media_from_path, trim_parts: bool = True,
-                    image_tokens: int | None = None) -> str | list[dict[str, Any]]:
+def request_content(content: HistoryContent, *, load: LoadMedia = media_from_path, trim_parts: bool = True,
+                    image_tokens: int | None = None) -> RequestContent:
     """A history message's content for the request layer: its text when it has no files, else
     its media parts (read with `load`; images with `image_tokens` soft tokens when given)
     followed by a text part when there is text."""
@@ -118,8 +129,8 @@ def request_content(content: Any, *, load: LoadMedia = media_from_path, trim_par
     return parts + ([{"type": "text", "text": text}] if text else [])
 
 
-def completion_request(content: Any, *, load: LoadMedia = media_from_path,
-                       image_tokens: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+def completion_request(content: HistoryContent, *, load: LoadMedia = media_from_path,
+                       image_tokens: int | None = None) -> tuple[str, list[dict[str, object]]]:
     """(prompt text, media parts) of a message for completion mode, where the request layer
     takes a text and its files (`stream_reply(..., media=…)`): the text as typed, in which each
     <|image|> / <|video|> / <|audio|> marks where the next file goes (as on the command line); a text with
@@ -131,8 +142,7 @@ def completion_request(content: Any, *, load: LoadMedia = media_from_path,
     return text, parts
 
 
-def join_contents(first: str | list[dict[str, Any]], second: str | list[dict[str, Any]]
-                  ) -> str | list[dict[str, Any]]:
+def join_contents(first: RequestContent, second: RequestContent) -> RequestContent:
     """Two consecutive messages of one role as one content, their texts joined by a blank line
     (strings stay a string; otherwise the parts in order, adjacent text parts merged)."""
     if isinstance(first, str) and isinstance(second, str):
@@ -143,7 +153,7 @@ def join_contents(first: str | list[dict[str, Any]], second: str | list[dict[str
     return a + b
 
 
-def as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def as_parts(content: RequestContent) -> list[dict[str, object]]:
     """Content as a list of request parts (a string becomes one text part; "" none)."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}] if content else []

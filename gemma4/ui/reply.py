@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gemma4.media.files import media_from_path
 from gemma4.ui.media_parts import LoadMedia, completion_request, join_contents, request_content, split_content
 from gemma4.ui.numbers import as_number, fmt_int, fmt_num
-from gemma4.ui.thinking import STATS_ID, thought_message, tool_calls_message
+from gemma4.ui.thinking import STATS_ID, ChatMessage, thought_message, tool_calls_message
+
+if TYPE_CHECKING:  # the types only: this module imports no gradio and no engine
+    from gradio.components.chatbot import MessageDict
+
+    from gemma4.serve.conversation import ToolCall
+
+# A reply's stats, its degeneracy flags, a media item of stats["media"]: the request layer's
+# JSON-like dicts (`ReplyEvent.stats` / `.flags`), read here key by key and narrowed
+# (`as_number`, isinstance) since their keys vary with the engine and the reply.
+Stats = Mapping[str, object]
 
 # Assistant messages the app writes itself, as opposed to model text:
 # - a *notice* (a refusal or error: "not sent, because ..."), marked with metadata log "notice";
@@ -43,27 +53,27 @@ FINISH_TEXT = {
 # --------------------------------------------------------------------------- chat history
 
 
-def notice_message(text: str) -> dict[str, Any]:
+def notice_message(text: str) -> MessageDict:
     """An assistant message from the app (not the model) explaining why nothing was generated."""
     return {"role": "assistant", "content": f"⚠️ {text}",
             "metadata": {"log": NOTICE_LOG, "status": "done"}}
 
 
-def is_notice(message: Mapping[str, Any]) -> bool:
+def is_notice(message: ChatMessage) -> bool:
     """True for a notice written by `notice_message`."""
     meta = message.get("metadata") or {}
     return message.get("role") == "assistant" and meta.get("log") == NOTICE_LOG
 
 
-def is_app_message(message: Mapping[str, Any]) -> bool:
+def is_app_message(message: ChatMessage) -> bool:
     """True for assistant messages that are not the model's answer text: notices, stats,
     loading lines, and the thought and tool-call blocks (all but notices carry a title)."""
     meta = message.get("metadata") or {}
     return message.get("role") == "assistant" and bool(meta.get("title") or is_notice(message))
 
 
-def history_to_messages(history: Iterable[Mapping[str, Any]], *, load: LoadMedia = media_from_path,
-                        image_tokens: int | None = None) -> list[dict[str, Any]]:
+def history_to_messages(history: Iterable[ChatMessage] | None, *, load: LoadMedia = media_from_path,
+                        image_tokens: int | None = None) -> list[dict[str, object]]:
     """Gradio chat history → the request layer's `[{"role", "content"}]` conversation.
 
     Content is the message's text, or — for a user message with files — its media parts
@@ -84,7 +94,7 @@ def history_to_messages(history: Iterable[Mapping[str, Any]], *, load: LoadMedia
             while j >= 0 and items[j].get("role") == "user":
                 keep[j] = False
                 j -= 1
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     for msg, k in zip(items, keep):
         role = msg.get("role")
         if not k or role not in ("user", "assistant") or is_app_message(msg):
@@ -97,7 +107,7 @@ def history_to_messages(history: Iterable[Mapping[str, Any]], *, load: LoadMedia
     return out
 
 
-def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
+def last_user_text(history: Sequence[ChatMessage] | None) -> str | None:
     """The text of the trailing user message (as typed; "" for media alone), or None when
     history does not end with one."""
     if not history or history[-1].get("role") != "user":
@@ -105,8 +115,8 @@ def last_user_text(history: Sequence[Mapping[str, Any]]) -> str | None:
     return split_content(history[-1].get("content"), trim_parts=False)[0]
 
 
-def last_user_completion(history: Sequence[Mapping[str, Any]], *, load: LoadMedia = media_from_path,
-                         image_tokens: int | None = None) -> tuple[str, list[dict[str, Any]]] | None:
+def last_user_completion(history: Sequence[ChatMessage] | None, *, load: LoadMedia = media_from_path,
+                         image_tokens: int | None = None) -> tuple[str, list[dict[str, object]]] | None:
     """The trailing user message as a completion prompt: (its text as typed, with a marker per
     file where it has none, and its media parts; `media_parts.completion_request`), or None when
     history does not end with a user message."""
@@ -115,7 +125,7 @@ def last_user_completion(history: Sequence[Mapping[str, Any]], *, load: LoadMedi
     return completion_request(history[-1].get("content"), load=load, image_tokens=image_tokens)
 
 
-def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def strip_trailing_assistant(history: Sequence[ChatMessage] | None) -> list[ChatMessage]:
     """History without the assistant messages after the last user message."""
     items = [dict(m) for m in history or []]
     while items and items[-1].get("role") == "assistant":
@@ -123,14 +133,14 @@ def strip_trailing_assistant(history: Sequence[Mapping[str, Any]]) -> list[dict[
     return items
 
 
-def pop_last_user_turn(history: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+def pop_last_user_turn(history: Sequence[ChatMessage] | None) -> tuple[list[ChatMessage], str]:
     """Remove the last user turn and everything after it; return (history, that user's text)."""
     items, text, _ = pop_last_user_input(history)
     return items, text
 
 
-def pop_last_user_input(history: Sequence[Mapping[str, Any]]
-                        ) -> tuple[list[dict[str, Any]], str, list[str]]:
+def pop_last_user_input(history: Sequence[ChatMessage] | None
+                        ) -> tuple[list[ChatMessage], str, list[str]]:
     """Remove the last user turn and everything after it; return (history, that user's text,
     its files in order): what Undo puts back into the message box."""
     items = strip_trailing_assistant(history)
@@ -143,7 +153,7 @@ def pop_last_user_input(history: Sequence[Mapping[str, Any]]
     return items, "\n\n".join(t for t in texts if t), files
 
 
-def message_index(index: Any) -> int:
+def message_index(index: int | Sequence[int]) -> int:
     """Gradio's retry/undo/edit index (an int, or a list/tuple for grouped messages) as an int."""
     if isinstance(index, (list, tuple)):
         index = index[0]
@@ -154,7 +164,7 @@ def message_index(index: Any) -> int:
 # --------------------------------------------------------------------------- per-reply stats
 
 
-def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
+def flags_summary(flags: Stats | None) -> tuple[bool, list[str]]:
     """(flagged, list of fired rules as readable text) from a degeneracy flags dict.
 
     Tolerates the shapes a flags dict can take: a boolean per rule (`{"repeat_loop": True}`),
@@ -204,7 +214,7 @@ def flags_summary(flags: Mapping[str, Any] | None) -> tuple[bool, list[str]]:
     return flagged, fired
 
 
-def _chunks(stats: dict) -> str:
+def _chunks(stats: Stats) -> str:
     """' · in N chunks, beside M decode steps of other replies' where the prompt was prefilled in
     several chunks (the scheduler runs one chunk per step, between other replies' decode steps)."""
     chunks = as_number(stats.get("chunks"))
@@ -215,21 +225,21 @@ def _chunks(stats: dict) -> str:
     return f" · in {int(chunks):,} chunks{beside}"
 
 
-def _cached(stats: Mapping[str, Any]) -> str:
+def _cached(stats: Stats) -> str:
     """' (N of them from the prefix cache, not prefilled again)' where the prompt's start was
     reused from the cache (a chat's earlier turns, a shared system prompt)."""
     cached = int(as_number(stats.get("cached_tokens")) or 0)
     return f" ({cached:,} of them from the prefix cache, not prefilled again)" if cached else ""
 
 
-def _decode_rate(stats: Mapping[str, Any]) -> str:
+def _decode_rate(stats: Stats) -> str:
     """Decode tok/s, or "—" until there are two tokens (the first comes from the prefill)."""
     if (as_number(stats.get("new_tokens")) or 0) < 2:
         return "—"
     return fmt_num(stats.get("decode_tok_s"))
 
 
-def _roofline(stats: Mapping[str, Any]) -> str:
+def _roofline(stats: Stats) -> str:
     """ " · N% of the roofline" where the device's memory bandwidth is known (Hardware tab: roofline)."""
     frac = as_number(stats.get("roofline_frac"))
     if frac is None or (as_number(stats.get("new_tokens")) or 0) < 2:
@@ -238,11 +248,11 @@ def _roofline(stats: Mapping[str, Any]) -> str:
 
 
 def stats_title(
-    stats: Mapping[str, Any] | None,
+    stats: Stats | None,
     *,
     done: bool,
     finish_reason: str | None = None,
-    flags: Mapping[str, Any] | None = None,
+    flags: Stats | None = None,
 ) -> str:
     """The short line attached to a reply via Chatbot metadata, e.g.
 
@@ -275,7 +285,7 @@ def stats_title(
     return f"{icon} " + " · ".join(parts)
 
 
-def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | None) -> str:
+def stats_details(stats: Stats | None, flags: Stats | None) -> str:
     """The folded-away body of the stats message: prefill, bucket, batch, compile, quality."""
     stats = stats or {}
     parts = [
@@ -297,12 +307,12 @@ def stats_details(stats: Mapping[str, Any] | None, flags: Mapping[str, Any] | No
 
 
 def stats_message(
-    stats: Mapping[str, Any] | None,
-    flags: Mapping[str, Any] | None,
+    stats: Stats | None,
+    flags: Stats | None,
     *,
     done: bool,
     finish_reason: str | None = None,
-) -> dict[str, Any]:
+) -> MessageDict:
     """The assistant message after a reply that carries its stats line (Chatbot metadata)."""
     title = stats_title(stats, done=done, finish_reason=finish_reason, flags=flags)
     return {
@@ -314,23 +324,23 @@ def stats_message(
 
 def reply_messages(
     text: str,
-    stats: Mapping[str, Any] | None,
-    flags: Mapping[str, Any] | None,
+    stats: Stats | None,
+    flags: Stats | None,
     *,
     done: bool,
     finish_reason: str | None = None,
     thought: str = "",
     in_thought: bool = False,
     thought_s: float | None = None,
-    tool_calls: Sequence[Any] = (),
-) -> list[dict[str, Any]]:
+    tool_calls: Sequence[ToolCall | Mapping[str, object]] = (),
+) -> list[MessageDict]:
     """The reply as chat messages: its thought (if any), the answer text (once there is some),
     the tool calls it made (if any), then its stats.
 
     `in_thought`: the model is (or, once done, was left) inside its thought; a reply done in
     that state was cut off before its answer and its thought title says why.
     """
-    out: list[dict[str, Any]] = []
+    out: list[MessageDict] = []
     tokens = as_number((stats or {}).get("thought_tokens"))
     block = thought_message(thought, pending=in_thought and not done, thought_s=thought_s,
                             tokens=int(tokens) if tokens else None,
@@ -346,7 +356,7 @@ def reply_messages(
     return out
 
 
-def _split_tokens(stats: Mapping[str, Any]) -> str:
+def _split_tokens(stats: Stats) -> str:
     """" — thought 40 (3.2 s) · answer 17" when the reply thought (or thinking was on; the app
     sets stats["thinking"]), from the request layer's separate counts."""
     thought = as_number(stats.get("thought_tokens"))
@@ -358,7 +368,7 @@ def _split_tokens(stats: Mapping[str, Any]) -> str:
             f"<b>{fmt_int(stats.get('answer_tokens'))}</b>")
 
 
-def _occupancy_plain(stats: Mapping[str, Any]) -> str:
+def _occupancy_plain(stats: Stats) -> str:
     occ = stats.get("batch_occupancy")
     f = as_number(occ)
     if f is None:
@@ -366,7 +376,7 @@ def _occupancy_plain(stats: Mapping[str, Any]) -> str:
     return f"{f * 100:.0f}%" if f <= 1.0 else f"{f:.2f}"
 
 
-def _speculation(stats: Mapping[str, Any]) -> str:
+def _speculation(stats: Stats) -> str:
     """Drafted and accepted tokens of the reply (prompt lookup), or that none were checked."""
     spec = stats.get("speculation")
     if not spec:
@@ -376,7 +386,7 @@ def _speculation(stats: Mapping[str, Any]) -> str:
     return f"{accepted} of {drafted} drafted tokens accepted{rate} in {int(spec.get('verify_steps') or 0)} verify steps"
 
 
-def _occupancy(stats: Mapping[str, Any]) -> str:
+def _occupancy(stats: Stats) -> str:
     occ = stats.get("batch_occupancy")
     if isinstance(occ, str):
         return html.escape(occ)
@@ -391,7 +401,7 @@ def _occupancy(stats: Mapping[str, Any]) -> str:
 MEDIA_ICONS = {"image": "🖼", "video": "🎞", "audio": "🔊"}
 
 
-def media_line(item: Mapping[str, Any]) -> str:
+def media_line(item: Stats) -> str:
     """One media item of a reply (an entry of the request layer's stats["media"]) as plain text,
     e.g. "🖼 scene.png: 280 soft tokens · encoded in 0.84 s" or "… · cached, not re-encoded";
     an encode that first compiled the tower for this shape says so (its time includes it). An
@@ -411,14 +421,14 @@ def media_line(item: Mapping[str, Any]) -> str:
     return f"{MEDIA_ICONS.get(kind, '📎')} {name}{length}: {tokens} soft tokens · {how}{notes}"
 
 
-def media_html(media: Sequence[Mapping[str, Any]]) -> str:
+def media_html(media: Sequence[Stats]) -> str:
     """The panel's Media cell: one line per image, video or audio clip of the prompt (`media_line`)."""
     return "".join(f'<div class="media-row">{html.escape(media_line(m))}</div>' for m in media)
 
 
 def reply_panel_html(
-    stats: Mapping[str, Any] | None,
-    flags: Mapping[str, Any] | None,
+    stats: Stats | None,
+    flags: Stats | None,
     *,
     done: bool,
     finish_reason: str | None = None,

@@ -18,7 +18,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:  # the types only: this module imports no gradio and no engine
+    from gradio.components.chatbot import MessageDict, MetadataDict, NormalizedMessageDict
+
+    from gemma4.serve.conversation import ToolCall
+
+# A message of the Chatbot's history: as the app writes it (`MessageDict`: content a string or
+# a list of a string and file parts), or as Gradio hands it back to an event
+# (`NormalizedMessageDict`: content a list of {"type": "text"|"file", ...} parts).
+ChatMessage = Union["MessageDict", "NormalizedMessageDict"]
 
 THOUGHT_ID = "thought"
 TOOLS_ID = "tool-calls"
@@ -34,14 +44,14 @@ _CUT_IN_THOUGHT = {
 }
 
 
-def message_id(message: Mapping[str, Any]) -> str | None:
+def message_id(message: ChatMessage) -> str | None:
     """The metadata id of an app message ("thought", "tool-calls", "stats"), else None."""
     meta = message.get("metadata") or {}
     mid = meta.get("id")
     return str(mid) if mid is not None else None
 
 
-def is_thought(message: Mapping[str, Any]) -> bool:
+def is_thought(message: ChatMessage) -> bool:
     return message.get("role") == "assistant" and message_id(message) == THOUGHT_ID
 
 
@@ -59,7 +69,7 @@ def thought_message(
     thought_s: float | None = None,
     tokens: int | None = None,
     cut_reason: str | None = None,
-) -> dict[str, Any] | None:
+) -> MessageDict | None:
     """The collapsible thought message, or None when there is no thought text.
 
     Args:
@@ -74,7 +84,7 @@ def thought_message(
     if not text:  # an empty thought block (26B/31B with thinking off) is not shown
         return None
     cut = _CUT_IN_THOUGHT.get(cut_reason or "", cut_reason) if cut_reason else None
-    meta: dict[str, Any] = {"id": THOUGHT_ID, "title": thought_title(pending=pending, cut=cut),
+    meta: MetadataDict = {"id": THOUGHT_ID, "title": thought_title(pending=pending, cut=cut),
                             "status": "pending" if pending else "done"}
     if thought_s is not None and thought_s >= 0:
         meta["duration"] = round(float(thought_s), 1)
@@ -83,12 +93,12 @@ def thought_message(
     return {"role": "assistant", "content": text, "metadata": meta}
 
 
-def _field(call: Any, name: str) -> Any:
+def _field(call: ToolCall | Mapping[str, object], name: str) -> object:
     """A ToolCall attribute, or the key of a dict-shaped call."""
     return call.get(name) if isinstance(call, Mapping) else getattr(call, name, None)
 
 
-def _arguments_json(arguments: Any) -> str:
+def _arguments_json(arguments: object) -> str:
     """Arguments as indented JSON (a JSON string is parsed first; other text is kept as is)."""
     if isinstance(arguments, str):
         try:
@@ -98,7 +108,7 @@ def _arguments_json(arguments: Any) -> str:
     return json.dumps(arguments, indent=2, ensure_ascii=False)
 
 
-def tool_calls_message(calls: Sequence[Any]) -> dict[str, Any] | None:
+def tool_calls_message(calls: Sequence[ToolCall | Mapping[str, object]]) -> MessageDict | None:
     """The model's parsed tool calls as one formatted block, or None when there are none.
 
     The chat declares no tools, so a call is shown, never run.
@@ -114,8 +124,7 @@ def tool_calls_message(calls: Sequence[Any]) -> dict[str, Any] | None:
     return {"role": "assistant", "content": body, "metadata": {"id": TOOLS_ID, "title": title}}
 
 
-def close_pending_thought(history: Sequence[Mapping[str, Any]], finish_reason: str
-                          ) -> list[dict[str, Any]]:
+def close_pending_thought(history: Sequence[ChatMessage], finish_reason: str) -> list[ChatMessage]:
     """History whose trailing reply's still-pending thought is marked done (after Stop)."""
     items = [dict(m) for m in history or []]
     for i in range(len(items) - 1, -1, -1):
