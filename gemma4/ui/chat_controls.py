@@ -10,7 +10,6 @@ import html
 import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pandas as pd
 from gradio.media import get_audio
@@ -118,5 +117,5 @@ def guess_is_base(model: str) -> bool:
     return not (m.endswith("-it") or "-it-" in m or "instruct" in m)
 
 
-def plot_frame(replies: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+def plot_frame(replies: Sequence[Mapping[str, object]]) -> pd.DataFrame:
     return pd.DataFrame(session_rows_for_plot(replies))

@@ -5,25 +5,24 @@ engine's `info()`, `memory()` and `compile_state()` dicts."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from gemma4.env import DEFAULT, Settings
 from gemma4.plan import tuning_report
 from gemma4.ui.numbers import as_number, fmt_bytes
 
 
-def _is_choice(d: Mapping[str, Any]) -> bool:
+def _is_choice(d: Mapping[str, object]) -> bool:
     return "reason" in d and any(k in d for k in ("value", "choice", "chosen", "selected"))
 
 
-def _choice_value(d: Mapping[str, Any]) -> Any:
+def _choice_value(d: Mapping[str, object]) -> object:
     for k in ("value", "choice", "chosen", "selected"):
         if k in d:
             return d[k]
     return None
 
 
-def _md_value(key: str, val: Any) -> str:
+def _md_value(key: str, val: object) -> str:
     if "bytes" in key.lower() and as_number(val) is not None:
         return fmt_bytes(val)
     if isinstance(val, float):
@@ -33,7 +32,7 @@ def _md_value(key: str, val: Any) -> str:
     return f"`{val}`"
 
 
-def _md_lines(obj: Any, depth: int = 0) -> list[str]:
+def _md_lines(obj: object, depth: int = 0) -> list[str]:
     pad = "  " * depth
     lines: list[str] = []
     if isinstance(obj, Mapping):
@@ -75,7 +74,7 @@ def _md_lines(obj: Any, depth: int = 0) -> list[str]:
     return lines
 
 
-def _int8_matmul_lines(report: Mapping[str, Any]) -> list[str]:
+def _int8_matmul_lines(report: Mapping[str, object]) -> list[str]:
     """The native kernel's status and the measured path table (not the raw nested dict)."""
     kernel = report.get("kernel") or {}
     test = report.get("kernel_self_test") or {}
@@ -86,7 +85,7 @@ def _int8_matmul_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def hardware_markdown(hardware: Mapping[str, Any] | None) -> str:
+def hardware_markdown(hardware: Mapping[str, object] | None) -> str:
     """The hardware report (facts, then each choice with its reason, then refusals)."""
     if not hardware:
         return "_The hardware report appears once the model has loaded._"
@@ -130,7 +129,7 @@ def settings_markdown(settings: Settings) -> str:
     return "\n".join(out)
 
 
-def memory_markdown(memory: Mapping[str, Any] | None) -> str:
+def memory_markdown(memory: Mapping[str, object] | None) -> str:
     """Device memory in use (from the engine's `info()["memory"]`)."""
     if not memory:
         return "_Device memory: not reported._"
@@ -147,7 +146,7 @@ def memory_markdown(memory: Mapping[str, Any] | None) -> str:
     return head + "\n".join(_md_lines(memory))
 
 
-def compile_markdown(state: Mapping[str, Any] | None) -> str:
+def compile_markdown(state: Mapping[str, object] | None) -> str:
     """One line on the XLA compiles (the engine's `compile_state()`): still running in the
     background, or all done."""
     if not state:
@@ -167,7 +166,7 @@ def compile_markdown(state: Mapping[str, Any] | None) -> str:
     return line + "\n\n"
 
 
-def _phases(before: Mapping[str, Any], after: Mapping[str, Any], shown: int = 6) -> str:
+def _phases(before: Mapping[str, object], after: Mapping[str, object], shown: int = 6) -> str:
     """What compiled before the engine said ready (a start's wait) and after it (while serving),
     the first `shown` of the latter by name."""
     def shapes(n: int) -> str:

@@ -8,7 +8,7 @@ each device really holds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gemma4.model.config import preset
 from gemma4.plan import preflight, preflight_devices
@@ -25,7 +25,7 @@ def _g(n: float | None) -> str:
     return f"{n / _GiB:.2f} GiB" if n >= _GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
-def format_text(report: Mapping[str, Any]) -> str:
+def format_text(report: Mapping[str, object]) -> str:
     """The probe command's pre-flight section."""
     fp = report["footprint"]
     lines = [f"memory pre-flight (mesh {report['request']}): {'FITS' if report['fits'] else 'DOES NOT FIT'}",
@@ -43,7 +43,7 @@ def format_text(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: Mapping[str, Any] | None, actual: list[Mapping[str, Any]] | None = None) -> str:
+def markdown(report: Mapping[str, object] | None, actual: list[Mapping[str, object]] | None = None) -> str:
     """The Hardware panel's pre-flight block: verdict, arithmetic, the mesh table, and (when the
     engine reports it) the bytes each device really holds."""
     if not report:
@@ -93,7 +93,7 @@ def engine_report(engine: Engine) -> dict | None:
     return report
 
 
-def panel_markdown(engine: Engine, info: Mapping[str, Any] | None = None) -> str:
+def panel_markdown(engine: Engine, info: Mapping[str, object] | None = None) -> str:
     """What DemoApp.hardware_panel adds: the pre-flight block for this engine."""
     actual = ((info or {}).get("sharding") or {}).get("per_device")
     return markdown(engine_report(engine), actual)
@@ -106,7 +106,7 @@ SIZE_TABLE_CONTEXT, SIZE_TABLE_BATCH = 4096, 8  # the app's defaults (GEMMA4_CON
 SIZE_TABLE_MAX_DEVICES = 8
 
 
-def size_cell(cfg, plan: Mapping[str, Any], device: str, context: int, batch: int) -> str:
+def size_cell(cfg, plan: Mapping[str, object], device: str, context: int, batch: int) -> str:
     """The smallest mesh of up to 8 such devices that fits, and what each device then needs."""
     devices = preflight_devices.simulated_devices(f"{SIZE_TABLE_MAX_DEVICES}x{device}")
     fp = preflight.smallest_fitting(cfg, plan, devices, context, batch, SIZE_TABLE_MAX_DEVICES)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from gemma4.ui.numbers import as_number, fmt_bytes, fmt_int, fmt_num
 
@@ -20,7 +19,7 @@ from gemma4.ui.numbers import as_number, fmt_bytes, fmt_int, fmt_num
 # --------------------------------------------------------------------------- status and loading
 
 
-def loading_text(status: Mapping[str, Any]) -> str:
+def loading_text(status: Mapping[str, object]) -> str:
     """Short line for a reply that waits for the model: "loading model… 40%"."""
     state = status.get("state", "loading")
     pct = as_number(status.get("progress"))
@@ -30,7 +29,7 @@ def loading_text(status: Mapping[str, Any]) -> str:
     return f"loading model…{pct_txt}"
 
 
-def status_html(status: Mapping[str, Any]) -> str:
+def status_html(status: Mapping[str, object]) -> str:
     """One-line engine status banner with a progress bar while loading/warming."""
     state = status.get("state", "loading")
     message = html.escape(str(status.get("message") or ""))
@@ -64,7 +63,7 @@ def status_html(status: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- model indicator
 
 
-def model_banner_html(info: Mapping[str, Any] | None, fallback_name: str = "") -> str:
+def model_banner_html(info: Mapping[str, object] | None, fallback_name: str = "") -> str:
     """Which model, from where, base or instruction-tuned; loud when the weights are random."""
     if not info:
         name = html.escape(fallback_name or "model")
@@ -128,7 +127,7 @@ def context_meter_html(used: int | None, limit: int | None, note: str = "") -> s
     )
 
 
-def queue_html(queue: Mapping[str, Any] | None) -> str:
+def queue_html(queue: Mapping[str, object] | None) -> str:
     """Engine load: active decode slots, waiting requests."""
     if not queue:
         return '<div id="queue-state" style="color:#757575">Engine queue: —</div>'
@@ -158,9 +157,9 @@ def queue_html(queue: Mapping[str, Any] | None) -> str:
     )
 
 
-def session_rows_for_plot(replies: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+def session_rows_for_plot(replies: Sequence[Mapping[str, object]]) -> dict[str, list[float]]:
     """Columns (reply number, decode tok/s, TTFT s, tokens) for the session chart."""
-    cols: dict[str, list[Any]] = {"reply": [], "decode_tok_s": [], "ttft_s": [], "new_tokens": []}
+    cols: dict[str, list[float]] = {"reply": [], "decode_tok_s": [], "ttft_s": [], "new_tokens": []}
     for i, r in enumerate(replies, start=1):
         cols["reply"].append(i)
         cols["decode_tok_s"].append(as_number(r.get("decode_tok_s")) or 0.0)
@@ -169,7 +168,7 @@ def session_rows_for_plot(replies: Sequence[Mapping[str, Any]]) -> dict[str, lis
     return cols
 
 
-def session_summary_md(replies: Sequence[Mapping[str, Any]]) -> str:
+def session_summary_md(replies: Sequence[Mapping[str, object]]) -> str:
     """One line over the session: replies, tokens, mean decode speed and TTFT, flagged ones."""
     if not replies:
         return "_No replies yet in this session._"
