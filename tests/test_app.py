@@ -975,3 +975,21 @@ def test_the_chat_default_mode_is_the_request_layers():
 
     for base in (True, False):
         assert ChatHandlers(LoadedEngine(base), Settings()).default_mode() == prompts.default_mode(base)
+
+
+def test_gradio_reads_every_handler_annotation():
+    """Gradio resolves a handler's annotations at run time (typing.get_type_hints) to inject its
+    special arguments; one name it cannot resolve (imported only under TYPE_CHECKING) makes it
+    inject none: `edit` would get no EditData. No handler argument is a component class either
+    (Gradio would hand it that component's props)."""
+    import inspect
+    import typing
+
+    from gradio.components.base import Component
+    from gradio.helpers import special_args
+
+    for name, fn in inspect.getmembers(DemoApp, inspect.isfunction):
+        hints = typing.get_type_hints(fn)  # raises NameError for a name Gradio could not resolve
+        assert not any(inspect.isclass(h) and issubclass(h, Component) for h in hints.values()), name
+    handler = DemoApp.__new__(DemoApp)
+    assert special_args(handler.edit)[2] == 1  # edit_data: the EditData's index among the inputs

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import gradio as gr
 
@@ -15,7 +14,7 @@ from gemma4.media.files import MediaError, media_from_data_uri
 from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve.prompts import count_markers, parts_in_marker_order
 from gemma4.ui import mesh_panel
-from gemma4.ui.handlers import ChatHandlers, throttled
+from gemma4.ui.handlers import ChatHandlers, Update, throttled
 from gemma4.ui.hardware_panel import compile_markdown, hardware_markdown, memory_markdown, settings_markdown
 from gemma4.ui.panels import context_meter_html, loading_text, model_banner_html, queue_html, status_html
 from gemma4.ui.reply import flags_summary
@@ -40,7 +39,7 @@ class DemoApp(ChatHandlers):
         info = self.info() if state == "ready" else None
         queue = self.engine.queue_state() if state == "ready" else None
         banner = model_banner_html(info, self.settings.model) if changed else gr.skip()
-        controls: list[Any] = [gr.skip()] * 13
+        controls: list[Update | str] = [gr.skip()] * 13
         if info and not seen.get("defaults_applied"):  # once per page: the model's defaults
             seen["defaults_applied"] = True
             d = self.default_sampling()

@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol, Union
 
 import gradio as gr
+from gradio.components.chatbot import MessageDict, NormalizedMessageDict
+from gradio.components.multimodal_textbox import MultimodalValue
 
 from gemma4.media.files import MediaError, describe, media_from_path
 from gemma4.model.sampling_params import K_MAX, TEMPERATURE_MAX, SamplingParams
+from gemma4.env import Settings as EnvSettings
 from gemma4.serve import conversation, prompts
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.load import LoadedModel
@@ -58,7 +61,41 @@ log = logging.getLogger("gemma4.app")
 
 STREAM_INTERVAL_S = 0.08  # at most ~12 UI updates a second: long replies must not flood the browser
 LOADING_POLL_S = 0.5
-def throttled(events: Iterable[Any]) -> Iterator[Any]:
+
+# The types the event handlers take and return are imported at run time, not under TYPE_CHECKING:
+# Gradio reads a handler's annotations (typing.get_type_hints) to inject its special arguments
+# (`edit_data: gr.EditData`), and one name it cannot resolve there makes it inject none into that
+# handler. (Never a component class on a handler's argument: Gradio would pass its props instead.)
+# A Chatbot message as the app writes it, or as Gradio hands it back (`gemma4.ui.thinking.ChatMessage`).
+HistoryMessage = Union[MessageDict, NormalizedMessageDict]
+# A `gr.update(...)` / `gr.skip()`: the props to change on an output component.
+Update = dict[str, object]
+# The `gr.State` of one browser session: {"replies": [one dict per reply: its numbers, stats, flags]}.
+Session = dict[str, list[dict[str, object]]]
+
+
+class DemoSettings(Protocol):
+    """What the UI reads of the app's settings (`gemma4.web.settings.Settings`, which the UI may
+    not import: ui and web are one layer). `access` (its per-client limits) is read with getattr:
+    a settings object without it keeps the context window's defaults."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def max_users(self) -> int: ...
+
+    @property
+    def max_new_tokens_cap(self) -> int: ...
+
+    @property
+    def queue_size(self) -> int: ...
+
+    @property
+    def env(self) -> EnvSettings: ...
+
+
+def throttled(events: Iterable[conversation.ReplyEvent]) -> Iterator[conversation.ReplyEvent]:
     """The reply events worth showing: the final one always, the others at most one per
     STREAM_INTERVAL_S (the rest are skipped; each event carries the whole text so far)."""
     last_shown = 0.0
@@ -76,7 +113,7 @@ class ChatHandlers:
     `settings` is `gemma4.web.settings.Settings` (read here: `model`, `max_new_tokens_cap`).
     """
 
-    def __init__(self, engine: Engine, settings: Any):
+    def __init__(self, engine: Engine, settings: DemoSettings):
         self.engine = engine
         self.settings = settings
         self.RequestError = RequestError
@@ -94,7 +131,7 @@ class ChatHandlers:
         return conversation.InputCaps(max_messages=getattr(limits, "max_messages", None),
                                       max_input_tokens=getattr(limits, "max_input_tokens", None))
 
-    def info(self) -> dict[str, Any] | None:
+    def info(self) -> dict[str, object] | None:
         """engine.info() once the model is ready, else None (for display)."""
         if self.engine.status().get("state") != "ready":
             return None
@@ -108,7 +145,7 @@ class ChatHandlers:
         model = self.loaded()
         return bool(model.source.is_base_model) if model else guess_is_base(self.settings.model)
 
-    def default_sampling(self) -> dict[str, Any]:
+    def default_sampling(self) -> dict[str, object]:
         d = dataclasses.asdict(self.SamplingParams())
         model = self.loaded()
         if model:
@@ -149,7 +186,7 @@ class ChatHandlers:
         """Both towers' answers in one: what the message box takes and why not the rest."""
         return MediaSupport(*self.media_support(), *self.audio_support())
 
-    def media_updates(self) -> tuple[dict[str, Any], str, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def media_updates(self) -> tuple[Update, str, Update, Update, Update]:
         """(the message box, the line under it, the picture example, the Image detail control,
         the transcription example): uploads, paste and drag on with either tower and the
         microphone with an audio tower; without them no upload source at all, the line says
@@ -161,13 +198,13 @@ class ChatHandlers:
                 gr.update(visible=media.vision),
                 gr.update(visible=media.audio_example() is not None))
 
-    def box_update(self) -> dict[str, Any]:
+    def box_update(self) -> Update:
         """The message box's sources, file types and placeholder for the loaded model (its value
         untouched): after an example's click, which puts back the props of build time."""
         return self.media_updates()[0]
 
     @staticmethod
-    def image_tokens(value: Any) -> int | None:
+    def image_tokens(value: object) -> int | None:
         """The Image detail setting as a soft-token budget (None: the request layer's default);
         ValueError naming the field and the choices for anything else."""
         if value is None or value == "":
@@ -178,7 +215,7 @@ class ChatHandlers:
             raise ValueError(f"image_tokens must be one of {choices}, not {value!r}")
         return int(number)
 
-    def think_update(self) -> dict[str, Any]:
+    def think_update(self) -> Update:
         """The Think switch: enabled for Gemma 4, disabled with the reason otherwise."""
         ok, reason = self.thinking_support()
         if ok:
@@ -210,7 +247,7 @@ class ChatHandlers:
         p, more = p.validated(self.settings.max_new_tokens_cap, temperature_max=self.temperature_max)
         return p, warnings + list(more), warnings
 
-    def wait_ready(self) -> Iterator[dict[str, Any]]:
+    def wait_ready(self) -> Iterator[Mapping[str, object]]:
         """Yield the engine status while it loads/warms; returns when ready or failed."""
         status = self.engine.status()
         while status.get("state") not in ("ready", "error"):
@@ -220,7 +257,8 @@ class ChatHandlers:
 
     # ------------------------------------------------------------------ chat steps
 
-    def add_user_message(self, message: dict | str, history: list[dict]):
+    def add_user_message(self, message: MultimodalValue | str, history: list[HistoryMessage] | None
+                         ) -> tuple[Update, list[HistoryMessage]]:
         """User step (no queue): append the message (its files, then its text), clear and lock
         the message box. A message that cannot be sent (empty, a file that is not an image or
         video or audio, images for a model without a vision tower, audio for one without an
@@ -350,7 +388,7 @@ class ChatHandlers:
             if gen is not None:
                 gen.close()
 
-    def _thinking(self, think: Any, mode: str) -> tuple[bool, str | None]:
+    def _thinking(self, think: object, mode: str) -> tuple[bool, str | None]:
         """(think for this reply, a note when the switch was on but thinking cannot happen)."""
         if not think:
             return False, None
@@ -390,7 +428,8 @@ class ChatHandlers:
             return context_meter_html(None, limit, f"(could not count: {e})")
         return context_meter_html(used, limit, "this conversation incl. system prompt")
 
-    def finalize_stopped(self, history, session):
+    def finalize_stopped(self, history: list[HistoryMessage] | None, session: Session | None
+                         ) -> tuple[list[HistoryMessage], Update | str, Session]:
         """After Stop: mark the interrupted reply (its stats line, and its thought if it was
         still thinking) as stopped; its stream was closed mid-way."""
         history = [dict(m) for m in history or []]
@@ -408,17 +447,17 @@ class ChatHandlers:
                 panel = reply_panel_html(stats, flags, done=True, finish_reason="cancelled")
         return history, panel, {"replies": replies}
 
-    def retry(self, history):
+    def retry(self, history: list[HistoryMessage] | None) -> list[HistoryMessage]:
         """Retry (offered on the last reply): drop the whole reply (thought, answer, tool calls,
         stats), keep the user turn, answer again."""
         return strip_trailing_assistant(history)
 
-    def undo(self, history):
+    def undo(self, history: list[HistoryMessage] | None) -> tuple[list[HistoryMessage], MultimodalValue]:
         """Undo: drop the last user turn and its reply; its text and files go back into the box."""
         history, text, files = pop_last_user_input(history)
         return history, textbox_value(text, files)
 
-    def edit(self, history, edit_data: gr.EditData):
+    def edit(self, history: list[HistoryMessage] | None, edit_data: gr.EditData) -> list[HistoryMessage]:
         """Edit a user message's text: the chat is cut there and the message keeps its files."""
         history = list(history or [])
         index = message_index(edit_data.index)

@@ -9,9 +9,6 @@ import, and the engine's weights and compiled shapes load meanwhile.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import gradio as gr
 
 from gemma4.serve.engine.engine import Engine
@@ -26,10 +23,12 @@ from gemma4.ui.chat_controls import (
     SEED_RANDOM,
     THINK_INFO,
     TOP_P_RANGE,
+    MediaSupport,
     example_audio,
     plot_frame,
 )
 from gemma4.ui.demo import DemoApp
+from gemma4.ui.handlers import DemoSettings
 from gemma4.ui.panels import context_meter_html, model_banner_html, queue_html, session_summary_md, status_html
 from gemma4.ui.reply import empty_reply_panel_html
 
@@ -61,44 +60,44 @@ CSS = """
 # --------------------------------------------------------------------------- the page
 
 
-@dataclasses.dataclass
 class Page:
-    """The components the events and timers are wired to (`_chat_column`, `_side_column`)."""
+    """The components the events and timers are wired to, each set once by the part of the page
+    that builds it (`_chat_column`, `_side_column`, `build_demo`) before any is wired."""
 
-    banner: Any = None
-    status_box: Any = None
-    chatbot: Any = None
-    msg: Any = None
-    send_btn: Any = None
-    stop_btn: Any = None
-    clear_btn: Any = None
-    media_note: Any = None
-    context_meter: Any = None
-    queue_box: Any = None
-    mode: Any = None
-    text_examples: Any = None
-    image_example: Any = None
-    audio_example: Any = None
-    reply_panel: Any = None
-    think: Any = None
-    system: Any = None
-    image_tokens: Any = None
-    temperature: Any = None
-    top_p: Any = None
-    top_k: Any = None
-    max_new: Any = None
-    rep_pen: Any = None
-    seed: Any = None
-    summary: Any = None
-    plot_tps: Any = None
-    plot_ttft: Any = None
-    hw_md: Any = None
-    mem_md: Any = None
-    session: Any = None
-    seen: Any = None
+    banner: gr.HTML
+    status_box: gr.HTML
+    chatbot: gr.Chatbot
+    msg: gr.MultimodalTextbox
+    send_btn: gr.Button
+    stop_btn: gr.Button
+    clear_btn: gr.Button
+    media_note: gr.Markdown
+    context_meter: gr.HTML
+    queue_box: gr.HTML
+    mode: gr.Radio
+    text_examples: gr.Examples
+    image_example: gr.Examples
+    audio_example: gr.Examples
+    reply_panel: gr.HTML
+    think: gr.Checkbox
+    system: gr.Textbox
+    image_tokens: gr.Radio
+    temperature: gr.Slider
+    top_p: gr.Slider
+    top_k: gr.Slider
+    max_new: gr.Slider
+    rep_pen: gr.Slider
+    seed: gr.Number
+    summary: gr.Markdown
+    plot_tps: gr.LinePlot
+    plot_ttft: gr.LinePlot
+    hw_md: gr.Markdown
+    mem_md: gr.Markdown
+    session: gr.State
+    seen: gr.State
 
 
-def build_demo(engine: Engine, settings: Any) -> gr.Blocks:
+def build_demo(engine: Engine, settings: DemoSettings) -> gr.Blocks:
     """The Blocks UI around `engine`, queued with the settings' concurrency; not launched.
     `settings` is the app's `gemma4.web.settings.Settings` (read: model, max_users,
     max_new_tokens_cap, queue_size, access). Built in three parts: the layout (`_chat_column`,
@@ -129,7 +128,7 @@ def build_demo(engine: Engine, settings: Any) -> gr.Blocks:
     return demo
 
 
-def _chat_column(app: DemoApp, page: Page, media: Any, clip: str | None) -> None:
+def _chat_column(app: DemoApp, page: Page, media: MediaSupport, clip: str | None) -> None:
     """The conversation, the message box and its buttons, the meters, the mode and the examples."""
     page.chatbot = gr.Chatbot(
         label="Chat", height=520, editable="user", elem_id="chatbot",
@@ -179,7 +178,7 @@ def _chat_column(app: DemoApp, page: Page, media: Any, clip: str | None) -> None
         label="Example with speech (a clip that ships with Gradio)")
 
 
-def _side_column(app: DemoApp, page: Page, media: Any, settings: Any) -> None:
+def _side_column(app: DemoApp, page: Page, media: MediaSupport, settings: DemoSettings) -> None:
     """This reply's panel, then the Settings, Session and Hardware tabs."""
     d = app.default_sampling()
     gr.Markdown("### This reply")
