@@ -24,8 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -57,7 +56,7 @@ class _Pump:
     the generator after the event it is waiting for (a reply's next token: one decode step).
     """
 
-    def __init__(self, make_events: Callable[[], Iterator[Any]], *, stop: threading.Event | None = None,
+    def __init__(self, make_events: Callable[[], Iterator[conversation.ReplyEvent]], *, stop: threading.Event | None = None,
                  meter: ReplyMeter | None = None):
         self._make = make_events
         self._loop = asyncio.get_running_loop()
@@ -122,7 +121,7 @@ class _SSE(StreamingResponse):
             self._on_close()
 
 
-def _sse(obj: Any) -> str:
+def _sse(obj: Mapping[str, object]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -147,7 +146,7 @@ def usage(stats: dict) -> dict:
     return out
 
 
-def extras(ev: Any, notes: list[str]) -> dict:
+def extras(ev: conversation.ReplyEvent, notes: list[str]) -> dict:
     """Our per-reply measurements, riding along in the "gemma4" field."""
     stats = {k: v for k, v in dict(ev.stats or {}).items() if k != "notes"}
     all_notes = list(notes)
@@ -157,7 +156,7 @@ def extras(ev: Any, notes: list[str]) -> dict:
     return {"stats": stats, "flags": dict(ev.flags or {}), "notes": all_notes}
 
 
-def finish_reason(ev: Any) -> str:
+def finish_reason(ev: conversation.ReplyEvent) -> str:
     if ev.tool_calls:
         return "tool_calls"
     return FINISH.get(ev.finish_reason or "stop", "stop")
@@ -555,7 +554,7 @@ class _ChatShape:
     def empty_delta(self) -> dict:
         return {}
 
-    def deltas(self, ev: Any, sent_calls: int) -> list[dict]:
+    def deltas(self, ev: conversation.ReplyEvent, sent_calls: int) -> list[dict]:
         out = []
         if ev.thought_delta:
             out.append({"reasoning_content": ev.thought_delta})
@@ -567,11 +566,11 @@ class _ChatShape:
                                        enumerate(calls) if i >= sent_calls]})
         return out
 
-    def usage_chunk(self, ev: Any) -> dict:
+    def usage_chunk(self, ev: conversation.ReplyEvent) -> dict:
         return {**self._head("chat.completion.chunk"), "choices": [],
                 "usage": usage(ev.stats or {})}
 
-    def whole(self, ev: Any, notes: list[str]) -> dict:
+    def whole(self, ev: conversation.ReplyEvent, notes: list[str]) -> dict:
         calls = [c.to_openai() for c in ev.tool_calls or ()]
         message = {"role": "assistant", "content": ev.answer if (ev.answer or not calls) else None,
                    "reasoning_content": ev.thought or None}
@@ -602,13 +601,13 @@ class _CompletionShape:
     def empty_delta(self) -> str:
         return ""
 
-    def deltas(self, ev: Any, sent_calls: int) -> list[str]:
+    def deltas(self, ev: conversation.ReplyEvent, sent_calls: int) -> list[str]:
         return [ev.answer_delta] if ev.answer_delta else []
 
-    def usage_chunk(self, ev: Any) -> dict:
+    def usage_chunk(self, ev: conversation.ReplyEvent) -> dict:
         return {**self._head(), "choices": [], "usage": usage(ev.stats or {})}
 
-    def whole(self, ev: Any, notes: list[str]) -> dict:
+    def whole(self, ev: conversation.ReplyEvent, notes: list[str]) -> dict:
         return {**self._head(), "choices": [{"index": 0, "text": ev.answer, "logprobs": None,
                                              "finish_reason": finish_reason(ev)}],
                 "usage": usage(ev.stats or {}), "gemma4": extras(ev, notes)}

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -72,7 +72,7 @@ class ToolCallIn(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, object]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -84,7 +84,7 @@ class Message(_Strict):
 class FunctionDef(_Strict):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, object] | None = None
     strict: bool | None = None
 
 
@@ -125,12 +125,12 @@ class ChatRequest(_Common):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, object] | None = None
     reasoning_effort: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: {"max_soft_tokens": 70|140|280|560|1120}
+    chat_template_kwargs: dict[str, object] | None = None
+    mm_processor_kwargs: dict[str, object] | None = None  # vLLM's: {"max_soft_tokens": 70|140|280|560|1120}
 
 
 class CompletionRequest(_Common):
@@ -142,7 +142,7 @@ class CompletionRequest(_Common):
 
 
 # Declared fields that are only accepted with their neutral value: (field, accepted, why not).
-REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+REFUSED: tuple[tuple[str, Callable[[object], bool], str], ...] = (
     ("n", lambda v: v in (None, 1), ("n > 1 is not supported: one choice per request (send "
                                      "several requests; they are batched together)")),
     ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported"),
@@ -163,7 +163,7 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 
 
 # Declared fields that change nothing here: (field, what the reply's notes say when it is set).
-NOTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+NOTED: tuple[tuple[str, Callable[[object], bool], str], ...] = (
     ("store", bool, "store: this server keeps no completions"),
     ("metadata", bool, "metadata accepted; this server does not keep it"),
     ("service_tier", lambda v: v is not None, "service_tier accepted; this server has one tier"),
@@ -217,13 +217,13 @@ def parse(model_cls: type[_Strict], body: bytes) -> _Strict:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|function-\S+)$|\[", re.IGNORECASE)
 
 
-def _field_path(loc: Sequence[Any]) -> str:
+def _field_path(loc: Sequence[int | str]) -> str:
     """The request's own field path ("messages.0.content") of a validation error, without the
     names pydantic gives the members of a union ("str", "list[dict[str,any]]")."""
     return ".".join(str(p) for p in loc if isinstance(p, int) or not _UNION_TAG.search(str(p)))
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -346,7 +346,7 @@ def messages(req: ChatRequest) -> list[dict]:
             out.append({"role": m.role, "content": media_parts(m.content, f"messages.{i}.content", budget)})
             continue
         text = _text(m.content, f"messages.{i}.content")
-        msg: dict[str, Any] = {"role": m.role, "content": text}
+        msg: dict[str, object] = {"role": m.role, "content": text}
         if m.tool_calls:
             if m.role != "assistant":
                 raise ApiError(400, f"messages.{i}: only assistant messages carry tool_calls.",
@@ -387,7 +387,7 @@ def max_soft_tokens(req: ChatRequest) -> int | None:
     return value
 
 
-def _has_media_parts(content: Any) -> bool:
+def _has_media_parts(content: str | list[dict[str, object]] | None) -> bool:
     return isinstance(content, list) and any(isinstance(p, dict) and isinstance(p.get("type"), str)
                                              and p["type"] in (*MEDIA_PARTS, INPUT_AUDIO) for p in content)
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from gemma4.serve.conversation import ReplyEvent
 from gemma4.serve.engine.engine import Engine
 
 # Bucket bounds (seconds). TTFT: a short prompt on a 2-core CPU is ~0.1-0.3 s, a 3,500-token one
@@ -92,7 +92,7 @@ class ReplyMeter:
         self.finish: str | None = None
         self._last_t: float | None = None
 
-    def event(self, ev: Any) -> None:
+    def event(self, ev: ReplyEvent) -> None:
         stats = getattr(ev, "stats", None) or {}
         now = time.perf_counter()
         with self._lock:
