@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Mapping, Sequence, Union
 
 QUOTE_TOKEN = '<|"|>'
 
@@ -44,6 +44,8 @@ class _Quote:
 
 QUOTE = _Quote()
 Segment = "str | _Quote"
+# A value of a parsed call's arguments: what json.loads gives (the template's syntax has the same).
+JsonValue = Union[str, int, float, bool, None, list["JsonValue"], dict[str, "JsonValue"]]
 
 # Keys the template treats as schema keywords when it lists an object's own keys as properties.
 _SCHEMA_KEYS = ("description", "type", "properties", "required", "nullable")
@@ -54,7 +56,7 @@ class ToolCallError(ValueError):
 
 
 # ------------------------------------------------------------------------------ tool specs
-def function_spec(tool: Any, index: int = 0) -> dict:
+def function_spec(tool: object, index: int = 0) -> dict:
     """The function dict of an OpenAI-style tool ({"type": "function", "function": {...}}; a bare
     {"name", ...} function dict is accepted too). Raises ValueError naming what is wrong."""
     if not isinstance(tool, Mapping):
@@ -80,13 +82,13 @@ def function_spec(tool: Any, index: int = 0) -> dict:
     return dict(fn)
 
 
-def _sorted_items(mapping: Mapping) -> list[tuple[str, Any]]:
+def _sorted_items(mapping: Mapping) -> list[tuple[str, object]]:
     # jinja's dictsort: by key, case-insensitive.
     return sorted(((str(k), v) for k, v in mapping.items()), key=lambda kv: kv[0].lower())
 
 
 # ------------------------------------------------------------------------------ rendering
-def argument_segments(value: Any, escape_keys: bool = False) -> list:
+def argument_segments(value: object, escape_keys: bool = False) -> list:
     """Segments of one value in the template's `format_argument` syntax."""
     if isinstance(value, str):
         return [QUOTE, value, QUOTE]
@@ -112,13 +114,13 @@ def argument_segments(value: Any, escape_keys: bool = False) -> list:
     raise ValueError(f"a tool argument of type {type(value).__name__} cannot be rendered; use JSON values")
 
 
-def _upper_type(t: Any) -> list:
+def _upper_type(t: object) -> list:
     if isinstance(t, (list, tuple)):
         return argument_segments([str(x).upper() for x in t], True)
     return [QUOTE, str(t or "").upper(), QUOTE]
 
 
-def _string_list(items: Iterable[Any]) -> list:
+def _string_list(items: object) -> list:
     if not isinstance(items, (list, tuple)):  # a schema's "required": names, as a list
         raise ValueError(f"'required' must be a list of parameter names, not {type(items).__name__}")
     out: list = []
@@ -183,7 +185,7 @@ def parameters_segments(properties: Mapping, skip_schema_keys: bool = False) -> 
     return out
 
 
-def declaration_segments(tool: Any, index: int = 0) -> list:
+def declaration_segments(tool: object, index: int = 0) -> list:
     """`declaration:NAME{description:…,parameters:{…}}` (without the <|tool>/<tool|> ids)."""
     fn = function_spec(tool, index)
     out: list = [f"declaration:{fn['name']}{{description:", QUOTE, (fn.get("description") or "").strip(), QUOTE]
@@ -207,7 +209,7 @@ def declaration_segments(tool: Any, index: int = 0) -> list:
     return out + ["}"]
 
 
-def call_arguments(arguments: Any, name: str = "?") -> dict:
+def call_arguments(arguments: object, name: str = "?") -> dict:
     """A call's arguments as a dict: a mapping as is, or OpenAI's JSON-object string decoded."""
     if arguments is None or arguments == "":
         return {}
@@ -223,14 +225,14 @@ def call_arguments(arguments: Any, name: str = "?") -> dict:
     return dict(arguments)
 
 
-def call_segments(name: str, arguments: Any) -> list:
+def call_segments(name: str, arguments: object) -> list:
     """`call:NAME{k:v,…}` (without the <|tool_call>/<tool_call|> ids)."""
     args = call_arguments(arguments, name)
     body = argument_segments(args, escape_keys=False)
     return [f"call:{name}"] + body
 
 
-def response_segments(name: str, response: Any) -> list:
+def response_segments(name: str, response: object) -> list:
     """`response:NAME{…}`: a mapping's keys and values, anything else as `{value:…}`."""
     if isinstance(response, Mapping):
         return [f"response:{name}"] + argument_segments(response, escape_keys=False)
@@ -272,10 +274,10 @@ def _merged(segments: Sequence) -> list:
     return out
 
 
-def _lex(segments: Sequence) -> list[tuple[str, Any]]:
+def _lex(segments: Sequence) -> list[tuple[str, str]]:
     """[(kind, value)]: kind "str" (a delimited string), "word" (a bare run) or a punctuation
     character."""
-    toks: list[tuple[str, Any]] = []
+    toks: list[tuple[str, str]] = []
     in_string, buf = False, []
     for seg in _merged(segments):
         if seg is QUOTE:
@@ -305,7 +307,7 @@ def _lex(segments: Sequence) -> list[tuple[str, Any]]:
 
 
 class _Parser:
-    def __init__(self, toks: list[tuple[str, Any]], source: str):
+    def __init__(self, toks: list[tuple[str, str]], source: str):
         self.toks, self.i, self.source = toks, 0, source
 
     def fail(self, what: str) -> ToolCallError:
@@ -316,13 +318,13 @@ class _Parser:
     def peek(self) -> str | None:
         return self.toks[self.i][0] if self.i < len(self.toks) else None
 
-    def take(self, kind: str, what: str) -> Any:
+    def take(self, kind: str, what: str) -> str:
         if self.peek() != kind:
             raise self.fail(what)
         self.i += 1
         return self.toks[self.i - 1][1]
 
-    def value(self) -> Any:
+    def value(self) -> JsonValue:
         kind = self.peek()
         if kind == "str":
             return self.take("str", "a value")
