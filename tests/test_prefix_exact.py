@@ -160,9 +160,13 @@ def test_the_same_prompt_after_a_reply_that_wrapped_the_ring(monkeypatch):
     assert cached["token_ids"] == alone["token_ids"]
 
 
-def test_a_chat_keeps_its_history_through_other_users_requests():
-    """Short requests from others between two turns take the rows worth least (`worth`), so the
-    chat's next turn still reuses its history, with the ids of no cache."""
+def test_a_chat_keeps_its_history_through_other_users_requests(monkeypatch):
+    """Short requests from others between two turns take row 0, the chat's history moving to the
+    row worth least first (`demotion`; a history of SNAPSHOT_MIN positions or more), so the chat's
+    next turn still reuses it, with the ids of no cache."""
+    from gemma4.serve.engine import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "SNAPSHOT_MIN", 64)
     eng = reuse_compiled(tiny_gemma4())
     eng.scheduler.prefixes.forget_all()
     history = [2] + [(29 * i) % 390 + 22 for i in range(150)]

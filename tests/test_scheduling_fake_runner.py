@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from gemma4.serve.engine import prefix_cache
 from gemma4.serve.engine.chunking import STARVE_S, pack_size
 from gemma4.serve.engine.geometry import serving_geometry
 from gemma4.serve.engine.scheduler import PACK_GATHER_S, PACK_QUIET_S, Scheduler, gather_s
@@ -375,6 +376,19 @@ def test_rows_decode_alone_at_their_offset_while_no_width_covers_them(engines):
     assert [_reply(eng, r)[0] for r in reqs] == [expected(p, 6) for p in prompts]
     split = [p for p in eng.runner.plans if isinstance(p, DecodeStep) and len(p.dispatches) > 1]
     assert split and all(d.key.width == 1 and d.first_row in p.rows for p in split for d in p.dispatches)
+
+
+def test_rows_above_row_0_decode_as_wide_as_they_span(engines, monkeypatch):
+    """Steps dispatched one at a time start at the first decoding row: a lone stream in row 1 (two
+    cheap rows here) decodes one row wide, not two; the tokens are the model's."""
+    monkeypatch.setattr(prefix_cache, "CHEAP_ROWS", 2)
+    eng = engines(geometry(prefix_cache=True))
+    _reply(eng, eng.submit(_prompt(5, 9), _params(1)))  # row 0 then holds its history: the next takes row 1
+    prompt = _prompt(6, 1)
+    lone = eng.submit(prompt, _params(5))
+    assert _reply(eng, lone)[0] == expected(prompt, 5) and lone.row == 1
+    steps = [p for p in eng.runner.plans if isinstance(p, DecodeStep) and lone in p.requests]
+    assert steps and all([(d.first_row, d.key.width) for d in p.dispatches] == [(1, 1)] for p in steps)
 
 
 def test_a_row_past_every_compiled_cache_length_waits_alone(engines):

@@ -495,8 +495,10 @@ def kv_choice(asked: Asked, dtype: str) -> Choice:
     fp8_ok = ((plat == "gpu" and cc is not None and cc >= FP8_MIN_CC)
               or (plat == "tpu" and facts.tpu_generation in FP8_TPU_GENERATIONS))
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    tpu_note = ("; not chosen here: the prefill kernel reads int8 as stored, but XLA's decode step "
+                "dequantises the row it reads, which decodes slower at depth (docs/tpu.md)") if plat == "tpu" else ""
     kv = Choice("native", f"KV stored in {dtype} (exact); GEMMA4_KV=int8 (per-row scales) cuts KV bytes "
-                          f"to ~1/{itemsize}")
+                          f"to ~1/{itemsize}{tpu_note}")
     want = asked.ov.get("kv")
     if want == "fp8" and not fp8_ok:
         chip = (f"sm_{cc[0]}{cc[1]}" if cc else facts.device_kind) if plat == "gpu" else asked.where

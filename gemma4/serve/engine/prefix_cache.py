@@ -65,10 +65,13 @@ MIN_REUSE = 16
 BLOCKS_IN_FLIGHT = 2
 
 # A request with nothing cached to reuse takes, of the free rows, one below this many (or below the
-# rows in use) holding nothing, else the one used least recently: a decode step runs rows [0,
-# width), and a row further up would widen a lone stream's steps (bundled model, 2-core AMD EPYC
-# Zen 4: 4 rows cost ~1.2x one row's step, 8 rows ~1.75x), while two rows keep two chats' histories.
-CHEAP_ROWS = 2
+# rows in use) holding nothing, else the one worth least: a decode or verify step runs rows [0,
+# width), and a row further up would widen a lone stream's steps for its whole reply. One row: a
+# history the new request displaces moves to a spare row first (`demotion`, a copy of a few ms),
+# where a second cheap row left a new conversation decoding two rows wide — prompts sharing
+# nothing, bundled model, 2-core Intel Xeon (AMX): decode 0.81x of no cache with two cheap rows,
+# 0.985x with one (prompt lookup's verify steps widened too).
+CHEAP_ROWS = 1
 
 # A prompt or history shorter than this is not copied to keep it (`snapshot`, `demotion`):
 # prefilling it again costs about what its copy would (a device call), and it is rarely worth a row.

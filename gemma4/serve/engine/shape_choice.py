@@ -140,15 +140,18 @@ class ShapeChoice:
         + 1) with compiled shapes only: ([(key, first row, rows)], rows that wait).
 
         The ideal or the cheapest compiled cover of every row (`decode_key`), as one dispatch at
-        row 0. Else the ideal one is compiled first in line, and meanwhile the rows that some
+        row 0 — or, where steps are dispatched one at a time (decode blocks run from row 0), at the
+        first decoding row, so a lone stream in row 1 (the prefix cache's second cheap row)
+        decodes one row wide, not two (the same tokens: batch invariance). Else the ideal one is compiled first in line, and meanwhile the rows that some
         compiled cache length covers decode — under one compiled cover of them all, else each
         alone with width 1 at its row offset (the same tokens: batch invariance) — and a row that
         no compiled length covers (a long prompt just prefilled) waits for its own shape: no
         other row waits for it."""
         rows = sorted(need)
-        key = self.decode_key(rows[-1] + 1, max(need.values()))
+        first = rows[0] if self.geometry.decode_block == 1 else 0
+        key = self.decode_key(rows[-1] - first + 1, max(need.values()))
         if self.book.usable(key):
-            return [(key, 0, rows)], []
+            return [(key, min(first, self.geometry.max_batch - key.width), rows)], []
         self.book.request(key, now=True)
         compiled = self._decode_keys()
         longest = max((k.kv_len for k in compiled), default=0)
