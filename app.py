@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None, *, block: bool = True) -> Any:
     try:
         server.serve(demo, engine, model=settings.model, host=settings.host, port=settings.port,
                      share=settings.share, max_new_tokens_cap=settings.max_new_tokens_cap,
-                     access=settings.access, css=CSS, block=block)
+                     access=settings.access, css=CSS, block=block, env=settings.env)
     finally:
         if block:  # more than one process: process 0's engine stops, and tells the others
             distributed.finish(engine)

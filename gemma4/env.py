@@ -544,9 +544,9 @@ def markdown() -> str:
              "- The settings are read at start: the app, the command line or an engine built on its own",
              "  reads the environment into one `gemma4.env.Settings` (every setting, its value and where it",
              "  came from: default, environment or flag) and hands it down; `python -m gemma4 probe` and the",
-             "  app's Hardware tab print it. The few modules that still read a setting themselves (the",
-             "  policy's overrides, the pre-flight, the media limits' defaults, the cache root) are listed,",
-             "  each with why, in `tests/test_layers.py` (`SETTINGS_READERS`)."]
+             "  app's Hardware tab print it. The two settings still read where they are used (the cache",
+             "  root, the native kernel's switch: each at load time) are listed, with the start-ups and",
+             "  why, in `tests/test_layers.py` (`SETTINGS_READERS`)."]
     for title, group in GROUPS.items():
         lines += ["", f"## {title}", "", "| variable | accepts | default | what it does |", "|---|---|---|---|"]
         for s in group:

@@ -317,6 +317,26 @@ def test_bad_requests_through_the_client_and_the_server_still_serves(bundled):
     assert ok.choices[0].message.content is not None
 
 
+def test_the_api_fetches_media_urls_by_the_app_s_settings():
+    """/v1's URL fetching and media limits are the app's settings' (read once at its start and
+    handed to build_app), not the environment's at the time the server is built."""
+    import types
+
+    import gradio as gr
+
+    from gemma4.env import Settings as EnvSettings
+    from gemma4.web.media_fetch import FetchPolicy
+
+    engine = types.SimpleNamespace(status=lambda: {"state": "loading"})
+    env = EnvSettings.from_env({"GEMMA4_FETCH_URLS": "off", "GEMMA4_FETCH_TIMEOUT_S": "3",
+                                "GEMMA4_MAX_VIDEO_BYTES": "5000"})
+    with gr.Blocks() as demo:
+        gr.Markdown("-")
+    policy = server.build_app(demo, engine, model="m", max_new_tokens_cap=8, env=env).state.openai_api.fetch_policy
+    assert (policy.enabled, policy.timeout_s, policy.limits.video_bytes) == (False, 3.0, 5000)
+    assert server.build_app(demo, engine, model="m", max_new_tokens_cap=8).state.openai_api.fetch_policy == FetchPolicy()
+
+
 def test_health_and_readiness(bundled):
     url, _, _ = bundled
     assert httpx.get(url + "health", timeout=60).json() == {"status": "ok"}

@@ -367,6 +367,26 @@ def test_each_kind_is_checked_against_its_own_tower(audio_file, media_files):
     assert history == [{"role": "user", "content": [{"path": audio_file}]}]
 
 
+def test_uploads_are_checked_against_the_app_s_media_limits(media_files, tmp_path):
+    """The app's GEMMA4_MAX_* settings (read once at its start, handed down as `settings.env`)
+    bound an upload, /generate's data URIs and the files a chat turn sends; the environment is not
+    read again."""
+    import base64
+
+    picture = media_files[0]
+    small = Settings(env=EnvSettings.from_env({"GEMMA4_MAX_IMAGE_BYTES": "100"}))
+    handler = DemoApp(engine=None, settings=small)
+    with pytest.warns(UserWarning, match=r"at most 100 bytes \(GEMMA4_MAX_IMAGE_BYTES\)"):
+        update, history = handler.add_user_message({"text": "What is it?", "files": [picture]}, [])
+    assert history == []
+    with pytest.raises(MediaError, match="GEMMA4_MAX_IMAGE_BYTES"):
+        handler.load_media(picture)
+    uri = "data:image/png;base64," + base64.b64encode(pathlib.Path(picture).read_bytes()).decode()
+    with pytest.raises(MediaError, match="GEMMA4_MAX_IMAGE_BYTES"):
+        handler._media("<image>", [uri], None, None)
+    assert ChatHandlers(None, Settings()).load_media(picture).kind == "image"  # the defaults
+
+
 def test_reply_panel_audio_rows():
     """A clip's row gives its length, soft tokens, encode time and what was done to it."""
     media = [{"kind": "audio", "name": "talk.mp3", "soft_tokens": 198, "encode_s": 0.4213,

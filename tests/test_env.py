@@ -175,6 +175,16 @@ def test_the_policy_reads_its_overrides_through_the_registry():
         normalize_overrides(env={"GEMMA4_ALLOW_FALLBACK": "sometimes"})
 
 
+def test_the_policy_takes_its_overrides_from_the_settings_handed_down(monkeypatch):
+    from gemma4.plan.hardware import normalize_overrides
+
+    monkeypatch.setenv("GEMMA4_KV", "fp8")  # the environment is the start-ups' to read, not the policy's
+    assert normalize_overrides() == {}
+    settings = registry.Settings.from_env({"GEMMA4_KV": "int8"}, {"GEMMA4_WEIGHTS": "int4"})
+    assert normalize_overrides(env=settings) == {"kv": "int8", "weights": "int4"}
+    assert normalize_overrides({"kv": "native"}, env=settings) == {"kv": "native", "weights": "int4"}  # the dict wins
+
+
 def test_defaults_that_mirror_a_library_agree_with_it():
     from PIL import Image
 

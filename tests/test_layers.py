@@ -236,16 +236,6 @@ SETTINGS_READERS: dict[str, str] = {
                                      "reads the environment once, at its construction",
     "gemma4/serve/engine/load.py": "load_model called alone (benches, tests) is its own start-up; "
                                    "the engine passes its settings",
-    # Not yet handed their settings by an owner (project issue 59, what is left): each is read while
-    # a model loads or a server starts, except media/files.py's default limits and
-    # web/media_fetch.py's policy, which a request may read when its caller passes none.
-    "gemma4/plan/hardware.py": "the policy's overrides: normalize_overrides merges the environment's (left)",
-    "gemma4/plan/preflight_devices.py": "GEMMA4_MEMORY_FRACTION of the pre-flight's device sets (left: "
-                                        "ui/mesh_panel.py builds them without settings)",
-    "gemma4/media/files.py": "MediaLimits.from_env: the limits a caller that passes none gets (left: "
-                            "the UI's upload handlers pass none)",
-    "gemma4/web/media_fetch.py": "FetchPolicy.from_env, built once per API server (left: web/api.py "
-                                 "builds it without the app's settings)",
     # Read at the point of use by design: no owner can hand them down.
     "gemma4/paths.py": "GEMMA4_JAX_CACHE: cache_root is asked by loaders, kernels and tuning caches alike, "
                        "each at start-up or load time (no request reads it)",

@@ -29,7 +29,7 @@ from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 from transformers.processing_utils import ProcessorMixin
 from transformers.video_utils import VideoMetadata, default_sample_indices_fn, read_video_pyav
 
-from gemma4.env import EnvError
+from gemma4.env import EnvError, Settings
 from gemma4.media import files, layout
 from gemma4.media.audio import (FFT_LENGTH, FRAME_LENGTH, HOP_LENGTH, MEL_FILTERS, WINDOW,
                                 audio_features, decode_audio)
@@ -178,7 +178,8 @@ def test_bad_data_uris_are_clear_errors():
 
 
 def test_byte_limits_per_kind_from_the_environment(tmp_path):
-    limits = MediaLimits.from_env({"GEMMA4_MAX_IMAGE_BYTES": "100", "GEMMA4_MAX_VIDEO_BYTES": "50"})
+    limits = MediaLimits.from_settings(Settings.from_env({"GEMMA4_MAX_IMAGE_BYTES": "100",
+                                                          "GEMMA4_MAX_VIDEO_BYTES": "50"}))
     assert (limits.image_bytes, limits.video_bytes) == (100, 50)
     assert limits.audio_bytes == MediaLimits().audio_bytes
     png = SNIFF_CASES["PNG"]
@@ -197,8 +198,9 @@ def test_byte_limits_per_kind_from_the_environment(tmp_path):
                    "send a smaller file")
     tiny = MediaLimits(image_bytes=10, video_bytes=10, audio_bytes=10)
     assert "media may be at most" in _error(files.media_from_data_uri, uri, limits=tiny)
-    with pytest.raises(EnvError, match="GEMMA4_MAX_IMAGE_BYTES='big'"):
-        MediaLimits.from_env({"GEMMA4_MAX_IMAGE_BYTES": "big"})
+    with pytest.raises(EnvError, match="GEMMA4_MAX_IMAGE_BYTES='big'"):  # the start-up's refusal
+        Settings.from_env({"GEMMA4_MAX_IMAGE_BYTES": "big"})
+    assert MediaLimits.from_settings(Settings.defaults()) == MediaLimits()
 
 
 # --- images: decoding as load_image, preprocessing as Gemma4ImageProcessorPil ------------------

@@ -184,11 +184,13 @@ def test_memory_fraction_settings(monkeypatch):
     base = PD.simulated_devices("l4").usable_bytes
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     assert PD.simulated_devices("l4").usable_bytes == pytest.approx(base * 0.95 / 0.75, rel=1e-6)
-    monkeypatch.setenv("GEMMA4_MEMORY_FRACTION", "0.5")
-    assert PD.simulated_devices("v5e").usable_bytes == 8 * _GiB
+    monkeypatch.setenv("GEMMA4_MEMORY_FRACTION", "0.5")  # read by the start-up that builds the settings, not here
+    assert PD.simulated_devices("v5e").usable_bytes == int(16 * _GiB * PD.USABLE_FRACTION)
+    assert PD.simulated_devices("v5e", settings=Settings.from_env()).usable_bytes == 8 * _GiB
+    assert PD.local_device_set(settings=Settings.from_env()).fraction == 0.5
     monkeypatch.setenv("GEMMA4_MEMORY_FRACTION", "2")
-    with pytest.raises(PD.PreflightError, match="GEMMA4_MEMORY_FRACTION"):
-        PD.simulated_devices("v5e")
+    with pytest.raises(EnvError, match="GEMMA4_MEMORY_FRACTION"):  # a bad value stops the start-up
+        Settings.from_env()
 
 
 # ------------------------------------------------------------------------------ mesh=auto
@@ -309,6 +311,8 @@ def test_hardware_panel_block_for_a_loaded_engine():
     assert md.startswith("**Memory pre-flight** (fits): gemma-4-E2B int8:")
     assert "| one device ← this engine | 1 |" in md and "| TFRT_CPU_0 | 4.00 GiB | 0.12 GiB |" in md
     assert mesh_panel.panel_markdown(SimpleNamespace(loaded=None)) == ""
+    half = Settings.from_env({"GEMMA4_MEMORY_FRACTION": "0.5"})  # the app's settings, handed down
+    assert "50% usable" in mesh_panel.panel_markdown(engine, None, half) and "92% usable" in md
 
 
 def test_resolve_mesh_checks_explicit_meshes_too(monkeypatch):

@@ -19,7 +19,7 @@ import sys
 from gemma4.env import Settings as EnvSettings
 from gemma4.model.config import PRESETS
 from gemma4.model.sampling_params import SamplingParams
-from gemma4.media.files import MediaError, media_from_path
+from gemma4.media.files import MediaError, MediaLimits, media_from_path
 from gemma4.plan import preflight, preflight_devices, sharding
 from gemma4.serve import conversation, distributed, distributed_flags
 from gemma4.serve.engine.engine import Engine, get_engine
@@ -164,10 +164,13 @@ def _stream_answer(reply, show: bool = True):
 
 def _media_parts(args) -> list[dict]:
     """--image / --video / --audio files as the request layer's parts, in the order their markers
-    come in --prompt (a file that cannot be read, or a marker count that does not match, is an error)."""
-    images = [media_from_path(p, kind="image") for p in getattr(args, "image", None) or ()]
-    videos = [media_from_path(p, kind="video") for p in getattr(args, "video", None) or ()]
-    audio = [media_from_path(p, kind="audio") for p in getattr(args, "audio", None) or ()]
+    come in --prompt (a file that cannot be read, or a marker count that does not match, is an error),
+    each within the limits of the command line's settings (`args.env`; none: the defaults)."""
+    settings = getattr(args, "env", None)
+    limits = MediaLimits() if settings is None else MediaLimits.from_settings(settings)
+    images = [media_from_path(p, kind="image", limits=limits) for p in getattr(args, "image", None) or ()]
+    videos = [media_from_path(p, kind="video", limits=limits) for p in getattr(args, "video", None) or ()]
+    audio = [media_from_path(p, kind="audio", limits=limits) for p in getattr(args, "audio", None) or ()]
     if not images and not videos and not audio:
         return []
     return parts_in_marker_order(args.prompt, images, videos, getattr(args, "max_soft_tokens", None), audio=audio)

@@ -169,7 +169,7 @@ def decode_audio(data: bytes, *, name: str = "", limits: MediaLimits | None = No
     """The first audio stream of `data` as a 16 kHz mono clip, cut to its first 30 s (a note
     says so). No audio stream, undecodable or damaged data and a clip longer than
     `limits.audio_seconds` raise `MediaError` naming the clip. A plain PCM WAV needs no PyAV."""
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits  # none given: the defaults
     label = describe(name, "audio")
     # Python's `wave` for a PCM WAV: 30 s and one more second are read, as PyAV's path keeps
     # below (soxr's filter reaches past the cut)

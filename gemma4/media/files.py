@@ -4,7 +4,10 @@ The kind and format come from the file's first bytes (its magic numbers), never 
 a declared MIME type: a `.png` that holds a JPEG is a JPEG, and a text file called `a.png` is
 refused here with a message naming the file, instead of failing deep inside a decoder. Each kind
 has a byte limit (`MediaLimits`; its defaults and the `GEMMA4_MAX_*` variables that override them
-are declared in `gemma4.env`), checked before a file is read whole or a data URI decoded.
+are declared in `gemma4.env`), checked before a file is read whole or a data URI decoded. The
+limits in force are the run's settings' (`MediaLimits.from_settings`, built by the app, the
+command line and the engine from the settings their start-up read); a call given none checks
+the defaults.
 """
 
 from __future__ import annotations
@@ -14,12 +17,11 @@ import binascii
 import hashlib
 import os
 import urllib.parse
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from gemma4.env import default_of, setting
+from gemma4.env import Settings, default_of
 
 KINDS = ("image", "video", "audio")
 
@@ -33,7 +35,7 @@ class MediaError(ValueError):
 @dataclass(frozen=True)
 class MediaLimits:
     """What one media item may be. The defaults are the policy (declared with their variables in
-    `gemma4.env`); each `GEMMA4_*` variable in `from_env` overrides one.
+    `gemma4.env`); each `GEMMA4_*` setting overrides one (`from_settings`).
 
     - Bytes per item: 20 MB an image and 25 MB an audio clip (the OpenAI API's own limits for
       image inputs and audio uploads), 100 MB a video (minutes of ordinary phone video).
@@ -57,16 +59,17 @@ class MediaLimits:
     audio_seconds: float = default_of("GEMMA4_MAX_AUDIO_SECONDS")  # 600 s
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> MediaLimits:
-        """The limits, each overridable by its variable (a bad value raises `EnvError`)."""
+    def from_settings(cls, settings: Settings) -> MediaLimits:
+        """The limits of the run's settings (`gemma4.env.Settings`: the start-up read each
+        GEMMA4_MAX_* variable, and refused a bad value, once)."""
         return cls(
-            image_bytes=setting("GEMMA4_MAX_IMAGE_BYTES", env),
-            video_bytes=setting("GEMMA4_MAX_VIDEO_BYTES", env),
-            audio_bytes=setting("GEMMA4_MAX_AUDIO_BYTES", env),
-            image_pixels=setting("GEMMA4_MAX_IMAGE_PIXELS", env),
-            video_seconds=setting("GEMMA4_MAX_VIDEO_SECONDS", env),
-            video_frames=setting("GEMMA4_MAX_VIDEO_FRAMES", env),
-            audio_seconds=setting("GEMMA4_MAX_AUDIO_SECONDS", env),
+            image_bytes=settings.get("GEMMA4_MAX_IMAGE_BYTES"),
+            video_bytes=settings.get("GEMMA4_MAX_VIDEO_BYTES"),
+            audio_bytes=settings.get("GEMMA4_MAX_AUDIO_BYTES"),
+            image_pixels=settings.get("GEMMA4_MAX_IMAGE_PIXELS"),
+            video_seconds=settings.get("GEMMA4_MAX_VIDEO_SECONDS"),
+            video_frames=settings.get("GEMMA4_MAX_VIDEO_FRAMES"),
+            audio_seconds=settings.get("GEMMA4_MAX_AUDIO_SECONDS"),
         )
 
     def bytes_for(self, kind: str) -> int:
@@ -247,7 +250,7 @@ def _article(kind: str) -> str:
 
 
 def _check_size(n_bytes: int, fmt: Format, label: str, limits: MediaLimits | None) -> None:
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits
     limit = limits.bytes_for(fmt.kind)
     if n_bytes > limit:
         raise MediaError(
@@ -263,7 +266,7 @@ def media_from_path(path: str | os.PathLike, kind: str | None = None,
     refused without reading it.
     """
     path = Path(path)
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits
     label = describe(path.name, kind)
     try:
         size = path.stat().st_size
@@ -287,7 +290,7 @@ def media_from_data_uri(uri: str, name: str = "", kind: str | None = None,
     """A `data:[<mime>][;base64],<payload>` URI as a MediaItem (RFC 2397: base64 or
     percent-encoded). The declared MIME type is not trusted: the kind is sniffed from the bytes.
     """
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits
     label = describe(name, kind) if name else f"the {kind or 'media'} data URI"
     if not isinstance(uri, str) or not uri[:5].lower() == "data:":
         raise MediaError(f"{label} does not start with 'data:': send data:<type>;base64,<bytes>")
@@ -308,7 +311,7 @@ def media_from_base64(payload: str, name: str = "", kind: str | None = None,
                       limits: MediaLimits | None = None) -> MediaItem:
     """Base64 text without a `data:` header (OpenAI's `input_audio.data`) as a MediaItem; the
     kind is sniffed from the decoded bytes, as everywhere."""
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits
     label = describe(name, kind) if name else f"the {kind or 'media'} base64 data"
     _check_base64_size(payload, label, limits)
     return _checked_item(_b64decode(payload, label), name, kind, limits, label)

@@ -70,7 +70,7 @@ def decode_image(data: bytes, *, name: str = "", limits: MediaLimits | None = No
     Corrupt or truncated data, a format other than PILLOW_FORMATS, and more pixels than
     `limits.image_pixels` (a decompression bomb) raise `MediaError` naming the image.
     """
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits  # none given: the defaults
     label = describe(name, "image")
     try:
         image = Image.open(io.BytesIO(data), formats=PILLOW_FORMATS)

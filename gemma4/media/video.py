@@ -181,7 +181,7 @@ def _sample(data: bytes, num_frames: int, name: str, limits: MediaLimits | None,
     """(convert(frame) for each sampled frame, their indices, fps, the frame count)."""
     if num_frames < 1:
         raise MediaError(f"num_frames={num_frames} must be at least 1")
-    limits = MediaLimits.from_env() if limits is None else limits
+    limits = MediaLimits() if limits is None else limits  # none given: the defaults
     label = describe(name, "video")
     container, stream = _open(data, label)
     import av  # deferred: as in `_open` (imported by then)

@@ -26,7 +26,7 @@ import numpy as np
 from gemma4.model import decoder, kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.ops.kernels import cpu_attention, cpu_int8
-from gemma4.plan.hardware import Choice, Plan, PolicyError, normalize_overrides
+from gemma4.plan.hardware import Choice, Plan, PolicyError, SettingsGiven, normalize_overrides
 
 NATIVE_MIN_SPEEDUP = 1.1  # the kernel must beat XLA's attention by this much at a decode step
 PROBE_SLOTS = 2048  # a full layer's slots read in the measured step (a long chat's decode)
@@ -118,7 +118,7 @@ def cached_self_test(status: cpu_int8.KernelStatus) -> dict:
     return cpu_int8.cached_result(status, "attention-self-test", cpu_attention.self_test)
 
 
-def decide_cache_attention(plan: Plan, cfg: ModelConfig | None, overrides=None, env=None,
+def decide_cache_attention(plan: Plan, cfg: ModelConfig | None, overrides=None, env: SettingsGiven | None = None,
                            simulated: bool = False) -> tuple[Plan, dict | None]:
     """The plan with each layer type's attention set to "native" where the kernel can run, passed its
     self-test and measured faster here; a report {kernel, self_test, measured} or None (off CPU,

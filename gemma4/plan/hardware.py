@@ -11,8 +11,10 @@ the text report and the plan for a simulated device are `gemma4.plan.hardware_re
 Only this module decides dtypes, weight quantization, KV format, attention path, the quantized
 matmul path and the matmul precision; everything else takes the decision as an argument.
 
-Overrides come from environment variables or a dict / CLI flags with the same names (each declared,
-with the values it takes, in `gemma4.env`; the table: docs/settings.md):
+Overrides come from the run's settings (`env`: the `gemma4.env.Settings` its start-up read from the
+environment and its flags; a mapping of raw GEMMA4_* text in tests; None: none) or a dict / CLI flags
+with the same names (each declared, with the values it takes, in `gemma4.env`; the table:
+docs/settings.md; this module reads no environment itself):
 
     GEMMA4_DTYPE             auto | float32 | bfloat16 | float16
     GEMMA4_WEIGHTS           auto | none | int8 | int4
@@ -51,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from gemma4.env import EnvError, default_of, parse_setting, setting
+from gemma4.env import EnvError, Settings, default_of, parse_setting
 from gemma4.model.config import approx_param_count, config_has_tower, preset, table_param_count
 from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
@@ -219,11 +221,28 @@ ENV_KEYS = {
 _BY_ENV = {name: key for key, name in ENV_KEYS.items()}
 
 
+SettingsGiven = Settings | Mapping[str, str]
+"""Where the overrides a call's `overrides` dict does not give come from: the run's
+`gemma4.env.Settings` (built once by the app, the command line or an engine at its start), or a
+mapping of GEMMA4_* names to their text, read as the environment would be (tests); None: nowhere
+(every setting at its default). Never os.environ: the start-ups read it, once."""
+
+
+def override_setting(name: str, env: SettingsGiven | None) -> object:
+    """Setting `name`'s value in `env` (`SettingsGiven`); EnvError for a bad text in a mapping."""
+    if env is None:
+        return default_of(name)
+    if isinstance(env, Settings):
+        return env.get(name)
+    return parse_setting(name, env.get(name))
+
+
 def normalize_overrides(overrides: Mapping[str, Any] | None = None,
-                        env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Merge env vars (GEMMA4_*) and an explicit dict (keys "dtype" or "GEMMA4_DTYPE" alike; the dict
-    wins), each value read as its setting reads it (`gemma4.env`). "auto", "" and None mean "no
-    override", and so does any setting's default. Raises PolicyError on an unknown key or value."""
+                        env: SettingsGiven | None = None) -> dict[str, Any]:
+    """Merge the run's settings (`env`: `SettingsGiven`; None: none) and an explicit dict (keys
+    "dtype" or "GEMMA4_DTYPE" alike; the dict wins), each value read as its setting reads it
+    (`gemma4.env`). "auto", "" and None mean "no override", and so does any setting's default.
+    Raises PolicyError on an unknown key or value."""
     given: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
         short = _BY_ENV.get(key) or (key if key in ENV_KEYS else None)
@@ -236,7 +255,7 @@ def normalize_overrides(overrides: Mapping[str, Any] | None = None,
             if short in given:
                 value = parse_setting(name, None if given[short] is None else str(given[short]))
             else:
-                value = setting(name, env)
+                value = override_setting(name, env)
         except EnvError as e:  # the same refusal for a flag, a dict and a variable
             raise PolicyError(str(e)) from None
         if value != default_of(name):
@@ -326,8 +345,9 @@ class Asked:
 
 
 def policy(facts: HardwareFacts | None = None, model_config=None, overrides: Mapping[str, Any] | None = None,
-           env: Mapping[str, str] | None = None) -> Plan:
-    """Choose how to run on `facts` (probed when None). `env` defaults to os.environ (pass {} to ignore).
+           env: SettingsGiven | None = None) -> Plan:
+    """Choose how to run on `facts` (probed when None), with the overrides of `overrides` and of the
+    run's settings `env` (`SettingsGiven`; None: none).
     Each choice is one decision below, made in the order the later ones depend on the earlier.
 
     Raises PolicyError for an override this device cannot honour (unless allow_fallback).
@@ -714,7 +734,7 @@ def layers_choice(platform: str, ov: Mapping[str, Any]) -> Choice:
 
 # ------------------------------------------------------------------------------ encoder dtype
 def encoder_dtype_rule(plan: Plan, model_config=None, overrides: Mapping[str, Any] | None = None,
-                       env: Mapping[str, str] | None = None, facts: HardwareFacts | None = None) -> Choice | None:
+                       env: SettingsGiven | None = None, facts: HardwareFacts | None = None) -> Choice | None:
     """The vision/audio towers' dtype (weights, activations and the projections into the text
     model) wherever the request or the device decides it; None where it must be measured on this
     machine (a real CPU with bf16 units: `hardware_checks.decide_encoder_dtype` times a
@@ -745,7 +765,7 @@ def encoder_free_choice(cfg, choice: Choice) -> Choice:
     return dataclasses.replace(choice, reason=f"{ENCODER_FREE}; {choice.reason}")
 
 
-def _encoder_dtype_rule(plan: Plan, cfg, overrides: Mapping[str, Any] | None, env: Mapping[str, str] | None,
+def _encoder_dtype_rule(plan: Plan, cfg, overrides: Mapping[str, Any] | None, env: SettingsGiven | None,
                         facts: HardwareFacts | None) -> Choice | None:
     if not config_has_tower(cfg):
         return Choice("none", "no vision or audio tower loaded")

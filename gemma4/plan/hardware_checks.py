@@ -20,8 +20,6 @@ import hashlib
 import json
 import os
 import time
-from typing import Mapping
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,8 +34,8 @@ from gemma4.ops.kernels import cpu_int8
 from gemma4.ops.linear import linear
 from gemma4.ops.quant import Params
 from gemma4.plan import attention_choice, cpu_tuning, sharding, tuning_report
-from gemma4.plan.hardware import (Choice, Plan, PolicyError, encoder_dtype_rule, encoder_free_choice,
-                                  memory_bandwidth_gbps, normalize_overrides, policy)
+from gemma4.plan.hardware import (Choice, Plan, PolicyError, SettingsGiven, encoder_dtype_rule,
+                                  encoder_free_choice, memory_bandwidth_gbps, normalize_overrides, policy)
 from gemma4.plan.hardware_probe import HardwareFacts, probe
 from gemma4.plan.hardware_report import Overrides, report_dict
 from gemma4.paths import cache_root
@@ -206,9 +204,11 @@ def apply_jax_config(plan: Plan) -> None:
     jax.config.update("jax_default_matmul_precision", plan.matmul_precision.value)
 
 
-def resolve(model_config=None, overrides: Overrides | None = None, env: Mapping[str, str] | None = None,
+def resolve(model_config=None, overrides: Overrides | None = None, env: SettingsGiven | None = None,
             facts: HardwareFacts | None = None, run_self_test: bool = True) -> tuple[Plan, dict]:
     """probe → policy → self-test; optional paths that fail the self-test fall back loudly.
+    `env`: the run's settings, whose policy overrides apply under `overrides` (`hardware.SettingsGiven`;
+    None: none, every setting at its default).
 
     Returns (the plan to run with, a JSON-able report {facts, plan, self_test, warnings}).
     Raises PolicyError for a refused override (see module doc). The core matmul checks failing is
@@ -256,7 +256,7 @@ def native_kernel_ready() -> bool:
 
 
 def choose_int8_matmul(plan: Plan, params: Params, overrides: Overrides | None = None,
-                       env: Mapping[str, str] | None = None, progress=None,
+                       env: SettingsGiven | None = None, progress=None,
                        release: bool = False) -> tuple[Params, Plan, dict | None]:
     """How each int8 product runs on CPU, decided once the weights are loaded.
 
@@ -385,7 +385,7 @@ def time_tower_product(width: int, dtype: DTypeLike, rounds: int = 3) -> float:
 
 
 def decide_encoder_dtype(plan: Plan, cfg: ModelConfig | None, overrides: Overrides | None = None,
-                         env: Mapping[str, str] | None = None, timer=None,
+                         env: SettingsGiven | None = None, timer=None,
                          facts: HardwareFacts | None = None) -> tuple[Plan, dict | None]:
     """The dtype the vision/audio towers run in (weights and activations), decided before the
     weights load (so the pre-flight counts the towers' bytes as they will be held).
@@ -431,7 +431,7 @@ def apply_encoder_dtype(plan: Plan, params: dict, cfg: ModelConfig) -> dict:
 
 
 def full_report(model_config=None, overrides: Overrides | None = None,
-                env: Mapping[str, str] | None = None, facts: HardwareFacts | None = None,
+                env: SettingsGiven | None = None, facts: HardwareFacts | None = None,
                 run_self_test: bool = True) -> dict:
     """facts + plan + self-test as one JSON-able dict (for the UI panel and start-up logs)."""
     return resolve(model_config, overrides, env, facts, run_self_test)[1]

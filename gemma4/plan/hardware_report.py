@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from gemma4.plan import tuning_report
-from gemma4.plan.hardware import CHOICE_NAMES, Plan, encoder_dtype_rule, policy
+from gemma4.plan.hardware import CHOICE_NAMES, Plan, SettingsGiven, encoder_dtype_rule, policy
 from gemma4.plan.hardware_probe import GiB, HardwareFacts
 
 Overrides = Mapping[str, str | int | float | bool | None]
@@ -28,8 +28,9 @@ def report_dict(facts: HardwareFacts, plan: Plan, self_test: dict | None) -> dic
 
 
 def simulated_report(facts: HardwareFacts, model_config=None, overrides: Overrides | None = None,
-                     env: Mapping[str, str] | None = None) -> tuple[Plan, dict]:
+                     env: SettingsGiven | None = None) -> tuple[Plan, dict]:
     """policy on simulated facts: (the plan, its report); a simulated device has no self-test.
+    `env`: the run's settings (`hardware.SettingsGiven`; None: none).
 
     Raises PolicyError for a refused override, as `hardware_checks.resolve` does.
     """

@@ -330,7 +330,7 @@ def choose_mesh(cfg: ModelConfig, plan: Any, devices: Any = None, context: int =
     arithmetic when nothing fits (GEMMA4_PREFLIGHT=warn or off in `settings`, the caller's: the
     mesh with the smallest share, with a warning).
     """
-    devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
+    devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices, settings)
 
     spans = jax.process_count() > 1 and devs.count > (devs.per_host or devs.count)
     fp = (_fitting_all(cfg, plan, devs, context, batch) if spans
@@ -367,7 +367,7 @@ def resolve_mesh(cfg: ModelConfig, plan: Any, request: str | Mapping[str, int] |
     explicit mesh → validated (PreflightError naming the devices and divisors) and its bytes
     checked (PreflightError with the arithmetic, or a warning under GEMMA4_PREFLIGHT=warn in
     `settings`, the caller's; None: every setting at its default)."""
-    devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices)
+    devs = devices if isinstance(devices, DeviceSet) else local_device_set(devices, settings)
     if not isinstance(request, Mapping) and str(request or "auto").strip().lower() == "auto":
         return choose_mesh(cfg, plan, devs, context, batch, settings)
     mode = preflight_mode(settings)
@@ -564,9 +564,10 @@ _SIM_FACTS = {"l4": ("l4", None, None), "a10g": ("l4", "NVIDIA A10G", "8.6"), "a
               "h200": ("h200", None, None), "v5e": ("tpu-v5e", None, None), "v6e": ("tpu-v6e", None, None)}
 
 
-def simulated_facts_for(spec: str):
-    """HardwareFacts for a simulated device set (as `hardware_probe.simulated_facts`, with the count)."""
-    devices = simulated_devices(spec)
+def simulated_facts_for(spec: str, settings: Settings | None = None):
+    """HardwareFacts for a simulated device set (as `hardware_probe.simulated_facts`, with the count),
+    and the set (`settings`: the run's, for its memory fraction; None: the default)."""
+    devices = simulated_devices(spec, settings=settings)
     name = next(k for k, v in SIMULATED_DEVICES.items() if v[0] == devices.kind)
     base, kind, cc = _SIM_FACTS[name]
     facts = simulated_facts(base)
@@ -590,11 +591,11 @@ def probe_report(model: str, mesh: str = "auto", context: int | None = None, bat
     if cfg is None:
         raise PreflightError(f"the config of {model!r} cannot be read without downloading it (offline?)")
     if devices:
-        facts, devs = simulated_facts_for(devices)
+        facts, devs = simulated_facts_for(devices, settings)
     else:
-        facts, devs = hardware.probe(), local_device_set()
-    plan = hardware.policy(facts, cfg, overrides)
-    encoder = hardware.encoder_dtype_rule(plan, cfg, overrides, facts=facts)  # None: measured at load (float32 counted)
+        facts, devs = hardware.probe(), local_device_set(settings=settings)
+    plan = hardware.policy(facts, cfg, overrides, settings)
+    encoder = hardware.encoder_dtype_rule(plan, cfg, overrides, settings, facts)  # None: measured at load (float32 counted)
     plan = plan if encoder is None else plan.replace("encoder_dtype", encoder)
     ctx = int(context or min(cfg.max_position_embeddings, 4096))
     report = check(cfg, plan, devs, mesh, ctx, batch)

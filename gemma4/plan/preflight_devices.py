@@ -1,7 +1,10 @@
 """Device sets for the memory pre-flight: how much memory each device lets the model use.
 
-    devices = local_device_set()            # this backend's devices (all processes), probed
+    devices = local_device_set(settings=settings)   # this backend's devices (all processes), probed
     devices = simulated_devices("4xl4")     # a named set for tests and "what would it take" reports
+
+The share of each device's memory the model may plan to use is the run's GEMMA4_MEMORY_FRACTION
+(`settings`: the `gemma4.env.Settings` its start-up built; None: the default, USABLE_FRACTION).
 
 Part of `gemma4.plan.preflight` (which re-exports these names); split out to keep that module small.
 """
@@ -15,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from gemma4.env import EnvError, default_of, setting
+from gemma4.env import Settings, default_of
 from gemma4.plan.hardware_probe import host_memory
 
 _GiB = 1 << 30
@@ -78,16 +81,15 @@ SIMULATED_DEVICES: dict[str, tuple[str, str, int]] = {
 _SIM_ALIASES = {"a100": "a100-40", "tpu-v5e": "v5e", "tpu-v6e": "v6e", "v5litepod": "v5e"}
 
 
-def _usable_fraction(env: Mapping[str, str] | None = None) -> float:
-    try:
-        return setting("GEMMA4_MEMORY_FRACTION", env)
-    except EnvError as e:  # a pre-flight refusal, as the callers expect
-        raise PreflightError(str(e)) from None
+def usable_fraction(settings: Settings | None = None) -> float:
+    """`settings`' GEMMA4_MEMORY_FRACTION (None: every setting at its default, USABLE_FRACTION; a
+    bad value stopped the start-up that built the settings)."""
+    return USABLE_FRACTION if settings is None else settings.get("GEMMA4_MEMORY_FRACTION")
 
 
 def gpu_client_fraction(env: Mapping[str, str] | None = None) -> float:
     """The share of GPU memory JAX's client takes (XLA_PYTHON_CLIENT_MEM_FRACTION; 1.0 for the
-    platform allocator)."""
+    platform allocator): JAX's own variables, read from `env` (default: os.environ) as JAX reads them."""
     env = os.environ if env is None else env
     if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
         return 1.0
@@ -97,8 +99,9 @@ def gpu_client_fraction(env: Mapping[str, str] | None = None) -> float:
         return JAX_GPU_CLIENT_FRACTION
 
 
-def simulated_devices(spec: str, env: Mapping[str, str] | None = None) -> DeviceSet:
-    """A device set by name, with a count: "l4", "4xl4", "8×h100", "v5e-8" (TPU slice style)."""
+def simulated_devices(spec: str, env: Mapping[str, str] | None = None, settings: Settings | None = None) -> DeviceSet:
+    """A device set by name, with a count: "l4", "4xl4", "8×h100", "v5e-8" (TPU slice style);
+    `env`: JAX's variables (`gpu_client_fraction`); `settings`: the run's (`usable_fraction`)."""
     text = spec.strip().lower().replace("×", "x").replace(" ", "")
     m = re.fullmatch(r"(?:(\d+)x)?([a-z0-9-]+?)(?:-(\d+))?", text)
     name = count = None
@@ -114,11 +117,12 @@ def simulated_devices(spec: str, env: Mapping[str, str] | None = None) -> Device
     kind, plat, mem = SIMULATED_DEVICES[name]
     if plat == "gpu":
         mem = int(mem * gpu_client_fraction(env))
-    return DeviceSet(kind, plat, count, mem, "simulated", _usable_fraction(env))
+    return DeviceSet(kind, plat, count, mem, "simulated", usable_fraction(settings))
 
 
-def local_device_set(devices: Sequence[Any] | None = None, env: Mapping[str, str] | None = None) -> DeviceSet:
-    """The device set `devices` (default: every device of the default backend, all processes).
+def local_device_set(devices: Sequence[Any] | None = None, settings: Settings | None = None) -> DeviceSet:
+    """The device set `devices` (default: every device of the default backend, all processes);
+    `settings`: the run's (`usable_fraction`; None: the default).
 
     Memory: `memory_stats()["bytes_limit"]` of this process's first device where the backend
     reports it; for CPU the host's available RAM (psutil), shared by every CPU device.
@@ -141,6 +145,6 @@ def local_device_set(devices: Sequence[Any] | None = None, env: Mapping[str, str
         if plat != "cpu":
             source = "unknown device memory; host RAM assumed"
     per_host = len(local) if len(local) < len(devices) else None  # None: one host holds them all
-    return DeviceSet(kind, plat, len(devices), int(mem), source, _usable_fraction(env), per_host)
+    return DeviceSet(kind, plat, len(devices), int(mem), source, usable_fraction(settings), per_host)
 
 

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from gemma4.media.audio import SAMPLE_RATE, AudioFeatures, audio_features, decode_audio, waveform_frames
-from gemma4.media.files import MediaError, MediaItem
+from gemma4.media.files import MediaError, MediaItem, MediaLimits
 from gemma4.media.image import SOFT_TOKEN_BUDGETS, animation_note, decode_image, preprocess_image
 from gemma4.media.video import video_patches
 from gemma4.model.config import ModelConfig
@@ -169,6 +169,7 @@ def _prepare(engine: Engine, part: Mapping[str, Any], where: str, number: int, n
     key = (item.digest, kind, budget, engine.settings.model, id(engine))
     vis = engine.cfg.vision
     rows = shared_cache(cache_bytes(engine.settings.env)).get(key)
+    limits = MediaLimits.from_settings(engine.settings.env)  # the engine's GEMMA4_MAX_* (pixels, video length)
     prep = PreparedMedia(kind=kind, name=name, budget=budget, key=key, frames=[], patches=[])
     try:
         if kind == "image":
@@ -178,12 +179,12 @@ def _prepare(engine: Engine, part: Mapping[str, Any], where: str, number: int, n
             if rows is not None:
                 prep.frames = [(None, int(rows.shape[0]))]
             else:
-                patches = preprocess_image(decode_image(item.data), max_soft_tokens=budget,
+                patches = preprocess_image(decode_image(item.data, limits=limits), max_soft_tokens=budget,
                                            **vis.image_preprocessing())
                 prep.frames, prep.patches = [(None, int(patches.num_soft_tokens))], [patches]
         else:  # a video's frames are decoded every time (cheap next to the tower); its rows are cached
             frames = video_patches(item.data, max_soft_tokens=budget, name=name, num_frames=defaults.video_frames,
-                                   **vis.image_preprocessing())
+                                   limits=limits, **vis.image_preprocessing())
             prep.frames = [(f.timestamp, int(f.patches.num_soft_tokens)) for f in frames]
             prep.patches = [] if rows is not None else [f.patches for f in frames]
     except MediaError as e:
@@ -204,7 +205,7 @@ def _prepare_audio(engine: Engine, part: Mapping[str, Any], item: MediaItem, nam
     key = (item.digest, "audio", engine.settings.model, id(engine))
     rows = shared_cache(cache_bytes(engine.settings.env)).get(key)
     try:
-        clip = decode_audio(item.data, name=item.name)
+        clip = decode_audio(item.data, name=item.name, limits=MediaLimits.from_settings(engine.settings.env))
     except MediaError as e:
         raise MediaPartError(f"{label}{e}", param) from None
     audio = engine.cfg.audio

@@ -23,11 +23,11 @@ from gemma4.plan.hardware_report import format_report, simulated_report
 from gemma4.plan.hardware_probe import SIMULATED, simulated_facts
 
 
-def _measured_report(model: str, overrides: dict) -> dict:
+def _measured_report(model: str, overrides: dict, settings: Settings) -> dict:
     """The engine's own hardware report after loading `model` (no warm-up compiles)."""
     from gemma4.serve.engine.engine import Engine  # deferred: only --measure needs it (probe --simulate: 0.2 s vs 4-5 s, measured)
 
-    engine = Engine(model, overrides=overrides, warmup=False)
+    engine = Engine(model, overrides=overrides, warmup=False, env=settings)
     try:
         engine.wait_ready()
         status = engine.status()
@@ -92,13 +92,13 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     cfg = preset(args.model) if args.model else None
     try:
         if args.measure:
-            report = _measured_report(args.measure, overrides)
+            report = _measured_report(args.measure, overrides, settings)
         elif args.simulate:
-            report = simulated_report(simulated_facts(args.simulate), cfg, overrides)[1]
+            report = simulated_report(simulated_facts(args.simulate), cfg, overrides, settings)[1]
         else:
             from gemma4.plan import hardware_checks  # deferred: the live device needs jax; probe --simulate does not (0.2 s vs 4-5 s, measured)
 
-            report = hardware_checks.full_report(cfg, overrides, run_self_test=not args.no_self_test)
+            report = hardware_checks.full_report(cfg, overrides, settings, run_self_test=not args.no_self_test)
     except PolicyError as e:
         if args.json:
             print(json.dumps({"error": "PolicyError", "message": str(e)}))

@@ -59,7 +59,7 @@ class DemoApp(ChatHandlers):
             return "_The hardware report appears once the model has loaded._" + settings_markdown(self.settings.env), ""
         memory = self.engine.memory() if hasattr(self.engine, "memory") else info.get("memory")
         compiles = self.engine.compile_state() if hasattr(self.engine, "compile_state") else None
-        return (compile_markdown(compiles) + mesh_panel.panel_markdown(self.engine, info)
+        return (compile_markdown(compiles) + mesh_panel.panel_markdown(self.engine, info, self.settings.env)
                 + hardware_markdown(info.get("hardware")) + settings_markdown(self.settings.env),
                 memory_markdown(memory))
 
@@ -142,16 +142,16 @@ class DemoApp(ChatHandlers):
             if gen is not None:
                 gen.close()
 
-    @staticmethod
-    def _media(prompt: str, images: list[str] | None, videos: list[str] | None,
+    def _media(self, prompt: str, images: list[str] | None, videos: list[str] | None,
                max_soft_tokens: int | None, audio: list[str] | None = None) -> tuple[str, list[dict]]:
-        """(prompt, media parts) for /generate: each data: URI as a file (MediaError says what is
-        wrong with which); a prompt without markers gets one per file in front."""
+        """(prompt, media parts) for /generate: each data: URI as a file within the app's limits
+        (MediaError says what is wrong with which); a prompt without markers gets one per file in front."""
         uris = {"image": list(images or ()), "video": list(videos or ()), "audio": list(audio or ())}
         if not any(uris.values()):
             return prompt, []
-        items = {kind: [media_from_data_uri(uri, name=f"{kind} {k + 1}", kind=kind) for k, uri in enumerate(given)]
-                 for kind, given in uris.items()}
+        limits = self.media_limits()
+        items = {kind: [media_from_data_uri(uri, name=f"{kind} {k + 1}", kind=kind, limits=limits)
+                        for k, uri in enumerate(given)] for kind, given in uris.items()}
         if not any(count_markers(prompt).values()):
             prompt = "".join(PLACEHOLDERS[kind] * len(given) for kind, given in uris.items()) + prompt
         return prompt, parts_in_marker_order(prompt, items["image"], items["video"], max_soft_tokens,

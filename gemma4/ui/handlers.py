@@ -19,7 +19,7 @@ import gradio as gr
 from gradio.components.chatbot import MessageDict, NormalizedMessageDict
 from gradio.components.multimodal_textbox import MultimodalValue
 
-from gemma4.media.files import MediaError, describe, media_from_path
+from gemma4.media.files import MediaError, MediaItem, MediaLimits, describe, media_from_path
 from gemma4.model.sampling_params import K_MAX, TEMPERATURE_MAX, SamplingParams
 from gemma4.env import Settings as EnvSettings
 from gemma4.serve import conversation, prompts
@@ -130,6 +130,14 @@ class ChatHandlers:
         limits = getattr(getattr(self.settings, "access", None), "limits", None)
         return conversation.InputCaps(max_messages=getattr(limits, "max_messages", None),
                                       max_input_tokens=getattr(limits, "max_input_tokens", None))
+
+    def media_limits(self) -> MediaLimits:
+        """What one uploaded file may be: the app's GEMMA4_MAX_* settings (`settings.env`)."""
+        return MediaLimits.from_settings(self.settings.env)
+
+    def load_media(self, path: str) -> MediaItem:
+        """An uploaded file as a MediaItem, checked against the app's limits (`media_limits`)."""
+        return media_from_path(path, limits=self.media_limits())
 
     def info(self) -> dict[str, object] | None:
         """engine.info() once the model is ready, else None (for display)."""
@@ -280,7 +288,7 @@ class ChatHandlers:
         """Refuse (MediaError) files the reply could not use, before they enter the chat: each is
         read and its kind sniffed from its bytes; once the model is known, an image or video
         needs its vision tower and an audio clip its audio tower (the message names the file)."""
-        items = [media_from_path(f) for f in files]
+        items = [self.load_media(f) for f in files]
         if not items or not self.info():
             return
         media = self.support()
@@ -333,9 +341,9 @@ class ChatHandlers:
             media: list[dict] = []
             budget = self.image_tokens(image_tokens)
             if mode == "chat":
-                prompt = history_to_messages(history, image_tokens=budget)
+                prompt = history_to_messages(history, load=self.load_media, image_tokens=budget)
             else:
-                prompt, media = last_user_completion(history, image_tokens=budget)
+                prompt, media = last_user_completion(history, load=self.load_media, image_tokens=budget)
         except (ValueError, self.RequestError) as e:
             yield [*history, notice_message(f"Not sent to the model: {e}")], gr.skip(), session
             return
@@ -417,7 +425,7 @@ class ChatHandlers:
             return context_meter_html(used, limit, "last completion prompt + reply "
                                       "(completion mode sends only your latest message)")
         try:
-            messages = history_to_messages(history, image_tokens=self.image_tokens(image_tokens))
+            messages = history_to_messages(history, load=self.load_media, image_tokens=self.image_tokens(image_tokens))
             system = (system or "").strip() or None
             if any(has_media(m) for m in history or ()):  # soft tokens count: the request's ids
                 used = len(self.conversation.prompt_ids(self.engine, messages, system=system))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from gemma4.env import Settings
 from gemma4.model.config import preset
 from gemma4.plan import preflight, preflight_devices
 
@@ -74,18 +75,20 @@ def markdown(report: Mapping[str, object] | None, actual: list[Mapping[str, obje
 _cache: dict[int, tuple[tuple, dict]] = {}
 
 
-def engine_report(engine: Engine) -> dict | None:
-    """The pre-flight of a loaded engine's own mesh, context and batch (None before it loads)."""
+def engine_report(engine: Engine, settings: Settings | None = None) -> dict | None:
+    """The pre-flight of a loaded engine's own mesh, context and batch (None before it loads);
+    `settings`: the app's (its GEMMA4_MEMORY_FRACTION; None: the default)."""
     model = engine.loaded
     if model is None:
         return None
     shape = {a: int(n) for a, n in dict(model.mesh.shape).items()}
-    key = (id(model.cfg), tuple(sorted(shape.items())), model.context_limit, engine.max_batch)
+    key = (id(model.cfg), tuple(sorted(shape.items())), model.context_limit, engine.max_batch,
+           preflight_devices.usable_fraction(settings))
     hit = _cache.get(id(engine))
     if hit and hit[0] == key:
         return hit[1]
     try:
-        report = preflight.check(model.cfg, model.plan, preflight_devices.local_device_set(), shape,
+        report = preflight.check(model.cfg, model.plan, preflight_devices.local_device_set(settings=settings), shape,
                                  model.context_limit, engine.max_batch)
     except Exception as e:  # noqa: BLE001 - the panel shows the reason instead of failing
         report = {"error": f"{type(e).__name__}: {e}"}
@@ -93,10 +96,12 @@ def engine_report(engine: Engine) -> dict | None:
     return report
 
 
-def panel_markdown(engine: Engine, info: Mapping[str, object] | None = None) -> str:
-    """What DemoApp.hardware_panel adds: the pre-flight block for this engine."""
+def panel_markdown(engine: Engine, info: Mapping[str, object] | None = None,
+                   settings: Settings | None = None) -> str:
+    """What DemoApp.hardware_panel adds: the pre-flight block for this engine (`settings`: the
+    app's, which its engine was built with; None: every setting at its default)."""
     actual = ((info or {}).get("sharding") or {}).get("per_device")
-    return markdown(engine_report(engine), actual)
+    return markdown(engine_report(engine, settings), actual)
 
 
 # ------------------------------------------------------------------------------ which size needs what
@@ -119,7 +124,7 @@ def size_cell(cfg, plan: Mapping[str, object], device: str, context: int, batch:
 def size_table_markdown(context: int = SIZE_TABLE_CONTEXT, batch: int = SIZE_TABLE_BATCH) -> str:
     """docs/sharding.md's table ("which Gemma 4 size needs what"): for each Gemma 4 size and
     weight format, weights and KV per replica and, per device kind, the smallest mesh that fits
-    with the GiB each device then needs."""
+    with the GiB each device then needs (GEMMA4_MEMORY_FRACTION at its default: the docs' table)."""
     kinds = [preflight_devices.simulated_devices(d) for d in SIZE_TABLE_DEVICES]
     head = ["model", "weights", "weights / replica", f"KV ({context} × {batch})"] + [
         f"{d.kind.replace('NVIDIA ', '')} ({d.usable_bytes / _GiB:.1f})" for d in kinds]

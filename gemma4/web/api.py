@@ -168,11 +168,14 @@ def finish_reason(ev: conversation.ReplyEvent) -> str:
 class OpenAIApi:
     """The /v1 routes for one engine. `model`: the name /v1/models lists (the app's --model);
     the loaded model's own name (e.g. gemma3-270m) is accepted too. `api_keys`: bearer keys,
-    empty = open; `closed_reason`: set when /v1 must refuse everyone (a UI login, no API key)."""
+    empty = open; `closed_reason`: set when /v1 must refuse everyone (a UI login, no API key);
+    `fetch_policy`: how media URLs are fetched and the media limits (`FetchPolicy.from_settings`
+    of the app's settings)."""
 
     def __init__(self, engine: Engine, *, model: str, max_new_tokens_cap: int,
                  limits: Limits = Limits(), api_keys: tuple[str, ...] = (),
-                 trust_proxy: bool = False, closed_reason: str | None = None):
+                 trust_proxy: bool = False, closed_reason: str | None = None,
+                 fetch_policy: media_fetch.FetchPolicy = media_fetch.FetchPolicy()):
         self.engine = engine
         self.model = model
         self.cap = int(max_new_tokens_cap)
@@ -182,7 +185,7 @@ class OpenAIApi:
         self.trust_proxy = trust_proxy
         self.closed_reason = closed_reason
         self.created = int(time.time())
-        self.fetch_policy = media_fetch.FetchPolicy.from_env()  # image_url / video_url fetching
+        self.fetch_policy = fetch_policy  # image_url / video_url fetching: the app's settings' (default: the defaults)
         self.metrics = ServerMetrics(engine)  # this server's own registry (GET /metrics)
         self.caps = conversation.InputCaps(max_messages=self.limits.max_messages,
                                            max_input_tokens=self.limits.max_input_tokens)

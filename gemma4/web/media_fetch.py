@@ -22,7 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from gemma4.env import default_of, setting
+from gemma4.env import Settings, default_of
 from gemma4.media.files import (MediaError, MediaItem, MediaLimits, media_from_base64, media_from_bytes,
                                 media_from_data_uri)
 from gemma4.web.api_schema import ApiError
@@ -41,10 +41,11 @@ class FetchPolicy:
     limits: MediaLimits = dataclasses.field(default_factory=MediaLimits)
 
     @classmethod
-    def from_env(cls, env=None) -> "FetchPolicy":
-        """The policy from the environment (default: os.environ, read now; EnvError for a bad value)."""
-        return cls(enabled=setting(FETCH_ENV, env), timeout_s=setting(FETCH_TIMEOUT_ENV, env),
-                   limits=MediaLimits.from_env(env))
+    def from_settings(cls, settings: Settings) -> "FetchPolicy":
+        """The policy of the app's settings (`gemma4.env.Settings`, read from the environment and
+        the flags once, at start: a bad value stopped it there)."""
+        return cls(enabled=settings.get(FETCH_ENV), timeout_s=settings.get(FETCH_TIMEOUT_ENV),
+                   limits=MediaLimits.from_settings(settings))
 
 
 def resolve(url: str, kind: str, param: str, policy: FetchPolicy) -> MediaItem:

@@ -24,7 +24,9 @@ from gradio import networking
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gemma4.env import Settings as EnvSettings
 from gemma4.web.access import Access, api_closed_reason, exposure_warnings
+from gemma4.web.media_fetch import FetchPolicy
 from gemma4.web.ratelimit import client_ip
 
 if TYPE_CHECKING:  # the types only: this module imports no jax (see above)
@@ -50,15 +52,17 @@ def _loud(lines: list[str]) -> None:
 
 def build_app(demo: gr.Blocks, engine: Engine, *, model: str, max_new_tokens_cap: int,
               access: Access = Access(), css: str | None = None,
-              footer_links: list | None = None) -> FastAPI:
+              footer_links: list | None = None, env: EnvSettings | None = None) -> FastAPI:
     """The FastAPI app: /v1 (router first, so the UI's catch-all mount does not shadow it),
-    then the Gradio Blocks at /, with the UI login if one is configured."""
+    then the Gradio Blocks at /, with the UI login if one is configured. `env`: the app's
+    settings (/v1's media URL fetching and media limits; None: every setting at its default)."""
     from gemma4.web.api import OpenAIApi  # deferred: jax, +1.3 s on `import app` (measured)
 
     app = FastAPI(title="gemma4-jax", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIApi(engine, model=model, max_new_tokens_cap=max_new_tokens_cap,
                     limits=access.limits, api_keys=access.api_keys,
-                    trust_proxy=access.trust_proxy, closed_reason=api_closed_reason(access))
+                    trust_proxy=access.trust_proxy, closed_reason=api_closed_reason(access),
+                    fetch_policy=FetchPolicy() if env is None else FetchPolicy.from_settings(env))
     app.include_router(api.router())
     app.include_router(api.health_router())
     app.include_router(api.metrics_router())
@@ -146,15 +150,16 @@ def open_share_link(port: int) -> str:
 
 def serve(demo: gr.Blocks, engine: Engine, *, model: str, host: str, port: int, share: bool,
           max_new_tokens_cap: int, access: Access = Access(), css: str | None = None,
-          block: bool = True) -> Running:
-    """Build the app, warn about exposure, listen, open the share link if asked, print where."""
+          block: bool = True, env: EnvSettings | None = None) -> Running:
+    """Build the app, warn about exposure, listen, open the share link if asked, print where
+    (`env`: the app's settings, as `build_app`)."""
     on_spaces = bool(os.environ.get("SPACE_ID"))
     if share and on_spaces:
         log.warning("--share is ignored on Hugging Face Spaces (the Space is the link)")
         share = False
     _loud(exposure_warnings(share=share, host=host, access=access))
     app = build_app(demo, engine, model=model, max_new_tokens_cap=max_new_tokens_cap,
-                    access=access, css=css)
+                    access=access, css=css, env=env)
     running = start(app, host, port)
     print(f"* Running on local URL:  {running.url}   (OpenAI-compatible API: {running.url}v1)",
           flush=True)

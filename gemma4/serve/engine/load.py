@@ -172,7 +172,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     status(0.02, f"resolving {source.description}")
     # The plan depends on the geometry (head dims → attention path): peek at the config first.
     peeked = sources.peek_config(source, settings=settings)
-    plan, report = hardware_checks.resolve(peeked, overrides)
+    plan, report = hardware_checks.resolve(peeked, overrides, settings)
     if report.get("self_test") and not report["self_test"]["ok"]:
         raise RuntimeError(f"device self-test failed: {report['self_test']}")
     log.info("hardware plan:\n%s", plan.report())
@@ -180,7 +180,8 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     options = hardware_checks.run_options(plan)
     if context is None and peeked is not None and plan.platform != "cpu":  # (a CPU keeps DEFAULT_CONTEXT)
         context, report["context"] = preflight.default_context(
-            peeked, plan, preflight_devices.local_device_set(), mesh_request, max_batch, DEFAULT_CONTEXT)
+            peeked, plan, preflight_devices.local_device_set(settings=settings), mesh_request, max_batch,
+            DEFAULT_CONTEXT)
     asked = context_window(context, peeked.max_position_embeddings) if peeked else (context or 0)
     mesh_shape = preflight.engine_mesh(mesh_request, peeked, plan, asked, max_batch, settings)
     mesh = None
@@ -207,7 +208,8 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     # read back from disk (gemma4.serve.prepared_store): no conversion, reordering or measuring.
     store = (prepared_store.default_folder(settings) if source.kind in ("bundled", "gguf") and mesh is not None
              and mesh.size == 1 else None)
-    prepared = read_prepared(store, source, plan, overrides, progress, status) if store is not None else None
+    prepared = (read_prepared(store, source, plan, overrides, progress, status, settings) if store is not None
+                else None)
     pending = None
     if prepared is not None:
         cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
@@ -231,11 +233,12 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         # How each int8 product runs on this CPU: measured here (cached per machine) or overridden.
         t_mm = time.perf_counter()
         params, plan, report["int8_matmul"] = hardware_checks.choose_int8_matmul(
-            plan, params, overrides, progress=lambda frac, msg: status(0.7 + 0.05 * frac, msg), release=True)
+            plan, params, overrides, settings, progress=lambda frac, msg: status(0.7 + 0.05 * frac, msg),
+            release=True)
         timings["int8_matmul_s"] = time.perf_counter() - t_mm
         heap.release(settings.get("GEMMA4_MALLOC_TRIM"))  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
         if store is not None and prepared_store.worth_keeping(params):  # written once ready (`keep_prepared`)
-            pending = PreparedWrite(store, prepared_key(tok_spec["path"], plan_before, overrides), params,
+            pending = PreparedWrite(store, prepared_key(tok_spec["path"], plan_before, overrides, settings), params,
                                     prepared_meta(plan_before, plan, report["int8_matmul"]))
     if source.kind in ("bundled", "gguf"):  # the Hardware panel names the file's block types and their forms
         report["weights_file"] = gguf_summary(tok_spec["path"], cfg, plan.quantize_kwargs())
@@ -427,14 +430,16 @@ def make_tokenizer(spec: dict, cfg: ModelConfig) -> Tokenizer:
 
 
 # ------------------------------------------------------------------------------ prepared weights on disk
-def prepared_key(model_file: str, plan: hardware.Plan, overrides: dict) -> str:
+def prepared_key(model_file: str, plan: hardware.Plan, overrides: dict,
+                 settings: EnvSettings | None = None) -> str:
     """The prepared-weights entry for this model file under the plan made before the weights
-    load (the int8 choice is made after: it is the entry's content, not its key)."""
+    load (the int8 choice is made after: it is the entry's content, not its key); `settings`: the
+    run's, whose policy overrides count with `overrides` (None: none)."""
     # The choices' values, not their reasons: a reason quotes timings, measured afresh or read
     # from a cache, which would make a new key for the same weights.
     choices = {k: [v["value"], v["source"]] if isinstance(v, dict) and "reason" in v else v
                for k, v in plan.to_dict().items() if k != "warnings"}
-    return prepared_store.make_key(model_file, choices, hardware.normalize_overrides(overrides),
+    return prepared_store.make_key(model_file, choices, hardware.normalize_overrides(overrides, settings),
                                    extra={"quantize": plan.quantize_kwargs()})
 
 
@@ -450,11 +455,11 @@ def prepared_meta(before: hardware.Plan, plan: hardware.Plan, int8_report: dict 
 
 
 def read_prepared(store: Path, source: sources.ModelSource, plan: hardware.Plan, overrides: dict,
-                  progress: Status, status: Status) -> tuple | None:
+                  progress: Status, status: Status, settings: EnvSettings | None = None) -> tuple | None:
     """(cfg, params, tok_spec, plan, int8 report) from the store, or None (then the weights load
     and are prepared as usual, and kept once the engine is ready)."""
     cfg, tok_spec = sources.describe_file(source, progress)
-    key = prepared_key(tok_spec["path"], plan, overrides)
+    key = prepared_key(tok_spec["path"], plan, overrides, settings)
     hit = prepared_store.load(store, key)
     if hit is None:
         return None
