@@ -55,6 +55,7 @@ from typing import Any, Mapping
 
 from gemma4.env import EnvError, Settings, default_of, parse_setting
 from gemma4.model.config import approx_param_count, config_has_tower, preset, table_param_count
+from gemma4.plan import measured
 from gemma4.plan.hardware_probe import GiB, HardwareFacts, probe
 
 # ------------------------------------------------------------------------------ device tables
@@ -399,8 +400,8 @@ def compute_dtype_choice(asked: Asked) -> Choice:
                    "(run bench/cpu_dtype.py; GEMMA4_DTYPE=bfloat16 if it wins)")
         elif facts.cpu_native_bf16:
             why = ("CPU has AVX512_BF16, yet on such a CPU XLA:CPU's batch-1 matvec with bf16 weights measured "
-                   "5–10× slower than float32, and with int8 weights bf16 activations were no faster at batch 1 "
-                   "(bench/cpu_dtype.py)")
+                   "several times slower than float32, and with int8 weights bf16 activations were no faster at "
+                   "batch 1 (no result file kept: bench/cpu_dtype.py measures it on this machine)")
         else:
             why = "CPU has no bf16 arithmetic (no AVX512_BF16/AMX): bf16 would be emulated"
         auto = Choice("float32", f"{why}; float32 activations are the measured-safe path")
@@ -448,13 +449,13 @@ def weights_choice(asked: Asked, model_config, dtype: str) -> tuple[Choice, str 
 
     if plat == "cpu":
         auto_w, why = "int8", ("int8 weights need 1/4 of float32's RAM and bandwidth; decode runs them as a "
-                               "fused convert·multiply·reduce (Gemma 3 270M step, quiet 2-core Zen 4: 46 ms at "
-                               "batch 1 and 81 ms at batch 8, vs 52 / 121 ms with float32 weights); prefill "
-                               "dequantizes in cache-sized chunks for the dot")
+                               "fused convert·multiply·reduce (no float32 copy is read); prefill dequantizes "
+                               "in cache-sized chunks for the dot")
     else:
         auto_w, why = "none", (f"{dtype} weights keep the checkpoint's numbers; int8 (GEMMA4_WEIGHTS=int8) halves "
-                               f"the bytes a decode step reads and decodes ~1.9x faster where bandwidth bounds it "
-                               f"(E2B on a TPU v5e: 286 vs 148 tok/s) at the cost of exactness")
+                               f"the bytes a decode step reads and decodes faster where bandwidth bounds it (E2B "
+                               f"batch 1: {measured.pair('tpu_e2b_int8_decode', 'tpu_e2b_bf16_decode')}) at the "
+                               f"cost of exactness")
     order = ("none", "int8", "int4")
     auto_embed = None
     if (budget and auto_w == "none" and "weights" not in ov and need("none") > budget
@@ -479,7 +480,7 @@ def weights_choice(asked: Asked, model_config, dtype: str) -> tuple[Choice, str 
         return Choice(auto_w, why), auto_embed
     reason = f"requested via GEMMA4_WEIGHTS (auto would be {auto_w})"
     if ov["weights"] == "int4" and plat == "cpu":
-        reason += "; note: on CPU int4 unpacking makes matmuls ~2× slower than int8 (saves RAM only)"
+        reason += "; note: on CPU int4's unpacking makes its products slower than int8's (it saves RAM only)"
     if budget and need(ov["weights"]) > budget:
         msg = (f"{model_config.name} as {ov['weights']} needs {need(ov['weights']) / GiB:.1f} GiB "
                f"vs {mem / GiB:.1f} GiB")
@@ -630,8 +631,8 @@ def int4_kernel_choice(asked: Asked, model_config, weights: str, dtype: str) -> 
     want = ov.get("int4_kernel")
     if plat == "tpu":
         auto = Choice("dequant+dot", f"{'fits' if fits else 'does not fit'}: {arithmetic}; but on TPU the "
-                                     "fused kernel measured 0.59× the XLA path (GEMMA4_INT4_KERNEL=pallas "
-                                     "to try it)")
+                                     "fused kernel ran slower than the XLA path where tried (no result file kept; "
+                                     "GEMMA4_INT4_KERNEL=pallas to try it)")
     elif fits:
         auto = Choice("pallas-int4", f"fused int4 kernel fits: {arithmetic} (verified by the start-up "
                                      "self-test; GEMMA4_INT4_KERNEL=xla opts out)")
@@ -658,7 +659,8 @@ def matmul_precision_choice(asked: Asked, dtype: str) -> Choice:
         # inputs to 8 bits of mantissa (the self-test measured 2.2e-3 against float64), so float32
         # runs at `highest` (six passes, float32-exact products) and gives the CPU's float32 ids
         prec = Choice("highest", "TPU, float32 compute: jax_default_matmul_precision=highest (float32-exact "
-                                 "products; the default one bf16 pass is off by ~1e-3)")
+                                 "products; the default one bf16 pass rounds every product's inputs to 8 "
+                                 "bits of mantissa)")
     elif plat == "gpu" and dtype == "float32":
         # likewise: JAX's default lets an NVIDIA GPU from Ampere (sm_80) on run float32 products as
         # TF32 (10 bits of mantissa); float32 is the exact mode, so its products are float32's
@@ -685,7 +687,8 @@ def decode_block_choice(asked: Asked) -> Choice:
     """Decode steps per dispatch: one on a CPU, DECODE_BLOCK on an accelerator."""
     plat, ov = asked.plat, asked.ov
     if plat == "cpu":
-        steps = Choice(1, "CPU: a decode step (~20 ms) dwarfs the host's dispatch; one token per dispatch")
+        steps = Choice(1, f"CPU: a decode step ({measured.cite('cpu_decode_step')}) dwarfs the host's dispatch; "
+                          "one token per dispatch")
     else:
         steps = Choice(DECODE_BLOCK, f"{plat.upper()}: a step takes about what the host spends dispatching one, so "
                                      f"{DECODE_BLOCK} steps run per dispatch and the next block is dispatched "
@@ -702,7 +705,8 @@ def query_block_choice(asked: Asked) -> Choice:
     if plat == "cpu":
         blocks = Choice(QUERY_BLOCK_CPU, f"CPU: a later prefill chunk attends {QUERY_BLOCK_CPU} queries at a time "
                                          "(its score matrix stays in cache; a sliding layer's block reads only the "
-                                         "keys its window reaches): the same sums, in about 0.6x the time")
+                                         "keys its window reaches): the same sums, a later 512-token chunk in "
+                                         f"{measured.pair('cpu_chunk_query_blocks', 'cpu_chunk_one_product')}")
     else:
         blocks = Choice(0, f"{plat.upper()}: a chunk's attention in one product (blocks not measured here)")
     if "query_block" in ov and ov["query_block"] != blocks.value:
@@ -715,18 +719,22 @@ def query_block_choice(asked: Asked) -> Choice:
 def layers_choice(platform: str, ov: Mapping[str, Any]) -> Choice:
     """Whether the forward pass scans each run of repeated layer periods (`ModelConfig.layer_runs`;
     the weights stacked per period position, one period compiled per run) or unrolls every layer
-    over the weights as loaded. The scan compiles a step about 2x faster everywhere; what it costs
+    over the weights as loaded. The scan compiles a step faster everywhere; what it costs
     a decode step differs: on a CPU nothing (the native kernels read a stacked layer in place), on
     a TPU the loop's slices of the stacked weights are read without the prefetching XLA gives
     separate arrays (docs/tpu.md, "The layers: scanned or unrolled")."""
     if platform == "cpu":
-        choice = Choice("scan", "CPU: each run of repeated layer periods one scan (a step compiles ~2x faster; "
+        choice = Choice("scan", "CPU: each run of repeated layer periods one scan (a step compiles faster: "
+                                f"{measured.pair('cpu_compile_decode_scanned', 'cpu_compile_decode_unrolled')}; "
                                 "decode and prefill as fast as unrolled: the native kernels read a stacked layer "
                                 "in place)")
     else:
         choice = Choice("unrolled", f"{platform.upper()}: every layer unrolled over its own weights (batch-1 decode "
-                                    "reads stacked weights ~1 ms a token slower on the v5e, where XLA streams a "
-                                    "loop's weight slices without prefetching them; a step compiles ~2x slower)")
+                                    "reads stacked weights more slowly, XLA streaming a loop's weight slices without "
+                                    "prefetching them: a step "
+                                    f"{measured.pair('tpu_step_ms_unrolled', 'tpu_step_ms_scanned')}; a step "
+                                    "compiles slower: "
+                                    f"{measured.pair('tpu_compile_decode_scanned', 'tpu_compile_decode_unrolled')})")
     if "layers" in ov and ov["layers"] != choice.value:
         choice = Choice(ov["layers"], f"requested via GEMMA4_LAYERS (auto would be {choice.value})", "override")
     return choice
