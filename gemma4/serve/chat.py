@@ -38,7 +38,7 @@ template places the part. The renderer never calls back into the media code.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from gemma4.media.layout import PLACEHOLDERS
 from gemma4.serve import chat_tools
@@ -145,7 +145,19 @@ def strip_thinking(text: str) -> str:
     return _THINKING.sub("", text)
 
 
-def _encode_segments(segments: Iterable[int | str], tokenizer: Tokenizer) -> list[int]:
+class ChatEncoder(Protocol):
+    """What rendering a chat needs of a tokenizer: its BOS, control tokens by name and plain text
+    encoded without special-token matching (a `Tokenizer`, or the request layer's encoder that
+    encodes each message's text once)."""
+
+    bos_id: int | None
+
+    def special_id(self, token: str) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def _encode_segments(segments: Iterable[int | str], tokenizer: ChatEncoder) -> list[int]:
     """Ids for a sequence of control ids (int) and plain text (str); adjacent texts are joined and
     encoded in one call so token merges across them match whole-string tokenization."""
     ids: list[int] = []
@@ -215,7 +227,7 @@ def _tool_segments(parts: list, quote_id: int) -> list[int | str]:
     return [quote_id if p is chat_tools.QUOTE else p for p in parts]
 
 
-def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: Tokenizer, tools: Sequence | None,
+def _gemma4_segments(system_text: str | None, turns: list[dict], tokenizer: ChatEncoder, tools: Sequence | None,
                      thinking: bool, add_generation_prompt: bool, large_model_template: bool,
                      media: Iterator[Expansion]) -> list[int | str]:
     """The Gemma 4 chat template, segment by segment (see the module docstring)."""
@@ -299,7 +311,7 @@ def _media_turn_segments(turn: dict, media: Iterator[Expansion]) -> list[int | s
     return segs
 
 
-def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: Tokenizer,
+def render(messages: Sequence[Mapping[str, Any]], family: str, tokenizer: ChatEncoder,
            system: str | None = None, add_generation_prompt: bool = True, thinking: bool = False,
            large_model_template: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
            media: Sequence[Expansion] | None = None) -> list[int]:

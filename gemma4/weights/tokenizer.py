@@ -38,7 +38,7 @@ import mmap
 import os
 import re
 import struct
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -253,6 +253,27 @@ def _gguf_cache_path(gguf_path: str, cache_dir: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+class TokenizerBackend(Protocol):
+    """What `Tokenizer` needs of a vocabulary (a SentencePiece model, a tokenizers JSON, a GGUF's
+    vocabulary through either): ids of text without special-token matching, text of ids, and
+    each id's piece, with the special ids and the control set."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    control_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def piece(self, i: int) -> str: ...
+
+    def piece_id(self, piece: str) -> int | None: ...
+
+
 class _SentencePieceBackend:
     """A SentencePiece model. Control pieces are never matched in text by SentencePiece itself;
     control-looking user-defined pieces are promoted to control before loading.
@@ -354,7 +375,7 @@ class Tokenizer:
     """Text ↔ ids for Gemma models. Build with `from_folder`, `from_gguf` or
     `from_tokenizer_json`; see the module docstring for the plain-text rule."""
 
-    def __init__(self, backend, source: str = ""):
+    def __init__(self, backend: TokenizerBackend, source: str = ""):
         self._b = backend
         self.source = source
         self.vocab_size: int = backend.vocab_size
