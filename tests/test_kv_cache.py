@@ -146,7 +146,7 @@ def test_an_accelerators_longer_ring_gives_the_same_tokens():
     reusable through a longer reply): chunks written first into it, the ring wrapping, the tokens
     equal the whole prompt recomputed, as with a CPU's ring."""
     window = CFG.sliding_window
-    slack = kv_cache.ring_slack(window, accelerator=True)
+    slack = kv_cache.ring_slack(window, "tpu")
     assert slack == min(window, kv_cache.ACCELERATOR_RING_SLACK) > kv_cache.ring_slack(window)
     ring = kv_cache.init_cache(CFG, 1, MAX_LEN, jnp.float32, slack=slack)[0]
     assert kv_cache.slot_count(ring) == window + slack

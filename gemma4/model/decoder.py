@@ -571,12 +571,11 @@ def _attend_keys(spec: LayerSpec, cfg: ModelConfig, q: jax.Array, source: tuple 
     window = cfg.sliding_window if spec.is_sliding else None
     if isinstance(source, CacheKeys) and options.attention_full == "pallas" and not spec.is_sliding:
         from gemma4.ops.kernels import tpu_attention  # deferred: see _reads_in_kernel
-        e = source.entry  # (the TPU kernel indexes [L·R, S, ...]: a free reshape there)
-        k, v, pos, *scales = (e[n].reshape((-1,) + e[n].shape[2:]) for n in ("k", "v", "pos", "k_scale", "v_scale")
-                              if n in e)
-        out = tpu_attention.attend(q, positions, k, v, pos, source.flat_rows()[0], scale=cfg.attention_scale,
-                                   k_scale=scales[0] if scales else None, v_scale=scales[1] if scales else None,
-                                   interpret=_interpret())
+        # (the TPU kernel indexes [L·R, S, ...]: a free reshape there)
+        flat = {n: x.reshape((-1,) + x.shape[2:]) for n, x in source.entry.items()}
+        out = tpu_attention.attend(q, positions, flat["k"], flat["v"], flat["pos"], source.flat_rows()[0],
+                                   scale=cfg.attention_scale, k_scale=flat.get("k_scale"),
+                                   v_scale=flat.get("v_scale"), interpret=_interpret())
         return out.reshape(q.shape[0], q.shape[1], -1)
     if isinstance(source, CacheKeys):
         e = source.entry

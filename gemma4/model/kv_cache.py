@@ -47,11 +47,13 @@ WRITE_FIRST_TOKENS = 32
 ACCELERATOR_RING_SLACK = 256
 
 
-def ring_slack(window: int, accelerator: bool = False) -> int:
-    """Slots a sliding layer's ring holds beyond its window: on a CPU up to WRITE_FIRST_TOKENS (a
-    quarter of the window at most), on an accelerator up to ACCELERATOR_RING_SLACK (the window at
-    most)."""
-    return min(ACCELERATOR_RING_SLACK, window) if accelerator else min(WRITE_FIRST_TOKENS, window // 4)
+def ring_slack(window: int, platform: str = "cpu") -> int:
+    """Slots a sliding layer's ring holds beyond its window on `platform` (jax's: "cpu", "tpu",
+    "gpu"): on a CPU up to WRITE_FIRST_TOKENS (a quarter of the window at most), on an
+    accelerator up to ACCELERATOR_RING_SLACK (the window at most)."""
+    if platform == "cpu":
+        return min(WRITE_FIRST_TOKENS, window // 4)
+    return min(ACCELERATOR_RING_SLACK, window)
 
 
 def slots_for(spec: LayerSpec, cfg: ModelConfig, max_len: int, slack: int | None = None) -> int:

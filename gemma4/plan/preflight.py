@@ -127,7 +127,7 @@ def workspace_bytes(cfg: ModelConfig, plan: Any, context: int, batch: int,
     kernel = fmt["attention_full"] == "pallas" and t == 1 and d == 1 and fmt["kv"] in ("native", "int8")
     T = min(PREFILL_CHUNK_KERNEL if kernel else PREFILL_CHUNK, context)
     window = cfg.sliding_window or context
-    ring = window + kv_cache.ring_slack(window, accelerator=fmt["platform"] != "cpu")
+    ring = window + kv_cache.ring_slack(window, fmt["platform"])
     keys = min(context, ring + T) if kernel else context
     heads = _split(cfg.num_heads, t)
     mlp = _split(max(s.mlp_width for s in cfg.layers), t)

@@ -349,7 +349,7 @@ def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: D
         for s in cfg.layers:
             if s.is_kv_consumer:
                 continue
-            slots = slots_for(s, cfg, context, ring_slack(cfg.sliding_window, accelerator=platform != "cpu"))
+            slots = slots_for(s, cfg, context, ring_slack(cfg.sliding_window, platform))
             kv_shape = (batch, slots, s.num_kv_heads, s.head_dim)
             kv += 2 * _part_bytes(kv_shape, store, count_spec(CACHE_AXES["k"], kv_shape, sizes), sizes)
             kv += _part_bytes((batch, slots), 4, count_spec(CACHE_AXES["pos"], (batch, slots), sizes), sizes)

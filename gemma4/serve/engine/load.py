@@ -292,7 +292,7 @@ def serving_model(source: sources.ModelSource, cfg: ModelConfig, params: Any, pl
         options = dataclasses.replace(options, mesh=mesh)  # per-shard parts (the MoE bank)
     if mesh.shape["data"] > 1:  # a row is read by mask, not sliced (every decode step runs all rows)
         options = dataclasses.replace(options, rows_sharded=True)
-    slack = kv_cache.ring_slack(cfg.sliding_window, accelerator=plan.platform != "cpu")  # (the sliding rings')
+    slack = kv_cache.ring_slack(cfg.sliding_window, plan.platform)  # (the sliding rings')
     geometry = serving_geometry(
         platform=plan.platform, decode_block=int(plan.decode_block.value), mesh_data=int(mesh.shape["data"]),
         processes=processes, max_batch=max_batch, context=context,

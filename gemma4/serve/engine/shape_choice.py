@@ -141,8 +141,8 @@ class ShapeChoice:
 
         The ideal or the cheapest compiled cover of every row (`decode_key`), as one dispatch at
         row 0 — or, where steps are dispatched one at a time (decode blocks run from row 0), at the
-        first decoding row, so a lone stream in row 1 (the prefix cache's second cheap row)
-        decodes one row wide, not two (the same tokens: batch invariance). Else the ideal one is compiled first in line, and meanwhile the rows that some
+        first decoding row, so a lone stream in a higher row decodes one row wide (the same tokens:
+        batch invariance). Else the ideal one is compiled first in line, and meanwhile the rows that some
         compiled cache length covers decode — under one compiled cover of them all, else each
         alone with width 1 at its row offset (the same tokens: batch invariance) — and a row that
         no compiled length covers (a long prompt just prefilled) waits for its own shape: no
