@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -426,11 +427,13 @@ class Settings:
             raw = env.get(s.name)
             value = parse_setting(s.name, raw)
             entries.append((s.name, value, ENVIRONMENT if (raw or "").strip() else DEFAULT))
-        return cls(tuple(entries)).with_flags(flags or {})
+        settings = cls(tuple(entries))
+        return settings.with_flags(flags) if flags else settings
 
     @classmethod
+    @functools.cache
     def defaults(cls) -> Settings:
-        """Every setting at its default (as an empty environment gives)."""
+        """Every setting at its default (as an empty environment gives), parsed once (frozen)."""
         return cls.from_env({})
 
     def with_flags(self, flags: Mapping[str, Any]) -> Settings:

@@ -30,7 +30,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from gemma4.model.config import JSON
 
 QUOTE_TOKEN = '<|"|>'
 
@@ -44,8 +47,6 @@ class _Quote:
 
 QUOTE = _Quote()
 Segment = "str | _Quote"
-# A value of a parsed call's arguments: what json.loads gives (the template's syntax has the same).
-JsonValue = Union[str, int, float, bool, None, list["JsonValue"], dict[str, "JsonValue"]]
 
 # Keys the template treats as schema keywords when it lists an object's own keys as properties.
 _SCHEMA_KEYS = ("description", "type", "properties", "required", "nullable")
@@ -324,7 +325,7 @@ class _Parser:
         self.i += 1
         return self.toks[self.i - 1][1]
 
-    def value(self) -> JsonValue:
+    def value(self) -> JSON:  # (what json.loads gives: the template's syntax has the same)
         kind = self.peek()
         if kind == "str":
             return self.take("str", "a value")

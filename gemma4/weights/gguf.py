@@ -38,8 +38,8 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from gemma4.model.config import JSON, ModelConfig, from_hf_config
-from gemma4.model.params import LeafSpec, is_leaf_spec, leaf_dtype, leaf_name, param_specs
-from gemma4.ops.quant import Params, PyTree, QuantArray, Weight, read_aligned, to_device
+from gemma4.model.params import LeafSpec, leaf_dtype, leaf_name, param_specs, tree_from_leaves
+from gemma4.ops.quant import Params, QuantArray, Weight, read_aligned, to_device
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
@@ -288,18 +288,6 @@ def clear_cache(path: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------ params
-def _assemble_tree(cfg: ModelConfig, leaves: dict[tuple, Weight]) -> Params:
-    def build(node: PyTree[LeafSpec], prefix: tuple) -> PyTree[Weight]:
-        if is_leaf_spec(node):
-            return leaves[prefix]
-        if isinstance(node, dict):
-            return {k: build(v, prefix + (k,)) for k, v in node.items()}
-        return [build(v, prefix + (i,)) for i, v in enumerate(node)]
-
-    return build(param_specs(cfg), ())
-
-
 def _foreign(name: str, arr: np.ndarray, shape: tuple, folder: Path | None) -> GGUFError:
     return GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {shape}; delete {folder}")
 
@@ -390,7 +378,7 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
             writer.abort()
         raise
 
-    params = _assemble_tree(cfg, leaves)
+    params = tree_from_leaves(param_specs(cfg), leaves)
     counts = {k: 0 for k in ("int8_exact", "int8_rerounded", "int8_from_float", "float")}
     for e in entries.values():
         counts[leaf_form(e["kind"], e["type"])] += 1

@@ -141,14 +141,15 @@ def attend(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, k_pos: ja
         return r, 0, jj
 
     def scale_block(h, i, j, row_ref, last_ref):
-        r, jj, _ = kv_block(h, i, j, row_ref, last_ref)
-        return r, h, 0, jj
+        _, jj, _ = kv_block(h, i, j, row_ref, last_ref)
+        return h, 0, jj
 
     scaled = k_scale is not None
     scale_specs, scale_args = [], []
-    if scaled:  # [R, S, nkv] -> [R, nkv, 1, S]: one kv head's scales of a block are a [1, block_k] row
-        scale_specs = [pl.BlockSpec((None, None, 1, block_k), scale_block)] * 2
-        scale_args = [x.transpose(0, 2, 1)[:, :, None, :].astype(jnp.float32) for x in (k_scale, v_scale)]
+    if scaled:  # the chunk's row only, [S, nkv] -> [nkv, 1, S]: a kv head's scales of a block are a [1, block_k] row
+        scale_specs = [pl.BlockSpec((None, 1, block_k), scale_block)] * 2
+        scale_args = [jax.lax.dynamic_index_in_dim(x, row[0], 0, keepdims=False).T[:, None, :].astype(jnp.float32)
+                      for x in (k_scale, v_scale)]
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, block_k=block_k, scaled=scaled),
         out_shape=jax.ShapeDtypeStruct((nkv, rows, d), q.dtype),

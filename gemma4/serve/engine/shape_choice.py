@@ -24,7 +24,7 @@ SMALL_STAND_IN = 64
 class ShapeBook(Protocol):
     """What the scheduler asks of the compiled shapes (engine/compiled.py's `CompiledShapes`)."""
 
-    def usable(self, key: ShapeKey) -> bool: ...  # compiled, and not hidden from use
+    def usable(self, key: ShapeKey) -> bool: ...  # compiled
     def failure(self, key: ShapeKey) -> str | None: ...  # why compiling it failed, or None
     def usable_keys(self) -> Sequence[ShapeKey]: ...
     def has_run(self, key: ShapeKey) -> bool: ...  # ran before (its first run's costs are behind it)
