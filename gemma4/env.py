@@ -175,6 +175,9 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
         Setting("GEMMA4_INT8_PANEL_BITS", CHOICE, "auto",
                 "5: panels leaves whose values all lie in [-16, 15] are stored in 5 bits (auto measures it)",
                 choices=("auto", "5", "8")),
+        Setting("GEMMA4_GGUF_Q4K", CHOICE, "auto",
+                "a GGUF's Q4_K tables: 4bit keeps them as stored for the native panel product (exact), "
+                "int8 re-rounds them; auto: 4bit where that product runs", choices=("auto", "4bit", "int8")),
         Setting("GEMMA4_DECODE_BLOCK", INTEGER, None, "decode steps per dispatch; unset: the policy's",
                 low=1, high=64, auto=True),
         Setting("GEMMA4_QUERY_BLOCK", INTEGER, None,

@@ -137,8 +137,11 @@ PANEL_PATHS = ("native-panels", "native-gemm", "native-gemm-i8")
 
 
 def eligible(path: str, m: int, k: int, group: int | None, native_ok: bool, n: int = 0,
-             layout: str = "rows") -> bool:
-    """Whether `path` can run this product at all (not whether it is fast); `n` = output rows."""
+             layout: str = "rows", bits: int = 8) -> bool:
+    """Whether `path` can run this product at all (not whether it is fast); `n` = output rows;
+    `bits` 4: a Q4_K table's 4-bit panels, which the int16-activation native products read only."""
+    if bits == 4 and path not in ("native-panels", "native-gemm"):
+        return False
     if path == "native-gemm-i8":  # reads either layout
         return native_ok and m > cpu_int8.MAX_ROWS and cpu_int8.gemm_i8_supported(n, k, group)
     if layout == "panels":

@@ -73,13 +73,16 @@ class QuantArray:
     @property
     def shape(self) -> tuple[int, ...]:
         if self.layout == "panels":
-            return (int(self.q.shape[0]) * PANEL_ROWS, int(self.q.shape[1]) * (4 if self.panel_bits == 5 else 2))
+            return (int(self.q.shape[0]) * PANEL_ROWS, int(self.q.shape[1]) * (2 if self.panel_bits == 8 else 4))
         return tuple(self.q.shape)
 
     @property
     def panel_bits(self) -> int:
-        """Bits per stored value: 5 for 5-bit panels (q uint8, `with_5bit_panels`), else 8."""
-        return 5 if self.layout == "panels" and self.q.dtype == jnp.uint8 else 8
+        """Bits per stored value: 5 for 5-bit panels (q uint8 [.., 40], `with_5bit_panels`), 4 for a
+        GGUF Q4_K table kept as it is (q uint8 [.., 32], `q4k_leaf`), else 8."""
+        if self.layout != "panels" or self.q.dtype != jnp.uint8:
+            return 8
+        return 4 if self.q.shape[-1] == 32 else 5
 
     @property
     def dtype(self):
@@ -94,12 +97,16 @@ class QuantArray:
         return int(self.q.size * self.q.dtype.itemsize + self.scale.size * self.scale.dtype.itemsize)
 
     def dequantize(self, dtype: DTypeLike = jnp.float32) -> jax.Array:
+        if self.panel_bits == 4:
+            return dequant_panels4(self.q, self.scale).astype(dtype)
         return dequant_int8(*self.rows(), self.group_size, dtype)
 
     def rows(self, count: int | None = None) -> tuple[jax.Array, jax.Array]:
         """(q [out, in], scale [out] or [out, in/g]) whatever the layout; the first `count` rows
         only when given (of panels, only the panels holding them are reordered)."""
         q, scale = self.q, self.scale
+        if self.panel_bits == 4:
+            raise ValueError("a 4-bit (Q4_K) leaf has no int8 rows: it is asymmetric; use dequantize()")
         if self.layout == "panels":
             if count is not None:
                 panels = -(-count // PANEL_ROWS)
@@ -330,6 +337,98 @@ def with_5bit_panels(w: "QuantArray") -> "QuantArray":
     return dataclasses.replace(w, q=_placed_like(pack_panels5(qp), w.q))
 
 
+# ------------------------------------------------------------------------------ 4-bit panels (GGUF Q4_K)
+# A GGUF Q4_K table (w = d·sc·q − dmin·m: per 256 inputs a float16 d and dmin, per 32 a 6-bit sc
+# and m, q in 0..15) has no exact int8 form: int8 re-rounds it in 9 bits a value. Where the native
+# panel product runs, it is kept as it is, in 4.625 bits a value (gemma4/ops/kernels/cpu_int8.cc,
+# "4-bit panels"): q uint8 [N/16, K/4, 32] — byte 2j + t of block b holds row j's input 4b + t in
+# its low nibble and input 4b + 2 + t in its high one — and `scale` uint8 [N/16, K/256, 320]: per
+# panel and super-block sc [8 groups][16 rows], m [8][16], d float16 [16], dmin float16 [16].
+Q4K_SUPER = 256
+Q4K_GROUP = 32
+Q4K_BLOCK_BYTES = 144  # a Q4_K super-block in the file: d, dmin (float16), 12 bytes of 6-bit sc/m, 128 of nibbles
+Q4K_SUPER_BYTES = 320
+
+
+def q4k_fields(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [n, 144] uint8 → (q uint8 [n, 256] in 0..15, sc uint8 [n, 8], m uint8 [n, 8],
+    d float16 [n], dmin float16 [n]) — ggml's layout: 64 values per 32 bytes of nibbles (low ones
+    first), the 6-bit sc/m of sub-blocks 0-3 in bytes 0-7, of 4-7 split over bytes 8-11 and the
+    top bits of bytes 0-7."""
+    n = raw.shape[0]
+    d = np.ascontiguousarray(raw[:, 0:2]).view(np.float16)[:, 0]
+    dmin = np.ascontiguousarray(raw[:, 2:4]).view(np.float16)[:, 0]
+    s12 = raw[:, 4:16]
+    sc = np.empty((n, 8), np.uint8)
+    m = np.empty((n, 8), np.uint8)
+    sc[:, :4], m[:, :4] = s12[:, 0:4] & 63, s12[:, 4:8] & 63
+    sc[:, 4:] = (s12[:, 8:12] & 15) | ((s12[:, 0:4] >> 6) << 4)
+    m[:, 4:] = (s12[:, 8:12] >> 4) | ((s12[:, 4:8] >> 6) << 4)
+    qs = raw[:, 16:144].reshape(n, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 256)
+    return q, sc, m, d, dmin
+
+
+def q4k_panels(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K tensor's bytes [n, k/256 · 144] → (q, scale) of its 4-bit panels (layout above), in
+    fresh HOST_ALIGN-aligned buffers; exact (every field kept as stored)."""
+    if n % (2 * PANEL_ROWS) or k % Q4K_SUPER:
+        raise ValueError(f"a 4-bit panels weight needs rows a multiple of 32 and inputs of 256: [{n}, {k}]")
+    sb_count = k // Q4K_SUPER
+    q, sc, m, d, dmin = q4k_fields(np.asarray(raw, np.uint8).reshape(n * sb_count, Q4K_BLOCK_BYTES))
+    pan = n // PANEL_ROWS
+    v = q.reshape(pan, PANEL_ROWS, k // 4, 2, 2)  # [p, j, b, half, t]: input 4b + 2·half + t
+    v = v.transpose(0, 2, 3, 1, 4).reshape(pan, k // 4, 2, 2 * PANEL_ROWS)  # [p, b, half, 2j + t]
+    qp = host_empty((pan, k // 4, 32), np.uint8)
+    np.bitwise_or(v[:, :, 0], v[:, :, 1] << 4, out=qp)
+    sp = host_empty((pan, sb_count, Q4K_SUPER_BYTES), np.uint8)
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # [n · sb_count, f] → [p, sb, f · 16] (field-major, row-minor)
+        f = a.shape[-1]
+        return a.reshape(pan, PANEL_ROWS, sb_count, f).transpose(0, 2, 3, 1).reshape(pan, sb_count, f * PANEL_ROWS)
+
+    sp[..., 0:128] = by_panel(sc)
+    sp[..., 128:256] = by_panel(m)
+    sp[..., 256:288] = np.ascontiguousarray(by_panel(d.reshape(-1, 1))).view(np.uint8)
+    sp[..., 288:320] = np.ascontiguousarray(by_panel(dmin.reshape(-1, 1))).view(np.uint8)
+    return qp, sp
+
+
+def q4k_leaf(raw: np.ndarray, n: int, k: int) -> "QuantArray":
+    """A Q4_K tensor [n, k] as a 4-bit panels QuantArray (see above)."""
+    qp, sp = q4k_panels(raw, n, k)
+    return QuantArray(to_device(qp), to_device(sp), group_size=Q4K_GROUP, layout="panels")
+
+
+def dequant_panels4(q, sb, count: int | None = None):
+    """4-bit panels (q, scale) → float32 [N, K] (numpy or jax, by q's kind); the first `count` rows
+    only when given. w = d·sc·q − dmin·m, each product in float32 as the kernel forms it."""
+    xp = np if isinstance(q, np.ndarray) else jnp
+    if count is not None:
+        panels = -(-count // PANEL_ROWS)
+        q, sb = q[:panels], sb[:panels]
+    pan, blocks, _ = q.shape
+    sbs = sb.shape[1]
+    halves = xp.stack([q & 15, q >> 4], axis=2)  # [p, b, half, 2j + t]
+    v = halves.reshape(pan, blocks, 2, PANEL_ROWS, 2).transpose(0, 3, 1, 2, 4).reshape(pan * PANEL_ROWS, blocks * 4)
+
+    def rows_of(field, start: int, size: int):  # [p, sb, size · 16] → [N, sb, size]
+        return field[..., start:start + size * PANEL_ROWS].reshape(pan, sbs, size, PANEL_ROWS).transpose(0, 3, 1, 2).reshape(
+            pan * PANEL_ROWS, sbs, size)
+
+    def halfs(start: int):
+        raw = sb[..., start:start + 32].reshape(pan, sbs, PANEL_ROWS, 2)
+        h = raw.view(np.float16)[..., 0] if xp is np else jax.lax.bitcast_convert_type(raw, jnp.float16)
+        return h.astype(xp.float32).transpose(0, 2, 1).reshape(pan * PANEL_ROWS, sbs, 1)
+
+    scale = (halfs(256) * rows_of(sb, 0, 8).astype(xp.float32)).reshape(pan * PANEL_ROWS, -1)
+    mins = (halfs(288) * rows_of(sb, 128, 8).astype(xp.float32)).reshape(pan * PANEL_ROWS, -1)
+    n, k = v.shape
+    w = v.astype(xp.float32).reshape(n, k // Q4K_GROUP, Q4K_GROUP) * scale[..., None] - mins[..., None]
+    w = w.reshape(n, k)
+    return w if count is None else w[:count]
+
+
 # ------------------------------------------------------------------------------ one format for a stack
 def common_format(leaves: list) -> list:
     """Leaves the forward pass stacks (the same weight of layers that repeat each other: decoder.
@@ -341,6 +440,8 @@ def common_format(leaves: list) -> list:
     `paths` those of a leaf already in that form (else the first 8-bit one's). Other leaves are
     returned as they are."""
     first = leaves[0]
+    if any(isinstance(w, QuantArray) and w.panel_bits == 4 for w in leaves):
+        return leaves  # no exact common form (the GGUF loader keeps Q4_K 4-bit only where a whole stack is)
     same = all(jax.tree.structure(w) == jax.tree.structure(first)
                and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(first)))
                for w in leaves)
@@ -372,6 +473,8 @@ def _widened(w: "QuantArray", group: int) -> "QuantArray":
 def take_panel_rows(w: "QuantArray", ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q rows [..., K], scales [...] or [..., K/g]) of `ids` from a panels leaf (a gather; of 5-bit
     panels, each gathered row's whole panel is unpacked)."""
+    if w.panel_bits == 4:
+        raise ValueError("a 4-bit (Q4_K) leaf is multiplied, never gathered from")
     p, j = ids // PANEL_ROWS, ids % PANEL_ROWS
     if w.panel_bits == 5:
         panels = unpack_panels5(w.q[p])  # [..., K/2, 32]

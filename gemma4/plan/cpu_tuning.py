@@ -38,7 +38,8 @@ import numpy as np
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
-from gemma4.ops.quant import Params, QuantArray, as_panels, panels_shape_ok, with_5bit_panels, with_half_scales
+from gemma4.ops.quant import (Params, QuantArray, as_panels, dequant_panels4, panels_shape_ok, with_5bit_panels,
+                              with_half_scales)
 from gemma4.paths import cache_root
 from gemma4.plan.hardware_probe import probe
 from gemma4.plan.tuning_report import INT8_ACTIVATION_PATHS, accuracy_bound
@@ -72,10 +73,11 @@ class Product:
     # Every leaf of this shape reads a normalized hidden state (INT8_INPUT_LEAVES): the products
     # int8 activations may serve (see ACTIVATIONS).
     int8_input: bool = False
+    bits: int = 8  # 4: a GGUF Q4_K table's 4-bit panels (`quant.q4k_panels`), which only panels paths read
 
     @property
     def key(self) -> str:
-        return f"{self.n}x{self.k}/" + (f"g{self.group}" if self.group else "row")
+        return f"{self.n}x{self.k}/" + (f"g{self.group}" if self.group else "row") + ("/q4" if self.bits == 4 else "")
 
 
 def _leaves_with_paths(params: Params) -> list[tuple[tuple, QuantArray]]:
@@ -103,10 +105,15 @@ def products(params: Params) -> dict[Product, QuantArray]:
     for path, leaf in _leaves_with_paths(params):
         if path[:2] == ("ple", "embed"):
             continue  # gathered from, never multiplied
-        shape = (*leaf.shape, leaf.group_size, path == ("embed",))
+        shape = (*leaf.shape, leaf.group_size, path == ("embed",), _bits(leaf))
         leaves.setdefault(shape, leaf)
         normed[shape] = normed.get(shape, True) and path[0] == "layers" and path[-1] in INT8_INPUT_LEAVES
-    return {Product(*shape, int8_input=normed[shape]): leaf for shape, leaf in leaves.items()}
+    return {Product(*shape[:4], int8_input=normed[shape], bits=shape[4]): leaf for shape, leaf in leaves.items()}
+
+
+def _bits(leaf: QuantArray) -> int:
+    """4 for a Q4_K table's 4-bit panels (a product of its own), else 8 (5-bit panels are int8's values)."""
+    return 4 if leaf.panel_bits == 4 else 8
 
 
 def _cache_file(prods, native_ok: bool, layout: str | None = None, activations: str = "int16",
@@ -185,6 +192,8 @@ def reference_weight(prod: Product, leaf: QuantArray) -> np.ndarray:
     """The first REF_ROWS rows of the weight, dequantized in numpy (no XLA compile per shape, and
     independent of the paths it checks). Read it off the leaf before it becomes panels: the same
     values, without converting panels back to rows."""
+    if prod.bits == 4:
+        return dequant_panels4(np.asarray(leaf.q), np.asarray(leaf.scale), min(REF_ROWS, prod.n))
     q_rows, s_rows = leaf.rows(min(REF_ROWS, prod.n))  # only the rows checked: not a reorder of the whole weight
     q, scale = np.asarray(q_rows, np.float32), np.asarray(s_rows, np.float32)
     return (q * scale[:, None] if prod.group is None else
@@ -214,7 +223,7 @@ def measure(prod: Product, leaf: QuantArray, rows: int, native_ok: bool, rng, fu
     weights = prepared.cold
     fns = {}  # the jitted product of each path timed (a close call times them again)
     for path in PATHS:  # native first: the likely winner makes the others stop early
-        if (not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n, leaf.layout)
+        if (not int8_matmul.eligible(path, rows, prod.k, prod.group, native_ok, prod.n, leaf.layout, prod.bits)
                 or (path in STARTUP_SKIP and not full)
                 or (path in INT8_ACTIVATION_PATHS and not (activations == "int8" and prod.int8_input))):
             continue
@@ -333,7 +342,7 @@ def choose_layout(prods: dict, native_ok: bool, rng, forced: str | None = None) 
     if not cpu_int8.panels_supported():
         return {"layout": "rows", "reason": "the panel product needs AVX512-VNNI, which this CPU lacks",
                 "timings_ms": {}}
-    fit = [p for p in prods if panels_shape_ok(p.n, p.k, p.group)]
+    fit = [p for p in prods if panels_shape_ok(p.n, p.k, p.group) and p.bits == 8]  # (4-bit: panels only)
     if not fit:
         return {"layout": "rows", "reason": "no int8 weight has a panel shape (rows a multiple of 32)",
                 "timings_ms": {}}
@@ -363,7 +372,7 @@ def choose_panel_bits(prods: dict, rng, forced: str | None = None) -> dict:
     if forced in ("5", "8"):
         return {"bits": int(forced), "reason": "requested via GEMMA4_INT8_PANEL_BITS", "timings_ms": {}}
     # Largest first, and only until one fits: each try reorders a leaf (the LM head's alone ~0.3 s).
-    for prod in sorted((p for p in prods if panels_shape_ok(p.n, p.k, p.group)), key=lambda p: -p.n * p.k):
+    for prod in sorted((p for p in prods if panels_shape_ok(p.n, p.k, p.group) and p.bits == 8), key=lambda p: -p.n * p.k):
         eight = as_panels(prods[prod])
         five = with_5bit_panels(eight)
         if five.panel_bits == 5:
@@ -426,7 +435,8 @@ def tune(params: Params, native_ok: bool, use_cache: bool = True, progress=None,
     for i, (prod, leaf) in enumerate(sorted(prods.items(), key=lambda kv: -kv[0].n * kv[0].k)):
         if progress:
             progress(i / len(prods), f"measuring int8 matmul paths for {prod.key} ({i + 1}/{len(prods)})")
-        as_layout = "panels" if chosen["layout"] == "panels" and panels_shape_ok(prod.n, prod.k, prod.group) else "rows"
+        as_layout = ("panels" if prod.bits == 4 or chosen["layout"] == "panels" and panels_shape_ok(prod.n, prod.k, prod.group)
+                     else "rows")
         w_ref = reference_weight(prod, leaf)  # from the rows, before the leaf becomes panels
         if as_layout == "panels":
             leaf = as_panels(leaf)
@@ -516,6 +526,8 @@ def apply(params: Params, tuning: dict | None, forced: str | None = None, native
         if not isinstance(leaf, QuantArray):
             return leaf
         n, k = leaf.shape
+        if leaf.panel_bits == 4 and (forced is not None or tuning is None):
+            return dataclasses.replace(leaf, paths=())  # its one built-in path: the panel product
         if forced == "native-panels":
             can = panels_shape_ok(n, k, leaf.group_size) and int8_matmul.eligible(
                 forced, 8, k, leaf.group_size, native_ok, n, "panels")
@@ -523,7 +535,7 @@ def apply(params: Params, tuning: dict | None, forced: str | None = None, native
         if forced is not None:
             can = forced != "default" and int8_matmul.eligible(forced, 8, k, leaf.group_size, native_ok, n)
             return dataclasses.replace(leaf, paths=((8, forced),) if can else ())
-        entry = (tuning or {}).get("products", {}).get(Product(n, k, leaf.group_size, False).key)
+        entry = (tuning or {}).get("products", {}).get(Product(n, k, leaf.group_size, False, bits=_bits(leaf)).key)
         if not entry:
             return leaf
         if entry.get("layout") == "panels":

@@ -233,6 +233,7 @@ def resolve(model_config=None, overrides: Overrides | None = None, env: Settings
     plan, attention = attention_choice.decide_cache_attention(plan, model_config, overrides, env,
                                                               simulated=bool(facts.simulated))
     plan, encoder = decide_encoder_dtype(plan, model_config, overrides, env, facts=facts)
+    plan = decide_q4k(plan, overrides, env, simulated=bool(facts.simulated))
     report = report_dict(facts, plan, test)
     report["memory_bandwidth_gbps"] = memory_bandwidth_gbps(facts)  # None where unknown (a CPU)
     report["encoder_dtype"] = encoder
@@ -246,6 +247,40 @@ def resolve(model_config=None, overrides: Overrides | None = None, env: Settings
 # would depend on the call it lands in (bucket, chunk, decode step) and the engine's token
 # invariances would hold only up to near-ties (docs/hardware-policy.md, "Prefill activations").
 DEFAULT_INT8_ACTIVATIONS = "int16"
+
+
+def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGiven | None = None,
+               simulated: bool = False) -> Plan:
+    """How a GGUF's Q4_K tables load (`Plan.q4k`), decided before the weights: "4bit" keeps each
+    as stored (w = d·sc·q − dmin·m in 4.625 bits a value, `quant.q4k_panels`), which only the
+    native panel product reads; "int8" re-rounds it to int8 with one scale per 32 inputs (9 bits a
+    value, and a second rounding). GEMMA4_GGUF_Q4K=4bit where that product cannot run is refused."""
+    want = normalize_overrides(overrides, env).get("q4k")
+    fallback_ok = bool(normalize_overrides(overrides, env).get("allow_fallback", False))
+    if want == "int8":
+        return plan.replace("q4k", Choice("int8", "requested via GEMMA4_GGUF_Q4K: Q4_K tables re-rounded to int8 "
+                                                  "(one scale per 32 inputs)", "override"))
+    why_not = None
+    if plan.platform != "cpu" or simulated:
+        why_not = f"the 4-bit panels are read by the native CPU kernel only; this device is {plan.device}"
+    elif plan.weights.value != "int8":
+        why_not = f"weights are {plan.weights.value}, not int8: Q4_K tables follow that choice"
+    elif not native_kernel_ready():
+        why_not = "the native CPU kernel is not in use here (GEMMA4_NATIVE_KERNEL, a build or self-test failure)"
+    elif not cpu_int8.panels_supported():
+        why_not = "the panel product needs AVX512-VNNI, which this CPU lacks"
+    if why_not is None:
+        how = "requested via GEMMA4_GGUF_Q4K" if want == "4bit" else "auto"
+        return plan.replace("q4k", Choice("4bit", "a GGUF's Q4_K tables are kept as stored (4.625 bits a value, "
+                                                  "exact; int8 re-rounds them in 9) where every layer a scan "
+                                                  "stacks with them is Q4_K too, for the native panel product; "
+                                                  "GEMMA4_GGUF_Q4K=int8 re-rounds them", how))
+    if want == "4bit":
+        msg = f"GEMMA4_GGUF_Q4K=4bit refused: {why_not}"
+        if not fallback_ok:
+            raise PolicyError(msg + "; use GEMMA4_GGUF_Q4K=auto")
+        return plan.replace("q4k", Choice("int8", f"REFUSED: {msg}", "fallback"), msg)
+    return plan.replace("q4k", Choice("int8", f"Q4_K tables re-rounded to int8 (one scale per 32 inputs): {why_not}"))
 
 
 def native_kernel_ready() -> bool:

@@ -39,7 +39,8 @@ from jax.typing import DTypeLike
 
 from gemma4.model.config import JSON, ModelConfig, from_hf_config
 from gemma4.model.params import LeafSpec, leaf_dtype, leaf_name, param_specs, tree_from_leaves
-from gemma4.ops.quant import Params, QuantArray, Weight, read_aligned, to_device
+from gemma4.ops.quant import (PANEL_ROWS, Q4K_GROUP, Q4K_SUPER, Q4K_SUPER_BYTES, Params, QuantArray, Weight,
+                              q4k_panels, read_aligned, to_device)
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
@@ -83,17 +84,56 @@ def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
         log.warning("%s: ignoring %d unexpected tensors: %s", g.path, len(extra), ", ".join(extra[:5]))
 
 
-def _stored_kinds(expected: dict[str, tuple[tuple, LeafSpec]], targets: dict[str, str]) -> dict[str, str]:
+def _stored_kinds(expected: dict[str, tuple[tuple, LeafSpec]], targets: dict[str, str],
+                  types: dict[str, str] | None = None, cfg: ModelConfig | None = None,
+                  four_bit: bool = False) -> dict[str, str]:
     """Per tensor, how it is read: "int8" (`int8_form`: the file's blocks taken over) where the plan
-    makes its leaf int8 and it is a matrix; else "float32" (dequantized, then built as the plan
-    says: an expert stack (3-D) is quantized from its floats like a float tensor)."""
-    return {n: "int8" if t == "int8" and len(expected[n][1].shape) == 2 else "float32" for n, t in targets.items()}
+    makes its leaf int8 and it is a matrix; "q4" (4-bit panels, `quant.q4k_panels`) for such a Q4_K
+    matrix where `four_bit` (`Plan.q4k`) and `_four_bit_ok` allow; else "float32" (dequantized,
+    then built as the plan says: an expert stack (3-D) is quantized from its floats like a float
+    tensor). `types`: each tensor's GGML type name (needed with `four_bit`)."""
+    kinds = {n: "int8" if t == "int8" and len(expected[n][1].shape) == 2 else "float32" for n, t in targets.items()}
+    if four_bit and types is not None and cfg is not None:
+        for n in _four_bit_ok(expected, kinds, types, cfg):
+            kinds[n] = "q4"
+    return kinds
+
+
+def _four_bit_ok(expected: dict[str, tuple[tuple, LeafSpec]], kinds: dict[str, str], types: dict[str, str],
+                 cfg: ModelConfig) -> set[str]:
+    """The int8-bound Q4_K matrices that can be 4-bit panels: a layer's linear weight (never a table
+    gathered from) whose shape the panels take (rows a multiple of 32, inputs of 256) and whose
+    every peer — the same weight of each layer a scan stacks with it (`ModelConfig.layer_runs`) —
+    is such a Q4_K matrix too: a stack holds one format, and Q4_K has no exact int8 form to widen
+    to (a Q4_K_M file's ffn_down and attn_v mix Q4_K and Q6_K across layers: those stay int8)."""
+    def fits(name: str) -> bool:
+        path, spec = expected[name]
+        n, k = spec.shape if len(spec.shape) == 2 else (0, 0)
+        return (kinds[name] == "int8" and types[name] == "Q4_K" and path[0] == "layers"
+                and n % (2 * PANEL_ROWS) == 0 and k % Q4K_SUPER == 0)
+
+    by_path = {path: name for name, (path, _) in expected.items()}
+    ok = set()
+    for name in expected:
+        if not fits(name):
+            continue
+        layer = expected[name][0][1]
+        run = next((r for r in cfg.layer_runs if r.first <= layer < r.stop), None)
+        peers = ([run.layer(p, (layer - run.first) % run.period) for p in range(run.count)] if run is not None
+                 else [layer])
+        names = [by_path.get(("layers", peer, *expected[name][0][2:])) for peer in peers]
+        if all(peer is not None and fits(peer) for peer in names):
+            ok.add(name)
+    return ok
 
 
 def leaf_form(kind: str, type_name: str) -> str:
-    """What a tensor of GGML type `type_name` read as `kind` (`_stored_kinds`) becomes: "int8_exact"
-    (its blocks re-expressed without rounding), "int8_rerounded" (one scale per 32 inputs),
-    "int8_from_float" (a float tensor: one scale per row) or "float"."""
+    """What a tensor of GGML type `type_name` read as `kind` (`_stored_kinds`) becomes: "q4_panels"
+    (a Q4_K table kept as stored), "int8_exact" (its blocks re-expressed without rounding),
+    "int8_rerounded" (one scale per 32 inputs), "int8_from_float" (a float tensor: one scale per
+    row) or "float"."""
+    if kind == "q4":
+        return "q4_panels"
     if kind != "int8":
         return "float"
     if type_name in FLOAT_TYPES:
@@ -102,7 +142,7 @@ def leaf_form(kind: str, type_name: str) -> str:
 
 
 _FORM_WORDS = {"int8_exact": "int8, the blocks as they are", "int8_rerounded": "int8, re-rounded per 32 inputs",
-               "int8_from_float": "int8 from its floats"}
+               "int8_from_float": "int8 from its floats", "q4_panels": "4-bit, the blocks as they are"}
 
 
 def file_summary(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | None) -> dict[str, str]:
@@ -114,7 +154,8 @@ def file_summary(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | Non
     fmt = LeafFormat("float32", quantize)
     expected = expected_tensors(cfg)
     targets = {n: fmt.target(leaf_name(p), spec) for n, (p, spec) in expected.items()}
-    stored = _stored_kinds(expected, targets)
+    types = {n: g.tensors[n].type_name for n in expected}
+    stored = _stored_kinds(expected, targets, types, cfg, four_bit=(quantize or {}).get("q4k") == "4bit")
     counts: dict[str, int] = {}
     made: dict[str, dict[str, int]] = {}
     for name in expected:
@@ -168,6 +209,10 @@ def _cache_file(name: str) -> str:
 
 def _int8_files(name: str) -> tuple[str, str]:
     return name + ".q.npy", name + ".scale.npy"
+
+
+def _q4_files(name: str) -> tuple[str, str]:
+    return name + ".q4.npy", name + ".q4scale.npy"
 
 
 def _read_manifest(folder: Path, wanted: dict[str, str]) -> dict | None:
@@ -316,12 +361,15 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
     expected = expected_tensors(cfg)
     names = list(expected)
     targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
-    kinds = _stored_kinds(expected, targets)
+    types = {n: g.tensors[n].type_name for n in names}
+    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=fmt.quantize_settings().get("q4k") == "4bit")
     int8_names = sorted(n for n, k in kinds.items() if k == "int8")
-    form = "int8" if int8_names else "float32"
+    q4_names = sorted(n for n, k in kinds.items() if k == "q4")
+    form = "int8" if int8_names or q4_names else "float32"
     folder = prefix = manifest = None
     if use_cache:
-        form_id = f"int8-{hashlib.sha256(','.join(int8_names).encode()).hexdigest()[:8]}" if int8_names else form
+        quantized = ",".join(int8_names) + ("|q4:" + ",".join(q4_names) if q4_names else "")
+        form_id = f"int8-{hashlib.sha256(quantized.encode()).hexdigest()[:8]}" if form == "int8" else form
         folder, prefix = _cache_dir(path, form_id)
         manifest = _read_manifest(folder, kinds)
     cached = manifest is not None
@@ -338,7 +386,21 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
         for name in names:
             tree_path, spec = expected[name]
             tensor = g.tensors[name]
-            if kinds[name] == "int8":
+            if kinds[name] == "q4":
+                n_rows, n_cols = spec.shape
+                if cached:
+                    qp, sp = (read_npy(folder / f) for f in _q4_files(name))
+                    if (qp.dtype != np.uint8 or sp.dtype != np.uint8 or qp.shape != (n_rows // PANEL_ROWS, n_cols // 4, 32)
+                            or sp.shape != (n_rows // PANEL_ROWS, n_cols // Q4K_SUPER, Q4K_SUPER_BYTES)):
+                        raise _foreign(name, qp, spec.shape, folder)
+                else:
+                    qp, sp = q4k_panels(tensor.data, n_rows, n_cols)
+                    if writer is not None:
+                        writer.add(*zip(_q4_files(name), (qp, sp)))
+                leaves[tree_path] = QuantArray(to_device(qp), to_device(sp), group_size=Q4K_GROUP, layout="panels")
+                entries[name] = {"kind": "q4", "type": tensor.type_name}
+                del qp, sp
+            elif kinds[name] == "int8":
                 if cached:
                     entry = manifest["tensors"][name]
                     qf, sf = _int8_files(name)
@@ -379,13 +441,14 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
         raise
 
     params = tree_from_leaves(param_specs(cfg), leaves)
-    counts = {k: 0 for k in ("int8_exact", "int8_rerounded", "int8_from_float", "float")}
+    counts = {k: 0 for k in ("q4_panels", "int8_exact", "int8_rerounded", "int8_from_float", "float")}
     for e in entries.values():
         counts[leaf_form(e["kind"], e["type"])] += 1
     last_load_stats.clear()
     last_load_stats.update(cached=cached, seconds=time.perf_counter() - t0, form=form,
                            cache_dir=str(folder) if folder else None, tensors=len(names), **counts)
-    log.info("loaded %s from %s in %.1fs (%s, %s form: int8 %d exact, %d re-rounded, %d from float; %d float)",
-             cfg.name, path, last_load_stats["seconds"], "disk cache" if cached else "converted", form,
-             counts["int8_exact"], counts["int8_rerounded"], counts["int8_from_float"], counts["float"])
+    log.info("loaded %s from %s in %.1fs (%s, %s form: 4-bit %d; int8 %d exact, %d re-rounded, %d from float; "
+             "%d float)", cfg.name, path, last_load_stats["seconds"], "disk cache" if cached else "converted", form,
+             counts["q4_panels"], counts["int8_exact"], counts["int8_rerounded"], counts["int8_from_float"],
+             counts["float"])
     return params

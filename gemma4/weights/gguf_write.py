@@ -27,7 +27,8 @@ import numpy as np
 from gemma4.model.config import ModelConfig
 from gemma4.weights.gguf_layout import ROPE_FREQS, TOKENIZER_MODEL, expected_tensors, gemma4_metadata, rope_freqs
 
-WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")
+WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K")
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "Q4_K": 15, "BF16": 32}  # llama_ftype (Q4_K: _M)
 
 # Gemma 4's control tokens (transformers' tokenizer and llama.cpp's converter agree on these)
 CONTROL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|turn>": 105, "<turn|>": 106}
@@ -158,6 +159,43 @@ def _block_type(name: str, shape: tuple, block_type: str):
     return gguf.GGMLQuantizationType.F32
 
 
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """float32 [r, c] (c a multiple of 256) → Q4_K super-blocks uint8 [r, c/256 · 144], ggml's layout
+    (`gemma4.ops.quant.q4k_fields` reads it back). A plain quantizer, not llama.cpp's searched one:
+    per 32 values the range's scale and offset, both rounded to 6 bits of the super-block's float16
+    d and dmin; what tests need is valid blocks of every field, which gguf dequantizes as ggml does."""
+    r, c = rows.shape
+    x = rows.reshape(-1, 8, 32).astype(np.float32)
+    low = np.minimum(x.min(-1), 0.0)  # w = d·sc·q − dmin·m with m ≥ 0: the offset is at most 0
+    step, offset = (x.max(-1) - low) / 15.0, -low
+    d = (step.max(-1) / 63.0).astype(np.float16)
+    dmin = (offset.max(-1) / 63.0).astype(np.float16)
+
+    def six_bits(v, unit):
+        u = unit.astype(np.float32)[:, None]
+        return np.clip(np.rint(np.divide(v, u, out=np.zeros_like(v), where=u > 0)), 0, 63).astype(np.uint8)
+
+    sc, m = six_bits(step, d), six_bits(offset, dmin)
+    eff_step = d.astype(np.float32)[:, None] * sc
+    eff_off = dmin.astype(np.float32)[:, None] * m
+    q = np.divide(x + eff_off[..., None], eff_step[..., None], out=np.zeros_like(x), where=eff_step[..., None] > 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)
+    out = np.empty((x.shape[0], 144), np.uint8)
+    out[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
+    out[:, 2:4] = dmin.reshape(-1, 1).view(np.uint8)
+    out[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 8:12] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    out[:, 16:] = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2i (low), 2i + 1 (high)
+    return out.reshape(r, -1)
+
+
+def _quantized(part: np.ndarray, qtype) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(part)
+    return gguf.quants.quantize(part, qtype)
+
+
 # (path in our tree, shape, first row, end row) -> float32 rows [first, end) of the leaf as a matrix
 # [every axis but the last, the last axis] (a vector: one row)
 Leaves = Callable[[tuple, tuple, int, int], np.ndarray]
@@ -192,19 +230,23 @@ def random_leaves(seed: int = 0) -> Leaves:
 
 
 def write_gemma4_gguf(path: str | os.PathLike, cfg: ModelConfig, leaves: dict | Leaves, vocab: GGUFVocab,
-                      block_type: str = "F32", name: str | None = None) -> str:
+                      block_type: str = "F32", name: str | None = None, types: dict[str, str] | None = None) -> str:
     """Write `cfg`'s text weights as a gemma4 GGUF at `path` (returns the path). `leaves`: a
     parameter tree with float leaves, or a function giving each leaf (`random_leaves`): each is
-    asked for, converted and written one at a time, so no copy of the model is held."""
-    if block_type not in WRITABLE_TYPES:
-        raise ValueError(f"block type {block_type!r}: the writer makes {', '.join(WRITABLE_TYPES)} "
-                         "(K-quants: quantize_with_llama_cpp)")
+    asked for, converted and written one at a time, so no copy of the model is held. `types`:
+    tensor name → block type for tensors written otherwise than `block_type` (a mixed file, as a
+    Q4_K_M's Q6_K layers). Q4_K is this module's plain quantizer (`quantize_q4_k`); llama.cpp's own
+    K-quant mixes: `quantize_with_llama_cpp`."""
+    for kind in {block_type, *(types or {}).values()}:
+        if kind not in WRITABLE_TYPES:
+            raise ValueError(f"block type {kind!r}: the writer makes {', '.join(WRITABLE_TYPES)} "
+                             "(other K-quants: quantize_with_llama_cpp)")
     if len(vocab.tokens) != cfg.vocab_size:
         raise ValueError(f"the vocabulary has {len(vocab.tokens)} pieces, the model {cfg.vocab_size}")
     leaf = tree_leaves(leaves) if isinstance(leaves, dict) else leaves
     w = gguf.GGUFWriter(os.fspath(path), "gemma4")
     w.add_name(name or cfg.name)
-    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q5_0": 8, "BF16": 32}[block_type])
+    w.add_file_type(FILE_TYPES[block_type])
     for key, value in gemma4_metadata(cfg).items():
         full = f"gemma4.{key}"
         if isinstance(value, list) and isinstance(value[0], bool):
@@ -226,7 +268,8 @@ def write_gemma4_gguf(path: str | os.PathLike, cfg: ModelConfig, leaves: dict | 
     w.add_unk_token_id(vocab.unk_id)
     w.add_add_bos_token(True)
     w.add_add_space_prefix(False)
-    plan = [(n, p, spec.shape, _block_type(n, spec.shape, block_type)) for n, (p, spec) in expected_tensors(cfg).items()]
+    plan = [(n, p, spec.shape, _block_type(n, spec.shape, (types or {}).get(n, block_type)))
+            for n, (p, spec) in expected_tensors(cfg).items()]
     for tensor_name, _, shape, qtype in plan:
         byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
         w.add_tensor_info(tensor_name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
@@ -242,7 +285,7 @@ def write_gemma4_gguf(path: str | os.PathLike, cfg: ModelConfig, leaves: dict | 
         for a in range(0, rows, step):
             b = min(rows, a + step)
             part = np.ascontiguousarray(leaf(tree_path, shape, a, b), np.float32)
-            out[a:b] = gguf.quants.quantize(part, qtype).view(np.uint8).reshape(b - a, -1)
+            out[a:b] = _quantized(part, qtype).view(np.uint8).reshape(b - a, -1)
         w.write_tensor_data(out.reshape(gguf.quant_shape_to_byte_shape(shape, qtype)))
         del out
     w.write_tensor_data(freqs)

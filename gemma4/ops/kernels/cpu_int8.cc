@@ -89,7 +89,11 @@ struct Weight {
   const uint16_t* scale_h = nullptr;
   // A panels weight whose values all lie in [-16, 15] (a GGUF Q5_0 table's) may be stored in 5 bits
   // ("panels5" below): q is then uint8 [N/16, K/4, 40], 20 of int8's 32 bytes per input pair.
+  // 4: a GGUF Q4_K table as it is ("4-bit panels" below): q uint8 [N/16, K/4, 32], its scales and
+  // mins in `sb4` (uint8 [N/16, K/256, 320]); `k` is then the weight's input count.
   int bits = 8;
+  const uint8_t* sb4 = nullptr;
+  int64_t k = 0;
 };
 
 // IEEE half → float, exact for every half (normals, subnormals, infinities, NaN).
@@ -113,8 +117,102 @@ inline float HalfToFloat(uint16_t h) {
   return f;
 }
 
-// Grouped scale `i` of a weight, float32 or float16 as stored.
-inline float GroupScale(const Weight& w, int64_t i) { return w.scale_h ? HalfToFloat(w.scale_h[i]) : w.scale[i]; }
+// ---------------------------------------------------------------- 4-bit panels
+// A GGUF Q4_K table kept in its 4.5 bits (w = d·sc·q − dmin·m, q in 0..15, per 32 inputs a 6-bit sc
+// and m, per 256 inputs a float16 d and dmin) as panels of 16 rows:
+//   q   uint8 [N/16, K/4, 32]: byte i = 2j + t of block b holds row j's input 4b + t in its low
+//       nibble and input 4b + 2 + t in its high nibble (input pairs 2b and 2b + 1, as 5-bit panels)
+//   sb4 uint8 [N/16, K/256, 320] per panel and super-block of 256 inputs: sc [8 groups][16 rows],
+//       m [8][16], then d float16 [16] and dmin float16 [16].
+// A product is sum_g d·sc_g · (q · x over group g) − sum_g dmin·m_g · (sum of x over group g): the
+// first part runs as any 32-input-group panels weight with scale d·sc (exact in float32: an 11-bit
+// by 6-bit product), the second from the activations' group sums (`SubtractMins`).
+constexpr int64_t kQ4Super = 256, kQ4Group = 32, kQ4SuperBytes = 320;
+
+inline const uint8_t* Q4Super(const Weight& w, int64_t panel, int64_t group) {
+  return w.sb4 + (panel * (w.k / kQ4Super) + group / 8) * kQ4SuperBytes;
+}
+inline float Q4Scale(const Weight& w, int64_t panel, int64_t group, int j) {
+  const uint8_t* s = Q4Super(w, panel, group);
+  uint16_t d;
+  std::memcpy(&d, s + 256 + 2 * j, 2);
+  return HalfToFloat(d) * float(s[(group % 8) * 16 + j]);
+}
+inline float Q4Min(const Weight& w, int64_t panel, int64_t group, int j) {
+  const uint8_t* s = Q4Super(w, panel, group);
+  uint16_t dmin;
+  std::memcpy(&dmin, s + 288 + 2 * j, 2);
+  return HalfToFloat(dmin) * float(s[128 + (group % 8) * 16 + j]);
+}
+
+// Grouped scale `i` of a panels weight ([N/16, K/g, 16] flattened), float32 or float16 as stored,
+// or a 4-bit panels weight's d·sc.
+inline float GroupScale(const Weight& w, int64_t i) {
+  if (w.bits == 4) {
+    const int64_t groups = w.k / kQ4Group;
+    return Q4Scale(w, i / (groups * 16), (i / 16) % groups, int(i % 16));
+  }
+  return w.scale_h ? HalfToFloat(w.scale_h[i]) : w.scale[i];
+}
+
+// One activation row as quantized (int16 xq [K] and its scale sx) → its sums per 32 inputs (xs
+// [K/32]): what a 4-bit weight's mins multiply. Summed from the quantized values, so the product
+// is exactly the weight's with those activations: from the float x, the rounding of x would meet
+// d·sc·q alone (the values before the mins come off, larger than the weight's) and err more.
+void GroupSums(const int16_t* xq, float sx, int64_t k, float* xs) {
+  for (int64_t g = 0; g < k / kQ4Group; ++g) {
+    int32_t s = 0;
+    for (int i = 0; i < kQ4Group; ++i) s += xq[g * kQ4Group + i];
+    xs[g] = float(s) * sx;
+  }
+}
+
+// y[m, 16·panel ..+16] −= sum_g dmin·m_g · xs[m, g] for rows m0..m1 of a 4-bit weight.
+void SubtractMinsPortable(const Weight& w, int64_t panel, const float* xs, int64_t m0, int64_t m1) {
+  const int64_t groups = w.k / kQ4Group;
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int j = 0; j < 16; ++j) {
+      float s = 0.f;
+      for (int64_t g = 0; g < groups; ++g) s += Q4Min(w, panel, g, j) * xs[m * groups + g];
+      w.y[m * w.n + panel * 16 + j] -= s;
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw"))) void SubtractMinsAvx512(const Weight& w, int64_t panel, const float* xs,
+                                                                    int64_t m0, int64_t m1) {
+  const int64_t groups = w.k / kQ4Group;
+  constexpr int kRows = 8;
+  for (int64_t a = m0; a < m1; a += kRows) {
+    const int mr = int(std::min<int64_t>(kRows, m1 - a));
+    __m512 acc[kRows];
+    for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+    __m512 dmin = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* s = Q4Super(w, panel, g);
+      if (g % 8 == 0) dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 288)));
+      const __m512 mins = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 128 + (g % 8) * 16)))));
+      for (int i = 0; i < mr; ++i) acc[i] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xs[(a + i) * groups + g]), acc[i]);
+    }
+    for (int i = 0; i < mr; ++i) {
+      float* out = w.y + (a + i) * w.n + panel * 16;
+      _mm512_storeu_ps(out, _mm512_sub_ps(_mm512_loadu_ps(out), acc[i]));
+    }
+  }
+}
+
+void SubtractMins(const Weight& w, int64_t panel, const float* xs, int64_t m0, int64_t m1, bool avx512) {
+  if (avx512) return SubtractMinsAvx512(w, panel, xs, m0, m1);
+  SubtractMinsPortable(w, panel, xs, m0, m1);
+}
+
+bool AnyFourBit(const std::vector<Weight>& weights) {
+  for (const auto& w : weights) {
+    if (w.bits == 4) return true;
+  }
+  return false;
+}
 
 // ---------------------------------------------------------------- 5-bit panels
 // A panels weight (see "panels" below) whose values all lie in [-16, 15] may store two input pairs
@@ -147,6 +245,16 @@ const int8_t* Int8Panels(const Weight& w, int64_t k, int64_t p0, int64_t count, 
                          bool avx512 = false) {
   if (w.bits == 8) return w.q + p0 * (k / 2) * 32;
   tmp.resize(size_t(count * (k / 2) * 32));
+  if (w.bits == 4) {  // [count, K/4, 32] nibbles → two int8 pairs per block (values 0..15)
+    const uint8_t* src4 = reinterpret_cast<const uint8_t*>(w.q) + p0 * (k / 4) * 32;
+    for (int64_t b = 0; b < count * (k / 4); ++b) {
+      for (int i = 0; i < 32; ++i) {
+        tmp[size_t(b * 64 + i)] = int8_t(src4[b * 32 + i] & 15);
+        tmp[size_t(b * 64 + 32 + i)] = int8_t(src4[b * 32 + i] >> 4);
+      }
+    }
+    return tmp.data();
+  }
   const uint8_t* src = reinterpret_cast<const uint8_t*>(w.q) + p0 * (k / 4) * kPanel5Block;
   if (avx512) {
     Unpack5Avx512(src, count * (k / 4), tmp.data());
@@ -391,10 +499,16 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (!q.has_value() || !s.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("bad buffers");
     const bool half = s->element_type() == ffi::F16;
-    const bool five = panels && q->element_type() == ffi::U8;  // 5-bit panels (see "panels5")
-    if ((q->element_type() != ffi::S8 && !five) || (s->element_type() != ffi::F32 && !half) ||
+    const auto q_dims = q->dimensions();
+    // uint8 q: 5-bit panels ([.., 40] blocks, see "panels5") or 4-bit ones ([.., 32], "4-bit panels")
+    const bool packed = panels && q->element_type() == ffi::U8;
+    const bool four = packed && q_dims.size() && q_dims[q_dims.size() - 1] == 32;
+    const bool five = packed && !four;
+    if ((q->element_type() != ffi::S8 && !packed) ||
+        (four ? s->element_type() != ffi::U8 : (s->element_type() != ffi::F32 && !half)) ||
         (*y)->element_type() != ffi::F32) {
-      return ffi::Error::InvalidArgument("expected int8 q (uint8 for 5-bit panels), float32 (or float16) scale and float32 output");
+      return ffi::Error::InvalidArgument("expected int8 q (uint8 for 5-bit panels), float32 (or float16) scale and "
+                                         "float32 output, or 4-bit panels (uint8 q and scales)");
     }
     if (half && !(panels && groups[i])) {
       return ffi::Error::InvalidArgument("float16 scales are read only for grouped weights stored as panels");
@@ -404,7 +518,13 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     if (layers <= 0 || layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("layer index out of range");
     const std::vector<int64_t> qd(all_dims.begin() + (stacked ? 1 : 0), all_dims.end());
     int64_t n = qd.size() ? qd[0] : 0;
-    if (five) {  // [N/16, K/4, 40]
+    if (four) {  // [N/16, K/4, 32], scales [N/16, K/256, 320]
+      if (k % kQ4Super || qd.size() != 3 || qd[1] != k / 4) {
+        return ffi::Error::InvalidArgument("4-bit panels q must be [N/16, K/4, 32] with K a multiple of 256");
+      }
+      if (groups[i] != kQ4Group) return ffi::Error::InvalidArgument("4-bit panels have a group of 32");
+      n = qd[0] * 16;
+    } else if (five) {  // [N/16, K/4, 40]
       if (k % 4 || qd.size() != 3 || qd[1] != k / 4 || qd[2] != 40) {
         return ffi::Error::InvalidArgument("5-bit panels q must be [N/16, K/4, 40] with K a multiple of 4");
       }
@@ -418,13 +538,14 @@ ffi::Error ReadWeights(ffi::RemainingArgs& args, ffi::RemainingRets& rets, ffi::
     }
     if (n % rows_multiple) return ffi::Error::InvalidArgument("N must be a multiple of " + std::to_string(rows_multiple));
     const int64_t g = groups[i];
-    const int64_t expect_scales = g ? n * (k / g) : n;
+    const int64_t expect_scales = four ? (n / 16) * (k / kQ4Super) * kQ4SuperBytes : g ? n * (k / g) : n;
     if (int64_t(s->element_count()) != expect_scales * layers) return ffi::Error::InvalidArgument("scale has the wrong size");
     const auto* q_at = static_cast<const int8_t*>(q->untyped_data()) + layer * int64_t(q->size_bytes() / layers);
     const auto* s_at = static_cast<const char*>(s->untyped_data()) + layer * int64_t(s->size_bytes() / layers);
-    out.push_back(Weight{q_at, half ? nullptr : reinterpret_cast<const float*>(s_at), n, g,
+    out.push_back(Weight{q_at, half || four ? nullptr : reinterpret_cast<const float*>(s_at), n, g,
                          static_cast<float*>((*y)->untyped_data()), panels,
-                         half ? reinterpret_cast<const uint16_t*>(s_at) : nullptr, five ? 5 : 8});
+                         half ? reinterpret_cast<const uint16_t*>(s_at) : nullptr, four ? 4 : five ? 5 : 8,
+                         four ? reinterpret_cast<const uint8_t*>(s_at) : nullptr, k});
   }
   return ffi::Error::Success();
 }
@@ -492,6 +613,7 @@ struct GemmProblem {
   int64_t m = 0, k = 0;
   std::vector<int16_t> xq;  // [m, k]
   std::vector<float> sx;    // [m]
+  std::vector<float> xs;    // [m, k / 32]: x's sums per 32 inputs, where a weight is 4-bit (GroupSums)
   std::vector<Weight> weights;
 };
 
@@ -700,6 +822,11 @@ void GemmPanel(const GemmProblem& p, const Weight& w, int64_t o0, int64_t isa) {
       }
     }
   }
+  if (w.bits == 4) {
+    for (int64_t panel = o0 / 16; panel < o0 / 16 + 2; ++panel) {
+      SubtractMins(w, panel, p.xs.data(), 0, p.m, isa == kAvx512Vnni || isa == kAvx512);
+    }
+  }
 }
 
 // Rows m0..m1 of x → int16 with one scale per row (as QuantizeRows; the same values: the vector
@@ -785,7 +912,12 @@ struct GemmTask {
   int64_t isa = kPortable;
   std::vector<std::pair<int, int64_t>> units;  // (weight, first output row of a 32-row panel)
 
-  void Quantize(int64_t r0, int64_t r1) { GemmQuantizeRows(x, problem, r0, r1, isa); }
+  void Quantize(int64_t r0, int64_t r1) {
+    GemmQuantizeRows(x, problem, r0, r1, isa);
+    for (int64_t m = r0; m < r1 && !problem.xs.empty(); ++m) {
+      GroupSums(problem.xq.data() + m * problem.k, problem.sx[m], problem.k, problem.xs.data() + m * (problem.k / kQ4Group));
+    }
+  }
   void Run(size_t u) { GemmPanel(problem, problem.weights[units[u].first], units[u].second, isa); }
 };
 
@@ -810,6 +942,7 @@ ffi::Error Int8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights, panels); err.failure()) return err;
   p.xq.resize(size_t(p.m) * p.k);
   p.sx.resize(size_t(p.m));
+  if (AnyFourBit(p.weights)) p.xs.resize(size_t(p.m) * (p.k / kQ4Group));
   work->task.x = x.typed_data();
   work->task.isa = isa;
   RunByPanels(work, pool, 8);
@@ -834,6 +967,7 @@ struct PanelProblem {
   int64_t m = 0, k = 0;
   std::vector<int32_t> xt;  // [k / 2, m]: row m's int16 pair c as one int32
   std::vector<float> sx;    // [m]
+  std::vector<float> xs;    // [m, k / 32]: x's sums per 32 inputs, where a weight is 4-bit (GroupSums)
   std::vector<Weight> weights;  // stored as panels: q [n / 16, k / 2, 32], grouped scales [n / 16, k / g, 16]
 };
 
@@ -852,6 +986,7 @@ void PanelQuantizeRows(const float* x, PanelProblem& p, int64_t m0, int64_t m1) 
   std::vector<int16_t> row(size_t(p.k));
   for (int64_t m = m0; m < m1; ++m) {
     p.sx[m] = QuantizeRow(x + m * p.k, p.k, row.data());
+    if (!p.xs.empty()) GroupSums(row.data(), p.sx[m], p.k, p.xs.data() + m * (p.k / kQ4Group));
     for (int64_t c = 0; c < p.k / 2; ++c) {
       int32_t pair;
       std::memcpy(&pair, row.data() + 2 * c, sizeof pair);
@@ -885,7 +1020,9 @@ void PanelBlockPortable(const PanelProblem& p, const Weight& w, int64_t panel, i
 }
 
 // BITS 8: int8 panels; BITS 5: 5-bit panels, each 40-byte block unpacked to two int16 vectors
-// (nibbles zero-extended, 16 taken off where the mask says negative) for the same vpdpwssd.
+// (nibbles zero-extended, 16 taken off where the mask says negative) for the same vpdpwssd; BITS 4:
+// 4-bit panels, the same without the mask, each flush (one 32-input group) scaled by d·sc (the
+// mins are taken off afterwards: SubtractMins).
 template <int MR, int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const PanelProblem& p, const Weight& w,
                                                                            int64_t panel, int64_t m0) {
@@ -906,7 +1043,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
       for (int i = 0; i < MR; ++i) acc[u][i] = _mm512_setzero_si512();
     int64_t c = f0 / 2;
     const int64_t c1 = (f0 + flush) / 2;
-    if constexpr (BITS == 5) {  // pairs 2b, 2b + 1 per block; a flush holds whole blocks (K, groups % 4 == 0)
+    if constexpr (BITS == 4) {  // pairs 2b, 2b + 1 per 32-byte block
+      const __m512i nibble = _mm512_set1_epi16(15);
+      const uint8_t* q4 = reinterpret_cast<const uint8_t*>(w.q) + panel * (k / 4) * 32;
+      for (int64_t b = f0 / 4; b < (f0 + flush) / 4; ++b) {
+        const __m512i t = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q4 + b * 32)));
+        const __m512i w0 = _mm512_and_si512(t, nibble), w1 = _mm512_srli_epi16(t, 4);
+        const int32_t* x0 = xt + 2 * b * m;
+        for (int i = 0; i < MR; ++i) acc[0][i] = DpwssdPair(acc[0][i], w0, x0 + i);
+        for (int i = 0; i < MR; ++i) acc[U - 1][i] = DpwssdPair(acc[U - 1][i], w1, x0 + m + i);
+      }
+    } else if constexpr (BITS == 5) {  // pairs 2b, 2b + 1 per block; a flush holds whole blocks (K, groups % 4 == 0)
       const __m512i nibble = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
       for (int64_t b = f0 / 4; b < (f0 + flush) / 4; ++b) {
         const uint8_t* blk = q5 + b * kPanel5Block;
@@ -936,9 +1083,16 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
     }
     for (int u = 1; u < U; ++u)
       for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[u][i]);
-    const __m512 sc = sp    ? _mm512_loadu_ps(sp + fi * kPanelRows)
-                      : sph ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sph + fi * kPanelRows)))
-                            : _mm512_set1_ps(1.f);
+    __m512 sc;
+    if constexpr (BITS == 4) {  // d · sc of this group, for the panel's 16 rows
+      const uint8_t* sup = Q4Super(w, panel, fi);
+      sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + (fi % 8) * 16)))));
+    } else {
+      sc = sp    ? _mm512_loadu_ps(sp + fi * kPanelRows)
+           : sph ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sph + fi * kPanelRows)))
+                 : _mm512_set1_ps(1.f);
+    }
     for (int i = 0; i < MR; ++i) facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][i]), sc, facc[i]);
   }
   const __m512 row_scale = w.group ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(w.scale + panel * kPanelRows);
@@ -956,7 +1110,8 @@ using PanelBlockFn = void (*)(const PanelProblem&, const Weight&, int64_t, int64
 void PanelRange(const PanelProblem& p, const Weight& w, int64_t p0, int64_t p1, bool vnni) {
   static constexpr PanelBlockFn fns8[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni, 8);
   static constexpr PanelBlockFn fns5[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni, 5);
-  const PanelBlockFn* fns = w.bits == 5 ? fns5 : fns8;
+  static constexpr PanelBlockFn fns4[kPanelMaxRows] = GEMMA4_BY_PANEL_ROWS(PanelBlockVnni, 4);
+  const PanelBlockFn* fns = w.bits == 5 ? fns5 : w.bits == 4 ? fns4 : fns8;
   for (int64_t m0 = 0; m0 < p.m; m0 += kPanelMaxRows) {
     const int mr = int(std::min<int64_t>(kPanelMaxRows, p.m - m0));
     for (int64_t panel = p0; panel < p1; ++panel) {
@@ -965,6 +1120,7 @@ void PanelRange(const PanelProblem& p, const Weight& w, int64_t p0, int64_t p1, 
       } else {
         PanelBlockPortable(p, w, panel, m0, mr);
       }
+      if (w.bits == 4) SubtractMins(w, panel, p.xs.data(), m0, m0 + mr, vnni);
     }
   }
 }
@@ -1004,6 +1160,7 @@ ffi::Error Int8PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
   if (auto err = ReadWeights(args, rets, groups, p.k, kPanelRows, p.weights, true); err.failure()) return err;
   p.xt.resize(size_t(p.m) * (p.k / 2));
   p.sx.resize(size_t(p.m));
+  if (AnyFourBit(p.weights)) p.xs.resize(size_t(p.m) * (p.k / kQ4Group));
   work->task.x = x.typed_data();
   work->task.vnni = isa == kAvx512Vnni;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -1279,6 +1436,7 @@ ffi::Error Int8GemmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Re
     }
   }
   if (auto err = ReadWeights(args, rets, groups, p.k, kPanel, p.weights, panels); err.failure()) return err;
+  if (AnyFourBit(p.weights)) return ffi::Error::InvalidArgument("4-bit panels run in the int16 products only");
   const int64_t nb = p.k / kI8Block;
   p.xq.resize(size_t(p.m) * p.k);
   p.sx.resize(size_t(p.m) * nb);

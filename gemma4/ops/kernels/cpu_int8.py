@@ -228,8 +228,9 @@ def _call(target: str, x2, weights: Sequence[tuple], isa: str, panels: bool = Fa
     first = 0 if layer is None else 1  # the axis of a q's rows
     operands, shapes, groups = [x2], [], []
     for q, scale, group in weights:
-        # float16 grouped scales of a panels weight are read as they are (the kernel converts them)
-        keep = panels and group and scale.dtype == jnp.float16
+        # float16 grouped scales of a panels weight are read as they are (the kernel converts them),
+        # as are a 4-bit panels weight's packed scales (uint8: `quant.q4k_panels`)
+        keep = panels and group and scale.dtype in (jnp.float16, jnp.uint8)
         operands += [q, scale if keep else scale.astype(jnp.float32)]
         shapes.append(jax.ShapeDtypeStruct((m, q.shape[first] * rows_per_q), jnp.float32))
         groups.append(int(group or 0))
@@ -267,7 +268,8 @@ def gemm_i8_panels(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) 
 
 def panels(x2, weights: Sequence[tuple], isa: str = "auto", layer=None) -> list:
     """[x2 · W_iᵀ] for weights stored as panels: (qp [N/16, K/2, 32] — or uint8 [N/16, K/4, 40], 5-bit
-    panels, `quant.pack_panels5` —, scale as `quant.to_panels` gives, group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
+    panels, `quant.pack_panels5`, or uint8 [N/16, K/4, 32] with uint8 scales, a Q4_K table's 4-bit
+    panels, `quant.q4k_panels` —, scale as `quant.to_panels` gives, group or None), any number of rows. AVX512-VNNI `vpdpwssd` with int16 activations (the row
     kernel's integer sums); any other `isa` runs a portable loop (tests). Call `load()` first."""
     return _call(PANELS_TARGET, jnp.asarray(x2, jnp.float32), weights, isa, panels=True, layer=layer)
 
