@@ -27,7 +27,7 @@ from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.geometry import ServingGeometry
 from gemma4.serve.engine.startup import Started
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk, PrefillPack,
-                                            PrefixCopy)
+                                            PrefixCopy, VerifyStep)
 from gemma4.serve.shape_keys import DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 VOCAB = 1000
@@ -316,6 +316,8 @@ class FakeRunner:
             out[width] = cache.sample(row, plan.tokens[plan.last], plan.positions[plan.last])
             self._after(call)
             return out, np.zeros(width + 1, bool)
+        if isinstance(plan, VerifyStep):
+            return self._verify(plan)
         assert isinstance(plan, DecodeStep)
         out, bad = np.zeros(self.geometry.max_batch, np.int32), np.zeros(self.geometry.max_batch, bool)
         for d in plan.dispatches:
@@ -327,6 +329,23 @@ class FakeRunner:
                     out[d.first_row + i] = cache.sample(d.first_row + i, d.tokens[i], d.positions[i])
             self._after(call)
         return out, bad
+
+    def _verify(self, plan: VerifyStep) -> tuple[np.ndarray, np.ndarray]:
+        """steps.verify_step's rule over the fake model: each row's last token, then its drafts while
+        each equals the token sampled before it, written and sampled after; a rejected draft is
+        never written (the real step writes it and drops it). Tokens [width, drafts + 1], -1 past
+        each row's kept ones."""
+        call = DeviceCall(plan.key, 0)
+        self._call(call)
+        out = np.full(plan.tokens.shape, -1, np.int32)
+        for row in plan.rows:
+            for j, (token, position) in enumerate(zip(plan.tokens[row], plan.positions[row])):
+                if position < 0 or (j > 0 and token != out[row, j - 1]):
+                    break
+                self.cache.write(row, int(position), int(token))
+                out[row, j] = self.cache.sample(row, int(token), int(position))
+        self._after(call)
+        return out, np.zeros(plan.key.width, bool)
 
     def dispatch(self, plan: DecodeBlock, after: FakeDispatched | None = None) -> FakeDispatched:
         self.plans.append(plan)

@@ -21,9 +21,14 @@ def _run(*args, timeout=900):
 
 
 def test_generate_json_on_the_bundled_model():
-    """The issue's acceptance command (with a small bucket ladder to keep compile time down)."""
+    """The issue's acceptance command (with a small bucket ladder to keep compile time down), with
+    prompt lookup: a one-shot `generate` is one request on an engine never idle while it runs, so
+    it is served by the shapes compiled before ready alone — a lone row's verify step among them
+    (issue 55: it used to run none) — and the reply, which repeats "the capital of", runs verify
+    steps and is plain decoding's, token for token."""
     out = _run("generate", "--model", "bundled", "--prompt", "The capital of France is", "--temperature", "0",
-               "--max-new-tokens", "8", "--json", "--buckets", "16", "--weights", "none", "--dtype", "float32")
+               "--max-new-tokens", "8", "--json", "--buckets", "16", "--weights", "none", "--dtype", "float32",
+               "--speculate", "lookup")
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["token_ids"] == [506, 5279, 529, 506, 2891, 529, 7001, 236761]
@@ -31,6 +36,8 @@ def test_generate_json_on_the_bundled_model():
     for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "new_tokens"):
         assert key in result["stats"]
     assert "ok" in result["flags"]
+    speculation = result["stats"].get("speculation") or {}
+    assert speculation.get("verify_steps", 0) >= 1 and speculation.get("drafted", 0) >= 1, result["stats"]
 
 
 def test_probe_json():

@@ -170,6 +170,44 @@ def test_smaller_counts_compile_ahead_on_a_cpu_else_where_the_costs_call_for_the
         assert {k for k, how in book.requests if isinstance(k, VerifyKey)} == queued
 
 
+def _prompt_the_fake_repeats(base: list[int]) -> list[int]:
+    """`base` with a last token chosen so that the fake model's first reply token occurred in the
+    prompt: prompt lookup has drafts at the first decode step (the fake model copies nothing by
+    itself, so a reply that never repeats would have none)."""
+    from tests.fake_engine import VOCAB, expected
+
+    return next(p for p in (base + [last] for last in range(10, VOCAB)) if expected(p, 1)[0] in p)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["one-cache-length", "cache-length-ladder"])
+def test_a_first_reply_verifies_with_only_the_shapes_compiled_before_ready(native):
+    """Issue 55: the app's first reply (and the command line's one-shot `generate`, one request on
+    an engine that is never idle while it runs) is served with the shapes compiled before ready
+    alone — the background queue moves only while the engine is idle. With speculative decoding
+    on, a lone row's verify step is one of them (`ServingGeometry._short_shapes`), so a reply
+    whose prompt lookup has drafts runs verify steps from its first decode step, with the tokens
+    plain decoding gives. The app's CPU geometry: 8 rows, a fused step, the prefix cache; one cache
+    length (the native attention's) or a ladder of them."""
+    from gemma4.serve.engine.geometry import serving_geometry
+    from gemma4.serve.shape_keys import VerifyKey
+    from tests.fake_engine import expected, fake_engine, greedy, reply
+
+    g = serving_geometry(platform="cpu", decode_block=1, mesh_data=1, processes=1, max_batch=8, context=4096,
+                         model_context=8192, buckets=None, full_layers_native=native, mixed_step=True,
+                         prefix_cache=True, draft_tokens=4)
+    assert VerifyKey(1, g.kv_lengths[0], 4) in g.startup_shapes()
+    prompt = _prompt_the_fake_repeats([2] + PATTERN * 2)
+    assert len(prompt) <= g.first_bucket  # its prefill too runs in a shape compiled before ready
+    eng = fake_engine(g, compiled=g.startup_shapes())
+    try:
+        ids, _, stats = reply(eng, eng.submit(prompt, greedy(24)))
+    finally:
+        eng.close(timeout=10)
+    assert ids == expected(prompt, 24)
+    spec = stats.get("speculation") or {}
+    assert spec.get("verify_steps", 0) >= 1 and spec.get("drafted", 0) >= 1, stats
+
+
 def test_stats_reach_the_api_usage_and_the_reply_panel():
     from gemma4.ui import reply
     from gemma4.web.api import usage
