@@ -81,6 +81,8 @@ def measure_ours(spec: dict) -> dict:
     from gemma4.serve.engine.engine import Engine
 
     t0 = time.perf_counter()
+    # The steps alone, as llama.cpp runs them: no prompt-lookup drafts, no prefix reuse.
+    os.environ.update({"GEMMA4_SPECULATE": "off", "GEMMA4_PREFIX_CACHE": "off"})
     # warmup off: the warm-up request compiles the shapes the timed ones use, and nothing else compiles
     eng = Engine(spec["file"], max_batch=1, context_limit=spec["context"], warmup=False)
     try:

@@ -62,6 +62,7 @@ def test_the_sketch_is_the_tree_the_weights_load_into(overrides):
 
 def _reply(monkeypatch, ahead: str, overrides: dict, lowered: list | None = None, loaded: list | None = None):
     monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)  # only the two start-up shapes
+    monkeypatch.setattr(E, "BACKGROUND_PATIENCE_S", 1e9)
     monkeypatch.setenv("GEMMA4_COMPILE_AHEAD", ahead)
     monkeypatch.setenv("GEMMA4_EXECUTABLE_CACHE", "off")  # compiled in each engine, not loaded
     if lowered is not None:

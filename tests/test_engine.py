@@ -235,6 +235,7 @@ def test_fresh_engine_is_ready_early_and_compiles_what_requests_needed_even_when
     no compiled shape can serve waits for its compile and says so; a short prompt served by the
     next bucket up leaves its own bucket to the idle-time queue (nothing compiles beside it)."""
     monkeypatch.setattr(E, "BACKGROUND_IDLE_S", 1e9)
+    monkeypatch.setattr(E, "BACKGROUND_PATIENCE_S", 1e9)
     eng = E.Engine("random:tiny-gemma3-270m", max_batch=2, context_limit=256, buckets=(8, 16, 32, 128))
     try:
         eng.wait_ready(timeout=600)
@@ -421,3 +422,28 @@ def test_an_unbounded_compile_cache_gets_the_access_times_a_bounded_one_needs(tm
     assert (tmp_path / "jit_f-abc-atime").stat().st_size == 8
     assert int.from_bytes((tmp_path / "jit_g-def-atime").read_bytes(), "little") == 5  # kept
     assert COMPILE_CACHE_MAX_BYTES > 0
+
+
+def test_steady_traffic_cannot_starve_the_background_compiles(monkeypatch):
+    """The background queue moves while the engine is idle, and regardless once it has been ready
+    for BACKGROUND_PATIENCE_S: steady traffic must not leave shapes to compile one by one, each
+    when a request needs it (a soak had 20 of 34 still queued after 18 minutes)."""
+
+    class Busy:
+        def __init__(self, idle: bool, last_busy: float):
+            self._idle, self.last_busy = idle, last_busy
+
+        def idle(self) -> bool:
+            return self._idle
+
+    eng = E.Engine.__new__(E.Engine)  # the rule alone: no model
+    eng._ready = threading.Event()
+    now = time.monotonic()
+    eng.scheduler, eng._ready_since = Busy(False, now), now
+    assert not eng._idle_for_background()  # not ready yet
+    eng._ready.set()
+    assert not eng._idle_for_background()  # ready, busy, patience not spent
+    eng.scheduler = Busy(True, now - E.BACKGROUND_IDLE_S - 1)
+    assert eng._idle_for_background()  # idle long enough
+    eng.scheduler, eng._ready_since = Busy(False, now), now - E.BACKGROUND_PATIENCE_S - 1
+    assert eng._idle_for_background()  # busy, but ready for longer than the patience

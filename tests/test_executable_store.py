@@ -221,7 +221,7 @@ ENGINE_RUN = textwrap.dedent("""
     from gemma4.serve import conversation
     from gemma4.serve.engine import engine as E
 
-    E.BACKGROUND_IDLE_S = 1e9  # only the three start-up shapes
+    E.BACKGROUND_IDLE_S = E.BACKGROUND_PATIENCE_S = 1e9  # only the three start-up shapes
     eng = E.Engine("random:tiny-gemma3-270m", **json.loads(sys.argv[1]))
     eng.wait_ready(timeout=600)
     out = conversation.generate(eng, json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_new_tokens=6))

@@ -155,32 +155,33 @@ inline float GroupScale(const Weight& w, int64_t i) {
   return w.scale_h ? HalfToFloat(w.scale_h[i]) : w.scale[i];
 }
 
-// One activation row as quantized (int16 xq [K] and its scale sx) → its sums per 32 inputs (xs
-// [K/32]): what a 4-bit weight's mins multiply. Summed from the quantized values, so the product
-// is exactly the weight's with those activations: from the float x, the rounding of x would meet
-// d·sc·q alone (the values before the mins come off, larger than the weight's) and err more.
-void GroupSums(const int16_t* xq, float sx, int64_t k, float* xs) {
+// One activation row as quantized (int16 xq [K]) → its sums per 32 inputs (xs [K/32], in the
+// units of xq: exact in float32): what a 4-bit weight's mins multiply. Summed from the quantized
+// values, so the product is exactly the weight's with those activations: from the float x, the
+// rounding of x would meet d·sc·q alone (larger than the weight's values) and err more.
+void GroupSums(const int16_t* xq, int64_t k, float* xs) {
   for (int64_t g = 0; g < k / kQ4Group; ++g) {
     int32_t s = 0;
     for (int i = 0; i < kQ4Group; ++i) s += xq[g * kQ4Group + i];
-    xs[g] = float(s) * sx;
+    xs[g] = float(s);
   }
 }
 
-// y[m, 16·panel ..+16] −= sum_g dmin·m_g · xs[m, g] for rows m0..m1 of a 4-bit weight.
-void SubtractMinsPortable(const Weight& w, int64_t panel, const float* xs, int64_t m0, int64_t m1) {
+// y[m, 16·panel ..+16] −= sx[m] · sum_g dmin·m_g · xs[m, g] for rows m0..m1 of a 4-bit weight
+// (the GEMM's: the panel product takes them off in its flushes).
+void SubtractMinsPortable(const Weight& w, int64_t panel, const float* xs, const float* sx, int64_t m0, int64_t m1) {
   const int64_t groups = w.k / kQ4Group;
   for (int64_t m = m0; m < m1; ++m) {
     for (int j = 0; j < 16; ++j) {
       float s = 0.f;
       for (int64_t g = 0; g < groups; ++g) s += Q4Min(w, panel, g, j) * xs[m * groups + g];
-      w.y[m * w.n + panel * 16 + j] -= s;
+      w.y[m * w.n + panel * 16 + j] -= s * sx[m];
     }
   }
 }
 
 __attribute__((target("avx512f,avx512bw"))) void SubtractMinsAvx512(const Weight& w, int64_t panel, const float* xs,
-                                                                    int64_t m0, int64_t m1) {
+                                                                    const float* sx, int64_t m0, int64_t m1) {
   const int64_t groups = w.k / kQ4Group;
   constexpr int kRows = 8;
   for (int64_t a = m0; a < m1; a += kRows) {
@@ -197,14 +198,15 @@ __attribute__((target("avx512f,avx512bw"))) void SubtractMinsAvx512(const Weight
     }
     for (int i = 0; i < mr; ++i) {
       float* out = w.y + (a + i) * w.n + panel * 16;
-      _mm512_storeu_ps(out, _mm512_sub_ps(_mm512_loadu_ps(out), acc[i]));
+      _mm512_storeu_ps(out, _mm512_fnmadd_ps(acc[i], _mm512_set1_ps(sx[a + i]), _mm512_loadu_ps(out)));
     }
   }
 }
 
-void SubtractMins(const Weight& w, int64_t panel, const float* xs, int64_t m0, int64_t m1, bool avx512) {
-  if (avx512) return SubtractMinsAvx512(w, panel, xs, m0, m1);
-  SubtractMinsPortable(w, panel, xs, m0, m1);
+void SubtractMins(const Weight& w, int64_t panel, const float* xs, const float* sx, int64_t m0, int64_t m1,
+                  bool avx512) {
+  if (avx512) return SubtractMinsAvx512(w, panel, xs, sx, m0, m1);
+  SubtractMinsPortable(w, panel, xs, sx, m0, m1);
 }
 
 bool AnyFourBit(const std::vector<Weight>& weights) {
@@ -239,14 +241,29 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void Unpack5Avx512(const ui
   }
 }
 
+// `blocks` 4-bit blocks (32 bytes) → int8 pairs (64 bytes each) with AVX-512: the loop's values.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void Unpack4Avx512(const uint8_t* src, int64_t blocks,
+                                                                        int8_t* out) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + b * 32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 64), _mm256_and_si256(t, nibble));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b * 64 + 32), _mm256_and_si256(_mm256_srli_epi16(t, 4), nibble));
+  }
+}
+
 // Panels p0..p0+count of a panels weight as int8 panels ([count, K/2, 32]): where they lie, or
-// unpacked into `tmp` from 5 bits (with AVX-512 where `avx512`).
+// unpacked into `tmp` from 5 or 4 bits (with AVX-512 where `avx512`).
 const int8_t* Int8Panels(const Weight& w, int64_t k, int64_t p0, int64_t count, std::vector<int8_t>& tmp,
                          bool avx512 = false) {
   if (w.bits == 8) return w.q + p0 * (k / 2) * 32;
   tmp.resize(size_t(count * (k / 2) * 32));
   if (w.bits == 4) {  // [count, K/4, 32] nibbles → two int8 pairs per block (values 0..15)
     const uint8_t* src4 = reinterpret_cast<const uint8_t*>(w.q) + p0 * (k / 4) * 32;
+    if (avx512) {
+      Unpack4Avx512(src4, count * (k / 4), tmp.data());
+      return tmp.data();
+    }
     for (int64_t b = 0; b < count * (k / 4); ++b) {
       for (int i = 0; i < 32; ++i) {
         tmp[size_t(b * 64 + i)] = int8_t(src4[b * 32 + i] & 15);
@@ -824,7 +841,7 @@ void GemmPanel(const GemmProblem& p, const Weight& w, int64_t o0, int64_t isa) {
   }
   if (w.bits == 4) {
     for (int64_t panel = o0 / 16; panel < o0 / 16 + 2; ++panel) {
-      SubtractMins(w, panel, p.xs.data(), 0, p.m, isa == kAvx512Vnni || isa == kAvx512);
+      SubtractMins(w, panel, p.xs.data(), p.sx.data(), 0, p.m, isa == kAvx512Vnni || isa == kAvx512);
     }
   }
 }
@@ -915,7 +932,7 @@ struct GemmTask {
   void Quantize(int64_t r0, int64_t r1) {
     GemmQuantizeRows(x, problem, r0, r1, isa);
     for (int64_t m = r0; m < r1 && !problem.xs.empty(); ++m) {
-      GroupSums(problem.xq.data() + m * problem.k, problem.sx[m], problem.k, problem.xs.data() + m * (problem.k / kQ4Group));
+      GroupSums(problem.xq.data() + m * problem.k, problem.k, problem.xs.data() + m * (problem.k / kQ4Group));
     }
   }
   void Run(size_t u) { GemmPanel(problem, problem.weights[units[u].first], units[u].second, isa); }
@@ -986,7 +1003,7 @@ void PanelQuantizeRows(const float* x, PanelProblem& p, int64_t m0, int64_t m1) 
   std::vector<int16_t> row(size_t(p.k));
   for (int64_t m = m0; m < m1; ++m) {
     p.sx[m] = QuantizeRow(x + m * p.k, p.k, row.data());
-    if (!p.xs.empty()) GroupSums(row.data(), p.sx[m], p.k, p.xs.data() + m * (p.k / kQ4Group));
+    if (!p.xs.empty()) GroupSums(row.data(), p.k, p.xs.data() + m * (p.k / kQ4Group));
     for (int64_t c = 0; c < p.k / 2; ++c) {
       int32_t pair;
       std::memcpy(&pair, row.data() + 2 * c, sizeof pair);
@@ -1084,10 +1101,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void PanelBlockVnni(const
     for (int u = 1; u < U; ++u)
       for (int i = 0; i < MR; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[u][i]);
     __m512 sc;
-    if constexpr (BITS == 4) {  // d · sc of this group, for the panel's 16 rows
+    if constexpr (BITS == 4) {  // d · sc of this group for the panel's 16 rows; dmin · m times the group's sums off
       const uint8_t* sup = Q4Super(w, panel, fi);
       sc = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 256))),
                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + (fi % 8) * 16)))));
+      const __m512 mins = _mm512_mul_ps(
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sup + 288))),
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sup + 128 + (fi % 8) * 16)))));
+      const float* xs = p.xs.data() + m0 * groups + fi;
+      for (int i = 0; i < MR; ++i) facc[i] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(xs[i * groups]), facc[i]);
     } else {
       sc = sp    ? _mm512_loadu_ps(sp + fi * kPanelRows)
            : sph ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sph + fi * kPanelRows)))
@@ -1120,7 +1142,7 @@ void PanelRange(const PanelProblem& p, const Weight& w, int64_t p0, int64_t p1, 
       } else {
         PanelBlockPortable(p, w, panel, m0, mr);
       }
-      if (w.bits == 4) SubtractMins(w, panel, p.xs.data(), m0, m0 + mr, vnni);
+      if (w.bits == 4 && !vnni) SubtractMins(w, panel, p.xs.data(), p.sx.data(), m0, m0 + mr, false);
     }
   }
 }

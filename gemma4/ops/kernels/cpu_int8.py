@@ -375,7 +375,8 @@ def _gemm_i8_panels_from_rows(x2, weights: Sequence[tuple], isa: str = "auto") -
 
 def self_test(isas: Sequence[str] | None = None) -> dict:
     """Every ISA the CPU has × rows 1/3/8 × per-row, group 16 and group 32, fused three weights, and
-    the GEMM at 1/7/20 rows and the panel product at 1/9/20 rows likewise (and both on 5-bit panels), against float64; relative error bound 2e-3 (int16
+    the GEMM at 1/7/20 rows and the panel product at 1/9/20 rows likewise (and both on 5-bit panels and
+    on 4-bit ones, a Q4_K table's), against float64; relative error bound 2e-3 (int16
     activations: ~1e-4 expected); the int8-activation GEMM against its own quantized activations'
     product (float rounding only). {"ok", "max_rel", "cases"}."""
     status = load()
@@ -413,6 +414,17 @@ def self_test(isas: Sequence[str] | None = None) -> dict:
                     rel = float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30))
                     worst = max(worst, rel)
                     cases += 1
+        # 4-bit panels (a GGUF Q4_K table as stored, `quant.q4k_panels`): random super-blocks
+        for kernel, m in ((panels, 1), (panels, 9), (gemm_panels, 20)):
+            raw = rng.integers(0, 256, (64 * k // quant.Q4K_SUPER, quant.Q4K_BLOCK_BYTES), dtype=np.uint8)
+            raw[:, 0:4] = rng.uniform(1e-3, 2e-2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+            qp, sp = quant.q4k_panels(raw.reshape(64, -1), 64, k)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            x[:, 5] *= 60.0
+            y = jax.jit(lambda x, isa=isa, kernel=kernel: kernel(x, [(qp, sp, quant.Q4K_GROUP)], isa)[0])(x)
+            ref = x.astype(np.float64) @ quant.dequant_panels4(qp, sp).astype(np.float64).T
+            worst = max(worst, float(np.max(np.abs(np.asarray(y) - ref)) / max(np.max(np.abs(ref)), 1e-30)))
+            cases += 1
     ok = worst < 2e-3
     return {"ok": ok, "max_rel": worst, "cases": cases, "isas": list(isas),
             "message": f"{'passed' if ok else 'FAILED'}: {cases} cases on {', '.join(isas)}, "
