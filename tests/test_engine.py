@@ -424,26 +424,14 @@ def test_an_unbounded_compile_cache_gets_the_access_times_a_bounded_one_needs(tm
     assert COMPILE_CACHE_MAX_BYTES > 0
 
 
-def test_steady_traffic_cannot_starve_the_background_compiles(monkeypatch):
+def test_steady_traffic_cannot_starve_the_background_compiles():
     """The background queue moves while the engine is idle, and regardless once it has been ready
     for BACKGROUND_PATIENCE_S: steady traffic must not leave shapes to compile one by one, each
     when a request needs it (a soak had 20 of 34 still queued after 18 minutes)."""
-
-    class Busy:
-        def __init__(self, idle: bool, last_busy: float):
-            self._idle, self.last_busy = idle, last_busy
-
-        def idle(self) -> bool:
-            return self._idle
-
-    eng = E.Engine.__new__(E.Engine)  # the rule alone: no model
-    eng._ready = threading.Event()
-    now = time.monotonic()
-    eng.scheduler, eng._ready_since = Busy(False, now), now
-    assert not eng._idle_for_background()  # not ready yet
-    eng._ready.set()
-    assert not eng._idle_for_background()  # ready, busy, patience not spent
-    eng.scheduler = Busy(True, now - E.BACKGROUND_IDLE_S - 1)
-    assert eng._idle_for_background()  # idle long enough
-    eng.scheduler, eng._ready_since = Busy(False, now), now - E.BACKGROUND_PATIENCE_S - 1
-    assert eng._idle_for_background()  # busy, but ready for longer than the patience
+    now = 1000.0
+    busy = dict(idle=False, last_busy=now)
+    assert not E.background_may_move(now, ready_since=now, **busy)  # busy, patience not spent
+    assert E.background_may_move(now, ready_since=now, idle=True, last_busy=now - E.BACKGROUND_IDLE_S - 1)
+    assert not E.background_may_move(now, ready_since=now, idle=True, last_busy=now - 0.5)  # idle too briefly
+    assert E.background_may_move(now, ready_since=now - E.BACKGROUND_PATIENCE_S - 1, **busy)
+    assert not E.background_may_move(now, ready_since=float("inf"), **busy)  # never ready: no patience

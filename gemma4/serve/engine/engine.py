@@ -53,6 +53,12 @@ BACKGROUND_IDLE_S = 2.0  # background compiles start only after the engine has b
 BACKGROUND_PATIENCE_S = 60.0
 
 
+def background_may_move(now: float, ready_since: float, idle: bool, last_busy: float) -> bool:
+    """Whether a ready engine's background compile queue may move: while no request is being served
+    and none has been for BACKGROUND_IDLE_S, and whatever the traffic after BACKGROUND_PATIENCE_S."""
+    return (idle and now - last_busy >= BACKGROUND_IDLE_S) or now - ready_since >= BACKGROUND_PATIENCE_S
+
+
 class Engine:
     """One model, its KV cache and its compiled steps, serving requests (see the module docstring).
 
@@ -261,8 +267,7 @@ class Engine:
         for key, seconds in started.warm_costs:
             self.scheduler.costs.note(key, seconds)
         self.started = started
-        leads = started.runner.leads
-        self._set_status("ready", 1.0, f"ready: {started.description}" if leads
+        self._set_status("ready", 1.0, f"ready: {started.description}" if started.runner.leads
                          else f"following process 0's schedule ({started.description})")
         self._startup.after_ready()  # after ready: no request waits for the disk
         self._ready_since = time.monotonic()
@@ -270,14 +275,10 @@ class Engine:
         started.runner.serve(self._serve)
 
     def _idle_for_background(self) -> bool:
-        """May the background compile queue move? Once ready: while no request is being served and
-        none has been for BACKGROUND_IDLE_S, and always after BACKGROUND_PATIENCE_S of being ready."""
+        """May the background compile queue move now? (`background_may_move`)"""
         sched = self.scheduler
-        if not self._ready.is_set() or sched is None:
-            return False
-        now = time.monotonic()
-        return (sched.idle() and now - sched.last_busy >= BACKGROUND_IDLE_S) or (
-            now - self._ready_since >= BACKGROUND_PATIENCE_S)
+        return (self._ready.is_set() and sched is not None
+                and background_may_move(time.monotonic(), self._ready_since, sched.idle(), sched.last_busy))
 
     def _wake(self) -> None:
         if self.scheduler is not None:
