@@ -24,6 +24,7 @@ from gemma4.weights.gguf_file import read_gguf
 from gemma4.weights.gguf_layout import expected_tensors
 from gemma4.weights.random_init import random_params
 from tests.gguf_reference import reference_config
+from tests.test_cpu_int8 import _rel, _x  # activations with an outlier channel; the largest relative error
 
 STATUS = cpu_int8.load()
 needs_kernel = pytest.mark.skipif(not STATUS.ok, reason=f"native kernel unavailable: {STATUS.message}")
@@ -41,16 +42,6 @@ def _random_blocks(rng, n, k):
     raw[:, 0:4] = halves.view(np.uint8)
     raw[0, 4:16] = 255
     return raw.reshape(n, -1)
-
-
-def _x(rng, m, k):
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    x[:, 5] *= 60.0  # an outlier channel, as Gemma's hidden states have
-    return x
-
-
-def _rel(y, ref):
-    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 def test_panels_hold_the_files_values_exactly():

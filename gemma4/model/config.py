@@ -287,6 +287,10 @@ class LayerRun:
         """The index of period p's layer at position j."""
         return self.first + p * self.period + j
 
+    def peers(self, layer: int) -> list[int]:
+        """The layers the scan stacks with `layer` (one of this run's): its position in every period."""
+        return [self.layer(p, (layer - self.first) % self.period) for p in range(self.count)]
+
     @property
     def stop(self) -> int:
         return self.first + self.period * self.count

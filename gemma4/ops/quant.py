@@ -413,8 +413,8 @@ def dequant_panels4(q, sb, count: int | None = None):
     v = halves.reshape(pan, blocks, 2, PANEL_ROWS, 2).transpose(0, 3, 1, 2, 4).reshape(pan * PANEL_ROWS, blocks * 4)
 
     def rows_of(field, start: int, size: int):  # [p, sb, size · 16] → [N, sb, size]
-        return field[..., start:start + size * PANEL_ROWS].reshape(pan, sbs, size, PANEL_ROWS).transpose(0, 3, 1, 2).reshape(
-            pan * PANEL_ROWS, sbs, size)
+        part = field[..., start:start + size * PANEL_ROWS].reshape(pan, sbs, size, PANEL_ROWS)
+        return part.transpose(0, 3, 1, 2).reshape(pan * PANEL_ROWS, sbs, size)
 
     def halfs(start: int):
         raw = sb[..., start:start + 32].reshape(pan, sbs, PANEL_ROWS, 2)

@@ -372,7 +372,8 @@ def choose_panel_bits(prods: dict, rng, forced: str | None = None) -> dict:
     if forced in ("5", "8"):
         return {"bits": int(forced), "reason": "requested via GEMMA4_INT8_PANEL_BITS", "timings_ms": {}}
     # Largest first, and only until one fits: each try reorders a leaf (the LM head's alone ~0.3 s).
-    for prod in sorted((p for p in prods if panels_shape_ok(p.n, p.k, p.group) and p.bits == 8), key=lambda p: -p.n * p.k):
+    fit = (p for p in prods if panels_shape_ok(p.n, p.k, p.group) and p.bits == 8)
+    for prod in sorted(fit, key=lambda p: -p.n * p.k):
         eight = as_panels(prods[prod])
         five = with_5bit_panels(eight)
         if five.panel_bits == 5:
@@ -435,8 +436,8 @@ def tune(params: Params, native_ok: bool, use_cache: bool = True, progress=None,
     for i, (prod, leaf) in enumerate(sorted(prods.items(), key=lambda kv: -kv[0].n * kv[0].k)):
         if progress:
             progress(i / len(prods), f"measuring int8 matmul paths for {prod.key} ({i + 1}/{len(prods)})")
-        as_layout = ("panels" if prod.bits == 4 or chosen["layout"] == "panels" and panels_shape_ok(prod.n, prod.k, prod.group)
-                     else "rows")
+        panels = prod.bits == 4 or chosen["layout"] == "panels" and panels_shape_ok(prod.n, prod.k, prod.group)
+        as_layout = "panels" if panels else "rows"
         w_ref = reference_weight(prod, leaf)  # from the rows, before the leaf becomes panels
         if as_layout == "panels":
             leaf = as_panels(leaf)

@@ -255,8 +255,8 @@ def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGive
     as stored (w = d·sc·q − dmin·m in 4.625 bits a value, `quant.q4k_panels`), which only the
     native panel product reads; "int8" re-rounds it to int8 with one scale per 32 inputs (9 bits a
     value, and a second rounding). GEMMA4_GGUF_Q4K=4bit where that product cannot run is refused."""
-    want = normalize_overrides(overrides, env).get("q4k")
-    fallback_ok = bool(normalize_overrides(overrides, env).get("allow_fallback", False))
+    ov = normalize_overrides(overrides, env)
+    want, fallback_ok = ov.get("q4k"), bool(ov.get("allow_fallback", False))
     if want == "int8":
         return plan.replace("q4k", Choice("int8", "requested via GEMMA4_GGUF_Q4K: Q4_K tables re-rounded to int8 "
                                                   "(one scale per 32 inputs)", "override"))

@@ -43,7 +43,7 @@ from gemma4.ops.quant import (PANEL_ROWS, Q4K_GROUP, Q4K_SUPER, Q4K_SUPER_BYTES,
                               q4k_panels, read_aligned, to_device)
 from gemma4.paths import cache_root
 from gemma4.weights.gguf_blocks import EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form
-from gemma4.weights.gguf_file import GGUFError, GGUFFile, read_gguf
+from gemma4.weights.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from gemma4.weights.gguf_layout import ROPE_FREQS, expected_tensors, hf_style_config
 from gemma4.weights.leaf_format import LeafFormat
 
@@ -84,16 +84,15 @@ def _check_tensors(g: GGUFFile, cfg: ModelConfig) -> None:
         log.warning("%s: ignoring %d unexpected tensors: %s", g.path, len(extra), ", ".join(extra[:5]))
 
 
-def _stored_kinds(expected: dict[str, tuple[tuple, LeafSpec]], targets: dict[str, str],
-                  types: dict[str, str] | None = None, cfg: ModelConfig | None = None,
-                  four_bit: bool = False) -> dict[str, str]:
+def _stored_kinds(expected: dict[str, tuple[tuple, LeafSpec]], targets: dict[str, str], types: dict[str, str],
+                  cfg: ModelConfig, four_bit: bool) -> dict[str, str]:
     """Per tensor, how it is read: "int8" (`int8_form`: the file's blocks taken over) where the plan
     makes its leaf int8 and it is a matrix; "q4" (4-bit panels, `quant.q4k_panels`) for such a Q4_K
     matrix where `four_bit` (`Plan.q4k`) and `_four_bit_ok` allow; else "float32" (dequantized,
     then built as the plan says: an expert stack (3-D) is quantized from its floats like a float
-    tensor). `types`: each tensor's GGML type name (needed with `four_bit`)."""
+    tensor). `types`: each tensor's GGML type name."""
     kinds = {n: "int8" if t == "int8" and len(expected[n][1].shape) == 2 else "float32" for n, t in targets.items()}
-    if four_bit and types is not None and cfg is not None:
+    if four_bit:
         for n in _four_bit_ok(expected, kinds, types, cfg):
             kinds[n] = "q4"
     return kinds
@@ -118,10 +117,8 @@ def _four_bit_ok(expected: dict[str, tuple[tuple, LeafSpec]], kinds: dict[str, s
         if not fits(name):
             continue
         layer = expected[name][0][1]
-        run = next((r for r in cfg.layer_runs if r.first <= layer < r.stop), None)
-        peers = ([run.layer(p, (layer - run.first) % run.period) for p in range(run.count)] if run is not None
-                 else [layer])
-        names = [by_path.get(("layers", peer, *expected[name][0][2:])) for peer in peers]
+        run = next(r for r in cfg.layer_runs if r.first <= layer < r.stop)
+        names = [by_path.get(("layers", peer, *expected[name][0][2:])) for peer in run.peers(layer)]
         if all(peer is not None and fits(peer) for peer in names):
             ok.add(name)
     return ok
@@ -337,6 +334,42 @@ def _foreign(name: str, arr: np.ndarray, shape: tuple, folder: Path | None) -> G
     return GGUFError(f"cached tensor {name} has shape {arr.shape}, expected {shape}; delete {folder}")
 
 
+def _q4_leaf(name: str, spec: LeafSpec, tensor: GGUFTensor, cached: Path | None,
+             writer: "_CacheWriter | None") -> QuantArray:
+    """A Q4_K matrix as 4-bit panels: read back from the `cached` folder, else made from the file's
+    blocks (and handed to `writer`)."""
+    n_rows, n_cols = spec.shape
+    if cached is not None:
+        qp, sp = (read_npy(cached / f) for f in _q4_files(name))
+        if (qp.dtype != np.uint8 or sp.dtype != np.uint8 or qp.shape != (n_rows // PANEL_ROWS, n_cols // 4, 32)
+                or sp.shape != (n_rows // PANEL_ROWS, n_cols // Q4K_SUPER, Q4K_SUPER_BYTES)):
+            raise _foreign(name, qp, spec.shape, cached)
+    else:
+        qp, sp = q4k_panels(tensor.data, n_rows, n_cols)
+        if writer is not None:
+            writer.add(*zip(_q4_files(name), (qp, sp)))
+    return QuantArray(to_device(qp), to_device(sp), group_size=Q4K_GROUP, layout="panels")
+
+
+def _int8_leaf(name: str, spec: LeafSpec, tensor: GGUFTensor, cached: Path | None, entry: dict | None,
+               writer: "_CacheWriter | None") -> tuple[QuantArray, dict]:
+    """A matrix as int8 (`int8_form`) and its manifest entry: read back from the `cached` folder (its
+    manifest `entry`), else made from the file's blocks (and handed to `writer`)."""
+    if cached is not None:
+        qf, sf = _int8_files(name)
+        q, scale = read_npy(cached / qf), read_npy(cached / sf)
+        group, exact = entry.get("group_size"), bool(entry.get("exact"))
+        want_scale = (spec.shape[0],) if group is None else (spec.shape[0], spec.shape[1] // group)
+        if tuple(q.shape) != spec.shape or q.dtype != np.int8 or tuple(scale.shape) != want_scale:
+            raise _foreign(name, q, spec.shape, cached)
+    else:
+        q, scale, group, exact = int8_form(tensor)
+        if writer is not None:
+            writer.add(*zip(_int8_files(name), (q, scale)))
+    leaf = QuantArray(to_device(q), to_device(scale), group_size=group)
+    return leaf, {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
+
+
 def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike = "float32", *,
                      progress: Progress | None = None, use_cache: bool = True,
                      quantize: dict | None = None) -> Params:
@@ -387,35 +420,11 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
             tree_path, spec = expected[name]
             tensor = g.tensors[name]
             if kinds[name] == "q4":
-                n_rows, n_cols = spec.shape
-                if cached:
-                    qp, sp = (read_npy(folder / f) for f in _q4_files(name))
-                    if (qp.dtype != np.uint8 or sp.dtype != np.uint8 or qp.shape != (n_rows // PANEL_ROWS, n_cols // 4, 32)
-                            or sp.shape != (n_rows // PANEL_ROWS, n_cols // Q4K_SUPER, Q4K_SUPER_BYTES)):
-                        raise _foreign(name, qp, spec.shape, folder)
-                else:
-                    qp, sp = q4k_panels(tensor.data, n_rows, n_cols)
-                    if writer is not None:
-                        writer.add(*zip(_q4_files(name), (qp, sp)))
-                leaves[tree_path] = QuantArray(to_device(qp), to_device(sp), group_size=Q4K_GROUP, layout="panels")
+                leaves[tree_path] = _q4_leaf(name, spec, tensor, folder if cached else None, writer)
                 entries[name] = {"kind": "q4", "type": tensor.type_name}
-                del qp, sp
             elif kinds[name] == "int8":
-                if cached:
-                    entry = manifest["tensors"][name]
-                    qf, sf = _int8_files(name)
-                    q, scale = read_npy(folder / qf), read_npy(folder / sf)
-                    group, exact = entry.get("group_size"), bool(entry.get("exact"))
-                    want_scale = (spec.shape[0],) if group is None else (spec.shape[0], spec.shape[1] // group)
-                    if tuple(q.shape) != spec.shape or q.dtype != np.int8 or tuple(scale.shape) != want_scale:
-                        raise _foreign(name, q, spec.shape, folder)
-                else:
-                    q, scale, group, exact = int8_form(tensor)
-                    if writer is not None:
-                        writer.add(*zip(_int8_files(name), (q, scale)))
-                leaves[tree_path] = QuantArray(to_device(q), to_device(scale), group_size=group)
-                entries[name] = {"kind": "int8", "group_size": group, "exact": exact, "type": tensor.type_name}
-                del q, scale
+                leaves[tree_path], entries[name] = _int8_leaf(name, spec, tensor, folder if cached else None,
+                                                              manifest["tensors"][name] if cached else None, writer)
             else:
                 arr = read_npy(folder / _cache_file(name)) if cached else dequantize_tensor(tensor)
                 if tuple(arr.shape) != spec.shape or arr.dtype != np.float32:  # a foreign cache entry
