@@ -178,6 +178,10 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
         Setting("GEMMA4_GGUF_Q4K", CHOICE, "auto",
                 "a GGUF's Q4_K tables: 4bit keeps them as stored for the native panel product (exact), "
                 "int8 re-rounds them; auto: 4bit where that product runs", choices=("auto", "4bit", "int8")),
+        Setting("GEMMA4_PLE_TABLE", CHOICE, "auto",
+                "the per-layer-embedding table: mapped leaves it in the weights' cache files (only the rows "
+                "steps read are resident), resident reads it into memory; auto: mapped on a CPU",
+                choices=("auto", "mapped", "resident")),
         Setting("GEMMA4_DECODE_BLOCK", INTEGER, None, "decode steps per dispatch; unset: the policy's",
                 low=1, high=64, auto=True),
         Setting("GEMMA4_QUERY_BLOCK", INTEGER, None,

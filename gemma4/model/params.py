@@ -286,6 +286,10 @@ def count_bytes(params: PyTree[Weight]) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
 
 
+# Leaves a step only gathers rows from (never multiplies by): a token reads its own row, so such a
+# table can stay in a file mapping on a CPU (`Plan.ple_table`, gemma4.weights.file_map). The tied
+# embedding is not one: it is the LM head too, read whole every step.
+GATHERED_TABLES = (("ple", "embed"),)
 TOWER_KEYS = ("vision", "audio")  # the top-level subtrees that hold a vision or audio tower
 
 

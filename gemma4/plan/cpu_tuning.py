@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gemma4.model.params import GATHERED_TABLES
 from gemma4.ops import int8_matmul
 from gemma4.ops.int8_paths import PATHS
 from gemma4.ops.kernels import cpu_int8
@@ -85,8 +86,13 @@ def _leaves_with_paths(params: Params) -> list[tuple[tuple, QuantArray]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QuantArray))
     for path, leaf in flat:
         if isinstance(leaf, QuantArray):
-            out.append((tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path), leaf))
+            out.append((_keys(path), leaf))
     return out
+
+
+def _keys(path) -> tuple:
+    """A tree path as its plain keys and indices: ("layers", 3, "q")."""
+    return tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
 
 
 # The decoder layers' products whose input is the output of an RMSNorm (attention q/k/v, MLP
@@ -103,7 +109,7 @@ def products(params: Params) -> dict[Product, QuantArray]:
     leaves: dict[tuple, QuantArray] = {}
     normed: dict[tuple, bool] = {}  # every leaf of the shape reads a normalized hidden state
     for path, leaf in _leaves_with_paths(params):
-        if path[:2] == ("ple", "embed"):
+        if path[:2] in GATHERED_TABLES:
             continue  # gathered from, never multiplied
         shape = (*leaf.shape, leaf.group_size, path == ("embed",), _bits(leaf))
         leaves.setdefault(shape, leaf)
@@ -543,4 +549,7 @@ def apply(params: Params, tuning: dict | None, forced: str | None = None, native
             leaf = as_panels_freeing(leaf)
         return dataclasses.replace(leaf, paths=paths_table(entry))
 
-    return jax.tree.map(set_paths, params, is_leaf=lambda x: isinstance(x, QuantArray))
+    def set_product_paths(path, leaf):  # a gathered table is never multiplied: left as it is (mapped, say)
+        return leaf if _keys(path)[:2] in GATHERED_TABLES else set_paths(leaf)
+
+    return jax.tree_util.tree_map_with_path(set_product_paths, params, is_leaf=lambda x: isinstance(x, QuantArray))

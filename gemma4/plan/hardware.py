@@ -32,6 +32,9 @@ docs/settings.md; this module reads no environment itself):
                              are stored in 5 bits, the same values; auto measures whether that is faster here)
     GEMMA4_GGUF_Q4K          auto | 4bit | int8  (a GGUF's Q4_K tables: kept in their 4.625 bits for the native
                              panel product, exact, or re-rounded to int8; auto: 4bit where that product runs)
+    GEMMA4_PLE_TABLE         auto | mapped | resident  (the per-layer-embedding table: left in the weights' cache
+                             files and mapped, only the rows steps read resident, or read into memory; auto:
+                             mapped on a CPU)
     GEMMA4_NATIVE_KERNEL     on (auto) | off  (the native int8 CPU kernel, gemma4/ops/kernels/cpu_int8.cc)
     GEMMA4_DECODE_BLOCK      auto | 1..64   (decode steps per dispatch; see DECODE_BLOCK)
     GEMMA4_QUERY_BLOCK       auto | 0..4096 (a later prefill chunk's queries per attention block; 0: one
@@ -148,7 +151,7 @@ class Choice:
 
 CHOICE_NAMES = ("compute_dtype", "weight_dtype", "weights", "embed_weights", "kv_cache", "attention_sliding",
                 "attention_full", "int4_kernel", "matmul_precision", "int8_matmul", "encoder_dtype", "decode_block",
-                "query_block", "layers", "q4k")
+                "query_block", "layers", "q4k", "ple_table")
 _INT8_MATMUL_PENDING = Choice("default", "decided after the weights load (measured per product shape on CPU)")
 _ENCODER_DTYPE_PENDING = Choice("float32", "decided after the weights load (measured on CPU where the towers load)")
 
@@ -181,6 +184,10 @@ class Plan:
     # A GGUF's Q4_K tables: "4bit" (kept as stored, 4-bit panels for the native CPU kernel) | "int8"
     # (re-rounded to int8): decided before the load (hardware_checks.decide_q4k).
     q4k: Choice = Choice("int8", "Q4_K tables re-rounded to int8 (the 4-bit panels need the native CPU kernel)")
+    # Tables a step only gathers rows from (the per-layer embeddings, `params.GATHERED_TABLES`):
+    # "mapped" (left in the weights' cache files, mapped: only the rows steps read are resident) |
+    # "resident" (read into memory): decided before the load (hardware_checks.decide_ple_table).
+    ple_table: Choice = Choice("resident", "read into memory")
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in CHOICE_NAMES}
@@ -191,7 +198,7 @@ class Plan:
                 "group_size": self.int4_group_size,
                 "int4_kernel": "pallas" if self.int4_kernel.value == "pallas-int4" else "xla",
                 "int4_block": self.int4_block if self.int4_kernel.value == "pallas-int4" else None,
-                "q4k": self.q4k.value}
+                "q4k": self.q4k.value, "ple_table": self.ple_table.value}
 
     def replace(self, name: str, choice: Choice, warning: str | None = None) -> "Plan":
         warnings = self.warnings + ((warning,) if warning else ())
@@ -223,6 +230,7 @@ ENV_KEYS = {
     "int8_scales": "GEMMA4_INT8_SCALES", "int8_panel_bits": "GEMMA4_INT8_PANEL_BITS",
     "encoder_dtype": "GEMMA4_ENCODER_DTYPE", "decode_block": "GEMMA4_DECODE_BLOCK",
     "query_block": "GEMMA4_QUERY_BLOCK", "layers": "GEMMA4_LAYERS", "q4k": "GEMMA4_GGUF_Q4K",
+    "ple_table": "GEMMA4_PLE_TABLE",
     "allow_fallback": "GEMMA4_ALLOW_FALLBACK",
 }
 _BY_ENV = {name: key for key, name in ENV_KEYS.items()}

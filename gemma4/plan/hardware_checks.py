@@ -234,6 +234,7 @@ def resolve(model_config=None, overrides: Overrides | None = None, env: Settings
                                                               simulated=bool(facts.simulated))
     plan, encoder = decide_encoder_dtype(plan, model_config, overrides, env, facts=facts)
     plan = decide_q4k(plan, overrides, env, simulated=bool(facts.simulated))
+    plan = decide_ple_table(plan, overrides, env)
     report = report_dict(facts, plan, test)
     report["memory_bandwidth_gbps"] = memory_bandwidth_gbps(facts)  # None where unknown (a CPU)
     report["encoder_dtype"] = encoder
@@ -281,6 +282,35 @@ def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGive
             raise PolicyError(msg + "; use GEMMA4_GGUF_Q4K=auto")
         return plan.replace("q4k", Choice("int8", f"REFUSED: {msg}", "fallback"), msg)
     return plan.replace("q4k", Choice("int8", f"Q4_K tables re-rounded to int8 (one scale per 32 inputs): {why_not}"))
+
+
+def decide_ple_table(plan: Plan, overrides: Overrides | None = None, env: SettingsGiven | None = None) -> Plan:
+    """Where a table a step only gathers rows from (the per-layer embeddings) lives (`Plan.ple_table`),
+    decided before the weights: "mapped" on a CPU, where a device array is host memory and jax adopts
+    a mapping of the weights' cache file without a copy (gemma4.weights.file_map), so only the pages
+    of the rows steps read become resident (E2B's table is 2.9 GB of int8 and scales, a token reads
+    9 KB of it); "resident" on an accelerator, whose steps read device memory only. A model with no
+    such table, or none on disk to map (a Hugging Face folder, a load without a cache), holds it in
+    memory whatever this says. GEMMA4_PLE_TABLE=mapped on an accelerator is refused."""
+    ov = normalize_overrides(overrides, env)
+    want, fallback_ok = ov.get("ple_table"), bool(ov.get("allow_fallback", False))
+    if want == "resident":
+        return plan.replace("ple_table", Choice("resident", "requested via GEMMA4_PLE_TABLE: the per-layer-"
+                                                            "embedding table read into memory", "override"))
+    if plan.platform == "cpu":
+        how = "requested via GEMMA4_PLE_TABLE" if want == "mapped" else "auto"
+        return plan.replace("ple_table", Choice("mapped", "the per-layer-embedding table stays in the weights' "
+                                                          "cache files, mapped: a step reads its tokens' rows, so "
+                                                          "only those pages are resident (GGUF files and the "
+                                                          "prepared-weights cache; GEMMA4_PLE_TABLE=resident "
+                                                          "reads it into memory)", how))
+    if want == "mapped":
+        msg = f"GEMMA4_PLE_TABLE=mapped refused: a mapped file is host memory, and {plan.device} reads its own"
+        if not fallback_ok:
+            raise PolicyError(msg + "; use GEMMA4_PLE_TABLE=auto")
+        return plan.replace("ple_table", Choice("resident", f"REFUSED: {msg}", "fallback"), msg)
+    return plan.replace("ple_table", Choice("resident", f"the per-layer-embedding table in {plan.device}'s memory, "
+                                                        "where its steps read"))
 
 
 def native_kernel_ready() -> bool:

@@ -38,11 +38,13 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from gemma4.model.config import JSON, ModelConfig, from_hf_config
-from gemma4.model.params import LeafSpec, leaf_dtype, leaf_name, param_specs, tree_from_leaves
+from gemma4.model.params import GATHERED_TABLES, LeafSpec, leaf_dtype, leaf_name, param_specs, tree_from_leaves
 from gemma4.ops.quant import (PANEL_ROWS, Q4K_GROUP, Q4K_SUPER, Q4K_SUPER_BYTES, Params, QuantArray, Weight,
                               q4k_panels, read_aligned, to_device)
 from gemma4.paths import cache_root
-from gemma4.weights.gguf_blocks import EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form
+from gemma4.weights.file_map import is_mapped, map_aligned
+from gemma4.weights.gguf_blocks import (EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form, int8_group,
+                                        int8_row_chunks, int8_scale_shape)
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf
 from gemma4.weights.gguf_layout import ROPE_FREQS, expected_tensors, hf_style_config
 from gemma4.weights.leaf_format import LeafFormat
@@ -258,6 +260,37 @@ def read_npy(path: Path) -> np.ndarray:
         return read_aligned(f, shape, dtype, str(path))
 
 
+def map_npy(path: Path) -> np.ndarray:
+    """A .npy file mapped, not read (`gemma4.weights.file_map`): only the pages a step touches
+    become resident. Read as `read_npy` does where its data is not 64-byte aligned (numpy pads its
+    headers to 64 bytes, so only a foreign file)."""
+    with open(path, "rb") as f:
+        shape, fortran, dtype = npy_header(f, path)
+        offset = f.tell()
+    if fortran or dtype.hasobject:
+        raise ValueError(f"{path}: not a plain C-ordered array")
+    try:
+        return map_aligned(path, offset, shape, dtype)
+    except ValueError as exc:
+        if "truncated" in str(exc):
+            raise
+        return read_npy(path)
+
+
+def _write_int8_rows(tensor: GGUFTensor, folder: Path, name: str) -> None:
+    """The tensor's int8 form written as the cache's two .npy files of `name` in `folder`, a few MB
+    of rows at a time: a table that is mapped afterwards is never held whole."""
+    q_file, scale_file = (folder / f for f in _int8_files(name))
+    with open(q_file, "wb") as fq, open(scale_file, "wb") as fs:
+        np.lib.format.write_array_header_1_0(fq, {"descr": np.dtype(np.int8).str, "fortran_order": False,
+                                                  "shape": tuple(tensor.shape)})
+        np.lib.format.write_array_header_1_0(fs, {"descr": np.dtype(np.float32).str, "fortran_order": False,
+                                                  "shape": int8_scale_shape(tensor)})
+        for _, _, q_rows, scale_rows in int8_row_chunks(tensor):
+            fq.write(np.ascontiguousarray(q_rows, np.int8).data)
+            fs.write(np.ascontiguousarray(scale_rows, np.float32).data)
+
+
 class _CacheWriter:
     """Writes converted tensors into a temp folder, renamed into place at the end.
 
@@ -290,6 +323,20 @@ class _CacheWriter:
         if self.tmp is not None:
             tmp = self.tmp
             self.pending = self.pool.submit(lambda: [np.save(tmp / fname, arr) for fname, arr in files])
+
+    def write_now(self, name: str, tensor: GGUFTensor) -> Path | None:
+        """Write `name`'s int8 form into the entry at once, on this thread (`_write_int8_rows`);
+        the folder it is in, or None when nothing is cached (then the caller holds it in memory)."""
+        self._wait()
+        if self.tmp is None:
+            return None
+        try:
+            _write_int8_rows(tensor, self.tmp, name)
+        except OSError as exc:
+            log.warning("not caching converted GGUF weights (%s)", exc)
+            self.abort()
+            return None
+        return self.tmp
 
     def finish(self, manifest: dict) -> None:
         self._wait()
@@ -352,16 +399,23 @@ def _q4_leaf(name: str, spec: LeafSpec, tensor: GGUFTensor, cached: Path | None,
 
 
 def _int8_leaf(name: str, spec: LeafSpec, tensor: GGUFTensor, cached: Path | None, entry: dict | None,
-               writer: "_CacheWriter | None") -> tuple[QuantArray, dict]:
+               writer: "_CacheWriter | None", mapped: bool = False) -> tuple[QuantArray, dict]:
     """A matrix as int8 (`int8_form`) and its manifest entry: read back from the `cached` folder (its
-    manifest `entry`), else made from the file's blocks (and handed to `writer`)."""
+    manifest `entry`), else made from the file's blocks (and handed to `writer`). `mapped`: the
+    table stays in its cache files, mapped (`map_npy`), written there first on a first load; held
+    in memory where nothing is cached."""
     if cached is not None:
-        qf, sf = _int8_files(name)
-        q, scale = read_npy(cached / qf), read_npy(cached / sf)
-        group, exact = entry.get("group_size"), bool(entry.get("exact"))
+        group, exact, folder = entry.get("group_size"), bool(entry.get("exact")), cached
+    else:
+        (group, exact), folder = int8_group(tensor), None
+        if mapped and writer is not None:
+            folder = writer.write_now(name, tensor)
+    if folder is not None:
+        read = map_npy if mapped else read_npy
+        q, scale = (read(folder / f) for f in _int8_files(name))
         want_scale = (spec.shape[0],) if group is None else (spec.shape[0], spec.shape[1] // group)
         if tuple(q.shape) != spec.shape or q.dtype != np.int8 or tuple(scale.shape) != want_scale:
-            raise _foreign(name, q, spec.shape, cached)
+            raise _foreign(name, q, spec.shape, folder)
     else:
         q, scale, group, exact = int8_form(tensor)
         if writer is not None:
@@ -395,7 +449,10 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
     names = list(expected)
     targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
     types = {n: g.tensors[n].type_name for n in names}
-    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=fmt.quantize_settings().get("q4k") == "4bit")
+    settings = fmt.quantize_settings()
+    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=settings.get("q4k") == "4bit")
+    # Tables a step only gathers rows from stay in their cache files, mapped (`Plan.ple_table`).
+    mapped = {n for n in names if settings.get("ple_table") == "mapped" and expected[n][0] in GATHERED_TABLES}
     int8_names = sorted(n for n, k in kinds.items() if k == "int8")
     q4_names = sorted(n for n, k in kinds.items() if k == "q4")
     form = "int8" if int8_names or q4_names else "float32"
@@ -424,9 +481,11 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
                 entries[name] = {"kind": "q4", "type": tensor.type_name}
             elif kinds[name] == "int8":
                 leaves[tree_path], entries[name] = _int8_leaf(name, spec, tensor, folder if cached else None,
-                                                              manifest["tensors"][name] if cached else None, writer)
+                                                              manifest["tensors"][name] if cached else None, writer,
+                                                              mapped=name in mapped)
             else:
-                arr = read_npy(folder / _cache_file(name)) if cached else dequantize_tensor(tensor)
+                read = map_npy if name in mapped else read_npy
+                arr = read(folder / _cache_file(name)) if cached else dequantize_tensor(tensor)
                 if tuple(arr.shape) != spec.shape or arr.dtype != np.float32:  # a foreign cache entry
                     raise _foreign(name, arr, spec.shape, folder)
                 if writer is not None:
@@ -454,8 +513,10 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
     for e in entries.values():
         counts[leaf_form(e["kind"], e["type"])] += 1
     last_load_stats.clear()
+    held_mapped = sorted(n for n in mapped if is_mapped(getattr(leaves[expected[n][0]], "q", leaves[expected[n][0]])))
     last_load_stats.update(cached=cached, seconds=time.perf_counter() - t0, form=form,
-                           cache_dir=str(folder) if folder else None, tensors=len(names), **counts)
+                           cache_dir=str(folder) if folder else None, tensors=len(names), mapped=held_mapped,
+                           **counts)
     log.info("loaded %s from %s in %.1fs (%s, %s form: 4-bit %d; int8 %d exact, %d re-rounded, %d from float; "
              "%d float)", cfg.name, path, last_load_stats["seconds"], "disk cache" if cached else "converted", form,
              counts["q4_panels"], counts["int8_exact"], counts["int8_rerounded"], counts["int8_from_float"],

@@ -1,6 +1,7 @@
 """GGUF quantized blocks → int8 leaves and float32: the per-type block decoders `gemma4.weights.gguf` uses.
 
     q, scale, group, exact = int8_form(tensor)   # a GGUFTensor as int8 + scale, exact where it can be
+    for a, b, q_rows, scale_rows in int8_row_chunks(tensor): ...  # the same, a few MB of rows at a time
     arr = dequantize_tensor(tensor)              # float32 in our shape, in an aligned buffer
 
 Holds the block-format constants (Q8_0_BLOCK, EXACT_INT8_GROUPS, REROUND_GROUP, FLOAT_TYPES), the
@@ -90,29 +91,48 @@ def int8_form(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, int | None, b
     Exact types (EXACT_INT8_GROUPS) are re-expressed without rounding: scale [out, in / group].
     Other block types are dequantized and re-rounded with one scale per REROUND_GROUP inputs
     (exact=False); float types (F32/F16/BF16) get one scale per output row, as `gemma4.ops.quant.quantize_int8`.
-    Rows are done in chunks, so temporaries stay small for the 262144-row embedding.
+    Rows are done in chunks (`int8_row_chunks`), so temporaries stay small for the 262144-row embedding.
     """
+    group, exact = int8_group(tensor)
+    rows, cols = tensor.shape
+    q = host_empty((rows, cols), np.int8)
+    scale = host_empty(int8_scale_shape(tensor), np.float32)
+    for a, b, qb, sb in int8_row_chunks(tensor):
+        q[a:b], scale[a:b] = qb, sb
+    return q, scale, group, exact
+
+
+def int8_group(tensor: GGUFTensor) -> tuple[int | None, bool]:
+    """(group_size, exact) of the tensor's int8 form (`int8_form`); GGUFError unless it is a matrix."""
     if len(tensor.shape) != 2:
         raise GGUFError(f"tensor {tensor.name} of shape {list(tensor.shape)} is not a matrix")
-    rows, cols = tensor.shape
     if tensor.type_name in EXACT_INT8_GROUPS:
-        group, exact = EXACT_INT8_GROUPS[tensor.type_name], True
-    else:
-        group, exact = (None if tensor.type_name in FLOAT_TYPES else REROUND_GROUP), False
-    q = host_empty((rows, cols), np.int8)
-    scale = host_empty((rows,) if group is None else (rows, cols // group), np.float32)
+        return EXACT_INT8_GROUPS[tensor.type_name], True
+    return (None if tensor.type_name in FLOAT_TYPES else REROUND_GROUP), False
+
+
+def int8_scale_shape(tensor: GGUFTensor) -> tuple[int, ...]:
+    """The shape of the int8 form's float32 scale: [out] (one per row) or [out, in / group]."""
+    group, _ = int8_group(tensor)
+    rows, cols = tensor.shape
+    return (rows,) if group is None else (rows, cols // group)
+
+
+def int8_row_chunks(tensor: GGUFTensor):
+    """The int8 form (`int8_form`) a few MB of rows at a time: yields (a, b, q rows a:b, scale rows
+    a:b), so a caller can write a large table out without ever holding it whole."""
+    group, exact = int8_group(tensor)
+    rows, cols = tensor.shape
     step = _row_step(cols)
     for a in range(0, rows, step):
         b = min(rows, a + step)
         if exact:
             blocks = tensor.data[a:b].reshape((b - a) * (tensor.data.shape[1] // _block_bytes(tensor)), -1)
             qb, sb = _decode_int8_blocks(tensor.type_name, blocks)
-            q[a:b] = qb.reshape(b - a, cols)
-            scale[a:b] = sb.reshape(b - a, cols // group)
+            yield a, b, qb.reshape(b - a, cols), sb.reshape(b - a, cols // group)
         else:
-            q[a:b], scale[a:b] = int8_block_np(_dequantize_rows(tensor, a, b), group,
-                                               as_xla=group is None and rows * cols > SMALL_ELEMENTS)
-    return q, scale, group, exact
+            yield a, b, *int8_block_np(_dequantize_rows(tensor, a, b), group,
+                                       as_xla=group is None and rows * cols > SMALL_ELEMENTS)
 
 
 def _block_bytes(tensor: GGUFTensor) -> int:

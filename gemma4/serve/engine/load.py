@@ -34,7 +34,8 @@ from gemma4.model import decoder as M
 from gemma4.model import drafter as D
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import (cast_towers, decode_bytes_per_token, has_tower, iter_specs, leaf_name, param_specs,
+from gemma4.model.params import (GATHERED_TABLES, cast_towers, decode_bytes_per_token, has_tower, iter_specs, leaf_name,
+                                 param_specs,
                                  tree_from_leaves)
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, preflight_devices, sharding
@@ -460,7 +461,7 @@ def read_prepared(store: Path, source: sources.ModelSource, plan: hardware.Plan,
     and are prepared as usual, and kept once the engine is ready)."""
     cfg, tok_spec = sources.describe_file(source, progress)
     key = prepared_key(tok_spec["path"], plan, overrides, settings)
-    hit = prepared_store.load(store, key)
+    hit = prepared_store.load(store, key, mapped=GATHERED_TABLES if plan.ple_table.value == "mapped" else ())
     if hit is None:
         return None
     params, meta = hit
