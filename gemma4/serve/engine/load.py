@@ -35,8 +35,7 @@ from gemma4.model import drafter as D
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import (GATHERED_TABLES, cast_towers, decode_bytes_per_token, has_tower, iter_specs, leaf_name,
-                                 param_specs,
-                                 tree_from_leaves)
+                                 param_specs, tree_from_leaves)
 from gemma4.paths import cache_root
 from gemma4.plan import hardware, hardware_checks, preflight, preflight_devices, sharding
 from gemma4.serve import heap, prepared_store
