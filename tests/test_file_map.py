@@ -184,3 +184,21 @@ def test_an_engine_serves_a_mapped_table_with_the_tokens_of_a_resident_one(e2b_f
     warm = run()  # from the prepared-weights store (when the plan made panels) or the conversion cache
     assert warm == (resident[0], True, "mapped")
     jax.clear_caches()
+
+
+def test_the_prepared_store_links_a_table_mapped_from_a_file_instead_of_copying_it(tmp_path):
+    table = np.arange(32 * 4096, dtype=np.int32).reshape(32, 4096).astype(np.int8)
+    path = tmp_path / "q.npy"
+    np.save(path, table)
+    mapped = quant.to_device(G.map_npy(path))
+    assert file_map.mapped_file(mapped) == (str(path.resolve()), 128)
+    assert file_map.mapped_file(mapped[1:]) is None  # a piece of it (a copy here) is not the file's array
+    params = {"ple": {"embed": mapped}, "final_norm": jnp.ones(8)}
+    folder = ps.save(tmp_path / "store", "l" * 32, params, {})
+    linked = [f for f in folder.iterdir() if f.stat().st_ino == path.stat().st_ino]
+    assert len(linked) == 1  # the same file: a hard link, no second copy
+    back, _ = ps.load(tmp_path / "store", "l" * 32, mapped=(("ple", "embed"),))
+    assert file_map.is_mapped(back["ple"]["embed"])
+    np.testing.assert_array_equal(np.asarray(back["ple"]["embed"]), table)
+    read, _ = ps.load(tmp_path / "store", "l" * 32)  # read (at the offset) where not mapped
+    np.testing.assert_array_equal(np.asarray(read["ple"]["embed"]), table)

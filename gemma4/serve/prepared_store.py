@@ -3,8 +3,12 @@
 A warm start of the bundled model spent ~2.4 s of its ~4.5 s on its weights: reading the int8
 form from the loader's cache (0.55 s), then reordering 127 leaves into the native kernel's panels,
 float16 scales and 5-bit panels (1.0 s of numpy work), around the cached measurement (2-core Intel
-Xeon, Ice Lake). Each array of the prepared tree is stored here as raw bytes; the next start reads
-them into aligned buffers that jax adopts without a copy (0.3 s for the bundled model).
+Xeon, Ice Lake). Each array of the prepared tree — its layers stacked as the plan scans them, so
+the start that reads it back stacks nothing — is stored here as raw bytes; the next start reads
+them into aligned buffers that jax adopts without a copy (0.3 s for the bundled model). A table a
+step only gathers rows from (the per-layer embeddings, `Plan.ple_table`) is mapped instead of
+read, and where it was mapped from the loader's cache the entry holds a hard link to that file
+(its data at an offset): 2.9 GB for E2B neither copied nor made resident.
 
 An entry is keyed by everything the prepared tree is made from: the model file (real path, size,
 modification time), the plan (every choice and its reason), the overrides, our code (the weights,
@@ -38,16 +42,17 @@ from gemma4.ops.quant import QuantArray, is_quantized, read_aligned, to_device
 from gemma4.env import FOLDER_OFF
 from gemma4.env import Settings as EnvSettings
 from gemma4.paths import cache_root
-from gemma4.weights.file_map import map_aligned, release_pages
+from gemma4.weights.file_map import map_aligned, mapped_file, release_pages
 from gemma4.serve import executable_store
 
 log = logging.getLogger("gemma4.serve.prepared_store")
 
-FORMAT = "gemma4-prepared-v1"
+FORMAT = "gemma4-prepared-v2"  # v2: the layers stacked as the plan scans them; an array may start at an offset
 MAX_BYTES = 2 << 30  # the bundled model's entry is ~270 MB
 # The code a prepared tree is made from: loaders, leaf types and kernels, the plan's choices, the
-# parameter layout, and this module.
-SOURCES = ("weights", "ops", "plan", "model/params.py", "model/quantize.py", "serve/prepared_store.py")
+# parameter layout and the layers' stacking, and this module.
+SOURCES = ("weights", "ops", "plan", "model/params.py", "model/quantize.py", "model/decoder.py",
+           "serve/prepared_store.py")
 
 
 def default_folder(settings: EnvSettings) -> Path | None:
@@ -126,6 +131,9 @@ WRITE_PIECE_BYTES = 1 << 26  # a mapped leaf is copied out this much at a time, 
 
 
 def _write_array(folder: Path, name: str, a: Any) -> dict:
+    linked = _link_mapped(folder, name, a)
+    if linked is not None:
+        return linked
     host = np.ascontiguousarray(np.asarray(a))
     flat = host.reshape(-1).view(np.uint8)
     with open(folder / name, "wb") as f:
@@ -136,17 +144,34 @@ def _write_array(folder: Path, name: str, a: Any) -> dict:
     return {"file": name, "shape": list(host.shape), "dtype": jnp.dtype(host.dtype).name, "bytes": int(host.nbytes)}
 
 
+def _link_mapped(folder: Path, name: str, a: Any) -> dict | None:
+    """A leaf mapped whole from a file (the GGUF loader's cache of the per-layer-embedding table)
+    kept as a hard link to that file, its data at the file's offset: no copy on disk, no bytes read.
+    None where it is not mapped, or the link cannot be made (another file system): then copied."""
+    source = mapped_file(a)
+    if source is None:
+        return None
+    try:
+        os.link(source[0], folder / name)
+    except OSError:
+        return None
+    dtype = jnp.dtype(a.dtype)
+    return {"file": name, "shape": list(a.shape), "dtype": dtype.name, "offset": source[1],
+            "bytes": int(np.prod(a.shape, dtype=np.int64)) * dtype.itemsize}
+
+
 def _read_array(folder: Path, spec: dict, mapped: bool = False) -> jax.Array:
-    dtype, shape = jnp.dtype(spec["dtype"]), tuple(spec["shape"])
+    dtype, shape, offset = jnp.dtype(spec["dtype"]), tuple(spec["shape"]), int(spec.get("offset", 0))
     path = folder / spec["file"]
-    if os.path.getsize(path) != spec["bytes"]:
-        raise ValueError(f"{path.name}: {os.path.getsize(path)} bytes, expected {spec['bytes']}")
+    if os.path.getsize(path) != offset + spec["bytes"]:
+        raise ValueError(f"{path.name}: {os.path.getsize(path)} bytes, expected {offset + spec['bytes']}")
     if mapped:  # a table a step gathers rows from: only those rows' pages become resident
-        return to_device(map_aligned(path, 0, shape, dtype))
+        return to_device(map_aligned(path, offset, shape, dtype))
     # Read into an aligned numpy buffer, which jax adopts without a copy. Not a mapping of the file:
     # its 4 KiB pages slowed the 500-token prefill 0.50 -> 0.59-0.61 s (numpy asks for huge pages
     # for its large buffers, the page cache gives none; 2-core Intel Xeon, Ice Lake).
     with open(path, "rb") as f:
+        f.seek(offset)
         return to_device(read_aligned(f, shape, dtype, path.name))
 
 

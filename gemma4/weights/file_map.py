@@ -14,7 +14,8 @@ mapped: gemma4.serve.prepared_store).
 `release_pages(a)` takes the pages of a piece of a mapped array out of this process's resident set
 (MADV_DONTNEED: for a read-only file mapping it drops the page-table entries, the page cache keeps
 the data): a writer that copies a mapped table elsewhere calls it after each piece, so copying the
-table does not make it resident.
+table does not make it resident. `mapped_file(a)` names the file and offset a whole mapped array
+comes from (a writer may link that file instead of copying it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gemma4.ops.quant import HOST_ALIGN
 # offset in it). An entry goes when its mmap is collected: jax keeps the buffer an adopted array
 # exports (not the numpy array itself) for as long as the device array lives.
 _lock = threading.Lock()
-_live: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
+_live: dict[tuple[int, int], tuple[weakref.ref, int, str]] = {}
 
 
 def map_aligned(path: str | os.PathLike, offset: int, shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
@@ -56,7 +57,7 @@ def map_aligned(path: str | os.PathLike, offset: int, shape: tuple[int, ...], dt
     arr = np.frombuffer(mapping, dtype, count, offset).reshape(shape)
     span = (arr.ctypes.data, arr.ctypes.data + nbytes)
     with _lock:
-        _live[span] = (weakref.ref(mapping), offset)
+        _live[span] = (weakref.ref(mapping), offset, os.path.realpath(path))
     weakref.finalize(mapping, _forget, span)
     return arr
 
@@ -71,13 +72,23 @@ def is_mapped(a) -> bool:
     return _containing(a) is not None
 
 
+def mapped_file(a) -> tuple[str, int] | None:
+    """(the file, the byte offset in it) that array `a` (numpy, or a jax array on a CPU) is mapped
+    from, when `a` is the whole array `map_aligned` made; else None."""
+    found = _containing(a)
+    if found is None or found[0] != found[2]:
+        return None
+    _, (_, offset, path), _ = found
+    return path, offset
+
+
 def release_pages(a) -> bool:
     """Take the pages under array `a` (a piece of a mapped array: numpy, or a jax array on a CPU)
     out of this process's resident set; False (nothing done) when `a` is not mapped here."""
     found = _containing(a)
     if found is None or not hasattr(mmap, "MADV_DONTNEED"):
         return False
-    (start, _), (mapping, offset), (lo, hi) = found
+    (start, _), (mapping, offset, _), (lo, hi) = found
     first = offset + (lo - start)  # the piece's byte range within the mapping
     page = first - first % mmap.PAGESIZE
     mapping.madvise(mmap.MADV_DONTNEED, page, offset + (hi - start) - page)
@@ -103,8 +114,8 @@ def _containing(a):
     if span is None or span[1] <= span[0]:
         return None
     with _lock:
-        for live, (ref, offset) in _live.items():
+        for live, (ref, offset, path) in _live.items():
             mapping = ref()
             if mapping is not None and live[0] <= span[0] and span[1] <= live[1]:
-                return live, (mapping, offset), span
+                return live, (mapping, offset, path), span
     return None

@@ -211,9 +211,8 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     prepared = (read_prepared(store, source, plan, overrides, progress, status, settings) if store is not None
                 else None)
     pending = None
-    if prepared is not None:
+    if prepared is not None:  # (on its one device already, stacked as the plan scans: placed as kept)
         cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
-        params = sharding.shard_params(cfg, params, mesh)  # one device: the same buffers
         jax.block_until_ready(params)  # copies to a device are asynchronous: their end is the weights' too
         timings["weights_s"] = time.perf_counter() - t0 - timings["plan_s"]
         timings["int8_matmul_s"] = 0.0
@@ -244,10 +243,12 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         report["weights_file"] = gguf_summary(tok_spec["path"], cfg, plan.quantize_kwargs())
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
     params = hardware_checks.apply_encoder_dtype(plan, params, cfg)
-    if pending is None and options.scan_layers:  # (else the prepared store writes the loaded leaves later:
-        # serving_model stacks copies). The layers stacked as the forward pass scans them
-        # (decoder.stack_layers), each loaded leaf freed once stacked: never held twice over.
+    if options.scan_layers:  # The layers stacked as the forward pass scans them (decoder.stack_layers),
+        # each loaded leaf freed once stacked: never held twice over. The prepared store keeps the
+        # stacked tree (a start that reads it back stacks nothing).
         params = M.stack_layers(params, cfg, functools.partial(sharding.stack_placed, release=True))
+        if pending is not None:
+            pending = dataclasses.replace(pending, params=params)
     drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate, settings) else None
     if drafter is not None:  # small: whole on every device
         drafter = drafter[0], jax.device_put(drafter[1], sharding.replicated(mesh))
