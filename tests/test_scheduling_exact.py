@@ -18,7 +18,7 @@ from gemma4.model.sampling_params import SamplingParams
 from gemma4.serve import conversation
 from gemma4.serve.engine.chunking import (COST_RETRY_S, FLOOR_SLACK, INTERLEAVE_STEPS, LONE_CHUNK_S, STARVE_S,
                                           chunk_budget_s, chunk_limit, fresh_costs, next_chunk, override_limit,
-                                          prefill_order)
+                                          prefill_order, StepCosts)
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.requests import RequestError, merge_spans
 from gemma4.serve.shape_keys import DecodeKey, PrefillKey
@@ -90,6 +90,11 @@ def test_chunk_size_is_the_largest_bucket_a_few_decode_steps_pay_for():
     assert override_limit(Settings.from_env({"GEMMA4_PREFILL_CHUNK": "100"}), False, buckets) == 64
     assert override_limit(Settings.from_env({"GEMMA4_PREFILL_CHUNK_ALONE": "8"}), True, buckets) == 16
     assert override_limit(Settings.defaults(), False, buckets) is None
+    # an engine of one row: nobody runs beside its prompt, nobody waits for a chunk: the largest bucket
+    slow = StepCosts()
+    slow.note(PrefillKey(bucket=128, fresh=True), 5.0)
+    assert slow.chunk_tokens(buckets, True, alone=True, rows=2) < 128
+    assert slow.chunk_tokens(buckets, True, alone=True, rows=1) == 128
 
 
 # ---------------------------------------------------------------- exactness

@@ -182,10 +182,14 @@ class StepCosts:
             costs[size] = seconds if size not in costs else 0.7 * costs[size] + 0.3 * seconds
             self.chunk_at[key.fresh][size] = self._clock()
 
-    def chunk_tokens(self, buckets: Sequence[int], fresh: bool, alone: bool) -> int:
+    def chunk_tokens(self, buckets: Sequence[int], fresh: bool, alone: bool, rows: int = 2) -> int:
         """The most prompt tokens one prefill chunk takes now: the largest bucket whose measured
         cost fits the budget (`chunk_budget_s`: a few decode steps beside running streams,
-        LONE_CHUNK_S alone)."""
+        LONE_CHUNK_S alone). An engine of one row (`rows`) takes the largest bucket: no stream runs
+        beside its prompt, and a request that arrives waits for the whole reply, not for a chunk —
+        smaller chunks would only slow the prompt (and, shapes compiled on demand, compile more)."""
+        if rows == 1:
+            return buckets[-1]
         # Alone, a size ruled out on a busy moment is retried once its measure is stale (nobody's
         # gap to hurt); beside running streams a retry would cost them one over-budget gap, so no.
         costs = (fresh_costs(self.chunk[fresh], self.chunk_at[fresh], self._clock()) if alone

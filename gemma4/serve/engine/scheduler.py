@@ -215,8 +215,8 @@ class Scheduler:
     def chunk_tokens(self, fresh: bool, alone: bool) -> int:
         """The most prompt tokens one prefill chunk takes now: the override, else the largest
         bucket whose measured cost fits the budget (`StepCosts.chunk_tokens`)."""
-        forced = self.chunk_override[alone]
-        return forced if forced is not None else self.costs.chunk_tokens(self.geometry.buckets, fresh, alone)
+        forced, buckets = self.chunk_override[alone], self.geometry.buckets
+        return forced if forced is not None else self.costs.chunk_tokens(buckets, fresh, alone, self.geometry.max_batch)
 
     def _plan_chunk(self) -> PrefillChunk | None:
         """The next chunk of the first prefilling request in `prefill_order` that a compiled shape
