@@ -202,3 +202,29 @@ def test_the_prepared_store_links_a_table_mapped_from_a_file_instead_of_copying_
     np.testing.assert_array_equal(np.asarray(back["ple"]["embed"]), table)
     read, _ = ps.load(tmp_path / "store", "l" * 32)  # read (at the offset) where not mapped
     np.testing.assert_array_equal(np.asarray(read["ple"]["embed"]), table)
+
+
+def test_the_plan_keeps_the_table_in_memory_where_the_weights_have_no_file_to_map():
+    plan = hardware.policy(hardware_probe.probe(), None, {})
+    folder = hardware_checks.decide_ple_table(plan, file_source=False)
+    assert folder.ple_table.value == "resident" and "no converted file" in folder.ple_table.reason
+    asked = hardware_checks.decide_ple_table(plan, {"ple_table": "mapped"}, file_source=False)
+    assert asked.ple_table.value == "resident" and asked.ple_table.source == "fallback" and asked.warnings
+
+
+def test_the_preflight_does_not_count_a_mapped_table_as_resident():
+    from gemma4.model.config import preset
+    from gemma4.plan import preflight as P
+
+    cfg = preset("e2b")
+    plan = {"weight_dtype": "float32", "compute_dtype": "float32", "weights": "int8", "embed_weights": "int8",
+            "kv_cache": "native", "int4_group_size": 64, "platform": "cpu"}
+    read = P.footprint(cfg, plan, {}, 4096, 1)
+    mapped = P.footprint(cfg, {**plan, "ple_table": "mapped"}, {}, 4096, 1)
+    rows, width = cfg.vocab_size_per_layer_input, cfg.num_layers * cfg.hidden_size_per_layer_input
+    assert read.weights - mapped.weights == rows * width + rows * 4  # int8 and a float32 scale per row
+    assert mapped.kv == read.kv
+    assert "per-layer embeddings mapped from disk" in P.describe_footprint(cfg, {**plan, "ple_table": "mapped"},
+                                                                           mapped, 4096, 1)
+    split = P.footprint(cfg, {**plan, "ple_table": "mapped"}, {"tensor": 2}, 4096, 1)
+    assert split.weights == P.footprint(cfg, plan, {"tensor": 2}, 4096, 1).weights  # a mesh copies it: counted

@@ -205,10 +205,12 @@ def apply_jax_config(plan: Plan) -> None:
 
 
 def resolve(model_config=None, overrides: Overrides | None = None, env: SettingsGiven | None = None,
-            facts: HardwareFacts | None = None, run_self_test: bool = True) -> tuple[Plan, dict]:
+            facts: HardwareFacts | None = None, run_self_test: bool = True,
+            file_source: bool = True) -> tuple[Plan, dict]:
     """probe → policy → self-test; optional paths that fail the self-test fall back loudly.
     `env`: the run's settings, whose policy overrides apply under `overrides` (`hardware.SettingsGiven`;
-    None: none, every setting at its default).
+    None: none, every setting at its default). `file_source`: the weights come from one file whose
+    conversion is kept on disk (a GGUF, the bundled model), so a table can stay mapped (`decide_ple_table`).
 
     Returns (the plan to run with, a JSON-able report {facts, plan, self_test, warnings}).
     Raises PolicyError for a refused override (see module doc). The core matmul checks failing is
@@ -234,7 +236,7 @@ def resolve(model_config=None, overrides: Overrides | None = None, env: Settings
                                                               simulated=bool(facts.simulated))
     plan, encoder = decide_encoder_dtype(plan, model_config, overrides, env, facts=facts)
     plan = decide_q4k(plan, overrides, env, simulated=bool(facts.simulated))
-    plan = decide_ple_table(plan, overrides, env)
+    plan = decide_ple_table(plan, overrides, env, file_source)
     report = report_dict(facts, plan, test)
     report["memory_bandwidth_gbps"] = memory_bandwidth_gbps(facts)  # None where unknown (a CPU)
     report["encoder_dtype"] = encoder
@@ -284,19 +286,28 @@ def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGive
     return plan.replace("q4k", Choice("int8", f"Q4_K tables re-rounded to int8 (one scale per 32 inputs): {why_not}"))
 
 
-def decide_ple_table(plan: Plan, overrides: Overrides | None = None, env: SettingsGiven | None = None) -> Plan:
+def decide_ple_table(plan: Plan, overrides: Overrides | None = None, env: SettingsGiven | None = None,
+                     file_source: bool = True) -> Plan:
     """Where a table a step only gathers rows from (the per-layer embeddings) lives (`Plan.ple_table`),
     decided before the weights: "mapped" on a CPU, where a device array is host memory and jax adopts
     a mapping of the weights' cache file without a copy (gemma4.weights.file_map), so only the pages
     of the rows steps read become resident (E2B's table is 2.9 GB of int8 and scales, a token reads
-    9 KB of it); "resident" on an accelerator, whose steps read device memory only. A model with no
-    such table, or none on disk to map (a Hugging Face folder, a load without a cache), holds it in
-    memory whatever this says. GEMMA4_PLE_TABLE=mapped on an accelerator is refused."""
+    9 KB of it); "resident" on an accelerator, whose steps read device memory only, and where the
+    weights have no converted file on disk (`file_source` False: a Hugging Face folder, random
+    weights). GEMMA4_PLE_TABLE=mapped on an accelerator is refused; where nothing can be mapped it
+    reads the table in, with a warning. The memory pre-flight counts a mapped table as not resident."""
     ov = normalize_overrides(overrides, env)
     want, fallback_ok = ov.get("ple_table"), bool(ov.get("allow_fallback", False))
     if want == "resident":
         return plan.replace("ple_table", Choice("resident", "requested via GEMMA4_PLE_TABLE: the per-layer-"
                                                             "embedding table read into memory", "override"))
+    if plan.platform == "cpu" and not file_source:
+        why = ("the per-layer-embedding table in memory: these weights have no converted file on disk to map "
+               "(a Hugging Face folder, random weights)")
+        if want == "mapped":
+            return plan.replace("ple_table", Choice("resident", f"GEMMA4_PLE_TABLE=mapped cannot apply: {why}",
+                                                    "fallback"), f"GEMMA4_PLE_TABLE=mapped cannot apply: {why}")
+        return plan.replace("ple_table", Choice("resident", why))
     if plan.platform == "cpu":
         how = "requested via GEMMA4_PLE_TABLE" if want == "mapped" else "auto"
         return plan.replace("ple_table", Choice("mapped", "the per-layer-embedding table stays in the weights' "

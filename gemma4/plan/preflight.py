@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 from gemma4.env import Settings
 from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
-from gemma4.model.params import iter_specs, param_specs
+from gemma4.model.params import GATHERED_TABLES, iter_specs, param_specs
 from gemma4.model.partitioning import MESH_AXES, count_spec
 from gemma4.plan import hardware, sharding
 from gemma4.plan.hardware_probe import simulated_facts
@@ -79,7 +79,7 @@ def _formats(plan: Any) -> dict:
             "embed_weights": value("embed_weights", value("weights", "none")), "kv": value("kv_cache", "native"),
             "compute_dtype": value("compute_dtype", "float32"), "group_size": int(value("int4_group_size", 64)),
             "platform": value("platform", "cpu"), "encoder_dtype": value("encoder_dtype", None),
-            "attention_full": value("attention_full", "xla")}
+            "attention_full": value("attention_full", "xla"), "ple_table": value("ple_table", "resident")}
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -98,7 +98,8 @@ def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, co
     out = sharding.shard_bytes_per_device(
         cfg, {a: int(mesh.get(a, 1)) for a in MESH_AXES} if mesh else {}, weight_dtype=fmt["weight_dtype"],
         quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
-        kv_format=fmt["kv"], tower_dtype=tower_dtype(plan), platform=fmt["platform"])
+        kv_format=fmt["kv"], tower_dtype=tower_dtype(plan), platform=fmt["platform"],
+        mapped=GATHERED_TABLES if fmt["ple_table"] == "mapped" else ())
     return {"weights": int(out["weights"]), "kv_cache": int(out["kv_cache"])}
 
 
@@ -483,14 +484,15 @@ def _format_name(plan: Any) -> str:
     name = base if f["weights"] == "none" else f["weights"]
     if f["embed_weights"] != f["weights"]:
         name += f" (embedding {base if f['embed_weights'] == 'none' else f['embed_weights']})"
-    return name + ("" if f["kv"] == "native" else f", {f['kv']} KV")
+    name += "" if f["kv"] == "native" else f", {f['kv']} KV"
+    return name + (", per-layer embeddings mapped from disk" if f["ple_table"] == "mapped" else "")
 
 
 def _plan_of(f: dict) -> dict:
     """A plan dict (the names `_formats` reads) from `_formats`'s output."""
     return {"weight_dtype": f["weight_dtype"], "weights": f["weights"], "embed_weights": f["embed_weights"],
             "kv_cache": f["kv"], "compute_dtype": f["compute_dtype"], "int4_group_size": f["group_size"],
-            "platform": f["platform"], "encoder_dtype": f.get("encoder_dtype")}
+            "platform": f["platform"], "encoder_dtype": f.get("encoder_dtype"), "ple_table": f.get("ple_table")}
 
 
 def _with_weights(plan: Any, mode: str) -> dict:

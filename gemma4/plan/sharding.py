@@ -315,21 +315,27 @@ def _part_bytes(shape: Sequence[int], itemsize: float, spec: tuple, sizes: dict[
 def shard_bytes_per_device(cfg, shape: dict[str, int] | Mesh, *, weight_dtype: DTypeLike = "float32",
                            quantize: dict | None = None, batch: int = 0, context: int = 0,
                            kv_dtype: DTypeLike = "float32", kv_format: str = "native",
-                           tower_dtype: DTypeLike | None = None, platform: str = "cpu") -> dict[str, int]:
+                           tower_dtype: DTypeLike | None = None, platform: str = "cpu",
+                           mapped: tuple[tuple, ...] = ()) -> dict[str, int]:
     """Bytes one device holds under RULES on a mesh of `shape`, computed without any device.
 
     Weights in their final form (`quantize` = `Plan.quantize_kwargs()`, per-row int8 scales; a
     GGUF's grouped scales differ by a few %), plus the KV cache for `batch` rows × `context`
     positions in `kv_format` (the sliding rings as `platform`'s: kv_cache.ring_slack); the towers'
-    weights in `tower_dtype` (the plan's encoder dtype; None: `weight_dtype`). Returns {"weights",
-    "kv_cache", "total"} (the most any device holds).
+    weights in `tower_dtype` (the plan's encoder dtype; None: `weight_dtype`). Leaves at the paths
+    `mapped` (`Plan.ple_table`) stay in a file mapping on one device: not counted there (a mesh
+    of several copies them into its shards). Returns {"weights", "kv_cache", "total"} (the most
+    any device holds).
     """
     sizes = mesh_sizes(shape)
     check_rules(RULES, all_axes(cfg))
     fmt = LeafFormat(jnp.dtype(weight_dtype), quantize)
     group = fmt.quantize_settings()["group_size"]
     weights = 0
+    one_device = all(n == 1 for n in sizes.values())
     for path, spec in iter_specs(param_specs(cfg)):
+        if one_device and path[:2] in mapped:
+            continue
         target = fmt.target(leaf_name(path), spec)
         if target == "none":
             dt = jnp.dtype(leaf_dtype(spec, fmt.weight_dtype, tower_dtype))

@@ -172,7 +172,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     status(0.02, f"resolving {source.description}")
     # The plan depends on the geometry (head dims → attention path): peek at the config first.
     peeked = sources.peek_config(source, settings=settings)
-    plan, report = hardware_checks.resolve(peeked, overrides, settings)
+    plan, report = hardware_checks.resolve(peeked, overrides, settings, file_source=source.kind in ("bundled", "gguf"))
     if report.get("self_test") and not report["self_test"]["ok"]:
         raise RuntimeError(f"device self-test failed: {report['self_test']}")
     log.info("hardware plan:\n%s", plan.report())
