@@ -197,6 +197,7 @@ def test_the_prepared_store_links_a_table_mapped_from_a_file_instead_of_copying_
     folder = ps.save(tmp_path / "store", "l" * 32, params, {})
     linked = [f for f in folder.iterdir() if f.stat().st_ino == path.stat().st_ino]
     assert len(linked) == 1  # the same file: a hard link, no second copy
+    assert ps.own_bytes(folder) < table.nbytes  # the store's size limit does not count it
     back, _ = ps.load(tmp_path / "store", "l" * 32, mapped=(("ple", "embed"),))
     assert file_map.is_mapped(back["ple"]["embed"])
     np.testing.assert_array_equal(np.asarray(back["ple"]["embed"]), table)

@@ -19,7 +19,8 @@ whole — a temporary folder renamed into place, after the engine is ready — a
 sizes are checked before reading. Only single-file models (the bundled model, a GGUF file) on one
 device whose int8 weights were reordered into panels are kept (`worth_keeping`: float or row-layout
 weights are what the loader's own cache gives back already); the folder (`cache_root()/prepared`, or GEMMA4_PREPARED_CACHE; "off" disables it)
-is kept under MAX_BYTES, least recently used entries first, the newest always kept.
+is kept under MAX_BYTES of its own (a file linked from the loader's cache does not count), least
+recently used entries first, the newest always kept.
 """
 
 from __future__ import annotations
@@ -267,6 +268,12 @@ def discard(folder: Path, key: str) -> None:
 STALE_WRITE_S = 3600  # a temporary folder this old is a write that died (the process ended mid-way)
 
 
+def own_bytes(entry: Path) -> int:
+    """The bytes only this entry holds: a file linked from elsewhere too (the loader's cache of a
+    mapped table, `_link_mapped`) frees nothing when the entry goes, so it does not count."""
+    return sum(st.st_size for st in (f.stat() for f in entry.iterdir()) if st.st_nlink == 1)
+
+
 def _trim(folder: Path, keep: Path) -> None:
     """Delete the least recently used entries until the folder is under MAX_BYTES (never `keep`),
     and writes that died."""
@@ -278,9 +285,8 @@ def _trim(folder: Path, keep: Path) -> None:
             continue
         if entry == keep or not manifest.is_file():
             continue
-        size = sum(f.stat().st_size for f in entry.iterdir())
-        entries.append((manifest.stat().st_mtime, size, entry))
-    total = sum(size for _, size, _ in entries) + sum(f.stat().st_size for f in keep.iterdir())
+        entries.append((manifest.stat().st_mtime, own_bytes(entry), entry))
+    total = sum(size for _, size, _ in entries) + own_bytes(keep)
     for _, size, entry in sorted(entries):
         if total <= MAX_BYTES:
             break
