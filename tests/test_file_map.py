@@ -99,6 +99,8 @@ def test_the_gguf_loader_maps_the_ple_table_from_its_cache_with_the_same_values(
     assert G.last_load_stats["cached"] and G.last_load_stats["mapped"] == [PLE]
     for params in (first, again):
         table = params["ple"]["embed"]
+        source, _ = file_map.mapped_file(table.q)
+        assert os.path.exists(source) and source.startswith(os.path.realpath(G.last_load_stats["cache_dir"]))
         assert file_map.is_mapped(table.q) and file_map.is_mapped(table.scale)
         assert not file_map.is_mapped(params["embed"].q)  # the LM head is read whole: in memory
         np.testing.assert_array_equal(np.asarray(table.q), np.asarray(resident["ple"]["embed"].q))

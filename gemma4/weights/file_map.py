@@ -62,6 +62,16 @@ def map_aligned(path: str | os.PathLike, offset: int, shape: tuple[int, ...], dt
     return arr
 
 
+def renamed(old: str | os.PathLike, new: str | os.PathLike) -> None:
+    """Folder `old` was renamed to `new` (a cache entry written in a temporary folder, then moved into
+    place): the mappings of files in it now name their files there (`mapped_file`)."""
+    old, new = os.path.realpath(old), os.path.realpath(new)
+    with _lock:
+        for span, (ref, offset, path) in list(_live.items()):
+            if path.startswith(old + os.sep):
+                _live[span] = (ref, offset, new + path[len(old):])
+
+
 def _forget(span: tuple[int, int]) -> None:
     with _lock:
         _live.pop(span, None)

@@ -42,7 +42,7 @@ from gemma4.model.params import GATHERED_TABLES, LeafSpec, leaf_dtype, leaf_name
 from gemma4.ops.quant import (PANEL_ROWS, Q4K_GROUP, Q4K_SUPER, Q4K_SUPER_BYTES, Params, QuantArray, Weight,
                               q4k_panels, read_aligned, to_device)
 from gemma4.paths import cache_root
-from gemma4.weights.file_map import is_mapped, map_aligned
+from gemma4.weights.file_map import is_mapped, map_aligned, renamed
 from gemma4.weights.gguf_blocks import (EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form, int8_group,
                                         int8_row_chunks, int8_scale_shape)
 from gemma4.weights.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf
@@ -348,6 +348,7 @@ class _CacheWriter:
             if self.folder.exists():
                 shutil.rmtree(self.folder, ignore_errors=True)
             os.replace(self.tmp, self.folder)
+            renamed(self.tmp, self.folder)  # a table mapped from the entry (`write_now`) names its files there
             self.tmp = None
             for old in self.folder.parent.glob(self.prefix + "*"):  # older versions of this file
                 if not old.name.endswith("-" + self.content_key):
