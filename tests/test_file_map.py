@@ -229,5 +229,30 @@ def test_the_preflight_does_not_count_a_mapped_table_as_resident():
     assert mapped.kv == read.kv
     assert "per-layer embeddings mapped from disk" in P.describe_footprint(cfg, {**plan, "ple_table": "mapped"},
                                                                            mapped, 4096, 1)
+    counted = P.footprint(cfg, {**plan, "ple_table": "mapped", "weights_bytes": 123 << 20}, {}, 4096, 1)
+    assert counted.weights == 123 << 20  # the file's own bytes (gguf.resident_bytes) where the engine knows them
+    assert "the file's own block types" in P.describe_footprint(cfg, {**plan, "weights_bytes": 1}, counted, 4096, 1)
     split = P.footprint(cfg, {**plan, "ple_table": "mapped"}, {"tensor": 2}, 4096, 1)
     assert split.weights == P.footprint(cfg, plan, {"tensor": 2}, 4096, 1).weights  # a mesh copies it: counted
+
+
+@pytest.mark.parametrize("block_type", ["Q8_0", "Q4_K"])
+def test_the_files_resident_bytes_are_the_loaded_trees(tmp_path, monkeypatch, block_type):
+    """`gguf.resident_bytes`, from the header alone, equals the bytes of the tree the loader builds
+    (4-bit panels where a whole stack is Q4_K, int8 with its grouped scales, floats), the mapped table apart."""
+    monkeypatch.setattr(G, "cache_root", lambda: tmp_path / "cache")
+    cfg = _tiny_e2b()
+    path = str(tmp_path / f"tiny-{block_type}.gguf")
+    gguf_write.write_gemma4_gguf(path, cfg, random_params(cfg), gguf_write.synthetic_vocab(cfg.vocab_size), block_type,
+                                 types={"blk.1.ffn_down.weight": "Q8_0"})
+    cfg = G.gguf_config(path)
+    quantize = {**INT8, "q4k": "4bit", "ple_table": "mapped"}
+    params = G.load_gguf_params(path, cfg, "float32", quantize=quantize)
+    leaves = jax.tree.leaves(params)
+    table = jax.tree.leaves(params["ple"]["embed"])
+    nbytes = lambda arrays: sum(int(a.nbytes) for a in arrays)  # noqa: E731
+    want = G.resident_bytes(path, cfg, quantize)
+    assert want == {"weights": nbytes(leaves) - nbytes(table), "mapped": nbytes(table)}
+    assert (G.last_load_stats["q4_panels"] > 0) == (block_type == "Q4_K")
+    read = G.resident_bytes(path, cfg, {**quantize, "ple_table": "resident"})
+    assert read == {"weights": nbytes(leaves), "mapped": 0}

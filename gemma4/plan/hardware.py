@@ -188,6 +188,9 @@ class Plan:
     # "mapped" (left in the weights' cache files, mapped: only the rows steps read are resident) |
     # "resident" (read into memory): decided before the load (hardware_checks.decide_ple_table).
     ple_table: Choice = Choice("resident", "read into memory")
+    # The weights' resident bytes as the model file's own tensors load (a GGUF: its block types,
+    # `gguf.resident_bytes`), set once the file is known; None: the pre-flight's per-format formula.
+    weights_bytes: int | None = None
 
     def choices(self) -> dict[str, Choice]:
         return {name: getattr(self, name) for name in CHOICE_NAMES}

@@ -79,7 +79,8 @@ def _formats(plan: Any) -> dict:
             "embed_weights": value("embed_weights", value("weights", "none")), "kv": value("kv_cache", "native"),
             "compute_dtype": value("compute_dtype", "float32"), "group_size": int(value("int4_group_size", 64)),
             "platform": value("platform", "cpu"), "encoder_dtype": value("encoder_dtype", None),
-            "attention_full": value("attention_full", "xla"), "ple_table": value("ple_table", "resident")}
+            "attention_full": value("attention_full", "xla"), "ple_table": value("ple_table", "resident"),
+            "weights_bytes": value("weights_bytes", None)}
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -100,7 +101,9 @@ def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, co
         quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
         kv_format=fmt["kv"], tower_dtype=tower_dtype(plan), platform=fmt["platform"],
         mapped=GATHERED_TABLES if fmt["ple_table"] == "mapped" else ())
-    return {"weights": int(out["weights"]), "kv_cache": int(out["kv_cache"])}
+    one_device = not mesh or all(int(n) == 1 for n in mesh.values())
+    weights = fmt["weights_bytes"] if fmt["weights_bytes"] is not None and one_device else out["weights"]
+    return {"weights": int(weights), "kv_cache": int(out["kv_cache"])}
 
 
 def tower_dtype(plan: Any) -> str | None:
@@ -485,6 +488,7 @@ def _format_name(plan: Any) -> str:
     if f["embed_weights"] != f["weights"]:
         name += f" (embedding {base if f['embed_weights'] == 'none' else f['embed_weights']})"
     name += "" if f["kv"] == "native" else f", {f['kv']} KV"
+    name += ", the file's own block types" if f["weights_bytes"] is not None else ""
     return name + (", per-layer embeddings mapped from disk" if f["ple_table"] == "mapped" else "")
 
 
@@ -492,11 +496,12 @@ def _plan_of(f: dict) -> dict:
     """A plan dict (the names `_formats` reads) from `_formats`'s output."""
     return {"weight_dtype": f["weight_dtype"], "weights": f["weights"], "embed_weights": f["embed_weights"],
             "kv_cache": f["kv"], "compute_dtype": f["compute_dtype"], "int4_group_size": f["group_size"],
-            "platform": f["platform"], "encoder_dtype": f.get("encoder_dtype"), "ple_table": f.get("ple_table")}
+            "platform": f["platform"], "encoder_dtype": f.get("encoder_dtype"), "ple_table": f.get("ple_table"),
+            "weights_bytes": f.get("weights_bytes")}
 
 
 def _with_weights(plan: Any, mode: str) -> dict:
-    return _plan_of(dict(_formats(plan), weights=mode, embed_weights=mode))
+    return _plan_of(dict(_formats(plan), weights=mode, embed_weights=mode, weights_bytes=None))
 
 
 def describe_footprint(cfg: ModelConfig, plan: Any, fp: Footprint, context: int, batch: int) -> str:

@@ -144,6 +144,39 @@ _FORM_WORDS = {"int8_exact": "int8, the blocks as they are", "int8_rerounded": "
                "int8_from_float": "int8 from its floats", "q4_panels": "4-bit, the blocks as they are"}
 
 
+def resident_bytes(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | None,
+                   dtype: DTypeLike = "float32") -> dict[str, int]:
+    """The bytes the weights of a GGUF hold once loaded under `quantize` (`Plan.quantize_kwargs()`),
+    from the file's own block types, read from its header only: {"weights": held in memory,
+    "mapped": left in a file mapping (`Plan.ple_table`)}. A 4-bit table counts its panels and
+    headers (4.625 bits a value), an int8 one its scales as `int8_form` makes them; the rest as the
+    plan builds them. For the memory pre-flight (the per-format formula counts every quantized
+    table as int8)."""
+    g = read_gguf(path)
+    fmt = LeafFormat(dtype, quantize)
+    settings = fmt.quantize_settings()
+    expected = expected_tensors(cfg)
+    targets = {n: fmt.target(leaf_name(p), spec) for n, (p, spec) in expected.items()}
+    types = {n: g.tensors[n].type_name for n in expected}
+    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=settings.get("q4k") == "4bit")
+    out = {"weights": 0, "mapped": 0}
+    for name, (tree_path, spec) in expected.items():
+        n = int(np.prod(spec.shape, dtype=np.int64))
+        if kinds[name] == "q4":
+            size = n // 2 + n // (PANEL_ROWS * Q4K_SUPER) * Q4K_SUPER_BYTES
+        elif kinds[name] == "int8":
+            size = n + 4 * int(np.prod(int8_scale_shape(g.tensors[name]), dtype=np.int64))
+        elif targets[name] == "none":
+            size = n * jnp.dtype(leaf_dtype(spec, dtype)).itemsize
+        else:  # quantized from its floats: one float32 scale per row (int8) or per row and group (int4)
+            rows = n // spec.shape[-1]
+            size = (n + 4 * rows if targets[name] == "int8"
+                    else n // 2 + 4 * rows * (spec.shape[-1] // settings["group_size"]))
+        held = settings.get("ple_table") == "mapped" and tree_path in GATHERED_TABLES and kinds[name] == "int8"
+        out["mapped" if held else "weights"] += size
+    return out
+
+
 def file_summary(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | None) -> dict[str, str]:
     """What a GGUF holds and what the plan makes of it, for the Hardware panel: the file, its
     tensors' block types, and per block type the leaves' final form under `quantize`
