@@ -39,12 +39,13 @@ from gemma4.model import kv_cache
 from gemma4.model.config import ModelConfig
 from gemma4.model.params import GATHERED_TABLES, iter_specs, param_specs
 from gemma4.model.partitioning import MESH_AXES, count_spec
-from gemma4.plan import hardware, sharding
+from gemma4.plan import hardware, hardware_checks, sharding
 from gemma4.plan.hardware_probe import simulated_facts
 from gemma4.plan.preflight_devices import (JAX_GPU_CLIENT_FRACTION, SIMULATED_DEVICES, DeviceSet, PreflightError,
                                            gpu_client_fraction, local_device_set, simulated_devices)
 from gemma4.plan.sharding import mesh_size
 from gemma4.weights import sources
+from gemma4.weights.gguf import resident_bytes as gguf_resident_bytes
 
 log = logging.getLogger("gemma4.plan.preflight")
 
@@ -92,18 +93,24 @@ def _quantize_kwargs(fmt: dict) -> dict:
 
 def device_bytes(cfg: ModelConfig, plan: Any, mesh: Mapping[str, int] | None, context: int = 0,
                  batch: int = 0) -> dict[str, int]:
-    """{"weights", "kv_cache"} one device holds: the sharding module's own rule table applied to
-    shapes (nothing allocated), so the pre-flight and the real placement cannot disagree."""
+    """{"weights", "kv_cache", "mapped"} one device holds: the sharding module's own rule table
+    applied to shapes (nothing allocated), so the pre-flight and the real placement cannot disagree.
+    "weights" is what stays resident: a GGUF's own bytes where the plan knows them
+    (`weights_bytes`), without a table left in a file mapping (`Plan.ple_table`), whose bytes are
+    "mapped"."""
 
     fmt = _formats(plan)
-    out = sharding.shard_bytes_per_device(
-        cfg, {a: int(mesh.get(a, 1)) for a in MESH_AXES} if mesh else {}, weight_dtype=fmt["weight_dtype"],
-        quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
-        kv_format=fmt["kv"], tower_dtype=tower_dtype(plan), platform=fmt["platform"],
-        mapped=GATHERED_TABLES if fmt["ple_table"] == "mapped" else ())
+    def count(mapped: tuple) -> dict[str, int]:
+        return sharding.shard_bytes_per_device(
+            cfg, {a: int(mesh.get(a, 1)) for a in MESH_AXES} if mesh else {}, weight_dtype=fmt["weight_dtype"],
+            quantize=_quantize_kwargs(fmt), batch=batch, context=context, kv_dtype=fmt["compute_dtype"],
+            kv_format=fmt["kv"], tower_dtype=tower_dtype(plan), platform=fmt["platform"], mapped=mapped)
+
+    whole = count(())
+    out = count(GATHERED_TABLES) if fmt["ple_table"] == "mapped" else whole
     one_device = not mesh or all(int(n) == 1 for n in mesh.values())
     weights = fmt["weights_bytes"] if fmt["weights_bytes"] is not None and one_device else out["weights"]
-    return {"weights": int(weights), "kv_cache": int(out["kv_cache"])}
+    return {"weights": int(weights), "kv_cache": int(out["kv_cache"]), "mapped": int(whole["weights"] - out["weights"])}
 
 
 def tower_dtype(plan: Any) -> str | None:
@@ -211,7 +218,9 @@ def _footprint(cfg: ModelConfig, fmt: tuple, shape: tuple, context: int, batch: 
     share = device_bytes(cfg, plan, mesh, context, batch)
     whole = share if not mesh else _footprint(cfg, fmt, (), context, batch)
     return Footprint(mesh, share["weights"], share["kv_cache"],
-                     workspace_bytes(cfg, plan, context, batch, mesh, share["weights"]),
+                     # (the CPU reserve was fitted with the table counted: compile-time memory and the
+                     # loader's temporaries follow the model's size, not where its table lives)
+                     workspace_bytes(cfg, plan, context, batch, mesh, share["weights"] + share["mapped"]),
                      whole["weights"] if not mesh else whole.replica_weights,
                      whole["kv_cache"] if not mesh else whole.replica_kv)
 
@@ -587,6 +596,22 @@ def simulated_facts_for(spec: str, settings: Settings | None = None):
     return dataclasses.replace(facts, **changes), devices
 
 
+def file_source(source: sources.ModelSource) -> bool:
+    """Whether the weights come from one file whose conversion is kept on disk (a GGUF, the bundled
+    model): a table can stay mapped from it (`hardware_checks.decide_ple_table`)."""
+    return source.kind in ("bundled", "gguf")
+
+
+def with_file_bytes(plan: hardware.Plan, source: sources.ModelSource, cfg: ModelConfig | None) -> hardware.Plan:
+    """`plan` with `weights_bytes` counted from a GGUF's own block types (`gguf.resident_bytes`: 4-bit
+    tables, grouped int8 scales, a mapped table apart) where the file is at hand; else as it is (the
+    per-format formula, which counts every quantized table as int8)."""
+    if cfg is None or not file_source(source) or not source.path:
+        return plan
+    held = gguf_resident_bytes(source.path, cfg, plan.quantize_kwargs(), plan.weight_dtype.value)
+    return dataclasses.replace(plan, weights_bytes=held["weights"])
+
+
 def probe_report(model: str, mesh: str = "auto", context: int | None = None, batch: int = 1,
                  overrides: Mapping[str, Any] | None = None, devices: str | None = None,
                  settings: Settings | None = None) -> dict:
@@ -604,6 +629,11 @@ def probe_report(model: str, mesh: str = "auto", context: int | None = None, bat
     plan = hardware.policy(facts, cfg, overrides, settings)
     encoder = hardware.encoder_dtype_rule(plan, cfg, overrides, settings, facts)  # None: measured at load (float32 counted)
     plan = plan if encoder is None else plan.replace("encoder_dtype", encoder)
+    source = sources.resolve(model)
+    simulated = bool(facts.simulated)
+    plan = hardware_checks.decide_q4k(plan, overrides, settings, simulated=simulated)
+    plan = with_file_bytes(hardware_checks.decide_ple_table(plan, overrides, settings, file_source(source)),
+                           source, cfg)
     ctx = int(context or min(cfg.max_position_embeddings, 4096))
     report = check(cfg, plan, devs, mesh, ctx, batch)
     report.update(model=cfg.name, context=ctx, batch=batch, weights=_format_name(plan))

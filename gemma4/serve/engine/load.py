@@ -45,7 +45,6 @@ from gemma4.serve.engine.geometry import DEFAULT_CONTEXT, ServingGeometry, conte
 from gemma4.weights import sources
 from gemma4.weights.drafter_checkpoint import load_drafter as read_drafter
 from gemma4.weights.gguf import file_summary as gguf_summary
-from gemma4.weights.gguf import resident_bytes as gguf_resident_bytes
 from gemma4.weights.leaf_format import LeafFormat
 from gemma4.weights.tokenizer import Tokenizer
 
@@ -173,13 +172,10 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     status(0.02, f"resolving {source.description}")
     # The plan depends on the geometry (head dims → attention path): peek at the config first.
     peeked = sources.peek_config(source, settings=settings)
-    plan, report = hardware_checks.resolve(peeked, overrides, settings, file_source=source.kind in ("bundled", "gguf"))
+    plan, report = hardware_checks.resolve(peeked, overrides, settings, file_source=preflight.file_source(source))
     if report.get("self_test") and not report["self_test"]["ok"]:
         raise RuntimeError(f"device self-test failed: {report['self_test']}")
-    if peeked is not None and source.kind in ("bundled", "gguf") and source.path:  # the pre-flight counts
-        # the file's own block types (4-bit tables, grouped scales, a mapped table), not the formula's int8
-        plan = dataclasses.replace(plan, weights_bytes=gguf_resident_bytes(
-            source.path, peeked, plan.quantize_kwargs(), plan.weight_dtype.value)["weights"])
+    plan = preflight.with_file_bytes(plan, source, peeked)  # the pre-flight counts a GGUF's own block types
     log.info("hardware plan:\n%s", plan.report())
     hardware_checks.apply_jax_config(plan)
     options = hardware_checks.run_options(plan)
