@@ -88,8 +88,10 @@ def test_the_gguf_loader_maps_the_ple_table_from_its_cache_with_the_same_values(
     ids = jnp.asarray([[cfg.bos_id, 100, 200, 300, 17, 33, 250]], jnp.int32)
     pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
 
+    forward = jax.jit(lambda params: M.forward(params, cfg, ids, pos)[0])  # one compile, not one per op
+
     def logits(params):
-        return np.asarray(M.forward(params, cfg, ids, pos)[0])
+        return np.asarray(forward(params))
 
     resident = G.load_gguf_params(e2b_file, cfg, "float32", use_cache=False, quantize={**INT8, "ple_table": "mapped"})
     assert not file_map.is_mapped(resident["ple"]["embed"].q) and G.last_load_stats["mapped"] == []  # nothing on disk

@@ -66,8 +66,11 @@ def _leaf(tree, path):
     return np.asarray(tree)
 
 
+_FORWARD = jax.jit(M.forward, static_argnums=1)  # one compile per config and length, not one per op
+
+
 def _logits(params, cfg, ids):
-    out = M.forward(params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None])[0]
+    out = _FORWARD(params, cfg, jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None])[0]
     return np.asarray(out[0], np.float32)
 
 

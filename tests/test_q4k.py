@@ -175,8 +175,11 @@ def test_4bit_logits_are_the_files_and_a_scan_gives_the_same(q4k_file, tmp_path,
     ids = jnp.asarray([[cfg.bos_id, 100, 200, 300, 400, 17, 33, 250]], jnp.int32)
     pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
 
-    def logits(params, **kw):
-        return np.asarray(M.forward(params, cfg, ids, pos, **kw)[0], np.float64)
+    forward = jax.jit(lambda params, options: M.forward(params, cfg, ids, pos, options=options)[0],
+                      static_argnums=1)  # one compile per tree, not one per op (minutes with a cold cache)
+
+    def logits(params, options=M.RunOptions()):
+        return np.asarray(forward(params, options), np.float64)
 
     exact = logits(G.load_gguf_params(q4k_file, cfg, "float32", use_cache=False))
     four = G.load_gguf_params(q4k_file, cfg, "float32", quantize={**INT8, "q4k": "4bit"})
