@@ -22,19 +22,11 @@ from gemma4.weights import gguf as G
 from gemma4.weights import gguf_write
 from gemma4.weights.random_init import random_params
 from tests.gguf_reference import reference_config
+from tests.test_heap import status_mib
 
 INT8 = {"mode": "int8", "embed_mode": "int8", "group_size": 32, "int4_kernel": "xla", "int4_block": None}
 PLE = "per_layer_token_embd.weight"
 MIB = 1 << 20
-
-
-def _rss_file_mib() -> float:
-    """This process's resident file-backed pages (the mappings' share of its RSS), in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssFile:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no RssFile line in /proc/self/status")
 
 
 def test_a_mapped_array_is_adopted_without_a_copy_and_its_pages_can_be_released(tmp_path):
@@ -50,12 +42,12 @@ def test_a_mapped_array_is_adopted_without_a_copy_and_its_pages_can_be_released(
     assert file_map.is_mapped(dev) and not file_map.is_mapped(np.zeros(8))
     np.testing.assert_array_equal(np.asarray(dev[5:9]), data[5:9])
 
-    before = _rss_file_mib()
+    before = status_mib("RssFile")
     assert int(np.asarray(dev).astype(np.int64).sum()) == int(data.astype(np.int64).sum())  # every page read
-    touched = _rss_file_mib()
+    touched = status_mib("RssFile")
     assert touched - before > 48, (before, touched)
     assert file_map.release_pages(np.asarray(dev))
-    assert touched - _rss_file_mib() > 48
+    assert touched - status_mib("RssFile") > 48
     assert not file_map.release_pages(np.ones(16))  # not a mapping: nothing done
     np.testing.assert_array_equal(np.asarray(dev[60:64]), data[60:64])  # read again from the page cache
 

@@ -20,6 +20,8 @@ import hashlib
 import json
 import os
 import time
+from typing import Any, Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,6 +254,16 @@ def resolve(model_config=None, overrides: Overrides | None = None, env: Settings
 DEFAULT_INT8_ACTIVATIONS = "int16"
 
 
+def refused(plan: Plan, ov: Mapping[str, Any], name: str, safe_value: Any, message: str,
+            instead: str | None = None) -> Plan:
+    """An override this device cannot honour, decided after the policy: PolicyError (naming the
+    setting to use `instead`), or with GEMMA4_ALLOW_FALLBACK (`ov`, normalized overrides) the plan
+    with `name` at its safe value, the refusal kept in its reason and in the plan's warnings."""
+    if not ov.get("allow_fallback", False):
+        raise PolicyError(message + (f"; use {instead}" if instead else ""))
+    return plan.replace(name, Choice(safe_value, f"REFUSED: {message}", "fallback"), message)
+
+
 def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGiven | None = None,
                simulated: bool = False) -> Plan:
     """How a GGUF's Q4_K tables load (`Plan.q4k`), decided before the weights: "4bit" keeps each
@@ -259,7 +271,7 @@ def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGive
     native panel product reads; "int8" re-rounds it to int8 with one scale per 32 inputs (9 bits a
     value, and a second rounding). GEMMA4_GGUF_Q4K=4bit where that product cannot run is refused."""
     ov = normalize_overrides(overrides, env)
-    want, fallback_ok = ov.get("q4k"), bool(ov.get("allow_fallback", False))
+    want = ov.get("q4k")
     if want == "int8":
         return plan.replace("q4k", Choice("int8", "requested via GEMMA4_GGUF_Q4K: Q4_K tables re-rounded to int8 "
                                                   "(one scale per 32 inputs)", "override"))
@@ -279,10 +291,7 @@ def decide_q4k(plan: Plan, overrides: Overrides | None = None, env: SettingsGive
                                                   "stacks with them is Q4_K too, for the native panel product; "
                                                   "GEMMA4_GGUF_Q4K=int8 re-rounds them", how))
     if want == "4bit":
-        msg = f"GEMMA4_GGUF_Q4K=4bit refused: {why_not}"
-        if not fallback_ok:
-            raise PolicyError(msg + "; use GEMMA4_GGUF_Q4K=auto")
-        return plan.replace("q4k", Choice("int8", f"REFUSED: {msg}", "fallback"), msg)
+        return refused(plan, ov, "q4k", "int8", f"GEMMA4_GGUF_Q4K=4bit refused: {why_not}", "GEMMA4_GGUF_Q4K=auto")
     return plan.replace("q4k", Choice("int8", f"Q4_K tables re-rounded to int8 (one scale per 32 inputs): {why_not}"))
 
 
@@ -297,7 +306,7 @@ def decide_ple_table(plan: Plan, overrides: Overrides | None = None, env: Settin
     weights). GEMMA4_PLE_TABLE=mapped on an accelerator is refused; where nothing can be mapped it
     reads the table in, with a warning. The memory pre-flight counts a mapped table as not resident."""
     ov = normalize_overrides(overrides, env)
-    want, fallback_ok = ov.get("ple_table"), bool(ov.get("allow_fallback", False))
+    want = ov.get("ple_table")
     if want == "resident":
         return plan.replace("ple_table", Choice("resident", "requested via GEMMA4_PLE_TABLE: the per-layer-"
                                                             "embedding table read into memory", "override"))
@@ -316,10 +325,8 @@ def decide_ple_table(plan: Plan, overrides: Overrides | None = None, env: Settin
                                                           "prepared-weights cache; GEMMA4_PLE_TABLE=resident "
                                                           "reads it into memory)", how))
     if want == "mapped":
-        msg = f"GEMMA4_PLE_TABLE=mapped refused: a mapped file is host memory, and {plan.device} reads its own"
-        if not fallback_ok:
-            raise PolicyError(msg + "; use GEMMA4_PLE_TABLE=auto")
-        return plan.replace("ple_table", Choice("resident", f"REFUSED: {msg}", "fallback"), msg)
+        return refused(plan, ov, "ple_table", "resident", "GEMMA4_PLE_TABLE=mapped refused: a mapped file is host "
+                       f"memory, and {plan.device} reads its own", "GEMMA4_PLE_TABLE=auto")
     return plan.replace("ple_table", Choice("resident", f"the per-layer-embedding table in {plan.device}'s memory, "
                                                         "where its steps read"))
 
@@ -361,7 +368,6 @@ def choose_int8_matmul(plan: Plan, params: Params, overrides: Overrides | None =
 
     ov = normalize_overrides(overrides, env)
     want = ov.get("int8_matmul", "measure")
-    fallback_ok = bool(ov.get("allow_fallback", False))
     leaves = jax.tree.leaves(params, is_leaf=quant.is_quantized)
     if not any(isinstance(leaf, quant.QuantArray) for leaf in leaves):
         return params, plan.replace("int8_matmul", Choice("none", "no int8 weight leaves")), None
@@ -370,9 +376,7 @@ def choose_int8_matmul(plan: Plan, params: Params, overrides: Overrides | None =
                                    "matmul; the CPU formulations do not apply")
         if want not in ("measure", "default"):
             msg = f"GEMMA4_INT8_MATMUL={want} is a CPU formulation; this device is {plan.device}"
-            if not fallback_ok:
-                raise PolicyError(msg)
-            return params, plan.replace("int8_matmul", Choice("default", f"REFUSED: {msg}", "fallback"), msg), None
+            return params, refused(plan, ov, "int8_matmul", "default", msg), None
         return params, plan.replace("int8_matmul", choice), None
 
     status = cpu_int8.load()
@@ -383,7 +387,7 @@ def choose_int8_matmul(plan: Plan, params: Params, overrides: Overrides | None =
     warning = None
     if want == "native" and not native_ok:
         msg = f"GEMMA4_INT8_MATMUL=native refused: {note}"
-        if not fallback_ok:
+        if not ov.get("allow_fallback", False):
             raise PolicyError(msg + "; use GEMMA4_INT8_MATMUL=auto")
         want, warning = "measure", msg
     scales = ov.get("int8_scales", "float16")

@@ -21,6 +21,7 @@ The tensor names, and why no tensor needs rewriting, are `gemma4.weights.gguf_la
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -39,8 +40,8 @@ from jax.typing import DTypeLike
 
 from gemma4.model.config import JSON, ModelConfig, from_hf_config
 from gemma4.model.params import GATHERED_TABLES, LeafSpec, leaf_dtype, leaf_name, param_specs, tree_from_leaves
-from gemma4.ops.quant import (PANEL_ROWS, Q4K_GROUP, Q4K_SUPER, Q4K_SUPER_BYTES, Params, QuantArray, Weight,
-                              q4k_panels, read_aligned, to_device)
+from gemma4.ops.quant import (HOST_ALIGN, PANEL_ROWS, Q4K_GROUP, Q4K_SUPER, Q4K_SUPER_BYTES, Params, QuantArray,
+                              Weight, q4k_panels, read_aligned, to_device)
 from gemma4.paths import cache_root
 from gemma4.weights.file_map import is_mapped, map_aligned, renamed
 from gemma4.weights.gguf_blocks import (EXACT_INT8_GROUPS, FLOAT_TYPES, dequantize_tensor, int8_form, int8_group,
@@ -126,6 +127,29 @@ def _four_bit_ok(expected: dict[str, tuple[tuple, LeafSpec]], kinds: dict[str, s
     return ok
 
 
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """How each tensor of a file is read under a plan: `expected` (name → (tree path, spec)),
+    `targets` (the plan's leaf target), `kinds` (`_stored_kinds`) and `mapped` (the tables a step
+    only gathers rows from, left in their cache files: `Plan.ple_table`)."""
+
+    expected: dict[str, tuple[tuple, LeafSpec]]
+    targets: dict[str, str]
+    kinds: dict[str, str]
+    mapped: frozenset[str]
+
+
+def _reading(g: GGUFFile, cfg: ModelConfig, fmt: LeafFormat) -> _Reading:
+    settings = fmt.quantize_settings()
+    expected = expected_tensors(cfg)
+    targets = {n: fmt.target(leaf_name(p), spec) for n, (p, spec) in expected.items()}
+    types = {n: g.tensors[n].type_name for n in expected}
+    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=settings.get("q4k") == "4bit")
+    mapped = frozenset(n for n, (p, _) in expected.items()
+                       if settings.get("ple_table") == "mapped" and p in GATHERED_TABLES)
+    return _Reading(expected, targets, kinds, mapped)
+
+
 def leaf_form(kind: str, type_name: str) -> str:
     """What a tensor of GGML type `type_name` read as `kind` (`_stored_kinds`) becomes: "q4_panels"
     (a Q4_K table kept as stored), "int8_exact" (its blocks re-expressed without rounding),
@@ -154,13 +178,10 @@ def resident_bytes(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | N
     table as int8)."""
     g = read_gguf(path)
     fmt = LeafFormat(dtype, quantize)
-    settings = fmt.quantize_settings()
-    expected = expected_tensors(cfg)
-    targets = {n: fmt.target(leaf_name(p), spec) for n, (p, spec) in expected.items()}
-    types = {n: g.tensors[n].type_name for n in expected}
-    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=settings.get("q4k") == "4bit")
+    reading = _reading(g, cfg, fmt)
+    kinds, targets = reading.kinds, reading.targets
     out = {"weights": 0, "mapped": 0}
-    for name, (tree_path, spec) in expected.items():
+    for name, (_, spec) in reading.expected.items():
         n = int(np.prod(spec.shape, dtype=np.int64))
         if kinds[name] == "q4":
             size = n // 2 + n // (PANEL_ROWS * Q4K_SUPER) * Q4K_SUPER_BYTES
@@ -171,9 +192,8 @@ def resident_bytes(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | N
         else:  # quantized from its floats: one float32 scale per row (int8) or per row and group (int4)
             rows = n // spec.shape[-1]
             size = (n + 4 * rows if targets[name] == "int8"
-                    else n // 2 + 4 * rows * (spec.shape[-1] // settings["group_size"]))
-        held = settings.get("ple_table") == "mapped" and tree_path in GATHERED_TABLES and kinds[name] == "int8"
-        out["mapped" if held else "weights"] += size
+                    else n // 2 + 4 * rows * (spec.shape[-1] // fmt.quantize_settings()["group_size"]))
+        out["mapped" if name in reading.mapped and kinds[name] == "int8" else "weights"] += size
     return out
 
 
@@ -183,14 +203,11 @@ def file_summary(path: str | os.PathLike, cfg: ModelConfig, quantize: dict | Non
     (`Plan.quantize_kwargs()`, `leaf_form`); a leaf not read as int8 is float, or the plan's
     quantization of its floats."""
     g = read_gguf(path)
-    fmt = LeafFormat("float32", quantize)
-    expected = expected_tensors(cfg)
-    targets = {n: fmt.target(leaf_name(p), spec) for n, (p, spec) in expected.items()}
-    types = {n: g.tensors[n].type_name for n in expected}
-    stored = _stored_kinds(expected, targets, types, cfg, four_bit=(quantize or {}).get("q4k") == "4bit")
+    reading = _reading(g, cfg, LeafFormat("float32", quantize))
+    targets, stored = reading.targets, reading.kinds
     counts: dict[str, int] = {}
     made: dict[str, dict[str, int]] = {}
-    for name in expected:
+    for name in reading.expected:
         kind = g.tensors[name].type_name
         counts[kind] = counts.get(kind, 0) + 1
         form = _FORM_WORDS.get(leaf_form(stored[name], kind)) or (
@@ -302,12 +319,7 @@ def map_npy(path: Path) -> np.ndarray:
         offset = f.tell()
     if fortran or dtype.hasobject:
         raise ValueError(f"{path}: not a plain C-ordered array")
-    try:
-        return map_aligned(path, offset, shape, dtype)
-    except ValueError as exc:
-        if "truncated" in str(exc):
-            raise
-        return read_npy(path)
+    return read_npy(path) if offset % HOST_ALIGN else map_aligned(path, offset, shape, dtype)
 
 
 def _write_int8_rows(tensor: GGUFTensor, folder: Path, name: str) -> None:
@@ -479,14 +491,9 @@ def load_gguf_params(path: str | os.PathLike, cfg: ModelConfig, dtype: DTypeLike
     fmt = LeafFormat(dtype, quantize)
     g = read_gguf(path)
     _check_tensors(g, cfg)
-    expected = expected_tensors(cfg)
+    reading = _reading(g, cfg, fmt)
+    expected, targets, kinds, mapped = reading.expected, reading.targets, reading.kinds, reading.mapped
     names = list(expected)
-    targets = {n: fmt.target(leaf_name(expected[n][0]), expected[n][1]) for n in names}
-    types = {n: g.tensors[n].type_name for n in names}
-    settings = fmt.quantize_settings()
-    kinds = _stored_kinds(expected, targets, types, cfg, four_bit=settings.get("q4k") == "4bit")
-    # Tables a step only gathers rows from stay in their cache files, mapped (`Plan.ple_table`).
-    mapped = {n for n in names if settings.get("ple_table") == "mapped" and expected[n][0] in GATHERED_TABLES}
     int8_names = sorted(n for n, k in kinds.items() if k == "int8")
     q4_names = sorted(n for n, k in kinds.items() if k == "q4")
     form = "int8" if int8_names or q4_names else "float32"

@@ -211,7 +211,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
              and mesh.size == 1 else None)
     prepared = (read_prepared(store, source, plan, overrides, progress, status, settings) if store is not None
                 else None)
-    pending = None
+    keep = None  # (key, meta) of the weights this start prepares, kept once ready (`keep_prepared`)
     if prepared is not None:  # (on its one device already, stacked as the plan scans: placed as kept)
         cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
         jax.block_until_ready(params)  # copies to a device are asynchronous: their end is the weights' too
@@ -237,9 +237,9 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
             release=True)
         timings["int8_matmul_s"] = time.perf_counter() - t_mm
         heap.release(settings.get("GEMMA4_MALLOC_TRIM"))  # the load's and the panels' reordering's freed buffers (gemma4.serve.heap)
-        if store is not None and prepared_store.worth_keeping(params):  # written once ready (`keep_prepared`)
-            pending = PreparedWrite(store, prepared_key(tok_spec["path"], plan_before, overrides, settings), params,
-                                    prepared_meta(plan_before, plan, report["int8_matmul"]))
+        if store is not None and prepared_store.worth_keeping(params):
+            keep = (prepared_key(tok_spec["path"], plan_before, overrides, settings),
+                    prepared_meta(plan_before, plan, report["int8_matmul"]))
     if source.kind in ("bundled", "gguf"):  # the Hardware panel names the file's block types and their forms
         report["weights_file"] = gguf_summary(tok_spec["path"], cfg, plan.quantize_kwargs())
     # The towers in the plan's encoder dtype (resolve measured it: bf16 where it runs faster here).
@@ -248,8 +248,7 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
         # each loaded leaf freed once stacked: never held twice over. The prepared store keeps the
         # stacked tree (a start that reads it back stacks nothing).
         params = M.stack_layers(params, cfg, functools.partial(sharding.stack_placed, release=True))
-        if pending is not None:
-            pending = dataclasses.replace(pending, params=params)
+    pending = None if keep is None else PreparedWrite(store, keep[0], params, keep[1])
     drafter = load_drafter(cfg, options.dtype, drafter) if draft_tokens_setting(speculate, settings) else None
     if drafter is not None:  # small: whole on every device
         drafter = drafter[0], jax.device_put(drafter[1], sharding.replicated(mesh))
