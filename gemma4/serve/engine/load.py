@@ -214,6 +214,8 @@ def load_model(name: str, *, max_batch: int, overrides: dict, context: int | Non
     keep = None  # (key, meta) of the weights this start prepares, kept once ready (`keep_prepared`)
     if prepared is not None:  # (on its one device already, stacked as the plan scans: placed as kept)
         cfg, params, tok_spec, plan, report["int8_matmul"] = prepared
+        # placed on the engine's one-device mesh as a load's leaves are (no copy: the same buffers)
+        params = jax.device_put(params, sharding.replicated(mesh))
         jax.block_until_ready(params)  # copies to a device are asynchronous: their end is the weights' too
         timings["weights_s"] = time.perf_counter() - t0 - timings["plan_s"]
         timings["int8_matmul_s"] = 0.0
