@@ -5,7 +5,9 @@
 
 For each mode (the plan's `layers` choice, GEMMA4_LAYERS: each run of repeated layer periods as one
 jax.lax.scan over weights stacked per period position, or every layer unrolled over its weights as
-loaded) and each step — a decode step of `rows` rows and a later prefill chunk of
+loaded; `scan@O1`, `scan@effort-1`: the same layout compiled at XLA's optimization level O0-O3 or
+with that execution-time effort in [-1, 1] (jax_optimization_level,
+jax_exec_time_optimization_effort), the model loaded once per layout) and each step — a decode step of `rows` rows and a later prefill chunk of
 `chunk` tokens over a cache of `context` slots, the forward passes the engine's steps run — it
 prints the seconds to trace, lower and compile the step (the persistent compile cache off) and the
 median seconds of a run. The model loads once per mode, with the plan the machine chooses
@@ -16,6 +18,7 @@ bench/results/compile-steps-<date>-<time>.json (bench/harness.py), `figures.mode
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -60,6 +63,7 @@ def measure(model, cache, name: str, fn, tokens, positions, repeats: int) -> tup
     t2 = time.perf_counter()
     compiled = lowered.compile()
     t3 = time.perf_counter()
+    text = compiled.as_text() or ""  # the optimized program's size: its fusions and loops
     out, cache = compiled(model.params, cache, tokens, positions)
     jax.block_until_ready(out)
     runs = []
@@ -70,8 +74,36 @@ def measure(model, cache, name: str, fn, tokens, positions, repeats: int) -> tup
         runs.append(time.perf_counter() - t)
     row = {"trace_s": round(t1 - t0, 3), "lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
            "total_s": round(t3 - t0, 3), "run_ms_median": round(statistics.median(runs) * 1000, 2),
-           "run_ms_min": round(min(runs) * 1000, 2)}
+           "run_ms_min": round(min(runs) * 1000, 2), "hlo_fusions": text.count(" fusion("),
+           "hlo_while_loops": text.count(" while(")}
     return row, cache
+
+
+def compiler_setting(mode: str) -> tuple[str, tuple[str, object] | None]:
+    """'scan@O1' -> ('scan', ('jax_optimization_level', 'O1')); 'scan@effort-0.5' ->
+    ('scan', ('jax_exec_time_optimization_effort', -0.5)); 'scan' -> ('scan', None)."""
+    layout, _, setting = mode.partition("@")
+    if not setting:
+        return layout, None
+    if setting.startswith("effort"):
+        return layout, ("jax_exec_time_optimization_effort", float(setting[len("effort"):]))
+    if setting in ("O0", "O1", "O2", "O3"):
+        return layout, ("jax_optimization_level", setting)
+    raise ValueError(f"unknown compiler setting {setting!r} (O0-O3 or effort<-1..1>)")
+
+
+def _with_setting(setting: tuple[str, object] | None, fn):
+    """fn() with a jax compiler setting in force (restored after), as a new function each time: jax's
+    in-memory caches do not key on these settings."""
+    if setting is None:
+        return fn()
+    name, value = setting
+    before = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        return fn()
+    finally:
+        jax.config.update(name, before)
 
 
 def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repeats: int, modes: list[str],
@@ -81,9 +113,12 @@ def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repea
     report's lines)."""
     figures: dict = {"model": model_name, "backend": jax.default_backend(), "rows": rows, "chunk": chunk, "modes": {}}
     lines: list[str] = []
+    layouts: dict[str, list[str]] = {}
     for mode in modes:
+        layouts.setdefault(compiler_setting(mode)[0], []).append(mode)
+    for layout, layout_modes in layouts.items():
         model, cache, _ = load_model(model_name, max_batch=rows, context=context,
-                                     overrides={**overrides, "layers": mode})
+                                     overrides={**overrides, "layers": layout})
         if not lines:
             runs = [(r.first, r.period, r.count) for r in model.cfg.layer_runs]
             figures.update(layers=model.cfg.num_layers, layer_runs=runs, context=model.context_limit,
@@ -91,15 +126,20 @@ def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repea
             lines.append(f"{model_name}: {model.cfg.num_layers} layers as runs (first, period, count) {runs}; "
                          f"{harness.cpu_model()}, backend {jax.default_backend()}")
             log(lines[0])
-        log(f"{mode}:")
-        steps = {}
-        for name, (fn, tokens, positions) in step_functions(model.cfg, model.options, rows, chunk,
-                                                             model.context_limit).items():
-            steps[name], cache = measure(model, cache, name, fn, tokens, positions, repeats)
-            lines.append(f"{mode:9s} {name:22s} trace+lower+compile {steps[name]['total_s']:6.2f} s "
-                         f"(compile {steps[name]['compile_s']:5.2f} s), run median {steps[name]['run_ms_median']:8.2f} ms")
-            log(lines[-1])
-        figures["modes"][mode] = steps
+        for mode in layout_modes:
+            log(f"{mode}:")
+            setting = compiler_setting(mode)[1]
+            steps = {}
+            for name, (fn, tokens, positions) in step_functions(model.cfg, model.options, rows, chunk,
+                                                                 model.context_limit).items():
+                fresh = functools.partial(fn)  # a new function: no in-memory trace or executable reused
+                steps[name], cache = _with_setting(setting, lambda: measure(model, cache, name, fresh, tokens,
+                                                                             positions, repeats))
+                lines.append(f"{mode:15s} {name:22s} trace+lower+compile {steps[name]['total_s']:6.2f} s "
+                             f"(compile {steps[name]['compile_s']:5.2f} s), run median "
+                             f"{steps[name]['run_ms_median']:8.2f} ms, {steps[name]['hlo_fusions']} fusions")
+                log(lines[-1])
+            figures["modes"][mode] = steps
         del model, cache
     return figures, lines
 
@@ -109,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--overrides", default="", help="the engine's overrides, e.g. weights=none,dtype=float32")
     ap.add_argument("--chunk", type=int, default=512, help="the later prefill chunk's tokens")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--modes", default="scan,unrolled")
+    ap.add_argument("--modes", default="scan,unrolled", help="layouts, each optionally @O0-O3 or @effort<x>")
     args = ap.parse_args(argv)
     run = harness.Run("compile-steps", args)
     overrides = dict(item.split("=", 1) for item in args.overrides.split(",") if item)

@@ -5,6 +5,7 @@
 #
 #   bash scripts/tpu.sh --fetch-wheels      # here, with a package index: the wheels into .whl-tpu/
 #   bash scripts/tpu.sh [bench/tpu.py args] # on the chip machine (Python 3.11, JAX with libtpu)
+#   bash scripts/tpu.sh --bench compile_anatomy.py [its args]   # another bench script, same set-up
 #
 # The chip machine has JAX, libtpu and numpy but no internet; the wheels travel with the working
 # tree (.whl-tpu/ is ignored by git: carry it). They install under /tmp, after the machine's own
@@ -93,9 +94,17 @@ fi
 export PYTHONUNBUFFERED=1
 # a compile cache of its own per run: the engine's cold start is part of what is measured
 export GEMMA4_JAX_CACHE="${GEMMA4_JAX_CACHE:-/tmp/gemma4-tpu-cache}"
-python3 bench/tpu.py "$@"
+# `--bench name.py args`: another bench script with the same set-up (e.g. compile_anatomy.py);
+# the results it writes go to $OUT too
+touch /tmp/tpu-bench-start
+if [ "${1:-}" = "--bench" ]; then
+  script="$2"; shift 2
+  python3 "bench/$script" "$@"
+else
+  python3 bench/tpu.py "$@"
+fi
 status=$?
 if [ -n "${OUT:-}" ]; then
-  cp bench/results/tpu-*.json "$OUT"/ 2>/dev/null || true
+  find bench/results -name '*.json' -newer /tmp/tpu-bench-start -exec cp {} "$OUT"/ \; 2>/dev/null || true
 fi
 exit $status
