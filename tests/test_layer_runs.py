@@ -36,6 +36,20 @@ def test_runs_of_the_presets():
     assert _runs(C.preset("31b")) == [(0, 6, 10)]
 
 
+def test_groups_of_equal_layers_in_a_period():
+    """A period's consecutive equal layers are one group, traced once and scanned inside the period:
+    E2B's 4 sliding + 1 full, Gemma 3's 5 + 1; a run of one layer a group of one."""
+    assert [r.groups for r in C.preset("e2b").layer_runs] == [(4, 1), (1,), (1,), (1,), (4, 1)]
+    assert [r.groups for r in C.preset("gemma3-270m").layer_runs] == [(5, 1)]
+    run = C.preset("e2b").layer_runs[-1]  # 4 periods of 5 from layer 15
+    assert run.spans == ((0, 4), (4, 1))
+    # period-major: period p's o-th sliding layer is index p·4 + o of the stack keyed by layer 15
+    assert run.slot(15) == (15, 0) and run.slot(18) == (15, 3) and run.slot(20) == (15, 4) and run.slot(34) == (19, 3)
+    assert run.peers(21) == [15, 16, 17, 18, 20, 21, 22, 23, 25, 26, 27, 28, 30, 31, 32, 33]
+    assert run.peers(19) == [19, 24, 29, 34]
+    assert C.LayerRun(0, 3, 2).spans == ((0, 1), (1, 1), (2, 1))  # no groups given: each position alone
+
+
 @pytest.mark.parametrize("name", sorted(C.PRESETS))
 def test_runs_cover_the_layers_in_order_and_repeat_only_equal_layers(name):
     cfg = C.preset(name)
@@ -49,6 +63,9 @@ def test_runs_cover_the_layers_in_order_and_repeat_only_equal_layers(name):
                 spec, first = cfg.layers[run.layer(p, j)], cfg.layers[run.layer(0, j)]
                 assert C.layer_signature(spec) == C.layer_signature(first)
                 assert run.count == 1 or spec.index not in donors  # a donor's keys are read after it
+        assert sum(run.groups) == run.period
+        for j0, g in run.spans:  # a group's layers are equal
+            assert len({C.layer_signature(cfg.layers[run.layer(0, j0 + o)]) for o in range(g)}) == 1
 
 
 def test_the_stacked_cache_gives_each_producer_its_own_place():
@@ -65,13 +82,34 @@ def test_the_stacked_cache_gives_each_producer_its_own_place():
         kv_cache.cache_slot(cfg, cfg.num_layers)
 
 
-@pytest.mark.parametrize("base", ["e2b", "gemma3-270m"])
+def _periodic(base: str):
+    """A tiny config whose layers repeat in periods with groups (the tiny presets' do not): E2B's
+    shape, 3 periods of 2 sliding + 1 full producing KV (the last one's two donors apart), then 2
+    such periods sharing it; Gemma 3's, 2 periods of 3 sliding + 1 full."""
+    cfg = C.tiny(base.removesuffix("-periods"))
+    S, F = "sliding_attention", "full_attention"
+    types = (S, S, F) * 5 if base.startswith("e2b") else (S, S, S, F) * 2
+    shared = 6 if base.startswith("e2b") else 0
+    return dataclasses.replace(cfg, num_layers=len(types), layer_types=types, num_kv_shared_layers=shared)
+
+
+def _config(base: str):
+    return _periodic(base) if base.endswith("-periods") else C.tiny(base)
+
+
+def test_the_periodic_test_configs_have_groups():
+    assert [(r.period, r.count, r.groups) for r in _periodic("e2b-periods").layer_runs] == [
+        (3, 2, (2, 1)), (1, 1, (1,)), (1, 1, (1,)), (1, 1, (1,)), (3, 2, (2, 1))]
+    assert [(r.period, r.count, r.groups) for r in _periodic("gemma3-270m-periods").layer_runs] == [(4, 2, (3, 1))]
+
+
+@pytest.mark.parametrize("base", ["e2b", "gemma3-270m", "e2b-periods", "gemma3-270m-periods"])
 def test_scanned_equals_unrolled_and_a_loaded_tree_equals_a_stacked_one(base):
     """Prefill, a later chunk and decode steps: the scanned pass, the unrolled one, the tree as
     loaded stacked inside each call, and the tree as loaded unrolled layer by layer (the plan's
     `layers: unrolled`, no stacking) agree to float32 rounding (XLA compiles each program apart)
-    with the same greedy tokens."""
-    cfg = C.tiny(base)
+    with the same greedy tokens. The "-periods" configs scan periods with groups inside them."""
+    cfg = _config(base)
     params = random_params(cfg, seed=3)
     stacked = M.stack_layers(params, cfg)
     assert "layers" not in stacked and len(stacked["layer_runs"]) == len(cfg.layer_runs)

@@ -277,19 +277,42 @@ class LayerSpec:
 class LayerRun:
     """Consecutive layers that repeat one structure: `count` periods of `period` layers from layer
     `first`. The forward pass traces one period's layers once and scans them over the periods
-    (gemma4.model.decoder), with the weights and caches of a period position stacked over periods."""
+    (gemma4.model.decoder). Within a period, consecutive equal layers form a group (`groups`: the
+    groups' sizes, in order; Gemma 3's period of 5 sliding layers and a full one: (5, 1)), traced
+    once and scanned inside the period. A group's weights and KV cache are stacked over its layers
+    of every period, period-major: the layer at position j0 + o of period p, in the group of g
+    layers from j0, is index p·g + o of the stack (`slot`)."""
 
     first: int
     period: int
     count: int
+    groups: tuple[int, ...] = ()  # () = every position a group of its own
 
     def layer(self, p: int, j: int) -> int:
         """The index of period p's layer at position j."""
         return self.first + p * self.period + j
 
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """(first position, size) of each group of the period."""
+        sizes, out, j0 = self.groups or (1,) * self.period, [], 0
+        for g in sizes:
+            out.append((j0, g))
+            j0 += g
+        return tuple(out)
+
+    def slot(self, layer: int) -> tuple[int, int]:
+        """(the first layer of `layer`'s group in the first period: its stack's key, `layer`'s index
+        in that stack) for one of this run's layers."""
+        p, j = divmod(layer - self.first, self.period)
+        j0, g = next((j0, g) for j0, g in self.spans if j0 <= j < j0 + g)
+        return self.layer(0, j0), p * g + j - j0
+
     def peers(self, layer: int) -> list[int]:
-        """The layers the scan stacks with `layer` (one of this run's): its position in every period."""
-        return [self.layer(p, (layer - self.first) % self.period) for p in range(self.count)]
+        """The layers the scan stacks with `layer` (one of this run's): its group in every period."""
+        j = (layer - self.first) % self.period
+        j0, g = next((j0, g) for j0, g in self.spans if j0 <= j < j0 + g)
+        return [self.layer(p, j0 + o) for p in range(self.count) for o in range(g)]
 
     @property
     def stop(self) -> int:
@@ -307,7 +330,8 @@ def layer_runs(specs: tuple[LayerSpec, ...]) -> tuple[LayerRun, ...]:
     (`layer_signature`); a layer whose K/V other layers read (a KV-sharing donor) repeats nothing,
     because the layers after it read its keys from this call, which a scan's later periods would not
     hold apart. E2B: 2 periods of 5, 3 single sliding layers, the 2 donors, then the 20 KV-sharing
-    layers as 4 periods of 5; Gemma 3 270M: 3 periods of 6."""
+    layers as 4 periods of 5; Gemma 3 270M: 3 periods of 6. Each period's groups of equal consecutive
+    layers (`LayerRun.groups`): E2B's periods 4 sliding + 1 full, Gemma 3's 5 + 1."""
     donors = {spec.kv_source for spec in specs if spec.is_kv_consumer}
     sigs = [("donor", spec.index) if spec.index in donors else layer_signature(spec) for spec in specs]
     runs, s, n = [], 0, len(specs)
@@ -320,9 +344,20 @@ def layer_runs(specs: tuple[LayerSpec, ...]) -> tuple[LayerRun, ...]:
                 count += 1
             if count > 1 and period * count > best.period * best.count:
                 best = LayerRun(s, period, count)
-        runs.append(best)
+        runs.append(dataclasses.replace(best, groups=_groups(sigs[s:s + best.period])))
         s = best.stop
     return tuple(runs)
+
+
+def _groups(sigs: list) -> tuple[int, ...]:
+    """Sizes of the runs of equal consecutive signatures (a period's groups)."""
+    sizes = [1]
+    for a, b in zip(sigs, sigs[1:]):
+        if a == b:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return tuple(sizes)
 
 
 def layer_signature(spec: LayerSpec) -> tuple:

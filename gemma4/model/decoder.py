@@ -730,67 +730,110 @@ def _run_inputs(per_layer: jax.Array, run: LayerRun) -> jax.Array:
 def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], run: LayerRun, call: _Call,
                 cache: dict | None, shared: dict) -> tuple[jax.Array, dict | None, list[jax.Array]]:
     """The run's layers on the stream x: one period's layers traced once and scanned over the
-    periods (`jax.lax.scan`: the weights and cache entries of a period position are stacked over
-    the periods, and the scan indexes both by the period), or in a Python loop where the run is one
-    period or `RunOptions.scan_layers` is off. Returns the stream, the cache (the run's entries
-    written) and the stream after each layer."""
+    periods (`jax.lax.scan`), each group of equal layers in it (`LayerRun.groups`) traced once and
+    scanned over its layers (weights and cache entries stacked per group: `LayerRun.slot`); or in a
+    Python loop where the run is one period or `RunOptions.scan_layers` is off. Returns the stream,
+    the cache (the run's entries written) and the stream after each layer."""
     specs = [call.cfg.layers[run.layer(0, j)] for j in range(run.period)]
-    keys = [spec.index for spec in specs if not spec.is_kv_consumer]
+    keys = [run.layer(0, j0) for j0, _ in run.spans if not specs[j0].is_kv_consumer]
     own = None if cache is None else {key: cache[key] for key in keys}  # the entries this run writes
+    scanned = run.count > 1 and call.options.scan_layers
 
-    def period(x, own, p, lps, inputs, shared):
-        states, pending = [], {}
-        for j, (spec, lp) in enumerate(zip(specs, lps)):
-            x, own, kv = _layer(x, lp, None if inputs is None else inputs[:, :, j], spec, call, own, p, shared)
-            states.append(x)
-            if kv is not None:
-                pending[spec.index] = kv
+    def group(x, own, p, gi, inputs, shared):
+        """Period p's group gi: (x, own, the streams after its layers [g, ...] or a list, the
+        deferred (k, v) its layers leave to write, stacked [g, ...] or a list)."""
+        j0, g = run.spans[gi]
+        spec, key = specs[j0], run.layer(0, j0)
+
+        def one(x, own, o, lp, ple_j):  # (a layer's keys left in `shared` are a donor's only: none here)
+            return _layer(x, lp, ple_j, spec, call, own, (key, p * g + o), dict(shared))
+
+        if not scanned or g == 1:  # (unrolled: each layer its own spec, the same structure)
+            states, kvs = [], []
+            for o in range(g):
+                lp = weights.periods[p][j0 + o] if isinstance(weights, PerLayer) else _layer_weights(weights[gi], p * g + o)
+                x, own, kv = _layer(x, lp, None if inputs is None else inputs[:, :, j0 + o], specs[j0 + o], call, own,
+                                    (key, p * g + o), shared)
+                states.append(x)
+                kvs.append(kv)
+            return x, own, states, kvs
+
+        def body(carry, xs):
+            x, own = carry
+            o, ple_j = xs
+            x, own, kv = one(x, own, o, _layer_weights(weights[gi], p * g + o), ple_j)
+            return (x, own), (x if call.hidden else None, kv)
+
+        group_inputs = None if inputs is None else jnp.moveaxis(inputs[:, :, j0:j0 + g], 2, 0)
+        (x, own), (states, kvs) = jax.lax.scan(body, (x, own), (jnp.arange(g, dtype=jnp.int32), group_inputs))
+        return x, own, states, kvs
+
+    def period(x, own, p, inputs, shared):
+        states, pending = [], []
+        for gi in range(len(run.spans)):
+            x, own, done, kvs = group(x, own, p, gi, inputs, shared)
+            states.append(done)
+            pending.append(kvs)
         return x, own, states, pending
 
-    if run.count == 1 or not call.options.scan_layers:
-        states, writes = [], []
+    writes = []  # (entry key, index in its stack, k, v) of the deferred writes
+    if not scanned:
+        states = []
         for p in range(run.count):
-            x, own, done, pending = period(x, own, p, _layer_weights(weights, p), None if ple is None else ple[p], shared)
-            states += done if call.hidden else []
-            writes += [(key, p, k, v) for key, (k, v) in pending.items()]
+            x, own, done, pending = period(x, own, p, None if ple is None else ple[p], shared)
+            states += [s for group_states in done for s in group_states] if call.hidden else []
+            for gi, kvs in enumerate(pending):
+                j0, g = run.spans[gi]
+                writes += [(run.layer(0, j0), p * g + o, *kv) for o, kv in enumerate(kvs) if kv is not None]
     else:
         def body(carry, xs):
             x, own = carry
             p, inputs = xs
             # the donors' keys are read from `shared`; a period's own keys stay in the scan (no layer
             # after the run reads them: `ModelConfig.layer_runs` keeps donors out of scanned runs)
-            x, own, done, pending = period(x, own, p, _layer_weights(weights, p), inputs, dict(shared))
-            return (x, own), (jnp.stack(done) if call.hidden else None, pending)
+            x, own, done, pending = period(x, own, p, inputs, dict(shared))
+            return (x, own), (done if call.hidden else None, pending)
 
         (x, own), (stacked, pending) = jax.lax.scan(body, (x, own), (jnp.arange(run.count, dtype=jnp.int32), ple))
-        states = list(stacked.reshape((-1,) + stacked.shape[2:])) if call.hidden else []
-        writes = [(key, p, k[p], v[p]) for key, (k, v) in pending.items() for p in range(run.count)]
-    for key, p, k, v in writes:  # (`_Deferred`: in place, now that no layer reads the entries)
-        own = {**own, key: kv_cache.write(own[key], k, v, call.positions, call.cache_row, layer=p)}
+        states = []
+        if call.hidden:  # [count, g, ...] per group (a group of one: a list of one [count, ...])
+            for p in range(run.count):
+                for gi, (_, g) in enumerate(run.spans):
+                    group_states = stacked[gi]
+                    states += ([s[p] for s in group_states] if isinstance(group_states, list)
+                               else [group_states[p, o] for o in range(g)])
+        for gi, kvs in enumerate(pending):
+            j0, g = run.spans[gi]
+            for p in range(run.count):
+                for o in range(g):
+                    kv = kvs[o] if isinstance(kvs, list) else kvs
+                    if kv is None:
+                        continue
+                    k, v = kv
+                    writes.append((run.layer(0, j0), p * g + o,
+                                   k[p] if isinstance(kvs, list) else k[p, o], v[p] if isinstance(kvs, list) else v[p, o]))
+    for key, index, k, v in writes:  # (`_Deferred`: in place, now that no layer reads the entries)
+        own = {**own, key: kv_cache.write(own[key], k, v, call.positions, call.cache_row, layer=index)}
     if cache is not None:
         cache = {**cache, **own}
     return x, cache, states
 
 
-def _layer_weights(weights: "tuple[dict, ...] | PerLayer", p: jax.Array | int) -> tuple[dict, ...]:
-    """Period p's weights of a run's stacked ones: an int8 leaf as a `LayerSlice` (the native
-    kernels read its layer in place), any other leaf indexed; of a run's `PerLayer` ones, its own."""
-    if isinstance(weights, PerLayer):
-        return weights.periods[p]
-
+def _layer_weights(weights: dict, index: jax.Array | int) -> dict:
+    """Layer `index` of a group's stacked weights: an int8 leaf as a `LayerSlice` (the native kernels
+    read its layer in place), any other leaf indexed."""
     def at(leaf):
         if isinstance(leaf, QuantArray):
-            return LayerSlice(leaf, p)
-        return jax.tree.map(lambda a: a[p], leaf)
+            return LayerSlice(leaf, index)
+        return jax.tree.map(lambda a: a[index], leaf)
 
-    return tuple(jax.tree.map(at, lp, is_leaf=lambda leaf: isinstance(leaf, (QuantArray, Int4Array)))
-                 for lp in weights)
+    return jax.tree.map(at, weights, is_leaf=lambda leaf: isinstance(leaf, (QuantArray, Int4Array)))
 
 
 def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call: _Call, cache: dict | None,
-           layer: jax.Array | int, shared: dict) -> tuple[jax.Array, dict | None, tuple | None]:
+           slot: tuple[int, jax.Array | int], shared: dict) -> tuple[jax.Array, dict | None, tuple | None]:
     """One decoder layer on the stream x [B, T, H]: its attention (writing its K/V to its cache
-    entry `spec.index`, stacked layer `layer`; or reading a donor's keys from `shared` for a
+    `slot`: the entry's key, its index in the entry's stack, `LayerRun.slot`; or reading a donor's keys from `shared` for a
     KV-sharing layer), MLP or experts, per-layer input and scalar. Returns (x, the cache, None or
     the (k, v) its caller writes to the entry after the run: `_Deferred`)."""
     cfg, options, positions = call.cfg, call.options, call.positions
@@ -798,7 +841,6 @@ def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call:
     cos, sin = call.tables[spec.attention]
     a = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _qkv(lp, spec, cfg, a, cos, sin, options.mesh)
-    slot = (spec.index, layer)
     if not call.decode_rows:
         if spec.is_kv_consumer:
             keys = shared[spec.kv_source]
@@ -875,18 +917,21 @@ def stack_layers(params: dict, cfg: ModelConfig, stack: Stacker | None = None) -
 
 
 def _stack_runs(layers: list, cfg: ModelConfig, stack: Stacker) -> tuple[tuple[dict, ...], ...]:
+    """Per run, per group of its period (`LayerRun.spans`), the group's layers of every period
+    stacked period-major (`LayerRun.slot`)."""
     out = []
     for run in cfg.layer_runs:
-        positions = []
-        for j in range(run.period):
-            members = _common_formats([layers[run.layer(p, j)] for p in range(run.count)])
+        groups = []
+        for j0, g in run.spans:
+            indices = [run.layer(p, j0 + o) for p in range(run.count) for o in range(g)]
+            members = _common_formats([layers[i] for i in indices])
             structure = jax.tree.structure(members[0])
-            odd = [run.layer(p, j) for p, m in enumerate(members) if jax.tree.structure(m) != structure]
+            odd = [i for i, m in zip(indices, members) if jax.tree.structure(m) != structure]
             if odd:
                 raise ValueError(f"layers {odd} of {cfg.name} differ in their weights' structure from layer "
-                                 f"{run.layer(0, j)}, which they repeat (ModelConfig.layer_runs): cannot stack them")
-            positions.append(jax.tree.map(lambda *leaves: stack(list(leaves)), *members))
-        out.append(tuple(positions))
+                                 f"{indices[0]}, which they repeat (ModelConfig.layer_runs): cannot stack them")
+            groups.append(jax.tree.map(lambda *leaves: stack(list(leaves)), *members))
+        out.append(tuple(groups))
     return tuple(out)
 
 

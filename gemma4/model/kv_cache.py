@@ -1,8 +1,9 @@
 """KV cache with per-layer shapes, stacked as the forward pass scans the layers.
 
-One entry per position of a period of KV-*producer* layers (`ModelConfig.layer_runs`; KV consumers
-read their producer and own nothing), keyed by the index of its first layer, each array stacked over
-the run's periods (L layers: `cache_slot` says which layer is which entry and index):
+One entry per group of a period of KV-*producer* layers (`ModelConfig.layer_runs`, `LayerRun.groups`;
+KV consumers read their producer and own nothing), keyed by the index of its first layer, each array
+stacked over the group's layers of every period (L layers: `cache_slot` says which layer is which
+entry and index):
     k, v   [L, B, S, n_kv, d]   S = sliding window + a slack (a ring indexed by absolute position % S;
                                 see WRITE_FIRST_TOKENS) for sliding layers, the context limit for full layers
     pos    [L, B, S] int32      the absolute position each slot holds, -1 when empty
@@ -93,8 +94,7 @@ def cache_slot(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(entry key, index in the entry's stacked layers) of a KV-producer layer's cache."""
     for run in cfg.layer_runs:
         if run.first <= layer < run.stop:
-            p, j = divmod(layer - run.first, run.period)
-            return run.layer(0, j), p
+            return run.slot(layer)
     raise ValueError(f"layer {layer} is not one of {cfg.name}'s {cfg.num_layers} layers")
 
 
@@ -107,12 +107,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: DTypeLike, kv_
         raise ValueError(f"kv_format {kv_format!r} not in {KV_FORMATS}")
     cache = {}
     for run in cfg.layer_runs:
-        for j in range(run.period):
-            spec = cfg.layers[run.layer(0, j)]
+        for j0, g in run.spans:
+            spec = cfg.layers[run.layer(0, j0)]
             if spec.is_kv_consumer:
                 continue
             S = slots_for(spec, cfg, max_len, slack)
-            shape = (run.count, batch, S, spec.num_kv_heads, spec.head_dim)
+            shape = (run.count * g, batch, S, spec.num_kv_heads, spec.head_dim)
             store = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(kv_format, dtype)
             entry = {"k": jnp.zeros(shape, store), "v": jnp.zeros(shape, store),
                      "pos": jnp.full(shape[:3], -1, jnp.int32)}
