@@ -735,7 +735,7 @@ def query_block_choice(asked: Asked) -> Choice:
 # ------------------------------------------------------------------------------ the layers: scanned or unrolled
 def layers_choice(platform: str, ov: Mapping[str, Any]) -> Choice:
     """Whether the forward pass scans each run of repeated layer periods (`ModelConfig.layer_runs`;
-    the weights stacked per period position, one period compiled per run) or unrolls every layer
+    the weights stacked per group of a period, one period compiled per run) or unrolls every layer
     over the weights as loaded. The scan compiles a step faster everywhere; what it costs
     a decode step differs: on a CPU nothing (the native kernels read a stacked layer in place), on
     a TPU the loop's slices of the stacked weights are read without the prefetching XLA gives
@@ -749,7 +749,8 @@ def layers_choice(platform: str, ov: Mapping[str, Any]) -> Choice:
         choice = Choice("unrolled", f"{platform.upper()}: every layer unrolled over its own weights (batch-1 decode "
                                     "reads stacked weights more slowly, XLA streaming a loop's weight slices without "
                                     "prefetching them: a step "
-                                    f"{measured.pair('tpu_step_ms_unrolled', 'tpu_step_ms_scanned')}; a step "
+                                    f"{measured.pair('tpu_step_ms_unrolled', 'tpu_step_ms_scanned')}, the engine "
+                                    f"{measured.pair('tpu_e2b_bf16_decode', 'tpu_e2b_bf16_decode_scanned')}; a step "
                                     "compiles slower: "
                                     f"{measured.pair('tpu_compile_decode_scanned', 'tpu_compile_decode_unrolled')})")
     if "layers" in ov and ov["layers"] != choice.value:

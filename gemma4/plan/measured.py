@@ -32,8 +32,9 @@ class Measured:
 
 
 _TPU_FINAL = "tpu-v5e-2026-12-07-unrolled-final.json"
-_TPU_SCAN = "tpu-v5e-2026-12-07-scan.json"
-_CPU_COMPILE = "compile-steps-2026-12-07-alternated-xeon-2core.json"
+_TPU_GROUPS = "tpu-v5e-2026-12-07-scan-groups.json"
+_TPU_EFFORT = "tpu-v5e-2026-12-07-compile-effort.json"
+_CPU_COMPILE = "compile-steps-2026-12-07-204143-groups-xeon-2core.json"
 _XEON = "2-core Intel Xeon (AMX), bundled model"
 
 MEASURED: dict[str, Measured] = {
@@ -45,16 +46,18 @@ MEASURED: dict[str, Measured] = {
                                      "tpu-v5e-2026-12-07-decode-ab.json", "variants/old/median_ms"),
     "tpu_step_ms_scanned": Measured(7.289, " ms", "the same step with the layers scanned", "TPU v5e",
                                     "tpu-v5e-2026-12-07-decode-ab.json", "variants/new-scan/median_ms"),
-    "tpu_compile_decode_unrolled": Measured(19.888, " s", "compiling E2B's one-row decode step, layers unrolled",
-                                            "TPU v5e", _TPU_SCAN,
+    "tpu_e2b_bf16_decode_scanned": Measured(137.4, " tok/s", "the same, layers scanned (groups in a period)",
+                                            "TPU v5e", _TPU_GROUPS, "figures/parts/decode/configs/0/engine_tok_s"),
+    "tpu_compile_decode_unrolled": Measured(15.344, " s", "compiling E2B's one-row decode step, layers unrolled",
+                                            "TPU v5e", _TPU_EFFORT,
                                             "figures/parts/compile/modes/unrolled/decode_1_rows/total_s"),
-    "tpu_compile_decode_scanned": Measured(9.523, " s", "the same, layers scanned", "TPU v5e", _TPU_SCAN,
-                                           "figures/parts/compile/modes/scan/decode_1_rows/total_s"),
-    "cpu_compile_decode_scanned": Measured(0.915, " s", "compiling an 8-row decode step, layers scanned", _XEON,
+    "tpu_compile_decode_scanned": Measured(7.251, " s", "the same, layers scanned (groups in a period)", "TPU v5e",
+                                           _TPU_GROUPS, "figures/parts/compile/modes/scan/decode_1_rows/total_s"),
+    "cpu_compile_decode_scanned": Measured(0.747, " s", "compiling an 8-row decode step, layers scanned", _XEON,
                                            _CPU_COMPILE, "figures/modes/scan/decode_8_rows/total_s"),
-    "cpu_compile_decode_unrolled": Measured(1.809, " s", "the same, layers unrolled", _XEON, _CPU_COMPILE,
+    "cpu_compile_decode_unrolled": Measured(1.777, " s", "the same, layers unrolled", _XEON, _CPU_COMPILE,
                                             "figures/modes/unrolled/decode_8_rows/total_s"),
-    "cpu_decode_step": Measured(22.64, " ms", "an 8-row decode step's run (median)", _XEON, _CPU_COMPILE,
+    "cpu_decode_step": Measured(22.99, " ms", "an 8-row decode step's run (median)", _XEON, _CPU_COMPILE,
                                 "figures/modes/scan/decode_8_rows/run_ms_median"),
     "cpu_chunk_query_blocks": Measured(885.4, " ms", "a later 512-token prefill chunk, 64-query blocks (least of runs)",
                                        _XEON, "step-profile-2026-12-06-query-block-64-1-xeon-2core.json",

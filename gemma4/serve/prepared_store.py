@@ -52,7 +52,7 @@ FORMAT = "gemma4-prepared-v2"  # v2: the layers stacked as the plan scans them; 
 MAX_BYTES = 2 << 30  # the bundled model's entry is ~270 MB
 # The code a prepared tree is made from: loaders, leaf types and kernels, the plan's choices, the
 # parameter layout and the layers' stacking, and this module.
-SOURCES = ("weights", "ops", "plan", "model/params.py", "model/quantize.py", "model/decoder.py",
+SOURCES = ("weights", "ops", "plan", "model/params.py", "model/quantize.py", "model/decoder.py", "model/config.py",
            "serve/prepared_store.py")
 
 
