@@ -7,7 +7,8 @@ For each mode (the plan's `layers` choice, GEMMA4_LAYERS: each run of repeated l
 jax.lax.scan over weights stacked per period position, or every layer unrolled over its weights as
 loaded; `scan@O1`, `scan@effort-1`: the same layout compiled at XLA's optimization level O0-O3 or
 with that execution-time effort in [-1, 1] (jax_optimization_level,
-jax_exec_time_optimization_effort), the model loaded once per layout) and each step — a decode step of `rows` rows and a later prefill chunk of
+jax_exec_time_optimization_effort), the model loaded once per layout; `scan+stacked`: the scan
+with its decode-sized products in the TPU kernel that reads a stacked layer in place) and each step — a decode step of `rows` rows and a later prefill chunk of
 `chunk` tokens over a cache of `context` slots, the forward passes the engine's steps run — it
 prints the seconds to trace, lower and compile the step (the persistent compile cache off) and the
 median seconds of a run. The model loads once per mode, with the plan the machine chooses
@@ -18,6 +19,7 @@ bench/results/compile-steps-<date>-<time>.json (bench/harness.py), `figures.mode
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -72,11 +74,20 @@ def measure(model, cache, name: str, fn, tokens, positions, repeats: int) -> tup
         out, cache = compiled(model.params, cache, tokens, positions)
         jax.block_until_ready(out)
         runs.append(time.perf_counter() - t)
+    # back to back, one sync at the end: a call's device time where dispatch runs ahead (an accelerator)
+    t = time.perf_counter()
+    for _ in range(CHAINED):
+        out, cache = compiled(model.params, cache, tokens, positions)
+    jax.block_until_ready(out)
+    chained = (time.perf_counter() - t) / CHAINED
     row = {"trace_s": round(t1 - t0, 3), "lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
            "total_s": round(t3 - t0, 3), "run_ms_median": round(statistics.median(runs) * 1000, 2),
-           "run_ms_min": round(min(runs) * 1000, 2), "hlo_fusions": text.count(" fusion("),
+           "run_ms_min": round(min(runs) * 1000, 2), "run_ms_chained": round(chained * 1000, 3), "hlo_fusions": text.count(" fusion("),
            "hlo_while_loops": text.count(" while(")}
     return row, cache
+
+
+CHAINED = 32  # calls timed back to back (`run_ms_chained`)
 
 
 def compiler_setting(mode: str) -> tuple[str, tuple[str, object] | None]:
@@ -117,8 +128,11 @@ def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repea
     for mode in modes:
         layouts.setdefault(compiler_setting(mode)[0], []).append(mode)
     for layout, layout_modes in layouts.items():
+        base, _, kernel = layout.partition("+")  # "scan+stacked": the TPU kernel for stacked products
         model, cache, _ = load_model(model_name, max_batch=rows, context=context,
-                                     overrides={**overrides, "layers": layout})
+                                     overrides={**overrides, "layers": base})
+        options = model.options if kernel != "stacked" else dataclasses.replace(model.options,
+                                                                                stacked_products="pallas")
         if not lines:
             runs = [(r.first, r.period, r.count) for r in model.cfg.layer_runs]
             figures.update(layers=model.cfg.num_layers, layer_runs=runs, context=model.context_limit,
@@ -130,14 +144,15 @@ def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repea
             log(f"{mode}:")
             setting = compiler_setting(mode)[1]
             steps = {}
-            for name, (fn, tokens, positions) in step_functions(model.cfg, model.options, rows, chunk,
+            for name, (fn, tokens, positions) in step_functions(model.cfg, options, rows, chunk,
                                                                  model.context_limit).items():
                 fresh = functools.partial(fn)  # a new function: no in-memory trace or executable reused
                 steps[name], cache = _with_setting(setting, lambda: measure(model, cache, name, fresh, tokens,
                                                                              positions, repeats))
                 lines.append(f"{mode:15s} {name:22s} trace+lower+compile {steps[name]['total_s']:6.2f} s "
                              f"(compile {steps[name]['compile_s']:5.2f} s), run median "
-                             f"{steps[name]['run_ms_median']:8.2f} ms, {steps[name]['hlo_fusions']} fusions")
+                             f"{steps[name]['run_ms_median']:8.2f} ms (chained {steps[name]['run_ms_chained']:8.3f}), "
+                             f"{steps[name]['hlo_fusions']} fusions")
                 log(lines[-1])
             figures["modes"][mode] = steps
         del model, cache
