@@ -7,8 +7,7 @@ For each mode (the plan's `layers` choice, GEMMA4_LAYERS: each run of repeated l
 jax.lax.scan over weights stacked per period position, or every layer unrolled over its weights as
 loaded; `scan@O1`, `scan@effort-1`: the same layout compiled at XLA's optimization level O0-O3 or
 with that execution-time effort in [-1, 1] (jax_optimization_level,
-jax_exec_time_optimization_effort), the model loaded once per layout; `scan+stacked`: the scan
-with its decode-sized products in the TPU kernel that reads a stacked layer in place) and each step — a decode step of `rows` rows and a later prefill chunk of
+jax_exec_time_optimization_effort), the model loaded once per layout) and each step — a decode step of `rows` rows and a later prefill chunk of
 `chunk` tokens over a cache of `context` slots, the forward passes the engine's steps run — it
 prints the seconds to trace, lower and compile the step (the persistent compile cache off) and the
 median seconds of a run. The model loads once per mode, with the plan the machine chooses
@@ -19,7 +18,6 @@ bench/results/compile-steps-<date>-<time>.json (bench/harness.py), `figures.mode
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import statistics
@@ -128,11 +126,9 @@ def measure_modes(model_name: str, *, rows: int, chunk: int, context: int, repea
     for mode in modes:
         layouts.setdefault(compiler_setting(mode)[0], []).append(mode)
     for layout, layout_modes in layouts.items():
-        base, _, kernel = layout.partition("+")  # "scan+stacked": the TPU kernel for stacked products
         model, cache, _ = load_model(model_name, max_batch=rows, context=context,
-                                     overrides={**overrides, "layers": base})
-        options = model.options if kernel != "stacked" else dataclasses.replace(model.options,
-                                                                                stacked_products="pallas")
+                                     overrides={**overrides, "layers": layout})
+        options = model.options
         if not lines:
             runs = [(r.first, r.period, r.count) for r in model.cfg.layer_runs]
             figures.update(layers=model.cfg.num_layers, layer_runs=runs, context=model.context_limit,

@@ -56,8 +56,6 @@ DEFERRED_IMPORTS: dict[tuple[str, str], str] = {
     ("gemma4/weights/gguf_write.py", "llama_cpp"): "llama.cpp's quantizer: benches only (requirements-bench.txt)",
     ("gemma4/ops/kernels/int4_matmul.py", "jax.experimental"): "pallas: int4 weights only",
     ("gemma4/ops/kernels/int4_matmul.py", "jax.experimental.pallas"): "its Triton lowering, as pallas",
-    ("gemma4/ops/kernels/tpu_stacked.py", "jax.experimental"): "pallas: a scanned accelerator step only",
-    ("gemma4/ops/kernels/tpu_stacked.py", "jax.experimental.pallas"): "its TPU grid spec, as pallas",
 }
 
 # `name._private` uses of another object that are the language's or a library's public surface.

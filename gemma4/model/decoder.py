@@ -25,7 +25,7 @@ from gemma4.model.partitioning import logical_spec
 from gemma4.ops.kernels import cpu_attention
 from gemma4.ops.fixed_sums import row_sum
 from gemma4.ops.linear import linear, linear_many, take_rows
-from gemma4.ops.quant import Int4Array, LayerSlice, QuantArray, StackedLayer, common_format
+from gemma4.ops.quant import Int4Array, LayerSlice, QuantArray, common_format
 
 MASK_VALUE = -1e30  # finite, so a query with nothing visible (padding) gives no NaN
 
@@ -49,10 +49,6 @@ class RunOptions:
     # Each run of repeated layer periods (ModelConfig.layer_runs) as a jax.lax.scan over its periods:
     # one period traced and compiled per run. False: the periods unrolled (the same results; for A/B)
     scan_layers: bool = True
-    # "xla": a scanned layer's plain weights sliced for XLA's products; "pallas" (a TPU): its
-    # decode-sized products read the stacked layer in place (gemma4.ops.kernels.tpu_stacked);
-    # "pallas-interpret" the same kernel interpreted (tests)
-    stacked_products: str = "xla"
 
     @property
     def dtype(self) -> DTypeLike:
@@ -755,8 +751,7 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
         if not scanned or g == 1:  # (unrolled: each layer its own spec, the same structure)
             states, kvs = [], []
             for o in range(g):
-                lp = (weights.periods[p][j0 + o] if isinstance(weights, PerLayer)
-                      else _layer_weights(weights[gi], p * g + o, call.options.stacked_products))
+                lp = weights.periods[p][j0 + o] if isinstance(weights, PerLayer) else _layer_weights(weights[gi], p * g + o)
                 x, own, kv = _layer(x, lp, None if inputs is None else inputs[:, :, j0 + o], specs[j0 + o], call, own,
                                     (key, p * g + o), shared)
                 states.append(x)
@@ -766,7 +761,7 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
         def body(carry, xs):
             x, own = carry
             o, ple_j = xs
-            x, own, kv = one(x, own, o, _layer_weights(weights[gi], p * g + o, call.options.stacked_products), ple_j)
+            x, own, kv = one(x, own, o, _layer_weights(weights[gi], p * g + o), ple_j)
             return (x, own), (x if call.hidden else None, kv)
 
         group_inputs = None if inputs is None else jnp.moveaxis(inputs[:, :, j0:j0 + g], 2, 0)
@@ -824,25 +819,15 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
     return x, cache, states
 
 
-# The products a layer's plain weights feed (`linear`): the ones `StackedLayer` may leave in place.
-_PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down", "ple_gate", "ple_proj")
-
-
-def _layer_weights(weights: dict, index: jax.Array | int, stacked_products: str = "xla") -> dict:
+def _layer_weights(weights: dict, index: jax.Array | int) -> dict:
     """Layer `index` of a group's stacked weights: an int8 leaf as a `LayerSlice` (the native kernels
-    read its layer in place), a plain product weight as a `StackedLayer` where `stacked_products`
-    names a kernel, any other leaf indexed."""
+    read its layer in place), any other leaf indexed."""
     def at(leaf):
         if isinstance(leaf, QuantArray):
             return LayerSlice(leaf, index)
         return jax.tree.map(lambda a: a[index], leaf)
 
-    def take(name, leaf):
-        if stacked_products != "xla" and name in _PRODUCTS and isinstance(leaf, jax.Array) and leaf.ndim == 3:
-            return StackedLayer(leaf, index, stacked_products)
-        return jax.tree.map(at, leaf, is_leaf=lambda x: isinstance(x, (QuantArray, Int4Array)))
-
-    return {name: take(name, leaf) for name, leaf in weights.items()}
+    return jax.tree.map(at, weights, is_leaf=lambda leaf: isinstance(leaf, (QuantArray, Int4Array)))
 
 
 def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call: _Call, cache: dict | None,

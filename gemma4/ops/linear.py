@@ -34,9 +34,8 @@ from jax.typing import DTypeLike
 
 from gemma4.ops import chunked, int8_matmul
 from gemma4.ops.kernels.int4_matmul import int4_matmul
-from gemma4.ops.kernels import tpu_stacked
-from gemma4.ops.quant import (Int4Array, LayerSlice, QuantArray, StackedLayer, Weight, dequant_int4, dequant_int8,
-                              is_sharded, local_leaf, stored, take_panel_rows)
+from gemma4.ops.quant import (Int4Array, LayerSlice, QuantArray, Weight, dequant_int4, dequant_int8, is_sharded,
+                              local_leaf, stored, take_panel_rows)
 
 
 # For a few activation rows (decode), XLA:CPU runs an elementwise convert·multiply + row reduction
@@ -91,17 +90,6 @@ def _int4_linear(x: jax.Array, w: Int4Array) -> jax.Array:
     x2 = x.reshape(-1, n_in)
     y = chunked.chunked(x2, n_out, rows, (w.packed, w.scale),
                         lambda p, s: dequant_int4(p, s, w.group_size, x.dtype))
-    return y.reshape(*x.shape[:-1], n_out)
-
-
-def _stacked_linear(x: jax.Array, w: StackedLayer) -> jax.Array:
-    """A decode-sized product in the kernel that reads the stacked layer in place; any other, XLA's
-    dot on the layer's slice (a prefill chunk is compute-bound: the slice's read is not what limits it)."""
-    n_out, n_in = w.shape
-    x2 = x.reshape(-1, n_in)
-    if x2.shape[0] > tpu_stacked.MAX_ROWS:
-        return chunked.dot(x, w.sliced().astype(x.dtype))
-    y = tpu_stacked.stacked_matmul(x2, w.stack, w.layer, interpret=w.kernel == "pallas-interpret")
     return y.reshape(*x.shape[:-1], n_out)
 
 
@@ -162,15 +150,12 @@ def _spmd(x: jax.Array, ws: list, out_dtype: DTypeLike) -> list[jax.Array]:
 def linear(x: jax.Array, w: Weight | LayerSlice, out_dtype: DTypeLike | None = None) -> jax.Array:
     """x [..., in] · Wᵀ → [..., out] in `out_dtype` (default x.dtype), accumulated in float32.
 
-    W is a plain [out, in] array, a QuantArray, an Int4Array, or a stacked layer (`LayerSlice`,
-    `StackedLayer`).
+    W is a plain [out, in] array, a QuantArray or an Int4Array.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if is_sharded(stored(w)[0]):
         return _spmd(x, [w], out_dtype)[0]
-    if isinstance(w, StackedLayer):
-        y = _stacked_linear(x, w)
-    elif isinstance(w, (QuantArray, LayerSlice)):
+    if isinstance(w, (QuantArray, LayerSlice)):
         y = _int8_linear(x, w)
     elif isinstance(w, Int4Array):
         y = _int4_linear(x, w)

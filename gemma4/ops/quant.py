@@ -559,27 +559,6 @@ class LayerSlice:
         return dataclasses.replace(self.stack, q=self.stack.q[self.layer], scale=self.stack.scale[self.layer])
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StackedLayer:
-    """Layer `layer` (an int32 scalar, maybe traced) of a plain weight stacked over layers
-    ([L, out, in]), left in place for `gemma4.ops.linear` to run a decode-sized product on it in the
-    Pallas kernel that reads that layer's tiles itself (`gemma4.ops.kernels.tpu_stacked`; `kernel`:
-    "pallas", or "pallas-interpret" in tests). XLA on a TPU reads a slice of a stacked array without
-    the prefetch it gives a separate one; any other product takes the slice (`sliced`)."""
-
-    stack: jax.Array
-    layer: jax.Array | int
-    kernel: str = dataclasses.field(default="pallas", metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.stack.shape[1:])
-
-    def sliced(self) -> jax.Array:
-        return self.stack[self.layer]
-
-
 Weight = jax.Array | np.ndarray | QuantArray | Int4Array
 """A weight leaf of the parameter tree (this module's docstring); a host (numpy) array while it loads."""
 
