@@ -30,7 +30,8 @@ def _runs(cfg):
 
 
 def test_runs_of_the_presets():
-    assert _runs(C.preset("e2b")) == [(0, 5, 2), (10, 1, 3), (13, 1, 1), (14, 1, 1), (15, 5, 4)]
+    assert _runs(C.preset("e2b")) == [(0, 5, 3), (15, 5, 4)]  # the donors (13, 14) in the first run's scan
+    assert _runs(C.preset("e4b")) == [(0, 6, 4), (24, 6, 3)]
     assert _runs(C.preset("gemma3-270m")) == [(0, 6, 3)]
     assert _runs(C.preset("gemma3-1b")) == [(0, 6, 4), (24, 1, 2)]
     assert _runs(C.preset("31b")) == [(0, 6, 10)]
@@ -39,7 +40,7 @@ def test_runs_of_the_presets():
 def test_groups_of_equal_layers_in_a_period():
     """A period's consecutive equal layers are one group, traced once and scanned inside the period:
     E2B's 4 sliding + 1 full, Gemma 3's 5 + 1; a run of one layer a group of one."""
-    assert [r.groups for r in C.preset("e2b").layer_runs] == [(4, 1), (1,), (1,), (1,), (4, 1)]
+    assert [r.groups for r in C.preset("e2b").layer_runs] == [(4, 1), (4, 1)]
     assert [r.groups for r in C.preset("gemma3-270m").layer_runs] == [(5, 1)]
     run = C.preset("e2b").layer_runs[-1]  # 4 periods of 5 from layer 15
     assert run.spans == ((0, 4), (4, 1))
@@ -62,7 +63,6 @@ def test_runs_cover_the_layers_in_order_and_repeat_only_equal_layers(name):
             for j in range(run.period):
                 spec, first = cfg.layers[run.layer(p, j)], cfg.layers[run.layer(0, j)]
                 assert C.layer_signature(spec) == C.layer_signature(first)
-                assert run.count == 1 or spec.index not in donors  # a donor's keys are read after it
         assert sum(run.groups) == run.period
         for j0, g in run.spans:  # a group's layers are equal
             assert len({C.layer_signature(cfg.layers[run.layer(0, j0 + o)]) for o in range(g)}) == 1
@@ -84,8 +84,8 @@ def test_the_stacked_cache_gives_each_producer_its_own_place():
 
 def _periodic(base: str):
     """A tiny config whose layers repeat in periods with groups (the tiny presets' do not): E2B's
-    shape, 3 periods of 2 sliding + 1 full producing KV (the last one's two donors apart), then 2
-    such periods sharing it; Gemma 3's, 2 periods of 3 sliding + 1 full."""
+    shape, 3 periods of 2 sliding + 1 full producing KV (the last one's sliding and full layers the
+    donors), then 2 such periods sharing it; Gemma 3's, 2 periods of 3 sliding + 1 full."""
     cfg = C.tiny(base.removesuffix("-periods"))
     S, F = "sliding_attention", "full_attention"
     types = (S, S, F) * 5 if base.startswith("e2b") else (S, S, S, F) * 2
@@ -99,7 +99,8 @@ def _config(base: str):
 
 def test_the_periodic_test_configs_have_groups():
     assert [(r.period, r.count, r.groups) for r in _periodic("e2b-periods").layer_runs] == [
-        (3, 2, (2, 1)), (1, 1, (1,)), (1, 1, (1,)), (1, 1, (1,)), (3, 2, (2, 1))]
+        (3, 3, (2, 1)), (3, 2, (2, 1))]
+    assert {s.kv_source for s in _periodic("e2b-periods").layers if s.is_kv_consumer} == {7, 8}
     assert [(r.period, r.count, r.groups) for r in _periodic("gemma3-270m-periods").layer_runs] == [(4, 2, (3, 1))]
 
 

@@ -327,13 +327,12 @@ def layer_runs(specs: tuple[LayerSpec, ...]) -> tuple[LayerRun, ...]:
     """The layers as runs of repeated periods, greedily from the first layer: at each layer the period
     (up to MAX_PERIOD) whose repeats cover the most layers, the shorter on a tie; a layer no period
     repeats is a run of one. Two layers repeat each other when their structure is the same
-    (`layer_signature`); a layer whose K/V other layers read (a KV-sharing donor) repeats nothing,
-    because the layers after it read its keys from this call, which a scan's later periods would not
-    hold apart. E2B: 2 periods of 5, 3 single sliding layers, the 2 donors, then the 20 KV-sharing
-    layers as 4 periods of 5; Gemma 3 270M: 3 periods of 6. Each period's groups of equal consecutive
+    (`layer_signature`); a layer whose K/V other layers read (a KV-sharing donor) is scanned like
+    the others, its keys taken out of the scan after it (gemma4.model.decoder). E2B: the 15 layers
+    that compute K/V as 3 periods of 5, then the 20 KV-sharing layers as 4 periods of 5; Gemma 3
+    270M: 3 periods of 6. Each period's groups of equal consecutive
     layers (`LayerRun.groups`): E2B's periods 4 sliding + 1 full, Gemma 3's 5 + 1."""
-    donors = {spec.kv_source for spec in specs if spec.is_kv_consumer}
-    sigs = [("donor", spec.index) if spec.index in donors else layer_signature(spec) for spec in specs]
+    sigs = [layer_signature(spec) for spec in specs]
     runs, s, n = [], 0, len(specs)
     while s < n:
         best = LayerRun(s, 1, 1)

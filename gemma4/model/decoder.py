@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -732,91 +733,116 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
     """The run's layers on the stream x: one period's layers traced once and scanned over the
     periods (`jax.lax.scan`), each group of equal layers in it (`LayerRun.groups`) traced once and
     scanned over its layers (weights and cache entries stacked per group: `LayerRun.slot`); or in a
-    Python loop where the run is one period or `RunOptions.scan_layers` is off. Returns the stream,
-    the cache (the run's entries written) and the stream after each layer."""
+    Python loop where the run is one period or `RunOptions.scan_layers` is off. A KV-sharing donor's
+    keys leave the run in `shared` (out of the scan as arrays, `_keys_out`). Returns the stream, the
+    cache (the run's entries written) and the stream after each layer."""
     specs = [call.cfg.layers[run.layer(0, j)] for j in range(run.period)]
-    keys = [run.layer(0, j0) for j0, _ in run.spans if not specs[j0].is_kv_consumer]
-    own = None if cache is None else {key: cache[key] for key in keys}  # the entries this run writes
+    entries = [run.layer(0, j0) for j0, _ in run.spans if not specs[j0].is_kv_consumer]
+    own = None if cache is None else {key: cache[key] for key in entries}  # the entries this run writes
     scanned = run.count > 1 and call.options.scan_layers
+    donors = {spec.kv_source for spec in call.cfg.layers if spec.is_kv_consumer} & set(range(run.first, run.stop))
+    # the groups whose layers' keys leave the scan (one of their layers is a donor in some period)
+    keeps = [any(run.layer(p, j0 + o) in donors for p in range(run.count) for o in range(g)) for j0, g in run.spans]
+    rebuild: dict[int, Callable] = {}  # group -> how its keys' arrays become keys again (set while tracing)
 
-    def group(x, own, p, gi, inputs, shared):
-        """Period p's group gi: (x, own, the streams after its layers [g, ...] or a list, the
-        deferred (k, v) its layers leave to write, stacked [g, ...] or a list)."""
+    def layer(x, own, p, gi, o, lp, ple_j):
+        """Period p's layer o of group gi: (x, own, its deferred (k, v) or None, its keys' arrays or None)."""
         j0, g = run.spans[gi]
-        spec, key = specs[j0], run.layer(0, j0)
+        key = run.layer(0, j0)
+        spec = specs[j0 + o] if isinstance(o, int) else specs[j0]  # (a scanned group's layers: one structure)
+        x, own, kv, keys = _layer(x, lp, ple_j, spec, call, own, (key, p * g + o), shared)
+        kept = None
+        if keeps[gi]:
+            kept, rebuild[gi] = _keys_out(keys, key)
+        return x, own, kv, kept
 
-        def one(x, own, o, lp, ple_j):  # (a layer's keys left in `shared` are a donor's only: none here)
-            return _layer(x, lp, ple_j, spec, call, own, (key, p * g + o), dict(shared))
-
-        if not scanned or g == 1:  # (unrolled: each layer its own spec, the same structure)
-            states, kvs = [], []
+    def group(x, own, p, gi, inputs):
+        """Period p's group gi: (x, own, and per layer the stream after it, its deferred (k, v) and
+        its keys' arrays: lists, or stacked [g, ...] where the group is scanned)."""
+        j0, g = run.spans[gi]
+        ple_of = (lambda j: None) if inputs is None else (lambda j: inputs[:, :, j])
+        if not scanned or g == 1:
+            states, kvs, kept = [], [], []
             for o in range(g):
-                lp = weights.periods[p][j0 + o] if isinstance(weights, PerLayer) else _layer_weights(weights[gi], p * g + o)
-                x, own, kv = _layer(x, lp, None if inputs is None else inputs[:, :, j0 + o], specs[j0 + o], call, own,
-                                    (key, p * g + o), shared)
+                lp = (weights.periods[p][j0 + o] if isinstance(weights, PerLayer)
+                      else _layer_weights(weights[gi], p * g + o))
+                x, own, kv, keys = layer(x, own, p, gi, o, lp, ple_of(j0 + o))
                 states.append(x)
                 kvs.append(kv)
-            return x, own, states, kvs
+                kept.append(keys)
+            return x, own, states, kvs, kept
 
         def body(carry, xs):
             x, own = carry
             o, ple_j = xs
-            x, own, kv = one(x, own, o, _layer_weights(weights[gi], p * g + o), ple_j)
-            return (x, own), (x if call.hidden else None, kv)
+            x, own, kv, keys = layer(x, own, p, gi, o, _layer_weights(weights[gi], p * g + o), ple_j)
+            return (x, own), (x if call.hidden else None, kv, keys)
 
         group_inputs = None if inputs is None else jnp.moveaxis(inputs[:, :, j0:j0 + g], 2, 0)
-        (x, own), (states, kvs) = jax.lax.scan(body, (x, own), (jnp.arange(g, dtype=jnp.int32), group_inputs))
-        return x, own, states, kvs
+        (x, own), (states, kvs, kept) = jax.lax.scan(body, (x, own), (jnp.arange(g, dtype=jnp.int32), group_inputs))
+        return x, own, states, kvs, kept
 
-    def period(x, own, p, inputs, shared):
-        states, pending = [], []
+    def period(x, own, p, inputs):
+        outs = []
         for gi in range(len(run.spans)):
-            x, own, done, kvs = group(x, own, p, gi, inputs, shared)
-            states.append(done)
-            pending.append(kvs)
-        return x, own, states, pending
+            x, own, *out = group(x, own, p, gi, inputs)
+            outs.append(out)
+        return x, own, outs  # per group: (states, kvs, kept)
 
-    writes = []  # (entry key, index in its stack, k, v) of the deferred writes
+    def pick(tree, p, o, g):
+        """Layer o of period p from a group's outputs: lists (unscanned, or a group of one) of
+        [count, ...] or plain values, or arrays stacked [count, g, ...]."""
+        if isinstance(tree, list):
+            return jax.tree.map(lambda a: a[p], tree[o]) if scanned else tree[o]
+        return jax.tree.map(lambda a: a[p, o], tree)
+
     if not scanned:
-        states = []
+        per_period = []
         for p in range(run.count):
-            x, own, done, pending = period(x, own, p, None if ple is None else ple[p], shared)
-            states += [s for group_states in done for s in group_states] if call.hidden else []
-            for gi, kvs in enumerate(pending):
-                j0, g = run.spans[gi]
-                writes += [(run.layer(0, j0), p * g + o, *kv) for o, kv in enumerate(kvs) if kv is not None]
+            x, own, outs = period(x, own, p, None if ple is None else ple[p])
+            per_period.append(outs)
+        at = lambda p, gi, o, part: per_period[p][gi][part][o]  # noqa: E731
     else:
         def body(carry, xs):
             x, own = carry
             p, inputs = xs
-            # the donors' keys are read from `shared`; a period's own keys stay in the scan (no layer
-            # after the run reads them: `ModelConfig.layer_runs` keeps donors out of scanned runs)
-            x, own, done, pending = period(x, own, p, inputs, dict(shared))
-            return (x, own), (done if call.hidden else None, pending)
+            x, own, outs = period(x, own, p, inputs)
+            return (x, own), [(states if call.hidden else None, kvs, kept) for states, kvs, kept in outs]
 
-        (x, own), (stacked, pending) = jax.lax.scan(body, (x, own), (jnp.arange(run.count, dtype=jnp.int32), ple))
-        states = []
-        if call.hidden:  # [count, g, ...] per group (a group of one: a list of one [count, ...])
-            for p in range(run.count):
-                for gi, (_, g) in enumerate(run.spans):
-                    group_states = stacked[gi]
-                    states += ([s[p] for s in group_states] if isinstance(group_states, list)
-                               else [group_states[p, o] for o in range(g)])
-        for gi, kvs in enumerate(pending):
-            j0, g = run.spans[gi]
-            for p in range(run.count):
-                for o in range(g):
-                    kv = kvs[o] if isinstance(kvs, list) else kvs
-                    if kv is None:
-                        continue
-                    k, v = kv
-                    writes.append((run.layer(0, j0), p * g + o,
-                                   k[p] if isinstance(kvs, list) else k[p, o], v[p] if isinstance(kvs, list) else v[p, o]))
-    for key, index, k, v in writes:  # (`_Deferred`: in place, now that no layer reads the entries)
-        own = {**own, key: kv_cache.write(own[key], k, v, call.positions, call.cache_row, layer=index)}
+        (x, own), stacked = jax.lax.scan(body, (x, own), (jnp.arange(run.count, dtype=jnp.int32), ple))
+        at = lambda p, gi, o, part: pick(stacked[gi][part], p, o, run.spans[gi][1])  # noqa: E731
+    states = [at(p, gi, o, 0) for p in range(run.count) for gi, (_, g) in enumerate(run.spans)
+              for o in range(g)] if call.hidden else []
+    for p in range(run.count):  # the deferred writes (`_Deferred`), in place now that no layer reads the entries
+        for gi, (j0, g) in enumerate(run.spans):
+            for o in range(g):
+                kv = at(p, gi, o, 1)
+                if kv is not None:
+                    key = run.layer(0, j0)
+                    own = {**own, key: kv_cache.write(own[key], kv[0], kv[1], call.positions, call.cache_row,
+                                                      layer=p * g + o)}
+    for donor in sorted(donors):  # a donor's keys for the KV-sharing layers after the run
+        p, j = divmod(donor - run.first, run.period)
+        gi, (j0, _) = next((gi, span) for gi, span in enumerate(run.spans) if span[0] <= j < span[0] + span[1])
+        shared[donor] = rebuild[gi](at(p, gi, j - j0, 2), own)
     if cache is not None:
         cache = {**cache, **own}
     return x, cache, states
+
+
+def _keys_out(keys: Keys | list[Keys], key: int) -> tuple[Any, Callable[[Any, dict | None], Keys | list[Keys]]]:
+    """A layer's keys as arrays a scan can output, and how they become its keys again after the run
+    given the run's entries (`CacheKeys` keep their rows and layer; the entry is the run's own, as
+    written, not a copy of it per period)."""
+    if isinstance(keys, list):
+        parts = [_keys_out(part, key) for part in keys]
+        return [arrays for arrays, _ in parts], lambda arrays, own: [rb(a, own) for (_, rb), a in zip(parts, arrays)]
+    if isinstance(keys, CacheKeys):
+        slots = keys.slots
+        return (keys.rows, jnp.asarray(keys.layer, jnp.int32)), lambda a, own: CacheKeys(own[key], a[1], a[0], slots)
+    if isinstance(keys, WindowKeys):
+        return (keys.k, keys.v, keys.pos), lambda a, own: WindowKeys(*a)
+    return tuple(keys), lambda a, own: tuple(a)
 
 
 def _layer_weights(weights: dict, index: jax.Array | int) -> dict:
@@ -831,11 +857,13 @@ def _layer_weights(weights: dict, index: jax.Array | int) -> dict:
 
 
 def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call: _Call, cache: dict | None,
-           slot: tuple[int, jax.Array | int], shared: dict) -> tuple[jax.Array, dict | None, tuple | None]:
+           slot: tuple[int, jax.Array | int], shared: dict
+           ) -> tuple[jax.Array, dict | None, tuple | None, "Keys | list[Keys] | None"]:
     """One decoder layer on the stream x [B, T, H]: its attention (writing its K/V to its cache
     `slot`: the entry's key, its index in the entry's stack, `LayerRun.slot`; or reading a donor's keys from `shared` for a
     KV-sharing layer), MLP or experts, per-layer input and scalar. Returns (x, the cache, None or
-    the (k, v) its caller writes to the entry after the run: `_Deferred`)."""
+    the (k, v) its caller writes to the entry after the run: `_Deferred`, and the keys it attended
+    to: a donor's, for the KV-sharing layers after it; None for a KV-sharing layer)."""
     cfg, options, positions = call.cfg, call.options, call.positions
     pending = None
     cos, sin = call.tables[spec.attention]
@@ -849,7 +877,7 @@ def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call:
                                       attend_cache=call.attend_cache, cache_row=call.cache_row, kv_len=call.kv_len,
                                       vision=call.groups is not None, contiguous=call.contiguous,
                                       token_rows=call.token_rows)
-            keys = shared[spec.index] = _pin_kv(keys, options.mesh)
+            keys = _pin_kv(keys, options.mesh)
         attn = _attend_keys(spec, cfg, q, keys, positions, options, call.groups, call.token_rows)
         if isinstance(cache, _Deferred):
             cache, pending = cache.cache, (cache.k, cache.v)
@@ -860,7 +888,7 @@ def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call:
             parts, cache = _fused_keys(spec, cfg, k, v, positions, cache, slot, options=options,
                                        chunk=positions.shape[1] - call.decode_rows, cache_row=call.cache_row,
                                        kv_len=call.kv_len)
-            parts = shared[spec.index] = [_pin_kv(part, options.mesh) for part in parts]
+            parts = [_pin_kv(part, options.mesh) for part in parts]
         attn = jnp.concatenate([
             _attend_keys(spec, cfg, qp, part, pos, options, None).reshape(1, pos.size, -1)
             for qp, part, pos in zip(call.split(q), parts, call.split(positions))], axis=1)
@@ -877,7 +905,7 @@ def _layer(x: jax.Array, lp: dict, ple: jax.Array | None, spec: LayerSpec, call:
         x = x + rms_norm(linear(g, lp["ple_proj"]), lp["ple_norm"], cfg.rms_norm_eps)
     if cfg.has_layer_scalar:
         x = x * lp["layer_scalar"].astype(x.dtype)  # scales the whole stream, residual included
-    return x, cache, pending
+    return x, cache, pending, None if spec.is_kv_consumer else (keys if not call.decode_rows else parts)
 
 
 # ------------------------------------------------------------------------------ stacked weights
