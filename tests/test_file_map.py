@@ -230,6 +230,26 @@ def test_the_preflight_does_not_count_a_mapped_table_as_resident():
     assert split.weights == P.footprint(cfg, plan, {"tensor": 2}, 4096, 1).weights  # a mesh copies it: counted
 
 
+def test_a_fresh_machine_plans_the_bundled_model_before_its_file_is_written(tmp_path, monkeypatch):
+    """The bundled GGUF is written to the user cache on its first load, after the pre-flight: on a
+    fresh machine (an empty home) the pre-flight plans without it (the per-format formula) instead
+    of failing on the missing file, and the load then writes it and counts it."""
+    from gemma4.model.config import preset
+    from gemma4.plan import preflight as P
+    from gemma4.weights import sources
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    source = sources.resolve("bundled")
+    assert source.path.startswith(str(tmp_path)) and not os.path.exists(source.path)
+    cfg = preset("gemma3-270m")
+    plan = hardware.policy(hardware_probe.probe(), cfg, {})
+    assert P.with_file_bytes(plan, source, cfg) is plan  # no file yet: nothing read, nothing raised
+    monkeypatch.setattr(sources, "_bundled_file", [])
+    written = sources.bundled_gguf_path()
+    assert written == source.path and os.path.isfile(written)
+    assert P.with_file_bytes(plan, source, cfg).weights_bytes > 0  # now counted from the file
+
+
 @pytest.mark.parametrize("block_type", ["Q8_0", "Q4_K"])
 def test_the_files_resident_bytes_are_the_loaded_trees(tmp_path, monkeypatch, block_type):
     """`gguf.resident_bytes`, from the header alone, equals the bytes of the tree the loader builds

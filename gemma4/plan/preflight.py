@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Any, Mapping
 
 import jax
@@ -605,8 +606,9 @@ def file_source(source: sources.ModelSource) -> bool:
 def with_file_bytes(plan: hardware.Plan, source: sources.ModelSource, cfg: ModelConfig | None) -> hardware.Plan:
     """`plan` with `weights_bytes` counted from a GGUF's own block types (`gguf.resident_bytes`: 4-bit
     tables, grouped int8 scales, a mapped table apart) where the file is at hand; else as it is (the
-    per-format formula, which counts every quantized table as int8)."""
-    if cfg is None or not file_source(source) or not source.path:
+    per-format formula, which counts every quantized table as int8). The bundled model's file is
+    written on its first load, after the pre-flight: on a fresh machine it is not there yet."""
+    if cfg is None or not file_source(source) or not source.path or not os.path.isfile(source.path):
         return plan
     held = gguf_resident_bytes(source.path, cfg, plan.quantize_kwargs(), plan.weight_dtype.value)
     return dataclasses.replace(plan, weights_bytes=held["weights"])
