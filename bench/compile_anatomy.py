@@ -37,9 +37,7 @@ def cut(cfg, layers: int):
     """The config's first `layers` layers; KV sharing kept only where the cut keeps every layer."""
     if layers >= cfg.num_layers:
         return cfg
-    shared = max(0, cfg.num_kv_shared_layers - (cfg.num_layers - layers))
-    if shared and layers - shared <= 0:
-        shared = 0
+    shared = max(0, cfg.num_kv_shared_layers - (cfg.num_layers - layers))  # (never all: the producers come first)
     return dataclasses.replace(cfg, num_layers=layers, layer_types=cfg.layer_types[:layers],
                                num_kv_shared_layers=shared)
 

@@ -301,17 +301,20 @@ class LayerRun:
             j0 += g
         return tuple(out)
 
+    def group_of(self, j: int) -> int:
+        """The index (in `spans`) of the group holding period position j."""
+        return next(gi for gi, (j0, g) in enumerate(self.spans) if j0 <= j < j0 + g)
+
     def slot(self, layer: int) -> tuple[int, int]:
         """(the first layer of `layer`'s group in the first period: its stack's key, `layer`'s index
         in that stack) for one of this run's layers."""
         p, j = divmod(layer - self.first, self.period)
-        j0, g = next((j0, g) for j0, g in self.spans if j0 <= j < j0 + g)
+        j0, g = self.spans[self.group_of(j)]
         return self.layer(0, j0), p * g + j - j0
 
     def peers(self, layer: int) -> list[int]:
         """The layers the scan stacks with `layer` (one of this run's): its group in every period."""
-        j = (layer - self.first) % self.period
-        j0, g = next((j0, g) for j0, g in self.spans if j0 <= j < j0 + g)
+        j0, g = self.spans[self.group_of((layer - self.first) % self.period)]
         return [self.layer(p, j0 + o) for p in range(self.count) for o in range(g)]
 
     @property

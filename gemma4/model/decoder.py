@@ -789,7 +789,7 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
             outs.append(out)
         return x, own, outs  # per group: (states, kvs, kept)
 
-    def pick(tree, p, o, g):
+    def pick(tree, p, o):
         """Layer o of period p from a group's outputs: lists (unscanned, or a group of one) of
         [count, ...] or plain values, or arrays stacked [count, g, ...]."""
         if isinstance(tree, list):
@@ -810,7 +810,7 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
             return (x, own), [(states if call.hidden else None, kvs, kept) for states, kvs, kept in outs]
 
         (x, own), stacked = jax.lax.scan(body, (x, own), (jnp.arange(run.count, dtype=jnp.int32), ple))
-        at = lambda p, gi, o, part: pick(stacked[gi][part], p, o, run.spans[gi][1])  # noqa: E731
+        at = lambda p, gi, o, part: pick(stacked[gi][part], p, o)  # noqa: E731
     states = [at(p, gi, o, 0) for p in range(run.count) for gi, (_, g) in enumerate(run.spans)
               for o in range(g)] if call.hidden else []
     for p in range(run.count):  # the deferred writes (`_Deferred`), in place now that no layer reads the entries
@@ -823,8 +823,8 @@ def _run_layers(x: jax.Array, ple: jax.Array | None, weights: tuple[dict, ...], 
                                                       layer=p * g + o)}
     for donor in sorted(donors):  # a donor's keys for the KV-sharing layers after the run
         p, j = divmod(donor - run.first, run.period)
-        gi, (j0, _) = next((gi, span) for gi, span in enumerate(run.spans) if span[0] <= j < span[0] + span[1])
-        shared[donor] = rebuild[gi](at(p, gi, j - j0, 2), own)
+        gi = run.group_of(j)
+        shared[donor] = rebuild[gi](at(p, gi, j - run.spans[gi][0], 2), own)
     if cache is not None:
         cache = {**cache, **own}
     return x, cache, states
