@@ -5,8 +5,7 @@
 
 For each mode (the plan's `layers` choice, GEMMA4_LAYERS: each run of repeated layer periods as one
 jax.lax.scan over weights stacked per period position, or every layer unrolled over its weights as
-loaded, or `scan-chunks`: the chunk scanned, the decode step unrolled over the same stacked weights;
-`scan@O1`, `scan@effort-1`: the same layout compiled at XLA's optimization level O0-O3 or
+loaded; `scan@O1`, `scan@effort-1`: the same layout compiled at XLA's optimization level O0-O3 or
 with that execution-time effort in [-1, 1] (jax_optimization_level,
 jax_exec_time_optimization_effort), the model loaded once per layout) and each step — a decode step of `rows` rows and a later prefill chunk of
 `chunk` tokens over a cache of `context` slots, the forward passes the engine's steps run — it
@@ -40,7 +39,7 @@ from gemma4.serve.engine.load import load_model  # noqa: E402
 def step_functions(cfg, options, rows: int, chunk: int, context: int) -> dict:
     """{name: (function of (params, cache), donated cache; its example token and position arrays)}."""
     def decode(params, cache, tokens, positions):
-        return M.forward(params, cfg, tokens, positions, cache, options=options.for_decode(), kv_len=context)[:2]
+        return M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=context)[:2]
 
     def prefill(params, cache, tokens, positions):
         return M.forward(params, cfg, tokens, positions, cache, options=options, cache_row=0, kv_len=context,

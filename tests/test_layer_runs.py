@@ -220,24 +220,20 @@ def test_the_attention_kernel_reads_a_stacked_cache_by_layer_and_row():
         np.testing.assert_array_equal(np.asarray(stacked), np.asarray(alone))
 
 
-def test_the_plans_unrolled_and_scan_chunks_layouts_give_the_same_tokens():
-    """GEMMA4_LAYERS=unrolled: the engine's config makes every layer a run of its own, its weights
-    stay as loaded (no stacked copy) and every KV-producing layer has its own cache entry.
-    GEMMA4_LAYERS=scan-chunks (the plan's choice on a TPU): loaded as for the scan, the prefill
-    scans and a decode step (`RunOptions.for_decode`) unrolls over the same stacked weights and
-    cache entries. A prefill and decode steps give the scanned layout's logits (float32 rounding)
-    and greedy tokens in both."""
+def test_the_plans_unrolled_layout_loads_every_layer_apart_and_gives_the_same_tokens():
+    """GEMMA4_LAYERS=unrolled (the plan's choice on an accelerator): the engine's config makes every
+    layer a run of its own, its weights stay as loaded (no stacked copy) and every KV-producing
+    layer has its own cache entry; a prefill and decode steps give the scanned layout's logits
+    (float32 rounding) and greedy tokens."""
     from gemma4.serve.engine.load import load_model
 
     got = {}
-    for layout in ("scan", "unrolled", "scan-chunks"):
+    for layout in ("scan", "unrolled"):
         model, cache, _ = load_model("random:tiny-e2b", max_batch=1, context=64,
                                      overrides={"dtype": "float32", "layers": layout}, mesh_request="none")
         cfg = model.cfg
         assert model.report["plan"]["layers"]["value"] == layout
-        assert model.options.scan_layers == (layout != "unrolled")
-        assert model.options.unroll_decode == (layout == "scan-chunks")
-        assert model.options.for_decode().scan_layers == (layout == "scan")
+        assert model.options.scan_layers == (layout == "scan")
         if layout == "unrolled":
             assert not cfg.layer_periods and [r.count for r in cfg.layer_runs] == [1] * cfg.num_layers
             assert "layers" in model.params and "layer_runs" not in model.params
@@ -245,18 +241,16 @@ def test_the_plans_unrolled_and_scan_chunks_layouts_give_the_same_tokens():
             assert all(entry["k"].shape[0] == 1 for entry in cache.values())
         else:
             assert any(r.count > 1 for r in cfg.layer_runs) and "layer_runs" in model.params
-        step = jax.jit(lambda p, c, t, q, o: M.forward(p, cfg, t, q, c, options=o, kv_len=64)[:2], static_argnums=4)
+        step = jax.jit(lambda p, c, t, q: M.forward(p, cfg, t, q, c, options=model.options, kv_len=64)[:2])
         tokens = jnp.asarray([[5, 17, 99, 3, 41, 7, 250, 12]], jnp.int32)
-        logits, cache = step(model.params, cache, tokens, jnp.arange(8, dtype=jnp.int32)[None], model.options)
+        logits, cache = step(model.params, cache, tokens, jnp.arange(8, dtype=jnp.int32)[None])
         out, ids = [logits[:, -1]], []
         for s in range(4):
             tok = jnp.argmax(out[-1], -1).astype(jnp.int32)[:, None]
             ids.append(int(tok[0, 0]))
-            logits, cache = step(model.params, cache, tok, jnp.full((1, 1), 8 + s, jnp.int32),
-                                 model.options.for_decode())
+            logits, cache = step(model.params, cache, tok, jnp.full((1, 1), 8 + s, jnp.int32))
             out.append(logits[:, -1])
         got[layout] = (out, ids)
-    for layout in ("unrolled", "scan-chunks"):
-        for a, b in zip(got["scan"][0], got[layout][0]):  # (other programs, their sums in other orders)
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-4, rtol=0)
-        assert got["scan"][1] == got[layout][1]
+    for a, b in zip(got["scan"][0], got["unrolled"][0]):  # (two programs, their sums in other orders)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-4, rtol=0)
+    assert got["scan"][1] == got["unrolled"][1]

@@ -50,19 +50,10 @@ class RunOptions:
     # Each run of repeated layer periods (ModelConfig.layer_runs) as a jax.lax.scan over its periods:
     # one period traced and compiled per run. False: the periods unrolled (the same results; for A/B)
     scan_layers: bool = True
-    # The prefill chunks scan the layers, the decode, verify and fused steps unroll them over the
-    # same stacked weights and cache entries (`for_decode`; the plan's `layers: scan-chunks`): a
-    # chunk compiles faster scanned and runs as fast, a one-token step may not (docs/tpu.md)
-    unroll_decode: bool = False
 
     @property
     def dtype(self) -> DTypeLike:
         return jnp.dtype(self.compute_dtype)
-
-    def for_decode(self) -> "RunOptions":
-        """The options of a decode, verify or fused step: the layers unrolled (over the stacked
-        weights: the model is loaded for the scan) where `unroll_decode` says so."""
-        return dataclasses.replace(self, scan_layers=False, unroll_decode=False) if self.unroll_decode else self
 
 
 # ------------------------------------------------------------------------------ primitives

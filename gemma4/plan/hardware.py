@@ -39,10 +39,8 @@ docs/settings.md; this module reads no environment itself):
     GEMMA4_DECODE_BLOCK      auto | 1..64   (decode steps per dispatch; see DECODE_BLOCK)
     GEMMA4_QUERY_BLOCK       auto | 0..4096 (a later prefill chunk's queries per attention block; 0: one
                              product; see QUERY_BLOCK_CPU)
-    GEMMA4_LAYERS            auto | scan | unrolled | scan-chunks  (scan: each run of repeated layer periods one
-                             jax.lax.scan, its weights stacked; unrolled: every layer traced, each its own weights;
-                             scan-chunks: prefill chunks scan, decode steps unroll over the stacked weights;
-                             see layers_choice)
+    GEMMA4_LAYERS            auto | scan | unrolled  (scan: each run of repeated layer periods one jax.lax.scan,
+                             its weights stacked; unrolled: every layer traced, each its own weights; see LAYERS_RULE)
     GEMMA4_ENCODER_DTYPE     auto | float32 | bfloat16 | float16  (the vision/audio towers alone; an explicit
                              GEMMA4_DTYPE covers them too unless this names another: `encoder_dtype_rule`)
     GEMMA4_ALLOW_FALLBACK    off | on

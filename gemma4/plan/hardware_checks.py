@@ -198,8 +198,7 @@ def run_options(plan: Plan) -> RunOptions:
     """The forward pass's options this plan chose (compute dtype, attention path per layer type)."""
     return RunOptions(compute_dtype=plan.compute_dtype.value, attention_sliding=plan.attention_sliding.value,
                       attention_full=plan.attention_full.value, query_block=int(plan.query_block.value),
-                      scan_layers=plan.layers.value in ("scan", "scan-chunks"),
-                      unroll_decode=plan.layers.value == "scan-chunks")
+                      scan_layers=plan.layers.value == "scan")
 
 
 def apply_jax_config(plan: Plan) -> None:

@@ -87,7 +87,7 @@ def decode_step(params, cache, tokens, positions, sampling, row=0, *, cfg, optio
     kv_len), so a short conversation does not pay for the whole context window each step; the
     cache is updated in place (donated), never copied.
     """
-    logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options.for_decode(),
+    logits, cache, _ = M.forward(params, cfg, tokens[:, None], positions[:, None], cache, options=options,
                                  logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
@@ -102,7 +102,7 @@ def decode_block_step(params, cache, tokens, positions, sampling, row, steps, *,
     rows) and the cache. An idle row (position -1) stays idle."""
     def one(i, carry):
         tok, pos, rows, cache, out, bad = carry
-        logits, cache, _ = M.forward(params, cfg, tok[:, None], pos[:, None], cache, options=options.for_decode(),
+        logits, cache, _ = M.forward(params, cfg, tok[:, None], pos[:, None], cache, options=options,
                                      logits_at=jnp.zeros((width,), jnp.int32), kv_len=kv_len, cache_row=row)
         new = sample_rows(logits, rows)
         out = out.at[i].set(new)
@@ -139,8 +139,8 @@ def mixed_step(params, cache, tokens, positions, chunk_row, clear, last, samplin
     cache = kv_cache.clear_row_if(cache, clear)
     chunk = tokens.shape[0] - width
     at = jnp.concatenate([chunk + jnp.arange(width, dtype=jnp.int32), jnp.reshape(last, (1,))])
-    logits, cache, _ = M.forward(params, cfg, tokens[None], positions[None], cache, options=options.for_decode(),
-                                 logits_at=at, kv_len=kv_len, cache_row=chunk_row, decode_rows=width)
+    logits, cache, _ = M.forward(params, cfg, tokens[None], positions[None], cache, options=options, logits_at=at,
+                                 kv_len=kv_len, cache_row=chunk_row, decode_rows=width)
     token = sample_rows(logits, sampling)
     return token, ~jnp.all(jnp.isfinite(logits), axis=-1), cache
 
@@ -187,8 +187,8 @@ def _verified(params, cache, tokens, positions, sampling, *, cfg, options, kv_le
     tokens run, the rule applied, the rejected positions dropped.
     (tokens, -1 past the kept ones; drafts kept per row; non-finite flags; the cache; hidden states)."""
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] > 0, positions[:, 0] - 1, -1))
-    logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options.for_decode(),
-                                      kv_len=kv_len, cache_row=0, return_hidden=True)
+    logits, cache, hidden = M.forward(params, cfg, tokens, positions, cache, options=options, kv_len=kv_len,
+                                      cache_row=0, return_hidden=True)
     out, kept, bad = verify_rule(logits, tokens, positions, sampling, drafts)
     cache = kv_cache.drop_after(cache, jnp.where(positions[:, 0] >= 0, positions[:, 0] + kept, -1))
     return out, kept, bad, cache, hidden
