@@ -40,7 +40,7 @@ docs/settings.md; this module reads no environment itself):
     GEMMA4_QUERY_BLOCK       auto | 0..4096 (a later prefill chunk's queries per attention block; 0: one
                              product; see QUERY_BLOCK_CPU)
     GEMMA4_LAYERS            auto | scan | unrolled  (scan: each run of repeated layer periods one jax.lax.scan,
-                             its weights stacked; unrolled: every layer traced, each its own weights; see LAYERS_RULE)
+                             its weights stacked: the default; unrolled: every layer traced, each its own weights; see layers_choice)
     GEMMA4_ENCODER_DTYPE     auto | float32 | bfloat16 | float16  (the vision/audio towers alone; an explicit
                              GEMMA4_DTYPE covers them too unless this names another: `encoder_dtype_rule`)
     GEMMA4_ALLOW_FALLBACK    off | on
@@ -735,24 +735,33 @@ def query_block_choice(asked: Asked) -> Choice:
 # ------------------------------------------------------------------------------ the layers: scanned or unrolled
 def layers_choice(platform: str, ov: Mapping[str, Any]) -> Choice:
     """Whether the forward pass scans each run of repeated layer periods (`ModelConfig.layer_runs`;
-    the weights stacked per group of a period, one period compiled per run) or unrolls every layer
-    over the weights as loaded. The scan compiles a step faster everywhere; what it costs
-    a decode step differs: on a CPU nothing (the native kernels read a stacked layer in place), on
-    a TPU the loop's slices of the stacked weights are read without the prefetching XLA gives
-    separate arrays (docs/tpu.md, "The layers: scanned or unrolled")."""
+    the weights stacked per group of a period, one body compiled per group) or unrolls every layer
+    over the weights as loaded. The scan everywhere: a step compiles several times faster, so an
+    engine is ready sooner and its other shapes compile in a fraction of the time, during which
+    users are served by the compiling host. What it costs a decode step differs: on a CPU nothing
+    (the native kernels read a stacked layer in place); on a TPU a seventh more device time per
+    step (XLA reads stacked weights without prefetching them: docs/tpu.md, "The layers on the
+    chip"); GEMMA4_LAYERS=unrolled buys that back for an engine that serves long after its
+    compiles. A GPU has not been measured either way."""
     if platform == "cpu":
         choice = Choice("scan", "CPU: each run of repeated layer periods one scan (a step compiles faster: "
                                 f"{measured.pair('cpu_compile_decode_scanned', 'cpu_compile_decode_unrolled')}; "
                                 "decode and prefill as fast as unrolled: the native kernels read a stacked layer "
                                 "in place)")
     else:
-        choice = Choice("unrolled", f"{platform.upper()}: every layer unrolled over its own weights (batch-1 decode "
-                                    "reads stacked weights more slowly, XLA streaming a loop's weight slices without "
-                                    "prefetching them: a step "
-                                    f"{measured.pair('tpu_step_ms_unrolled', 'tpu_step_ms_scanned')}, the engine "
-                                    f"{measured.pair('tpu_e2b_bf16_decode', 'tpu_e2b_bf16_decode_scanned')}; a step "
-                                    "compiles slower: "
-                                    f"{measured.pair('tpu_compile_decode_scanned', 'tpu_compile_decode_unrolled')})")
+        choice = Choice("scan", f"{platform.upper()}: each run of repeated layer periods one scan: a step compiles "
+                                "several times faster (E2B's decode step "
+                                f"{measured.pair('tpu_compile_decode_scanned', 'tpu_compile_decode_unrolled')}, "
+                                "a 2,048-token chunk "
+                                f"{measured.pair('tpu_compile_chunk_scanned', 'tpu_compile_chunk_unrolled')}), "
+                                "the app's engine is ready sooner from an empty cache "
+                                f"({measured.pair('tpu_ready_scanned', 'tpu_ready_unrolled')}); a decode step "
+                                "costs more device time, XLA reading stacked weights without prefetching them ("
+                                f"{measured.pair('tpu_step_ms_scanned', 'tpu_step_ms_unrolled')}; 8 users "
+                                f"{measured.pair('tpu_users_tok_s_scanned', 'tpu_users_tok_s_unrolled')}): "
+                                "GEMMA4_LAYERS=unrolled for an engine that serves long after its compiles"
+                                + ("" if platform == "tpu" else "; measured on a TPU v5e, not on this kind of "
+                                   "device"))
     if "layers" in ov and ov["layers"] != choice.value:
         choice = Choice(ov["layers"], f"requested via GEMMA4_LAYERS (auto would be {choice.value})", "override")
     return choice

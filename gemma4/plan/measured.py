@@ -32,8 +32,7 @@ class Measured:
 
 
 _TPU_FINAL = "tpu-v5e-2026-12-07-unrolled-final.json"
-_TPU_GROUPS = "tpu-v5e-2026-12-07-scan-groups.json"
-_TPU_EFFORT = "tpu-v5e-2026-12-07-compile-effort.json"
+_TPU_SCAN = "tpu-v5e-2026-12-07-scan-chunks.json"  # (its compile part: the scan and unrolled layouts)
 _CPU_COMPILE = "compile-steps-2026-12-07-204143-groups-xeon-2core.json"
 _XEON = "2-core Intel Xeon (AMX), bundled model"
 
@@ -42,17 +41,32 @@ MEASURED: dict[str, Measured] = {
                                     "figures/parts/decode/configs/0/engine_tok_s"),
     "tpu_e2b_int8_decode": Measured(280.7, " tok/s", "E2B batch-1 decode, int8 weights", "TPU v5e", _TPU_FINAL,
                                     "figures/parts/decode/configs/1/engine_tok_s"),
-    "tpu_step_ms_unrolled": Measured(6.399, " ms", "E2B bf16 decode step, device alone, layers unrolled", "TPU v5e",
-                                     "tpu-v5e-2026-12-07-decode-ab.json", "variants/old/median_ms"),
-    "tpu_step_ms_scanned": Measured(7.289, " ms", "the same step with the layers scanned", "TPU v5e",
-                                    "tpu-v5e-2026-12-07-decode-ab.json", "variants/new-scan/median_ms"),
-    "tpu_e2b_bf16_decode_scanned": Measured(137.4, " tok/s", "the same, layers scanned (groups in a period)",
-                                            "TPU v5e", _TPU_GROUPS, "figures/parts/decode/configs/0/engine_tok_s"),
-    "tpu_compile_decode_unrolled": Measured(15.344, " s", "compiling E2B's one-row decode step, layers unrolled",
-                                            "TPU v5e", _TPU_EFFORT,
+    "tpu_step_ms_unrolled": Measured(6.415, " ms", "E2B bf16 one-row decode step, device time (32 chained), layers "
+                                     "unrolled", "TPU v5e", _TPU_SCAN,
+                                     "figures/parts/compile/modes/unrolled/decode_1_rows/run_ms_chained"),
+    "tpu_step_ms_scanned": Measured(7.398, " ms", "the same step with the layers scanned", "TPU v5e", _TPU_SCAN,
+                                    "figures/parts/compile/modes/scan/decode_1_rows/run_ms_chained"),
+    "tpu_compile_decode_unrolled": Measured(20.529, " s", "compiling E2B's one-row decode step, layers unrolled",
+                                            "TPU v5e", _TPU_SCAN,
                                             "figures/parts/compile/modes/unrolled/decode_1_rows/total_s"),
-    "tpu_compile_decode_scanned": Measured(7.251, " s", "the same, layers scanned (groups in a period)", "TPU v5e",
-                                           _TPU_GROUPS, "figures/parts/compile/modes/scan/decode_1_rows/total_s"),
+    "tpu_compile_decode_scanned": Measured(3.497, " s", "the same, layers scanned", "TPU v5e", _TPU_SCAN,
+                                           "figures/parts/compile/modes/scan/decode_1_rows/total_s"),
+    "tpu_compile_chunk_unrolled": Measured(33.107, " s", "compiling E2B's 2,048-token prefill chunk, layers unrolled",
+                                           "TPU v5e", _TPU_SCAN,
+                                           "figures/parts/compile/modes/unrolled/prefill_2048_tokens/total_s"),
+    "tpu_compile_chunk_scanned": Measured(11.383, " s", "the same, layers scanned", "TPU v5e", _TPU_SCAN,
+                                          "figures/parts/compile/modes/scan/prefill_2048_tokens/total_s"),
+    "tpu_users_tok_s_unrolled": Measured(1042.3, " tok/s", "8 users' 128-token prompts sent at ready, E2B bf16, "
+                                         "aggregate", "TPU v5e", "tpu-v5e-2026-12-07-users-unrolled.json",
+                                         "figures/parts/users/configs/0/aggregate_tok_s_from_ready"),
+    "tpu_users_tok_s_scanned": Measured(902.1, " tok/s", "the same, layers scanned", "TPU v5e",
+                                        "tpu-v5e-2026-12-07-users-scan.json",
+                                        "figures/parts/users/configs/0/aggregate_tok_s_from_ready"),
+    "tpu_ready_unrolled": Measured(90.8, " s", "the app's engine (8 rows, context 4,096) ready from an empty compile "
+                                   "cache, layers unrolled", "TPU v5e", "tpu-v5e-2026-12-07-users-unrolled.json",
+                                   "figures/parts/users/configs/0/ready_s"),
+    "tpu_ready_scanned": Measured(61.7, " s", "the same, layers scanned", "TPU v5e", "tpu-v5e-2026-12-07-users-scan.json",
+                                  "figures/parts/users/configs/0/ready_s"),
     "cpu_compile_decode_scanned": Measured(0.747, " s", "compiling an 8-row decode step, layers scanned", _XEON,
                                            _CPU_COMPILE, "figures/modes/scan/decode_8_rows/total_s"),
     "cpu_compile_decode_unrolled": Measured(1.777, " s", "the same, layers unrolled", _XEON, _CPU_COMPILE,
