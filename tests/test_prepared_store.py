@@ -136,13 +136,16 @@ def test_the_store_can_be_turned_off_or_moved(tmp_path):
 @pytest.fixture()
 def prepared_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA4_PREPARED_CACHE", str(tmp_path / "prepared"))
+    monkeypatch.setenv("GEMMA4_EXECUTABLE_CACHE", str(tmp_path / "executables"))  # this test's own
     return tmp_path / "prepared"
 
 
 def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
     """The bundled model (int8, panels on an AVX512-VNNI CPU, rows elsewhere): a first start prepares
     and keeps the weights; a second maps them — the same int8 choice, the same greedy tokens, no
-    time spent preparing; a tuning measured again retires the entry."""
+    time spent preparing, and every shape it needs from the executables the first start stored (a
+    read-back tree once carried equivalent but differently written shardings, and its start
+    compiled them all again); a tuning measured again retires the entry."""
     from gemma4.model.sampling_params import SamplingParams
     from gemma4.serve import conversation
     from gemma4.serve.engine import engine as E
@@ -171,6 +174,8 @@ def test_a_restart_maps_the_weights_an_earlier_start_prepared(prepared_folder):
     second = start()
     try:
         assert second.info()["startup"]["int8_matmul_s"] == 0.0
+        store = second.compile_state()["store"]
+        assert store["hits"] >= 1 and store["misses"] == 0, store
         assert second.loaded.plan.int8_matmul.reason.startswith(reason) and "read back from disk" in second.loaded.plan.int8_matmul.reason
         assert conversation.generate(second, prompt, greedy)["token_ids"] == ids
         assert not second.wait_prepared_written()  # nothing new to write

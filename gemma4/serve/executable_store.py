@@ -127,8 +127,21 @@ def tree_signature(tree: Any) -> str:
     """A pytree's structure (static fields included) and each leaf's shape, dtype and sharding."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     described = [(tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)),
-                  str(getattr(x, "sharding", None))) for x in leaves]
+                  sharding_text(getattr(x, "sharding", None))) for x in leaves]
     return f"{treedef}\n{described}"
+
+
+def sharding_text(sharding: Any) -> str:
+    """A sharding as a key part, equal for equivalent ones: a NamedSharding's spec without its
+    trailing unsplit axes (P(None, None) places a leaf as P() does). Weights a start read back
+    from the prepared store carry P() and a fresh load's P(None, ...): without this, the first
+    start that read them back compiled every shape again."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = list(sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return f"NamedSharding({dict(sharding.mesh.shape)}, {tuple(spec)}, {sharding.memory_kind})"
+    return str(sharding)
 
 
 # jax records a persistent-cache hit as a monitoring event, synchronously, in the compiling thread.
