@@ -25,6 +25,7 @@ import numpy as np
 
 from gemma4.serve.engine.engine import Engine
 from gemma4.serve.engine.geometry import ServingGeometry
+from gemma4.serve.engine.shape_choice import ShapeView
 from gemma4.serve.engine.startup import Started
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, PrefillChunk, PrefillPack,
                                             PrefixCopy, VerifyStep)
@@ -181,6 +182,15 @@ class FakeShapes:
     def queue_background(self, key: ShapeKey) -> None:
         if key not in self.compiled:
             self.requests.append((key, "background"))
+
+    # what the engine asks for its scheduler's planning (shape_choice.PlanningBook)
+    def view(self) -> ShapeView:
+        with self._cond:
+            return ShapeView(frozenset(self.compiled), frozenset(self.ran), dict(self.failed))
+
+    def ask(self, wants) -> None:
+        for key, when in wants:
+            self.queue_background(key) if when == "idle" else self.request(key, now=when == "now")
 
     # what the engine and the runner ask
     def mark_run(self, key: ShapeKey) -> None:

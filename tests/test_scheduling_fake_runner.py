@@ -20,7 +20,7 @@ from gemma4.serve.engine import prefix_cache
 from gemma4.serve.engine.chunking import STARVE_S, pack_size
 from gemma4.serve.engine.geometry import serving_geometry
 from gemma4.serve.engine.scheduler import PACK_GATHER_S, PACK_QUIET_S, Scheduler, gather_s
-from gemma4.serve.engine.shape_choice import ShapeChoice
+from gemma4.serve.engine.shape_choice import PlanningBook, ShapeChoice, ShapeView
 from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
                                             PrefillPack)
 from gemma4.serve.requests import RequestError, RequestRules
@@ -342,6 +342,27 @@ def test_on_an_accelerator_shapes_a_wider_one_stands_in_for_compile_when_idle():
     assert gather_s(burst + [At(10.0 + PACK_GATHER_S)], {}, 8, 10.0 + PACK_GATHER_S) == 0.0  # never past the cap
     assert gather_s([At(10.0)], {}, 8, 11.0) == 0.0 and gather_s([At(10.0)], {0: None}, 8, 10.0) == 0.0
     assert gather_s([At(10.0)], {}, 1, 10.0) == 0.0 and gather_s([], {}, 8, 10.0) == 0.0
+
+
+def test_planning_reads_a_view_and_hands_its_compiles_over_after_it_returns(engines):
+    """The engine's scheduler plans with a `PlanningBook`: the compiled shapes as a value taken
+    before each planning call, the compiles it asks for kept (in order, none for a compiled shape)
+    and handed to the compiled shapes after the call — so the scheduler never calls them, and no
+    lock of theirs is taken under its own. A shape compiled after the view was taken is seen at
+    the next call."""
+    book = PlanningBook(ShapeView(frozenset({DecodeKey(4, 128)}), frozenset(), {PrefillKey(32, True): "boom"}))
+    choice = ShapeChoice(geometry(buckets=(16, 32, 64)), book)
+    assert choice.chunk_key(10, True) is None  # nothing compiled covers it: its own is asked for first
+    assert choice.decode_key(1, 10) == DecodeKey(4, 128)
+    choice.want_decode(4, 10)  # compiled already: nothing asked
+    assert book.take_wants() == [(PrefillKey(16, True), "now"), (DecodeKey(1, 128), "soon")] and not book.take_wants()
+    assert book.failure(PrefillKey(32, True)) == "boom" and not book.has_run(DecodeKey(4, 128))
+    book.see(ShapeView(frozenset({PrefillKey(16, True)}), frozenset({PrefillKey(16, True)}), {}))
+    assert choice.chunk_key(10, True) == PrefillKey(16, True) and book.has_run(PrefillKey(16, True))
+    eng = engines()
+    assert isinstance(eng.scheduler.shapes.book, PlanningBook)  # not the compiled shapes
+    prompt = _prompt(20)
+    assert _reply(eng, eng.submit(prompt, _params(6)))[0] == expected(prompt, 6)
 
 
 def test_an_accelerator_packs_first_chunks_and_compiles_eight_users_shapes_before_ready():

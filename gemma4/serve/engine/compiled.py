@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import jax
 
 from gemma4.serve import heap
+from gemma4.serve.engine.shape_choice import ShapeView, Want
 from gemma4.serve.executable_store import ExecutableStore, Prefetch, compile_fresh
 from gemma4.serve.shape_keys import ShapeKey
 
@@ -254,6 +255,21 @@ class CompiledShapes:
         """Why compiling `key` failed, or None."""
         with self._cond:
             return self._failed.get(key)
+
+    def view(self) -> ShapeView:
+        """What is compiled, has run and failed, as a value (the scheduler plans with it:
+        shape_choice.PlanningBook)."""
+        usable = frozenset(self.usable_keys())
+        with self._cond:
+            return ShapeView(usable, frozenset(k for k in usable if k not in self._unrun), dict(self._failed))
+
+    def ask(self, wants: Sequence[Want]) -> None:
+        """The compiles a planning call asked for (shape_choice.Want), in its order."""
+        for key, when in wants:
+            if when == "idle":
+                self.queue_background(key)
+            else:
+                self.request(key, now=when == "now")
 
     def request(self, key: ShapeKey, now: bool = False) -> None:
         """Compile `key` even while requests run (`now`: before any other), unless it is compiled,

@@ -34,7 +34,7 @@ from gemma4.serve.engine.chunking import override_limit
 from gemma4.serve.engine.compiled import CompiledShapes
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.engine.scheduler import STOP, Scheduler
-from gemma4.serve.engine.shape_choice import ShapeChoice
+from gemma4.serve.engine.shape_choice import PlanningBook, ShapeChoice
 from gemma4.serve.engine.startup import EngineSettings, Started, StartUp
 from gemma4.serve.engine.step_plans import DecodeBlock, Observer, StepPlan, step_kind
 from gemma4.serve.requests import Request, RequestError, RequestRules, Segment, TokenStream
@@ -261,7 +261,7 @@ class Engine:
         g, cfg = started.geometry, started.cfg
         self._rules = RequestRules(cfg.pad_id, cfg.hidden_size, min(cfg.vocab_size, started.tokenizer.vocab_size),
                                    g.context_limit, g.buckets[-1], bool(cfg.bidirectional_vision), g.processes == 1)
-        self.scheduler = Scheduler(g, ShapeChoice(g, self.shapes), cfg.stop_ids, observers=self.observers,
+        self.scheduler = Scheduler(g, ShapeChoice(g, PlanningBook()), cfg.stop_ids, observers=self.observers,
                                    chunk_override={alone: override_limit(self.settings.env, alone, g.buckets)
                                                    for alone in (False, True)})
         for key, seconds in started.warm_costs:
@@ -295,7 +295,7 @@ class Engine:
                 runner.first_run(work)
                 continue
             try:
-                plan = sched.next_step()
+                plan = _planned(self.scheduler, self.shapes, sched.next_step)
                 if plan is None:  # every row waits for a shape of its own: until one lands (or briefly)
                     runner.shapes.wait_any(sched.blocked_on, timeout=0.1)
                 else:
@@ -312,8 +312,8 @@ class Engine:
             if isinstance(plan, DecodeBlock):
                 self._blocks(plan)
             else:
-                tokens, bad = self.runner.run(plan)
-                self.scheduler.apply(plan, tokens, bad, time.perf_counter() - t0)
+                out = self.runner.run(plan)
+                _planned(self.scheduler, self.shapes, self.scheduler.apply, plan, *out, time.perf_counter() - t0)
         except Exception as e:
             message = f"{type(e).__name__}: {e}"
             log.exception("scheduler %s step failed", kind)
@@ -329,11 +329,11 @@ class Engine:
         t = time.perf_counter()
         handle = self.runner.dispatch(plan)
         while plan is not None:
-            following = self.scheduler.chain_block(plan)
+            following = _planned(self.scheduler, self.shapes, self.scheduler.chain_block, plan)
             after = self.runner.dispatch(following, after=handle) if following is not None else None
             tokens, bad = handle.read()
             now = time.perf_counter()
-            self.scheduler.apply(plan, tokens, bad, now - t)
+            _planned(self.scheduler, self.shapes, self.scheduler.apply, plan, tokens, bad, now - t)
             plan, handle, t = following, after, now
 
     def close(self, timeout: float | None = 0.0) -> None:
@@ -359,6 +359,18 @@ class Engine:
     def wait_prepared_written(self, timeout: float | None = None) -> bool:
         """Wait for this start's background write of its prepared weights; False when it wrote none."""
         return self._startup.wait_prepared_written(timeout)
+
+
+def _planned(scheduler: Scheduler, shapes: CompiledShapes, call: Callable, *args):
+    """`call(*args)`, a scheduler call that may plan: it sees the compiled shapes as they are now
+    (a value) and the compiles it asks for go to them after it returns (shape_choice.PlanningBook:
+    the scheduler never calls the compiled shapes)."""
+    book = scheduler.shapes.book
+    book.see(shapes.view())
+    try:
+        return call(*args)
+    finally:
+        shapes.ask(book.take_wants())
 
 
 _engines: dict[tuple, Engine] = {}

@@ -169,7 +169,7 @@ class Scheduler:
         longest prefix of its prompt, else the lowest or least recently used); its prefill starts
         at the next chunk planned (after a copy of the prefix it reuses), and the shape of its
         first decode step is asked for now (compiled meanwhile if new). False: none was admitted."""
-        can_move = self.geometry.prefix_cache and self.shapes.book.usable(CopyKey())  # (asked outside our lock)
+        can_move = self.geometry.prefix_cache and self.shapes.book.usable(CopyKey())
         with self._lock:
             free = [r for r in range(self.geometry.max_batch) if r not in self._active]
             if not self._waiting or not free:
@@ -184,8 +184,8 @@ class Scheduler:
             return True
         req.prefilled = 0
         needs = self.geometry.reuse_shapes()
-        if match is not None and all(self.shapes.book.usable(k) for k in needs):  # (never under our lock:
-            req.reuse, req.reuse_from = match, source  # the compiled shapes ask whether we are idle)
+        if match is not None and all(self.shapes.book.usable(k) for k in needs):  # (an engine's book is
+            req.reuse, req.reuse_from = match, source  # a value: shape_choice.PlanningBook)
         elif match is not None:  # compiled once idle (never beside a stream); this one prefills whole
             for key in needs:
                 self.shapes.book.queue_background(key)
@@ -194,7 +194,7 @@ class Scheduler:
 
     def _plan_copy(self) -> PrefixCopy | None:
         """The prefix cache's next copy, before any chunk (`prefix_copy`)."""
-        can_move = self.prefixes.has_moves() and self.shapes.book.usable(CopyKey())  # (outside our lock)
+        can_move = self.prefixes.has_moves() and self.shapes.book.usable(CopyKey())
         with self._lock:
             active = dict(self._active)
             move = self.prefixes.next_move(active, self.geometry, self.clock(), can_move)

@@ -5,12 +5,17 @@ needs: a prompt chunk whose bucket is not compiled yet runs in a larger compiled
 tokens: padding invariance); a decode step uses any compiled (width, length) that covers the rows,
 else each row alone with width 1 at its row offset (the same tokens: batch invariance); a request
 that no compiled shape can serve waits for its own shape, compiled first in line, while the others
-go on. What is compiled is asked of a `ShapeBook` (the engine's compiled shapes, or a test's
-fake); choosing never compiles, it only queues. Pure: no jax.
+go on. What is compiled is asked of a `ShapeBook`; choosing never compiles, it only asks. The
+engine's book is a `PlanningBook`: the compiled shapes as a value taken before each planning call
+(`ShapeView`) and the compiles that call asks for, handed to the compiled shapes after it returns.
+So the scheduler never calls the compiled shapes: their lock is never taken while the scheduler's
+is held (the compiled shapes ask the scheduler whether it is idle while holding theirs), by
+construction rather than by a rule about where each question may be asked. Pure: no jax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Protocol, Sequence
 
 from gemma4.serve.engine.geometry import ServingGeometry
@@ -30,6 +35,57 @@ class ShapeBook(Protocol):
     def has_run(self, key: ShapeKey) -> bool: ...  # ran before (its first run's costs are behind it)
     def request(self, key: ShapeKey, now: bool = False) -> None: ...  # compile even while requests run
     def queue_background(self, key: ShapeKey) -> None: ...  # compile once the engine is idle
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeView:
+    """The compiled shapes at one moment (engine/compiled.py's `CompiledShapes.view`): what is
+    compiled, what has run once, why a compile failed."""
+
+    compiled: frozenset
+    ran: frozenset
+    failed: Mapping[ShapeKey, str]
+
+
+# A compile planning asks for: (key, "now": first in line, a request waits for it; "soon": while
+# requests run, nobody waits for it; "idle": once the engine is idle)
+Want = tuple[ShapeKey, str]
+
+
+class PlanningBook:
+    """The `ShapeBook` an engine's scheduler plans with (see the module docstring): reads answer
+    from the last `see`, asks are kept until `take_wants`. Used by the engine's loop thread only."""
+
+    def __init__(self, view: ShapeView | None = None):
+        self._view = view or ShapeView(frozenset(), frozenset(), {})
+        self._wants: list[Want] = []
+
+    def see(self, view: ShapeView) -> None:
+        self._view = view
+
+    def take_wants(self) -> list[Want]:
+        wants, self._wants = self._wants, []
+        return wants
+
+    def usable(self, key: ShapeKey) -> bool:
+        return key in self._view.compiled
+
+    def usable_keys(self) -> Sequence[ShapeKey]:
+        return list(self._view.compiled)
+
+    def failure(self, key: ShapeKey) -> str | None:
+        return self._view.failed.get(key)
+
+    def has_run(self, key: ShapeKey) -> bool:
+        return key in self._view.ran
+
+    def request(self, key: ShapeKey, now: bool = False) -> None:
+        if key not in self._view.compiled:
+            self._wants.append((key, "now" if now else "soon"))
+
+    def queue_background(self, key: ShapeKey) -> None:
+        if key not in self._view.compiled:
+            self._wants.append((key, "idle"))
 
 
 def _cheapest(key: DecodeKey) -> tuple[int, int]:
