@@ -147,9 +147,9 @@ def test_the_files_steps_are_built_from_are_part_of_the_key():
     import inspect
 
     from gemma4.serve import shape_keys
-    from gemma4.serve.engine import compiled, steps, towers
+    from gemma4.serve.engine import compiled, kinds, steps, towers
 
-    for obj in (steps.prefill_step, steps.StepPrograms, towers.Towers, shape_keys, compiled.CompiledShapes):
+    for obj in (steps.prefill_step, steps.StepPrograms, kinds.lower, towers.Towers, shape_keys, compiled.CompiledShapes):
         rel = Path(inspect.getsourcefile(obj)).resolve().relative_to(XS.PACKAGE).as_posix()
         assert any(rel == p or rel.startswith(p + "/") for p in XS.PROGRAM_SOURCES), rel
 
@@ -344,11 +344,12 @@ def test_what_jax_s_persistent_cache_served_is_told_apart(tmp_path):
 LOWERED = textwrap.dedent("""
     import hashlib
     from gemma4.serve.engine import engine as E
+    from gemma4.serve.engine import kinds
     from gemma4.serve.engine.steps import StepPrograms
     from gemma4.serve.shape_keys import PrefillKey
     eng = E.Engine("random:tiny-gemma3-270m", warmup=False, max_batch=2, context_limit=128, buckets=(16,))
     eng.wait_ready(timeout=600)
-    text = StepPrograms(eng.loaded).lower(PrefillKey(16, True)).as_text()
+    text = kinds.lower(StepPrograms(eng.loaded), PrefillKey(16, True)).as_text()
     print("PROGRAM", hashlib.sha256(text.encode()).hexdigest(), len(text))
     eng.close(timeout=60)
 """)

@@ -74,8 +74,8 @@ def _key_environment(env: dict[str, str]) -> str:
 # through values the key holds (config, options, the parameters' and the cache's trees,
 # environment variables, jax's configuration), so an edit elsewhere — the scheduler, the runner,
 # the start-up — keeps every stored executable.
-PROGRAM_SOURCES = ("model", "ops", "serve/engine/steps.py", "serve/engine/towers.py", "serve/engine/compiled.py",
-                   "serve/shape_keys.py", "serve/executable_store.py")
+PROGRAM_SOURCES = ("model", "ops", "serve/engine/steps.py", "serve/engine/kinds.py", "serve/engine/towers.py",
+                   "serve/engine/compiled.py", "serve/shape_keys.py", "serve/executable_store.py")
 
 
 @functools.lru_cache(maxsize=4)

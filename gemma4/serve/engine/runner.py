@@ -26,10 +26,10 @@ from gemma4.model.sampling import SamplingRows
 from gemma4.serve.engine.compiled import CompiledShapes
 from gemma4.serve.engine.link import EngineLink
 from gemma4.serve.engine.load import LoadedModel
-from gemma4.serve.engine.step_plans import (DecodeBlock, DecodeStep, DeviceCall, MixedStep, Observer, PrefillChunk,
-                                            PrefillPack, PrefixCopy, StepPlan, VerifyStep)
+from gemma4.serve.engine import kinds
+from gemma4.serve.engine.step_plans import DecodeBlock, DeviceCall, Observer, StepPlan
 from gemma4.serve.engine.steps import DispatchedBlock, sampling_rows
-from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
+from gemma4.serve.shape_keys import CopyKey, DecodeKey, MixedKey, PrefillKey, ShapeKey, VerifyKey
 
 try:  # optional: the host's resident memory in `memory()`
     import psutil
@@ -71,31 +71,10 @@ class Runner:
             self.link.follow(self)
 
     # ---------------------------------------------------------------- plans
-    def run(self, plan: PrefillChunk | PrefillPack | DecodeStep | MixedStep | PrefixCopy) -> tuple[np.ndarray, np.ndarray]:
-        """Run one plan; (sampled ids, non-finite flags) as the plan's type indexes them."""
-        if isinstance(plan, PrefixCopy):
-            self.run_copy(plan.key, plan.source, plan.row, plan.length)
-            return np.zeros(0, np.int32), np.zeros(0, bool)
-        if isinstance(plan, PrefillChunk):
-            token, bad = self.run_prefill(plan.key, plan.tokens, plan.positions, plan.request.row, plan.last,
-                                          sampling_rows([plan.request]), plan.embeds, plan.embed_mask,
-                                          plan.vision_groups)
-            return np.asarray([token], np.int32), np.asarray([bad])
-        if isinstance(plan, PrefillPack):
-            sampling = sampling_rows(list(plan.requests) + [None] * (plan.key.prompts - len(plan.requests)))
-            return self.run_packed(plan.key, plan.tokens, plan.positions, plan.token_rows, plan.last, sampling)
-        if isinstance(plan, VerifyStep):
-            return self.run_verify(plan.key, plan.tokens, plan.positions, sampling_rows(plan.sampling))
-        if isinstance(plan, MixedStep):
-            return self.run_mixed(plan.key, plan.tokens, plan.positions, plan.request.row, plan.clear, plan.last,
-                                  sampling_rows(plan.sampling))
-        rows = self.model.geometry.max_batch
-        out, bad = np.zeros(rows, np.int32), np.zeros(rows, bool)
-        for d in plan.dispatches:
-            o, b = self.run_decode(d.key, d.tokens, d.positions, sampling_rows(d.sampling), row=d.first_row)
-            for i in (i for i, req in enumerate(d.sampling) if req is not None):
-                out[d.first_row + i], bad[d.first_row + i] = o[i], b[i]
-        return out, bad
+    def run(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Run one plan (its kind's record: engine/kinds.py); (sampled ids, non-finite flags) as the
+        plan's type indexes them."""
+        return kinds.run(self, plan)
 
     def dispatch(self, plan: DecodeBlock, after: DispatchedBlock | None = None) -> DispatchedBlock:
         """Dispatch a decode block without waiting for it (read it with `.read()`): from the plan's
@@ -209,28 +188,8 @@ class Runner:
     def run_idle(self, key: ShapeKey) -> None:
         """Run one executable on idle inputs (every position -1: nothing is written or attended):
         a compiled shape's first run costs far more than the next ones, and it must not land on a
-        request. Media shapes (the towers, prefill with embeddings) are left to their first use."""
-        if isinstance(key, PrefillKey) and key.prompts > 1:
-            n, k = key.bucket, key.prompts
-            self.run_packed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), np.zeros(n, np.int32),
-                            np.full(k, -1, np.int32), SamplingRows.idle(k), idle=True)
-        elif isinstance(key, PrefillKey) and not key.embeds:
-            n = key.bucket
-            self.run_prefill(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, 0, SamplingRows.idle(1),
-                             idle=True)
-        elif isinstance(key, DecodeKey):
-            n = key.width
-            self.run_decode(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), SamplingRows.idle(n), idle=True)
-        elif isinstance(key, MixedKey):
-            n = MIXED_CHUNK + key.width
-            self.run_mixed(key, np.zeros(n, np.int32), np.full(n, -1, np.int32), 0, -1, 0,
-                           SamplingRows.idle(key.width + 1), idle=True)
-        elif isinstance(key, VerifyKey):
-            shape = (key.width, key.drafts + 1)
-            self.run_verify(key, np.zeros(shape, np.int32), np.full(shape, -1, np.int32), SamplingRows.idle(key.width),
-                            idle=True)
-        elif isinstance(key, CopyKey):  # row 0 onto itself, keeping every position: changes nothing
-            self.run_copy(key, 0, 0, np.iinfo(np.int32).max, idle=True)
+        request. Media shapes (prefill with embeddings) are left to their first use (kinds.run_idle)."""
+        kinds.run_idle(self, key)
 
     def first_run(self, key: ShapeKey) -> None:
         """A newly compiled shape's first run on idle inputs, while no request is served; a

@@ -29,6 +29,7 @@ from gemma4.ops.kernels import cpu_int8
 from gemma4.serve import distributed, executable_store
 from gemma4.serve.engine.compiled import CompiledShapes
 from gemma4.serve.engine.link import EngineLink
+from gemma4.serve.engine import kinds
 from gemma4.serve.engine.geometry import ACCELERATOR_BUCKETS, PROMPT_BUCKETS, ServingGeometry
 from gemma4.serve.engine.load import LoadedModel, PreparedWrite, keep_prepared, load_model, model_info
 from gemma4.serve.engine.runner import Runner
@@ -184,7 +185,7 @@ class StartUp:
     # ---------------------------------------------------------------- compiling
     def _lower(self, key: ShapeKey):
         """A shape key's step, lowered for the model's params and cache (the compiled shapes compile it)."""
-        return self.towers.lower(key) if isinstance(key, TowerKey) else self.programs.lower(key)
+        return self.towers.lower(key) if isinstance(key, TowerKey) else kinds.lower(self.programs, key)
 
     def _start_shapes(self, model: LoadedModel) -> None:
         """Start the compile threads on `model`'s geometry (an accelerator's compiles run on the

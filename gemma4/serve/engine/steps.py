@@ -3,9 +3,9 @@ loaded model (`StepPrograms`), the rows of sampling parameters they take from re
 dispatched decode block not yet read.
 
 Each step takes the parameters and the KV cache and gives back the cache (donated: updated in
-place). `StepPrograms` jits each step per shape with the model's shardings pinned and lowers a
-shape key (gemma4/serve/shape_keys.py) for the engine's compile threads. This file's bytes are
-part of a stored executable's key (executable_store.PROGRAM_SOURCES).
+place). `StepPrograms` jits each step per shape with the model's shardings pinned; engine/kinds.py
+lowers a shape key (gemma4/serve/shape_keys.py) through them for the engine's compile threads.
+This file's bytes are part of a stored executable's key (executable_store.PROGRAM_SOURCES).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from gemma4.plan import sharding
 from gemma4.serve import executable_store
 from gemma4.serve.engine.load import LoadedModel
 from gemma4.serve.requests import Request
-from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, PrefillKey, VerifyKey
 
 
 def prefill_step(params, cache, tokens, positions, row, last, sampling, *, cfg, options, fresh):
@@ -246,8 +245,8 @@ def program_parts(model: LoadedModel) -> tuple:
 
 
 class StepPrograms:
-    """The jitted steps of one loaded model, per shape, and how a shape key lowers for its
-    parameters and cache (the engine's `CompiledShapes` (engine/compiled.py) compiles what `lower` gives).
+    """The jitted steps of one loaded model, per shape (engine/kinds.py lowers a shape key through
+    them for its parameters and cache; the engine's `CompiledShapes` compiles what that gives).
 
     tag: appended to every step's name (executable_store: a key of what the steps are made from,
     so jax's persistent cache holds no program of that name, and a fresh compile can be stored)."""
@@ -301,33 +300,3 @@ class StepPrograms:
             for w in model.geometry.widths for n in model.geometry.kv_lengths for k in model.geometry.draft_counts}
         self.copy = jax.jit(named(copy_prefix_step), in_shardings=(cache_sh, rep, rep, rep), donate_argnums=(0,),
                             out_shardings=cache_sh)
-
-    def lower(self, key: PrefillKey | DecodeKey | MixedKey | CopyKey | VerifyKey):
-        """A shape key's step, lowered for the model's parameters and cache."""
-        params, cache, cfg = self.model.params, self.model.cache_spec, self.model.cfg
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        if isinstance(key, CopyKey):
-            return self.copy.lower(cache, i32(), i32(), i32())
-        if isinstance(key, PrefillKey) and key.prompts > 1:
-            n = key.bucket
-            return self.prefill_packed.lower(params, cache, i32(1, n), i32(1, n), i32(1, n), i32(key.prompts),
-                                             SamplingRows.spec(key.prompts))
-        if isinstance(key, PrefillKey) and not key.embeds:
-            n = key.bucket
-            return self.prefill[key.fresh].lower(params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1))
-        if isinstance(key, PrefillKey):
-            n = key.bucket
-            return self.prefill_embeds[key.fresh].lower(
-                params, cache, i32(1, n), i32(1, n), i32(), i32(1), SamplingRows.spec(1),
-                jax.ShapeDtypeStruct((1, n, cfg.hidden_size), jnp.float32),
-                jax.ShapeDtypeStruct((1, n), jnp.bool_), *([i32(1, n)] if bidirectional_vision(cfg) else []))
-        w = key.width
-        if isinstance(key, VerifyKey):
-            t = key.drafts + 1
-            first = (params,) if self.model.drafter is None else (params, self.model.drafter[1])
-            return self.verify[w, key.kv_len, key.drafts].lower(*first, cache, i32(w, t), i32(w, t), SamplingRows.spec(w))
-        if isinstance(key, MixedKey):
-            return self.mixed[w, key.kv_len].lower(params, cache, i32(MIXED_CHUNK + w), i32(MIXED_CHUNK + w), i32(),
-                                                   i32(), i32(), SamplingRows.spec(w + 1))
-        block = (i32(),) if self.model.decode_block > 1 else ()  # the steps a block runs
-        return self.decode[w, key.kv_len].lower(params, cache, i32(w), i32(w), SamplingRows.spec(w), i32(), *block)
