@@ -188,8 +188,9 @@ GROUPS: dict[str, tuple[Setting, ...]] = {
                 "a later prefill chunk's queries per attention block (0: one product); unset: the policy's",
                 low=0, high=4096, auto=True),
         Setting("GEMMA4_LAYERS", CHOICE, "auto",
-                "the layers as scans over their repeated periods (one period compiled per run) or unrolled "
-                "(each layer its own weights)", choices=("auto", "scan", "unrolled")),
+                "the layers as scans over their repeated periods (one body compiled per group; auto) or "
+                "unrolled (each layer its own weights: a TPU decodes faster, compiles slower)",
+                choices=("auto", "scan", "unrolled")),
         Setting("GEMMA4_ALLOW_FALLBACK", SWITCH, False,
                 "an override this device cannot honour takes the safe choice (with a warning) instead of failing"),
         Setting("GEMMA4_NATIVE_KERNEL", SWITCH, True,
