@@ -19,7 +19,7 @@ from gemma4.serve import conversation
 from gemma4.serve.engine import load as engine_load
 from gemma4.serve.engine import engine as E
 from gemma4.serve.executable_store import tree_signature
-from gemma4.serve.engine.steps import StepPrograms
+from gemma4.serve.engine import kinds
 from gemma4.weights import sources
 
 PROMPT = list(range(10, 20))
@@ -67,14 +67,14 @@ def _reply(monkeypatch, ahead: str, overrides: dict, lowered: list | None = None
     monkeypatch.setenv("GEMMA4_EXECUTABLE_CACHE", "off")  # compiled in each engine, not loaded
     if lowered is not None:
         first_lowering = threading.Event()
-        lower = StepPrograms.lower
+        lower = kinds.lower
 
-        def lower_and_note(self, key):
+        def lower_and_note(programs, key):
             lowered.append(time.perf_counter())
             first_lowering.set()
-            return lower(self, key)
+            return lower(programs, key)
 
-        monkeypatch.setattr(StepPrograms, "lower", lower_and_note)
+        monkeypatch.setattr(kinds, "lower", lower_and_note)
     if loaded is not None:
         load = sources.load
 
