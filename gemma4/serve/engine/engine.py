@@ -295,7 +295,7 @@ class Engine:
                 runner.first_run(work)
                 continue
             try:
-                plan = _planned(self.scheduler, self.shapes, sched.next_step)
+                plan = _next_step(sched, self.shapes)
                 if plan is None:  # every row waits for a shape of its own: until one lands (or briefly)
                     runner.shapes.wait_any(sched.blocked_on, timeout=0.1)
                 else:
@@ -312,8 +312,8 @@ class Engine:
             if isinstance(plan, DecodeBlock):
                 self._blocks(plan)
             else:
-                out = self.runner.run(plan)
-                _planned(self.scheduler, self.shapes, self.scheduler.apply, plan, *out, time.perf_counter() - t0)
+                tokens, bad = self.runner.run(plan)
+                self.scheduler.apply(plan, tokens, bad, time.perf_counter() - t0)
         except Exception as e:
             message = f"{type(e).__name__}: {e}"
             log.exception("scheduler %s step failed", kind)
@@ -329,11 +329,11 @@ class Engine:
         t = time.perf_counter()
         handle = self.runner.dispatch(plan)
         while plan is not None:
-            following = _planned(self.scheduler, self.shapes, self.scheduler.chain_block, plan)
+            following = self.scheduler.chain_block(plan)
             after = self.runner.dispatch(following, after=handle) if following is not None else None
             tokens, bad = handle.read()
             now = time.perf_counter()
-            _planned(self.scheduler, self.shapes, self.scheduler.apply, plan, tokens, bad, now - t)
+            self.scheduler.apply(plan, tokens, bad, now - t)
             plan, handle, t = following, after, now
 
     def close(self, timeout: float | None = 0.0) -> None:
@@ -361,14 +361,14 @@ class Engine:
         return self._startup.wait_prepared_written(timeout)
 
 
-def _planned(scheduler: Scheduler, shapes: CompiledShapes, call: Callable, *args):
-    """`call(*args)`, a scheduler call that may plan: it sees the compiled shapes as they are now
-    (a value) and the compiles it asks for go to them after it returns (shape_choice.PlanningBook:
-    the scheduler never calls the compiled shapes)."""
+def _next_step(scheduler: Scheduler, shapes: CompiledShapes) -> StepPlan | None:
+    """The scheduler's next step, planned over the compiled shapes as they are now (a value); the
+    compiles the planning asks for go to them after it returns (shape_choice.PlanningBook: the
+    scheduler never calls the compiled shapes; only planning reads or asks for shapes)."""
     book = scheduler.shapes.book
     book.see(shapes.view())
     try:
-        return call(*args)
+        return scheduler.next_step()
     finally:
         shapes.ask(book.take_wants())
 

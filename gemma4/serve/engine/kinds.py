@@ -1,20 +1,21 @@
 """The kinds of step, one record each: which shape keys are its, how a key of it lowers for the
 loaded model, how a plan of it runs, and how it runs once on idle inputs.
 
-`StepPrograms` (steps.py) holds the jitted step functions and the runner (runner.py) the device
-calls, one method per call signature (`DeviceCalls`; announced to the other processes where
-several replay process 0's steps). This table ties them to the shape keys (shape_keys.py) and the
+`StepPrograms` (steps.py) holds the jitted step functions and the runner (runner.py's `Runner`)
+the device calls, one method per call signature (announced to the other processes where several
+replay process 0's steps). This table ties them to the shape keys (shape_keys.py) and the
 scheduler's plans (step_plans.py): the engine's compiled shapes lower a key through `lower`, the
 runner runs a plan through `run` and a new shape's first run (on inputs that write and read
-nothing: every position -1) through `run_idle`. A new kind of step is one more record here, beside its step
-function, its plan and where the scheduler plans it. The towers (vision, audio) are not steps:
-engine/towers.py compiles and runs them.
+nothing: every position -1) through `run_idle`. A new kind of step is one more record here,
+beside its step function, its plan and where the scheduler plans it. The towers (vision, audio)
+are not steps: engine/towers.py compiles and runs them. (The runner imports this module, so its
+type is not named here: `r` is the runner.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,20 +30,6 @@ from gemma4.serve.shape_keys import MIXED_CHUNK, CopyKey, DecodeKey, MixedKey, P
 Outputs = tuple[np.ndarray, np.ndarray]  # (sampled ids, non-finite flags) as the plan's type indexes them
 
 
-class DeviceCalls(Protocol):
-    """The runner's device calls the kinds run through (engine/runner.py's `Runner`)."""
-
-    model: Any
-
-    def run_prefill(self, key, tokens, positions, row, last, sampling, embeds=None, embed_mask=None,
-                    vision_groups=None, *, idle: bool = False) -> tuple[int, bool]: ...
-    def run_packed(self, key, tokens, positions, token_rows, last, sampling, *, idle: bool = False) -> Outputs: ...
-    def run_decode(self, key, tokens, positions, sampling, row: int = 0, *, idle: bool = False) -> Outputs: ...
-    def run_mixed(self, key, tokens, positions, chunk_row, clear, last, sampling, *, idle: bool = False) -> Outputs: ...
-    def run_verify(self, key, tokens, positions, sampling, *, idle: bool = False) -> Outputs: ...
-    def run_copy(self, key, source, row, length, *, idle: bool = False) -> None: ...
-
-
 @dataclasses.dataclass(frozen=True)
 class StepKind:
     """One kind of step (see the module docstring). `idle` None: a shape of this kind is left to
@@ -52,8 +39,8 @@ class StepKind:
     owns: Callable[[ShapeKey], bool]
     plan: type
     lower: Callable[[StepPrograms, Any], Any]
-    run: Callable[[DeviceCalls, Any], Outputs]
-    idle: Callable[[DeviceCalls, Any], None] | None
+    run: Callable[[Any, Any], Outputs]  # (the runner, a plan)
+    idle: Callable[[Any, Any], None] | None  # (the runner, a key)
 
 
 def _i32(*shape: int) -> jax.ShapeDtypeStruct:
@@ -76,13 +63,13 @@ def _lower_chunk(p: StepPrograms, key: PrefillKey):
                                              jax.ShapeDtypeStruct((1, n), jnp.bool_), *vision)
 
 
-def _run_chunk(r: DeviceCalls, plan: PrefillChunk) -> Outputs:
+def _run_chunk(r, plan: PrefillChunk) -> Outputs:
     token, bad = r.run_prefill(plan.key, plan.tokens, plan.positions, plan.request.row, plan.last,
                                sampling_rows([plan.request]), plan.embeds, plan.embed_mask, plan.vision_groups)
     return np.asarray([token], np.int32), np.asarray([bad])
 
 
-def _idle_chunk(r: DeviceCalls, key: PrefillKey) -> None:
+def _idle_chunk(r, key: PrefillKey) -> None:
     r.run_prefill(key, *_idle_positions(key.bucket), 0, 0, SamplingRows.idle(1), idle=True)
 
 
@@ -93,12 +80,12 @@ def _lower_pack(p: StepPrograms, key: PrefillKey):
                                   _i32(key.prompts), SamplingRows.spec(key.prompts))
 
 
-def _run_pack(r: DeviceCalls, plan: PrefillPack) -> Outputs:
+def _run_pack(r, plan: PrefillPack) -> Outputs:
     sampling = sampling_rows(list(plan.requests) + [None] * (plan.key.prompts - len(plan.requests)))
     return r.run_packed(plan.key, plan.tokens, plan.positions, plan.token_rows, plan.last, sampling)
 
 
-def _idle_pack(r: DeviceCalls, key: PrefillKey) -> None:
+def _idle_pack(r, key: PrefillKey) -> None:
     r.run_packed(key, *_idle_positions(key.bucket), np.zeros(key.bucket, np.int32), np.full(key.prompts, -1, np.int32),
                  SamplingRows.idle(key.prompts), idle=True)
 
@@ -110,7 +97,7 @@ def _lower_decode(p: StepPrograms, key: DecodeKey):
                                          _i32(), *block)
 
 
-def _run_decode(r: DeviceCalls, plan: DecodeStep) -> Outputs:
+def _run_decode(r, plan: DecodeStep) -> Outputs:
     """Every dispatch of the step; (ids, flags) by cache row. (A `DecodeBlock` is dispatched by
     the engine's loop instead: `Runner.dispatch`, chained.)"""
     rows = r.model.geometry.max_batch
@@ -122,7 +109,7 @@ def _run_decode(r: DeviceCalls, plan: DecodeStep) -> Outputs:
     return out, bad
 
 
-def _idle_decode(r: DeviceCalls, key: DecodeKey) -> None:
+def _idle_decode(r, key: DecodeKey) -> None:
     r.run_decode(key, *_idle_positions(key.width), SamplingRows.idle(key.width), idle=True)
 
 
@@ -133,12 +120,12 @@ def _lower_mixed(p: StepPrograms, key: MixedKey):
                                                 _i32(), SamplingRows.spec(key.width + 1))
 
 
-def _run_mixed(r: DeviceCalls, plan: MixedStep) -> Outputs:
+def _run_mixed(r, plan: MixedStep) -> Outputs:
     return r.run_mixed(plan.key, plan.tokens, plan.positions, plan.request.row, plan.clear, plan.last,
                        sampling_rows(plan.sampling))
 
 
-def _idle_mixed(r: DeviceCalls, key: MixedKey) -> None:
+def _idle_mixed(r, key: MixedKey) -> None:
     r.run_mixed(key, *_idle_positions(MIXED_CHUNK + key.width), 0, -1, 0, SamplingRows.idle(key.width + 1), idle=True)
 
 
@@ -150,11 +137,11 @@ def _lower_verify(p: StepPrograms, key: VerifyKey):
                                                      SamplingRows.spec(w))
 
 
-def _run_verify(r: DeviceCalls, plan: VerifyStep) -> Outputs:
+def _run_verify(r, plan: VerifyStep) -> Outputs:
     return r.run_verify(plan.key, plan.tokens, plan.positions, sampling_rows(plan.sampling))
 
 
-def _idle_verify(r: DeviceCalls, key: VerifyKey) -> None:
+def _idle_verify(r, key: VerifyKey) -> None:
     r.run_verify(key, *_idle_positions(key.width, key.drafts + 1), SamplingRows.idle(key.width), idle=True)
 
 
@@ -163,12 +150,12 @@ def _lower_copy(p: StepPrograms, key: CopyKey):
     return p.copy.lower(p.model.cache_spec, _i32(), _i32(), _i32())
 
 
-def _run_copy(r: DeviceCalls, plan: PrefixCopy) -> Outputs:
+def _run_copy(r, plan: PrefixCopy) -> Outputs:
     r.run_copy(plan.key, plan.source, plan.row, plan.length)
     return np.zeros(0, np.int32), np.zeros(0, bool)
 
 
-def _idle_copy(r: DeviceCalls, key: CopyKey) -> None:
+def _idle_copy(r, key: CopyKey) -> None:
     r.run_copy(key, 0, 0, np.iinfo(np.int32).max, idle=True)  # row 0 onto itself, keeping every position
 
 
@@ -200,7 +187,7 @@ def lower(programs: StepPrograms, key: ShapeKey):
     return kind_of(key).lower(programs, key)
 
 
-def run(runner: DeviceCalls, plan: StepPlan) -> Outputs:
+def run(runner, plan: StepPlan) -> Outputs:
     """Run one plan (any but a `DecodeBlock`: the runner dispatches those); (sampled ids, non-finite flags).
     The first kind whose plan type it is runs it (a chunk with embeddings runs as any chunk)."""
     kind = next((k for k in KINDS if isinstance(plan, k.plan)), None)
@@ -209,7 +196,7 @@ def run(runner: DeviceCalls, plan: StepPlan) -> Outputs:
     return kind.run(runner, plan)
 
 
-def run_idle(runner: DeviceCalls, key: ShapeKey) -> None:
+def run_idle(runner, key: ShapeKey) -> None:
     """Run one executable on idle inputs (nothing is written or attended): a compiled shape's
     first run costs far more than the next ones, and it must not land on a request. A kind
     without `idle` is left to its first use."""
